@@ -1,0 +1,2 @@
+"""coordl: a drop-in torch DataLoader that stops training from waiting for data."""
+__version__ = "0.1.0"
