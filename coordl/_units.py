@@ -1,0 +1,49 @@
+"""Parsing sizes such as ``"20GiB"``, ``"512MB"`` or ``"50%"``."""
+from __future__ import annotations
+
+import re
+
+import psutil
+
+__all__ = ["parse_size"]
+
+_UNITS = {
+    "": 1, "b": 1,
+    "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
+    "t": 1000**4, "tb": 1000**4,
+    "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40,
+}
+_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z%]*)\s*$")
+
+
+def parse_size(value, name: str = "cache_size") -> int:
+    """Bytes from an int, a string with a unit, or a percentage of available memory.
+
+    ``0`` and ``None`` give 0 (disabled).
+    """
+    hint = f'{name} should be a number of bytes, a string like "20GiB" or "512MB", or a percentage of available memory like "50%"'
+    if value is None:
+        return 0
+    if isinstance(value, bool):
+        raise ValueError(f"{hint}, but got {name}={value!r}")
+    if isinstance(value, int):
+        if value < 0:
+            raise ValueError(f"{hint}, but got {name}={value!r}")
+        return value
+    if isinstance(value, float):
+        if value < 0 or value != value:
+            raise ValueError(f"{hint}, but got {name}={value!r}")
+        return int(value)
+    if not isinstance(value, str):
+        raise ValueError(f"{hint}, but got {name}={value!r}")
+    m = _RE.match(value)
+    if not m:
+        raise ValueError(f"{hint}, but got {name}={value!r}")
+    num, unit = float(m.group(1)), m.group(2).lower()
+    if unit == "%":
+        if not 0 <= num <= 100:
+            raise ValueError(f"{hint} (0% to 100%), but got {name}={value!r}")
+        return int(psutil.virtual_memory().available * num / 100)
+    if unit not in _UNITS:
+        raise ValueError(f"{hint} (units: B, KB, MB, GB, TB, KiB, MiB, GiB, TiB), but got {name}={value!r}")
+    return int(num * _UNITS[unit])

@@ -1,0 +1,22 @@
+"""coordl's exceptions and warnings."""
+from __future__ import annotations
+
+__all__ = ["SampleError", "SkippedSampleWarning", "StateError"]
+
+
+class SampleError(RuntimeError):
+    """A sample could not be read or prepared.
+
+    The message names the sample index and its location (path); the original
+    exception is chained as ``__cause__`` (in a worker process its traceback is
+    part of the message, as for any error raised in a torch DataLoader worker).
+    Pass ``on_error="skip"`` to the loader to skip such samples instead.
+    """
+
+
+class SkippedSampleWarning(UserWarning):
+    """Emitted once per sample skipped under ``on_error="skip"``."""
+
+
+class StateError(ValueError):
+    """A state dict cannot be restored into this loader (mismatched settings)."""

@@ -1,0 +1,597 @@
+"""``coordl.DataLoader``: torch's DataLoader, plus the epoch plan, two-stage
+fetch/prep, resumable state and statistics.
+
+How a loader decides what to do (see docs/architecture.md for the diagram):
+
+* **Order.**  With no ``sampler``/``batch_sampler`` and either a two-stage
+  dataset or an explicit ``seed``, the order is coordl's epoch plan, a pure
+  function of (seed, epoch, rank, world_size).  Otherwise torch's own samplers
+  run, untouched, so a script that worked under torch sees the same batches.
+* **Work per batch.**  A two-stage dataset runs ``raw`` then ``prep`` under a
+  per-sample generator (``TwoStageFetch``); an unmodified ``TensorDataset``
+  with default collation takes one gather per tensor instead of N
+  ``__getitem__`` calls plus a stack (identical output); anything else runs
+  exactly as torch runs it.
+* **Placement.**  torch's worker machinery (worker processes, their crash
+  detection, ``timeout``, ``worker_init_fn``, pinning) runs the work;
+  coordl swaps in its dataset wrapper and index sampler only while torch
+  builds the iterator, so the user's objects are never modified.
+"""
+from __future__ import annotations
+
+import itertools
+import time
+import warnings
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.utils.data import DataLoader as _TorchDataLoader
+from torch.utils.data import TensorDataset
+from torch.utils.data.dataloader import _DatasetKind
+
+from ._fetch import CollateEnvelope, Envelope, Task, TensorBatchFetch, TwoStageFetch, passthrough_collate
+from ._units import parse_size
+from .errors import SkippedSampleWarning, StateError
+from .plan import EpochPlan, check_seed
+from .protocol import is_two_stage
+from .stats import Counters, LoaderStats
+
+__all__ = ["DataLoader"]
+
+_STATE_FORMAT = "coordl.DataLoader"
+_STATE_VERSION = 1
+_END = object()
+
+
+class _Pass:
+    """Book-keeping of the loader's passes (epochs) and pending resume."""
+
+    def __init__(self) -> None:
+        self.next_epoch = 0
+        self.resume: dict | None = None
+        self.epoch = 0
+        self.start = 0
+        self.yielded = 0
+        self.active = False
+        self.rng: list | None = None  # torch-sampler RNG states at pass start
+        self.rng_restore: list | None = None
+        self.owner: object | None = None  # the _LoaderIter of the current pass
+
+
+class _PassSampler:
+    """The index sampler torch's iterator sees: yields the current pass's steps.
+
+    One persistent object per loader, because torch's persistent-workers
+    iterator keeps the index sampler it was built with and calls ``iter()`` on
+    it again each epoch; each ``iter()`` reads the pass the loader is on.
+    """
+
+    def __init__(self, loader: "DataLoader") -> None:
+        self._loader = loader
+
+    def __len__(self) -> int:
+        L = self._loader
+        if L._plan is not None:
+            return L._plan.num_batches
+        return len(_TorchDataLoader._index_sampler.fget(L))
+
+    def __iter__(self):
+        return self._steps()
+
+    def _steps(self):
+        L = self._loader
+        p = L._pass
+        epoch, start = p.epoch, p.start
+        if L._plan is not None:
+            it = L._plan.batches(epoch, start)
+        else:
+            it = L._torch_steps(start)
+        if L._tag_tasks:
+            for x in it:
+                yield Task(epoch, x)
+        else:
+            yield from it
+
+
+class _LoaderIter:
+    """Wraps torch's iterator for one pass: counts, times, unwraps, delivers."""
+
+    def __init__(self, loader: "DataLoader", inner, epoch: int, fast_forward: int) -> None:
+        self._loader = loader
+        self._inner = inner
+        self._epoch = epoch
+        self._ff = fast_forward
+
+    def __iter__(self) -> "_LoaderIter":
+        return self
+
+    def __len__(self) -> int:
+        return len(self._inner)
+
+    def __next__(self) -> Any:
+        L = self._loader
+        counters = L._counters
+        clock = time.perf_counter
+        t0 = clock()
+        try:
+            while True:
+                data = next(self._inner)
+                if self._ff:
+                    self._ff -= 1
+                    continue
+                if type(data) is Envelope:
+                    self._absorb(data)
+                    if data.batch is None:  # every sample of the step was skipped
+                        continue
+                    batch, n = data.batch, data.samples
+                else:
+                    batch, n = data, L._count_samples(data)
+                break
+        except StopIteration:
+            counters.wait_seconds += clock() - t0
+            if L._pass.owner is self:
+                L._pass.active = False
+            raise
+        t1 = clock()
+        if L._device is not None:
+            batch = _to_device(batch, L._device)
+        bucket = counters.bucket(self._epoch)
+        bucket["samples"] += n
+        bucket["batches"] += 1
+        if L._pass.owner is self:
+            L._pass.yielded += 1
+        t2 = clock()
+        counters.wait_seconds += t1 - t0
+        counters.deliver_seconds += t2 - t1
+        return batch
+
+    def _absorb(self, env: Envelope) -> None:
+        counters = self._loader._counters
+        counters.fetch_seconds += env.fetch_s
+        counters.prep_seconds += env.prep_s
+        b = counters.bucket(env.epoch if env.epoch >= 0 else self._epoch)
+        b["bytes_from_storage"] += env.nbytes
+        b["samples_from_storage"] += env.samples
+        if env.skips:
+            b["skipped"] += len(env.skips)
+            for index, where, err in env.skips:
+                warnings.warn(
+                    f"coordl: skipped sample {index} ({where}) after an error {err}",
+                    SkippedSampleWarning,
+                    stacklevel=3,
+                )
+
+
+def _to_device(obj, device: torch.device):
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device, non_blocking=True)
+    if isinstance(obj, dict):
+        return type(obj)({k: _to_device(v, device) for k, v in obj.items()}) if type(obj) is dict else \
+            {k: _to_device(v, device) for k, v in obj.items()}
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
+        return type(obj)(*(_to_device(v, device) for v in obj))
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_to_device(v, device) for v in obj)
+    return obj
+
+
+def _first_tensor(obj, depth: int = 0):
+    if isinstance(obj, torch.Tensor):
+        return obj
+    if depth > 4:
+        return None
+    if isinstance(obj, dict):
+        obj = list(obj.values())
+    if isinstance(obj, (list, tuple)):
+        for v in obj:
+            t = _first_tensor(v, depth + 1)
+            if t is not None:
+                return t
+    return None
+
+
+class DataLoader(_TorchDataLoader):
+    """A drop-in ``torch.utils.data.DataLoader`` that stops training waiting for data.
+
+    Every positional and keyword parameter of torch's DataLoader is accepted
+    with the same default and validated by torch itself.  Keyword-only extras:
+
+    seed
+        Seed of the epoch plan and of per-sample augmentation generators.  For
+        a two-stage dataset, ``None`` draws one from ``generator`` (or torch's
+        global RNG, so ``torch.manual_seed`` controls it).  For any other
+        map-style dataset, giving a seed opts into coordl's epoch plan (order a
+        pure function of seed and epoch, exact resume); ``None`` keeps torch's
+        samplers.
+    cache_size
+        Node cache budget: bytes, ``"20GiB"``, ``"512MB"`` or ``"50%"`` of
+        available memory; ``0``/``None`` disables it.  Parsed and validated here;
+        see docs/api.md for what uses it.
+    device
+        Deliver batches on this device (``"cuda"``, ``"cuda:1"``, ``"cpu"``);
+        with CUDA, batches are pinned and copied with ``non_blocking=True``.
+    on_error
+        ``"raise"`` (default): a bad sample raises ``SampleError`` naming its
+        index and path.  ``"skip"``: drop it, warn once
+        (``SkippedSampleWarning``) and count it in ``stats().skipped``.
+    rank, world_size
+        The epoch plan's partition; default from ``torch.distributed`` when it
+        is initialized, else 0 and 1.
+    """
+
+    def __init__(
+        self,
+        dataset,
+        batch_size: int | None = 1,
+        shuffle: bool | None = None,
+        sampler=None,
+        batch_sampler=None,
+        num_workers: int = 0,
+        collate_fn=None,
+        pin_memory: bool = False,
+        drop_last: bool = False,
+        timeout: float = 0,
+        worker_init_fn=None,
+        multiprocessing_context=None,
+        generator=None,
+        *,
+        prefetch_factor: int | None = None,
+        persistent_workers: bool = False,
+        pin_memory_device: str = "",
+        in_order: bool = True,
+        seed: int | None = None,
+        cache_size: int | str | None = None,
+        device: str | torch.device | None = None,
+        on_error: str = "raise",
+        rank: int | None = None,
+        world_size: int | None = None,
+    ) -> None:
+        super().__init__(
+            dataset, batch_size, shuffle, sampler, batch_sampler, num_workers, collate_fn,
+            pin_memory, drop_last, timeout, worker_init_fn, multiprocessing_context, generator,
+            prefetch_factor=prefetch_factor, persistent_workers=persistent_workers,
+            pin_memory_device=pin_memory_device, in_order=in_order,
+        )
+        if on_error not in ("raise", "skip"):
+            raise ValueError(f'on_error should be "raise" or "skip", but got on_error={on_error!r}')
+        if seed is not None:
+            seed = check_seed(seed)
+        self._cache_size = parse_size(cache_size, "cache_size")
+        self._device = _parse_device(device)
+        if self._device is not None and self._device.type == "cuda" and not self.pin_memory:
+            self.pin_memory = True  # stage through pinned memory for async copies
+        self._on_error = on_error
+
+        iterable = self._dataset_kind == _DatasetKind.Iterable
+        user_sampler = sampler is not None or batch_sampler is not None
+        two_stage = not iterable and is_two_stage(dataset)
+        if iterable and on_error == "skip":
+            raise ValueError(
+                'on_error should be "raise" for an IterableDataset (its errors come from its own '
+                'iterator, which coordl cannot resume past), but got on_error="skip"'
+            )
+        use_plan = not iterable and not user_sampler and (two_stage or seed is not None)
+        if use_plan or two_stage:
+            if seed is None:
+                seed = int(torch.empty((), dtype=torch.int64).random_(generator=generator).item())
+                seed = _agree_on_seed(seed)
+        self._seed = seed
+        self._rank, self._world_size = _rank_and_world(rank, world_size)
+        self._plan = None
+        if use_plan:
+            self._plan = EpochPlan(
+                num_samples=len(dataset), seed=seed, batch_size=batch_size,
+                shuffle=bool(shuffle), drop_last=drop_last,
+                rank=self._rank, world_size=self._world_size,
+            )
+        self._two_stage = two_stage
+        self._tag_tasks = two_stage
+        self._fetch_dataset = None
+        self._fetch_collate = None
+        if two_stage or (on_error == "skip" and not iterable):
+            self._fetch_dataset = TwoStageFetch(dataset, seed if seed is not None else 0, on_error)
+            self._fetch_collate = CollateEnvelope(self.collate_fn)
+        elif (
+            type(dataset) is TensorDataset and collate_fn is None and batch_size is not None
+            and not user_sampler and not any(t.requires_grad for t in dataset.tensors)
+        ):
+            self._fetch_dataset = TensorBatchFetch(dataset.tensors)
+            self._fetch_collate = passthrough_collate
+        self._pass = _Pass()
+        self._pass_sampler = _PassSampler(self)
+        self._counters = Counters()
+
+    # ------------------------------------------------------------------ public
+    @property
+    def seed(self) -> int | None:
+        """The seed of the epoch plan / per-sample generators (None: torch's samplers)."""
+        return self._seed
+
+    @property
+    def cache_size(self) -> int:
+        """Node cache budget in bytes (0: disabled)."""
+        return self._cache_size
+
+    @property
+    def device(self) -> torch.device | None:
+        return self._device
+
+    @property
+    def on_error(self) -> str:
+        return self._on_error
+
+    @property
+    def epoch(self) -> int:
+        """The epoch of the pass in progress, or of the next pass."""
+        p = self._pass
+        return p.epoch if p.active else p.next_epoch
+
+    @property
+    def plan(self) -> EpochPlan | None:
+        """The epoch plan, when coordl chooses the order (else None)."""
+        return self._plan
+
+    def set_epoch(self, epoch: int) -> None:
+        """Make the next pass epoch ``epoch`` (without it, each pass advances by one).
+
+        Forwarded to a user sampler that has ``set_epoch`` (DistributedSampler).
+        """
+        if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
+            raise ValueError(f"epoch should be a non-negative int, but got epoch={epoch!r}")
+        p = self._pass
+        p.next_epoch = epoch
+        if p.resume is not None and p.resume["epoch"] != epoch:
+            p.resume = None
+        for s in (self.sampler, self.batch_sampler, getattr(self.batch_sampler, "sampler", None)):
+            fn = getattr(s, "set_epoch", None)
+            if callable(fn):
+                fn(epoch)
+                break
+
+    def stats(self) -> LoaderStats:
+        """A frozen record of what the loader did so far (see ``LoaderStats``)."""
+        return self._counters.snapshot()
+
+    def state_dict(self) -> dict:
+        """Where the loader is: (epoch, batches delivered) plus what must match on restore.
+
+        Batches prefetched by workers but not yet delivered are not counted: a
+        restored loader prepares them again.  The dict holds only plain values
+        and tensors (``torch.save`` it with the model checkpoint).
+        """
+        p = self._pass
+        if p.active:
+            epoch, batches, rng = p.epoch, p.yielded, p.rng
+        elif p.resume is not None:
+            epoch, batches, rng = p.resume["epoch"], p.resume["batches"], p.resume["rng"]
+        else:
+            epoch, batches, rng = p.next_epoch, 0, None
+        if self._plan is not None and batches >= self._plan.num_batches:
+            epoch, batches, rng = epoch + 1, 0, None
+        if batches == 0:
+            rng = None
+        return {
+            "format": _STATE_FORMAT,
+            "version": _STATE_VERSION,
+            "mode": "plan" if self._plan is not None else "torch",
+            "epoch": epoch,
+            "batches": batches,
+            "seed": self._seed,
+            "num_samples": self._dataset_len(),
+            "batch_size": self.batch_size,
+            "drop_last": self.drop_last,
+            "shuffle": self._plan.shuffle if self._plan is not None else None,
+            "rank": self._rank,
+            "world_size": self._world_size,
+            "rng": [s.clone() for s in rng] if rng is not None else None,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue from ``state``: the next pass yields exactly the batches of
+        that epoch not yet delivered, then epochs continue from there.
+
+        Raises ``StateError`` when the state cannot be honoured without
+        repeating or dropping samples (other dataset length, batch size,
+        drop_last, shuffle, or world size mid-epoch).
+        """
+        if not isinstance(state, dict) or state.get("format") != _STATE_FORMAT:
+            raise StateError(
+                "state should be a dict returned by coordl.DataLoader.state_dict(), "
+                f"but got state={type(state).__name__} without format={_STATE_FORMAT!r}"
+            )
+        if state.get("version") != _STATE_VERSION:
+            raise StateError(f"state version {state.get('version')!r} is not supported (this coordl reads {_STATE_VERSION})")
+        mode = "plan" if self._plan is not None else "torch"
+        if state["mode"] != mode:
+            raise StateError(
+                f"state was saved by a loader using {'its' if state['mode'] == 'plan' else 'torch'} "
+                f"{'epoch plan' if state['mode'] == 'plan' else 'samplers'}, but this loader uses "
+                f"{'the epoch plan' if mode == 'plan' else 'torch samplers'}: construct it the same way "
+                "(same sampler/batch_sampler, seed given or not)"
+            )
+        epoch, batches = int(state["epoch"]), int(state["batches"])
+        n = self._dataset_len()
+        if state["num_samples"] is not None and n is not None and state["num_samples"] != n:
+            raise StateError(
+                f"state was saved for a dataset of {state['num_samples']} samples, but this loader's "
+                f"dataset has {n}: resume with the same dataset"
+            )
+        if batches > 0:
+            for key, mine in (("batch_size", self.batch_size), ("drop_last", self.drop_last)):
+                if state[key] != mine:
+                    raise StateError(
+                        f"state was saved mid-epoch with {key}={state[key]!r}, but this loader has "
+                        f"{key}={mine!r}: batch {batches} would mean different samples; use the same {key}"
+                    )
+            if mode == "plan" and state["shuffle"] != self._plan.shuffle:
+                raise StateError(
+                    f"state was saved mid-epoch with shuffle={state['shuffle']!r}, but this loader has "
+                    f"shuffle={self._plan.shuffle!r}"
+                )
+            if (state["world_size"], state["rank"]) != (self._world_size, self._rank):
+                raise StateError(
+                    f"state was saved mid-epoch (epoch {epoch}, batch {batches}) by rank "
+                    f"{state['rank']} of world_size={state['world_size']}, but this loader is rank "
+                    f"{self._rank} of world_size={self._world_size}: resuming would repeat or drop "
+                    "samples. Resume with the same world size and rank, or from an epoch boundary "
+                    "(a state saved between epochs restores into any world size)"
+                )
+        if mode == "plan" and state["seed"] != self._seed:
+            self._adopt_seed(state["seed"])
+        p = self._pass
+        p.resume = {"epoch": epoch, "batches": batches,
+                    "rng": [s.clone() for s in state["rng"]] if state.get("rng") else None}
+        p.next_epoch = epoch
+        p.active = False
+
+    # ---------------------------------------------------------------- torch hooks
+    def __iter__(self):
+        p = self._pass
+        epoch = p.next_epoch
+        start, restore = 0, None
+        if p.resume is not None and p.resume["epoch"] == epoch:
+            start, restore = p.resume["batches"], p.resume["rng"]
+        p.resume = None
+        p.next_epoch = epoch + 1
+        p.epoch, p.start, p.yielded = epoch, start, start
+        p.rng, p.rng_restore = restore, restore
+        p.active = True
+        self._counters.epoch = epoch
+        self._counters.bucket(epoch)
+        inner = super().__iter__()
+        ff = start if self._dataset_kind == _DatasetKind.Iterable else 0
+        it = _LoaderIter(self, inner, epoch, ff)
+        p.owner = it
+        return it
+
+    def _get_iterator(self):
+        if self._fetch_dataset is None:
+            return super()._get_iterator()
+        # torch's iterator reads loader.dataset / loader.collate_fn once, when it
+        # is built (and ships them to the workers); swap ours in for that moment.
+        d = self.__dict__
+        saved = d["dataset"], d["collate_fn"]
+        d["dataset"], d["collate_fn"] = self._fetch_dataset, self._fetch_collate
+        try:
+            return super()._get_iterator()
+        finally:
+            d["dataset"], d["collate_fn"] = saved
+
+    @property
+    def _index_sampler(self):
+        ps = self.__dict__.get("_pass_sampler")
+        if ps is None:  # during torch's __init__
+            return _TorchDataLoader._index_sampler.fget(self)
+        return ps
+
+    # ---------------------------------------------------------------- internals
+    def _dataset_len(self) -> int | None:
+        try:
+            return len(self.dataset)
+        except TypeError:
+            return None
+
+    def _adopt_seed(self, seed: int) -> None:
+        self._seed = seed
+        if self._plan is not None:
+            from dataclasses import replace
+            self._plan = replace(self._plan, seed=seed)
+        if isinstance(self._fetch_dataset, TwoStageFetch):
+            self._fetch_dataset = TwoStageFetch(self.dataset, seed, self._on_error)
+        if self._iterator is not None:  # persistent workers hold the old seed
+            self._iterator._shutdown_workers()
+            self._iterator = None
+
+    def _rng_generators(self) -> list[torch.Generator]:
+        gens: list[torch.Generator] = []
+        for g in (self.generator, getattr(self.sampler, "generator", None),
+                  getattr(getattr(self.batch_sampler, "sampler", None), "generator", None)):
+            if isinstance(g, torch.Generator) and all(g is not h for h in gens):
+                gens.append(g)
+        gens.append(torch.default_generator)
+        return gens
+
+    def _torch_steps(self, start: int):
+        """torch's own index sampler for this pass, skipping ``start`` steps.
+
+        The RNG states the sampler draws from are captured just before its
+        first draw (so a state dict can replay the same order) or, when
+        resuming, set to the saved ones for that draw; torch's global RNG is
+        then put back as it was, so resuming never disturbs the user's stream.
+        """
+        p = self._pass
+        gens = self._rng_generators()
+        restore = p.rng_restore
+        p.rng_restore = None
+        if restore is not None and len(restore) == len(gens):
+            user_global = torch.default_generator.get_state()
+            for g, s in zip(gens, restore):
+                g.set_state(s)
+            p.rng = restore
+        else:
+            restore = None
+            p.rng = [g.get_state() for g in gens]
+        it = iter(_TorchDataLoader._index_sampler.fget(self))
+        first = next(it, _END)
+        if restore is not None:
+            torch.default_generator.set_state(user_global)
+        if first is _END:
+            return
+        steps = itertools.chain((first,), it)
+        if start and self._dataset_kind != _DatasetKind.Iterable:
+            steps = itertools.islice(steps, start, None)
+        yield from steps
+
+    def _count_samples(self, batch) -> int:
+        if self.batch_size is None:
+            return 1
+        t = _first_tensor(batch)
+        if t is not None:
+            return int(t.shape[0]) if t.dim() > 0 else 1
+        try:
+            return len(batch)
+        except TypeError:
+            return 1
+
+
+def _parse_device(device) -> torch.device | None:
+    if device is None:
+        return None
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise ValueError(
+            f'device should be None, a torch.device or a string like "cuda", "cuda:0" or "cpu", '
+            f"but got device={device!r} ({e})"
+        ) from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(
+            f"device should be a device this machine has, but got device={device!r} while "
+            "torch.cuda.is_available() is False: pass device=None or 'cpu'"
+        )
+    if dev.type == "cpu":
+        return None  # batches are already on the CPU
+    return dev
+
+
+def _rank_and_world(rank, world_size) -> tuple[int, int]:
+    initialized = dist.is_available() and dist.is_initialized()
+    if world_size is None:
+        world_size = dist.get_world_size() if initialized else 1
+    if rank is None:
+        rank = dist.get_rank() if initialized else 0
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size should be a positive int, but got world_size={world_size!r}")
+    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
+        raise ValueError(f"rank should be an int in [0, world_size={world_size}), but got rank={rank!r}")
+    return rank, world_size
+
+
+def _agree_on_seed(seed: int) -> int:
+    """Ranks of a torch.distributed job must share one plan: rank 0's seed wins."""
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        box = [seed]
+        dist.broadcast_object_list(box, src=0)
+        return int(box[0])
+    return seed

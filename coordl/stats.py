@@ -1,0 +1,126 @@
+"""Loader statistics: mutable counters inside, frozen records outside.
+
+``DataLoader.stats()`` returns a :class:`LoaderStats`; fields are documented
+on the class and in docs/api.md.  Counters that come from worker processes
+travel back with each batch (see ``coordl._fetch.Envelope``) and are added in
+the main process, so the record never needs a lock or shared memory.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+__all__ = ["LoaderStats", "EpochStats"]
+
+
+@dataclass(frozen=True)
+class EpochStats:
+    """What one epoch read, from where.
+
+    samples
+        Samples delivered to the training loop in this epoch.
+    samples_from_cache, samples_from_peers, samples_from_storage
+        Where the raw bytes of those samples came from (two-stage datasets).
+    bytes_from_cache, bytes_from_peers, bytes_from_storage
+        Raw sample bytes read from the node cache, from peer nodes, and from
+        storage (files, fsspec URLs).  0 for datasets that are not two-stage,
+        whose I/O coordl cannot see.
+    skipped
+        Bad samples skipped under ``on_error="skip"``.
+    """
+
+    epoch: int
+    samples: int = 0
+    batches: int = 0
+    samples_from_cache: int = 0
+    samples_from_peers: int = 0
+    samples_from_storage: int = 0
+    bytes_from_cache: int = 0
+    bytes_from_peers: int = 0
+    bytes_from_storage: int = 0
+    skipped: int = 0
+
+
+@dataclass(frozen=True)
+class LoaderStats:
+    """Totals over the loader's life (every pass, every epoch).
+
+    samples
+        Samples delivered to the training loop.  Exact for two-stage
+        datasets; otherwise the leading dimension of the first tensor of each
+        batch (1 per batch with ``batch_size=None``).
+    batches
+        Batches delivered to the training loop.
+    wait_seconds
+        Time the training loop was blocked inside ``next()`` on the loader's
+        iterator: the data stall as the trainer sees it.
+    bytes_from_cache, bytes_from_peers, bytes_from_storage, samples_from_*
+        As in :class:`EpochStats`, summed.
+    fetch_seconds
+        Busy time of the fetch stage (reading raw bytes), summed over the
+        processes and threads that ran it.
+    prep_seconds
+        Busy time of the prep stage (decode, augment, collate), summed over
+        workers.  ``fetch_seconds + prep_seconds`` above ``wait_seconds`` means
+        the loader is keeping up; the analyzer compares them.
+    deliver_seconds
+        Main-process time spent handing batches over (unwrapping, device copy).
+    skipped
+        Bad samples skipped under ``on_error="skip"``.
+    epoch
+        The epoch of the latest pass (or of the next one if none started).
+    epochs
+        Per-epoch records, oldest first.
+    """
+
+    samples: int = 0
+    batches: int = 0
+    wait_seconds: float = 0.0
+    bytes_from_cache: int = 0
+    bytes_from_peers: int = 0
+    bytes_from_storage: int = 0
+    samples_from_cache: int = 0
+    samples_from_peers: int = 0
+    samples_from_storage: int = 0
+    fetch_seconds: float = 0.0
+    prep_seconds: float = 0.0
+    deliver_seconds: float = 0.0
+    skipped: int = 0
+    epoch: int = 0
+    epochs: tuple[EpochStats, ...] = ()
+
+
+_EPOCH_FIELDS = tuple(f.name for f in fields(EpochStats) if f.name != "epoch")
+
+
+class Counters:
+    """The mutable side: one per loader, touched only by the main process."""
+
+    def __init__(self) -> None:
+        self.wait_seconds = 0.0
+        self.fetch_seconds = 0.0
+        self.prep_seconds = 0.0
+        self.deliver_seconds = 0.0
+        self.epoch = 0
+        self._epochs: dict[int, dict[str, int]] = {}
+
+    def bucket(self, epoch: int) -> dict[str, int]:
+        b = self._epochs.get(epoch)
+        if b is None:
+            b = self._epochs[epoch] = dict.fromkeys(_EPOCH_FIELDS, 0)
+        return b
+
+    def snapshot(self) -> LoaderStats:
+        per_epoch = tuple(EpochStats(epoch=e, **b) for e, b in sorted(self._epochs.items()))
+        totals = dict.fromkeys(_EPOCH_FIELDS, 0)
+        for b in self._epochs.values():
+            for k, v in b.items():
+                totals[k] += v
+        return LoaderStats(
+            wait_seconds=self.wait_seconds,
+            fetch_seconds=self.fetch_seconds,
+            prep_seconds=self.prep_seconds,
+            deliver_seconds=self.deliver_seconds,
+            epoch=self.epoch,
+            epochs=per_epoch,
+            **totals,
+        )
