@@ -20,6 +20,7 @@ How a loader decides what to do (see docs/architecture.md for the diagram):
 from __future__ import annotations
 
 import itertools
+import weakref
 import time
 import warnings
 from typing import Any
@@ -56,7 +57,7 @@ class _Pass:
         self.active = False
         self.rng: list | None = None  # torch-sampler RNG states at pass start
         self.rng_restore: list | None = None
-        self.owner: object | None = None  # the _LoaderIter of the current pass
+        self.owner = None  # weakref to the _LoaderIter of the current pass
 
 
 class _PassSampler:
@@ -68,30 +69,65 @@ class _PassSampler:
     """
 
     def __init__(self, loader: "DataLoader") -> None:
-        self._loader = loader
+        # weak: a loader <-> sampler cycle would keep a dead loader's worker
+        # iterator alive until a gc run, possibly inside a forked worker.
+        self._loader_ref = weakref.ref(loader)
 
     def __len__(self) -> int:
-        L = self._loader
+        L = self._loader_ref()
         if L._plan is not None:
             return L._plan.num_batches
         return len(_TorchDataLoader._index_sampler.fget(L))
 
     def __iter__(self):
-        return self._steps()
-
-    def _steps(self):
-        L = self._loader
+        # The generators below must not hold the loader: with persistent
+        # workers torch keeps them in the loader's iterator (a cycle).
+        L = self._loader_ref()
         p = L._pass
         epoch, start = p.epoch, p.start
         if L._plan is not None:
             it = L._plan.batches(epoch, start)
         else:
-            it = L._torch_steps(start)
-        if L._tag_tasks:
-            for x in it:
-                yield Task(epoch, x)
-        else:
-            yield from it
+            it = _torch_steps(
+                _TorchDataLoader._index_sampler.fget(L), L._rng_generators(), p,
+                start if L._dataset_kind != _DatasetKind.Iterable else 0,
+            )
+        return _tag(epoch, it) if L._tag_tasks else it
+
+
+def _tag(epoch: int, steps):
+    for x in steps:
+        yield Task(epoch, x)
+
+
+def _torch_steps(index_sampler, gens: list, p: _Pass, start: int):
+    """torch's own index sampler for this pass, skipping ``start`` steps.
+
+    The RNG states the sampler draws from are captured just before its first
+    draw (so a state dict can replay the same order) or, when resuming, set to
+    the saved ones for that draw; torch's global RNG is then put back as it
+    was, so resuming never disturbs the user's random stream.
+    """
+    restore = p.rng_restore
+    p.rng_restore = None
+    if restore is not None and len(restore) == len(gens):
+        user_global = torch.default_generator.get_state()
+        for g, s in zip(gens, restore):
+            g.set_state(s)
+        p.rng = restore
+    else:
+        restore = None
+        p.rng = [g.get_state() for g in gens]
+    it = iter(index_sampler)
+    first = next(it, _END)
+    if restore is not None:
+        torch.default_generator.set_state(user_global)
+    if first is _END:
+        return
+    steps = itertools.chain((first,), it)
+    if start:
+        steps = itertools.islice(steps, start, None)
+    yield from steps
 
 
 class _LoaderIter:
@@ -130,7 +166,7 @@ class _LoaderIter:
                 break
         except StopIteration:
             counters.wait_seconds += clock() - t0
-            if L._pass.owner is self:
+            if L._pass.owner() is self:
                 L._pass.active = False
             raise
         t1 = clock()
@@ -139,7 +175,7 @@ class _LoaderIter:
         bucket = counters.bucket(self._epoch)
         bucket["samples"] += n
         bucket["batches"] += 1
-        if L._pass.owner is self:
+        if L._pass.owner() is self:
             L._pass.yielded += 1
         t2 = clock()
         counters.wait_seconds += t1 - t0
@@ -369,8 +405,6 @@ class DataLoader(_TorchDataLoader):
             epoch, batches, rng = p.next_epoch, 0, None
         if self._plan is not None and batches >= self._plan.num_batches:
             epoch, batches, rng = epoch + 1, 0, None
-        if batches == 0:
-            rng = None
         return {
             "format": _STATE_FORMAT,
             "version": _STATE_VERSION,
@@ -462,7 +496,7 @@ class DataLoader(_TorchDataLoader):
         inner = super().__iter__()
         ff = start if self._dataset_kind == _DatasetKind.Iterable else 0
         it = _LoaderIter(self, inner, epoch, ff)
-        p.owner = it
+        p.owner = weakref.ref(it)
         return it
 
     def _get_iterator(self):
@@ -511,37 +545,6 @@ class DataLoader(_TorchDataLoader):
                 gens.append(g)
         gens.append(torch.default_generator)
         return gens
-
-    def _torch_steps(self, start: int):
-        """torch's own index sampler for this pass, skipping ``start`` steps.
-
-        The RNG states the sampler draws from are captured just before its
-        first draw (so a state dict can replay the same order) or, when
-        resuming, set to the saved ones for that draw; torch's global RNG is
-        then put back as it was, so resuming never disturbs the user's stream.
-        """
-        p = self._pass
-        gens = self._rng_generators()
-        restore = p.rng_restore
-        p.rng_restore = None
-        if restore is not None and len(restore) == len(gens):
-            user_global = torch.default_generator.get_state()
-            for g, s in zip(gens, restore):
-                g.set_state(s)
-            p.rng = restore
-        else:
-            restore = None
-            p.rng = [g.get_state() for g in gens]
-        it = iter(_TorchDataLoader._index_sampler.fget(self))
-        first = next(it, _END)
-        if restore is not None:
-            torch.default_generator.set_state(user_global)
-        if first is _END:
-            return
-        steps = itertools.chain((first,), it)
-        if start and self._dataset_kind != _DatasetKind.Iterable:
-            steps = itertools.islice(steps, start, None)
-        yield from steps
 
     def _count_samples(self, batch) -> int:
         if self.batch_size is None:
