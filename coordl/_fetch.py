@@ -24,7 +24,7 @@ from torch.utils.data._utils.pin_memory import pin_memory as _pin
 
 from ._rng import sample_rng
 from .errors import SampleError
-from .protocol import describe
+from .protocol import describe, is_two_stage
 
 __all__ = ["Task", "Envelope", "TwoStageFetch", "CollateEnvelope", "TensorBatchFetch", "Precollated"]
 
@@ -88,12 +88,17 @@ class Envelope:
 
 
 class TwoStageFetch(torch.utils.data.Dataset):
-    """Runs raw -> prep for each index of a :class:`Task`."""
+    """Runs raw -> prep for each index of a :class:`Task`.
+
+    For a dataset that is not two-stage (used with ``on_error="skip"``) it runs
+    ``dataset[i]`` for each plain index instead, so bad samples can be skipped.
+    """
 
     def __init__(self, dataset, seed: int, on_error: str) -> None:
         self.dataset = dataset
         self.seed = seed
         self.on_error = on_error
+        self.generic = not is_two_stage(dataset)
 
     def __len__(self) -> int:
         return len(self.dataset)
@@ -105,6 +110,11 @@ class TwoStageFetch(torch.utils.data.Dataset):
             t0 = clock()
             stage = "reading"
             try:
+                if self.generic:
+                    stage = "loading"
+                    out.samples.append(ds[i])
+                    out.prep_s += clock() - t0
+                    continue
                 raw = ds.raw(i)
                 t1 = clock()
                 out.fetch_s += t1 - t0
@@ -126,11 +136,15 @@ class TwoStageFetch(torch.utils.data.Dataset):
             out.samples.append(sample)
         return out
 
-    def __getitems__(self, task: Task) -> Fetched:
-        return self._run(task.epoch, task.indices, single=False)
+    def __getitems__(self, task) -> Fetched:
+        if type(task) is Task:
+            return self._run(task.epoch, task.indices, single=False)
+        return self._run(-1, task, single=False)
 
-    def __getitem__(self, task: Task) -> Fetched:
-        return self._run(task.epoch, (task.indices,), single=True)
+    def __getitem__(self, task) -> Fetched:
+        if type(task) is Task:
+            return self._run(task.epoch, (task.indices,), single=True)
+        return self._run(-1, (task,), single=True)
 
 
 class CollateEnvelope:

@@ -187,8 +187,9 @@ class _LoaderIter:
         counters.fetch_seconds += env.fetch_s
         counters.prep_seconds += env.prep_s
         b = counters.bucket(env.epoch if env.epoch >= 0 else self._epoch)
-        b["bytes_from_storage"] += env.nbytes
-        b["samples_from_storage"] += env.samples
+        if env.epoch >= 0:  # two-stage: coordl did the reading
+            b["bytes_from_storage"] += env.nbytes
+            b["samples_from_storage"] += env.samples
         if env.skips:
             b["skipped"] += len(env.skips)
             for index, where, err in env.skips:
