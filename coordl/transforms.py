@@ -1,0 +1,476 @@
+"""Image transforms with torchvision's names, parameters and defaults.
+
+``RandomResizedCrop``, ``RandomHorizontalFlip``, ``Resize``, ``CenterCrop``,
+``PILToTensor``, ``ToTensor``, ``Normalize`` and ``Compose`` behave like their
+torchvision namesakes on PIL images (and on tensors where documented), without
+importing torchvision.
+
+Randomness: a random transform asks :func:`coordl._rng.current` for its
+generator each time it is called (never caching it).  Inside a coordl prep
+stage that is the per-sample generator of ``(seed, epoch, index)``, so a
+sample's augmentation is a pure function of those three numbers.  Anywhere
+else it is a shim over torch's global RNG, drawn in the same order as
+torchvision, so ``torch.manual_seed`` makes results reproducible.
+
+Every transform has ``spec()``: a nested tuple of plain values (class name and
+parameters) that is equal for equal pipelines in any process; ``==`` and
+``hash`` use it.  :func:`spec_of` describes any callable the same way, which is
+how ``Compose`` accepts arbitrary callables as children.
+"""
+from __future__ import annotations
+
+import enum
+import hashlib
+import marshal
+import math
+import numbers
+import re
+import types
+import warnings
+from typing import Any, Callable, Sequence
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from PIL import Image
+
+from . import _rng
+
+__all__ = [
+    "InterpolationMode", "Transform", "Compose", "RandomResizedCrop", "RandomHorizontalFlip",
+    "Resize", "CenterCrop", "PILToTensor", "ToTensor", "Normalize", "resized_crop", "spec_of",
+]
+
+
+class InterpolationMode(str, enum.Enum):
+    """Resampling filter (a str Enum); PIL's integer filters are accepted too."""
+    NEAREST = "nearest"
+    NEAREST_EXACT = "nearest-exact"
+    BILINEAR = "bilinear"
+    BICUBIC = "bicubic"
+    BOX = "box"
+    HAMMING = "hamming"
+    LANCZOS = "lanczos"
+
+
+_R = Image.Resampling
+_PIL_FILTERS = {
+    InterpolationMode.NEAREST: _R.NEAREST, InterpolationMode.NEAREST_EXACT: _R.NEAREST,
+    InterpolationMode.BILINEAR: _R.BILINEAR, InterpolationMode.BICUBIC: _R.BICUBIC,
+    InterpolationMode.BOX: _R.BOX, InterpolationMode.HAMMING: _R.HAMMING,
+    InterpolationMode.LANCZOS: _R.LANCZOS,
+}
+_FROM_PIL = {int(f): m for m, f in _PIL_FILTERS.items() if m is not InterpolationMode.NEAREST_EXACT}
+_TENSOR_MODES = ("nearest", "nearest-exact", "bilinear", "bicubic")
+
+
+def _bad(name: str, expected: str, value: Any, exc: type = ValueError) -> Exception:
+    return exc(f"{name} should be {expected}, but got {name}={value!r}")
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
+
+
+def _is_num(v: Any) -> bool:
+    return isinstance(v, numbers.Real) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _is_seq(v: Any) -> bool:
+    return isinstance(v, Sequence) and not isinstance(v, (str, bytes))
+
+
+def _check_size(size: Any, pair: bool = True) -> Any:
+    """An int or a 1/2-sequence of positive ints -> (h, w); or, with ``pair=False``,
+    an int (smaller edge) or (h, w)."""
+    vals = [size] if _is_int(size) else list(size) if _is_seq(size) else None
+    if vals is None or not 1 <= len(vals) <= 2 or not all(_is_int(v) and v > 0 for v in vals):
+        exc = TypeError if vals is None else ValueError
+        raise _bad("size", "a positive int or a sequence of 1 or 2 positive ints", size, exc)
+    vals = [int(v) for v in vals]
+    return vals[0] if len(vals) == 1 and not pair else (vals[0], vals[-1])
+
+
+def _check_range(value: Any, name: str, positive: bool) -> tuple[float, float]:
+    kind = "positive" if positive else "non-negative"
+    if not (_is_seq(value) and len(value) == 2 and all(_is_num(v) for v in value)):
+        raise _bad(name, f"a sequence of 2 {kind} numbers (min, max)", value, TypeError)
+    if any(v < 0 or (positive and v == 0) for v in value):
+        raise _bad(name, f"a sequence of 2 {kind} numbers (min, max)", value)
+    return float(value[0]), float(value[1])
+
+
+def _floats(v: Any, name: str) -> tuple[float, ...]:
+    vals = list(v) if _is_seq(v) else [v]
+    if not vals or not all(_is_num(x) for x in vals):
+        raise _bad(name, "a number or a non-empty sequence of numbers", v, TypeError)
+    return tuple(float(x) for x in vals)
+
+
+def _check_interp(value: Any) -> InterpolationMode:
+    if _is_int(value) and int(value) in _FROM_PIL:
+        return _FROM_PIL[int(value)]
+    try:
+        return InterpolationMode(value)
+    except ValueError:
+        raise _bad("interpolation", "an InterpolationMode, its value or a PIL resampling filter "
+                   "(NEAREST, BOX, BILINEAR, HAMMING, BICUBIC, LANCZOS)", value) from None
+
+
+def _check_antialias(value: Any) -> bool | None:
+    if value is not None and not isinstance(value, bool):
+        raise _bad("antialias", "a bool or None", value, TypeError)
+    return value
+
+
+def _hw(img: Any) -> tuple[int, int]:
+    """(height, width) of a PIL image or a [..., H, W] tensor."""
+    if isinstance(img, Image.Image):
+        return img.height, img.width
+    if isinstance(img, torch.Tensor) and img.ndim >= 2:
+        return int(img.shape[-2]), int(img.shape[-1])
+    raise _bad("img", "a PIL Image or a tensor of shape [..., H, W]", type(img), TypeError)
+
+
+def _resize_tensor(x: torch.Tensor, h: int, w: int, mode: InterpolationMode,
+                   antialias: bool | None) -> torch.Tensor:
+    if mode.value not in _TENSOR_MODES:
+        raise _bad("interpolation", f"one of {_TENSOR_MODES} for tensors", mode.value)
+    if tuple(x.shape[-2:]) == (h, w):
+        return x
+    y = x.reshape(1, -1, *x.shape[-2:])
+    if not y.is_floating_point():
+        y = y.float()
+    smooth = mode.value in ("bilinear", "bicubic")
+    kw = {"align_corners": False, "antialias": bool(antialias)} if smooth else {}
+    y = F.interpolate(y, size=(h, w), mode=mode.value, **kw)
+    if not x.is_floating_point():
+        info = torch.iinfo(x.dtype)
+        y = y.round_().clamp_(info.min, info.max).to(x.dtype)
+    return y.reshape(*x.shape[:-2], h, w)
+
+
+def resized_crop(img: Any, top: int, left: int, height: int, width: int, size: Sequence[int],
+                 interpolation: Any = InterpolationMode.BILINEAR, antialias: bool | None = True) -> Any:
+    """Crop the in-bounds box (top, left, height, width) and resize it to ``size`` (h, w).
+
+    On PIL images this is one ``Image.resize(..., box=...)`` call, with no intermediate
+    crop.  PIL's filters then read real pixels just outside the box, so the outer 1-2
+    output pixels can differ from torchvision's crop-then-resize (which clamps at the
+    crop edge); all other pixels are identical.
+    """
+    (out_h, out_w), mode = _check_size(size), _check_interp(interpolation)
+    if isinstance(img, torch.Tensor):
+        return _resize_tensor(img[..., top:top + height, left:left + width], out_h, out_w, mode, antialias)
+    box = (left, top, left + width, top + height)
+    if (width, height) == (out_w, out_h):
+        return img if box == (0, 0, *img.size) else img.crop(box)
+    return img.resize((out_w, out_h), _PIL_FILTERS[mode], box=box)
+
+
+def _crop(img: Any, top: int, left: int, h: int, w: int) -> Any:
+    """Crop that may reach outside the image; the outside is zero."""
+    if isinstance(img, Image.Image):
+        return img.crop((left, top, left + w, top + h))
+    H, W = _hw(img)
+    if top >= 0 and left >= 0 and top + h <= H and left + w <= W:
+        return img[..., top:top + h, left:left + w]
+    out = img.new_zeros((*img.shape[:-2], h, w))
+    t0, l0, t1, l1 = max(top, 0), max(left, 0), min(top + h, H), min(left + w, W)
+    if t1 > t0 and l1 > l0:
+        out[..., t0 - top:t1 - top, l0 - left:l1 - left] = img[..., t0:t1, l0:l1]
+    return out
+
+
+def _to_chw(pic: Any) -> torch.Tensor:
+    """PIL image or HWC/HW array -> CHW tensor in one copy, which also makes it writable
+    and native-endian (``torch.from_numpy(np.asarray(pil_image))`` warns: read-only)."""
+    if not isinstance(pic, (Image.Image, np.ndarray)):
+        raise _bad("pic", "a PIL Image or a numpy.ndarray", type(pic), TypeError)
+    arr = np.asarray(pic)
+    if arr.dtype == np.bool_:  # PIL mode "1"
+        arr = arr.astype(np.uint8) * np.uint8(255)
+    if arr.ndim == 2:
+        arr = arr[:, :, None]
+    out = np.empty((arr.shape[2], arr.shape[0], arr.shape[1]), dtype=arr.dtype.newbyteorder("="))
+    np.copyto(out.transpose(1, 2, 0), arr)
+    return torch.from_numpy(out)
+
+
+_ADDR = re.compile(r" at 0x[0-9a-fA-F]+")
+
+
+def _qualname(obj: Any) -> str:
+    mod, name = getattr(obj, "__module__", None), getattr(obj, "__qualname__", None) or obj.__name__
+    return f"{mod}.{name}" if mod and mod != "builtins" else name
+
+
+def _class_name(cls: type) -> str:
+    return cls.__qualname__ if cls.__module__ == __name__ else _qualname(cls)
+
+
+def spec_of(obj: Any) -> Any:
+    """A plain, hashable, process-independent description of a transform.
+
+    ``obj.spec()`` when it has one; the qualified name for classes and named
+    functions (plus a digest of the code for lambdas and local functions);
+    otherwise the qualified class name and ``repr`` without memory addresses.
+    """
+    spec = getattr(obj, "spec", None)
+    if callable(spec) and not isinstance(obj, type):
+        return spec()
+    if isinstance(obj, types.FunctionType):
+        name = _qualname(obj)
+        if "<" not in name:  # a module-level or class-level function: the name identifies it
+            return ("function", name)
+        cells = tuple(c.cell_contents for c in obj.__closure__ or ())
+        extra = _ADDR.sub("", repr((obj.__defaults__, obj.__kwdefaults__, cells))).encode()
+        digest = hashlib.sha1(marshal.dumps(obj.__code__) + extra).hexdigest()[:16]
+        return ("function", name, digest)
+    if isinstance(getattr(obj, "__qualname__", None), str) and not isinstance(obj, types.MethodType):
+        return ("callable", _qualname(obj))  # classes, builtins, numpy functions and ufuncs
+    return ("callable", _qualname(type(obj)), _ADDR.sub("", repr(obj)))
+
+
+def _plain(v: Any) -> Any:
+    if isinstance(v, InterpolationMode):
+        return v.value
+    return tuple(_plain(x) for x in v) if isinstance(v, (tuple, list)) else v
+
+
+def _fmt(v: Any) -> str:
+    if isinstance(v, InterpolationMode):
+        return v.value
+    if isinstance(v, float):
+        return repr(round(v, 4))
+    if isinstance(v, tuple):
+        return "(" + ", ".join(map(_fmt, v)) + ("," if len(v) == 1 else "") + ")"
+    return repr(v)
+
+
+class Transform:
+    """Base class: ``spec()``, ``==``, ``hash`` and ``repr`` from ``_params()``."""
+
+    def _params(self) -> dict[str, Any]:
+        return {}
+
+    def spec(self) -> tuple:
+        return (_class_name(type(self)), tuple((k, _plain(v)) for k, v in self._params().items()))
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Transform):
+            return NotImplemented
+        return self.spec() == other.spec()
+
+    def __hash__(self) -> int:
+        return hash(self.spec())
+
+    def __repr__(self) -> str:
+        args = ", ".join(f"{k}={_fmt(v)}" for k, v in self._params().items())
+        return f"{type(self).__name__}({args})"
+
+
+class Compose(Transform):
+    """Apply ``transforms`` in order; any callable works as a child."""
+
+    def __init__(self, transforms: Sequence[Callable]):
+        if not (_is_seq(transforms) and all(callable(t) for t in transforms)):
+            raise _bad("transforms", "a sequence of callables", transforms, TypeError)
+        self.transforms = list(transforms)
+
+    def __call__(self, img: Any) -> Any:
+        for t in self.transforms:
+            img = t(img)
+        return img
+
+    def spec(self) -> tuple:
+        return (_class_name(type(self)), tuple(spec_of(t) for t in self.transforms))
+
+    def __repr__(self) -> str:
+        return type(self).__name__ + "(" + "".join(f"\n    {t!r}" for t in self.transforms) + "\n)"
+
+
+class RandomResizedCrop(Transform):
+    """Crop a random area fraction and aspect ratio, then resize to ``size`` (h, w)."""
+
+    def __init__(self, size: Any, scale: Sequence[float] = (0.08, 1.0),
+                 ratio: Sequence[float] = (3.0 / 4.0, 4.0 / 3.0),
+                 interpolation: Any = InterpolationMode.BILINEAR, antialias: bool | None = True):
+        self.size = _check_size(size)
+        self.scale = _check_range(scale, "scale", positive=False)
+        self.ratio = _check_range(ratio, "ratio", positive=True)
+        if self.scale[0] > self.scale[1] or self.ratio[0] > self.ratio[1]:
+            warnings.warn("Scale and ratio should be of kind (min, max)", stacklevel=2)
+        self.interpolation = _check_interp(interpolation)
+        self.antialias = _check_antialias(antialias)
+
+    @staticmethod
+    def get_params(img: Any, scale: Sequence[float], ratio: Sequence[float], rng: Any = None
+                   ) -> tuple[int, int, int, int]:
+        """(top, left, h, w) of a random crop of ``img`` (a PIL image, a tensor,
+        or a PIL-style ``(width, height)`` pair), drawn from ``rng`` or
+        ``coordl._rng.current()``: torchvision's algorithm and draw order."""
+        if _is_seq(img) and len(img) == 2 and all(_is_int(v) for v in img):
+            width, height = int(img[0]), int(img[1])
+        else:
+            height, width = _hw(img)
+        rng = _rng.current() if rng is None else rng
+        area = height * width
+        s_lo, s_hi = min(scale), max(scale)
+        lr_lo, lr_hi = math.log(min(ratio)), math.log(max(ratio))
+        for _ in range(10):
+            target_area = area * rng.uniform(s_lo, s_hi)
+            aspect = math.exp(rng.uniform(lr_lo, lr_hi))
+            w = int(round(math.sqrt(target_area * aspect)))
+            h = int(round(math.sqrt(target_area / aspect)))
+            if 0 < w <= width and 0 < h <= height:
+                return rng.randint(0, height - h), rng.randint(0, width - w), h, w
+        in_ratio = width / height  # fallback: the largest central crop with a ratio in range
+        if in_ratio < min(ratio):
+            w, h = width, int(round(width / min(ratio)))
+        elif in_ratio > max(ratio):
+            w, h = int(round(height * max(ratio))), height
+        else:
+            w, h = width, height
+        return (height - h) // 2, (width - w) // 2, h, w
+
+    def __call__(self, img: Any) -> Any:
+        top, left, h, w = self.get_params(img, self.scale, self.ratio)
+        return resized_crop(img, top, left, h, w, self.size, self.interpolation, self.antialias)
+
+    def _params(self) -> dict[str, Any]:
+        return {"size": self.size, "scale": self.scale, "ratio": self.ratio,
+                "interpolation": self.interpolation, "antialias": self.antialias}
+
+
+class RandomHorizontalFlip(Transform):
+    """Mirror left-right with probability ``p`` (PIL images and [..., H, W] tensors)."""
+
+    def __init__(self, p: float = 0.5):
+        if not (_is_num(p) and 0.0 <= p <= 1.0):
+            raise _bad("p", "a probability in [0, 1]", p)
+        self.p = float(p)
+
+    def __call__(self, img: Any) -> Any:
+        if _rng.current().random() < self.p:
+            if isinstance(img, torch.Tensor):
+                return img.flip(-1)
+            return img.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
+        return img
+
+    def _params(self) -> dict[str, Any]:
+        return {"p": self.p}
+
+
+class Resize(Transform):
+    """Resize to ``size`` (h, w), or match the smaller edge to an int ``size``
+    keeping the aspect ratio, with the longer edge capped at ``max_size``."""
+
+    def __init__(self, size: Any, interpolation: Any = InterpolationMode.BILINEAR,
+                 max_size: int | None = None, antialias: bool | None = True):
+        if size is None:
+            if max_size is None:
+                raise _bad("max_size", "a positive int when size is None", max_size)
+            self.size = None
+        else:
+            self.size = _check_size(size, pair=False)
+        if max_size is not None:
+            if not (_is_int(max_size) and max_size > 0):
+                raise _bad("max_size", "None or a positive int", max_size)
+            if isinstance(self.size, tuple):
+                raise _bad("max_size", "None when size is a sequence (h, w)", max_size)
+            if self.size is not None and max_size <= self.size:
+                raise _bad("max_size", f"greater than size={self.size}", max_size)
+            max_size = int(max_size)
+        self.max_size = max_size
+        self.interpolation = _check_interp(interpolation)
+        self.antialias = _check_antialias(antialias)
+
+    def output_size(self, height: int, width: int) -> tuple[int, int]:
+        """(h, w) of the output for an input of ``height`` x ``width``."""
+        if isinstance(self.size, tuple):
+            return self.size
+        short, long = (width, height) if width <= height else (height, width)
+        if self.size is None:
+            new_short, new_long = int(self.max_size * short / long), self.max_size
+        else:
+            new_short, new_long = self.size, int(self.size * long / short)
+            if self.max_size is not None and new_long > self.max_size:
+                new_short, new_long = int(self.max_size * new_short / new_long), self.max_size
+        new_short = max(new_short, 1)
+        return (new_long, new_short) if width <= height else (new_short, new_long)
+
+    def __call__(self, img: Any) -> Any:
+        (h, w), mode = self.output_size(*_hw(img)), self.interpolation
+        if isinstance(img, torch.Tensor):
+            return _resize_tensor(img, h, w, mode, self.antialias)
+        return img if img.size == (w, h) else img.resize((w, h), _PIL_FILTERS[mode])
+
+    def _params(self) -> dict[str, Any]:
+        return {"size": self.size, "interpolation": self.interpolation,
+                "max_size": self.max_size, "antialias": self.antialias}
+
+
+class CenterCrop(Transform):
+    """Central crop of ``size`` (h, w); zero padding where it exceeds the image."""
+
+    def __init__(self, size: Any):
+        self.size = _check_size(size)
+
+    def __call__(self, img: Any) -> Any:
+        (H, W), (h, w) = _hw(img), self.size
+        top = -((h - H) // 2) if h > H else int(round((H - h) / 2.0))
+        left = -((w - W) // 2) if w > W else int(round((W - w) / 2.0))
+        return _crop(img, top, left, h, w)
+
+    def _params(self) -> dict[str, Any]:
+        return {"size": self.size}
+
+
+class PILToTensor(Transform):
+    """PIL image -> CHW tensor of the image's own dtype (uint8 for L/RGB/RGBA...)."""
+
+    def __call__(self, pic: Any) -> torch.Tensor:
+        if not isinstance(pic, Image.Image):
+            raise _bad("pic", "a PIL Image", type(pic), TypeError)
+        return _to_chw(pic)
+
+
+class ToTensor(Transform):
+    """PIL image or HWC ndarray -> CHW tensor; uint8 becomes float in [0, 1]
+    (other dtypes are returned unscaled, as torchvision does)."""
+
+    def __call__(self, pic: Any) -> torch.Tensor:
+        if isinstance(pic, np.ndarray) and pic.ndim not in (2, 3):
+            raise _bad("pic.ndim", "2 or 3", pic.ndim)
+        t = _to_chw(pic)
+        return t.to(torch.get_default_dtype()).div_(255) if t.dtype == torch.uint8 else t
+
+
+class Normalize(Transform):
+    """``(x - mean) / std`` per channel on float tensors [..., C, H, W]."""
+
+    def __init__(self, mean: Sequence[float], std: Sequence[float], inplace: bool = False):
+        self.mean, self.std = _floats(mean, "mean"), _floats(std, "std")
+        if not isinstance(inplace, bool):
+            raise _bad("inplace", "a bool", inplace, TypeError)
+        self.inplace = inplace
+
+    def __call__(self, tensor: torch.Tensor) -> torch.Tensor:
+        if not isinstance(tensor, torch.Tensor):
+            raise _bad("tensor", "a torch.Tensor", type(tensor), TypeError)
+        if not tensor.is_floating_point():
+            raise TypeError(f"Input tensor should be a float tensor. Got {tensor.dtype}.")
+        if tensor.ndim < 3:
+            raise ValueError("Expected tensor to be a tensor image of size (..., C, H, W). "
+                             f"Got tensor.size() = {tuple(tensor.shape)}")
+        mean = torch.as_tensor(self.mean, dtype=tensor.dtype, device=tensor.device).view(-1, 1, 1)
+        std = torch.as_tensor(self.std, dtype=tensor.dtype, device=tensor.device).view(-1, 1, 1)
+        if (std == 0).any():
+            raise ValueError(f"std evaluated to zero after conversion to {tensor.dtype}, "
+                             "leading to division by zero.")
+        out = tensor if self.inplace else tensor.clone()
+        return out.sub_(mean).div_(std)
+
+    def _params(self) -> dict[str, Any]:
+        return {"mean": self.mean, "std": self.std, "inplace": self.inplace}
