@@ -190,14 +190,24 @@ class TensorBatchFetch(torch.utils.data.Dataset):
 
     def __getitems__(self, indices) -> Precollated:
         idx = torch.as_tensor(indices, dtype=torch.long)
-        shared = get_worker_info() is not None
+        n = len(idx)
+        if get_worker_info() is None:
+            return Precollated([torch.index_select(t, 0, idx) for t in self.tensors])
+        # In a worker: gather every tensor into ONE shared-memory block, so the
+        # batch crosses to the main process as one file descriptor, not one
+        # per tensor (the per-batch cost there is dominated by fd passing).
+        shapes = [(n,) + tuple(t.shape[1:]) for t in self.tensors]
+        offsets, total = [], 0
+        for t, shape in zip(self.tensors, shapes):
+            align = t.element_size()
+            total = (total + align - 1) // align * align
+            offsets.append(total)
+            total += t.element_size() * (n * (t[0].numel() if t.dim() > 1 else 1))
+        block = torch.UntypedStorage._new_shared(max(total, 1))
         out = []
-        for t in self.tensors:
-            if shared:
-                o = torch.empty((len(idx),) + tuple(t.shape[1:]), dtype=t.dtype).share_memory_()
-                torch.index_select(t, 0, idx, out=o)
-            else:
-                o = torch.index_select(t, 0, idx)
+        for t, shape, off in zip(self.tensors, shapes, offsets):
+            o = torch.empty(0, dtype=t.dtype).set_(block, off // t.element_size(), shape)
+            torch.index_select(t, 0, idx, out=o)
             out.append(o)
         return Precollated(out)
 
