@@ -1,0 +1,102 @@
+"""Crash tests: each scenario runs in a child process with a hard timeout."""
+import sys
+import textwrap
+
+from coordl.testing import run_in_child
+
+HERE = __file__.rsplit("/", 1)[0]
+
+
+def _child(body: str, timeout: float = 90):
+    code = f"import sys; sys.path.insert(0, {HERE!r})\n" + textwrap.dedent(body)
+    return run_in_child(code, timeout=timeout)
+
+
+def test_sigkilled_worker_raises_naming_pid_no_hang():
+    r = _child("""
+        import os, signal, time, psutil
+        from coordl import DataLoader
+        from toydata import TwoStageToy
+        L = DataLoader(TwoStageToy(400, delay=0.01), batch_size=4, num_workers=2, seed=0, timeout=60)
+        it = iter(L)
+        next(it)
+        victim = psutil.Process().children()[0].pid
+        os.kill(victim, signal.SIGKILL)
+        t0 = time.time()
+        try:
+            for _ in it:
+                pass
+        except RuntimeError as e:
+            print("RAISED", victim, time.time() - t0)
+            print(str(e))
+        else:
+            print("NO ERROR")
+    """)
+    assert r.returncode == 0, r.stderr
+    first, msg = r.stdout.split("\n", 1)
+    assert first.startswith("RAISED"), r.stdout
+    victim = first.split()[1]
+    assert victim in msg, msg
+    assert float(first.split()[2]) < 30
+
+
+def test_worker_exiting_mid_batch_raises():
+    """A worker that dies inside prep (os._exit) is reported, not waited on."""
+    r = _child("""
+        import os
+        import torch
+        from coordl import DataLoader
+        from toydata import TwoStageToy
+
+        class Dies(TwoStageToy):
+            def prep(self, raw, i):
+                if i == 13:
+                    os._exit(3)
+                return super().prep(raw, i)
+
+        L = DataLoader(Dies(64), batch_size=4, num_workers=2, seed=0)
+        try:
+            n = sum(1 for _ in L)
+        except RuntimeError as e:
+            print("RAISED", "exited unexpectedly" in str(e) or "exit code" in str(e))
+        else:
+            print("NO ERROR", n)
+    """)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("RAISED True"), r.stdout
+
+
+def test_resume_in_new_process_after_kill():
+    """Train loop killed with SIGKILL after saving state; a new process resumes
+    and the union of batches equals one uninterrupted epoch, each sample once."""
+    r = _child("""
+        import os, pickle, signal, subprocess, sys, tempfile
+        import torch
+        path = tempfile.mktemp(suffix=".pt")
+        victim = '''
+import os, signal, sys, torch
+sys.path.insert(0, %r)
+from coordl import DataLoader
+from toydata import TwoStageToy
+L = DataLoader(TwoStageToy(60), batch_size=4, shuffle=True, seed=3, num_workers=2)
+seen = []
+for k, (x, y) in enumerate(L):
+    seen.append(x[:, 0].tolist())
+    if k == 6:
+        torch.save({"loader": L.state_dict(), "seen": seen}, %r)
+        os.kill(os.getpid(), signal.SIGKILL)
+''' % (sys.path[0], path)
+        p = subprocess.run([sys.executable, "-c", victim], timeout=60)
+        print("killed", p.returncode == -signal.SIGKILL)
+        ck = torch.load(path)
+        os.unlink(path)
+        from coordl import DataLoader
+        from toydata import TwoStageToy
+        L = DataLoader(TwoStageToy(60), batch_size=4, shuffle=True, seed=3, num_workers=2)
+        L.load_state_dict(ck["loader"])
+        rest = [x[:, 0].tolist() for x, y in L]
+        ref = [x[:, 0].tolist() for x, y in DataLoader(TwoStageToy(60), batch_size=4, shuffle=True, seed=3)]
+        print("exact", ck["seen"] + rest == ref)
+    """, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "killed True" in r.stdout and "exact True" in r.stdout, r.stdout + r.stderr
