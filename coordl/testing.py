@@ -1,0 +1,328 @@
+"""Helpers for coordl's own test suite (and for users testing code built on it).
+
+Two concerns live here:
+
+* :func:`run_in_child` runs a snippet of Python in a fresh interpreter, in its
+  own process group, under a hard timeout.  Tests of multiprocess behaviour and
+  of crashes go through it, so a hang or a runaway worker can never hang or
+  poison the test runner: on timeout the whole group is SIGKILLed and the test
+  fails with whatever the child had printed so far.
+
+* :func:`live_children`, :func:`shm_entries` and :func:`wait_no_leaks` detect
+  worker processes and ``/dev/shm`` entries that outlive the code that created
+  them.  ``tests/conftest.py`` wraps them in an autouse fixture.
+"""
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+import subprocess
+import sys
+import time
+from typing import Iterable, Mapping
+
+import psutil
+
+__all__ = [
+    "run_in_child",
+    "live_children",
+    "shm_entries",
+    "wait_no_leaks",
+    "kill_processes",
+    "describe_processes",
+    "INFRASTRUCTURE_MARKERS",
+    "SHM_DIR",
+]
+
+SHM_DIR = "/dev/shm"
+
+# Long-lived helper processes that Python/torch start once per parent process
+# and keep for the parent's lifetime by design.  They are not leaks.
+INFRASTRUCTURE_MARKERS: tuple[str, ...] = (
+    "multiprocessing.resource_tracker",
+    "multiprocessing.forkserver",
+    "torch_shm_manager",
+)
+
+# The directory that holds the ``coordl`` package, so a child interpreter
+# imports the very same coordl as the parent, wherever it was started from.
+_PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+# --------------------------------------------------------------------------
+# Running code in a child interpreter
+# --------------------------------------------------------------------------
+
+def _child_env(env: Mapping[str, str] | None) -> dict[str, str]:
+    out = dict(os.environ if env is None else env)
+    parts = [p for p in out.get("PYTHONPATH", "").split(os.pathsep) if p]
+    if _PACKAGE_ROOT not in parts:
+        parts.insert(0, _PACKAGE_ROOT)
+    out["PYTHONPATH"] = os.pathsep.join(parts)
+    return out
+
+
+def _group_members(pgid: int) -> list[psutil.Process]:
+    members = []
+    for p in psutil.process_iter():
+        try:
+            if os.getpgid(p.pid) == pgid:
+                members.append(p)
+        except (ProcessLookupError, PermissionError, psutil.Error):
+            continue
+    return members
+
+
+def _kill_group(pgid: int, extra: Iterable[psutil.Process] = ()) -> None:
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    # Descendants that moved to a group or session of their own escape killpg.
+    for p in extra:
+        try:
+            p.kill()
+        except psutil.Error:
+            pass
+
+
+def _as_text(data) -> str:
+    if data is None:
+        return ""
+    if isinstance(data, bytes):
+        return data.decode("utf-8", "replace")
+    return data
+
+
+def run_in_child(
+    code: str, timeout: float = 60, env: Mapping[str, str] | None = None
+) -> subprocess.CompletedProcess:
+    """Run ``python -c code`` in a new process group, with a hard timeout.
+
+    ``sys.executable`` runs the code with stdout and stderr captured as text.
+    ``env`` (default: this process' environment) gets the directory holding
+    the ``coordl`` package prepended to ``PYTHONPATH``.
+
+    Returns the :class:`subprocess.CompletedProcess` once the child has exited
+    and closed its output.  Processes the child left running in its process
+    group are killed; their pids are recorded on the result as
+    ``result.stragglers`` (a list, normally empty).
+
+    If the child (or a descendant keeping its output open) is still running
+    after ``timeout`` seconds, the whole process group and every descendant are
+    SIGKILLed and :class:`AssertionError` is raised with the output so far.
+    """
+    args = [sys.executable, "-c", code]
+    proc = subprocess.Popen(
+        args,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        stdin=subprocess.DEVNULL,
+        text=True,
+        env=_child_env(env),
+        start_new_session=True,  # new session => new process group, pgid == pid
+    )
+    pgid = proc.pid
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired as exc:
+        partial_out, partial_err = _as_text(exc.stdout), _as_text(exc.stderr)
+        try:
+            tree = psutil.Process(proc.pid).children(recursive=True)
+        except psutil.Error:
+            tree = []
+        child_rc = proc.poll()
+        tree_desc = describe_processes(tree)
+        _kill_group(pgid, tree)
+        try:
+            out, err = proc.communicate(timeout=10)
+        except subprocess.TimeoutExpired as exc2:
+            # Something outside the group still holds the pipes; give up on
+            # them and report what we have.
+            out = _as_text(exc2.stdout) or partial_out
+            err = _as_text(exc2.stderr) or partial_err
+            proc.kill()
+            for stream in (proc.stdout, proc.stderr):
+                try:
+                    stream.close()
+                except Exception:
+                    pass
+            proc.wait(timeout=10)
+        state = (
+            "was still running"
+            if child_rc is None
+            else f"had exited with code {child_rc} but its output was held open "
+            "by descendants"
+        )
+        raise AssertionError(
+            f"child process timed out after {timeout} s ({state}); the process "
+            f"group was killed.\nprocess tree at timeout:\n{tree_desc or '  (none)'}"
+            f"\n--- child stdout so far ---\n{out}\n--- child stderr so far ---\n{err}"
+        ) from None
+    except BaseException:
+        _kill_group(pgid)
+        proc.wait()
+        raise
+
+    stragglers = _group_members(pgid)
+    if stragglers:
+        _kill_group(pgid, stragglers)
+        _wait_dead(stragglers, 5)
+    result = subprocess.CompletedProcess(args, proc.returncode, out, err)
+    result.stragglers = [p.pid for p in stragglers]  # type: ignore[attr-defined]
+    return result
+
+
+# --------------------------------------------------------------------------
+# Leak detection
+# --------------------------------------------------------------------------
+
+def live_children(pid: int | None = None) -> list[psutil.Process]:
+    """Every descendant of ``pid`` (default: this process), recursively.
+
+    Zombies (exited but not yet reaped) are included: they are children
+    nobody joined.
+    """
+    try:
+        return psutil.Process(os.getpid() if pid is None else pid).children(
+            recursive=True
+        )
+    except psutil.NoSuchProcess:
+        return []
+
+
+def shm_entries() -> set[str]:
+    """Names currently in ``/dev/shm`` (empty if it does not exist)."""
+    try:
+        return set(os.listdir(SHM_DIR))
+    except FileNotFoundError:
+        return set()
+
+
+def _cmdline(p: psutil.Process) -> str:
+    try:
+        return " ".join(p.cmdline()) or p.name()
+    except psutil.Error:
+        return "?"
+
+
+def _is_infrastructure(p: psutil.Process, markers: Iterable[str]) -> bool:
+    cmd = _cmdline(p)
+    return any(m in cmd for m in markers)
+
+
+def _key(p: psutil.Process):
+    try:
+        return (p.pid, p.create_time())
+    except psutil.Error:
+        return (p.pid, None)
+
+
+def wait_no_leaks(
+    before_children_pids: Iterable[int],
+    before_shm: Iterable[str],
+    grace: float = 5.0,
+    *,
+    ignore: Iterable[str] = INFRASTRUCTURE_MARKERS,
+    pid: int | None = None,
+) -> tuple[list[psutil.Process], set[str]]:
+    """Wait up to ``grace`` seconds for new descendants and shm entries to go.
+
+    ``before_children_pids`` and ``before_shm`` are snapshots taken earlier
+    with :func:`live_children` and :func:`shm_entries`.  A process or
+    ``/dev/shm`` entry is *leaked* if it is new and stays present through every
+    poll until the grace period ends; something that appears only after the
+    first poll (another program's short-lived segment, say) is not blamed.
+    Descendants whose command line contains one of ``ignore`` (Python's
+    resource tracker and forkserver, torch's shm manager) are never leaks.
+
+    Returns ``(leaked_processes, leaked_shm_names)``; both empty when clean.
+    """
+    before_pids = set(before_children_pids)
+    before_names = set(before_shm)
+    ignore = tuple(ignore)
+    deadline = time.monotonic() + max(0.0, grace)
+    delay = 0.02
+    cand_procs: dict | None = None
+    cand_shm: set[str] | None = None
+    while True:
+        procs = {
+            _key(p): p
+            for p in live_children(pid)
+            if p.pid not in before_pids and not _is_infrastructure(p, ignore)
+        }
+        names = shm_entries() - before_names
+        if cand_procs is None:
+            cand_procs, cand_shm = procs, names
+        else:
+            cand_procs = {k: v for k, v in cand_procs.items() if k in procs}
+            cand_shm &= names
+        if not cand_procs and not cand_shm:
+            return [], set()
+        if time.monotonic() >= deadline:
+            return list(cand_procs.values()), set(cand_shm)
+        if cand_procs:
+            # Finished multiprocessing children become zombies until someone
+            # polls them; active_children() reaps ours without side effects.
+            multiprocessing.active_children()
+        time.sleep(min(delay, max(0.0, deadline - time.monotonic())))
+        delay = min(delay * 2, 0.25)
+
+
+def describe_processes(procs: Iterable[psutil.Process]) -> str:
+    """One line per process: pid, parent, status, name and command line.
+
+    A forked worker shares its parent's command line; its name (torch's
+    workers call themselves ``pt_data_worker``) tells them apart.
+    """
+    lines = []
+    for p in procs:
+        try:
+            with p.oneshot():
+                status, name, ppid = p.status(), p.name(), p.ppid()
+        except psutil.Error:
+            status, name, ppid = "gone", "?", "?"
+        lines.append(f"  pid {p.pid} (parent {ppid}) [{status}] {name}: {_cmdline(p)}")
+    return "\n".join(lines)
+
+
+def kill_processes(procs: Iterable[psutil.Process], timeout: float = 5.0) -> None:
+    """SIGKILL ``procs`` and their descendants and wait for them to exit."""
+    victims: dict[int, psutil.Process] = {}
+    for p in procs:
+        try:
+            for c in p.children(recursive=True):
+                victims.setdefault(c.pid, c)
+        except psutil.Error:
+            pass
+        victims.setdefault(p.pid, p)
+    for p in victims.values():
+        try:
+            p.kill()
+        except psutil.Error:
+            pass
+    _wait_dead(victims.values(), timeout)
+    multiprocessing.active_children()  # reap multiprocessing children we own
+
+
+def _wait_dead(procs: Iterable[psutil.Process], timeout: float) -> None:
+    """Wait until every process has exited (zombies count as exited).
+
+    Unlike ``psutil.wait_procs`` this never reaps: reaping a child behind the
+    back of the ``multiprocessing.Process`` that owns it makes that object
+    believe the child is alive forever.
+    """
+    pending = list(procs)
+    deadline = time.monotonic() + timeout
+    while pending and time.monotonic() < deadline:
+        still = []
+        for p in pending:
+            try:
+                if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
+                    still.append(p)
+            except psutil.Error:
+                pass
+        pending = still
+        if pending:
+            time.sleep(0.02)

@@ -1,0 +1,61 @@
+"""Suite-wide fixtures.
+
+Every test runs under a leak check: worker processes (any descendant of the
+pytest process) and ``/dev/shm`` entries that appear during the test must be
+gone shortly after it ends.  Leaked processes are killed so later tests start
+clean, and the test is failed (reported as an error at its teardown) with the
+leaked pids, command lines and shm names.
+
+``COORDL_LEAK_GRACE`` (seconds, default 5) sets how long teardown waits for
+stragglers to exit before calling them leaked.
+"""
+from __future__ import annotations
+
+import gc
+import os
+
+import pytest
+
+from coordl.testing import (
+    describe_processes,
+    kill_processes,
+    live_children,
+    shm_entries,
+    wait_no_leaks,
+)
+
+LEAK_GRACE = float(os.environ.get("COORDL_LEAK_GRACE", "5"))
+
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers",
+        "allow_leaks: skip the per-test check for leaked processes and /dev/shm entries",
+    )
+
+
+@pytest.fixture(autouse=True)
+def _no_leaked_processes_or_shm(request):
+    if request.node.get_closest_marker("allow_leaks"):
+        yield
+        return
+    before_pids = {p.pid for p in live_children()}
+    before_shm = shm_entries()
+    yield
+    procs, shm = wait_no_leaks(before_pids, before_shm, grace=0)
+    if procs or shm:
+        # Iterators caught in reference cycles shut their workers down only
+        # when collected: collect now rather than blame a later test.  (A full
+        # collection costs ~0.1 s with torch loaded, so only when needed.)
+        gc.collect()
+        procs, shm = wait_no_leaks(before_pids, before_shm, grace=LEAK_GRACE)
+    if not procs and not shm:
+        return
+    report = [f"test leaked resources (still present {LEAK_GRACE:g} s after it ended):"]
+    if procs:
+        report.append(f"processes (pids {sorted(p.pid for p in procs)}):")
+        report.append(describe_processes(procs))
+        kill_processes(procs)
+    if shm:
+        report.append(f"/dev/shm entries: {sorted(shm)}")
+    pytest.fail("\n".join(report), pytrace=False)

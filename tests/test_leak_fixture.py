@@ -1,0 +1,304 @@
+"""The leak-detection helpers and the autouse fixture built on them do catch leaks."""
+from __future__ import annotations
+
+import multiprocessing
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import psutil
+import pytest
+
+from coordl.testing import (
+    SHM_DIR,
+    kill_processes,
+    live_children,
+    run_in_child,
+    shm_entries,
+    wait_no_leaks,
+)
+
+SLEEPER = [sys.executable, "-c", "import time; time.sleep(120)"]
+
+needs_shm = pytest.mark.skipif(not os.path.isdir(SHM_DIR), reason="no /dev/shm")
+
+
+def _gone(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def _snapshot():
+    return {p.pid for p in live_children()}, shm_entries()
+
+
+def _shm_name() -> str:
+    return f"coordl-test-{os.getpid()}-{uuid.uuid4().hex}"
+
+
+# -- processes ----------------------------------------------------------------
+
+def test_live_children_and_wait_no_leaks_report_a_sleeping_child():
+    before_pids, before_shm = _snapshot()
+    child = subprocess.Popen(SLEEPER)
+    try:
+        assert child.pid in {p.pid for p in live_children()}
+        t0 = time.monotonic()
+        procs, shm = wait_no_leaks(before_pids, before_shm, grace=0.5)
+        assert time.monotonic() - t0 >= 0.5  # it did wait for the grace period
+        assert [p.pid for p in procs] == [child.pid]
+        assert shm == set()
+    finally:
+        child.kill()
+        child.wait()
+    assert wait_no_leaks(before_pids, before_shm, grace=2) == ([], set())
+
+
+def test_live_children_is_recursive():
+    code = (
+        "import subprocess, sys, time\n"
+        f"g = subprocess.Popen({SLEEPER!r})\n"
+        "print(g.pid, flush=True)\n"
+        "time.sleep(120)\n"
+    )
+    before_pids, before_shm = _snapshot()
+    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        grandchild = int(child.stdout.readline())
+        assert {child.pid, grandchild} <= {p.pid for p in live_children()}
+        assert [p.pid for p in live_children(child.pid)] == [grandchild]
+        procs, _ = wait_no_leaks(before_pids, before_shm, grace=0.2)
+        assert {p.pid for p in procs} == {child.pid, grandchild}
+        kill_processes(procs)
+        assert _gone(child.pid) and _gone(grandchild)
+    finally:
+        child.kill()
+        child.wait()
+        child.stdout.close()
+    assert wait_no_leaks(before_pids, before_shm, grace=2) == ([], set())
+
+
+def _sleep_briefly():
+    time.sleep(0.3)
+
+
+def test_wait_no_leaks_waits_for_children_that_exit_within_grace():
+    before_pids, before_shm = _snapshot()
+    proc = multiprocessing.get_context("fork").Process(target=_sleep_briefly)
+    proc.start()
+    t0 = time.monotonic()
+    # Never joined by us: wait_no_leaks reaps finished multiprocessing children.
+    assert wait_no_leaks(before_pids, before_shm, grace=10) == ([], set())
+    assert time.monotonic() - t0 < 5
+    proc.join()
+
+
+def test_unreaped_child_is_reported_as_zombie_leak():
+    before_pids, before_shm = _snapshot()
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    try:
+        procs, _ = wait_no_leaks(before_pids, before_shm, grace=1.0)
+        assert [p.pid for p in procs] == [child.pid]
+        assert procs[0].status() == psutil.STATUS_ZOMBIE
+    finally:
+        child.wait()
+    assert wait_no_leaks(before_pids, before_shm, grace=1) == ([], set())
+
+
+def test_infrastructure_processes_are_not_leaks():
+    before_pids, before_shm = _snapshot()
+    # Its command line carries a marker of Python's resource tracker.
+    fake = subprocess.Popen(
+        [sys.executable, "-c", "import time; time.sleep(120)  # multiprocessing.resource_tracker"]
+    )
+    try:
+        assert wait_no_leaks(before_pids, before_shm, grace=0.2) == ([], set())
+        procs, _ = wait_no_leaks(before_pids, before_shm, grace=0.2, ignore=())
+        assert [p.pid for p in procs] == [fake.pid]
+    finally:
+        fake.kill()
+        fake.wait()
+
+
+# -- /dev/shm -------------------------------------------------------------------
+
+@needs_shm
+def test_shm_entry_is_reported_until_removed():
+    before_pids, before_shm = _snapshot()
+    name = _shm_name()
+    path = os.path.join(SHM_DIR, name)
+    with open(path, "wb") as f:
+        f.write(b"x")
+    try:
+        assert name in shm_entries()
+        procs, shm = wait_no_leaks(before_pids, before_shm, grace=0.3)
+        assert procs == []
+        assert name in shm
+    finally:
+        os.unlink(path)
+    assert name not in shm_entries()
+    procs, shm = wait_no_leaks(before_pids, before_shm, grace=0.3)
+    assert name not in shm
+
+
+@needs_shm
+def test_shm_entry_removed_during_grace_is_not_a_leak():
+    before_pids, before_shm = _snapshot()
+    path = os.path.join(SHM_DIR, _shm_name())
+    open(path, "wb").close()
+    remover = threading.Timer(0.3, os.unlink, args=(path,))
+    remover.start()
+    try:
+        t0 = time.monotonic()
+        assert wait_no_leaks(before_pids, before_shm, grace=10) == ([], set())
+        assert time.monotonic() - t0 < 5
+    finally:
+        remover.join()
+
+
+@needs_shm
+def test_shm_entry_created_after_first_poll_is_not_blamed():
+    before_pids, before_shm = _snapshot()
+    name = _shm_name()
+    path = os.path.join(SHM_DIR, name)
+    creator = threading.Timer(0.2, lambda: open(path, "wb").close())
+    creator.start()
+    try:
+        _, shm = wait_no_leaks(before_pids, before_shm, grace=0.6)
+        assert name not in shm
+    finally:
+        creator.join()
+        os.unlink(path)
+
+
+# -- run_in_child -------------------------------------------------------------------
+
+def test_run_in_child_returns_completed_process():
+    res = run_in_child(
+        "import sys, importlib.util as u\n"
+        "print(u.find_spec('coordl').submodule_search_locations[0])\n"
+        "print('err', file=sys.stderr)\n"
+        "sys.exit(3)\n",
+        timeout=30,
+    )
+    assert res.returncode == 3
+    # The child imports the same coordl as this process, wherever it started.
+    import coordl
+    assert res.stdout == os.path.dirname(coordl.__file__) + "\n"
+    assert res.stderr == "err\n"
+    assert res.stragglers == []
+
+
+def test_run_in_child_passes_env():
+    res = run_in_child(
+        "import os; print(os.environ['COORDL_PROBE'])",
+        env={**os.environ, "COORDL_PROBE": "hello"},
+        timeout=30,
+    )
+    assert res.returncode == 0 and res.stdout == "hello\n"
+
+
+def test_run_in_child_timeout_kills_the_whole_group():
+    code = (
+        "import subprocess, sys, time\n"
+        f"g = subprocess.Popen({SLEEPER!r})\n"
+        "print('grandchild', g.pid, flush=True)\n"
+        "print('stuck', file=sys.stderr, flush=True)\n"
+        "time.sleep(120)\n"
+    )
+    t0 = time.monotonic()
+    with pytest.raises(AssertionError) as info:
+        run_in_child(code, timeout=3)
+    assert time.monotonic() - t0 < 20
+    msg = str(info.value)
+    assert "timed out after 3 s" in msg
+    assert "stuck" in msg  # stderr so far
+    grandchild = int(msg.split("grandchild ", 1)[1].split()[0])  # stdout so far
+    deadline = time.monotonic() + 5
+    while not _gone(grandchild) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _gone(grandchild)
+
+
+def test_run_in_child_kills_stragglers_left_in_its_group():
+    code = (
+        "import subprocess\n"
+        f"g = subprocess.Popen({SLEEPER!r}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)\n"
+        "print(g.pid)\n"
+    )
+    res = run_in_child(code, timeout=30)
+    pid = int(res.stdout)
+    assert res.returncode == 0
+    assert res.stragglers == [pid]
+    assert _gone(pid)
+
+
+# -- the autouse fixture itself, exercised in an inner pytest run -------------
+
+INNER_TESTS = '''
+import os, subprocess, sys
+
+def test_leaks_a_process():
+    p = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    with open(os.environ["PIDFILE"], "w") as f:
+        f.write(str(p.pid))
+
+def test_leaks_shm():
+    open(os.path.join("/dev/shm", os.environ["SHM_NAME"]), "wb").close()
+
+def test_clean():
+    subprocess.run([sys.executable, "-c", "pass"], check=True)
+'''
+
+
+@needs_shm
+def test_autouse_fixture_fails_leaking_tests_and_kills_leaked_processes(tmp_path: Path):
+    inner = tmp_path / "inner"
+    inner.mkdir()
+    shutil.copy(Path(__file__).with_name("conftest.py"), inner / "conftest.py")
+    (inner / "test_inner.py").write_text(INNER_TESTS)
+    (inner / "pytest.ini").write_text("[pytest]\n")
+    pidfile = tmp_path / "pid"
+    shm_name = _shm_name()
+    env = {
+        **os.environ,
+        "PIDFILE": str(pidfile),
+        "SHM_NAME": shm_name,
+        "COORDL_LEAK_GRACE": "0.5",
+    }
+    code = textwrap.dedent(
+        f"""
+        import sys, pytest
+        sys.exit(pytest.main(["-q", "-p", "no:cacheprovider", "-c", {str(inner / 'pytest.ini')!r},
+                              "--rootdir", {str(inner)!r}, {str(inner)!r}]))
+        """
+    )
+    try:
+        res = run_in_child(code, timeout=120, env=env)
+    finally:
+        shm_path = os.path.join(SHM_DIR, shm_name)
+        shm_existed = os.path.exists(shm_path)
+        if shm_existed:
+            os.unlink(shm_path)
+    out = res.stdout + res.stderr
+    leaked_pid = int(pidfile.read_text())
+    assert res.returncode == 1, out
+    assert "3 passed, 2 errors" in out, out
+    assert "ERROR at teardown of test_leaks_a_process" in out, out
+    assert "ERROR at teardown of test_leaks_shm" in out, out
+    assert "test_clean" not in out.split("short test summary", 1)[-1], out
+    assert f"pids [{leaked_pid}]" in out, out
+    assert "time.sleep(120)" in out, out  # the command line is named
+    assert shm_name in out, out
+    assert shm_existed  # the fixture reports shm leaks but does not delete them
+    # The fixture killed the leaked process itself; run_in_child found nothing left.
+    assert res.stragglers == []
+    assert _gone(leaked_pid)
