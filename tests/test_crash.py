@@ -66,16 +66,9 @@ def test_worker_exiting_mid_batch_raises():
     assert r.stdout.startswith("RAISED True"), r.stdout
 
 
-def test_resume_in_new_process_after_kill():
-    """Train loop killed with SIGKILL after saving state; a new process resumes
-    and the union of batches equals one uninterrupted epoch, each sample once."""
-    r = _child("""
-        import os, pickle, signal, subprocess, sys, tempfile
-        import torch
-        path = tempfile.mktemp(suffix=".pt")
-        victim = '''
+VICTIM = """
 import os, signal, sys, torch
-sys.path.insert(0, %r)
+sys.path.insert(0, sys.argv[1])
 from coordl import DataLoader
 from toydata import TwoStageToy
 L = DataLoader(TwoStageToy(60), batch_size=4, shuffle=True, seed=3, num_workers=2)
@@ -83,20 +76,29 @@ seen = []
 for k, (x, y) in enumerate(L):
     seen.append(x[:, 0].tolist())
     if k == 6:
-        torch.save({"loader": L.state_dict(), "seen": seen}, %r)
+        torch.save({"loader": L.state_dict(), "seen": seen}, sys.argv[2])
         os.kill(os.getpid(), signal.SIGKILL)
-''' % (sys.path[0], path)
-        p = subprocess.run([sys.executable, "-c", victim], timeout=60)
-        print("killed", p.returncode == -signal.SIGKILL)
-        ck = torch.load(path)
-        os.unlink(path)
+"""
+
+
+def test_resume_in_new_process_after_kill(tmp_path):
+    """Training killed with SIGKILL right after saving state; a new process
+    resumes, and the batches before and after equal one uninterrupted epoch."""
+    ckpt = tmp_path / "ckpt.pt"
+    r = run_in_child(
+        f"import subprocess, sys; p = subprocess.run([sys.executable, '-c', {VICTIM!r}, {HERE!r}, "
+        f"{str(ckpt)!r}], timeout=60); print('rc', p.returncode)", timeout=90)
+    assert "rc -9" in r.stdout, r.stdout + r.stderr
+    r = _child(f"""
+        import torch
         from coordl import DataLoader
         from toydata import TwoStageToy
+        ck = torch.load({str(ckpt)!r})
         L = DataLoader(TwoStageToy(60), batch_size=4, shuffle=True, seed=3, num_workers=2)
         L.load_state_dict(ck["loader"])
         rest = [x[:, 0].tolist() for x, y in L]
         ref = [x[:, 0].tolist() for x, y in DataLoader(TwoStageToy(60), batch_size=4, shuffle=True, seed=3)]
-        print("exact", ck["seen"] + rest == ref)
-    """, timeout=120)
+        print("exact", ck["seen"] + rest == ref, len(ck["seen"]))
+    """)
     assert r.returncode == 0, r.stderr
-    assert "killed True" in r.stdout and "exact True" in r.stdout, r.stdout + r.stderr
+    assert "exact True 7" in r.stdout, r.stdout + r.stderr
