@@ -64,27 +64,35 @@ class Fetched:
 class Envelope:
     """A collated batch travelling from a worker to the main process."""
 
-    __slots__ = ("batch", "epoch", "samples", "nbytes", "fetch_s", "prep_s", "skips")
+    __slots__ = ("batch", "epoch", "samples", "nbytes", "fetch_s", "prep_s", "skips",
+                 "from_cache", "bytes_cache", "from_peers", "bytes_peers")
 
-    def __init__(self, batch, epoch, samples, nbytes, fetch_s, prep_s, skips) -> None:
+    def __init__(self, batch, epoch, samples, nbytes, fetch_s, prep_s, skips,
+                 from_cache=0, bytes_cache=0, from_peers=0, bytes_peers=0) -> None:
         self.batch = batch
         self.epoch = epoch
-        self.samples = samples
-        self.nbytes = nbytes
+        self.samples = samples          # samples in the batch
+        self.nbytes = nbytes            # raw bytes read from storage
         self.fetch_s = fetch_s
         self.prep_s = prep_s
         self.skips = skips
+        self.from_cache = from_cache    # samples whose bytes came from the node cache
+        self.bytes_cache = bytes_cache
+        self.from_peers = from_peers
+        self.bytes_peers = bytes_peers
+
+    def _fields(self):
+        return tuple(getattr(self, k) for k in self.__slots__)
 
     def __reduce__(self):
-        return (Envelope, (self.batch, self.epoch, self.samples, self.nbytes,
-                           self.fetch_s, self.prep_s, self.skips))
+        return (Envelope, self._fields())
 
     def pin_memory(self, device=None) -> "Envelope":
         # torch's pin-memory thread calls this (it pins anything with a
         # pin_memory method); pin the payload, keep the counters.
-        batch = None if self.batch is None else _pin(self.batch)
-        return Envelope(batch, self.epoch, self.samples, self.nbytes,
-                        self.fetch_s, self.prep_s, self.skips)
+        f = list(self._fields())
+        f[0] = None if self.batch is None else _pin(self.batch)
+        return Envelope(*f)
 
 
 class TwoStageFetch(torch.utils.data.Dataset):

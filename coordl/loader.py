@@ -189,7 +189,11 @@ class _LoaderIter:
         b = counters.bucket(env.epoch if env.epoch >= 0 else self._epoch)
         if env.epoch >= 0:  # two-stage: coordl did the reading
             b["bytes_from_storage"] += env.nbytes
-            b["samples_from_storage"] += env.samples
+            b["samples_from_storage"] += env.samples - env.from_cache - env.from_peers
+            b["bytes_from_cache"] += env.bytes_cache
+            b["samples_from_cache"] += env.from_cache
+            b["bytes_from_peers"] += env.bytes_peers
+            b["samples_from_peers"] += env.from_peers
         if env.skips:
             b["skipped"] += len(env.skips)
             for index, where, err in env.skips:
@@ -283,6 +287,8 @@ class DataLoader(_TorchDataLoader):
         on_error: str = "raise",
         rank: int | None = None,
         world_size: int | None = None,
+        read_ahead: int | str = "64MiB",
+        fetch_threads: int = 8,
     ) -> None:
         super().__init__(
             dataset, batch_size, shuffle, sampler, batch_sampler, num_workers, collate_fn,
@@ -299,6 +305,13 @@ class DataLoader(_TorchDataLoader):
         if self._device is not None and self._device.type == "cuda" and not self.pin_memory:
             self.pin_memory = True  # stage through pinned memory for async copies
         self._on_error = on_error
+        self._read_ahead = parse_size(read_ahead, "read_ahead")
+        if self._read_ahead < 1:
+            raise ValueError(f"read_ahead should be a positive size like \"64MiB\", but got read_ahead={read_ahead!r}")
+        if isinstance(fetch_threads, bool) or not isinstance(fetch_threads, int) or fetch_threads < 1:
+            raise ValueError(f"fetch_threads should be a positive int, but got fetch_threads={fetch_threads!r}")
+        self._fetch_threads = fetch_threads
+        self._pool = None
 
         iterable = self._dataset_kind == _DatasetKind.Iterable
         user_sampler = sampler is not None or batch_sampler is not None
@@ -335,6 +348,8 @@ class DataLoader(_TorchDataLoader):
         ):
             self._fetch_dataset = TensorBatchFetch(dataset.tensors)
             self._fetch_collate = passthrough_collate
+        # coordl's own fetch/prep pipeline runs two-stage datasets in plan order
+        self._use_pipeline = two_stage and self._plan is not None
         self._pass = _Pass()
         self._pass_sampler = _PassSampler(self)
         self._counters = Counters()
@@ -494,11 +509,36 @@ class DataLoader(_TorchDataLoader):
         p.active = True
         self._counters.epoch = epoch
         self._counters.bucket(epoch)
-        inner = super().__iter__()
+        inner = self._pipeline_iter(epoch, start) if self._use_pipeline else super().__iter__()
         ff = start if self._dataset_kind == _DatasetKind.Iterable else 0
         it = _LoaderIter(self, inner, epoch, ff)
         p.owner = weakref.ref(it)
         return it
+
+    def _pipeline_iter(self, epoch: int, start: int):
+        from ._pipeline import InlineIter, PipelineIter, WorkerPool
+
+        W = self.num_workers
+        cfg = dict(
+            seed=self._seed, on_error=self._on_error, collate_fn=self.collate_fn,
+            batch_size=self.batch_size, prefetch=self.prefetch_factor or 2,
+            fetch_threads=self._fetch_threads, budget=max(1 << 20, self._read_ahead // max(1, W)),
+            worker_init_fn=self.worker_init_fn,
+        )
+        if W == 0:
+            return InlineIter(self.dataset, cfg, self._plan, epoch, start)
+        pool = self._pool
+        if pool is None or pool.closed:
+            cfg["base_seed"] = int(torch.empty((), dtype=torch.int64).random_(generator=self.generator).item())
+            ctx = self.multiprocessing_context
+            if ctx is None:
+                import multiprocessing
+                ctx = multiprocessing.get_context()
+            pool = WorkerPool(self.dataset, cfg, W, ctx, timeout=self.timeout)
+            if self.persistent_workers:
+                self._pool = pool
+        return PipelineIter(pool, self._plan, epoch, start, self.in_order,
+                            owns_pool=not self.persistent_workers)
 
     def _get_iterator(self):
         if self._fetch_dataset is None:
@@ -537,6 +577,9 @@ class DataLoader(_TorchDataLoader):
         if self._iterator is not None:  # persistent workers hold the old seed
             self._iterator._shutdown_workers()
             self._iterator = None
+        if self._pool is not None:
+            self._pool.shutdown()
+            self._pool = None
 
     def _rng_generators(self) -> list[torch.Generator]:
         gens: list[torch.Generator] = []

@@ -1,0 +1,194 @@
+"""Collating samples straight into a batch buffer (a shared-memory slot).
+
+``default_collate`` builds per-sample tensors and then stacks them into a new
+allocation.  When every sample has the same structure of fixed-shape leaves
+(tensors, numpy arrays, Python numbers), the batch layout is known from the
+first sample: each leaf becomes a ``[batch, *shape]`` region of one buffer, and
+each sample is copied into its row as soon as it is prepared, in any order.
+The result is what ``default_collate`` returns (same types, dtypes, shapes and
+values: tuples become lists, namedtuples and dicts keep their type); a test
+checks that.  Anything else (strings, ragged shapes, a custom ``collate_fn``)
+takes the copy path: samples are kept and collated at the end.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+__all__ = ["Layout", "layout_of", "write_row", "build"]
+
+_ALIGN = 64
+
+
+class _Leaf:
+    __slots__ = ("dtype", "shape", "offset", "nbytes", "kind")
+
+    def __init__(self, dtype: torch.dtype, shape: tuple, kind: str) -> None:
+        self.dtype = dtype
+        self.shape = shape
+        self.kind = kind  # "tensor", "numpy", "int", "float", "bool"
+        self.offset = 0
+        self.nbytes = 0
+
+
+class Layout:
+    """Where each leaf of a batch of ``batch_size`` samples lives in a buffer.
+
+    Picklable and small: it travels with every batch message.
+    """
+
+    __slots__ = ("template", "leaves", "batch_size", "nbytes")
+
+    def __init__(self, template, leaves: list[_Leaf], batch_size: int) -> None:
+        self.template = template
+        self.leaves = leaves
+        self.batch_size = batch_size
+        off = 0
+        for leaf in leaves:
+            off = (off + _ALIGN - 1) // _ALIGN * _ALIGN
+            leaf.offset = off
+            per = int(np.prod(leaf.shape, dtype=np.int64)) * _itemsize(leaf.dtype)
+            leaf.nbytes = per * batch_size
+            off += leaf.nbytes
+        self.nbytes = max(off, 1)
+
+    def __getstate__(self):
+        return (self.template, [(l.dtype, l.shape, l.kind) for l in self.leaves], self.batch_size)
+
+    def __setstate__(self, state) -> None:
+        template, leaves, bs = state
+        self.__init__(template, [_Leaf(*x) for x in leaves], bs)
+
+    def with_batch_size(self, n: int) -> "Layout":
+        return Layout(self.template, [_Leaf(l.dtype, l.shape, l.kind) for l in self.leaves], n)
+
+    def matches(self, sample) -> bool:
+        """True when ``sample`` has exactly this layout's structure and shapes."""
+        try:
+            leaves: list = []
+            template = _flatten(sample, leaves)
+        except _Unsupported:
+            return False
+        if template != self.template or len(leaves) != len(self.leaves):
+            return False
+        return all(_describe(x)[:2] == (l.dtype, l.shape) for x, l in zip(leaves, self.leaves))
+
+
+class _Unsupported(Exception):
+    pass
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def _describe(x) -> tuple[torch.dtype, tuple, str]:
+    if isinstance(x, torch.Tensor):
+        if x.is_sparse or x.layout != torch.strided or x.device.type != "cpu":
+            raise _Unsupported
+        return x.dtype, tuple(x.shape), "tensor"
+    if isinstance(x, np.ndarray):
+        if x.dtype.kind not in "biufc":
+            raise _Unsupported
+        return torch.from_numpy(np.empty(0, dtype=x.dtype)).dtype, tuple(x.shape), "numpy"
+    if isinstance(x, bool):
+        return torch.bool, (), "bool"
+    if isinstance(x, int):
+        return torch.int64, (), "int"
+    if isinstance(x, float):
+        return torch.float64, (), "float"
+    raise _Unsupported
+
+
+def _flatten(x, leaves: list):
+    """Structure template of ``x`` (hashable, comparable); leaves appended in order."""
+    if isinstance(x, (torch.Tensor, np.ndarray, bool, int, float)):
+        leaves.append(x)
+        return "*"
+    if isinstance(x, tuple) and hasattr(x, "_fields"):
+        return ("namedtuple", type(x), tuple(_flatten(v, leaves) for v in x))
+    if isinstance(x, tuple):
+        return ("tuple", tuple(_flatten(v, leaves) for v in x))
+    if type(x) is list:
+        return ("list", tuple(_flatten(v, leaves) for v in x))
+    if type(x) is dict:
+        keys = tuple(x.keys())
+        return ("dict", keys, tuple(_flatten(x[k], leaves) for k in keys))
+    raise _Unsupported
+
+
+def layout_of(sample, batch_size: int) -> Layout | None:
+    """The in-place layout for samples like ``sample``, or None (copy path)."""
+    leaves: list = []
+    try:
+        template = _flatten(sample, leaves)
+        described = [_describe(x) for x in leaves]
+    except _Unsupported:
+        return None
+    if not leaves:
+        return None
+    return Layout(template, [_Leaf(*d) for d in described], batch_size)
+
+
+def views(layout: Layout, buf: np.ndarray, rows: int | None = None) -> list[torch.Tensor]:
+    """One tensor per leaf over ``buf`` (a uint8 numpy array), ``rows`` rows each."""
+    n = layout.batch_size if rows is None else rows
+    out = []
+    for leaf in layout.leaves:
+        per = leaf.nbytes // layout.batch_size if layout.batch_size else 0
+        region = buf[leaf.offset:leaf.offset + per * n]
+        t = torch.from_numpy(region).view(leaf.dtype) if per else torch.empty((0,), dtype=leaf.dtype)
+        out.append(t.view((n,) + leaf.shape))
+    return out
+
+
+def write_row(layout: Layout, targets: list[torch.Tensor], row: int, sample) -> None:
+    """Copy ``sample``'s leaves into row ``row`` of the leaf tensors."""
+    leaves: list = []
+    _flatten(sample, leaves)
+    for t, x in zip(targets, leaves):
+        if isinstance(x, torch.Tensor):
+            t[row].copy_(x)
+        elif isinstance(x, np.ndarray):
+            t[row].copy_(torch.from_numpy(np.ascontiguousarray(x)))
+        else:
+            t[row] = x
+
+
+def rows_as_samples(layout: Layout, targets: list[torch.Tensor], rows) -> list:
+    """Samples rebuilt (cloned) from written rows, for a switch to the copy path."""
+    out = []
+    for r in rows:
+        it = iter([t[r].clone() for t in targets])
+        out.append(_unflatten(layout.template, it, as_sample=True))
+    return out
+
+
+def build(template, leaves: list[torch.Tensor]) -> Any:
+    """The collated batch: ``default_collate``'s structure over ``leaves``."""
+    it = iter(leaves)
+    return _unflatten(template, it)
+
+
+def _unflatten(tpl, it, as_sample: bool = False):
+    if tpl == "*":
+        return next(it)
+    kind = tpl[0]
+    if kind == "namedtuple":
+        return tpl[1](*(_unflatten(t, it, as_sample) for t in tpl[2]))
+    if kind == "tuple" and as_sample:
+        return tuple(_unflatten(t, it, as_sample) for t in tpl[1])
+    if kind in ("tuple", "list"):  # default_collate turns tuples into lists
+        return [_unflatten(t, it, as_sample) for t in tpl[1]]
+    if kind == "dict":
+        return {k: _unflatten(t, it, as_sample) for k, t in zip(tpl[1], tpl[2])}
+    raise AssertionError(tpl)
+
+
+def is_default_collate(fn) -> bool:
+    from torch.utils.data._utils.collate import default_collate as dc
+
+    return fn is None or fn is dc or fn is torch.utils.data.default_collate
+

@@ -1,0 +1,304 @@
+"""The fetch + prep engine of one worker (or of the main process when
+``num_workers=0``).  One implementation, placed by the loader.
+
+A worker owns a fixed share of every epoch: batch ``k`` of a pass that starts
+at batch ``start`` belongs to worker ``(k - start) % num_workers``.  Since the
+plan is a pure function, the worker computes its own batches from the pass
+parameters; main never sends indices.
+
+Event loop (all events arrive on one ``queue.Queue``)::
+
+    fetch threads ----Fetched(key=(pass, pos, j))----+
+    control (main) ---("pass"|"consumed"|"free"|"stop")--> Engine.handle
+                                                     |
+    Engine.pump: prepare ready samples of batches inside the window
+                 [first unconsumed, + prefetch), lowest batch first, writing
+                 each into its row of the batch's slot; emit finished batches.
+
+Samples complete out of order (a slow read holds up only its own batch); the
+main process puts batches back in plan order.
+"""
+from __future__ import annotations
+
+import heapq
+import queue
+import time
+import traceback
+from typing import Callable
+
+import numpy as np
+import torch
+
+from . import _collate
+from ._rng import sample_rng
+from .errors import SampleError
+from .fetch import Fetched, Fetcher
+from .plan import EpochPlan
+from .protocol import describe
+
+__all__ = ["Engine", "BatchStats"]
+
+
+class BatchStats:
+    """Counters that travel with a batch (picklable, small)."""
+
+    __slots__ = ("nbytes", "fetch_s", "prep_s", "samples", "skips", "from_cache", "bytes_cache",
+                 "from_peers", "bytes_peers")
+
+    def __init__(self) -> None:
+        self.nbytes = 0
+        self.fetch_s = 0.0
+        self.prep_s = 0.0
+        self.samples = 0
+        self.skips: list = []
+        self.from_cache = 0
+        self.bytes_cache = 0
+        self.from_peers = 0
+        self.bytes_peers = 0
+
+    def __getstate__(self):
+        return tuple(getattr(self, k) for k in self.__slots__)
+
+    def __setstate__(self, st) -> None:
+        for k, v in zip(self.__slots__, st):
+            setattr(self, k, v)
+
+
+class _Builder:
+    """One batch being assembled, rows in plan order, samples in any order."""
+
+    __slots__ = ("k", "indices", "n", "done", "layout", "slot", "targets", "samples",
+                 "ok", "stats", "copy")
+
+    def __init__(self, k: int, indices: list[int], copy: bool) -> None:
+        self.k = k
+        self.indices = indices
+        self.n = len(indices)
+        self.done = 0
+        self.layout = None
+        self.slot = None
+        self.targets = None
+        self.samples: list | None = [None] * self.n if copy else None
+        self.ok = [False] * self.n
+        self.stats = BatchStats()
+        self.copy = copy
+
+
+class Engine:
+    """Fetches and prepares the batches of one worker.
+
+    ``emit(kind, *payload)`` hands results out: ``("batch", k, slot, layout,
+    rows, stats)``, ``("obj", k, batch, stats)``, ``("empty", k, stats)`` or
+    ``("error", k, message)``.  ``slots`` provides batch buffers:
+    ``acquire(nbytes) -> (slot_id, uint8 ndarray)``.
+    """
+
+    def __init__(self, dataset, *, seed: int, on_error: str, collate_fn, batch_size,
+                 prefetch: int, fetch_threads: int, budget_bytes: int, slots, emit: Callable,
+                 worker_id: int = 0, read: Callable | None = None) -> None:
+        self.dataset = dataset
+        self.seed = seed
+        self.on_error = on_error
+        self.collate_fn = collate_fn
+        self.in_place = _collate.is_default_collate(collate_fn) and batch_size is not None
+        self.batch_size = batch_size
+        self.prefetch = max(1, prefetch)
+        self.fetch_threads = fetch_threads
+        self.budget = budget_bytes
+        self.slots = slots
+        self.emit = emit
+        self.worker_id = worker_id
+        self.q: queue.Queue = queue.Queue()
+        self._read = read or (lambda i: (dataset.raw(i), "storage"))
+        sizes = getattr(dataset, "sizes", None)
+        self._size_of = (lambda i: int(sizes[i])) if isinstance(sizes, np.ndarray) else None
+        self.pass_id = None
+        self.fetcher: Fetcher | None = None
+        self.failed = False
+
+    # ------------------------------------------------------------------ passes
+    def begin_pass(self, pass_id, plan: EpochPlan, epoch: int, start: int,
+                   num_workers: int, worker_id: int) -> None:
+        self.end_pass()
+        self.pass_id = pass_id
+        self.epoch = epoch
+        self.failed = False
+        idx = plan.indices(epoch)
+        bs = plan.batch_size
+        ks = list(range(start + worker_id, plan.num_batches, num_workers))
+        if bs is None:
+            self.my = [(k, [int(idx[k])]) for k in ks]
+        else:
+            self.my = [(k, idx[k * bs:(k + 1) * bs].tolist()) for k in ks]
+        self.first = 0                  # position of the first unconsumed batch
+        self.consumed: set[int] = set()
+        self.builders: dict[int, _Builder] = {}
+        self.ready: list = []           # heap of (pos, j, Fetched)
+        self.emitted = 0
+        order = ((( pass_id, pos, j), i) for pos, (_, ind) in enumerate(self.my)
+                 for j, i in enumerate(ind))
+        self.fetcher = Fetcher(self._read, order, self.q, threads=self.fetch_threads,
+                               budget_bytes=self.budget, size_of=self._size_of,
+                               name=f"coordl-fetch-w{self.worker_id}")
+
+    def end_pass(self) -> None:
+        if self.fetcher is not None:
+            self.fetcher.close()
+            # threads finish their current read; their results are dropped on arrival
+            self.fetcher = None
+        for b in getattr(self, "builders", {}).values():
+            if b.slot is not None:
+                self.slots.release(b.slot)
+        self.builders = {}
+        self.ready = []
+        self.pass_id = None
+
+    @property
+    def finished(self) -> bool:
+        return self.pass_id is None or self.emitted == len(self.my)
+
+    # ------------------------------------------------------------------ events
+    def on_fetched(self, f: Fetched) -> None:
+        pass_id, pos, j = f.key
+        if pass_id != self.pass_id or self.fetcher is None:
+            return  # stale read of an abandoned pass
+        heapq.heappush(self.ready, (pos, j, f))
+
+    def on_consumed(self, k: int) -> None:
+        self.consumed.add(k)
+        while self.first < len(self.my) and self.my[self.first][0] in self.consumed:
+            self.consumed.discard(self.my[self.first][0])
+            self.first += 1
+
+    def pump(self, interrupt: Callable[[], bool] | None = None) -> None:
+        """Prepare ready samples inside the window until none is left (or
+        ``interrupt()`` says events are waiting)."""
+        while self.ready and not self.failed:
+            pos = self.ready[0][0]
+            if pos >= self.first + self.prefetch:
+                return
+            _, j, f = heapq.heappop(self.ready)
+            self._prep_one(pos, j, f)
+            if interrupt is not None and interrupt():
+                return
+
+    # ------------------------------------------------------------------ work
+    def _prep_one(self, pos: int, j: int, f: Fetched) -> None:
+        k, indices = self.my[pos]
+        b = self.builders.get(pos)
+        if b is None:
+            b = self.builders[pos] = _Builder(k, indices, copy=not self.in_place)
+        st = b.stats
+        i = f.index
+        clock = time.perf_counter
+        st.fetch_s += f.seconds
+        try:
+            if f.error is not None:
+                raise _Stage("reading", f.error)
+            if f.source == "cache":
+                st.from_cache += 1
+                st.bytes_cache += f.nbytes
+            elif f.source == "peer":
+                st.from_peers += 1
+                st.bytes_peers += f.nbytes
+            else:
+                st.nbytes += f.nbytes
+            t0 = clock()
+            try:
+                with sample_rng(self.seed, self.epoch, i):
+                    sample = self.dataset.prep(f.data, i)
+            except Exception as e:
+                raise _Stage("preparing", e) from e
+            self._place(b, j, sample)
+            st.prep_s += clock() - t0
+            st.samples += 1
+        except _Stage as s:
+            err = s.error
+            if self.on_error == "raise" or not isinstance(err, Exception):
+                self.failed = True
+                where = describe(self.dataset, i)
+                try:
+                    raise SampleError(
+                        f"coordl: error {s.stage} sample {i} ({where}): {type(err).__name__}: {err}. "
+                        f"Fix or remove the file, or pass on_error='skip' to the DataLoader "
+                        f"to skip bad samples."
+                    ) from err
+                except SampleError:
+                    tb = traceback.format_exc()
+                self.emit("error", k, f"Caught SampleError in DataLoader worker process {self.worker_id}.\n"
+                                      f"Original {tb}")
+                return
+            st.skips.append((i, describe(self.dataset, i), f"{s.stage}: {type(err).__name__}: {err}"))
+        finally:
+            if self.fetcher is not None:
+                self.fetcher.release(f.nbytes)
+            f.data = None
+        b.done += 1
+        if b.done == b.n:
+            del self.builders[pos]
+            self._finish(b)
+
+    def _place(self, b: _Builder, j: int, sample) -> None:
+        if not b.copy:
+            if b.layout is None:
+                b.layout = _collate.layout_of(sample, b.n)
+                if b.layout is None:
+                    b.copy = True
+                    b.samples = [None] * b.n
+                else:
+                    b.slot, buf = self.slots.acquire(b.layout.nbytes)
+                    b.targets = _collate.views(b.layout, buf)
+            elif not b.layout.matches(sample):
+                # mixed structure: fall back to collating copies (what torch would do)
+                rows = [r for r in range(b.n) if b.ok[r]]
+                back = _collate.rows_as_samples(b.layout, b.targets, rows)
+                b.samples = [None] * b.n
+                for r, smp in zip(rows, back):
+                    b.samples[r] = smp
+                self.slots.release(b.slot)
+                b.slot, b.targets, b.copy = None, None, True
+            if not b.copy:
+                _collate.write_row(b.layout, b.targets, j, sample)
+                b.ok[j] = True
+                return
+        b.samples[j] = sample
+        b.ok[j] = True
+
+    def _finish(self, b: _Builder) -> None:
+        self.emitted += 1
+        rows = [r for r in range(b.n) if b.ok[r]]
+        if not rows:
+            if b.slot is not None:
+                self.slots.release(b.slot)
+            self.emit("empty", b.k, b.stats)
+            return
+        if b.copy:
+            samples = [b.samples[r] for r in rows]
+            b.samples = None
+            t0 = time.perf_counter()
+            try:
+                batch = self.collate_fn(samples[0]) if self.batch_size is None else \
+                    (self.collate_fn or torch.utils.data.default_collate)(samples)
+            except Exception:
+                self.failed = True
+                self.emit("error", b.k, f"Caught an error in collate_fn in DataLoader worker process "
+                                        f"{self.worker_id}.\nOriginal {traceback.format_exc()}")
+                return
+            b.stats.prep_s += time.perf_counter() - t0
+            self.emit("obj", b.k, batch, b.stats)
+            return
+        if len(rows) < b.n:  # skipped samples: close the gaps, keep plan order
+            for t in b.targets:
+                t[: len(rows)] = t[rows].clone()
+        if self.batch_size is None:
+            self.emit("obj", b.k, _collate.build(b.layout.template, [t[0].clone() for t in b.targets]), b.stats)
+            self.slots.release(b.slot)
+            return
+        self.emit("batch", b.k, b.slot, b.layout, len(rows), b.stats)
+
+
+class _Stage(Exception):
+    def __init__(self, stage: str, error: BaseException) -> None:
+        super().__init__(stage)
+        self.stage = stage
+        self.error = error

@@ -1,0 +1,409 @@
+"""coordl's own pipeline for two-stage datasets: worker pool and iterators.
+
+::
+
+    main process                                   worker w (one per num_workers)
+    ------------                                   ------------------------------
+    PipelineIter.__next__                          control reader thread
+      pool.begin_pass ----("pass", id, plan, e, start)--> Engine.begin_pass
+                                                   fetch threads (read ahead along
+                                                   the worker's share of the plan)
+                                                   Engine.pump: prep into slot rows
+      pool.get(k) <----("slot" + memfd)------------ new slot (once)
+                  <----("batch", id, k, slot, layout, rows, stats)
+      tensors view the slot (zero copy)
+      pool.consumed ----("consumed", id, k)------> window advances
+      last tensor freed ("free", slot) ----------> slot reusable
+
+Every wait has a timeout after which the workers' liveness is checked; a dead
+worker is reported with its pid and exit code or signal.  Workers exit when
+told, when their control pipe closes (the main process died), or by
+PR_SET_PDEATHSIG.
+"""
+from __future__ import annotations
+
+import ctypes
+import multiprocessing.connection as mpc
+import queue
+import random
+import signal
+import threading
+import time
+import traceback
+import weakref
+from multiprocessing import reduction
+
+import numpy as np
+import torch
+
+from . import _collate
+from ._engine import Engine
+from ._fetch import Envelope
+from ._slots import LocalSlots, WorkerSlots, map_slot
+from .errors import SampleError
+
+__all__ = ["WorkerPool", "PipelineIter", "InlineIter"]
+
+_POLL = 1.0
+
+
+def _set_pdeathsig() -> None:
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except Exception:
+        pass
+
+
+def _seed_worker(base_seed: int, w: int, dataset, num_workers: int) -> None:
+    from torch.utils.data._utils import worker as tw
+
+    seed = base_seed + w
+    random.seed(seed)
+    torch.manual_seed(seed)
+    np.random.seed(tw._generate_state(base_seed, w))
+    tw._worker_info = tw.WorkerInfo(id=w, num_workers=num_workers, seed=seed, dataset=dataset)
+
+
+def _worker_main(w: int, num_workers: int, dataset, cfg: dict, ctrl, res, parent_pid: int) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the main process handles Ctrl-C
+    _set_pdeathsig()
+    torch.set_num_threads(1)
+    lock = threading.Lock()
+
+    def send(msg) -> None:
+        with lock:
+            res.send(msg)
+
+    def announce(sid, gen, size, fd) -> None:
+        with lock:
+            res.send(("slot", sid, gen, size))
+            reduction.send_handle(res, fd, parent_pid)
+
+    slots = WorkerSlots(announce)
+    engine = Engine(dataset, seed=cfg["seed"], on_error=cfg["on_error"], collate_fn=cfg["collate_fn"],
+                    batch_size=cfg["batch_size"], prefetch=cfg["prefetch"],
+                    fetch_threads=cfg["fetch_threads"], budget_bytes=cfg["budget"], slots=slots,
+                    emit=lambda kind, k, *p: send((kind, engine.pass_id, k) + p), worker_id=w)
+    try:
+        _seed_worker(cfg["base_seed"], w, dataset, num_workers)
+        if cfg["worker_init_fn"] is not None:
+            cfg["worker_init_fn"](w)
+    except BaseException:
+        send(("fatal", None, None, f"Caught an error in worker_init_fn in DataLoader worker process {w}.\n"
+                                   f"Original {traceback.format_exc()}"))
+        return
+
+    q = engine.q
+
+    def read_control() -> None:
+        try:
+            while True:
+                q.put(("ctl", ctrl.recv()))
+        except (EOFError, OSError):
+            q.put(("ctl", ("stop",)))
+
+    threading.Thread(target=read_control, name="coordl-control", daemon=True).start()
+    try:
+        while True:
+            ev = q.get()
+            while True:
+                if type(ev) is tuple:
+                    msg = ev[1]
+                    op = msg[0]
+                    if op == "stop":
+                        engine.end_pass()
+                        return
+                    if op == "pass":
+                        _, pass_id, plan, epoch, start = msg
+                        engine.begin_pass(pass_id, plan, epoch, start, num_workers, w)
+                    elif op == "consumed":
+                        if msg[1] == engine.pass_id:
+                            engine.on_consumed(msg[2])
+                    elif op == "free":
+                        slots.release((msg[1], msg[2]))
+                else:
+                    engine.on_fetched(ev)
+                try:
+                    ev = q.get_nowait()
+                except queue.Empty:
+                    break
+            engine.pump(interrupt=lambda: not q.empty())
+    except (BrokenPipeError, ConnectionResetError, EOFError):
+        return  # the main process went away
+
+
+def _exit_reason(p) -> str:
+    code = p.exitcode
+    if code is not None and code < 0:
+        try:
+            return f"killed by signal: {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"
+
+
+class WorkerPool:
+    """``num_workers`` worker processes running :class:`Engine`."""
+
+    def __init__(self, dataset, cfg: dict, num_workers: int, ctx, timeout: float = 0) -> None:
+        import os
+
+        self.num_workers = num_workers
+        self.timeout = timeout
+        self.procs, self.ctrl, self.res = [], [], []
+        self._locks = [threading.Lock() for _ in range(num_workers)]
+        self.maps: dict[tuple[int, int], tuple[int, object]] = {}
+        self.pending: dict[int, tuple[int, tuple]] = {}
+        self.pass_id = 0
+        self.closed = False
+        parent = os.getpid()
+        try:
+            for w in range(num_workers):
+                ctrl_r, ctrl_w = ctx.Pipe(duplex=False)
+                res_main, res_child = ctx.Pipe(duplex=True)
+                p = ctx.Process(target=_worker_main, name=f"coordl-worker-{w}",
+                                args=(w, num_workers, dataset, cfg, ctrl_r, res_child, parent),
+                                daemon=True)
+                p.start()
+                ctrl_r.close()
+                res_child.close()
+                self.procs.append(p)
+                self.ctrl.append(ctrl_w)
+                self.res.append(res_main)
+        except BaseException:
+            _shutdown(self.procs, self.ctrl, self.res)
+            raise
+        self._final = weakref.finalize(self, _shutdown, self.procs, self.ctrl, self.res)
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in self.procs]
+
+    # -------------------------------------------------------------- control
+    def _send(self, w: int, msg) -> None:
+        with self._locks[w]:
+            self.ctrl[w].send(msg)
+
+    def begin_pass(self, plan, epoch: int, start: int) -> int:
+        self.pass_id += 1
+        self.pending.clear()
+        for w in range(self.num_workers):
+            self._send(w, ("pass", self.pass_id, plan, epoch, start))
+        return self.pass_id
+
+    def consumed(self, w: int, k: int) -> None:
+        self._send(w, ("consumed", self.pass_id, k))
+
+    def _free_slot(self, w: int, sid: int, gen: int) -> None:
+        if self.closed:
+            return
+        try:
+            self._send(w, ("free", sid, gen))
+        except (OSError, ValueError):
+            pass
+
+    def shutdown(self) -> None:
+        if not self.closed:
+            self.closed = True
+            self._final()
+            self.maps.clear()
+
+    # -------------------------------------------------------------- results
+    def _check_alive(self) -> None:
+        for p in self.procs:
+            if p.exitcode is not None:
+                raise RuntimeError(
+                    f"DataLoader worker (pid {p.pid}) exited unexpectedly with {_exit_reason(p)}. "
+                    "If it was killed by the OOM killer, lower num_workers or the batch size; "
+                    "details may be in the worker's stderr above."
+                )
+
+    def _receive(self, timeout: float) -> None:
+        sentinels = {p.sentinel: p for p in self.procs}
+        ready = mpc.wait(self.res + list(sentinels), timeout)
+        conns = [c for c in ready if c not in sentinels]
+        for c in conns:
+            w = self.res.index(c)
+            try:
+                while c.poll():
+                    self._on_message(w, c, c.recv())
+            except (EOFError, OSError):
+                self.procs[w].join(1.0)
+                self._check_alive()
+                raise RuntimeError(f"DataLoader worker (pid {self.procs[w].pid}) closed its pipe unexpectedly")
+        if len(conns) < len(ready):
+            time.sleep(0.05)  # let a dying worker's last messages land, then report it
+            self._check_alive()
+
+    def _on_message(self, w: int, conn, msg) -> None:
+        kind = msg[0]
+        if kind == "slot":
+            _, sid, gen, size = msg
+            fd = reduction.recv_handle(conn)
+            self.maps[(w, sid)] = (gen, map_slot(fd, size))
+            return
+        if kind == "fatal":
+            raise RuntimeError(msg[3])
+        if msg[1] != self.pass_id:  # a batch of an abandoned pass
+            if kind == "batch":
+                sid, gen = msg[3]
+                self._free_slot(w, sid, gen)
+            return
+        self.pending[msg[2]] = (w, msg)
+
+    def get(self, k: int | None):
+        """The message for batch ``k`` (any batch when None), waiting as needed."""
+        deadline = time.monotonic() + self.timeout if self.timeout > 0 else None
+        while True:
+            if k is None and self.pending:
+                k = min(self.pending)
+            if k is not None and k in self.pending:
+                return self.pending.pop(k)
+            wait = _POLL
+            if deadline is not None:
+                wait = deadline - time.monotonic()
+                if wait <= 0:
+                    raise RuntimeError(f"DataLoader timed out after {self.timeout} seconds")
+                wait = min(wait, _POLL)
+            self._receive(wait)
+            self._check_alive()
+
+    def materialize(self, w: int, msg):
+        kind = msg[0]
+        if kind == "error":
+            raise SampleError(msg[3])
+        if kind == "batch":
+            _, _, k, (sid, gen), layout, rows, stats = msg
+            mgen, mm = self.maps[(w, sid)]
+            assert mgen == gen, "slot generation mismatch"
+            owner = np.frombuffer(mm, dtype=np.uint8, count=layout.nbytes)
+            f = weakref.finalize(owner, self._free_slot, w, sid, gen)
+            f.atexit = False
+            batch = _collate.build(layout.template, _collate.views(layout, owner, rows))
+            return batch, stats
+        if kind == "obj":
+            return msg[3], msg[4]
+        return None, msg[3]  # "empty": every sample skipped
+
+
+def _shutdown(procs, ctrl, res) -> None:
+    for c in ctrl:
+        try:
+            c.send(("stop",))
+        except (OSError, ValueError):
+            pass
+    deadline = time.monotonic() + 5.0
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
+    for p in procs:
+        if p.exitcode is None:
+            p.kill()
+            p.join(2.0)
+    for c in list(ctrl) + list(res):
+        try:
+            c.close()
+        except OSError:
+            pass
+
+
+def _envelope(batch, stats, epoch: int) -> Envelope:
+    return Envelope(batch, epoch, stats.samples, stats.nbytes, stats.fetch_s, stats.prep_s, stats.skips,
+                    stats.from_cache, stats.bytes_cache, stats.from_peers, stats.bytes_peers)
+
+
+class PipelineIter:
+    """One pass over the plan with worker processes; yields Envelopes."""
+
+    def __init__(self, pool: WorkerPool, plan, epoch: int, start: int, in_order: bool, owns_pool: bool) -> None:
+        self._pool = pool
+        self._plan = plan
+        self._epoch = epoch
+        self._next = start
+        self._left = plan.num_batches - start
+        self._in_order = in_order
+        self._owns = owns_pool
+        pool.begin_pass(plan, epoch, start)
+        self._final = weakref.finalize(self, pool.shutdown) if owns_pool else None
+
+    def __iter__(self):
+        return self
+
+    def __len__(self) -> int:
+        return self._plan.num_batches
+
+    def _close(self) -> None:
+        if self._final is not None:
+            self._final()
+
+    def __next__(self) -> Envelope:
+        if self._left <= 0:
+            self._close()
+            raise StopIteration
+        try:
+            w, msg = self._pool.get(self._next if self._in_order else None)
+            batch, stats = self._pool.materialize(w, msg)
+        except BaseException:
+            self._close()
+            raise
+        k = msg[2]
+        self._pool.consumed(w, k)
+        self._left -= 1
+        if self._in_order:
+            self._next += 1
+        return _envelope(batch, stats, self._epoch)
+
+
+class InlineIter:
+    """One pass in the main process (``num_workers=0``): same engine, no workers."""
+
+    def __init__(self, dataset, cfg: dict, plan, epoch: int, start: int, timeout: float = 0) -> None:
+        self._plan = plan
+        self._epoch = epoch
+        self._next = start
+        self._out: dict[int, tuple] = {}
+        self._engine = Engine(dataset, seed=cfg["seed"], on_error=cfg["on_error"],
+                              collate_fn=cfg["collate_fn"], batch_size=cfg["batch_size"],
+                              prefetch=cfg["prefetch"], fetch_threads=cfg["fetch_threads"],
+                              budget_bytes=cfg["budget"], slots=LocalSlots(),
+                              emit=lambda kind, k, *p: self._out.__setitem__(k, (kind, k) + p))
+        self._engine.begin_pass(1, plan, epoch, start, 1, 0)
+        self._final = weakref.finalize(self, self._engine.end_pass)
+
+    def __iter__(self):
+        return self
+
+    def __len__(self) -> int:
+        return self._plan.num_batches
+
+    def __next__(self) -> Envelope:
+        k = self._next
+        if k >= self._plan.num_batches:
+            self._final()
+            raise StopIteration
+        eng = self._engine
+        try:
+            while k not in self._out:
+                eng.pump()
+                if k in self._out:
+                    break
+                eng.on_fetched(eng.q.get())
+                while not eng.q.empty():
+                    eng.on_fetched(eng.q.get_nowait())
+        except BaseException:
+            self._final()
+            raise
+        kind, _, *p = self._out.pop(k)
+        self._next += 1
+        eng.on_consumed(k)
+        if kind == "error":
+            self._final()
+            raise SampleError(p[0])
+        if kind == "batch":
+            buf, layout, rows, stats = p
+            batch = _collate.build(layout.template, _collate.views(layout, buf, rows))
+        elif kind == "obj":
+            batch, stats = p
+        else:
+            batch, stats = None, p[0]
+        return _envelope(batch, stats, self._epoch)

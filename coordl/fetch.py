@@ -1,0 +1,153 @@
+"""Fetch stage: threads that read raw sample bytes ahead along the plan.
+
+The fetch stage is the only place coordl reads samples.  It is given the
+order it will be asked for (a worker's share of the epoch plan), starts reads
+in that order on a few threads, and hands back completed reads in whatever
+order they finish, so one slow read never holds up the ones behind it.
+
+Two bounds keep it honest:
+
+* ``budget_bytes``: bytes read but not yet released by the consumer (the prep
+  stage releases a sample's bytes once prepared).  Sample sizes come from
+  ``size_of(i)`` when the dataset knows them (``ImageFolder.sizes``), else a
+  running mean stands in until the read returns.  One read is always allowed
+  when nothing is held, so a sample larger than the budget cannot deadlock.
+* ``threads``: reads in flight at once, enough to hide storage latency
+  (``threads / latency`` reads per second).
+
+Later stages plug in here: the node cache and peer caches are consulted by
+``read`` before storage.
+"""
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from typing import Callable, Iterable, Iterator
+
+__all__ = ["Fetcher", "Fetched"]
+
+
+class Fetched:
+    """One completed read: ``data`` or the ``error`` it raised."""
+
+    __slots__ = ("key", "index", "data", "error", "nbytes", "seconds", "source")
+
+    def __init__(self, key, index, data, error, nbytes, seconds, source) -> None:
+        self.key = key
+        self.index = index
+        self.data = data
+        self.error = error
+        self.nbytes = nbytes
+        self.seconds = seconds
+        self.source = source
+
+
+_STOP = object()
+
+
+class Fetcher:
+    """Reads ``(key, index)`` items from an iterable order with ``threads`` threads.
+
+    ``read(index) -> (bytes, source)`` does the I/O; completed reads are put on
+    ``out`` (a ``queue.Queue`` the consumer may share with other producers) as
+    :class:`Fetched`.  Call :meth:`release` with a completion's ``nbytes`` once
+    its bytes are no longer held.
+    """
+
+    def __init__(
+        self,
+        read: Callable[[int], tuple[bytes, str]],
+        order: Iterable[tuple[object, int]],
+        out: "queue.Queue",
+        threads: int = 8,
+        budget_bytes: int = 64 << 20,
+        size_of: Callable[[int], int] | None = None,
+        name: str = "coordl-fetch",
+    ) -> None:
+        if threads < 1:
+            raise ValueError(f"threads should be a positive int, but got threads={threads!r}")
+        if budget_bytes < 1:
+            raise ValueError(f"budget_bytes should be a positive int, but got budget_bytes={budget_bytes!r}")
+        self._read = read
+        self._order: Iterator[tuple[object, int]] = iter(order)
+        self._out = out
+        self._budget = budget_bytes
+        self._size_of = size_of
+        self._cond = threading.Condition()
+        self._held = 0          # bytes admitted and not yet released
+        self._outstanding = 0   # reads admitted and not yet released
+        self._mean = 0.0
+        self._reads = 0
+        self._closed = False
+        self._exhausted = False
+        self._threads = [
+            threading.Thread(target=self._loop, name=f"{name}-{i}", daemon=True) for i in range(threads)
+        ]
+        for t in self._threads:
+            t.start()
+
+    # consumer side ---------------------------------------------------------
+    def release(self, nbytes: int) -> None:
+        with self._cond:
+            self._held -= nbytes
+            self._outstanding -= 1
+            self._cond.notify_all()
+
+    def close(self) -> None:
+        """Stop issuing reads; threads exit after their current read."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+
+    def join(self, timeout: float = 5.0) -> None:
+        deadline = time.monotonic() + timeout
+        for t in self._threads:
+            t.join(max(0.0, deadline - time.monotonic()))
+
+    @property
+    def held_bytes(self) -> int:
+        return self._held
+
+    # threads ---------------------------------------------------------------
+    def _admit(self):
+        """Next (key, index, estimate) to read, or None when done/closed."""
+        with self._cond:
+            while True:
+                if self._closed or self._exhausted:
+                    return None
+                try:
+                    key, index = next(self._order)
+                except StopIteration:
+                    self._exhausted = True
+                    return None
+                est = self._size_of(index) if self._size_of is not None else int(self._mean)
+                while not self._closed and self._outstanding > 0 and self._held + est > self._budget:
+                    self._cond.wait()
+                if self._closed:
+                    return None
+                self._held += est
+                self._outstanding += 1
+                return key, index, est
+
+    def _loop(self) -> None:
+        clock = time.perf_counter
+        while True:
+            item = self._admit()
+            if item is None:
+                return
+            key, index, est = item
+            t0 = clock()
+            data, error, source = None, None, "storage"
+            try:
+                data, source = self._read(index)
+            except BaseException as e:  # handed to the consumer, which decides
+                error = e
+            seconds = clock() - t0
+            nbytes = len(data) if data is not None else 0
+            with self._cond:
+                self._held += nbytes - est  # correct the estimate
+                self._reads += 1
+                self._mean += (nbytes - self._mean) / self._reads
+                self._cond.notify_all()
+            self._out.put(Fetched(key, index, data, error, nbytes, seconds, source))
