@@ -1,0 +1,237 @@
+"""coordl's own fetch/prep pipeline (two-stage datasets in plan order)."""
+import collections
+import gc
+import random
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+from torch.utils.data import default_collate
+
+from coordl import DataLoader
+from coordl import _collate
+from coordl.fetch import Fetcher
+from coordl.plan import plan
+from toydata import TwoStageToy
+
+
+class Jittery(TwoStageToy):
+    """Random per-sample read delays (a few much slower)."""
+
+    def raw(self, i):
+        r = random.Random(i)
+        time.sleep(0.02 if r.random() < 0.05 else r.random() * 0.002)
+        return super().raw(i)
+
+
+@pytest.mark.parametrize("num_workers", [0, 1, 2])
+def test_order_and_exactly_once_under_random_delays(num_workers):
+    ds = Jittery(150)
+    L = DataLoader(ds, batch_size=7, shuffle=True, seed=4, num_workers=num_workers, fetch_threads=4)
+    for epoch in range(2):
+        got = [i for x, _ in L for i in x[:, 0].tolist()]
+        assert got == plan(150, 4, epoch).tolist()
+
+
+def test_in_order_false_yields_every_batch_once():
+    ds = Jittery(90)
+    L = DataLoader(ds, batch_size=6, shuffle=True, seed=1, num_workers=2, in_order=False)
+    got = sorted(i for x, _ in L for i in x[:, 0].tolist())
+    assert got == list(range(90))
+
+
+def test_batches_equal_default_collate_of_getitem():
+    ds = TwoStageToy(23)
+    L = DataLoader(ds, batch_size=5, shuffle=True, seed=7, num_workers=2)
+    idx = plan(23, 7, 0).tolist()
+    from coordl._rng import sample_rng
+    for k, batch in enumerate(L):
+        samples = []
+        for i in idx[k * 5:(k + 1) * 5]:
+            with sample_rng(7, 0, i):
+                samples.append(ds[i])
+        want = default_collate(samples)
+        assert type(batch) is type(want) and len(batch) == len(want)
+        for a, b in zip(batch, want):
+            assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+
+
+Point = collections.namedtuple("Point", "x y")
+
+
+@pytest.mark.parametrize("sample", [
+    (torch.ones(2, 3), 1),
+    {"img": np.arange(6, dtype=np.float32).reshape(2, 3), "label": 2.5, "ok": True},
+    Point(torch.zeros(4, dtype=torch.uint8), [1, 2]),
+    [torch.arange(3), (torch.ones(1), 7)],
+])
+def test_in_place_collate_matches_default_collate(sample):
+    lay = _collate.layout_of(sample, 3)
+    assert lay is not None
+    buf = np.zeros(lay.nbytes, dtype=np.uint8)
+    targets = _collate.views(lay, buf)
+    for r in (2, 0, 1):  # any order
+        _collate.write_row(lay, targets, r, sample)
+    got = _collate.build(lay.template, targets)
+    want = default_collate([sample] * 3)
+
+    def same(a, b):
+        assert type(a) is type(b), (type(a), type(b))
+        if isinstance(a, torch.Tensor):
+            assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+        elif isinstance(a, dict):
+            assert a.keys() == b.keys()
+            for k in a:
+                same(a[k], b[k])
+        else:
+            assert len(a) == len(b)
+            for x, y in zip(a, b):
+                same(x, y)
+
+    same(got, want)
+
+
+def test_unsupported_samples_take_copy_path():
+    assert _collate.layout_of(("a string", 1), 2) is None
+
+    class Strs(TwoStageToy):
+        def prep(self, raw, i):
+            return f"s{i}", i
+
+    L = DataLoader(Strs(6), batch_size=3, seed=0, num_workers=2)
+    out = list(L)
+    assert out[0][0] == default_collate([("s0", 0), ("s1", 1), ("s2", 2)])[0] and torch.equal(out[1][1], torch.tensor([3, 4, 5]))
+
+
+def test_custom_collate_fn_runs_in_workers():
+    def collate(samples):
+        return torch.stack([s[0] for s in samples]).sum(0), len(samples)
+
+    L = DataLoader(TwoStageToy(10), batch_size=4, seed=0, num_workers=2, collate_fn=collate)
+    out = list(L)
+    assert [n for _, n in out] == [4, 4, 2]
+    assert out[0][0][0].item() == sum(range(4))
+
+
+def test_kept_batches_are_never_overwritten():
+    """Keep every batch (and views into them): later batches must not reuse
+    their slots while they are referenced."""
+    ds = TwoStageToy(200)
+    L = DataLoader(ds, batch_size=4, shuffle=True, seed=2, num_workers=2, prefetch_factor=2)
+    kept = []
+    views = []
+    for x, y in L:
+        kept.append((x, y))
+        views.append(x[0])  # a view of the slot, not a copy
+    order = plan(200, 2, 0).tolist()
+    got = [i for x, _ in kept for i in x[:, 0].tolist()]
+    assert got == order
+    assert [int(v[0]) for v in views] == order[::4]
+
+
+def test_slots_are_recycled_when_batches_are_dropped():
+    ds = TwoStageToy(400)
+    L = DataLoader(ds, batch_size=4, seed=2, num_workers=1, persistent_workers=True)
+    n = sum(1 for _ in L)
+    assert n == 100
+    pool = L._pool
+    # the worker reports each new slot once; dropping batches lets it reuse them
+    assert len(pool.maps) <= 6
+    del pool, L
+    gc.collect()
+
+
+def test_persistent_workers_keep_processes_across_epochs():
+    import psutil
+
+    L = DataLoader(TwoStageToy(40), batch_size=4, seed=0, num_workers=2, persistent_workers=True)
+    list(L)
+    pids1 = set(L._pool.pids)
+    list(L)
+    assert set(L._pool.pids) == pids1
+    assert all(psutil.pid_exists(p) for p in pids1)
+    del L
+    gc.collect()
+
+
+def test_worker_init_fn_and_worker_info_in_pipeline():
+    class Info(TwoStageToy):
+        def prep(self, raw, i):
+            info = torch.utils.data.get_worker_info()
+            return torch.tensor([i, info.id, info.num_workers])
+
+    seen = []
+    L = DataLoader(Info(12), batch_size=3, seed=0, num_workers=2,
+                   worker_init_fn=lambda w: seen.append(w))
+    out = torch.cat(list(L))
+    assert set(out[:, 1].tolist()) == {0, 1} and set(out[:, 2].tolist()) == {2}
+    # batch k is prepared by worker k % 2
+    assert out.view(4, 3, 3)[:, 0, 1].tolist() == [0, 1, 0, 1]
+
+
+def test_worker_init_fn_error_is_reported():
+    def bad(w):
+        raise ValueError("no GPU for you")
+
+    L = DataLoader(TwoStageToy(8), batch_size=2, seed=0, num_workers=2, worker_init_fn=bad)
+    with pytest.raises(RuntimeError, match="(?s)worker_init_fn.*no GPU for you"):
+        list(L)
+
+
+def test_timeout_raises():
+    class Slow(TwoStageToy):
+        def raw(self, i):
+            time.sleep(3)
+            return super().raw(i)
+
+    L = DataLoader(Slow(4), batch_size=2, seed=0, num_workers=1, timeout=0.5, fetch_threads=1)
+    with pytest.raises(RuntimeError, match="timed out after 0.5 seconds"):
+        next(iter(L))
+
+
+def test_abandoned_pass_then_new_pass():
+    ds = Jittery(60)
+    L = DataLoader(ds, batch_size=5, shuffle=True, seed=3, num_workers=2, persistent_workers=True)
+    it = iter(L)
+    next(it), next(it)
+    del it
+    got = [i for x, _ in L for i in x[:, 0].tolist()]
+    assert got == plan(60, 3, 1).tolist()  # the new pass is epoch 1, complete
+
+
+def test_fetcher_respects_budget_and_reads_ahead():
+    held = []
+    lock = threading.Lock()
+    peak = [0]
+    import queue
+    q = queue.Queue()
+
+    def read(i):
+        time.sleep(0.001)
+        return b"x" * 100, "storage"
+
+    f = Fetcher(read, ((None, i) for i in range(50)), q, threads=4, budget_bytes=350,
+                size_of=lambda i: 100)
+    got = []
+    while len(got) < 50:
+        item = q.get(timeout=10)
+        with lock:
+            peak[0] = max(peak[0], f.held_bytes)
+        got.append(item.index)
+        f.release(item.nbytes)
+    f.join()
+    assert sorted(got) == list(range(50))
+    assert peak[0] <= 350
+
+
+def test_fetcher_one_read_bigger_than_budget_does_not_deadlock():
+    import queue
+    q = queue.Queue()
+    f = Fetcher(lambda i: (b"y" * 1000, "storage"), ((None, i) for i in range(3)), q,
+                threads=2, budget_bytes=10, size_of=lambda i: 1000)
+    for _ in range(3):
+        item = q.get(timeout=10)
+        f.release(item.nbytes)
+    f.join()
