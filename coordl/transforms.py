@@ -138,11 +138,15 @@ def _resize_tensor(x: torch.Tensor, h: int, w: int, mode: InterpolationMode,
         raise _bad("interpolation", f"one of {_TENSOR_MODES} for tensors", mode.value)
     if tuple(x.shape[-2:]) == (h, w):
         return x
+    smooth = mode.value in ("bilinear", "bicubic")
+    kw = {"align_corners": False, "antialias": bool(antialias)} if smooth else {}
+    if x.dtype == torch.uint8 and x.ndim == 3 and mode.value in ("bilinear", "bicubic", "nearest"):
+        # torch's native uint8 kernels (vectorized, PIL-like rounding): no float round trip
+        y = F.interpolate(x.unsqueeze(0), size=(h, w), mode=mode.value, **kw)
+        return y[0]
     y = x.reshape(1, -1, *x.shape[-2:])
     if not y.is_floating_point():
         y = y.float()
-    smooth = mode.value in ("bilinear", "bicubic")
-    kw = {"align_corners": False, "antialias": bool(antialias)} if smooth else {}
     y = F.interpolate(y, size=(h, w), mode=mode.value, **kw)
     if not x.is_floating_point():
         info = torch.iinfo(x.dtype)
@@ -285,6 +289,12 @@ class Compose(Transform):
 
     def spec(self) -> tuple:
         return (_class_name(type(self)), tuple(spec_of(t) for t in self.transforms))
+
+    def from_bytes(self, raw) -> Any:
+        """Decode ``raw`` (an encoded image) and apply this pipeline without
+        PIL images in between, or NotImplemented when the pipeline can't be
+        fused (see :func:`decode_and_apply`)."""
+        return decode_and_apply(self.transforms, raw)
 
     def __repr__(self) -> str:
         return type(self).__name__ + "(" + "".join(f"\n    {t!r}" for t in self.transforms) + "\n)"
@@ -474,3 +484,72 @@ class Normalize(Transform):
 
     def _params(self) -> dict[str, Any]:
         return {"mean": self.mean, "std": self.std, "inplace": self.inplace}
+
+
+# --------------------------------------------------------------------------
+# Fused decode: bytes -> tensor without PIL images in between.
+
+_GEOMETRIC = (RandomResizedCrop, Resize, CenterCrop, RandomHorizontalFlip)
+
+
+def _fusable(ts: list) -> bool:
+    """[geometric ops]* + PILToTensor|ToTensor + [Normalize]*, coordl's own classes only."""
+    i = 0
+    while i < len(ts) and type(ts[i]) in _GEOMETRIC:
+        if hasattr(ts[i], "interpolation") and ts[i].interpolation.value not in _TENSOR_MODES:
+            return False
+        i += 1
+    if i == len(ts) or type(ts[i]) not in (PILToTensor, ToTensor):
+        return False
+    return all(type(t) is Normalize for t in ts[i + 1:])
+
+
+def _scaled_box(top, left, h, w, fy, fx, H2, W2):
+    t, l = int(round(top * fy)), int(round(left * fx))
+    hh, ww = max(1, int(round(h * fy))), max(1, int(round(w * fx)))
+    t, l = min(t, H2 - hh), min(l, W2 - ww)
+    return max(t, 0), max(l, 0), min(hh, H2), min(ww, W2)
+
+
+def decode_and_apply(transforms: list, raw) -> Any:
+    """Run a fusable pipeline on encoded image bytes; NotImplemented if it isn't.
+
+    Same random draws, in the same order, as decoding with PIL and calling the
+    transforms; pixels differ only by interpolation rounding (torch's uint8
+    antialiased kernels vs PIL's) and, when the first op lets the JPEG be
+    decoded at a reduced DCT scale that still covers the output size, by that
+    scaling.  The result is a CHW tensor, as from PILToTensor/ToTensor.
+    """
+    if not _fusable(transforms):
+        return NotImplemented
+    from . import _decode
+
+    first, rest = transforms[0], transforms[1:]
+    hw = _decode.jpeg_size(raw)
+    if type(first) is RandomResizedCrop and hw is not None:
+        H, W = hw
+        top, left, h, w = first.get_params((W, H), first.scale, first.ratio)
+        oh, ow = first.size
+        arr = _decode.decode_rgb(raw, min_hw=(H * oh / h, W * ow / w))
+        H2, W2 = arr.shape[:2]
+        if (H2, W2) != (H, W):
+            top, left, h, w = _scaled_box(top, left, h, w, H2 / H, W2 / W, H2, W2)
+        x = torch.from_numpy(arr).permute(2, 0, 1)
+        x = _resize_tensor(x[:, top:top + h, left:left + w], oh, ow, first.interpolation, first.antialias)
+    elif type(first) is Resize and hw is not None:
+        oh, ow = first.output_size(*hw)
+        arr = _decode.decode_rgb(raw, min_hw=(oh, ow))
+        x = _resize_tensor(torch.from_numpy(arr).permute(2, 0, 1), oh, ow, first.interpolation, first.antialias)
+    else:
+        x = torch.from_numpy(_decode.decode_rgb(raw)).permute(2, 0, 1)
+        rest = transforms
+    for t in rest:
+        tt = type(t)
+        if tt is PILToTensor:
+            x = x.contiguous()
+        elif tt is ToTensor:
+            x = x.to(torch.get_default_dtype()).div_(255).contiguous()
+        else:
+            x = t(x)
+    return x
+
