@@ -4,7 +4,8 @@
 """
 __version__ = "0.1.0"
 
-from . import plan as _plan_module  # noqa: F401
+from . import transforms  # noqa: F401
+from .datasets import DatasetFolder, ImageFolder
 from .errors import SampleError, SkippedSampleWarning, StateError
 from .loader import DataLoader
 from .plan import EpochPlan, plan
@@ -12,6 +13,6 @@ from .protocol import TwoStageDataset, is_two_stage
 from .stats import EpochStats, LoaderStats
 
 __all__ = [
-    "DataLoader", "plan", "EpochPlan", "TwoStageDataset", "is_two_stage",
+    "DataLoader", "ImageFolder", "DatasetFolder", "transforms", "plan", "EpochPlan", "TwoStageDataset", "is_two_stage",
     "LoaderStats", "EpochStats", "SampleError", "SkippedSampleWarning", "StateError",
 ]

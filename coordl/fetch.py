@@ -81,6 +81,7 @@ class Fetcher:
         self._reads = 0
         self._closed = False
         self._exhausted = False
+        self._pending = None    # the next item, taken off the order, not yet admitted
         self._threads = [
             threading.Thread(target=self._loop, name=f"{name}-{i}", daemon=True) for i in range(threads)
         ]
@@ -111,24 +112,36 @@ class Fetcher:
 
     # threads ---------------------------------------------------------------
     def _admit(self):
-        """Next (key, index, estimate) to read, or None when done/closed."""
+        """Next (key, index, estimate) to read, or None when done/closed.
+
+        Strictly in order: the next item is only taken off the order once the
+        budget admits it, so a thread woken early can never jump ahead of an
+        earlier sample (that would let read-ahead fill the budget with late
+        samples while an early one waits: a deadlock).
+        """
         with self._cond:
             while True:
-                if self._closed or self._exhausted:
-                    return None
-                try:
-                    key, index = next(self._order)
-                except StopIteration:
-                    self._exhausted = True
-                    return None
-                est = self._size_of(index) if self._size_of is not None else int(self._mean)
-                while not self._closed and self._outstanding > 0 and self._held + est > self._budget:
-                    self._cond.wait()
                 if self._closed:
                     return None
-                self._held += est
-                self._outstanding += 1
-                return key, index, est
+                if self._pending is None:
+                    if self._exhausted:
+                        return None
+                    try:
+                        key, index = next(self._order)
+                    except StopIteration:
+                        self._exhausted = True
+                        self._cond.notify_all()
+                        return None
+                    est = self._size_of(index) if self._size_of is not None else int(self._mean)
+                    self._pending = (key, index, est)
+                est = self._pending[2]
+                if self._outstanding == 0 or self._held + est <= self._budget:
+                    item, self._pending = self._pending, None
+                    self._held += est
+                    self._outstanding += 1
+                    self._cond.notify_all()
+                    return item
+                self._cond.wait()
 
     def _loop(self) -> None:
         clock = time.perf_counter

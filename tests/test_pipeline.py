@@ -235,3 +235,25 @@ def test_fetcher_one_read_bigger_than_budget_does_not_deadlock():
         item = q.get(timeout=10)
         f.release(item.nbytes)
     f.join()
+
+
+def test_fetcher_admits_strictly_in_order():
+    """A consumer that can only use items in order (like the prep window) and
+    holds later arrivals must always get the next item: admission may never
+    let a later item take the budget an earlier one is waiting for."""
+    import queue
+    q = queue.Queue()
+
+    def read(i):
+        time.sleep(random.Random(i).random() * 0.003)
+        return b"z" * 100, "storage"
+
+    f = Fetcher(read, ((None, i) for i in range(300)), q, threads=6, budget_bytes=300,
+                size_of=lambda i: 100)
+    held = {}
+    for want in range(300):
+        while want not in held:
+            item = q.get(timeout=10)  # a deadlock shows up as queue.Empty here
+            held[item.index] = item
+        f.release(held.pop(want).nbytes)
+    f.join()

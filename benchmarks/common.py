@@ -1,0 +1,169 @@
+"""Shared pieces of the image-loader benchmarks: the three loaders under test,
+built over the same files with the same pipeline and the same parallelism.
+
+* torch: ``torch.utils.data.DataLoader`` over a torchvision-style folder
+  dataset with the PIL pipeline torchvision runs for
+  ``RandomResizedCrop(224) + RandomHorizontalFlip() + PILToTensor()``
+  (PIL open/convert, crop then bilinear resize, PIL flip, PIL -> CHW uint8).
+  torchvision itself does not import beside torch 2.13 here, so the benchmark
+  carries those few lines of PIL; the crop parameters come from the same
+  algorithm and draw order.
+* dali: NVIDIA DALI in CPU mode (``device_id=None``), ``fn.readers.file`` ->
+  ``fn.decoders.image_random_crop`` -> ``fn.resize`` -> ``fn.crop_mirror_normalize``
+  (uint8 CHW, random mirror), ``num_threads`` = workers.
+* coordl: ``coordl.DataLoader(coordl.ImageFolder(...))`` with
+  ``coordl.transforms``, ``num_workers`` = workers.
+"""
+from __future__ import annotations
+
+import os
+import time
+
+import numpy as np
+import torch
+from PIL import Image
+
+import coordl
+from coordl import transforms as T
+
+__all__ = ["TorchStyleFolder", "make_loader", "LOADERS", "dali_available", "time_epochs",
+           "single_core_rate", "warm_page_cache"]
+
+
+class TorchStyleFolder(torch.utils.data.Dataset):
+    """What ``torchvision.datasets.ImageFolder`` + its PIL transforms do."""
+
+    def __init__(self, root: str, size: int = 224):
+        self.samples = []
+        classes = sorted(d.name for d in os.scandir(root) if d.is_dir())
+        for c, name in enumerate(classes):
+            for dirpath, _, files in sorted(os.walk(os.path.join(root, name))):
+                for f in sorted(files):
+                    if f.lower().endswith((".jpg", ".jpeg", ".png")):
+                        self.samples.append((os.path.join(dirpath, f), c))
+        self.size = size
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __getitem__(self, i: int):
+        path, target = self.samples[i]
+        with open(path, "rb") as f:
+            img = Image.open(f).convert("RGB")
+        top, left, h, w = T.RandomResizedCrop.get_params(img, (0.08, 1.0), (3 / 4, 4 / 3))
+        img = img.crop((left, top, left + w, top + h)).resize((self.size, self.size), Image.BILINEAR)
+        if torch.rand(1).item() < 0.5:
+            img = img.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
+        arr = np.asarray(img)
+        x = torch.from_numpy(np.ascontiguousarray(arr.transpose(2, 0, 1)))
+        return x, target
+
+
+def coordl_dataset(root: str, size: int = 224):
+    tf = T.Compose([T.RandomResizedCrop(size), T.RandomHorizontalFlip(), T.PILToTensor()])
+    return coordl.ImageFolder(root, transform=tf)
+
+
+def dali_available() -> bool:
+    try:
+        import nvidia.dali  # noqa: F401
+        return True
+    except Exception:
+        return False
+
+
+class DaliLoader:
+    """DALI CPU pipeline yielding (images, labels) torch tensors per batch."""
+
+    def __init__(self, root: str, batch_size: int, threads: int, size: int = 224, seed: int = 0):
+        from nvidia.dali import fn, pipeline_def, types
+        from nvidia.dali.plugin.pytorch import DALIGenericIterator, LastBatchPolicy
+
+        @pipeline_def(batch_size=batch_size, num_threads=threads, device_id=None, seed=seed,
+                      prefetch_queue_depth=2)
+        def pipe():
+            jpegs, labels = fn.readers.file(file_root=root, random_shuffle=True, name="reader")
+            images = fn.decoders.image_random_crop(jpegs, device="cpu", output_type=types.RGB)
+            images = fn.resize(images, resize_x=size, resize_y=size)
+            images = fn.crop_mirror_normalize(images, dtype=types.UINT8, output_layout="CHW",
+                                              mirror=fn.random.coin_flip())
+            return images, labels
+
+        self.pipe = pipe()
+        self.pipe.build()
+        self.it = DALIGenericIterator([self.pipe], ["images", "labels"], reader_name="reader",
+                                      last_batch_policy=LastBatchPolicy.PARTIAL, auto_reset=True)
+
+    def __iter__(self):
+        for out in self.it:
+            yield out[0]["images"], out[0]["labels"]
+
+
+def make_loader(kind: str, root: str, workers: int, batch_size: int, seed: int = 0, **extra):
+    if kind == "torch":
+        return torch.utils.data.DataLoader(TorchStyleFolder(root), batch_size=batch_size, shuffle=True,
+                                           num_workers=workers, persistent_workers=workers > 0)
+    if kind == "torch+coordl-dataset":
+        return torch.utils.data.DataLoader(coordl_dataset(root), batch_size=batch_size, shuffle=True,
+                                           num_workers=workers, persistent_workers=workers > 0)
+    if kind == "coordl":
+        return coordl.DataLoader(coordl_dataset(root), batch_size=batch_size, shuffle=True,
+                                 num_workers=workers, persistent_workers=workers > 0, seed=seed, **extra)
+    if kind == "dali":
+        return DaliLoader(root, batch_size, max(1, workers), seed=seed + 1)
+    raise ValueError(f"loader should be one of {LOADERS}, but got loader={kind!r}")
+
+
+LOADERS = ("torch", "dali", "coordl")
+
+
+def time_epochs(loader, epochs: int) -> list[tuple[int, float]]:
+    """(images, seconds) per epoch."""
+    out = []
+    for _ in range(epochs):
+        n = 0
+        t0 = time.perf_counter()
+        for images, _labels in loader:
+            n += int(images.shape[0])
+        out.append((n, time.perf_counter() - t0))
+    return out
+
+
+def single_core_rate(kind: str, root: str, n: int) -> float:
+    """Images/s of one process on one core preparing samples in-process."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _single_core_rate(kind, root, n)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _single_core_rate(kind: str, root: str, n: int) -> float:
+    if kind == "dali":
+        loader = make_loader("dali", root, 1, 32)
+        res = time_epochs(loader, 2)[1:]
+        return sum(r[0] for r in res) / sum(r[1] for r in res)
+    ds = TorchStyleFolder(root) if kind == "torch" else coordl_dataset(root)
+    n = min(n, len(ds))
+    idx = np.random.default_rng(0).permutation(len(ds))[:n].tolist()
+    ds[idx[0]]
+    t0 = time.perf_counter()
+    if kind == "torch":
+        for i in idx:
+            ds[i]
+    else:
+        from coordl._rng import sample_rng
+        for i in idx:
+            with sample_rng(0, 0, i):
+                ds.prep(ds.raw(i), i)
+    return n / (time.perf_counter() - t0)
+
+
+def warm_page_cache(root: str) -> int:
+    total = 0
+    for dirpath, _, files in os.walk(root):
+        for f in files:
+            with open(os.path.join(dirpath, f), "rb") as fh:
+                total += len(fh.read())
+    return total
