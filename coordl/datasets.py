@@ -1,0 +1,786 @@
+"""Folder datasets that follow the two-stage protocol (see ``coordl.protocol``).
+
+:class:`ImageFolder` and :class:`DatasetFolder` have the constructor, the
+attributes and the scanning rules of torchvision's classes of the same name,
+so they can replace them without other changes.  Two things differ inside:
+
+* **Two stages.**  ``raw(i)`` reads the file's bytes and does nothing else;
+  ``prep(raw, i)`` decodes them in memory, applies ``transform`` and
+  ``target_transform`` and returns ``(sample, target)``.  ``__getitem__(i)`` is
+  ``prep(raw(i), i)``, so under torch's own DataLoader the dataset behaves like
+  torchvision's.
+
+* **Numpy storage.**  The sample list is kept as one ``uint8`` buffer of
+  relative paths plus ``int64`` offsets, targets, file sizes and mtimes, never
+  as a Python list of strings.  Forked DataLoader workers reading a list of a
+  million strings touch a million reference counts and so copy every page that
+  holds one; reading numpy buffers copies nothing.  The object also pickles to
+  a few large buffers (out of band with pickle protocol 5).  ``samples``,
+  ``imgs`` and ``targets`` are built on access and look like torchvision's.
+
+Loaders and decoders
+--------------------
+torchvision's ``loader`` is a function of a *path*.  A two-stage dataset needs
+a function of the file's *bytes*, which coordl calls ``decode``:
+
+* default (``loader=None, decode=None``): ``ImageFolder`` decodes with PIL and
+  converts to RGB (:func:`pil_decode`), exactly what torchvision's
+  ``default_loader`` returns; ``DatasetFolder``'s sample is the file's bytes.
+* ``loader`` given, ``decode=None``: if ``loader`` is a default PIL loader
+  (a function named ``default_loader`` or ``pil_loader``, ours or
+  torchvision's) the dataset decodes with :func:`pil_decode`.  Otherwise it
+  cannot decode bytes: it is **not** two-stage (``raw``/``prep`` raise
+  ``AttributeError``, ``coordl.protocol.is_two_stage`` is False) and
+  ``__getitem__`` calls ``loader(path)`` like torchvision.
+* ``decode`` given: the dataset is two-stage with ``prep`` calling
+  ``decode(raw)``.  If ``loader`` is also given it is kept as an attribute but
+  not used; ``decode(open(path, 'rb').read())`` must equal ``loader(path)``.
+
+:func:`two_stage` adapts an existing torchvision-style folder dataset
+instance the same way.
+"""
+from __future__ import annotations
+
+import hashlib
+import io
+import operator
+import os
+from collections.abc import Sequence
+from typing import Any, Callable, Iterable, Iterator
+
+import numpy as np
+from PIL import Image
+
+__all__ = [
+    "IMG_EXTENSIONS",
+    "DatasetFolder",
+    "ImageFolder",
+    "TwoStageFolder",
+    "FolderSamples",
+    "two_stage",
+    "find_classes",
+    "make_dataset",
+    "has_file_allowed_extension",
+    "is_image_file",
+    "read_bytes",
+    "pil_decode",
+    "default_loader",
+    "pil_loader",
+]
+
+IMG_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
+
+_O_FLAGS = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_BINARY", 0)
+_CHUNK = 1 << 20
+_DEFAULT_LOADER_NAMES = ("default_loader", "pil_loader")
+_FINGERPRINT_TAG = b"coordl.datasets.folder/1\0"
+
+
+# --------------------------------------------------------------------------
+# Reading and decoding
+# --------------------------------------------------------------------------
+
+def read_bytes(path: str) -> bytes:
+    """The whole content of the file at ``path``.
+
+    One ``open``, one ``fstat`` and (normally) one ``read`` into a buffer of
+    the file's size; no Python file object.  Raises ``FileNotFoundError``
+    (whose message names the path) when the file is missing.
+    """
+    fd = os.open(path, _O_FLAGS)
+    try:
+        size = os.fstat(fd).st_size
+        data = os.read(fd, size) if size > 0 else b""
+        if size > 0 and len(data) == size:
+            return data
+        # Short read (huge file, network file system) or a size of 0 that may
+        # not be true (pseudo files): read on until end of file.
+        parts, total = [data], len(data)
+        while True:
+            chunk = os.read(fd, max(size - total, _CHUNK))
+            if not chunk:
+                break
+            parts.append(chunk)
+            total += len(chunk)
+        return b"".join(parts)
+    finally:
+        os.close(fd)
+
+
+def pil_decode(raw: bytes) -> Image.Image:
+    """Decode image bytes with PIL and convert to RGB, fully.
+
+    ``convert`` loads every pixel, so a truncated or corrupt file raises
+    ``OSError`` here rather than later in a transform.
+    """
+    with Image.open(io.BytesIO(raw)) as img:
+        return img.convert("RGB")
+
+
+def pil_loader(path: str) -> Image.Image:
+    """Read the image at ``path`` as RGB (a path loader, for torchvision code)."""
+    return pil_decode(read_bytes(path))
+
+
+def default_loader(path: str) -> Image.Image:
+    """The default ``ImageFolder`` loader: :func:`pil_loader`."""
+    return pil_decode(read_bytes(path))
+
+
+def _identity(raw: bytes) -> bytes:
+    return raw
+
+
+class _DecodingLoader:
+    """A path loader made from a bytes decoder: ``decode(read_bytes(path))``.
+    A class rather than a closure so that the dataset still pickles."""
+
+    def __init__(self, decode: Callable[[bytes], Any]):
+        self.decode = decode
+
+    def __call__(self, path: str) -> Any:
+        return self.decode(read_bytes(path))
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.decode!r})"
+
+
+def _is_default_pil_loader(loader: Any) -> bool:
+    return getattr(loader, "__name__", None) in _DEFAULT_LOADER_NAMES
+
+
+def _check_decode(decode: Any) -> None:
+    if decode is not None and not callable(decode):
+        raise TypeError(
+            "decode should be a callable taking the file's bytes and returning "
+            f"the sample, but got decode={decode!r}"
+        )
+
+
+# --------------------------------------------------------------------------
+# Scanning (torchvision's rules)
+# --------------------------------------------------------------------------
+
+def has_file_allowed_extension(filename: str, extensions: str | Iterable[str]) -> bool:
+    """True when ``filename`` ends with one of ``extensions``, ignoring case
+    (of both: torchvision lowers only the file name)."""
+    ends = extensions.lower() if isinstance(extensions, str) else tuple(e.lower() for e in extensions)
+    return filename.lower().endswith(ends)
+
+
+def is_image_file(filename: str) -> bool:
+    """True when ``filename`` has one of :data:`IMG_EXTENSIONS`."""
+    return has_file_allowed_extension(filename, IMG_EXTENSIONS)
+
+
+def find_classes(directory: str | os.PathLike) -> tuple[list[str], dict[str, int]]:
+    """The sorted names of the subdirectories of ``directory`` and a mapping
+    from each name to its index."""
+    directory = os.fspath(directory)
+    with os.scandir(directory) as it:
+        classes = sorted(entry.name for entry in it if entry.is_dir())
+    if not classes:
+        raise FileNotFoundError(f"Couldn't find any class folder in {directory}.")
+    return classes, {name: i for i, name in enumerate(classes)}
+
+
+def _validity_check(extensions, is_valid_file) -> Callable[[str], bool]:
+    if (extensions is None) == (is_valid_file is None):
+        raise ValueError(
+            "exactly one of extensions and is_valid_file must be given, but got "
+            f"extensions={extensions!r} and is_valid_file={is_valid_file!r}"
+        )
+    if extensions is not None:
+        ends = extensions.lower() if isinstance(extensions, str) else tuple(e.lower() for e in extensions)
+        return lambda path: path.lower().endswith(ends)
+    return is_valid_file
+
+
+def _walk_sorted(top: str, rel_top: str) -> list[tuple[str, str, list[str]]]:
+    """``(dirpath, reldir, filenames)`` for every directory under ``top``,
+    ordered like ``sorted(os.walk(top, followlinks=True))``.
+
+    Like ``os.walk`` it follows symbolic links to directories and skips
+    directories it cannot list.  Unlike it, a link back to an ancestor
+    directory is not followed again (os.walk would recurse until the path is
+    too long).
+    """
+    out: list[tuple[str, str, list[str]]] = []
+
+    def visit(path: str, rel: str, ancestors: frozenset) -> None:
+        try:
+            it = os.scandir(path)
+        except OSError:
+            return
+        subdirs: list[tuple[str, tuple[int, int] | None]] = []
+        files: list[str] = []
+        with it:
+            for entry in it:
+                try:
+                    is_dir = entry.is_dir()
+                except OSError:
+                    is_dir = False
+                if not is_dir:
+                    files.append(entry.name)
+                    continue
+                key = None
+                try:
+                    st = entry.stat()
+                    key = (st.st_dev, st.st_ino)
+                except OSError:
+                    pass
+                subdirs.append((entry.name, key))
+        out.append((path, rel, files))
+        for name, key in subdirs:
+            if key is not None and key in ancestors:
+                continue  # a link to an ancestor: a loop
+            visit(os.path.join(path, name), os.path.join(rel, name),
+                  ancestors | {key} if key is not None else ancestors)
+
+    try:
+        st = os.stat(top)
+        start = frozenset({(st.st_dev, st.st_ino)})
+    except OSError:
+        start = frozenset()
+    visit(top, rel_top, start)
+    out.sort(key=lambda t: t[0])
+    return out
+
+
+class _Scan:
+    """Result of a scan: parallel lists, turned into arrays by ``_Table``."""
+
+    __slots__ = ("rel", "targets", "sizes", "mtimes")
+
+    def __init__(self):
+        self.rel: list[bytes] = []
+        self.targets: list[int] = []
+        self.sizes: list[int] = []
+        self.mtimes: list[int] = []
+
+
+def _scan(directory: str, class_to_idx: dict[str, int], extensions=None,
+          is_valid_file=None, allow_empty: bool = False) -> _Scan:
+    """The valid files of each class folder, in torchvision's order, with
+    their paths relative to ``directory``, sizes and mtimes (ns)."""
+    if not class_to_idx:
+        raise ValueError("class_to_idx must have at least one entry to collect any samples.")
+    valid = _validity_check(extensions, is_valid_file)
+    scan = _Scan()
+    found: set[str] = set()
+    fsencode = os.fsencode
+    for target_class in sorted(class_to_idx):
+        class_index = class_to_idx[target_class]
+        target_dir = os.path.join(directory, target_class)
+        if not os.path.isdir(target_dir):
+            continue
+        for dirpath, reldir, fnames in _walk_sorted(target_dir, target_class):
+            for fname in sorted(fnames):
+                path = os.path.join(dirpath, fname)
+                if not valid(path):
+                    continue
+                try:
+                    st = os.stat(path)
+                    size, mtime = st.st_size, st.st_mtime_ns
+                except OSError:  # a dangling link: raw() will say so
+                    size, mtime = -1, 0
+                scan.rel.append(fsencode(os.path.join(reldir, fname)))
+                scan.targets.append(class_index)
+                scan.sizes.append(size)
+                scan.mtimes.append(mtime)
+                found.add(target_class)
+    empty = set(class_to_idx) - found
+    if empty and not allow_empty:
+        msg = (f"Found no valid file for the classes {', '.join(sorted(empty))} "
+               f"in {directory}.")
+        if extensions is not None:
+            exts = extensions if isinstance(extensions, str) else ", ".join(extensions)
+            msg += f" Supported extensions are: {exts}"
+        else:
+            msg += " (no file passed is_valid_file)"
+        raise FileNotFoundError(msg)
+    return scan
+
+
+def make_dataset(directory: str | os.PathLike, class_to_idx: dict[str, int] | None = None,
+                 extensions: str | tuple[str, ...] | None = None,
+                 is_valid_file: Callable[[str], bool] | None = None,
+                 allow_empty: bool = False) -> list[tuple[str, int]]:
+    """torchvision's ``make_dataset``: the list of ``(path, class_index)`` of
+    the valid files under ``directory``.  (The datasets themselves never build
+    this list; it is here for code that calls the function.)"""
+    directory = os.path.expanduser(os.fspath(directory))
+    if class_to_idx is None:
+        _, class_to_idx = find_classes(directory)
+    scan = _scan(directory, class_to_idx, extensions, is_valid_file, allow_empty)
+    return [(os.path.join(directory, os.fsdecode(r)), t) for r, t in zip(scan.rel, scan.targets)]
+
+
+def _stat_paths(paths: list[str]) -> tuple[list[int], list[int]]:
+    sizes, mtimes = [], []
+    for p in paths:
+        try:
+            st = os.stat(p)
+            sizes.append(st.st_size)
+            mtimes.append(st.st_mtime_ns)
+        except OSError:
+            sizes.append(-1)
+            mtimes.append(0)
+    return sizes, mtimes
+
+
+def _split_prefix(root: str | None, paths: list[str]) -> tuple[str, list[str]]:
+    """``(prefix, names)`` with ``os.path.join(prefix, name) == path`` for
+    every path: names relative to ``root`` when all paths lie under it, else
+    the paths themselves under an empty prefix."""
+    if root:
+        head = root if root.endswith(os.sep) else root + os.sep
+        n = len(head)
+        rel = []
+        join = os.path.join
+        for p in paths:
+            if not p.startswith(head):
+                break
+            r = p[n:]
+            if not r or join(root, r) != p:
+                break
+            rel.append(r)
+        else:
+            return root, rel
+    return "", list(paths)
+
+
+# --------------------------------------------------------------------------
+# Samples view
+# --------------------------------------------------------------------------
+
+class FolderSamples(Sequence):
+    """Read-only sequence of ``(path, class_index)`` tuples over a folder
+    dataset's numpy storage; what ``dataset.samples`` returns.
+
+    Compares equal to any sequence of the same tuples (a list, say); slicing
+    returns a list.
+    """
+
+    __slots__ = ("_ds",)
+
+    def __init__(self, dataset: "_FolderBase"):
+        self._ds = dataset
+
+    def __len__(self) -> int:
+        return len(self._ds._targets)
+
+    def __getitem__(self, index):
+        ds = self._ds
+        if isinstance(index, slice):
+            return [(ds._path(i), int(ds._targets[i])) for i in range(*index.indices(len(self)))]
+        i = ds._check_index(index)
+        return ds._path(i), int(ds._targets[i])
+
+    def __iter__(self) -> Iterator[tuple[str, int]]:
+        ds = self._ds
+        buf = ds._paths.tobytes()
+        offs = ds._offsets.tolist()
+        prefix, join, dec = ds._prefix, os.path.join, os.fsdecode
+        for k, t in enumerate(ds._targets.tolist()):
+            yield join(prefix, dec(buf[offs[k]:offs[k + 1]])), t
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, FolderSamples) or isinstance(other, (list, tuple)):
+            return len(self) == len(other) and all(
+                tuple(a) == tuple(b) for a, b in zip(self, other))
+        return NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        n = len(self)
+        head = ", ".join(repr(s) for s in self[:3])
+        more = f", ... ({n} samples)" if n > 3 else ""
+        return f"FolderSamples([{head}{more}])"
+
+
+# --------------------------------------------------------------------------
+# Datasets
+# --------------------------------------------------------------------------
+
+def _ro(a: np.ndarray) -> np.ndarray:
+    v = a.view()
+    v.flags.writeable = False
+    return v
+
+
+class _FolderBase:
+    """Numpy-backed ``(path, target)`` storage plus the two-stage protocol.
+
+    Subclasses set ``root``, ``classes``, ``class_to_idx``, ``transform``,
+    ``target_transform``, ``loader`` and ``_decode`` and call ``_set_table``.
+    """
+
+    # -- storage ----------------------------------------------------------
+
+    def _set_table(self, prefix: str, names: list[bytes], targets, sizes, mtimes) -> None:
+        lengths = np.fromiter((len(b) for b in names), dtype=np.int64, count=len(names))
+        offsets = np.zeros(len(names) + 1, dtype=np.int64)
+        np.cumsum(lengths, out=offsets[1:])
+        self._prefix = prefix
+        self._paths = np.frombuffer(b"".join(names), dtype=np.uint8).copy()
+        self._offsets = offsets
+        self._targets = np.asarray(targets, dtype=np.int64).reshape(-1).copy()
+        self._sizes = np.asarray(sizes, dtype=np.int64).reshape(-1).copy()
+        self._mtimes = np.asarray(mtimes, dtype=np.int64).reshape(-1).copy()
+        self._fingerprint = None
+
+    def _set_samples(self, samples: Iterable[tuple[Any, int]], root: str | None) -> None:
+        paths, targets = [], []
+        for path, target in samples:
+            paths.append(os.fsdecode(os.fspath(path)))
+            targets.append(operator.index(target))
+        sizes, mtimes = _stat_paths(paths)
+        prefix, names = _split_prefix(root, paths)
+        fsencode = os.fsencode
+        self._set_table(prefix, [fsencode(n) for n in names], targets, sizes, mtimes)
+
+    def _check_index(self, index) -> int:
+        i = operator.index(index)
+        n = len(self._targets)
+        if i < 0:
+            i += n
+        if not 0 <= i < n:
+            raise IndexError(f"index {index} is out of range for {type(self).__name__} of length {n}")
+        return i
+
+    def _path(self, i: int) -> str:
+        a, b = self._offsets[i], self._offsets[i + 1]
+        return os.path.join(self._prefix, os.fsdecode(self._paths[a:b].tobytes()))
+
+    # -- torchvision attributes ---------------------------------------------
+
+    @property
+    def samples(self) -> FolderSamples:
+        """``(path, class_index)`` for every sample, as a read-only sequence.
+
+        Assigning a sequence of such tuples replaces the samples (the way
+        torchvision code takes a subset); sizes and mtimes are read again.
+        """
+        return FolderSamples(self)
+
+    @samples.setter
+    def samples(self, value: Iterable[tuple[Any, int]]) -> None:
+        root = getattr(self, "root", None)
+        self._set_samples(list(value), os.fspath(root) if root is not None else None)
+
+    imgs = samples
+
+    @property
+    def targets(self) -> list[int]:
+        """The class index of every sample (a new list on each access).
+
+        Assigning a sequence of ints of the right length replaces the class
+        indices, which ``__getitem__`` then returns too (in torchvision the
+        ``targets`` list and the targets in ``samples`` are separate copies).
+        """
+        return self._targets.tolist()
+
+    @targets.setter
+    def targets(self, value: Iterable[int]) -> None:
+        t = np.asarray([operator.index(v) for v in value], dtype=np.int64)
+        if t.shape != self._targets.shape:
+            raise ValueError(f"targets should have {len(self._targets)} entries, but got {len(t)}")
+        self._targets = t
+
+    @property
+    def sizes(self) -> np.ndarray:
+        """File sizes in bytes when the folder was scanned (-1: unreadable),
+        as a read-only int64 array."""
+        return _ro(self._sizes)
+
+    @property
+    def mtimes_ns(self) -> np.ndarray:
+        """File modification times (ns) when the folder was scanned."""
+        return _ro(self._mtimes)
+
+    def fingerprint(self) -> str:
+        """Hex digest of the samples' paths (relative to ``root``), sizes and
+        mtimes as recorded by the scan.
+
+        Stable for an unchanged folder, different once a file is added,
+        removed, renamed, resized or touched (rescan: create a new dataset).
+        A cache of raw bytes can name its storage after it.
+        """
+        if self._fingerprint is None:
+            h = hashlib.blake2b(digest_size=16)
+            h.update(_FINGERPRINT_TAG)
+            h.update(np.int64(len(self._sizes)).astype("<i8").tobytes())
+            h.update(self._offsets.astype("<i8").tobytes())
+            h.update(self._paths.tobytes())
+            h.update(self._sizes.astype("<i8").tobytes())
+            h.update(self._mtimes.astype("<i8").tobytes())
+            self._fingerprint = h.hexdigest()
+        return self._fingerprint
+
+    # -- protocol ---------------------------------------------------------
+
+    def _two_stage_ok(self) -> bool:
+        if self._decode is None:
+            return False
+        cls = type(self)
+        # A subclass that changes __getitem__ but not prep would be bypassed
+        # by a loader that calls raw/prep: then it is not two-stage.
+        if cls.__getitem__ is not _FolderBase.__getitem__ and cls.prep is _FolderBase.prep:
+            return False
+        return True
+
+    def _not_two_stage(self, name: str) -> AttributeError:
+        if self._decode is None:
+            why = (f"its loader {self.loader!r} reads paths and no decode was given; "
+                   "pass decode= (a callable taking the file's bytes and returning the sample)")
+        else:
+            why = f"{type(self).__name__} overrides __getitem__ but not prep"
+        return AttributeError(f"{type(self).__name__} has no {name}: it is not two-stage, because {why}")
+
+    @property
+    def raw(self) -> Callable[[int], bytes]:
+        """``raw(i)``: the bytes of sample ``i``'s file (I/O only)."""
+        if not self._two_stage_ok():
+            raise self._not_two_stage("raw")
+        return self._raw
+
+    @property
+    def prep(self) -> Callable[[bytes, int], tuple[Any, Any]]:
+        """``prep(raw, i)``: ``(transform(decode(raw)), target_transform(target))``."""
+        if not self._two_stage_ok():
+            raise self._not_two_stage("prep")
+        return self._prep
+
+    @property
+    def is_two_stage(self) -> bool:
+        """True when ``raw``/``prep`` are available."""
+        return self._two_stage_ok()
+
+    def _raw(self, index: int) -> bytes:
+        return read_bytes(self._path(self._check_index(index)))
+
+    def _prep(self, raw: bytes, index: int) -> tuple[Any, Any]:
+        i = self._check_index(index)
+        return self._finish(self._decode(raw), i)
+
+    def _finish(self, sample: Any, i: int) -> tuple[Any, Any]:
+        target = int(self._targets[i])
+        if self.transform is not None:
+            sample = self.transform(sample)
+        if self.target_transform is not None:
+            target = self.target_transform(target)
+        return sample, target
+
+    def describe(self, index: int) -> str:
+        """The path of sample ``index``."""
+        return self._path(self._check_index(index))
+
+    def __getitem__(self, index: int) -> tuple[Any, Any]:
+        i = self._check_index(index)
+        path = self._path(i)
+        if self._decode is None:
+            return self._finish(self.loader(path), i)
+        return self._finish(self._decode(read_bytes(path)), i)
+
+    def __len__(self) -> int:
+        return len(self._targets)
+
+    # -- repr -------------------------------------------------------------
+
+    def _repr_name(self) -> str:
+        return type(self).__name__
+
+    def __repr__(self) -> str:
+        body = [f"Number of datapoints: {len(self)}"]
+        root = getattr(self, "root", None)
+        if root is not None:
+            body.append(f"Root location: {root}")
+        for label, fn in (("Transform", self.transform), ("Target transform", self.target_transform)):
+            if fn is not None:
+                lines = repr(fn).splitlines() or [""]
+                body.append(f"{label}: {lines[0]}")
+                body.extend("    " + line for line in lines[1:])
+        return "\n".join([f"Dataset {self._repr_name()}"] + ["    " + line for line in body])
+
+
+class DatasetFolder(_FolderBase):
+    """A dataset of files arranged as ``root/<class>/**/<file>``.
+
+    Same arguments, attributes and scanning rules as torchvision's
+    ``DatasetFolder``: classes are the sorted subdirectories of ``root``
+    (override :meth:`find_classes` to change that), files are walked
+    recursively in ``sorted(os.walk(class_dir, followlinks=True))`` order with
+    sorted file names, and kept when their name ends with one of
+    ``extensions`` (case-insensitive) or when ``is_valid_file(path)`` is true;
+    exactly one of the two must be given.  A class folder without a valid file
+    is an error unless ``allow_empty``.  Overriding the static method
+    :meth:`make_dataset` is honoured too.
+
+    Args:
+        root: the dataset's directory.
+        loader: a function of a path returning the sample.  ``None``: the
+            sample is the file's bytes (torchvision has no such default).
+        extensions: allowed file name endings.
+        transform: applied to the sample.
+        target_transform: applied to the class index.
+        is_valid_file: predicate on a file's path, instead of ``extensions``.
+        allow_empty: allow class folders without valid files.
+        decode: a function of the file's *bytes* returning the sample, which
+            makes the dataset two-stage when ``loader`` is a custom path
+            loader (see the module docstring).
+
+    ``samples``/``imgs`` (``(path, class_index)`` tuples), ``targets``,
+    ``sizes`` and :meth:`fingerprint` are backed by numpy arrays.
+    """
+
+    def __init__(self, root: str | os.PathLike, loader: Callable[[str], Any] | None = None,
+                 extensions: str | tuple[str, ...] | None = None,
+                 transform: Callable | None = None, target_transform: Callable | None = None,
+                 is_valid_file: Callable[[str], bool] | None = None, allow_empty: bool = False,
+                 *, decode: Callable[[bytes], Any] | None = None):
+        self.root = os.path.expanduser(root) if isinstance(root, str) else root
+        self.transform = transform
+        self.target_transform = target_transform
+        self.extensions = extensions
+        self.loader, self._decode = self._resolve_loader(loader, decode)
+        directory = os.path.expanduser(os.fspath(root))
+        classes, class_to_idx = self.find_classes(directory)
+        if type(self).make_dataset is DatasetFolder.make_dataset:
+            scan = _scan(directory, class_to_idx, extensions, is_valid_file, allow_empty)
+            self._set_table(directory, scan.rel, scan.targets, scan.sizes, scan.mtimes)
+        else:  # a subclass's own make_dataset, as torchvision allows
+            samples = self.make_dataset(directory, class_to_idx=class_to_idx, extensions=extensions,
+                                        is_valid_file=is_valid_file, allow_empty=allow_empty)
+            self._set_samples(samples, directory)
+        self.classes = classes
+        self.class_to_idx = class_to_idx
+
+    def _default_decode(self) -> Callable[[bytes], Any]:
+        return _identity
+
+    def _resolve_loader(self, loader, decode):
+        _check_decode(decode)
+        if decode is not None:
+            return (loader if loader is not None else _DecodingLoader(decode)), decode
+        if loader is None:
+            decode = self._default_decode()
+            return (default_loader if decode is pil_decode else _DecodingLoader(decode)), decode
+        if _is_default_pil_loader(loader):
+            return loader, pil_decode
+        return loader, None  # a custom path loader: not two-stage
+
+    @staticmethod
+    def make_dataset(directory: str, class_to_idx: dict[str, int],
+                     extensions: str | tuple[str, ...] | None = None,
+                     is_valid_file: Callable[[str], bool] | None = None,
+                     allow_empty: bool = False) -> list[tuple[str, int]]:
+        """The ``(path, class_index)`` list, as torchvision's static method.
+        Subclasses may override it; the default is never called by
+        ``__init__``, which scans straight into numpy arrays."""
+        if class_to_idx is None:
+            raise ValueError("The class_to_idx parameter cannot be None.")
+        return make_dataset(directory, class_to_idx, extensions, is_valid_file, allow_empty)
+
+    def find_classes(self, directory: str | os.PathLike) -> tuple[list[str], dict[str, int]]:
+        """Sorted class folder names and their indices; see :func:`find_classes`."""
+        return find_classes(directory)
+
+
+class _Unset:
+    def __repr__(self) -> str:
+        return "<IMG_EXTENSIONS unless is_valid_file is given>"
+
+
+_UNSET: Any = _Unset()
+
+
+class ImageFolder(DatasetFolder):
+    """torchvision's ``ImageFolder``: images in ``root/<class>/**/<file>``,
+    returned as ``(transform(rgb_pil_image), target_transform(class_index))``.
+
+    Same positional arguments as torchvision's (``root, transform,
+    target_transform, loader, is_valid_file, allow_empty``); ``extensions``
+    (default :data:`IMG_EXTENSIONS`, or none when ``is_valid_file`` is given)
+    and ``decode`` are keyword-only.  With the default loader the dataset is
+    two-stage: ``raw`` reads the file, ``prep`` decodes it with PIL
+    (:func:`pil_decode`) and applies the transforms.  See
+    :class:`DatasetFolder` and the module docstring for ``loader``/``decode``.
+    """
+
+    def __init__(self, root: str | os.PathLike, transform: Callable | None = None,
+                 target_transform: Callable | None = None,
+                 loader: Callable[[str], Any] | None = None,
+                 is_valid_file: Callable[[str], bool] | None = None, allow_empty: bool = False,
+                 *, extensions: str | tuple[str, ...] | None = _UNSET,
+                 decode: Callable[[bytes], Any] | None = None):
+        if extensions is _UNSET:
+            extensions = IMG_EXTENSIONS if is_valid_file is None else None
+        super().__init__(root, loader, extensions, transform=transform,
+                         target_transform=target_transform, is_valid_file=is_valid_file,
+                         allow_empty=allow_empty, decode=decode)
+
+    def _default_decode(self) -> Callable[[bytes], Any]:
+        return pil_decode
+
+
+# --------------------------------------------------------------------------
+# Adapter for torchvision-style instances
+# --------------------------------------------------------------------------
+
+class TwoStageFolder(_FolderBase):
+    """A two-stage copy of a torchvision-style folder dataset; made by
+    :func:`two_stage`.
+
+    Holds the samples in numpy arrays and keeps no reference to the original
+    dataset (whose Python lists forked workers would copy).  ``transform``,
+    ``target_transform``, ``loader``, ``classes``, ``class_to_idx`` and
+    ``root`` are taken from the original.
+    """
+
+    def __init__(self, dataset: Any, decode: Callable[[bytes], Any] | None = None):
+        for name in ("samples", "loader"):
+            if not hasattr(dataset, name):
+                raise TypeError(
+                    "two_stage expects a torchvision-style ImageFolder/DatasetFolder "
+                    f"(with samples, loader, transform, target_transform), but {type(dataset).__name__} "
+                    f"has no {name!r}")
+        loader = dataset.loader
+        _check_decode(decode)
+        if decode is None:
+            if not _is_default_pil_loader(loader):
+                raise TypeError(
+                    "decode should be a callable taking the file's bytes and returning the "
+                    f"sample, because dataset.loader={loader!r} reads paths, but got decode=None")
+            decode = pil_decode
+        self._decode = decode
+        self.loader = loader
+        self.transform = getattr(dataset, "transform", None)
+        self.target_transform = getattr(dataset, "target_transform", None)
+        self.root = getattr(dataset, "root", None)
+        self.extensions = getattr(dataset, "extensions", None)
+        self.classes = list(getattr(dataset, "classes", []))
+        self.class_to_idx = dict(getattr(dataset, "class_to_idx", {}))
+        self._source = type(dataset).__name__
+        root = self.root
+        if isinstance(root, str):
+            root = os.path.expanduser(root)
+        self._set_samples(dataset.samples, os.fspath(root) if root is not None else None)
+
+    def _repr_name(self) -> str:
+        return f"{type(self).__name__}({self._source})"
+
+
+def two_stage(dataset: Any, decode: Callable[[bytes], Any] | None = None) -> TwoStageFolder:
+    """Make a torchvision-style ``ImageFolder``/``DatasetFolder`` two-stage.
+
+    ``dataset`` needs ``samples`` (``(path, class_index)`` pairs), ``loader``,
+    ``transform`` and ``target_transform``.  When its loader is torchvision's
+    default (a function named ``default_loader`` or ``pil_loader``) the bytes
+    are decoded with PIL to RGB; for any other loader pass ``decode``, a
+    callable taking the file's bytes and returning what ``loader(path)``
+    returns.  Returns a new :class:`TwoStageFolder`; ``dataset`` is not
+    modified.
+    """
+    return TwoStageFolder(dataset, decode)
