@@ -6,7 +6,7 @@ Also measures each loader's single-core in-process prep rate, so the table
 shows efficiency = throughput / (workers x single-core rate), and the peak
 memory of coordl's whole loader (main + workers) against its budget.
 
-    python benchmarks/make_dataset.py bench_data/photos --images 2000
+    python -m coordl.synth bench_data/photos --images 2000
     python benchmarks/throughput.py --root bench_data/photos --epochs 3
     python benchmarks/throughput.py --quick          # tiny smoke run (tests use it)
 

@@ -563,6 +563,17 @@ class _FolderBase:
 
     def _prep(self, raw: bytes, index: int) -> tuple[Any, Any]:
         i = self._check_index(index)
+        if self._decode is pil_decode:
+            # coordl's own pipelines decode and transform in one step (see
+            # coordl.transforms.decode_and_apply): same draws, no PIL images
+            fused = getattr(self.transform, "from_bytes", None)
+            if fused is not None:
+                sample = fused(raw)
+                if sample is not NotImplemented:
+                    target = int(self._targets[i])
+                    if self.target_transform is not None:
+                        target = self.target_transform(target)
+                    return sample, target
         return self._finish(self._decode(raw), i)
 
     def _finish(self, sample: Any, i: int) -> tuple[Any, Any]:
@@ -582,7 +593,7 @@ class _FolderBase:
         path = self._path(i)
         if self._decode is None:
             return self._finish(self.loader(path), i)
-        return self._finish(self._decode(read_bytes(path)), i)
+        return self._prep(read_bytes(path), i)
 
     def __len__(self) -> int:
         return len(self._targets)
