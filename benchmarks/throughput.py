@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import csv
 import os
+import statistics
 import sys
 import tempfile
 import threading
@@ -76,21 +77,25 @@ def run(args) -> list[dict]:
     print(f"dataset: {args.root}: {n_files} files, {nbytes / 2**20:.1f} MiB "
           f"(mean {nbytes / max(1, n_files) / 1024:.0f} KiB), page cache warm")
     print(f"workers/threads: {args.workers}, batch size {args.batch_size}, {args.epochs} epochs "
-          f"(first epoch excluded as warm-up), {args.rounds} interleaved round(s)")
+          f"(first epoch excluded as warm-up), median of {args.rounds} interleaved round(s)")
     results = {k: [] for k in loaders}
-    peak = {}
-    for _ in range(args.rounds):
+    for _ in range(args.rounds):  # interleaved, so drift hits every loader alike
         for kind in loaders:
             L = common.make_loader(kind, args.root, args.workers, args.batch_size)
-            with PeakMemory() as pm:
-                per_epoch = common.time_epochs(L, args.epochs + 1)[1:]
-            peak[kind] = max(peak.get(kind, 0), pm.peak)
+            per_epoch = common.time_epochs(L, args.epochs + 1)[1:]
             results[kind].append(sum(n for n, _ in per_epoch) / sum(s for _, s in per_epoch))
             del L
+    peak = {}
+    for kind in loaders:  # memory in a separate pass: sampling /proc costs CPU
+        L = common.make_loader(kind, args.root, args.workers, args.batch_size)
+        with PeakMemory() as pm:
+            common.time_epochs(L, 1)
+        peak[kind] = pm.peak
+        del L
     rows = []
     for kind in loaders:
         single = common.single_core_rate(kind, args.root, args.single_n)
-        thr = max(results[kind])
+        thr = statistics.median(results[kind])
         rows.append({"loader": kind, "images_per_s": thr, "single_core_images_per_s": single,
                      "efficiency": thr / (args.workers * single), "peak_mem_mib": peak[kind] / 2**20})
     base = {r["loader"]: r["images_per_s"] for r in rows}
@@ -141,7 +146,7 @@ def main(argv=None) -> int:
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--batch-size", type=int, default=64)
     ap.add_argument("--epochs", type=int, default=3)
-    ap.add_argument("--rounds", type=int, default=1)
+    ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--single-n", type=int, default=400, help="samples for the single-core rate")
     ap.add_argument("--loaders", default=",".join(common.LOADERS))
     ap.add_argument("--out", default="bench_out")
@@ -149,7 +154,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     tmp = None
     if args.quick:
-        args.images, args.epochs, args.batch_size, args.single_n = 48, 1, 8, 16
+        args.images, args.epochs, args.batch_size, args.single_n, args.rounds = 48, 1, 8, 16, 1
     if args.root is None:
         from coordl.synth import make_image_folder
         tmp = tempfile.TemporaryDirectory(prefix="coordl-bench-")

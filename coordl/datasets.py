@@ -51,6 +51,8 @@ from typing import Any, Callable, Iterable, Iterator
 import numpy as np
 from PIL import Image
 
+from .storage import FsspecStore, is_url
+
 __all__ = [
     "IMG_EXTENSIONS",
     "DatasetFolder",
@@ -558,8 +560,13 @@ class _FolderBase:
         """True when ``raw``/``prep`` are available."""
         return self._two_stage_ok()
 
+    _store = None  # an FsspecStore for URL roots
+
+    def _read(self, path: str) -> bytes:
+        return read_bytes(path) if self._store is None else self._store.read(path)
+
     def _raw(self, index: int) -> bytes:
-        return read_bytes(self._path(self._check_index(index)))
+        return self._read(self._path(self._check_index(index)))
 
     def _prep(self, raw: bytes, index: int) -> tuple[Any, Any]:
         i = self._check_index(index)
@@ -593,7 +600,7 @@ class _FolderBase:
         path = self._path(i)
         if self._decode is None:
             return self._finish(self.loader(path), i)
-        return self._prep(read_bytes(path), i)
+        return self._prep(self._read(path), i)
 
     def __len__(self) -> int:
         return len(self._targets)
@@ -656,6 +663,10 @@ class DatasetFolder(_FolderBase):
         self.target_transform = target_transform
         self.extensions = extensions
         self.loader, self._decode = self._resolve_loader(loader, decode)
+        if is_url(root):
+            self._store = FsspecStore(root)
+            self._scan_store(extensions, is_valid_file, allow_empty)
+            return
         directory = os.path.expanduser(os.fspath(root))
         classes, class_to_idx = self.find_classes(directory)
         if type(self).make_dataset is DatasetFolder.make_dataset:
@@ -665,6 +676,23 @@ class DatasetFolder(_FolderBase):
             samples = self.make_dataset(directory, class_to_idx=class_to_idx, extensions=extensions,
                                         is_valid_file=is_valid_file, allow_empty=allow_empty)
             self._set_samples(samples, directory)
+        self.classes = classes
+        self.class_to_idx = class_to_idx
+
+    def _scan_store(self, extensions, is_valid_file, allow_empty: bool) -> None:
+        """The same rules as the local scan, over an fsspec URL."""
+        classes, files = self._store.scan(_validity_check(extensions, is_valid_file))
+        if not classes:
+            raise FileNotFoundError(f"Couldn't find any class folder in {self.root}.")
+        class_to_idx = {c: i for i, c in enumerate(classes)}
+        empty = set(classes) - {f[1] for f in files}
+        if empty and not allow_empty:
+            raise FileNotFoundError(
+                f"Found no valid file for the classes {', '.join(sorted(empty))} in {self.root}."
+                + (f" Supported extensions are: {extensions if isinstance(extensions, str) else ', '.join(extensions)}"
+                   if extensions is not None else ""))
+        self._set_table(self._store.url, [f[0].encode() for f in files],
+                        [class_to_idx[f[1]] for f in files], [f[2] for f in files], [f[3] for f in files])
         self.classes = classes
         self.class_to_idx = class_to_idx
 

@@ -1,0 +1,103 @@
+"""Where sample bytes live: local files (default) or any fsspec URL.
+
+``coordl.ImageFolder("s3://bucket/train")``, ``"http://host/data/"``,
+``"gcs://..."``: any protocol fsspec knows works, with no coordl code per
+protocol (install ``coordl[remote]`` for fsspec and its HTTP client; other
+protocols need their fsspec package, e.g. s3fs).  The fetch stage's threads
+call :meth:`FsspecStore.read`, so storage latency is hidden by read-ahead.
+
+A filesystem object is created lazily in each process: async fsspec
+filesystems hold an event loop and sessions that must not cross a fork.
+"""
+from __future__ import annotations
+
+import os
+import posixpath
+from typing import Callable
+
+__all__ = ["is_url", "FsspecStore"]
+
+
+def is_url(root) -> bool:
+    """True for ``proto://...`` roots other than ``file://``."""
+    return isinstance(root, str) and "://" in root and not root.startswith("file://")
+
+
+def _mtime_ns(info: dict) -> int:
+    for key in ("mtime", "LastModified", "last_modified", "updated", "created"):
+        v = info.get(key)
+        if v is None:
+            continue
+        try:
+            if hasattr(v, "timestamp"):
+                return int(v.timestamp() * 1e9)
+            return int(float(v) * 1e9)
+        except (TypeError, ValueError):
+            continue
+    return 0
+
+
+class FsspecStore:
+    """Lists and reads a folder tree through fsspec."""
+
+    def __init__(self, url: str, storage_options: dict | None = None) -> None:
+        try:
+            import fsspec  # noqa: F401
+        except ImportError as e:
+            raise ImportError(
+                f"reading {url!r} needs fsspec: pip install 'coordl[remote]' "
+                "(plus the fsspec package for the protocol, e.g. s3fs for s3://)"
+            ) from e
+        self.url = url.rstrip("/")
+        self.storage_options = dict(storage_options or {})
+        self._fs = None
+        self._pid = None
+
+    def __getstate__(self):
+        return {"url": self.url, "storage_options": self.storage_options, "_fs": None, "_pid": None}
+
+    @property
+    def fs(self):
+        if self._fs is None or self._pid != os.getpid():
+            import fsspec
+
+            self._fs, self._root = fsspec.core.url_to_fs(self.url, **self.storage_options)
+            self._pid = os.getpid()
+        return self._fs
+
+    def _rel(self, path: str) -> str:
+        self.fs
+        root = self._root.rstrip("/")
+        if path.startswith(root):
+            return path[len(root):].lstrip("/")
+        stripped = self._fs._strip_protocol(path)
+        return stripped[len(self._fs._strip_protocol(root)):].lstrip("/")
+
+    def scan(self, valid: Callable[[str], bool]):
+        """``(classes, [(rel_path, class_name, size, mtime_ns)])`` in sorted order:
+        class folders are the first path components under the root."""
+        fs = self.fs
+        found = fs.find(self._root, detail=True, withdirs=True)
+        classes: set[str] = set()
+        files = []
+        for path, info in found.items():
+            rel = self._rel(path)
+            if not rel:
+                continue
+            parts = rel.split("/")
+            if info.get("type") == "directory":
+                if len(parts) == 1:
+                    classes.add(parts[0])
+                continue
+            if len(parts) < 2:
+                continue  # files directly under the root are not samples
+            classes.add(parts[0])
+            if valid(posixpath.join(self.url, rel)):
+                size = info.get("size")
+                files.append((rel, parts[0], int(size) if size is not None else -1, _mtime_ns(info)))
+        files.sort(key=lambda f: f[0].split("/"))
+        return sorted(classes), files
+
+    def read(self, url: str) -> bytes:
+        fs = self.fs
+        return fs.cat_file(posixpath.join(self._root, url[len(self.url):].lstrip("/")))
