@@ -140,7 +140,7 @@ def _loader(kind: str, root: str, url: str | None, workers: int, bs: int):
 
 def inner(args) -> None:
     """Runs inside the namespace: local and HTTP throughput per loader."""
-    url = f"http://127.0.0.1:{PORT}/{os.path.basename(os.path.abspath(args.root))}/"
+    url = args.url or f"http://127.0.0.1:{PORT}/{os.path.basename(os.path.abspath(args.root))}/"
     common.warm_page_cache(args.root)
     loaders = [l for l in args.loaders.split(",") if l]
     if "dali" in loaders and not common.dali_available():
@@ -236,7 +236,9 @@ def main(argv=None) -> int:
     ap.add_argument("--epochs", type=int, default=2)
     ap.add_argument("--loaders", default="torch,dali,coordl")
     ap.add_argument("--out", default="bench_out")
-    ap.add_argument("--inner", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--inner", action="store_true",
+                    help="measure only, against --url (or the namespace's nginx): no setup")
+    ap.add_argument("--url", default=None, help="with --inner: the dataset's URL")
     args = ap.parse_args(argv)
     if args.inner:
         inner(args)

@@ -79,12 +79,15 @@ def run(args) -> list[dict]:
     print(f"workers/threads: {args.workers}, batch size {args.batch_size}, {args.epochs} epochs "
           f"(first epoch excluded as warm-up), median of {args.rounds} interleaved round(s)")
     results = {k: [] for k in loaders}
+    singles = {k: [] for k in loaders}
     for _ in range(args.rounds):  # interleaved, so drift hits every loader alike
         for kind in loaders:
             L = common.make_loader(kind, args.root, args.workers, args.batch_size)
             per_epoch = common.time_epochs(L, args.epochs + 1)[1:]
             results[kind].append(sum(n for n, _ in per_epoch) / sum(s for _, s in per_epoch))
             del L
+            # the single-core rate right after, so efficiency compares like with like
+            singles[kind].append(common.single_core_rate(kind, args.root, args.single_n))
     peak = {}
     for kind in loaders:  # memory in a separate pass: sampling /proc costs CPU
         L = common.make_loader(kind, args.root, args.workers, args.batch_size)
@@ -94,7 +97,7 @@ def run(args) -> list[dict]:
         del L
     rows = []
     for kind in loaders:
-        single = common.single_core_rate(kind, args.root, args.single_n)
+        single = statistics.median(singles[kind])
         thr = statistics.median(results[kind])
         rows.append({"loader": kind, "images_per_s": thr, "single_core_images_per_s": single,
                      "efficiency": thr / (args.workers * single), "peak_mem_mib": peak[kind] / 2**20})

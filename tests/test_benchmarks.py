@@ -1,0 +1,62 @@
+"""The benchmark scripts at tiny sizes, so they cannot rot (no timing asserted)."""
+import csv
+import os
+import sys
+
+import pytest
+
+from coordl.testing import run_in_child
+
+BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
+
+
+def _script(name, *args, timeout=240):
+    code = (f"import sys; sys.argv = [{name!r}] + {list(args)!r}; sys.path.insert(0, {BENCH!r}); "
+            f"import runpy; runpy.run_path({os.path.join(BENCH, name)!r}, run_name='__main__')")
+    r = run_in_child(code, timeout=timeout)
+    assert r.returncode == 0, r.stdout + r.stderr
+    return r.stdout
+
+
+def test_overhead_quick():
+    out = _script("overhead.py", "--quick")
+    rows = [l.split() for l in out.splitlines() if l.strip()[:1].isdigit()]
+    assert [r[0] for r in rows] == ["0", "2"]
+    assert all(float(r[3]) > 0 for r in rows)
+
+
+def test_throughput_quick(tmp_path):
+    out = _script("throughput.py", "--quick", "--loaders", "torch,coordl", "--out", str(tmp_path))
+    with open(tmp_path / "throughput.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert [r["loader"] for r in rows] == ["torch", "coordl"]
+    assert all(float(r["images_per_s"]) > 0 and float(r["efficiency"]) > 0 for r in rows)
+    assert "vs torch" in out
+
+
+def test_latency_inner_against_local_http_server(tmp_path):
+    pytest.importorskip("aiohttp")
+    from coordl.synth import make_image_folder
+
+    root = tmp_path / "www" / "photos"
+    make_image_folder(str(root), num_images=24, num_classes=2, image_size=(64, 48), seed=0)
+    code = f"""
+import functools, http.server, threading, subprocess, sys
+class Q(http.server.SimpleHTTPRequestHandler):
+    def log_message(self, *a): pass
+srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(Q, directory={str(tmp_path / 'www')!r}))
+threading.Thread(target=srv.serve_forever, daemon=True).start()
+url = f"http://127.0.0.1:{{srv.server_address[1]}}/photos/"
+r = subprocess.run([sys.executable, {os.path.join(BENCH, 'latency.py')!r}, "--inner", "--url", url,
+                    "--root", {str(root)!r}, "--epochs", "1", "--batch-size", "8", "--loaders", "torch,coordl",
+                    "--out", {str(tmp_path)!r}], capture_output=True, text=True, timeout=200)
+print(r.stdout); print(r.stderr, file=sys.stderr)
+srv.shutdown()
+sys.exit(r.returncode)
+"""
+    r = run_in_child(code, timeout=240)
+    assert r.returncode == 0, r.stdout + r.stderr
+    with open(tmp_path / "latency.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert [r["loader"] for r in rows] == ["torch", "coordl"]
+    assert all(float(r["http_images_per_s"]) > 0 for r in rows)
