@@ -94,6 +94,12 @@ def run(args) -> list[dict]:
         with PeakMemory() as pm:
             common.time_epochs(L, 1)
         peak[kind] = pm.peak
+        if kind == "coordl" and getattr(L, "_pool", None) is not None:
+            slots = sum(mm.size() for _, mm in L._pool.maps.values())
+            budget = L._read_ahead
+            print(f"coordl memory (main above baseline + workers, USS): peak {pm.peak / 2**20:.1f} MiB = "
+                  f"read-ahead budget {budget / 2**20:.0f} MiB + batch slots {slots / 2**20:.1f} MiB "
+                  f"+ {(pm.peak - budget - slots) / 2**20:.1f} MiB rest (worker interpreters, decode buffers)")
         del L
     rows = []
     for kind in loaders:
