@@ -132,7 +132,7 @@ def _loader(kind: str, root: str, url: str | None, workers: int, bs: int):
     if kind == "coordl":
         ds = coordl.ImageFolder(url, transform=common.coordl_dataset(root).transform)
         return coordl.DataLoader(ds, batch_size=bs, shuffle=True, num_workers=workers,
-                                 persistent_workers=True, seed=0, fetch_threads=16)
+                                 persistent_workers=True, seed=0)  # 16 fetch threads for URLs
     if kind == "dali":
         return DaliHttp(root, url, bs, workers)
     raise ValueError(kind)

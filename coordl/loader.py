@@ -259,6 +259,12 @@ class DataLoader(_TorchDataLoader):
     rank, world_size
         The epoch plan's partition; default from ``torch.distributed`` when it
         is initialized, else 0 and 1.
+    read_ahead
+        Byte budget of the fetch stage's read-ahead (all workers together;
+        default ``"64MiB"``).
+    fetch_threads
+        Reads in flight per worker; default 8 for local files, 16 for fsspec
+        URLs (reads per second ~ threads / storage latency).
     """
 
     def __init__(
@@ -288,7 +294,7 @@ class DataLoader(_TorchDataLoader):
         rank: int | None = None,
         world_size: int | None = None,
         read_ahead: int | str = "64MiB",
-        fetch_threads: int = 8,
+        fetch_threads: int | None = None,
     ) -> None:
         super().__init__(
             dataset, batch_size, shuffle, sampler, batch_sampler, num_workers, collate_fn,
@@ -308,8 +314,10 @@ class DataLoader(_TorchDataLoader):
         self._read_ahead = parse_size(read_ahead, "read_ahead")
         if self._read_ahead < 1:
             raise ValueError(f"read_ahead should be a positive size like \"64MiB\", but got read_ahead={read_ahead!r}")
+        if fetch_threads is None:  # remote storage needs more reads in flight to hide latency
+            fetch_threads = 16 if getattr(dataset, "_store", None) is not None else 8
         if isinstance(fetch_threads, bool) or not isinstance(fetch_threads, int) or fetch_threads < 1:
-            raise ValueError(f"fetch_threads should be a positive int, but got fetch_threads={fetch_threads!r}")
+            raise ValueError(f"fetch_threads should be None or a positive int, but got fetch_threads={fetch_threads!r}")
         self._fetch_threads = fetch_threads
         self._pool = None
 
