@@ -95,7 +95,7 @@ class Engine:
 
     def __init__(self, dataset, *, seed: int, on_error: str, collate_fn, batch_size,
                  prefetch: int, fetch_threads: int, budget_bytes: int, slots, emit: Callable,
-                 worker_id: int = 0, read: Callable | None = None) -> None:
+                 worker_id: int = 0, read: Callable | None = None, cache=None) -> None:
         self.dataset = dataset
         self.seed = seed
         self.on_error = on_error
@@ -109,7 +109,7 @@ class Engine:
         self.emit = emit
         self.worker_id = worker_id
         self.q: queue.Queue = queue.Queue()
-        self._read = read or (lambda i: (dataset.raw(i), "storage"))
+        self._read = read or _make_reader(dataset, cache)
         sizes = getattr(dataset, "sizes", None)
         self._size_of = (lambda i: int(sizes[i])) if isinstance(sizes, np.ndarray) else None
         self.pass_id = None
@@ -295,6 +295,38 @@ class Engine:
             self.slots.release(b.slot)
             return
         self.emit("batch", b.k, b.slot, b.layout, len(rows), b.stats)
+
+
+def _make_reader(dataset, cache):
+    """The fetch stage's read: node cache first, then storage (admitting what
+    it reads).  With the cache on, storage reads drop their pages from the OS
+    page cache, so memory goes to the cache that does not thrash."""
+    raw = dataset.raw
+    if cache is None:
+        return lambda i: (raw(i), "storage")
+    import os
+
+    where = getattr(dataset, "describe", None)
+
+    def read(i):
+        data = cache.get(i)
+        if data is not None:
+            return data, "cache"
+        data = raw(i)
+        cache.put(i, data)
+        if where is not None:
+            try:
+                fd = os.open(where(i), os.O_RDONLY)
+            except (OSError, TypeError, ValueError):
+                pass
+            else:
+                try:
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                finally:
+                    os.close(fd)
+        return data, "storage"
+
+    return read
 
 
 class _Stage(Exception):

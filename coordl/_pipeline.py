@@ -84,7 +84,8 @@ def _worker_main(w: int, num_workers: int, dataset, cfg: dict, ctrl, res, parent
     engine = Engine(dataset, seed=cfg["seed"], on_error=cfg["on_error"], collate_fn=cfg["collate_fn"],
                     batch_size=cfg["batch_size"], prefetch=cfg["prefetch"],
                     fetch_threads=cfg["fetch_threads"], budget_bytes=cfg["budget"], slots=slots,
-                    emit=lambda kind, k, *p: send((kind, engine.pass_id, k) + p), worker_id=w)
+                    emit=lambda kind, k, *p: send((kind, engine.pass_id, k) + p), worker_id=w,
+                    cache=cfg.get("cache"))
     try:
         _seed_worker(cfg["base_seed"], w, dataset, num_workers)
         if cfg["worker_init_fn"] is not None:
@@ -366,7 +367,8 @@ class InlineIter:
                               collate_fn=cfg["collate_fn"], batch_size=cfg["batch_size"],
                               prefetch=cfg["prefetch"], fetch_threads=cfg["fetch_threads"],
                               budget_bytes=cfg["budget"], slots=LocalSlots(),
-                              emit=lambda kind, k, *p: self._out.__setitem__(k, (kind, k) + p))
+                              emit=lambda kind, k, *p: self._out.__setitem__(k, (kind, k) + p),
+                              cache=cfg.get("cache"))
         self._engine.begin_pass(1, plan, epoch, start, 1, 0)
         self._final = weakref.finalize(self, self._engine.end_pass)
 

@@ -15,6 +15,33 @@ def _cmd_demo(args) -> int:
     return 0
 
 
+def _cmd_cache(args) -> int:
+    from .cache import clear_caches, list_caches, reclaim_stale
+
+    if args.cache_cmd == "clear":
+        removed = clear_caches(args.name, force=args.force)
+        stale = [] if args.name else reclaim_stale()
+        for name in removed + stale:
+            print(f"removed {name}")
+        busy = [c.name for c in list_caches() if args.name in (None, c.name)]
+        for name in busy:
+            print(f"kept {name}: in use by live processes (pass --force to remove it anyway)")
+        if args.name and not removed and not busy:
+            print(f"no cache named {args.name}")
+            return 1
+        return 0
+    caches = list_caches()
+    if not caches:
+        print("no coordl caches in /dev/shm")
+        return 0
+    print(f"{'name':<48}{'size':>10}{'filled':>10}{'samples':>16}{'hits':>10}{'misses':>10}  owners")
+    for c in caches:
+        print(f"{c.name:<48}{c.capacity / 2**20:>9.1f}M{c.filled / 2**20:>9.1f}M"
+              f"{f'{c.cached}/{c.samples}':>16}{c.hits:>10}{c.misses:>10}  "
+              f"{','.join(map(str, c.owners)) or '-'}{' (full)' if c.full else ''}")
+    return 0
+
+
 def _cmd_version(args) -> int:
     from . import __version__
 
@@ -33,6 +60,14 @@ def main(argv: list[str] | None = None) -> int:
     d.add_argument("--workers", type=int, default=2, help="worker processes per loader (default 2)")
     d.add_argument("--batch-size", type=int, default=32, help="batch size (default 32)")
     d.set_defaults(func=_cmd_demo)
+
+    c = sub.add_parser("cache", help="show or remove node caches (/dev/shm/coordl-cache-*)")
+    csub = c.add_subparsers(dest="cache_cmd", required=True)
+    csub.add_parser("ls", help="list caches: size, fill, samples cached, hits, misses, owners")
+    cl = csub.add_parser("clear", help="remove caches not in use (all, or NAME)")
+    cl.add_argument("name", nargs="?", default=None)
+    cl.add_argument("--force", action="store_true", help="also remove caches in use")
+    c.set_defaults(func=_cmd_cache)
 
     v = sub.add_parser("version", help="print coordl's version")
     v.set_defaults(func=_cmd_version)

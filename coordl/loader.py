@@ -295,6 +295,8 @@ class DataLoader(_TorchDataLoader):
         world_size: int | None = None,
         read_ahead: int | str = "64MiB",
         fetch_threads: int | None = None,
+        cache_checksum: bool = False,
+        cache_keep_warm: float = 0,
     ) -> None:
         super().__init__(
             dataset, batch_size, shuffle, sampler, batch_sampler, num_workers, collate_fn,
@@ -307,6 +309,13 @@ class DataLoader(_TorchDataLoader):
         if seed is not None:
             seed = check_seed(seed)
         self._cache_size = parse_size(cache_size, "cache_size")
+        if not isinstance(cache_checksum, bool):
+            raise ValueError(f"cache_checksum should be a bool, but got cache_checksum={cache_checksum!r}")
+        if isinstance(cache_keep_warm, bool) or not isinstance(cache_keep_warm, (int, float)) or cache_keep_warm < 0:
+            raise ValueError(f"cache_keep_warm should be a number of seconds >= 0, but got "
+                             f"cache_keep_warm={cache_keep_warm!r}")
+        self._cache_opts = (cache_checksum, float(cache_keep_warm))
+        self._cache = None
         self._device = _parse_device(device)
         if self._device is not None and self._device.type == "cuda" and not self.pin_memory:
             self.pin_memory = True  # stage through pinned memory for async copies
@@ -358,6 +367,19 @@ class DataLoader(_TorchDataLoader):
             self._fetch_collate = passthrough_collate
         # coordl's own fetch/prep pipeline runs two-stage datasets in plan order
         self._use_pipeline = two_stage and self._plan is not None
+        if self._cache_size and self._use_pipeline:
+            if not callable(getattr(dataset, "fingerprint", None)):
+                raise ValueError(
+                    "cache_size should be 0 for a dataset without fingerprint() (the cache is named "
+                    "after the dataset's files, so a changed dataset never reads stale bytes), but got "
+                    f"cache_size={cache_size!r} for {type(dataset).__name__}; add fingerprint() -> str")
+            self._cache = self._attach_cache()
+        elif self._cache_size:
+            warnings.warn(
+                f"cache_size={cache_size!r} has no effect here: the node cache holds raw bytes of "
+                "two-stage datasets (raw/prep) read in coordl's epoch-plan order; this loader "
+                f"{'has a user sampler' if user_sampler else 'reads a dataset without raw/prep'}",
+                stacklevel=2)
         self._pass = _Pass()
         self._pass_sampler = _PassSampler(self)
         self._counters = Counters()
@@ -523,6 +545,17 @@ class DataLoader(_TorchDataLoader):
         p.owner = weakref.ref(it)
         return it
 
+    def _attach_cache(self):
+        """Attach to (or create) the node cache before training starts, so a
+        /dev/shm too small for it fails now, with the remedy."""
+        from .cache import NodeCache
+
+        checksum, keep_warm = self._cache_opts
+        cache = NodeCache.attach(self.dataset.fingerprint(), len(self.dataset), self._cache_size,
+                                 checksum=checksum, keep_warm=keep_warm)
+        weakref.finalize(self, cache.close)
+        return cache
+
     def _pipeline_iter(self, epoch: int, start: int):
         from ._pipeline import InlineIter, PipelineIter, WorkerPool
 
@@ -531,7 +564,7 @@ class DataLoader(_TorchDataLoader):
             seed=self._seed, on_error=self._on_error, collate_fn=self.collate_fn,
             batch_size=self.batch_size, prefetch=self.prefetch_factor or 2,
             fetch_threads=self._fetch_threads, budget=max(1 << 20, self._read_ahead // max(1, W)),
-            worker_init_fn=self.worker_init_fn,
+            worker_init_fn=self.worker_init_fn, cache=self._cache,
         )
         if W == 0:
             return InlineIter(self.dataset, cfg, self._plan, epoch, start)

@@ -360,12 +360,24 @@ def test_cuda_device_without_cuda_is_a_clear_error():
     ("10 b", 10),
 ])
 def test_cache_size_parsing(value, expected):
-    assert DataLoader(TwoStageToy(4), cache_size=value).cache_size == expected
+    L = DataLoader(_Printed(4), cache_size=value)
+    assert L.cache_size == expected
+    assert (L._cache is not None) == (expected > 0)
+    if L._cache is not None:
+        assert L._cache.capacity == expected
+    del L
+
+
+class _Printed(TwoStageToy):
+    def fingerprint(self):
+        import uuid
+        self._fp = getattr(self, "_fp", uuid.uuid4().hex)
+        return self._fp
 
 
 def test_cache_size_percent_of_available_memory():
     import psutil
-    got = DataLoader(TwoStageToy(4), cache_size="50%").cache_size
+    got = DataLoader(_Printed(4), cache_size="50%").cache_size
     avail = psutil.virtual_memory().available
     assert 0.4 * avail < got < 0.6 * avail
 

@@ -1,0 +1,216 @@
+"""The MinIO node cache in shared memory."""
+import gc
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+import coordl
+from coordl import cache as C
+from coordl.cache import NodeCache, list_caches
+from coordl.plan import plan
+from coordl.testing import run_in_child
+from toydata import TwoStageToy
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+class Fingerprinted(TwoStageToy):
+    """Toy two-stage dataset with a fingerprint and variable-size samples."""
+
+    def __init__(self, n, tag="a", **kw):
+        super().__init__(n, **kw)
+        self.tag = tag
+        self.sizes = np.array([32 + (i % 5) * 8 for i in range(n)], dtype=np.int64)
+
+    def fingerprint(self):
+        return f"feed{self.tag.encode().hex()}{self.n:08x}"
+
+    def raw(self, i):
+        return super().raw(i) + bytes(int(self.sizes[i]) - 32)
+
+
+@pytest.fixture(autouse=True)
+def _no_caches_left():
+    yield
+    gc.collect()
+    left = [c.name for c in list_caches() if c.name.startswith("coordl-cache-feed")]
+    for name in left:
+        os.unlink(os.path.join(C.SHM_DIR, name))
+    assert not left, f"caches left behind: {left}"
+
+
+def _epochs(L, n):
+    for _ in range(n):
+        for _b in L:
+            pass
+    return L.stats().epochs
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_minio_exact_hit_miss_accounting_against_the_plan(num_workers):
+    ds = Fingerprinted(60)
+    cap = int(ds.sizes[:30].sum())  # about half the bytes
+    L = coordl.DataLoader(ds, batch_size=4, shuffle=True, seed=1, num_workers=num_workers, cache_size=cap,
+                          persistent_workers=num_workers > 0, fetch_threads=1 if num_workers == 0 else 4)
+    eps = _epochs(L, 3)
+    order = plan(60, 1, 0).tolist()
+    # epoch 0: everything from storage; MinIO admits in read order until full.
+    # With several workers reads interleave, so compute the admitted set from the cache itself.
+    info = L._cache.info()
+    cached = [i for i in range(60) if L._cache._index[i, 2] == C.READY]
+    assert info.cached == len(cached) and sum(int(ds.sizes[i]) for i in cached) == info.filled <= cap
+    if num_workers == 0:  # one reader thread: the admitted set is a prefix of epoch 0's order
+        acc, prefix = 0, []
+        for i in order:
+            if acc + ds.sizes[i] > cap:
+                break
+            acc += int(ds.sizes[i])
+            prefix.append(i)
+        assert sorted(cached) == sorted(prefix)
+    assert eps[0].samples_from_storage == 60 and eps[0].samples_from_cache == 0
+    total = int(ds.sizes.sum())
+    for e in eps[1:]:  # never evicted: exactly the cached samples hit, every later epoch
+        assert e.samples_from_cache == len(cached)
+        assert e.bytes_from_cache == info.filled
+        assert e.bytes_from_storage == total - info.filled
+    del L
+    gc.collect()
+
+
+def test_two_loaders_share_one_cache():
+    ds = Fingerprinted(40, tag="b")
+    cap = int(ds.sizes.sum())
+    a = coordl.DataLoader(ds, batch_size=5, seed=0, cache_size=cap)
+    _epochs(a, 1)
+    b = coordl.DataLoader(Fingerprinted(40, tag="b"), batch_size=5, seed=0, cache_size=cap)
+    eps = _epochs(b, 1)
+    assert eps[0].samples_from_cache == 40 and eps[0].bytes_from_storage == 0
+    names = [c.name for c in list_caches() if c.name.startswith("coordl-cache-feed")]
+    assert len(names) == 1 and set(list_caches()[0].owners) == {os.getpid()}
+    del a, b
+    gc.collect()
+    assert not [c for c in list_caches() if c.name.startswith("coordl-cache-feed")]
+
+
+def test_fingerprint_change_means_new_cache():
+    a = coordl.DataLoader(Fingerprinted(20, tag="c"), batch_size=5, seed=0, cache_size=10_000)
+    _epochs(a, 1)
+    b = coordl.DataLoader(Fingerprinted(20, tag="d"), batch_size=5, seed=0, cache_size=10_000)
+    eps = _epochs(b, 1)
+    assert eps[0].samples_from_cache == 0
+    assert len([c for c in list_caches() if c.name.startswith("coordl-cache-feed")]) == 2
+    del a, b
+
+
+def test_dev_shm_too_small_is_a_clear_error_before_training():
+    with pytest.raises(MemoryError, match=r"does not fit in /dev/shm.*cache_size=.*--shm-size"):
+        coordl.DataLoader(Fingerprinted(10, tag="e"), batch_size=2, seed=0,
+                          cache_size=C.shm_free_bytes() + (1 << 30))
+    assert not [c for c in list_caches() if c.name.startswith("coordl-cache-feed")]
+
+
+def test_dataset_without_fingerprint_refused():
+    with pytest.raises(ValueError, match="fingerprint"):
+        coordl.DataLoader(TwoStageToy(10), batch_size=2, seed=0, cache_size="1MiB")
+
+
+def test_checksum_mode_detects_corruption():
+    ds = Fingerprinted(10, tag="f")
+    L = coordl.DataLoader(ds, batch_size=5, seed=0, cache_size=10_000, cache_checksum=True)
+    _epochs(L, 1)
+    cache = L._cache
+    off = int(cache._index[3, 0])
+    cache._arena[off] ^= 0xFF  # flip a byte behind the cache's back
+    with pytest.raises(RuntimeError, match="checksum mismatch for sample 3"):
+        cache.get(3)
+    del L, cache
+
+
+def test_concurrent_admission_from_many_processes():
+    """Four processes admit overlapping samples at once: every entry is whole
+    and unique, the arena holds no duplicate, checksums verify."""
+    n = 300
+    code = textwrap.dedent(f"""
+        import sys, os
+        sys.path.insert(0, {HERE!r})
+        from coordl.cache import NodeCache
+        c = NodeCache.attach("feed0c0c0c0c", {n}, 10**6, checksum=True)
+        start = int(sys.argv[1])
+        for k in range({n}):
+            i = (start + k) % {n}
+            c.put(i, bytes([i % 251]) * (100 + i))
+        print("ok")
+        sys.stdout.flush()
+        os._exit(0)
+    """)
+    owner = NodeCache.attach("feed0c0c0c0c", n, 10**6, checksum=True)
+    procs = [subprocess.Popen([sys.executable, "-c", code, str(s)], stdout=subprocess.PIPE, text=True)
+             for s in (0, 75, 150, 225)]
+    outs = [p.communicate(timeout=60)[0] for p in procs]
+    assert all(o.strip() == "ok" for o in outs)
+    total = sum(100 + i for i in range(n))
+    assert int(owner._hdr[C.FILL]) == total  # each sample admitted exactly once
+    for i in range(n):
+        assert owner.get(i) == bytes([i % 251]) * (100 + i)
+    owner.close()
+
+
+def test_kill_during_admission_no_torn_entry_and_reclaimed():
+    """A process SIGKILLed while writing an entry leaves it WRITING (never
+    read); the next start reclaims the orphaned segment."""
+    code = textwrap.dedent("""
+        import os, signal, numpy as np
+        from coordl.cache import NodeCache, WRITING
+        c = NodeCache.attach("feed0d0d0d0d", 10, 10**5)
+        c.put(0, b"a" * 100)
+        # reserve entry 1 the way put() does, then die before the bytes land
+        c._lock(); c._hdr[4] += 50; c._index[1, 3] = os.getpid(); c._index[1, 2] = WRITING; c._unlock()
+        os.kill(os.getpid(), signal.SIGKILL)
+    """)
+    r = run_in_child(code, timeout=60)
+    assert r.returncode == -9
+    path = os.path.join(C.SHM_DIR, "coordl-cache-feed0d0d0d0d")
+    assert os.path.exists(path)  # the owner died without detaching
+    # an attacher that is not registered sees no torn entry
+    peek = C._reattach("coordl-cache-feed0d0d0d0d", 10)
+    assert peek.get(0) == b"a" * 100 and peek.get(1) is None
+    assert peek.put(1, b"b" * 50)  # the dead writer's entry can be admitted again
+    assert peek.get(1) == b"b" * 50
+    peek.close()
+    assert "coordl-cache-feed0d0d0d0d" in C.reclaim_stale()  # owners all dead
+    assert not os.path.exists(path)
+
+
+def test_keep_warm_keeps_cache_after_last_detach():
+    a = coordl.DataLoader(Fingerprinted(10, tag="g"), batch_size=5, seed=0, cache_size=10_000,
+                          cache_keep_warm=3600)
+    _epochs(a, 1)
+    del a
+    gc.collect()
+    caches = [c for c in list_caches() if c.name.startswith("coordl-cache-feed")]
+    assert len(caches) == 1 and caches[0].cached == 10 and not caches[0].owners
+    b = coordl.DataLoader(Fingerprinted(10, tag="g"), batch_size=5, seed=0, cache_size=10_000)
+    assert _epochs(b, 1)[0].samples_from_cache == 10  # a back-to-back job starts warm
+    del b
+    gc.collect()
+    assert C.clear_caches(caches[0].name) == [caches[0].name]  # kept warm until cleared
+
+
+def test_cache_cli(capsys):
+    from coordl.cli import main
+
+    a = coordl.DataLoader(Fingerprinted(10, tag="h"), batch_size=5, seed=0, cache_size=10_000)
+    _epochs(a, 1)
+    assert main(["cache", "ls"]) == 0
+    out = capsys.readouterr().out
+    name = [c.name for c in list_caches() if c.name.startswith("coordl-cache-feed")][0]
+    assert name in out and "10/10" in out and str(os.getpid()) in out
+    assert main(["cache", "clear", name]) == 0
+    assert "in use" in capsys.readouterr().out and os.path.exists(os.path.join(C.SHM_DIR, name))
+    assert main(["cache", "clear", name, "--force"]) == 0
+    assert not os.path.exists(os.path.join(C.SHM_DIR, name))
+    del a
