@@ -35,6 +35,7 @@ import fcntl
 import mmap
 import os
 import re
+import threading
 import time
 import zlib
 from dataclasses import dataclass
@@ -102,6 +103,7 @@ class NodeCache:
         self._mm = mm
         self._owner = owner
         self._pid = os.getpid()
+        self._tlock = threading.Lock()
         hdr = np.frombuffer(mm, dtype=np.int64, count=_HEADER // 8)
         self._hdr = hdr
         self.capacity = int(hdr[CAPACITY])
@@ -180,10 +182,23 @@ class NodeCache:
         return (_reattach, (self.name, self.n))
 
     def _lock(self):
-        fcntl.lockf(self._fd, fcntl.LOCK_EX, 8, 0)
+        # fcntl record locks belong to the process: two threads of one process
+        # would both "hold" it, and the kernel's deadlock check misfires
+        # (EDEADLK) when threads of two processes wait on each other.  So
+        # threads queue on a process-local lock first; one thread per process
+        # takes the fcntl lock.
+        self._tlock.acquire()
+        try:
+            fcntl.lockf(self._fd, fcntl.LOCK_EX, 8, 0)
+        except BaseException:
+            self._tlock.release()
+            raise
 
     def _unlock(self):
-        fcntl.lockf(self._fd, fcntl.LOCK_UN, 8, 0)
+        try:
+            fcntl.lockf(self._fd, fcntl.LOCK_UN, 8, 0)
+        finally:
+            self._tlock.release()
 
     def _owners(self) -> np.ndarray:
         return self._hdr[_H:_H + 2 * _OWNERS].reshape(_OWNERS, 2)
@@ -312,8 +327,8 @@ def _open_readonly(name: str):
     return mm, np.frombuffer(mm, dtype=np.int64, count=_HEADER // 8)
 
 
-def list_caches() -> list[CacheInfo]:
-    out = []
+def _segments():
+    """(name, mapping, header) of every initialized coordl cache in /dev/shm."""
     for name in sorted(os.listdir(SHM_DIR)):
         if not _NAME.match(name):
             continue
@@ -321,8 +336,13 @@ def list_caches() -> list[CacheInfo]:
             mm, hdr = _open_readonly(name)
         except OSError:
             continue
-        if hdr is None or hdr[MAGIC] != _MAGIC:
-            continue
+        if hdr is not None and hdr[MAGIC] == _MAGIC:
+            yield name, mm, hdr
+
+
+def list_caches() -> list[CacheInfo]:
+    out = []
+    for name, mm, hdr in _segments():
         n = int(hdr[N])
         index = np.frombuffer(mm, dtype=np.int64, count=n * 4, offset=_HEADER).reshape(n, 4)
         out.append(_info(name, hdr, index))
@@ -350,15 +370,7 @@ def reclaim_stale() -> list[str]:
     """Unlink caches whose owners are all dead and whose keep-warm time is over."""
     removed = []
     now_ms = int(time.time() * 1000)
-    for name in os.listdir(SHM_DIR):
-        if not _NAME.match(name):
-            continue
-        try:
-            mm, hdr = _open_readonly(name)
-        except OSError:
-            continue
-        if hdr is None or hdr[MAGIC] != _MAGIC:
-            continue
+    for name, _mm, hdr in _segments():
         owners = hdr[_H:_H + 2 * _OWNERS].reshape(_OWNERS, 2)
         if any(p and _alive(int(p), int(t)) for p, t in owners):
             continue

@@ -131,31 +131,40 @@ def test_checksum_mode_detects_corruption():
 
 
 def test_concurrent_admission_from_many_processes():
-    """Four processes admit overlapping samples at once: every entry is whole
-    and unique, the arena holds no duplicate, checksums verify."""
-    n = 300
+    """Three processes of four threads each admit the same 20,000 small
+    samples at once: every sample is admitted exactly once (the arena's fill
+    is the exact total), entries are whole and checksums verify.  Without a
+    process-local lock in front of the fcntl lock, threads of one process
+    both "hold" it and some samples are admitted twice."""
+    n = 20000
     code = textwrap.dedent(f"""
-        import sys, os
+        import sys, os, threading
         sys.path.insert(0, {HERE!r})
         from coordl.cache import NodeCache
         c = NodeCache.attach("feed0c0c0c0c", {n}, 10**6, checksum=True)
         start = int(sys.argv[1])
-        for k in range({n}):
-            i = (start + k) % {n}
-            c.put(i, bytes([i % 251]) * (100 + i))
+
+        def admit(offset):  # several threads per process, like fetch threads
+            for k in range({n}):
+                i = (start + offset + k) % {n}
+                c.put(i, bytes([i % 251]) * (10 + i % 7))
+
+        ts = [threading.Thread(target=admit, args=(o,)) for o in (0, 5000, 10000, 15000)]
+        [t.start() for t in ts]
+        [t.join() for t in ts]
         print("ok")
         sys.stdout.flush()
         os._exit(0)
     """)
     owner = NodeCache.attach("feed0c0c0c0c", n, 10**6, checksum=True)
     procs = [subprocess.Popen([sys.executable, "-c", code, str(s)], stdout=subprocess.PIPE, text=True)
-             for s in (0, 75, 150, 225)]
-    outs = [p.communicate(timeout=60)[0] for p in procs]
+             for s in (0, 7000, 13000)]
+    outs = [p.communicate(timeout=120)[0] for p in procs]
     assert all(o.strip() == "ok" for o in outs)
-    total = sum(100 + i for i in range(n))
+    total = sum(10 + i % 7 for i in range(n))
     assert int(owner._hdr[C.FILL]) == total  # each sample admitted exactly once
-    for i in range(n):
-        assert owner.get(i) == bytes([i % 251]) * (100 + i)
+    for i in range(0, n, 7):
+        assert owner.get(i) == bytes([i % 251]) * (10 + i % 7)
     owner.close()
 
 
