@@ -12,7 +12,7 @@ Segment layout (``/dev/shm/coordl-cache-<fingerprint>``)::
 
     header   (4 KiB)  magic, version, capacity, n, fill, created, keep_warm,
                       last_detach, counters; owner table (pid, start time)
-    index    n x 4 int64: offset, length, state, crc32
+    index    n x 4 int64: offset, length, state (0 empty, -pid writing, 2 ready), crc32
     arena    capacity bytes, append-only
 
 * **Reads are lock-free**: an entry is visible once its state is READY, and
@@ -35,6 +35,7 @@ import fcntl
 import mmap
 import os
 import re
+import struct
 import threading
 import time
 import zlib
@@ -54,7 +55,7 @@ _OWNERS = 200           # owner slots (pid, start ticks)
 _H = 16                 # int64 header fields before the owner table
 # header field indices
 MAGIC, VERSION, CAPACITY, N, FILL, CREATED, KEEP_WARM, LAST_DETACH, HITS, MISSES, ADMITTED, FULL, CHECKSUM = range(13)
-EMPTY, WRITING, READY = 0, 1, 2
+EMPTY, READY = 0, 2   # state; a negative state is WRITING by process -state
 _NAME = re.compile(r"^coordl-cache-[0-9a-f]{8,64}$")
 
 
@@ -104,6 +105,8 @@ class NodeCache:
         self._owner = owner
         self._pid = os.getpid()
         self._tlock = threading.Lock()
+        self._lfd = -1
+        self._lpid = None
         hdr = np.frombuffer(mm, dtype=np.int64, count=_HEADER // 8)
         self._hdr = hdr
         self.capacity = int(hdr[CAPACITY])
@@ -182,23 +185,40 @@ class NodeCache:
         return (_reattach, (self.name, self.n))
 
     def _lock(self):
-        # fcntl record locks belong to the process: two threads of one process
-        # would both "hold" it, and the kernel's deadlock check misfires
-        # (EDEADLK) when threads of two processes wait on each other.  So
-        # threads queue on a process-local lock first; one thread per process
-        # takes the fcntl lock.
+        """Exclusive admission lock, across threads and processes.
+
+        An open-file-description (OFD) lock on a descriptor this process
+        opened itself: unlike ``lockf`` locks, which belong to the process,
+        it is not dropped when some other descriptor of the file is closed
+        (Python's mmap keeps a dup and closes it when collected, at any
+        time), it gives no false EDEADLK between threads, and it is not
+        shared with forked children (each process opens its own).  Threads
+        of one process share the descriptor, so they queue on a process-local
+        lock first.  The kernel drops the lock if the process dies.
+        """
+        fd = self._lock_fd()
         self._tlock.acquire()
         try:
-            fcntl.lockf(self._fd, fcntl.LOCK_EX, 8, 0)
+            fcntl.fcntl(fd, fcntl.F_OFD_SETLKW, _flock(fcntl.F_WRLCK))
         except BaseException:
             self._tlock.release()
             raise
 
     def _unlock(self):
         try:
-            fcntl.lockf(self._fd, fcntl.LOCK_UN, 8, 0)
+            fcntl.fcntl(self._lfd, fcntl.F_OFD_SETLK, _flock(fcntl.F_UNLCK))
         finally:
             self._tlock.release()
+
+    def _lock_fd(self) -> int:
+        pid = os.getpid()
+        if self._lpid != pid:
+            with _FORK_SAFE[0]:
+                if self._lpid != pid:  # first use in this process (or after fork)
+                    self._tlock = threading.Lock()
+                    self._lfd = os.open(os.path.join(SHM_DIR, self.name), os.O_RDWR)
+                    self._lpid = pid
+        return self._lfd
 
     def _owners(self) -> np.ndarray:
         return self._hdr[_H:_H + 2 * _OWNERS].reshape(_OWNERS, 2)
@@ -246,6 +266,8 @@ class NodeCache:
         except BufferError:
             pass  # a view is still alive somewhere; the mapping goes with it
         os.close(self._fd)
+        if self._lpid == os.getpid() and self._lfd >= 0:
+            os.close(self._lfd)
         self._mm = None
 
     def __del__(self):
@@ -277,15 +299,15 @@ class NodeCache:
         self._lock()
         try:
             e = self._index[i]
-            if e[2] == READY or (e[2] == WRITING and psutil.pid_exists(int(e[3]))):
+            state = int(e[2])  # read once: a writer may finish (-> READY) meanwhile
+            if state == READY or (state < 0 and psutil.pid_exists(-state)):
                 return False  # cached, or being written by a live process
             fill = int(self._hdr[FILL])
             if fill + length > self.capacity:
                 self._hdr[FULL] = 1
                 return False
             self._hdr[FILL] = fill + length
-            e[3] = os.getpid()  # the writer, while WRITING
-            e[2] = WRITING
+            e[2] = -os.getpid()  # WRITING, by this process
         finally:
             self._unlock()
         self._arena[fill:fill + length] = np.frombuffer(data, dtype=np.uint8)
@@ -297,6 +319,15 @@ class NodeCache:
 
     def info(self) -> CacheInfo:
         return _info(self.name, self._hdr, self._index)
+
+
+def _flock(kind: int) -> bytes:
+    # struct flock on Linux: short type, short whence, (pad), off_t start, off_t len, pid_t pid, (pad)
+    return struct.pack("hhxxxxqqixxxx", kind, os.SEEK_SET, 0, 8, 0)
+
+
+_FORK_SAFE = [threading.Lock()]
+os.register_at_fork(after_in_child=lambda: _FORK_SAFE.__setitem__(0, threading.Lock()))
 
 
 def _reattach(name: str, n: int) -> NodeCache:

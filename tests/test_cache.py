@@ -173,11 +173,11 @@ def test_kill_during_admission_no_torn_entry_and_reclaimed():
     read); the next start reclaims the orphaned segment."""
     code = textwrap.dedent("""
         import os, signal, numpy as np
-        from coordl.cache import NodeCache, WRITING
+        from coordl.cache import NodeCache
         c = NodeCache.attach("feed0d0d0d0d", 10, 10**5)
         c.put(0, b"a" * 100)
         # reserve entry 1 the way put() does, then die before the bytes land
-        c._lock(); c._hdr[4] += 50; c._index[1, 3] = os.getpid(); c._index[1, 2] = WRITING; c._unlock()
+        c._lock(); c._hdr[4] += 50; c._index[1, 2] = -os.getpid(); c._unlock()
         os.kill(os.getpid(), signal.SIGKILL)
     """)
     r = run_in_child(code, timeout=60)
