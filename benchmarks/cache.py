@@ -69,7 +69,7 @@ def child(args) -> None:
     extra = {}
     if args.loader == "coordl":
         rss = psutil.Process().memory_info().rss
-        per_worker, slots, ahead, margin = 48 << 20, 48 << 20, 16 << 20, 96 << 20
+        per_worker, slots, ahead, margin = 32 << 20, 48 << 20, 16 << 20, 128 << 20
         cache = args.cap - rss - args.workers * per_worker - slots - ahead - margin
         extra = {"cache_size": max(cache, 0), "read_ahead": ahead}
         print(json.dumps({"cache_size": extra["cache_size"], "rss": rss}), flush=True)
