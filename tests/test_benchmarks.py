@@ -60,3 +60,26 @@ sys.exit(r.returncode)
         rows = list(csv.DictReader(f))
     assert [r["loader"] for r in rows] == ["torch", "coordl"]
     assert all(float(r["http_images_per_s"]) > 0 for r in rows)
+
+
+def _cgroup_v1_writable():
+    probe = "/sys/fs/cgroup/memory/coordl-probe-%d" % os.getpid()
+    try:
+        os.mkdir(probe)
+        os.rmdir(probe)
+        return os.access("/proc/sys/vm/drop_caches", os.W_OK) and os.path.isdir("/sys/fs/cgroup/blkio")
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not _cgroup_v1_writable(), reason="needs root and cgroup v1 (memory, blkio)")
+def test_cache_benchmark_tiny(tmp_path):
+    from coordl.synth import make_image_folder
+
+    root = tmp_path / "photos"
+    make_image_folder(str(root), num_images=40, num_classes=2, image_size=(96, 72), seed=0)
+    out = _script("cache.py", "--root", str(root), "--cap", "700MiB", "--read-mbps", "200", "--epochs", "2",
+                  "--batch-size", "8", "--loaders", "torch,coordl", "--cache-size", "100000", timeout=300)
+    assert "coordl  epochs 2+" in out and "torch   epochs 2+" in out
+    assert "1 cache segment(s)" in out
+    assert not [d for d in os.listdir("/sys/fs/cgroup/memory") if d.startswith("coordl-bench-")]
