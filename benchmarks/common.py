@@ -50,13 +50,26 @@ class TorchStyleFolder(torch.utils.data.Dataset):
         path, target = self.samples[i]
         with open(path, "rb") as f:
             img = Image.open(f).convert("RGB")
-        top, left, h, w = T.RandomResizedCrop.get_params(img, (0.08, 1.0), (3 / 4, 4 / 3))
-        img = img.crop((left, top, left + w, top + h)).resize((self.size, self.size), Image.BILINEAR)
-        if torch.rand(1).item() < 0.5:
-            img = img.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
-        arr = np.asarray(img)
-        x = torch.from_numpy(np.ascontiguousarray(arr.transpose(2, 0, 1)))
-        return x, target
+        return pil_pipeline(img, self.size), target
+
+
+def pil_pipeline(img: Image.Image, size: int) -> torch.Tensor:
+    """torchvision's RandomResizedCrop(size) + RandomHorizontalFlip() + PILToTensor() on PIL."""
+    top, left, h, w = T.RandomResizedCrop.get_params(img, (0.08, 1.0), (3 / 4, 4 / 3))
+    img = img.crop((left, top, left + w, top + h)).resize((size, size), Image.BILINEAR)
+    if torch.rand(1).item() < 0.5:
+        img = img.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
+    return torch.from_numpy(np.ascontiguousarray(np.asarray(img).transpose(2, 0, 1)))
+
+
+def dali_prep(jpegs, size: int):
+    """The DALI graph for the same pipeline: random-crop decode, resize, mirror, uint8 CHW."""
+    from nvidia.dali import fn, types
+
+    images = fn.decoders.image_random_crop(jpegs, device="cpu", output_type=types.RGB)
+    images = fn.resize(images, resize_x=size, resize_y=size)
+    return fn.crop_mirror_normalize(images, dtype=types.UINT8, output_layout="CHW",
+                                    mirror=fn.random.coin_flip())
 
 
 def coordl_dataset(root: str, size: int = 224):
@@ -76,18 +89,14 @@ class DaliLoader:
     """DALI CPU pipeline yielding (images, labels) torch tensors per batch."""
 
     def __init__(self, root: str, batch_size: int, threads: int, size: int = 224, seed: int = 0):
-        from nvidia.dali import fn, pipeline_def, types
+        from nvidia.dali import fn, pipeline_def
         from nvidia.dali.plugin.pytorch import DALIGenericIterator, LastBatchPolicy
 
         @pipeline_def(batch_size=batch_size, num_threads=threads, device_id=None, seed=seed,
                       prefetch_queue_depth=2)
         def pipe():
             jpegs, labels = fn.readers.file(file_root=root, random_shuffle=True, name="reader")
-            images = fn.decoders.image_random_crop(jpegs, device="cpu", output_type=types.RGB)
-            images = fn.resize(images, resize_x=size, resize_y=size)
-            images = fn.crop_mirror_normalize(images, dtype=types.UINT8, output_layout="CHW",
-                                              mirror=fn.random.coin_flip())
-            return images, labels
+            return dali_prep(jpegs, size), labels
 
         self.pipe = pipe()
         self.pipe.build()

@@ -54,21 +54,13 @@ class HttpTorchFolder(common.TorchStyleFolder):
         import io
 
         import fsspec
-        import numpy as np
-        import torch
         from PIL import Image
-
-        from coordl import transforms as T
 
         path, target = self.samples[i]
         rel = os.path.relpath(path, self.root)
         with fsspec.open(f"{self.url}/{rel}", "rb") as f:
             img = Image.open(io.BytesIO(f.read())).convert("RGB")
-        top, left, h, w = T.RandomResizedCrop.get_params(img, (0.08, 1.0), (3 / 4, 4 / 3))
-        img = img.crop((left, top, left + w, top + h)).resize((self.size, self.size), Image.BILINEAR)
-        if torch.rand(1).item() < 0.5:
-            img = img.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
-        return torch.from_numpy(np.ascontiguousarray(np.asarray(img).transpose(2, 0, 1))), target
+        return common.pil_pipeline(img, self.size), target
 
 
 class DaliHttp:
@@ -88,11 +80,7 @@ class DaliHttp:
         def pipe():
             jpegs, lab = fn.external_source(source=source, num_outputs=2, batch=False, parallel=True,
                                             dtype=[types.UINT8, types.INT32])
-            images = fn.decoders.image_random_crop(jpegs, device="cpu", output_type=types.RGB)
-            images = fn.resize(images, resize_x=size, resize_y=size)
-            images = fn.crop_mirror_normalize(images, dtype=types.UINT8, output_layout="CHW",
-                                              mirror=fn.random.coin_flip())
-            return images, lab
+            return common.dali_prep(jpegs, size), lab
 
         self.pipe = pipe()
         self.pipe.build()
