@@ -290,10 +290,6 @@ class Engine:
         if len(rows) < b.n:  # skipped samples: close the gaps, keep plan order
             for t in b.targets:
                 t[: len(rows)] = t[rows].clone()
-        if self.batch_size is None:
-            self.emit("obj", b.k, _collate.build(b.layout.template, [t[0].clone() for t in b.targets]), b.stats)
-            self.slots.release(b.slot)
-            return
         self.emit("batch", b.k, b.slot, b.layout, len(rows), b.stats)
 
 

@@ -257,3 +257,13 @@ def test_fetcher_admits_strictly_in_order():
             held[item.index] = item
         f.release(held.pop(want).nbytes)
     f.join()
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_batch_size_none_matches_torch_structure(num_workers):
+    ds = TwoStageToy(7)
+    ours = list(DataLoader(ds, batch_size=None, seed=0, num_workers=num_workers))
+    theirs = list(torch.utils.data.DataLoader(ds, batch_size=None))
+    assert len(ours) == len(theirs) == 7
+    for a, b in zip(ours, theirs):
+        assert type(a) is type(b) and torch.equal(a[0][0], b[0][0]) and a[1] == b[1]
