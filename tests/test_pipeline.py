@@ -267,3 +267,10 @@ def test_batch_size_none_matches_torch_structure(num_workers):
     assert len(ours) == len(theirs) == 7
     for a, b in zip(ours, theirs):
         assert type(a) is type(b) and torch.equal(a[0][0], b[0][0]) and a[1] == b[1]
+
+
+def test_spawn_context_workers():
+    L = DataLoader(TwoStageToy(20), batch_size=4, shuffle=True, seed=2, num_workers=2,
+                   multiprocessing_context="spawn")
+    got = [i for x, _ in L for i in x[:, 0].tolist()]
+    assert got == plan(20, 2, 0).tolist()
