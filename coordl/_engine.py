@@ -303,10 +303,15 @@ def _make_reader(dataset, cache):
     import os
 
     where = getattr(dataset, "describe", None)
+    sizes = getattr(dataset, "sizes", None)
+    if not isinstance(sizes, np.ndarray):
+        sizes = None
 
     def read(i):
         data = cache.get(i)
-        if data is not None:
+        # cheap verification: the entry's length must be the file's size
+        # (cache_checksum=True adds a CRC32 check inside cache.get)
+        if data is not None and (sizes is None or sizes[i] < 0 or len(data) == sizes[i]):
             return data, "cache"
         data = raw(i)
         cache.put(i, data)

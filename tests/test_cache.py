@@ -7,6 +7,7 @@ import textwrap
 
 import numpy as np
 import pytest
+import torch
 
 import coordl
 from coordl import cache as C
@@ -223,3 +224,16 @@ def test_cache_cli(capsys):
     assert main(["cache", "clear", name, "--force"]) == 0
     assert not os.path.exists(os.path.join(C.SHM_DIR, name))
     del a
+
+
+def test_entry_with_wrong_length_is_not_served():
+    """Length is always verified against the dataset's file sizes: a bad
+    entry is read from storage instead (and the sample stays correct)."""
+    ds = Fingerprinted(8, tag="i")
+    L = coordl.DataLoader(ds, batch_size=4, seed=0, cache_size=10_000)
+    first = [x[:, 0].clone() for x, _ in L]
+    L._cache._index[2, 1] -= 1  # an entry one byte short
+    second = [x[:, 0].clone() for x, _ in L]
+    assert all(torch.equal(a, b) for a, b in zip(first, second)) and len(second) == 2
+    assert L.stats().epochs[1].samples_from_cache == 7
+    del L
