@@ -1,4 +1,5 @@
 """Crash tests: each scenario runs in a child process with a hard timeout."""
+import os
 import sys
 import textwrap
 
@@ -102,3 +103,43 @@ def test_resume_in_new_process_after_kill(tmp_path):
     """)
     assert r.returncode == 0, r.stderr
     assert "exact True 7" in r.stdout, r.stdout + r.stderr
+
+
+def test_sigkilled_trainer_leaves_no_workers_and_its_cache_is_reclaimed():
+    """kill -9 the training process mid-epoch: its workers exit (parent-death
+    signal), and the next start removes its orphaned node cache."""
+    import psutil
+
+    from coordl import cache as C
+
+    r = _child("""
+        import os, signal, numpy as np, psutil
+        from coordl import DataLoader
+        from toydata import TwoStageToy
+
+        class Printed(TwoStageToy):
+            sizes = np.full(400, 256, dtype=np.int64)
+            def fingerprint(self):
+                return "feedd1e5d1e5"
+            def raw(self, i):
+                return super().raw(i) * 8
+
+        L = DataLoader(Printed(400, delay=0.005), batch_size=4, num_workers=2, seed=0, cache_size=200_000)
+        it = iter(L)
+        next(it)
+        print("workers", *[c.pid for c in psutil.Process().children()], flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+    """)
+    assert r.returncode == -9, r.stderr
+    pids = [int(p) for p in r.stdout.split("workers", 1)[1].split()]
+    assert len(pids) == 2
+    for p in pids:
+        try:
+            psutil.Process(p).wait(timeout=10)
+        except psutil.NoSuchProcess:
+            pass
+    assert not any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in pids)
+    name = "coordl-cache-feedd1e5d1e5"
+    assert os.path.exists(os.path.join(C.SHM_DIR, name))  # nobody detached it
+    assert name in C.reclaim_stale()  # the next start's sweep
+    assert not os.path.exists(os.path.join(C.SHM_DIR, name))
