@@ -385,3 +385,17 @@ def test_cache_size_percent_of_available_memory():
 def test_cpu_device_delivers_cpu_tensors():
     L = DataLoader(TwoStageToy(4), batch_size=2, device="cpu", seed=0)
     assert all(b[0].device.type == "cpu" for b in L)
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_two_stage_with_user_sampler_runs_on_torch_machinery(num_workers):
+    """A user sampler decides the order; raw/prep, per-sample RNG and stats still apply."""
+    ds = TwoStageToy(10)
+    L = DataLoader(ds, sampler=[3, 1, 2, 9], batch_size=2, seed=4, num_workers=num_workers)
+    assert L.plan is None
+    out = list(L)
+    assert [b[0][:, 0].tolist() for b in out] == [[3, 1], [2, 9]]
+    from coordl._rng import derive
+    assert out[0][0][0, 1].item() == int(derive(4, 0, 3).random() * 2**30)
+    st = L.stats()
+    assert st.samples == 4 and st.bytes_from_storage == 4 * 32
