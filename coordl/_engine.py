@@ -109,7 +109,7 @@ class Engine:
         self.emit = emit
         self.worker_id = worker_id
         self.q: queue.Queue = queue.Queue()
-        self._read = read or _make_reader(dataset, cache)
+        self._read, self._read_many = (read, None) if read is not None else _make_reader(dataset, cache)
         sizes = getattr(dataset, "sizes", None)
         self._size_of = (lambda i: int(sizes[i])) if isinstance(sizes, np.ndarray) else None
         self.pass_id = None
@@ -139,7 +139,7 @@ class Engine:
                  for j, i in enumerate(ind))
         self.fetcher = Fetcher(self._read, order, self.q, threads=self.fetch_threads,
                                budget_bytes=self.budget, size_of=self._size_of,
-                               name=f"coordl-fetch-w{self.worker_id}")
+                               name=f"coordl-fetch-w{self.worker_id}", read_many=self._read_many)
 
     def end_pass(self) -> None:
         if self.fetcher is not None:
@@ -294,40 +294,75 @@ class Engine:
 
 
 def _make_reader(dataset, cache):
-    """The fetch stage's read: node cache first, then storage (admitting what
-    it reads).  With the cache on, storage reads drop their pages from the OS
-    page cache, so memory goes to the cache that does not thrash."""
-    raw = dataset.raw
-    if cache is None:
-        return lambda i: (raw(i), "storage")
+    """The fetch stage's reads: ``(read, read_many)``.  Node cache first, then
+    storage (admitting what it reads).  With the cache on, storage reads drop
+    their pages from the OS page cache, so memory goes to the cache that does
+    not thrash.  ``read_many`` is set when the dataset can fetch several
+    samples in one call (``raw_many``, e.g. an ImageFolder over an fsspec URL)."""
     import os
 
+    raw = dataset.raw
+    raw_many = getattr(dataset, "raw_many", None)
     where = getattr(dataset, "describe", None)
     sizes = getattr(dataset, "sizes", None)
     if not isinstance(sizes, np.ndarray):
         sizes = None
 
-    def read(i):
+    def cached(i):
+        if cache is None:
+            return None
         data = cache.get(i)
         # cheap verification: the entry's length must be the file's size
         # (cache_checksum=True adds a CRC32 check inside cache.get)
         if data is not None and (sizes is None or sizes[i] < 0 or len(data) == sizes[i]):
-            return data, "cache"
-        data = raw(i)
+            return data
+        return None
+
+    def stored(i, data):
+        if cache is None:
+            return
         cache.put(i, data)
-        if where is not None:
+        if where is not None and raw_many is None:  # local files: drop the page-cache copy
             try:
                 fd = os.open(where(i), os.O_RDONLY)
             except (OSError, TypeError, ValueError):
-                pass
-            else:
-                try:
-                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-                finally:
-                    os.close(fd)
+                return
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+    def read(i):
+        data = cached(i)
+        if data is not None:
+            return data, "cache"
+        data = raw(i)
+        stored(i, data)
         return data, "storage"
 
-    return read
+    if raw_many is None:
+        return read, None
+
+    def read_many(indices):
+        out = [None] * len(indices)
+        missing = []
+        for k, i in enumerate(indices):
+            data = cached(i)
+            if data is not None:
+                out[k] = (data, "cache")
+            else:
+                missing.append(k)
+        if missing:
+            got = raw_many([indices[k] for k in missing])
+            for k, res in zip(missing, got):
+                if isinstance(res, BaseException):
+                    out[k] = res
+                else:
+                    stored(indices[k], res)
+                    out[k] = (res, "storage")
+        return out
+
+    return read, read_many
 
 
 class _Stage(Exception):

@@ -568,6 +568,17 @@ class _FolderBase:
     def _raw(self, index: int) -> bytes:
         return self._read(self._path(self._check_index(index)))
 
+    @property
+    def raw_many(self) -> Callable[[list], list]:
+        """``raw_many([i, ...])``: the bytes of several samples (or the error
+        for each), fetched concurrently; only for fsspec URL roots."""
+        if self._store is None or not self._two_stage_ok():
+            raise AttributeError(f"{type(self).__name__} has no raw_many: local files are read one by one")
+        return self._raw_many
+
+    def _raw_many(self, indices: list) -> list:
+        return self._store.read_many([self._path(self._check_index(i)) for i in indices])
+
     def _prep(self, raw: bytes, index: int) -> tuple[Any, Any]:
         i = self._check_index(index)
         if self._decode is pil_decode:

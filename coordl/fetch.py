@@ -13,7 +13,11 @@ Two bounds keep it honest:
   running mean stands in until the read returns.  One read is always allowed
   when nothing is held, so a sample larger than the budget cannot deadlock.
 * ``threads``: reads in flight at once, enough to hide storage latency
-  (``threads / latency`` reads per second).
+  (``threads / latency`` reads per second).  Storage that can fetch many
+  objects in one call (``read_many``: fsspec's concurrent ``cat``) gets up to
+  ``batch`` already-admitted items per call, which cuts the client's CPU per
+  request (measured here: fsspec HTTP ~500 us/request one by one, ~300 us
+  batched).
 
 Later stages plug in here: the node cache and peer caches are consulted by
 ``read`` before storage.
@@ -64,12 +68,16 @@ class Fetcher:
         budget_bytes: int = 64 << 20,
         size_of: Callable[[int], int] | None = None,
         name: str = "coordl-fetch",
+        read_many: Callable[[list], list] | None = None,
+        batch: int = 8,
     ) -> None:
         if threads < 1:
             raise ValueError(f"threads should be a positive int, but got threads={threads!r}")
         if budget_bytes < 1:
             raise ValueError(f"budget_bytes should be a positive int, but got budget_bytes={budget_bytes!r}")
         self._read = read
+        self._read_many = read_many
+        self._batch = max(1, batch) if read_many is not None else 1
         self._order: Iterator[tuple[object, int]] = iter(order)
         self._out = out
         self._budget = budget_bytes
@@ -111,8 +119,9 @@ class Fetcher:
         return self._held
 
     # threads ---------------------------------------------------------------
-    def _admit(self):
-        """Next (key, index, estimate) to read, or None when done/closed.
+    def _admit(self, block: bool = True):
+        """Next (key, index, estimate) to read, or None when done/closed
+        (or, with ``block=False``, when the budget does not admit it now).
 
         Strictly in order: the next item is only taken off the order once the
         budget admits it, so a thread woken early can never jump ahead of an
@@ -141,6 +150,8 @@ class Fetcher:
                     self._outstanding += 1
                     self._cond.notify_all()
                     return item
+                if not block:
+                    return None
                 self._cond.wait()
 
     def _loop(self) -> None:
@@ -149,18 +160,34 @@ class Fetcher:
             item = self._admit()
             if item is None:
                 return
-            key, index, est = item
+            items = [item]
+            while len(items) < self._batch:  # more, only if admitted right away
+                nxt = self._admit(block=False)
+                if nxt is None:
+                    break
+                items.append(nxt)
             t0 = clock()
-            data, error, source = None, None, "storage"
-            try:
-                data, source = self._read(index)
-            except BaseException as e:  # handed to the consumer, which decides
-                error = e
-            seconds = clock() - t0
-            nbytes = len(data) if data is not None else 0
-            with self._cond:
-                self._held += nbytes - est  # correct the estimate
-                self._reads += 1
-                self._mean += (nbytes - self._mean) / self._reads
-                self._cond.notify_all()
-            self._out.put(Fetched(key, index, data, error, nbytes, seconds, source))
+            if len(items) == 1:
+                try:
+                    results = [self._read(item[1])]
+                except BaseException as e:  # handed to the consumer, which decides
+                    results = [e]
+            else:
+                try:
+                    results = self._read_many([it[1] for it in items])
+                except BaseException as e:
+                    results = [e] * len(items)
+            seconds = (clock() - t0) / len(items)
+            for (key, index, est), res in zip(items, results):
+                data, error, source = None, None, "storage"
+                if isinstance(res, BaseException):
+                    error = res
+                else:
+                    data, source = res
+                nbytes = len(data) if data is not None else 0
+                with self._cond:
+                    self._held += nbytes - est  # correct the estimate
+                    self._reads += 1
+                    self._mean += (nbytes - self._mean) / self._reads
+                    self._cond.notify_all()
+                self._out.put(Fetched(key, index, data, error, nbytes, seconds, source))

@@ -98,6 +98,22 @@ class FsspecStore:
         files.sort(key=lambda f: f[0].split("/"))
         return sorted(classes), files
 
+    def _path(self, url: str) -> str:
+        self.fs
+        return posixpath.join(self._root, url[len(self.url):].lstrip("/"))
+
     def read(self, url: str) -> bytes:
-        fs = self.fs
-        return fs.cat_file(posixpath.join(self._root, url[len(self.url):].lstrip("/")))
+        return self.fs.cat_file(self._path(url))
+
+    def read_many(self, urls: list[str]) -> list:
+        """Bytes of each URL (or the exception reading it raised), fetched
+        concurrently in one call (fsspec's ``cat``)."""
+        paths = [self._path(u) for u in urls]
+        got = self.fs.cat(paths, on_error="return")
+        out = []
+        for p in paths:
+            v = got.get(p) if isinstance(got, dict) else got
+            if v is None:
+                v = FileNotFoundError(2, "No such file", p)
+            out.append(v)
+        return out

@@ -274,3 +274,26 @@ def test_spawn_context_workers():
                    multiprocessing_context="spawn")
     got = [i for x, _ in L for i in x[:, 0].tolist()]
     assert got == plan(20, 2, 0).tolist()
+
+
+def test_fetcher_batches_reads_in_order_and_within_budget():
+    import queue
+    q = queue.Queue()
+    calls = []
+
+    def read_many(idx):
+        calls.append(list(idx))
+        return [(bytes([i % 256]) * 100, "storage") if i != 13 else ValueError("bad") for i in idx]
+
+    f = Fetcher(lambda i: (bytes([i % 256]) * 100, "storage"), ((None, i) for i in range(60)), q,
+                threads=3, budget_bytes=1000, size_of=lambda i: 100, read_many=read_many, batch=4)
+    got = {}
+    while len(got) < 60:
+        item = q.get(timeout=10)
+        got[item.index] = item
+        f.release(item.nbytes)
+    f.join()
+    assert isinstance(got[13].error, ValueError) and got[12].data == bytes([12]) * 100
+    assert all(len(c) <= 4 for c in calls) and any(len(c) > 1 for c in calls)
+    assert sorted(i for c in calls for i in c) + [] == sorted(set(i for c in calls for i in c))
+    assert all(c == sorted(c) and c == list(range(c[0], c[0] + len(c))) for c in calls)

@@ -80,3 +80,17 @@ def test_store_pickles_without_filesystem(served):
     s.fs
     s2 = pickle.loads(pickle.dumps(s))
     assert s2._fs is None and s2.url == s.url
+
+
+def test_raw_many_equals_raw_and_reports_missing(served):
+    import os
+    local_root, url = served
+    ds = coordl.ImageFolder(url)
+    got = ds.raw_many([0, 5, 7])
+    assert got == [ds.raw(0), ds.raw(5), ds.raw(7)]
+    victim = ds.samples[7][0]
+    os.unlink(os.path.join(local_root, *victim.rsplit("/", 2)[-2:]))
+    got = ds.raw_many([5, 7])
+    assert got[0] == ds.raw(5) and isinstance(got[1], Exception)
+    with pytest.raises(AttributeError):
+        coordl.ImageFolder(local_root).raw_many  # local files: one by one
