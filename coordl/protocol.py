@@ -18,6 +18,16 @@ and optionally
 ``describe(i) -> str``
     A human-readable location of the sample (a path), used in error messages.
 
+``raw_many([i, ...]) -> [bytes | Exception, ...]``
+    Several samples' bytes in one call, for storage that fetches many objects
+    concurrently (``ImageFolder`` over an fsspec URL has it); the fetch stage
+    then batches reads that are already admitted.
+
+``fingerprint() -> str`` and ``sizes`` (int64 array)
+    Identity of the stored bytes (needed for the node cache, which is named
+    after it) and the file sizes (used to budget read-ahead and to verify
+    cache entries).
+
 ``__len__`` is required; ``__getitem__(i)`` should equal ``prep(raw(i), i)``
 so the dataset also works under torch's own DataLoader.
 
