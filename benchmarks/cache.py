@@ -63,7 +63,6 @@ def child(args) -> None:
     import psutil
 
     import common
-    import coordl
 
     dev, _ = _dev_of(args.root)
     extra = {}
@@ -253,7 +252,8 @@ def main(argv=None) -> int:
                     except OSError:
                         pass
                 time.sleep(0.2)
-            ia, ib = parse(a.stdout.read())[1], parse(b.stdout.read())[1]
+            ia = parse(a.stdout.read())[1]
+            b.stdout.read()
             cap_a = ia["cache_size"] if ia else 0
             print(f"\ntwo coordl processes, same dataset: {len(segs)} cache segment(s), resident "
                   f"{seg_bytes / 2**20:.0f} MiB (cache_size {cap_a / 2**20:.0f} MiB); all shared memory "

@@ -73,7 +73,7 @@ def run_demo(root: str | None = None, images: int = 600, epochs: int = 2,
         print(f"coordl / torch throughput: {r_coordl / r_torch:.2f}x\n")
 
         print("what coordl did:")
-        print(f"  order: epoch plan, seed=0 (epoch e's order is a pure function of (seed, e))")
+        print("  order: epoch plan, seed=0 (epoch e's order is a pure function of (seed, e))")
         print(f"  samples delivered: {st.samples} in {st.batches} batches over {len(st.epochs)} epochs")
         for e in st.epochs:
             print(f"  epoch {e.epoch}: raw bytes {e.bytes_from_storage / 2**20:.1f} MiB from storage, "

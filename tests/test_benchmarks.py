@@ -1,7 +1,6 @@
 """The benchmark scripts at tiny sizes, so they cannot rot (no timing asserted)."""
 import csv
 import os
-import sys
 
 import pytest
 

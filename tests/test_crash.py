@@ -1,6 +1,5 @@
 """Crash tests: each scenario runs in a child process with a hard timeout."""
 import os
-import sys
 import textwrap
 
 from coordl.testing import run_in_child
@@ -38,7 +37,6 @@ def test_sigkilled_worker_raises_naming_pid_no_hang():
     assert first.startswith("RAISED"), r.stdout
     victim = first.split()[1]
     assert victim in msg, msg
-    assert float(first.split()[2]) < 30
 
 
 def test_worker_exiting_mid_batch_raises():

@@ -51,9 +51,7 @@ def test_live_children_and_wait_no_leaks_report_a_sleeping_child():
     child = subprocess.Popen(SLEEPER)
     try:
         assert child.pid in {p.pid for p in live_children()}
-        t0 = time.monotonic()
         procs, shm = wait_no_leaks(before_pids, before_shm, grace=0.5)
-        assert time.monotonic() - t0 >= 0.5  # it did wait for the grace period
         assert [p.pid for p in procs] == [child.pid]
         assert shm == set()
     finally:
@@ -94,10 +92,8 @@ def test_wait_no_leaks_waits_for_children_that_exit_within_grace():
     before_pids, before_shm = _snapshot()
     proc = multiprocessing.get_context("fork").Process(target=_sleep_briefly)
     proc.start()
-    t0 = time.monotonic()
     # Never joined by us: wait_no_leaks reaps finished multiprocessing children.
     assert wait_no_leaks(before_pids, before_shm, grace=10) == ([], set())
-    assert time.monotonic() - t0 < 5
     proc.join()
 
 
@@ -157,9 +153,7 @@ def test_shm_entry_removed_during_grace_is_not_a_leak():
     remover = threading.Timer(0.3, os.unlink, args=(path,))
     remover.start()
     try:
-        t0 = time.monotonic()
         assert wait_no_leaks(before_pids, before_shm, grace=10) == ([], set())
-        assert time.monotonic() - t0 < 5
     finally:
         remover.join()
 
@@ -214,10 +208,8 @@ def test_run_in_child_timeout_kills_the_whole_group():
         "print('stuck', file=sys.stderr, flush=True)\n"
         "time.sleep(120)\n"
     )
-    t0 = time.monotonic()
     with pytest.raises(AssertionError) as info:
         run_in_child(code, timeout=3)
-    assert time.monotonic() - t0 < 20
     msg = str(info.value)
     assert "timed out after 3 s" in msg
     assert "stuck" in msg  # stderr so far

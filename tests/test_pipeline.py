@@ -202,7 +202,6 @@ def test_abandoned_pass_then_new_pass():
 
 
 def test_fetcher_respects_budget_and_reads_ahead():
-    held = []
     lock = threading.Lock()
     peak = [0]
     import queue
