@@ -296,3 +296,20 @@ def test_fetcher_batches_reads_in_order_and_within_budget():
     assert all(len(c) <= 4 for c in calls) and any(len(c) > 1 for c in calls)
     assert sorted(i for c in calls for i in c) + [] == sorted(set(i for c in calls for i in c))
     assert all(c == sorted(c) and c == list(range(c[0], c[0] + len(c))) for c in calls)
+
+
+def test_breaking_out_early_stops_the_workers():
+    """Non-persistent workers of an abandoned pass exit when the iterator goes
+    (the autouse leak fixture fails this test if they do not)."""
+    import psutil
+
+    L = DataLoader(Jittery(200), batch_size=4, seed=0, num_workers=2)
+    for k, _ in enumerate(L):
+        if k == 3:
+            kids = psutil.Process().children()
+            break
+    assert len(kids) == 2
+    del _
+    gc.collect()
+    gone, alive = psutil.wait_procs(kids, timeout=10)
+    assert not alive
