@@ -64,16 +64,22 @@ class Layout:
     def with_batch_size(self, n: int) -> "Layout":
         return Layout(self.template, [_Leaf(l.dtype, l.shape, l.kind) for l in self.leaves], n)
 
-    def matches(self, sample) -> bool:
-        """True when ``sample`` has exactly this layout's structure and shapes."""
+    def leaves_of(self, sample) -> list | None:
+        """``sample``'s leaves when it has exactly this layout's structure and
+        shapes, else None.  One flatten per sample, reused by :func:`write_row`."""
         try:
             leaves: list = []
             template = _flatten(sample, leaves)
         except _Unsupported:
-            return False
+            return None
         if template != self.template or len(leaves) != len(self.leaves):
-            return False
-        return all(_describe(x)[:2] == (l.dtype, l.shape) for x, l in zip(leaves, self.leaves))
+            return None
+        try:
+            if all(_describe(x)[:2] == (l.dtype, l.shape) for x, l in zip(leaves, self.leaves)):
+                return leaves
+        except _Unsupported:
+            pass
+        return None
 
 
 class _Unsupported(Exception):
@@ -144,10 +150,8 @@ def views(layout: Layout, buf: np.ndarray, rows: int | None = None) -> list[torc
     return out
 
 
-def write_row(layout: Layout, targets: list[torch.Tensor], row: int, sample) -> None:
-    """Copy ``sample``'s leaves into row ``row`` of the leaf tensors."""
-    leaves: list = []
-    _flatten(sample, leaves)
+def write_row(targets: list[torch.Tensor], row: int, leaves: list) -> None:
+    """Copy a sample's leaves (from :meth:`Layout.leaves_of`) into row ``row``."""
     for t, x in zip(targets, leaves):
         if isinstance(x, torch.Tensor):
             t[row].copy_(x)

@@ -31,7 +31,7 @@ import torch
 
 from . import _collate
 from ._rng import sample_rng
-from .errors import SampleError
+from .errors import SampleError, sample_error
 from .fetch import Fetched, Fetcher
 from .plan import EpochPlan
 from .protocol import describe
@@ -218,11 +218,7 @@ class Engine:
                 self.failed = True
                 where = describe(self.dataset, i)
                 try:
-                    raise SampleError(
-                        f"coordl: error {s.stage} sample {i} ({where}): {type(err).__name__}: {err}. "
-                        f"Fix or remove the file, or pass on_error='skip' to the DataLoader "
-                        f"to skip bad samples."
-                    ) from err
+                    raise sample_error(s.stage, i, where, err) from err
                 except SampleError:
                     tb = traceback.format_exc()
                 self.emit("error", k, f"Caught SampleError in DataLoader worker process {self.worker_id}.\n"
@@ -242,25 +238,24 @@ class Engine:
         if not b.copy:
             if b.layout is None:
                 b.layout = _collate.layout_of(sample, b.n)
-                if b.layout is None:
-                    b.copy = True
-                    b.samples = [None] * b.n
-                else:
+                if b.layout is not None:
                     b.slot, buf = self.slots.acquire(b.layout.nbytes)
                     b.targets = _collate.views(b.layout, buf)
-            elif not b.layout.matches(sample):
-                # mixed structure: fall back to collating copies (what torch would do)
-                rows = [r for r in range(b.n) if b.ok[r]]
-                back = _collate.rows_as_samples(b.layout, b.targets, rows)
-                b.samples = [None] * b.n
-                for r, smp in zip(rows, back):
-                    b.samples[r] = smp
-                self.slots.release(b.slot)
-                b.slot, b.targets, b.copy = None, None, True
-            if not b.copy:
-                _collate.write_row(b.layout, b.targets, j, sample)
+            leaves = b.layout.leaves_of(sample) if b.layout is not None else None
+            if leaves is not None:
+                _collate.write_row(b.targets, j, leaves)
                 b.ok[j] = True
                 return
+            # no fixed layout, or a sample that differs from it: collate copies
+            # at the end instead (what torch would do), keeping rows written so far
+            rows = [r for r in range(b.n) if b.ok[r]]
+            back = _collate.rows_as_samples(b.layout, b.targets, rows) if rows else []
+            b.samples = [None] * b.n
+            for r, smp in zip(rows, back):
+                b.samples[r] = smp
+            if b.slot is not None:
+                self.slots.release(b.slot)
+            b.slot, b.targets, b.copy = None, None, True
         b.samples[j] = sample
         b.ok[j] = True
 

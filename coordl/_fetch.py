@@ -23,7 +23,7 @@ from torch.utils.data import get_worker_info
 from torch.utils.data._utils.pin_memory import pin_memory as _pin
 
 from ._rng import sample_rng
-from .errors import SampleError
+from .errors import sample_error
 from .protocol import describe, is_two_stage
 
 __all__ = ["Task", "Envelope", "TwoStageFetch", "CollateEnvelope", "TensorBatchFetch", "Precollated"]
@@ -45,8 +45,9 @@ class Task:
         return f"Task(epoch={self.epoch}, indices={self.indices!r})"
 
 
-class Fetched:
-    """Prepared samples of one task plus what it cost (before collation)."""
+class Prepared:
+    """Prepared samples of one task plus what it cost (before collation).
+    (Not to be confused with ``coordl.fetch.Fetched``, one completed read.)"""
 
     __slots__ = ("samples", "epoch", "requested", "nbytes", "fetch_s", "prep_s", "skips", "single")
 
@@ -111,8 +112,8 @@ class TwoStageFetch(torch.utils.data.Dataset):
     def __len__(self) -> int:
         return len(self.dataset)
 
-    def _run(self, epoch: int, indices, single: bool) -> Fetched:
-        ds, seed, out = self.dataset, self.seed, Fetched(epoch, len(indices), single)
+    def _run(self, epoch: int, indices, single: bool) -> Prepared:
+        ds, seed, out = self.dataset, self.seed, Prepared(epoch, len(indices), single)
         clock = time.perf_counter
         for i in indices:
             t0 = clock()
@@ -134,22 +135,18 @@ class TwoStageFetch(torch.utils.data.Dataset):
             except Exception as e:
                 where = describe(ds, i)
                 if self.on_error == "raise":
-                    raise SampleError(
-                        f"coordl: error {stage} sample {i} ({where}): {type(e).__name__}: {e}. "
-                        f"Fix or remove the file, or pass on_error='skip' to the DataLoader "
-                        f"to skip bad samples."
-                    ) from e
+                    raise sample_error(stage, i, where, e) from e
                 out.skips.append((i, where, f"{stage}: {type(e).__name__}: {e}"))
                 continue
             out.samples.append(sample)
         return out
 
-    def __getitems__(self, task) -> Fetched:
+    def __getitems__(self, task) -> Prepared:
         if type(task) is Task:
             return self._run(task.epoch, task.indices, single=False)
         return self._run(-1, task, single=False)
 
-    def __getitem__(self, task) -> Fetched:
+    def __getitem__(self, task) -> Prepared:
         if type(task) is Task:
             return self._run(task.epoch, (task.indices,), single=True)
         return self._run(-1, (task,), single=True)
@@ -161,7 +158,7 @@ class CollateEnvelope:
     def __init__(self, collate_fn: Callable[[Any], Any]) -> None:
         self.collate_fn = collate_fn
 
-    def __call__(self, f: Fetched) -> Envelope:
+    def __call__(self, f: Prepared) -> Envelope:
         t0 = time.perf_counter()
         if not f.samples:
             batch = None

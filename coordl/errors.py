@@ -1,7 +1,7 @@
 """coordl's exceptions and warnings."""
 from __future__ import annotations
 
-__all__ = ["SampleError", "SkippedSampleWarning", "StateError"]
+__all__ = ["SampleError", "SkippedSampleWarning", "StateError", "sample_error"]
 
 
 class SampleError(RuntimeError):
@@ -20,3 +20,11 @@ class SkippedSampleWarning(UserWarning):
 
 class StateError(ValueError):
     """A state dict cannot be restored into this loader (mismatched settings)."""
+
+
+def sample_error(stage: str, index: int, where: str, err: BaseException) -> SampleError:
+    """The one wording of a bad-sample error: stage, index, location, cause, remedy."""
+    return SampleError(
+        f"coordl: error {stage} sample {index} ({where}): {type(err).__name__}: {err}. "
+        "Fix or remove the file, or pass on_error='skip' to the DataLoader to skip bad samples."
+    )

@@ -208,8 +208,7 @@ def _to_device(obj, device: torch.device):
     if isinstance(obj, torch.Tensor):
         return obj.to(device, non_blocking=True)
     if isinstance(obj, dict):
-        return type(obj)({k: _to_device(v, device) for k, v in obj.items()}) if type(obj) is dict else \
-            {k: _to_device(v, device) for k, v in obj.items()}
+        return {k: _to_device(v, device) for k, v in obj.items()}
     if isinstance(obj, tuple) and hasattr(obj, "_fields"):
         return type(obj)(*(_to_device(v, device) for v in obj))
     if isinstance(obj, (list, tuple)):

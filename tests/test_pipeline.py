@@ -73,7 +73,7 @@ def test_in_place_collate_matches_default_collate(sample):
     buf = np.zeros(lay.nbytes, dtype=np.uint8)
     targets = _collate.views(lay, buf)
     for r in (2, 0, 1):  # any order
-        _collate.write_row(lay, targets, r, sample)
+        _collate.write_row(targets, r, lay.leaves_of(sample))
     got = _collate.build(lay.template, targets)
     want = default_collate([sample] * 3)
 
