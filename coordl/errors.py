@@ -61,7 +61,7 @@ class StateError(ValueError):
 
 
 _types: dict[type, type] = {}
-_types_lock = threading.Lock()
+_types_lock = threading.RLock()  # a probed constructor may itself raise a SampleError
 _PROBE = "coordl probe message"
 
 

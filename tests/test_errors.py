@@ -87,6 +87,10 @@ def _first_error(ds, num_workers, user_sampler, **kw):
         for _ in L:
             pass
     except BaseException as e:  # noqa: B036 - the test inspects whatever is raised
+        c = e
+        while c is not None:  # drop the frames, which hold the iterator and so its workers
+            c.__traceback__ = None
+            c = c.__cause__ or c.__context__
         return e
     raise AssertionError("no error raised")
 
@@ -180,3 +184,11 @@ def test_torch_exception_wrapper_rebuilds_the_combined_type():
         w.reraise()
     assert type(info.value) is cls
     assert "sample 7" in str(info.value) and "Caught SampleError[OSError]" in str(info.value)
+
+
+@pytest.mark.parametrize("user_sampler", [False, True], ids=["coordl-workers", "torch-workers"])
+def test_spawned_workers_keep_the_type(user_sampler):
+    # nothing inherited by fork: the combined class is rebuilt from its reference
+    e = _first_error(ErrDataset(6, bad=3, kind="user"), 1, user_sampler, multiprocessing_context="spawn")
+    assert type(e) is sample_error_type(UserError) and isinstance(e, UserError)
+    assert "sample 3" in str(e) and "/err/sample_3.bin" in str(e)
