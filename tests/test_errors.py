@@ -146,9 +146,9 @@ def test_type_not_rebuildable_from_a_message_falls_back_to_sample_error(num_work
     assert "sample 4" in str(e) and "UnicodeDecodeError" in str(e)
 
 
-@pytest.mark.parametrize("num_workers", [0, 2])
-def test_type_not_picklable_by_reference(num_workers):
-    e = _first_error(ErrDataset(6, bad=4, kind="local"), num_workers, False)
+@pytest.mark.parametrize("num_workers,user_sampler", PATHS, ids=IDS)
+def test_type_not_picklable_by_reference(num_workers, user_sampler):
+    e = _first_error(ErrDataset(6, bad=4, kind="local"), num_workers, user_sampler)
     if num_workers:  # the type cannot cross the pipe: plain SampleError, message kept
         assert type(e) is SampleError
     else:
