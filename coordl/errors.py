@@ -102,8 +102,7 @@ def sample_error_type(exc_type: type | None) -> type:
                     f"SampleError[{exc_type.__name__}]", (exc_type, SampleError),
                     {"__module__": __name__, "__doc__": SampleError.__doc__,
                      "__str__": SampleError.__str__, "_coordl_original": exc_type})
-                e = cand(_PROBE)
-                if str(e) == _PROBE:
+                if _PROBE in str(cand(_PROBE)):  # the message survives (maybe decorated)
                     cls = cand
             except Exception:  # e.g. an instance layout conflict, a custom metaclass
                 pass

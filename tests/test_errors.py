@@ -26,6 +26,17 @@ def _local_error_type():
     return LocalError
 
 
+class DecoratingError(Exception):
+    def __init__(self, msg):
+        super().__init__(f"[decoder] {msg}")
+        self.tag = "decoder"
+
+
+class TwoArgError(Exception):
+    def __init__(self, code, msg):
+        super().__init__(code, msg)
+
+
 LocalError = _local_error_type()  # qualname has <locals>: not picklable by reference
 
 
@@ -192,3 +203,12 @@ def test_spawned_workers_keep_the_type(user_sampler):
     e = _first_error(ErrDataset(6, bad=3, kind="user"), 1, user_sampler, multiprocessing_context="spawn")
     assert type(e) is sample_error_type(UserError) and isinstance(e, UserError)
     assert "sample 3" in str(e) and "/err/sample_3.bin" in str(e)
+
+
+def test_user_types_rebuilt_as_torch_would():
+    # T(message) works: the combined class runs T's own constructor
+    e = sample_error_type(DecoratingError)("coordl: error preparing sample 1 (x)")
+    assert isinstance(e, DecoratingError) and isinstance(e, SampleError) and e.tag == "decoder"
+    assert "coordl: error preparing sample 1 (x)" in str(e)
+    # T(message) raises: plain SampleError, as torch falls back to RuntimeError
+    assert sample_error_type(TwoArgError) is SampleError
