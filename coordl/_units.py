@@ -28,7 +28,7 @@ def parse_size(value, name: str = "cache_size") -> int:
     truncated to 1 byte). A string with a larger unit may have a fraction
     (``"1.5GiB"``); it is rounded down to whole bytes.
     """
-    hint = (f'{name} should be a whole number of bytes (an int, or a float without a fraction like 2e9), '
+    hint = (f'{name} should be a number of bytes (whole: an int, or a float without a fraction like 2e9), '
             f'a string like "20GiB" or "512MB", or a percentage of available memory like "50%"')
     if value is None:
         return 0
