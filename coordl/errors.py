@@ -39,8 +39,9 @@ class SampleError(RuntimeError, metaclass=_SampleErrorMeta):
     the original exception is chained as ``__cause__``; from a worker process
     its traceback is part of the message, as for any error raised in a torch
     DataLoader worker. When the original type cannot be rebuilt from one
-    message argument (e.g. ``UnicodeDecodeError``), or is not an
-    ``Exception``, the error is a plain ``SampleError``.
+    message argument (e.g. ``UnicodeDecodeError``), is not an ``Exception``,
+    or (from a worker) cannot be pickled by reference, the error is a plain
+    ``SampleError``, message kept.
     Pass ``on_error="skip"`` to the loader to skip such samples instead.
     """
 
@@ -82,9 +83,9 @@ def sample_error_type(exc_type: type | None) -> type:
 
     ``SampleError[exc_type]``, a subclass of both ``exc_type`` and
     :class:`SampleError` (made once per type and cached); ``SampleError``
-    itself when ``exc_type`` is None, already a ``SampleError``, a plain
-    ``RuntimeError``, not an ``Exception``, or cannot be built from a single
-    message argument.
+    itself when ``exc_type`` is None, already a ``SampleError``, exactly
+    ``RuntimeError`` or ``Exception``, not an ``Exception`` subclass, or
+    cannot be built from a single message argument that it keeps.
     """
     if exc_type is None or not isinstance(exc_type, type) or issubclass(exc_type, SampleError) \
             or exc_type is RuntimeError or exc_type is Exception:
