@@ -124,16 +124,20 @@ def test_error_is_both_sample_error_and_original_type(num_workers, user_sampler,
 
 
 @pytest.mark.parametrize("num_workers,user_sampler", PATHS, ids=IDS)
-def test_user_except_clauses_catch_it(num_workers, user_sampler):
+@pytest.mark.parametrize("kind,stage,where,clauses", [
+    ("notfound", "raw", "reading sample 2", (OSError, FileNotFoundError, SampleError, RuntimeError)),
+    ("value", "prep", "preparing sample 2", (ValueError, SampleError, RuntimeError)),
+])
+def test_user_except_clauses_catch_it(num_workers, user_sampler, kind, stage, where, clauses):
     caught = []
-    for clause in (OSError, FileNotFoundError, SampleError, RuntimeError):
+    for clause in clauses:
         try:
-            _raise_first(ErrDataset(6, bad=2, kind="notfound", stage="raw"), num_workers, user_sampler)
+            _raise_first(ErrDataset(6, bad=2, kind=kind, stage=stage), num_workers, user_sampler)
         except clause as e:
             caught.append((clause, type(e), str(e)))
-    assert [c for c, _, _ in caught] == [OSError, FileNotFoundError, SampleError, RuntimeError]
+    assert [c for c, _, _ in caught] == list(clauses)
     assert len({t for _, t, _ in caught}) == 1
-    assert all("reading sample 2 (/err/sample_2.bin)" in m for _, _, m in caught)
+    assert all(f"{where} (/err/sample_2.bin)" in m for _, _, m in caught)
 
 
 def _raise_first(ds, num_workers, user_sampler):
