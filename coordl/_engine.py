@@ -31,7 +31,7 @@ import torch
 
 from . import _collate
 from ._rng import sample_rng
-from .errors import SampleError, sample_error
+from .errors import Failure, SampleError, sample_error
 from .fetch import Fetched, Fetcher
 from .plan import EpochPlan
 from .protocol import describe
@@ -89,7 +89,7 @@ class Engine:
 
     ``emit(kind, *payload)`` hands results out: ``("batch", k, slot, layout,
     rows, stats)``, ``("obj", k, batch, stats)``, ``("empty", k, stats)`` or
-    ``("error", k, message)``.  ``slots`` provides batch buffers:
+    ``("error", k, failure)`` (an :class:`coordl.errors.Failure`).  ``slots`` provides batch buffers:
     ``acquire(nbytes) -> (slot_id, uint8 ndarray)``.
     """
 
@@ -219,10 +219,10 @@ class Engine:
                 where = describe(self.dataset, i)
                 try:
                     raise sample_error(s.stage, i, where, err) from err
-                except SampleError:
-                    tb = traceback.format_exc()
-                self.emit("error", k, f"Caught SampleError in DataLoader worker process {self.worker_id}.\n"
-                                      f"Original {tb}")
+                except SampleError as e:
+                    tb, error = traceback.format_exc(), e
+                self.emit("error", k, Failure(f"Caught {type(error).__name__} in DataLoader worker process "
+                                              f"{self.worker_id}.\nOriginal {tb}", type(err), error))
                 return
             st.skips.append((i, describe(self.dataset, i), f"{s.stage}: {type(err).__name__}: {err}"))
         finally:
@@ -274,10 +274,10 @@ class Engine:
             try:
                 batch = self.collate_fn(samples[0]) if self.batch_size is None else \
                     (self.collate_fn or torch.utils.data.default_collate)(samples)
-            except Exception:
+            except Exception as e:
                 self.failed = True
-                self.emit("error", b.k, f"Caught an error in collate_fn in DataLoader worker process "
-                                        f"{self.worker_id}.\nOriginal {traceback.format_exc()}")
+                self.emit("error", b.k, Failure(f"Caught an error in collate_fn in DataLoader worker process "
+                                                f"{self.worker_id}.\nOriginal {traceback.format_exc()}", type(e)))
                 return
             b.stats.prep_s += time.perf_counter() - t0
             self.emit("obj", b.k, batch, b.stats)

@@ -40,7 +40,6 @@ from . import _collate
 from ._engine import Engine
 from ._fetch import Envelope
 from ._slots import LocalSlots, WorkerSlots, map_slot
-from .errors import SampleError
 
 __all__ = ["WorkerPool", "PipelineIter", "InlineIter"]
 
@@ -273,7 +272,7 @@ class WorkerPool:
     def materialize(self, w: int, msg):
         kind = msg[0]
         if kind == "error":
-            raise SampleError(msg[3])
+            raise msg[3].exception()
         if kind == "batch":
             _, _, k, (sid, gen), layout, rows, stats = msg
             mgen, mm = self.maps[(w, sid)]
@@ -400,7 +399,7 @@ class InlineIter:
         eng.on_consumed(k)
         if kind == "error":
             self._final()
-            raise SampleError(p[0])
+            raise p[0].exception()
         if kind == "batch":
             buf, layout, rows, stats = p
             batch = _collate.build(layout.template, _collate.views(layout, buf, rows))

@@ -1,7 +1,10 @@
 """Parsing sizes such as ``"20GiB"``, ``"512MB"`` or ``"50%"``."""
 from __future__ import annotations
 
+import math
+import numbers
 import re
+from fractions import Fraction
 
 import psutil
 
@@ -19,31 +22,40 @@ _RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z%]*)\s*$")
 def parse_size(value, name: str = "cache_size") -> int:
     """Bytes from an int, a string with a unit, or a percentage of available memory.
 
-    ``0`` and ``None`` give 0 (disabled).
+    ``0`` and ``None`` give 0 (disabled). A size must be a whole number of
+    bytes: an int, a float with no fractional part (``2e9``), or a string
+    without a unit (or with ``B``) that is whole (``"1.5"`` is refused, not
+    truncated to 1 byte). A string with a larger unit may have a fraction
+    (``"1.5GiB"``); it is rounded down to whole bytes.
     """
-    hint = f'{name} should be a number of bytes, a string like "20GiB" or "512MB", or a percentage of available memory like "50%"'
+    hint = (f'{name} should be a number of bytes (whole: an int, or a float without a fraction like 2e9), '
+            f'a string like "20GiB" or "512MB", or a percentage of available memory like "50%"')
     if value is None:
         return 0
     if isinstance(value, bool):
         raise ValueError(f"{hint}, but got {name}={value!r}")
-    if isinstance(value, int):
+    if isinstance(value, numbers.Integral):
         if value < 0:
             raise ValueError(f"{hint}, but got {name}={value!r}")
-        return value
-    if isinstance(value, float):
-        if value < 0 or value != value:
-            raise ValueError(f"{hint}, but got {name}={value!r}")
         return int(value)
+    if isinstance(value, numbers.Real):
+        value_f = float(value)
+        if not math.isfinite(value_f) or value_f < 0 or not value_f.is_integer():
+            raise ValueError(f"{hint}, but got {name}={value!r}")
+        return int(value_f)
     if not isinstance(value, str):
         raise ValueError(f"{hint}, but got {name}={value!r}")
     m = _RE.match(value)
     if not m:
         raise ValueError(f"{hint}, but got {name}={value!r}")
-    num, unit = float(m.group(1)), m.group(2).lower()
+    num, unit = Fraction(m.group(1)), m.group(2).lower()  # exact: "1.1GB" is 1100000000 bytes
     if unit == "%":
         if not 0 <= num <= 100:
             raise ValueError(f"{hint} (0% to 100%), but got {name}={value!r}")
         return int(psutil.virtual_memory().available * num / 100)
     if unit not in _UNITS:
         raise ValueError(f"{hint} (units: B, KB, MB, GB, TB, KiB, MiB, GiB, TiB), but got {name}={value!r}")
-    return int(num * _UNITS[unit])
+    nbytes = num * _UNITS[unit]
+    if _UNITS[unit] == 1 and nbytes.denominator != 1:
+        raise ValueError(f"{hint}, but got {name}={value!r}")
+    return int(nbytes)  # rounds a fraction of a byte down ("1.3KiB" -> 1331)

@@ -253,7 +253,8 @@ class DataLoader(_TorchDataLoader):
         with CUDA, batches are pinned and copied with ``non_blocking=True``.
     on_error
         ``"raise"`` (default): a bad sample raises ``SampleError`` naming its
-        index and path.  ``"skip"``: drop it, warn once
+        index and path, which is also an instance of the sample's own error
+        type (``except OSError`` works, as under torch).  ``"skip"``: drop it, warn once
         (``SkippedSampleWarning``) and count it in ``stats().skipped``.
     rank, world_size
         The epoch plan's partition; default from ``torch.distributed`` when it
