@@ -41,23 +41,51 @@ from .stats import Counters, LoaderStats
 __all__ = ["DataLoader"]
 
 _STATE_FORMAT = "coordl.DataLoader"
-_STATE_VERSION = 1
+_STATE_VERSION = 2  # 2 added "done"; version 1 states (no "done") still load
 _END = object()
 
 
 class _Pass:
-    """Book-keeping of the loader's passes (epochs) and pending resume."""
+    """Book-keeping of the loader's passes (epochs) and pending resume.
+
+    Which steps (batch indices) of the pass were delivered is kept as a
+    contiguous prefix ``yielded`` plus the set ``done`` of steps delivered
+    beyond it (out-of-order delivery, ``in_order=False``).  A step counts as
+    delivered when the loop received its batch, or when all its samples were
+    skipped (``on_error="skip"``): either way a resumed pass must not redo it.
+    """
 
     def __init__(self) -> None:
         self.next_epoch = 0
         self.resume: dict | None = None
         self.epoch = 0
         self.start = 0
+        self.skip: frozenset = frozenset()  # steps beyond `start` done before a resume
         self.yielded = 0
+        self.done: set[int] = set()
         self.active = False
+        self.exact = True  # False: torch hands batches over out of order, steps unknown
         self.rng: list | None = None  # torch-sampler RNG states at pass start
         self.rng_restore: list | None = None
         self.owner = None  # weakref to the _LoaderIter of the current pass
+
+    def live(self) -> bool:
+        """A pass is in progress while its iterator exists and has not ended.
+
+        Once the iterator is gone (a ``for`` loop left by ``break``, a
+        ``zip`` that stopped), nothing can deliver the rest of that pass: the
+        loader's next pass is the next epoch, and that is what the state says.
+        """
+        return self.active and self.owner is not None and self.owner() is not None
+
+    def mark(self, k: int) -> None:
+        if k == self.yielded:
+            self.yielded += 1
+            while self.yielded in self.done:
+                self.done.discard(self.yielded)
+                self.yielded += 1
+        elif k > self.yielded:
+            self.done.add(k)
 
 
 class _PassSampler:
@@ -84,7 +112,7 @@ class _PassSampler:
         # workers torch keeps them in the loader's iterator (a cycle).
         L = self._loader_ref()
         p = L._pass
-        epoch, start = p.epoch, p.start
+        epoch, start, skip = p.epoch, p.start, p.skip
         if L._plan is not None:
             it = L._plan.batches(epoch, start)
         else:
@@ -92,7 +120,15 @@ class _PassSampler:
                 _TorchDataLoader._index_sampler.fget(L), L._rng_generators(), p,
                 start if L._dataset_kind != _DatasetKind.Iterable else 0,
             )
+        if skip:
+            it = _without(it, start, skip)
         return _tag(epoch, it) if L._tag_tasks else it
+
+
+def _without(steps, start: int, skip: frozenset):
+    for k, x in enumerate(steps, start):
+        if k not in skip:
+            yield x
 
 
 def _tag(epoch: int, steps):
@@ -133,11 +169,14 @@ def _torch_steps(index_sampler, gens: list, p: _Pass, start: int):
 class _LoaderIter:
     """Wraps torch's iterator for one pass: counts, times, unwraps, delivers."""
 
-    def __init__(self, loader: "DataLoader", inner, epoch: int, fast_forward: int) -> None:
+    def __init__(self, loader: "DataLoader", inner, epoch: int, fast_forward: int,
+                 start: int = 0, skip: frozenset = frozenset()) -> None:
         self._loader = loader
         self._inner = inner
         self._epoch = epoch
         self._ff = fast_forward
+        self._seq = start   # next step in plan order, for batches that do not say theirs
+        self._skip = skip
 
     def __iter__(self) -> "_LoaderIter":
         return self
@@ -158,10 +197,12 @@ class _LoaderIter:
                     continue
                 if type(data) is Envelope:
                     self._absorb(data)
+                    self._delivered(data.step)
                     if data.batch is None:  # every sample of the step was skipped
                         continue
                     batch, n = data.batch, data.samples
                 else:
+                    self._delivered(None)
                     batch, n = data, L._count_samples(data)
                 break
         except StopIteration:
@@ -175,12 +216,20 @@ class _LoaderIter:
         bucket = counters.bucket(self._epoch)
         bucket["samples"] += n
         bucket["batches"] += 1
-        if L._pass.owner() is self:
-            L._pass.yielded += 1
         t2 = clock()
         counters.wait_seconds += t1 - t0
         counters.deliver_seconds += t2 - t1
         return batch
+
+    def _delivered(self, k: int | None) -> None:
+        if k is None:  # delivered in plan order: the next step not done before
+            while self._seq in self._skip:
+                self._seq += 1
+            k = self._seq
+            self._seq += 1
+        p = self._loader._pass
+        if p.owner() is self:
+            p.mark(k)
 
     def _absorb(self, env: Envelope) -> None:
         counters = self._loader._counters
@@ -406,7 +455,7 @@ class DataLoader(_TorchDataLoader):
     def epoch(self) -> int:
         """The epoch of the pass in progress, or of the next pass."""
         p = self._pass
-        return p.epoch if p.active else p.next_epoch
+        return p.epoch if p.live() else p.next_epoch
 
     @property
     def plan(self) -> EpochPlan | None:
@@ -435,27 +484,50 @@ class DataLoader(_TorchDataLoader):
         return self._counters.snapshot()
 
     def state_dict(self) -> dict:
-        """Where the loader is: (epoch, batches delivered) plus what must match on restore.
+        """What the loader will do next: (epoch, steps already delivered) plus
+        what must match on restore.
 
+        ``batches`` steps of ``epoch`` were delivered in plan order, and the
+        steps listed in ``done`` beyond them (out-of-order delivery); a step
+        whose samples were all skipped counts as delivered.  A pass is in
+        progress while its iterator exists: once it is gone (``break``), the
+        state is the start of the next epoch, as the live loader will do.
         Batches prefetched by workers but not yet delivered are not counted: a
         restored loader prepares them again.  The dict holds only plain values
         and tensors (``torch.save`` it with the model checkpoint).
+
+        Raises ``StateError`` mid-pass when torch's worker machinery delivers
+        out of order (``in_order=False`` and ``num_workers > 0`` on a loader
+        that does not run coordl's own pipeline): which steps were delivered
+        is not known there, so no state could resume exactly.
         """
         p = self._pass
-        if p.active:
-            epoch, batches, rng = p.epoch, p.yielded, p.rng
+        if p.live():
+            epoch, batches, done, rng = p.epoch, p.yielded, sorted(p.done), p.rng
+            complete = self._plan is not None and batches >= self._plan.num_batches
+            if not p.exact and not complete and (batches > p.start or p.done != p.skip):
+                raise StateError(
+                    f"state_dict() was called in the middle of epoch {epoch} of a loader with "
+                    f"in_order=False and num_workers={self.num_workers} running on torch's worker "
+                    "machinery: torch hands batches over out of order without saying which step each "
+                    "was, so no state could resume without repeating or dropping samples. Save the "
+                    "state at an epoch boundary, or use in_order=True (or a two-stage dataset in "
+                    "coordl's epoch plan, whose pipeline records the steps delivered)"
+                )
         elif p.resume is not None:
             epoch, batches, rng = p.resume["epoch"], p.resume["batches"], p.resume["rng"]
+            done = list(p.resume["done"])
         else:
-            epoch, batches, rng = p.next_epoch, 0, None
+            epoch, batches, done, rng = p.next_epoch, 0, [], None
         if self._plan is not None and batches >= self._plan.num_batches:
-            epoch, batches, rng = epoch + 1, 0, None
+            epoch, batches, done, rng = epoch + 1, 0, [], None
         return {
             "format": _STATE_FORMAT,
             "version": _STATE_VERSION,
             "mode": "plan" if self._plan is not None else "torch",
             "epoch": epoch,
             "batches": batches,
+            "done": done,
             "seed": self._seed,
             "num_samples": self._dataset_len(),
             "batch_size": self.batch_size,
@@ -479,8 +551,9 @@ class DataLoader(_TorchDataLoader):
                 "state should be a dict returned by coordl.DataLoader.state_dict(), "
                 f"but got state={type(state).__name__} without format={_STATE_FORMAT!r}"
             )
-        if state.get("version") != _STATE_VERSION:
-            raise StateError(f"state version {state.get('version')!r} is not supported (this coordl reads {_STATE_VERSION})")
+        if state.get("version") not in (1, _STATE_VERSION):
+            raise StateError(f"state version {state.get('version')!r} is not supported "
+                             f"(this coordl reads versions 1 to {_STATE_VERSION})")
         mode = "plan" if self._plan is not None else "torch"
         if state["mode"] != mode:
             raise StateError(
@@ -490,13 +563,22 @@ class DataLoader(_TorchDataLoader):
                 "(same sampler/batch_sampler, seed given or not)"
             )
         epoch, batches = int(state["epoch"]), int(state["batches"])
+        done = sorted(int(k) for k in state.get("done") or ())
+        if done and (done[0] <= batches or len(set(done)) != len(done)):
+            raise StateError(
+                f"state's done should list distinct steps after batches={batches}, but got done={done!r}: "
+                "pass a dict returned by state_dict() unchanged")
+        if done and mode == "plan" and done[-1] >= self._plan.num_batches:
+            raise StateError(
+                f"state's done lists step {done[-1]}, but an epoch of this loader has "
+                f"{self._plan.num_batches} batches: resume with the same dataset and batch_size")
         n = self._dataset_len()
         if state["num_samples"] is not None and n is not None and state["num_samples"] != n:
             raise StateError(
                 f"state was saved for a dataset of {state['num_samples']} samples, but this loader's "
                 f"dataset has {n}: resume with the same dataset"
             )
-        if batches > 0:
+        if batches > 0 or done:
             for key, mine in (("batch_size", self.batch_size), ("drop_last", self.drop_last)):
                 if state[key] != mine:
                     raise StateError(
@@ -519,7 +601,7 @@ class DataLoader(_TorchDataLoader):
         if mode == "plan" and state["seed"] != self._seed:
             self._adopt_seed(state["seed"])
         p = self._pass
-        p.resume = {"epoch": epoch, "batches": batches,
+        p.resume = {"epoch": epoch, "batches": batches, "done": frozenset(done),
                     "rng": [s.clone() for s in state["rng"]] if state.get("rng") else None}
         p.next_epoch = epoch
         p.active = False
@@ -528,19 +610,22 @@ class DataLoader(_TorchDataLoader):
     def __iter__(self):
         p = self._pass
         epoch = p.next_epoch
-        start, restore = 0, None
+        start, skip, restore = 0, frozenset(), None
         if p.resume is not None and p.resume["epoch"] == epoch:
-            start, restore = p.resume["batches"], p.resume["rng"]
+            start, skip, restore = p.resume["batches"], p.resume["done"], p.resume["rng"]
         p.resume = None
         p.next_epoch = epoch + 1
-        p.epoch, p.start, p.yielded = epoch, start, start
+        p.epoch, p.start, p.skip, p.yielded, p.done = epoch, start, skip, start, set(skip)
         p.rng, p.rng_restore = restore, restore
         p.active = True
+        # torch's worker machinery with in_order=False delivers batches without
+        # their step: the pass's progress is then unknown (see state_dict).
+        p.exact = self._use_pipeline or self.in_order or self.num_workers == 0
         self._counters.epoch = epoch
         self._counters.bucket(epoch)
-        inner = self._pipeline_iter(epoch, start) if self._use_pipeline else super().__iter__()
+        inner = self._pipeline_iter(epoch, start, skip) if self._use_pipeline else super().__iter__()
         ff = start if self._dataset_kind == _DatasetKind.Iterable else 0
-        it = _LoaderIter(self, inner, epoch, ff)
+        it = _LoaderIter(self, inner, epoch, ff, start, skip)
         p.owner = weakref.ref(it)
         return it
 
@@ -555,7 +640,7 @@ class DataLoader(_TorchDataLoader):
         weakref.finalize(self, cache.close)
         return cache
 
-    def _pipeline_iter(self, epoch: int, start: int):
+    def _pipeline_iter(self, epoch: int, start: int, skip: frozenset):
         from ._pipeline import InlineIter, PipelineIter, WorkerPool
 
         W = self.num_workers
@@ -566,7 +651,7 @@ class DataLoader(_TorchDataLoader):
             worker_init_fn=self.worker_init_fn, cache=self._cache,
         )
         if W == 0:
-            return InlineIter(self.dataset, cfg, self._plan, epoch, start)
+            return InlineIter(self.dataset, cfg, self._plan, epoch, start, skip=skip)
         pool = self._pool
         if pool is None or pool.closed:
             cfg["base_seed"] = int(torch.empty((), dtype=torch.int64).random_(generator=self.generator).item())
@@ -578,7 +663,7 @@ class DataLoader(_TorchDataLoader):
             if self.persistent_workers:
                 self._pool = pool
         return PipelineIter(pool, self._plan, epoch, start, self.in_order,
-                            owns_pool=not self.persistent_workers)
+                            owns_pool=not self.persistent_workers, skip=skip)
 
     def _get_iterator(self):
         if self._fetch_dataset is None:
