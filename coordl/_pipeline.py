@@ -152,6 +152,7 @@ class WorkerPool:
 
         self.num_workers = num_workers
         self.timeout = timeout
+        self.base_seed = cfg.get("base_seed")
         self.procs, self.ctrl, self.res = [], [], []
         self._locks = [threading.Lock() for _ in range(num_workers)]
         self.maps: dict[tuple[int, int], tuple[int, object]] = {}
@@ -341,6 +342,18 @@ class PipelineIter:
         if self._final is not None:
             self._final()
 
+    def worker_processes(self) -> list:
+        return list(self._pool.procs)
+
+    @property
+    def base_seed(self):
+        return self._pool.base_seed
+
+    def shutdown_workers(self) -> None:
+        """Stop the pool's workers now (also a persistent pool: the loader
+        starts a new one for its next pass)."""
+        self._pool.shutdown()
+
     def __next__(self) -> Envelope:
         if self._left <= 0:
             self._close()
@@ -383,6 +396,12 @@ class InlineIter:
 
     def __len__(self) -> int:
         return self._plan.num_batches
+
+    def worker_processes(self) -> list:
+        return []
+
+    def shutdown_workers(self) -> None:
+        self._final()
 
     def __next__(self) -> Envelope:
         if self._pos >= len(self._todo):

@@ -23,7 +23,7 @@ import itertools
 import weakref
 import time
 import warnings
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -39,6 +39,8 @@ from .protocol import is_two_stage
 from .stats import Counters, LoaderStats
 
 __all__ = ["DataLoader"]
+
+_T_co = TypeVar("_T_co", covariant=True)
 
 _STATE_FORMAT = "coordl.DataLoader"
 _STATE_VERSION = 2  # 2 added "done"; version 1 states (no "done") still load
@@ -167,7 +169,18 @@ def _torch_steps(index_sampler, gens: list, p: _Pass, start: int):
 
 
 class _LoaderIter:
-    """Wraps torch's iterator for one pass: counts, times, unwraps, delivers."""
+    """Wraps the iterator of one pass (torch's, or coordl's pipeline):
+    counts, times, unwraps, delivers.
+
+    It also carries the attributes of torch's own iterator
+    (``_BaseDataLoaderIter`` / ``_MultiProcessingDataLoaderIter``) that tests
+    and libraries reach for, with torch's meaning on every placement:
+    ``_workers`` (the worker processes; empty without workers),
+    ``_num_yielded`` (batches this iterator returned), ``_shutdown_workers()``
+    (stop the workers; the pass then ends), ``_dataset``/``_collate_fn`` (the
+    user's, not coordl's wrappers), ``_index_sampler``, ``_num_workers``,
+    ``_pin_memory`` and the other settings.
+    """
 
     def __init__(self, loader: "DataLoader", inner, epoch: int, fast_forward: int,
                  start: int = 0, skip: frozenset = frozenset()) -> None:
@@ -177,6 +190,8 @@ class _LoaderIter:
         self._ff = fast_forward
         self._seq = start   # next step in plan order, for batches that do not say theirs
         self._skip = skip
+        self._num_yielded = 0
+        self._stopped = False  # _shutdown_workers() was called
 
     def __iter__(self) -> "_LoaderIter":
         return self
@@ -191,6 +206,8 @@ class _LoaderIter:
         t0 = clock()
         try:
             while True:
+                if self._stopped:
+                    raise StopIteration
                 data = next(self._inner)
                 if self._ff:
                     self._ff -= 1
@@ -219,7 +236,121 @@ class _LoaderIter:
         t2 = clock()
         counters.wait_seconds += t1 - t0
         counters.deliver_seconds += t2 - t1
+        self._num_yielded += 1
         return batch
+
+    # ----------------------------------------------- torch's iterator attributes
+    @property
+    def _workers(self) -> list:
+        """The worker processes of this pass (``multiprocessing.Process``)."""
+        inner = self._inner
+        if hasattr(inner, "worker_processes"):  # coordl's pipeline
+            return inner.worker_processes()
+        return getattr(inner, "_workers", [])
+
+    def _shutdown_workers(self) -> None:
+        """Stop this pass's worker processes now (torch's name); the pass ends."""
+        self._stopped = True
+        inner = self._inner
+        fn = getattr(inner, "shutdown_workers", None) or getattr(inner, "_shutdown_workers", None)
+        if fn is not None:
+            fn()
+        if self._loader._iterator is inner:  # torch's persistent iterator: start anew next pass
+            self._loader._iterator = None
+        p = self._loader._pass
+        if p.owner() is self:
+            p.active = False
+
+    @property
+    def _shutdown(self) -> bool:
+        return self._stopped or bool(getattr(self._inner, "_shutdown", False))
+
+    @property
+    def _dataset(self):
+        return self._loader.dataset
+
+    @property
+    def _collate_fn(self):
+        return self._loader.collate_fn
+
+    @property
+    def _dataset_kind(self):
+        return self._loader._dataset_kind
+
+    @property
+    def _auto_collation(self) -> bool:
+        return self._loader._auto_collation
+
+    @property
+    def _drop_last(self) -> bool:
+        return self._loader.drop_last
+
+    @property
+    def _index_sampler(self):
+        return self._loader._index_sampler
+
+    @property
+    def _IterableDataset_len_called(self):
+        return self._loader._IterableDataset_len_called
+
+    @property
+    def _num_workers(self) -> int:
+        return self._loader.num_workers
+
+    @property
+    def _prefetch_factor(self):
+        return self._loader.prefetch_factor
+
+    @property
+    def _persistent_workers(self) -> bool:
+        return self._loader.persistent_workers
+
+    @property
+    def _in_order(self) -> bool:
+        return self._loader.in_order
+
+    @property
+    def _timeout(self) -> float:
+        return self._loader.timeout
+
+    @property
+    def _worker_init_fn(self):
+        return self._loader.worker_init_fn
+
+    @property
+    def _multiprocessing_context(self):
+        return self._loader.multiprocessing_context
+
+    @property
+    def _world_size(self) -> int:
+        return self._loader._world_size
+
+    @property
+    def _rank(self) -> int:
+        return self._loader._rank
+
+    @property
+    def _pin_memory(self) -> bool:
+        """Whether this pass pins batches (asked for, and an accelerator exists)."""
+        return self._loader.pin_memory and _accelerator_available()
+
+    @property
+    def _pin_memory_device(self):
+        if not self._pin_memory:
+            return None
+        acc = torch.accelerator.current_accelerator()
+        return acc.type if acc is not None else None
+
+    @property
+    def _base_seed(self):
+        seed = getattr(self._inner, "_base_seed", None)
+        return seed if seed is not None else getattr(self._inner, "base_seed", None)
+
+    @property
+    def _worker_pids_set(self) -> bool:
+        if hasattr(self._inner, "_worker_pids_set"):
+            return self._inner._worker_pids_set
+        return bool(self._workers)
 
     def _delivered(self, k: int | None) -> None:
         if k is None:  # delivered in plan order: the next step not done before
@@ -253,6 +384,11 @@ class _LoaderIter:
                 )
 
 
+def _accelerator_available() -> bool:
+    """torch's test for pinning (``torch.accelerator.is_available``)."""
+    return torch.accelerator.is_available()
+
+
 def _to_device(obj, device: torch.device):
     if isinstance(obj, torch.Tensor):
         return obj.to(device, non_blocking=True)
@@ -280,7 +416,7 @@ def _first_tensor(obj, depth: int = 0):
     return None
 
 
-class DataLoader(_TorchDataLoader):
+class DataLoader(_TorchDataLoader[_T_co]):
     """A drop-in ``torch.utils.data.DataLoader`` that stops training waiting for data.
 
     Every positional and keyword parameter of torch's DataLoader is accepted
@@ -720,7 +856,8 @@ class DataLoader(_TorchDataLoader):
             return 1
         t = _first_tensor(batch)
         if t is not None:
-            return int(t.shape[0]) if t.dim() > 0 else 1
+            # size(0), not shape[0]: a strided nested tensor has no sizes
+            return int(t.size(0)) if t.dim() > 0 else 1
         try:
             return len(batch)
         except TypeError:
