@@ -31,6 +31,7 @@ from torch.utils.data import DataLoader as _TorchDataLoader
 from torch.utils.data import TensorDataset
 from torch.utils.data.dataloader import _DatasetKind
 
+from . import _pin
 from ._fetch import CollateEnvelope, Envelope, Task, TensorBatchFetch, TwoStageFetch, passthrough_collate
 from ._units import parse_size
 from .errors import SkippedSampleWarning, StateError
@@ -332,7 +333,7 @@ class _LoaderIter:
     @property
     def _pin_memory(self) -> bool:
         """Whether this pass pins batches (asked for, and an accelerator exists)."""
-        return self._loader.pin_memory and _accelerator_available()
+        return self._loader.pin_memory and _pin.accelerator_available()
 
     @property
     def _pin_memory_device(self):
@@ -382,11 +383,6 @@ class _LoaderIter:
                     SkippedSampleWarning,
                     stacklevel=3,
                 )
-
-
-def _accelerator_available() -> bool:
-    """torch's test for pinning (``torch.accelerator.is_available``)."""
-    return torch.accelerator.is_available()
 
 
 def _to_device(obj, device: torch.device):
@@ -513,6 +509,7 @@ class DataLoader(_TorchDataLoader[_T_co]):
             raise ValueError(f"fetch_threads should be None or a positive int, but got fetch_threads={fetch_threads!r}")
         self._fetch_threads = fetch_threads
         self._pool = None
+        self._pin_prev = None  # (stop event, thread) of the last pass's pin thread
 
         iterable = self._dataset_kind == _DatasetKind.Iterable
         user_sampler = sampler is not None or batch_sampler is not None
@@ -759,11 +756,36 @@ class DataLoader(_TorchDataLoader[_T_co]):
         p.exact = self._use_pipeline or self.in_order or self.num_workers == 0
         self._counters.epoch = epoch
         self._counters.bucket(epoch)
-        inner = self._pipeline_iter(epoch, start, skip) if self._use_pipeline else super().__iter__()
+        if self._use_pipeline:
+            inner = self._pin(self._pipeline_iter(epoch, start, skip))
+        else:
+            inner = super().__iter__()
         ff = start if self._dataset_kind == _DatasetKind.Iterable else 0
         it = _LoaderIter(self, inner, epoch, ff, start, skip)
         p.owner = weakref.ref(it)
         return it
+
+    def _pin(self, inner):
+        """Pin the pipeline's batches when asked (torch's machinery pins in
+        its own thread): with workers in a pin thread, else inline."""
+        prev, self._pin_prev = self._pin_prev, None
+        if prev is not None:  # one thread drives the pool: the last pass's pinner stops first
+            stop, thread = prev
+            stop.set()
+            while thread.is_alive():
+                thread.join(_pin._POLL)
+        if not self.pin_memory:
+            return inner
+        if not _pin.accelerator_available():
+            # torch's wording, so filters written for torch's loader match
+            warnings.warn("'pin_memory' argument is set as true but no accelerator is found, "
+                          "so coordl delivers batches in pageable memory.", stacklevel=3)
+            return inner
+        if self.num_workers == 0:
+            return _pin.PinInline(inner)
+        pinner = _pin.PinThread(inner, depth=self.prefetch_factor or 2)
+        self._pin_prev = (pinner._stop, pinner._thread)
+        return pinner
 
     def _attach_cache(self):
         """Attach to (or create) the node cache before training starts, so a
