@@ -29,6 +29,7 @@ from torch.utils.data._utils.pin_memory import pin_memory as _torch_pin
 __all__ = ["pin_batch", "PinThread", "PinInline", "accelerator_available"]
 
 _POLL = 1.0
+_STOP_WAIT = 10.0  # longest wait for the pin thread to leave the pool on shutdown
 
 
 def accelerator_available() -> bool:
@@ -175,6 +176,9 @@ class PinThread:
         return getattr(self._inner, "base_seed", None)
 
     def shutdown_workers(self) -> None:
+        # Let the pin thread leave the pool first (it stops after the batch it
+        # is waiting for): closing pipes another thread is polling is unsafe.
         self._stop.set()
         self._ended = True
+        self._thread.join(_STOP_WAIT)
         self._inner.shutdown_workers()

@@ -123,3 +123,17 @@ def test_declared_torch_range_is_one_the_loader_works_with():
     assert (int(m.group(1)), int(m.group(2))) >= (2, 6), f"torch lower bound {m.group(0).strip()} is below 2.6"
     assert "in_order" in inspect.signature(torch.utils.data.DataLoader.__init__).parameters
     assert callable(torch.accelerator.is_available)
+
+
+def test_shutdown_workers_of_a_pinned_pass(fake_accelerator):
+    L = DataLoader(TwoStageToy(40), batch_size=4, seed=3, num_workers=2, pin_memory=True)
+    it = iter(L)
+    next(it)
+    workers = list(it._workers)
+    assert len(workers) == 2
+    it._shutdown_workers()
+    assert list(it) == []
+    for w in workers:
+        w.join(10)
+        assert w.exitcode == 0
+    assert len(list(L)) == 10
