@@ -757,6 +757,7 @@ class DataLoader(_TorchDataLoader[_T_co]):
         self._counters.epoch = epoch
         self._counters.bucket(epoch)
         if self._use_pipeline:
+            self._stop_pin_thread()  # before the new pass touches the pool
             inner = self._pin(self._pipeline_iter(epoch, start, skip))
         else:
             inner = super().__iter__()
@@ -765,15 +766,20 @@ class DataLoader(_TorchDataLoader[_T_co]):
         p.owner = weakref.ref(it)
         return it
 
-    def _pin(self, inner):
-        """Pin the pipeline's batches when asked (torch's machinery pins in
-        its own thread): with workers in a pin thread, else inline."""
+    def _stop_pin_thread(self) -> None:
+        """One thread drives a pool: the last pass's pin thread (it may still
+        be waiting in the pool for a batch of its abandoned pass) must be gone
+        before the next pass begins, or it could take that pass's batches."""
         prev, self._pin_prev = self._pin_prev, None
-        if prev is not None:  # one thread drives the pool: the last pass's pinner stops first
+        if prev is not None:
             stop, thread = prev
             stop.set()
             while thread.is_alive():
                 thread.join(_pin._POLL)
+
+    def _pin(self, inner):
+        """Pin the pipeline's batches when asked (torch's machinery pins in
+        its own thread): with workers in a pin thread, else inline."""
         if not self.pin_memory:
             return inner
         if not _pin.accelerator_available():

@@ -93,10 +93,10 @@ def test_abandoned_pinned_passes_stop_and_next_pass_is_right(fake_accelerator, p
     """Breaking out of pinned passes: the pin thread stops, the workers of a
     non-persistent pass exit (the leak fixture checks), and a persistent pool
     serves the next pass correctly (one thread drives it at a time)."""
-    ds = TwoStageToy(40)
+    ds = TwoStageToy(40, delay=0.02)  # slow reads: the pin thread waits in the pool at the break
     want = list(DataLoader(ds, batch_size=4, seed=3, num_workers=2))
     L = DataLoader(ds, batch_size=4, seed=3, num_workers=2, pin_memory=True,
-                   persistent_workers=persistent)
+                   persistent_workers=persistent, timeout=20)
     for _ in range(3):
         for i, _b in enumerate(L):
             if i == 1:

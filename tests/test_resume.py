@@ -207,3 +207,46 @@ def test_state_while_iterator_alive_is_mid_pass_and_epoch_property():
     assert (L.state_dict()["epoch"], L.state_dict()["batches"], L.epoch) == (0, 2, 0)
     del it  # the pass can no longer continue: the next one is epoch 1
     assert (L.state_dict()["epoch"], L.state_dict()["batches"], L.epoch) == (1, 0, 1)
+
+
+class BadPlain(torch.utils.data.Dataset):
+    """Generic (not two-stage) dataset; `bad` indices raise."""
+
+    def __init__(self, n, bad):
+        self.n, self.bad = n, frozenset(bad)
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        if i in self.bad:
+            raise OSError(f"sample {i} is corrupt")
+        return torch.tensor([i, i * i])
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_resume_exact_with_whole_batches_skipped_on_torch_machinery(num_workers):
+    order = plan(N, 5, 0)
+    bad = order[BS * 2:BS * 4].tolist()
+    ds = BadPlain(N, bad)
+
+    def make(seed):
+        return DataLoader(ds, batch_size=BS, shuffle=True, seed=seed, num_workers=num_workers,
+                          on_error="skip")
+
+    def flat(batches):
+        return [x[:, 0].tolist() for x in batches]
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", SkippedSampleWarning)
+        full = flat(make(5))
+        assert sorted(i for b in full for i in b) == sorted(set(range(N)) - set(bad))
+        for cut in (1, 2, 3, 5):
+            a = make(5)
+            it = iter(a)
+            got = [next(it) for _ in range(cut)]
+            state = a.state_dict()
+            del it, a
+            b = make(99)
+            b.load_state_dict(state)
+            assert flat(got) + flat(b) == full, f"cut={cut}"
