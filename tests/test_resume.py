@@ -250,3 +250,25 @@ def test_resume_exact_with_whole_batches_skipped_on_torch_machinery(num_workers)
             b = make(99)
             b.load_state_dict(state)
             assert flat(got) + flat(b) == full, f"cut={cut}"
+
+
+def test_checkpoint_in_a_handler_inside_the_loop_is_mid_epoch():
+    """The documented way to save mid-epoch on an interrupt: inside the loop."""
+    ds = TwoStageToy(40)
+    full = list(DataLoader(ds, batch_size=4, shuffle=True, seed=1))
+    L = DataLoader(ds, batch_size=4, shuffle=True, seed=1)
+    got = []
+    for i, b in enumerate(L):
+        got.append(b)
+        try:
+            if i == 3:
+                raise KeyboardInterrupt
+        except KeyboardInterrupt:
+            state = L.state_dict()
+            break
+    assert (state["epoch"], state["batches"]) == (0, 4)
+    assert (L.state_dict()["epoch"], L.state_dict()["batches"]) == (1, 0)  # after the break
+    R = DataLoader(ds, batch_size=4, shuffle=True, seed=1)
+    R.load_state_dict(state)
+    got += list(R)
+    assert [_key(x) for x in got] == [_key(x) for x in full]
