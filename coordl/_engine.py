@@ -1,8 +1,9 @@
 """The fetch + prep engine of one worker (or of the main process when
 ``num_workers=0``).  One implementation, placed by the loader.
 
-A worker owns a fixed share of every epoch: batch ``k`` of a pass that starts
-at batch ``start`` belongs to worker ``(k - start) % num_workers``.  Since the
+A worker owns a fixed share of every epoch: of the batches a pass still has
+to deliver (``pass_steps``: from ``start`` on, minus those delivered before a
+resume), the ``j``-th belongs to worker ``j % num_workers``.  Since the
 plan is a pure function, the worker computes its own batches from the pass
 parameters; main never sends indices.
 
@@ -36,7 +37,7 @@ from .fetch import Fetched, Fetcher
 from .plan import EpochPlan
 from .protocol import describe
 
-__all__ = ["Engine", "BatchStats"]
+__all__ = ["Engine", "BatchStats", "pass_steps"]
 
 
 class BatchStats:
@@ -118,14 +119,17 @@ class Engine:
 
     # ------------------------------------------------------------------ passes
     def begin_pass(self, pass_id, plan: EpochPlan, epoch: int, start: int,
-                   num_workers: int, worker_id: int) -> None:
+                   num_workers: int, worker_id: int, skip=()) -> None:
+        """Start batches ``start, start+1, ...`` of ``epoch`` except those in
+        ``skip`` (delivered before a resume); this worker takes every
+        ``num_workers``-th of what is left, from its ``worker_id``."""
         self.end_pass()
         self.pass_id = pass_id
         self.epoch = epoch
         self.failed = False
         idx = plan.indices(epoch)
         bs = plan.batch_size
-        ks = list(range(start + worker_id, plan.num_batches, num_workers))
+        ks = pass_steps(plan.num_batches, start, skip)[worker_id::num_workers]
         if bs is None:
             self.my = [(k, [int(idx[k])]) for k in ks]
         else:
@@ -358,6 +362,12 @@ def _make_reader(dataset, cache):
         return out
 
     return read, read_many
+
+
+def pass_steps(num_batches: int, start: int, skip=()) -> list[int]:
+    """The batch indices a pass still has to deliver, in plan order."""
+    skip = frozenset(skip)
+    return [k for k in range(start, num_batches) if k not in skip]
 
 
 class _Stage(Exception):

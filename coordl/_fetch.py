@@ -66,10 +66,10 @@ class Envelope:
     """A collated batch travelling from a worker to the main process."""
 
     __slots__ = ("batch", "epoch", "samples", "nbytes", "fetch_s", "prep_s", "skips",
-                 "from_cache", "bytes_cache", "from_peers", "bytes_peers")
+                 "from_cache", "bytes_cache", "from_peers", "bytes_peers", "step")
 
     def __init__(self, batch, epoch, samples, nbytes, fetch_s, prep_s, skips,
-                 from_cache=0, bytes_cache=0, from_peers=0, bytes_peers=0) -> None:
+                 from_cache=0, bytes_cache=0, from_peers=0, bytes_peers=0, step=None) -> None:
         self.batch = batch
         self.epoch = epoch
         self.samples = samples          # samples in the batch
@@ -81,6 +81,7 @@ class Envelope:
         self.bytes_cache = bytes_cache
         self.from_peers = from_peers
         self.bytes_peers = bytes_peers
+        self.step = step                # batch index k in the epoch (None: the loader counts)
 
     def _fields(self):
         return tuple(getattr(self, k) for k in self.__slots__)

@@ -5,7 +5,7 @@
     main process                                   worker w (one per num_workers)
     ------------                                   ------------------------------
     PipelineIter.__next__                          control reader thread
-      pool.begin_pass ----("pass", id, plan, e, start)--> Engine.begin_pass
+      pool.begin_pass ----("pass", id, plan, e, start, skip)--> Engine.begin_pass
                                                    fetch threads (read ahead along
                                                    the worker's share of the plan)
                                                    Engine.pump: prep into slot rows
@@ -37,7 +37,7 @@ import numpy as np
 import torch
 
 from . import _collate
-from ._engine import Engine
+from ._engine import Engine, pass_steps
 from ._fetch import Envelope
 from ._slots import LocalSlots, WorkerSlots, map_slot
 
@@ -115,8 +115,8 @@ def _worker_main(w: int, num_workers: int, dataset, cfg: dict, ctrl, res, parent
                         engine.end_pass()
                         return
                     if op == "pass":
-                        _, pass_id, plan, epoch, start = msg
-                        engine.begin_pass(pass_id, plan, epoch, start, num_workers, w)
+                        _, pass_id, plan, epoch, start, skip = msg
+                        engine.begin_pass(pass_id, plan, epoch, start, num_workers, w, skip)
                     elif op == "consumed":
                         if msg[1] == engine.pass_id:
                             engine.on_consumed(msg[2])
@@ -151,6 +151,7 @@ class WorkerPool:
 
         self.num_workers = num_workers
         self.timeout = timeout
+        self.base_seed = cfg.get("base_seed")
         self.procs, self.ctrl, self.res = [], [], []
         self._locks = [threading.Lock() for _ in range(num_workers)]
         self.maps: dict[tuple[int, int], tuple[int, object]] = {}
@@ -185,11 +186,12 @@ class WorkerPool:
         with self._locks[w]:
             self.ctrl[w].send(msg)
 
-    def begin_pass(self, plan, epoch: int, start: int) -> int:
+    def begin_pass(self, plan, epoch: int, start: int, skip=()) -> int:
         self.pass_id += 1
         self.pending.clear()
+        skip = tuple(sorted(skip))
         for w in range(self.num_workers):
-            self._send(w, ("pass", self.pass_id, plan, epoch, start))
+            self._send(w, ("pass", self.pass_id, plan, epoch, start, skip))
         return self.pass_id
 
     def consumed(self, w: int, k: int) -> None:
@@ -307,23 +309,26 @@ def _shutdown(procs, ctrl, res) -> None:
             pass
 
 
-def _envelope(batch, stats, epoch: int) -> Envelope:
+def _envelope(batch, stats, epoch: int, k: int) -> Envelope:
     return Envelope(batch, epoch, stats.samples, stats.nbytes, stats.fetch_s, stats.prep_s, stats.skips,
-                    stats.from_cache, stats.bytes_cache, stats.from_peers, stats.bytes_peers)
+                    stats.from_cache, stats.bytes_cache, stats.from_peers, stats.bytes_peers, k)
 
 
 class PipelineIter:
-    """One pass over the plan with worker processes; yields Envelopes."""
+    """One pass over the plan with worker processes; yields Envelopes that
+    carry their batch index (``step``), so out-of-order delivery is recorded."""
 
-    def __init__(self, pool: WorkerPool, plan, epoch: int, start: int, in_order: bool, owns_pool: bool) -> None:
+    def __init__(self, pool: WorkerPool, plan, epoch: int, start: int, in_order: bool, owns_pool: bool,
+                 skip=()) -> None:
         self._pool = pool
         self._plan = plan
         self._epoch = epoch
-        self._next = start
-        self._left = plan.num_batches - start
+        self._todo = pass_steps(plan.num_batches, start, skip)
+        self._pos = 0                   # in_order: position in _todo of the next batch
+        self._left = len(self._todo)
         self._in_order = in_order
         self._owns = owns_pool
-        pool.begin_pass(plan, epoch, start)
+        pool.begin_pass(plan, epoch, start, skip)
         self._final = weakref.finalize(self, pool.shutdown) if owns_pool else None
 
     def __iter__(self):
@@ -336,12 +341,24 @@ class PipelineIter:
         if self._final is not None:
             self._final()
 
+    def worker_processes(self) -> list:
+        return list(self._pool.procs)
+
+    @property
+    def base_seed(self):
+        return self._pool.base_seed
+
+    def shutdown_workers(self) -> None:
+        """Stop the pool's workers now (also a persistent pool: the loader
+        starts a new one for its next pass)."""
+        self._pool.shutdown()
+
     def __next__(self) -> Envelope:
         if self._left <= 0:
             self._close()
             raise StopIteration
         try:
-            w, msg = self._pool.get(self._next if self._in_order else None)
+            w, msg = self._pool.get(self._todo[self._pos] if self._in_order else None)
             batch, stats = self._pool.materialize(w, msg)
         except BaseException:
             self._close()
@@ -350,17 +367,19 @@ class PipelineIter:
         self._pool.consumed(w, k)
         self._left -= 1
         if self._in_order:
-            self._next += 1
-        return _envelope(batch, stats, self._epoch)
+            self._pos += 1
+        return _envelope(batch, stats, self._epoch, k)
 
 
 class InlineIter:
     """One pass in the main process (``num_workers=0``): same engine, no workers."""
 
-    def __init__(self, dataset, cfg: dict, plan, epoch: int, start: int, timeout: float = 0) -> None:
+    def __init__(self, dataset, cfg: dict, plan, epoch: int, start: int, timeout: float = 0,
+                 skip=()) -> None:
         self._plan = plan
         self._epoch = epoch
-        self._next = start
+        self._todo = pass_steps(plan.num_batches, start, skip)
+        self._pos = 0
         self._out: dict[int, tuple] = {}
         self._engine = Engine(dataset, seed=cfg["seed"], on_error=cfg["on_error"],
                               collate_fn=cfg["collate_fn"], batch_size=cfg["batch_size"],
@@ -368,7 +387,7 @@ class InlineIter:
                               budget_bytes=cfg["budget"], slots=LocalSlots(),
                               emit=lambda kind, k, *p: self._out.__setitem__(k, (kind, k) + p),
                               cache=cfg.get("cache"))
-        self._engine.begin_pass(1, plan, epoch, start, 1, 0)
+        self._engine.begin_pass(1, plan, epoch, start, 1, 0, skip)
         self._final = weakref.finalize(self, self._engine.end_pass)
 
     def __iter__(self):
@@ -377,11 +396,17 @@ class InlineIter:
     def __len__(self) -> int:
         return self._plan.num_batches
 
+    def worker_processes(self) -> list:
+        return []
+
+    def shutdown_workers(self) -> None:
+        self._final()
+
     def __next__(self) -> Envelope:
-        k = self._next
-        if k >= self._plan.num_batches:
+        if self._pos >= len(self._todo):
             self._final()
             raise StopIteration
+        k = self._todo[self._pos]
         eng = self._engine
         try:
             while k not in self._out:
@@ -395,7 +420,7 @@ class InlineIter:
             self._final()
             raise
         kind, _, *p = self._out.pop(k)
-        self._next += 1
+        self._pos += 1
         eng.on_consumed(k)
         if kind == "error":
             self._final()
@@ -407,4 +432,4 @@ class InlineIter:
             batch, stats = p
         else:
             batch, stats = None, p[0]
-        return _envelope(batch, stats, self._epoch)
+        return _envelope(batch, stats, self._epoch, k)

@@ -23,7 +23,7 @@ import itertools
 import weakref
 import time
 import warnings
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -31,6 +31,7 @@ from torch.utils.data import DataLoader as _TorchDataLoader
 from torch.utils.data import TensorDataset
 from torch.utils.data.dataloader import _DatasetKind
 
+from . import _pin
 from ._fetch import CollateEnvelope, Envelope, Task, TensorBatchFetch, TwoStageFetch, passthrough_collate
 from ._units import parse_size
 from .errors import SkippedSampleWarning, StateError
@@ -40,24 +41,54 @@ from .stats import Counters, LoaderStats
 
 __all__ = ["DataLoader"]
 
+_T_co = TypeVar("_T_co", covariant=True)
+
 _STATE_FORMAT = "coordl.DataLoader"
-_STATE_VERSION = 1
+_STATE_VERSION = 2  # 2 added "done"; version 1 states (no "done") still load
 _END = object()
 
 
 class _Pass:
-    """Book-keeping of the loader's passes (epochs) and pending resume."""
+    """Book-keeping of the loader's passes (epochs) and pending resume.
+
+    Which steps (batch indices) of the pass were delivered is kept as a
+    contiguous prefix ``yielded`` plus the set ``done`` of steps delivered
+    beyond it (out-of-order delivery, ``in_order=False``).  A step counts as
+    delivered when the loop received its batch, or when all its samples were
+    skipped (``on_error="skip"``): either way a resumed pass must not redo it.
+    """
 
     def __init__(self) -> None:
         self.next_epoch = 0
         self.resume: dict | None = None
         self.epoch = 0
         self.start = 0
+        self.skip: frozenset = frozenset()  # steps beyond `start` done before a resume
         self.yielded = 0
+        self.done: set[int] = set()
         self.active = False
+        self.exact = True  # False: torch hands batches over out of order, steps unknown
         self.rng: list | None = None  # torch-sampler RNG states at pass start
         self.rng_restore: list | None = None
         self.owner = None  # weakref to the _LoaderIter of the current pass
+
+    def live(self) -> bool:
+        """A pass is in progress while its iterator exists and has not ended.
+
+        Once the iterator is gone (a ``for`` loop left by ``break``, a
+        ``zip`` that stopped), nothing can deliver the rest of that pass: the
+        loader's next pass is the next epoch, and that is what the state says.
+        """
+        return self.active and self.owner is not None and self.owner() is not None
+
+    def mark(self, k: int) -> None:
+        if k == self.yielded:
+            self.yielded += 1
+            while self.yielded in self.done:
+                self.done.discard(self.yielded)
+                self.yielded += 1
+        elif k > self.yielded:
+            self.done.add(k)
 
 
 class _PassSampler:
@@ -84,7 +115,7 @@ class _PassSampler:
         # workers torch keeps them in the loader's iterator (a cycle).
         L = self._loader_ref()
         p = L._pass
-        epoch, start = p.epoch, p.start
+        epoch, start, skip = p.epoch, p.start, p.skip
         if L._plan is not None:
             it = L._plan.batches(epoch, start)
         else:
@@ -92,7 +123,15 @@ class _PassSampler:
                 _TorchDataLoader._index_sampler.fget(L), L._rng_generators(), p,
                 start if L._dataset_kind != _DatasetKind.Iterable else 0,
             )
+        if skip:
+            it = _without(it, start, skip)
         return _tag(epoch, it) if L._tag_tasks else it
+
+
+def _without(steps, start: int, skip: frozenset):
+    for k, x in enumerate(steps, start):
+        if k not in skip:
+            yield x
 
 
 def _tag(epoch: int, steps):
@@ -131,13 +170,29 @@ def _torch_steps(index_sampler, gens: list, p: _Pass, start: int):
 
 
 class _LoaderIter:
-    """Wraps torch's iterator for one pass: counts, times, unwraps, delivers."""
+    """Wraps the iterator of one pass (torch's, or coordl's pipeline):
+    counts, times, unwraps, delivers.
 
-    def __init__(self, loader: "DataLoader", inner, epoch: int, fast_forward: int) -> None:
+    It also carries the attributes of torch's own iterator
+    (``_BaseDataLoaderIter`` / ``_MultiProcessingDataLoaderIter``) that tests
+    and libraries reach for, with torch's meaning on every placement:
+    ``_workers`` (the worker processes; empty without workers),
+    ``_num_yielded`` (batches this iterator returned), ``_shutdown_workers()``
+    (stop the workers; the pass then ends), ``_dataset``/``_collate_fn`` (the
+    user's, not coordl's wrappers), ``_index_sampler``, ``_num_workers``,
+    ``_pin_memory`` and the other settings.
+    """
+
+    def __init__(self, loader: "DataLoader", inner, epoch: int, fast_forward: int,
+                 start: int = 0, skip: frozenset = frozenset()) -> None:
         self._loader = loader
         self._inner = inner
         self._epoch = epoch
         self._ff = fast_forward
+        self._seq = start   # next step in plan order, for batches that do not say theirs
+        self._skip = skip
+        self._num_yielded = 0
+        self._stopped = False  # _shutdown_workers() was called
 
     def __iter__(self) -> "_LoaderIter":
         return self
@@ -152,16 +207,20 @@ class _LoaderIter:
         t0 = clock()
         try:
             while True:
+                if self._stopped:
+                    raise StopIteration
                 data = next(self._inner)
                 if self._ff:
                     self._ff -= 1
                     continue
                 if type(data) is Envelope:
                     self._absorb(data)
+                    self._delivered(data.step)
                     if data.batch is None:  # every sample of the step was skipped
                         continue
                     batch, n = data.batch, data.samples
                 else:
+                    self._delivered(None)
                     batch, n = data, L._count_samples(data)
                 break
         except StopIteration:
@@ -175,12 +234,134 @@ class _LoaderIter:
         bucket = counters.bucket(self._epoch)
         bucket["samples"] += n
         bucket["batches"] += 1
-        if L._pass.owner() is self:
-            L._pass.yielded += 1
         t2 = clock()
         counters.wait_seconds += t1 - t0
         counters.deliver_seconds += t2 - t1
+        self._num_yielded += 1
         return batch
+
+    # ----------------------------------------------- torch's iterator attributes
+    @property
+    def _workers(self) -> list:
+        """The worker processes of this pass (``multiprocessing.Process``)."""
+        inner = self._inner
+        if hasattr(inner, "worker_processes"):  # coordl's pipeline
+            return inner.worker_processes()
+        return getattr(inner, "_workers", [])
+
+    def _shutdown_workers(self) -> None:
+        """Stop this pass's worker processes now (torch's name); the pass ends."""
+        self._stopped = True
+        inner = self._inner
+        fn = getattr(inner, "shutdown_workers", None) or getattr(inner, "_shutdown_workers", None)
+        if fn is not None:
+            fn()
+        if self._loader._iterator is inner:  # torch's persistent iterator: start anew next pass
+            self._loader._iterator = None
+        p = self._loader._pass
+        if p.owner() is self:
+            p.active = False
+
+    @property
+    def _shutdown(self) -> bool:
+        return self._stopped or bool(getattr(self._inner, "_shutdown", False))
+
+    @property
+    def _dataset(self):
+        return self._loader.dataset
+
+    @property
+    def _collate_fn(self):
+        return self._loader.collate_fn
+
+    @property
+    def _dataset_kind(self):
+        return self._loader._dataset_kind
+
+    @property
+    def _auto_collation(self) -> bool:
+        return self._loader._auto_collation
+
+    @property
+    def _drop_last(self) -> bool:
+        return self._loader.drop_last
+
+    @property
+    def _index_sampler(self):
+        return self._loader._index_sampler
+
+    @property
+    def _IterableDataset_len_called(self):
+        return self._loader._IterableDataset_len_called
+
+    @property
+    def _num_workers(self) -> int:
+        return self._loader.num_workers
+
+    @property
+    def _prefetch_factor(self):
+        return self._loader.prefetch_factor
+
+    @property
+    def _persistent_workers(self) -> bool:
+        return self._loader.persistent_workers
+
+    @property
+    def _in_order(self) -> bool:
+        return self._loader.in_order
+
+    @property
+    def _timeout(self) -> float:
+        return self._loader.timeout
+
+    @property
+    def _worker_init_fn(self):
+        return self._loader.worker_init_fn
+
+    @property
+    def _multiprocessing_context(self):
+        return self._loader.multiprocessing_context
+
+    @property
+    def _world_size(self) -> int:
+        return self._loader._world_size
+
+    @property
+    def _rank(self) -> int:
+        return self._loader._rank
+
+    @property
+    def _pin_memory(self) -> bool:
+        """Whether this pass pins batches (asked for, and an accelerator exists)."""
+        return self._loader.pin_memory and _pin.accelerator_available()
+
+    @property
+    def _pin_memory_device(self):
+        if not self._pin_memory:
+            return None
+        acc = torch.accelerator.current_accelerator()
+        return acc.type if acc is not None else None
+
+    @property
+    def _base_seed(self):
+        seed = getattr(self._inner, "_base_seed", None)
+        return seed if seed is not None else getattr(self._inner, "base_seed", None)
+
+    @property
+    def _worker_pids_set(self) -> bool:
+        if hasattr(self._inner, "_worker_pids_set"):
+            return self._inner._worker_pids_set
+        return bool(self._workers)
+
+    def _delivered(self, k: int | None) -> None:
+        if k is None:  # delivered in plan order: the next step not done before
+            while self._seq in self._skip:
+                self._seq += 1
+            k = self._seq
+            self._seq += 1
+        p = self._loader._pass
+        if p.owner() is self:
+            p.mark(k)
 
     def _absorb(self, env: Envelope) -> None:
         counters = self._loader._counters
@@ -231,7 +412,7 @@ def _first_tensor(obj, depth: int = 0):
     return None
 
 
-class DataLoader(_TorchDataLoader):
+class DataLoader(_TorchDataLoader[_T_co]):
     """A drop-in ``torch.utils.data.DataLoader`` that stops training waiting for data.
 
     Every positional and keyword parameter of torch's DataLoader is accepted
@@ -329,6 +510,7 @@ class DataLoader(_TorchDataLoader):
             raise ValueError(f"fetch_threads should be None or a positive int, but got fetch_threads={fetch_threads!r}")
         self._fetch_threads = fetch_threads
         self._pool = None
+        self._pin_prev = None  # (stop event, thread) of the last pass's pin thread
 
         iterable = self._dataset_kind == _DatasetKind.Iterable
         user_sampler = sampler is not None or batch_sampler is not None
@@ -407,7 +589,7 @@ class DataLoader(_TorchDataLoader):
     def epoch(self) -> int:
         """The epoch of the pass in progress, or of the next pass."""
         p = self._pass
-        return p.epoch if p.active else p.next_epoch
+        return p.epoch if p.live() else p.next_epoch
 
     @property
     def plan(self) -> EpochPlan | None:
@@ -436,27 +618,50 @@ class DataLoader(_TorchDataLoader):
         return self._counters.snapshot()
 
     def state_dict(self) -> dict:
-        """Where the loader is: (epoch, batches delivered) plus what must match on restore.
+        """What the loader will do next: (epoch, steps already delivered) plus
+        what must match on restore.
 
+        ``batches`` steps of ``epoch`` were delivered in plan order, and the
+        steps listed in ``done`` beyond them (out-of-order delivery); a step
+        whose samples were all skipped counts as delivered.  A pass is in
+        progress while its iterator exists: once it is gone (``break``), the
+        state is the start of the next epoch, as the live loader will do.
         Batches prefetched by workers but not yet delivered are not counted: a
         restored loader prepares them again.  The dict holds only plain values
         and tensors (``torch.save`` it with the model checkpoint).
+
+        Raises ``StateError`` mid-pass when torch's worker machinery delivers
+        out of order (``in_order=False`` and ``num_workers > 0`` on a loader
+        that does not run coordl's own pipeline): which steps were delivered
+        is not known there, so no state could resume exactly.
         """
         p = self._pass
-        if p.active:
-            epoch, batches, rng = p.epoch, p.yielded, p.rng
+        if p.live():
+            epoch, batches, done, rng = p.epoch, p.yielded, sorted(p.done), p.rng
+            complete = self._plan is not None and batches >= self._plan.num_batches
+            if not p.exact and not complete and (batches > p.start or p.done != p.skip):
+                raise StateError(
+                    f"state_dict() was called in the middle of epoch {epoch} of a loader with "
+                    f"in_order=False and num_workers={self.num_workers} running on torch's worker "
+                    "machinery: torch hands batches over out of order without saying which step each "
+                    "was, so no state could resume without repeating or dropping samples. Save the "
+                    "state at an epoch boundary, or use in_order=True (or a two-stage dataset in "
+                    "coordl's epoch plan, whose pipeline records the steps delivered)"
+                )
         elif p.resume is not None:
             epoch, batches, rng = p.resume["epoch"], p.resume["batches"], p.resume["rng"]
+            done = list(p.resume["done"])
         else:
-            epoch, batches, rng = p.next_epoch, 0, None
+            epoch, batches, done, rng = p.next_epoch, 0, [], None
         if self._plan is not None and batches >= self._plan.num_batches:
-            epoch, batches, rng = epoch + 1, 0, None
+            epoch, batches, done, rng = epoch + 1, 0, [], None
         return {
             "format": _STATE_FORMAT,
             "version": _STATE_VERSION,
             "mode": "plan" if self._plan is not None else "torch",
             "epoch": epoch,
             "batches": batches,
+            "done": done,
             "seed": self._seed,
             "num_samples": self._dataset_len(),
             "batch_size": self.batch_size,
@@ -480,8 +685,9 @@ class DataLoader(_TorchDataLoader):
                 "state should be a dict returned by coordl.DataLoader.state_dict(), "
                 f"but got state={type(state).__name__} without format={_STATE_FORMAT!r}"
             )
-        if state.get("version") != _STATE_VERSION:
-            raise StateError(f"state version {state.get('version')!r} is not supported (this coordl reads {_STATE_VERSION})")
+        if state.get("version") not in (1, _STATE_VERSION):
+            raise StateError(f"state version {state.get('version')!r} is not supported "
+                             f"(this coordl reads versions 1 to {_STATE_VERSION})")
         mode = "plan" if self._plan is not None else "torch"
         if state["mode"] != mode:
             raise StateError(
@@ -491,13 +697,22 @@ class DataLoader(_TorchDataLoader):
                 "(same sampler/batch_sampler, seed given or not)"
             )
         epoch, batches = int(state["epoch"]), int(state["batches"])
+        done = sorted(int(k) for k in state.get("done") or ())
+        if done and (done[0] <= batches or len(set(done)) != len(done)):
+            raise StateError(
+                f"state's done should list distinct steps after batches={batches}, but got done={done!r}: "
+                "pass a dict returned by state_dict() unchanged")
+        if done and mode == "plan" and done[-1] >= self._plan.num_batches:
+            raise StateError(
+                f"state's done lists step {done[-1]}, but an epoch of this loader has "
+                f"{self._plan.num_batches} batches: resume with the same dataset and batch_size")
         n = self._dataset_len()
         if state["num_samples"] is not None and n is not None and state["num_samples"] != n:
             raise StateError(
                 f"state was saved for a dataset of {state['num_samples']} samples, but this loader's "
                 f"dataset has {n}: resume with the same dataset"
             )
-        if batches > 0:
+        if batches > 0 or done:
             for key, mine in (("batch_size", self.batch_size), ("drop_last", self.drop_last)):
                 if state[key] != mine:
                     raise StateError(
@@ -520,7 +735,7 @@ class DataLoader(_TorchDataLoader):
         if mode == "plan" and state["seed"] != self._seed:
             self._adopt_seed(state["seed"])
         p = self._pass
-        p.resume = {"epoch": epoch, "batches": batches,
+        p.resume = {"epoch": epoch, "batches": batches, "done": frozenset(done),
                     "rng": [s.clone() for s in state["rng"]] if state.get("rng") else None}
         p.next_epoch = epoch
         p.active = False
@@ -529,21 +744,55 @@ class DataLoader(_TorchDataLoader):
     def __iter__(self):
         p = self._pass
         epoch = p.next_epoch
-        start, restore = 0, None
+        start, skip, restore = 0, frozenset(), None
         if p.resume is not None and p.resume["epoch"] == epoch:
-            start, restore = p.resume["batches"], p.resume["rng"]
+            start, skip, restore = p.resume["batches"], p.resume["done"], p.resume["rng"]
         p.resume = None
         p.next_epoch = epoch + 1
-        p.epoch, p.start, p.yielded = epoch, start, start
+        p.epoch, p.start, p.skip, p.yielded, p.done = epoch, start, skip, start, set(skip)
         p.rng, p.rng_restore = restore, restore
         p.active = True
+        # torch's worker machinery with in_order=False delivers batches without
+        # their step: the pass's progress is then unknown (see state_dict).
+        p.exact = self._use_pipeline or self.in_order or self.num_workers == 0
         self._counters.epoch = epoch
         self._counters.bucket(epoch)
-        inner = self._pipeline_iter(epoch, start) if self._use_pipeline else super().__iter__()
+        if self._use_pipeline:
+            self._stop_pin_thread()  # before the new pass touches the pool
+            inner = self._pin(self._pipeline_iter(epoch, start, skip))
+        else:
+            inner = super().__iter__()
         ff = start if self._dataset_kind == _DatasetKind.Iterable else 0
-        it = _LoaderIter(self, inner, epoch, ff)
+        it = _LoaderIter(self, inner, epoch, ff, start, skip)
         p.owner = weakref.ref(it)
         return it
+
+    def _stop_pin_thread(self) -> None:
+        """One thread drives a pool: the last pass's pin thread (it may still
+        be waiting in the pool for a batch of its abandoned pass) must be gone
+        before the next pass begins, or it could take that pass's batches."""
+        prev, self._pin_prev = self._pin_prev, None
+        if prev is not None:
+            stop, thread = prev
+            stop.set()
+            while thread.is_alive():
+                thread.join(_pin._POLL)
+
+    def _pin(self, inner):
+        """Pin the pipeline's batches when asked (torch's machinery pins in
+        its own thread): with workers in a pin thread, else inline."""
+        if not self.pin_memory:
+            return inner
+        if not _pin.accelerator_available():
+            # torch's wording, so filters written for torch's loader match
+            warnings.warn("'pin_memory' argument is set as true but no accelerator is found, "
+                          "so coordl delivers batches in pageable memory.", stacklevel=3)
+            return inner
+        if self.num_workers == 0:
+            return _pin.PinInline(inner)
+        pinner = _pin.PinThread(inner, depth=self.prefetch_factor or 2)
+        self._pin_prev = (pinner._stop, pinner._thread)
+        return pinner
 
     def _attach_cache(self):
         """Attach to (or create) the node cache before training starts, so a
@@ -556,7 +805,7 @@ class DataLoader(_TorchDataLoader):
         weakref.finalize(self, cache.close)
         return cache
 
-    def _pipeline_iter(self, epoch: int, start: int):
+    def _pipeline_iter(self, epoch: int, start: int, skip: frozenset):
         from ._pipeline import InlineIter, PipelineIter, WorkerPool
 
         W = self.num_workers
@@ -567,7 +816,7 @@ class DataLoader(_TorchDataLoader):
             worker_init_fn=self.worker_init_fn, cache=self._cache,
         )
         if W == 0:
-            return InlineIter(self.dataset, cfg, self._plan, epoch, start)
+            return InlineIter(self.dataset, cfg, self._plan, epoch, start, skip=skip)
         pool = self._pool
         if pool is None or pool.closed:
             cfg["base_seed"] = int(torch.empty((), dtype=torch.int64).random_(generator=self.generator).item())
@@ -579,7 +828,7 @@ class DataLoader(_TorchDataLoader):
             if self.persistent_workers:
                 self._pool = pool
         return PipelineIter(pool, self._plan, epoch, start, self.in_order,
-                            owns_pool=not self.persistent_workers)
+                            owns_pool=not self.persistent_workers, skip=skip)
 
     def _get_iterator(self):
         if self._fetch_dataset is None:
@@ -636,7 +885,8 @@ class DataLoader(_TorchDataLoader):
             return 1
         t = _first_tensor(batch)
         if t is not None:
-            return int(t.shape[0]) if t.dim() > 0 else 1
+            # size(0), not shape[0]: a strided nested tensor has no sizes
+            return int(t.size(0)) if t.dim() > 0 else 1
         try:
             return len(batch)
         except TypeError:

@@ -1,0 +1,184 @@
+"""Pinning the batches of coordl's own pipeline (``pin_memory=True``).
+
+torch's machinery pins in its own pin-memory thread; coordl's pipeline pins
+here, with the same rule as torch: only when an accelerator is available
+(``torch.accelerator.is_available()``); without one the loader warns once per
+pass and delivers unpinned batches, as torch does.
+
+With worker processes a ``PinThread`` runs the pass's iterator: it receives
+each batch, copies it into page-locked memory and queues it, up to ``depth``
+batches ahead, so the copy overlaps with training.  The thread is the only
+one driving the pass's iterator while it runs (one owner).  Its errors, and
+the pass's own (a ``SampleError``, a dead worker), reach the consumer in order
+through the queue; if the thread itself dies the consumer gets an error
+naming it instead of waiting.  When the consumer drops the iterator, a
+finalizer only sets the stop flag; the thread notices within ``_POLL``
+seconds, stops, and drops the pass's iterator, whose own finalizer ends the
+pass.  Without workers the batch is pinned in the main thread, as torch's
+single-process iterator does.
+"""
+from __future__ import annotations
+
+import queue
+import threading
+import weakref
+
+import torch
+from torch.utils.data._utils.pin_memory import pin_memory as _torch_pin
+
+__all__ = ["pin_batch", "PinThread", "PinInline", "accelerator_available"]
+
+_POLL = 1.0
+_STOP_WAIT = 10.0  # longest wait for the pin thread to leave the pool on shutdown
+
+
+def accelerator_available() -> bool:
+    """torch's test for pinning (its iterators pin only when this is True)."""
+    return torch.accelerator.is_available()
+
+
+def _accel_fn(name: str):
+    # torch 2.7 renamed current_device_idx/set_device_idx to *_index (2.6 has only *_idx)
+    acc = torch.accelerator
+    return getattr(acc, name + "_index", None) or getattr(acc, name + "_idx")
+
+
+def current_device_index() -> int:
+    return _accel_fn("current_device")()
+
+
+def set_device_index(index: int) -> None:
+    _accel_fn("set_device")(index)
+
+
+def pin_batch(batch):
+    """A copy of ``batch`` with every tensor in page-locked memory (torch's
+    ``pin_memory`` helper: tensors, containers, objects with ``pin_memory()``)."""
+    return _torch_pin(batch)
+
+
+def _pin_envelope(env, step_note: str):
+    if env.batch is None:
+        return env
+    try:
+        env.batch = pin_batch(env.batch)
+    except Exception as e:
+        raise RuntimeError(
+            f"pinning {step_note} failed ({type(e).__name__}: {e}); pass pin_memory=False if this "
+            "batch type cannot be pinned, or give it a pin_memory() method"
+        ) from e
+    return env
+
+
+def _note(env) -> str:
+    step = getattr(env, "step", None)
+    return f"batch {step} of epoch {env.epoch}" if step is not None else "a batch"
+
+
+class PinInline:
+    """Pins each batch of ``inner`` in the calling thread (``num_workers=0``)."""
+
+    def __init__(self, inner) -> None:
+        self._inner = inner
+
+    def __iter__(self):
+        return self
+
+    def __len__(self) -> int:
+        return len(self._inner)
+
+    def __next__(self):
+        env = next(self._inner)
+        return _pin_envelope(env, _note(env))
+
+    def worker_processes(self) -> list:
+        return self._inner.worker_processes()
+
+    def shutdown_workers(self) -> None:
+        self._inner.shutdown_workers()
+
+
+def _pin_loop(inner, q: queue.Queue, stop: threading.Event, device_index) -> None:
+    if device_index is not None:  # pin for the device the consumer had selected
+        set_device_index(device_index)
+    while not stop.is_set():
+        try:
+            env = next(inner)
+        except StopIteration:
+            item = ("end", None)
+        except BaseException as e:  # forwarded in order; the pass decides what comes next
+            item = ("error", e)
+        else:
+            try:
+                item = ("data", _pin_envelope(env, _note(env)))
+            except BaseException as e:
+                item = ("error", e)
+        while not stop.is_set():
+            try:
+                q.put(item, timeout=_POLL)
+                break
+            except queue.Full:
+                continue
+        if item[0] == "end":
+            return
+
+
+class PinThread:
+    """Runs ``inner`` (a pass of coordl's pipeline) in a pin thread; yields
+    its envelopes with pinned batches, at most ``depth`` ahead."""
+
+    def __init__(self, inner, depth: int) -> None:
+        self._inner = inner
+        self._q: queue.Queue = queue.Queue(maxsize=max(1, depth))
+        self._stop = threading.Event()
+        self._ended = False
+        index = None
+        if accelerator_available():
+            index = current_device_index()
+        self._thread = threading.Thread(target=_pin_loop, args=(inner, self._q, self._stop, index),
+                                        name="coordl-pin-memory", daemon=True)
+        self._thread.start()
+        # the finalizer only sets a flag; the pin thread acts on it
+        self._final = weakref.finalize(self, self._stop.set)
+
+    def __iter__(self):
+        return self
+
+    def __len__(self) -> int:
+        return len(self._inner)
+
+    def __next__(self):
+        if self._ended:
+            raise StopIteration
+        while True:
+            try:
+                kind, value = self._q.get(timeout=_POLL)
+                break
+            except queue.Empty:
+                if not self._thread.is_alive() and self._q.empty():
+                    self._ended = True
+                    raise RuntimeError(
+                        "coordl's pin-memory thread exited without finishing the pass (see its "
+                        "traceback above); pass pin_memory=False to deliver unpinned batches"
+                    ) from None
+        if kind == "data":
+            return value
+        if kind == "end":
+            self._ended = True
+            raise StopIteration
+        raise value
+
+    def worker_processes(self) -> list:
+        return self._inner.worker_processes()
+
+    @property
+    def base_seed(self):
+        return getattr(self._inner, "base_seed", None)
+
+    def shutdown_workers(self) -> None:
+        # Let the pin thread leave the pool first (it stops after the batch it
+        # is waiting for): closing pipes another thread is polling is unsafe.
+        self._stop.set()
+        self._ended = True
+        self._thread.join(_STOP_WAIT)
+        self._inner.shutdown_workers()

@@ -1,0 +1,131 @@
+"""Drop-in gaps found with torch's own DataLoader tests (issue 7 item 18):
+generic subscription, torch's iterator attributes, nested-tensor batches."""
+from typing import List
+
+import pytest
+import torch
+from torch.utils.data import DataLoader as TorchDataLoader
+from torch.utils.data import TensorDataset
+
+import coordl
+from coordl import DataLoader
+from toydata import Plain, TwoStageToy
+
+
+def test_dataloader_is_generic_like_torch():
+    alias = DataLoader[List[torch.Tensor]]
+    assert alias.__origin__ is DataLoader
+    assert TorchDataLoader[List[torch.Tensor]].__origin__ is TorchDataLoader
+
+    def annotated() -> "coordl.DataLoader[List[torch.Tensor]]":  # evaluated below, as at import
+        return DataLoader(TensorDataset(torch.arange(4)))
+
+    ns = {"coordl": coordl, "List": List, "torch": torch}
+    assert eval(annotated.__annotations__["return"], ns).__origin__ is DataLoader
+
+
+# Placements: coordl's pipeline (two-stage dataset, epoch plan), torch's
+# machinery with coordl's wrappers (TensorDataset fast path, seed on a generic
+# dataset), and torch's machinery untouched (generic dataset, torch samplers).
+PLACEMENTS = {
+    "pipeline": lambda **kw: (TwoStageToy(24), dict(seed=1, **kw)),
+    "tensor_fast_path": lambda **kw: (TensorDataset(torch.arange(24)), kw),
+    "plan_generic": lambda **kw: (Plain(24), dict(seed=1, **kw)),
+    "torch_samplers": lambda **kw: (Plain(24), kw),
+}
+
+
+def _pair(placement, **kw):
+    ds, ckw = PLACEMENTS[placement](batch_size=4, **kw)
+    torch_kw = {k: v for k, v in ckw.items() if k != "seed"}
+    return DataLoader(ds, **ckw), TorchDataLoader(ds, **torch_kw)
+
+
+@pytest.mark.parametrize("placement", list(PLACEMENTS))
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_iterator_has_torchs_attributes(placement, num_workers):
+    ours, theirs = _pair(placement, num_workers=num_workers)
+    for L in (ours, theirs):
+        it = iter(L)
+        assert it._num_yielded == 0
+        next(it), next(it), next(it)
+        assert it._num_yielded == 3
+        assert it._dataset is L.dataset  # the user's dataset, not a wrapper
+        assert it._collate_fn is L.collate_fn
+        assert it._index_sampler is L._index_sampler
+        assert len(it._index_sampler) == 6
+        assert (it._num_workers, it._persistent_workers, it._timeout, it._drop_last) == (num_workers, False, 0, False)
+        assert it._pin_memory is False and it._auto_collation is True
+        assert it._dataset_kind == L._dataset_kind and (it._world_size, it._rank) == (1, 0)
+        if num_workers:  # attributes of torch's multiprocessing iterator only
+            assert it._prefetch_factor == L.prefetch_factor and it._in_order is True
+            workers = list(it._workers)
+            assert len(workers) == num_workers and all(w.is_alive() and w.pid for w in workers)
+            assert it._worker_pids_set is True and isinstance(it._base_seed, int)
+            it._shutdown_workers()
+            for w in workers:
+                w.join(10)
+                assert not w.is_alive() and w.exitcode == 0
+            assert it._shutdown
+        del it
+
+
+@pytest.mark.parametrize("placement", ["pipeline", "tensor_fast_path"])
+def test_shutdown_workers_then_next_ends_the_pass(placement):
+    ours, _ = _pair(placement, num_workers=2)
+    it = iter(ours)
+    next(it)
+    workers = list(it._workers)
+    it._shutdown_workers()
+    assert list(it) == []
+    assert all(not w.is_alive() for w in workers)
+    assert len(list(ours)) == 6  # the next pass starts its own workers
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+def test_shutdown_persistent_workers_next_pass_works(persistent):
+    L = DataLoader(TwoStageToy(24), batch_size=4, seed=1, num_workers=2, persistent_workers=persistent)
+    it = iter(L)
+    next(it)
+    it._shutdown_workers()
+    del it
+    L2 = DataLoader(TensorDataset(torch.arange(24)), batch_size=4, num_workers=2,
+                    persistent_workers=persistent)
+    it = iter(L2)
+    next(it)
+    it._shutdown_workers()
+    del it
+    assert len(list(L)) == 6 and len(list(L2)) == 6
+
+
+def _nested_collate(samples):
+    return torch.nested.nested_tensor(list(samples))
+
+
+class Ragged(torch.utils.data.Dataset):
+    def __len__(self):
+        return 6
+
+    def __getitem__(self, i):
+        return torch.full((i + 1, 3), float(i))
+
+
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors is in prototype stage")
+@pytest.mark.parametrize("num_workers", [0, 2])
+@pytest.mark.parametrize("batch_size", [3, None])
+def test_nested_tensor_batches_delivered_like_torch(num_workers, batch_size):
+    ds = Ragged()
+    if batch_size is None:
+        kw = dict(batch_size=None, collate_fn=lambda x: torch.nested.nested_tensor([x, x]))
+    else:
+        kw = dict(batch_size=batch_size, collate_fn=_nested_collate)
+    want = list(TorchDataLoader(ds, num_workers=num_workers, **kw))
+    L = DataLoader(ds, num_workers=num_workers, **kw)
+    got = list(L)
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        assert g.is_nested
+        assert all(torch.equal(a, b) for a, b in zip(g.unbind(), w.unbind()))
+    stats = L.stats()
+    assert stats.batches == len(want)
+    assert stats.samples == 6  # two batches of 3, or one sample per step

@@ -1,0 +1,139 @@
+"""pin_memory=True on coordl's own pipeline (issue 7 item 19).
+
+This machine has no accelerator: the "no accelerator" path is tested as is;
+the pinning path is tested with torch's availability check and the pin
+function replaced, so the tests prove each batch goes through pinning (in a
+pin thread when there are workers) and that what the loop gets is the
+pinned copy.
+"""
+import threading
+import warnings
+
+import pytest
+import torch
+
+import coordl._pin as pin_mod
+from coordl import DataLoader, SampleError
+from toydata import TwoStageToy
+
+NO_ACCEL = "'pin_memory' argument is set as true but no accelerator is found"
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_pin_without_accelerator_warns_like_torch_and_delivers(num_workers):
+    ds = TwoStageToy(20)
+    want = list(DataLoader(ds, batch_size=4, seed=3, num_workers=num_workers))
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        torch_batches = list(torch.utils.data.DataLoader(ds, batch_size=4, pin_memory=True))
+        got = list(DataLoader(ds, batch_size=4, seed=3, num_workers=num_workers, pin_memory=True))
+    msgs = [str(x.message) for x in w if issubclass(x.category, UserWarning)]
+    assert len(torch_batches) == 5 and sum(NO_ACCEL in m for m in msgs) == 2, msgs  # torch's and ours
+    assert all(torch.equal(a[0], b[0]) for a, b in zip(got, want)) and len(got) == len(want)
+
+
+@pytest.fixture
+def fake_accelerator(monkeypatch):
+    """Pretend an accelerator exists; record every pin call."""
+    calls = []
+    made = set()
+
+    def fake_pin(batch):
+        calls.append(threading.current_thread().name)
+        out = [t.clone() if isinstance(t, torch.Tensor) else t for t in batch]
+        made.update(t.data_ptr() for t in out if isinstance(t, torch.Tensor))
+        return out
+
+    monkeypatch.setattr(pin_mod, "accelerator_available", lambda: True)
+    monkeypatch.setattr(pin_mod, "pin_batch", fake_pin)
+    monkeypatch.setattr(pin_mod, "current_device_index", lambda: 0)
+    monkeypatch.setattr(pin_mod, "set_device_index", lambda i: None)
+    return calls, made
+
+
+@pytest.mark.parametrize("num_workers,thread", [(0, "MainThread"), (2, "coordl-pin-memory")])
+def test_pipeline_batches_go_through_pinning(fake_accelerator, num_workers, thread):
+    calls, made = fake_accelerator
+    ds = TwoStageToy(22)
+    want = list(DataLoader(ds, batch_size=4, shuffle=True, seed=3, num_workers=num_workers))
+    assert calls == []  # not asked: not pinned
+    L = DataLoader(ds, batch_size=4, shuffle=True, seed=3, num_workers=num_workers, pin_memory=True)
+    it = iter(L)
+    assert it._pin_memory is True
+    got = list(it)
+    assert calls == [thread] * len(want)
+    assert all(b[0].data_ptr() in made and b[1].data_ptr() in made for b in got)
+    assert len(got) == len(want)
+    assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(got, want))
+    assert L.stats().batches == len(want)
+
+
+def test_pin_thread_forwards_sample_errors_in_order(fake_accelerator):
+    ds = TwoStageToy(24, bad=[13])
+    L = DataLoader(ds, batch_size=4, seed=3, num_workers=2, pin_memory=True)
+    it = iter(L)
+    good = [next(it) for _ in range(3)]  # samples 0..11
+    with pytest.raises(SampleError, match="sample 13"):
+        next(it)
+    assert [b[0][0, 0].item() for b in good] == [0, 4, 8]
+
+
+def test_pin_failure_names_the_batch(monkeypatch, fake_accelerator):
+    def broken(batch):
+        raise TypeError("cannot pin this")
+
+    monkeypatch.setattr(pin_mod, "pin_batch", broken)
+    L = DataLoader(TwoStageToy(8), batch_size=4, seed=3, num_workers=2, pin_memory=True)
+    with pytest.raises(RuntimeError, match=r"pinning batch 0 of epoch 0 failed \(TypeError: cannot pin this\)"):
+        next(iter(L))
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+def test_abandoned_pinned_passes_stop_and_next_pass_is_right(fake_accelerator, persistent):
+    """Breaking out of pinned passes: the pin thread stops, the workers of a
+    non-persistent pass exit (the leak fixture checks), and a persistent pool
+    serves the next pass correctly (one thread drives it at a time)."""
+    ds = TwoStageToy(40, delay=0.02)  # slow reads: the pin thread waits in the pool at the break
+    want = list(DataLoader(ds, batch_size=4, seed=3, num_workers=2))
+    L = DataLoader(ds, batch_size=4, seed=3, num_workers=2, pin_memory=True,
+                   persistent_workers=persistent, timeout=20)
+    for _ in range(3):
+        for i, _b in enumerate(L):
+            if i == 1:
+                break
+    L.set_epoch(0)
+    got = list(L)
+    assert len(got) == len(want) and all(torch.equal(a[0], b[0]) for a, b in zip(got, want))
+    del L
+
+
+def test_declared_torch_range_is_one_the_loader_works_with():
+    """setup.cfg must not promise a torch without what the loader passes and
+    calls: DataLoader(in_order=...) and torch.accelerator are new in 2.6."""
+    import configparser
+    import inspect
+    import pathlib
+    import re
+
+    cfg = configparser.ConfigParser()
+    cfg.read(pathlib.Path(__file__).resolve().parent.parent / "setup.cfg")
+    reqs = cfg["options"]["install_requires"]
+    m = re.search(r"^\s*torch\s*>=\s*(\d+)\.(\d+)", reqs, re.M)
+    assert m, reqs
+    assert (int(m.group(1)), int(m.group(2))) >= (2, 6), f"torch lower bound {m.group(0).strip()} is below 2.6"
+    assert "in_order" in inspect.signature(torch.utils.data.DataLoader.__init__).parameters
+    assert callable(torch.accelerator.is_available)
+
+
+def test_shutdown_workers_of_a_pinned_pass(fake_accelerator):
+    L = DataLoader(TwoStageToy(40), batch_size=4, seed=3, num_workers=2, pin_memory=True)
+    it = iter(L)
+    next(it)
+    workers = list(it._workers)
+    assert len(workers) == 2
+    it._shutdown_workers()
+    assert list(it) == []
+    for w in workers:
+        w.join(10)
+        assert w.exitcode == 0
+    assert len(list(L)) == 10
