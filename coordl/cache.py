@@ -401,7 +401,8 @@ class NodeCache:
                 try:
                     cache = cls(name, fd, mm, checksum=checksum, keep_warm=keep_warm)
                     cache._hold()
-                    cache._hdr[KEEP_WARM] = int(keep_warm * 1000)
+                    # the longest keep-warm any user asked for sticks to the segment
+                    cache._hdr[KEEP_WARM] = max(int(cache._hdr[KEEP_WARM]), int(keep_warm * 1000))
                     cache._hdr[ORPHAN_SINCE] = 0
                 except BaseException:
                     os.close(fd)
@@ -502,8 +503,7 @@ class NodeCache:
                 # a failed SH->EX upgrade drops our shared lock: fine, we are leaving
                 if not _try_flock(self._pfd, fcntl.LOCK_EX):
                     return
-                if self._keep_warm > 0:
-                    self._hdr[KEEP_WARM] = int(self._keep_warm * 1000)
+                if int(self._hdr[KEEP_WARM]) > 0:
                     self._hdr[ORPHAN_SINCE] = _now_ms()
                 else:
                     _unlink_if_same(dfd, self.name, self._pfd)
@@ -562,8 +562,13 @@ class NodeCache:
                 state = int(e[2])
                 if state == READY:
                     return False
-                if state == WRITING and (i in self._writing or _locked_by_other(pfd, ent, _ENTRY)):
-                    return False  # being written by a live thread or process
+                if state == WRITING:
+                    if i in self._writing or _locked_by_other(pfd, ent, _ENTRY):
+                        return False  # being written by a live thread or process
+                    # Lock free: the writer died, or it finished (it stores
+                    # READY before it unlocks) since we read the state.
+                    if int(e[2]) == READY:
+                        return False
                 fill = int(self._hdr[FILL])
                 if fill + length > self.capacity:
                     self._hdr[FULL] = 1
@@ -666,22 +671,29 @@ def _adopt(dfd: int, name: str, n: int):
 
 
 def _create(dfd: int, name: str, n: int, capacity: int, total: int, checksum: bool):
+    def no_room():
+        free = shm_free_bytes()
+        return MemoryError(
+            f"coordl node cache: cache_size={capacity} bytes (plus {total - capacity} bytes of index) "
+            f"does not fit in {shm_root()}: {free} bytes free. Pass a smaller cache_size (e.g. "
+            f"cache_size=\"{max(0, free - _HEADER - n * _ENTRY) // 2 // 2**20}MiB\"), free space in "
+            f"{shm_root()} (coordl cache clear), or enlarge it (mount -o remount,size=<bytes> "
+            f"{shm_root()}; in Docker: --shm-size)")
+
+    if total > shm_free_bytes():
+        raise no_room()  # cheap early answer; the reservation below is the real check
     fd = os.open(name, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=dfd)
     try:
         os.fchmod(fd, 0o600)
         try:
-            os.posix_fallocate(fd, 0, total)  # a reservation: no SIGBUS later when /dev/shm fills up
+            # a reservation (ftruncate alone is sparse): two jobs racing for the
+            # last free memory get a clean error here, never SIGBUS while filling
+            os.posix_fallocate(fd, 0, total)
         except OSError as e:
             if e.errno not in (errno.ENOSPC, errno.EFBIG, errno.ENOMEM):
                 raise
             os.ftruncate(fd, 0)
-            free = shm_free_bytes()
-            raise MemoryError(
-                f"coordl node cache: cache_size={capacity} bytes (plus {total - capacity} bytes of index) "
-                f"does not fit in {shm_root()}: {free} bytes free. Pass a smaller cache_size (e.g. "
-                f"cache_size={max(0, free - _HEADER - n * _ENTRY) // 2 // 2**20}MiB), free space in "
-                f"{shm_root()} (coordl cache clear), or enlarge it (mount -o remount,size=<bytes> "
-                f"{shm_root()}; in Docker: --shm-size)") from None
+            raise no_room() from None
         mm = mmap.mmap(fd, total)
         hdr = _header(mm)
         hdr[VERSION], hdr[CAPACITY], hdr[N] = _VERSION, capacity, n
