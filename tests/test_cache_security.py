@@ -28,11 +28,14 @@ OLD_MAGIC = 0x434F4F52444C4331  # the previous layout's, at /dev/shm/coordl-cach
 ATTACKER = textwrap.dedent("""
     import os, struct, sys
     base, victim_uid, fp, n, size, how = sys.argv[1], int(sys.argv[2]), sys.argv[3], int(sys.argv[4]), int(sys.argv[5]), sys.argv[6]
+    init_ticks = int(sys.argv[7])  # public: from /proc/1/stat and the boot time
 
     def segment(magic, version):
         cap = n * size
         hdr = [0] * 512
         hdr[0], hdr[1], hdr[2], hdr[3], hdr[4] = magic, version, cap, n, cap
+        if version == 1:  # the previous layout's owner table: a live owner (init), so no reclaim
+            hdr[16], hdr[17] = 1, init_ticks
         index = b"".join(struct.pack("<qqqq", i * size, size, 2, 0) for i in range(n))
         return struct.pack("<512q", *hdr) + index + b"EVIL" * (cap // 4)
 
@@ -76,9 +79,12 @@ def data(tmp_path):
 
 
 def _attack(base, ds, how):
+    import psutil
+
     fp = ds.fingerprint()
+    init_ticks = str(int(psutil.Process(1).create_time() * 100))
     r = subprocess.run([SETPRIV, "--reuid=nobody", "--regid=nogroup", "--clear-groups", sys.executable, "-c",
-                        ATTACKER, base, str(os.geteuid()), fp, str(len(ds)), "256", how],
+                        ATTACKER, base, str(os.geteuid()), fp, str(len(ds)), "256", how, init_ticks],
                        capture_output=True, text=True, timeout=60, cwd="/")
     assert r.returncode == 0 and "planted" in r.stdout, r.stderr
     return os.path.join("/dev/shm", "coordl-cache-" + fp)
@@ -102,7 +108,8 @@ def test_segment_planted_by_another_user_is_refused_never_read(base, data, how):
             del L
             gc.collect()
     finally:
-        os.unlink(old)
+        if os.path.lexists(old):
+            os.unlink(old)
 
 
 @pytest.mark.parametrize("problem", ["owner", "mode", "symlink"])
@@ -192,20 +199,22 @@ def test_remote_store_version_is_part_of_the_fingerprint():
                 path = path[len("coordlversioned://"):]
             return super()._strip_protocol(path)
 
-        def ls(self, path, detail=True, **kw):
-            out = super().ls(path, detail=detail, **kw)
-            if not detail:
-                return out
-            return [{k: v for k, v in d.items() if k not in ("created", "mtime")}
-                    | ({"ETag": self.etags.get(d["name"].lstrip("/"), "")} if d["type"] == "file" else {})
-                    for d in out]
-
-        def info(self, path, **kw):
-            d = super().info(path, **kw)
+        def _as_s3(self, d):  # no mtime, an ETag per file
             d = {k: v for k, v in d.items() if k not in ("created", "mtime")}
-            if d["type"] == "file":
+            if d.get("type") == "file":
                 d["ETag"] = self.etags.get(d["name"].lstrip("/"), "")
             return d
+
+        def ls(self, path, detail=True, **kw):
+            out = super().ls(path, detail=detail, **kw)
+            return [self._as_s3(d) for d in out] if detail else out
+
+        def info(self, path, **kw):
+            return self._as_s3(super().info(path, **kw))
+
+        def find(self, path, maxdepth=None, withdirs=False, detail=False, **kw):
+            out = super().find(path, maxdepth=maxdepth, withdirs=withdirs, detail=detail, **kw)
+            return {k: self._as_s3(v) for k, v in out.items()} if detail else out
 
     fsspec.register_implementation("coordlversioned", Versioned, clobber=True)
     fs = Versioned()
