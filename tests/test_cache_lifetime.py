@@ -342,3 +342,65 @@ def test_entry_published_out_of_order_is_a_miss_not_wrong_data(monkeypatch):
         assert c.get(0) == b"a" * 100
     finally:
         c.close()
+
+
+# ---------------------------------------------------------------- item 4
+
+_RACER = """
+import sys
+from coordl.cache import NodeCache
+try:
+    c = NodeCache.attach(sys.argv[1], 16, 5 << 20)
+except MemoryError as e:
+    print("attach-error", e, flush=True)
+    sys.exit(0)
+print("attached", flush=True)
+sys.stdin.readline()
+for i in range(16):
+    c.put(i, bytes([i]) * ((5 << 20) // 16))
+print("filled", c.info().filled, flush=True)
+c.close()
+"""
+
+_RACE = """
+import subprocess, sys
+ps = [subprocess.Popen([sys.executable, "-c", %r, fp], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                       stderr=subprocess.PIPE, text=True) for fp in ("feedaaaa", "feedbbbb")]
+first = [p.stdout.readline().strip() for p in ps]  # both have attached (or failed) before either fills
+for p in ps:
+    if p.poll() is None:
+        p.stdin.write("go\\n")
+        p.stdin.flush()
+for p, line in zip(ps, first):
+    out, err = p.communicate(timeout=60)
+    print("RESULT", p.returncode, "|", line, "|", out.strip(), "|", err.strip()[-300:], flush=True)
+""" % _RACER
+
+
+def _can_unshare():
+    import shutil
+    import subprocess
+    if os.geteuid() != 0 or shutil.which("unshare") is None:
+        return False
+    r = subprocess.run(["unshare", "-m", "true"], capture_output=True, timeout=30)
+    return r.returncode == 0
+
+
+@pytest.mark.skipif(not _can_unshare(), reason="needs root and unshare -m for a private small /dev/shm")
+def test_two_jobs_racing_for_a_full_dev_shm_get_clean_outcomes():
+    """/dev/shm of 8 MiB, two jobs of 5 MiB each attach before either fills:
+    the space is reserved at attach, so one gets a MemoryError naming the
+    remedy and the other fills its whole cache; nobody dies of SIGBUS."""
+    code = ("import os\n"
+            f"os.execvp('unshare', ['unshare', '-m', 'sh', '-c', "
+            f"'mount -t tmpfs -o size=8m tmpfs /dev/shm && exec \"$0\" -c \"$1\"', {sys.executable!r}, {_RACE!r}])\n")
+    r = run_in_child(code, timeout=180, env=dict(os.environ, COORDL_SHM_DIR="/dev/shm"))
+    assert r.returncode == 0, r.stdout + r.stderr
+    results = [ln for ln in r.stdout.splitlines() if ln.startswith("RESULT")]
+    assert len(results) == 2, r.stdout + r.stderr
+    assert not any(ln.split()[1] != "0" for ln in results), results  # -7 would be SIGBUS
+    filled = [ln for ln in results if f"filled {5 << 20}" in ln]
+    refused = [ln for ln in results if "attach-error" in ln]
+    assert len(filled) == 1 and len(refused) == 1, results
+    assert "does not fit in /dev/shm" in refused[0] and "cache_size=" in refused[0] \
+        and "--shm-size" in refused[0], refused
