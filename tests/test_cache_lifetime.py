@@ -265,24 +265,49 @@ def test_own_sigterm_handler_is_left_alone(data):
 
 # ---------------------------------------------------------------- kill a real put()
 
-def _count_calls_in_put():
-    code = textwrap.dedent("""
-        import sys
-        from coordl.cache import NodeCache
+_KILL_IN_PUT = """
+import os, signal, sys
+from coordl.cache import NodeCache, list_caches
+
+def calls_in_put():
+    c = NodeCache.attach("feedca11", 4, 10**5)
+    n = [0]
+    def prof(frame, event, arg):
+        if event == "c_call":
+            n[0] += 1
+    sys.setprofile(prof)
+    c.put(1, b"b" * 50)
+    sys.setprofile(None)
+    c.close()
+    return n[0]
+
+steps = calls_in_put()
+assert steps >= 5, steps
+for k in range(1, steps + 1):
+    pid = os.fork()
+    if pid == 0:  # the writer: killed at its k-th C call inside put()
         c = NodeCache.attach("feedca11", 4, 10**5)
+        assert c.put(0, b"a" * 100)
         n = [0]
         def prof(frame, event, arg):
             if event == "c_call":
                 n[0] += 1
+                if n[0] == k:
+                    os.kill(os.getpid(), signal.SIGKILL)
         sys.setprofile(prof)
         c.put(1, b"b" * 50)
-        sys.setprofile(None)
-        print(n[0])
-        c.close()
-    """)
-    r = run_in_child(code, timeout=60)
-    assert r.returncode == 0, r.stderr
-    return int(r.stdout.split()[-1])
+        os._exit(3)  # not reached
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL, (k, status)
+    c = NodeCache.attach("feedca11", 4, 10**5)  # the restart adopts the ownerless segment
+    assert c.get(0) == b"a" * 100, k
+    assert c.get(1) in (None, b"b" * 50), k   # never torn
+    c.put(1, b"b" * 50)  # the admission lock is free; a dead writer's entry is admitted again
+    assert c.get(1) == b"b" * 50, k
+    c.close()
+    assert list_caches() == [], k
+print("steps", steps)
+"""
 
 
 def test_writer_killed_at_every_step_of_put_leaves_no_torn_entry():
@@ -290,34 +315,8 @@ def test_writer_killed_at_every_step_of_put_leaves_no_torn_entry():
     turn: the entry is never READY with wrong bytes, the admission lock is
     not left held, and the entry can be admitted again by the next job,
     which adopts the ownerless segment."""
-    steps = _count_calls_in_put()
-    assert steps >= 5
-    for k in range(1, steps + 1):
-        code = textwrap.dedent(f"""
-            import os, signal, sys
-            from coordl.cache import NodeCache
-            c = NodeCache.attach("feedca11", 4, 10**5)
-            assert c.put(0, b"a" * 100)
-            n = [0]
-            def prof(frame, event, arg):
-                if event == "c_call":
-                    n[0] += 1
-                    if n[0] == {k}:
-                        os.kill(os.getpid(), signal.SIGKILL)
-            sys.setprofile(prof)
-            c.put(1, b"b" * 50)
-            sys.setprofile(None)
-            print("put returned")
-        """)
-        r = run_in_child(code, timeout=60)
-        assert r.returncode == -signal.SIGKILL, (k, r.stdout, r.stderr)
-        c = NodeCache.attach("feedca11", 4, 10**5)  # the restart adopts the segment
-        assert c.get(0) == b"a" * 100
-        assert c.get(1) in (None, b"b" * 50), k
-        c.put(1, b"b" * 50)  # admission lock free; a dead writer's entry is admitted again
-        assert c.get(1) == b"b" * 50, k
-        c.close()
-        assert list_caches() == []
+    r = run_in_child(_KILL_IN_PUT, timeout=120)
+    assert r.returncode == 0 and "steps" in r.stdout, r.stdout + r.stderr
 
 
 # ---------------------------------------------------------------- item 6
