@@ -13,7 +13,6 @@ import coordl
 from coordl import cache as C
 from coordl.cache import NodeCache, list_caches
 from coordl.plan import plan
-from coordl.testing import run_in_child
 from toydata import TwoStageToy
 
 HERE = os.path.dirname(os.path.abspath(__file__))

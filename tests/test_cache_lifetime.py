@@ -23,10 +23,6 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 BIG = 1 << 20
 
 
-def _mine():
-    return [c for c in list_caches()]
-
-
 @pytest.fixture
 def data(tmp_path):
     root = make_folder(tmp_path / "data")
