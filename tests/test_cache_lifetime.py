@@ -183,8 +183,8 @@ def test_sigkilled_job_restart_adopts_its_warm_cache(data):
         os.kill(os.getpid(), signal.SIGKILL)
     """), timeout=120)
     assert r.returncode == -signal.SIGKILL, r.stderr
-    [left] = list_caches()
-    assert not left.in_use and left.cached == len(expected)
+    [left] = list_caches()  # nobody detached it
+    assert left.cached == len(expected)
     r = run_in_child(_job(root, """
         check_pass(L, file_bytes(ds))
         print("from cache", L.stats().epochs[0].samples_from_cache)
