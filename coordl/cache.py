@@ -180,27 +180,50 @@ def _open_user_dir(create: bool = True) -> int:
 
 
 class _DirLock:
-    """Exclusive flock on ``<user dir>/.lock`` (polled, with a deadline)."""
+    """Exclusive flock on ``<user dir>/.lock`` (polled, with a deadline).
+
+    Re-entrant within a thread: the loader's finalizer may detach a cache
+    from inside a garbage collection that runs while this thread is already
+    attaching (and holds the lock); it must not wait for itself.  Other
+    threads queue on the process lock first (their flocks would be separate
+    descriptions, so they would exclude each other anyway)."""
 
     def __init__(self, dfd: int):
         self.dfd = dfd
-        self.fd = -1
 
     def __enter__(self):
-        path = os.path.join(user_dir(), LOCK_NAME)
-        fd = os.open(LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=self.dfd)
+        global _dir_depth, _dir_fd
+        _DIR_RLOCK.acquire()
         try:
-            _check_stat(os.fstat(fd), path, "file")
-            _poll_lock(lambda: _try_flock(fd, fcntl.LOCK_EX), f"the directory lock {path}")
+            if _dir_depth == 0:
+                path = os.path.join(user_dir(), LOCK_NAME)
+                fd = os.open(LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600,
+                             dir_fd=self.dfd)
+                try:
+                    _check_stat(os.fstat(fd), path, "file")
+                    _poll_lock(lambda: _try_flock(fd, fcntl.LOCK_EX), f"the directory lock {path}")
+                except BaseException:
+                    os.close(fd)
+                    raise
+                _dir_fd = fd
+            _dir_depth += 1
         except BaseException:
-            os.close(fd)
+            _DIR_RLOCK.release()
             raise
-        self.fd = fd
         return self
 
     def __exit__(self, *exc):
-        os.close(self.fd)  # releases the flock
-        self.fd = -1
+        global _dir_depth, _dir_fd
+        _dir_depth -= 1
+        if _dir_depth == 0:
+            fd, _dir_fd = _dir_fd, -1
+            os.close(fd)  # releases the flock
+        _DIR_RLOCK.release()
+
+
+_DIR_RLOCK = threading.RLock()
+_dir_depth = 0
+_dir_fd = -1
 
 
 def _try_flock(fd: int, kind: int) -> bool:
@@ -211,9 +234,10 @@ def _try_flock(fd: int, kind: int) -> bool:
         return False
 
 
-def _poll_lock(try_once, what: str, timeout: float = _LOCK_WAIT) -> None:
+def _poll_lock(try_once, what: str, timeout: float | None = None) -> None:
     if try_once():
         return
+    timeout = _LOCK_WAIT if timeout is None else timeout
     deadline = time.monotonic() + timeout
     delay = 1e-4
     while not try_once():
@@ -395,18 +419,32 @@ class NodeCache:
         try:
             with _DirLock(dfd):
                 _sweep(dfd, keep=name)
-                fd, mm = _adopt(dfd, name, n)
-                if fd is None:
-                    fd, mm = _create(dfd, name, n, capacity, total, checksum)
-                try:
-                    cache = cls(name, fd, mm, checksum=checksum, keep_warm=keep_warm)
-                    cache._hold()
-                    # the longest keep-warm any user asked for sticks to the segment
-                    cache._hdr[KEEP_WARM] = max(int(cache._hdr[KEEP_WARM]), int(keep_warm * 1000))
-                    cache._hdr[ORPHAN_SINCE] = 0
-                except BaseException:
-                    os.close(fd)
-                    raise
+                for _attempt in range(3):
+                    fd, mm = _adopt(dfd, name, n)
+                    if fd is None:
+                        fd, mm = _create(dfd, name, n, capacity, total, checksum)
+                    try:
+                        cache = cls(name, fd, mm, checksum=checksum, keep_warm=keep_warm)
+                    except BaseException:
+                        os.close(fd)
+                        raise
+                    try:
+                        cache._hold()
+                    except BaseException:
+                        cache.close()
+                        raise
+                    if _same_inode(dfd, name, fd):
+                        break
+                    # A garbage collection during this attach ran a finalizer
+                    # that detached the segment's last other holder in this
+                    # process, and it removed the name: start over.
+                    cache.close()
+                else:
+                    raise RuntimeError(f"coordl node cache {os.path.join(user_dir(), name)} keeps "
+                                       "disappearing while attaching; is something removing it?")
+                # the longest keep-warm any user asked for sticks to the segment
+                cache._hdr[KEEP_WARM] = max(int(cache._hdr[KEEP_WARM]), int(keep_warm * 1000))
+                cache._hdr[ORPHAN_SINCE] = 0
         finally:
             os.close(dfd)
         return cache
@@ -596,12 +634,21 @@ class NodeCache:
         return _info(self.name, self._hdr, self._index, self._fd, None)
 
 
-_FORK_LOCK = threading.Lock()
+# Re-entrant for the same reason as _DirLock: a finalizer run by a garbage
+# collection inside _ensure_held may detach another cache.
+_FORK_LOCK = threading.RLock()
 
 
 def _after_fork_in_child() -> None:
-    global _FORK_LOCK
-    _FORK_LOCK = threading.Lock()
+    global _FORK_LOCK, _DIR_RLOCK, _dir_depth, _dir_fd
+    _FORK_LOCK = threading.RLock()
+    _DIR_RLOCK = threading.RLock()
+    if _dir_fd >= 0:  # the parent's description: its flock stays the parent's
+        try:
+            os.close(_dir_fd)
+        except OSError:
+            pass
+    _dir_depth, _dir_fd = 0, -1
     for c in list(_LIVE):
         c._after_fork_in_child()
 

@@ -76,6 +76,32 @@ def test_two_loaders_on_one_dataset_in_one_process(data):
     assert list_caches() == []
 
 
+def test_loader_collected_inside_another_attach_does_not_wait_for_itself(data, monkeypatch):
+    """The old loader is freed by a garbage collection that runs while the
+    new one is attaching (holding the directory lock): its finalizer detaches
+    without waiting for the lock its own thread holds."""
+    root, ds, expected = data
+    monkeypatch.setattr(C, "_LOCK_WAIT", 5.0)
+    a = coordl.DataLoader(folder(root), batch_size=8, cache_size=BIG)
+    check_pass(a, expected)
+    a.cycle = a  # only the cycle collector frees it
+    del a
+    real = C._adopt
+
+    def adopt_after_gc(*args):
+        gc.collect()  # the old loader's finalizer runs here
+        return real(*args)
+
+    monkeypatch.setattr(C, "_adopt", adopt_after_gc)
+    b = coordl.DataLoader(folder(root), batch_size=8, cache_size=BIG)
+    monkeypatch.setattr(C, "_adopt", real)
+    for _ in range(2):
+        check_pass(b, expected)
+    assert [c.holders for c in list_caches()] == [1]
+    del b
+    gc.collect()
+
+
 # ---------------------------------------------------------------- item 2
 
 @pytest.mark.parametrize("ctx", ["fork", "spawn"])
