@@ -128,7 +128,7 @@ def _segment_name(fingerprint: str) -> str:
 # --------------------------------------------------------------------------
 
 def _fix_hint(path: str) -> str:
-    return (f"remove it (rm -rf {path}, as its owner or root) and start again; if another user "
+    return (f"Remove it (rm -rf {path}, as its owner or root) and start again; if another user "
             "created it, they may be trying to make your job read their data")
 
 

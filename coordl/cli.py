@@ -16,6 +16,16 @@ def _cmd_demo(args) -> int:
 
 
 def _cmd_cache(args) -> int:
+    from .cache import CacheSecurityError
+
+    try:
+        return _cache(args)
+    except (CacheSecurityError, TimeoutError) as e:
+        print(f"coordl cache {args.cache_cmd}: {e}", file=sys.stderr)
+        return 1
+
+
+def _cache(args) -> int:
     from .cache import clear_caches, list_caches, user_dir
 
     if args.cache_cmd == "clear":

@@ -100,7 +100,7 @@ def test_segment_planted_by_another_user_is_refused_never_read(base, data, how):
             L = coordl.DataLoader(folder(root), batch_size=8, cache_size=BIG)
         except PermissionError as e:
             msg = str(e)
-            assert os.path.join(base, f"coordl-{os.geteuid()}") in msg and "remove it" in msg, msg
+            assert os.path.join(base, f"coordl-{os.geteuid()}") in msg and "Remove it" in msg, msg
             assert ("owned by uid 65534" in msg) if how == "dir" else ("symlink" in msg), msg
         else:  # an implementation that ignores the planted segment must still deliver true bytes
             for _ in range(2):
