@@ -462,14 +462,14 @@ class NodeCache:
             raise
         self._pfd = pfd
         self._hpid = os.getpid()
-        if self._spawned_child():
+        if self._in_worker_process():
             # worker processes leave through os._exit: multiprocessing's exit
             # hook is where they can detach (and unlink, if they are last)
             from multiprocessing import util
             util.Finalize(None, self.detach, exitpriority=0)
 
     @staticmethod
-    def _spawned_child() -> bool:
+    def _in_worker_process() -> bool:
         import multiprocessing
         return multiprocessing.parent_process() is not None
 
