@@ -341,6 +341,76 @@ def test_writer_killed_at_every_step_of_put_leaves_no_torn_entry():
     assert r.returncode == 0 and "steps" in r.stdout, r.stdout + r.stderr
 
 
+_KILL_PARENT_IN_PUT = """
+import os, select, signal, sys
+from coordl import cache as C
+from coordl.cache import NodeCache, list_caches
+C._LOCK_WAIT = 10.0  # a lock kept alive by a dead parent would show as a TimeoutError, soon
+
+def calls_in_put():
+    c = NodeCache.attach("feedf0f0", 4, 10**5)
+    n = [0]
+    def prof(frame, event, arg):
+        if event == "c_call":
+            n[0] += 1
+    sys.setprofile(prof)
+    c.put(1, b"b" * 50)
+    sys.setprofile(None)
+    c.close()
+    return n[0]
+
+steps = calls_in_put()
+for k in range(1, steps + 1):
+    C.clear_caches(force=True)  # a worker that found everything cached never held it: left ownerless
+    go_r, go_w = os.pipe()
+    res_r, res_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the parent job: attaches, forks a worker, is killed inside put()
+        c = NodeCache.attach("feedf0f0", 4, 10**5)
+        assert c.put(0, b"a" * 100)
+        if os.fork() == 0:  # the worker: inherits the cache object
+            os.read(go_r, 1)  # until its parent is dead
+            try:
+                c.put(1, b"b" * 50)
+                ok = c.get(1) == b"b" * 50 and c.get(0) == b"a" * 100
+                c.close()
+                os.write(res_w, b"ok" if ok else b"wrong")
+            except BaseException as e:
+                os.write(res_w, repr(e).encode()[:200])
+            os._exit(0)
+        n = [0]
+        def prof(frame, event, arg):
+            if event == "c_call":
+                n[0] += 1
+                if n[0] == k:
+                    os.kill(os.getpid(), signal.SIGKILL)
+        sys.setprofile(prof)
+        c.put(1, b"b" * 50)
+        os._exit(3)
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFSIGNALED(status), (k, status)
+    os.write(go_w, b"g")
+    ready, _, _ = select.select([res_r], [], [], 60)
+    assert ready, f"step {k}: the worker hung after its parent died"
+    got = os.read(res_r, 300)
+    assert got == b"ok", (k, got)
+    for fd in (go_r, go_w, res_r, res_w):
+        os.close(fd)
+C.clear_caches(force=True)
+print("steps", steps)
+"""
+
+
+def test_forked_worker_outlives_its_parent_killed_at_every_step_of_put():
+    """The parent dies (SIGKILL) at each C call of a real put(), possibly
+    holding the admission or an entry lock; its forked worker, which
+    inherited the cache object, then admits and reads without hanging:
+    the parent's locks died with it (the worker closed its copy of the
+    parent's description at fork and took its own)."""
+    r = run_in_child(_KILL_PARENT_IN_PUT, timeout=240)
+    assert r.returncode == 0 and "steps" in r.stdout, r.stdout + r.stderr
+
+
 # ---------------------------------------------------------------- item 6
 
 def test_entry_published_out_of_order_is_a_miss_not_wrong_data(monkeypatch):
