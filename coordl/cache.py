@@ -23,8 +23,8 @@ Segment layout::
     index    n x 4 int64: offset, length, state (0 empty, 1 writing, 2 ready), crc32
     arena    capacity bytes, append-only
 
-Locks (all released by the kernel when their holder dies; see
-docs/_notes_cache.md):
+Locks (all released by the kernel when their holder dies; see "Node cache"
+in docs/architecture.md):
 
 * **Holding** -- every process using a segment has its own open file
   description of it (opened through ``/proc/self/fd``, never by name) with a
