@@ -244,11 +244,15 @@ def main(argv=None) -> int:
             peak_shm, segs, seg_bytes = 0, set(), 0
             while a.poll() is None or b.poll() is None:
                 peak_shm = max(peak_shm, cg.stat("total_shmem") or cg.stat("shmem"))
-                now = {n for n in os.listdir("/dev/shm") if n.startswith("coordl-cache-")}
+                from coordl.cache import PREFIX, user_dir
+                try:
+                    now = {n for n in os.listdir(user_dir()) if n.startswith(PREFIX)}
+                except FileNotFoundError:
+                    now = set()
                 segs |= now
                 for n in now:
                     try:
-                        seg_bytes = max(seg_bytes, os.stat(os.path.join("/dev/shm", n)).st_blocks * 512)
+                        seg_bytes = max(seg_bytes, os.stat(os.path.join(user_dir(), n)).st_blocks * 512)
                     except OSError:
                         pass
                 time.sleep(0.2)

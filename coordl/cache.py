@@ -1,79 +1,356 @@
 """The node cache: raw sample bytes in POSIX shared memory, MinIO policy.
 
-One cache per dataset per node, named from the dataset's fingerprint (paths,
-sizes, mtimes), so every worker, local rank and job reading the same files
-attaches to the same segment, and a changed dataset never reads stale bytes.
+One cache per dataset per node, named from the dataset's fingerprint (root,
+paths, sizes, mtimes or store versions), so every worker, local rank and job
+of one user reading the same files attaches to the same segment, and a
+changed dataset never reads stale bytes.
 
 MinIO (CoorDL): admit until full, never evict.  Under per-epoch random order
 every reuse interval crosses the epoch boundary, so no policy can hit more
 than ``capacity`` bytes per epoch; MinIO gets exactly that, while LRU thrashes.
 
-Segment layout (``/dev/shm/coordl-cache-<fingerprint>``)::
+Where: ``<COORDL_SHM_DIR or /dev/shm>/coordl-<uid>/`` (made 0700 and checked
+on every use: a real directory owned by us, no group/other bits), holding
+``.lock`` (the directory lock) and one ``cache-<fingerprint>`` file per
+dataset (created ``O_EXCL|O_NOFOLLOW`` 0600, fully reserved with
+``posix_fallocate``; an existing one is opened ``O_NOFOLLOW`` and refused
+unless it is a regular file of ours with mode 0600).
+
+Segment layout::
 
     header   (4 KiB)  magic, version, capacity, n, fill, created, keep_warm,
-                      last_detach, counters; owner table (pid, start time)
-    index    n x 4 int64: offset, length, state (0 empty, -pid writing, 2 ready), crc32
+                      orphan_since, counters
+    index    n x 4 int64: offset, length, state (0 empty, 1 writing, 2 ready), crc32
     arena    capacity bytes, append-only
 
-* **Reads are lock-free**: an entry is visible once its state is READY, and
-  the writer stores the state only after the bytes, offset and length (x86
-  and arm64 keep that store order for a single writer thread; numpy writes
-  are plain stores).
-* **Admission** takes an ``fcntl`` byte-range lock on the segment only to
-  reserve arena space and mark the entry WRITING, then copies without the
-  lock.  The lock is released by the kernel if its holder dies, so SIGKILL
-  can never wedge it; an entry left WRITING by a dead writer is never read
-  (no torn entry is visible) and may be admitted again later.
-* **Lifetime**: each attached process registers (pid, process start time) in
-  the owner table.  The segment is unlinked when the last owner detaches
-  (after ``keep_warm`` seconds, if set, by the next start), and any start
-  reclaims segments whose owners are all dead (SIGKILLed jobs).
+Locks (all released by the kernel when their holder dies; see "Node cache"
+in docs/architecture.md):
+
+* **Holding** -- every process using a segment has its own open file
+  description of it (opened through ``/proc/self/fd``, never by name) with a
+  shared ``flock``.  The last one out is whoever can take it exclusively.
+  No pid tables, no clocks.
+* **Directory lock** -- an exclusive ``flock`` on ``.lock`` serialises
+  creating, adopting and unlinking names, and every exclusive attempt on a
+  segment, so an attacher can always take its shared lock.  A name is only
+  unlinked after checking (under this lock) that it still names the inode
+  held by fd.
+* **Admission** -- an OFD ``fcntl`` write lock on header bytes 0-7 of the
+  process's own description of the segment, held only to reserve arena space
+  and mark an entry WRITING.  The writer then holds an OFD lock on the
+  entry's 32 index bytes while it copies; an admitter that finds an entry
+  WRITING tests that lock: free means the writer died, and the entry may be
+  admitted again (its reserved bytes are lost from the budget).
+* **Reads are lock-free** -- an entry is visible once its state is READY;
+  the writer stores the state after the bytes, offset, length and CRC32 of
+  (index, offset, length, bytes).  On x86-64 (TSO) plain stores are seen in
+  that order; elsewhere (arm64, POWER: weakly ordered) ``get`` recomputes
+  the CRC and treats a mismatch as a miss (see :data:`VALIDATE_READS`).
 """
 from __future__ import annotations
 
+import atexit
+import errno
 import fcntl
+import hashlib
 import mmap
 import os
+import platform
 import re
+import stat
 import struct
 import threading
 import time
+import weakref
 import zlib
 from dataclasses import dataclass
 
 import numpy as np
-import psutil
 
-__all__ = ["NodeCache", "CacheInfo", "list_caches", "clear_caches", "reclaim_stale", "SHM_DIR"]
+__all__ = ["NodeCache", "CacheInfo", "CacheSecurityError", "list_caches", "clear_caches",
+           "reclaim_stale", "shm_root", "user_dir", "shm_free_bytes", "VALIDATE_READS"]
 
-SHM_DIR = "/dev/shm"
-PREFIX = "coordl-cache-"
-_MAGIC = 0x434F4F52444C4331  # "COORDLC1"
-_VERSION = 1
+PREFIX = "cache-"
+LOCK_NAME = ".lock"
+_MAGIC = 0x434F4F52444C4332  # "COORDLC2"
+_VERSION = 2
 _HEADER = 4096
-_OWNERS = 200           # owner slots (pid, start ticks)
-_H = 16                 # int64 header fields before the owner table
-# header field indices
-MAGIC, VERSION, CAPACITY, N, FILL, CREATED, KEEP_WARM, LAST_DETACH, HITS, MISSES, ADMITTED, FULL, CHECKSUM = range(13)
-EMPTY, READY = 0, 2   # state; a negative state is WRITING by process -state
-_NAME = re.compile(r"^coordl-cache-[0-9a-f]{8,64}$")
+# header field indices (int64)
+(MAGIC, VERSION, CAPACITY, N, FILL, CREATED, KEEP_WARM, ORPHAN_SINCE,
+ HITS, MISSES, ADMITTED, FULL, CHECKSUM) = range(13)
+EMPTY, WRITING, READY = 0, 1, 2
+_ENTRY = 32
+_NAME = re.compile(r"^[0-9A-Za-z_.-]{1,200}$")
+_LOCK_WAIT = 300.0   # seconds an admission or directory lock may stay busy
+_X86 = ("x86_64", "amd64", "i386", "i486", "i586", "i686", "x86")
+
+#: Verify every hit's CRC32 of (index, offset, length, bytes) and treat a
+#: mismatch as a miss.  Needed where stores may become visible out of order
+#: (every platform but x86); tests set it to exercise the check on x86.
+VALIDATE_READS = platform.machine().lower() not in _X86
 
 
-def _start_ticks(pid: int) -> int:
-    try:
-        return int(psutil.Process(pid).create_time() * 100)
-    except psutil.Error:
-        return -1
+class CacheSecurityError(PermissionError):
+    """An existing cache path is not safely ours (owner, mode, type)."""
 
 
-def _alive(pid: int, ticks: int) -> bool:
-    return pid > 0 and _start_ticks(pid) == ticks
+def shm_root() -> str:
+    """Where per-user cache directories live: ``$COORDL_SHM_DIR`` or /dev/shm."""
+    return os.environ.get("COORDL_SHM_DIR") or "/dev/shm"
+
+
+def user_dir() -> str:
+    """This user's cache directory, ``<shm_root>/coordl-<uid>``."""
+    return os.path.join(shm_root(), f"coordl-{os.geteuid()}")
 
 
 def shm_free_bytes() -> int:
-    st = os.statvfs(SHM_DIR)
+    st = os.statvfs(shm_root())
     return st.f_bavail * st.f_frsize
 
+
+def _now_ms() -> int:
+    # CLOCK_BOOTTIME: one clock for every process of the node, never stepped
+    # by NTP, and segments do not outlive a reboot anyway.
+    return int(time.clock_gettime(time.CLOCK_BOOTTIME) * 1000)
+
+
+def _segment_name(fingerprint: str) -> str:
+    if not isinstance(fingerprint, str) or not fingerprint:
+        raise ValueError(f"fingerprint should be a non-empty str, but got fingerprint={fingerprint!r}")
+    if _NAME.match(fingerprint) and not fingerprint.startswith("."):
+        return PREFIX + fingerprint
+    return PREFIX + hashlib.blake2b(fingerprint.encode(), digest_size=16).hexdigest()
+
+
+# --------------------------------------------------------------------------
+# Checked opening of the user directory, its lock and segments
+# --------------------------------------------------------------------------
+
+def _fix_hint(path: str) -> str:
+    return (f"Remove it (rm -rf {path}, as its owner or root) and start again; if another user "
+            "created it, they may be trying to make your job read their data")
+
+
+def _check_stat(st, path: str, kind: str) -> None:
+    me = os.geteuid()
+    if kind == "dir":
+        ok_type = stat.S_ISDIR(st.st_mode)
+    else:
+        ok_type = stat.S_ISREG(st.st_mode)
+    problems = []
+    if not ok_type:
+        problems.append(f"it is not a {'directory' if kind == 'dir' else 'regular file'}")
+    if st.st_uid != me:
+        problems.append(f"it is owned by uid {st.st_uid}, not by you (uid {me})")
+    if st.st_mode & 0o077:
+        problems.append(f"its mode is {stat.S_IMODE(st.st_mode):04o}, open to other users (should be "
+                        f"{'0700' if kind == 'dir' else '0600'})")
+    if problems:
+        raise CacheSecurityError(f"coordl node cache: refusing {path}: {'; '.join(problems)}. "
+                                 + _fix_hint(path))
+
+
+def _open_user_dir(create: bool = True) -> int:
+    """An fd of this user's cache directory, checked; FileNotFoundError if it
+    does not exist and ``create`` is false."""
+    root = shm_root()
+    path = user_dir()
+    if create:
+        if not os.path.isdir(root):
+            raise FileNotFoundError(f"coordl node cache: {root} does not exist (set COORDL_SHM_DIR to a "
+                                    "tmpfs directory, or unset it to use /dev/shm)")
+        try:
+            os.mkdir(path, 0o700)
+        except FileExistsError:
+            pass
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as e:
+        if e.errno in (errno.ELOOP, errno.ENOTDIR):
+            raise CacheSecurityError(f"coordl node cache: refusing {path}: it is a symlink or not a "
+                                     f"directory. " + _fix_hint(path)) from None
+        raise
+    try:
+        _check_stat(os.fstat(fd), path, "dir")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+class _DirLock:
+    """Exclusive flock on ``<user dir>/.lock`` (polled, with a deadline).
+
+    Re-entrant within a thread: the loader's finalizer may detach a cache
+    from inside a garbage collection that runs while this thread is already
+    attaching (and holds the lock); it must not wait for itself.  Other
+    threads queue on the process lock first (their flocks would be separate
+    descriptions, so they would exclude each other anyway)."""
+
+    def __init__(self, dfd: int):
+        self.dfd = dfd
+
+    def __enter__(self):
+        global _dir_depth, _dir_fd
+        _DIR_RLOCK.acquire()
+        try:
+            if _dir_depth == 0:
+                path = os.path.join(user_dir(), LOCK_NAME)
+                fd = os.open(LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600,
+                             dir_fd=self.dfd)
+                try:
+                    _check_stat(os.fstat(fd), path, "file")
+                    _poll_lock(lambda: _try_flock(fd, fcntl.LOCK_EX), f"the directory lock {path}")
+                except BaseException:
+                    os.close(fd)
+                    raise
+                _dir_fd = fd
+            _dir_depth += 1
+        except BaseException:
+            _DIR_RLOCK.release()
+            raise
+        return self
+
+    def __exit__(self, *exc):
+        global _dir_depth, _dir_fd
+        _dir_depth -= 1
+        if _dir_depth == 0:
+            fd, _dir_fd = _dir_fd, -1
+            os.close(fd)  # releases the flock
+        _DIR_RLOCK.release()
+
+
+_DIR_RLOCK = threading.RLock()
+_dir_depth = 0
+_dir_fd = -1
+
+
+def _try_flock(fd: int, kind: int) -> bool:
+    try:
+        fcntl.flock(fd, kind | fcntl.LOCK_NB)
+        return True
+    except BlockingIOError:
+        return False
+
+
+def _poll_lock(try_once, what: str, timeout: float | None = None) -> None:
+    if try_once():
+        return
+    timeout = _LOCK_WAIT if timeout is None else timeout
+    deadline = time.monotonic() + timeout
+    delay = 1e-4
+    while not try_once():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"coordl node cache: {what} has been held by another process for "
+                               f"{timeout:g} s; is a job stopped (SIGSTOP, debugger)? Resume or kill it")
+        time.sleep(delay)
+        delay = min(delay * 2, 0.01)
+
+
+def _open_segment(dfd: int, name: str, write: bool = True) -> int:
+    """Open an existing segment without following symlinks; refuse it unless
+    it is a regular file of ours with no group/other bits."""
+    flags = (os.O_RDWR if write else os.O_RDONLY) | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
+    try:
+        fd = os.open(name, flags, dir_fd=dfd)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            path = os.path.join(user_dir(), name)
+            raise CacheSecurityError(f"coordl node cache: refusing {path}: it is a symlink. "
+                                     + _fix_hint(path)) from None
+        raise
+    try:
+        _check_stat(os.fstat(fd), os.path.join(user_dir(), name), "file")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _reopen(fd: int, flags: int = os.O_RDWR) -> int:
+    """A new open file description of the inode ``fd`` refers to (never by name)."""
+    return os.open(f"/proc/self/fd/{fd}", flags | os.O_CLOEXEC)
+
+
+def _idle(fd: int) -> bool:
+    """True if nobody holds the segment (call under the directory lock)."""
+    t = _reopen(fd, os.O_RDONLY)
+    try:
+        return _try_flock(t, fcntl.LOCK_EX)
+    finally:
+        os.close(t)
+
+
+def _same_inode(dfd: int, name: str, fd: int) -> bool:
+    try:
+        a = os.stat(name, dir_fd=dfd, follow_symlinks=False)
+    except FileNotFoundError:
+        return False
+    b = os.fstat(fd)
+    return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
+
+
+def _unlink_if_same(dfd: int, name: str, fd: int) -> bool:
+    """Unlink ``name`` if it still names the inode held by ``fd`` (call
+    under the directory lock)."""
+    if not _same_inode(dfd, name, fd):
+        return False
+    os.unlink(name, dir_fd=dfd)
+    return True
+
+
+def _header(mm) -> np.ndarray:
+    return np.frombuffer(mm, dtype=np.int64, count=_HEADER // 8)
+
+
+def _map_checked(fd: int, path: str, write: bool = True):
+    """(mapping, header) of an initialised segment, or (None, None)."""
+    size = os.fstat(fd).st_size
+    if size < _HEADER:
+        return None, None
+    prot = mmap.PROT_READ | (mmap.PROT_WRITE if write else 0)
+    mm = mmap.mmap(fd, size, prot=prot)
+    hdr = _header(mm)
+    if int(hdr[MAGIC]) != _MAGIC or int(hdr[VERSION]) != _VERSION:
+        return mm, None
+    n, cap = int(hdr[N]), int(hdr[CAPACITY])
+    if n < 0 or cap < 0 or _HEADER + n * _ENTRY + cap != size:
+        return mm, None
+    return mm, hdr
+
+
+# --------------------------------------------------------------------------
+# Lock helpers (OFD byte-range locks)
+# --------------------------------------------------------------------------
+
+def _flock_struct(kind: int, start: int, length: int) -> bytes:
+    # struct flock on Linux: short type, short whence, (pad), off_t start, off_t len, pid_t pid, (pad)
+    return struct.pack("hhxxxxqqixxxx", kind, os.SEEK_SET, start, length, 0)
+
+
+def _setlk(fd: int, kind: int, start: int, length: int) -> bool:
+    try:
+        fcntl.fcntl(fd, fcntl.F_OFD_SETLK, _flock_struct(kind, start, length))
+        return True
+    except OSError as e:
+        if e.errno in (errno.EAGAIN, errno.EACCES):
+            return False
+        raise
+
+
+def _locked_by_other(fd: int, start: int, length: int) -> bool:
+    r = fcntl.fcntl(fd, fcntl.F_OFD_GETLK, _flock_struct(fcntl.F_WRLCK, start, length))
+    return struct.unpack_from("h", r)[0] != fcntl.F_UNLCK
+
+
+def _entry_crc(i: int, off: int, length: int, data) -> int:
+    return zlib.crc32(data, zlib.crc32(struct.pack("<qqq", i, off, length))) & 0xFFFFFFFF
+
+
+# --------------------------------------------------------------------------
+# The cache
+# --------------------------------------------------------------------------
 
 @dataclass(frozen=True)
 class CacheInfo:
@@ -86,189 +363,191 @@ class CacheInfo:
     cached: int
     hits: int
     misses: int
-    owners: tuple[int, ...]
+    holders: int     # processes holding it, as the kernel counts them (-1: unknown)
+    in_use: bool
     full: bool
+
+
+_LIVE: "weakref.WeakSet[NodeCache]" = weakref.WeakSet()
 
 
 class NodeCache:
     """A MinIO cache of raw sample bytes shared by every process on the node.
 
     ``NodeCache.attach(fingerprint, n, capacity)`` creates the segment or
-    attaches to the existing one (whose capacity then wins).  Objects pickle
-    to (name) and re-attach in the receiving process.
+    attaches to the existing one (whose capacity then wins).  The object
+    works in forked children (each takes its own hold on first use) and
+    pickles by passing the segment's file descriptor (spawn/forkserver
+    workers), never by name.
     """
 
-    def __init__(self, name: str, fd: int, mm: mmap.mmap, owner: bool) -> None:
+    def __init__(self, name: str, fd: int, mm: mmap.mmap, *, checksum: bool, keep_warm: float) -> None:
         self.name = name
         self._fd = fd
+        st = os.fstat(fd)
+        self._dev, self._ino = st.st_dev, st.st_ino
         self._mm = mm
-        self._owner = owner
-        self._pid = os.getpid()
-        self._tlock = threading.Lock()
-        self._lfd = -1
-        self._lpid = None
-        hdr = np.frombuffer(mm, dtype=np.int64, count=_HEADER // 8)
+        self._keep_warm = float(keep_warm)
+        hdr = _header(mm)
         self._hdr = hdr
         self.capacity = int(hdr[CAPACITY])
         self.n = int(hdr[N])
         self._index = np.frombuffer(mm, dtype=np.int64, count=self.n * 4, offset=_HEADER).reshape(self.n, 4)
-        self._arena_off = _HEADER + self.n * 32
+        self._arena_off = _HEADER + self.n * _ENTRY
         self._arena = np.frombuffer(mm, dtype=np.uint8, count=self.capacity, offset=self._arena_off)
-        self.checksum = bool(hdr[CHECKSUM])
+        self.checksum = bool(checksum) or bool(hdr[CHECKSUM])
+        # per-process hold: own description with a shared flock, admission locks
+        self._hpid = None
+        self._pfd = -1
+        self._tlock = threading.Lock()
+        self._writing: set[int] = set()
+        self._closed = False
+        _LIVE.add(self)
 
     # ------------------------------------------------------------ lifecycle
     @classmethod
     def attach(cls, fingerprint: str, n: int, capacity: int, *, checksum: bool = False,
-               keep_warm: float = 0.0, register: bool = True) -> "NodeCache":
-        reclaim_stale()
-        name = PREFIX + fingerprint
-        path = os.path.join(SHM_DIR, name)
-        total = _HEADER + n * 32 + capacity
+               keep_warm: float = 0.0) -> "NodeCache":
+        """Create this dataset's segment, or adopt the existing one (held by
+        others, or left ownerless by a crash: torn entries are never READY).
+        Removes idle segments of other datasets whose keep-warm time is over."""
+        name = _segment_name(fingerprint)
+        total = _HEADER + n * _ENTRY + capacity
+        from ._signals import install_sigterm_exit
+        install_sigterm_exit()
+        dfd = _open_user_dir()
         try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-            created = True
-        except FileExistsError:
-            fd = os.open(path, os.O_RDWR)
-            created = False
-        try:
-            if created:
-                free = shm_free_bytes()
-                if total > free:
-                    raise MemoryError(
-                        f"cache_size={capacity} bytes does not fit in {SHM_DIR}: {free} bytes free. "
-                        f"Pass a smaller cache_size (e.g. cache_size={max(0, free - _HEADER - n * 32) // 2**20}MiB), "
-                        f"or enlarge {SHM_DIR} (mount -o remount,size=<bytes> {SHM_DIR}; "
-                        "in Docker: --shm-size)")
-                os.ftruncate(fd, total)
-                mm = mmap.mmap(fd, total)
-                hdr = np.frombuffer(mm, dtype=np.int64, count=_HEADER // 8)
-                hdr[VERSION], hdr[CAPACITY], hdr[N] = _VERSION, capacity, n
-                hdr[CREATED], hdr[KEEP_WARM] = int(time.time()), int(keep_warm * 1000)
-                hdr[CHECKSUM] = int(checksum)
-                if register:  # own it before it becomes visible, or a concurrent
-                    hdr[_H], hdr[_H + 1] = os.getpid(), _start_ticks(os.getpid())  # start reclaims it
-                hdr[MAGIC] = _MAGIC  # last: attachers wait for it
-                del hdr
-            else:
-                deadline = time.monotonic() + 10
-                while os.fstat(fd).st_size < _HEADER:
-                    if time.monotonic() > deadline:
-                        raise RuntimeError(f"cache segment {path} was never initialized; remove it "
-                                           f"(coordl cache clear {name})")
-                    time.sleep(0.01)
-                size = os.fstat(fd).st_size
-                mm = mmap.mmap(fd, size)
-                hdr = np.frombuffer(mm, dtype=np.int64, count=_HEADER // 8)
-                while hdr[MAGIC] != _MAGIC:
-                    if time.monotonic() > deadline:
-                        raise RuntimeError(f"cache segment {path} was never initialized; remove it "
-                                           f"(coordl cache clear {name})")
-                    time.sleep(0.01)
-                if hdr[N] != n:
-                    raise RuntimeError(f"cache segment {path} holds {int(hdr[N])} samples, but the dataset has "
-                                       f"{n}: a fingerprint collision; remove it (coordl cache clear {name})")
-                del hdr
-        except BaseException:
-            os.close(fd)
-            if created:
-                try:
-                    os.unlink(path)
-                except OSError:
-                    pass
-            raise
-        cache = cls(name, fd, mm, owner=register)
-        if register and not created:
-            cache._register()
+            with _DirLock(dfd):
+                _sweep(dfd, keep=name)
+                for _attempt in range(3):
+                    fd, mm = _adopt(dfd, name, n)
+                    if fd is None:
+                        fd, mm = _create(dfd, name, n, capacity, total, checksum)
+                    try:
+                        cache = cls(name, fd, mm, checksum=checksum, keep_warm=keep_warm)
+                    except BaseException:
+                        os.close(fd)
+                        raise
+                    try:
+                        cache._hold()
+                    except BaseException:
+                        cache.close()
+                        raise
+                    if _same_inode(dfd, name, fd):
+                        break
+                    # A garbage collection during this attach ran a finalizer
+                    # that detached the segment's last other holder in this
+                    # process, and it removed the name: start over.
+                    cache.close()
+                else:
+                    raise RuntimeError(f"coordl node cache {os.path.join(user_dir(), name)} keeps "
+                                       "disappearing while attaching; is something removing it?")
+                # the longest keep-warm any user asked for sticks to the segment
+                cache._hdr[KEEP_WARM] = max(int(cache._hdr[KEEP_WARM]), int(keep_warm * 1000))
+                cache._hdr[ORPHAN_SINCE] = 0
+        finally:
+            os.close(dfd)
         return cache
 
-    def __reduce__(self):
-        return (_reattach, (self.name, self.n))
-
-    def _lock(self):
-        """Exclusive admission lock, across threads and processes.
-
-        An open-file-description (OFD) lock on a descriptor this process
-        opened itself: unlike ``lockf`` locks, which belong to the process,
-        it is not dropped when some other descriptor of the file is closed
-        (Python's mmap keeps a dup and closes it when collected, at any
-        time), it gives no false EDEADLK between threads, and it is not
-        shared with forked children (each process opens its own).  Threads
-        of one process share the descriptor, so they queue on a process-local
-        lock first.  The kernel drops the lock if the process dies.
-        """
-        fd = self._lock_fd()
-        self._tlock.acquire()
+    def _hold(self) -> None:
+        """Take this process's hold: a new description of the segment with a
+        shared flock (attachers take it under the directory lock, so it
+        cannot meet an exclusive one; forked children take theirs while the
+        parent's hold keeps every exclusive attempt out)."""
+        pfd = _reopen(self._fd)
         try:
-            fcntl.fcntl(fd, fcntl.F_OFD_SETLKW, _flock(fcntl.F_WRLCK))
+            _poll_lock(lambda: _try_flock(pfd, fcntl.LOCK_SH), f"cache segment {self.path}")
         except BaseException:
-            self._tlock.release()
+            os.close(pfd)
             raise
+        self._pfd = pfd
+        self._hpid = os.getpid()
+        if self._in_worker_process():
+            # worker processes leave through os._exit: multiprocessing's exit
+            # hook is where they can detach (and unlink, if they are last)
+            from multiprocessing import util
+            util.Finalize(None, self.detach, exitpriority=0)
 
-    def _unlock(self):
-        try:
-            fcntl.fcntl(self._lfd, fcntl.F_OFD_SETLK, _flock(fcntl.F_UNLCK))
-        finally:
-            self._tlock.release()
+    @staticmethod
+    def _in_worker_process() -> bool:
+        import multiprocessing
+        return multiprocessing.parent_process() is not None
 
-    def _lock_fd(self) -> int:
-        pid = os.getpid()
-        if self._lpid != pid:
-            with _FORK_SAFE[0]:
-                if self._lpid != pid:  # first use in this process (or after fork)
-                    self._tlock = threading.Lock()
-                    self._lfd = os.open(os.path.join(SHM_DIR, self.name), os.O_RDWR)
-                    self._lpid = pid
-        return self._lfd
+    def _ensure_held(self) -> None:
+        if self._hpid != os.getpid():
+            with _FORK_LOCK:
+                if self._hpid != os.getpid():
+                    if self._closed:
+                        raise ValueError(f"coordl node cache {self.name} is closed")
+                    self._hold()
 
-    def _owners(self) -> np.ndarray:
-        return self._hdr[_H:_H + 2 * _OWNERS].reshape(_OWNERS, 2)
+    def _after_fork_in_child(self) -> None:
+        # The parent's description carries its flock and OFD locks; keeping it
+        # open here would keep the parent's locks alive after the parent died.
+        if self._pfd >= 0:
+            try:
+                os.close(self._pfd)
+            except OSError:
+                pass
+        self._pfd = -1
+        self._hpid = None
+        self._tlock = threading.Lock()
+        self._writing = set()
 
-    def _register(self) -> None:
-        me, ticks = os.getpid(), _start_ticks(os.getpid())
-        self._lock()
-        try:
-            owners = self._owners()
-            for k in range(_OWNERS):
-                pid, t = int(owners[k, 0]), int(owners[k, 1])
-                if pid == 0 or not _alive(pid, t):
-                    owners[k, 0], owners[k, 1] = me, ticks
-                    return
-            raise RuntimeError(f"cache {self.name} has {_OWNERS} live users; detach some jobs")
-        finally:
-            self._unlock()
+    @property
+    def path(self) -> str:
+        return os.path.join(user_dir(), self.name)
+
+    def __reduce__(self):
+        from multiprocessing.reduction import DupFd
+        return (_from_fd, (DupFd(self._fd), self.name, self._dev, self._ino, self.checksum, self._keep_warm))
+
+    def detach(self) -> None:
+        """Give up this process's hold (the mapping stays until :meth:`close`).
+        Whoever can then take the segment's flock exclusively was the last
+        holder: it unlinks the name (if it still names this segment), or with
+        ``keep_warm`` leaves it for that long."""
+        with _FORK_LOCK:
+            if self._hpid != os.getpid() or self._pfd < 0:
+                return
+            try:
+                self._leave()
+            finally:
+                os.close(self._pfd)
+                self._pfd = -1
+                self._hpid = None
 
     def close(self) -> None:
-        """Detach; the last owner out unlinks the segment (unless keep_warm)."""
-        if self._mm is None or os.getpid() != self._pid:
+        """Detach this process and unmap the segment."""
+        if self._closed:
             return
-        last = False
-        if self._owner:
-            self._lock()
-            try:
-                owners = self._owners()
-                me = os.getpid()
-                for k in range(_OWNERS):
-                    if owners[k, 0] == me:
-                        owners[k, 0] = owners[k, 1] = 0
-                live = [k for k in range(_OWNERS) if owners[k, 0] and _alive(int(owners[k, 0]), int(owners[k, 1]))]
-                self._hdr[LAST_DETACH] = int(time.time() * 1000)
-                last = not live and self._hdr[KEEP_WARM] == 0
-                if last:
-                    try:
-                        os.unlink(os.path.join(SHM_DIR, self.name))
-                    except OSError:
-                        pass
-            finally:
-                self._unlock()
+        self.detach()
+        self._closed = True
+        _LIVE.discard(self)
         self._hdr = self._index = self._arena = None
         try:
             self._mm.close()
         except BufferError:
             pass  # a view is still alive somewhere; the mapping goes with it
         os.close(self._fd)
-        if self._lpid == os.getpid() and self._lfd >= 0:
-            os.close(self._lfd)
-        self._mm = None
+
+    def _leave(self) -> None:
+        try:
+            dfd = _open_user_dir(create=False)
+        except (OSError, CacheSecurityError):
+            return  # the directory is gone or not ours any more: nothing to unlink
+        try:
+            with _DirLock(dfd):
+                # a failed SH->EX upgrade drops our shared lock: fine, we are leaving
+                if not _try_flock(self._pfd, fcntl.LOCK_EX):
+                    return
+                if int(self._hdr[KEEP_WARM]) > 0:
+                    self._hdr[ORPHAN_SINCE] = _now_ms()
+                else:
+                    _unlink_if_same(dfd, self.name, self._pfd)
+                fcntl.flock(self._pfd, fcntl.LOCK_UN)  # before the directory lock goes
+        finally:
+            os.close(dfd)
 
     def __del__(self):
         try:
@@ -283,133 +562,335 @@ class NodeCache:
         if e[2] != READY:
             self._hdr[MISSES] += 1  # racy counter: statistics only
             return None
-        off, length = int(e[0]), int(e[1])
+        off, length, crc = int(e[0]), int(e[1]), int(e[3])
+        if off < 0 or length < 0 or off + length > self.capacity:
+            self._hdr[MISSES] += 1
+            return None
         data = self._arena[off:off + length].tobytes()
-        if self.checksum and (zlib.crc32(data) & 0xFFFFFFFF) != int(e[3]):
-            raise RuntimeError(f"coordl cache {self.name}: checksum mismatch for sample {i}; "
-                               f"clear the cache (coordl cache clear {self.name})")
+        if (VALIDATE_READS or self.checksum) and _entry_crc(i, off, length, data) != crc:
+            if self.checksum:
+                self._check_corrupt(i)
+            self._hdr[MISSES] += 1
+            return None  # published out of order (weak memory order): a miss
         self._hdr[HITS] += 1
         return data
+
+    def _check_corrupt(self, i: int) -> None:
+        os.sched_yield()  # a syscall: any store still in flight is visible now
+        e = self._index[i]
+        off, length, crc = int(e[0]), int(e[1]), int(e[3])
+        if 0 <= off and 0 <= length and off + length <= self.capacity:
+            if _entry_crc(i, off, length, self._arena[off:off + length].tobytes()) == crc:
+                return
+        raise RuntimeError(f"coordl node cache {self.path}: checksum mismatch for sample {i}; "
+                           f"clear the cache (coordl cache clear --force {self.name})")
 
     def put(self, i: int, data) -> bool:
         """Admit sample ``i`` if there is room and nobody has (MinIO: never evict)."""
         length = len(data)
         if self._hdr[FULL] or self._index[i, 2] == READY:
             return False
-        self._lock()
+        self._ensure_held()
+        pfd = self._pfd
+        ent = _HEADER + i * _ENTRY
+        e = self._index[i]
+        with self._tlock:  # threads share this process's description (and its locks)
+            _poll_lock(lambda: _setlk(pfd, fcntl.F_WRLCK, 0, 8), f"the admission lock of {self.path}")
+            try:
+                state = int(e[2])
+                if state == READY:
+                    return False
+                if state == WRITING:
+                    if i in self._writing or _locked_by_other(pfd, ent, _ENTRY):
+                        return False  # being written by a live thread or process
+                    # Lock free: the writer died, or it finished (it stores
+                    # READY before it unlocks) since we read the state.
+                    if int(e[2]) == READY:
+                        return False
+                fill = int(self._hdr[FILL])
+                if fill + length > self.capacity:
+                    self._hdr[FULL] = 1
+                    return False
+                if not _setlk(pfd, fcntl.F_WRLCK, ent, _ENTRY):
+                    return False  # a writer took it between our test and now: cannot happen under the lock
+                self._hdr[FILL] = fill + length
+                e[2] = WRITING
+                self._writing.add(i)
+            finally:
+                _setlk(pfd, fcntl.F_UNLCK, 0, 8)
         try:
-            e = self._index[i]
-            state = int(e[2])  # read once: a writer may finish (-> READY) meanwhile
-            if state == READY or (state < 0 and psutil.pid_exists(-state)):
-                return False  # cached, or being written by a live process
-            fill = int(self._hdr[FILL])
-            if fill + length > self.capacity:
-                self._hdr[FULL] = 1
-                return False
-            self._hdr[FILL] = fill + length
-            e[2] = -os.getpid()  # WRITING, by this process
+            self._arena[fill:fill + length] = np.frombuffer(data, dtype=np.uint8)
+            e[0], e[1] = fill, length
+            e[3] = _entry_crc(i, fill, length, data)
+            e[2] = READY  # last store: the entry becomes visible
+            self._hdr[ADMITTED] += 1
         finally:
-            self._unlock()
-        self._arena[fill:fill + length] = np.frombuffer(data, dtype=np.uint8)
-        e[0], e[1] = fill, length
-        e[3] = zlib.crc32(data) & 0xFFFFFFFF if self.checksum else 0
-        e[2] = READY  # last store: the entry becomes visible
-        self._hdr[ADMITTED] += 1
+            with self._tlock:
+                self._writing.discard(i)
+                _setlk(pfd, fcntl.F_UNLCK, ent, _ENTRY)
         return True
 
     def info(self) -> CacheInfo:
-        return _info(self.name, self._hdr, self._index)
+        return _info(self.name, self._hdr, self._index, self._fd, None)
 
 
-def _flock(kind: int) -> bytes:
-    # struct flock on Linux: short type, short whence, (pad), off_t start, off_t len, pid_t pid, (pad)
-    return struct.pack("hhxxxxqqixxxx", kind, os.SEEK_SET, 0, 8, 0)
+# Re-entrant for the same reason as _DirLock: a finalizer run by a garbage
+# collection inside _ensure_held may detach another cache.
+_FORK_LOCK = threading.RLock()
 
 
-_FORK_SAFE = [threading.Lock()]
-os.register_at_fork(after_in_child=lambda: _FORK_SAFE.__setitem__(0, threading.Lock()))
+def _after_fork_in_child() -> None:
+    global _FORK_LOCK, _DIR_RLOCK, _dir_depth, _dir_fd
+    _FORK_LOCK = threading.RLock()
+    _DIR_RLOCK = threading.RLock()
+    if _dir_fd >= 0:  # the parent's description: its flock stays the parent's
+        try:
+            os.close(_dir_fd)
+        except OSError:
+            pass
+    _dir_depth, _dir_fd = 0, -1
+    for c in list(_LIVE):
+        c._after_fork_in_child()
 
 
-def _reattach(name: str, n: int) -> NodeCache:
-    path = os.path.join(SHM_DIR, name)
-    fd = os.open(path, os.O_RDWR)
-    mm = mmap.mmap(fd, os.fstat(fd).st_size)
-    return NodeCache(name, fd, mm, owner=False)
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
-def _info(name, hdr, index) -> CacheInfo:
-    owners = hdr[_H:_H + 2 * _OWNERS].reshape(_OWNERS, 2)
-    live = tuple(int(p) for p, t in owners if p and _alive(int(p), int(t)))
-    return CacheInfo(name=name, capacity=int(hdr[CAPACITY]), filled=int(hdr[FILL]), samples=int(hdr[N]),
-                     cached=int((index[:, 2] == READY).sum()), hits=int(hdr[HITS]), misses=int(hdr[MISSES]),
-                     owners=live, full=bool(hdr[FULL]))
+@atexit.register
+def _close_all() -> None:
+    for c in list(_LIVE):
+        try:
+            c.close()
+        except Exception:
+            pass
 
 
-def _open_readonly(name: str):
-    path = os.path.join(SHM_DIR, name)
-    fd = os.open(path, os.O_RDONLY)
+def _from_fd(dupfd, name: str, dev: int, ino: int, checksum: bool, keep_warm: float) -> NodeCache:
+    fd = dupfd.detach()
     try:
-        size = os.fstat(fd).st_size
-        if size < _HEADER:
-            return None, None
-        mm = mmap.mmap(fd, size, prot=mmap.PROT_READ)
-    finally:
+        st = os.fstat(fd)
+        if (st.st_dev, st.st_ino) != (dev, ino):
+            raise RuntimeError(f"coordl node cache {name}: the descriptor passed to this process is "
+                               f"not the segment it was sent as")
+        mm, hdr = _map_checked(fd, name)
+        if hdr is None:
+            raise RuntimeError(f"coordl node cache {name}: the segment passed to this process is not initialised")
+        del hdr
+        cache = NodeCache(name, fd, mm, checksum=checksum, keep_warm=keep_warm)
+    except BaseException:
         os.close(fd)
-    return mm, np.frombuffer(mm, dtype=np.int64, count=_HEADER // 8)
+        raise
+    cache._ensure_held()
+    return cache
 
 
-def _segments():
-    """(name, mapping, header) of every initialized coordl cache in /dev/shm."""
-    for name in sorted(os.listdir(SHM_DIR)):
-        if not _NAME.match(name):
+def _adopt(dfd: int, name: str, n: int):
+    """(fd, mapping) of this dataset's existing segment, or (None, None) if
+    there is none (an uninitialised one left by a crashed creator is removed)."""
+    try:
+        fd = _open_segment(dfd, name)
+    except FileNotFoundError:
+        return None, None
+    try:
+        mm, hdr = _map_checked(fd, os.path.join(user_dir(), name))
+        if hdr is None:
+            if mm is not None:
+                mm.close()
+            if not _idle(fd):
+                raise RuntimeError(f"coordl node cache {os.path.join(user_dir(), name)} is in use but not a "
+                                   f"coordl {_VERSION} segment (another coordl version?); stop the jobs using "
+                                   f"it or remove it (coordl cache clear --force {name})")
+            _unlink_if_same(dfd, name, fd)
+            os.close(fd)
+            return None, None
+        if int(hdr[N]) != n:
+            have = int(hdr[N])
+            del hdr
+            mm.close()
+            raise RuntimeError(f"coordl node cache {os.path.join(user_dir(), name)} holds {have} samples, but "
+                               f"the dataset has {n}: a fingerprint collision; remove it "
+                               f"(coordl cache clear --force {name})")
+        del hdr
+        return fd, mm
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def _create(dfd: int, name: str, n: int, capacity: int, total: int, checksum: bool):
+    def no_room():
+        free = shm_free_bytes()
+        return MemoryError(
+            f"coordl node cache: cache_size={capacity} bytes (plus {total - capacity} bytes of index) "
+            f"does not fit in {shm_root()}: {free} bytes free. Pass a smaller cache_size (e.g. "
+            f"cache_size=\"{max(0, free - _HEADER - n * _ENTRY) // 2 // 2**20}MiB\"), free space in "
+            f"{shm_root()} (coordl cache clear), or enlarge it (mount -o remount,size=<bytes> "
+            f"{shm_root()}; in Docker: --shm-size)")
+
+    if total > shm_free_bytes():
+        raise no_room()  # cheap early answer; the reservation below is the real check
+    fd = os.open(name, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=dfd)
+    try:
+        os.fchmod(fd, 0o600)
+        try:
+            # a reservation (ftruncate alone is sparse): two jobs racing for the
+            # last free memory get a clean error here, never SIGBUS while filling
+            os.posix_fallocate(fd, 0, total)
+        except OSError as e:
+            if e.errno not in (errno.ENOSPC, errno.EFBIG, errno.ENOMEM):
+                raise
+            os.ftruncate(fd, 0)
+            raise no_room() from None
+        mm = mmap.mmap(fd, total)
+        hdr = _header(mm)
+        hdr[VERSION], hdr[CAPACITY], hdr[N] = _VERSION, capacity, n
+        hdr[CREATED] = _now_ms()
+        hdr[CHECKSUM] = int(checksum)
+        hdr[MAGIC] = _MAGIC  # last (we hold the directory lock, so nobody looks before)
+        del hdr
+        return fd, mm
+    except BaseException:
+        try:
+            _unlink_if_same(dfd, name, fd)
+        finally:
+            os.close(fd)
+        raise
+
+
+def _sweep(dfd: int, keep: str | None = None, *, everything: bool = False, force: bool = False,
+           only: str | None = None) -> list[str]:
+    """Under the directory lock: remove idle segments whose keep-warm time
+    (counted from when they were first seen idle) is over.  ``everything``
+    ignores keep-warm, ``force`` also removes held ones, ``only`` restricts
+    to one name.  Returns the names removed."""
+    removed = []
+    now = _now_ms()
+    for name in sorted(os.listdir(dfd)):
+        if not name.startswith(PREFIX) or name == keep or (only is not None and name != only):
             continue
         try:
-            mm, hdr = _open_readonly(name)
-        except OSError:
-            continue
-        if hdr is not None and hdr[MAGIC] == _MAGIC:
-            yield name, mm, hdr
+            fd = _open_segment(dfd, name)
+        except (OSError, CacheSecurityError):
+            continue  # not ours to judge; attach of that name refuses it loudly
+        try:
+            idle = _idle(fd)
+            if not idle and not force:
+                continue
+            if idle and not everything:
+                mm, hdr = _map_checked(fd, name)
+                if hdr is not None:
+                    since = int(hdr[ORPHAN_SINCE])
+                    if since == 0:  # first seen ownerless (its holders were killed)
+                        hdr[ORPHAN_SINCE] = since = now
+                    keep_ms = int(hdr[KEEP_WARM])
+                    del hdr
+                    mm.close()
+                    if now - since < keep_ms:
+                        continue
+                elif mm is not None:
+                    mm.close()
+            if _unlink_if_same(dfd, name, fd):
+                removed.append(name)
+        finally:
+            os.close(fd)
+    return removed
+
+
+def _flock_holders() -> dict[tuple[int, int, int], int]:
+    """(major, minor, inode) -> number of flock holders, from /proc/locks
+    (holders in other pid namespaces may be missing)."""
+    out: dict[tuple[int, int, int], int] = {}
+    try:
+        with open("/proc/locks") as f:
+            for line in f:
+                parts = line.split()
+                if "->" in parts:
+                    continue  # a waiter
+                if len(parts) < 6 or parts[1] != "FLOCK":
+                    continue
+                try:
+                    ma, mi, ino = parts[5].split(":")
+                    key = (int(ma, 16), int(mi, 16), int(ino))
+                except ValueError:
+                    continue
+                out[key] = out.get(key, 0) + 1
+    except OSError:
+        pass
+    return out
+
+
+def _info(name, hdr, index, fd, holders) -> CacheInfo:
+    st = os.fstat(fd)
+    if holders is None:
+        holders = _flock_holders()
+    count = holders.get((os.major(st.st_dev), os.minor(st.st_dev), st.st_ino), 0)
+    return CacheInfo(name=name, capacity=int(hdr[CAPACITY]), filled=int(hdr[FILL]), samples=int(hdr[N]),
+                     cached=int((index[:, 2] == READY).sum()), hits=int(hdr[HITS]), misses=int(hdr[MISSES]),
+                     holders=count, in_use=count > 0, full=bool(hdr[FULL]))
 
 
 def list_caches() -> list[CacheInfo]:
+    """This user's caches."""
+    try:
+        dfd = _open_user_dir(create=False)
+    except FileNotFoundError:
+        return []
     out = []
-    for name, mm, hdr in _segments():
-        n = int(hdr[N])
-        index = np.frombuffer(mm, dtype=np.int64, count=n * 4, offset=_HEADER).reshape(n, 4)
-        out.append(_info(name, hdr, index))
+    try:
+        with _DirLock(dfd):
+            holders = _flock_holders()
+            for name in sorted(os.listdir(dfd)):
+                if not name.startswith(PREFIX):
+                    continue
+                try:
+                    fd = _open_segment(dfd, name, write=False)
+                except (OSError, CacheSecurityError):
+                    continue
+                try:
+                    mm, hdr = _map_checked(fd, name, write=False)
+                    if hdr is None:
+                        if mm is not None:
+                            mm.close()
+                        continue
+                    n = int(hdr[N])
+                    index = np.frombuffer(mm, dtype=np.int64, count=n * 4, offset=_HEADER).reshape(n, 4)
+                    info = _info(name, hdr, index, fd, holders)
+                    if not info.in_use and not _idle(fd):  # holders outside our pid namespace
+                        info = CacheInfo(**{**info.__dict__, "holders": -1, "in_use": True})
+                    out.append(info)
+                    del hdr, index
+                    mm.close()
+                finally:
+                    os.close(fd)
+    finally:
+        os.close(dfd)
     return out
 
 
 def clear_caches(name: str | None = None, force: bool = False) -> list[str]:
-    """Unlink caches (all, or ``name``); in-use ones only with ``force``.
-    Processes attached keep their mapping until they detach."""
-    removed = []
-    for info in list_caches():
-        if name is not None and info.name != name:
-            continue
-        if info.owners and not force:
-            continue
-        try:
-            os.unlink(os.path.join(SHM_DIR, info.name))
-            removed.append(info.name)
-        except OSError:
-            pass
-    return removed
+    """Unlink this user's idle caches (all, or ``name``), keep-warm or not;
+    in-use ones too with ``force`` (their holders keep their mapping and
+    keep reading and writing that same memory until they detach)."""
+    try:
+        dfd = _open_user_dir(create=False)
+    except FileNotFoundError:
+        return []
+    try:
+        with _DirLock(dfd):
+            return _sweep(dfd, everything=True, force=force, only=name)
+    finally:
+        os.close(dfd)
 
 
 def reclaim_stale() -> list[str]:
-    """Unlink caches whose owners are all dead and whose keep-warm time is over."""
-    removed = []
-    now_ms = int(time.time() * 1000)
-    for name, _mm, hdr in _segments():
-        owners = hdr[_H:_H + 2 * _OWNERS].reshape(_OWNERS, 2)
-        if any(p and _alive(int(p), int(t)) for p, t in owners):
-            continue
-        if int(hdr[LAST_DETACH]) + int(hdr[KEEP_WARM]) > now_ms:
-            continue
-        try:
-            os.unlink(os.path.join(SHM_DIR, name))
-            removed.append(name)
-        except OSError:
-            pass
-    return removed
+    """Unlink this user's idle caches whose keep-warm time is over (what
+    every attach does for the other datasets' caches)."""
+    try:
+        dfd = _open_user_dir(create=False)
+    except FileNotFoundError:
+        return []
+    try:
+        with _DirLock(dfd):
+            return _sweep(dfd)
+    finally:
+        os.close(dfd)

@@ -16,29 +16,41 @@ def _cmd_demo(args) -> int:
 
 
 def _cmd_cache(args) -> int:
-    from .cache import clear_caches, list_caches, reclaim_stale
+    from .cache import CacheSecurityError
+
+    try:
+        return _cache(args)
+    except (CacheSecurityError, TimeoutError) as e:
+        print(f"coordl cache {args.cache_cmd}: {e}", file=sys.stderr)
+        return 1
+
+
+def _cache(args) -> int:
+    from .cache import clear_caches, list_caches, user_dir
 
     if args.cache_cmd == "clear":
         removed = clear_caches(args.name, force=args.force)
-        stale = [] if args.name else reclaim_stale()
-        for name in removed + stale:
+        for name in removed:
             print(f"removed {name}")
-        busy = [c.name for c in list_caches() if args.name in (None, c.name)]
+        busy = [c.name for c in list_caches() if args.name in (None, c.name) and c.in_use]
         for name in busy:
-            print(f"kept {name}: in use by live processes (pass --force to remove it anyway)")
+            print(f"kept {name}: in use (pass --force to remove it anyway; its users keep their memory "
+                  "until they exit)")
         if args.name and not removed and not busy:
-            print(f"no cache named {args.name}")
+            print(f"no cache named {args.name} in {user_dir()}")
             return 1
         return 0
     caches = list_caches()
     if not caches:
-        print("no coordl caches in /dev/shm")
+        print(f"no coordl caches in {user_dir()}")
         return 0
-    print(f"{'name':<48}{'size':>10}{'filled':>10}{'samples':>16}{'hits':>10}{'misses':>10}  owners")
+    print(f"caches in {user_dir()}:")
+    print(f"{'name':<48}{'size':>10}{'filled':>10}{'samples':>16}{'hits':>10}{'misses':>10}  holders")
     for c in caches:
+        who = str(c.holders) if c.holders > 0 else ("in use" if c.in_use else "idle")
         print(f"{c.name:<48}{c.capacity / 2**20:>9.1f}M{c.filled / 2**20:>9.1f}M"
               f"{f'{c.cached}/{c.samples}':>16}{c.hits:>10}{c.misses:>10}  "
-              f"{','.join(map(str, c.owners)) or '-'}{' (full)' if c.full else ''}")
+              f"{who}{' (full)' if c.full else ''}")
     return 0
 
 
@@ -61,10 +73,11 @@ def main(argv: list[str] | None = None) -> int:
     d.add_argument("--batch-size", type=int, default=32, help="batch size (default 32)")
     d.set_defaults(func=_cmd_demo)
 
-    c = sub.add_parser("cache", help="show or remove node caches (/dev/shm/coordl-cache-*)")
+    c = sub.add_parser("cache", help="show or remove your node caches (/dev/shm/coordl-<uid>/cache-*)")
     csub = c.add_subparsers(dest="cache_cmd", required=True)
-    csub.add_parser("ls", help="list caches: size, fill, samples cached, hits, misses, owners")
-    cl = csub.add_parser("clear", help="remove caches not in use (all, or NAME)")
+    csub.add_parser("ls", help="list caches: size, fill, samples cached, hits, misses, holders "
+                               "(processes attached)")
+    cl = csub.add_parser("clear", help="remove caches not in use, kept warm or not (all, or NAME)")
     cl.add_argument("name", nargs="?", default=None)
     cl.add_argument("--force", action="store_true", help="also remove caches in use")
     c.set_defaults(func=_cmd_cache)

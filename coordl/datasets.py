@@ -75,7 +75,7 @@ IMG_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tif
 _O_FLAGS = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_BINARY", 0)
 _CHUNK = 1 << 20
 _DEFAULT_LOADER_NAMES = ("default_loader", "pil_loader")
-_FINGERPRINT_TAG = b"coordl.datasets.folder/1\0"
+_FINGERPRINT_TAG = b"coordl.datasets.folder/2\0"
 
 
 # --------------------------------------------------------------------------
@@ -421,7 +421,7 @@ class _FolderBase:
 
     # -- storage ----------------------------------------------------------
 
-    def _set_table(self, prefix: str, names: list[bytes], targets, sizes, mtimes) -> None:
+    def _set_table(self, prefix: str, names: list[bytes], targets, sizes, mtimes, versions=None) -> None:
         lengths = np.fromiter((len(b) for b in names), dtype=np.int64, count=len(names))
         offsets = np.zeros(len(names) + 1, dtype=np.int64)
         np.cumsum(lengths, out=offsets[1:])
@@ -431,6 +431,15 @@ class _FolderBase:
         self._targets = np.asarray(targets, dtype=np.int64).reshape(-1).copy()
         self._sizes = np.asarray(sizes, dtype=np.int64).reshape(-1).copy()
         self._mtimes = np.asarray(mtimes, dtype=np.int64).reshape(-1).copy()
+        # what a remote store reports per object (ETag, version id, ...), as one digest
+        self._versions = b""
+        if versions is not None:
+            h = hashlib.blake2b(digest_size=16)
+            for v in versions:
+                b = str(v or "").encode()
+                h.update(len(b).to_bytes(8, "little"))
+                h.update(b)
+            self._versions = h.digest()
         self._fingerprint = None
 
     def _set_samples(self, samples: Iterable[tuple[Any, int]], root: str | None) -> None:
@@ -503,16 +512,25 @@ class _FolderBase:
         return _ro(self._mtimes)
 
     def fingerprint(self) -> str:
-        """Hex digest of the samples' paths (relative to ``root``), sizes and
-        mtimes as recorded by the scan.
+        """Hex digest of where the samples are (the resolved root directory,
+        or the URL), their paths relative to it, sizes and mtimes, and for a
+        remote store the version it reports per object (ETag, version id,
+        generation), as recorded by the scan.
 
         Stable for an unchanged folder, different once a file is added,
-        removed, renamed, resized or touched (rescan: create a new dataset).
-        A cache of raw bytes can name its storage after it.
+        removed, renamed, resized, touched or (remote) re-uploaded, and for
+        two copies of a dataset in different places (rescan: create a new
+        dataset).  A cache of raw bytes can name its storage after it.  A
+        remote store that reports neither mtimes nor versions cannot tell a
+        rewritten object of the same size: clear the cache after such a change.
         """
         if self._fingerprint is None:
             h = hashlib.blake2b(digest_size=16)
             h.update(_FINGERPRINT_TAG)
+            where = self._where()
+            h.update(len(where).to_bytes(8, "little"))
+            h.update(where)
+            h.update(self._versions)
             h.update(np.int64(len(self._sizes)).astype("<i8").tobytes())
             h.update(self._offsets.astype("<i8").tobytes())
             h.update(self._paths.tobytes())
@@ -520,6 +538,19 @@ class _FolderBase:
             h.update(self._mtimes.astype("<i8").tobytes())
             self._fingerprint = h.hexdigest()
         return self._fingerprint
+
+    def _where(self) -> bytes:
+        """The samples' location for the fingerprint: the URL of a remote
+        store, else the resolved prefix directory (or working directory, for
+        relative paths under no common prefix)."""
+        if self._store is not None:
+            return b"url:" + self._store.url.encode()
+        if self._prefix:
+            return b"dir:" + os.fsencode(os.path.realpath(self._prefix))
+        starts = self._paths[self._offsets[:-1][self._offsets[:-1] < len(self._paths)]]
+        if (starts != ord("/")).any():
+            return b"cwd:" + os.fsencode(os.path.realpath(os.getcwd()))
+        return b"abs:"
 
     # -- protocol ---------------------------------------------------------
 
@@ -703,7 +734,8 @@ class DatasetFolder(_FolderBase):
                 + (f" Supported extensions are: {extensions if isinstance(extensions, str) else ', '.join(extensions)}"
                    if extensions is not None else ""))
         self._set_table(self._store.url, [f[0].encode() for f in files],
-                        [class_to_idx[f[1]] for f in files], [f[2] for f in files], [f[3] for f in files])
+                        [class_to_idx[f[1]] for f in files], [f[2] for f in files], [f[3] for f in files],
+                        versions=[f[4] for f in files])
         self.classes = classes
         self.class_to_idx = class_to_idx
 

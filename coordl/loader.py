@@ -427,8 +427,12 @@ class DataLoader(_TorchDataLoader[_T_co]):
         samplers.
     cache_size
         Node cache budget: bytes, ``"20GiB"``, ``"512MB"`` or ``"50%"`` of
-        available memory; ``0``/``None`` disables it.  Parsed and validated here;
-        see docs/api.md for what uses it.
+        available memory; ``0``/``None`` disables it.  Reserved in full in
+        ``/dev/shm/coordl-<uid>/`` when the loader is created (a full
+        ``/dev/shm`` raises ``MemoryError`` here); see docs/api.md.
+    cache_checksum, cache_keep_warm
+        Raise on a hit whose CRC32 does not match; seconds the cache
+        outlives its last user (see docs/api.md, "Node cache").
     device
         Deliver batches on this device (``"cuda"``, ``"cuda:1"``, ``"cpu"``);
         with CUDA, batches are pinned and copied with ``non_blocking=True``.
@@ -796,7 +800,9 @@ class DataLoader(_TorchDataLoader[_T_co]):
 
     def _attach_cache(self):
         """Attach to (or create) the node cache before training starts, so a
-        /dev/shm too small for it fails now, with the remedy."""
+        /dev/shm too small for it fails now, with the remedy.  This loader's
+        hold on it ends when the loader is collected; the segment itself goes
+        only when no loader, worker or job holds it any more."""
         from .cache import NodeCache
 
         checksum, keep_warm = self._cache_opts

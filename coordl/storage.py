@@ -37,6 +37,17 @@ def _mtime_ns(info: dict) -> int:
     return 0
 
 
+def _version(info: dict) -> str:
+    """The object version a store reports (S3 ETag/VersionId, GCS generation,
+    Azure etag, HTTP ETag, ...), or "" if none."""
+    for key in ("VersionId", "version_id", "generation", "ETag", "etag", "md5Hash", "md5",
+                "content_md5", "checksum"):
+        v = info.get(key)
+        if v not in (None, ""):
+            return f"{key}={v}"
+    return ""
+
+
 class FsspecStore:
     """Lists and reads a folder tree through fsspec."""
 
@@ -74,8 +85,9 @@ class FsspecStore:
         return stripped[len(self._fs._strip_protocol(root)):].lstrip("/")
 
     def scan(self, valid: Callable[[str], bool]):
-        """``(classes, [(rel_path, class_name, size, mtime_ns)])`` in sorted order:
-        class folders are the first path components under the root."""
+        """``(classes, [(rel_path, class_name, size, mtime_ns, version)])`` in
+        sorted order: class folders are the first path components under the
+        root; ``version`` is what the store reports (see :func:`_version`)."""
         fs = self.fs
         found = fs.find(self._root, detail=True, withdirs=True)
         classes: set[str] = set()
@@ -94,7 +106,8 @@ class FsspecStore:
             classes.add(parts[0])
             if valid(posixpath.join(self.url, rel)):
                 size = info.get("size")
-                files.append((rel, parts[0], int(size) if size is not None else -1, _mtime_ns(info)))
+                files.append((rel, parts[0], int(size) if size is not None else -1, _mtime_ns(info),
+                              _version(info)))
         files.sort(key=lambda f: f[0].split("/"))
         return sorted(classes), files
 

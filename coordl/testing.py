@@ -17,6 +17,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -193,11 +194,43 @@ def live_children(pid: int | None = None) -> list[psutil.Process]:
 
 
 def shm_entries() -> set[str]:
-    """Names currently in ``/dev/shm`` (empty if it does not exist)."""
+    """Shared-memory entries of this user: names of the files it owns in
+    ``/dev/shm``, plus the full paths of its node cache segments (in
+    ``coordl.cache.user_dir()``, wherever ``COORDL_SHM_DIR`` puts it).
+
+    Other users' entries, and directories (the per-user cache directory and
+    its lock file are long-lived by design), are not listed: a leak check
+    built on this sees only what this user created.
+    """
+    from .cache import LOCK_NAME, user_dir
+
+    me = os.geteuid()
+    out: set[str] = set()
     try:
-        return set(os.listdir(SHM_DIR))
+        names = os.listdir(SHM_DIR)
     except FileNotFoundError:
-        return set()
+        names = []
+    for name in names:
+        try:
+            st = os.lstat(os.path.join(SHM_DIR, name))
+        except OSError:
+            continue
+        if st.st_uid == me and not stat.S_ISDIR(st.st_mode):
+            out.add(name)
+    udir = user_dir()
+    try:
+        names = os.listdir(udir)
+    except (FileNotFoundError, NotADirectoryError, PermissionError):
+        names = []
+    for name in names:
+        path = os.path.join(udir, name)
+        try:
+            st = os.lstat(path)
+        except OSError:
+            continue
+        if name != LOCK_NAME and st.st_uid == me:
+            out.add(path)
+    return out
 
 
 def _cmdline(p: psutil.Process) -> str:

@@ -8,11 +8,17 @@ leaked pids, command lines and shm names.
 
 ``COORDL_LEAK_GRACE`` (seconds, default 5) sets how long teardown waits for
 stragglers to exit before calling them leaked.
+
+Node cache segments go to a directory of this session's own
+(``COORDL_SHM_DIR``, mode 1777 like /dev/shm, removed at the end; child
+processes inherit it), so test runs sharing a machine and a uid never see,
+sweep or blame each other's caches.
 """
 from __future__ import annotations
 
 import gc
 import os
+import shutil
 
 import pytest
 
@@ -25,13 +31,26 @@ from coordl.testing import (
 )
 
 LEAK_GRACE = float(os.environ.get("COORDL_LEAK_GRACE", "5"))
+_SESSION_SHM = None
 
 
 def pytest_configure(config):
+    global _SESSION_SHM
+    if "COORDL_SHM_DIR" not in os.environ and os.path.isdir("/dev/shm"):
+        _SESSION_SHM = f"/dev/shm/coordl-test-{os.getpid()}"
+        os.makedirs(_SESSION_SHM, exist_ok=True)
+        os.chmod(_SESSION_SHM, 0o1777)
+        os.environ["COORDL_SHM_DIR"] = _SESSION_SHM
     config.addinivalue_line(
         "markers",
         "allow_leaks: skip the per-test check for leaked processes and /dev/shm entries",
     )
+
+
+def pytest_unconfigure(config):
+    if _SESSION_SHM is not None:
+        shutil.rmtree(_SESSION_SHM, ignore_errors=True)
+        os.environ.pop("COORDL_SHM_DIR", None)
 
 
 @pytest.fixture(autouse=True)

@@ -137,7 +137,7 @@ def test_sigkilled_trainer_leaves_no_workers_and_its_cache_is_reclaimed():
         except psutil.NoSuchProcess:
             pass
     assert not any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in pids)
-    name = "coordl-cache-feedd1e5d1e5"
-    assert os.path.exists(os.path.join(C.SHM_DIR, name))  # nobody detached it
-    assert name in C.reclaim_stale()  # the next start's sweep
-    assert not os.path.exists(os.path.join(C.SHM_DIR, name))
+    name = "cache-feedd1e5d1e5"
+    assert os.path.exists(os.path.join(C.user_dir(), name))  # nobody detached it
+    assert name in C.reclaim_stale()  # the next start's sweep (no keep-warm asked)
+    assert not os.path.exists(os.path.join(C.user_dir(), name))

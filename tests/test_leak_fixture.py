@@ -173,6 +173,24 @@ def test_shm_entry_created_after_first_poll_is_not_blamed():
         os.unlink(path)
 
 
+@needs_shm
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("setpriv") is None, reason="needs root and setpriv")
+def test_another_users_shm_entry_is_not_blamed():
+    """Another user's /dev/shm entry appearing during a test is not this
+    test's leak; one of ours is."""
+    before_pids, before_shm = _snapshot()
+    theirs, ours = _shm_name(), _shm_name()
+    subprocess.run(["setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups", "touch",
+                    os.path.join(SHM_DIR, theirs)], check=True, timeout=30)
+    open(os.path.join(SHM_DIR, ours), "wb").close()
+    try:
+        _, shm = wait_no_leaks(before_pids, before_shm, grace=0.2)
+        assert ours in shm and theirs not in shm
+    finally:
+        os.unlink(os.path.join(SHM_DIR, theirs))
+        os.unlink(os.path.join(SHM_DIR, ours))
+
+
 # -- run_in_child -------------------------------------------------------------------
 
 def test_run_in_child_returns_completed_process():

@@ -1,0 +1,497 @@
+"""Node cache lifetime (issue 7 items 1-6): held by flocks, never by pid
+tables or clocks; names acted on only while they name the inode held."""
+import gc
+import os
+import signal
+import sys
+import textwrap
+import threading
+import time
+
+import numpy as np
+import psutil
+import pytest
+
+import coordl
+from coordl import cache as C
+from coordl.cache import NodeCache, list_caches
+from coordl.testing import run_in_child
+
+from _cache_helpers import check_pass, file_bytes, folder, make_folder
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+BIG = 1 << 20
+
+
+@pytest.fixture
+def data(tmp_path):
+    root = make_folder(tmp_path / "data")
+    ds = folder(root)
+    return root, ds, file_bytes(ds)
+
+
+@pytest.fixture(autouse=True)
+def _no_caches_left():
+    yield
+    gc.collect()
+    left = [c.name for c in list_caches()]
+    C.clear_caches(force=True)
+    assert not left, f"caches left behind: {left}"
+
+
+# ---------------------------------------------------------------- item 1
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_loader_recreated_every_epoch_keeps_working_and_stays_warm(data, num_workers):
+    """for epoch: loader = DataLoader(...): the old loader, collected after
+    the new one attached, must not remove the cache under the new one."""
+    root, ds, expected = data
+    L = None
+    for epoch in range(4):
+        L = coordl.DataLoader(folder(root), batch_size=8, num_workers=num_workers, cache_size=BIG)
+        gc.collect()  # the previous loader goes now, while this one is attached
+        assert check_pass(L, expected) == len(expected)
+        if epoch:
+            assert L.stats().epochs[0].samples_from_cache == len(expected)
+    assert [c.holders for c in list_caches()] == [1]
+    del L
+    gc.collect()
+    assert list_caches() == []  # the last one out removed it
+
+
+def test_two_loaders_on_one_dataset_in_one_process(data):
+    root, ds, expected = data
+    a = coordl.DataLoader(folder(root), batch_size=8, num_workers=2, cache_size=BIG)
+    b = coordl.DataLoader(folder(root), batch_size=8, num_workers=0, cache_size=BIG)
+    check_pass(a, expected)
+    check_pass(b, expected)
+    assert [c.holders for c in list_caches()] == [2]
+    del a
+    gc.collect()
+    for _ in range(2):
+        check_pass(b, expected)
+    assert b.stats().epochs[-1].samples_from_cache == len(expected)
+    del b
+    gc.collect()
+    assert list_caches() == []
+
+
+def test_loader_collected_inside_another_attach_does_not_wait_for_itself(data, monkeypatch):
+    """The old loader is freed by a garbage collection that runs while the
+    new one is attaching (holding the directory lock): its finalizer detaches
+    without waiting for the lock its own thread holds."""
+    root, ds, expected = data
+    monkeypatch.setattr(C, "_LOCK_WAIT", 5.0)
+    a = coordl.DataLoader(folder(root), batch_size=8, cache_size=BIG)
+    check_pass(a, expected)
+    a.cycle = a  # only the cycle collector frees it
+    del a
+    real = C._adopt
+
+    def adopt_after_gc(*args):
+        gc.collect()  # the old loader's finalizer runs here
+        return real(*args)
+
+    monkeypatch.setattr(C, "_adopt", adopt_after_gc)
+    b = coordl.DataLoader(folder(root), batch_size=8, cache_size=BIG)
+    monkeypatch.setattr(C, "_adopt", real)
+    for _ in range(2):
+        check_pass(b, expected)
+    assert [c.holders for c in list_caches()] == [1]
+    del b
+    gc.collect()
+
+
+# ---------------------------------------------------------------- item 2
+
+@pytest.mark.parametrize("ctx", ["fork", "spawn"])
+def test_clear_force_and_recreate_while_jobs_run_never_mixes_samples(data, ctx):
+    """`coordl cache clear --force` unlinks the segment under running loaders
+    and another loader re-creates the name: every process keeps admitting
+    into, and locking, the inode it maps, so every delivered sample is its
+    own file's bytes (all samples have the same length)."""
+    from coordl.cli import main
+
+    root, ds, expected = data
+    kw = dict(batch_size=8, cache_size=BIG)
+    a = coordl.DataLoader(folder(root), num_workers=0, **kw)            # admits in this process
+    b = coordl.DataLoader(folder(root), num_workers=2, multiprocessing_context=ctx, **kw)  # new workers each pass
+    it = iter(a)
+    next(it)  # a has admitted (and locked) through its own description
+    del it
+    assert main(["cache", "clear", "--force"]) == 0
+    assert list_caches() == []
+    c = coordl.DataLoader(folder(root), num_workers=0, **kw)            # re-creates the name
+    errors = []
+
+    def run_a():
+        try:
+            for _ in range(3):
+                check_pass(a, expected)
+        except BaseException as e:  # reported below
+            errors.append(e)
+
+    t = threading.Thread(target=run_a)
+    t.start()
+    for _ in range(3):
+        check_pass(b, expected)
+        check_pass(c, expected)
+    t.join(120)
+    assert not t.is_alive() and not errors, errors
+    assert b.stats().epochs[-1].samples_from_cache == len(expected)
+    del a, b, c
+    gc.collect()
+
+
+# ---------------------------------------------------------------- item 3
+
+def test_clock_step_does_not_make_live_holders_look_dead(data, monkeypatch):
+    """Another job's attach, the sweep and `coordl cache clear` after the
+    wall clock jumped (and psutil's start times with it) leave a live job's
+    cache alone: nothing about holding depends on clocks or pids."""
+    from coordl.cli import main
+
+    root, ds, expected = data
+    code = textwrap.dedent(f"""
+        import sys
+        sys.path.insert(0, {HERE!r})
+        import coordl
+        from _cache_helpers import folder, file_bytes, check_pass
+        ds = folder({root!r})
+        L = coordl.DataLoader(ds, batch_size=8, cache_size={BIG})
+        check_pass(L, file_bytes(ds))
+        print("attached", flush=True)
+        sys.stdin.readline()
+        check_pass(L, file_bytes(ds))
+        print("from cache", L.stats().epochs[1].samples_from_cache, flush=True)
+    """)
+    import subprocess
+    from coordl.testing import _child_env
+    p = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True, env=_child_env(None))
+    try:
+        assert p.stdout.readline().strip() == "attached", p.stderr.read()
+        names = [c.name for c in list_caches()]
+        assert len(names) == 1
+        monkeypatch.setattr(time, "time", lambda: 4e9)
+        monkeypatch.setattr(psutil.Process, "create_time", lambda self: 4e9)
+        other = NodeCache.attach("feedc10c", 4, 1000)  # another job starts: sweeps
+        C.reclaim_stale()
+        assert main(["cache", "clear"]) == 0
+        assert names[0] in [c.name for c in list_caches()]
+        other.close()
+        monkeypatch.undo()
+        out, err = p.communicate("go\n", timeout=60)
+        assert f"from cache {len(expected)}" in out, out + err
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+
+
+# ---------------------------------------------------------------- item 5
+
+def _job(root, body, keep_warm=0, fp_root=None):
+    return textwrap.dedent(f"""
+        import os, signal, sys, time
+        sys.path.insert(0, {HERE!r})
+        import coordl
+        from _cache_helpers import folder, file_bytes, check_pass
+        ds = folder({root!r})
+        L = coordl.DataLoader(ds, batch_size=8, cache_size={BIG}, cache_keep_warm={keep_warm})
+    """) + textwrap.dedent(body)
+
+
+def test_sigkilled_job_restart_adopts_its_warm_cache(data):
+    root, ds, expected = data
+    r = run_in_child(_job(root, """
+        check_pass(L, file_bytes(ds))
+        os.kill(os.getpid(), signal.SIGKILL)
+    """), timeout=120)
+    assert r.returncode == -signal.SIGKILL, r.stderr
+    [left] = list_caches()  # nobody detached it
+    assert left.cached == len(expected)
+    r = run_in_child(_job(root, """
+        check_pass(L, file_bytes(ds))
+        print("from cache", L.stats().epochs[0].samples_from_cache)
+    """), timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert f"from cache {len(expected)}" in r.stdout  # the restart started warm
+    assert list_caches() == []  # and its normal exit removed it (no keep-warm)
+
+
+@pytest.mark.parametrize("keep_warm", [0, 3600])
+def test_ownerless_cache_of_another_dataset_removed_after_keep_warm(data, tmp_path, keep_warm):
+    root, ds, expected = data
+    r = run_in_child(_job(root, """
+        check_pass(L, file_bytes(ds))
+        os.kill(os.getpid(), signal.SIGKILL)
+    """, keep_warm=keep_warm), timeout=120)
+    assert r.returncode == -signal.SIGKILL, r.stderr
+    [killed] = list_caches()
+    other = NodeCache.attach("feed0the4", 4, 1000)  # another dataset's job starts
+    names = [c.name for c in list_caches()]
+    assert (killed.name in names) == (keep_warm > 0)
+    other.close()
+    from coordl.cli import main
+    assert main(["cache", "clear"]) == 0  # explicit: idle caches go, kept warm or not
+    assert list_caches() == []
+
+
+def test_sigterm_runs_the_exit_path_and_still_dies_of_sigterm(data):
+    root, ds, expected = data
+    code = _job(root, """
+        try:
+            while True:
+                check_pass(L, file_bytes(ds))
+                print("epoch", flush=True)
+        finally:
+            print("finally ran", flush=True)
+    """)
+    import subprocess
+    from coordl.testing import _child_env
+    p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True, env=_child_env(None), start_new_session=True)
+    try:
+        assert p.stdout.readline().strip() == "epoch", p.stderr.read()
+        assert len(list_caches()) == 1
+        p.send_signal(signal.SIGTERM)
+        out, err = p.communicate(timeout=60)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    assert p.returncode == -signal.SIGTERM, err
+    assert "finally ran" in out
+    assert list_caches() == []  # detached on the way out: nothing left pinned
+
+
+def test_own_sigterm_handler_is_left_alone(data):
+    root, ds, expected = data
+    code = textwrap.dedent("""
+        import signal, sys
+        def mine(signum, frame):
+            print("mine", flush=True)
+            sys.exit(3)
+        signal.signal(signal.SIGTERM, mine)
+    """) + _job(root, """
+        check_pass(L, file_bytes(ds))
+        assert signal.getsignal(signal.SIGTERM) is mine
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(30)
+    """)
+    r = run_in_child(code, timeout=120)
+    assert r.returncode == 3 and "mine" in r.stdout, r.stderr
+    assert list_caches() == []
+
+
+# ---------------------------------------------------------------- kill a real put()
+
+_KILL_IN_PUT = """
+import os, signal, sys
+from coordl.cache import NodeCache, list_caches
+
+def calls_in_put():
+    c = NodeCache.attach("feedca11", 4, 10**5)
+    n = [0]
+    def prof(frame, event, arg):
+        if event == "c_call":
+            n[0] += 1
+    sys.setprofile(prof)
+    c.put(1, b"b" * 50)
+    sys.setprofile(None)
+    c.close()
+    return n[0]
+
+steps = calls_in_put()
+assert steps >= 5, steps
+for k in range(1, steps + 1):
+    pid = os.fork()
+    if pid == 0:  # the writer: killed at its k-th C call inside put()
+        c = NodeCache.attach("feedca11", 4, 10**5)
+        assert c.put(0, b"a" * 100)
+        n = [0]
+        def prof(frame, event, arg):
+            if event == "c_call":
+                n[0] += 1
+                if n[0] == k:
+                    os.kill(os.getpid(), signal.SIGKILL)
+        sys.setprofile(prof)
+        c.put(1, b"b" * 50)
+        os._exit(3)  # not reached
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL, (k, status)
+    c = NodeCache.attach("feedca11", 4, 10**5)  # the restart adopts the ownerless segment
+    assert c.get(0) == b"a" * 100, k
+    assert c.get(1) in (None, b"b" * 50), k   # never torn
+    c.put(1, b"b" * 50)  # the admission lock is free; a dead writer's entry is admitted again
+    assert c.get(1) == b"b" * 50, k
+    c.close()
+    assert list_caches() == [], k
+print("steps", steps)
+"""
+
+
+def test_writer_killed_at_every_step_of_put_leaves_no_torn_entry():
+    """SIGKILL a process inside a real put(), at each C call it makes in
+    turn: the entry is never READY with wrong bytes, the admission lock is
+    not left held, and the entry can be admitted again by the next job,
+    which adopts the ownerless segment."""
+    r = run_in_child(_KILL_IN_PUT, timeout=120)
+    assert r.returncode == 0 and "steps" in r.stdout, r.stdout + r.stderr
+
+
+_KILL_PARENT_IN_PUT = """
+import os, select, signal, sys
+from coordl import cache as C
+from coordl.cache import NodeCache, list_caches
+C._LOCK_WAIT = 10.0  # a lock kept alive by a dead parent would show as a TimeoutError, soon
+
+def calls_in_put():
+    c = NodeCache.attach("feedf0f0", 4, 10**5)
+    n = [0]
+    def prof(frame, event, arg):
+        if event == "c_call":
+            n[0] += 1
+    sys.setprofile(prof)
+    c.put(1, b"b" * 50)
+    sys.setprofile(None)
+    c.close()
+    return n[0]
+
+steps = calls_in_put()
+for k in range(1, steps + 1):
+    C.clear_caches(force=True)  # a worker that found everything cached never held it: left ownerless
+    go_r, go_w = os.pipe()
+    res_r, res_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the parent job: attaches, forks a worker, is killed inside put()
+        c = NodeCache.attach("feedf0f0", 4, 10**5)
+        assert c.put(0, b"a" * 100)
+        if os.fork() == 0:  # the worker: inherits the cache object
+            os.read(go_r, 1)  # until its parent is dead
+            try:
+                c.put(1, b"b" * 50)
+                ok = c.get(1) == b"b" * 50 and c.get(0) == b"a" * 100
+                c.close()
+                os.write(res_w, b"ok" if ok else b"wrong")
+            except BaseException as e:
+                os.write(res_w, repr(e).encode()[:200])
+            os._exit(0)
+        n = [0]
+        def prof(frame, event, arg):
+            if event == "c_call":
+                n[0] += 1
+                if n[0] == k:
+                    os.kill(os.getpid(), signal.SIGKILL)
+        sys.setprofile(prof)
+        c.put(1, b"b" * 50)
+        os._exit(3)
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFSIGNALED(status), (k, status)
+    os.write(go_w, b"g")
+    ready, _, _ = select.select([res_r], [], [], 60)
+    assert ready, f"step {k}: the worker hung after its parent died"
+    got = os.read(res_r, 300)
+    assert got == b"ok", (k, got)
+    for fd in (go_r, go_w, res_r, res_w):
+        os.close(fd)
+C.clear_caches(force=True)
+print("steps", steps)
+"""
+
+
+def test_forked_worker_outlives_its_parent_killed_at_every_step_of_put():
+    """The parent dies (SIGKILL) at each C call of a real put(), possibly
+    holding the admission or an entry lock; its forked worker, which
+    inherited the cache object, then admits and reads without hanging:
+    the parent's locks died with it (the worker closed its copy of the
+    parent's description at fork and took its own)."""
+    r = run_in_child(_KILL_PARENT_IN_PUT, timeout=240)
+    assert r.returncode == 0 and "steps" in r.stdout, r.stdout + r.stderr
+
+
+# ---------------------------------------------------------------- item 6
+
+def test_entry_published_out_of_order_is_a_miss_not_wrong_data(monkeypatch):
+    """What a reader on a weakly ordered CPU can see: READY before the
+    offset/bytes.  With read validation (on by default off x86) such an
+    entry is a miss."""
+    monkeypatch.setattr(C, "VALIDATE_READS", True, raising=False)
+    c = NodeCache.attach("feed0de4", 4, 1000)
+    try:
+        assert c.put(0, b"a" * 100)
+        # entry 2 READY, its offset still pointing at sample 0's bytes
+        c._index[2, 0], c._index[2, 1], c._index[2, 2] = c._index[0, 0], 100, C.READY
+        assert c.get(2) is None
+        # entry 3 READY with the right offset/length/CRC, bytes not landed yet
+        fill = int(c._hdr[C.FILL])
+        c._index[3, :] = (fill, 100, C.READY, C._entry_crc(3, fill, 100, b"c" * 100))
+        assert c.get(3) is None
+        c._arena[fill:fill + 100] = np.frombuffer(b"c" * 100, dtype=np.uint8)  # the stores land
+        assert c.get(3) == b"c" * 100
+        assert c.get(0) == b"a" * 100
+    finally:
+        c.close()
+
+
+# ---------------------------------------------------------------- item 4
+
+_RACER = """
+import sys
+from coordl.cache import NodeCache
+try:
+    c = NodeCache.attach(sys.argv[1], 16, 5 << 20)
+except MemoryError as e:
+    print("attach-error", e, flush=True)
+    sys.exit(0)
+print("attached", flush=True)
+sys.stdin.readline()
+for i in range(16):
+    c.put(i, bytes([i]) * ((5 << 20) // 16))
+print("filled", c.info().filled, flush=True)
+c.close()
+"""
+
+_RACE = """
+import subprocess, sys
+ps = [subprocess.Popen([sys.executable, "-c", %r, fp], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                       stderr=subprocess.PIPE, text=True) for fp in ("feedaaaa", "feedbbbb")]
+first = [p.stdout.readline().strip() for p in ps]  # both have attached (or failed) before either fills
+for p in ps:
+    if p.poll() is None:
+        p.stdin.write("go\\n")
+        p.stdin.flush()
+for p, line in zip(ps, first):
+    out, err = p.communicate(timeout=60)
+    print("RESULT", p.returncode, "|", line, "|", out.strip(), "|", err.strip()[-300:], flush=True)
+""" % _RACER
+
+
+def _can_unshare():
+    import shutil
+    import subprocess
+    if os.geteuid() != 0 or shutil.which("unshare") is None:
+        return False
+    r = subprocess.run(["unshare", "-m", "true"], capture_output=True, timeout=30)
+    return r.returncode == 0
+
+
+@pytest.mark.skipif(not _can_unshare(), reason="needs root and unshare -m for a private small /dev/shm")
+def test_two_jobs_racing_for_a_full_dev_shm_get_clean_outcomes():
+    """/dev/shm of 8 MiB, two jobs of 5 MiB each attach before either fills:
+    the space is reserved at attach, so one gets a MemoryError naming the
+    remedy and the other fills its whole cache; nobody dies of SIGBUS."""
+    code = ("import os\n"
+            f"os.execvp('unshare', ['unshare', '-m', 'sh', '-c', "
+            f"'mount -t tmpfs -o size=8m tmpfs /dev/shm && exec \"$0\" -c \"$1\"', {sys.executable!r}, {_RACE!r}])\n")
+    r = run_in_child(code, timeout=180, env=dict(os.environ, COORDL_SHM_DIR="/dev/shm"))
+    assert r.returncode == 0, r.stdout + r.stderr
+    results = [ln for ln in r.stdout.splitlines() if ln.startswith("RESULT")]
+    assert len(results) == 2, r.stdout + r.stderr
+    assert not any(ln.split()[1] != "0" for ln in results), results  # -7 would be SIGBUS
+    filled = [ln for ln in results if f"filled {5 << 20}" in ln]
+    refused = [ln for ln in results if "attach-error" in ln]
+    assert len(filled) == 1 and len(refused) == 1, results
+    assert "does not fit in /dev/shm" in refused[0] and "cache_size=" in refused[0] \
+        and "--shm-size" in refused[0], refused
