@@ -38,7 +38,7 @@ import torch
 
 from . import _collate
 from ._engine import Engine, pass_steps
-from ._fetch import Envelope
+from ._torch_path import Envelope
 from ._slots import LocalSlots, WorkerSlots, map_slot
 
 __all__ = ["WorkerPool", "PipelineIter", "InlineIter"]

@@ -28,11 +28,11 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader as _TorchDataLoader
-from torch.utils.data import TensorDataset
 from torch.utils.data.dataloader import _DatasetKind
 
 from . import _pin
-from ._fetch import CollateEnvelope, Envelope, Task, TensorBatchFetch, TwoStageFetch, passthrough_collate
+from ._modes import PipelineMode, choose_mode
+from ._torch_path import Envelope, Task
 from ._units import parse_size
 from .errors import SkippedSampleWarning, StateError
 from .plan import EpochPlan, check_seed
@@ -125,7 +125,7 @@ class _PassSampler:
             )
         if skip:
             it = _without(it, start, skip)
-        return _tag(epoch, it) if L._tag_tasks else it
+        return _tag(epoch, it) if L._mode.tag_tasks else it
 
 
 def _without(steps, start: int, skip: frozenset):
@@ -500,7 +500,6 @@ class DataLoader(_TorchDataLoader[_T_co]):
             raise ValueError(f"cache_keep_warm should be a number of seconds >= 0, but got "
                              f"cache_keep_warm={cache_keep_warm!r}")
         self._cache_opts = (cache_checksum, float(cache_keep_warm))
-        self._cache = None
         self._device = _parse_device(device)
         if self._device is not None and self._device.type == "cuda" and not self.pin_memory:
             self.pin_memory = True  # stage through pinned memory for async copies
@@ -513,8 +512,6 @@ class DataLoader(_TorchDataLoader[_T_co]):
         if isinstance(fetch_threads, bool) or not isinstance(fetch_threads, int) or fetch_threads < 1:
             raise ValueError(f"fetch_threads should be None or a positive int, but got fetch_threads={fetch_threads!r}")
         self._fetch_threads = fetch_threads
-        self._pool = None
-        self._pin_prev = None  # (stop event, thread) of the last pass's pin thread
 
         iterable = self._dataset_kind == _DatasetKind.Iterable
         user_sampler = sampler is not None or batch_sampler is not None
@@ -524,36 +521,24 @@ class DataLoader(_TorchDataLoader[_T_co]):
                 'on_error should be "raise" for an IterableDataset (its errors come from its own '
                 'iterator, which coordl cannot resume past), but got on_error="skip"'
             )
-        use_plan = not iterable and not user_sampler and (two_stage or seed is not None)
-        if use_plan or two_stage:
-            if seed is None:
-                seed = int(torch.empty((), dtype=torch.int64).random_(generator=generator).item())
-                seed = _agree_on_seed(seed)
+        plan_order = not iterable and not user_sampler and (two_stage or seed is not None)
+        if (plan_order or two_stage) and seed is None:
+            seed = _agree_on_seed(int(torch.empty((), dtype=torch.int64).random_(generator=generator).item()))
         self._seed = seed
         self._rank, self._world_size = _rank_and_world(rank, world_size)
         self._plan = None
-        if use_plan:
+        if plan_order:
             self._plan = EpochPlan(
                 num_samples=len(dataset), seed=seed, batch_size=batch_size,
                 shuffle=bool(shuffle), drop_last=drop_last,
                 rank=self._rank, world_size=self._world_size,
             )
-        self._two_stage = two_stage
-        self._tag_tasks = two_stage
-        self._fetch_dataset = None
-        self._fetch_collate = None
-        if two_stage or (on_error == "skip" and not iterable):
-            self._fetch_dataset = TwoStageFetch(dataset, seed if seed is not None else 0, on_error)
-            self._fetch_collate = CollateEnvelope(self.collate_fn)
-        elif (
-            type(dataset) is TensorDataset and collate_fn is None and batch_size is not None
-            and not user_sampler and not any(t.requires_grad for t in dataset.tensors)
-        ):
-            self._fetch_dataset = TensorBatchFetch(dataset.tensors)
-            self._fetch_collate = passthrough_collate
-        # coordl's own fetch/prep pipeline runs two-stage datasets in plan order
-        self._use_pipeline = two_stage and self._plan is not None
-        if self._cache_size and self._use_pipeline:
+        self._mode = choose_mode(dataset, two_stage=two_stage, plan_order=plan_order,
+                                 user_sampler=user_sampler, iterable=iterable, on_error=on_error,
+                                 seed=seed, collate_fn=self.collate_fn, user_collate=collate_fn is not None,
+                                 batch_size=batch_size)
+        self._cache = None
+        if self._cache_size and isinstance(self._mode, PipelineMode):
             if not callable(getattr(dataset, "fingerprint", None)):
                 raise ValueError(
                     "cache_size should be 0 for a dataset without fingerprint() (the cache is named "
@@ -758,45 +743,14 @@ class DataLoader(_TorchDataLoader[_T_co]):
         p.active = True
         # torch's worker machinery with in_order=False delivers batches without
         # their step: the pass's progress is then unknown (see state_dict).
-        p.exact = self._use_pipeline or self.in_order or self.num_workers == 0
+        p.exact = self._mode.exact_steps(self)
         self._counters.epoch = epoch
         self._counters.bucket(epoch)
-        if self._use_pipeline:
-            self._stop_pin_thread()  # before the new pass touches the pool
-            inner = self._pin(self._pipeline_iter(epoch, start, skip))
-        else:
-            inner = super().__iter__()
+        inner = self._mode.start_pass(self, epoch, start, skip)
         ff = start if self._dataset_kind == _DatasetKind.Iterable else 0
         it = _LoaderIter(self, inner, epoch, ff, start, skip)
         p.owner = weakref.ref(it)
         return it
-
-    def _stop_pin_thread(self) -> None:
-        """One thread drives a pool: the last pass's pin thread (it may still
-        be waiting in the pool for a batch of its abandoned pass) must be gone
-        before the next pass begins, or it could take that pass's batches."""
-        prev, self._pin_prev = self._pin_prev, None
-        if prev is not None:
-            stop, thread = prev
-            stop.set()
-            while thread.is_alive():
-                thread.join(_pin._POLL)
-
-    def _pin(self, inner):
-        """Pin the pipeline's batches when asked (torch's machinery pins in
-        its own thread): with workers in a pin thread, else inline."""
-        if not self.pin_memory:
-            return inner
-        if not _pin.accelerator_available():
-            # torch's wording, so filters written for torch's loader match
-            warnings.warn("'pin_memory' argument is set as true but no accelerator is found, "
-                          "so coordl delivers batches in pageable memory.", stacklevel=3)
-            return inner
-        if self.num_workers == 0:
-            return _pin.PinInline(inner)
-        pinner = _pin.PinThread(inner, depth=self.prefetch_factor or 2)
-        self._pin_prev = (pinner._stop, pinner._thread)
-        return pinner
 
     def _attach_cache(self):
         """Attach to (or create) the node cache before training starts, so a
@@ -811,43 +765,9 @@ class DataLoader(_TorchDataLoader[_T_co]):
         weakref.finalize(self, cache.close)
         return cache
 
-    def _pipeline_iter(self, epoch: int, start: int, skip: frozenset):
-        from ._pipeline import InlineIter, PipelineIter, WorkerPool
-
-        W = self.num_workers
-        cfg = dict(
-            seed=self._seed, on_error=self._on_error, collate_fn=self.collate_fn,
-            batch_size=self.batch_size, prefetch=self.prefetch_factor or 2,
-            fetch_threads=self._fetch_threads, budget=max(1 << 20, self._read_ahead // max(1, W)),
-            worker_init_fn=self.worker_init_fn, cache=self._cache,
-        )
-        if W == 0:
-            return InlineIter(self.dataset, cfg, self._plan, epoch, start, skip=skip)
-        pool = self._pool
-        if pool is None or pool.closed:
-            cfg["base_seed"] = int(torch.empty((), dtype=torch.int64).random_(generator=self.generator).item())
-            ctx = self.multiprocessing_context
-            if ctx is None:
-                import multiprocessing
-                ctx = multiprocessing.get_context()
-            pool = WorkerPool(self.dataset, cfg, W, ctx, timeout=self.timeout)
-            if self.persistent_workers:
-                self._pool = pool
-        return PipelineIter(pool, self._plan, epoch, start, self.in_order,
-                            owns_pool=not self.persistent_workers, skip=skip)
-
     def _get_iterator(self):
-        if self._fetch_dataset is None:
-            return super()._get_iterator()
-        # torch's iterator reads loader.dataset / loader.collate_fn once, when it
-        # is built (and ships them to the workers); swap ours in for that moment.
-        d = self.__dict__
-        saved = d["dataset"], d["collate_fn"]
-        d["dataset"], d["collate_fn"] = self._fetch_dataset, self._fetch_collate
-        try:
-            return super()._get_iterator()
-        finally:
-            d["dataset"], d["collate_fn"] = saved
+        # torch's hook for building its iterator (torch-machinery modes only)
+        return self._mode.build_torch_iterator(self)
 
     @property
     def _index_sampler(self):
@@ -868,14 +788,7 @@ class DataLoader(_TorchDataLoader[_T_co]):
         if self._plan is not None:
             from dataclasses import replace
             self._plan = replace(self._plan, seed=seed)
-        if isinstance(self._fetch_dataset, TwoStageFetch):
-            self._fetch_dataset = TwoStageFetch(self.dataset, seed, self._on_error)
-        if self._iterator is not None:  # persistent workers hold the old seed
-            self._iterator._shutdown_workers()
-            self._iterator = None
-        if self._pool is not None:
-            self._pool.shutdown()
-            self._pool = None
+        self._mode.adopt_seed(self, seed)
 
     def _rng_generators(self) -> list[torch.Generator]:
         gens: list[torch.Generator] = []

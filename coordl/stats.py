@@ -2,7 +2,7 @@
 
 ``DataLoader.stats()`` returns a :class:`LoaderStats`; fields are documented
 on the class and in docs/api.md.  Counters that come from worker processes
-travel back with each batch (see ``coordl._fetch.Envelope``) and are added in
+travel back with each batch (see ``coordl._torch_path.Envelope``) and are added in
 the main process, so the record never needs a lock or shared memory.
 """
 from __future__ import annotations

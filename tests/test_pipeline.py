@@ -136,7 +136,7 @@ def test_slots_are_recycled_when_batches_are_dropped():
     L = DataLoader(ds, batch_size=4, seed=2, num_workers=1, persistent_workers=True)
     n = sum(1 for _ in L)
     assert n == 100
-    pool = L._pool
+    pool = L._mode.pool
     # the worker reports each new slot once; dropping batches lets it reuse them
     assert len(pool.maps) <= 6
     del pool, L
@@ -148,9 +148,9 @@ def test_persistent_workers_keep_processes_across_epochs():
 
     L = DataLoader(TwoStageToy(40), batch_size=4, seed=0, num_workers=2, persistent_workers=True)
     list(L)
-    pids1 = set(L._pool.pids)
+    pids1 = set(L._mode.pool.pids)
     list(L)
-    assert set(L._pool.pids) == pids1
+    assert set(L._mode.pool.pids) == pids1
     assert all(psutil.pid_exists(p) for p in pids1)
     del L
     gc.collect()

@@ -1,0 +1,220 @@
+"""How a loader runs its passes: one small strategy object per mode, chosen
+in one place (:func:`choose_mode`), as torch picks its iterator class in
+``DataLoader._get_iterator``.
+
+=====================  ==========================================  ==========================
+mode                   chosen when                                 runs a pass with
+=====================  ==========================================  ==========================
+``PipelineMode``       two-stage dataset, order from the epoch     coordl's pipeline
+                       plan (no user sampler)                      (``_pipeline.py``)
+``TwoStageTorchMode``  two-stage dataset with a user sampler, or    torch's iterators over
+                       any map-style dataset with                  ``TwoStageFetch``
+                       ``on_error="skip"``
+``TensorBatchMode``    an unmodified ``TensorDataset``, default    torch's iterators over
+                       collation, no user sampler                  ``TensorBatchFetch``
+``TorchMode``          anything else                               torch's iterators, the
+                                                                   user's dataset untouched
+=====================  ==========================================  ==========================
+
+Each mode says what it holds across passes and who stops it (its shutdown
+invariants, in its docstring); the loader only calls ``start_pass``,
+``build_torch_iterator`` (torch's hook), ``adopt_seed`` and ``exact_steps``.
+"""
+from __future__ import annotations
+
+import warnings
+
+import torch
+from torch.utils.data import DataLoader as _TorchDataLoader
+from torch.utils.data import TensorDataset
+
+from . import _pin
+from ._torch_path import CollateEnvelope, TensorBatchFetch, TwoStageFetch, passthrough_collate
+
+__all__ = ["choose_mode", "PipelineMode", "TwoStageTorchMode", "TensorBatchMode", "TorchMode"]
+
+
+class TorchMode:
+    """torch's own iterators over the user's dataset, untouched.
+
+    Holds nothing across passes.  torch's iterator owns its worker processes:
+    a non-persistent iterator shuts them down when it ends or is collected;
+    with ``persistent_workers`` torch keeps the iterator in
+    ``loader._iterator`` until the loader is collected or ``adopt_seed``
+    drops it.
+    """
+
+    name = "torch"
+    uses_plan_order = False
+    tag_tasks = False          # _PassSampler wraps steps in Task(epoch, ...)
+
+    def exact_steps(self, loader) -> bool:
+        """Whether each delivered batch's step is known (torch's workers with
+        ``in_order=False`` hand batches over without it)."""
+        return loader.in_order or loader.num_workers == 0
+
+    def start_pass(self, loader, epoch: int, start: int, skip: frozenset):
+        return _TorchDataLoader.__iter__(loader)
+
+    def build_torch_iterator(self, loader):
+        return _TorchDataLoader._get_iterator(loader)
+
+    def adopt_seed(self, loader, seed: int) -> None:
+        if loader._iterator is not None:  # persistent workers hold the old seed
+            loader._iterator._shutdown_workers()
+            loader._iterator = None
+
+
+class _WrappedTorchMode(TorchMode):
+    """torch's iterators over a coordl dataset wrapper and collate function,
+    swapped into the loader only while torch builds its iterator (torch reads
+    ``loader.dataset``/``collate_fn`` once then, and ships them to workers),
+    so the user's objects are never modified.  Shutdown as ``TorchMode``."""
+
+    fetch_dataset = None
+    fetch_collate = None
+
+    def build_torch_iterator(self, loader):
+        d = loader.__dict__
+        saved = d["dataset"], d["collate_fn"]
+        d["dataset"], d["collate_fn"] = self.fetch_dataset, self.fetch_collate
+        try:
+            return _TorchDataLoader._get_iterator(loader)
+        finally:
+            d["dataset"], d["collate_fn"] = saved
+
+
+class TwoStageTorchMode(_WrappedTorchMode):
+    """raw -> prep per sample (``TwoStageFetch``) under torch's machinery:
+    a two-stage dataset whose order comes from a user sampler, or a generic
+    map-style dataset with ``on_error="skip"`` (``dataset[i]`` per sample, so
+    one bad sample can be dropped)."""
+
+    name = "two-stage-torch"
+
+    def __init__(self, dataset, seed: int | None, on_error: str, collate_fn, two_stage: bool) -> None:
+        self._dataset, self._on_error = dataset, on_error
+        self.tag_tasks = two_stage  # the epoch keys per-sample augmentation
+        self.fetch_dataset = TwoStageFetch(dataset, seed if seed is not None else 0, on_error)
+        self.fetch_collate = CollateEnvelope(collate_fn)
+
+    def adopt_seed(self, loader, seed: int) -> None:
+        self.fetch_dataset = TwoStageFetch(self._dataset, seed, self._on_error)
+        super().adopt_seed(loader, seed)
+
+
+class TensorBatchMode(_WrappedTorchMode):
+    """An unmodified ``TensorDataset`` with default collation: one
+    ``index_select`` per tensor per batch instead of N ``__getitem__`` calls
+    and a stack (identical tensors)."""
+
+    name = "tensor-batch"
+
+    def __init__(self, dataset: TensorDataset) -> None:
+        self.fetch_dataset = TensorBatchFetch(dataset.tensors)
+        self.fetch_collate = passthrough_collate
+
+
+class PipelineMode:
+    """coordl's own pipeline for a two-stage dataset in plan order.
+
+    Holds across passes: with ``persistent_workers`` the ``WorkerPool``
+    (stopped by ``adopt_seed`` or when the loader is collected, through the
+    pool's own finalizer); without, each pass's ``PipelineIter`` owns its
+    pool and stops it when the pass ends, fails or is collected.  With
+    pinning and workers, the last pass's pin thread, which is the only thread
+    driving the pool while it runs: ``start_pass`` stops it before a new pass
+    touches the pool.  ``num_workers=0`` holds nothing (each pass's
+    ``InlineIter`` owns its fetch threads).
+    """
+
+    name = "pipeline"
+    uses_plan_order = True
+    tag_tasks = True
+
+    def __init__(self) -> None:
+        self.pool = None
+        self._pin_prev = None  # (stop event, thread) of the last pass's pin thread
+
+    def exact_steps(self, loader) -> bool:
+        return True  # every envelope carries its step
+
+    def build_torch_iterator(self, loader):  # pragma: no cover - never asked
+        raise AssertionError("coordl's pipeline does not use torch's iterators")
+
+    def start_pass(self, loader, epoch: int, start: int, skip: frozenset):
+        self._stop_pin_thread()  # before the new pass touches the pool
+        return self._pin(loader, self._pipeline_iter(loader, epoch, start, skip))
+
+    def adopt_seed(self, loader, seed: int) -> None:
+        self._stop_pin_thread()
+        if self.pool is not None:
+            self.pool.shutdown()
+            self.pool = None
+
+    def _stop_pin_thread(self) -> None:
+        """One thread drives a pool: the last pass's pin thread (it may still
+        be waiting in the pool for a batch of its abandoned pass) must be gone
+        before the next pass begins, or it could take that pass's batches."""
+        prev, self._pin_prev = self._pin_prev, None
+        if prev is not None:
+            stop, thread = prev
+            stop.set()
+            while thread.is_alive():
+                thread.join(_pin._POLL)
+
+    def _pin(self, loader, inner):
+        """Pin the pipeline's batches when asked (torch's machinery pins in
+        its own thread): with workers in a pin thread, else inline."""
+        if not loader.pin_memory:
+            return inner
+        if not _pin.accelerator_available():
+            # torch's wording, so filters written for torch's loader match
+            warnings.warn("'pin_memory' argument is set as true but no accelerator is found, "
+                          "so coordl delivers batches in pageable memory.", stacklevel=4)
+            return inner
+        if loader.num_workers == 0:
+            return _pin.PinInline(inner)
+        pinner = _pin.PinThread(inner, depth=loader.prefetch_factor or 2)
+        self._pin_prev = (pinner._stop, pinner._thread)
+        return pinner
+
+    def _pipeline_iter(self, loader, epoch: int, start: int, skip: frozenset):
+        from ._pipeline import InlineIter, PipelineIter, WorkerPool
+
+        W = loader.num_workers
+        cfg = dict(
+            seed=loader.seed, on_error=loader.on_error, collate_fn=loader.collate_fn,
+            batch_size=loader.batch_size, prefetch=loader.prefetch_factor or 2,
+            fetch_threads=loader._fetch_threads,
+            budget=max(1 << 20, loader._read_ahead // max(1, W)),
+            worker_init_fn=loader.worker_init_fn, cache=loader._cache,
+        )
+        if W == 0:
+            return InlineIter(loader.dataset, cfg, loader.plan, epoch, start, skip=skip)
+        pool = self.pool
+        if pool is None or pool.closed:
+            cfg["base_seed"] = int(torch.empty((), dtype=torch.int64).random_(generator=loader.generator).item())
+            ctx = loader.multiprocessing_context
+            if ctx is None:
+                import multiprocessing
+                ctx = multiprocessing.get_context()
+            pool = WorkerPool(loader.dataset, cfg, W, ctx, timeout=loader.timeout)
+            if loader.persistent_workers:
+                self.pool = pool
+        return PipelineIter(pool, loader.plan, epoch, start, loader.in_order,
+                            owns_pool=not loader.persistent_workers, skip=skip)
+
+
+def choose_mode(dataset, *, two_stage: bool, plan_order: bool, user_sampler: bool, iterable: bool,
+                on_error: str, seed: int | None, collate_fn, user_collate: bool,
+                batch_size: int | None):
+    """The one place a loader's mode is picked (see the table above)."""
+    if two_stage and plan_order:
+        return PipelineMode()
+    if two_stage or (on_error == "skip" and not iterable):
+        return TwoStageTorchMode(dataset, seed, on_error, collate_fn, two_stage)
+    if (type(dataset) is TensorDataset and not user_collate and batch_size is not None
+            and not user_sampler and not any(t.requires_grad for t in dataset.tensors)):
+        return TensorBatchMode(dataset)
+    return TorchMode()
