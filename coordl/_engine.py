@@ -68,7 +68,7 @@ class _Builder:
     """One batch being assembled, rows in plan order, samples in any order."""
 
     __slots__ = ("k", "indices", "n", "done", "layout", "slot", "targets", "samples",
-                 "ok", "stats", "copy")
+                 "ok", "stats", "copy", "failed")
 
     def __init__(self, k: int, indices: list[int], copy: bool) -> None:
         self.k = k
@@ -82,6 +82,7 @@ class _Builder:
         self.ok = [False] * self.n
         self.stats = BatchStats()
         self.copy = copy
+        self.failed = False             # an error was emitted for this batch
 
 
 class Engine:
@@ -114,7 +115,6 @@ class Engine:
         self._size_of = (lambda i: int(sizes[i])) if isinstance(sizes, np.ndarray) else None
         self.pass_id = None
         self.fetcher: Fetcher | None = None
-        self.failed = False
 
     # ------------------------------------------------------------------ passes
     def begin_pass(self, pass_id, plan: EpochPlan, epoch: int, start: int,
@@ -122,7 +122,6 @@ class Engine:
         self.end_pass()
         self.pass_id = pass_id
         self.epoch = epoch
-        self.failed = False
         idx = plan.indices(epoch)
         bs = plan.batch_size
         ks = list(range(start + worker_id, plan.num_batches, num_workers))
@@ -173,7 +172,7 @@ class Engine:
     def pump(self, interrupt: Callable[[], bool] | None = None) -> None:
         """Prepare ready samples inside the window until none is left (or
         ``interrupt()`` says events are waiting)."""
-        while self.ready and not self.failed:
+        while self.ready:
             pos = self.ready[0][0]
             if pos >= self.first + self.prefetch:
                 return
@@ -193,29 +192,32 @@ class Engine:
         clock = time.perf_counter
         st.fetch_s += f.seconds
         try:
-            if f.error is not None:
+            if b.failed:  # its error is out: drop the batch's remaining samples, as torch does
+                pass
+            elif f.error is not None:
                 raise _Stage("reading", f.error)
-            if f.source == "cache":
-                st.from_cache += 1
-                st.bytes_cache += f.nbytes
-            elif f.source == "peer":
-                st.from_peers += 1
-                st.bytes_peers += f.nbytes
             else:
-                st.nbytes += f.nbytes
-            t0 = clock()
-            try:
-                with sample_rng(self.seed, self.epoch, i):
-                    sample = self.dataset.prep(f.data, i)
-            except Exception as e:
-                raise _Stage("preparing", e) from e
-            self._place(b, j, sample)
-            st.prep_s += clock() - t0
-            st.samples += 1
+                if f.source == "cache":
+                    st.from_cache += 1
+                    st.bytes_cache += f.nbytes
+                elif f.source == "peer":
+                    st.from_peers += 1
+                    st.bytes_peers += f.nbytes
+                else:
+                    st.nbytes += f.nbytes
+                t0 = clock()
+                try:
+                    with sample_rng(self.seed, self.epoch, i):
+                        sample = self.dataset.prep(f.data, i)
+                except Exception as e:
+                    raise _Stage("preparing", e) from e
+                self._place(b, j, sample)
+                st.prep_s += clock() - t0
+                st.samples += 1
         except _Stage as s:
             err = s.error
             if self.on_error == "raise" or not isinstance(err, Exception):
-                self.failed = True
+                self._fail(b)
                 where = describe(self.dataset, i)
                 try:
                     raise sample_error(s.stage, i, where, err) from err
@@ -223,8 +225,8 @@ class Engine:
                     tb = traceback.format_exc()
                 self.emit("error", k, f"Caught SampleError in DataLoader worker process {self.worker_id}.\n"
                                       f"Original {tb}")
-                return
-            st.skips.append((i, describe(self.dataset, i), f"{s.stage}: {type(err).__name__}: {err}"))
+            else:
+                st.skips.append((i, describe(self.dataset, i), f"{s.stage}: {type(err).__name__}: {err}"))
         finally:
             if self.fetcher is not None:
                 self.fetcher.release(f.nbytes)
@@ -232,7 +234,19 @@ class Engine:
         b.done += 1
         if b.done == b.n:
             del self.builders[pos]
-            self._finish(b)
+            if not b.failed:
+                self._finish(b)
+
+    def _fail(self, b: _Builder) -> None:
+        """Batch ``b`` fails (its error is emitted by the caller): give its
+        slot back and count it as emitted; the pass goes on with the next
+        batches, as torch's DataLoader does after a worker exception."""
+        b.failed = True
+        if b.slot is not None:
+            self.slots.release(b.slot)
+            b.slot, b.targets = None, None
+        b.samples = None
+        self.emitted += 1
 
     def _place(self, b: _Builder, j: int, sample) -> None:
         if not b.copy:
@@ -275,7 +289,6 @@ class Engine:
                 batch = self.collate_fn(samples[0]) if self.batch_size is None else \
                     (self.collate_fn or torch.utils.data.default_collate)(samples)
             except Exception:
-                self.failed = True
                 self.emit("error", b.k, f"Caught an error in collate_fn in DataLoader worker process "
                                         f"{self.worker_id}.\nOriginal {traceback.format_exc()}")
                 return

@@ -343,7 +343,6 @@ class PipelineIter:
             raise StopIteration
         try:
             w, msg = self._pool.get(self._next if self._in_order else None)
-            batch, stats = self._pool.materialize(w, msg)
         except BaseException:
             self._close()
             raise
@@ -352,6 +351,8 @@ class PipelineIter:
         self._left -= 1
         if self._in_order:
             self._next += 1
+        # a failed batch raises here; the pass goes on with the next batch (as torch's)
+        batch, stats = self._pool.materialize(w, msg)
         return _envelope(batch, stats, self._epoch)
 
 
@@ -398,8 +399,7 @@ class InlineIter:
         kind, _, *p = self._out.pop(k)
         self._next += 1
         eng.on_consumed(k)
-        if kind == "error":
-            self._final()
+        if kind == "error":  # this batch failed; the pass goes on with the next (as torch's)
             raise SampleError(p[0])
         if kind == "batch":
             buf, layout, rows, stats = p
