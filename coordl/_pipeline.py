@@ -22,6 +22,7 @@ PR_SET_PDEATHSIG.
 """
 from __future__ import annotations
 
+import collections
 import ctypes
 import multiprocessing.connection as mpc
 import queue
@@ -123,6 +124,8 @@ def _worker_main(w: int, num_workers: int, dataset, cfg: dict, ctrl, res, parent
                             engine.on_consumed(msg[2])
                     elif op == "free":
                         slots.release((msg[1], msg[2]))
+                    elif op == "stats":
+                        send(("stats", None, w, _worker_stats(slots, engine)))
                 else:
                     engine.on_fetched(ev)
                 try:
@@ -132,6 +135,14 @@ def _worker_main(w: int, num_workers: int, dataset, cfg: dict, ctrl, res, parent
             engine.pump(interrupt=lambda: not q.empty())
     except (BrokenPipeError, ConnectionResetError, EOFError):
         return  # the main process went away
+
+
+def _worker_stats(slots, engine) -> dict:
+    """What a worker holds, for tests and debugging (``WorkerPool.worker_stats``)."""
+    f = engine.fetcher
+    return {"slots": slots.count, "slot_bytes": slots.nbytes, "free_slots": len(slots._free),
+            "read_ahead_bytes": f.held_bytes if f is not None else 0,
+            "threads": sorted(t.name for t in threading.enumerate())}
 
 
 def _exit_reason(p) -> str:
@@ -156,8 +167,15 @@ class WorkerPool:
         self._locks = [threading.Lock() for _ in range(num_workers)]
         self.maps: dict[tuple[int, int], tuple[int, object]] = {}
         self.pending: dict[int, tuple[int, tuple]] = {}
+        # Slots whose last batch tensor died: (w, sid, gen).  Filled by
+        # finalizers, which may run inside any allocation, including inside
+        # our own send under self._locks[w] (cyclic gc): they only append
+        # (deque.append takes no lock), and the thread calling into the pool
+        # sends the "free" messages (_drain_frees).
+        self._frees: collections.deque = collections.deque()
         self.pass_id = 0
         self.closed = False
+        self._stats: dict[int, dict] = {}
         parent = os.getpid()
         try:
             for w in range(num_workers):
@@ -187,22 +205,37 @@ class WorkerPool:
             self.ctrl[w].send(msg)
 
     def begin_pass(self, plan, epoch: int, start: int) -> int:
+        self._drain_frees()
         self.pass_id += 1
+        # batches of the previous pass that arrived but were never delivered:
+        # their slots go back to the workers (else each abandoned pass leaks them)
+        for w, msg in self.pending.values():
+            if msg[0] == "batch":
+                self._frees.append((w,) + tuple(msg[3]))
         self.pending.clear()
         for w in range(self.num_workers):
             self._send(w, ("pass", self.pass_id, plan, epoch, start))
+        self._drain_frees()
         return self.pass_id
 
     def consumed(self, w: int, k: int) -> None:
         self._send(w, ("consumed", self.pass_id, k))
+        self._drain_frees()
 
-    def _free_slot(self, w: int, sid: int, gen: int) -> None:
-        if self.closed:
-            return
-        try:
-            self._send(w, ("free", sid, gen))
-        except (OSError, ValueError):
-            pass
+    def _drain_frees(self) -> None:
+        """Send the "free" messages queued by slot finalizers (owner thread only)."""
+        frees = self._frees
+        while frees:
+            try:
+                w, sid, gen = frees.popleft()
+            except IndexError:
+                return
+            if self.closed:
+                continue
+            try:
+                self._send(w, ("free", sid, gen))
+            except (OSError, ValueError):
+                pass  # that worker is gone; a get() reports it
 
     def shutdown(self) -> None:
         if not self.closed:
@@ -237,8 +270,26 @@ class WorkerPool:
             time.sleep(0.05)  # let a dying worker's last messages land, then report it
             self._check_alive()
 
+    def worker_stats(self) -> list[dict]:
+        """Each worker's own accounting (slots, slot bytes, read-ahead bytes,
+        thread names), asked over the control pipe; for tests and debugging."""
+        self._stats = {}
+        self._drain_frees()
+        for w in range(self.num_workers):
+            self._send(w, ("stats",))
+        deadline = time.monotonic() + max(self.timeout, 30.0)
+        while len(self._stats) < self.num_workers:
+            if time.monotonic() > deadline:
+                raise RuntimeError("DataLoader workers did not answer a statistics request in time")
+            self._receive(_POLL)
+            self._check_alive()
+        return [self._stats[w] for w in range(self.num_workers)]
+
     def _on_message(self, w: int, conn, msg) -> None:
         kind = msg[0]
+        if kind == "stats":
+            self._stats[w] = msg[3]
+            return
         if kind == "slot":
             _, sid, gen, size = msg
             fd = reduction.recv_handle(conn)
@@ -248,8 +299,7 @@ class WorkerPool:
             raise RuntimeError(msg[3])
         if msg[1] != self.pass_id:  # a batch of an abandoned pass
             if kind == "batch":
-                sid, gen = msg[3]
-                self._free_slot(w, sid, gen)
+                self._frees.append((w,) + tuple(msg[3]))
             return
         self.pending[msg[2]] = (w, msg)
 
@@ -257,6 +307,7 @@ class WorkerPool:
         """The message for batch ``k`` (any batch when None), waiting as needed."""
         deadline = time.monotonic() + self.timeout if self.timeout > 0 else None
         while True:
+            self._drain_frees()
             if k is None and self.pending:
                 k = min(self.pending)
             if k is not None and k in self.pending:
@@ -279,7 +330,8 @@ class WorkerPool:
             mgen, mm = self.maps[(w, sid)]
             assert mgen == gen, "slot generation mismatch"
             owner = np.frombuffer(mm, dtype=np.uint8, count=layout.nbytes)
-            f = weakref.finalize(owner, self._free_slot, w, sid, gen)
+            # only enqueues (see _frees); holds the deque, not the pool
+            f = weakref.finalize(owner, self._frees.append, (w, sid, gen))
             f.atexit = False
             batch = _collate.build(layout.template, _collate.views(layout, owner, rows))
             return batch, stats
@@ -363,12 +415,16 @@ class InlineIter:
         self._plan = plan
         self._epoch = epoch
         self._next = start
-        self._out: dict[int, tuple] = {}
+        self._out = out = {}
+        # Nothing the engine holds may reference this iterator: the finalizer
+        # below holds the engine, and an engine -> iterator reference would
+        # keep the iterator (and the pass's fetch threads and read-ahead)
+        # alive forever once the consumer drops it.
         self._engine = Engine(dataset, seed=cfg["seed"], on_error=cfg["on_error"],
                               collate_fn=cfg["collate_fn"], batch_size=cfg["batch_size"],
                               prefetch=cfg["prefetch"], fetch_threads=cfg["fetch_threads"],
                               budget_bytes=cfg["budget"], slots=LocalSlots(),
-                              emit=lambda kind, k, *p: self._out.__setitem__(k, (kind, k) + p),
+                              emit=lambda kind, k, *p: out.__setitem__(k, (kind, k) + p),
                               cache=cfg.get("cache"))
         self._engine.begin_pass(1, plan, epoch, start, 1, 0)
         self._final = weakref.finalize(self, self._engine.end_pass)

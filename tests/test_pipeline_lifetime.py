@@ -4,6 +4,7 @@ process dies, when a pass is abandoned, when batches die inside a gc run.
 Anything that could hang on a regression runs in a child process with a hard
 timeout (``run_in_child``), so a hang fails the test instead of the run.
 """
+import json
 import textwrap
 
 import pytest
@@ -69,6 +70,104 @@ def test_after_a_sample_error_the_pass_goes_on_like_torch(placement):
 
 
 # ---------------------------------------------------------------- item 9
+def test_batch_freed_by_gc_inside_the_pools_own_send_does_not_deadlock():
+    """A batch kept alive only by a reference cycle dies when the cyclic gc
+    runs, and gc can run inside any allocation, including inside the pool's
+    send on a worker's control pipe (under that pipe's lock).  The slot
+    finalizer must not send there itself."""
+    out = _child("""
+        import gc
+        from coordl import DataLoader
+        from toydata import TwoStageToy
+
+        class GcInSend:
+            \"\"\"The real connection; a gc run happens inside each send.\"\"\"
+            def __init__(self, conn):
+                self.conn = conn
+            def send(self, msg):
+                gc.collect()
+                self.conn.send(msg)
+            def __getattr__(self, name):
+                return getattr(self.conn, name)
+
+        gc.disable()  # collections happen where the test says
+        L = DataLoader(TwoStageToy(80), batch_size=4, seed=0, num_workers=1, persistent_workers=True)
+        it = iter(L)
+        pool = L._pool
+        pool.ctrl[0] = GcInSend(pool.ctrl[0])
+        n = 0
+        for x, y in it:
+            cycle = [x, y]
+            cycle.append(cycle)  # garbage only to the cyclic gc
+            del x, y, cycle
+            n += 1
+        gc.collect()
+        print("DONE", n, len(pool.maps) <= 6)
+    """, timeout=40)
+    assert "DONE 20 True" in out, out
+
+
 # ---------------------------------------------------------------- item 11
 # ---------------------------------------------------------------- item 12
+def test_abandoned_passes_with_persistent_workers_do_not_leak_slots():
+    """Break out of many passes after one batch: batches the main process had
+    received but not delivered must give their slots back."""
+    out = _child("""
+        import gc, json
+        from coordl import DataLoader
+        from toydata import TwoStageToy
+
+        L = DataLoader(TwoStageToy(400), batch_size=4, seed=0, num_workers=2,
+                       persistent_workers=True, prefetch_factor=2)
+        for p in range(30):
+            for k, (x, y) in enumerate(L):
+                if k == 2:
+                    break
+            del x, y
+        for x, y in L:  # one complete pass, then nothing holds a batch
+            pass
+        del x, y
+        gc.collect()
+        st = L._pool.worker_stats()
+        print("STATS", json.dumps(st))
+    """, timeout=60)
+    st = json.loads(out.split("STATS ", 1)[1])
+    slots = [s["slots"] for s in st]
+    free = [s["free_slots"] for s in st]
+    # a worker holds at most its prefetch window plus the batch being delivered
+    assert all(n <= 4 for n in slots), out
+    assert slots == free, out  # nothing referenced: every slot came back
+
+
+def test_abandoned_inline_passes_do_not_leak_fetch_threads():
+    """num_workers=0: each abandoned pass must stop its fetch threads (and drop
+    its read-ahead), not keep them forever."""
+    import gc
+    import threading
+    import time
+
+    from coordl import DataLoader
+    from toydata import TwoStageToy
+
+    def fetch_threads():
+        return [t for t in threading.enumerate() if t.name.startswith("coordl-fetch")]
+
+    class Big(TwoStageToy):  # the epoch does not fit the read-ahead budget
+        def raw(self, i):
+            return super().raw(i) + bytes(1 << 16)
+
+    base = len(fetch_threads())
+    L = DataLoader(Big(400), batch_size=4, seed=0, num_workers=0, fetch_threads=3, read_ahead="1MiB")
+    for p in range(15):
+        for k, (x, y) in enumerate(L):
+            if k == 1:
+                break
+    del x, y
+    gc.collect()
+    deadline = time.monotonic() + 10  # threads finish their current read, then exit
+    while len(fetch_threads()) > base and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert len(fetch_threads()) == base, [t.name for t in fetch_threads()]
+
+
 # ---------------------------------------------------------------- item 13
