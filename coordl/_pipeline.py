@@ -17,16 +17,18 @@
 
 Every wait has a timeout after which the workers' liveness is checked; a dead
 worker is reported with its pid and exit code or signal.  Workers exit when
-told, when their control pipe closes (the main process died), or by
-PR_SET_PDEATHSIG.
+told, when their control pipe closes, or when the main *process* exits (a
+pidfd of it, watched by the control thread; not PR_SET_PDEATHSIG, which
+fires when the *thread* that started the worker exits).
 """
 from __future__ import annotations
 
 import collections
-import ctypes
 import multiprocessing.connection as mpc
+import os
 import queue
 import random
+import select
 import signal
 import threading
 import time
@@ -48,12 +50,37 @@ __all__ = ["WorkerPool", "PipelineIter", "InlineIter"]
 _POLL = 1.0
 
 
-def _set_pdeathsig() -> None:
+_ORPHAN_GRACE = 5.0  # seconds a worker whose parent died gives its main thread to stop
+
+
+def _watch_parent(parent_pid: int):
+    """A pidfd of the main process (readable once it has exited), or None
+    where the kernel has no pidfds (then the parent is polled, as torch does).
+
+    Not PR_SET_PDEATHSIG: that fires when the *thread* that started the
+    worker exits (``iter(loader)`` in a setup thread), not the process."""
     try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except Exception:
+        fd = os.pidfd_open(parent_pid)
+    except (AttributeError, OSError):
+        return None
+    try:  # the pid may already name another process if the parent died first
+        os.kill(parent_pid, 0)
+    except ProcessLookupError:
+        os.close(fd)
+        return None
+    return fd
+
+
+def _parent_gone(pidfd, parent_pid: int) -> bool:
+    if pidfd is not None:
+        return bool(select.select([pidfd], [], [], 0)[0])
+    try:
+        os.kill(parent_pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
         pass
+    return False
 
 
 def _seed_worker(base_seed: int, w: int, dataset, num_workers: int) -> None:
@@ -68,7 +95,7 @@ def _seed_worker(base_seed: int, w: int, dataset, num_workers: int) -> None:
 
 def _worker_main(w: int, num_workers: int, dataset, cfg: dict, ctrl, res, parent_pid: int) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the main process handles Ctrl-C
-    _set_pdeathsig()
+    pidfd = _watch_parent(parent_pid)
     torch.set_num_threads(1)
     lock = threading.Lock()
 
@@ -99,11 +126,23 @@ def _worker_main(w: int, num_workers: int, dataset, cfg: dict, ctrl, res, parent
     q = engine.q
 
     def read_control() -> None:
+        """Control messages -> the event queue.  Also watches the main
+        process: when it is gone (pidfd readable, or EOF on the control pipe)
+        the worker stops; if the main thread is stuck in user code it is
+        given _ORPHAN_GRACE seconds, then the process exits."""
         try:
+            watch = [ctrl.fileno()] + ([pidfd] if pidfd is not None else [])
             while True:
-                q.put(("ctl", ctrl.recv()))
+                ready = select.select(watch, [], [], _POLL)[0]
+                if (pidfd is not None and pidfd in ready) or (not ready and _parent_gone(pidfd, parent_pid)):
+                    break
+                if ctrl.fileno() in ready:
+                    q.put(("ctl", ctrl.recv()))
         except (EOFError, OSError):
-            q.put(("ctl", ("stop",)))
+            pass
+        q.put(("ctl", ("stop",)))
+        time.sleep(_ORPHAN_GRACE)
+        os._exit(0)
 
     threading.Thread(target=read_control, name="coordl-control", daemon=True).start()
     try:
@@ -159,8 +198,6 @@ class WorkerPool:
     """``num_workers`` worker processes running :class:`Engine`."""
 
     def __init__(self, dataset, cfg: dict, num_workers: int, ctx, timeout: float = 0) -> None:
-        import os
-
         self.num_workers = num_workers
         self.timeout = timeout
         self.procs, self.ctrl, self.res = [], [], []

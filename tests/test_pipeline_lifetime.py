@@ -108,6 +108,67 @@ def test_batch_freed_by_gc_inside_the_pools_own_send_does_not_deadlock():
 
 
 # ---------------------------------------------------------------- item 11
+@pytest.mark.parametrize("persistent", [False, True])
+def test_iterator_created_in_a_thread_that_exits(persistent):
+    """iter(loader) in a setup thread that then exits, batches consumed in the
+    main thread: the workers belong to the process, not to that thread."""
+    out = _child(f"""
+        import threading
+        from coordl import DataLoader
+        from coordl.plan import plan
+        from toydata import TwoStageToy
+
+        L = DataLoader(TwoStageToy(120, delay=0.002), batch_size=4, shuffle=True, seed=1,
+                       num_workers=2, persistent_workers={persistent})
+        box = []
+        t = threading.Thread(target=lambda: box.append(iter(L)))
+        t.start()
+        t.join()
+        got = [i for x, _ in box.pop() for i in x[:, 0].tolist()]
+        print("EXACT", got == plan(120, 1, 0).tolist())
+        got = [i for x, _ in L for i in x[:, 0].tolist()]
+        print("NEXT", got == plan(120, 1, 1).tolist())
+    """, timeout=60)
+    assert "EXACT True" in out and "NEXT True" in out, out
+
+
+_KILLED_TRAINER = """
+import os, signal, sys, threading, psutil
+sys.path.insert(0, sys.argv[1])
+from coordl import DataLoader
+from toydata import TwoStageToy
+L = DataLoader(TwoStageToy(4000, delay=0.01), batch_size=4, seed=0, num_workers=2)
+box = []
+t = threading.Thread(target=lambda: box.append(iter(L)))
+t.start(); t.join()
+next(box[0])
+print("workers", *[c.pid for c in psutil.Process().children()], flush=True)
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_workers_exit_when_the_main_process_is_killed():
+    """Without PR_SET_PDEATHSIG the workers still notice a SIGKILLed main
+    process (its pidfd) and exit; an intermediate process watches them (the
+    hard-timeout runner would kill leftovers itself and hide a failure)."""
+    out = _child(f"""
+        import subprocess, sys, psutil
+        p = subprocess.run([sys.executable, "-c", {_KILLED_TRAINER!r}, {HERE!r}],
+                           capture_output=True, text=True, timeout=60)
+        print("rc", p.returncode)
+        pids = [int(x) for x in p.stdout.split("workers", 1)[1].split()]
+        procs = []
+        for pid in pids:
+            try:
+                procs.append(psutil.Process(pid))
+            except psutil.NoSuchProcess:
+                pass
+        gone, alive = psutil.wait_procs(procs, timeout=20)
+        print("workers", len(pids), "alive", len(alive))
+    """, timeout=90)
+    assert "rc -9" in out and "workers 2 alive 0" in out, out
+
+
 # ---------------------------------------------------------------- item 12
 def test_abandoned_passes_with_persistent_workers_do_not_leak_slots():
     """Break out of many passes after one batch: batches the main process had
