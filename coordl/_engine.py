@@ -32,7 +32,7 @@ import torch
 from . import _collate
 from ._rng import sample_rng
 from .errors import SampleError, sample_error
-from .fetch import Fetched, Fetcher
+from .fetch import Fetched, Fetcher, FetcherDied
 from .plan import EpochPlan
 from .protocol import describe
 
@@ -115,6 +115,7 @@ class Engine:
         self._size_of = (lambda i: int(sizes[i])) if isinstance(sizes, np.ndarray) else None
         self.pass_id = None
         self.fetcher: Fetcher | None = None
+        self.at: tuple = ("idle", None, None)  # (stage, batch, sample): names a failure
 
     # ------------------------------------------------------------------ passes
     def begin_pass(self, pass_id, plan: EpochPlan, epoch: int, start: int,
@@ -157,7 +158,12 @@ class Engine:
         return self.pass_id is None or self.emitted == len(self.my)
 
     # ------------------------------------------------------------------ events
-    def on_fetched(self, f: Fetched) -> None:
+    def on_fetched(self, f: Fetched | FetcherDied) -> None:
+        if type(f) is FetcherDied:
+            if f.fetcher is not self.fetcher or self.fetcher is None:
+                return  # a thread of an abandoned pass
+            where = describe(self.dataset, f.index) if f.index is not None else None
+            raise RuntimeError(f.message(where))
         pass_id, pos, j = f.key
         if pass_id != self.pass_id or self.fetcher is None:
             return  # stale read of an abandoned pass
@@ -189,6 +195,7 @@ class Engine:
             b = self.builders[pos] = _Builder(k, indices, copy=not self.in_place)
         st = b.stats
         i = f.index
+        self.at = ("preparing", k, i)
         clock = time.perf_counter
         st.fetch_s += f.seconds
         try:
@@ -235,7 +242,19 @@ class Engine:
         if b.done == b.n:
             del self.builders[pos]
             if not b.failed:
+                self.at = ("collating", k, None)
                 self._finish(b)
+        self.at = ("idle", None, None)
+
+    def doing(self) -> str:
+        """What the engine was doing, for the message of an unexpected failure."""
+        stage, k, i = self.at
+        if stage == "idle":
+            return "between samples"
+        s = f"{stage} batch {k}"
+        if i is not None:
+            s += f", sample {i} ({describe(self.dataset, i)})"
+        return s
 
     def _fail(self, b: _Builder) -> None:
         """Batch ``b`` fails (its error is emitted by the caller): give its

@@ -126,6 +126,14 @@ def _worker_main(w: int, num_workers: int, dataset, cfg: dict, ctrl, res, parent
     q = engine.q
 
     def read_control() -> None:
+        try:
+            watch_control()
+        except BaseException:  # report it: a dead control reader would hang the worker
+            q.put(("ctl", ("died", f"the control thread of DataLoader worker process {w} died "
+                                   f"receiving a message from the main process.\n"
+                                   f"Original {traceback.format_exc()}")))
+
+    def watch_control() -> None:
         """Control messages -> the event queue.  Also watches the main
         process: when it is gone (pidfd readable, or EOF on the control pipe)
         the worker stops; if the main thread is stuck in user code it is
@@ -155,6 +163,8 @@ def _worker_main(w: int, num_workers: int, dataset, cfg: dict, ctrl, res, parent
                     if op == "stop":
                         engine.end_pass()
                         return
+                    if op == "died":
+                        raise _Died(msg[1])
                     if op == "pass":
                         _, pass_id, plan, epoch, start = msg
                         engine.begin_pass(pass_id, plan, epoch, start, num_workers, w)
@@ -174,6 +184,21 @@ def _worker_main(w: int, num_workers: int, dataset, cfg: dict, ctrl, res, parent
             engine.pump(interrupt=lambda: not q.empty())
     except (BrokenPipeError, ConnectionResetError, EOFError):
         return  # the main process went away
+    except BaseException as e:  # this thread (the worker's prep thread) is dying: report what it did
+        if isinstance(e, _Died):
+            text = str(e)
+        else:
+            text = (f"DataLoader worker process {w} failed while {engine.doing()}: "
+                    f"{type(e).__name__}: {e}\nOriginal {traceback.format_exc()}")
+        try:
+            send(("fatal", None, w, text))
+        except BaseException:
+            pass  # main then sees the exit code
+        engine.end_pass()
+
+
+class _Died(Exception):
+    """A worker thread died; the text says which and why."""
 
 
 def _worker_stats(slots, engine) -> dict:
@@ -332,7 +357,8 @@ class WorkerPool:
             fd = reduction.recv_handle(conn)
             self.maps[(w, sid)] = (gen, map_slot(fd, size))
             return
-        if kind == "fatal":
+        if kind == "fatal":  # the worker stops after this: so does the pool
+            self.shutdown()
             raise RuntimeError(msg[3])
         if msg[1] != self.pass_id:  # a batch of an abandoned pass
             if kind == "batch":
@@ -342,6 +368,9 @@ class WorkerPool:
 
     def get(self, k: int | None):
         """The message for batch ``k`` (any batch when None), waiting as needed."""
+        if self.closed:
+            raise RuntimeError("DataLoader workers were shut down after an earlier error in this pass; "
+                               "start a new pass with iter(loader)")
         deadline = time.monotonic() + self.timeout if self.timeout > 0 else None
         while True:
             self._drain_frees()
@@ -453,6 +482,7 @@ class InlineIter:
         self._epoch = epoch
         self._next = start
         self._out = out = {}
+        self._failed: str | None = None
         # Nothing the engine holds may reference this iterator: the finalizer
         # below holds the engine, and an engine -> iterator reference would
         # keep the iterator (and the pass's fetch threads and read-ahead)
@@ -477,6 +507,9 @@ class InlineIter:
         if k >= self._plan.num_batches:
             self._final()
             raise StopIteration
+        if self._failed is not None:  # the pass ended with an unexpected failure
+            raise RuntimeError(f"this DataLoader pass failed earlier ({self._failed}); "
+                               "start a new pass with iter(loader)")
         eng = self._engine
         try:
             while k not in self._out:
@@ -486,8 +519,11 @@ class InlineIter:
                 eng.on_fetched(eng.q.get())
                 while not eng.q.empty():
                     eng.on_fetched(eng.q.get_nowait())
-        except BaseException:
+        except BaseException as e:  # not a bad sample (those are emitted): the pass is over
             self._final()
+            self._failed = f"{type(e).__name__}: {e}".split("\n", 1)[0]
+            if not isinstance(e, KeyboardInterrupt):
+                e.add_note(f"coordl: raised while {eng.doing()} (num_workers=0)")
             raise
         kind, _, *p = self._out.pop(k)
         self._next += 1

@@ -232,3 +232,127 @@ def test_abandoned_inline_passes_do_not_leak_fetch_threads():
 
 
 # ---------------------------------------------------------------- item 13
+_PLACEMENTS = {
+    "inline": "num_workers=0, seed=0",
+    "workers": "num_workers=2, seed=0",
+    "persistent": "num_workers=2, seed=0, persistent_workers=True",
+    "torch-machinery": "num_workers=2, sampler=torch.utils.data.SequentialSampler(ds)",
+}
+
+
+@pytest.mark.parametrize("placement", list(_PLACEMENTS))
+def test_raw_returning_a_non_bytes_is_that_samples_error(placement):
+    """raw() returning an int used to kill the fetch thread (len() of it) and
+    hang the pass; it is that sample's error, naming it, and the pass goes on."""
+    out = _child(f"""
+        import torch
+        from coordl import DataLoader
+        from toydata import TwoStageToy
+
+        class IntRaw(TwoStageToy):
+            def raw(self, i):
+                return 7 if i == 5 else super().raw(i)
+
+        ds = IntRaw(24)
+        L = DataLoader(ds, batch_size=4, {_PLACEMENTS[placement]})
+        it, got, errors = iter(L), [], []
+        while True:
+            try:
+                x, y = next(it)
+            except StopIteration:
+                break
+            except Exception as e:
+                errors.append(str(e))
+                continue
+            got += x[:, 0].tolist()
+        print("GOT", got == [i for i in range(24) if not 4 <= i < 8], len(errors))
+        print("MSG", errors[0])
+    """, timeout=40)
+    assert "GOT True 1" in out, out
+    msg = out.split("MSG", 1)[1]
+    assert "sample 5" in msg and "/toy/sample_5.bin" in msg and "reading" in msg and "int" in msg, msg
+
+
+@pytest.mark.parametrize("placement", ["inline", "workers", "persistent"])
+def test_dead_fetch_thread_fails_the_pass_naming_the_sample(placement):
+    """An exception escaping a fetch thread's loop (here: the dataset's sizes
+    array is too short, so admitting sample 10 raises) is reported to the
+    consumer with the sample, its path and the stage; nothing hangs, and the
+    next pass starts cleanly."""
+    out = _child(f"""
+        import numpy as np
+        import torch
+        from coordl import DataLoader
+        from toydata import TwoStageToy
+
+        class ShortSizes(TwoStageToy):
+            sizes = np.full(10, 32, dtype=np.int64)  # 10 sizes for 40 samples
+
+        L = DataLoader(ShortSizes(40), batch_size=4, {_PLACEMENTS[placement]})
+        for p in range(2):
+            try:
+                n = sum(1 for _ in L)
+            except RuntimeError as e:
+                print("RAISED", str(e).replace("\\n", " | "))
+            else:
+                print("NO ERROR", n)
+    """, timeout=40)
+    lines = [ln for ln in out.splitlines() if ln.startswith(("RAISED", "NO ERROR"))]
+    assert len(lines) == 2 and all(ln.startswith("RAISED") for ln in lines), out
+    for ln in lines:
+        assert "fetch thread" in ln and "died while admitting sample 1" in ln and "/toy/sample_1" in ln, ln
+        assert "IndexError" in ln, ln
+
+
+def test_dead_worker_control_thread_is_reported():
+    """A control message the worker cannot unpickle kills its control reader:
+    the worker reports that (instead of never hearing from main again)."""
+    out = _child("""
+        from coordl import DataLoader
+        from toydata import TwoStageToy
+
+        def refuse():
+            raise RuntimeError("cannot rebuild this in the worker")
+
+        class Unloadable:
+            def __reduce__(self):
+                return (refuse, ())
+
+        L = DataLoader(TwoStageToy(400, delay=0.01), batch_size=4, seed=0, num_workers=2,
+                       persistent_workers=True)
+        it = iter(L)
+        next(it)
+        L._pool._send(0, ("consumed", Unloadable()))  # through the real pipe and reader
+        try:
+            for _ in it:
+                pass
+        except RuntimeError as e:
+            print("RAISED", "control thread of DataLoader worker process 0 died" in str(e),
+                  "cannot rebuild" in str(e))
+        else:
+            print("NO ERROR")
+    """, timeout=40)
+    assert "RAISED True True" in out, out
+
+
+def test_dead_worker_prep_thread_names_the_batch():
+    """The worker's prep thread dying (a collate_fn result that cannot be sent
+    to the main process) is reported with the stage and the batch."""
+    out = _child("""
+        from coordl import DataLoader
+        from toydata import TwoStageToy
+
+        def collate(samples):
+            return lambda: samples  # cannot be pickled
+
+        L = DataLoader(TwoStageToy(40), batch_size=4, seed=0, num_workers=2, collate_fn=collate)
+        try:
+            list(L)
+        except RuntimeError as e:
+            print("RAISED", "failed while collating batch" in str(e), "pickle" in str(e).lower())
+        else:
+            print("NO ERROR")
+    """, timeout=40)
+    assert "RAISED True True" in out, out
+
+
