@@ -253,9 +253,9 @@ class WorkerPool:
                 self.ctrl.append(ctrl_w)
                 self.res.append(res_main)
         except BaseException:
-            _shutdown(self.procs, self.ctrl, self.res)
+            _shutdown(self.procs, self.ctrl, self.res, parent)
             raise
-        self._final = weakref.finalize(self, _shutdown, self.procs, self.ctrl, self.res)
+        self._final = weakref.finalize(self, _shutdown, self.procs, self.ctrl, self.res, parent)
 
     @property
     def pids(self) -> list[int]:
@@ -406,7 +406,9 @@ class WorkerPool:
         return None, msg[3]  # "empty": every sample skipped
 
 
-def _shutdown(procs, ctrl, res) -> None:
+def _shutdown(procs, ctrl, res, owner_pid: int) -> None:
+    if os.getpid() != owner_pid:
+        return  # a forked child's copy of the pool (its finalizer ran there): not ours to stop
     for c in ctrl:
         try:
             c.send(("stop",))

@@ -169,6 +169,28 @@ def test_workers_exit_when_the_main_process_is_killed():
     assert "rc -9" in out and "workers 2 alive 0" in out, out
 
 
+def test_forked_child_dropping_its_copy_of_the_iterator_leaves_the_workers_alone():
+    """After os.fork() the child holds a copy of the iterator; when that copy
+    dies there, its finalizer must not stop the parent's workers."""
+    out = _child("""
+        import gc, os
+        from coordl import DataLoader
+        from toydata import TwoStageToy
+
+        L = DataLoader(TwoStageToy(80), batch_size=4, seed=0, num_workers=2)
+        it = iter(L)
+        next(it)
+        pid = os.fork()
+        if pid == 0:
+            del it
+            gc.collect()
+            os._exit(0)
+        os.waitpid(pid, 0)
+        print("N", 1 + sum(1 for _ in it))
+    """, timeout=40)
+    assert "N 20" in out, out
+
+
 # ---------------------------------------------------------------- item 12
 def test_abandoned_passes_with_persistent_workers_do_not_leak_slots():
     """Break out of many passes after one batch: batches the main process had
