@@ -6,17 +6,21 @@ at batch ``start`` belongs to worker ``(k - start) % num_workers``.  Since the
 plan is a pure function, the worker computes its own batches from the pass
 parameters; main never sends indices.
 
-Event loop (all events arrive on one ``queue.Queue``)::
+Event loop (all events arrive on one ``queue.Queue``, ``Engine.q``; the
+worker loop in ``_pipeline`` or ``InlineIter`` dispatches them)::
 
-    fetch threads ----Fetched(key=(pass, pos, j))----+
-    control (main) ---("pass"|"consumed"|"free"|"stop")--> Engine.handle
-                                                     |
+    fetch threads ---Fetched(key=(pass, pos, j)) | FetcherDied--> on_fetched
+    control (main) ---("pass"|"consumed"|"free"|"stats"|"stop")--> begin_pass,
+                                                    on_consumed, slot release
     Engine.pump: prepare ready samples of batches inside the window
                  [first unconsumed, + prefetch), lowest batch first, writing
                  each into its row of the batch's slot; emit finished batches.
 
 Samples complete out of order (a slow read holds up only its own batch); the
-main process puts batches back in plan order.
+main process puts batches back in plan order.  A bad sample fails only its
+batch (``("error", k, ...)`` is emitted, the rest of the batch is dropped and
+its slot given back); a dead fetch thread raises from ``on_fetched``, and
+``doing()`` names the stage/batch/sample of any unexpected failure.
 """
 from __future__ import annotations
 
@@ -134,7 +138,6 @@ class Engine:
         self.consumed: set[int] = set()
         self.builders: dict[int, _Builder] = {}
         self.ready: list = []           # heap of (pos, j, Fetched)
-        self.emitted = 0
         order = ((( pass_id, pos, j), i) for pos, (_, ind) in enumerate(self.my)
                  for j, i in enumerate(ind))
         self.fetcher = Fetcher(self._read, order, self.q, threads=self.fetch_threads,
@@ -152,10 +155,6 @@ class Engine:
         self.builders = {}
         self.ready = []
         self.pass_id = None
-
-    @property
-    def finished(self) -> bool:
-        return self.pass_id is None or self.emitted == len(self.my)
 
     # ------------------------------------------------------------------ events
     def on_fetched(self, f: Fetched | FetcherDied) -> None:
@@ -258,14 +257,13 @@ class Engine:
 
     def _fail(self, b: _Builder) -> None:
         """Batch ``b`` fails (its error is emitted by the caller): give its
-        slot back and count it as emitted; the pass goes on with the next
-        batches, as torch's DataLoader does after a worker exception."""
+        slot back; the pass goes on with the next batches, as torch's
+        DataLoader does after a worker exception."""
         b.failed = True
         if b.slot is not None:
             self.slots.release(b.slot)
             b.slot, b.targets = None, None
         b.samples = None
-        self.emitted += 1
 
     def _place(self, b: _Builder, j: int, sample) -> None:
         if not b.copy:
@@ -293,7 +291,6 @@ class Engine:
         b.ok[j] = True
 
     def _finish(self, b: _Builder) -> None:
-        self.emitted += 1
         rows = [r for r in range(b.n) if b.ok[r]]
         if not rows:
             if b.slot is not None:
