@@ -217,8 +217,9 @@ def test_abandoned_passes_with_persistent_workers_do_not_leak_slots():
     st = json.loads(out.split("STATS ", 1)[1])
     slots = [s["slots"] for s in st]
     free = [s["free_slots"] for s in st]
-    # a worker holds at most its prefetch window plus the batch being delivered
-    assert all(n <= 4 for n in slots), out
+    # a worker needs its prefetch window (2) plus the batches the consumer
+    # still holds (1-2); leaking, it grew by about one slot per pass (~25 here)
+    assert all(n <= 8 for n in slots), out
     assert slots == free, out  # nothing referenced: every slot came back
 
 
