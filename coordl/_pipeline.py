@@ -24,6 +24,7 @@ fires when the *thread* that started the worker exits).
 from __future__ import annotations
 
 import collections
+import functools
 import multiprocessing.connection as mpc
 import os
 import queue
@@ -255,7 +256,12 @@ class WorkerPool:
         except BaseException:
             _shutdown(self.procs, self.ctrl, self.res, parent)
             raise
-        self._final = weakref.finalize(self, _shutdown, self.procs, self.ctrl, self.res, parent)
+        # Stopping workers joins and may kill: not something to do inside
+        # whatever allocation triggers the gc that drops this pool.  The
+        # finalizer only enqueues the stop for the reaper thread.
+        self._stop = functools.partial(_shutdown, self.procs, self.ctrl, self.res, parent)
+        _start_reaper()
+        self._final = weakref.finalize(self, _stop_later, self._stop)
 
     @property
     def pids(self) -> list[int]:
@@ -300,9 +306,11 @@ class WorkerPool:
                 pass  # that worker is gone; a get() reports it
 
     def shutdown(self) -> None:
+        """Stop the workers now (in the calling thread)."""
         if not self.closed:
             self.closed = True
-            self._final()
+            if self._final.detach() is not None:
+                self._stop()
             self.maps.clear()
 
     # -------------------------------------------------------------- results
@@ -406,6 +414,40 @@ class WorkerPool:
         return None, msg[3]  # "empty": every sample skipped
 
 
+_reap_q: queue.SimpleQueue = queue.SimpleQueue()  # put() is safe inside finalizers
+_reaper: list = []                                # [thread, pid] of this process's reaper
+_reaper_lock = threading.Lock()
+
+
+def _start_reaper() -> None:
+    """Start this process's reaper thread (called from normal code, never a
+    finalizer); it runs the worker stops that pool finalizers enqueue."""
+    with _reaper_lock:
+        if _reaper and _reaper[1] == os.getpid() and _reaper[0].is_alive():
+            return
+        t = threading.Thread(target=_reap_loop, name="coordl-reaper", daemon=True)
+        t.start()
+        _reaper[:] = [t, os.getpid()]
+
+
+def _reap_loop() -> None:
+    while True:
+        stop = _reap_q.get()
+        try:
+            stop()
+        except Exception:  # a failed stop must not end the reaper; say what happened
+            traceback.print_exc()
+
+
+def _stop_later(stop) -> None:
+    """A pool's finalizer: enqueue its stop.  At interpreter exit (the main
+    thread has finished, the daemon reaper may never run again) stop now."""
+    if threading.main_thread().is_alive():
+        _reap_q.put(stop)
+    else:
+        stop()
+
+
 def _shutdown(procs, ctrl, res, owner_pid: int) -> None:
     if os.getpid() != owner_pid:
         return  # a forked child's copy of the pool (its finalizer ran there): not ours to stop
@@ -445,7 +487,8 @@ class PipelineIter:
         self._in_order = in_order
         self._owns = owns_pool
         pool.begin_pass(plan, epoch, start)
-        self._final = weakref.finalize(self, pool.shutdown) if owns_pool else None
+        # an owned pool lives only through this iterator: when the iterator is
+        # dropped, the pool's own finalizer has the reaper stop its workers
 
     def __iter__(self):
         return self
@@ -454,8 +497,8 @@ class PipelineIter:
         return self._plan.num_batches
 
     def _close(self) -> None:
-        if self._final is not None:
-            self._final()
+        if self._owns:
+            self._pool.shutdown()
 
     def __next__(self) -> Envelope:
         if self._left <= 0:
