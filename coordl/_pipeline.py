@@ -13,7 +13,8 @@
                   <----("batch", id, k, slot, layout, rows, stats)
       tensors view the slot (zero copy)
       pool.consumed ----("consumed", id, k)------> window advances
-      last tensor freed ("free", slot) ----------> slot reusable
+      last tensor freed -> finalizer queues the slot;
+      the next call into the pool sends ("free", slot) --> slot reusable
 
 Every wait has a timeout after which the workers' liveness is checked; a dead
 worker is reported with its pid and exit code or signal.  Workers exit when

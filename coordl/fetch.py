@@ -21,6 +21,12 @@ Two bounds keep it honest:
 
 Later stages plug in here: the node cache and peer caches are consulted by
 ``read`` before storage.
+
+Failures: whatever ``read``/``read_many`` raises, or a malformed result (not
+bytes, a ``read_many`` list of the wrong length), is delivered as that item's
+``Fetched.error``.  Anything escaping a thread's loop closes the fetcher and
+puts a :class:`FetcherDied` on ``out``, so the consumer never waits for reads
+that will not come.
 """
 from __future__ import annotations
 
