@@ -270,8 +270,16 @@ class WorkerPool:
 
     # -------------------------------------------------------------- control
     def _send(self, w: int, msg) -> None:
-        with self._locks[w]:
-            self.ctrl[w].send(msg)
+        try:
+            with self._locks[w]:
+                self.ctrl[w].send(msg)
+        except (BrokenPipeError, ConnectionResetError):
+            # the worker is gone: its last message (a "fatal") or its exit status says why
+            self._receive(0)
+            self.procs[w].join(1.0)
+            self._check_alive()
+            raise RuntimeError(f"DataLoader worker (pid {self.procs[w].pid}) closed its control pipe "
+                               "unexpectedly") from None
 
     def begin_pass(self, plan, epoch: int, start: int) -> int:
         self._drain_frees()
@@ -304,7 +312,7 @@ class WorkerPool:
             try:
                 self._send(w, ("free", sid, gen))
             except (OSError, ValueError):
-                pass  # that worker is gone; a get() reports it
+                pass  # the pool was shut down meanwhile
 
     def shutdown(self) -> None:
         """Stop the workers now (in the calling thread)."""

@@ -379,3 +379,31 @@ def test_dead_worker_prep_thread_names_the_batch():
     assert "RAISED True True" in out, out
 
 
+def test_worker_that_died_before_the_pass_began_is_reported_with_its_error():
+    """worker_init_fn fails, the workers report it and exit before the main
+    process sends them the pass: the send must surface the workers' error,
+    not a bare BrokenPipeError (main is held back to make the order certain)."""
+    out = _child("""
+        import time
+        from coordl import DataLoader, _pipeline
+        from toydata import TwoStageToy
+
+        def bad(w):
+            raise ValueError("no GPU for you")
+
+        begin = _pipeline.WorkerPool.begin_pass
+        def late_begin(self, *a):
+            for p in self.procs:
+                p.join(20)  # the workers have failed and exited
+            return begin(self, *a)
+        _pipeline.WorkerPool.begin_pass = late_begin
+
+        L = DataLoader(TwoStageToy(8), batch_size=2, seed=0, num_workers=2, worker_init_fn=bad)
+        try:
+            list(L)
+        except RuntimeError as e:
+            print("RAISED", "no GPU for you" in str(e))
+        except BaseException as e:
+            print("OTHER", type(e).__name__, e)
+    """, timeout=40)
+    assert "RAISED True" in out, out
