@@ -7,17 +7,21 @@ resume), the ``j``-th belongs to worker ``j % num_workers``.  Since the
 plan is a pure function, the worker computes its own batches from the pass
 parameters; main never sends indices.
 
-Event loop (all events arrive on one ``queue.Queue``)::
+Event loop (all events arrive on one ``queue.Queue``, ``Engine.q``; the
+worker loop in ``_pipeline`` or ``InlineIter`` dispatches them)::
 
-    fetch threads ----Fetched(key=(pass, pos, j))----+
-    control (main) ---("pass"|"consumed"|"free"|"stop")--> Engine.handle
-                                                     |
+    fetch threads ---Fetched(key=(pass, pos, j)) | FetcherDied--> on_fetched
+    control (main) ---("pass"|"consumed"|"free"|"stats"|"stop")--> begin_pass,
+                                                    on_consumed, slot release
     Engine.pump: prepare ready samples of batches inside the window
                  [first unconsumed, + prefetch), lowest batch first, writing
                  each into its row of the batch's slot; emit finished batches.
 
 Samples complete out of order (a slow read holds up only its own batch); the
-main process puts batches back in plan order.
+main process puts batches back in plan order.  A bad sample fails only its
+batch (``("error", k, ...)`` is emitted, the rest of the batch is dropped and
+its slot given back); a dead fetch thread raises from ``on_fetched``, and
+``doing()`` names the stage/batch/sample of any unexpected failure.
 """
 from __future__ import annotations
 
@@ -33,7 +37,7 @@ import torch
 from . import _collate
 from ._rng import sample_rng
 from .errors import Failure, SampleError, sample_error
-from .fetch import Fetched, Fetcher
+from .fetch import Fetched, Fetcher, FetcherDied
 from .plan import EpochPlan
 from .protocol import describe
 
@@ -69,7 +73,7 @@ class _Builder:
     """One batch being assembled, rows in plan order, samples in any order."""
 
     __slots__ = ("k", "indices", "n", "done", "layout", "slot", "targets", "samples",
-                 "ok", "stats", "copy")
+                 "ok", "stats", "copy", "failed")
 
     def __init__(self, k: int, indices: list[int], copy: bool) -> None:
         self.k = k
@@ -83,6 +87,7 @@ class _Builder:
         self.ok = [False] * self.n
         self.stats = BatchStats()
         self.copy = copy
+        self.failed = False             # an error was emitted for this batch
 
 
 class Engine:
@@ -115,7 +120,7 @@ class Engine:
         self._size_of = (lambda i: int(sizes[i])) if isinstance(sizes, np.ndarray) else None
         self.pass_id = None
         self.fetcher: Fetcher | None = None
-        self.failed = False
+        self.at: tuple = ("idle", None, None)  # (stage, batch, sample): names a failure
 
     # ------------------------------------------------------------------ passes
     def begin_pass(self, pass_id, plan: EpochPlan, epoch: int, start: int,
@@ -126,7 +131,6 @@ class Engine:
         self.end_pass()
         self.pass_id = pass_id
         self.epoch = epoch
-        self.failed = False
         idx = plan.indices(epoch)
         bs = plan.batch_size
         ks = pass_steps(plan.num_batches, start, skip)[worker_id::num_workers]
@@ -138,7 +142,6 @@ class Engine:
         self.consumed: set[int] = set()
         self.builders: dict[int, _Builder] = {}
         self.ready: list = []           # heap of (pos, j, Fetched)
-        self.emitted = 0
         order = ((( pass_id, pos, j), i) for pos, (_, ind) in enumerate(self.my)
                  for j, i in enumerate(ind))
         self.fetcher = Fetcher(self._read, order, self.q, threads=self.fetch_threads,
@@ -157,12 +160,13 @@ class Engine:
         self.ready = []
         self.pass_id = None
 
-    @property
-    def finished(self) -> bool:
-        return self.pass_id is None or self.emitted == len(self.my)
-
     # ------------------------------------------------------------------ events
-    def on_fetched(self, f: Fetched) -> None:
+    def on_fetched(self, f: Fetched | FetcherDied) -> None:
+        if type(f) is FetcherDied:
+            if f.fetcher is not self.fetcher or self.fetcher is None:
+                return  # a thread of an abandoned pass
+            where = describe(self.dataset, f.index) if f.index is not None else None
+            raise RuntimeError(f.message(where))
         pass_id, pos, j = f.key
         if pass_id != self.pass_id or self.fetcher is None:
             return  # stale read of an abandoned pass
@@ -177,7 +181,7 @@ class Engine:
     def pump(self, interrupt: Callable[[], bool] | None = None) -> None:
         """Prepare ready samples inside the window until none is left (or
         ``interrupt()`` says events are waiting)."""
-        while self.ready and not self.failed:
+        while self.ready:
             pos = self.ready[0][0]
             if pos >= self.first + self.prefetch:
                 return
@@ -194,32 +198,36 @@ class Engine:
             b = self.builders[pos] = _Builder(k, indices, copy=not self.in_place)
         st = b.stats
         i = f.index
+        self.at = ("preparing", k, i)
         clock = time.perf_counter
         st.fetch_s += f.seconds
         try:
-            if f.error is not None:
+            if b.failed:  # its error is out: drop the batch's remaining samples, as torch does
+                pass
+            elif f.error is not None:
                 raise _Stage("reading", f.error)
-            if f.source == "cache":
-                st.from_cache += 1
-                st.bytes_cache += f.nbytes
-            elif f.source == "peer":
-                st.from_peers += 1
-                st.bytes_peers += f.nbytes
             else:
-                st.nbytes += f.nbytes
-            t0 = clock()
-            try:
-                with sample_rng(self.seed, self.epoch, i):
-                    sample = self.dataset.prep(f.data, i)
-            except Exception as e:
-                raise _Stage("preparing", e) from e
-            self._place(b, j, sample)
-            st.prep_s += clock() - t0
-            st.samples += 1
+                if f.source == "cache":
+                    st.from_cache += 1
+                    st.bytes_cache += f.nbytes
+                elif f.source == "peer":
+                    st.from_peers += 1
+                    st.bytes_peers += f.nbytes
+                else:
+                    st.nbytes += f.nbytes
+                t0 = clock()
+                try:
+                    with sample_rng(self.seed, self.epoch, i):
+                        sample = self.dataset.prep(f.data, i)
+                except Exception as e:
+                    raise _Stage("preparing", e) from e
+                self._place(b, j, sample)
+                st.prep_s += clock() - t0
+                st.samples += 1
         except _Stage as s:
             err = s.error
             if self.on_error == "raise" or not isinstance(err, Exception):
-                self.failed = True
+                self._fail(b)
                 where = describe(self.dataset, i)
                 try:
                     raise sample_error(s.stage, i, where, err) from err
@@ -227,8 +235,8 @@ class Engine:
                     tb, error = traceback.format_exc(), e
                 self.emit("error", k, Failure(f"Caught {type(error).__name__} in DataLoader worker process "
                                               f"{self.worker_id}.\nOriginal {tb}", type(err), error))
-                return
-            st.skips.append((i, describe(self.dataset, i), f"{s.stage}: {type(err).__name__}: {err}"))
+            else:
+                st.skips.append((i, describe(self.dataset, i), f"{s.stage}: {type(err).__name__}: {err}"))
         finally:
             if self.fetcher is not None:
                 self.fetcher.release(f.nbytes)
@@ -236,7 +244,30 @@ class Engine:
         b.done += 1
         if b.done == b.n:
             del self.builders[pos]
-            self._finish(b)
+            if not b.failed:
+                self.at = ("collating", k, None)
+                self._finish(b)
+        self.at = ("idle", None, None)
+
+    def doing(self) -> str:
+        """What the engine was doing, for the message of an unexpected failure."""
+        stage, k, i = self.at
+        if stage == "idle":
+            return "between samples"
+        s = f"{stage} batch {k}"
+        if i is not None:
+            s += f", sample {i} ({describe(self.dataset, i)})"
+        return s
+
+    def _fail(self, b: _Builder) -> None:
+        """Batch ``b`` fails (its error is emitted by the caller): give its
+        slot back; the pass goes on with the next batches, as torch's
+        DataLoader does after a worker exception."""
+        b.failed = True
+        if b.slot is not None:
+            self.slots.release(b.slot)
+            b.slot, b.targets = None, None
+        b.samples = None
 
     def _place(self, b: _Builder, j: int, sample) -> None:
         if not b.copy:
@@ -264,7 +295,6 @@ class Engine:
         b.ok[j] = True
 
     def _finish(self, b: _Builder) -> None:
-        self.emitted += 1
         rows = [r for r in range(b.n) if b.ok[r]]
         if not rows:
             if b.slot is not None:
@@ -279,7 +309,6 @@ class Engine:
                 batch = self.collate_fn(samples[0]) if self.batch_size is None else \
                     (self.collate_fn or torch.utils.data.default_collate)(samples)
             except Exception as e:
-                self.failed = True
                 self.emit("error", b.k, Failure(f"Caught an error in collate_fn in DataLoader worker process "
                                                 f"{self.worker_id}.\nOriginal {traceback.format_exc()}", type(e)))
                 return

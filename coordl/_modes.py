@@ -45,7 +45,7 @@ class TorchMode:
     """
 
     name = "torch"
-    uses_plan_order = False
+    runs_pipeline = False
     tag_tasks = False          # _PassSampler wraps steps in Task(epoch, ...)
 
     def exact_steps(self, loader) -> bool:
@@ -129,7 +129,7 @@ class PipelineMode:
     """
 
     name = "pipeline"
-    uses_plan_order = True
+    runs_pipeline = True
     tag_tasks = True
 
     def __init__(self) -> None:

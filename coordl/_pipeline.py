@@ -13,19 +13,24 @@
                   <----("batch", id, k, slot, layout, rows, stats)
       tensors view the slot (zero copy)
       pool.consumed ----("consumed", id, k)------> window advances
-      last tensor freed ("free", slot) ----------> slot reusable
+      last tensor freed -> finalizer queues the slot;
+      the next call into the pool sends ("free", slot) --> slot reusable
 
 Every wait has a timeout after which the workers' liveness is checked; a dead
 worker is reported with its pid and exit code or signal.  Workers exit when
-told, when their control pipe closes (the main process died), or by
-PR_SET_PDEATHSIG.
+told, when their control pipe closes, or when the main *process* exits (a
+pidfd of it, watched by the control thread; not PR_SET_PDEATHSIG, which
+fires when the *thread* that started the worker exits).
 """
 from __future__ import annotations
 
-import ctypes
+import collections
+import functools
 import multiprocessing.connection as mpc
+import os
 import queue
 import random
+import select
 import signal
 import threading
 import time
@@ -39,6 +44,7 @@ import torch
 from . import _collate
 from ._engine import Engine, pass_steps
 from ._torch_path import Envelope
+from .errors import SampleError
 from ._slots import LocalSlots, WorkerSlots, map_slot
 
 __all__ = ["WorkerPool", "PipelineIter", "InlineIter"]
@@ -46,12 +52,37 @@ __all__ = ["WorkerPool", "PipelineIter", "InlineIter"]
 _POLL = 1.0
 
 
-def _set_pdeathsig() -> None:
+_ORPHAN_GRACE = 5.0  # seconds a worker whose parent died gives its main thread to stop
+
+
+def _watch_parent(parent_pid: int):
+    """A pidfd of the main process (readable once it has exited), or None
+    where the kernel has no pidfds (then the parent is polled, as torch does).
+
+    Not PR_SET_PDEATHSIG: that fires when the *thread* that started the
+    worker exits (``iter(loader)`` in a setup thread), not the process."""
     try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except Exception:
+        fd = os.pidfd_open(parent_pid)
+    except (AttributeError, OSError):
+        return None
+    try:  # the pid may already name another process if the parent died first
+        os.kill(parent_pid, 0)
+    except ProcessLookupError:
+        os.close(fd)
+        return None
+    return fd
+
+
+def _parent_gone(pidfd, parent_pid: int) -> bool:
+    if pidfd is not None:
+        return bool(select.select([pidfd], [], [], 0)[0])
+    try:
+        os.kill(parent_pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
         pass
+    return False
 
 
 def _seed_worker(base_seed: int, w: int, dataset, num_workers: int) -> None:
@@ -66,7 +97,7 @@ def _seed_worker(base_seed: int, w: int, dataset, num_workers: int) -> None:
 
 def _worker_main(w: int, num_workers: int, dataset, cfg: dict, ctrl, res, parent_pid: int) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the main process handles Ctrl-C
-    _set_pdeathsig()
+    pidfd = _watch_parent(parent_pid)
     torch.set_num_threads(1)
     lock = threading.Lock()
 
@@ -98,10 +129,30 @@ def _worker_main(w: int, num_workers: int, dataset, cfg: dict, ctrl, res, parent
 
     def read_control() -> None:
         try:
+            watch_control()
+        except BaseException:  # report it: a dead control reader would hang the worker
+            q.put(("ctl", ("died", f"the control thread of DataLoader worker process {w} died "
+                                   f"receiving a message from the main process.\n"
+                                   f"Original {traceback.format_exc()}")))
+
+    def watch_control() -> None:
+        """Control messages -> the event queue.  Also watches the main
+        process: when it is gone (pidfd readable, or EOF on the control pipe)
+        the worker stops; if the main thread is stuck in user code it is
+        given _ORPHAN_GRACE seconds, then the process exits."""
+        try:
+            watch = [ctrl.fileno()] + ([pidfd] if pidfd is not None else [])
             while True:
-                q.put(("ctl", ctrl.recv()))
+                ready = select.select(watch, [], [], _POLL)[0]
+                if (pidfd is not None and pidfd in ready) or (not ready and _parent_gone(pidfd, parent_pid)):
+                    break
+                if ctrl.fileno() in ready:
+                    q.put(("ctl", ctrl.recv()))
         except (EOFError, OSError):
-            q.put(("ctl", ("stop",)))
+            pass
+        q.put(("ctl", ("stop",)))
+        time.sleep(_ORPHAN_GRACE)
+        os._exit(0)
 
     threading.Thread(target=read_control, name="coordl-control", daemon=True).start()
     try:
@@ -114,6 +165,8 @@ def _worker_main(w: int, num_workers: int, dataset, cfg: dict, ctrl, res, parent
                     if op == "stop":
                         engine.end_pass()
                         return
+                    if op == "died":
+                        raise _Died(msg[1])
                     if op == "pass":
                         _, pass_id, plan, epoch, start, skip = msg
                         engine.begin_pass(pass_id, plan, epoch, start, num_workers, w, skip)
@@ -122,6 +175,8 @@ def _worker_main(w: int, num_workers: int, dataset, cfg: dict, ctrl, res, parent
                             engine.on_consumed(msg[2])
                     elif op == "free":
                         slots.release((msg[1], msg[2]))
+                    elif op == "stats":
+                        send(("stats", None, w, _worker_stats(slots, engine)))
                 else:
                     engine.on_fetched(ev)
                 try:
@@ -131,6 +186,29 @@ def _worker_main(w: int, num_workers: int, dataset, cfg: dict, ctrl, res, parent
             engine.pump(interrupt=lambda: not q.empty())
     except (BrokenPipeError, ConnectionResetError, EOFError):
         return  # the main process went away
+    except BaseException as e:  # this thread (the worker's prep thread) is dying: report what it did
+        if isinstance(e, _Died):
+            text = str(e)
+        else:
+            text = (f"DataLoader worker process {w} failed while {engine.doing()}: "
+                    f"{type(e).__name__}: {e}\nOriginal {traceback.format_exc()}")
+        try:
+            send(("fatal", None, w, text))
+        except BaseException:
+            pass  # main then sees the exit code
+        engine.end_pass()
+
+
+class _Died(Exception):
+    """A worker thread died; the text says which and why."""
+
+
+def _worker_stats(slots, engine) -> dict:
+    """What a worker holds, for tests and debugging (``WorkerPool.worker_stats``)."""
+    f = engine.fetcher
+    return {"slots": slots.count, "slot_bytes": slots.nbytes, "free_slots": len(slots._free),
+            "read_ahead_bytes": f.held_bytes if f is not None else 0,
+            "threads": sorted(t.name for t in threading.enumerate())}
 
 
 def _exit_reason(p) -> str:
@@ -147,8 +225,6 @@ class WorkerPool:
     """``num_workers`` worker processes running :class:`Engine`."""
 
     def __init__(self, dataset, cfg: dict, num_workers: int, ctx, timeout: float = 0) -> None:
-        import os
-
         self.num_workers = num_workers
         self.timeout = timeout
         self.base_seed = cfg.get("base_seed")
@@ -156,8 +232,15 @@ class WorkerPool:
         self._locks = [threading.Lock() for _ in range(num_workers)]
         self.maps: dict[tuple[int, int], tuple[int, object]] = {}
         self.pending: dict[int, tuple[int, tuple]] = {}
+        # Slots whose last batch tensor died: (w, sid, gen).  Filled by
+        # finalizers, which may run inside any allocation, including inside
+        # our own send under self._locks[w] (cyclic gc): they only append
+        # (deque.append takes no lock), and the thread calling into the pool
+        # sends the "free" messages (_drain_frees).
+        self._frees: collections.deque = collections.deque()
         self.pass_id = 0
         self.closed = False
+        self._stats: dict[int, dict] = {}
         parent = os.getpid()
         try:
             for w in range(num_workers):
@@ -173,9 +256,14 @@ class WorkerPool:
                 self.ctrl.append(ctrl_w)
                 self.res.append(res_main)
         except BaseException:
-            _shutdown(self.procs, self.ctrl, self.res)
+            _shutdown(self.procs, self.ctrl, self.res, parent)
             raise
-        self._final = weakref.finalize(self, _shutdown, self.procs, self.ctrl, self.res)
+        # Stopping workers joins and may kill: not something to do inside
+        # whatever allocation triggers the gc that drops this pool.  The
+        # finalizer only enqueues the stop for the reaper thread.
+        self._stop = functools.partial(_shutdown, self.procs, self.ctrl, self.res, parent)
+        _start_reaper()
+        self._final = weakref.finalize(self, _stop_later, self._stop)
 
     @property
     def pids(self) -> list[int]:
@@ -183,32 +271,57 @@ class WorkerPool:
 
     # -------------------------------------------------------------- control
     def _send(self, w: int, msg) -> None:
-        with self._locks[w]:
-            self.ctrl[w].send(msg)
+        try:
+            with self._locks[w]:
+                self.ctrl[w].send(msg)
+        except (BrokenPipeError, ConnectionResetError):
+            # the worker is gone: its last message (a "fatal") or its exit status says why
+            self._receive(0)
+            self.procs[w].join(1.0)
+            self._check_alive()
+            raise RuntimeError(f"DataLoader worker (pid {self.procs[w].pid}) closed its control pipe "
+                               "unexpectedly") from None
 
     def begin_pass(self, plan, epoch: int, start: int, skip=()) -> int:
+        self._drain_frees()
         self.pass_id += 1
+        # batches of the previous pass that arrived but were never delivered:
+        # their slots go back to the workers (else each abandoned pass leaks them)
+        for w, msg in self.pending.values():
+            if msg[0] == "batch":
+                self._frees.append((w,) + tuple(msg[3]))
         self.pending.clear()
         skip = tuple(sorted(skip))
         for w in range(self.num_workers):
             self._send(w, ("pass", self.pass_id, plan, epoch, start, skip))
+        self._drain_frees()
         return self.pass_id
 
     def consumed(self, w: int, k: int) -> None:
         self._send(w, ("consumed", self.pass_id, k))
+        self._drain_frees()
 
-    def _free_slot(self, w: int, sid: int, gen: int) -> None:
-        if self.closed:
-            return
-        try:
-            self._send(w, ("free", sid, gen))
-        except (OSError, ValueError):
-            pass
+    def _drain_frees(self) -> None:
+        """Send the "free" messages queued by slot finalizers (owner thread only)."""
+        frees = self._frees
+        while frees:
+            try:
+                w, sid, gen = frees.popleft()
+            except IndexError:
+                return
+            if self.closed:
+                continue
+            try:
+                self._send(w, ("free", sid, gen))
+            except (OSError, ValueError):
+                pass  # the pool was shut down meanwhile
 
     def shutdown(self) -> None:
+        """Stop the workers now (in the calling thread)."""
         if not self.closed:
             self.closed = True
-            self._final()
+            if self._final.detach() is not None:
+                self._stop()
             self.maps.clear()
 
     # -------------------------------------------------------------- results
@@ -238,26 +351,48 @@ class WorkerPool:
             time.sleep(0.05)  # let a dying worker's last messages land, then report it
             self._check_alive()
 
+    def worker_stats(self) -> list[dict]:
+        """Each worker's own accounting (slots, slot bytes, read-ahead bytes,
+        thread names), asked over the control pipe; for tests and debugging."""
+        self._stats = {}
+        self._drain_frees()
+        for w in range(self.num_workers):
+            self._send(w, ("stats",))
+        deadline = time.monotonic() + max(self.timeout, 30.0)
+        while len(self._stats) < self.num_workers:
+            if time.monotonic() > deadline:
+                raise RuntimeError("DataLoader workers did not answer a statistics request in time")
+            self._receive(_POLL)
+            self._check_alive()
+        return [self._stats[w] for w in range(self.num_workers)]
+
     def _on_message(self, w: int, conn, msg) -> None:
         kind = msg[0]
+        if kind == "stats":
+            self._stats[w] = msg[3]
+            return
         if kind == "slot":
             _, sid, gen, size = msg
             fd = reduction.recv_handle(conn)
             self.maps[(w, sid)] = (gen, map_slot(fd, size))
             return
-        if kind == "fatal":
+        if kind == "fatal":  # the worker stops after this: so does the pool
+            self.shutdown()
             raise RuntimeError(msg[3])
         if msg[1] != self.pass_id:  # a batch of an abandoned pass
             if kind == "batch":
-                sid, gen = msg[3]
-                self._free_slot(w, sid, gen)
+                self._frees.append((w,) + tuple(msg[3]))
             return
         self.pending[msg[2]] = (w, msg)
 
     def get(self, k: int | None):
         """The message for batch ``k`` (any batch when None), waiting as needed."""
+        if self.closed:
+            raise RuntimeError("DataLoader workers were shut down after an earlier error in this pass; "
+                               "start a new pass with iter(loader)")
         deadline = time.monotonic() + self.timeout if self.timeout > 0 else None
         while True:
+            self._drain_frees()
             if k is None and self.pending:
                 k = min(self.pending)
             if k is not None and k in self.pending:
@@ -280,7 +415,8 @@ class WorkerPool:
             mgen, mm = self.maps[(w, sid)]
             assert mgen == gen, "slot generation mismatch"
             owner = np.frombuffer(mm, dtype=np.uint8, count=layout.nbytes)
-            f = weakref.finalize(owner, self._free_slot, w, sid, gen)
+            # only enqueues (see _frees); holds the deque, not the pool
+            f = weakref.finalize(owner, self._frees.append, (w, sid, gen))
             f.atexit = False
             batch = _collate.build(layout.template, _collate.views(layout, owner, rows))
             return batch, stats
@@ -289,7 +425,43 @@ class WorkerPool:
         return None, msg[3]  # "empty": every sample skipped
 
 
-def _shutdown(procs, ctrl, res) -> None:
+_reap_q: queue.SimpleQueue = queue.SimpleQueue()  # put() is safe inside finalizers
+_reaper: list = []                                # [thread, pid] of this process's reaper
+_reaper_lock = threading.Lock()
+
+
+def _start_reaper() -> None:
+    """Start this process's reaper thread (called from normal code, never a
+    finalizer); it runs the worker stops that pool finalizers enqueue."""
+    with _reaper_lock:
+        if _reaper and _reaper[1] == os.getpid() and _reaper[0].is_alive():
+            return
+        t = threading.Thread(target=_reap_loop, name="coordl-reaper", daemon=True)
+        t.start()
+        _reaper[:] = [t, os.getpid()]
+
+
+def _reap_loop() -> None:
+    while True:
+        stop = _reap_q.get()
+        try:
+            stop()
+        except Exception:  # a failed stop must not end the reaper; say what happened
+            traceback.print_exc()
+
+
+def _stop_later(stop) -> None:
+    """A pool's finalizer: enqueue its stop.  At interpreter exit (the main
+    thread has finished, the daemon reaper may never run again) stop now."""
+    if threading.main_thread().is_alive():
+        _reap_q.put(stop)
+    else:
+        stop()
+
+
+def _shutdown(procs, ctrl, res, owner_pid: int) -> None:
+    if os.getpid() != owner_pid:
+        return  # a forked child's copy of the pool (its finalizer ran there): not ours to stop
     for c in ctrl:
         try:
             c.send(("stop",))
@@ -329,7 +501,8 @@ class PipelineIter:
         self._in_order = in_order
         self._owns = owns_pool
         pool.begin_pass(plan, epoch, start, skip)
-        self._final = weakref.finalize(self, pool.shutdown) if owns_pool else None
+        # an owned pool lives only through this iterator: when the iterator is
+        # dropped, the pool's own finalizer has the reaper stop its workers
 
     def __iter__(self):
         return self
@@ -338,8 +511,8 @@ class PipelineIter:
         return self._plan.num_batches
 
     def _close(self) -> None:
-        if self._final is not None:
-            self._final()
+        if self._owns:
+            self._pool.shutdown()
 
     def worker_processes(self) -> list:
         return list(self._pool.procs)
@@ -359,7 +532,6 @@ class PipelineIter:
             raise StopIteration
         try:
             w, msg = self._pool.get(self._todo[self._pos] if self._in_order else None)
-            batch, stats = self._pool.materialize(w, msg)
         except BaseException:
             self._close()
             raise
@@ -368,6 +540,12 @@ class PipelineIter:
         self._left -= 1
         if self._in_order:
             self._pos += 1
+        # a failed batch raises here; the pass goes on with the next batch (as torch's)
+        try:
+            batch, stats = self._pool.materialize(w, msg)
+        except SampleError as e:
+            e.coordl_step = k  # the step is used up: the loader's state counts it
+            raise
         return _envelope(batch, stats, self._epoch, k)
 
 
@@ -380,12 +558,17 @@ class InlineIter:
         self._epoch = epoch
         self._todo = pass_steps(plan.num_batches, start, skip)
         self._pos = 0
-        self._out: dict[int, tuple] = {}
+        self._out = out = {}
+        self._failed: str | None = None
+        # Nothing the engine holds may reference this iterator: the finalizer
+        # below holds the engine, and an engine -> iterator reference would
+        # keep the iterator (and the pass's fetch threads and read-ahead)
+        # alive forever once the consumer drops it.
         self._engine = Engine(dataset, seed=cfg["seed"], on_error=cfg["on_error"],
                               collate_fn=cfg["collate_fn"], batch_size=cfg["batch_size"],
                               prefetch=cfg["prefetch"], fetch_threads=cfg["fetch_threads"],
                               budget_bytes=cfg["budget"], slots=LocalSlots(),
-                              emit=lambda kind, k, *p: self._out.__setitem__(k, (kind, k) + p),
+                              emit=lambda kind, k, *p: out.__setitem__(k, (kind, k) + p),
                               cache=cfg.get("cache"))
         self._engine.begin_pass(1, plan, epoch, start, 1, 0, skip)
         self._final = weakref.finalize(self, self._engine.end_pass)
@@ -406,6 +589,9 @@ class InlineIter:
         if self._pos >= len(self._todo):
             self._final()
             raise StopIteration
+        if self._failed is not None:  # the pass ended with an unexpected failure
+            raise RuntimeError(f"this DataLoader pass failed earlier ({self._failed}); "
+                               "start a new pass with iter(loader)")
         k = self._todo[self._pos]
         eng = self._engine
         try:
@@ -416,15 +602,19 @@ class InlineIter:
                 eng.on_fetched(eng.q.get())
                 while not eng.q.empty():
                     eng.on_fetched(eng.q.get_nowait())
-        except BaseException:
+        except BaseException as e:  # not a bad sample (those are emitted): the pass is over
             self._final()
+            self._failed = f"{type(e).__name__}: {e}".split("\n", 1)[0]
+            if not isinstance(e, KeyboardInterrupt):
+                e.add_note(f"coordl: raised while {eng.doing()} (num_workers=0)")
             raise
         kind, _, *p = self._out.pop(k)
         self._pos += 1
         eng.on_consumed(k)
-        if kind == "error":
-            self._final()
-            raise p[0].exception()
+        if kind == "error":  # this batch failed; the pass goes on with the next (as torch's)
+            e = p[0].exception()
+            e.coordl_step = k  # the step is used up: the loader's state counts it
+            raise e
         if kind == "batch":
             buf, layout, rows, stats = p
             batch = _collate.build(layout.template, _collate.views(layout, buf, rows))

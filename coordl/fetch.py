@@ -21,15 +21,22 @@ Two bounds keep it honest:
 
 Later stages plug in here: the node cache and peer caches are consulted by
 ``read`` before storage.
+
+Failures: whatever ``read``/``read_many`` raises, or a malformed result (not
+bytes, a ``read_many`` list of the wrong length), is delivered as that item's
+``Fetched.error``.  Anything escaping a thread's loop closes the fetcher and
+puts a :class:`FetcherDied` on ``out``, so the consumer never waits for reads
+that will not come.
 """
 from __future__ import annotations
 
 import queue
 import threading
 import time
+import traceback
 from typing import Callable, Iterable, Iterator
 
-__all__ = ["Fetcher", "Fetched"]
+__all__ = ["Fetcher", "Fetched", "FetcherDied"]
 
 
 class Fetched:
@@ -47,7 +54,36 @@ class Fetched:
         self.source = source
 
 
-_STOP = object()
+class FetcherDied:
+    """Put on the output queue when a fetch thread dies (anything escaping its
+    loop): the items it held will never arrive, so the consumer must fail the
+    pass with this, never wait.  ``index`` is the sample it was handling (None
+    when it held none); ``fetcher`` tells a stale pass's death from the
+    current one's."""
+
+    __slots__ = ("fetcher", "thread", "index", "stage", "error", "traceback")
+
+    def __init__(self, fetcher, thread, index, stage, error, tb) -> None:
+        self.fetcher = fetcher
+        self.thread = thread
+        self.index = index
+        self.stage = stage
+        self.error = error
+        self.traceback = tb
+
+    def message(self, where: str | None) -> str:
+        what = f" while {self.stage} sample {self.index} ({where})" if self.index is not None else ""
+        return (f"coordl: fetch thread {self.thread} died{what}: {type(self.error).__name__}: "
+                f"{self.error}. The pass cannot go on (that thread's reads are lost). Check the "
+                f"dataset's raw()/raw_many()/sizes.\nOriginal {self.traceback}")
+
+
+class _Admitting(Exception):
+    """size_of(index) failed while admitting ``index``."""
+
+    def __init__(self, index) -> None:
+        super().__init__(index)
+        self.index = index
 
 
 class Fetcher:
@@ -141,7 +177,10 @@ class Fetcher:
                         self._exhausted = True
                         self._cond.notify_all()
                         return None
-                    est = self._size_of(index) if self._size_of is not None else int(self._mean)
+                    try:
+                        est = self._size_of(index) if self._size_of is not None else int(self._mean)
+                    except BaseException as e:
+                        raise _Admitting(index) from e
                     self._pending = (key, index, est)
                 est = self._pending[2]
                 if self._outstanding == 0 or self._held + est <= self._budget:
@@ -155,12 +194,28 @@ class Fetcher:
                 self._cond.wait()
 
     def _loop(self) -> None:
+        in_hand: list = []
+        try:
+            self._run(in_hand)
+        except BaseException as e:  # the thread is dying: say so, never leave the consumer waiting
+            stage, index, err = "reading", (in_hand[0][1] if in_hand else None), e
+            if isinstance(e, _Admitting):
+                stage, index, err = "admitting", e.index, e.__cause__
+            tb = "".join(traceback.format_exception(err))
+            with self._cond:
+                self._closed = True  # the others stop too: the pass is over
+                self._cond.notify_all()
+            self._out.put(FetcherDied(self, threading.current_thread().name, index, stage, err, tb))
+
+    def _run(self, in_hand: list) -> None:
         clock = time.perf_counter
         while True:
+            in_hand.clear()
             item = self._admit()
             if item is None:
                 return
-            items = [item]
+            items = in_hand
+            items.append(item)
             while len(items) < self._batch:  # more, only if admitted right away
                 nxt = self._admit(block=False)
                 if nxt is None:
@@ -175,15 +230,25 @@ class Fetcher:
             else:
                 try:
                     results = self._read_many([it[1] for it in items])
+                    if len(results) != len(items):
+                        raise ValueError(f"raw_many() should return one result per index, but got "
+                                         f"{len(results)} results for {len(items)} indices")
                 except BaseException as e:
                     results = [e] * len(items)
             seconds = (clock() - t0) / len(items)
-            for (key, index, est), res in zip(items, results):
+            while items:
+                key, index, est = items[0]
+                res = results[len(results) - len(items)]
                 data, error, source = None, None, "storage"
-                if isinstance(res, BaseException):
-                    error = res
-                else:
-                    data, source = res
+                try:
+                    if isinstance(res, BaseException):
+                        error = res
+                    else:
+                        data, source = res
+                        nbytes = len(data)
+                except BaseException:  # a malformed result is that sample's error
+                    data, error = None, TypeError(
+                        f"raw({index}) should return bytes, but got {_kind(res)}")
                 nbytes = len(data) if data is not None else 0
                 with self._cond:
                     self._held += nbytes - est  # correct the estimate
@@ -191,3 +256,10 @@ class Fetcher:
                     self._mean += (nbytes - self._mean) / self._reads
                     self._cond.notify_all()
                 self._out.put(Fetched(key, index, data, error, nbytes, seconds, source))
+                items.pop(0)
+
+
+def _kind(res) -> str:
+    if isinstance(res, tuple) and len(res) == 2:  # (data, source) from the reader
+        res = res[0]
+    return f"{type(res).__name__} {res!r:.60}"

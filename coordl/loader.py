@@ -228,6 +228,14 @@ class _LoaderIter:
             if L._pass.owner() is self:
                 L._pass.active = False
             raise
+        except Exception as e:
+            # A batch that failed (a bad sample, an error in the user's
+            # dataset or collate_fn) is used up, as under torch: the pass goes
+            # on with the next batch, and the state must not redo this one.
+            counters.wait_seconds += clock() - t0
+            if _batch_failed(e, L._mode.runs_pipeline):
+                self._delivered(getattr(e, "coordl_step", None))
+            raise
         t1 = clock()
         if L._device is not None:
             batch = _to_device(batch, L._device)
@@ -383,6 +391,17 @@ class _LoaderIter:
                     SkippedSampleWarning,
                     stacklevel=3,
                 )
+
+
+def _batch_failed(e: Exception, pipeline: bool) -> bool:
+    """Whether ``e`` is one batch's failure (the pass goes on), not the end of
+    the pass: coordl's pipeline tags a failed batch with its step (anything
+    else it raises ends the pass); torch's iterators raise the worker's or
+    dataset's own error for the next batch in order, and say "DataLoader
+    worker ... exited" / "DataLoader timed out" when the pass itself failed."""
+    if hasattr(e, "coordl_step") or pipeline:
+        return hasattr(e, "coordl_step")
+    return not (isinstance(e, RuntimeError) and str(e).startswith(("DataLoader ", "this DataLoader pass")))
 
 
 def _to_device(obj, device: torch.device):

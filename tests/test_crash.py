@@ -104,8 +104,8 @@ def test_resume_in_new_process_after_kill(tmp_path):
 
 
 def test_sigkilled_trainer_leaves_no_workers_and_its_cache_is_reclaimed():
-    """kill -9 the training process mid-epoch: its workers exit (parent-death
-    signal), and the next start removes its orphaned node cache."""
+    """kill -9 the training process mid-epoch: its workers exit (they watch a
+    pidfd of the main process), and the next start removes its orphaned node cache."""
     import psutil
 
     from coordl import cache as C

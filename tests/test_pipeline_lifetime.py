@@ -1,0 +1,409 @@
+"""Lifetime of coordl's pipeline: what happens after an error, when a thread or
+process dies, when a pass is abandoned, when batches die inside a gc run.
+
+Anything that could hang on a regression runs in a child process with a hard
+timeout (``run_in_child``), so a hang fails the test instead of the run.
+"""
+import json
+import textwrap
+
+import pytest
+
+from coordl.testing import run_in_child
+
+HERE = __file__.rsplit("/", 1)[0]
+
+
+def _child(body: str, timeout: float = 90, prelude: str = ""):
+    code = f"import sys; sys.path.insert(0, {HERE!r})\n" + prelude + textwrap.dedent(body)
+    r = run_in_child(code, timeout=timeout)
+    assert r.returncode == 0, f"child failed (rc {r.returncode})\n{r.stdout}\n{r.stderr}"
+    return r.stdout
+
+
+# ---------------------------------------------------------------- item 10
+_COLLECT = """
+import torch
+from torch.utils.data import SequentialSampler
+from coordl import DataLoader
+from toydata import TwoStageToy
+
+def collect(L, epochs):
+    out, errors = [], []
+    for _ in range(epochs):
+        it = iter(L)
+        while True:
+            try:
+                x, y = next(it)
+            except StopIteration:
+                break
+            except Exception as e:
+                errors.append(type(e).__name__)
+                out.append("error")
+                continue
+            out.append(x[:, 0].tolist())
+    return out, len(errors)
+"""
+
+
+@pytest.mark.parametrize("placement", ["inline", "workers", "persistent", "torch-inline", "torch-workers"])
+def test_after_a_sample_error_the_pass_goes_on_like_torch(placement):
+    """One bad sample in the middle: torch raises for its batch, then yields
+    the following batches.  coordl must deliver the same batches and raise the
+    same number of times, on every placement (and the next epoch is whole)."""
+    nw = 0 if placement in ("inline", "torch-inline") else 2
+    pw = placement == "persistent"
+    extra = ", sampler=SequentialSampler(ds)" if placement.startswith("torch") else ", seed=0"
+    out = _child(f"""
+        ds = TwoStageToy(40, bad={{13, 30}})
+        ref = collect(torch.utils.data.DataLoader(ds, batch_size=4, num_workers={nw},
+                                                  persistent_workers={pw}), 2)
+        L = DataLoader(ds, batch_size=4, num_workers={nw}, persistent_workers={pw}{extra})
+        if {placement!r} != "torch-inline" and {placement!r} != "torch-workers":
+            assert L._mode.runs_pipeline
+        mine = collect(L, 2)
+        print("REF", ref)
+        print("MINE", mine)
+        print("SAME", mine == ref, ref[1])
+    """, timeout=40, prelude=_COLLECT)
+    assert "SAME True 4" in out, out
+
+
+# ---------------------------------------------------------------- item 9
+def test_batch_freed_by_gc_inside_the_pools_own_send_does_not_deadlock():
+    """A batch kept alive only by a reference cycle dies when the cyclic gc
+    runs, and gc can run inside any allocation, including inside the pool's
+    send on a worker's control pipe (under that pipe's lock).  The slot
+    finalizer must not send there itself."""
+    out = _child("""
+        import gc
+        from coordl import DataLoader
+        from toydata import TwoStageToy
+
+        class GcInSend:
+            \"\"\"The real connection; a gc run happens inside each send.\"\"\"
+            def __init__(self, conn):
+                self.conn = conn
+            def send(self, msg):
+                gc.collect()
+                self.conn.send(msg)
+            def __getattr__(self, name):
+                return getattr(self.conn, name)
+
+        gc.disable()  # collections happen where the test says
+        L = DataLoader(TwoStageToy(80), batch_size=4, seed=0, num_workers=1, persistent_workers=True)
+        it = iter(L)
+        pool = L._mode.pool
+        pool.ctrl[0] = GcInSend(pool.ctrl[0])
+        n = 0
+        for x, y in it:
+            cycle = [x, y]
+            cycle.append(cycle)  # garbage only to the cyclic gc
+            del x, y, cycle
+            n += 1
+        gc.collect()
+        print("DONE", n, len(pool.maps) <= 6)
+    """, timeout=40)
+    assert "DONE 20 True" in out, out
+
+
+# ---------------------------------------------------------------- item 11
+@pytest.mark.parametrize("persistent", [False, True])
+def test_iterator_created_in_a_thread_that_exits(persistent):
+    """iter(loader) in a setup thread that then exits, batches consumed in the
+    main thread: the workers belong to the process, not to that thread."""
+    out = _child(f"""
+        import threading
+        from coordl import DataLoader
+        from coordl.plan import plan
+        from toydata import TwoStageToy
+
+        L = DataLoader(TwoStageToy(120, delay=0.002), batch_size=4, shuffle=True, seed=1,
+                       num_workers=2, persistent_workers={persistent})
+        box = []
+        t = threading.Thread(target=lambda: box.append(iter(L)))
+        t.start()
+        t.join()
+        got = [i for x, _ in box.pop() for i in x[:, 0].tolist()]
+        print("EXACT", got == plan(120, 1, 0).tolist())
+        got = [i for x, _ in L for i in x[:, 0].tolist()]
+        print("NEXT", got == plan(120, 1, 1).tolist())
+    """, timeout=60)
+    assert "EXACT True" in out and "NEXT True" in out, out
+
+
+_KILLED_TRAINER = """
+import os, signal, sys, threading, psutil
+sys.path.insert(0, sys.argv[1])
+from coordl import DataLoader
+from toydata import TwoStageToy
+L = DataLoader(TwoStageToy(4000, delay=0.01), batch_size=4, seed=0, num_workers=2)
+box = []
+t = threading.Thread(target=lambda: box.append(iter(L)))
+t.start(); t.join()
+next(box[0])
+print("workers", *[c.pid for c in psutil.Process().children()], flush=True)
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_workers_exit_when_the_main_process_is_killed():
+    """Without PR_SET_PDEATHSIG the workers still notice a SIGKILLed main
+    process (its pidfd) and exit; an intermediate process watches them (the
+    hard-timeout runner would kill leftovers itself and hide a failure)."""
+    out = _child(f"""
+        import subprocess, sys, psutil
+        p = subprocess.run([sys.executable, "-c", {_KILLED_TRAINER!r}, {HERE!r}],
+                           capture_output=True, text=True, timeout=60)
+        print("rc", p.returncode)
+        pids = [int(x) for x in p.stdout.split("workers", 1)[1].split()]
+        procs = []
+        for pid in pids:
+            try:
+                procs.append(psutil.Process(pid))
+            except psutil.NoSuchProcess:
+                pass
+        gone, alive = psutil.wait_procs(procs, timeout=20)
+        print("workers", len(pids), "alive", len(alive))
+    """, timeout=90)
+    assert "rc -9" in out and "workers 2 alive 0" in out, out
+
+
+def test_forked_child_dropping_its_copy_of_the_iterator_leaves_the_workers_alone():
+    """After os.fork() the child holds a copy of the iterator; when that copy
+    dies there, its finalizer must not stop the parent's workers."""
+    out = _child("""
+        import gc, os
+        from coordl import DataLoader
+        from toydata import TwoStageToy
+
+        L = DataLoader(TwoStageToy(80), batch_size=4, seed=0, num_workers=2)
+        it = iter(L)
+        next(it)
+        pid = os.fork()
+        if pid == 0:
+            del it
+            gc.collect()
+            os._exit(0)
+        os.waitpid(pid, 0)
+        print("N", 1 + sum(1 for _ in it))
+    """, timeout=40)
+    assert "N 20" in out, out
+
+
+# ---------------------------------------------------------------- item 12
+def test_abandoned_passes_with_persistent_workers_do_not_leak_slots():
+    """Break out of many passes after one batch: batches the main process had
+    received but not delivered must give their slots back."""
+    out = _child("""
+        import gc, json
+        from coordl import DataLoader
+        from toydata import TwoStageToy
+
+        L = DataLoader(TwoStageToy(400), batch_size=4, seed=0, num_workers=2,
+                       persistent_workers=True, prefetch_factor=2)
+        for p in range(30):
+            for k, (x, y) in enumerate(L):
+                if k == 2:
+                    break
+            del x, y
+        for x, y in L:  # one complete pass, then nothing holds a batch
+            pass
+        del x, y
+        gc.collect()
+        st = L._mode.pool.worker_stats()
+        print("STATS", json.dumps(st))
+    """, timeout=60)
+    st = json.loads(out.split("STATS ", 1)[1])
+    slots = [s["slots"] for s in st]
+    free = [s["free_slots"] for s in st]
+    # a worker needs its prefetch window (2) plus the batches the consumer
+    # still holds (1-2); leaking, it grew by about one slot per pass (~25 here)
+    assert all(n <= 8 for n in slots), out
+    assert slots == free, out  # nothing referenced: every slot came back
+
+
+def test_abandoned_inline_passes_do_not_leak_fetch_threads():
+    """num_workers=0: each abandoned pass must stop its fetch threads (and drop
+    its read-ahead), not keep them forever."""
+    import gc
+    import threading
+    import time
+
+    from coordl import DataLoader
+    from toydata import TwoStageToy
+
+    def fetch_threads():
+        return [t for t in threading.enumerate() if t.name.startswith("coordl-fetch")]
+
+    class Big(TwoStageToy):  # the epoch does not fit the read-ahead budget
+        def raw(self, i):
+            return super().raw(i) + bytes(1 << 16)
+
+    base = len(fetch_threads())
+    L = DataLoader(Big(400), batch_size=4, seed=0, num_workers=0, fetch_threads=3, read_ahead="1MiB")
+    for p in range(15):
+        for k, (x, y) in enumerate(L):
+            if k == 1:
+                break
+    del x, y
+    gc.collect()
+    deadline = time.monotonic() + 10  # threads finish their current read, then exit
+    while len(fetch_threads()) > base and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert len(fetch_threads()) == base, [t.name for t in fetch_threads()]
+
+
+# ---------------------------------------------------------------- item 13
+_PLACEMENTS = {
+    "inline": "num_workers=0, seed=0",
+    "workers": "num_workers=2, seed=0",
+    "persistent": "num_workers=2, seed=0, persistent_workers=True",
+    "torch-machinery": "num_workers=2, sampler=torch.utils.data.SequentialSampler(ds)",
+}
+
+
+@pytest.mark.parametrize("placement", list(_PLACEMENTS))
+def test_raw_returning_a_non_bytes_is_that_samples_error(placement):
+    """raw() returning an int used to kill the fetch thread (len() of it) and
+    hang the pass; it is that sample's error, naming it, and the pass goes on."""
+    out = _child(f"""
+        import torch
+        from coordl import DataLoader
+        from toydata import TwoStageToy
+
+        class IntRaw(TwoStageToy):
+            def raw(self, i):
+                return 7 if i == 5 else super().raw(i)
+
+        ds = IntRaw(24)
+        L = DataLoader(ds, batch_size=4, {_PLACEMENTS[placement]})
+        it, got, errors = iter(L), [], []
+        while True:
+            try:
+                x, y = next(it)
+            except StopIteration:
+                break
+            except Exception as e:
+                errors.append(str(e))
+                continue
+            got += x[:, 0].tolist()
+        print("GOT", got == [i for i in range(24) if not 4 <= i < 8], len(errors))
+        print("MSG", errors[0])
+    """, timeout=40)
+    assert "GOT True 1" in out, out
+    msg = out.split("MSG", 1)[1]
+    assert "sample 5" in msg and "/toy/sample_5.bin" in msg and "reading" in msg and "int" in msg, msg
+
+
+@pytest.mark.parametrize("placement", ["inline", "workers", "persistent"])
+def test_dead_fetch_thread_fails_the_pass_naming_the_sample(placement):
+    """An exception escaping a fetch thread's loop (here: the dataset's sizes
+    array is too short, so admitting sample 10 raises) is reported to the
+    consumer with the sample, its path and the stage; nothing hangs, and the
+    next pass starts cleanly."""
+    out = _child(f"""
+        import numpy as np
+        import torch
+        from coordl import DataLoader
+        from toydata import TwoStageToy
+
+        class ShortSizes(TwoStageToy):
+            sizes = np.full(10, 32, dtype=np.int64)  # 10 sizes for 40 samples
+
+        L = DataLoader(ShortSizes(40), batch_size=4, {_PLACEMENTS[placement]})
+        for p in range(2):
+            try:
+                n = sum(1 for _ in L)
+            except RuntimeError as e:
+                print("RAISED", str(e).replace("\\n", " | "))
+            else:
+                print("NO ERROR", n)
+    """, timeout=40)
+    lines = [ln for ln in out.splitlines() if ln.startswith(("RAISED", "NO ERROR"))]
+    assert len(lines) == 2 and all(ln.startswith("RAISED") for ln in lines), out
+    for ln in lines:
+        assert "fetch thread" in ln and "died while admitting sample 1" in ln and "/toy/sample_1" in ln, ln
+        assert "IndexError" in ln, ln
+
+
+def test_dead_worker_control_thread_is_reported():
+    """A control message the worker cannot unpickle kills its control reader:
+    the worker reports that (instead of never hearing from main again)."""
+    out = _child("""
+        from coordl import DataLoader
+        from toydata import TwoStageToy
+
+        def refuse():
+            raise RuntimeError("cannot rebuild this in the worker")
+
+        class Unloadable:
+            def __reduce__(self):
+                return (refuse, ())
+
+        L = DataLoader(TwoStageToy(400, delay=0.01), batch_size=4, seed=0, num_workers=2,
+                       persistent_workers=True)
+        it = iter(L)
+        next(it)
+        L._mode.pool._send(0, ("consumed", Unloadable()))  # through the real pipe and reader
+        try:
+            for _ in it:
+                pass
+        except RuntimeError as e:
+            print("RAISED", "control thread of DataLoader worker process 0 died" in str(e),
+                  "cannot rebuild" in str(e))
+        else:
+            print("NO ERROR")
+    """, timeout=40)
+    assert "RAISED True True" in out, out
+
+
+def test_dead_worker_prep_thread_names_the_batch():
+    """The worker's prep thread dying (a collate_fn result that cannot be sent
+    to the main process) is reported with the stage and the batch."""
+    out = _child("""
+        from coordl import DataLoader
+        from toydata import TwoStageToy
+
+        def collate(samples):
+            return lambda: samples  # cannot be pickled
+
+        L = DataLoader(TwoStageToy(40), batch_size=4, seed=0, num_workers=2, collate_fn=collate)
+        try:
+            list(L)
+        except RuntimeError as e:
+            print("RAISED", "failed while collating batch" in str(e), "pickle" in str(e).lower())
+        else:
+            print("NO ERROR")
+    """, timeout=40)
+    assert "RAISED True True" in out, out
+
+
+def test_worker_that_died_before_the_pass_began_is_reported_with_its_error():
+    """worker_init_fn fails, the workers report it and exit before the main
+    process sends them the pass: the send must surface the workers' error,
+    not a bare BrokenPipeError (main is held back to make the order certain)."""
+    out = _child("""
+        import time
+        from coordl import DataLoader, _pipeline
+        from toydata import TwoStageToy
+
+        def bad(w):
+            raise ValueError("no GPU for you")
+
+        begin = _pipeline.WorkerPool.begin_pass
+        def late_begin(self, *a):
+            for p in self.procs:
+                p.join(20)  # the workers have failed and exited
+            return begin(self, *a)
+        _pipeline.WorkerPool.begin_pass = late_begin
+
+        L = DataLoader(TwoStageToy(8), batch_size=2, seed=0, num_workers=2, worker_init_fn=bad)
+        try:
+            list(L)
+        except RuntimeError as e:
+            print("RAISED", "no GPU for you" in str(e))
+        except BaseException as e:
+            print("OTHER", type(e).__name__, e)
+    """, timeout=40)
+    assert "RAISED True" in out, out
