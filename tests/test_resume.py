@@ -272,3 +272,52 @@ def test_checkpoint_in_a_handler_inside_the_loop_is_mid_epoch():
     R.load_state_dict(state)
     got += list(R)
     assert [_key(x) for x in got] == [_key(x) for x in full]
+
+
+class _PlainBad(torch.utils.data.Dataset):
+    """A generic (not two-stage) dataset whose sample 13 raises."""
+
+    def __len__(self):
+        return N
+
+    def __getitem__(self, i):
+        if i == 13:
+            raise ValueError("bad sample 13")
+        return torch.tensor([i])
+
+
+@pytest.mark.parametrize("kind,num_workers", [("pipeline", 0), ("pipeline", 2), ("torch", 0), ("torch", 2)])
+def test_failed_batch_counts_as_used_up_in_the_state(kind, num_workers):
+    """After a batch raises (the pass goes on, as under torch), state_dict()
+    must not make a restored loader redo that batch or any delivered one."""
+    def make(seed):
+        if kind == "pipeline":
+            return DataLoader(TwoStageToy(N, bad=(13,)), batch_size=BS, shuffle=True, seed=seed,
+                              num_workers=num_workers)
+        return DataLoader(_PlainBad(), batch_size=BS, shuffle=True, seed=seed, num_workers=num_workers)
+
+    def key(b):
+        return tuple(b[0][:, 0].tolist()) if kind == "pipeline" else tuple(b[:, 0].tolist())
+
+    order = plan(N, 5, 0).tolist()
+    bad_step = order.index(13) // BS
+    a = make(5)
+    it = iter(a)
+    got, failed = [], 0
+    for _ in range(bad_step + 2):  # past the failing batch, and one more
+        try:
+            got.append(key(next(it)))
+        except (OSError, ValueError):  # the sample's own type (SampleError[T] or torch's rebuild)
+            failed += 1
+    assert failed == 1
+    state = a.state_dict()
+    assert state["batches"] == bad_step + 2
+    del it, a
+    gc.collect()
+    b = make(99)
+    b.load_state_dict(state)
+    rest = [key(x) for x in b]
+    seen = [i for k in got + rest for i in k]
+    bad_batch = set(order[bad_step * BS:(bad_step + 1) * BS])
+    assert len(seen) == len(set(seen)), "a sample was delivered twice"
+    assert sorted(seen) == sorted(set(range(N)) - bad_batch)
