@@ -145,6 +145,8 @@ def _worker_main(w: int, num_workers: int, dataset, cfg: dict, ctrl, res, parent
             while True:
                 ready = select.select(watch, [], [], _POLL)[0]
                 if (pidfd is not None and pidfd in ready) or (not ready and _parent_gone(pidfd, parent_pid)):
+                    from .cache import mark_orphaned
+                    mark_orphaned()  # the node cache stays for a restart to adopt
                     break
                 if ctrl.fileno() in ready:
                     q.put(("ctl", ctrl.recv()))

@@ -532,6 +532,8 @@ class NodeCache:
         os.close(self._fd)
 
     def _leave(self) -> None:
+        if _ORPHANED[0]:
+            return  # our main process died: leave the segment as it left it (adoptable)
         try:
             dfd = _open_user_dir(create=False)
         except (OSError, CacheSecurityError):
@@ -637,6 +639,15 @@ class NodeCache:
 # Re-entrant for the same reason as _DirLock: a finalizer run by a garbage
 # collection inside _ensure_held may detach another cache.
 _FORK_LOCK = threading.RLock()
+_ORPHANED = [False]
+
+
+def mark_orphaned() -> None:
+    """This process is a worker whose main process died (SIGKILL, OOM).  Its
+    holds are then dropped without the last-out step: a segment the main
+    process left behind stays for a restarting job to adopt (or for the
+    keep-warm sweep), exactly as if the workers had died with it."""
+    _ORPHANED[0] = True
 
 
 def _after_fork_in_child() -> None:
