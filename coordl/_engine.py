@@ -35,38 +35,14 @@ import numpy as np
 import torch
 
 from . import _collate
-from ._rng import sample_rng
-from .errors import Failure, SampleError, sample_error
-from .fetch import Fetched, Fetcher, FetcherDied
+from ._prep import SKIP, prep_sample
+from ._readahead import Fetched, Fetcher, FetcherDied
+from .errors import Failure, SampleError
 from .plan import EpochPlan
 from .protocol import describe
+from .stats import BatchStats
 
-__all__ = ["Engine", "BatchStats", "pass_steps"]
-
-
-class BatchStats:
-    """Counters that travel with a batch (picklable, small)."""
-
-    __slots__ = ("nbytes", "fetch_s", "prep_s", "samples", "skips", "from_cache", "bytes_cache",
-                 "from_peers", "bytes_peers")
-
-    def __init__(self) -> None:
-        self.nbytes = 0
-        self.fetch_s = 0.0
-        self.prep_s = 0.0
-        self.samples = 0
-        self.skips: list = []
-        self.from_cache = 0
-        self.bytes_cache = 0
-        self.from_peers = 0
-        self.bytes_peers = 0
-
-    def __getstate__(self):
-        return tuple(getattr(self, k) for k in self.__slots__)
-
-    def __setstate__(self, st) -> None:
-        for k, v in zip(self.__slots__, st):
-            setattr(self, k, v)
+__all__ = ["Engine", "pass_steps"]
 
 
 class _Builder:
@@ -202,41 +178,22 @@ class Engine:
         clock = time.perf_counter
         st.fetch_s += f.seconds
         try:
-            if b.failed:  # its error is out: drop the batch's remaining samples, as torch does
-                pass
-            elif f.error is not None:
-                raise _Stage("reading", f.error)
-            else:
-                if f.source == "cache":
-                    st.from_cache += 1
-                    st.bytes_cache += f.nbytes
-                elif f.source == "peer":
-                    st.from_peers += 1
-                    st.bytes_peers += f.nbytes
-                else:
-                    st.nbytes += f.nbytes
-                t0 = clock()
+            if not b.failed:  # else its error is out: drop the batch's remaining samples, as torch does
+                if f.error is None:
+                    st.record_read(f.source, f.nbytes)
                 try:
-                    with sample_rng(self.seed, self.epoch, i):
-                        sample = self.dataset.prep(f.data, i)
-                except Exception as e:
-                    raise _Stage("preparing", e) from e
-                self._place(b, j, sample)
-                st.prep_s += clock() - t0
-                st.samples += 1
-        except _Stage as s:
-            err = s.error
-            if self.on_error == "raise" or not isinstance(err, Exception):
-                self._fail(b)
-                where = describe(self.dataset, i)
-                try:
-                    raise sample_error(s.stage, i, where, err) from err
+                    sample = prep_sample(self.dataset, self.seed, self.epoch, i, f.data, f.error,
+                                         st, self.on_error)
                 except SampleError as e:
-                    tb, error = traceback.format_exc(), e
-                self.emit("error", k, Failure(f"Caught {type(error).__name__} in DataLoader worker process "
-                                              f"{self.worker_id}.\nOriginal {tb}", type(err), error))
-            else:
-                st.skips.append((i, describe(self.dataset, i), f"{s.stage}: {type(err).__name__}: {err}"))
+                    self._fail(b)
+                    self.emit("error", k, Failure(f"Caught {type(e).__name__} in DataLoader worker process "
+                                                  f"{self.worker_id}.\nOriginal {traceback.format_exc()}",
+                                                  type(e.__cause__) if e.__cause__ is not None else None, e))
+                else:
+                    if sample is not SKIP:
+                        t0 = clock()
+                        self._place(b, j, sample)
+                        st.prep_s += clock() - t0
         finally:
             if self.fetcher is not None:
                 self.fetcher.release(f.nbytes)
@@ -397,10 +354,3 @@ def pass_steps(num_batches: int, start: int, skip=()) -> list[int]:
     """The batch indices a pass still has to deliver, in plan order."""
     skip = frozenset(skip)
     return [k for k in range(start, num_batches) if k not in skip]
-
-
-class _Stage(Exception):
-    def __init__(self, stage: str, error: BaseException) -> None:
-        super().__init__(stage)
-        self.stage = stage
-        self.error = error

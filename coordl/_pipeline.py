@@ -484,8 +484,7 @@ def _shutdown(procs, ctrl, res, owner_pid: int) -> None:
 
 
 def _envelope(batch, stats, epoch: int, k: int) -> Envelope:
-    return Envelope(batch, epoch, stats.samples, stats.nbytes, stats.fetch_s, stats.prep_s, stats.skips,
-                    stats.from_cache, stats.bytes_cache, stats.from_peers, stats.bytes_peers, k)
+    return Envelope(batch, epoch, stats, k)
 
 
 class PipelineIter:

@@ -6,9 +6,9 @@ Data flow for a two-stage dataset (see docs/architecture.md)::
     ------------                         -----------------------------------
     _PassSampler --Task(epoch, idx)-->   TwoStageFetch.__getitems__
                                            raw(i)              (fetch stage)
-                                           prep(raw, i) in sample_rng(seed, epoch, i)
+                                           _prep.prep_sample   (prep stage)
                                          CollateEnvelope       (collate)
-    _LoaderIter  <----- Envelope(batch, counters, skipped) ----+
+    _LoaderIter  <----- Envelope(batch, epoch, BatchStats) ----+
 
 The envelope carries the worker's counters back with the batch, so stats need
 no shared state, and a skipped sample becomes one warning in the main process.
@@ -22,9 +22,9 @@ import torch
 from torch.utils.data import get_worker_info
 from torch.utils.data._utils.pin_memory import pin_memory as _pin
 
-from ._rng import sample_rng
-from .errors import sample_error
-from .protocol import describe, is_two_stage
+from ._prep import SKIP, failed, prep_sample
+from .protocol import is_two_stage
+from .stats import BatchStats
 
 __all__ = ["Task", "Envelope", "TwoStageFetch", "CollateEnvelope", "TensorBatchFetch", "Precollated"]
 
@@ -46,59 +46,42 @@ class Task:
 
 
 class Prepared:
-    """Prepared samples of one task plus what it cost (before collation).
-    (Not to be confused with ``coordl.fetch.Fetched``, one completed read.)"""
+    """The prepared samples of one task and what they cost (before collation)."""
 
-    __slots__ = ("samples", "epoch", "requested", "nbytes", "fetch_s", "prep_s", "skips", "single")
+    __slots__ = ("samples", "epoch", "single", "stats")
 
-    def __init__(self, epoch, requested, single) -> None:
+    def __init__(self, epoch: int, single: bool) -> None:
         self.samples: list = []
         self.epoch = epoch
-        self.requested = requested
-        self.nbytes = 0
-        self.fetch_s = 0.0
-        self.prep_s = 0.0
-        self.skips: list[tuple[int, str, str]] = []
         self.single = single
+        self.stats = BatchStats()
 
 
 class Envelope:
-    """A collated batch travelling from a worker to the main process."""
+    """A batch on its way to the loader: the batch (None when every sample
+    was skipped), its epoch (-1: not a two-stage read, coordl did not see the
+    I/O), its step in the pass when known, and its :class:`BatchStats`."""
 
-    __slots__ = ("batch", "epoch", "samples", "nbytes", "fetch_s", "prep_s", "skips",
-                 "from_cache", "bytes_cache", "from_peers", "bytes_peers", "step")
+    __slots__ = ("batch", "epoch", "stats", "step")
 
-    def __init__(self, batch, epoch, samples, nbytes, fetch_s, prep_s, skips,
-                 from_cache=0, bytes_cache=0, from_peers=0, bytes_peers=0, step=None) -> None:
+    def __init__(self, batch, epoch: int, stats: BatchStats, step: int | None = None) -> None:
         self.batch = batch
         self.epoch = epoch
-        self.samples = samples          # samples in the batch
-        self.nbytes = nbytes            # raw bytes read from storage
-        self.fetch_s = fetch_s
-        self.prep_s = prep_s
-        self.skips = skips
-        self.from_cache = from_cache    # samples whose bytes came from the node cache
-        self.bytes_cache = bytes_cache
-        self.from_peers = from_peers
-        self.bytes_peers = bytes_peers
-        self.step = step                # batch index k in the epoch (None: the loader counts)
-
-    def _fields(self):
-        return tuple(getattr(self, k) for k in self.__slots__)
+        self.stats = stats
+        self.step = step
 
     def __reduce__(self):
-        return (Envelope, self._fields())
+        return (Envelope, (self.batch, self.epoch, self.stats, self.step))
 
     def pin_memory(self, device=None) -> "Envelope":
         # torch's pin-memory thread calls this (it pins anything with a
         # pin_memory method); pin the payload, keep the counters.
-        f = list(self._fields())
-        f[0] = None if self.batch is None else _pin(self.batch)
-        return Envelope(*f)
+        return Envelope(None if self.batch is None else _pin(self.batch), self.epoch, self.stats, self.step)
 
 
 class TwoStageFetch(torch.utils.data.Dataset):
-    """Runs raw -> prep for each index of a :class:`Task`.
+    """Runs the samples of a :class:`Task` under torch's worker machinery:
+    ``raw(i)`` then the shared prep step (``_prep.prep_sample``).
 
     For a dataset that is not two-stage (used with ``on_error="skip"``) it runs
     ``dataset[i]`` for each plain index instead, so bad samples can be skipped.
@@ -114,32 +97,36 @@ class TwoStageFetch(torch.utils.data.Dataset):
         return len(self.dataset)
 
     def _run(self, epoch: int, indices, single: bool) -> Prepared:
-        ds, seed, out = self.dataset, self.seed, Prepared(epoch, len(indices), single)
+        ds, out = self.dataset, Prepared(epoch, single)
+        st = out.stats
         clock = time.perf_counter
         for i in indices:
             t0 = clock()
-            stage = "reading"
-            try:
-                if self.generic:
-                    stage = "loading"
-                    out.samples.append(ds[i])
-                    out.prep_s += clock() - t0
-                    continue
-                raw = ds.raw(i)
-                t1 = clock()
-                out.fetch_s += t1 - t0
-                out.nbytes += len(raw)
-                stage = "preparing"
-                with sample_rng(seed, epoch, i):
-                    sample = ds.prep(raw, i)
-                out.prep_s += clock() - t1
-            except Exception as e:
-                where = describe(ds, i)
-                if self.on_error == "raise":
-                    raise sample_error(stage, i, where, e) from e
-                out.skips.append((i, where, f"{stage}: {type(e).__name__}: {e}"))
-                continue
-            out.samples.append(sample)
+            if self.generic:
+                try:
+                    sample = ds[i]
+                except Exception as e:
+                    sample = failed(ds, i, "loading", e, st, self.on_error)
+                else:
+                    st.prep_s += clock() - t0
+                    st.samples += 1
+            else:
+                raw, err = None, None
+                try:
+                    raw = ds.raw(i)
+                    try:
+                        n = len(raw)
+                    except TypeError:
+                        raise TypeError(f"raw({i}) should return bytes, but got "
+                                        f"{type(raw).__name__} {raw!r:.60}") from None
+                except Exception as e:
+                    err = e
+                st.fetch_s += clock() - t0
+                if err is None:
+                    st.record_read("storage", n)
+                sample = prep_sample(ds, self.seed, epoch, i, raw, err, st, self.on_error)
+            if sample is not SKIP:
+                out.samples.append(sample)
         return out
 
     def __getitems__(self, task) -> Prepared:
@@ -167,8 +154,8 @@ class CollateEnvelope:
             batch = self.collate_fn(f.samples[0])
         else:
             batch = self.collate_fn(f.samples)
-        prep_s = f.prep_s + (time.perf_counter() - t0)
-        return Envelope(batch, f.epoch, len(f.samples), f.nbytes, f.fetch_s, prep_s, f.skips)
+        f.stats.prep_s += time.perf_counter() - t0
+        return Envelope(batch, f.epoch, f.stats)
 
 
 class Precollated:

@@ -218,7 +218,7 @@ class _LoaderIter:
                     self._delivered(data.step)
                     if data.batch is None:  # every sample of the step was skipped
                         continue
-                    batch, n = data.batch, data.samples
+                    batch, n = data.batch, data.stats.samples
                 else:
                     self._delivered(None)
                     batch, n = data, L._count_samples(data)
@@ -372,25 +372,15 @@ class _LoaderIter:
             p.mark(k)
 
     def _absorb(self, env: Envelope) -> None:
-        counters = self._loader._counters
-        counters.fetch_seconds += env.fetch_s
-        counters.prep_seconds += env.prep_s
-        b = counters.bucket(env.epoch if env.epoch >= 0 else self._epoch)
-        if env.epoch >= 0:  # two-stage: coordl did the reading
-            b["bytes_from_storage"] += env.nbytes
-            b["samples_from_storage"] += env.samples - env.from_cache - env.from_peers
-            b["bytes_from_cache"] += env.bytes_cache
-            b["samples_from_cache"] += env.from_cache
-            b["bytes_from_peers"] += env.bytes_peers
-            b["samples_from_peers"] += env.from_peers
-        if env.skips:
-            b["skipped"] += len(env.skips)
-            for index, where, err in env.skips:
-                warnings.warn(
-                    f"coordl: skipped sample {index} ({where}) after an error {err}",
-                    SkippedSampleWarning,
-                    stacklevel=3,
-                )
+        # epoch -1: torch's machinery ran a generic dataset (on_error="skip"), whose I/O coordl cannot see
+        self._loader._counters.absorb(env.stats, env.epoch if env.epoch >= 0 else self._epoch,
+                                      reads_seen=env.epoch >= 0)
+        for index, where, err in env.stats.skips:
+            warnings.warn(
+                f"coordl: skipped sample {index} ({where}) after an error {err}",
+                SkippedSampleWarning,
+                stacklevel=3,
+            )
 
 
 def _batch_failed(e: Exception, pipeline: bool) -> bool:

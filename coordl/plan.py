@@ -2,9 +2,9 @@
 
 The order is a pure function ``plan(seed, epoch, rank, world_size)``; every
 process can compute any part of it at any time without talking to anyone.  The
-rest of coordl hangs on that: read-ahead knows what comes next, peers know who
-cached what, coordinated jobs agree on batch k of epoch e, and a loader's
-resumable state is just (epoch, batches consumed).
+rest of coordl hangs on that: each worker computes its own batches, the
+read-ahead knows what comes next, and a loader's resumable state is just
+(epoch, steps delivered).
 
 The permutation is drawn from the *original* order each epoch (never
 cumulatively), seeded with ``seed + epoch`` exactly as

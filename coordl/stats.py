@@ -2,14 +2,50 @@
 
 ``DataLoader.stats()`` returns a :class:`LoaderStats`; fields are documented
 on the class and in docs/api.md.  Counters that come from worker processes
-travel back with each batch (see ``coordl._torch_path.Envelope``) and are added in
+travel back with each batch (a :class:`BatchStats` in its ``Envelope``) and are added in
 the main process, so the record never needs a lock or shared memory.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
-__all__ = ["LoaderStats", "EpochStats"]
+__all__ = ["LoaderStats", "EpochStats", "BatchStats"]
+
+
+class BatchStats:
+    """What producing one batch cost and where its raw bytes came from.
+
+    The one counter record of the pipeline: filled by whichever stage made
+    the batch (coordl's engine in a worker or inline, or torch's workers
+    through ``TwoStageFetch``), carried back with the batch in its
+    ``Envelope``, and added into the loader's :class:`Counters` in the main
+    process, so statistics need no shared state.  Small and picklable.
+    """
+
+    __slots__ = ("samples", "bytes_storage", "from_cache", "bytes_cache", "fetch_s", "prep_s", "skips")
+
+    def __init__(self) -> None:
+        self.samples = 0            # samples prepared into the batch
+        self.bytes_storage = 0      # raw bytes read from storage
+        self.from_cache = 0         # samples whose raw bytes came from the node cache
+        self.bytes_cache = 0
+        self.fetch_s = 0.0          # busy time reading
+        self.prep_s = 0.0           # busy time preparing and collating
+        self.skips: list = []       # (index, path, why) of samples skipped under on_error="skip"
+
+    def record_read(self, source: str, nbytes: int) -> None:
+        if source == "cache":
+            self.from_cache += 1
+            self.bytes_cache += nbytes
+        else:
+            self.bytes_storage += nbytes
+
+    def __getstate__(self):
+        return tuple(getattr(self, k) for k in self.__slots__)
+
+    def __setstate__(self, st) -> None:
+        for k, v in zip(self.__slots__, st):
+            setattr(self, k, v)
 
 
 @dataclass(frozen=True)
@@ -18,11 +54,11 @@ class EpochStats:
 
     samples
         Samples delivered to the training loop in this epoch.
-    samples_from_cache, samples_from_peers, samples_from_storage
+    samples_from_cache, samples_from_storage
         Where the raw bytes of those samples came from (two-stage datasets).
-    bytes_from_cache, bytes_from_peers, bytes_from_storage
-        Raw sample bytes read from the node cache, from peer nodes, and from
-        storage (files, fsspec URLs).  0 for datasets that are not two-stage,
+    bytes_from_cache, bytes_from_storage
+        Raw sample bytes read from the node cache and from storage (files,
+        fsspec URLs).  0 for datasets that are not two-stage,
         whose I/O coordl cannot see.
     skipped
         Bad samples skipped under ``on_error="skip"``.
@@ -32,10 +68,8 @@ class EpochStats:
     samples: int = 0
     batches: int = 0
     samples_from_cache: int = 0
-    samples_from_peers: int = 0
     samples_from_storage: int = 0
     bytes_from_cache: int = 0
-    bytes_from_peers: int = 0
     bytes_from_storage: int = 0
     skipped: int = 0
 
@@ -53,7 +87,7 @@ class LoaderStats:
     wait_seconds
         Time the training loop was blocked inside ``next()`` on the loader's
         iterator: the data stall as the trainer sees it.
-    bytes_from_cache, bytes_from_peers, bytes_from_storage, samples_from_*
+    bytes_from_cache, bytes_from_storage, samples_from_*
         As in :class:`EpochStats`, summed.
     fetch_seconds
         Busy time of the fetch stage (reading raw bytes), summed over the
@@ -76,10 +110,8 @@ class LoaderStats:
     batches: int = 0
     wait_seconds: float = 0.0
     bytes_from_cache: int = 0
-    bytes_from_peers: int = 0
     bytes_from_storage: int = 0
     samples_from_cache: int = 0
-    samples_from_peers: int = 0
     samples_from_storage: int = 0
     fetch_seconds: float = 0.0
     prep_seconds: float = 0.0
@@ -107,6 +139,21 @@ class Counters:
         b = self._epochs.get(epoch)
         if b is None:
             b = self._epochs[epoch] = dict.fromkeys(_EPOCH_FIELDS, 0)
+        return b
+
+    def absorb(self, stats: BatchStats, epoch: int, reads_seen: bool) -> dict[str, int]:
+        """Add one batch's ``stats`` into epoch ``epoch``; ``reads_seen``: coordl
+        did the reading (two-stage datasets), so bytes and sources count.
+        Returns the epoch's bucket."""
+        self.fetch_seconds += stats.fetch_s
+        self.prep_seconds += stats.prep_s
+        b = self.bucket(epoch)
+        if reads_seen:
+            b["bytes_from_storage"] += stats.bytes_storage
+            b["samples_from_storage"] += stats.samples - stats.from_cache
+            b["bytes_from_cache"] += stats.bytes_cache
+            b["samples_from_cache"] += stats.from_cache
+        b["skipped"] += len(stats.skips)
         return b
 
     def snapshot(self) -> LoaderStats:

@@ -262,7 +262,7 @@ def test_stats_two_stage(num_workers):
     assert isinstance(st, coordl.LoaderStats)
     assert (st.samples, st.batches) == (42, 12)
     assert st.bytes_from_storage == 42 * 32 and st.samples_from_storage == 42
-    assert st.bytes_from_cache == 0 and st.bytes_from_peers == 0
+    assert st.bytes_from_cache == 0 and st.samples_from_cache == 0
     assert [e.samples for e in st.epochs] == [21, 21] and [e.epoch for e in st.epochs] == [0, 1]
     assert st.wait_seconds > 0 and st.fetch_seconds >= 0 and st.prep_seconds > 0
     with pytest.raises(Exception):

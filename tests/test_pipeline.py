@@ -12,7 +12,7 @@ from torch.utils.data import default_collate
 
 from coordl import DataLoader
 from coordl import _collate
-from coordl.fetch import Fetcher
+from coordl._readahead import Fetcher
 from coordl.plan import plan
 from toydata import TwoStageToy
 

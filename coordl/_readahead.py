@@ -19,8 +19,8 @@ Two bounds keep it honest:
   request (measured here: fsspec HTTP ~500 us/request one by one, ~300 us
   batched).
 
-Later stages plug in here: the node cache and peer caches are consulted by
-``read`` before storage.
+``read`` is the engine's reader (``_engine._make_reader``): the node cache
+first, then storage.
 
 Failures: whatever ``read``/``read_many`` raises, or a malformed result (not
 bytes, a ``read_many`` list of the wrong length), is delivered as that item's
