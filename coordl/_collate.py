@@ -61,9 +61,6 @@ class Layout:
         template, leaves, bs = state
         self.__init__(template, [_Leaf(*x) for x in leaves], bs)
 
-    def with_batch_size(self, n: int) -> "Layout":
-        return Layout(self.template, [_Leaf(l.dtype, l.shape, l.kind) for l in self.leaves], n)
-
     def leaves_of(self, sample) -> list | None:
         """``sample``'s leaves when it has exactly this layout's structure and
         shapes, else None.  One flatten per sample, reused by :func:`write_row`."""

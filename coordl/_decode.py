@@ -2,7 +2,7 @@
 straight into a numpy array, at the smallest DCT scale that still covers the
 size the pipeline needs; anything else through PIL.
 
-Measured on this machine (benchmarks/decode.py, docs/benchmarks.md): simplejpeg
+Measured on this machine while building the path (docs/benchmarks.md): simplejpeg
 decodes a ~500x375 JPEG ~12% faster than PIL and hands back a writable array
 without PIL's extra copy; with the resize done by torch's uint8 antialiased
 kernel the whole RandomResizedCrop path is ~1.7x faster than PIL's.

@@ -77,7 +77,7 @@ class Engine:
 
     def __init__(self, dataset, *, seed: int, on_error: str, collate_fn, batch_size,
                  prefetch: int, fetch_threads: int, budget_bytes: int, slots, emit: Callable,
-                 worker_id: int = 0, read: Callable | None = None, cache=None) -> None:
+                 worker_id: int = 0, cache=None) -> None:
         self.dataset = dataset
         self.seed = seed
         self.on_error = on_error
@@ -91,7 +91,7 @@ class Engine:
         self.emit = emit
         self.worker_id = worker_id
         self.q: queue.Queue = queue.Queue()
-        self._read, self._read_many = (read, None) if read is not None else _make_reader(dataset, cache)
+        self._read, self._read_many = _make_reader(dataset, cache)
         sizes = getattr(dataset, "sizes", None)
         self._size_of = (lambda i: int(sizes[i])) if isinstance(sizes, np.ndarray) else None
         self.pass_id = None
