@@ -882,26 +882,22 @@ def clear_caches(name: str | None = None, force: bool = False) -> list[str]:
     """Unlink this user's idle caches (all, or ``name``), keep-warm or not;
     in-use ones too with ``force`` (their holders keep their mapping and
     keep reading and writing that same memory until they detach)."""
-    try:
-        dfd = _open_user_dir(create=False)
-    except FileNotFoundError:
-        return []
-    try:
-        with _DirLock(dfd):
-            return _sweep(dfd, everything=True, force=force, only=name)
-    finally:
-        os.close(dfd)
+    return _locked_sweep(everything=True, force=force, only=name)
 
 
 def reclaim_stale() -> list[str]:
     """Unlink this user's idle caches whose keep-warm time is over (what
     every attach does for the other datasets' caches)."""
+    return _locked_sweep()
+
+
+def _locked_sweep(**how) -> list[str]:
     try:
         dfd = _open_user_dir(create=False)
     except FileNotFoundError:
         return []
     try:
         with _DirLock(dfd):
-            return _sweep(dfd)
+            return _sweep(dfd, **how)
     finally:
         os.close(dfd)

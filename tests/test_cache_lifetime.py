@@ -287,12 +287,11 @@ def test_own_sigterm_handler_is_left_alone(data):
 
 # ---------------------------------------------------------------- kill a real put()
 
-_KILL_IN_PUT = """
-import os, signal, sys
-from coordl.cache import NodeCache, list_caches
-
+# Counts the C calls one put() makes (each is a kill point); {name} is the
+# segment's fingerprint.
+_CALLS_IN_PUT = """
 def calls_in_put():
-    c = NodeCache.attach("feedca11", 4, 10**5)
+    c = NodeCache.attach("{name}", 4, 10**5)
     n = [0]
     def prof(frame, event, arg):
         if event == "c_call":
@@ -302,7 +301,12 @@ def calls_in_put():
     sys.setprofile(None)
     c.close()
     return n[0]
+"""
 
+_KILL_IN_PUT = """
+import os, signal, sys
+from coordl.cache import NodeCache, list_caches
+""" + _CALLS_IN_PUT.format(name="feedca11") + """
 steps = calls_in_put()
 assert steps >= 5, steps
 for k in range(1, steps + 1):
@@ -346,18 +350,7 @@ import os, select, signal, sys
 from coordl import cache as C
 from coordl.cache import NodeCache, list_caches
 C._LOCK_WAIT = 10.0  # a lock kept alive by a dead parent would show as a TimeoutError, soon
-
-def calls_in_put():
-    c = NodeCache.attach("feedf0f0", 4, 10**5)
-    n = [0]
-    def prof(frame, event, arg):
-        if event == "c_call":
-            n[0] += 1
-    sys.setprofile(prof)
-    c.put(1, b"b" * 50)
-    sys.setprofile(None)
-    c.close()
-    return n[0]
+""" + _CALLS_IN_PUT.format(name="feedf0f0") + """
 
 steps = calls_in_put()
 for k in range(1, steps + 1):
