@@ -41,7 +41,7 @@ from multiprocessing import reduction
 import numpy as np
 import torch
 
-from . import _collate
+from . import _collate, _reaper
 from ._engine import Engine, pass_steps
 from ._torch_path import Envelope
 from .errors import SampleError
@@ -264,8 +264,8 @@ class WorkerPool:
         # whatever allocation triggers the gc that drops this pool.  The
         # finalizer only enqueues the stop for the reaper thread.
         self._stop = functools.partial(_shutdown, self.procs, self.ctrl, self.res, parent)
-        _start_reaper()
-        self._final = weakref.finalize(self, _stop_later, self._stop)
+        _reaper.start()
+        self._final = weakref.finalize(self, _reaper.later, self._stop)
 
     @property
     def pids(self) -> list[int]:
@@ -427,40 +427,6 @@ class WorkerPool:
         return None, msg[3]  # "empty": every sample skipped
 
 
-_reap_q: queue.SimpleQueue = queue.SimpleQueue()  # put() is safe inside finalizers
-_reaper: list = []                                # [thread, pid] of this process's reaper
-_reaper_lock = threading.Lock()
-
-
-def _start_reaper() -> None:
-    """Start this process's reaper thread (called from normal code, never a
-    finalizer); it runs the worker stops that pool finalizers enqueue."""
-    with _reaper_lock:
-        if _reaper and _reaper[1] == os.getpid() and _reaper[0].is_alive():
-            return
-        t = threading.Thread(target=_reap_loop, name="coordl-reaper", daemon=True)
-        t.start()
-        _reaper[:] = [t, os.getpid()]
-
-
-def _reap_loop() -> None:
-    while True:
-        stop = _reap_q.get()
-        try:
-            stop()
-        except Exception:  # a failed stop must not end the reaper; say what happened
-            traceback.print_exc()
-
-
-def _stop_later(stop) -> None:
-    """A pool's finalizer: enqueue its stop.  At interpreter exit (the main
-    thread has finished, the daemon reaper may never run again) stop now."""
-    if threading.main_thread().is_alive():
-        _reap_q.put(stop)
-    else:
-        stop()
-
-
 def _shutdown(procs, ctrl, res, owner_pid: int) -> None:
     if os.getpid() != owner_pid:
         return  # a forked child's copy of the pool (its finalizer ran there): not ours to stop
@@ -572,7 +538,14 @@ class InlineIter:
                               emit=lambda kind, k, *p: out.__setitem__(k, (kind, k) + p),
                               cache=cfg.get("cache"))
         self._engine.begin_pass(1, plan, epoch, start, 1, 0, skip)
-        self._final = weakref.finalize(self, self._engine.end_pass)
+        _reaper.start()
+        self._final = weakref.finalize(self, _reaper.later, self._engine.end_pass)
+
+    def _end(self) -> None:
+        """End the pass now, in the calling thread (a dropped iterator's
+        finalizer only hands the same clean-up to the reaper)."""
+        if self._final.detach() is not None:
+            self._engine.end_pass()
 
     def __iter__(self):
         return self
@@ -584,11 +557,11 @@ class InlineIter:
         return []
 
     def shutdown_workers(self) -> None:
-        self._final()
+        self._end()
 
     def __next__(self) -> Envelope:
         if self._pos >= len(self._todo):
-            self._final()
+            self._end()
             raise StopIteration
         if self._failed is not None:  # the pass ended with an unexpected failure
             raise RuntimeError(f"this DataLoader pass failed earlier ({self._failed}); "
@@ -604,7 +577,7 @@ class InlineIter:
                 while not eng.q.empty():
                     eng.on_fetched(eng.q.get_nowait())
         except BaseException as e:  # not a bad sample (those are emitted): the pass is over
-            self._final()
+            self._end()
             self._failed = f"{type(e).__name__}: {e}".split("\n", 1)[0]
             if not isinstance(e, KeyboardInterrupt):
                 e.add_note(f"coordl: raised while {eng.doing()} (num_workers=0)")

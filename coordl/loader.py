@@ -30,7 +30,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader as _TorchDataLoader
 from torch.utils.data.dataloader import _DatasetKind
 
-from . import _pin
+from . import _pin, _reaper
 from ._modes import PipelineMode, choose_mode
 from ._torch_path import Envelope, Task
 from ._units import parse_size
@@ -771,7 +771,8 @@ class DataLoader(_TorchDataLoader[_T_co]):
         checksum, keep_warm = self._cache_opts
         cache = NodeCache.attach(self.dataset.fingerprint(), len(self.dataset), self._cache_size,
                                  checksum=checksum, keep_warm=keep_warm)
-        weakref.finalize(self, cache.close)
+        _reaper.start()
+        weakref.finalize(self, _reaper.later, cache.close)  # finalizers only enqueue
         return cache
 
     def _get_iterator(self):

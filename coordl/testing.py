@@ -26,6 +26,7 @@ from typing import Iterable, Mapping
 import psutil
 
 __all__ = [
+    "settle",
     "run_in_child",
     "live_children",
     "shm_entries",
@@ -359,3 +360,20 @@ def _wait_dead(procs: Iterable[psutil.Process], timeout: float) -> None:
         pending = still
         if pending:
             time.sleep(0.02)
+
+
+def settle(timeout: float = 10.0) -> None:
+    """Collect garbage and wait until the clean-ups it enqueued have run.
+
+    coordl's finalizers only enqueue (a dropped loader's cache detach, a
+    dropped pass's worker stop); its reaper thread acts.  Code that must see
+    the result (a test checking that the last loader out removed its cache)
+    calls this after dropping its last reference.
+    """
+    import gc
+
+    from . import _reaper
+
+    gc.collect()
+    if not _reaper.flush(timeout):
+        raise TimeoutError(f"coordl's reaper did not finish its clean-ups within {timeout} s")

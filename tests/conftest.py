@@ -61,6 +61,8 @@ def _no_leaked_processes_or_shm(request):
     before_pids = {p.pid for p in live_children()}
     before_shm = shm_entries()
     yield
+    from coordl import _reaper
+    _reaper.flush(LEAK_GRACE)  # clean-ups the test's finalizers handed to the reaper
     procs, shm = wait_no_leaks(before_pids, before_shm, grace=0)
     if procs or shm:
         # Iterators caught in reference cycles shut their workers down only

@@ -1,5 +1,4 @@
 """The MinIO node cache in shared memory."""
-import gc
 import os
 import subprocess
 import sys
@@ -11,6 +10,7 @@ import torch
 
 import coordl
 from coordl import cache as C
+from coordl.testing import settle
 from coordl.cache import NodeCache, list_caches
 from coordl.plan import plan
 from toydata import TwoStageToy
@@ -36,7 +36,7 @@ class Fingerprinted(TwoStageToy):
 @pytest.fixture(autouse=True)
 def _no_caches_left():
     yield
-    gc.collect()
+    settle()
     left = [c.name for c in list_caches() if c.name.startswith("cache-feed")]
     for name in left:
         os.unlink(os.path.join(C.user_dir(), name))
@@ -78,7 +78,7 @@ def test_minio_exact_hit_miss_accounting_against_the_plan(num_workers):
         assert e.bytes_from_cache == info.filled
         assert e.bytes_from_storage == total - info.filled
     del L
-    gc.collect()
+    settle()
 
 
 def test_two_loaders_share_one_cache():
@@ -92,7 +92,7 @@ def test_two_loaders_share_one_cache():
     names = [c.name for c in list_caches() if c.name.startswith("cache-feed")]
     assert len(names) == 1 and list_caches()[0].holders == 2  # one hold per attached loader
     del a, b
-    gc.collect()
+    settle()
     assert not [c for c in list_caches() if c.name.startswith("cache-feed")]
 
 
@@ -173,13 +173,13 @@ def test_keep_warm_keeps_cache_after_last_detach():
                           cache_keep_warm=3600)
     _epochs(a, 1)
     del a
-    gc.collect()
+    settle()
     caches = [c for c in list_caches() if c.name.startswith("cache-feed")]
     assert len(caches) == 1 and caches[0].cached == 10 and not caches[0].in_use
     b = coordl.DataLoader(Fingerprinted(10, tag="g"), batch_size=5, seed=0, cache_size=10_000)
     assert _epochs(b, 1)[0].samples_from_cache == 10  # a back-to-back job starts warm
     del b
-    gc.collect()
+    settle()
     assert C.clear_caches(caches[0].name) == [caches[0].name]  # kept warm until cleared
 
 

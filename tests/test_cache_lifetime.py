@@ -15,7 +15,7 @@ import pytest
 import coordl
 from coordl import cache as C
 from coordl.cache import NodeCache, list_caches
-from coordl.testing import run_in_child
+from coordl.testing import run_in_child, settle
 
 from _cache_helpers import check_pass, file_bytes, folder, make_folder
 
@@ -33,7 +33,7 @@ def data(tmp_path):
 @pytest.fixture(autouse=True)
 def _no_caches_left():
     yield
-    gc.collect()
+    settle()
     left = [c.name for c in list_caches()]
     C.clear_caches(force=True)
     assert not left, f"caches left behind: {left}"
@@ -49,13 +49,13 @@ def test_loader_recreated_every_epoch_keeps_working_and_stays_warm(data, num_wor
     L = None
     for epoch in range(4):
         L = coordl.DataLoader(folder(root), batch_size=8, num_workers=num_workers, cache_size=BIG)
-        gc.collect()  # the previous loader goes now, while this one is attached
+        settle()  # the previous loader goes now, while this one is attached
         assert check_pass(L, expected) == len(expected)
         if epoch:
             assert L.stats().epochs[0].samples_from_cache == len(expected)
     assert [c.holders for c in list_caches()] == [1]
     del L
-    gc.collect()
+    settle()
     assert list_caches() == []  # the last one out removed it
 
 
@@ -67,12 +67,12 @@ def test_two_loaders_on_one_dataset_in_one_process(data):
     check_pass(b, expected)
     assert [c.holders for c in list_caches()] == [2]
     del a
-    gc.collect()
+    settle()
     for _ in range(2):
         check_pass(b, expected)
     assert b.stats().epochs[-1].samples_from_cache == len(expected)
     del b
-    gc.collect()
+    settle()
     assert list_caches() == []
 
 
@@ -89,17 +89,18 @@ def test_loader_collected_inside_another_attach_does_not_wait_for_itself(data, m
     real = C._adopt
 
     def adopt_after_gc(*args):
-        gc.collect()  # the old loader's finalizer runs here
+        gc.collect()  # the old loader's finalizer runs here, under our directory lock: it only enqueues
         return real(*args)
 
     monkeypatch.setattr(C, "_adopt", adopt_after_gc)
     b = coordl.DataLoader(folder(root), batch_size=8, cache_size=BIG)
     monkeypatch.setattr(C, "_adopt", real)
+    settle()  # the reaper detaches the old loader once the lock is free
     for _ in range(2):
         check_pass(b, expected)
     assert [c.holders for c in list_caches()] == [1]
     del b
-    gc.collect()
+    settle()
 
 
 # ---------------------------------------------------------------- item 2
@@ -140,7 +141,7 @@ def test_clear_force_and_recreate_while_jobs_run_never_mixes_samples(data, ctx):
     assert not t.is_alive() and not errors, errors
     assert b.stats().epochs[-1].samples_from_cache == len(expected)
     del a, b, c
-    gc.collect()
+    settle()
 
 
 # ---------------------------------------------------------------- item 3

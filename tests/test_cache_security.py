@@ -1,6 +1,5 @@
 """Node cache against another local user (issue 7 item 7) and dataset
 identity (item 8).  The attacker really runs as another uid (nobody)."""
-import gc
 import os
 import shutil
 import subprocess
@@ -12,6 +11,7 @@ import pytest
 
 import coordl
 from coordl import cache as C
+from coordl.testing import settle
 from coordl.cache import list_caches
 
 from _cache_helpers import check_pass, file_bytes, folder, make_folder
@@ -106,7 +106,7 @@ def test_segment_planted_by_another_user_is_refused_never_read(base, data, how):
             for _ in range(2):
                 check_pass(L, expected)
             del L
-            gc.collect()
+            settle()
     finally:
         if os.path.lexists(old):
             os.unlink(old)
@@ -148,7 +148,7 @@ def test_user_directory_is_private_and_segments_are_0600(base, data):
     st = os.lstat(os.path.join(d, name))
     assert st.st_uid == os.geteuid() and (st.st_mode & 0o777) == 0o600
     del L
-    gc.collect()
+    settle()
     assert list_caches() == []
 
 
@@ -179,7 +179,7 @@ def test_two_copies_of_a_dataset_get_different_caches(tmp_path):
     os.symlink(a, tmp_path / "link")
     assert folder(tmp_path / "link").fingerprint() == da.fingerprint()
     del La, Lb
-    gc.collect()
+    settle()
 
 
 def test_remote_store_version_is_part_of_the_fingerprint():
