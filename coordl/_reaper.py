@@ -9,10 +9,14 @@ condition).  So finalizers only call :func:`later`, which enqueues (a
 thread.  Used for: stopping a dropped pool's workers (``_pipeline``),
 ending a dropped inline pass's fetch threads, and a collected loader's node
 cache detach.  At interpreter exit (the main thread has finished, and a
-daemon thread may never run again) :func:`later` runs the clean-up at once.
+daemon thread may never run again) :func:`later` runs the clean-up at once,
+and whatever was enqueued before is finished first (an exit hook waits for
+the reaper), so a dropped pool's workers are stopped while the main process
+still lives: workers that outlive it count as orphaned (see ``cache``).
 """
 from __future__ import annotations
 
+import atexit
 import os
 import queue
 import threading
@@ -62,3 +66,8 @@ def flush(timeout: float = 10.0) -> bool:
     done = threading.Event()
     _q.put(done.set)
     return done.wait(timeout)
+
+
+@atexit.register
+def _finish_at_exit() -> None:
+    flush(30.0)

@@ -518,18 +518,20 @@ class NodeCache:
                 self._hpid = None
 
     def close(self) -> None:
-        """Detach this process and unmap the segment."""
-        if self._closed:
-            return
-        self.detach()
-        self._closed = True
-        _LIVE.discard(self)
-        self._hdr = self._index = self._arena = None
-        try:
-            self._mm.close()
-        except BufferError:
-            pass  # a view is still alive somewhere; the mapping goes with it
-        os.close(self._fd)
+        """Detach this process and unmap the segment (once, whichever thread
+        calls first: the reaper, or the exit hook)."""
+        with _FORK_LOCK:
+            if self._closed:
+                return
+            self._closed = True
+            self.detach()
+            _LIVE.discard(self)
+            self._hdr = self._index = self._arena = None
+            try:
+                self._mm.close()
+            except BufferError:
+                pass  # a view is still alive somewhere; the mapping goes with it
+            os.close(self._fd)
 
     def _leave(self) -> None:
         if _ORPHANED[0]:
@@ -669,6 +671,8 @@ os.register_at_fork(after_in_child=_after_fork_in_child)
 
 @atexit.register
 def _close_all() -> None:
+    from . import _reaper
+    _reaper.flush(30.0)  # clean-ups enqueued before exit (pool stops, detaches) go first
     for c in list(_LIVE):
         try:
             c.close()

@@ -221,6 +221,37 @@ def test_sigkilled_job_restart_adopts_its_warm_cache(data):
     assert list_caches() == []  # and its normal exit removed it (no keep-warm)
 
 
+@pytest.mark.parametrize("drop", ["del", "exit"])
+def test_job_exiting_right_after_dropping_persistent_workers_removes_its_cache(data, drop):
+    """A script that drops its loader (or just ends) right before exiting:
+    the finalizers only enqueue the pool's stop and the cache's detach, and
+    the process exits at once.  The exit must still stop the workers while
+    the trainer lives, so they are not orphans, and the last one out
+    removes the segment (no keep-warm asked)."""
+    root, ds, expected = data
+    code = textwrap.dedent(f"""
+        import sys
+        sys.path.insert(0, {HERE!r})
+        import coordl
+        from _cache_helpers import folder, file_bytes, check_pass
+        L = coordl.DataLoader(folder({root!r}), batch_size=8, cache_size={BIG}, num_workers=2,
+                              persistent_workers=True)
+        check_pass(L, file_bytes(L.dataset))
+        print("pids", *[p.pid for p in L._mode.pool.procs], flush=True)
+    """) + ("from coordl import _reaper\nimport time\n"
+            "_reaper.later(lambda: time.sleep(1))  # the reaper is busy when the script ends\n"
+            "del L\n" if drop == "del" else "")
+    r = run_in_child(code, timeout=120)
+    assert r.returncode == 0, r.stderr
+    import psutil
+    for pid in map(int, r.stdout.split("pids", 1)[1].split()):
+        try:
+            psutil.Process(pid).wait(timeout=15)
+        except psutil.NoSuchProcess:
+            pass
+    assert list_caches() == []
+
+
 @pytest.mark.parametrize("keep_warm", [0, 3600])
 def test_ownerless_cache_of_another_dataset_removed_after_keep_warm(data, tmp_path, keep_warm):
     root, ds, expected = data
