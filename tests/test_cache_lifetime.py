@@ -333,6 +333,15 @@ def calls_in_put():
     sys.setprofile(None)
     c.close()
     return n[0]
+
+def kill_at_call(k):  # SIGKILL this process at its k-th C call from now on
+    n = [0]
+    def prof(frame, event, arg):
+        if event == "c_call":
+            n[0] += 1
+            if n[0] == k:
+                os.kill(os.getpid(), signal.SIGKILL)
+    sys.setprofile(prof)
 """
 
 _KILL_IN_PUT = """
@@ -346,13 +355,7 @@ for k in range(1, steps + 1):
     if pid == 0:  # the writer: killed at its k-th C call inside put()
         c = NodeCache.attach("feedca11", 4, 10**5)
         assert c.put(0, b"a" * 100)
-        n = [0]
-        def prof(frame, event, arg):
-            if event == "c_call":
-                n[0] += 1
-                if n[0] == k:
-                    os.kill(os.getpid(), signal.SIGKILL)
-        sys.setprofile(prof)
+        kill_at_call(k)
         c.put(1, b"b" * 50)
         os._exit(3)  # not reached
     _, status = os.waitpid(pid, 0)
@@ -403,13 +406,7 @@ for k in range(1, steps + 1):
             except BaseException as e:
                 os.write(res_w, repr(e).encode()[:200])
             os._exit(0)
-        n = [0]
-        def prof(frame, event, arg):
-            if event == "c_call":
-                n[0] += 1
-                if n[0] == k:
-                    os.kill(os.getpid(), signal.SIGKILL)
-        sys.setprofile(prof)
+        kill_at_call(k)
         c.put(1, b"b" * 50)
         os._exit(3)
     _, status = os.waitpid(pid, 0)
