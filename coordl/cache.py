@@ -12,7 +12,7 @@ than ``capacity`` bytes per epoch; MinIO gets exactly that, while LRU thrashes.
 Where: ``<COORDL_SHM_DIR or /dev/shm>/coordl-<uid>/`` (made 0700 and checked
 on every use: a real directory owned by us, no group/other bits), holding
 ``.lock`` (the directory lock) and one ``cache-<fingerprint>`` file per
-dataset (created ``O_EXCL|O_NOFOLLOW`` 0600, fully reserved with
+dataset; the directory and its lock exist only while a segment does (created ``O_EXCL|O_NOFOLLOW`` 0600, fully reserved with
 ``posix_fallocate``; an existing one is opened ``O_NOFOLLOW`` and refused
 unless it is a regular file of ours with mode 0600).
 
@@ -179,8 +179,23 @@ def _open_user_dir(create: bool = True) -> int:
     return fd
 
 
+class _NoDir(FileNotFoundError):
+    """The user's cache directory does not exist (nothing to act on)."""
+
+
 class _DirLock:
-    """Exclusive flock on ``<user dir>/.lock`` (polled, with a deadline).
+    """``with _DirLock(create) as dfd``: a checked fd of this user's cache
+    directory, holding the exclusive flock on its ``.lock`` (polled, with a
+    deadline).
+
+    The directory and its lock file exist only while the directory holds a
+    segment: whoever leaves the lock with no segment left unlinks ``.lock``
+    and removes the directory, still holding the flock.  So after taking the
+    flock a process checks that its ``.lock`` and directory are still the
+    ones at those names; if not (removed or re-created meanwhile), it starts
+    over on the current ones, and two processes never hold two different
+    "directory locks" at once.  ``create=False`` raises :class:`_NoDir` when
+    there is no directory.
 
     Re-entrant within a thread: the loader's finalizer may detach a cache
     from inside a garbage collection that runs while this thread is already
@@ -188,37 +203,93 @@ class _DirLock:
     threads queue on the process lock first (their flocks would be separate
     descriptions, so they would exclude each other anyway)."""
 
-    def __init__(self, dfd: int):
-        self.dfd = dfd
+    def __init__(self, create: bool = True):
+        self.create = create
+        self.dfd = -1
 
-    def __enter__(self):
+    def __enter__(self) -> int:
         global _dir_depth, _dir_fd
         _DIR_RLOCK.acquire()
         try:
-            if _dir_depth == 0:
-                path = os.path.join(user_dir(), LOCK_NAME)
-                fd = os.open(LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600,
-                             dir_fd=self.dfd)
+            for _attempt in range(1000):
                 try:
-                    _check_stat(os.fstat(fd), path, "file")
-                    _poll_lock(lambda: _try_flock(fd, fcntl.LOCK_EX), f"the directory lock {path}")
-                except BaseException:
-                    os.close(fd)
-                    raise
-                _dir_fd = fd
+                    dfd = _open_user_dir(self.create)
+                except FileNotFoundError:
+                    if not self.create:
+                        raise _NoDir(user_dir()) from None
+                    if not os.path.isdir(shm_root()):
+                        raise
+                    continue  # made, then removed as empty by another process before we opened it
+                if _dir_depth > 0:  # this thread holds the lock already
+                    break
+                try:
+                    fd = _take_dir_lock(dfd)
+                except FileNotFoundError:  # the directory was removed under us: start over
+                    os.close(dfd)
+                    continue
+                if _still_current(dfd, fd):
+                    _dir_fd = fd
+                    break
+                os.close(fd)
+                os.close(dfd)
+            else:
+                raise RuntimeError(f"coordl node cache: {user_dir()} keeps being removed and re-created")
+            self.dfd = dfd
             _dir_depth += 1
         except BaseException:
             _DIR_RLOCK.release()
             raise
-        return self
+        return dfd
 
     def __exit__(self, *exc):
         global _dir_depth, _dir_fd
-        _dir_depth -= 1
-        if _dir_depth == 0:
-            fd, _dir_fd = _dir_fd, -1
-            os.close(fd)  # releases the flock
-        _DIR_RLOCK.release()
+        try:
+            _dir_depth -= 1
+            if _dir_depth == 0:
+                fd, _dir_fd = _dir_fd, -1
+                try:
+                    _remove_if_empty(self.dfd, fd)
+                finally:
+                    os.close(fd)  # releases the flock
+        finally:
+            os.close(self.dfd)
+            _DIR_RLOCK.release()
+
+
+def _take_dir_lock(dfd: int) -> int:
+    path = os.path.join(user_dir(), LOCK_NAME)
+    fd = os.open(LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=dfd)
+    try:
+        _check_stat(os.fstat(fd), path, "file")
+        _poll_lock(lambda: _try_flock(fd, fcntl.LOCK_EX), f"the directory lock {path}")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _still_current(dfd: int, lock_fd: int) -> bool:
+    """Whether the directory held by ``dfd`` is still this user's cache
+    directory and ``lock_fd`` still its ``.lock`` (call holding the flock)."""
+    try:
+        now = os.stat(user_dir(), follow_symlinks=False)
+    except FileNotFoundError:
+        return False
+    held = os.fstat(dfd)
+    return (now.st_dev, now.st_ino) == (held.st_dev, held.st_ino) and _same_inode(dfd, LOCK_NAME, lock_fd)
+
+
+def _remove_if_empty(dfd: int, lock_fd: int) -> None:
+    """Holding the directory lock: with no segment left, unlink ``.lock``
+    and remove the directory (if the names still name what we hold), so
+    nothing of coordl stays in /dev/shm once no cache exists."""
+    if os.listdir(dfd) != [LOCK_NAME] or not _still_current(dfd, lock_fd):
+        return
+    os.unlink(LOCK_NAME, dir_fd=dfd)
+    try:
+        os.rmdir(user_dir())
+    except OSError:
+        pass  # someone put something in meanwhile: it stays, and so does the directory
 
 
 _DIR_RLOCK = threading.RLock()
@@ -415,38 +486,34 @@ class NodeCache:
         total = _HEADER + n * _ENTRY + capacity
         from ._signals import install_sigterm_exit
         install_sigterm_exit()
-        dfd = _open_user_dir()
-        try:
-            with _DirLock(dfd):
-                _sweep(dfd, keep=name)
-                for _attempt in range(3):
-                    fd, mm = _adopt(dfd, name, n)
-                    if fd is None:
-                        fd, mm = _create(dfd, name, n, capacity, total, checksum)
-                    try:
-                        cache = cls(name, fd, mm, checksum=checksum, keep_warm=keep_warm)
-                    except BaseException:
-                        os.close(fd)
-                        raise
-                    try:
-                        cache._hold()
-                    except BaseException:
-                        cache.close()
-                        raise
-                    if _same_inode(dfd, name, fd):
-                        break
-                    # A garbage collection during this attach ran a finalizer
-                    # that detached the segment's last other holder in this
-                    # process, and it removed the name: start over.
+        with _DirLock() as dfd:
+            _sweep(dfd, keep=name)
+            for _attempt in range(3):
+                fd, mm = _adopt(dfd, name, n)
+                if fd is None:
+                    fd, mm = _create(dfd, name, n, capacity, total, checksum)
+                try:
+                    cache = cls(name, fd, mm, checksum=checksum, keep_warm=keep_warm)
+                except BaseException:
+                    os.close(fd)
+                    raise
+                try:
+                    cache._hold()
+                except BaseException:
                     cache.close()
-                else:
-                    raise RuntimeError(f"coordl node cache {os.path.join(user_dir(), name)} keeps "
-                                       "disappearing while attaching; is something removing it?")
-                # the longest keep-warm any user asked for sticks to the segment
-                cache._hdr[KEEP_WARM] = max(int(cache._hdr[KEEP_WARM]), int(keep_warm * 1000))
-                cache._hdr[ORPHAN_SINCE] = 0
-        finally:
-            os.close(dfd)
+                    raise
+                if _same_inode(dfd, name, fd):
+                    break
+                # A garbage collection during this attach ran a finalizer
+                # that detached the segment's last other holder in this
+                # process, and it removed the name: start over.
+                cache.close()
+            else:
+                raise RuntimeError(f"coordl node cache {os.path.join(user_dir(), name)} keeps "
+                                   "disappearing while attaching; is something removing it?")
+            # the longest keep-warm any user asked for sticks to the segment
+            cache._hdr[KEEP_WARM] = max(int(cache._hdr[KEEP_WARM]), int(keep_warm * 1000))
+            cache._hdr[ORPHAN_SINCE] = 0
         return cache
 
     def _hold(self) -> None:
@@ -537,11 +604,7 @@ class NodeCache:
         if _ORPHANED[0]:
             return  # our main process died: leave the segment as it left it (adoptable)
         try:
-            dfd = _open_user_dir(create=False)
-        except (OSError, CacheSecurityError):
-            return  # the directory is gone or not ours any more: nothing to unlink
-        try:
-            with _DirLock(dfd):
+            with _DirLock(create=False) as dfd:
                 # a failed SH->EX upgrade drops our shared lock: fine, we are leaving
                 if not _try_flock(self._pfd, fcntl.LOCK_EX):
                     return
@@ -550,8 +613,8 @@ class NodeCache:
                 else:
                     _unlink_if_same(dfd, self.name, self._pfd)
                 fcntl.flock(self._pfd, fcntl.LOCK_UN)  # before the directory lock goes
-        finally:
-            os.close(dfd)
+        except (_NoDir, CacheSecurityError):
+            return  # the directory is gone or not ours any more: nothing to unlink
 
     def __del__(self):
         try:
@@ -846,13 +909,9 @@ def _info(name, hdr, index, fd, holders) -> CacheInfo:
 
 def list_caches() -> list[CacheInfo]:
     """This user's caches."""
-    try:
-        dfd = _open_user_dir(create=False)
-    except FileNotFoundError:
-        return []
     out = []
     try:
-        with _DirLock(dfd):
+        with _DirLock(create=False) as dfd:
             holders = _flock_holders()
             for name in sorted(os.listdir(dfd)):
                 if not name.startswith(PREFIX):
@@ -877,8 +936,8 @@ def list_caches() -> list[CacheInfo]:
                     mm.close()
                 finally:
                     os.close(fd)
-    finally:
-        os.close(dfd)
+    except _NoDir:
+        return []
     return out
 
 
@@ -897,11 +956,7 @@ def reclaim_stale() -> list[str]:
 
 def _locked_sweep(**how) -> list[str]:
     try:
-        dfd = _open_user_dir(create=False)
-    except FileNotFoundError:
-        return []
-    try:
-        with _DirLock(dfd):
+        with _DirLock(create=False) as dfd:
             return _sweep(dfd, **how)
-    finally:
-        os.close(dfd)
+    except _NoDir:
+        return []

@@ -17,7 +17,6 @@ from __future__ import annotations
 import multiprocessing
 import os
 import signal
-import stat
 import subprocess
 import sys
 import time
@@ -195,15 +194,16 @@ def live_children(pid: int | None = None) -> list[psutil.Process]:
 
 
 def shm_entries() -> set[str]:
-    """Shared-memory entries of this user: names of the files it owns in
-    ``/dev/shm``, plus the full paths of its node cache segments (in
-    ``coordl.cache.user_dir()``, wherever ``COORDL_SHM_DIR`` puts it).
+    """Shared-memory entries of this user: names of what it owns in
+    ``/dev/shm`` (files and directories), plus the full paths of its node
+    cache directory (``coordl.cache.user_dir()``, wherever ``COORDL_SHM_DIR``
+    puts it) and of everything in it, the lock file included: coordl leaves
+    none of them once no cache exists.
 
-    Other users' entries, and directories (the per-user cache directory and
-    its lock file are long-lived by design), are not listed: a leak check
-    built on this sees only what this user created.
+    Other users' entries are not listed: a leak check built on this sees
+    only what this user created.
     """
-    from .cache import LOCK_NAME, user_dir
+    from .cache import user_dir
 
     me = os.geteuid()
     out: set[str] = set()
@@ -216,20 +216,21 @@ def shm_entries() -> set[str]:
             st = os.lstat(os.path.join(SHM_DIR, name))
         except OSError:
             continue
-        if st.st_uid == me and not stat.S_ISDIR(st.st_mode):
+        if st.st_uid == me:
             out.add(name)
     udir = user_dir()
     try:
         names = os.listdir(udir)
     except (FileNotFoundError, NotADirectoryError, PermissionError):
-        names = []
+        return out
+    out.add(udir)
     for name in names:
         path = os.path.join(udir, name)
         try:
             st = os.lstat(path)
         except OSError:
             continue
-        if name != LOCK_NAME and st.st_uid == me:
+        if st.st_uid == me:
             out.add(path)
     return out
 

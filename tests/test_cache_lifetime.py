@@ -517,3 +517,79 @@ def test_two_jobs_racing_for_a_full_dev_shm_get_clean_outcomes():
     assert len(filled) == 1 and len(refused) == 1, results
     assert "does not fit in /dev/shm" in refused[0] and "cache_size=" in refused[0] \
         and "--shm-size" in refused[0], refused
+
+
+# ---------------------------------------------------------------- nothing left in /dev/shm
+
+def test_nothing_of_coordl_left_in_shm_once_no_cache_exists(data, tmp_path, monkeypatch):
+    """The per-user directory and its lock file go with the last segment:
+    after a loader is dropped, after a job exits, after a failed attach, and
+    after `coordl cache clear` of a killed job's cache, the shm root holds
+    nothing of coordl."""
+    from coordl.cli import main
+
+    root, ds, expected = data
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    monkeypatch.setenv("COORDL_SHM_DIR", str(shm))
+    L = coordl.DataLoader(folder(root), batch_size=8, num_workers=2, cache_size=BIG)
+    check_pass(L, expected)
+    assert os.listdir(shm) == [f"coordl-{os.geteuid()}"]
+    del L
+    settle()
+    assert os.listdir(shm) == []
+
+    r = run_in_child(_job(root, "check_pass(L, file_bytes(ds))\n"), timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert os.listdir(shm) == []
+
+    with pytest.raises(MemoryError):
+        NodeCache.attach("feedb16", 4, 1 << 62)  # does not fit: refused at attach
+    assert os.listdir(shm) == []
+
+    r = run_in_child(_job(root, """
+        check_pass(L, file_bytes(ds))
+        os.kill(os.getpid(), signal.SIGKILL)
+    """), timeout=120)
+    assert r.returncode == -signal.SIGKILL, r.stderr
+    assert len(list_caches()) == 1  # left for a restart to adopt
+    assert main(["cache", "clear"]) == 0
+    assert os.listdir(shm) == []
+
+
+_CHURN = """
+import os, sys
+from coordl.cache import NodeCache
+who, rounds = int(sys.argv[1]), int(sys.argv[2])
+for r in range(rounds):
+    c = NodeCache.attach("feedc4u4", 8, 10_000)
+    for i in range(8):
+        c.put(i, bytes([i]) * (100 + i))
+    for i in range(8):
+        got = c.get(i)
+        assert got in (None, bytes([i]) * (100 + i)), (who, r, i, got[:8])
+    c.close()  # often the last one out: the directory goes, and the next attach re-creates it
+print("ok", who)
+"""
+
+
+def test_directory_created_and_removed_concurrently_keeps_the_lock_exclusive(tmp_path, monkeypatch):
+    """Processes attaching and leaving in a loop make and remove the user
+    directory and its lock file over and over: every attach must find a
+    directory to work in, and no entry may ever hold another's bytes."""
+    import subprocess
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    monkeypatch.setenv("COORDL_SHM_DIR", str(shm))
+    procs = [subprocess.Popen([sys.executable, "-c", _CHURN, str(k), "40"], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for k in range(3)]
+    try:
+        outs = [p.communicate(timeout=120) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    for p, (out, err) in zip(procs, outs):
+        assert p.returncode == 0 and out.startswith("ok"), err[-2000:]
+    assert os.listdir(shm) == []

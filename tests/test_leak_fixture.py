@@ -145,6 +145,19 @@ def test_shm_entry_is_reported_until_removed():
     assert name not in shm
 
 
+def test_cache_directory_and_lock_file_left_behind_are_reported(tmp_path, monkeypatch):
+    """coordl's per-user cache directory and its lock file count as leaks
+    when nothing removes them (they go with the last segment)."""
+    from coordl.cache import LOCK_NAME, user_dir
+
+    monkeypatch.setenv("COORDL_SHM_DIR", str(tmp_path))
+    before_pids, before_shm = _snapshot()
+    os.mkdir(user_dir(), 0o700)
+    open(os.path.join(user_dir(), LOCK_NAME), "w").close()
+    procs, shm = wait_no_leaks(before_pids, before_shm, grace=0.3)
+    assert {user_dir(), os.path.join(user_dir(), LOCK_NAME)} <= shm
+
+
 @needs_shm
 def test_shm_entry_removed_during_grace_is_not_a_leak():
     before_pids, before_shm = _snapshot()
