@@ -280,15 +280,21 @@ class Engine:
 
 def _make_reader(dataset, cache):
     """The fetch stage's reads: ``(read, read_many)``.  Node cache first, then
-    storage (admitting what it reads).  With the cache on, storage reads drop
-    their pages from the OS page cache, so memory goes to the cache that does
-    not thrash.  ``read_many`` is set when the dataset can fetch several
-    samples in one call (``raw_many``, e.g. an ImageFolder over an fsspec URL)."""
-    import os
-
+    storage (admitting what it reads).  With the cache on, storage reads go
+    through the dataset's ``raw_uncached`` when it has one (local files: the
+    pages are dropped from the OS page cache on the read's own descriptor),
+    so memory goes to the cache that does not thrash.  ``read_many`` is set
+    when the dataset can fetch several samples in one call (``raw_many``,
+    e.g. an ImageFolder over an fsspec URL)."""
     raw = dataset.raw
     raw_many = getattr(dataset, "raw_many", None)
-    where = getattr(dataset, "describe", None)
+    if cache is not None:
+        uncached = getattr(dataset, "raw_uncached", None)
+        where = getattr(dataset, "describe", None)
+        if uncached is not None:
+            raw = uncached
+        elif where is not None and raw_many is None:
+            raw = _dropping_pages(raw, where)
     sizes = getattr(dataset, "sizes", None)
     if not isinstance(sizes, np.ndarray):
         sizes = None
@@ -303,26 +309,13 @@ def _make_reader(dataset, cache):
             return data
         return None
 
-    def stored(i, data):
-        if cache is None:
-            return
-        cache.put(i, data)
-        if where is not None and raw_many is None:  # local files: drop the page-cache copy
-            try:
-                fd = os.open(where(i), os.O_RDONLY)
-            except (OSError, TypeError, ValueError):
-                return
-            try:
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
-
     def read(i):
         data = cached(i)
         if data is not None:
             return data, "cache"
         data = raw(i)
-        stored(i, data)
+        if cache is not None:
+            cache.put(i, data)
         return data, "storage"
 
     if raw_many is None:
@@ -343,11 +336,33 @@ def _make_reader(dataset, cache):
                 if isinstance(res, BaseException):
                     out[k] = res
                 else:
-                    stored(indices[k], res)
+                    if cache is not None:
+                        cache.put(indices[k], res)
                     out[k] = (res, "storage")
         return out
 
     return read, read_many
+
+
+def _dropping_pages(raw, where):
+    """``raw`` for a dataset without ``raw_uncached`` whose ``describe(i)``
+    names a local file: drop the file's pages after the read (a second open;
+    ``raw_uncached`` does it on the read's own descriptor)."""
+    import os
+
+    def read(i):
+        data = raw(i)
+        try:
+            fd = os.open(where(i), os.O_RDONLY)
+        except (OSError, TypeError, ValueError):
+            return data
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+        return data
+
+    return read
 
 
 def pass_steps(num_batches: int, start: int, skip=()) -> list[int]:

@@ -82,31 +82,40 @@ _FINGERPRINT_TAG = b"coordl.datasets.folder/2\0"
 # Reading and decoding
 # --------------------------------------------------------------------------
 
-def read_bytes(path: str) -> bytes:
+def read_bytes(path: str, drop_cache: bool = False) -> bytes:
     """The whole content of the file at ``path``.
 
     One ``open``, one ``fstat`` and (normally) one ``read`` into a buffer of
     the file's size; no Python file object.  Raises ``FileNotFoundError``
-    (whose message names the path) when the file is missing.
+    (whose message names the path) when the file is missing.  ``drop_cache``:
+    then drop the file's pages from the OS page cache, on the same descriptor
+    (the bytes are kept elsewhere, e.g. in coordl's node cache).
     """
     fd = os.open(path, _O_FLAGS)
     try:
-        size = os.fstat(fd).st_size
-        data = os.read(fd, size) if size > 0 else b""
-        if size > 0 and len(data) == size:
-            return data
-        # Short read (huge file, network file system) or a size of 0 that may
-        # not be true (pseudo files): read on until end of file.
-        parts, total = [data], len(data)
-        while True:
-            chunk = os.read(fd, max(size - total, _CHUNK))
-            if not chunk:
-                break
-            parts.append(chunk)
-            total += len(chunk)
-        return b"".join(parts)
+        data = _read_all(fd)
+        if drop_cache:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        return data
     finally:
         os.close(fd)
+
+
+def _read_all(fd: int) -> bytes:
+    size = os.fstat(fd).st_size
+    data = os.read(fd, size) if size > 0 else b""
+    if size > 0 and len(data) == size:
+        return data
+    # Short read (huge file, network file system) or a size of 0 that may
+    # not be true (pseudo files): read on until end of file.
+    parts, total = [data], len(data)
+    while True:
+        chunk = os.read(fd, max(size - total, _CHUNK))
+        if not chunk:
+            break
+        parts.append(chunk)
+        total += len(chunk)
+    return b"".join(parts)
 
 
 def pil_decode(raw: bytes) -> Image.Image:
@@ -598,6 +607,18 @@ class _FolderBase:
 
     def _raw(self, index: int) -> bytes:
         return self._read(self._path(self._check_index(index)))
+
+    @property
+    def raw_uncached(self) -> Callable[[int], bytes]:
+        """``raw_uncached(i)``: ``raw(i)`` leaving no copy in the OS page
+        cache (local files; read when coordl's node cache keeps the bytes)."""
+        if self._store is not None or not self._two_stage_ok():
+            raise AttributeError(f"{type(self).__name__} has no raw_uncached: remote objects are not "
+                                 "in the page cache")
+        return self._raw_uncached
+
+    def _raw_uncached(self, index: int) -> bytes:
+        return read_bytes(self._path(self._check_index(index)), drop_cache=True)
 
     @property
     def raw_many(self) -> Callable[[list], list]:

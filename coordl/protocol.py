@@ -23,6 +23,11 @@ and optionally
     concurrently (``ImageFolder`` over an fsspec URL has it); the fetch stage
     then batches reads that are already admitted.
 
+``raw_uncached(i) -> bytes``
+    ``raw(i)`` leaving no copy in the OS page cache; the fetch stage uses it
+    when the node cache keeps the bytes (``ImageFolder`` over local files has
+    it: it drops the pages on the read's own descriptor).
+
 ``fingerprint() -> str`` and ``sizes`` (int64 array)
     Identity of the stored bytes (needed for the node cache, which is named
     after it) and the file sizes (used to budget read-ahead and to verify

@@ -211,3 +211,33 @@ def test_entry_with_wrong_length_is_not_served():
     assert all(torch.equal(a, b) for a, b in zip(first, second)) and len(second) == 2
     assert L.stats().epochs[1].samples_from_cache == 7
     del L
+
+
+def test_storage_reads_drop_their_pages_on_the_reads_own_descriptor(tmp_path):
+    """With the node cache on, a miss is read once through raw_uncached (which
+    drops the page-cache copy on the descriptor it read from), never through
+    raw plus a second open of the file."""
+    from _cache_helpers import as_tensor, file_bytes, make_folder
+
+    root = make_folder(tmp_path / "data", n=24)
+    calls = {"raw": 0, "uncached": 0}
+
+    class Counting(coordl.DatasetFolder):
+        def _raw(self, i):
+            calls["raw"] += 1
+            return super()._raw(i)
+
+        def _raw_uncached(self, i):
+            calls["uncached"] += 1
+            return super()._raw_uncached(i)
+
+    ds = Counting(str(root), extensions=(".bin",), decode=as_tensor)
+    assert ds.raw_uncached(3) == ds.raw(3) == file_bytes(ds)[3]
+    calls.update(raw=0, uncached=0)
+    L = coordl.DataLoader(ds, batch_size=4, cache_size=1 << 20)
+    for _ in range(2):
+        for _batch in L:
+            pass
+    assert calls == {"raw": 0, "uncached": 24}  # epoch 1 misses all, epoch 2 hits all
+    del L
+    settle()
