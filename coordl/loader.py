@@ -274,69 +274,13 @@ class _LoaderIter:
     def _shutdown(self) -> bool:
         return self._stopped or bool(getattr(self._inner, "_shutdown", False))
 
-    @property
-    def _dataset(self):
-        return self._loader.dataset
-
-    @property
-    def _collate_fn(self):
-        return self._loader.collate_fn
-
-    @property
-    def _dataset_kind(self):
-        return self._loader._dataset_kind
-
-    @property
-    def _auto_collation(self) -> bool:
-        return self._loader._auto_collation
-
-    @property
-    def _drop_last(self) -> bool:
-        return self._loader.drop_last
-
-    @property
-    def _index_sampler(self):
-        return self._loader._index_sampler
-
-    @property
-    def _IterableDataset_len_called(self):
-        return self._loader._IterableDataset_len_called
-
-    @property
-    def _num_workers(self) -> int:
-        return self._loader.num_workers
-
-    @property
-    def _prefetch_factor(self):
-        return self._loader.prefetch_factor
-
-    @property
-    def _persistent_workers(self) -> bool:
-        return self._loader.persistent_workers
-
-    @property
-    def _in_order(self) -> bool:
-        return self._loader.in_order
-
-    @property
-    def _timeout(self) -> float:
-        return self._loader.timeout
-
-    @property
-    def _worker_init_fn(self):
-        return self._loader.worker_init_fn
-
-    @property
-    def _multiprocessing_context(self):
-        return self._loader.multiprocessing_context
-
-    @property
-    def _world_size(self) -> int:
-        return self._loader._world_size
-
-    @property
-    def _rank(self) -> int:
-        return self._loader._rank
+    def __getattr__(self, name: str):
+        # torch's iterator settings, read from the loader (the user's
+        # dataset and collate_fn, never coordl's wrappers)
+        src = _FROM_LOADER.get(name)
+        if src is None:
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        return getattr(self._loader, src)
 
     @property
     def _pin_memory(self) -> bool:
@@ -381,6 +325,17 @@ class _LoaderIter:
                 SkippedSampleWarning,
                 stacklevel=3,
             )
+
+
+# torch iterator attribute -> the loader attribute it equals
+_FROM_LOADER = {
+    "_dataset": "dataset", "_collate_fn": "collate_fn", "_dataset_kind": "_dataset_kind",
+    "_auto_collation": "_auto_collation", "_drop_last": "drop_last", "_index_sampler": "_index_sampler",
+    "_IterableDataset_len_called": "_IterableDataset_len_called", "_num_workers": "num_workers",
+    "_prefetch_factor": "prefetch_factor", "_persistent_workers": "persistent_workers",
+    "_in_order": "in_order", "_timeout": "timeout", "_worker_init_fn": "worker_init_fn",
+    "_multiprocessing_context": "multiprocessing_context", "_world_size": "_world_size", "_rank": "_rank",
+}
 
 
 def _batch_failed(e: Exception, pipeline: bool) -> bool:
