@@ -1,4 +1,4 @@
-"""``coordl`` command line: ``coordl demo``, ``coordl version``."""
+"""``coordl`` command line: ``coordl demo``, ``coordl cache``, ``coordl daemon``, ``coordl version``."""
 from __future__ import annotations
 
 import argparse
@@ -54,6 +54,68 @@ def _cache(args) -> int:
     return 0
 
 
+def _cmd_daemon(args) -> int:
+    from .daemon import server
+
+    try:
+        if args.daemon_cmd == "start":
+            if args.staging:
+                import os
+
+                os.environ["COORDL_STAGING"] = args.staging  # the daemon reads it when it starts
+            pid = server.start()
+            print(f"coordl daemon running, pid {pid}, socket {server.socket_path()}")
+            return 0
+        if args.daemon_cmd == "stop":
+            print("coordl daemon stopped" if server.stop() else "no coordl daemon was running")
+            return 0
+        st = server.status()
+    except (OSError, RuntimeError) as e:
+        print(f"coordl daemon {args.daemon_cmd}: {e}", file=sys.stderr)
+        return 1
+    if args.json:
+        import json
+
+        print(json.dumps(st, indent=1))
+        return 0 if st is not None else 1
+    if st is None:
+        print(f"no coordl daemon running (socket {server.socket_path()})")
+        return 1
+    print(format_status(st))
+    return 0
+
+
+def format_status(st: dict) -> str:
+    """``coordl daemon status`` as text."""
+    mib = 2 ** 20
+    out = [f"coordl daemon pid {st['pid']}, up {st['uptime']:.0f} s, workers "
+           f"{len(st.get('worker_pids', []))} (pids {' '.join(map(str, st.get('worker_pids', []))) or '-'}), "
+           f"staging limit {st.get('staging_limit', 0) / mib:.0f} MiB per group"]
+    groups = st.get("groups", [])
+    if not groups:
+        out.append("no groups")
+    for g in groups:
+        out.append(f"group {g['id']} ({g['key']}): {len(g['members'])} member(s), prepared {g['prepared']}, "
+                   f"staging {g['staged_bytes'] / mib:.1f}/{g['staging_bytes'] / mib:.1f} MiB "
+                   f"({g['staged']} staged, {g['preparing']} preparing, {g['slots']} slots), "
+                   f"detaches {g['detaches']}{'  BROKEN: ' + g['broken'] if g.get('broken') else ''}")
+        out.append(f"  dataset: {g['dataset'].splitlines()[0] if g['dataset'] else '?'}")
+        out.append(f"  {'pid':>8} {'state':<9} {'epoch':>5} {'position':>9} {'lag':>6} {'shared':>9} "
+                   f"{'self':>8}  name")
+        for m in g["members"]:
+            state = "shared" if m["attached"] else "own-prep" if m["epoch"] >= 0 else "joined"
+            lag = "-" if m["lag"] is None else str(m["lag"])
+            out.append(f"  {m['pid']:>8} {state:<9} {m['epoch']:>5} {m['position']:>9} {lag:>6} "
+                       f"{m['shared']:>9} {m['self']:>8}  {m['name']}")
+    cache = st.get("caches")
+    if cache:
+        out.append("node caches:")
+        for c in cache:
+            out.append(f"  {c['name']}: {c['filled'] / mib:.1f}/{c['capacity'] / mib:.1f} MiB, "
+                       f"{c['cached']}/{c['samples']} samples, {c['holders']} holder(s)")
+    return "\n".join(out)
+
+
 def _cmd_version(args) -> int:
     from . import __version__
 
@@ -81,6 +143,18 @@ def main(argv: list[str] | None = None) -> int:
     cl.add_argument("name", nargs="?", default=None)
     cl.add_argument("--force", action="store_true", help="also remove caches in use")
     c.set_defaults(func=_cmd_cache)
+
+    dm = sub.add_parser("daemon", help="the node daemon that prepares samples once for every job "
+                                       "with share=True (one per user per node)")
+    dsub = dm.add_subparsers(dest="daemon_cmd", required=True)
+    ds = dsub.add_parser("start", help="start it detached (jobs with share=True also do, if none runs)")
+    ds.add_argument("--staging", default=None, help="staging memory per group, e.g. 512MiB "
+                                                    "(default 256MiB, or $COORDL_STAGING)")
+    dsub.add_parser("stop", help="stop it; its members go on preparing for themselves")
+    dst = dsub.add_parser("status", help="groups, members (pid, name, position, lag, shared vs "
+                                         "self-prepared samples), staging and cache use")
+    dst.add_argument("--json", action="store_true", help="print the status as JSON")
+    dm.set_defaults(func=_cmd_daemon)
 
     v = sub.add_parser("version", help="print coordl's version")
     v.set_defaults(func=_cmd_version)

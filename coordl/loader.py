@@ -414,6 +414,13 @@ class DataLoader(_TorchDataLoader[_T_co]):
     fetch_threads
         Reads in flight per worker; default 8 for local files, 16 for fsspec
         URLs (reads per second ~ threads / storage latency).
+    share
+        Prepare samples once for every job on the node that reads the same
+        dataset with the same transforms, seed, shuffle and partition,
+        through the node daemon (``coordl daemon``; started detached if none
+        runs).  Batches are bit-identical to ``share=False``.  ``None``
+        (default): ``True`` when the environment has ``COORDL_SHARE=1``.
+        See docs/api.md, "Sharing prep across jobs".
     """
 
     def __init__(
@@ -446,6 +453,7 @@ class DataLoader(_TorchDataLoader[_T_co]):
         fetch_threads: int | None = None,
         cache_checksum: bool = False,
         cache_keep_warm: float = 0,
+        share: bool | None = None,
     ) -> None:
         super().__init__(
             dataset, batch_size, shuffle, sampler, batch_sampler, num_workers, collate_fn,
@@ -501,6 +509,17 @@ class DataLoader(_TorchDataLoader[_T_co]):
                                  user_sampler=user_sampler, iterable=iterable, on_error=on_error,
                                  seed=seed, collate_fn=self.collate_fn, user_collate=collate_fn is not None,
                                  batch_size=batch_size)
+        from .daemon.member import ShareMode, share_requested
+
+        self._share = share_requested(share)
+        if self._share and isinstance(self._mode, PipelineMode):
+            self._mode = ShareMode()
+        elif self._share and share is not None:
+            warnings.warn(
+                "share=True has no effect here: the node daemon prepares samples of two-stage datasets "
+                "(raw/prep) read in coordl's epoch-plan order; this loader "
+                f"{'has a user sampler' if user_sampler else 'reads a dataset without raw/prep'}",
+                stacklevel=2)
         self._cache = None
         if self._cache_size and isinstance(self._mode, PipelineMode):
             if not callable(getattr(dataset, "fingerprint", None)):

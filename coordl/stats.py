@@ -22,7 +22,8 @@ class BatchStats:
     process, so statistics need no shared state.  Small and picklable.
     """
 
-    __slots__ = ("samples", "bytes_storage", "from_cache", "bytes_cache", "fetch_s", "prep_s", "skips")
+    __slots__ = ("samples", "bytes_storage", "from_cache", "bytes_cache", "fetch_s", "prep_s", "skips",
+                 "shared")
 
     def __init__(self) -> None:
         self.samples = 0            # samples prepared into the batch
@@ -32,6 +33,7 @@ class BatchStats:
         self.fetch_s = 0.0          # busy time reading
         self.prep_s = 0.0           # busy time preparing and collating
         self.skips: list = []       # (index, path, why) of samples skipped under on_error="skip"
+        self.shared = 0             # of ``samples``, how many the node daemon prepared (share=True)
 
     def record_read(self, source: str, nbytes: int) -> None:
         if source == "cache":
@@ -62,6 +64,10 @@ class EpochStats:
         whose I/O coordl cannot see.
     skipped
         Bad samples skipped under ``on_error="skip"``.
+    samples_shared, samples_self_prepared
+        Of the samples (two-stage datasets), how many the node daemon
+        prepared for this job's group (``share=True``) and how many this job
+        prepared itself (all of them without sharing).
     """
 
     epoch: int
@@ -72,6 +78,8 @@ class EpochStats:
     bytes_from_cache: int = 0
     bytes_from_storage: int = 0
     skipped: int = 0
+    samples_shared: int = 0
+    samples_self_prepared: int = 0
 
 
 @dataclass(frozen=True)
@@ -100,6 +108,8 @@ class LoaderStats:
         Main-process time spent handing batches over (unwrapping, device copy).
     skipped
         Bad samples skipped under ``on_error="skip"``.
+    samples_shared, samples_self_prepared
+        As in :class:`EpochStats`, summed.
     epoch
         The epoch of the latest pass (or of the next one if none started).
     epochs
@@ -117,6 +127,8 @@ class LoaderStats:
     prep_seconds: float = 0.0
     deliver_seconds: float = 0.0
     skipped: int = 0
+    samples_shared: int = 0
+    samples_self_prepared: int = 0
     epoch: int = 0
     epochs: tuple[EpochStats, ...] = ()
 
@@ -153,6 +165,8 @@ class Counters:
             b["samples_from_storage"] += stats.samples - stats.from_cache
             b["bytes_from_cache"] += stats.bytes_cache
             b["samples_from_cache"] += stats.from_cache
+            b["samples_shared"] += stats.shared
+            b["samples_self_prepared"] += stats.samples - stats.shared
         b["skipped"] += len(stats.skips)
         return b
 

@@ -17,7 +17,8 @@ Lifetime, tied to kernel objects:
   (handlers only set a flag); the daemon removes its socket (if the name
   still names it) before releasing the lock.
 
-This increment serves ``status`` and ``stop``; groups of jobs come next.
+Groups of jobs, staging and the worker pool are in :mod:`hub` (protocol)
+and :mod:`groups` (policy); the serve loop here only routes events.
 """
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ import sys
 import time
 
 from . import ipc
+from .hub import DEFAULT_STAGING, Hub
 
 __all__ = ["start", "stop", "status", "serve", "socket_path"]
 
@@ -129,7 +131,7 @@ def _tail(n: int = 2000) -> str:
         return "(no log)"
 
 
-def serve(ready_fd: int | None = None) -> int:
+def serve(ready_fd: int | None = None, staging_bytes: int | None = None) -> int:
     """Run the daemon in this process until stopped."""
     lock = os.open(_lock_path(), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     try:
@@ -148,12 +150,14 @@ def serve(ready_fd: int | None = None) -> int:
     mine = os.stat(path)
     started = time.time()
     conns: dict[int, ipc.Conn] = {}
+    hub = Hub(staging_bytes if staging_bytes is not None else _staging_default())
     try:
         if ready_fd is not None:
             os.write(ready_fd, f"ready {os.getpid()}\n".encode())
             os.close(ready_fd)
         while not stopping:
-            ready = select.select([server] + list(conns.values()), [], [], _TICK)[0]
+            workers = [w.conn for w in hub.workers]
+            ready = select.select([server] + list(conns.values()) + workers, [], [], _TICK)[0]
             for x in ready:
                 if x is server:
                     try:
@@ -163,23 +167,41 @@ def serve(ready_fd: int | None = None) -> int:
                         continue
                     conns[c.fileno()] = c
                     continue
+                w = hub.is_worker(x)
+                if w is not None:
+                    try:
+                        msg, fds = x.recv(timeout=10.0)
+                    except (ConnectionError, TimeoutError, OSError):
+                        hub.worker_gone(w)
+                        continue
+                    hub.worker_msg(w, msg, fds)
+                    continue
+                if conns.get(x.fileno()) is not x:
+                    continue  # closed while handling an earlier event of this round
                 try:
                     msg, fds = x.recv(timeout=5.0)
-                    for fd in fds:
-                        os.close(fd)
                     op = msg.get("op")
                     if op == "status":
+                        for fd in fds:
+                            os.close(fd)
                         x.send({"pid": os.getpid(), "uptime": time.time() - started,
-                                "clients": len(conns), "groups": []})
+                                "clients": len(conns), **hub.status()})
                     elif op == "stop":
+                        for fd in fds:
+                            os.close(fd)
                         x.send({"ok": True})
                         stopping.append(True)
                     else:
-                        x.send({"error": f"unknown op {op!r}"})
+                        hub.member_msg(x, msg, fds)
                 except (ConnectionError, TimeoutError, OSError):
                     conns.pop(x.fileno(), None)
+                    hub.member_gone(x)
                     x.close()
+            for fd in [fd for fd, c in conns.items() if c.sock.fileno() < 0]:
+                del conns[fd]   # a member the hub dropped
+            hub.pump()
     finally:
+        hub.stop()
         for c in conns.values():
             c.close()
         server.close()
@@ -191,6 +213,15 @@ def serve(ready_fd: int | None = None) -> int:
             pass
         os.close(lock)
     return 0
+
+
+def _staging_default() -> int:
+    v = os.environ.get("COORDL_STAGING")
+    if not v:
+        return DEFAULT_STAGING
+    from .._units import parse_size
+
+    return parse_size(v, "COORDL_STAGING")
 
 
 def _main(argv: list[str]) -> int:

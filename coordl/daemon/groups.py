@@ -1,0 +1,266 @@
+"""A group's staging and schedule, as plain data: who wants which sample,
+which slot holds it, what to prepare next and whom to detach.  No I/O here:
+the server (``server.py``) feeds events in and carries out the actions that
+come back, so the policy is tested without processes (tests/test_daemon_groups.py).
+
+Positions.  Members of a group share the epoch plan, so a sample is named by
+its *global position* ``G = epoch * samples_per_epoch + position``; the same
+``G`` is the same prepared sample for every member (same index, same
+augmentation).
+
+A staged sample (``Item``) is kept while someone may still take it:
+
+* *claimed*: delivered to a member that has not released it yet, or wanted
+  by a member that is waiting for it;
+* *held*: an attached member has not reached it yet in its current pass
+  (``m.pos <= G < m.end``), so a slower member takes what a faster one
+  caused to be prepared.
+
+Bounded staging, no lockstep.  Staging has a fixed number of slots.  When a
+sample must be prepared and no slot is free, the room is made by detaching
+the member furthest behind (unless it is the one asking): everything kept
+for it, claims included, is dropped and it prepares for itself until its
+next pass (members check a slot's header around each copy, so a revoked
+slot is never mistaken for their sample).  A
+fast member therefore runs ahead of a slow one by at most the staging size
+and is never held back beyond it.  If the one asking is itself furthest
+behind, samples held only for it far ahead are dropped instead (it will ask
+for them again).  If every slot is claimed and the asker needs the sample
+now (it is in the batch it assembles), the largest other holder is
+detached (a slow or stalled member), or the asker itself when nobody else
+holds anything: no wait in the daemon can become a deadlock.
+"""
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass, field
+
+__all__ = ["Group", "Member", "Item"]
+
+
+@dataclass
+class Item:
+    slot: int
+    state: str = "prep"        # "prep" (a worker has it), "ready", "failed"
+    why: str = ""              # for "failed"
+    info: list = field(default_factory=list)  # [source, nbytes, fetch_s, prep_s] when ready
+
+
+@dataclass
+class Member:
+    mid: int
+    pid: int
+    name: str
+    num_workers: int = 0
+    attached: bool = False     # in the shared stream for its current pass
+    epoch: int = -1
+    pos: int = 0               # lowest global position of its pass it may still take
+    end: int = 0               # end of its current pass (exclusive)
+    want: set = field(default_factory=set)     # asked for, not delivered yet
+    claims: set = field(default_factory=set)   # delivered, not released yet
+    shared: int = 0            # samples it reports taken from the stream
+    self_prepared: int = 0     # samples it reports it prepared itself
+    detached_at: int | None = None  # position where it was last detached
+    need: int = 0              # end of the batch it is assembling now (it waits for what is below)
+
+
+class Group:
+    """One group's staging slots, items, members and queue of work.
+
+    Methods return *actions* for the server to carry out:
+    ``("deliver", member, [G, ...])``, ``("detach", member)``.  Work to hand
+    to workers comes from :meth:`next_task`.
+    """
+
+    def __init__(self, gid: int, key: str, nslots: int, samples_per_epoch: int) -> None:
+        if nslots < 1:
+            raise ValueError(f"nslots should be >= 1, but got nslots={nslots!r}")
+        self.gid = gid
+        self.key = key
+        self.nslots = nslots
+        self.n = max(1, samples_per_epoch)
+        self.free = list(range(nslots - 1, -1, -1))
+        self.items: dict[int, Item] = {}
+        self.members: dict[int, Member] = {}
+        self._queue: list[int] = []            # heap of positions to prepare
+        self._queued: set[int] = set()
+        self.prepared = 0                      # samples prepared by the group's workers
+        self.detaches = 0
+
+    # ---------------------------------------------------------------- members
+    def add(self, m: Member) -> None:
+        self.members[m.mid] = m
+
+    def remove(self, mid: int) -> list:
+        """A member left (or died): drop everything it held."""
+        m = self.members.pop(mid, None)
+        if m is not None:
+            m.want.clear()
+            m.claims.clear()
+            m.attached = False
+        self.gc()
+        return []
+
+    def begin_pass(self, mid: int, epoch: int, start: int, end: int) -> list:
+        """Member ``mid`` starts a pass over global positions [start, end)."""
+        m = self.members[mid]
+        m.claims.clear()
+        m.want.clear()
+        m.attached = True
+        m.epoch, m.pos, m.end = epoch, start, end
+        self.gc()
+        return []
+
+    def end_pass(self, mid: int) -> list:
+        m = self.members[mid]
+        m.attached = False
+        m.want.clear()
+        m.claims.clear()
+        self.gc()
+        return []
+
+    def step(self, mid: int, pos: int, release=(), want=(), need: int | None = None) -> list:
+        """Member ``mid`` is at ``pos``, is done with ``release`` and asks for
+        ``want`` (ascending).  Ready items are delivered at once; the others
+        are queued for a worker."""
+        m = self.members[mid]
+        m.pos = max(m.pos, pos)
+        m.need = max(m.pos, need if need is not None else pos + 1)
+        for g in release:
+            m.claims.discard(g)
+        out = []
+        if m.attached:
+            now = []
+            for g in want:
+                it = self.items.get(g)
+                if it is not None and it.state != "prep":
+                    m.claims.add(g)
+                    now.append(g)
+                else:
+                    m.want.add(g)
+                    if it is None and g not in self._queued:
+                        heapq.heappush(self._queue, g)
+                        self._queued.add(g)
+            if now:
+                out.append(("deliver", m, now))
+        self.gc()
+        return out
+
+    # ---------------------------------------------------------------- work
+    def next_task(self) -> tuple[list, tuple[int, int] | None]:
+        """``(actions, (G, slot) or None)``: the lowest wanted position not
+        yet staged, with the slot it goes into (room made if needed)."""
+        actions: list = []
+        while self._queue:
+            g = self._queue[0]
+            if not any(g in m.want for m in self.members.values()):
+                heapq.heappop(self._queue)   # nobody waits for it any more
+                self._queued.discard(g)
+                continue
+            if not self.free:
+                actions += self._make_room(g)
+                if not self.free:
+                    return actions, None     # every slot is claimed: wait for releases
+            heapq.heappop(self._queue)
+            self._queued.discard(g)
+            slot = self.free.pop()
+            self.items[g] = Item(slot)
+            return actions, (g, slot)
+        return actions, None
+
+    def done(self, g: int, ok: bool, why: str = "", info=None) -> list:
+        """A worker finished position ``g``: deliver it to whoever waits."""
+        it = self.items.get(g)
+        if it is None:
+            return []
+        if ok:
+            it.state, it.info = "ready", list(info or [])
+            self.prepared += 1
+        else:
+            it.state, it.why = "failed", why
+        out = []
+        for m in self.members.values():
+            if g in m.want:
+                m.want.discard(g)
+                m.claims.add(g)
+                out.append(("deliver", m, [g]))
+        self.gc()
+        return out
+
+    # ---------------------------------------------------------------- policy
+    def _needed(self, g: int, it: Item) -> bool:
+        if it.state == "prep":
+            return True                      # a worker writes into its slot
+        for m in self.members.values():
+            if g in m.claims or g in m.want:
+                return True
+            if m.attached and m.pos <= g < m.end:
+                return True
+        return False
+
+    def gc(self) -> None:
+        """Free every item nobody may take any more."""
+        dead = [g for g, it in self.items.items() if not self._needed(g, it)]
+        for g in dead:
+            self.free.append(self.items.pop(g).slot)
+
+    def detach(self, m: Member) -> list:
+        """``m`` leaves the stream until its next pass and prepares for itself.
+        Its claims are revoked too: it checks each slot's header before and
+        after copying, so a reused slot is never taken for its sample."""
+        m.attached = False
+        m.detached_at = m.pos
+        m.want.clear()
+        m.claims.clear()
+        self.detaches += 1
+        self.gc()
+        return [("detach", m)]
+
+    def _make_room(self, g: int) -> list:
+        asking = [m for m in self.members.values() if g in m.want]
+        attached = sorted((m for m in self.members.values() if m.attached), key=lambda m: m.pos)
+        if len(attached) > 1 and not any(m is attached[0] for m in asking):
+            m0 = attached[0]     # furthest behind: what is kept for it is what fills staging
+            if m0.claims or any(m0.pos <= h < m0.end for h in self.items):
+                return self.detach(m0)
+        # the asker is furthest behind: drop what is held only for the future, furthest first
+        for h in sorted(self.items, reverse=True):
+            if h <= g:
+                break
+            it = self.items[h]
+            if it.state == "prep" or any(h in m.claims or h in m.want for m in self.members.values()):
+                continue
+            self.free.append(self.items.pop(h).slot)
+            return []
+        # every slot is claimed.  A member that needs this sample now would wait for
+        # others to release theirs; if it needs it now, revoke the largest other holder
+        # (a slow or stalled member), or its own window if nobody else holds anything
+        if any(g < m.need for m in asking):
+            foot = {m.mid: len(m.claims) + sum(1 for h in self.items if m.attached and m.pos <= h < m.end)
+                    for m in self.members.values()}
+            others = [m for m in self.members.values() if m not in asking and foot[m.mid]]
+            if others:
+                return self.detach(max(others, key=lambda m: foot[m.mid]))
+            holders = [m for m in asking if m.claims]
+            if holders and all(any(w < m.need for w in m.want) for m in holders):
+                return self.detach(max(holders, key=lambda m: len(m.claims)))
+        return []
+
+    # ---------------------------------------------------------------- report
+    def lead(self) -> int:
+        att = [m.pos for m in self.members.values() if m.attached]
+        return max(att) if att else 0
+
+    def status(self) -> dict:
+        lead = self.lead()
+        return {
+            "id": self.gid, "key": self.key[:16], "slots": self.nslots,
+            "staged": sum(1 for it in self.items.values() if it.state != "prep"),
+            "preparing": sum(1 for it in self.items.values() if it.state == "prep"),
+            "prepared": self.prepared, "detaches": self.detaches,
+            "members": [{
+                "pid": m.pid, "name": m.name, "attached": m.attached, "epoch": m.epoch,
+                "position": m.pos - max(m.epoch, 0) * self.n, "lag": max(0, lead - m.pos) if m.attached else None,
+                "shared": m.shared, "self": m.self_prepared, "num_workers": m.num_workers,
+            } for m in self.members.values()],
+        }

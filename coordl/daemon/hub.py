@@ -1,0 +1,361 @@
+"""The daemon's state: groups of jobs, their staging memory, the worker pool,
+and the messages that move samples between them.  Driven by the serve loop
+in ``server.py`` (one thread: every event comes through ``select``).
+
+Members (jobs with ``share=True``) speak JSON frames (:mod:`ipc`)::
+
+    join  {key, name, num_workers, seed, plan, sys_path, cache, stride,
+           digest, samples_per_epoch}  + [pickled dataset memfd]
+          -> {op: joined, gid, slots, stride} + [staging memfd]
+    pass  {epoch, start, end}          a pass over global positions [start, end)
+    step  {pos, release, want, shared, self}
+          -> {op: ready, items: [[G, slot, ok, info|why], ...]}  (as they are prepared)
+          -> {op: detach, why}          (fell behind the staging bound, or the group broke)
+    end   {}                            the pass is over
+
+A group is keyed by what decides a prepared sample: the dataset's
+fingerprint and pickled identity (transforms included), the seed, shuffle
+and rank partition, and the sample layout.  The policy (what to keep, whom
+to detach) is in :mod:`groups`; this module only carries it out.
+
+Workers are ``python -m coordl.daemon.worker`` processes on a socket pair.
+As many as the largest ``num_workers`` among the members (at least 1, at
+most the CPUs this process may use); the pool only grows while the daemon
+runs.  A worker that dies fails its samples in flight (members prepare
+those themselves) and is replaced.
+"""
+from __future__ import annotations
+
+import mmap
+import os
+import socket
+import subprocess
+import sys
+import time
+
+from . import ipc
+from .groups import Group, Member
+
+__all__ = ["Hub", "DEFAULT_STAGING"]
+
+DEFAULT_STAGING = 256 << 20   # bytes of staging per group
+_IN_FLIGHT = 4                # samples handed to one worker at a time
+
+
+class _Worker:
+    def __init__(self, wid: int) -> None:
+        self.wid = wid
+        mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        mine.set_inheritable(False)
+        try:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "coordl.daemon.worker", "--fd", str(theirs.fileno())],
+                pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL)
+        finally:
+            theirs.close()
+        self.conn = ipc.Conn(mine, self.proc.pid)
+        self.inflight: dict[tuple[int, int], float] = {}   # (gid, G) -> when handed out
+
+    def fileno(self) -> int:
+        return self.conn.fileno()
+
+
+class _GroupRes:
+    """The kernel objects of one group: the dataset pickle and the staging memfd."""
+
+    def __init__(self, group: Group, join: dict, dataset_fd: int, stride: int) -> None:
+        self.group = group
+        self.join = join
+        self.dataset_fd = dataset_fd
+        self.stride = stride
+        self.staging_fd = os.memfd_create(f"coordl-staging-{group.gid}", os.MFD_CLOEXEC)
+        os.fchmod(self.staging_fd, 0o600)
+        size = group.nslots * stride
+        os.ftruncate(self.staging_fd, size)
+        self.mm = mmap.mmap(self.staging_fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        self.broken: str | None = None
+        self.workers_ready: set[int] = set()
+
+    def close(self) -> None:
+        self.mm.close()
+        os.close(self.staging_fd)
+        os.close(self.dataset_fd)
+
+
+class Hub:
+    def __init__(self, staging_bytes: int = DEFAULT_STAGING, log=None) -> None:
+        self.staging_bytes = staging_bytes
+        self.log = log or (lambda s: print(f"coordl daemon: {s}", file=sys.stderr, flush=True))
+        self.groups: dict[int, _GroupRes] = {}
+        self.by_key: dict[str, int] = {}
+        self.members: dict[int, tuple[ipc.Conn, Member, int | None]] = {}   # conn fd -> ...
+        self.workers: list[_Worker] = []
+        self._next_gid = 1
+        self._next_mid = 1
+        self._next_wid = 0
+        try:
+            self.max_workers = max(1, len(os.sched_getaffinity(0)))
+        except AttributeError:
+            self.max_workers = max(1, os.cpu_count() or 1)
+
+    # ------------------------------------------------------------------ select
+    def conns(self) -> list:
+        return [c for c, _, _ in self.members.values()] + [w.conn for w in self.workers]
+
+    def is_worker(self, conn) -> _Worker | None:
+        for w in self.workers:
+            if w.conn is conn:
+                return w
+        return None
+
+    # ------------------------------------------------------------------ members
+    def member_msg(self, conn: ipc.Conn, msg: dict, fds: list[int]) -> None:
+        op = msg.get("op")
+        entry = self.members.get(conn.fileno())
+        if op == "join":
+            self._join(conn, msg, fds)
+            return
+        for fd in fds:
+            os.close(fd)
+        if entry is None:
+            conn.send({"op": "error", "why": f"unknown op {op!r} before join"})
+            return
+        _, m, gid = entry
+        res = self.groups.get(gid)
+        if res is None:
+            return
+        g = res.group
+        if op == "pass":
+            if res.broken:
+                self._send(conn, {"op": "detach", "why": res.broken, "permanent": True})
+                return
+            self._act(res, g.begin_pass(m.mid, int(msg["epoch"]), int(msg["start"]), int(msg["end"])))
+        elif op == "step":
+            m.shared, m.self_prepared = int(msg.get("shared", m.shared)), int(msg.get("self", m.self_prepared))
+            self._act(res, g.step(m.mid, int(msg["pos"]), msg.get("release") or (), msg.get("want") or (),
+                                 msg.get("need")))
+        elif op == "end":
+            m.shared, m.self_prepared = int(msg.get("shared", m.shared)), int(msg.get("self", m.self_prepared))
+            self._act(res, g.end_pass(m.mid))
+        else:
+            self._send(conn, {"op": "error", "why": f"unknown op {op!r}"})
+
+    def _join(self, conn: ipc.Conn, msg: dict, fds: list[int]) -> None:
+        if len(fds) != 1 or conn.fileno() in self.members:
+            for fd in fds:
+                os.close(fd)
+            self._send(conn, {"op": "refused", "why": "a join carries exactly one descriptor, once"})
+            return
+        dataset_fd = fds[0]
+        key = str(msg["key"])
+        stride = int(msg["stride"])
+        gid = self.by_key.get(key)
+        if gid is None:
+            gid = self._next_gid
+            self._next_gid += 1
+            nslots = max(16, min(1 << 16, self.staging_bytes // max(stride, 1)))
+            group = Group(gid, key, nslots, int(msg["samples_per_epoch"]))
+            res = self.groups[gid] = _GroupRes(group, msg, dataset_fd, stride)
+            self.by_key[key] = gid
+            for w in self.workers:
+                self._setup(w, res)
+        else:
+            os.close(dataset_fd)   # the group already has one, identical by its key
+            res = self.groups[gid]
+        m = Member(self._next_mid, conn.peer_pid, str(msg.get("name", ""))[:200],
+                   int(msg.get("num_workers", 0)))
+        self._next_mid += 1
+        res.group.add(m)
+        self.members[conn.fileno()] = (conn, m, gid)
+        self._grow(max(1, m.num_workers))
+        self._send(conn, {"op": "joined", "gid": gid, "slots": res.group.nslots, "stride": res.stride},
+                   fds=[res.staging_fd])
+
+    def member_gone(self, conn: ipc.Conn) -> None:
+        entry = self.members.pop(conn.fileno(), None)
+        conn.close()
+        if entry is None:
+            return
+        _, m, gid = entry
+        res = self.groups.get(gid)
+        if res is None:
+            return
+        res.group.remove(m.mid)
+        if not res.group.members:
+            self._drop(res)
+
+    def _drop(self, res: _GroupRes) -> None:
+        g = res.group
+        del self.groups[g.gid]
+        self.by_key.pop(g.key, None)
+        for w in self.workers:
+            for k in [k for k in w.inflight if k[0] == g.gid]:
+                del w.inflight[k]
+            self._wsend(w, {"op": "drop", "gid": g.gid})
+        res.close()
+
+    def _send(self, conn: ipc.Conn, msg: dict, fds=()) -> bool:
+        try:
+            conn.send(msg, fds=fds, timeout=5.0)
+            return True
+        except (OSError, ValueError) as e:
+            self.log(f"dropping member pid {conn.peer_pid}: {e}")
+            self.member_gone(conn)
+            return False
+
+    def _act(self, res: _GroupRes, actions) -> None:
+        for a in actions:
+            m = a[1]
+            conn = self._conn_of(m)
+            if conn is None:
+                continue
+            if a[0] == "deliver":
+                items = []
+                for g in a[2]:
+                    it = res.group.items[g]
+                    if it.state == "ready":
+                        items.append([g, it.slot, True, it.info])
+                    else:
+                        items.append([g, it.slot, False, it.why])
+                self._send(conn, {"op": "ready", "items": items})
+            elif a[0] == "detach":
+                self._send(conn, {"op": "detach", "why": a[2] if len(a) > 2 else
+                                  "fell further behind the group than its staging holds"})
+
+    def _conn_of(self, m: Member):
+        for conn, mm_, _ in self.members.values():
+            if mm_ is m:
+                return conn
+        return None
+
+    # ------------------------------------------------------------------ workers
+    def _grow(self, n: int) -> None:
+        n = min(n, self.max_workers)
+        while len(self.workers) < n:
+            w = _Worker(self._next_wid)
+            self._next_wid += 1
+            self.workers.append(w)
+            for res in self.groups.values():
+                self._setup(w, res)
+
+    def _setup(self, w: _Worker, res: _GroupRes) -> None:
+        j = res.join
+        self._wsend(w, {"op": "group", "gid": res.group.gid, "seed": j["seed"], "plan": j["plan"],
+                        "sys_path": j.get("sys_path"), "cache": j.get("cache"), "stride": res.stride,
+                        "digest": j["digest"]}, fds=[res.dataset_fd, res.staging_fd])
+
+    def _wsend(self, w: _Worker, msg: dict, fds=()) -> bool:
+        try:
+            w.conn.send(msg, fds=fds, timeout=10.0)
+            return True
+        except (OSError, ValueError) as e:
+            self.log(f"worker pid {w.proc.pid}: {e}")
+            self.worker_gone(w)
+            return False
+
+    def worker_msg(self, w: _Worker, msg: dict, fds: list[int]) -> None:
+        for fd in fds:
+            os.close(fd)
+        op = msg.get("op")
+        res = self.groups.get(int(msg.get("gid", -1)))
+        if op == "done":
+            g = int(msg["g"])
+            if w.inflight.pop((int(msg["gid"]), g), None) is None or res is None:
+                return
+            self._act(res, res.group.done(g, bool(msg.get("ok")), msg.get("why", ""), msg.get("info")))
+        elif op == "group_failed" and res is not None:
+            why = (f"the daemon could not load this dataset ({msg.get('why')}); prepare in the job "
+                   "(define the dataset's classes in an importable module, not in __main__)")
+            self.log(why)
+            res.broken = why
+            for conn, m, gid in list(self.members.values()):
+                if gid == res.group.gid:
+                    res.group.end_pass(m.mid)
+                    self._send(conn, {"op": "detach", "why": why, "permanent": True})
+
+    def worker_gone(self, w: _Worker) -> None:
+        if w not in self.workers:
+            return
+        self.workers.remove(w)
+        w.conn.close()
+        try:
+            w.proc.wait(timeout=2.0)
+        except subprocess.TimeoutExpired:
+            w.proc.kill()
+            w.proc.wait()
+        self.log(f"worker pid {w.proc.pid} exited with {w.proc.returncode}")
+        for (gid, g) in list(w.inflight):
+            res = self.groups.get(gid)
+            if res is not None:
+                self._act(res, res.group.done(g, False, f"the daemon's worker pid {w.proc.pid} died "
+                                                        f"(exit {w.proc.returncode})"))
+        w.inflight.clear()
+        want = max([m.num_workers for _, m, _ in self.members.values()] + [1]) if self.members else 0
+        self._grow(want)
+
+    def pump(self) -> None:
+        """Hand queued samples to workers with room, lowest position first."""
+        if not self.workers:
+            return
+        progress = True
+        while progress:
+            progress = False
+            for res in list(self.groups.values()):
+                if res.broken:
+                    continue
+                w = min(self.workers, key=lambda w: len(w.inflight))
+                if len(w.inflight) >= _IN_FLIGHT:
+                    return
+                actions, task = res.group.next_task()
+                self._act(res, actions)
+                if task is None:
+                    continue
+                g, slot = task
+                base = slot * res.stride
+                res.mm[base:base + 32] = b"\xff" * 32   # invalid until the worker's header lands
+                w.inflight[(res.group.gid, g)] = time.monotonic()
+                if self._wsend(w, {"op": "prep", "gid": res.group.gid, "g": g, "slot": slot}):
+                    progress = True
+
+    def stop(self) -> None:
+        for w in list(self.workers):
+            self._wsend(w, {"op": "stop"})
+        for w in list(self.workers):
+            try:
+                w.proc.wait(timeout=5.0)
+            except subprocess.TimeoutExpired:
+                w.proc.kill()
+                w.proc.wait()
+            w.conn.close()
+        self.workers.clear()
+        for conn, _, _ in list(self.members.values()):
+            conn.close()
+        self.members.clear()
+        for res in list(self.groups.values()):
+            res.close()
+        self.groups.clear()
+
+    # ------------------------------------------------------------------ status
+    def status(self) -> dict:
+        groups = []
+        for res in self.groups.values():
+            st = res.group.status()
+            st["stride"] = res.stride
+            st["staging_bytes"] = res.group.nslots * res.stride
+            st["staged_bytes"] = (st["staged"] + st["preparing"]) * res.stride
+            st["dataset"] = str(res.join.get("dataset", ""))[:200]
+            st["broken"] = res.broken
+            groups.append(st)
+        return {"groups": groups, "worker_pids": [w.proc.pid for w in self.workers],
+                "staging_limit": self.staging_bytes, "caches": _caches()}
+
+
+def _caches() -> list:
+    try:
+        from ..cache import list_caches
+
+        return [{"name": c.name, "capacity": c.capacity, "filled": c.filled, "cached": c.cached,
+                 "samples": c.samples, "holders": c.holders} for c in list_caches()]
+    except Exception as e:  # the status must answer even if a cache is unreadable
+        return [{"name": f"(unreadable: {e})", "capacity": 0, "filled": 0, "cached": 0, "samples": 0,
+                 "holders": 0}]

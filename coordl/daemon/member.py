@@ -1,0 +1,536 @@
+"""The job's side of coordinated prep (``DataLoader(..., share=True)``).
+
+:class:`ShareMode` is ``PipelineMode`` with one difference: a pass first
+tries the node daemon.  If the daemon runs (or can be started) and the
+dataset can be sent to it, the pass is a :class:`SharedIter`, which takes
+samples the daemon prepared into the group's staging memory and assembles
+this job's own batches from them (one copy per sample into the batch).
+Samples the stream cannot give (the first one, which fixes the layout;
+failures; anything after a detach or after the daemon died) are prepared
+here, exactly as the pipeline would, so a job gets bit-identical batches
+with or without the daemon: sharing changes who computes, never what.
+
+Fallbacks, all at the exact sample where the stream stopped:
+
+* ``detach`` from the daemon (this job fell further behind than staging
+  holds): the rest of the pass runs on the job's own pipeline (node cache
+  still used); the next pass rejoins.
+* EOF on the socket (the daemon died) or no answer within
+  ``_STALL`` seconds (a stuck daemon): the same, and the next pass connects
+  again, starting a new daemon if none runs.
+* The dataset cannot be pickled, or its samples have no fixed layout:
+  one warning, and this loader never asks again.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import mmap
+import os
+import pickle
+import select
+import sys
+import time
+import warnings
+import weakref
+
+import numpy as np
+import torch
+
+from .. import _collate, _reaper
+from .._engine import _make_reader, pass_steps
+from .._modes import PipelineMode
+from .._prep import SKIP, prep_sample
+from .._torch_path import Envelope
+from ..errors import SampleError
+from ..stats import BatchStats
+from . import ipc
+from .worker import HDR, HEADER, MARK, layout_digest
+
+__all__ = ["ShareMode", "SharedIter", "share_requested"]
+
+_STALL = 60.0   # seconds without any message from the daemon while waiting: give up on it
+_POLL = 1.0
+
+
+def share_requested(share) -> bool:
+    """``share`` as given, or ``COORDL_SHARE=1`` when it is None."""
+    if share is None:
+        return os.environ.get("COORDL_SHARE", "") not in ("", "0", "false", "no")
+    if not isinstance(share, bool):
+        raise ValueError(f"share should be a bool or None, but got share={share!r}")
+    return share
+
+
+def _job_name() -> str:
+    name = os.environ.get("COORDL_JOB_NAME")
+    if name:
+        return name[:200]
+    argv = [os.path.basename(sys.argv[0])] + sys.argv[1:] if sys.argv and sys.argv[0] else ["python"]
+    return " ".join(argv)[:200]
+
+
+class _Link:
+    """One loader's connection to the daemon and the group's staging memory."""
+
+    def __init__(self, conn: ipc.Conn, mm: mmap.mmap, stride: int, gid: int) -> None:
+        self.conn, self.mm, self.stride, self.gid = conn, mm, stride, gid
+        self.alive = True
+
+    def close(self) -> None:
+        self.alive = False
+        try:
+            self.conn.close()
+        except OSError:
+            pass
+        try:
+            self.mm.close()
+        except BufferError:
+            pass  # a batch still views it; the mapping goes with the last view
+
+
+class ShareMode(PipelineMode):
+    """coordl's pipeline, with samples from the node daemon when it can."""
+
+    name = "pipeline+share"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.link: _Link | None = None
+        self.off: str | None = None       # why this loader does not share (permanently)
+        self.layout1 = None               # one-sample layout (from the first sample prepared here)
+        self.shared = 0                   # samples taken from the stream, over the loader's life
+        self.self_prepared = 0
+        self._reader = None
+        self._first: tuple | None = None  # (G, sample) prepared here to learn the layout
+
+    def start_pass(self, loader, epoch: int, start: int, skip: frozenset):
+        self._stop_pin_thread()
+        it = None
+        if self.off is None:
+            it = self._shared_iter(loader, epoch, start, skip)
+        if it is None:
+            return super().start_pass(loader, epoch, start, skip)
+        return self._pin(loader, it)
+
+    def adopt_seed(self, loader, seed: int) -> None:
+        super().adopt_seed(loader, seed)
+        self.drop_link()            # the group is keyed by the seed
+        self.layout1 = None
+
+    def drop_link(self) -> None:
+        if self.link is not None:
+            self.link.close()
+            self.link = None
+
+    # ------------------------------------------------------------ helpers
+    def reader(self, loader):
+        if self._reader is None:
+            self._reader = _make_reader(loader.dataset, loader._cache)[0]
+        return self._reader
+
+    def prep_here(self, loader, epoch: int, i: int, st: BatchStats):
+        """Sample ``i`` of ``epoch`` read and prepared in this process."""
+        t0 = time.perf_counter()
+        try:
+            data, src = self.reader(loader)(i)
+            err = None
+        except Exception as e:
+            data, src, err = None, None, e
+        st.fetch_s += time.perf_counter() - t0
+        if err is None:
+            st.record_read(src, len(data))
+        return prep_sample(loader.dataset, loader.seed, epoch, i, data, err, st, loader.on_error)
+
+    def _shared_iter(self, loader, epoch: int, start: int, skip: frozenset):
+        plan = loader.plan
+        steps = pass_steps(plan.num_batches, start, skip)
+        if not steps:
+            return None
+        if self.link is not None and not self.link.alive:
+            self.drop_link()
+        if self.link is None and not self._connect(loader, epoch, steps[0]):
+            return None
+        try:
+            return SharedIter(self, loader, epoch, steps)
+        except (OSError, ConnectionError) as e:
+            self.drop_link()
+            warnings.warn(f"coordl: share=True: lost the node daemon ({e}); this pass prepares in the job",
+                          stacklevel=4)
+            return None
+
+    def _connect(self, loader, epoch: int, first_step: int) -> bool:
+        from . import server
+
+        plan = loader.plan
+        ds = loader.dataset
+        if self.layout1 is None:
+            bs = plan.batch_size or 1
+            pos = first_step * bs if plan.batch_size else first_step
+            i = int(plan.indices(epoch)[pos])
+            st = BatchStats()
+            try:
+                sample = self.prep_here(loader, epoch, i, st)
+            except SampleError:
+                return False     # the pass raises it where it belongs
+            if sample is SKIP:
+                return False
+            layout = _collate.layout_of(sample, 1)
+            if layout is None:
+                self.off = (f"samples of {type(ds).__name__} have no fixed layout of tensors, arrays "
+                            "and numbers, so they cannot be staged")
+                warnings.warn(f"coordl: share=True: {self.off}; this loader prepares in the job", stacklevel=5)
+                return False
+            self.layout1 = layout
+            self._first = (epoch * plan.samples_per_epoch + pos, sample, st)
+        try:
+            blob = pickle.dumps(ds, protocol=pickle.HIGHEST_PROTOCOL)
+        except Exception as e:
+            self.off = f"the dataset cannot be pickled for the daemon ({type(e).__name__}: {e})"
+            warnings.warn(f"coordl: share=True: {self.off}; this loader prepares in the job", stacklevel=5)
+            return False
+        digest = layout_digest(self.layout1)
+        fp = ds.fingerprint() if callable(getattr(ds, "fingerprint", None)) else ""
+        import coordl
+
+        key = hashlib.blake2b(json.dumps([
+            coordl.__version__, fp, hashlib.blake2b(blob, digest_size=20).hexdigest(), plan.seed,
+            plan.shuffle, plan.rank, plan.world_size, plan.num_samples,
+            plan.drop_last if plan.world_size > 1 else False, digest]).encode(), digest_size=20).hexdigest()
+        stride = (HEADER + self.layout1.nbytes + 63) // 64 * 64
+        cache = None
+        if loader._cache is not None:
+            checksum, keep_warm = loader._cache_opts
+            cache = {"fingerprint": fp, "n": len(ds), "capacity": loader._cache_size,
+                     "checksum": checksum, "keep_warm": keep_warm}
+        msg = {"op": "join", "key": key, "name": _job_name(), "num_workers": loader.num_workers,
+               "seed": plan.seed, "digest": digest, "stride": stride,
+               "samples_per_epoch": plan.samples_per_epoch, "dataset": repr(ds)[:200],
+               "plan": {"num_samples": plan.num_samples, "shuffle": plan.shuffle, "rank": plan.rank,
+                        "world_size": plan.world_size, "drop_last": plan.drop_last},
+               "sys_path": [os.path.abspath(p) if p else os.getcwd() for p in sys.path], "cache": cache}
+        fd = os.memfd_create("coordl-dataset", os.MFD_CLOEXEC)
+        conn = None
+        try:
+            os.fchmod(fd, 0o600)
+            _write_all(fd, blob)
+            try:
+                server.start()
+                conn = ipc.connect(server.socket_path(), timeout=10.0)
+                conn.send(msg, fds=[fd], timeout=10.0)
+                reply, fds = conn.recv(timeout=30.0)
+            except (OSError, ConnectionError, TimeoutError, RuntimeError) as e:
+                if conn is not None:
+                    conn.close()
+                warnings.warn(f"coordl: share=True: cannot reach the node daemon ({e}); this pass "
+                              "prepares in the job and the next one tries again", stacklevel=5)
+                return False
+            if reply.get("op") != "joined" or len(fds) != 1:
+                for f in fds:
+                    os.close(f)
+                conn.close()
+                warnings.warn(f"coordl: share=True: the node daemon refused this job: "
+                              f"{reply.get('why', reply)}; this pass prepares in the job", stacklevel=5)
+                return False
+            sfd = fds[0]
+            try:
+                st = os.fstat(sfd)
+                if st.st_uid != os.geteuid() or st.st_mode & 0o077:
+                    raise ipc.PeerRefused(f"coordl: refusing staging memory of uid {st.st_uid}, "
+                                          f"mode {st.st_mode & 0o777:o}")
+                # writable mapping only so torch can view it without copying; this side never writes
+                mm = mmap.mmap(sfd, st.st_size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            finally:
+                os.close(sfd)
+            link = self.link = _Link(conn, mm, int(reply["stride"]), int(reply["gid"]))
+            _reaper.start()
+            # a collected loader leaves its group: the reaper closes the socket (finalizers only enqueue)
+            weakref.finalize(self, _reaper.later, link.close)
+            return True
+        finally:
+            os.close(fd)
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    os.lseek(fd, 0, os.SEEK_SET)
+    view = memoryview(data)
+    while view:
+        n = os.write(fd, view)
+        view = view[n:]
+
+
+class SharedIter:
+    """One pass that takes prepared samples from the daemon's stream."""
+
+    def __init__(self, mode: ShareMode, loader, epoch: int, steps: list[int]) -> None:
+        self.mode, self.loader, self.epoch = mode, loader, epoch
+        plan = loader.plan
+        self.plan = plan
+        self.n = plan.samples_per_epoch
+        self.base = epoch * self.n
+        self.order = plan.indices(epoch)
+        bs = plan.batch_size
+        self.steps = steps
+        self.rows = [list(range(k * bs, min((k + 1) * bs, self.n))) if bs else [k] for k in steps]
+        self.flat = [self.base + p for r in self.rows for p in r]
+        self.idx = 0          # next step (index into steps)
+        self.cursor = 0       # index into flat of the next batch's first position
+        self.asked = 0        # flat[:asked] were asked for
+        self.got: dict[int, list] = {}
+        self.release: list[int] = []
+        self.local = None     # the job's own pipeline, after a detach
+        self.window = max(32, min(1024, 2 * (bs or 1) * max(1, loader.prefetch_factor or 2) // 2))
+        link = mode.link
+        self.window = min(self.window, max(4, link.mm.size() // link.stride // 4))
+        self.layout1 = mode.layout1
+        self.in_place = _collate.is_default_collate(loader.collate_fn) and bs is not None
+        self._send({"op": "pass", "epoch": epoch, "start": self.flat[0], "end": self.base + self.n})
+        self.attached = True
+
+    def __iter__(self):
+        return self
+
+    def __len__(self) -> int:
+        return self.plan.num_batches
+
+    def worker_processes(self) -> list:
+        return self.local.worker_processes() if self.local is not None else []
+
+    def shutdown_workers(self) -> None:
+        if self.local is not None:
+            self.local.shutdown_workers()
+        self._leave()
+
+    # ------------------------------------------------------------ link
+    def _send(self, msg: dict) -> None:
+        link = self.mode.link
+        if link is None or not link.alive:
+            self.attached = False
+            return
+        try:
+            link.conn.send(msg, timeout=10.0)
+        except (OSError, ValueError):
+            self._lost("the node daemon closed the connection")
+
+    def _lost(self, why: str) -> None:
+        if self.mode.link is not None:
+            warnings.warn(f"coordl: share=True: {why}; this job prepares its own samples from here "
+                          "(nothing lost or repeated) and reconnects at its next epoch", stacklevel=4)
+            self.mode.drop_link()
+        self.attached = False
+
+    def _leave(self) -> None:
+        if self.attached:
+            self._send({"op": "end", "shared": self.mode.shared, "self": self.mode.self_prepared})
+            self.attached = False
+
+    def _receive(self, block: bool) -> None:
+        """Take in what the daemon sent; wait (with liveness checks) when ``block``."""
+        link = self.mode.link
+        if link is None:
+            self.attached = False
+            return
+        waited = 0.0
+        while True:
+            r = select.select([link.conn], [], [], _POLL if block else 0)[0]
+            if not r:
+                if not block:
+                    return
+                waited += _POLL
+                if waited >= _STALL:
+                    self._lost(f"the node daemon (pid {link.conn.peer_pid}) sent nothing for {_STALL:g} s")
+                    return
+                continue
+            try:
+                msg, fds = link.conn.recv(timeout=30.0)
+            except (ConnectionError, TimeoutError, OSError) as e:
+                self._lost(f"lost the node daemon (pid {link.conn.peer_pid}): {e}")
+                return
+            for fd in fds:
+                os.close(fd)
+            op = msg.get("op")
+            if op == "ready":
+                for item in msg["items"]:
+                    self.got[int(item[0])] = item
+            elif op == "detach":
+                why = msg.get("why", "")
+                self._send({"op": "end", "shared": self.mode.shared, "self": self.mode.self_prepared})
+                self.attached = False
+                if msg.get("permanent"):   # a detach for being slow is normal: stats() counts it
+                    self.mode.off = why
+                    self.mode.drop_link()
+                    warnings.warn(f"coordl: share=True: {why}; this loader prepares its own samples from here "
+                                  "on (nothing lost or repeated)", stacklevel=4)
+                return
+            return
+
+    # ------------------------------------------------------------ batches
+    def __next__(self) -> Envelope:
+        if self.idx >= len(self.steps):
+            self._leave()
+            raise StopIteration
+        if self.local is not None:
+            return next(self.local)
+        k, rows = self.steps[self.idx], self.rows[self.idx]
+        want_g = [self.base + p for p in rows]
+        first = self.mode._first[0] if self.mode._first is not None else None
+        if self.attached:
+            end = min(len(self.flat), self.cursor + len(rows) + self.window)
+            want = [g for g in self.flat[self.asked:end] if g != first]  # that one was prepared here
+            self.asked = max(self.asked, end)
+            self._send({"op": "step", "pos": want_g[0], "need": want_g[-1] + 1, "release": self.release,
+                        "want": want,
+                        "shared": self.mode.shared, "self": self.mode.self_prepared})
+            self.release = []
+            while self.attached and any(g not in self.got and g != first for g in want_g):
+                self._receive(block=True)
+        self.idx += 1
+        self.cursor += len(rows)
+        try:
+            env = self._assemble(k, rows, want_g)
+        finally:
+            for g in want_g:
+                if self.got.pop(g, None) is not None:
+                    self.release.append(g)
+        if not self.attached and self.idx < len(self.steps) and self.local is None:
+            self._go_local()
+        return env
+
+    def _go_local(self) -> None:
+        """The rest of the pass on this job's own pipeline, from the next step."""
+        self._leave()
+        self.got.clear()
+        done = frozenset(range(self.plan.num_batches)) - frozenset(self.steps[self.idx:])
+        self.local = PipelineMode._pipeline_iter(self.mode, self.loader, self.epoch, self.steps[self.idx], done)
+
+    def _slot_rows(self, item, g: int):
+        """The staged sample's leaves (views into staging), or None if the slot
+        does not hold position ``g`` complete (then it is prepared here)."""
+        link = self.mode.link
+        if link is None or not item[2]:
+            return None
+        base = int(item[1]) * link.stride
+        if HDR.unpack_from(link.mm, base)[1:] != (g, int(self.order[g - self.base]), MARK):
+            return None
+        buf = np.frombuffer(link.mm, dtype=np.uint8, count=self.layout1.nbytes, offset=base + HEADER)
+        return [v[0] for v in _collate.views(self.layout1, buf)], base
+
+    def _still(self, base: int, g: int) -> bool:
+        link = self.mode.link
+        return link is not None and HDR.unpack_from(link.mm, base)[1:] == (g, int(self.order[g - self.base]), MARK)
+
+    def _assemble(self, k: int, rows: list[int], gs: list[int]) -> Envelope:
+        mode, loader = self.mode, self.loader
+        st = BatchStats()
+        n = len(rows)
+        samples: list = [None] * n      # copy path, or samples prepared here
+        staged: list = [None] * n       # in-place rows copied from staging
+        ok = [False] * n
+        layout = None
+        targets = None
+        if self.in_place:
+            l1 = self.layout1
+            layout = _collate.Layout(l1.template, [_collate._Leaf(x.dtype, x.shape, x.kind) for x in l1.leaves], n)
+            buf = np.empty(layout.nbytes, dtype=np.uint8)
+            targets = _collate.views(layout, buf)
+        for j, (p, g) in enumerate(zip(rows, gs)):
+            i = int(self.order[p])
+            item = self.got.get(g)
+            src = self._slot_rows(item, g) if item is not None else None
+            if src is not None:
+                leaves, base = src
+                if self.in_place:
+                    for t, s in zip(targets, leaves):
+                        t[j].copy_(s)
+                else:
+                    samples[j] = _sample_from(self.layout1, leaves)
+                if self._still(base, g):
+                    ok[j] = True
+                    info = item[3]
+                    st.samples += 1
+                    st.shared += 1
+                    st.record_read(info[0], int(info[1]))
+                    st.fetch_s += float(info[2])
+                    st.prep_s += float(info[3])
+                    continue
+            first = mode._first
+            if first is not None and first[0] == g:
+                mode._first = None
+                sample, fst = first[1], first[2]
+                st.samples += fst.samples
+                st.bytes_storage += fst.bytes_storage
+                st.from_cache += fst.from_cache
+                st.bytes_cache += fst.bytes_cache
+                st.fetch_s += fst.fetch_s
+                st.prep_s += fst.prep_s
+            else:
+                try:
+                    sample = mode.prep_here(loader, self.epoch, i, st)
+                except SampleError as e:
+                    mode.shared += st.shared
+                    mode.self_prepared += st.samples - st.shared
+                    e.coordl_step = k    # the step is used up: the loader's state counts it
+                    raise
+            if sample is SKIP:
+                continue
+            if self.in_place:
+                leaves = layout.leaves_of(sample)
+                if leaves is None:      # a sample unlike the layout: collate by copy (as the engine does)
+                    done_rows = [r for r in range(n) if ok[r]]
+                    back = _collate.rows_as_samples(layout, targets, done_rows) if done_rows else []
+                    for r, smp in zip(done_rows, back):
+                        samples[r] = smp
+                    self.in_place = False
+                    samples[j] = sample
+                    ok[j] = True
+                    self._finish_copy_mode = True
+                    continue
+                _collate.write_row(targets, j, leaves)
+            else:
+                samples[j] = sample
+            ok[j] = True
+        mode.shared += st.shared
+        mode.self_prepared += st.samples - st.shared
+        keep = [r for r in range(n) if ok[r]]
+        if not keep:
+            self._restore_in_place()
+            return Envelope(None, self.epoch, st, k)
+        if self.in_place:
+            if len(keep) < n:
+                for t in targets:
+                    t[: len(keep)] = t[keep].clone()
+            batch = _collate.build(layout.template, _collate.views(layout, buf, len(keep)))
+            return Envelope(batch, self.epoch, st, k)
+        t0 = time.perf_counter()
+        got = [samples[r] for r in keep]
+        collate = loader.collate_fn
+        if self.plan.batch_size is None:
+            batch = collate(got[0])
+        else:
+            batch = (collate or torch.utils.data.default_collate)(got)
+        st.prep_s += time.perf_counter() - t0
+        self._restore_in_place()
+        return Envelope(batch, self.epoch, st, k)
+
+    def _restore_in_place(self) -> None:
+        if getattr(self, "_finish_copy_mode", False):
+            self._finish_copy_mode = False
+            self.in_place = True
+
+
+def _sample_from(layout1, leaves) -> object:
+    """A staged sample rebuilt with the types ``prep`` returned (tuples stay
+    tuples, numbers stay Python numbers, arrays stay arrays)."""
+    out = []
+    for leaf, t in zip(layout1.leaves, leaves):
+        if leaf.kind == "tensor":
+            out.append(t.clone())
+        elif leaf.kind == "numpy":
+            out.append(t.numpy().copy())
+        elif leaf.kind == "int":
+            out.append(int(t.item()))
+        elif leaf.kind == "float":
+            out.append(float(t.item()))
+        else:
+            out.append(bool(t.item()))
+    return _collate._unflatten(layout1.template, iter(out), as_sample=True)

@@ -1,0 +1,231 @@
+"""A daemon worker process: fetches and prepares samples into a group's
+staging slots.
+
+The daemon starts it with one end of a socket pair (``--fd``) and talks to
+it with :mod:`ipc` frames (JSON, descriptors alongside):
+
+* ``{"op": "group", gid, seed, plan, sys_path, cache, stride, digest}`` with
+  two descriptors, the pickled dataset (a memfd a member of the same uid
+  sent; the server checked its peer credentials) and the group's staging
+  memfd.
+* ``{"op": "prep", gid, g, slot}``: read the sample at global position
+  ``g`` of the plan (epoch ``g // samples_per_epoch``) (node cache,
+  then storage, admitting it), prepare it under its own generator (seed,
+  epoch, i) and write it into ``slot``; answer ``{"op": "done", gid, g,
+  ok, info | why}``.  Reads run ahead on a few threads while earlier
+  samples are prepared.
+* ``{"op": "drop", gid}``: forget a group.
+
+A slot is a 64-byte header (epoch, position, index, marker) and the sample's
+leaves in the group's one-sample layout.  The worker writes the leaves first
+and the header last; the server wrote an invalid header before handing the
+slot out, so a member that checks the header before and after its copy
+never uses a half-written sample.
+
+The worker exits on EOF from the daemon (the kernel closes the socket when
+the daemon dies) or on ``{"op": "stop"}``.
+"""
+from __future__ import annotations
+
+import mmap
+import os
+import pickle
+import select
+import signal
+import struct
+import sys
+import time
+import traceback
+from concurrent.futures import ThreadPoolExecutor
+
+__all__ = ["HEADER", "HDR", "MARK", "layout_digest", "main"]
+
+HEADER = 64
+HDR = struct.Struct("<qqqq")   # epoch, global position, index, marker
+MARK = 0x636F6F72646C          # "coordl": a complete sample
+
+
+def layout_digest(layout) -> str:
+    """Identity of a one-sample layout (structure, dtypes, shapes), the same
+    in every process."""
+    import hashlib
+
+    parts = [repr(layout.template)] + [f"{l.dtype}|{l.shape}|{l.kind}" for l in layout.leaves]
+    return hashlib.blake2b("\n".join(parts).encode(), digest_size=12).hexdigest()
+
+
+class _Group:
+    def __init__(self, msg: dict, fds: list[int]) -> None:
+        dfd, sfd = fds
+        try:
+            with os.fdopen(os.dup(dfd), "rb") as f:
+                f.seek(0)
+                blob = f.read()
+        finally:
+            os.close(dfd)
+        for p in reversed(msg.get("sys_path") or []):
+            if isinstance(p, str) and p not in sys.path:
+                sys.path.insert(0, p)
+        # the bytes come from a process of this same user (SO_PEERCRED-checked by the server)
+        self.dataset = pickle.loads(blob)
+        self.seed = int(msg["seed"])
+        self.stride = int(msg["stride"])
+        self.digest = msg["digest"]
+        size = os.fstat(sfd).st_size
+        self.mm = mmap.mmap(sfd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        os.close(sfd)
+        self.cache = None
+        c = msg.get("cache")
+        if c:
+            from ..cache import NodeCache
+
+            self.cache = NodeCache.attach(c["fingerprint"], int(c["n"]), int(c["capacity"]),
+                                          checksum=bool(c.get("checksum")), keep_warm=float(c.get("keep_warm", 0)))
+        from .._engine import _make_reader
+
+        self.read, _ = _make_reader(self.dataset, self.cache)
+        self.layout = None
+        from ..plan import EpochPlan
+
+        p = msg["plan"]
+        self.plan = EpochPlan(num_samples=int(p["num_samples"]), seed=self.seed, batch_size=None,
+                              shuffle=bool(p["shuffle"]), drop_last=bool(p["drop_last"]),
+                              rank=int(p["rank"]), world_size=int(p["world_size"]))
+        self.n = self.plan.samples_per_epoch
+        self._order = (-1, None)
+
+    def index(self, g: int) -> tuple[int, int]:
+        """(epoch, dataset index) of global position ``g``."""
+        epoch, pos = divmod(g, self.n)
+        if self._order[0] != epoch:
+            self._order = (epoch, self.plan.indices(epoch))
+        return epoch, int(self._order[1][pos])
+
+    def close(self) -> None:
+        try:
+            self.mm.close()
+        except BufferError:
+            pass
+        if self.cache is not None:
+            self.cache.close()
+
+
+def _write(grp: _Group, slot: int, sample, epoch: int, g: int, i: int) -> str | None:
+    """Write ``sample`` into ``slot``; a reason when it does not fit the layout."""
+    import numpy as np
+
+    from .. import _collate
+
+    layout = grp.layout
+    if layout is None:
+        layout = _collate.layout_of(sample, 1)
+        if layout is None or layout_digest(layout) != grp.digest:
+            return "the sample's structure, dtypes or shapes differ from the group's"
+        grp.layout = layout
+    leaves = layout.leaves_of(sample)
+    if leaves is None:
+        return "the sample's structure, dtypes or shapes differ from the group's"
+    base = slot * grp.stride
+    buf = np.frombuffer(grp.mm, dtype=np.uint8, count=layout.nbytes, offset=base + HEADER)
+    try:
+        _collate.write_row(_collate.views(layout, buf), 0, leaves)
+    finally:
+        del buf
+    HDR.pack_into(grp.mm, base, epoch, g, i, MARK)
+    return None
+
+
+def main(fd: int) -> int:
+    from . import ipc
+    import socket
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    import torch
+
+    torch.set_num_threads(1)
+    from .._prep import prep_sample
+    from ..stats import BatchStats
+
+    conn = ipc.Conn(socket.socket(fileno=fd), os.getppid())
+    groups: dict[int, _Group] = {}
+    reads = ThreadPoolExecutor(4, thread_name_prefix="coordl-daemon-read")
+    pending: list = []   # (msg, future) in arrival order
+
+    def read(grp, i):
+        t0 = time.perf_counter()
+        try:
+            data, src = grp.read(i)
+            return data, src, None, time.perf_counter() - t0
+        except BaseException as e:  # reported with the sample
+            return None, None, e, time.perf_counter() - t0
+
+    try:
+        while True:
+            if pending and not select.select([conn], [], [], 0)[0]:
+                msg, fds = None, []      # nothing new: prepare the oldest read
+            else:
+                msg, fds = conn.recv(timeout=None if not pending else 30.0)
+            if msg is not None:
+                op = msg.get("op")
+                if op == "stop":
+                    return 0
+                if op == "group":
+                    try:
+                        groups[int(msg["gid"])] = _Group(msg, fds)
+                        conn.send({"op": "group_ok", "gid": msg["gid"]})
+                    except BaseException as e:
+                        conn.send({"op": "group_failed", "gid": msg["gid"],
+                                   "why": f"{type(e).__name__}: {e}"})
+                    continue
+                for f in fds:
+                    os.close(f)
+                if op == "drop":
+                    grp = groups.pop(int(msg["gid"]), None)
+                    if grp is not None:
+                        grp.close()
+                    continue
+                if op == "prep":
+                    grp = groups.get(int(msg["gid"]))
+                    if grp is None:
+                        conn.send({"op": "done", "gid": msg["gid"], "g": msg["g"], "ok": False,
+                                   "why": "the worker has no such group"})
+                        continue
+                    epoch, i = grp.index(int(msg["g"]))
+                    msg["epoch"], msg["i"] = epoch, i
+                    pending.append((msg, grp, reads.submit(read, grp, i)))
+                continue
+            msg, grp, fut = pending.pop(0)
+            data, src, err, fetch_s = fut.result()
+            g, i, epoch = int(msg["g"]), int(msg["i"]), int(msg["epoch"])
+            reply = {"op": "done", "gid": msg["gid"], "g": g}
+            if err is not None:
+                reply.update(ok=False, why=f"reading: {type(err).__name__}: {err}")
+            else:
+                st = BatchStats()
+                t0 = time.perf_counter()
+                try:
+                    sample = prep_sample(grp.dataset, grp.seed, epoch, i, data, None, st, "raise")
+                    why = _write(grp, int(msg["slot"]), sample, epoch, g, i)
+                except BaseException as e:
+                    if isinstance(e, KeyboardInterrupt):
+                        raise
+                    why = f"preparing: {type(e).__name__}: {e}"
+                if why is None:
+                    reply.update(ok=True, info=[src, len(data), fetch_s, time.perf_counter() - t0])
+                else:
+                    reply.update(ok=False, why=why)
+            data = None
+            conn.send(reply)
+    except (ConnectionError, OSError):
+        return 0  # the daemon is gone
+    except BaseException:
+        traceback.print_exc()
+        return 1
+    finally:
+        reads.shutdown(wait=False, cancel_futures=True)
+        for grp in groups.values():
+            grp.close()
+
+
+if __name__ == "__main__":
+    sys.exit(main(int(sys.argv[sys.argv.index("--fd") + 1])))

@@ -1,0 +1,347 @@
+"""Coordinated prep through the node daemon (issue 8): jobs with
+``share=True`` get bit-identical batches to ``share=False`` whatever
+happens to the other jobs or the daemon."""
+import itertools
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+import torch
+
+import coordl
+from coordl import transforms as T
+from coordl.daemon import server as S
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+JOB = os.path.join(HERE, "_share_job.py")
+
+
+@pytest.fixture(scope="module")
+def photos(tmp_path_factory):
+    from coordl.synth import make_image_folder
+
+    root = tmp_path_factory.mktemp("share") / "photos"
+    make_image_folder(root, num_images=48, num_classes=4, image_size=(64, 48), mean_kb=4)
+    return str(root)
+
+
+@pytest.fixture
+def daemon_env(tmp_path, monkeypatch):
+    """A private run directory (so each test has its own daemon), and the
+    daemon and its workers gone afterwards."""
+    monkeypatch.setenv("COORDL_RUN_DIR", str(tmp_path / "run"))
+    monkeypatch.delenv("COORDL_STAGING", raising=False)
+    monkeypatch.delenv("COORDL_SHARE", raising=False)
+    yield tmp_path / "run"
+    st = S.status()
+    pids = [st["pid"]] + st.get("worker_pids", []) if st else []
+    S.stop(timeout=20)
+    for pid in pids:
+        try:
+            psutil.Process(pid).wait(15)
+        except psutil.NoSuchProcess:
+            pass
+
+
+def dataset(root, size=32, flip=True):
+    ts = [T.RandomResizedCrop(size)] + ([T.RandomHorizontalFlip()] if flip else []) + [T.PILToTensor()]
+    return coordl.ImageFolder(root, transform=T.Compose(ts))
+
+
+def same(a, b) -> bool:
+    return len(a) == len(b) and all(torch.equal(x[0], y[0]) and torch.equal(x[1], y[1]) for x, y in zip(a, b))
+
+
+def reference(root, epochs=1, bs=8, seed=7, size=32):
+    ld = coordl.DataLoader(dataset(root, size), batch_size=bs, seed=seed)
+    return [list(ld) for _ in range(epochs)]
+
+
+def test_shared_batches_are_bit_identical_and_prepared_once(photos, daemon_env):
+    ref = reference(photos, epochs=2)
+    ref12 = reference(photos, epochs=2, bs=12)
+    a = coordl.DataLoader(dataset(photos), batch_size=8, seed=7, share=True)
+    b = coordl.DataLoader(dataset(photos), batch_size=12, num_workers=2, seed=7, share=True)
+    for epoch in range(2):
+        got_a, got_b = [], []
+        for x, y in itertools.zip_longest(a, b):   # both jobs advance together
+            if x is not None:
+                got_a.append(x)
+            if y is not None:
+                got_b.append(y)
+        assert same(got_a, ref[epoch]) and same(got_b, ref12[epoch])
+    st = S.status()
+    (g,) = st["groups"]
+    assert len(g["members"]) == 2
+    # each sample of each epoch prepared once by the daemon (the first one by each job, for its layout)
+    assert g["prepared"] <= 2 * 48
+    for ld in (a, b):
+        s = ld.stats()
+        assert s.samples == 96 and s.samples_shared + s.samples_self_prepared == 96
+        assert s.samples_shared >= 94
+        assert [e.samples_shared for e in s.epochs][1] == 48
+
+
+def test_share_false_reports_every_sample_self_prepared(photos):
+    ld = coordl.DataLoader(dataset(photos), batch_size=8, seed=7)
+    list(ld)
+    s = ld.stats()
+    assert s.samples_shared == 0 and s.samples_self_prepared == 48
+
+
+def test_env_turns_sharing_on(photos, daemon_env, monkeypatch):
+    monkeypatch.setenv("COORDL_SHARE", "1")
+    ld = coordl.DataLoader(dataset(photos), batch_size=8, seed=7)
+    assert same(list(ld), reference(photos)[0])
+    assert ld.stats().samples_shared > 0
+    with pytest.raises(ValueError, match="share should be a bool"):
+        coordl.DataLoader(dataset(photos), share="yes")
+
+
+def test_different_transforms_form_different_groups(photos, daemon_env):
+    a = coordl.DataLoader(dataset(photos, flip=True), batch_size=8, seed=7, share=True)
+    b = coordl.DataLoader(dataset(photos, flip=False), batch_size=8, seed=7, share=True)
+    c = coordl.DataLoader(dataset(photos, flip=True), batch_size=8, seed=8, share=True)
+    d = coordl.DataLoader(dataset(photos, flip=True), batch_size=16, seed=7, share=True)
+    for ld in (a, b, c, d):
+        next(iter(ld))
+    groups = S.status()["groups"]
+    assert sorted(len(g["members"]) for g in groups) == [1, 1, 2]   # a and d share; b, c do not
+    nob = coordl.DataLoader(dataset(photos, flip=False), batch_size=8, seed=7)
+    list(nob)                     # b's next pass is its epoch 1 (the first was abandoned)
+    assert same(list(b), list(nob))
+
+
+def test_slow_member_is_detached_and_the_fast_one_is_not_held(photos, daemon_env, monkeypatch):
+    monkeypatch.setenv("COORDL_STAGING", "16KiB")   # 16 slots: a third of an epoch
+    ref = reference(photos)[0]
+    fast = coordl.DataLoader(dataset(photos), batch_size=8, seed=7, share=True)
+    slow = coordl.DataLoader(dataset(photos), batch_size=8, seed=7, share=True)
+    fast2 = coordl.DataLoader(dataset(photos), batch_size=8, seed=7, share=True)
+    it = iter(slow)
+    got_slow = [next(it)]                          # the slow job stops after one batch...
+    got_fast = list(itertools.chain(*[[x, y] for x, y in zip(fast, fast2)]))
+    assert same(got_fast[::2], ref) and same(got_fast[1::2], ref)   # ...the others finish anyway
+    got_slow += list(it)
+    assert same(got_slow, ref)
+    (g,) = S.status()["groups"]
+    assert g["detaches"] >= 1
+    assert slow.stats().samples_self_prepared > 1      # after the detach it prepared for itself
+    assert fast.stats().samples_shared >= 40
+
+
+def test_random_join_and_leave_sees_each_sample_exactly_once(photos, daemon_env, monkeypatch):
+    """Jobs (loaders) join at random points, abandon passes, run different
+    numbers of epochs, under a small staging bound; every epoch a job
+    completes is exactly its share=False epoch."""
+    import random
+
+    monkeypatch.setenv("COORDL_STAGING", "16KiB")
+    refs = {bs: reference(photos, epochs=3, bs=bs) for bs in (8, 12)}
+    for seed in range(3):
+        rnd = random.Random(seed)
+        jobs = []   # [loader, bs, epoch, iterator, batches so far]
+        completed = 0
+        for _ in range(60):
+            r = rnd.random()
+            if r < 0.15 and len(jobs) < 4:
+                bs = rnd.choice((8, 12))
+                jobs.append([coordl.DataLoader(dataset(photos), batch_size=bs, seed=7, share=True), bs, 0, None, []])
+            elif jobs:
+                j = rnd.choice(jobs)
+                ld, bs, epoch, it, got = j
+                if r < 0.2 and it is not None:          # abandon the pass: the next one is the next epoch
+                    j[2], j[3], j[4] = epoch + 1, None, []
+                    if j[2] >= 3:
+                        jobs.remove(j)
+                    continue
+                if it is None:
+                    it = j[3] = iter(ld)
+                for _ in range(rnd.randint(1, 3)):
+                    x = next(it, None)
+                    if x is None:
+                        assert same(got, refs[bs][epoch]), (seed, epoch, bs)
+                        completed += 1
+                        j[2], j[3], j[4] = epoch + 1, None, []
+                        if j[2] >= 3:
+                            jobs.remove(j)
+                        break
+                    got.append(x)
+        del jobs
+        assert completed >= 1
+
+
+def test_resume_from_state_dict_with_sharing(photos, daemon_env):
+    ref = reference(photos, epochs=2)
+    a = coordl.DataLoader(dataset(photos), batch_size=8, seed=7, share=True)
+    it = iter(a)
+    first = [next(it), next(it)]
+    state = a.state_dict()
+    del it
+    b = coordl.DataLoader(dataset(photos), batch_size=8, seed=7, share=True)
+    b.load_state_dict(state)
+    assert same(first + list(b), ref[0])
+    assert same(list(b), ref[1])
+    c = coordl.DataLoader(dataset(photos), batch_size=8, seed=7, share=False)   # without a daemon
+    c.load_state_dict(state)
+    assert same(first + list(c), ref[0])
+
+
+def test_dataset_the_daemon_cannot_load_falls_back(daemon_env):
+    """A dataset class defined in __main__ cannot be unpickled by the daemon's
+    workers: the job is told why and prepares for itself, exactly."""
+    code = (
+        "import sys, warnings, torch, coordl\n"
+        "sys.path.insert(0, %r)\n"
+        "from toydata import TwoStageToy\n"
+        "class Local(TwoStageToy):\n"
+        "    pass\n"
+        "ref = list(coordl.DataLoader(Local(40), batch_size=8, seed=1))\n"
+        "ld = coordl.DataLoader(Local(40), batch_size=8, seed=1, share=True)\n"
+        "with warnings.catch_warnings(record=True) as w:\n"
+        "    warnings.simplefilter('always')\n"
+        "    got = list(ld) + list(ld)\n"
+        "assert all(torch.equal(x[0], y[0]) for x, y in zip(ref, got[:5]))\n"
+        "print('WARN', ' | '.join(str(x.message) for x in w))\n"
+        "from coordl.daemon import server; server.stop()\n" % HERE)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "could not load this dataset" in r.stdout, r.stdout
+
+
+def _job(root, *extra, env=None):
+    return subprocess.Popen([sys.executable, JOB, "--root", root, *extra], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
+
+
+def _lines(p, timeout=120):
+    out, err = p.communicate(timeout=timeout)
+    assert p.returncode == 0, err
+    return [json.loads(x) for x in out.splitlines() if x.startswith("{")]
+
+
+def _digests(root, epochs=2, bs=8):
+    import _share_job
+
+    ld = coordl.DataLoader(_share_job.dataset(root, 32), batch_size=bs, seed=7)
+    return [[_share_job.digest(b) for b in ld] for _ in range(epochs)]
+
+
+def _check(lines, ref):
+    got = [[x["digest"] for x in lines if x.get("epoch") == e] for e in range(len(ref))]
+    assert got == ref
+
+
+def test_separate_job_processes_share_and_match(photos, daemon_env):
+    ref = _digests(photos)
+    S.start()
+    jobs = [_job(photos, "--workers", "1"), _job(photos, "--workers", "1", "--batch-size", "12")]
+    outs = [_lines(p) for p in jobs]
+    _check(outs[0], ref)
+    _check(outs[1], _digests(photos, bs=12))
+    done = [o[-1] for o in outs]
+    assert all(d["shared"] + d["self"] == 96 for d in done)
+    assert sum(d["shared"] for d in done) > 96     # each got samples the other caused to be prepared
+
+
+def test_member_killed_others_continue_and_references_are_released(photos, daemon_env):
+    ref = _digests(photos)
+    S.start()
+    victim = _job(photos, "--sleep", "0.3", "--epochs", "5")
+    other = _job(photos, "--sleep", "0.05")
+    for line in victim.stdout:          # the victim is mid-epoch, holding staged samples
+        if json.loads(line)["step"] >= 2:
+            break
+    victim.kill()
+    victim.wait(10)
+    victim.stdout.close()
+    victim.stderr.close()
+    _check(_lines(other), ref)
+    deadline = time.monotonic() + 20
+    while S.status()["groups"] and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert S.status()["groups"] == []    # both gone: the group, its staging and references released
+
+
+def test_daemon_killed_jobs_continue_exactly_and_reattach(photos, daemon_env):
+    ref = _digests(photos, epochs=3)
+    pid = S.start()
+    job = _job(photos, "--sleep", "0.15", "--epochs", "3")
+    lines = []
+    for line in job.stdout:
+        lines.append(json.loads(line))
+        if lines[-1]["step"] == 2:
+            os.kill(pid, signal.SIGKILL)      # mid-epoch 0
+            break
+    out, err = job.communicate(timeout=120)
+    assert job.returncode == 0, err
+    lines += [json.loads(x) for x in out.splitlines() if x.startswith("{")]
+    _check(lines, ref)
+    assert "reconnects at its next epoch" in err
+    st = S.status()                           # the job started a new daemon at its next epoch
+    assert st is not None and st["pid"] != pid
+    assert lines[-1]["shared"] > 0
+
+
+def test_status_command_lists_groups_and_members(photos, daemon_env):
+    ld = coordl.DataLoader(dataset(photos), batch_size=8, seed=7, share=True)
+    it = iter(ld)
+    next(it)
+    r = subprocess.run([sys.executable, "-m", "coordl", "daemon", "status"], capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert "group 1" in r.stdout and str(os.getpid()) in r.stdout and "shared" in r.stdout
+    assert "staging" in r.stdout and "node caches" not in r.stdout or "MiB" in r.stdout
+    r = subprocess.run([sys.executable, "-m", "coordl", "daemon", "status", "--json"], capture_output=True,
+                       text=True, timeout=60)
+    st = json.loads(r.stdout)
+    (m,) = st["groups"][0]["members"]
+    assert m["pid"] == os.getpid() and m["attached"] and m["epoch"] == 0
+
+
+SETPRIV = "/usr/bin/setpriv"
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not os.path.exists(SETPRIV), reason="needs root and setpriv")
+def test_another_user_cannot_join_a_group(photos, daemon_env, monkeypatch):
+    """Even with the socket opened up by hand, the daemon refuses a client of
+    another uid by its kernel credentials: it gets no staging memory."""
+    import shutil
+    import tempfile
+
+    run = tempfile.mkdtemp(prefix="coordl-share-test-", dir="/tmp")   # reachable by nobody once opened
+    monkeypatch.setenv("COORDL_RUN_DIR", run)
+    request_cleanup = lambda: shutil.rmtree(run, ignore_errors=True)  # noqa: E731
+    ld = coordl.DataLoader(dataset(photos), batch_size=8, seed=7, share=True)
+    it = iter(ld)
+    next(it)
+    os.chmod(run, 0o755)
+    os.chmod(os.path.join(run, "daemon.sock"), 0o666)
+    ipc_path = os.path.join(os.path.dirname(coordl.__file__), "daemon", "ipc.py")
+    code = ("import importlib.util, sys, socket, os\n"
+            "spec = importlib.util.spec_from_file_location('ipc', %r)\n"
+            "ipc = importlib.util.module_from_spec(spec); spec.loader.exec_module(ipc)\n"
+            "s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM); s.connect(sys.argv[1])\n"
+            "c = ipc.Conn(s, 0)\n"
+            "fd = os.memfd_create('x')\n"
+            "try:\n"
+            "    c.send({'op': 'join', 'key': 'k', 'stride': 64, 'samples_per_epoch': 1}, fds=[fd])\n"
+            "except OSError as e:\n"
+            "    print('send failed', e)\n"
+            "msg, fds = c.recv(timeout=10)\n"
+            "print(msg, len(fds))\n" % ipc_path)
+    r = subprocess.run([SETPRIV, "--reuid=nobody", "--regid=nogroup", "--clear-groups", sys.executable, "-c",
+                        code, os.path.join(run, "daemon.sock")], capture_output=True, text=True, timeout=60)
+    os.chmod(run, 0o700)
+    try:
+        assert "refused" in r.stdout and " 0" in r.stdout, r.stdout + r.stderr
+        assert len(S.status()["groups"][0]["members"]) == 1
+    finally:
+        del it, ld
+        S.stop(timeout=20)
+        request_cleanup()
