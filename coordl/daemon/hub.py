@@ -93,6 +93,7 @@ class Hub:
         self._next_gid = 1
         self._next_mid = 1
         self._next_wid = 0
+        self._outbox: dict[int, tuple] = {}   # conn fd -> (conn, [ready items]) until flush()
         try:
             self.max_workers = max(1, len(os.sched_getaffinity(0)))
         except AttributeError:
@@ -210,17 +211,24 @@ class Hub:
             if conn is None:
                 continue
             if a[0] == "deliver":
-                items = []
+                items = self._outbox.setdefault(conn.fileno(), (conn, []))[1]
                 for g in a[2]:
                     it = res.group.items[g]
                     if it.state == "ready":
                         items.append([g, it.slot, True, it.info])
                     else:
                         items.append([g, it.slot, False, it.why])
-                self._send(conn, {"op": "ready", "items": items})
             elif a[0] == "detach":
+                self.flush()
                 self._send(conn, {"op": "detach", "why": a[2] if len(a) > 2 else
                                   "fell further behind the group than its staging holds"})
+
+    def flush(self) -> None:
+        """Send the deliveries gathered in this round, one message per member."""
+        box, self._outbox = self._outbox, {}
+        for conn, items in box.values():
+            if items and conn.fileno() >= 0:
+                self._send(conn, {"op": "ready", "items": items})
 
     def _conn_of(self, m: Member):
         for conn, mm_, _ in self.members.values():
@@ -294,7 +302,14 @@ class Hub:
         self._grow(want)
 
     def pump(self) -> None:
-        """Hand queued samples to workers with room, lowest position first."""
+        """Hand queued samples to workers with room, lowest position first;
+        then send what was delivered."""
+        try:
+            self._pump()
+        finally:
+            self.flush()
+
+    def _pump(self) -> None:
         if not self.workers:
             return
         progress = True

@@ -413,7 +413,7 @@ class SharedIter:
         if HDR.unpack_from(link.mm, base)[1:] != (g, int(self.order[g - self.base]), MARK):
             return None
         buf = np.frombuffer(link.mm, dtype=np.uint8, count=self.layout1.nbytes, offset=base + HEADER)
-        return [v[0] for v in _collate.views(self.layout1, buf)], base
+        return buf, base
 
     def _still(self, base: int, g: int) -> bool:
         link = self.mode.link
@@ -424,7 +424,6 @@ class SharedIter:
         st = BatchStats()
         n = len(rows)
         samples: list = [None] * n      # copy path, or samples prepared here
-        staged: list = [None] * n       # in-place rows copied from staging
         ok = [False] * n
         layout = None
         targets = None
@@ -438,12 +437,14 @@ class SharedIter:
             item = self.got.get(g)
             src = self._slot_rows(item, g) if item is not None else None
             if src is not None:
-                leaves, base = src
-                if self.in_place:
-                    for t, s in zip(targets, leaves):
-                        t[j].copy_(s)
+                sbuf, base = src
+                if self.in_place:   # row j of each leaf <- the slot's bytes: plain memcpy, no torch threads
+                    for lb, l1 in zip(layout.leaves, self.layout1.leaves):
+                        per = l1.nbytes
+                        buf[lb.offset + j * per:lb.offset + (j + 1) * per] = sbuf[l1.offset:l1.offset + per]
                 else:
-                    samples[j] = _sample_from(self.layout1, leaves)
+                    samples[j] = _sample_from(self.layout1, [v[0] for v in _collate.views(self.layout1, sbuf)])
+                del sbuf
                 if self._still(base, g):
                     ok[j] = True
                     info = item[3]
