@@ -157,9 +157,10 @@ class Group:
                 heapq.heappop(self._queue)   # nobody waits for it any more
                 self._queued.discard(g)
                 continue
-            if not self.free:
-                actions += self._make_room(g)
-                if not self.free:
+            while not self.free:
+                acts = self._make_room(g)
+                actions += acts
+                if not acts and not self.free:
                     return actions, None     # every slot is claimed: wait for releases
             heapq.heappop(self._queue)
             self._queued.discard(g)

@@ -1,0 +1,100 @@
+"""The group policy (coordl.daemon.groups) as plain data: each sample
+prepared once for every member at it, bounded staging, detach of the
+member furthest behind, no deadlock, references released on leave."""
+from coordl.daemon.groups import Group, Member
+
+
+def run_worker(g: Group):
+    """Prepare everything the group hands out now; the actions returned."""
+    out = []
+    while True:
+        acts, task = g.next_task()
+        out += acts
+        if task is None:
+            return out
+        out += g.done(task[0], True, info=["storage", 1, 0.0, 0.0])
+
+
+def delivered(actions, m):
+    return [x for a in actions if a[0] == "deliver" and a[1] is m for x in a[2]]
+
+
+def test_members_at_the_same_positions_share_every_sample():
+    g = Group(1, "k", nslots=16, samples_per_epoch=8)
+    a, b = Member(1, 10, "a"), Member(2, 11, "b")
+    g.add(a), g.add(b)
+    g.begin_pass(1, 0, 0, 8), g.begin_pass(2, 0, 0, 8)
+    acts = g.step(1, 0, want=range(4)) + g.step(2, 0, want=range(4))
+    acts += run_worker(g)
+    assert sorted(delivered(acts, a)) == [0, 1, 2, 3] and sorted(delivered(acts, b)) == [0, 1, 2, 3]
+    assert g.prepared == 4
+    # b releases and moves on; a still holds its claims, so they stay staged
+    g.step(2, 4, release=range(4))
+    assert set(g.items) == {0, 1, 2, 3}
+    g.step(1, 4, release=range(4))
+    assert g.items == {} and len(g.free) == 16
+
+
+def test_a_slower_member_takes_what_the_faster_one_caused():
+    g = Group(1, "k", nslots=16, samples_per_epoch=8)
+    fast, slow = Member(1, 10, "fast"), Member(2, 11, "slow")
+    g.add(fast), g.add(slow)
+    g.begin_pass(1, 0, 0, 8), g.begin_pass(2, 0, 0, 8)
+    g.step(1, 0, want=range(8))
+    run_worker(g)
+    g.step(1, 8, release=range(8))
+    assert len(g.items) == 8          # kept: slow has not reached them
+    acts = g.step(2, 0, want=range(8))
+    assert sorted(delivered(acts, slow)) == list(range(8)) and g.prepared == 8
+
+
+def test_full_staging_detaches_the_member_furthest_behind_not_the_leader():
+    g = Group(1, "k", nslots=4, samples_per_epoch=100)
+    fast, slow = Member(1, 10, "fast"), Member(2, 11, "slow")
+    g.add(fast), g.add(slow)
+    g.begin_pass(1, 0, 0, 100), g.begin_pass(2, 0, 0, 100)
+    g.step(2, 0, want=[0])
+    run_worker(g)                      # slow holds sample 0 and stops consuming
+    acts = []
+    for pos in range(0, 12):
+        acts += g.step(1, pos, release=[pos - 1] if pos else [], want=[pos], need=pos + 1)
+        acts += run_worker(g)
+        assert pos in delivered(acts, fast)     # the leader is never held back
+    assert [a for a in acts if a[0] == "detach"] == [("detach", slow)]
+    assert not slow.attached and not slow.claims and g.detaches == 1
+
+
+def test_a_stalled_holder_is_revoked_rather_than_a_deadlock():
+    g = Group(1, "k", nslots=4, samples_per_epoch=100)
+    a, b = Member(1, 10, "a"), Member(2, 11, "b")
+    g.add(a), g.add(b)
+    g.begin_pass(1, 0, 40, 100), g.begin_pass(2, 0, 0, 100)
+    g.step(1, 40, want=[40, 41, 42, 43], need=44)  # a (ahead) claims every slot...
+    run_worker(g)
+    acts = g.step(2, 0, want=[0], need=1)          # ...and b, furthest behind, needs 0 now
+    acts += run_worker(g)
+    assert ("detach", a) in acts and 0 in delivered(acts, b)
+
+
+def test_a_member_that_leaves_releases_everything():
+    g = Group(1, "k", nslots=8, samples_per_epoch=8)
+    a = Member(1, 10, "a")
+    g.add(a)
+    g.begin_pass(1, 0, 0, 8)
+    g.step(1, 0, want=range(6))
+    acts, task = g.next_task()           # one in a worker's hands
+    g.remove(1)
+    assert set(g.items) == {task[0]}     # only the slot a worker still writes
+    g.done(task[0], True)
+    assert g.items == {} and len(g.free) == 8
+
+
+def test_failed_samples_are_delivered_as_failures():
+    g = Group(1, "k", nslots=8, samples_per_epoch=8)
+    a = Member(1, 10, "a")
+    g.add(a)
+    g.begin_pass(1, 0, 0, 8)
+    g.step(1, 0, want=[0])
+    _, (pos, _) = g.next_task()
+    acts = g.done(pos, False, why="reading: OSError")
+    assert delivered(acts, a) == [0] and g.items[0].state == "failed"
