@@ -41,11 +41,15 @@ def daemon_env(tmp_path, monkeypatch):
     st = S.status()
     pids = [st["pid"]] + st.get("worker_pids", []) if st else []
     S.stop(timeout=20)
+    left = []
     for pid in pids:
         try:
             psutil.Process(pid).wait(15)
         except psutil.NoSuchProcess:
             pass
+        except psutil.TimeoutExpired:
+            left.append(pid)
+    assert not left, f"daemon processes left behind: {left}"
 
 
 def dataset(root, size=32, flip=True):
@@ -276,8 +280,14 @@ def test_daemon_killed_jobs_continue_exactly_and_reattach(photos, daemon_env):
     for line in job.stdout:
         lines.append(json.loads(line))
         if lines[-1]["step"] == 2:
+            workers = S.status()["worker_pids"]
             os.kill(pid, signal.SIGKILL)      # mid-epoch 0
             break
+    for w in workers:                         # its workers see EOF and exit
+        try:
+            psutil.Process(w).wait(15)
+        except psutil.NoSuchProcess:
+            pass
     out, err = job.communicate(timeout=120)
     assert job.returncode == 0, err
     lines += [json.loads(x) for x in out.splitlines() if x.startswith("{")]
