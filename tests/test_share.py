@@ -244,8 +244,11 @@ def _check(lines, ref):
 def test_separate_job_processes_share_and_match(photos, daemon_env):
     ref = _digests(photos)
     S.start()
-    jobs = [_job(photos, "--workers", "1"), _job(photos, "--workers", "1", "--batch-size", "12")]
+    jobs = [_job(photos, "--workers", "1", "--cache-size", "16MiB"),
+            _job(photos, "--workers", "1", "--batch-size", "12", "--cache-size", "16MiB")]
     outs = [_lines(p) for p in jobs]
+    caches = S.status()["caches"]      # the daemon read through the node cache, and holds it while it runs
+    assert [(c["cached"], c["samples"]) for c in caches] == [(48, 48)] and caches[0]["holders"] >= 1
     _check(outs[0], ref)
     _check(outs[1], _digests(photos, bs=12))
     done = [o[-1] for o in outs]
@@ -272,14 +275,18 @@ def test_member_killed_others_continue_and_references_are_released(photos, daemo
     assert S.status()["groups"] == []    # both gone: the group, its staging and references released
 
 
-def test_daemon_killed_jobs_continue_exactly_and_reattach(photos, daemon_env):
+@pytest.mark.parametrize("seed", [1, 2])
+def test_daemon_killed_jobs_continue_exactly_and_reattach(photos, daemon_env, seed):
+    import random
+
+    at = random.Random(seed).randint(0, 5)    # a random step of epoch 0
     ref = _digests(photos, epochs=3)
     pid = S.start()
     job = _job(photos, "--sleep", "0.15", "--epochs", "3")
     lines = []
     for line in job.stdout:
         lines.append(json.loads(line))
-        if lines[-1]["step"] == 2:
+        if lines[-1]["step"] == at:
             workers = S.status()["worker_pids"]
             os.kill(pid, signal.SIGKILL)      # mid-epoch 0
             break
@@ -296,6 +303,20 @@ def test_daemon_killed_jobs_continue_exactly_and_reattach(photos, daemon_env):
     st = S.status()                           # the job started a new daemon at its next epoch
     assert st is not None and st["pid"] != pid
     assert lines[-1]["shared"] > 0
+
+
+def test_a_killed_daemon_worker_costs_nothing_but_its_samples(photos, daemon_env):
+    ref = reference(photos, epochs=2)
+    ld = coordl.DataLoader(dataset(photos), batch_size=8, num_workers=2, seed=7, share=True)
+    it = iter(ld)
+    got = [next(it)]
+    victim = S.status()["worker_pids"][0]
+    os.kill(victim, signal.SIGKILL)           # samples in its hands are prepared by the job
+    got += list(it)
+    assert same(got, ref[0]) and same(list(ld), ref[1])
+    st = S.status()
+    assert victim not in st["worker_pids"] and len(st["worker_pids"]) == 2   # replaced
+    assert ld.stats().epochs[1].samples_shared == 48
 
 
 def test_status_command_lists_groups_and_members(photos, daemon_env):

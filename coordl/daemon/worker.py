@@ -14,7 +14,9 @@ it with :mod:`ipc` frames (JSON, descriptors alongside):
   epoch, i) and write it into ``slot``; answer ``{"op": "done", gid, g,
   ok, info | why}``.  Reads run ahead on a few threads while earlier
   samples are prepared.
-* ``{"op": "drop", gid}``: forget a group.
+* ``{"op": "drop", gid}``: forget a group.  Node caches it attached stay
+  attached until the worker exits: the daemon holds them while it runs, so
+  the next wave of jobs finds them warm (``coordl daemon stop`` lets go).
 
 A slot is a 64-byte header (epoch, position, index, marker) and the sample's
 leaves in the group's one-sample layout.  The worker writes the leaves first
@@ -55,7 +57,7 @@ def layout_digest(layout) -> str:
 
 
 class _Group:
-    def __init__(self, msg: dict, fds: list[int]) -> None:
+    def __init__(self, msg: dict, fds: list[int], caches: dict) -> None:
         dfd, sfd = fds
         try:
             with os.fdopen(os.dup(dfd), "rb") as f:
@@ -77,10 +79,13 @@ class _Group:
         self.cache = None
         c = msg.get("cache")
         if c:
-            from ..cache import NodeCache
+            self.cache = caches.get(c["fingerprint"])
+            if self.cache is None:
+                from ..cache import NodeCache
 
-            self.cache = NodeCache.attach(c["fingerprint"], int(c["n"]), int(c["capacity"]),
-                                          checksum=bool(c.get("checksum")), keep_warm=float(c.get("keep_warm", 0)))
+                self.cache = caches[c["fingerprint"]] = NodeCache.attach(
+                    c["fingerprint"], int(c["n"]), int(c["capacity"]), checksum=bool(c.get("checksum")),
+                    keep_warm=float(c.get("keep_warm", 0)))
         from .._engine import _make_reader
 
         self.read, _ = _make_reader(self.dataset, self.cache)
@@ -105,9 +110,7 @@ class _Group:
         try:
             self.mm.close()
         except BufferError:
-            pass
-        if self.cache is not None:
-            self.cache.close()
+            pass   # the node cache stays: the daemon holds it while it runs (worker exit closes it)
 
 
 def _write(grp: _Group, slot: int, sample, epoch: int, g: int, i: int) -> str | None:
@@ -148,6 +151,7 @@ def main(fd: int) -> int:
 
     conn = ipc.Conn(socket.socket(fileno=fd), os.getppid())
     groups: dict[int, _Group] = {}
+    caches: dict = {}   # fingerprint -> NodeCache, held while the daemon runs, across groups
     reads = ThreadPoolExecutor(4, thread_name_prefix="coordl-daemon-read")
     pending: list = []   # (msg, future) in arrival order
 
@@ -171,7 +175,7 @@ def main(fd: int) -> int:
                     return 0
                 if op == "group":
                     try:
-                        groups[int(msg["gid"])] = _Group(msg, fds)
+                        groups[int(msg["gid"])] = _Group(msg, fds, caches)
                         conn.send({"op": "group_ok", "gid": msg["gid"]})
                     except BaseException as e:
                         conn.send({"op": "group_failed", "gid": msg["gid"],
@@ -225,6 +229,8 @@ def main(fd: int) -> int:
         reads.shutdown(wait=False, cancel_futures=True)
         for grp in groups.values():
             grp.close()
+        for c in caches.values():
+            c.close()
 
 
 if __name__ == "__main__":
