@@ -148,14 +148,22 @@ class Hub:
             self._send(conn, {"op": "refused", "why": "a join carries exactly one descriptor, once"})
             return
         dataset_fd = fds[0]
-        key = str(msg["key"])
-        stride = int(msg["stride"])
+        try:   # a malformed join is refused before anything is created
+            key, stride, n = str(msg["key"]), int(msg["stride"]), int(msg["samples_per_epoch"])
+            nw = int(msg.get("num_workers", 0))
+            for field in ("seed", "plan", "digest"):
+                msg[field]
+            if stride < 64 or n < 0:
+                raise ValueError(f"stride {stride} or samples_per_epoch {n} out of range")
+        except BaseException:
+            os.close(dataset_fd)
+            raise
         gid = self.by_key.get(key)
         if gid is None:
             gid = self._next_gid
             self._next_gid += 1
             nslots = max(16, min(1 << 16, self.staging_bytes // max(stride, 1)))
-            group = Group(gid, key, nslots, int(msg["samples_per_epoch"]))
+            group = Group(gid, key, nslots, n)
             res = self.groups[gid] = _GroupRes(group, msg, dataset_fd, stride)
             self.by_key[key] = gid
             for w in self.workers:
@@ -163,8 +171,7 @@ class Hub:
         else:
             os.close(dataset_fd)   # the group already has one, identical by its key
             res = self.groups[gid]
-        m = Member(self._next_mid, conn.peer_pid, str(msg.get("name", ""))[:200],
-                   int(msg.get("num_workers", 0)))
+        m = Member(self._next_mid, conn.peer_pid, str(msg.get("name", ""))[:200], nw)
         self._next_mid += 1
         res.group.add(m)
         self.members[conn.fileno()] = (conn, m, gid)

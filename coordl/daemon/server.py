@@ -197,6 +197,16 @@ def serve(ready_fd: int | None = None, staging_bytes: int | None = None) -> int:
                     conns.pop(x.fileno(), None)
                     hub.member_gone(x)
                     x.close()
+                except (KeyError, ValueError, TypeError, AttributeError) as e:
+                    # a malformed message (fields missing or of the wrong type): that client goes, the daemon stays
+                    print(f"coordl daemon: dropping pid {x.peer_pid}: bad message: {type(e).__name__}: {e}",
+                          file=sys.stderr, flush=True)
+                    try:
+                        x.send({"op": "error", "why": f"bad message: {type(e).__name__}: {e}"}, timeout=1.0)
+                    except OSError:
+                        pass
+                    conns.pop(x.fileno(), None)
+                    hub.member_gone(x)
             for fd in [fd for fd, c in conns.items() if c.sock.fileno() < 0]:
                 del conns[fd]   # a member the hub dropped
             hub.pump()
