@@ -132,6 +132,8 @@ class Group:
         if m.attached:
             now = []
             for g in want:
+                if not m.pos <= g < m.end:
+                    continue                 # outside its pass: nobody will prepare that for it
                 it = self.items.get(g)
                 if it is not None and it.state != "prep":
                     m.claims.add(g)
