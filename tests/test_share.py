@@ -256,13 +256,17 @@ def test_separate_job_processes_share_and_match(photos, daemon_env):
     assert sum(d["shared"] for d in done) > 96     # each got samples the other caused to be prepared
 
 
-def test_member_killed_others_continue_and_references_are_released(photos, daemon_env):
+@pytest.mark.parametrize("seed", [3, 4])
+def test_member_killed_others_continue_and_references_are_released(photos, daemon_env, seed):
+    import random
+
+    at = random.Random(seed).randint(0, 5)    # a random step of its epoch 0
     ref = _digests(photos)
     S.start()
     victim = _job(photos, "--sleep", "0.3", "--epochs", "5")
     other = _job(photos, "--sleep", "0.05")
     for line in victim.stdout:          # the victim is mid-epoch, holding staged samples
-        if json.loads(line)["step"] >= 2:
+        if json.loads(line)["step"] >= at:
             break
     victim.kill()
     victim.wait(10)
