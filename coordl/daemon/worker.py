@@ -59,10 +59,16 @@ def layout_digest(layout) -> str:
 class _Group:
     def __init__(self, msg: dict, fds: list[int], caches: dict) -> None:
         dfd, sfd = fds
-        try:
-            with os.fdopen(os.dup(dfd), "rb") as f:
-                f.seek(0)
-                blob = f.read()
+        try:   # pread: every worker's descriptor shares one file offset with the hub's
+            size = os.fstat(dfd).st_size
+            parts, off = [], 0
+            while off < size:
+                chunk = os.pread(dfd, min(size - off, 1 << 24), off)
+                if not chunk:
+                    break
+                parts.append(chunk)
+                off += len(chunk)
+            blob = b"".join(parts)
         finally:
             os.close(dfd)
         for p in reversed(msg.get("sys_path") or []):
