@@ -187,7 +187,8 @@ class Group:
                 m.want.discard(g)
                 m.claims.add(g)
                 out.append(("deliver", m, [g]))
-        self.gc()
+        if not self._needed(g, it):      # nothing else changed: only this one may be free now
+            self.free.append(self.items.pop(g).slot)
         return out
 
     # ---------------------------------------------------------------- policy

@@ -39,7 +39,8 @@ from .groups import Group, Member
 __all__ = ["Hub", "DEFAULT_STAGING"]
 
 DEFAULT_STAGING = 256 << 20   # bytes of staging per group
-_IN_FLIGHT = 4                # samples handed to one worker at a time
+_IN_FLIGHT = 8                # samples handed to one worker at a time (it reads ahead on them)
+_DELIVER_BATCH = 32           # ready samples a member gets in one message unless it waits for one
 
 
 class _Worker:
@@ -226,16 +227,25 @@ class Hub:
                     else:
                         items.append([g, it.slot, False, it.why])
             elif a[0] == "detach":
-                self.flush()
+                self._outbox.pop(conn.fileno(), None)   # its claims are revoked
                 self._send(conn, {"op": "detach", "why": a[2] if len(a) > 2 else
                                   "fell further behind the group than its staging holds"})
 
-    def flush(self) -> None:
-        """Send the deliveries gathered in this round, one message per member."""
-        box, self._outbox = self._outbox, {}
-        for conn, items in box.values():
-            if items and conn.fileno() >= 0:
+    def flush(self, everything: bool = False) -> None:
+        """Send gathered deliveries, one message per member: at once to a
+        member that waits for one of them (below its ``need``), else once
+        ``_DELIVER_BATCH`` have gathered (fewer wake-ups of the job)."""
+        keep = {}
+        for fd, (conn, items) in self._outbox.items():
+            if not items or conn.fileno() < 0:
+                continue
+            entry = self.members.get(fd)
+            need = entry[1].need if entry is not None else 0
+            if everything or len(items) >= _DELIVER_BATCH or any(it[0] < need for it in items):
                 self._send(conn, {"op": "ready", "items": items})
+            else:
+                keep[fd] = (conn, items)
+        self._outbox = keep
 
     def _conn_of(self, m: Member):
         for conn, mm_, _ in self.members.values():
@@ -274,10 +284,12 @@ class Hub:
         op = msg.get("op")
         res = self.groups.get(int(msg.get("gid", -1)))
         if op == "done":
-            g = int(msg["g"])
-            if w.inflight.pop((int(msg["gid"]), g), None) is None or res is None:
-                return
-            self._act(res, res.group.done(g, bool(msg.get("ok")), msg.get("why", ""), msg.get("info")))
+            for item in msg["items"]:
+                gid, g = int(item["gid"]), int(item["g"])
+                res = self.groups.get(gid)
+                if w.inflight.pop((gid, g), None) is None or res is None:
+                    continue
+                self._act(res, res.group.done(g, bool(item.get("ok")), item.get("why", ""), item.get("info")))
         elif op == "group_failed" and res is not None:
             why = (f"the daemon could not load this dataset ({msg.get('why')}); prepare in the job "
                    "(define the dataset's classes in an importable module, not in __main__)")
@@ -319,15 +331,17 @@ class Hub:
     def _pump(self) -> None:
         if not self.workers:
             return
+        batches: dict[tuple[int, int], list] = {}    # (worker index, gid) -> [[g, slot], ...]
         progress = True
         while progress:
             progress = False
             for res in list(self.groups.values()):
                 if res.broken:
                     continue
-                w = min(self.workers, key=lambda w: len(w.inflight))
+                k = min(range(len(self.workers)), key=lambda k: len(self.workers[k].inflight))
+                w = self.workers[k]
                 if len(w.inflight) >= _IN_FLIGHT:
-                    return
+                    break
                 actions, task = res.group.next_task()
                 self._act(res, actions)
                 if task is None:
@@ -336,8 +350,12 @@ class Hub:
                 base = slot * res.stride
                 res.mm[base:base + 32] = b"\xff" * 32   # invalid until the worker's header lands
                 w.inflight[(res.group.gid, g)] = time.monotonic()
-                if self._wsend(w, {"op": "prep", "gid": res.group.gid, "g": g, "slot": slot}):
-                    progress = True
+                batches.setdefault((k, res.group.gid), []).append([g, slot])
+                progress = True
+        workers = list(self.workers)
+        for (k, gid), tasks in batches.items():   # one message per worker and group
+            if workers[k] in self.workers:
+                self._wsend(workers[k], {"op": "prep", "gid": gid, "tasks": tasks})
 
     def stop(self) -> None:
         for w in list(self.workers):

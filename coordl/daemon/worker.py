@@ -8,12 +8,13 @@ it with :mod:`ipc` frames (JSON, descriptors alongside):
   two descriptors, the pickled dataset (a memfd a member of the same uid
   sent; the server checked its peer credentials) and the group's staging
   memfd.
-* ``{"op": "prep", gid, g, slot}``: read the sample at global position
-  ``g`` of the plan (epoch ``g // samples_per_epoch``) (node cache,
-  then storage, admitting it), prepare it under its own generator (seed,
-  epoch, i) and write it into ``slot``; answer ``{"op": "done", gid, g,
-  ok, info | why}``.  Reads run ahead on a few threads while earlier
-  samples are prepared.
+* ``{"op": "prep", gid, tasks: [[g, slot], ...]}``: for each, read the
+  sample at global position ``g`` of the plan (epoch ``g //
+  samples_per_epoch``) (node cache, then storage, admitting it), prepare
+  it under its own generator (seed, epoch, i) and write it into ``slot``;
+  answer ``{"op": "done", items: [{gid, g, ok, info | why}, ...]}``, a few
+  samples per message (when nothing else is pending, at once).  Reads run
+  ahead on a few threads while earlier samples are prepared.
 * ``{"op": "drop", gid}``: forget a group.  Node caches it attached stay
   attached until the worker exits: the daemon holds them while it runs, so
   the next wave of jobs finds them warm (``coordl daemon stop`` lets go).
@@ -43,6 +44,7 @@ from concurrent.futures import ThreadPoolExecutor
 __all__ = ["HEADER", "HDR", "MARK", "layout_digest", "main"]
 
 HEADER = 64
+_DONE_BATCH = 4   # finished samples reported in one message (fewer wake-ups of the daemon)
 HDR = struct.Struct("<qqqq")   # epoch, global position, index, marker
 MARK = 0x636F6F72646C          # "coordl": a complete sample
 
@@ -159,7 +161,13 @@ def main(fd: int) -> int:
     groups: dict[int, _Group] = {}
     caches: dict = {}   # fingerprint -> NodeCache, held while the daemon runs, across groups
     reads = ThreadPoolExecutor(4, thread_name_prefix="coordl-daemon-read")
-    pending: list = []   # (msg, future) in arrival order
+    pending: list = []   # (task, group, read future) in arrival order
+    replies: list = []   # finished samples not reported yet
+
+    def flush() -> None:
+        if replies:
+            conn.send({"op": "done", "items": replies[:]})
+            replies.clear()
 
     def read(grp, i):
         t0 = time.perf_counter()
@@ -196,18 +204,21 @@ def main(fd: int) -> int:
                     continue
                 if op == "prep":
                     grp = groups.get(int(msg["gid"]))
-                    if grp is None:
-                        conn.send({"op": "done", "gid": msg["gid"], "g": msg["g"], "ok": False,
-                                   "why": "the worker has no such group"})
-                        continue
-                    epoch, i = grp.index(int(msg["g"]))
-                    msg["epoch"], msg["i"] = epoch, i
-                    pending.append((msg, grp, reads.submit(read, grp, i)))
+                    for g, slot in msg["tasks"]:
+                        if grp is None:
+                            replies.append({"gid": msg["gid"], "g": g, "ok": False,
+                                            "why": "the worker has no such group"})
+                            continue
+                        epoch, i = grp.index(int(g))
+                        task = {"gid": msg["gid"], "g": int(g), "slot": int(slot), "epoch": epoch, "i": i}
+                        pending.append((task, grp, reads.submit(read, grp, i)))
+                    if not pending:
+                        flush()
                 continue
             msg, grp, fut = pending.pop(0)
             data, src, err, fetch_s = fut.result()
             g, i, epoch = int(msg["g"]), int(msg["i"]), int(msg["epoch"])
-            reply = {"op": "done", "gid": msg["gid"], "g": g}
+            reply = {"gid": msg["gid"], "g": g}
             if err is not None:
                 reply.update(ok=False, why=f"reading: {type(err).__name__}: {err}")
             else:
@@ -225,7 +236,9 @@ def main(fd: int) -> int:
                 else:
                     reply.update(ok=False, why=why)
             data = None
-            conn.send(reply)
+            replies.append(reply)
+            if not pending or len(replies) >= _DONE_BATCH:
+                flush()
     except (ConnectionError, OSError):
         return 0  # the daemon is gone
     except BaseException:
