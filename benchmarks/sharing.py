@@ -28,21 +28,25 @@ Measured per configuration:
   and its workers): everything runs in a cgroup v1 ``cpuacct`` group this
   script creates and removes; the daemon is started by a process inside it
   (it inherits the group).  Each job reads ``cpuacct.usage`` at its epoch
-  boundaries; an epoch's CPU is the usage from the first job's start of that
-  epoch to the last job's end of it (process start-up and exit excluded);
+  boundaries.  CPU per epoch = the usage from the first job's start of epoch
+  1 to the last job's end of the last epoch, over the number of those epochs
+  (start-up, warm-up epoch and exit excluded); the per-epoch columns are each
+  epoch's own span, first start to last end;
 * storage bytes per epoch, page cache dropped before each configuration
   (``echo 3 > /proc/sys/vm/drop_caches``, then the jobs' code is run once on
   a separate tiny dataset so that program files are not counted): the group's blkio counter
   (``blkio.throttle.io_service_bytes``, Read: only these processes) and the
   whole device's (``/sys/block/<dev>/stat``, includes anything else running
-  on the machine), over the same epoch windows; and coordl's own counters.
+  on the machine), over the same spans; the storage target compares the span
+  of all epochs (epoch 0 fills the node cache, later epochs read from it);
+  and coordl's own counters.
 
 Targets (issue 8): sharing at K=4 each job >= 0.85x solo (without: ~1/K);
 CPU per epoch at K=4 sharing <= 1.15x solo; storage per epoch at K=4 sharing
 = solo; with a slow member, the fast members keep >= 0.9x of their speed.
 
-    python benchmarks/sharing.py                       # ~800 generated images, ~10 min
-    python benchmarks/sharing.py --root /tmp/synth --images 0 --epochs 3
+    python benchmarks/sharing.py                       # 1000 generated photos, 2 rounds, ~10 min
+    python benchmarks/sharing.py --root /tmp/synth --epochs 3 --rounds 1 --configs solo,K4,shared-K4
     python benchmarks/sharing.py --quick               # tiny smoke run (tests use it)
 
 Writes DIR/sharing.csv (one row per configuration and round),
@@ -441,14 +445,15 @@ def _cache_segments() -> list[str]:
 
 
 # ================================================================== summaries
-def _window(jobs_epochs: list[list[dict]], e: int, key: str) -> float | None:
-    """Counter ``key`` from the first job's start of epoch ``e`` to the last job's end of it."""
-    recs = [ep[e] for ep in jobs_epochs if len(ep) > e]
-    if not recs or any(r["start"][key] is None for r in recs):
+def _window(jobs_epochs: list[list[dict]], first: int, last: int, key: str) -> float | None:
+    """Counter ``key`` from the first job's start of epoch ``first`` to the last
+    job's end of epoch ``last``: one span, so work is counted once even where
+    the jobs' epochs overlap."""
+    starts = [ep[first]["start"] for ep in jobs_epochs if len(ep) > first]
+    ends = [ep[last]["end"] for ep in jobs_epochs if len(ep) > last]
+    if not starts or not ends or any(p[key] is None for p in starts + ends):
         return None
-    first = min(recs, key=lambda r: r["start"]["t"])["start"]
-    last = max(recs, key=lambda r: r["end"]["t"])["end"]
-    return last[key] - first[key]
+    return max(ends, key=lambda p: p["t"])[key] - min(starts, key=lambda p: p["t"])[key]
 
 
 def summarize(res: dict, args, solo_rate: float | None) -> tuple[dict, list[dict]]:
@@ -471,9 +476,9 @@ def summarize(res: dict, args, solo_rate: float | None) -> tuple[dict, list[dict
                              "coordl_storage_bytes": st.get("bytes_from_storage", ""),
                              "coordl_cache_bytes": st.get("bytes_from_cache", "")})
     fast = [r for r, s in zip(rates, res["specs"]) if not s["sleep"]]
-    cpu = [_window(jobs_epochs, e, "cpu_ns") for e in range(args.epochs)]
-    cg_read = [_window(jobs_epochs, e, "cg_read") for e in range(args.epochs)]
-    dev_read = [_window(jobs_epochs, e, "dev_read") for e in range(args.epochs)]
+    cpu = [_window(jobs_epochs, e, e, "cpu_ns") for e in range(args.epochs)]
+    cg_read = [_window(jobs_epochs, e, e, "cg_read") for e in range(args.epochs)]
+    dev_read = [_window(jobs_epochs, e, e, "dev_read") for e in range(args.epochs)]
     shared = sum(t.get("samples_shared", 0) or 0 for _, t in res["jobs"])
     selfp = sum(t.get("samples_self_prepared", 0) or 0 for _, t in res["jobs"])
     has_split = any("samples_shared" in t for _, t in res["jobs"])
@@ -489,15 +494,31 @@ def summarize(res: dict, args, solo_rate: float | None) -> tuple[dict, list[dict
         row[f"cpu_s_epoch{e}"] = cpu[e] / 1e9 if cpu[e] is not None else float("nan")
         row[f"storage_mib_epoch{e}"] = cg_read[e] / 2**20 if cg_read[e] is not None else float("nan")
         row[f"device_mib_epoch{e}"] = dev_read[e] / 2**20 if dev_read[e] is not None else float("nan")
-    m_cpu = [cpu[e] for e in measured if cpu[e] is not None]
-    row["cpu_s_per_epoch"] = sum(m_cpu) / len(m_cpu) / 1e9 if m_cpu else float("nan")
-    row["storage_mib_all_epochs"] = (sum(cg_read) / 2**20 if all(x is not None for x in cg_read)
-                                     else float("nan"))
+    m_cpu = _window(jobs_epochs, measured[0], measured[-1], "cpu_ns")
+    row["cpu_s_per_epoch"] = m_cpu / len(measured) / 1e9 if m_cpu is not None else float("nan")
+    all_read = _window(jobs_epochs, 0, args.epochs - 1, "cg_read")
+    row["storage_mib_all_epochs"] = all_read / 2**20 if all_read is not None else float("nan")
+    all_dev = _window(jobs_epochs, 0, args.epochs - 1, "dev_read")
+    row["device_mib_all_epochs"] = all_dev / 2**20 if all_dev is not None else float("nan")
     row["coordl_storage_mib"] = sum(t.get("bytes_from_storage", 0) for _, t in res["jobs"]) / 2**20
     row["shared_fraction"] = shared / (shared + selfp) if has_split and shared + selfp else float("nan")
     groups = [len(g.get("members", [])) for st in res["status"] for g in (st.get("groups") or [])]
     row["daemon_max_group"] = max(groups) if groups else (0 if res["share"] else "")
     return row, job_rows
+
+
+def _groups_seen(snapshots: list[dict]) -> str:
+    """What ``coordl daemon status`` showed while the jobs ran (polled each second)."""
+    if not snapshots:
+        return "no status answered"
+    errors = [st["error"] for st in snapshots if "error" in st]
+    ok = [st for st in snapshots if "error" not in st]
+    if not ok:
+        return f"status failed: {errors[-1]}"
+    sizes = max((sorted((len(g.get("members", [])) for g in st.get("groups") or []), reverse=True)
+                 for st in ok), default=[])
+    workers = max(len(st.get("worker_pids") or []) for st in ok)
+    return f"largest groups seen {sizes or 'none'}, up to {workers} daemon worker(s)"
 
 
 # ===================================================================== report
@@ -558,7 +579,8 @@ def report(rows: list[dict], job_rows: list[dict], args, share_ok: bool) -> None
             lines.append((f"without sharing at {k[1:]} jobs: ~1/{k[1:]} (report)", x, None))
     if "shared-mixed" in by:
         x = by["shared-mixed"]["min_ratio_vs_solo"]
-        lines.append(("batch sizes 32/64/128/256 sharing: each job vs solo (report)", x, None))
+        lines.append((f"batch sizes {by['shared-mixed']['batch_sizes']} sharing: each job vs solo (report)",
+                      x, None))
     x = ratio("shared-K4", "solo", "cpu_s_per_epoch")
     if x is not None:
         lines.append(("CPU s per epoch, K=4 sharing / solo <= 1.15", x, x <= 1.15))
@@ -609,6 +631,8 @@ def plot(med: list[dict], args) -> None:
     solo = next((r for r in med if r["config"] == "solo"), None)
     if solo:
         ax.axhline(0.85 * solo["mean_images_per_s"], color="#1f77b4", ls=":", lw=1, label="0.85x solo")
+        ax.plot([1, 2, 4], [solo["mean_images_per_s"] / k for k in (1, 2, 4)], ":", color="#888", lw=1,
+                label="solo / K")
     ax.set_xticks([1, 2, 4])
     ax.set_xlabel("concurrent jobs K")
     ax.set_ylabel("images/s per job")
@@ -645,13 +669,13 @@ def plan_configs(args, share_ok: bool) -> list[tuple[str, list[dict], bool]]:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--root", default=None, help="ImageFolder root (default: generate --images photos)")
-    ap.add_argument("--images", type=int, default=800, help="images to generate when --root is not given")
+    ap.add_argument("--images", type=int, default=1000, help="images to generate when --root is not given")
     ap.add_argument("--epochs", type=int, default=2, help="epochs per job; epoch 0 is the warm-up")
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--batch-size", type=int, default=64, help="batch of every job (mixed: /2, x1, x2, x4)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--cache-size", default="2GiB", help='node cache of every job ("0": off)')
-    ap.add_argument("--rounds", type=int, default=1, help="repeat all configurations (medians reported)")
+    ap.add_argument("--rounds", type=int, default=2, help="repeat all configurations (medians reported)")
     ap.add_argument("--configs", default=",".join(CONFIGS))
     ap.add_argument("--timeout", type=float, default=600, help="seconds per configuration before killing it")
     ap.add_argument("--no-drop-caches", action="store_true", help="keep the page cache between configurations")
@@ -672,7 +696,7 @@ def main(argv=None) -> int:
     if args.daemon_start:
         return daemon_start(args)
     if args.quick:
-        args.images, args.batch_size, args.epochs, args.workers = 48, 8, 2, 1
+        args.images, args.batch_size, args.epochs, args.workers, args.rounds = 48, 8, 2, 1, 1
         args.timeout = min(args.timeout, 180)
 
     import coordl
@@ -729,6 +753,8 @@ def main(argv=None) -> int:
                 rows.append(row)
                 job_rows.extend(jrows)
                 extra = f", sleep {specs[-1]['sleep'] * 1e3:.0f} ms/step in the slow job" if specs[-1]["sleep"] else ""
+                if share:
+                    extra += f", daemon pid {res['daemon_pid']}: {_groups_seen(res['status'])}"
                 print(f"  round {rnd} {name:<18} {row['job_images_per_s']:>28} images/s per job "
                       f"({time.monotonic() - t0:.0f} s{extra})", flush=True)
         if not rows:
