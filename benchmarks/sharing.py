@@ -531,6 +531,8 @@ def _median_rows(rows: list[dict]) -> list[dict]:
             if isinstance(v, float):
                 vals = [r[k] for r in rs if r[k] == r[k]]
                 m[k] = statistics.median(vals) if vals else float("nan")
+        per_job = [[float(x) for x in r["job_images_per_s"].split("/")] for r in rs]
+        m["job_images_per_s"] = "/".join(f"{statistics.median(v):.1f}" for v in zip(*per_job))
         m["rounds"] = len(rs)
         out.append(m)
     return out
@@ -543,18 +545,18 @@ def _f(x, fmt):
 def report(rows: list[dict], job_rows: list[dict], args, share_ok: bool) -> None:
     med = _median_rows(rows)
     last = args.epochs - 1
-    print(f"\n{'config':<19}{'K':>2}{'batch':>13}{'images/s per job':>26}{'min/solo':>9}{'mean/solo':>10}"
+    print(f"\n{'config':<19}{'K':>2}{'batch':>15}{'images/s per job':>26}{'min/solo':>9}{'mean/solo':>10}"
           f"{'CPU s/ep':>9}{'CPU/solo':>9}{'MiB ep0':>8}{f'MiB ep{last}':>8}{'dev ep0':>8}{'shared':>7}")
     solo = next((r for r in med if r["config"] == "solo"), None)
     for r in med:
         cpu_ratio = r["cpu_s_per_epoch"] / solo["cpu_s_per_epoch"] if solo else float("nan")
-        print(f"{r['config']:<19}{r['K']:>2}{r['batch_sizes']:>13}{r['job_images_per_s']:>26}"
+        print(f"{r['config']:<19}{r['K']:>2}{r['batch_sizes']:>15}{r['job_images_per_s']:>26}"
               f"{_f(r['min_ratio_vs_solo'], '.2f'):>9}{_f(r['mean_ratio_vs_solo'], '.2f'):>10}"
               f"{_f(r['cpu_s_per_epoch'], '.2f'):>9}{_f(cpu_ratio, '.2f'):>9}"
               f"{_f(r['storage_mib_epoch0'], '.1f'):>8}{_f(r[f'storage_mib_epoch{last}'], '.1f'):>8}"
               f"{_f(r['device_mib_epoch0'], '.1f'):>8}{_f(r['shared_fraction'], '.0%'):>7}")
     if len(rows) > len(med):
-        print(f"(medians of {med[0]['rounds']} rounds; 'images/s per job' is the last round's)")
+        print(f"(medians of {med[0]['rounds']} rounds; per job: each job's median)")
     print("images/s: epochs 1.. (epoch 0 is warm-up); CPU s/ep: all processes in the cgroup per epoch; "
           "MiB: read from storage by the cgroup's processes; dev: the whole device; shared: samples "
           "received shared / all")
@@ -731,7 +733,7 @@ def main(argv=None) -> int:
               f"{'yes' if ctx['cgroups'] else 'no (needs root and cgroup v1 cpuacct)'}", flush=True)
         if not share_ok:
             print("coordl.DataLoader has no share= parameter: running the configurations without sharing only")
-        rows, job_rows = [], []
+        rows, job_rows, failed = [], [], []
         for rnd in range(args.rounds):
             solo_rate = None
             for name, specs, share in configs:
@@ -742,7 +744,13 @@ def main(argv=None) -> int:
                     # runs at ~1/3 of solo: each step takes 3x a solo step
                     specs[-1]["sleep"] = 2 * specs[-1]["batch_size"] / solo_rate
                 t0 = time.monotonic()
-                res = run_config(args, name, specs, share, ctx)
+                try:
+                    res = run_config(args, name, specs, share, ctx)
+                except (RuntimeError, TimeoutError, OSError, subprocess.SubprocessError) as e:
+                    # its processes are gone (run_config kills the cgroup); the others still run
+                    failed.append(f"round {rnd} {name}: {e}")
+                    print(f"  round {rnd} {name:<18} FAILED: {e}", flush=True)
+                    continue
                 row, jrows = summarize(res, args, solo_rate)
                 if name == "solo":
                     solo_rate = row["mean_images_per_s"]
@@ -761,6 +769,9 @@ def main(argv=None) -> int:
             print("nothing ran")
             return 1
         report(rows, job_rows, args, share_ok)
+        if failed:
+            print("\nfailed configurations:\n  " + "\n  ".join(failed))
+            return 1
     finally:
         tmp.cleanup()
     return 0
