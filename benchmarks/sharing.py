@@ -212,9 +212,10 @@ def job(args) -> int:
 
     dev = args.dev
     extra = {"cache_size": args.cache_size} if args.cache_size not in ("", "0", "none") else {}
-    if "share" in inspect.signature(coordl.DataLoader).parameters:
+    params = inspect.signature(coordl.DataLoader).parameters
+    if "share" in params:
         extra["share"] = bool(args.share)
-        if args.share:
+        if args.share and "job_name" in params:  # the name `coordl daemon status` shows
             extra["job_name"] = args.job_name
     elif args.share:
         raise SystemExit("this coordl has no DataLoader(share=...)")
@@ -338,8 +339,7 @@ def run_config(args, name: str, specs: list[dict], share: bool, ctx: dict) -> di
             print(f"  (no cgroup: {e}; CPU and storage columns stay empty)")
             ctx["cgroups"] = False
     dirs = ",".join(cg.dirs) if cg else ""
-    env = dict(os.environ)
-    env.pop("COORDL_SHARE", None)  # each job says share= itself
+    env = _child_env()
     jobs: list[Job] = []
     snapshots: list[dict] = []
     daemon_pid = None
@@ -349,8 +349,9 @@ def run_config(args, name: str, specs: list[dict], share: bool, ctx: dict) -> di
             cachebench.drop_caches()
             _prime(args, ctx, env)
         if share:
+            # cwd: `python -m coordl.daemon.server` must not import a coordl that happens to be in our cwd
             r = subprocess.run([sys.executable, __file__, "--daemon-start", "--cgroup-dirs", dirs], env=env,
-                               capture_output=True, text=True, timeout=60)
+                               capture_output=True, text=True, timeout=60, cwd=ctx["tmp"])
             if r.returncode != 0:
                 raise RuntimeError(f"daemon start failed:\n{r.stdout}{r.stderr}")
             daemon_pid = json.loads(r.stdout.strip().splitlines()[-1])["daemon"]
@@ -421,6 +422,19 @@ def run_config(args, name: str, specs: list[dict], share: bool, ctx: dict) -> di
               "may start with a warm node cache)")
     return {"name": name, "share": share, "specs": specs, "jobs": [(j.epochs(), j.totals()) for j in jobs],
             "daemon_pid": daemon_pid, "status": snapshots}
+
+
+def _child_env() -> dict:
+    """The environment of the jobs and the daemon: they import the coordl
+    this script imported (its directory first on PYTHONPATH), whatever their
+    working directory."""
+    import coordl
+
+    env = dict(os.environ)
+    env.pop("COORDL_SHARE", None)  # each job says share= itself
+    top = os.path.dirname(os.path.dirname(os.path.abspath(coordl.__file__)))
+    env["PYTHONPATH"] = os.pathsep.join([top] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+    return env
 
 
 def _prime(args, ctx: dict, env: dict) -> None:
@@ -699,6 +713,7 @@ def main(argv=None) -> int:
         return daemon_start(args)
     if args.quick:
         args.images, args.batch_size, args.epochs, args.workers, args.rounds = 48, 8, 2, 1, 1
+        args.cache_size = "64MiB"  # the budget is reserved in /dev/shm up front
         args.timeout = min(args.timeout, 180)
 
     import coordl
