@@ -199,6 +199,62 @@ class JobGroup:
                     time.sleep(0.1)
 
 
+ROLES = ("jobs' main", "jobs' workers", "daemon", "daemon workers", "other")
+
+
+class CpuByRole:
+    """Per-process CPU of the cgroup's members, sampled from /proc a few times
+    a second, so the total the cgroup counts can be split by role: the jobs'
+    main processes, their workers, the daemon, its workers.  Approximate (a
+    process's last ~0.25 s before it exits can be missed); the cgroup's own
+    counter stays the figure of record."""
+
+    TICK = os.sysconf("SC_CLK_TCK")
+
+    def __init__(self, cg: "JobGroup"):
+        self.cg = cg
+        self.samples: dict[int, list[tuple[float, float]]] = {}
+        self.info: dict[int, tuple[int, str]] = {}  # pid -> (ppid, cmdline)
+
+    def sample(self) -> None:
+        for pid in self.cg.pids():
+            try:
+                with open(f"/proc/{pid}/stat") as f:
+                    stat = f.read()
+                t = time.monotonic()
+                fields = stat[stat.rindex(")") + 2:].split()
+                cpu = (int(fields[11]) + int(fields[12])) / self.TICK
+                if pid not in self.info:
+                    with open(f"/proc/{pid}/cmdline", "rb") as f:
+                        cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
+                    self.info[pid] = (int(fields[1]), cmd)
+            except (FileNotFoundError, ProcessLookupError, ValueError):
+                continue
+            self.samples.setdefault(pid, []).append((t, cpu))
+
+    def role(self, pid: int) -> str:
+        chain = []  # pid, its parent, ... as far as the group's processes go
+        while pid in self.info and pid not in chain:
+            chain.append(pid)
+            pid = self.info[pid][0]
+        for marks, top, below in ((("coordl.daemon.server", "coordl.daemon.worker"), "daemon", "daemon workers"),
+                                  (("sharing.py --job",), "jobs' main", "jobs' workers")):
+            hits = [i for i, p in enumerate(chain) if any(m in self.info[p][1] for m in marks)]
+            if hits:  # the outermost one is the main process; anything under it its worker
+                outer = chain[hits[-1]]
+                return top if outer == chain[0] and marks[0] in self.info[outer][1] else below
+        return "other"
+
+    def between(self, t0: float, t1: float) -> dict[str, float]:
+        """CPU seconds each role used from ``t0`` to ``t1``."""
+        def at(series, t):
+            return max((c for ts, c in series if ts <= t), default=0.0)
+        out = dict.fromkeys(ROLES, 0.0)
+        for pid, series in self.samples.items():
+            out[self.role(pid)] += at(series, t1) - at(series, t0)
+        return out
+
+
 # ======================================================================== job
 def job(args) -> int:
     """One training job: build the loader, wait for "go", run the epochs,
@@ -232,6 +288,7 @@ def job(args) -> int:
     emit({"ready": os.getpid()})
     if sys.stdin.readline().strip() != "go":
         return 2  # the benchmark went away
+    batch = None
     for e in range(args.epochs):
         p0, n = probe(), 0
         for batch in L:
@@ -246,9 +303,35 @@ def job(args) -> int:
         emit(rec)
     totals = dataclasses.asdict(L.stats())
     totals.pop("epochs", None)
+    # a finished job leaves its group as a real one would (its loader and
+    # workers go), but its interpreter's exit waits until every job is done
+    del L, batch
+    import gc
+    gc.collect()
+    if args.warm_maps:
+        _read_mapped_files()
     emit({"done": os.getpid(), "stats": totals})
-    sys.stdin.readline()  # hold the loader until every job is done: nobody's exit lands in an epoch
+    sys.stdin.readline()
     return 0
+
+
+def _read_mapped_files() -> None:
+    """Read every file this process has mapped (the interpreter, torch's and
+    numpy's libraries, the decoder) whole, into the page cache: a process that
+    touches other pages of them later then finds them there."""
+    paths = set()
+    with open("/proc/self/maps") as f:
+        for line in f:
+            parts = line.split(maxsplit=5)
+            if len(parts) == 6 and parts[5].startswith("/"):
+                paths.add(parts[5].strip())
+    for path in sorted(paths):
+        try:
+            with open(path, "rb") as fh:
+                while fh.read(1 << 20):
+                    pass
+        except OSError:
+            pass
 
 
 def daemon_start(args) -> int:
@@ -273,10 +356,15 @@ class Job:
         threading.Thread(target=self._read, daemon=True).start()
 
     def _read(self):
-        for line in self.p.stdout:
-            if line.startswith("{"):
-                self.lines.put(json.loads(line))
-        self.lines.put(None)
+        try:
+            for line in self.p.stdout:
+                if line.startswith("{"):
+                    try:
+                        self.lines.put(json.loads(line))
+                    except ValueError:
+                        pass  # somebody else's output
+        finally:
+            self.lines.put(None)
 
     def pump(self) -> None:
         while True:
@@ -342,6 +430,7 @@ def run_config(args, name: str, specs: list[dict], share: bool, ctx: dict) -> di
     env = _child_env()
     jobs: list[Job] = []
     snapshots: list[dict] = []
+    by_role = None
     daemon_pid = None
     ok = False
     try:
@@ -369,12 +458,16 @@ def run_config(args, name: str, specs: list[dict], share: bool, ctx: dict) -> di
             jobs.append(Job(cmd, env, os.path.join(ctx["tmp"], f"{tag}-{i}.log")))
         deadline = time.monotonic() + args.timeout
         _wait(jobs, "ready", deadline)
+        by_role = CpuByRole(cg) if cg else None
         for j in jobs:
             j.say("go")
-        last_status = 0.0
+        last_status = last_sample = 0.0
         while not all(j.done for j in jobs):
             for j in jobs:
                 j.pump()
+            if by_role and time.monotonic() - last_sample > 0.25:
+                last_sample = time.monotonic()
+                by_role.sample()
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{name}: jobs not done within --timeout={args.timeout:g} s")
             if share and time.monotonic() - last_status > 1.0:
@@ -421,7 +514,7 @@ def run_config(args, name: str, specs: list[dict], share: bool, ctx: dict) -> di
         print(f"  warning: cache segments still present after {name}: {left} (the next configuration "
               "may start with a warm node cache)")
     return {"name": name, "share": share, "specs": specs, "jobs": [(j.epochs(), j.totals()) for j in jobs],
-            "daemon_pid": daemon_pid, "status": snapshots}
+            "daemon_pid": daemon_pid, "status": snapshots, "by_role": by_role}
 
 
 def _child_env() -> dict:
@@ -439,11 +532,12 @@ def _child_env() -> dict:
 
 def _prime(args, ctx: dict, env: dict) -> None:
     """After drop_caches, run the jobs' code once on a separate tiny dataset,
-    outside the cgroup: the program files (python, torch, numpy, the decoder)
-    come back into the page cache, so the storage read inside the epochs is
-    the dataset's, not the start-up of the workers."""
+    outside the cgroup, and read every file it mapped: the program files
+    (python, torch, numpy, the decoder) come back into the page cache whole,
+    so the storage read inside the epochs is the dataset's, not pages of
+    libraries faulted in by workers and the daemon."""
     cmd = [sys.executable, __file__, "--job", "--root", ctx["primer"], "--workers", str(args.workers),
-           "--batch-size", "4", "--epochs", "1", "--seed", str(args.seed), "--cache-size", "0"]
+           "--batch-size", "4", "--epochs", "1", "--seed", str(args.seed), "--cache-size", "0", "--warm-maps"]
     r = subprocess.run(cmd, input="go\nexit\n", capture_output=True, text=True, env=env, timeout=120,
                        start_new_session=True)
     if r.returncode != 0:
@@ -508,6 +602,11 @@ def summarize(res: dict, args, solo_rate: float | None) -> tuple[dict, list[dict
         row[f"cpu_s_epoch{e}"] = cpu[e] / 1e9 if cpu[e] is not None else float("nan")
         row[f"storage_mib_epoch{e}"] = cg_read[e] / 2**20 if cg_read[e] is not None else float("nan")
         row[f"device_mib_epoch{e}"] = dev_read[e] / 2**20 if dev_read[e] is not None else float("nan")
+    if res["by_role"] is not None:
+        starts = [ep[measured[0]]["start"]["t"] for ep in jobs_epochs]
+        ends = [ep[measured[-1]]["end"]["t"] for ep in jobs_epochs]
+        for k, v in res["by_role"].between(min(starts), max(ends)).items():
+            row[f"cpu_s_per_epoch {k}"] = v / len(measured)
     m_cpu = _window(jobs_epochs, measured[0], measured[-1], "cpu_ns")
     row["cpu_s_per_epoch"] = m_cpu / len(measured) / 1e9 if m_cpu is not None else float("nan")
     all_read = _window(jobs_epochs, 0, args.epochs - 1, "cg_read")
@@ -574,6 +673,14 @@ def report(rows: list[dict], job_rows: list[dict], args, share_ok: bool) -> None
     print("images/s: epochs 1.. (epoch 0 is warm-up); CPU s/ep: all processes in the cgroup per epoch; "
           "MiB: read from storage by the cgroup's processes; dev: the whole device; shared: samples "
           "received shared / all")
+
+    if any(f"cpu_s_per_epoch {ROLES[0]}" in r for r in med):
+        print("\nCPU s per epoch by process (sampled from /proc; the cgroup's total above is the figure of record):")
+        print(f"{'config':<19}" + "".join(f"{k:>16}" for k in ROLES) + f"{'sum':>8}{'cgroup':>8}")
+        for r in med:
+            vals = [r.get(f"cpu_s_per_epoch {k}", float("nan")) for k in ROLES]
+            print(f"{r['config']:<19}" + "".join(f"{_f(v, '.2f'):>16}" for v in vals)
+                  + f"{_f(sum(vals), '.2f'):>8}{_f(r['cpu_s_per_epoch'], '.2f'):>8}")
 
     by = {r["config"]: r for r in med}
 
@@ -706,6 +813,7 @@ def main(argv=None) -> int:
     ap.add_argument("--cgroup-dirs", default="", help=argparse.SUPPRESS)
     ap.add_argument("--dev", default="", help=argparse.SUPPRESS)
     ap.add_argument("--dev-id", default="", help=argparse.SUPPRESS)
+    ap.add_argument("--warm-maps", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.job:
         return job(args)
