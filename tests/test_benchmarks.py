@@ -89,7 +89,7 @@ def test_sharing_quick(tmp_path):
 
     import coordl
 
-    out = _script("sharing.py", "--quick", "--out", str(tmp_path), timeout=400)
+    out = _script("sharing.py", "--quick", "--out", str(tmp_path), timeout=600)
     with open(tmp_path / "sharing.csv") as f:
         rows = {r["config"]: r for r in csv.DictReader(f)}
     with open(tmp_path / "sharing_jobs.csv") as f:
