@@ -46,7 +46,7 @@ Targets (issue 8): sharing at K=4 each job >= 0.85x solo (without: ~1/K);
 CPU per epoch at K=4 sharing <= 1.15x solo; storage per epoch at K=4 sharing
 = solo; with a slow member, the fast members keep >= 0.9x of their speed.
 
-    python benchmarks/sharing.py                       # 1000 generated photos, 2 rounds, ~10 min
+    python benchmarks/sharing.py                       # 1000 generated photos, 3 rounds, ~9 min
     python benchmarks/sharing.py --root /tmp/synth --epochs 3 --rounds 1 --configs solo,K4,shared-K4
     python benchmarks/sharing.py --quick               # tiny smoke run (tests use it)
 
@@ -826,7 +826,7 @@ def main(argv=None) -> int:
     ap.add_argument("--batch-size", type=int, default=64, help="batch of every job (mixed: /2, x1, x2, x4)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--cache-size", default="2GiB", help='node cache of every job ("0": off)')
-    ap.add_argument("--rounds", type=int, default=2, help="repeat all configurations (medians reported)")
+    ap.add_argument("--rounds", type=int, default=3, help="repeat all configurations (medians reported)")
     ap.add_argument("--configs", default=",".join(CONFIGS))
     ap.add_argument("--step", choices=sorted(STEPS), default="mean",
                     help="the jobs' training step: mean = images.float().mean() (default), light = the mean "
