@@ -5,12 +5,14 @@ Each job is its own ``python benchmarks/sharing.py --job ...`` process (not a
 child loader of this script): ``coordl.ImageFolder`` with RandomResizedCrop(224)
 + flip -> uint8 CHW (``common.coordl_dataset``), 2 workers, batch 64, a trivial
 step (``images.float().mean()``; ``--step light``: one pixel row per image, so
-that only the loader is measured), the node cache on (``--cache-size``) in every
-job, same seed and shuffle, so with ``share=True`` they form one group at the
-daemon.  All jobs of a configuration start together (each builds its loader,
-says "ready", and waits for "go") and each prints one JSON line per epoch.
-Epoch 0 is the warm-up (workers start, the node cache fills from storage);
-ratios use the later epochs.
+that only the loader is measured) with torch at 1 thread, the node cache on
+(``--cache-size``) in every job, same seed and shuffle, so with ``share=True``
+they form one group at the daemon.  All jobs of a configuration start
+together (each builds its loader, says "ready", and waits for "go") and each
+prints one JSON line per epoch.  Epoch 0 is the warm-up (workers start, the
+node cache fills from storage); ratios use the later epochs.  A job done
+with its epochs drops its loader (it leaves its group, as by exiting) and
+exits when all are done.
 
 Configurations, all in one run so the ratios are side by side (``--rounds``
 repeats the whole list, interleaved, and the table shows medians):
@@ -35,12 +37,16 @@ Measured per configuration:
   epoch's own span, first start to last end;
 * storage bytes per epoch, page cache dropped before each configuration
   (``echo 3 > /proc/sys/vm/drop_caches``, then the jobs' code is run once on
-  a separate tiny dataset so that program files are not counted): the group's blkio counter
+  a separate tiny dataset and reads its mapped libraries whole, so that
+  program files are not counted): the group's blkio counter
   (``blkio.throttle.io_service_bytes``, Read: only these processes) and the
   whole device's (``/sys/block/<dev>/stat``, includes anything else running
   on the machine), over the same spans; the storage target compares the span
   of all epochs (epoch 0 fills the node cache, later epochs read from it);
-  and coordl's own counters.
+  and coordl's own counters;
+* the steps' own CPU (``thread_time`` around each step) and, sampled from
+  /proc, the CPU split into the jobs' main processes, their workers, the
+  daemon and its workers: where the CPU goes when the target is missed.
 
 Targets (issue 8): sharing at K=4 each job >= 0.85x solo (without: ~1/K);
 CPU per epoch at K=4 sharing <= 1.15x solo; storage per epoch at K=4 sharing
