@@ -232,16 +232,20 @@ class Hub:
                                   "fell further behind the group than its staging holds"})
 
     def flush(self, everything: bool = False) -> None:
-        """Send gathered deliveries, one message per member: at once to a
-        member that waits for one of them (below its ``need``), else once
-        ``_DELIVER_BATCH`` have gathered (fewer wake-ups of the job)."""
+        """Send gathered deliveries, one message per member: when the batch
+        it waits for (everything below its ``need``) is complete, or once
+        ``_DELIVER_BATCH`` have gathered, so a job wakes about once per
+        batch, not once per sample."""
         keep = {}
         for fd, (conn, items) in self._outbox.items():
             if not items or conn.fileno() < 0:
                 continue
             entry = self.members.get(fd)
-            need = entry[1].need if entry is not None else 0
-            if everything or len(items) >= _DELIVER_BATCH or any(it[0] < need for it in items):
+            m = entry[1] if entry is not None else None
+            # a member waiting for its batch is woken once, when the whole batch is here
+            ready = m is None or (any(it[0] < m.need for it in items)
+                                  and not any(w < m.need for w in m.want))
+            if everything or len(items) >= _DELIVER_BATCH or ready:
                 self._send(conn, {"op": "ready", "items": items})
             else:
                 keep[fd] = (conn, items)
