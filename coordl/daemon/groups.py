@@ -124,10 +124,13 @@ class Group:
         ``want`` (ascending).  Ready items are delivered at once; the others
         are queued for a worker."""
         m = self.members[mid]
+        old = m.pos
         m.pos = max(m.pos, pos)
         m.need = max(m.pos, need if need is not None else pos + 1)
         for g in release:
             m.claims.discard(g)
+        # only what it released or moved past may be free now
+        maybe = set(release) | {h for h in self.items if old <= h < m.pos}
         out = []
         if m.attached:
             now = []
@@ -145,7 +148,7 @@ class Group:
                         self._queued.add(g)
             if now:
                 out.append(("deliver", m, now))
-        self.gc()
+        self.gc(maybe)
         return out
 
     # ---------------------------------------------------------------- work
@@ -202,9 +205,13 @@ class Group:
                 return True
         return False
 
-    def gc(self) -> None:
-        """Free every item nobody may take any more."""
-        dead = [g for g, it in self.items.items() if not self._needed(g, it)]
+    def gc(self, only=None) -> None:
+        """Free every item nobody may take any more (of ``only``, when given)."""
+        items = self.items
+        if only is None:
+            dead = [g for g, it in items.items() if not self._needed(g, it)]
+        else:
+            dead = [g for g in only if g in items and not self._needed(g, items[g])]
         for g in dead:
             self.free.append(self.items.pop(g).slot)
 
