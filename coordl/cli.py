@@ -149,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     dsub = dm.add_subparsers(dest="daemon_cmd", required=True)
     ds = dsub.add_parser("start", help="start it detached (jobs with share=True also do, if none runs)")
     ds.add_argument("--staging", default=None, help="staging memory per group, e.g. 512MiB "
-                                                    "(default 256MiB, or $COORDL_STAGING)")
+                                                    "(default 512MiB, or $COORDL_STAGING)")
     dsub.add_parser("stop", help="stop it; its members go on preparing for themselves")
     dst = dsub.add_parser("status", help="groups, members (pid, name, position, lag, shared vs "
                                          "self-prepared samples), staging and cache use")

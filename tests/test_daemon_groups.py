@@ -98,3 +98,25 @@ def test_failed_samples_are_delivered_as_failures():
     _, (pos, _) = g.next_task()
     acts = g.done(pos, False, why="reading: OSError")
     assert delivered(acts, a) == [0] and g.items[0].state == "failed"
+
+
+def test_a_member_that_finished_its_epoch_keeps_the_next_one_held():
+    g = Group(1, "k", nslots=32, samples_per_epoch=8)
+    fast, slow = Member(1, 10, "fast"), Member(2, 11, "slow")
+    g.add(fast), g.add(slow)
+    g.begin_pass(1, 0, 0, 8), g.begin_pass(2, 0, 0, 8)
+    g.step(2, 0, want=range(8))
+    run_worker(g)
+    g.end_pass(2, complete=True)            # slow finished epoch 0 (it consumed what it had)
+    g.step(1, 0, want=range(8)), run_worker(g)
+    g.end_pass(1, complete=True)
+    g.begin_pass(1, 1, 8, 16)               # fast runs epoch 1 ahead of slow
+    g.step(1, 8, want=range(8, 16)), run_worker(g)
+    g.step(1, 16, release=range(8, 16))
+    assert sorted(g.items) == list(range(8, 16))   # kept: slow is expected at epoch 1
+    g.begin_pass(2, 1, 8, 16)
+    acts = g.step(2, 8, want=range(8, 16))
+    assert sorted(delivered(acts, slow)) == list(range(8, 16)) and g.prepared == 16
+    g.end_pass(2)                           # stopped early (or detached): nothing kept for it
+    g.end_pass(1)
+    assert g.items == {}

@@ -111,11 +111,21 @@ class Group:
         self.gc()
         return []
 
-    def end_pass(self, mid: int) -> list:
+    def end_pass(self, mid: int, complete: bool = False) -> list:
+        """Member ``mid``'s pass is over.  After a ``complete`` pass it is
+        expected to run the next epoch, so what the others prepare of that
+        epoch is kept for it (a slower member then shares across epoch
+        boundaries); otherwise (it was detached, or stopped early) it leaves
+        the stream until its next pass."""
         m = self.members[mid]
-        m.attached = False
         m.want.clear()
         m.claims.clear()
+        if complete and m.attached:
+            m.epoch += 1
+            m.pos, m.end = m.end, m.end + self.n
+            m.need = m.pos
+        else:
+            m.attached = False
         self.gc()
         return []
 

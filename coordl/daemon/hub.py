@@ -38,7 +38,7 @@ from .groups import Group, Member
 
 __all__ = ["Hub", "DEFAULT_STAGING"]
 
-DEFAULT_STAGING = 256 << 20   # bytes of staging per group
+DEFAULT_STAGING = 512 << 20   # bytes of staging per group (touched only as it is used)
 _IN_FLIGHT = 8                # samples handed to one worker at a time (it reads ahead on them)
 _DELIVER_BATCH = 32           # ready samples a member gets in one message unless it waits for one
 
@@ -138,7 +138,7 @@ class Hub:
                                  msg.get("need")))
         elif op == "end":
             m.shared, m.self_prepared = int(msg.get("shared", m.shared)), int(msg.get("self", m.self_prepared))
-            self._act(res, g.end_pass(m.mid))
+            self._act(res, g.end_pass(m.mid, complete=bool(msg.get("complete"))))
         else:
             self._send(conn, {"op": "error", "why": f"unknown op {op!r}"})
 

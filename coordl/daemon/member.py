@@ -319,9 +319,12 @@ class SharedIter:
             self.mode.drop_link()
         self.attached = False
 
-    def _leave(self) -> None:
+    def _leave(self, complete: bool = False) -> None:
+        """Tell the daemon this pass is over (``complete``: it ran to its end,
+        and the next epoch will likely follow)."""
         if self.attached:
-            self._send({"op": "end", "shared": self.mode.shared, "self": self.mode.self_prepared})
+            self._send({"op": "end", "complete": complete, "shared": self.mode.shared,
+                        "self": self.mode.self_prepared})
             self.attached = False
 
     def _receive(self, block: bool) -> None:
@@ -367,7 +370,7 @@ class SharedIter:
     # ------------------------------------------------------------ batches
     def __next__(self) -> Envelope:
         if self.idx >= len(self.steps):
-            self._leave()
+            self._leave(complete=True)
             raise StopIteration
         if self.local is not None:
             return next(self.local)
