@@ -13,8 +13,9 @@ A staged sample (``Item``) is kept while someone may still take it:
 * *claimed*: delivered to a member that has not released it yet, or wanted
   by a member that is waiting for it;
 * *held*: an attached member has not reached it yet in its current pass
-  (``m.pos <= G < m.end``), so a slower member takes what a faster one
-  caused to be prepared.
+  or in the epoch after it (``m.pos <= G < m.end + samples_per_epoch``), so
+  a slower member takes what a faster one caused to be prepared, across
+  epoch boundaries too.
 
 Bounded staging, no lockstep.  Staging has a fixed number of slots.  When a
 sample must be prepared and no slot is free, the room is made by detaching
@@ -211,9 +212,14 @@ class Group:
         for m in self.members.values():
             if g in m.claims or g in m.want:
                 return True
-            if m.attached and m.pos <= g < m.end:
+            if self._holds(m, g):
                 return True
         return False
+
+    def _holds(self, m: Member, g: int) -> bool:
+        """Whether ``g`` is kept for ``m``: it has not reached it in this pass
+        or in the next epoch, which is likely to follow."""
+        return m.attached and m.pos <= g < m.end + self.n
 
     def gc(self, only=None) -> None:
         """Free every item nobody may take any more (of ``only``, when given)."""
@@ -242,7 +248,7 @@ class Group:
         attached = sorted((m for m in self.members.values() if m.attached), key=lambda m: m.pos)
         if len(attached) > 1 and not any(m is attached[0] for m in asking):
             m0 = attached[0]     # furthest behind: what is kept for it is what fills staging
-            if m0.claims or any(m0.pos <= h < m0.end for h in self.items):
+            if m0.claims or any(self._holds(m0, h) for h in self.items):
                 return self.detach(m0)
         # the asker is furthest behind: drop what is held only for the future, furthest first
         for h in sorted(self.items, reverse=True):
@@ -257,7 +263,7 @@ class Group:
         # others to release theirs; if it needs it now, revoke the largest other holder
         # (a slow or stalled member), or its own window if nobody else holds anything
         if any(g < m.need for m in asking):
-            foot = {m.mid: len(m.claims) + sum(1 for h in self.items if m.attached and m.pos <= h < m.end)
+            foot = {m.mid: len(m.claims) + sum(1 for h in self.items if self._holds(m, h))
                     for m in self.members.values()}
             others = [m for m in self.members.values() if m not in asking and foot[m.mid]]
             if others:
