@@ -85,19 +85,14 @@ def test_cache_benchmark_tiny(tmp_path):
 
 
 def test_sharing_quick(tmp_path):
-    import inspect
-
-    import coordl
-
-    out = _script("sharing.py", "--quick", "--out", str(tmp_path), timeout=600)
+    # a few configurations keep the suite short; the full list runs in the benchmark itself
+    out = _script("sharing.py", "--quick", "--configs", "solo,K2,shared-K2,shared-mixed", "--out", str(tmp_path),
+                  timeout=600)
     with open(tmp_path / "sharing.csv") as f:
         rows = {r["config"]: r for r in csv.DictReader(f)}
     with open(tmp_path / "sharing_jobs.csv") as f:
         jobs = list(csv.DictReader(f))
-    expect = ["solo", "K2", "K4"]
-    if "share" in inspect.signature(coordl.DataLoader).parameters:
-        expect += ["shared-K1", "shared-K2", "shared-K4", "shared-mixed", "shared-fast3", "shared-fast3+slow"]
-    assert list(rows) == expect, out
+    assert list(rows) == ["solo", "K2", "shared-K2", "shared-mixed"], out
     for name, r in rows.items():
         k = int(r["K"])
         assert len(r["job_images_per_s"].split("/")) == k
@@ -106,8 +101,8 @@ def test_sharing_quick(tmp_path):
         mine = [j for j in jobs if j["config"] == name]
         assert sorted((int(j["job"]), int(j["epoch"])) for j in mine) == [(i, e) for i in range(k) for e in (0, 1)]
         assert all(int(j["images"]) == 48 for j in mine)
-    if "shared-K4" in rows:  # four identical jobs started together did share samples
-        assert sum(int(j["samples_shared"] or 0) for j in jobs if j["config"] == "shared-K4") > 0
+    for name in ("shared-K2", "shared-mixed"):   # jobs started together did share samples
+        assert sum(int(j["samples_shared"] or 0) for j in jobs if j["config"] == name) > 0
     assert "targets (issue 8)" in out
     for c in ("cpuacct", "blkio"):
         d = f"/sys/fs/cgroup/{c}"
