@@ -119,16 +119,10 @@ class Cgroup:
         return 0
 
     def remove(self):
+        from _host import rmdir_retry
+
         for root in (MEM, BLKIO):
-            path = os.path.join(root, self.name)
-            for _ in range(50):
-                try:
-                    os.rmdir(path)
-                    break
-                except FileNotFoundError:
-                    break
-                except OSError:
-                    time.sleep(0.1)
+            rmdir_retry(os.path.join(root, self.name))
 
 
 def drop_caches():

@@ -176,3 +176,4 @@ def warm_page_cache(root: str) -> int:
             with open(os.path.join(dirpath, f), "rb") as fh:
                 total += len(fh.read())
     return total
+

@@ -85,6 +85,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
+import _host  # noqa: E402
 import cache as cachebench  # noqa: E402  (block-device counters, drop_caches)
 
 CONFIGS = ("solo", "K2", "K4", "shared-K1", "shared-K2", "shared-K4", "shared-mixed",
@@ -196,14 +197,7 @@ class JobGroup:
 
     def remove(self) -> None:
         for path in self.dirs:
-            for _ in range(50):
-                try:
-                    os.rmdir(path)
-                    break
-                except FileNotFoundError:
-                    break
-                except OSError:
-                    time.sleep(0.1)
+            _host.rmdir_retry(path)
 
 
 ROLES = ("jobs' main", "jobs' workers", "daemon", "daemon workers", "other")
@@ -767,12 +761,8 @@ def report(rows: list[dict], job_rows: list[dict], args, share_ok: bool) -> None
 
 
 def plot(med: list[dict], args) -> None:
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed (pip install -e '.[bench]'): no plot")
+    plt = _host.pyplot()
+    if plt is None:
         return
     fig, ax = plt.subplots(figsize=(6, 3.8))
     for share, names, color, label in ((0, ("solo", "K2", "K4"), "#888", "without sharing"),

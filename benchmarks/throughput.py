@@ -27,6 +27,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import psutil  # noqa: E402
 
+import _host  # noqa: E402
 import common  # noqa: E402
 
 
@@ -127,12 +128,8 @@ def report(rows: list[dict], args) -> None:
         w.writeheader()
         w.writerows(rows)
     print(f"\nwrote {path}")
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed (pip install -e '.[bench]'): no plot")
+    plt = _host.pyplot()
+    if plt is None:
         return
     fig, ax = plt.subplots(figsize=(6, 3.5))
     names = [r["loader"] for r in rows]

@@ -15,15 +15,22 @@ def run_worker(g: Group):
         out += g.done(task[0], True, info=["storage", 1, 0.0, 0.0])
 
 
+def two_members(nslots, n, names=("a", "b"), passes=((0, 0, None), (0, 0, None))):
+    """A group with two members, each in a pass (epoch, start, end or n)."""
+    g = Group(1, "k", nslots=nslots, samples_per_epoch=n)
+    ms = [Member(k + 1, 10 + k, name) for k, name in enumerate(names)]
+    for m, (epoch, start, end) in zip(ms, passes):
+        g.add(m)
+        g.begin_pass(m.mid, epoch, start, n if end is None else end)
+    return (g, *ms)
+
+
 def delivered(actions, m):
     return [x for a in actions if a[0] == "deliver" and a[1] is m for x in a[2]]
 
 
 def test_members_at_the_same_positions_share_every_sample():
-    g = Group(1, "k", nslots=16, samples_per_epoch=8)
-    a, b = Member(1, 10, "a"), Member(2, 11, "b")
-    g.add(a), g.add(b)
-    g.begin_pass(1, 0, 0, 8), g.begin_pass(2, 0, 0, 8)
+    g, a, b = two_members(16, 8)
     acts = g.step(1, 0, want=range(4)) + g.step(2, 0, want=range(4))
     acts += run_worker(g)
     assert sorted(delivered(acts, a)) == [0, 1, 2, 3] and sorted(delivered(acts, b)) == [0, 1, 2, 3]
@@ -36,10 +43,7 @@ def test_members_at_the_same_positions_share_every_sample():
 
 
 def test_a_slower_member_takes_what_the_faster_one_caused():
-    g = Group(1, "k", nslots=16, samples_per_epoch=8)
-    fast, slow = Member(1, 10, "fast"), Member(2, 11, "slow")
-    g.add(fast), g.add(slow)
-    g.begin_pass(1, 0, 0, 8), g.begin_pass(2, 0, 0, 8)
+    g, fast, slow = two_members(16, 8, ("fast", "slow"))
     g.step(1, 0, want=range(8))
     run_worker(g)
     g.step(1, 8, release=range(8))
@@ -49,10 +53,7 @@ def test_a_slower_member_takes_what_the_faster_one_caused():
 
 
 def test_full_staging_detaches_the_member_furthest_behind_not_the_leader():
-    g = Group(1, "k", nslots=4, samples_per_epoch=100)
-    fast, slow = Member(1, 10, "fast"), Member(2, 11, "slow")
-    g.add(fast), g.add(slow)
-    g.begin_pass(1, 0, 0, 100), g.begin_pass(2, 0, 0, 100)
+    g, fast, slow = two_members(4, 100, ("fast", "slow"))
     g.step(2, 0, want=[0])
     run_worker(g)                      # slow holds sample 0 and stops consuming
     acts = []
@@ -65,10 +66,7 @@ def test_full_staging_detaches_the_member_furthest_behind_not_the_leader():
 
 
 def test_a_stalled_holder_is_revoked_rather_than_a_deadlock():
-    g = Group(1, "k", nslots=4, samples_per_epoch=100)
-    a, b = Member(1, 10, "a"), Member(2, 11, "b")
-    g.add(a), g.add(b)
-    g.begin_pass(1, 0, 40, 100), g.begin_pass(2, 0, 0, 100)
+    g, a, b = two_members(4, 100, passes=((0, 40, None), (0, 0, None)))
     g.step(1, 40, want=[40, 41, 42, 43], need=44)  # a (ahead) claims every slot...
     run_worker(g)
     acts = g.step(2, 0, want=[0], need=1)          # ...and b, furthest behind, needs 0 now
@@ -101,10 +99,7 @@ def test_failed_samples_are_delivered_as_failures():
 
 
 def test_a_member_that_finished_its_epoch_keeps_the_next_one_held():
-    g = Group(1, "k", nslots=32, samples_per_epoch=8)
-    fast, slow = Member(1, 10, "fast"), Member(2, 11, "slow")
-    g.add(fast), g.add(slow)
-    g.begin_pass(1, 0, 0, 8), g.begin_pass(2, 0, 0, 8)
+    g, fast, slow = two_members(32, 8, ("fast", "slow"))
     g.step(2, 0, want=range(8))
     run_worker(g)
     g.end_pass(2, complete=True)            # slow finished epoch 0 (it consumed what it had)
