@@ -42,7 +42,7 @@ from .plan import EpochPlan
 from .protocol import describe
 from .stats import BatchStats
 
-__all__ = ["Engine", "pass_steps"]
+__all__ = ["Engine", "pass_steps", "place", "finish", "to_copy_path"]
 
 
 class _Builder:
@@ -227,55 +227,78 @@ class Engine:
         b.samples = None
 
     def _place(self, b: _Builder, j: int, sample) -> None:
-        if not b.copy:
-            if b.layout is None:
-                b.layout = _collate.layout_of(sample, b.n)
-                if b.layout is not None:
-                    b.slot, buf = self.slots.acquire(b.layout.nbytes)
-                    b.targets = _collate.views(b.layout, buf)
-            leaves = b.layout.leaves_of(sample) if b.layout is not None else None
-            if leaves is not None:
-                _collate.write_row(b.targets, j, leaves)
-                b.ok[j] = True
-                return
-            # no fixed layout, or a sample that differs from it: collate copies
-            # at the end instead (what torch would do), keeping rows written so far
-            rows = [r for r in range(b.n) if b.ok[r]]
-            back = _collate.rows_as_samples(b.layout, b.targets, rows) if rows else []
-            b.samples = [None] * b.n
-            for r, smp in zip(rows, back):
-                b.samples[r] = smp
-            if b.slot is not None:
-                self.slots.release(b.slot)
-            b.slot, b.targets, b.copy = None, None, True
-        b.samples[j] = sample
-        b.ok[j] = True
+        place(b, j, sample, self.slots)
 
     def _finish(self, b: _Builder) -> None:
-        rows = [r for r in range(b.n) if b.ok[r]]
-        if not rows:
-            if b.slot is not None:
-                self.slots.release(b.slot)
+        try:
+            out = finish(b, self.collate_fn, self.batch_size, self.slots)
+        except Exception as e:
+            self.emit("error", b.k, Failure(f"Caught an error in collate_fn in DataLoader worker process "
+                                            f"{self.worker_id}.\nOriginal {traceback.format_exc()}", type(e)))
+            return
+        if out[0] == "empty":
             self.emit("empty", b.k, b.stats)
+        elif out[0] == "obj":
+            self.emit("obj", b.k, out[1], b.stats)
+        else:
+            self.emit("batch", b.k, b.slot, b.layout, out[1], b.stats)
+
+
+def place(b: _Builder, j: int, sample, slots) -> None:
+    """Put ``sample`` in row ``j`` of batch ``b``: straight into the batch
+    buffer (from ``slots``) when it has the batch's fixed layout, else kept
+    for collation at the end (switching the batch to that path, rows
+    written so far included: what torch would do)."""
+    if not b.copy:
+        if b.layout is None:
+            b.layout = _collate.layout_of(sample, b.n)
+            if b.layout is not None:
+                b.slot, buf = slots.acquire(b.layout.nbytes)
+                b.targets = _collate.views(b.layout, buf)
+        leaves = b.layout.leaves_of(sample) if b.layout is not None else None
+        if leaves is not None:
+            _collate.write_row(b.targets, j, leaves)
+            b.ok[j] = True
             return
-        if b.copy:
-            samples = [b.samples[r] for r in rows]
-            b.samples = None
-            t0 = time.perf_counter()
-            try:
-                batch = self.collate_fn(samples[0]) if self.batch_size is None else \
-                    (self.collate_fn or torch.utils.data.default_collate)(samples)
-            except Exception as e:
-                self.emit("error", b.k, Failure(f"Caught an error in collate_fn in DataLoader worker process "
-                                                f"{self.worker_id}.\nOriginal {traceback.format_exc()}", type(e)))
-                return
-            b.stats.prep_s += time.perf_counter() - t0
-            self.emit("obj", b.k, batch, b.stats)
-            return
-        if len(rows) < b.n:  # skipped samples: close the gaps, keep plan order
-            for t in b.targets:
-                t[: len(rows)] = t[rows].clone()
-        self.emit("batch", b.k, b.slot, b.layout, len(rows), b.stats)
+        to_copy_path(b, slots)
+    b.samples[j] = sample
+    b.ok[j] = True
+
+
+def to_copy_path(b: _Builder, slots) -> None:
+    """Batch ``b`` is collated at the end: rows written so far become samples."""
+    rows = [r for r in range(b.n) if b.ok[r]]
+    back = _collate.rows_as_samples(b.layout, b.targets, rows) if rows else []
+    b.samples = [None] * b.n
+    for r, smp in zip(rows, back):
+        b.samples[r] = smp
+    if b.slot is not None:
+        slots.release(b.slot)
+    b.slot, b.targets, b.copy = None, None, True
+
+
+def finish(b: _Builder, collate_fn, batch_size, slots) -> tuple:
+    """Batch ``b``, every row placed or skipped: ``("empty",)`` (all
+    skipped), ``("obj", batch)`` (collated) or ``("batch", rows)`` (in
+    ``b.slot`` with ``b.layout``, the skipped rows' gaps closed, plan order
+    kept).  An error of ``collate_fn`` propagates."""
+    rows = [r for r in range(b.n) if b.ok[r]]
+    if not rows:
+        if b.slot is not None:
+            slots.release(b.slot)
+        return ("empty",)
+    if b.copy:
+        samples = [b.samples[r] for r in rows]
+        b.samples = None
+        t0 = time.perf_counter()
+        batch = collate_fn(samples[0]) if batch_size is None else \
+            (collate_fn or torch.utils.data.default_collate)(samples)
+        b.stats.prep_s += time.perf_counter() - t0
+        return ("obj", batch)
+    if len(rows) < b.n:  # skipped samples: close the gaps, keep plan order
+        for t in b.targets:
+            t[: len(rows)] = t[rows].clone()
+    return ("batch", len(rows))
 
 
 def _make_reader(dataset, cache):

@@ -42,6 +42,12 @@ class BatchStats:
         else:
             self.bytes_storage += nbytes
 
+    def add(self, other: "BatchStats") -> None:
+        """Count ``other``'s samples, reads and time in this record too."""
+        for k in ("samples", "bytes_storage", "from_cache", "bytes_cache", "fetch_s", "prep_s", "shared"):
+            setattr(self, k, getattr(self, k) + getattr(other, k))
+        self.skips += other.skips
+
     def __getstate__(self):
         return tuple(getattr(self, k) for k in self.__slots__)
 

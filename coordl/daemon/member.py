@@ -35,12 +35,12 @@ import warnings
 import weakref
 
 import numpy as np
-import torch
 
 from .. import _collate, _reaper
-from .._engine import _make_reader, pass_steps
+from .._engine import _Builder, _make_reader, finish, pass_steps, place
 from .._modes import PipelineMode
 from .._prep import SKIP, prep_sample
+from .._slots import LocalSlots
 from .._torch_path import Envelope
 from ..errors import SampleError
 from ..stats import BatchStats
@@ -124,6 +124,11 @@ class ShareMode(PipelineMode):
             self.link = None
 
     # ------------------------------------------------------------ helpers
+    def count(self, st: BatchStats) -> None:
+        """Add a batch's samples to the totals this loader reports to the daemon."""
+        self.shared += st.shared
+        self.self_prepared += st.samples - st.shared
+
     def reader(self, loader):
         if self._reader is None:
             self._reader = _make_reader(loader.dataset, loader._cache)[0]
@@ -407,119 +412,80 @@ class SharedIter:
         self.local = PipelineMode._pipeline_iter(self.mode, self.loader, self.epoch, self.steps[self.idx], done)
 
     def _slot_rows(self, item, g: int):
-        """The staged sample's leaves (views into staging), or None if the slot
+        """``(bytes of the staged sample, slot offset)``, or None if the slot
         does not hold position ``g`` complete (then it is prepared here)."""
         link = self.mode.link
         if link is None or not item[2]:
             return None
         base = int(item[1]) * link.stride
-        if HDR.unpack_from(link.mm, base)[1:] != (g, int(self.order[g - self.base]), MARK):
+        if not self._still(base, g):
             return None
-        buf = np.frombuffer(link.mm, dtype=np.uint8, count=self.layout1.nbytes, offset=base + HEADER)
-        return buf, base
+        return np.frombuffer(link.mm, dtype=np.uint8, count=self.layout1.nbytes, offset=base + HEADER), base
 
     def _still(self, base: int, g: int) -> bool:
+        """The slot at ``base`` holds position ``g``, complete (its header)."""
         link = self.mode.link
         return link is not None and HDR.unpack_from(link.mm, base)[1:] == (g, int(self.order[g - self.base]), MARK)
 
     def _assemble(self, k: int, rows: list[int], gs: list[int]) -> Envelope:
+        """Batch ``k`` from staged samples (one byte copy each) and samples
+        prepared here, with the engine's own placing and finishing, so the
+        batch is the one ``share=False`` builds."""
         mode, loader = self.mode, self.loader
-        st = BatchStats()
+        l1 = self.layout1
         n = len(rows)
-        samples: list = [None] * n      # copy path, or samples prepared here
-        ok = [False] * n
-        layout = None
-        targets = None
-        if self.in_place:
-            l1 = self.layout1
-            layout = _collate.Layout(l1.template, [_collate._Leaf(x.dtype, x.shape, x.kind) for x in l1.leaves], n)
-            buf = np.empty(layout.nbytes, dtype=np.uint8)
-            targets = _collate.views(layout, buf)
-        for j, (p, g) in enumerate(zip(rows, gs)):
-            i = int(self.order[p])
+        b = _Builder(k, [int(self.order[p]) for p in rows], copy=not self.in_place)
+        st = b.stats
+        if not b.copy:   # the batch layout is the one-sample layout, n rows
+            b.layout = _collate.Layout(l1.template, [_collate._Leaf(x.dtype, x.shape, x.kind) for x in l1.leaves], n)
+            b.slot, buf = _SLOTS.acquire(b.layout.nbytes)
+            b.targets = _collate.views(b.layout, buf)
+        for j, (i, g) in enumerate(zip(b.indices, gs)):
             item = self.got.get(g)
             src = self._slot_rows(item, g) if item is not None else None
             if src is not None:
                 sbuf, base = src
-                if self.in_place:   # row j of each leaf <- the slot's bytes: plain memcpy, no torch threads
-                    for lb, l1 in zip(layout.leaves, self.layout1.leaves):
-                        per = l1.nbytes
-                        buf[lb.offset + j * per:lb.offset + (j + 1) * per] = sbuf[l1.offset:l1.offset + per]
-                else:
-                    samples[j] = _sample_from(self.layout1, [v[0] for v in _collate.views(self.layout1, sbuf)])
+                if b.copy:
+                    b.samples[j] = _sample_from(l1, [v[0] for v in _collate.views(l1, sbuf)])
+                else:   # row j of each leaf <- the slot's bytes: plain memcpy, no torch threads
+                    for lb, ls in zip(b.layout.leaves, l1.leaves):
+                        per = ls.nbytes
+                        b.slot[lb.offset + j * per:lb.offset + (j + 1) * per] = sbuf[ls.offset:ls.offset + per]
                 del sbuf
                 if self._still(base, g):
-                    ok[j] = True
-                    info = item[3]
+                    b.ok[j] = True
+                    source, nbytes, fetch_s, prep_s = item[3]
                     st.samples += 1
                     st.shared += 1
-                    st.record_read(info[0], int(info[1]))
-                    st.fetch_s += float(info[2])
-                    st.prep_s += float(info[3])
+                    st.record_read(source, int(nbytes))
+                    st.fetch_s += float(fetch_s)
+                    st.prep_s += float(prep_s)
                     continue
             first = mode._first
             if first is not None and first[0] == g:
                 mode._first = None
-                sample, fst = first[1], first[2]
-                st.samples += fst.samples
-                st.bytes_storage += fst.bytes_storage
-                st.from_cache += fst.from_cache
-                st.bytes_cache += fst.bytes_cache
-                st.fetch_s += fst.fetch_s
-                st.prep_s += fst.prep_s
+                sample = first[1]
+                st.add(first[2])
             else:
                 try:
                     sample = mode.prep_here(loader, self.epoch, i, st)
                 except SampleError as e:
-                    mode.shared += st.shared
-                    mode.self_prepared += st.samples - st.shared
+                    mode.count(st)
                     e.coordl_step = k    # the step is used up: the loader's state counts it
                     raise
-            if sample is SKIP:
-                continue
-            if self.in_place:
-                leaves = layout.leaves_of(sample)
-                if leaves is None:      # a sample unlike the layout: collate by copy (as the engine does)
-                    done_rows = [r for r in range(n) if ok[r]]
-                    back = _collate.rows_as_samples(layout, targets, done_rows) if done_rows else []
-                    for r, smp in zip(done_rows, back):
-                        samples[r] = smp
-                    self.in_place = False
-                    samples[j] = sample
-                    ok[j] = True
-                    self._finish_copy_mode = True
-                    continue
-                _collate.write_row(targets, j, leaves)
-            else:
-                samples[j] = sample
-            ok[j] = True
-        mode.shared += st.shared
-        mode.self_prepared += st.samples - st.shared
-        keep = [r for r in range(n) if ok[r]]
-        if not keep:
-            self._restore_in_place()
+            if sample is not SKIP:
+                place(b, j, sample, _SLOTS)
+        mode.count(st)
+        out = finish(b, loader.collate_fn, self.plan.batch_size, _SLOTS)
+        if out[0] == "empty":
             return Envelope(None, self.epoch, st, k)
-        if self.in_place:
-            if len(keep) < n:
-                for t in targets:
-                    t[: len(keep)] = t[keep].clone()
-            batch = _collate.build(layout.template, _collate.views(layout, buf, len(keep)))
-            return Envelope(batch, self.epoch, st, k)
-        t0 = time.perf_counter()
-        got = [samples[r] for r in keep]
-        collate = loader.collate_fn
-        if self.plan.batch_size is None:
-            batch = collate(got[0])
-        else:
-            batch = (collate or torch.utils.data.default_collate)(got)
-        st.prep_s += time.perf_counter() - t0
-        self._restore_in_place()
-        return Envelope(batch, self.epoch, st, k)
+        if out[0] == "obj":
+            return Envelope(out[1], self.epoch, st, k)
+        return Envelope(_collate.build(b.layout.template, _collate.views(b.layout, b.slot, out[1])),
+                        self.epoch, st, k)
 
-    def _restore_in_place(self) -> None:
-        if getattr(self, "_finish_copy_mode", False):
-            self._finish_copy_mode = False
-            self.in_place = True
+
+_SLOTS = LocalSlots()   # a fresh buffer per batch: the user may keep a batch as long as it likes
 
 
 def _sample_from(layout1, leaves) -> object:
