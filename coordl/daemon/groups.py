@@ -61,7 +61,6 @@ class Member:
     claims: set = field(default_factory=set)   # delivered, not released yet
     shared: int = 0            # samples it reports taken from the stream
     self_prepared: int = 0     # samples it reports it prepared itself
-    detached_at: int | None = None  # position where it was last detached
     need: int = 0              # end of the batch it is assembling now (it waits for what is below)
 
 
@@ -236,7 +235,6 @@ class Group:
         Its claims are revoked too: it checks each slot's header before and
         after copying, so a reused slot is never taken for its sample."""
         m.attached = False
-        m.detached_at = m.pos
         m.want.clear()
         m.claims.clear()
         self.detaches += 1

@@ -31,7 +31,6 @@ import os
 import socket
 import subprocess
 import sys
-import time
 
 from . import ipc
 from .groups import Group, Member
@@ -44,8 +43,7 @@ _DELIVER_BATCH = 32           # ready samples a member gets in one message unles
 
 
 class _Worker:
-    def __init__(self, wid: int) -> None:
-        self.wid = wid
+    def __init__(self) -> None:
         mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         mine.set_inheritable(False)
         try:
@@ -55,7 +53,7 @@ class _Worker:
         finally:
             theirs.close()
         self.conn = ipc.Conn(mine, self.proc.pid)
-        self.inflight: dict[tuple[int, int], float] = {}   # (gid, G) -> when handed out
+        self.inflight: set[tuple[int, int]] = set()   # (gid, G) handed to it, not reported yet
 
     def fileno(self) -> int:
         return self.conn.fileno()
@@ -93,7 +91,7 @@ class Hub:
         self.workers: list[_Worker] = []
         self._next_gid = 1
         self._next_mid = 1
-        self._next_wid = 0
+        self._conn_by_mid: dict[int, ipc.Conn] = {}
         self._outbox: dict[int, tuple] = {}   # conn fd -> (conn, [ready items]) until flush()
         try:
             self.max_workers = max(1, len(os.sched_getaffinity(0)))
@@ -101,9 +99,6 @@ class Hub:
             self.max_workers = max(1, os.cpu_count() or 1)
 
     # ------------------------------------------------------------------ select
-    def conns(self) -> list:
-        return [c for c, _, _ in self.members.values()] + [w.conn for w in self.workers]
-
     def is_worker(self, conn) -> _Worker | None:
         for w in self.workers:
             if w.conn is conn:
@@ -176,6 +171,7 @@ class Hub:
         self._next_mid += 1
         res.group.add(m)
         self.members[conn.fileno()] = (conn, m, gid)
+        self._conn_by_mid[m.mid] = conn
         self._grow(max(1, m.num_workers))
         self._send(conn, {"op": "joined", "gid": gid, "slots": res.group.nslots, "stride": res.stride},
                    fds=[res.staging_fd])
@@ -186,6 +182,7 @@ class Hub:
         if entry is None:
             return
         _, m, gid = entry
+        self._conn_by_mid.pop(m.mid, None)
         res = self.groups.get(gid)
         if res is None:
             return
@@ -198,8 +195,7 @@ class Hub:
         del self.groups[g.gid]
         self.by_key.pop(g.key, None)
         for w in self.workers:
-            for k in [k for k in w.inflight if k[0] == g.gid]:
-                del w.inflight[k]
+            w.inflight = {k for k in w.inflight if k[0] != g.gid}
             self._wsend(w, {"op": "drop", "gid": g.gid})
         res.close()
 
@@ -228,10 +224,9 @@ class Hub:
                         items.append([g, it.slot, False, it.why])
             elif a[0] == "detach":
                 self._outbox.pop(conn.fileno(), None)   # its claims are revoked
-                self._send(conn, {"op": "detach", "why": a[2] if len(a) > 2 else
-                                  "fell further behind the group than its staging holds"})
+                self._send(conn, {"op": "detach", "why": "fell further behind the group than its staging holds"})
 
-    def flush(self, everything: bool = False) -> None:
+    def flush(self) -> None:
         """Send gathered deliveries, one message per member: when the batch
         it waits for (everything below its ``need``) is complete, or once
         ``_DELIVER_BATCH`` have gathered, so a job wakes about once per
@@ -245,24 +240,20 @@ class Hub:
             # a member waiting for its batch is woken once, when the whole batch is here
             ready = m is None or (any(it[0] < m.need for it in items)
                                   and not any(w < m.need for w in m.want))
-            if everything or len(items) >= _DELIVER_BATCH or ready:
+            if len(items) >= _DELIVER_BATCH or ready:
                 self._send(conn, {"op": "ready", "items": items})
             else:
                 keep[fd] = (conn, items)
         self._outbox = keep
 
     def _conn_of(self, m: Member):
-        for conn, mm_, _ in self.members.values():
-            if mm_ is m:
-                return conn
-        return None
+        return self._conn_by_mid.get(m.mid)
 
     # ------------------------------------------------------------------ workers
     def _grow(self, n: int) -> None:
         n = min(n, self.max_workers)
         while len(self.workers) < n:
-            w = _Worker(self._next_wid)
-            self._next_wid += 1
+            w = _Worker()
             self.workers.append(w)
             for res in self.groups.values():
                 self._setup(w, res)
@@ -291,8 +282,9 @@ class Hub:
             for item in msg["items"]:
                 gid, g = int(item["gid"]), int(item["g"])
                 res = self.groups.get(gid)
-                if w.inflight.pop((gid, g), None) is None or res is None:
+                if (gid, g) not in w.inflight or res is None:
                     continue
+                w.inflight.discard((gid, g))
                 self._act(res, res.group.done(g, bool(item.get("ok")), item.get("why", ""), item.get("info")))
         elif op == "group_failed" and res is not None:
             why = (f"the daemon could not load this dataset ({msg.get('why')}); prepare in the job "
@@ -353,7 +345,7 @@ class Hub:
                 g, slot = task
                 base = slot * res.stride
                 res.mm[base:base + 32] = b"\xff" * 32   # invalid until the worker's header lands
-                w.inflight[(res.group.gid, g)] = time.monotonic()
+                w.inflight.add((res.group.gid, g))
                 batches.setdefault((k, res.group.gid), []).append([g, slot])
                 progress = True
         workers = list(self.workers)
