@@ -409,3 +409,31 @@ def test_malformed_member_messages_drop_that_client_not_the_daemon(photos, daemo
     assert st["pid"] == pid and st["groups"] == []
     ld = coordl.DataLoader(dataset(photos), batch_size=8, seed=7, share=True)   # still serves
     assert same(list(ld), reference(photos)[0]) and ld.stats().samples_shared > 0
+
+
+def _toy_batches(share, **kw):
+    sys.path.insert(0, HERE)
+    from toydata import TwoStageToy
+
+    ld = coordl.DataLoader(TwoStageToy(40, bad=(5, 17)), seed=3, share=share, **{"batch_size": 8, **kw})
+    with pytest.warns(coordl.SkippedSampleWarning):
+        return [list(ld) for _ in range(2)], ld.stats()
+
+
+def _identity(batch):
+    return batch
+
+
+@pytest.mark.parametrize("kw", [{}, {"collate_fn": _identity}, {"batch_size": None}],
+                         ids=["default-collate", "custom-collate", "no-batching"])
+def test_skipped_samples_and_other_collations_match_without_sharing(daemon_env, kw):
+    """Samples the daemon could not prepare (bad ones, skipped here exactly as
+    without sharing), a user collate_fn (samples rebuilt with the types prep
+    returned) and batch_size=None."""
+    kw = {"on_error": "skip", **kw}
+    ref, _ = _toy_batches(False, **kw)
+    got, st = _toy_batches(True, **kw)
+    flat = lambda x: repr(x)   # noqa: E731  tensors print their values; ints and tuples theirs
+    assert [flat(b) for b in got[0]] == [flat(b) for b in ref[0]]
+    assert [flat(b) for b in got[1]] == [flat(b) for b in ref[1]]
+    assert st.skipped == 4 and st.samples_shared > 0
