@@ -22,7 +22,7 @@ repeats the whole list, interleaved, and the table shows medians):
 * ``shared-mixed``: K=4 sharing, batch sizes 32/64/128/256;
 * ``shared-fast3`` and ``shared-fast3+slow``: three jobs sharing, then the
   same three plus a fourth whose step sleeps so that it runs at ~1/3 of the
-  solo job's speed (sleep per step = 2 x batch / solo images/s).
+  solo job's speed (sleep per step = 3 x batch / solo images/s: the loader prefetches while the step sleeps, so the sleep alone sets its pace).
 
 Measured per configuration:
 
@@ -620,8 +620,10 @@ def summarize(res: dict, args, solo_rate: float | None) -> tuple[dict, list[dict
         row[f"storage_mib_epoch{e}"] = cg_read[e] / 2**20 if cg_read[e] is not None else float("nan")
         row[f"device_mib_epoch{e}"] = dev_read[e] / 2**20 if dev_read[e] is not None else float("nan")
     if res["by_role"] is not None:
-        starts = [ep[measured[0]]["start"]["t"] for ep in jobs_epochs]
-        ends = [ep[measured[-1]]["end"]["t"] for ep in jobs_epochs]
+        # over the fast jobs' measured epochs (a slow job's tail would spread them thin)
+        fast_eps = [ep for ep, s in zip(jobs_epochs, res["specs"]) if not s["sleep"]]
+        starts = [ep[measured[0]]["start"]["t"] for ep in fast_eps]
+        ends = [ep[measured[-1]]["end"]["t"] for ep in fast_eps]
         for k, v in res["by_role"].between(min(starts), max(ends)).items():
             row[f"cpu_s_per_epoch {k}"] = v / len(measured)
     m_cpu = _window(jobs_epochs, measured[0], measured[-1], "cpu_ns")
@@ -650,7 +652,10 @@ def _groups_seen(snapshots: list[dict]) -> str:
     sizes = max((sorted((len(g.get("members", [])) for g in st.get("groups") or []), reverse=True)
                  for st in ok), default=[])
     workers = max(len(st.get("worker_pids") or []) for st in ok)
-    return f"largest groups seen {sizes or 'none'}, up to {workers} daemon worker(s)"
+    prepared = max((sum(g.get("prepared", 0) for g in st.get("groups") or []) for st in ok), default=0)
+    detaches = max((sum(g.get("detaches", 0) for g in st.get("groups") or []) for st in ok), default=0)
+    return (f"largest groups seen {sizes or 'none'}, up to {workers} daemon worker(s), "
+            f"{prepared} samples prepared, {detaches} detaches")
 
 
 # ===================================================================== report
@@ -892,7 +897,7 @@ def main(argv=None) -> int:
                         print(f"  {name}: skipped (needs the solo configuration for the slow job's sleep)")
                         continue
                     # runs at ~1/3 of solo: each step takes 3x a solo step
-                    specs[-1]["sleep"] = 2 * specs[-1]["batch_size"] / solo_rate
+                    specs[-1]["sleep"] = 3 * specs[-1]["batch_size"] / solo_rate
                 t0 = time.monotonic()
                 try:
                     res = run_config(args, name, specs, share, ctx)

@@ -115,3 +115,27 @@ def test_a_member_that_finished_its_epoch_keeps_the_next_one_held():
     g.end_pass(2)                           # stopped early (or detached): nothing kept for it
     g.end_pass(1)
     assert g.items == {}
+
+
+def test_a_member_epochs_behind_takes_every_sample_within_the_bound():
+    n = 8
+    g, fast, slow = two_members(64, n, ("fast", "slow"))
+    g.step(2, 0, want=[0]), run_worker(g)     # slow takes one sample, then falls behind
+    for epoch in range(3):                   # fast runs three whole epochs ahead of it
+        if epoch:
+            g.begin_pass(1, epoch, epoch * n, (epoch + 1) * n)
+        g.step(1, epoch * n, want=range(epoch * n, (epoch + 1) * n)), run_worker(g)
+        g.step(1, (epoch + 1) * n, release=range(epoch * n, (epoch + 1) * n))
+        g.end_pass(1, complete=True)
+    assert sorted(g.items) == list(range(3 * n))  # all kept: staging holds them, slow is attached
+    got = []
+    for epoch in range(3):                   # slow catches up: nothing is prepared a second time
+        if epoch:
+            g.end_pass(2, complete=True)
+            g.begin_pass(2, epoch, epoch * n, (epoch + 1) * n)
+        acts = g.step(2, epoch * n, release=[0] if epoch == 0 else [],
+                      want=range(epoch * n, (epoch + 1) * n)) + run_worker(g)
+        got += delivered(acts, slow)
+        g.step(2, (epoch + 1) * n, release=range(epoch * n, (epoch + 1) * n))
+    assert got.count(0) == 1 and sorted(set(got)) == list(range(3 * n))
+    assert g.prepared == 3 * n and slow.attached and g.detaches == 0
