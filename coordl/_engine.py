@@ -77,7 +77,7 @@ class Engine:
 
     def __init__(self, dataset, *, seed: int, on_error: str, collate_fn, batch_size,
                  prefetch: int, fetch_threads: int, budget_bytes: int, slots, emit: Callable,
-                 worker_id: int = 0, cache=None) -> None:
+                 worker_id: int = 0, cache=None, peers=None) -> None:
         self.dataset = dataset
         self.seed = seed
         self.on_error = on_error
@@ -91,7 +91,8 @@ class Engine:
         self.emit = emit
         self.worker_id = worker_id
         self.q: queue.Queue = queue.Queue()
-        self._read, self._read_many = _make_reader(dataset, cache)
+        self.peers = peers
+        self._read, self._read_many = _make_reader(dataset, cache, peers)
         sizes = getattr(dataset, "sizes", None)
         self._size_of = (lambda i: int(sizes[i])) if isinstance(sizes, np.ndarray) else None
         self.pass_id = None
@@ -105,6 +106,8 @@ class Engine:
         ``skip`` (delivered before a resume); this worker takes every
         ``num_workers``-th of what is left, from its ``worker_id``."""
         self.end_pass()
+        if self.peers is not None:
+            self.peers.new_epoch()      # peers that failed last epoch get another chance
         self.pass_id = pass_id
         self.epoch = epoch
         idx = plan.indices(epoch)
@@ -301,8 +304,10 @@ def finish(b: _Builder, collate_fn, batch_size, slots) -> tuple:
     return ("batch", len(rows))
 
 
-def _make_reader(dataset, cache):
+def _make_reader(dataset, cache, peers=None):
     """The fetch stage's reads: ``(read, read_many)``.  Node cache first, then
+    the peer that holds the sample (``peers``: a
+    :class:`coordl.peers.PeerClient`, admitting what it sends), then
     storage (admitting what it reads).  With the cache on, storage reads go
     through the dataset's ``raw_uncached`` when it has one (local files: the
     pages are dropped from the OS page cache on the read's own descriptor),
@@ -332,16 +337,31 @@ def _make_reader(dataset, cache):
             return data
         return None
 
+    def from_peers(indices) -> dict:
+        got = peers.fetch(indices)
+        for i, data in list(got.items()):
+            if sizes is not None and sizes[i] >= 0 and len(data) != sizes[i]:
+                del got[i]          # not this dataset's bytes: read it from storage instead
+                continue
+            if cache is not None:
+                cache.note_peer_in(len(data))
+                cache.put(i, data)
+        return got
+
     def read(i):
         data = cached(i)
         if data is not None:
             return data, "cache"
+        if peers is not None:
+            data = from_peers([i]).get(i)
+            if data is not None:
+                return data, "peer"
         data = raw(i)
         if cache is not None:
             cache.put(i, data)
         return data, "storage"
 
-    if raw_many is None:
+    if raw_many is None and peers is None:
         return read, None
 
     def read_many(indices):
@@ -353,7 +373,24 @@ def _make_reader(dataset, cache):
                 out[k] = (data, "cache")
             else:
                 missing.append(k)
-        if missing:
+        if missing and peers is not None:
+            got = from_peers([indices[k] for k in missing])
+            if got:
+                for k in missing:
+                    if indices[k] in got:
+                        out[k] = (got[indices[k]], "peer")
+                missing = [k for k in missing if out[k] is None]
+        if missing and raw_many is None:
+            for k in missing:
+                try:
+                    data = raw(indices[k])
+                except Exception as e:   # that sample's error, as a read() would raise it
+                    out[k] = e
+                    continue
+                if cache is not None:
+                    cache.put(indices[k], data)
+                out[k] = (data, "storage")
+        elif missing:
             got = raw_many([indices[k] for k in missing])
             for k, res in zip(missing, got):
                 if isinstance(res, BaseException):

@@ -188,8 +188,10 @@ class PipelineMode:
             batch_size=loader.batch_size, prefetch=loader.prefetch_factor or 2,
             fetch_threads=loader._fetch_threads,
             budget=max(1 << 20, loader._read_ahead // max(1, W)),
-            worker_init_fn=loader.worker_init_fn, cache=loader._cache,
+            worker_init_fn=loader.worker_init_fn, cache=loader._cache, peers=loader._peers,
         )
+        if loader._peers is not None:
+            loader._peers.start(epoch)   # the run's first epoch: who read what (before workers copy it)
         if W == 0:
             return InlineIter(loader.dataset, cfg, loader.plan, epoch, start, skip=skip)
         pool = self.pool

@@ -115,7 +115,7 @@ def _worker_main(w: int, num_workers: int, dataset, cfg: dict, ctrl, res, parent
                     batch_size=cfg["batch_size"], prefetch=cfg["prefetch"],
                     fetch_threads=cfg["fetch_threads"], budget_bytes=cfg["budget"], slots=slots,
                     emit=lambda kind, k, *p: send((kind, engine.pass_id, k) + p), worker_id=w,
-                    cache=cfg.get("cache"))
+                    cache=cfg.get("cache"), peers=cfg.get("peers"))
     try:
         _seed_worker(cfg["base_seed"], w, dataset, num_workers)
         if cfg["worker_init_fn"] is not None:
@@ -536,7 +536,7 @@ class InlineIter:
                               prefetch=cfg["prefetch"], fetch_threads=cfg["fetch_threads"],
                               budget_bytes=cfg["budget"], slots=LocalSlots(),
                               emit=lambda kind, k, *p: out.__setitem__(k, (kind, k) + p),
-                              cache=cfg.get("cache"))
+                              cache=cfg.get("cache"), peers=cfg.get("peers"))
         self._engine.begin_pass(1, plan, epoch, start, 1, 0, skip)
         _reaper.start()
         self._final = weakref.finalize(self, _reaper.later, self._engine.end_pass)

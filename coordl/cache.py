@@ -57,6 +57,7 @@ import mmap
 import os
 import platform
 import re
+import socket
 import stat
 import struct
 import threading
@@ -77,7 +78,8 @@ _VERSION = 2
 _HEADER = 4096
 # header field indices (int64)
 (MAGIC, VERSION, CAPACITY, N, FILL, CREATED, KEEP_WARM, ORPHAN_SINCE,
- HITS, MISSES, ADMITTED, FULL, CHECKSUM) = range(13)
+ HITS, MISSES, ADMITTED, FULL, CHECKSUM,
+ PEER_IN, PEER_IN_BYTES, PEER_OUT, PEER_OUT_BYTES) = range(17)
 EMPTY, WRITING, READY = 0, 1, 2
 _ENTRY = 32
 _NAME = re.compile(r"^[0-9A-Za-z_.-]{1,200}$")
@@ -115,9 +117,19 @@ def _now_ms() -> int:
     return int(time.clock_gettime(time.CLOCK_BOOTTIME) * 1000)
 
 
+def node_id() -> str:
+    """This node's identity: ``$COORDL_NODE_ID``, else the host name.  Set it
+    to run several "nodes" on one machine (each gets its own caches, daemon
+    and peer server, as separate machines would)."""
+    return os.environ.get("COORDL_NODE_ID") or socket.gethostname()
+
+
 def _segment_name(fingerprint: str) -> str:
     if not isinstance(fingerprint, str) or not fingerprint:
         raise ValueError(f"fingerprint should be a non-empty str, but got fingerprint={fingerprint!r}")
+    node = os.environ.get("COORDL_NODE_ID")
+    if node:   # several "nodes" on one machine: one namespace each
+        fingerprint = f"{fingerprint}@{node}"
     if _NAME.match(fingerprint) and not fingerprint.startswith("."):
         return PREFIX + fingerprint
     return PREFIX + hashlib.blake2b(fingerprint.encode(), digest_size=16).hexdigest()
@@ -437,9 +449,14 @@ class CacheInfo:
     holders: int     # processes holding it, as the kernel counts them (-1: unknown)
     in_use: bool
     full: bool
+    peer_in: int = 0          # samples this node got from peers
+    peer_in_bytes: int = 0
+    peer_out: int = 0         # samples this node served to peers
+    peer_out_bytes: int = 0
 
 
 _LIVE: "weakref.WeakSet[NodeCache]" = weakref.WeakSet()
+_NOCOUNT = np.zeros(32, dtype=np.int64)   # where uncounted lookups count
 
 
 class NodeCache:
@@ -623,24 +640,36 @@ class NodeCache:
             pass
 
     # ------------------------------------------------------------ data
-    def get(self, i: int):
-        """The cached bytes of sample ``i`` (a copy), or None.  Lock-free."""
+    def get(self, i: int, count: bool = True):
+        """The cached bytes of sample ``i`` (a copy), or None.  Lock-free.
+        ``count=False``: not a hit or miss of this node (a peer's request)."""
         e = self._index[i]
+        hdr = self._hdr if count else _NOCOUNT
         if e[2] != READY:
-            self._hdr[MISSES] += 1  # racy counter: statistics only
+            hdr[MISSES] += 1  # racy counter: statistics only
             return None
         off, length, crc = int(e[0]), int(e[1]), int(e[3])
         if off < 0 or length < 0 or off + length > self.capacity:
-            self._hdr[MISSES] += 1
+            hdr[MISSES] += 1
             return None
         data = self._arena[off:off + length].tobytes()
         if (VALIDATE_READS or self.checksum) and _entry_crc(i, off, length, data) != crc:
             if self.checksum:
                 self._check_corrupt(i)
-            self._hdr[MISSES] += 1
+            hdr[MISSES] += 1
             return None  # published out of order (weak memory order): a miss
-        self._hdr[HITS] += 1
+        hdr[HITS] += 1
         return data
+
+    def note_peer_in(self, nbytes: int) -> None:
+        """A sample of ``nbytes`` came to this node from a peer (racy counter)."""
+        self._hdr[PEER_IN] += 1
+        self._hdr[PEER_IN_BYTES] += nbytes
+
+    def note_peer_out(self, nbytes: int) -> None:
+        """This node served a sample of ``nbytes`` to a peer (racy counter)."""
+        self._hdr[PEER_OUT] += 1
+        self._hdr[PEER_OUT_BYTES] += nbytes
 
     def _check_corrupt(self, i: int) -> None:
         os.sched_yield()  # a syscall: any store still in flight is visible now
@@ -904,7 +933,9 @@ def _info(name, hdr, index, fd, holders) -> CacheInfo:
     count = holders.get((os.major(st.st_dev), os.minor(st.st_dev), st.st_ino), 0)
     return CacheInfo(name=name, capacity=int(hdr[CAPACITY]), filled=int(hdr[FILL]), samples=int(hdr[N]),
                      cached=int((index[:, 2] == READY).sum()), hits=int(hdr[HITS]), misses=int(hdr[MISSES]),
-                     holders=count, in_use=count > 0, full=bool(hdr[FULL]))
+                     holders=count, in_use=count > 0, full=bool(hdr[FULL]),
+                     peer_in=int(hdr[PEER_IN]), peer_in_bytes=int(hdr[PEER_IN_BYTES]),
+                     peer_out=int(hdr[PEER_OUT]), peer_out_bytes=int(hdr[PEER_OUT_BYTES]))
 
 
 def list_caches() -> list[CacheInfo]:

@@ -51,6 +51,9 @@ def _cache(args) -> int:
         print(f"{c.name:<48}{c.capacity / 2**20:>9.1f}M{c.filled / 2**20:>9.1f}M"
               f"{f'{c.cached}/{c.samples}':>16}{c.hits:>10}{c.misses:>10}  "
               f"{who}{' (full)' if c.full else ''}")
+        if c.peer_in or c.peer_out:
+            print(f"{'':<4}peers: got {c.peer_in} samples ({c.peer_in_bytes / 2**20:.1f}M) from other nodes, "
+                  f"served {c.peer_out} ({c.peer_out_bytes / 2**20:.1f}M) to them")
     return 0
 
 

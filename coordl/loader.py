@@ -421,6 +421,15 @@ class DataLoader(_TorchDataLoader[_T_co]):
         runs).  Batches are bit-identical to ``share=False``.  ``None``
         (default): ``True`` when the environment has ``COORDL_SHARE=1``.
         See docs/api.md, "Sharing prep across jobs".
+    peers
+        Partitioned caching across nodes under torch.distributed: a sample
+        missing from this node's cache is read from the node whose cache
+        holds it, before storage.  ``"auto"`` (default; ``None`` reads
+        ``COORDL_PEERS``, else "auto"): on when the process group spans
+        more than one node and the node cache is on; ``"on"``: the same, and
+        an error when it cannot be; ``"off"``.  With it on, building the
+        loader is collective (every rank must build it).  See docs/api.md,
+        "Across nodes".
     """
 
     def __init__(
@@ -454,6 +463,7 @@ class DataLoader(_TorchDataLoader[_T_co]):
         cache_checksum: bool = False,
         cache_keep_warm: float = 0,
         share: bool | None = None,
+        peers: str | None = None,
     ) -> None:
         super().__init__(
             dataset, batch_size, shuffle, sampler, batch_sampler, num_workers, collate_fn,
@@ -534,6 +544,15 @@ class DataLoader(_TorchDataLoader[_T_co]):
                 "two-stage datasets (raw/prep) read in coordl's epoch-plan order; this loader "
                 f"{'has a user sampler' if user_sampler else 'reads a dataset without raw/prep'}",
                 stacklevel=2)
+        self._peers = self._peer_server = None
+        if isinstance(self._mode, PipelineMode):
+            self._setup_peers(peers)
+        elif peers not in (None, "auto", "off"):
+            from .peers.rendezvous import _want
+
+            _want(peers)   # a bad value is an error everywhere
+            warnings.warn(f"peers={peers!r} has no effect here: peers serve node caches of two-stage datasets "
+                          "(raw/prep) read in coordl's epoch-plan order", stacklevel=2)
         self._pass = _Pass()
         self._pass_sampler = _PassSampler(self)
         self._counters = Counters()
@@ -734,6 +753,28 @@ class DataLoader(_TorchDataLoader[_T_co]):
         it = _LoaderIter(self, inner, epoch, ff, start, skip)
         p.owner = weakref.ref(it)
         return it
+
+    def _setup_peers(self, peers) -> None:
+        """Agree on the peer table over torch.distributed (collective when the
+        process group spans several ranks); start this node's cache server
+        when this rank is the node's lowest."""
+        from .peers import rendezvous
+
+        fp = self.dataset.fingerprint() if self._cache is not None else None
+        p = self._plan
+        plan_kwargs = dict(num_samples=p.num_samples, seed=p.seed, batch_size=p.batch_size,
+                           shuffle=p.shuffle, drop_last=p.drop_last)
+        client, server = rendezvous.setup(peers, self._cache, fp, plan_kwargs, self._rank, self._world_size)
+        self._peers, self._peer_server = client, server
+        if client is not None:
+            weakref.finalize(self, _reaper.later, client.close)
+        if server is not None:
+            weakref.finalize(self, _reaper.later, server.close)
+
+    @property
+    def peer_server(self):
+        """This node's cache server when this rank runs it (else None)."""
+        return self._peer_server
 
     def _attach_cache(self):
         """Attach to (or create) the node cache before training starts, so a

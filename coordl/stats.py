@@ -23,7 +23,7 @@ class BatchStats:
     """
 
     __slots__ = ("samples", "bytes_storage", "from_cache", "bytes_cache", "fetch_s", "prep_s", "skips",
-                 "shared")
+                 "shared", "from_peers", "bytes_peers")
 
     def __init__(self) -> None:
         self.samples = 0            # samples prepared into the batch
@@ -34,17 +34,23 @@ class BatchStats:
         self.prep_s = 0.0           # busy time preparing and collating
         self.skips: list = []       # (index, path, why) of samples skipped under on_error="skip"
         self.shared = 0             # of ``samples``, how many the node daemon prepared (share=True)
+        self.from_peers = 0         # samples whose raw bytes came from another node's cache
+        self.bytes_peers = 0
 
     def record_read(self, source: str, nbytes: int) -> None:
         if source == "cache":
             self.from_cache += 1
             self.bytes_cache += nbytes
+        elif source == "peer":
+            self.from_peers += 1
+            self.bytes_peers += nbytes
         else:
             self.bytes_storage += nbytes
 
     def add(self, other: "BatchStats") -> None:
         """Count ``other``'s samples, reads and time in this record too."""
-        for k in ("samples", "bytes_storage", "from_cache", "bytes_cache", "fetch_s", "prep_s", "shared"):
+        for k in ("samples", "bytes_storage", "from_cache", "bytes_cache", "fetch_s", "prep_s", "shared",
+                  "from_peers", "bytes_peers"):
             setattr(self, k, getattr(self, k) + getattr(other, k))
         self.skips += other.skips
 
@@ -74,6 +80,9 @@ class EpochStats:
         Of the samples (two-stage datasets), how many the node daemon
         prepared for this job's group (``share=True``) and how many this job
         prepared itself (all of them without sharing).
+    samples_from_peers, bytes_from_peers
+        Samples (and their raw bytes) another node's cache served because
+        this node's did not hold them (``peers``, multi-node jobs).
     """
 
     epoch: int
@@ -86,6 +95,8 @@ class EpochStats:
     skipped: int = 0
     samples_shared: int = 0
     samples_self_prepared: int = 0
+    samples_from_peers: int = 0
+    bytes_from_peers: int = 0
 
 
 @dataclass(frozen=True)
@@ -114,7 +125,7 @@ class LoaderStats:
         Main-process time spent handing batches over (unwrapping, device copy).
     skipped
         Bad samples skipped under ``on_error="skip"``.
-    samples_shared, samples_self_prepared
+    samples_shared, samples_self_prepared, samples_from_peers, bytes_from_peers
         As in :class:`EpochStats`, summed.
     epoch
         The epoch of the latest pass (or of the next one if none started).
@@ -135,6 +146,8 @@ class LoaderStats:
     skipped: int = 0
     samples_shared: int = 0
     samples_self_prepared: int = 0
+    samples_from_peers: int = 0
+    bytes_from_peers: int = 0
     epoch: int = 0
     epochs: tuple[EpochStats, ...] = ()
 
@@ -168,7 +181,9 @@ class Counters:
         b = self.bucket(epoch)
         if reads_seen:
             b["bytes_from_storage"] += stats.bytes_storage
-            b["samples_from_storage"] += stats.samples - stats.from_cache
+            b["samples_from_storage"] += stats.samples - stats.from_cache - stats.from_peers
+            b["samples_from_peers"] += stats.from_peers
+            b["bytes_from_peers"] += stats.bytes_peers
             b["bytes_from_cache"] += stats.bytes_cache
             b["samples_from_cache"] += stats.from_cache
             b["samples_shared"] += stats.shared

@@ -131,7 +131,7 @@ class ShareMode(PipelineMode):
 
     def reader(self, loader):
         if self._reader is None:
-            self._reader = _make_reader(loader.dataset, loader._cache)[0]
+            self._reader = _make_reader(loader.dataset, loader._cache, loader._peers)[0]
         return self._reader
 
     def prep_here(self, loader, epoch: int, i: int, st: BatchStats):

@@ -38,16 +38,27 @@ __all__ = ["start", "stop", "status", "serve", "socket_path"]
 _TICK = 0.5
 
 
+def _stem() -> str:
+    """``daemon``, or ``daemon-<node>`` under ``COORDL_NODE_ID`` (several
+    "nodes" on one machine each have their own daemon, as their own caches)."""
+    node = os.environ.get("COORDL_NODE_ID")
+    if not node:
+        return "daemon"
+    import re
+
+    return "daemon-" + re.sub(r"[^0-9A-Za-z_.-]", "_", node)[:64]
+
+
 def socket_path() -> str:
-    return os.path.join(ipc.run_dir(), "daemon.sock")
+    return os.path.join(ipc.run_dir(), _stem() + ".sock")
 
 
 def _lock_path() -> str:
-    return os.path.join(ipc.run_dir(), "daemon.lock")
+    return os.path.join(ipc.run_dir(), _stem() + ".lock")
 
 
 def _log_path() -> str:
-    return os.path.join(ipc.run_dir(), "daemon.log")
+    return os.path.join(ipc.run_dir(), _stem() + ".log")
 
 
 def status(timeout: float = 5.0) -> dict | None:

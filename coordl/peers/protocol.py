@@ -1,0 +1,206 @@
+"""The peer protocol: versioned, length-prefixed binary frames over TCP.
+
+Nothing here is pickled, and nothing read from the network is trusted: every
+frame's type, version and length are checked against fixed bounds before its
+payload is read, every read has a deadline, and any violation ends the
+connection (:class:`ProtocolError`).
+
+Frame::
+
+    header  8 bytes  magic "CP" (2), version (1), type (1), payload length (4, big-endian)
+    payload          at most MAX_PAYLOAD[type] bytes
+
+Handshake (mutual, challenge-response; the job secret never crosses the
+wire, and each side's nonce is fresh per connection, so a recorded
+handshake cannot be replayed)::
+
+    client -> HELLO      client nonce (32) + cache id (16)
+    server -> CHALLENGE  server nonce (32) + HMAC(secret, "srv" | cn | sn | id)
+    client -> AUTH       HMAC(secret, "cli" | sn | cn | id)
+    server -> OK         (empty)                       or closes the connection
+
+The two MACs are domain-separated ("srv"/"cli" and the order of the
+nonces), so a client cannot use the server as an oracle for its own proof.
+The cache id names the node cache being asked for (a server answers only
+for the one it serves).
+
+Requests, after the handshake::
+
+    client -> GET   request id (4) + count (2) + count x sample index (8)
+    server -> ITEM  request id (4) + sample index (8) + status (1) + bytes
+                    (one ITEM per index, in the order asked; status 0 = here,
+                    1 = absent: the peer does not hold it)
+"""
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+import socket
+import struct
+import time
+
+__all__ = ["ProtocolError", "VERSION", "HELLO", "CHALLENGE", "AUTH", "OK", "GET", "ITEM",
+           "MAX_GET", "MAX_SAMPLE", "send_frame", "recv_frame", "client_handshake",
+           "server_handshake", "pack_get", "unpack_get", "pack_item_header", "unpack_item"]
+
+MAGIC = b"CP"
+VERSION = 1
+HEADER = struct.Struct("!2sBBI")
+HELLO, CHALLENGE, AUTH, OK, GET, ITEM = 1, 2, 3, 4, 5, 6
+NONCE = 32
+CACHE_ID = 16
+MAC = 32
+MAX_GET = 1024                      # indices in one request
+MAX_SAMPLE = 256 << 20              # bytes of one sample a server sends (and a client accepts)
+_GET_HEAD = struct.Struct("!IH")
+_ITEM_HEAD = struct.Struct("!IQB")
+MAX_PAYLOAD = {
+    HELLO: NONCE + CACHE_ID,
+    CHALLENGE: NONCE + MAC,
+    AUTH: MAC,
+    OK: 0,
+    GET: _GET_HEAD.size + 8 * MAX_GET,
+    ITEM: _ITEM_HEAD.size + MAX_SAMPLE,
+}
+HERE, ABSENT = 0, 1
+
+
+class ProtocolError(ConnectionError):
+    """The other side broke the protocol (or took too long): close the connection."""
+
+
+def _recv_exact(sock: socket.socket, n: int, deadline: float) -> bytearray:
+    buf = bytearray(n)
+    view = memoryview(buf)
+    got = 0
+    while got < n:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise ProtocolError(f"timed out with {got} of {n} bytes of a frame read")
+        sock.settimeout(left)
+        try:
+            k = sock.recv_into(view[got:], n - got)
+        except socket.timeout:
+            raise ProtocolError(f"timed out with {got} of {n} bytes of a frame read") from None
+        if k == 0:
+            raise ProtocolError("connection closed" if got == 0 else f"connection closed mid-frame ({got} of {n})")
+        got += k
+    return buf
+
+
+def send_frame(sock: socket.socket, ftype: int, *parts) -> None:
+    """Send one frame whose payload is ``parts`` (bytes-like) joined."""
+    length = sum(len(p) for p in parts)
+    if length > MAX_PAYLOAD[ftype]:
+        raise ValueError(f"frame type {ftype} of {length} bytes exceeds its bound {MAX_PAYLOAD[ftype]}")
+    head = HEADER.pack(MAGIC, VERSION, ftype, length)
+    if length <= 1 << 16:
+        sock.sendall(b"".join([head, *parts]))
+    else:   # large payloads (samples): no copy into one buffer
+        sock.sendall(head)
+        for p in parts:
+            sock.sendall(p)
+
+
+def recv_frame(sock: socket.socket, expect: tuple, first_timeout: float | None,
+               body_timeout: float) -> tuple[int, bytes]:
+    """``(type, payload)`` of the next frame, which must be of a type in
+    ``expect``.  ``first_timeout`` bounds the wait for its first byte (None:
+    wait as long as the socket is open), ``body_timeout`` the rest."""
+    if first_timeout is None:
+        sock.settimeout(None)
+        try:
+            first = sock.recv(1)
+        except socket.timeout:  # pragma: no cover - no timeout set
+            raise ProtocolError("timed out") from None
+        if not first:
+            raise ProtocolError("connection closed")
+        deadline = time.monotonic() + body_timeout
+        head = bytes(first + _recv_exact(sock, HEADER.size - 1, deadline))
+    else:
+        deadline = time.monotonic() + first_timeout
+        head = bytes(_recv_exact(sock, HEADER.size, deadline))
+        deadline = time.monotonic() + body_timeout
+    magic, version, ftype, length = HEADER.unpack(head)
+    if magic != MAGIC:
+        raise ProtocolError(f"bad magic {magic!r}: not a coordl peer")
+    if version != VERSION:
+        raise ProtocolError(f"protocol version {version}, this coordl speaks {VERSION}: run one coordl "
+                            "version on every node")
+    if ftype not in expect:
+        raise ProtocolError(f"unexpected frame type {ftype} (expected {expect})")
+    if length > MAX_PAYLOAD[ftype]:
+        raise ProtocolError(f"frame type {ftype} announces {length} bytes, over its bound {MAX_PAYLOAD[ftype]}")
+    payload = _recv_exact(sock, length, deadline) if length else bytearray()
+    return ftype, payload
+
+
+def _mac(secret: bytes, label: bytes, *parts: bytes) -> bytes:
+    return hmac.new(secret, label + b"".join(parts), hashlib.sha256).digest()
+
+
+def cache_id(name: str) -> bytes:
+    """The 16-byte id a client names the node cache by (from the cache's name,
+    the same on every node: the dataset's fingerprint)."""
+    return hashlib.blake2b(name.encode(), digest_size=CACHE_ID).digest()
+
+
+def client_handshake(sock: socket.socket, secret: bytes, cid: bytes, timeout: float) -> None:
+    """Authenticate the server and ourselves; raise :class:`ProtocolError` if not."""
+    cn = os.urandom(NONCE)
+    send_frame(sock, HELLO, cn, cid)
+    _, p = recv_frame(sock, (CHALLENGE,), timeout, timeout)
+    if len(p) != NONCE + MAC:
+        raise ProtocolError("malformed challenge")
+    sn, proof = p[:NONCE], p[NONCE:]
+    if not hmac.compare_digest(proof, _mac(secret, b"srv", cn, sn, cid)):
+        raise ProtocolError("the peer failed to prove it knows the job secret (another job on that "
+                            "address, or a different coordl rendezvous)")
+    send_frame(sock, AUTH, _mac(secret, b"cli", sn, cn, cid))
+    recv_frame(sock, (OK,), timeout, timeout)
+
+
+def server_handshake(sock: socket.socket, secret: bytes, cid: bytes, timeout: float) -> None:
+    """Authenticate a new client; raise :class:`ProtocolError` if it fails."""
+    _, p = recv_frame(sock, (HELLO,), timeout, timeout)
+    if len(p) != NONCE + CACHE_ID:
+        raise ProtocolError("malformed hello")
+    cn, want = p[:NONCE], p[NONCE:]
+    if not hmac.compare_digest(want, cid):
+        raise ProtocolError("the client asks for a cache this server does not serve")
+    sn = os.urandom(NONCE)
+    send_frame(sock, CHALLENGE, sn, _mac(secret, b"srv", cn, sn, cid))
+    _, proof = recv_frame(sock, (AUTH,), timeout, timeout)
+    if not hmac.compare_digest(proof, _mac(secret, b"cli", sn, cn, cid)):
+        raise ProtocolError("authentication failed (wrong secret or a replayed handshake)")
+    send_frame(sock, OK)
+
+
+def pack_get(rid: int, indices) -> bytes:
+    n = len(indices)
+    if not 0 < n <= MAX_GET:
+        raise ValueError(f"a request should ask for 1..{MAX_GET} samples, but got {n}")
+    return _GET_HEAD.pack(rid, n) + struct.pack(f"!{n}Q", *indices)
+
+
+def unpack_get(payload: bytes) -> tuple[int, tuple]:
+    if len(payload) < _GET_HEAD.size:
+        raise ProtocolError("malformed request")
+    rid, n = _GET_HEAD.unpack_from(payload)
+    if not 0 < n <= MAX_GET or len(payload) != _GET_HEAD.size + 8 * n:
+        raise ProtocolError("malformed request (count and length disagree)")
+    return rid, struct.unpack_from(f"!{n}Q", payload, _GET_HEAD.size)
+
+
+def pack_item_header(rid: int, index: int, status: int) -> bytes:
+    return _ITEM_HEAD.pack(rid, index, status)
+
+
+def unpack_item(payload: bytes) -> tuple[int, int, int, memoryview]:
+    if len(payload) < _ITEM_HEAD.size:
+        raise ProtocolError("malformed item")
+    rid, index, status = _ITEM_HEAD.unpack_from(payload)
+    if status not in (HERE, ABSENT) or (status == ABSENT and len(payload) != _ITEM_HEAD.size):
+        raise ProtocolError("malformed item status")
+    return rid, index, status, memoryview(payload)[_ITEM_HEAD.size:]
