@@ -127,12 +127,17 @@ def node_id() -> str:
 def _segment_name(fingerprint: str) -> str:
     if not isinstance(fingerprint, str) or not fingerprint:
         raise ValueError(f"fingerprint should be a non-empty str, but got fingerprint={fingerprint!r}")
-    node = os.environ.get("COORDL_NODE_ID")
-    if node:   # several "nodes" on one machine: one namespace each
-        fingerprint = f"{fingerprint}@{node}"
     if _NAME.match(fingerprint) and not fingerprint.startswith("."):
-        return PREFIX + fingerprint
-    return PREFIX + hashlib.blake2b(fingerprint.encode(), digest_size=16).hexdigest()
+        name = PREFIX + fingerprint
+    else:
+        name = PREFIX + hashlib.blake2b(fingerprint.encode(), digest_size=16).hexdigest()
+    node = os.environ.get("COORDL_NODE_ID")
+    if node:   # several "nodes" on one machine: one namespace each ("@" never occurs above)
+        clean = re.sub(r"[^0-9A-Za-z_.-]", "_", node)[:40]
+        if clean != node:
+            clean += "." + hashlib.blake2b(node.encode(), digest_size=4).hexdigest()
+        name += "@" + clean
+    return name
 
 
 # --------------------------------------------------------------------------

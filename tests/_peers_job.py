@@ -5,7 +5,9 @@ bytes, which are unique per file) and the epoch's stats."""
 import argparse
 import json
 import os
+import signal
 import sys
+import threading
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -25,7 +27,11 @@ def main() -> None:
     p.add_argument("--peers", default="on")
     p.add_argument("--out", required=True)
     p.add_argument("--barrier", type=int, default=1, help="synchronize ranks between epochs")
+    p.add_argument("--barriers", type=int, default=-1, help="only after the first N epochs (-1: all)")
+    p.add_argument("--stop-self-after", type=int, default=-1, help="SIGSTOP itself after this epoch")
     p.add_argument("--sleep", type=float, default=0.0, help="seconds per batch")
+    p.add_argument("--progress", type=int, default=0, help="write a line per batch")
+    p.add_argument("--report", type=int, default=0, help="write the node caches' info at the end")
     a = p.parse_args()
     os.environ["COORDL_NODE_ID"] = a.node
     os.environ["MASTER_ADDR"] = "127.0.0.1"
@@ -47,17 +53,46 @@ def main() -> None:
         out.flush()
         for epoch in range(a.epochs):
             got = []
-            for x, _y in L:
+            for k, (x, _y) in enumerate(L):
                 for row in x:
                     got.append(which.get(bytes(row.numpy()), -1))
+                if a.progress:
+                    out.write(json.dumps({"progress": [epoch, k]}) + "\n")
+                    out.flush()
                 if a.sleep:
                     time.sleep(a.sleep)
             st = L.stats().epochs[-1]
             out.write(json.dumps({"epoch": epoch, "got": got, "stats": st.__dict__}) + "\n")
             out.flush()
-            if a.barrier:
+            if a.barrier and (a.barriers < 0 or epoch < a.barriers):
                 dist.barrier()
-    del L
+            if epoch == a.stop_self_after:
+                os.kill(os.getpid(), signal.SIGSTOP)    # a stalled node: its server stops answering
+        if a.report:
+            import contextlib
+            import io
+
+            from coordl.cache import list_caches
+            from coordl.cli import main as cli
+
+            text = io.StringIO()
+            with contextlib.redirect_stdout(text):
+                cli(["cache", "ls"])
+            out.write(json.dumps({"caches": [c.__dict__ for c in list_caches()], "ls": text.getvalue()}) + "\n")
+            out.flush()
+        if a.barrier:
+            dist.barrier()   # nobody's server goes before everyone is done with it
+        del L
+        import gc
+
+        gc.collect()
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:   # the reaper thread closes the client and server
+            left = [t.name for t in threading.enumerate() if t.name.startswith("coordl-peer")]
+            if not left:
+                break
+            time.sleep(0.05)
+        out.write(json.dumps({"threads_left": left}) + "\n")
     dist.destroy_process_group()
 
 

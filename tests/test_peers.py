@@ -1,0 +1,229 @@
+"""Partitioned caching across nodes (coordl.peers): several "nodes" on one
+machine (COORDL_NODE_ID, gloo on loopback), each rank its own process
+(tests/_peers_job.py) with a hard timeout; a real peer killed or stopped."""
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import numpy as np
+import psutil
+import pytest
+
+from coordl.peers import rendezvous
+from coordl.peers.client import PeerClient
+from coordl.plan import EpochPlan
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+JOB = os.path.join(HERE, "_peers_job.py")
+sys.path.insert(0, HERE)
+from _cache_helpers import make_folder  # noqa: E402
+
+N = 64          # samples of 256 bytes, unique bytes each
+SIZE = 256
+# a node cache just over half the dataset: each of 2 nodes holds its first-epoch share
+CACHE = N * SIZE // 2 + 1024
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    return make_folder(str(tmp_path_factory.mktemp("peers") / "d"), n=N, size=SIZE)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Cluster:
+    """``world`` rank processes, ``per_node`` per node, started together."""
+
+    def __init__(self, tmp, root, world=4, per_node=2, env=None, rank_opts=None, **opts):
+        self.port = _free_port()
+        self.outs = [str(tmp / f"rank{r}.jsonl") for r in range(world)]
+        self.procs = []
+        env = {**os.environ, "COORDL_PEER_TIMEOUT": "2", **(env or {})}
+        for r in range(world):
+            args = [sys.executable, JOB, "--root", root, "--rank", str(r), "--world", str(world),
+                    "--node", f"n{r // per_node}", "--port", str(self.port), "--cache-size", str(CACHE),
+                    "--out", self.outs[r]]
+            for k, v in {**opts, **(rank_opts or {}).get(r, {})}.items():
+                args += [f"--{k.replace('_', '-')}", str(v)]
+            self.procs.append(subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                               env=env, start_new_session=True))
+
+    def lines(self, r):
+        try:
+            with open(self.outs[r]) as f:
+                return [json.loads(x) for x in f if x.strip()]
+        except (FileNotFoundError, json.JSONDecodeError):
+            return []
+
+    def wait_for(self, r, pred, timeout=60):
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if any(pred(x) for x in self.lines(r)):
+                return
+            if self.procs[r].poll() is not None:
+                raise AssertionError(f"rank {r} exited: {self.procs[r].stderr.read()[-3000:]}")
+            time.sleep(0.02)
+        raise AssertionError(f"rank {r} did not get there within {timeout} s")
+
+    def finish(self, timeout=120, skip=()):
+        deadline = time.monotonic() + timeout
+        try:
+            for r, p in enumerate(self.procs):
+                if r in skip:
+                    continue
+                _out, err = p.communicate(timeout=max(1, deadline - time.monotonic()))
+                assert p.returncode == 0, f"rank {r} failed:\n{err[-4000:]}"
+        finally:
+            self.kill()
+
+    def kill(self):
+        for p in self.procs:
+            if p.poll() is None:
+                try:
+                    os.killpg(p.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                p.wait(10)
+            for f in (p.stdout, p.stderr):
+                if f is not None:
+                    f.close()
+
+    def epochs(self, r):
+        return {x["epoch"]: x for x in self.lines(r) if "epoch" in x}
+
+
+def _expected(r, world, epoch):
+    plan = EpochPlan(num_samples=N, seed=3, batch_size=4, shuffle=True, rank=r, world_size=world)
+    return sorted(int(i) for i in plan.indices(epoch))
+
+
+def test_two_nodes_two_ranks_each_read_nothing_from_storage_after_the_first_epoch(tmp_path, data):
+    c = Cluster(tmp_path, data, epochs=3, workers=1, report=1)
+    c.finish()
+    for epoch in range(3):
+        seen = []
+        for r in range(4):
+            got = c.epochs(r)[epoch]["got"]
+            assert sorted(got) == _expected(r, 4, epoch)     # its own share, exactly once
+            seen += got
+        assert sorted(seen) == list(range(N))                # and the ranks together: everything once
+    for epoch in (1, 2):
+        st = [c.epochs(r)[epoch]["stats"] for r in range(4)]
+        assert sum(s["samples_from_storage"] for s in st) == 0
+        assert sum(s["samples_from_peers"] for s in st) > 0
+        assert sum(s["bytes_from_peers"] for s in st) == SIZE * sum(s["samples_from_peers"] for s in st)
+    # the node's lowest rank runs its server; `coordl cache ls` shows the traffic
+    servers = [c.lines(r)[0]["server"] for r in range(4)]
+    assert servers[0] and servers[2] and servers[1] is None and servers[3] is None
+    assert servers[0][0] == "127.0.0.1" and servers[0] != servers[2]
+    for r in (0, 2):
+        rep = next(x for x in c.lines(r) if "caches" in x)
+        mine = [x for x in rep["caches"] if x["name"].endswith(f"@n{r // 2}")]
+        assert len(mine) == 1 and mine[0]["peer_in"] > 0 and mine[0]["peer_out"] > 0
+        assert "peers: got" in rep["ls"]
+    for r in range(4):
+        assert next(x for x in c.lines(r) if "threads_left" in x)["threads_left"] == []
+
+
+def test_a_peer_killed_mid_epoch_costs_storage_reads_not_samples(tmp_path, data):
+    # no barrier: the survivors go on without the dead rank, as far as the loader is concerned
+    c = Cluster(tmp_path, data, epochs=3, barrier=0, progress=1, sleep=0.05)
+    try:
+        c.wait_for(0, lambda x: x.get("progress") == [1, 1])
+        os.killpg(c.procs[2].pid, signal.SIGKILL)    # node n1's server (and rank 2 itself)
+        c.finish(skip={2})
+    finally:
+        c.kill()
+    for r in (0, 1, 3):
+        eps = c.epochs(r)
+        assert sorted(eps) == [0, 1, 2]
+        for epoch in range(3):
+            assert sorted(eps[epoch]["got"]) == _expected(r, 4, epoch)
+    # node n0 reads n1's share from storage once n1 is gone
+    assert sum(c.epochs(r)[2]["stats"]["samples_from_storage"] for r in (0, 1)) > 0
+
+
+def test_a_stalled_peer_costs_one_timeout_and_serves_again_next_epoch(tmp_path, data):
+    # every rank finishes epoch 0 (n1 holds its share), then n1's lowest rank (its server) stops
+    c = Cluster(tmp_path, data, epochs=3, barriers=1, rank_opts={2: {"stop_self_after": 0}})
+    try:
+        c.wait_for(0, lambda x: x.get("epoch") == 1)
+        assert psutil.Process(c.procs[2].pid).status() == psutil.STATUS_STOPPED
+        os.killpg(c.procs[2].pid, signal.SIGCONT)
+        c.finish()
+    finally:
+        c.kill()
+    e1, e2 = c.epochs(0)[1], c.epochs(0)[2]
+    for r in range(4):
+        for epoch in range(3):
+            assert sorted(c.epochs(r)[epoch]["got"]) == _expected(r, 4, epoch)
+    assert e1["stats"]["samples_from_storage"] > 0       # the stalled peer's samples, from storage
+    assert e2["stats"]["samples_from_peers"] > 0         # it is asked again at the next epoch
+
+
+def test_one_node_keeps_peers_off_and_on_is_refused(tmp_path, data):
+    c = Cluster(tmp_path, data, world=2, per_node=2, epochs=1, peers="auto")
+    c.finish()
+    assert [c.lines(r)[0]["server"] for r in range(2)] == [None, None]
+    c = Cluster(tmp_path, data, world=2, per_node=2, epochs=1, peers="on")
+    try:
+        for p in c.procs:
+            _out, err = p.communicate(timeout=120)
+            assert p.returncode != 0 and 'peers="on" cannot work' in err and "COORDL_NODE_ID" in err
+    finally:
+        c.kill()
+
+
+# ---------------------------------------------------------------- no processes
+def test_ownership_is_the_first_epochs_reader():
+    plan = dict(num_samples=50, seed=1, batch_size=4, shuffle=True, drop_last=False)
+    rank_nodes = [0, 0, 1, 2]
+    c = PeerClient([("a", "h", 1), ("b", "h", 2), ("c", "h", 3)], 0, rank_nodes, b"s" * 32, "fp", plan)
+    c.start(2)
+    c.start(5)                               # only the first call counts
+    own = c.owners()
+    for r, node in enumerate(rank_nodes):
+        idx = EpochPlan(**plan, rank=r, world_size=4).indices(2)
+        assert set(own[idx].tolist()) == {node}
+    assert (own >= 0).all()
+    # pickled into a worker: configuration only, and the same answer
+    import pickle
+
+    c2 = pickle.loads(pickle.dumps(c))
+    assert c2.e0 == 2 and np.array_equal(c2.owners(), own) and c2.secret == c.secret
+
+
+def test_peer_address_follows_the_process_groups_interface(monkeypatch):
+    monkeypatch.delenv("COORDL_PEER_ADDR", raising=False)
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    assert rendezvous.peer_host() == "127.0.0.1"
+    monkeypatch.setenv("MASTER_ADDR", "localhost")
+    assert rendezvous.peer_host() in ("127.0.0.1", "::1")
+    monkeypatch.setenv("COORDL_PEER_ADDR", "10.1.2.3")
+    assert rendezvous.peer_host() == "10.1.2.3"
+    monkeypatch.setenv("COORDL_PEER_ADDR", "0.0.0.0")
+    with pytest.raises(ValueError, match="one interface"):
+        rendezvous.peer_host()
+
+
+def test_the_server_refuses_the_wildcard_address(tmp_path):
+    from coordl.peers.server import PeerServer
+
+    with pytest.raises(ValueError, match="never every interface"):
+        PeerServer(object(), b"s" * 32, "0.0.0.0")
+
+
+def test_bad_peers_values_are_refused(data):
+    import coordl
+    from _cache_helpers import folder
+
+    with pytest.raises(ValueError, match='peers should be "auto", "on" or "off"'):
+        coordl.DataLoader(folder(data), batch_size=4, peers="yes")
