@@ -32,6 +32,7 @@ def main() -> None:
     p.add_argument("--sleep", type=float, default=0.0, help="seconds per batch")
     p.add_argument("--progress", type=int, default=0, help="write a line per batch")
     p.add_argument("--report", type=int, default=0, help="write the node caches' info at the end")
+    p.add_argument("--share", type=int, default=0, help="share=True (the node daemon prepares)")
     a = p.parse_args()
     os.environ["COORDL_NODE_ID"] = a.node
     os.environ["MASTER_ADDR"] = "127.0.0.1"
@@ -46,7 +47,7 @@ def main() -> None:
     ds = folder(a.root)
     which = {b: i for i, b in enumerate(file_bytes(ds))}
     L = coordl.DataLoader(ds, batch_size=a.batch_size, shuffle=True, seed=3, num_workers=a.workers,
-                          cache_size=a.cache_size, peers=a.peers)
+                          cache_size=a.cache_size, peers=a.peers, share=bool(a.share))
     with open(a.out, "w") as out:
         server = L.peer_server
         out.write(json.dumps({"server": list(server.address) if server else None, "pid": os.getpid()}) + "\n")

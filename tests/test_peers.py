@@ -169,6 +169,25 @@ def test_a_stalled_peer_costs_one_timeout_and_serves_again_next_epoch(tmp_path, 
     assert e2["stats"]["samples_from_peers"] > 0         # it is asked again at the next epoch
 
 
+def test_with_share_the_node_daemons_workers_read_through_peers(tmp_path, data):
+    env = {"COORDL_RUN_DIR": str(tmp_path / "run")}
+    os.makedirs(env["COORDL_RUN_DIR"], mode=0o700)
+    c = Cluster(tmp_path, data, world=2, per_node=1, epochs=3, share=1, env=env)
+    try:
+        c.finish()
+    finally:
+        for node in ("n0", "n1"):     # each node has its own daemon (COORDL_NODE_ID)
+            subprocess.run([sys.executable, "-m", "coordl", "daemon", "stop"], timeout=60,
+                           env={**os.environ, **env, "COORDL_NODE_ID": node}, capture_output=True)
+    for epoch in range(3):
+        assert sorted(c.epochs(0)[epoch]["got"] + c.epochs(1)[epoch]["got"]) == list(range(N))
+    for epoch in (1, 2):
+        st = [c.epochs(r)[epoch]["stats"] for r in range(2)]
+        assert sum(s["samples_shared"] for s in st) == N            # the daemons prepared everything...
+        assert sum(s["samples_from_storage"] for s in st) == 0      # ...reading nothing from storage
+        assert sum(s["samples_from_peers"] for s in st) > 0
+
+
 def test_one_node_keeps_peers_off_and_on_is_refused(tmp_path, data):
     c = Cluster(tmp_path, data, world=2, per_node=2, epochs=1, peers="auto")
     c.finish()

@@ -262,7 +262,7 @@ class Hub:
         j = res.join
         self._wsend(w, {"op": "group", "gid": res.group.gid, "seed": j["seed"], "plan": j["plan"],
                         "sys_path": j.get("sys_path"), "cache": j.get("cache"), "stride": res.stride,
-                        "digest": j["digest"]}, fds=[res.dataset_fd, res.staging_fd])
+                        "digest": j["digest"], "peers": j.get("peers")}, fds=[res.dataset_fd, res.staging_fd])
 
     def _wsend(self, w: _Worker, msg: dict, fds=()) -> bool:
         try:

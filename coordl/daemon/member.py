@@ -214,6 +214,9 @@ class ShareMode(PipelineMode):
                "plan": {"num_samples": plan.num_samples, "shuffle": plan.shuffle, "rank": plan.rank,
                         "world_size": plan.world_size, "drop_last": plan.drop_last},
                "sys_path": [os.path.abspath(p) if p else os.getcwd() for p in sys.path], "cache": cache}
+        if loader._peers is not None:   # the daemon's workers read through the other nodes' caches too
+            loader._peers.start(epoch)
+            msg["peers"] = loader._peers.to_json()
         fd = os.memfd_create("coordl-dataset", os.MFD_CLOEXEC)
         conn = None
         try:

@@ -96,7 +96,15 @@ class _Group:
                     keep_warm=float(c.get("keep_warm", 0)))
         from .._engine import _make_reader
 
-        self.read, _ = _make_reader(self.dataset, self.cache)
+        self.peers = None
+        if msg.get("peers") and self.cache is not None:   # (from a same-uid member, as the dataset)
+            from ..peers.client import PeerClient
+
+            try:
+                self.peers = PeerClient.from_json(msg["peers"])
+            except (KeyError, TypeError, ValueError):
+                self.peers = None   # unusable: storage it is
+        self.read, _ = _make_reader(self.dataset, self.cache, self.peers)
         self.layout = None
         from ..plan import EpochPlan
 
@@ -112,6 +120,8 @@ class _Group:
         epoch, pos = divmod(g, self.n)
         if self._order[0] != epoch:
             self._order = (epoch, self.plan.indices(epoch))
+            if self.peers is not None:
+                self.peers.new_epoch()    # peers down last epoch get another chance
         return epoch, int(self._order[1][pos])
 
     def close(self) -> None:

@@ -180,6 +180,21 @@ class PeerClient:
         self.__dict__.update(state)
         self._local_init()
 
+    def to_json(self) -> dict:
+        """The configuration as JSON (for the node daemon's workers, over the
+        user's private socket: it carries the job secret)."""
+        return {"nodes": self.nodes, "me": self.me, "rank_nodes": self.rank_nodes,
+                "secret": self.secret.hex(), "fingerprint": self.cache_name, "plan": self.plan,
+                "timeout": self.timeout, "e0": self.e0}
+
+    @classmethod
+    def from_json(cls, d: dict) -> "PeerClient":
+        c = cls([tuple(x) for x in d["nodes"]], int(d["me"]), list(d["rank_nodes"]), bytes.fromhex(d["secret"]),
+                str(d["fingerprint"]), dict(d["plan"]), float(d["timeout"]))
+        if d.get("e0") is not None:
+            c.e0 = int(d["e0"])
+        return c
+
     # ------------------------------------------------------------------ plan
     def start(self, epoch: int) -> None:
         """The run's first epoch (the one that filled the node caches) is
