@@ -83,6 +83,7 @@ def main() -> None:
             out.flush()
         if a.barrier:
             dist.barrier()   # nobody's server goes before everyone is done with it
+        ports = {p for _n, _h, p in L._peers.nodes} if L._peers is not None else set()
         del L
         import gc
 
@@ -93,7 +94,11 @@ def main() -> None:
             if not left:
                 break
             time.sleep(0.05)
-        out.write(json.dumps({"threads_left": left}) + "\n")
+        import psutil
+
+        socks = [str(c) for c in psutil.Process().net_connections(kind="tcp")
+                 if c.laddr and c.laddr.port in ports or c.raddr and c.raddr.port in ports]
+        out.write(json.dumps({"threads_left": left, "sockets_left": socks}) + "\n")
     dist.destroy_process_group()
 
 

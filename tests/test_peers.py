@@ -129,8 +129,9 @@ def test_two_nodes_two_ranks_each_read_nothing_from_storage_after_the_first_epoc
         mine = [x for x in rep["caches"] if x["name"].endswith(f"@n{r // 2}")]
         assert len(mine) == 1 and mine[0]["peer_in"] > 0 and mine[0]["peer_out"] > 0
         assert "peers: got" in rep["ls"]
-    for r in range(4):
-        assert next(x for x in c.lines(r) if "threads_left" in x)["threads_left"] == []
+    for r in range(4):     # the loaders are gone: so are their peer threads and connections
+        end = next(x for x in c.lines(r) if "threads_left" in x)
+        assert end["threads_left"] == [] and end["sockets_left"] == []
 
 
 def test_a_peer_killed_mid_epoch_costs_storage_reads_not_samples(tmp_path, data):
