@@ -116,6 +116,10 @@ def format_status(st: dict) -> str:
         for c in cache:
             out.append(f"  {c['name']}: {c['filled'] / mib:.1f}/{c['capacity'] / mib:.1f} MiB, "
                        f"{c['cached']}/{c['samples']} samples, {c['holders']} holder(s)")
+    for p in st.get("peer_servers") or []:
+        out.append(f"serving {p['cache']} to other nodes on {p['address'][0]}:{p['address'][1]} for pid "
+                   f"{p['job_pid']}: {p['connections']} connection(s), {p['samples_served']} samples "
+                   f"({p['bytes_served'] / mib:.1f} MiB) served, {p['absent']} absent")
     return "\n".join(out)
 
 

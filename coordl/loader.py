@@ -733,6 +733,8 @@ class DataLoader(_TorchDataLoader[_T_co]):
 
     # ---------------------------------------------------------------- torch hooks
     def __iter__(self):
+        if self._peer_server is not None:
+            self._peer_server.ensure()   # served again if the node daemon serving it died
         p = self._pass
         epoch = p.next_epoch
         start, skip, restore = 0, frozenset(), None
@@ -764,7 +766,13 @@ class DataLoader(_TorchDataLoader[_T_co]):
         p = self._plan
         plan_kwargs = dict(num_samples=p.num_samples, seed=p.seed, batch_size=p.batch_size,
                            shuffle=p.shuffle, drop_last=p.drop_last)
-        client, server = rendezvous.setup(peers, self._cache, fp, plan_kwargs, self._rank, self._world_size)
+        spec = None
+        if self._cache is not None:
+            checksum, keep_warm = self._cache_opts
+            spec = {"fingerprint": fp, "n": len(self.dataset), "capacity": self._cache_size,
+                    "checksum": checksum, "keep_warm": keep_warm}
+        client, server = rendezvous.setup(peers, self._cache, fp, plan_kwargs, self._rank, self._world_size,
+                                          cache_spec=spec, share=bool(self._share))
         self._peers, self._peer_server = client, server
         if client is not None:
             weakref.finalize(self, _reaper.later, client.close)
@@ -773,7 +781,9 @@ class DataLoader(_TorchDataLoader[_T_co]):
 
     @property
     def peer_server(self):
-        """This node's cache server when this rank runs it (else None)."""
+        """This node's cache server when this rank is the node's lowest (else
+        None): a ``PeerServer`` in this process, or the node daemon's
+        (``in_daemon``).  ``address`` is where it listens."""
         return self._peer_server
 
     def _attach_cache(self):

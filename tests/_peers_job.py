@@ -33,6 +33,7 @@ def main() -> None:
     p.add_argument("--progress", type=int, default=0, help="write a line per batch")
     p.add_argument("--report", type=int, default=0, help="write the node caches' info at the end")
     p.add_argument("--share", type=int, default=0, help="share=True (the node daemon prepares)")
+    p.add_argument("--kill-daemon-after", type=int, default=-1, help="SIGKILL this node's daemon after this epoch")
     a = p.parse_args()
     os.environ["COORDL_NODE_ID"] = a.node
     os.environ["MASTER_ADDR"] = "127.0.0.1"
@@ -50,7 +51,8 @@ def main() -> None:
                           cache_size=a.cache_size, peers=a.peers, share=bool(a.share))
     with open(a.out, "w") as out:
         server = L.peer_server
-        out.write(json.dumps({"server": list(server.address) if server else None, "pid": os.getpid()}) + "\n")
+        out.write(json.dumps({"server": list(server.address) if server else None, "pid": os.getpid(),
+                              "in_daemon": bool(server and server.in_daemon)}) + "\n")
         out.flush()
         for epoch in range(a.epochs):
             got = []
@@ -62,6 +64,13 @@ def main() -> None:
                     out.flush()
                 if a.sleep:
                     time.sleep(a.sleep)
+            if epoch == a.kill_daemon_after:
+                from coordl.daemon import server as daemon
+
+                pid = daemon.status()["pid"]
+                os.kill(pid, signal.SIGKILL)
+                while daemon.status() is not None:
+                    time.sleep(0.05)
             st = L.stats().epochs[-1]
             out.write(json.dumps({"epoch": epoch, "got": got, "stats": st.__dict__}) + "\n")
             out.flush()
@@ -88,16 +97,16 @@ def main() -> None:
         import gc
 
         gc.collect()
+        import psutil
+
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:   # the reaper thread closes the client and server
             left = [t.name for t in threading.enumerate() if t.name.startswith("coordl-peer")]
-            if not left:
+            socks = [str(c) for c in psutil.Process().net_connections(kind="tcp")
+                     if c.laddr and c.laddr.port in ports or c.raddr and c.raddr.port in ports]
+            if not left and not socks:
                 break
             time.sleep(0.05)
-        import psutil
-
-        socks = [str(c) for c in psutil.Process().net_connections(kind="tcp")
-                 if c.laddr and c.laddr.port in ports or c.raddr and c.raddr.port in ports]
         out.write(json.dumps({"threads_left": left, "sockets_left": socks}) + "\n")
     dist.destroy_process_group()
 

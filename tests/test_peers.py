@@ -180,6 +180,7 @@ def test_with_share_the_node_daemons_workers_read_through_peers(tmp_path, data):
         for node in ("n0", "n1"):     # each node has its own daemon (COORDL_NODE_ID)
             subprocess.run([sys.executable, "-m", "coordl", "daemon", "stop"], timeout=60,
                            env={**os.environ, **env, "COORDL_NODE_ID": node}, capture_output=True)
+    assert [c.lines(r)[0]["in_daemon"] for r in range(2)] == [True, True]   # each node's server: its daemon
     for epoch in range(3):
         assert sorted(c.epochs(0)[epoch]["got"] + c.epochs(1)[epoch]["got"]) == list(range(N))
     for epoch in (1, 2):
@@ -187,6 +188,24 @@ def test_with_share_the_node_daemons_workers_read_through_peers(tmp_path, data):
         assert sum(s["samples_shared"] for s in st) == N            # the daemons prepared everything...
         assert sum(s["samples_from_storage"] for s in st) == 0      # ...reading nothing from storage
         assert sum(s["samples_from_peers"] for s in st) > 0
+
+
+def test_a_node_daemon_killed_serves_again_from_the_same_address_next_epoch(tmp_path, data):
+    env = {"COORDL_RUN_DIR": str(tmp_path / "run")}
+    os.makedirs(env["COORDL_RUN_DIR"], mode=0o700)
+    c = Cluster(tmp_path, data, world=2, per_node=1, epochs=4, share=1, env=env,
+                rank_opts={1: {"kill_daemon_after": 0}})
+    try:
+        c.finish()
+    finally:
+        for node in ("n0", "n1"):
+            subprocess.run([sys.executable, "-m", "coordl", "daemon", "stop"], timeout=60,
+                           env={**os.environ, **env, "COORDL_NODE_ID": node}, capture_output=True)
+    for epoch in range(4):
+        assert sorted(c.epochs(0)[epoch]["got"] + c.epochs(1)[epoch]["got"]) == list(range(N))
+    # n1 served again (a new daemon, the same port) from its next pass on
+    assert c.epochs(0)[3]["stats"]["samples_from_peers"] > 0
+    assert c.epochs(0)[3]["stats"]["samples_from_storage"] == 0
 
 
 def test_one_node_keeps_peers_off_and_on_is_refused(tmp_path, data):
@@ -204,7 +223,7 @@ def test_one_node_keeps_peers_off_and_on_is_refused(tmp_path, data):
 
 # ---------------------------------------------------------------- no processes
 def test_ownership_is_the_first_epochs_reader():
-    plan = dict(num_samples=50, seed=1, batch_size=4, shuffle=True, drop_last=False)
+    plan = dict(num_samples=48, seed=1, batch_size=4, shuffle=True, drop_last=False)   # no padding repeats
     rank_nodes = [0, 0, 1, 2]
     c = PeerClient([("a", "h", 1), ("b", "h", 2), ("c", "h", 3)], 0, rank_nodes, b"s" * 32, "fp", plan)
     c.start(2)
@@ -247,3 +266,14 @@ def test_bad_peers_values_are_refused(data):
 
     with pytest.raises(ValueError, match='peers should be "auto", "on" or "off"'):
         coordl.DataLoader(folder(data), batch_size=4, peers="yes")
+
+
+def test_daemon_status_shows_the_peer_server_it_runs():
+    from coordl.cli import format_status
+
+    st = {"pid": 1, "uptime": 3, "worker_pids": [], "staging_limit": 0, "groups": [], "caches": [],
+          "peer_servers": [{"address": ["10.0.0.2", 4242], "cache": "cache-x@n1", "job_pid": 77,
+                            "connections": 2, "samples_served": 10, "bytes_served": 2 ** 21, "absent": 3}]}
+    text = format_status(st)
+    assert "serving cache-x@n1 to other nodes on 10.0.0.2:4242 for pid 77" in text
+    assert "10 samples (2.0 MiB) served, 3 absent" in text

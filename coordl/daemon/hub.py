@@ -93,6 +93,7 @@ class Hub:
         self._next_mid = 1
         self._conn_by_mid: dict[int, ipc.Conn] = {}
         self._outbox: dict[int, tuple] = {}   # conn fd -> (conn, [ready items]) until flush()
+        self.peer_servers: dict[int, tuple] = {}   # conn fd -> (PeerServer, NodeCache, job pid)
         try:
             self.max_workers = max(1, len(os.sched_getaffinity(0)))
         except AttributeError:
@@ -114,6 +115,9 @@ class Hub:
             return
         for fd in fds:
             os.close(fd)
+        if op == "peer_serve":
+            self._peer_serve(conn, msg)
+            return
         if entry is None:
             conn.send({"op": "error", "why": f"unknown op {op!r} before join"})
             return
@@ -176,7 +180,44 @@ class Hub:
         self._send(conn, {"op": "joined", "gid": gid, "slots": res.group.nslots, "stride": res.stride},
                    fds=[res.staging_fd])
 
+    def _peer_serve(self, conn: ipc.Conn, msg: dict) -> None:
+        """Serve this node's cache to the job's other nodes (coordl.peers) for
+        as long as ``conn`` (the job's node-lowest rank) stays connected."""
+        from ..cache import NodeCache
+        from ..peers.server import PeerServer
+
+        if conn.fileno() in self.peer_servers:
+            self._send(conn, {"op": "refused", "why": "this connection serves already"})
+            return
+        c = msg["cache"]
+        secret = bytes.fromhex(msg["secret"])   # from a same-uid process (SO_PEERCRED-checked)
+        try:
+            cache = NodeCache.attach(str(c["fingerprint"]), int(c["n"]), int(c["capacity"]),
+                                     checksum=bool(c.get("checksum")), keep_warm=float(c.get("keep_warm", 0)))
+        except (OSError, ValueError, RuntimeError, MemoryError) as e:
+            self._send(conn, {"op": "refused", "why": f"cannot attach the node cache: {e}"})
+            return
+        try:
+            srv = PeerServer(cache, secret, str(msg["host"]), int(msg.get("port") or 0),
+                             key=str(c["fingerprint"]))
+        except (OSError, ValueError) as e:
+            cache.close()
+            self._send(conn, {"op": "refused", "why": f"cannot listen on {msg['host']}: {e}"})
+            return
+        self.peer_servers[conn.fileno()] = (srv, cache, conn.peer_pid)
+        self.log(f"serving node cache {cache.name} to peers on {srv.address[0]}:{srv.address[1]} "
+                 f"for pid {conn.peer_pid}")
+        self._send(conn, {"op": "serving", "address": list(srv.address)})
+
+    def _end_peer_serve(self, fd: int) -> None:
+        entry = self.peer_servers.pop(fd, None)
+        if entry is not None:
+            srv, cache, _ = entry
+            srv.close()
+            cache.close()
+
     def member_gone(self, conn: ipc.Conn) -> None:
+        self._end_peer_serve(conn.fileno())
         entry = self.members.pop(conn.fileno(), None)
         conn.close()
         if entry is None:
@@ -354,6 +395,8 @@ class Hub:
                 self._wsend(workers[k], {"op": "prep", "gid": gid, "tasks": tasks})
 
     def stop(self) -> None:
+        for fd in list(self.peer_servers):
+            self._end_peer_serve(fd)
         for w in list(self.workers):
             self._wsend(w, {"op": "stop"})
         for w in list(self.workers):
@@ -382,7 +425,11 @@ class Hub:
             st["dataset"] = str(res.join.get("dataset", ""))[:200]
             st["broken"] = res.broken
             groups.append(st)
-        return {"groups": groups, "worker_pids": [w.proc.pid for w in self.workers],
+        peers = [{"address": list(srv.address), "cache": cache.name, "job_pid": pid,
+                  "connections": srv.connections, "samples_served": srv.samples_served,
+                  "bytes_served": srv.bytes_served, "absent": srv.absent}
+                 for srv, cache, pid in self.peer_servers.values()]
+        return {"groups": groups, "worker_pids": [w.proc.pid for w in self.workers], "peer_servers": peers,
                 "staging_limit": self.staging_bytes, "caches": _caches()}
 
 

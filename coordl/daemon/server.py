@@ -67,8 +67,8 @@ def status(timeout: float = 5.0) -> dict | None:
         with ipc.connect(socket_path(), timeout=timeout) as c:
             c.send({"op": "status"}, timeout=timeout)
             return c.recv(timeout=timeout)[0]
-    except (FileNotFoundError, ConnectionRefusedError):
-        return None
+    except (FileNotFoundError, ConnectionError, TimeoutError):
+        return None   # none runs, or it is going away (reset mid-answer)
 
 
 def start(timeout: float = 30.0) -> int:

@@ -81,10 +81,13 @@ def _want(mode) -> str:
     return mode
 
 
-def setup(mode, cache, fingerprint: str | None, plan_kwargs: dict, rank: int, world_size: int):
+def setup(mode, cache, fingerprint: str | None, plan_kwargs: dict, rank: int, world_size: int,
+          cache_spec: dict | None = None, share: bool = False):
     """``(client, server)`` for this rank, or ``(None, None)`` when peers are
     off.  Collective over the default process group when it is initialized
-    and spans more than one rank (unless ``mode`` is "off")."""
+    and spans more than one rank (unless ``mode`` is "off").  The server
+    (the node's lowest rank only) runs in the node daemon when one runs or
+    ``share`` starts one, else in this process (``hosted.start_server``)."""
     import torch.distributed as dist
 
     mode = _want(mode)
@@ -134,11 +137,17 @@ def setup(mode, cache, fingerprint: str | None, plan_kwargs: dict, rank: int, wo
     server = None
     where = None
     if first_rank[my_node] == rank:
-        from .server import PeerServer
+        from .hosted import start_server
 
+        spec = dict(cache_spec or {})
+        spec.setdefault("fingerprint", fingerprint)
+        spec.setdefault("n", int(cache.n))
+        spec.setdefault("capacity", int(cache.capacity))
+        spec.setdefault("checksum", bool(cache.checksum))
+        spec.setdefault("keep_warm", 0.0)
         try:
-            server = PeerServer(cache, secret, peer_host(), int(os.environ.get("COORDL_PEER_PORT") or 0),
-                                key=fingerprint)
+            server = start_server(cache, spec, secret, peer_host(), int(os.environ.get("COORDL_PEER_PORT") or 0),
+                                  share)
             where = list(server.address)
         except (OSError, ValueError) as e:
             warnings.warn(f"coordl: node {nodes[my_node]} cannot serve its cache to peers ({e}); "

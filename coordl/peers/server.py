@@ -67,6 +67,11 @@ class PeerServer:
         self._accept = threading.Thread(target=self._accept_loop, name="coordl-peer-accept", daemon=True)
         self._accept.start()
 
+    in_daemon = False     # (see hosted.DaemonHosted: the same interface, served by the node daemon)
+
+    def ensure(self) -> None:
+        """Nothing to do: this server lives as long as its process."""
+
     # ------------------------------------------------------------------ life
     def close(self, timeout: float = 5.0) -> None:
         """Stop accepting, end every connection and join the threads."""

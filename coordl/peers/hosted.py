@@ -1,0 +1,124 @@
+"""Where a node's cache server runs: in the node daemon when one runs (it
+outlives the job's processes' churn and keeps serving threads out of the
+training process), else in the node's lowest rank's process.
+
+:class:`DaemonHosted` asks the daemon to serve (``{"op": "peer_serve"}``
+over the user's private socket, SO_PEERCRED-checked, carrying the job
+secret) and keeps that connection open: the daemon serves exactly as long
+as the connection lives, so a job killed with SIGKILL stops its server with
+it (the kernel closes the socket).  :meth:`ensure`, called at each pass
+start, brings the server back on the same address if the daemon died: in a
+restarted daemon, or else in this process.
+"""
+from __future__ import annotations
+
+import os
+import select
+import warnings
+
+__all__ = ["start_server", "DaemonHosted"]
+
+
+class DaemonHosted:
+    """The node's cache server, run by the node daemon for this job."""
+
+    def __init__(self, cache_spec: dict, secret: bytes, host: str, port: int, start_daemon: bool) -> None:
+        self.cache_spec = dict(cache_spec)
+        self._secret = bytes(secret)
+        self.host = host
+        self.conn = None
+        self.local = None            # a PeerServer in this process, after the daemon went away
+        self.address = self._ask(port, start_daemon)
+
+    def _ask(self, port: int, start_daemon: bool):
+        from ..daemon import ipc
+        from ..daemon import server as daemon
+
+        if start_daemon:
+            daemon.start()
+        conn = ipc.connect(daemon.socket_path(), timeout=10.0)
+        try:
+            conn.send({"op": "peer_serve", "cache": self.cache_spec, "secret": self._secret.hex(),
+                       "host": self.host, "port": port}, timeout=10.0)
+            reply, fds = conn.recv(timeout=30.0)
+            for fd in fds:
+                os.close(fd)
+        except BaseException:
+            conn.close()
+            raise
+        if reply.get("op") != "serving":
+            conn.close()
+            raise ConnectionError(f"the node daemon would not serve peers: {reply.get('why', reply)}")
+        self.conn = conn
+        return tuple(reply["address"])
+
+    @property
+    def in_daemon(self) -> bool:
+        return self.local is None
+
+    def alive(self) -> bool:
+        if self.local is not None:
+            return True
+        if self.conn is None:
+            return False
+        try:
+            r, _, _ = select.select([self.conn.sock], [], [], 0)
+        except (OSError, ValueError):
+            return False
+        return not r    # the daemon never writes again on this connection: readable means EOF
+
+    def ensure(self) -> None:
+        """If the daemon serving us died, serve again on the same address."""
+        if self.alive():
+            return
+        if self.conn is not None:
+            self.conn.close()
+            self.conn = None
+        port = int(self.address[1])
+        try:
+            self._ask(port, start_daemon=True)
+            return
+        except (OSError, ConnectionError, TimeoutError, RuntimeError) as e:
+            why = e
+        from .server import PeerServer
+        from ..cache import NodeCache
+
+        try:
+            c = self.cache_spec
+            cache = NodeCache.attach(c["fingerprint"], c["n"], c["capacity"], checksum=c["checksum"],
+                                     keep_warm=c["keep_warm"])
+            self.local = PeerServer(cache, self._secret, self.host, port, key=c["fingerprint"])
+        except (OSError, ValueError) as e:
+            warnings.warn(f"coordl: cannot serve this node's cache to peers again ({why}; {e}); the "
+                          "other nodes read its samples from storage", stacklevel=3)
+
+    def close(self) -> None:
+        if self.conn is not None:
+            self.conn.close()
+            self.conn = None
+        if self.local is not None:
+            self.local.close()
+            self.local = None
+
+
+def _daemon_running() -> bool:
+    from ..daemon import server as daemon
+
+    try:
+        return daemon.status(timeout=2.0) is not None
+    except (OSError, ConnectionError, TimeoutError, ValueError):
+        return False
+
+
+def start_server(cache, cache_spec: dict, secret: bytes, host: str, port: int, share: bool):
+    """This node's cache server: in the node daemon when one runs (or this
+    job shares prep, which starts it), else a :class:`PeerServer` here."""
+    if share or _daemon_running():
+        try:
+            return DaemonHosted(cache_spec, secret, host, port, start_daemon=share)
+        except (OSError, ConnectionError, TimeoutError, RuntimeError, KeyError, ValueError) as e:
+            warnings.warn(f"coordl: the node daemon cannot serve peers ({e}); serving from this process",
+                          stacklevel=3)
+    from .server import PeerServer
+
+    return PeerServer(cache, secret, host, port, key=cache_spec["fingerprint"])
