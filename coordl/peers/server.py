@@ -159,7 +159,7 @@ class PeerServer:
 
     def _send_one(self, conn: socket.socket, rid: int, i: int) -> None:
         try:
-            data = self.cache.get(i)
+            data = self.cache.get(i, count=False)   # not this node's own hit or miss
         except Exception:   # an unreadable entry is as good as absent
             data = None
         if data is None or len(data) > P.MAX_SAMPLE:
