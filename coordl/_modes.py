@@ -166,8 +166,8 @@ class PipelineMode:
     def _pin(self, loader, inner):
         """Pin the pipeline's batches when asked (torch's machinery pins in
         its own thread): with workers in a pin thread, else inline."""
-        if not loader.pin_memory:
-            return inner
+        if not loader.pin_memory or loader._device is not None:
+            return inner     # (with a device, DeviceDelivery stages batches in its pinned ring)
         if not _pin.accelerator_available():
             # torch's wording, so filters written for torch's loader match
             warnings.warn("'pin_memory' argument is set as true but no accelerator is found, "
@@ -193,7 +193,7 @@ class PipelineMode:
         if loader._peers is not None:
             loader._peers.start(epoch)   # the run's first epoch: who read what (before workers copy it)
         if W == 0:
-            return InlineIter(loader.dataset, cfg, loader.plan, epoch, start, skip=skip)
+            return InlineIter(loader._prep_dataset, cfg, loader.plan, epoch, start, skip=skip)
         pool = self.pool
         if pool is None or pool.closed:
             cfg["base_seed"] = int(torch.empty((), dtype=torch.int64).random_(generator=loader.generator).item())
@@ -201,7 +201,7 @@ class PipelineMode:
             if ctx is None:
                 import multiprocessing
                 ctx = multiprocessing.get_context()
-            pool = WorkerPool(loader.dataset, cfg, W, ctx, timeout=loader.timeout)
+            pool = WorkerPool(loader._prep_dataset, cfg, W, ctx, timeout=loader.timeout)
             if loader.persistent_workers:
                 self.pool = pool
         return PipelineIter(pool, loader.plan, epoch, start, loader.in_order,

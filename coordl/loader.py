@@ -238,7 +238,7 @@ class _LoaderIter:
             raise
         t1 = clock()
         if L._device is not None:
-            batch = _to_device(batch, L._device)
+            batch = L._deliver(batch)
         bucket = counters.bucket(self._epoch)
         bucket["samples"] += n
         bucket["batches"] += 1
@@ -349,7 +349,7 @@ def _batch_failed(e: Exception, pipeline: bool) -> bool:
     return not (isinstance(e, RuntimeError) and str(e).startswith(("DataLoader ", "this DataLoader pass")))
 
 
-def _to_device(obj, device: torch.device):
+def _to_device(obj, device: torch.device):   # (batches of torch's own pin thread, see _deliver)
     if isinstance(obj, torch.Tensor):
         return obj.to(device, non_blocking=True)
     if isinstance(obj, dict):
@@ -483,8 +483,9 @@ class DataLoader(_TorchDataLoader[_T_co]):
                              f"cache_keep_warm={cache_keep_warm!r}")
         self._cache_opts = (cache_checksum, float(cache_keep_warm))
         self._device = _parse_device(device)
-        if self._device is not None and self._device.type == "cuda" and not self.pin_memory:
-            self.pin_memory = True  # stage through pinned memory for async copies
+        self._delivery = None
+        self._device_tail = None
+        self._prep_dataset = dataset   # what the pipeline prepares (see coordl.device.split_for_device)
         self._on_error = on_error
         self._read_ahead = parse_size(read_ahead, "read_ahead")
         if self._read_ahead < 1:
@@ -544,6 +545,12 @@ class DataLoader(_TorchDataLoader[_T_co]):
                 "two-stage datasets (raw/prep) read in coordl's epoch-plan order; this loader "
                 f"{'has a user sampler' if user_sampler else 'reads a dataset without raw/prep'}",
                 stacklevel=2)
+        if (self._device is not None and type(self._mode) is PipelineMode and collate_fn is None
+                and batch_size is not None):
+            from .device import split_for_device
+
+            # uint8 images travel; the float conversion and Normalize run on the device
+            self._prep_dataset, self._device_tail = split_for_device(dataset)
         self._peers = self._peer_server = None
         if isinstance(self._mode, PipelineMode):
             self._setup_peers(peers)
@@ -756,6 +763,15 @@ class DataLoader(_TorchDataLoader[_T_co]):
         p.owner = weakref.ref(it)
         return it
 
+    def _deliver(self, batch):
+        """Hand ``batch`` to the device through the pinned ring (coordl.device)."""
+        d = self._delivery
+        if d is None:
+            from .device import DeviceDelivery
+
+            d = self._delivery = DeviceDelivery(self._device, tail=self._device_tail)
+        return d.deliver(batch)
+
     def _setup_peers(self, peers) -> None:
         """Agree on the peer table over torch.distributed (collective when the
         process group spans several ranks); start this node's cache server
@@ -863,7 +879,10 @@ def _parse_device(device) -> torch.device | None:
             "torch.cuda.is_available() is False: pass device=None or 'cpu'"
         )
     if dev.type == "cpu":
-        return None  # batches are already on the CPU
+        from . import device as _dev
+
+        # batches are already on the CPU (the test seam runs the device path on it)
+        return dev if _dev.CPU_TEST_DEVICE else None
     return dev
 
 
