@@ -193,6 +193,9 @@ class _LoaderIter:
         self._skip = skip
         self._num_yielded = 0
         self._stopped = False  # _shutdown_workers() was called
+        self._t_first = None   # when the training loop first asked (wall time of the pass)
+        self._wall_base = 0.0
+        self._bar = None       # progress bar (progress=True)
 
     def __iter__(self) -> "_LoaderIter":
         return self
@@ -205,6 +208,9 @@ class _LoaderIter:
         counters = L._counters
         clock = time.perf_counter
         t0 = clock()
+        if self._t_first is None:
+            self._t_first = t0
+            self._wall_base = counters.bucket(self._epoch)["wall_seconds"]
         try:
             while True:
                 if self._stopped:
@@ -224,15 +230,23 @@ class _LoaderIter:
                     batch, n = data, L._count_samples(data)
                 break
         except StopIteration:
-            counters.wait_seconds += clock() - t0
+            t1 = clock()
+            counters.wait_seconds += t1 - t0
+            b = counters.bucket(self._epoch)
+            b["wait_seconds"] += t1 - t0
+            b["wall_seconds"] = self._wall_base + (t1 - self._t_first)   # the pass ends here
             if L._pass.owner() is self:
                 L._pass.active = False
+            if self._bar is not None:
+                self._bar.close()
+                self._bar = None
             raise
         except Exception as e:
             # A batch that failed (a bad sample, an error in the user's
             # dataset or collate_fn) is used up, as under torch: the pass goes
             # on with the next batch, and the state must not redo this one.
             counters.wait_seconds += clock() - t0
+            counters.bucket(self._epoch)["wait_seconds"] += clock() - t0
             if _batch_failed(e, L._mode.runs_pipeline):
                 self._delivered(getattr(e, "coordl_step", None))
             raise
@@ -245,8 +259,33 @@ class _LoaderIter:
         t2 = clock()
         counters.wait_seconds += t1 - t0
         counters.deliver_seconds += t2 - t1
+        bucket["wait_seconds"] += t1 - t0
+        bucket["wall_seconds"] = self._wall_base + (t2 - self._t_first)
         self._num_yielded += 1
+        if L._progress:
+            self._progress(bucket, n)
         return batch
+
+    def _progress(self, bucket: dict, n: int) -> None:
+        bar = self._bar
+        if bar is None:
+            from tqdm.auto import tqdm
+
+            try:
+                total = len(self)
+            except TypeError:
+                total = None
+            bar = self._bar = tqdm(total=total, unit="batch", desc=f"epoch {self._epoch}", leave=False,
+                                   dynamic_ncols=True)
+            self._bar_shown = 0.0
+        bar.update(1)
+        now = time.perf_counter()
+        if now - self._bar_shown >= 0.5:      # the postfix costs more than the bar: twice a second
+            self._bar_shown = now
+            wall = bucket["wall_seconds"]
+            bar.set_postfix_str(f"{bucket['samples'] / wall if wall else 0:.0f} samples/s, "
+                                f"stall {100 * bucket['wait_seconds'] / wall if wall else 0:.0f}%",
+                                refresh=False)
 
     # ----------------------------------------------- torch's iterator attributes
     @property
@@ -430,6 +469,10 @@ class DataLoader(_TorchDataLoader[_T_co]):
         an error when it cannot be; ``"off"``.  With it on, building the
         loader is collective (every rank must build it).  See docs/api.md,
         "Across nodes".
+    progress
+        Show a progress bar per epoch (tqdm) with samples/s and the data
+        stall (the share of the time the training loop waited in
+        ``next()``).
     """
 
     def __init__(
@@ -464,6 +507,7 @@ class DataLoader(_TorchDataLoader[_T_co]):
         cache_keep_warm: float = 0,
         share: bool | None = None,
         peers: str | None = None,
+        progress: bool = False,
     ) -> None:
         super().__init__(
             dataset, batch_size, shuffle, sampler, batch_sampler, num_workers, collate_fn,
@@ -482,6 +526,16 @@ class DataLoader(_TorchDataLoader[_T_co]):
             raise ValueError(f"cache_keep_warm should be a number of seconds >= 0, but got "
                              f"cache_keep_warm={cache_keep_warm!r}")
         self._cache_opts = (cache_checksum, float(cache_keep_warm))
+        if not isinstance(progress, bool):
+            raise ValueError(f"progress should be a bool, but got progress={progress!r}")
+        if progress:
+            try:
+                import tqdm  # noqa: F401
+            except ImportError:
+                warnings.warn("progress=True needs tqdm (pip install tqdm, or coordl[progress]); "
+                              "no progress bar is shown", stacklevel=2)
+                progress = False
+        self._progress = progress
         self._device = _parse_device(device)
         self._delivery = None
         self._device_tail = None

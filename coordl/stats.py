@@ -83,6 +83,13 @@ class EpochStats:
     samples_from_peers, bytes_from_peers
         Samples (and their raw bytes) another node's cache served because
         this node's did not hold them (``peers``, multi-node jobs).
+    wait_seconds, wall_seconds, stall_fraction
+        Time the training loop waited in ``next()`` during this epoch, the
+        wall time from its first ``next()`` to its last batch, and their
+        ratio: the data stall (0: the loader always kept up).
+    fetch_seconds, prep_seconds
+        Busy time of the fetch and prep stages for this epoch's batches,
+        summed over workers and threads.
     """
 
     epoch: int
@@ -97,6 +104,11 @@ class EpochStats:
     samples_self_prepared: int = 0
     samples_from_peers: int = 0
     bytes_from_peers: int = 0
+    wait_seconds: float = 0.0
+    wall_seconds: float = 0.0
+    fetch_seconds: float = 0.0
+    prep_seconds: float = 0.0
+    stall_fraction: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -152,7 +164,9 @@ class LoaderStats:
     epochs: tuple[EpochStats, ...] = ()
 
 
-_EPOCH_FIELDS = tuple(f.name for f in fields(EpochStats) if f.name != "epoch")
+_EPOCH_FIELDS = tuple(f.name for f in fields(EpochStats) if f.name not in ("epoch", "stall_fraction"))
+# per-epoch only (the loader's totals of these are its own fields, counted as they happen)
+_TIMES = ("wait_seconds", "wall_seconds", "fetch_seconds", "prep_seconds")
 
 
 class Counters:
@@ -169,7 +183,7 @@ class Counters:
     def bucket(self, epoch: int) -> dict[str, int]:
         b = self._epochs.get(epoch)
         if b is None:
-            b = self._epochs[epoch] = dict.fromkeys(_EPOCH_FIELDS, 0)
+            b = self._epochs[epoch] = {k: (0.0 if k in _TIMES else 0) for k in _EPOCH_FIELDS}
         return b
 
     def absorb(self, stats: BatchStats, epoch: int, reads_seen: bool) -> dict[str, int]:
@@ -179,6 +193,8 @@ class Counters:
         self.fetch_seconds += stats.fetch_s
         self.prep_seconds += stats.prep_s
         b = self.bucket(epoch)
+        b["fetch_seconds"] += stats.fetch_s
+        b["prep_seconds"] += stats.prep_s
         if reads_seen:
             b["bytes_from_storage"] += stats.bytes_storage
             b["samples_from_storage"] += stats.samples - stats.from_cache - stats.from_peers
@@ -192,11 +208,13 @@ class Counters:
         return b
 
     def snapshot(self) -> LoaderStats:
-        per_epoch = tuple(EpochStats(epoch=e, **b) for e, b in sorted(self._epochs.items()))
-        totals = dict.fromkeys(_EPOCH_FIELDS, 0)
+        per_epoch = tuple(EpochStats(epoch=e, stall_fraction=b["wait_seconds"] / b["wall_seconds"]
+                                     if b["wall_seconds"] > 0 else 0.0, **b)
+                          for e, b in sorted(self._epochs.items()))
+        totals = {k: 0 for k in _EPOCH_FIELDS if k not in _TIMES}
         for b in self._epochs.values():
-            for k, v in b.items():
-                totals[k] += v
+            for k in totals:
+                totals[k] += b[k]
         return LoaderStats(
             wait_seconds=self.wait_seconds,
             fetch_seconds=self.fetch_seconds,

@@ -16,11 +16,12 @@ class TwoStageToy(torch.utils.data.Dataset):
     ``raw`` (a slow read).
     """
 
-    def __init__(self, n: int, bad=(), delay: float = 0.0, missing=()):
+    def __init__(self, n: int, bad=(), delay: float = 0.0, missing=(), prep_delay: float = 0.0):
         self.n = n
         self.bad = frozenset(bad)
         self.missing = frozenset(missing)
         self.delay = delay
+        self.prep_delay = prep_delay   # a slow decode
 
     def __len__(self) -> int:
         return self.n
@@ -39,6 +40,8 @@ class TwoStageToy(torch.utils.data.Dataset):
         if i in self.bad:
             raise OSError(f"image file is truncated ({len(raw)} bytes)")
         value = int.from_bytes(raw[:8], "little")
+        if self.prep_delay:
+            time.sleep(self.prep_delay)
         draw = int(_rng.current().random() * 2**30)
         return torch.tensor([value, draw, os.getpid() * 0], dtype=torch.int64), value % 3
 
