@@ -388,18 +388,6 @@ def _batch_failed(e: Exception, pipeline: bool) -> bool:
     return not (isinstance(e, RuntimeError) and str(e).startswith(("DataLoader ", "this DataLoader pass")))
 
 
-def _to_device(obj, device: torch.device):   # (batches of torch's own pin thread, see _deliver)
-    if isinstance(obj, torch.Tensor):
-        return obj.to(device, non_blocking=True)
-    if isinstance(obj, dict):
-        return {k: _to_device(v, device) for k, v in obj.items()}
-    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
-        return type(obj)(*(_to_device(v, device) for v in obj))
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_to_device(v, device) for v in obj)
-    return obj
-
-
 def _first_tensor(obj, depth: int = 0):
     if isinstance(obj, torch.Tensor):
         return obj
