@@ -166,8 +166,15 @@ class PipelineMode:
     def _pin(self, loader, inner):
         """Pin the pipeline's batches when asked (torch's machinery pins in
         its own thread): with workers in a pin thread, else inline."""
-        if not loader.pin_memory or loader._device is not None:
-            return inner     # (with a device, DeviceDelivery stages batches in its pinned ring)
+        if loader._device is not None:
+            if loader.num_workers == 0:
+                return inner     # staged and handed over in next() (DataLoader._deliver)
+            # the copy to the device starts one batch ahead, in the pin thread
+            pinner = _pin.PinThread(inner, depth=loader.prefetch_factor or 2, stage=loader._stage_envelope)
+            self._pin_prev = (pinner._stop, pinner._thread)
+            return pinner
+        if not loader.pin_memory:
+            return inner
         if not _pin.accelerator_available():
             # torch's wording, so filters written for torch's loader match
             warnings.warn("'pin_memory' argument is set as true but no accelerator is found, "

@@ -98,7 +98,7 @@ class PinInline:
         self._inner.shutdown_workers()
 
 
-def _pin_loop(inner, q: queue.Queue, stop: threading.Event, device_index) -> None:
+def _pin_loop(inner, q: queue.Queue, stop: threading.Event, device_index, stage=_pin_envelope) -> None:
     if device_index is not None:  # pin for the device the consumer had selected
         set_device_index(device_index)
     while not stop.is_set():
@@ -110,7 +110,7 @@ def _pin_loop(inner, q: queue.Queue, stop: threading.Event, device_index) -> Non
             item = ("error", e)
         else:
             try:
-                item = ("data", _pin_envelope(env, _note(env)))
+                item = ("data", stage(env, _note(env)))
             except BaseException as e:
                 item = ("error", e)
         while not stop.is_set():
@@ -127,7 +127,10 @@ class PinThread:
     """Runs ``inner`` (a pass of coordl's pipeline) in a pin thread; yields
     its envelopes with pinned batches, at most ``depth`` ahead."""
 
-    def __init__(self, inner, depth: int) -> None:
+    def __init__(self, inner, depth: int, stage=None) -> None:
+        """``stage(envelope, note) -> envelope``: what the thread does to each
+        batch (default: pin it; with a device: start its copy, see
+        coordl.device)."""
         self._inner = inner
         self._q: queue.Queue = queue.Queue(maxsize=max(1, depth))
         self._stop = threading.Event()
@@ -135,7 +138,8 @@ class PinThread:
         index = None
         if accelerator_available():
             index = current_device_index()
-        self._thread = threading.Thread(target=_pin_loop, args=(inner, self._q, self._stop, index),
+        self._thread = threading.Thread(target=_pin_loop,
+                                        args=(inner, self._q, self._stop, index, stage or _pin_envelope),
                                         name="coordl-pin-memory", daemon=True)
         self._thread.start()
         # the finalizer only sets a flag; the pin thread acts on it

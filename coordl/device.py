@@ -17,9 +17,13 @@ For each batch the loader hands over (``DeviceDelivery.deliver``):
    caching allocator never hands their memory to another tensor while the
    training stream may still use it.
 
-The copy of batch ``k+1`` thus runs while the device still computes on
-batch ``k``; the training stream can never read an unfinished copy, and no
-pinned buffer is overwritten while a copy reads it.
+Steps 1-3 (``stage``) run one batch ahead of the training loop in the pin
+thread when the pipeline has workers (``_pin.PinThread`` with a ``stage``
+function), step 4 (``hand_over``) in the training loop's thread, whose
+current stream is the training stream (streams are per thread).  The copy
+of batch ``k+1`` thus runs while the device still computes on batch ``k``;
+the training stream can never read an unfinished copy, and no pinned
+buffer is overwritten while a copy reads it.
 
 The stream API is behind a seam (:class:`CudaStreams` / :class:`HostStreams`)
 so the ring, the reuse rule and the tail are tested on a machine without an
@@ -39,7 +43,7 @@ import torch
 #: tail) with :class:`HostStreams` instead of being a no-op.
 CPU_TEST_DEVICE = False
 
-__all__ = ["DeviceDelivery", "DeviceTail", "CudaStreams", "HostStreams", "split_for_device", "streams_for"]
+__all__ = ["DeviceDelivery", "Staged", "DeviceTail", "CudaStreams", "HostStreams", "split_for_device", "streams_for"]
 
 
 # ---------------------------------------------------------------- stream seam
@@ -219,12 +223,22 @@ def _rebuild(obj, fn: Callable):
 
 
 class _Slot:
-    __slots__ = ("buffers", "event", "busy")
+    __slots__ = ("buffers", "event")
 
     def __init__(self) -> None:
         self.buffers: list[torch.Tensor] = []
-        self.event = None
-        self.busy = False       # an event was recorded for a copy reading these buffers
+        self.event = None       # the event of the last copy that read these buffers
+
+
+class Staged:
+    """A batch whose copy to the device was started (``stage``) but not yet
+    handed to the training stream (``hand_over``)."""
+
+    __slots__ = ("batch", "event")
+
+    def __init__(self, batch, event) -> None:
+        self.batch = batch
+        self.event = event
 
 
 class DeviceDelivery:
@@ -264,11 +278,13 @@ class DeviceDelivery:
 
         return _rebuild(batch, put)
 
-    def deliver(self, batch) -> Any:
+    def stage(self, batch) -> Staged:
+        """Start ``batch``'s copy to the device (any thread: the pin thread
+        does this one batch ahead of the training loop)."""
         st = self.streams
         slot = self.slots[self.k % len(self.slots)]
         self.k += 1
-        if slot.busy and not slot.event.query():
+        if slot.event is not None and not slot.event.query():
             self.waits += 1
             slot.event.synchronize()     # its last copy still reads the pinned buffers
         host = self._stage(slot, batch)
@@ -278,16 +294,24 @@ class DeviceDelivery:
             dev = _rebuild(host, lambda t: t.to(self.device, non_blocking=True, copy=True))
             if self.tail is not None:
                 dev = self.tail.apply(dev)
-            if slot.event is None:
-                slot.event = st.event()
-            slot.event.record(copy_stream)
-            slot.busy = True
-        current = st.current_stream()
-        current.wait_event(slot.event)   # the training stream never reads an unfinished copy
-        for t in _leaves(dev, []):
+            event = st.event()           # one per batch: a later reuse of the slot re-records nothing
+            event.record(copy_stream)
+        slot.event = event
+        return Staged(dev, event)
+
+    def hand_over(self, staged: Staged) -> Any:
+        """Give a staged batch to the calling thread's current stream (the
+        training stream: per thread, so this runs in the training loop's)."""
+        current = self.streams.current_stream()
+        current.wait_event(staged.event)   # the training stream never reads an unfinished copy
+        for t in _leaves(staged.batch, []):
             if t.device.type != "cpu":
-                t.record_stream(current)
-        return dev
+                t.record_stream(current)   # the allocator keeps it until the training stream is done
+        return staged.batch
+
+    def deliver(self, batch) -> Any:
+        """``stage`` then ``hand_over``, in the calling thread."""
+        return self.hand_over(self.stage(batch))
 
 
 def warn_pin_without_accelerator() -> None:

@@ -805,14 +805,30 @@ class DataLoader(_TorchDataLoader[_T_co]):
         p.owner = weakref.ref(it)
         return it
 
-    def _deliver(self, batch):
-        """Hand ``batch`` to the device through the pinned ring (coordl.device)."""
+    def _device_delivery(self):
         d = self._delivery
         if d is None:
             from .device import DeviceDelivery
 
             d = self._delivery = DeviceDelivery(self._device, tail=self._device_tail)
-        return d.deliver(batch)
+        return d
+
+    def _stage_envelope(self, env, note: str):
+        """In the pin thread: start the copy of ``env``'s batch to the device."""
+        if env.batch is not None:
+            try:
+                env.batch = self._device_delivery().stage(env.batch)
+            except Exception as e:
+                raise RuntimeError(f"copying {note} to {self._device} failed ({type(e).__name__}: {e})") from e
+        return env
+
+    def _deliver(self, batch):
+        """Hand ``batch`` to the device through the pinned ring (coordl.device):
+        already staged by the pin thread, or staged here."""
+        from .device import Staged
+
+        d = self._device_delivery()
+        return d.hand_over(batch) if type(batch) is Staged else d.deliver(batch)
 
     def _setup_peers(self, peers) -> None:
         """Agree on the peer table over torch.distributed (collective when the

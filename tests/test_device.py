@@ -89,9 +89,17 @@ def test_the_device_path_delivers_what_the_cpu_path_delivers(photos, monkeypatch
     ds = coordl.ImageFolder(photos, transform=tf)
     plain = [b for b in coordl.DataLoader(ds, batch_size=5, seed=4, shuffle=True, num_workers=workers)]
     monkeypatch.setattr(D, "CPU_TEST_DEVICE", True)
+    import threading
+
+    where = []
+    real_stage = D.DeviceDelivery.stage
+    monkeypatch.setattr(D.DeviceDelivery, "stage",
+                        lambda self, b: where.append(threading.current_thread().name) or real_stage(self, b))
     L = coordl.DataLoader(ds, batch_size=5, seed=4, shuffle=True, num_workers=workers, device="cpu")
     assert L._device_tail is not None           # Normalize moved to the "device"
     got = list(L)
+    # with workers the copies start in the pin thread, ahead of the training loop
+    assert set(where) == ({"coordl-pin-memory"} if workers else {threading.current_thread().name})
     assert L._delivery is not None and L._delivery.k == len(got)
     assert len(got) == len(plain)
     for a, b in zip(got, plain):
