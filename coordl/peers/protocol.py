@@ -103,11 +103,17 @@ def send_frame(sock: socket.socket, ftype: int, *parts) -> None:
             sock.sendall(p)
 
 
+def _cap(t: float, deadline: float | None) -> float:
+    return t if deadline is None else min(t, deadline)
+
+
 def recv_frame(sock: socket.socket, expect: tuple, first_timeout: float | None,
-               body_timeout: float) -> tuple[int, bytes]:
+               body_timeout: float, deadline: float | None = None) -> tuple[int, bytes]:
     """``(type, payload)`` of the next frame, which must be of a type in
-    ``expect``.  ``first_timeout`` bounds the wait for its first byte (None:
-    wait as long as the socket is open), ``body_timeout`` the rest."""
+    ``expect``.  ``first_timeout`` bounds the wait for its header (None:
+    wait for its first byte as long as the socket is open), ``body_timeout``
+    the rest; ``deadline`` (``time.monotonic()`` time), if given, caps both:
+    the frame must be whole by then (a handshake's frames share one)."""
     if first_timeout is None:
         sock.settimeout(None)
         try:
@@ -116,12 +122,11 @@ def recv_frame(sock: socket.socket, expect: tuple, first_timeout: float | None,
             raise ProtocolError("timed out") from None
         if not first:
             raise ProtocolError("connection closed")
-        deadline = time.monotonic() + body_timeout
-        head = bytes(first + _recv_exact(sock, HEADER.size - 1, deadline))
+        end = _cap(time.monotonic() + body_timeout, deadline)
+        head = bytes(first + _recv_exact(sock, HEADER.size - 1, end))
     else:
-        deadline = time.monotonic() + first_timeout
-        head = bytes(_recv_exact(sock, HEADER.size, deadline))
-        deadline = time.monotonic() + body_timeout
+        head = bytes(_recv_exact(sock, HEADER.size, _cap(time.monotonic() + first_timeout, deadline)))
+        end = _cap(time.monotonic() + body_timeout, deadline)
     magic, version, ftype, length = HEADER.unpack(head)
     if magic != MAGIC:
         raise ProtocolError(f"bad magic {magic!r}: not a coordl peer")
@@ -132,7 +137,7 @@ def recv_frame(sock: socket.socket, expect: tuple, first_timeout: float | None,
         raise ProtocolError(f"unexpected frame type {ftype} (expected {expect})")
     if length > MAX_PAYLOAD[ftype]:
         raise ProtocolError(f"frame type {ftype} announces {length} bytes, over its bound {MAX_PAYLOAD[ftype]}")
-    payload = _recv_exact(sock, length, deadline) if length else bytearray()
+    payload = _recv_exact(sock, length, end) if length else bytearray()
     return ftype, payload
 
 
@@ -147,10 +152,12 @@ def cache_id(name: str) -> bytes:
 
 
 def client_handshake(sock: socket.socket, secret: bytes, cid: bytes, timeout: float) -> None:
-    """Authenticate the server and ourselves; raise :class:`ProtocolError` if not."""
+    """Authenticate the server and ourselves within ``timeout`` (the whole
+    handshake, not each frame); raise :class:`ProtocolError` if not."""
+    deadline = time.monotonic() + timeout
     cn = os.urandom(NONCE)
     send_frame(sock, HELLO, cn, cid)
-    _, p = recv_frame(sock, (CHALLENGE,), timeout, timeout)
+    _, p = recv_frame(sock, (CHALLENGE,), timeout, timeout, deadline)
     if len(p) != NONCE + MAC:
         raise ProtocolError("malformed challenge")
     sn, proof = p[:NONCE], p[NONCE:]
@@ -158,12 +165,15 @@ def client_handshake(sock: socket.socket, secret: bytes, cid: bytes, timeout: fl
         raise ProtocolError("the peer failed to prove it knows the job secret (another job on that "
                             "address, or a different coordl rendezvous)")
     send_frame(sock, AUTH, _mac(secret, b"cli", sn, cn, cid))
-    recv_frame(sock, (OK,), timeout, timeout)
+    recv_frame(sock, (OK,), timeout, timeout, deadline)
 
 
 def server_handshake(sock: socket.socket, secret: bytes, cid: bytes, timeout: float) -> None:
-    """Authenticate a new client; raise :class:`ProtocolError` if it fails."""
-    _, p = recv_frame(sock, (HELLO,), timeout, timeout)
+    """Authenticate a new client within ``timeout`` (the whole handshake, so a
+    client trickling its frames cannot hold the connection longer); raise
+    :class:`ProtocolError` if it fails."""
+    deadline = time.monotonic() + timeout
+    _, p = recv_frame(sock, (HELLO,), timeout, timeout, deadline)
     if len(p) != NONCE + CACHE_ID:
         raise ProtocolError("malformed hello")
     cn, want = p[:NONCE], p[NONCE:]
@@ -171,7 +181,7 @@ def server_handshake(sock: socket.socket, secret: bytes, cid: bytes, timeout: fl
         raise ProtocolError("the client asks for a cache this server does not serve")
     sn = os.urandom(NONCE)
     send_frame(sock, CHALLENGE, sn, _mac(secret, b"srv", cn, sn, cid))
-    _, proof = recv_frame(sock, (AUTH,), timeout, timeout)
+    _, proof = recv_frame(sock, (AUTH,), timeout, timeout, deadline)
     if not hmac.compare_digest(proof, _mac(secret, b"cli", sn, cn, cid)):
         raise ProtocolError("authentication failed (wrong secret or a replayed handshake)")
     send_frame(sock, OK)
