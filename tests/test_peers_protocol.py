@@ -591,3 +591,169 @@ def test_absent_samples_come_back_absent_and_the_peer_stays_up(server, cache):
         client.close()
     assert rx_threads() == []
     wait_idle(server)
+
+
+class FakeServer:
+    """A peer address whose every connection is handled by ``behave(conn)``
+    (in the accept thread, one connection at a time); connections stay open
+    until :meth:`close` unless ``behave`` closes them."""
+
+    def __init__(self, behave, port: int = 0) -> None:
+        self.behave = behave
+        self.lst = socket.create_server(("127.0.0.1", port))
+        self.lst.settimeout(0.05)
+        self.address = self.lst.getsockname()[:2]
+        self.accepted = 0
+        self.conns: list[socket.socket] = []
+        self._stop = threading.Event()
+        self._t = threading.Thread(target=self._loop, name="fake-peer", daemon=True)
+        self._t.start()
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                conn, _ = self.lst.accept()
+            except socket.timeout:
+                continue
+            except OSError:
+                return
+            conn.settimeout(None)
+            self.accepted += 1
+            self.conns.append(conn)
+            try:
+                self.behave(conn)
+            except (OSError, P.ProtocolError):
+                pass
+
+    def close(self) -> None:
+        self._stop.set()
+        self._t.join(10)
+        assert not self._t.is_alive()
+        self.lst.close()
+        for c in self.conns:
+            c.close()
+
+
+def _fake_handshake(conn, cid):
+    P.server_handshake(conn, SECRET, cid, 5.0)
+
+
+def fake_silent(conn, cid):
+    pass                                          # accepts, never says a word
+
+
+def fake_garbage(conn, cid):
+    conn.sendall(os.urandom(64))
+
+
+def fake_stalls_after_handshake(conn, cid):
+    _fake_handshake(conn, cid)                    # then never answers the GET
+
+
+def fake_unasked_item(conn, cid):
+    _fake_handshake(conn, cid)
+    _, p = P.recv_frame(conn, (P.GET,), 5, 5)
+    rid, idx = P.unpack_get(p)
+    P.send_frame(conn, P.ITEM, P.pack_item_header(rid + 1, idx[0], P.HERE), b"zz")
+
+
+def fake_unasked_index(conn, cid):
+    _fake_handshake(conn, cid)
+    _, p = P.recv_frame(conn, (P.GET,), 5, 5)
+    rid, idx = P.unpack_get(p)
+    other = next(i for i in range(N) if i not in idx)
+    P.send_frame(conn, P.ITEM, P.pack_item_header(rid, other, P.HERE), b"zz")
+
+
+def fake_garbage_answer(conn, cid):
+    _fake_handshake(conn, cid)
+    P.recv_frame(conn, (P.GET,), 5, 5)
+    conn.sendall(os.urandom(100))
+
+
+def fake_oversized_answer(conn, cid):
+    _fake_handshake(conn, cid)
+    P.recv_frame(conn, (P.GET,), 5, 5)
+    conn.sendall(header(P.ITEM, P.MAX_PAYLOAD[P.ITEM] + 1))
+
+
+def fake_closes_mid_frame(conn, cid):
+    _fake_handshake(conn, cid)
+    _, p = P.recv_frame(conn, (P.GET,), 5, 5)
+    rid, idx = P.unpack_get(p)
+    whole = frame(P.ITEM, P.pack_item_header(rid, idx[0], P.HERE) + b"x" * 100)
+    conn.sendall(whole[:len(whole) // 2])
+    conn.close()
+
+
+def fake_stalls_mid_frame(conn, cid):
+    _fake_handshake(conn, cid)
+    _, p = P.recv_frame(conn, (P.GET,), 5, 5)
+    rid, idx = P.unpack_get(p)
+    whole = frame(P.ITEM, P.pack_item_header(rid, idx[0], P.HERE) + b"x" * 100)
+    conn.sendall(whole[:len(whole) // 2])         # and the rest never comes
+
+
+def fake_answers_some(conn, cid):
+    _fake_handshake(conn, cid)
+    _, p = P.recv_frame(conn, (P.GET,), 5, 5)
+    rid, idx = P.unpack_get(p)
+    P.send_frame(conn, P.ITEM, P.pack_item_header(rid, idx[0], P.ABSENT))   # then stalls
+
+
+FAKES = [fake_silent, fake_garbage, fake_stalls_after_handshake, fake_unasked_item,
+         fake_unasked_index, fake_garbage_answer, fake_oversized_answer, fake_closes_mid_frame,
+         fake_stalls_mid_frame, fake_answers_some]
+T = 0.5                     # the client's timeout in these tests
+
+
+@pytest.mark.parametrize("behave", FAKES, ids=lambda f: f.__name__)
+def test_client_facing_a_broken_peer_falls_back_within_a_timeout(cache, behave):
+    cid = cid_of(cache)
+    fake = FakeServer(lambda conn: behave(conn, cid))
+    client = two_node_client(fake.address, cache, timeout=T)
+    try:
+        idx = owned_by_peer(client)
+        t0 = time.monotonic()
+        assert client.fetch(idx) == {}
+        took = time.monotonic() - t0
+        assert 1 in client.down(), "a broken peer was not marked down"
+        # connecting + handshake cost at most one timeout, the answer one more;
+        # the bound is loose (a hang, or a timeout per sample, would break it)
+        assert took < 2 * T + 3.0, f"fetch took {took:.2f} s against a {T} s timeout"
+        n = fake.accepted
+        assert client.fetch(idx) == {} and fake.accepted == n, "a peer down for the epoch was asked again"
+        client.new_epoch()
+        assert client.down() == {}
+        assert client.fetch(idx) == {}
+        wait_for(lambda: fake.accepted == n + 1, "new_epoch() let the client try the peer again")
+        assert 1 in client.down()
+        client.close()
+        assert rx_threads() == [], "client.close() left a receiver thread behind"
+    finally:
+        client.close()
+        fake.close()
+
+
+def test_a_peer_that_stalled_rejoins_at_the_next_epoch(cache):
+    """A stalled peer is down for the epoch; its successor on the same address
+    serves again after new_epoch()."""
+    cid = cid_of(cache)
+    fake = FakeServer(lambda conn: fake_stalls_after_handshake(conn, cid))
+    port = fake.address[1]
+    client = two_node_client(fake.address, cache, timeout=T)
+    srv = None
+    try:
+        idx = owned_by_peer(client)
+        assert client.fetch(idx) == {} and 1 in client.down()
+        fake.close()
+        srv = make_server(cache, port=port)
+        assert client.fetch(idx) == {}, "asked a peer that is down for this epoch"
+        client.new_epoch()
+        assert client.fetch(idx) == {i: sample(i) for i in idx if i in HERE_IDX}
+        assert client.down() == {}
+    finally:
+        client.close()
+        if srv is not None:
+            srv.close()
+    assert rx_threads() == []

@@ -254,6 +254,7 @@ class PeerClient:
             link = self._links.pop(node, None)
         if link is not None:
             link.fail(e)
+            link.close()    # joins its receiver (out at once: its socket is shut down)
 
     def fetch(self, indices) -> dict[int, bytes]:
         """Ask each sample's owner (other nodes only) for ``indices``: the
