@@ -30,6 +30,7 @@ from coordl.cache import NodeCache
 from coordl.peers import PeerClient, PeerServer
 from coordl.peers import protocol as P
 from coordl.peers.client import PeerDown, _Link
+from coordl.testing import run_in_child
 
 SECRET = bytes(range(32))
 N = 24                      # samples in the test dataset
@@ -757,3 +758,39 @@ def test_a_peer_that_stalled_rejoins_at_the_next_epoch(cache):
         if srv is not None:
             srv.close()
     assert rx_threads() == []
+
+
+def test_client_asking_a_peer_that_stopped_reading_does_not_hang():
+    """A peer that completes the handshake and then reads nothing more: once
+    the requests fill the socket buffers, the send is bounded by the timeout
+    too (the receiver thread leaves the socket blocking, so a plain sendall
+    waited forever, holding the lock every other asker and the timeout path
+    need).  Run in a child: the old code hangs."""
+    code = r"""
+import socket, threading, time
+from coordl.peers import PeerClient
+from coordl.peers import protocol as P
+SECRET = bytes(range(32))
+lst = socket.create_server(("127.0.0.1", 0))
+held = []
+def deaf_peer():
+    conn, _ = lst.accept()
+    held.append(conn)
+    P.server_handshake(conn, SECRET, P.cache_id("ds"), 5.0)   # then never reads
+threading.Thread(target=deaf_peer, daemon=True).start()
+n = 2_000_000          # half of it asked of the peer: 8 MB of requests, more than the buffers hold
+client = PeerClient([("a", "127.0.0.1", 0), ("b", *lst.getsockname())], 0, [0, 1], SECRET, "ds",
+                    {"num_samples": n, "seed": 1, "batch_size": 4}, timeout=1.0)
+idx = [int(i) for i in (client.owners() == 1).nonzero()[0]]
+t0 = time.monotonic()
+got = client.fetch(idx)
+took = time.monotonic() - t0
+assert got == {} and 1 in client.down(), (len(got), client.down())
+client.close()
+assert not [t for t in threading.enumerate() if t.name.startswith("coordl-peer-rx")]
+print("took", round(took, 2))
+"""
+    r = run_in_child(code, timeout=40)
+    assert r.returncode == 0, r.stderr
+    took = float(r.stdout.split()[-1])
+    assert took < 1.0 * 2 + 5.0, f"fetch took {took} s against a 1 s timeout"

@@ -85,7 +85,11 @@ class _Link:
             rid = next(self._ids) & 0xFFFFFFFF
             self._pending[rid] = req
             try:
-                P.send_frame(self.sock, P.GET, P.pack_get(rid, indices))
+                # bounded: the receiver may have left the socket blocking, and a
+                # peer that stopped reading would hold this lock (and every
+                # thread asking it) forever
+                P.send_frame(self.sock, P.GET, P.pack_get(rid, indices),
+                             deadline=time.monotonic() + self.timeout)
             except OSError as e:
                 self._pending.pop(rid, None)
                 self._fail_locked(e)

@@ -36,6 +36,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import os
+import select
 import socket
 import struct
 import time
@@ -89,13 +90,37 @@ def _recv_exact(sock: socket.socket, n: int, deadline: float) -> bytearray:
     return buf
 
 
-def send_frame(sock: socket.socket, ftype: int, *parts) -> None:
-    """Send one frame whose payload is ``parts`` (bytes-like) joined."""
+def _send_by(sock: socket.socket, data, deadline: float) -> None:
+    """``sock.sendall(data)``, but done by ``deadline`` whatever timeout the
+    socket has (another thread may have made it blocking: a receiver)."""
+    view = memoryview(data).cast("B")
+    poller = select.poll()
+    poller.register(sock, select.POLLOUT)
+    while view.nbytes:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise ProtocolError(f"timed out with {len(data) - view.nbytes} of {len(data)} bytes of a "
+                                "frame sent (the peer stopped reading)")
+        if not poller.poll(max(1, int(left * 1000))):
+            continue
+        try:
+            k = sock.send(view, socket.MSG_DONTWAIT)
+        except (BlockingIOError, InterruptedError):
+            continue
+        view = view[k:]
+
+
+def send_frame(sock: socket.socket, ftype: int, *parts, deadline: float | None = None) -> None:
+    """Send one frame whose payload is ``parts`` (bytes-like) joined.  With a
+    ``deadline`` (``time.monotonic()`` time) the frame must be sent by then
+    (:class:`ProtocolError` if not), else the socket's own timeout applies."""
     length = sum(len(p) for p in parts)
     if length > MAX_PAYLOAD[ftype]:
         raise ValueError(f"frame type {ftype} of {length} bytes exceeds its bound {MAX_PAYLOAD[ftype]}")
     head = HEADER.pack(MAGIC, VERSION, ftype, length)
-    if length <= 1 << 16:
+    if deadline is not None:
+        _send_by(sock, b"".join([head, *parts]), deadline)
+    elif length <= 1 << 16:
         sock.sendall(b"".join([head, *parts]))
     else:   # large payloads (samples): no copy into one buffer
         sock.sendall(head)
