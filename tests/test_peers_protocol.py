@@ -794,3 +794,61 @@ print("took", round(took, 2))
     assert r.returncode == 0, r.stderr
     took = float(r.stdout.split()[-1])
     assert took < 1.0 * 2 + 5.0, f"fetch took {took} s against a 1 s timeout"
+
+
+def test_a_forked_process_does_not_keep_the_servers_sockets_alive():
+    """Loader workers are forked from the process that runs the server, and
+    inherit its descriptors: the listening socket and every open connection.
+    What the server drops must still be dropped on the wire while such a
+    child lives (the client sees EOF at once, not at its own timeout), and a
+    closed server's port must refuse connections, not queue them."""
+    code = r"""
+import os, socket, time, uuid
+from coordl.cache import NodeCache
+from coordl.peers import PeerServer
+from coordl.peers import protocol as P
+SECRET = bytes(range(32))
+cache = NodeCache.attach("peers-fork-" + uuid.uuid4().hex, 4, 4096)
+srv = PeerServer(cache, SECRET, "127.0.0.1", handshake_timeout=30, body_timeout=30, idle_timeout=30)
+c = socket.create_connection(tuple(srv.address), timeout=5)
+P.client_handshake(c, SECRET, P.cache_id(cache.name), 5)
+r, w = os.pipe()
+pid = os.fork()
+if pid == 0:                     # a "worker": holds copies of every descriptor until told to go
+    os.close(w)
+    os.read(r, 1)
+    os._exit(0)
+os.close(r)
+try:
+    # a protocol error: the server drops this client, and the client must see it
+    c.sendall(P.HEADER.pack(b"XX", 1, P.GET, 0))
+    c.settimeout(10)
+    try:
+        print("dropped", c.recv(1) == b"")
+    except socket.timeout:
+        print("dropped", False)
+    except ConnectionResetError:
+        print("dropped", True)
+    c.close()
+    addr = tuple(srv.address)
+    srv.close()
+    s = socket.socket()
+    s.settimeout(5)
+    try:
+        s.connect(addr)
+        print("refused", False)
+    except ConnectionRefusedError:
+        print("refused", True)
+    except socket.timeout:
+        print("refused", False)
+    s.close()
+finally:
+    os.close(w)
+    os.waitpid(pid, 0)
+    cache.close()
+"""
+    r = run_in_child(code, timeout=60)
+    assert r.returncode == 0, r.stderr
+    out = dict(line.split() for line in r.stdout.split("\n") if line)
+    assert out["dropped"] == "True", "a client the server dropped saw no EOF while a forked child lived"
+    assert out["refused"] == "True", "a closed server's port still accepted connections while a forked child lived"

@@ -89,6 +89,12 @@ class PeerServer:
             threads = list(self._threads)
         for t in threads:
             t.join(timeout)
+        try:
+            # stop listening even where a forked process (a loader worker)
+            # holds a copy of the descriptor: its port then refuses connections
+            self._sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
         self._sock.close()
         for fd in (self._wake_r, self._wake_w):
             try:
@@ -147,6 +153,12 @@ class PeerServer:
             with self._lock:
                 self._conns.pop(fd, None)
                 self._threads.discard(threading.current_thread())
+            try:
+                # the connection itself, not just our descriptor: a process
+                # forked from ours (a loader worker) holds a copy of it
+                conn.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
             try:
                 conn.close()
             except OSError:
