@@ -852,3 +852,79 @@ finally:
     out = dict(line.split() for line in r.stdout.split("\n") if line)
     assert out["dropped"] == "True", "a client the server dropped saw no EOF while a forked child lived"
     assert out["refused"] == "True", "a closed server's port still accepted connections while a forked child lived"
+
+
+def test_server_accepts_in_a_process_with_many_descriptors():
+    """A loader process can hold over a thousand descriptors (files, shared
+    memory, sockets) before the server starts: its sockets then have numbers
+    past select()'s limit, and the server must still accept."""
+    code = r"""
+import os, resource, socket, uuid
+from coordl.cache import NodeCache
+from coordl.peers import PeerServer
+from coordl.peers import protocol as P
+soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, 4096), hard))
+held = [os.open(os.devnull, os.O_RDONLY) for _ in range(1100)]
+SECRET = bytes(range(32))
+cache = NodeCache.attach("peers-fds-" + uuid.uuid4().hex, 4, 4096)
+cache.put(1, b"one")
+srv = PeerServer(cache, SECRET, "127.0.0.1", handshake_timeout=5)
+try:
+    c = socket.create_connection(tuple(srv.address), timeout=5)
+    P.client_handshake(c, SECRET, P.cache_id(cache.name), 5)
+    P.send_frame(c, P.GET, P.pack_get(1, [1]))
+    _, p = P.recv_frame(c, (P.ITEM,), 5, 5)
+    print("served", bytes(P.unpack_item(p)[3]) == b"one")
+    c.close()
+except (OSError, P.ProtocolError) as e:
+    print("served", False, repr(e))
+finally:
+    srv.close()
+    cache.close()
+"""
+    r = run_in_child(code, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split()[:2] == ["served", "True"], r.stdout + r.stderr
+
+
+def test_server_out_of_descriptors_waits_instead_of_spinning():
+    """accept() failing with EMFILE leaves the connection in the backlog and
+    the listening socket readable: the accept thread must pause (not burn a
+    core, on a machine whose cores train) and serve it once descriptors free up."""
+    code = r"""
+import os, resource, socket, threading, time, uuid
+from coordl.cache import NodeCache
+from coordl.peers import PeerServer
+from coordl.peers import protocol as P
+SECRET = bytes(range(32))
+cache = NodeCache.attach("peers-emfile-" + uuid.uuid4().hex, 4, 4096)
+srv = PeerServer(cache, SECRET, "127.0.0.1", handshake_timeout=5)
+acc = next(t for t in threading.enumerate() if t.name == "coordl-peer-accept")
+stat = os.open(f"/proc/self/task/{acc.native_id}/stat", os.O_RDONLY)   # opened while we can
+def cpu():
+    fields = os.pread(stat, 4096, 0).decode().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+c = socket.socket()
+c.settimeout(5)
+spare = os.open(os.devnull, os.O_RDONLY)
+resource.setrlimit(resource.RLIMIT_NOFILE, (spare + 1, hard))   # no descriptor left after `spare`
+c.connect(tuple(srv.address))          # the server's accept() now fails with EMFILE
+t0 = cpu()
+time.sleep(1.0)
+spent = cpu() - t0
+os.close(spare)
+resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+P.client_handshake(c, SECRET, P.cache_id(cache.name), 5)   # served once there are descriptors again
+c.close()
+srv.close()
+cache.close()
+os.close(stat)
+print("cpu", spent)
+"""
+    r = run_in_child(code, timeout=60)
+    assert r.returncode == 0, r.stderr
+    spent = float(r.stdout.split()[-1])
+    # a spinning thread takes most of the second; a waiting one next to nothing
+    assert spent < 0.1, f"the accept thread spent {spent:.2f} s of CPU in 1 s without descriptors"

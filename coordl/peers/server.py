@@ -114,16 +114,24 @@ class PeerServer:
 
     # ------------------------------------------------------------------ threads
     def _accept_loop(self) -> None:
+        # poll, not select: a loader process may hold descriptors numbered
+        # past select()'s limit (1024) before the server starts
+        poller = select.poll()
+        poller.register(self._sock, select.POLLIN)
+        poller.register(self._wake_r, select.POLLIN)
+        wake = select.poll()
+        wake.register(self._wake_r, select.POLLIN)
         while True:
-            try:
-                ready, _, _ = select.select([self._sock, self._wake_r], [], [])
-            except (OSError, ValueError):
-                return
+            ready = {fd for fd, _ in poller.poll()}
             if self._wake_r in ready or self._closed:
                 return
             try:
                 conn, _ = self._sock.accept()
             except OSError:
+                # out of descriptors or memory (EMFILE, ENFILE, ENOBUFS): the
+                # client waits in the backlog and the socket stays readable;
+                # try again shortly rather than spin (or at once on close)
+                wake.poll(100)
                 continue
             with self._lock:
                 if self._closed or len(self._conns) >= self.max_connections:
