@@ -928,3 +928,48 @@ print("cpu", spent)
     spent = float(r.stdout.split()[-1])
     # a spinning thread takes most of the second; a waiting one next to nothing
     assert spent < 0.1, f"the accept thread spent {spent:.2f} s of CPU in 1 s without descriptors"
+
+
+def test_server_that_cannot_start_a_thread_refuses_and_keeps_accepting():
+    """When no thread can be started for a connection (address space or
+    thread limits), that client is refused, and the server accepts the next
+    one once threads can be had again: its accept loop must not die of it
+    (it did, and close() then failed on the never-started thread)."""
+    code = r"""
+import resource, socket, uuid, psutil
+from coordl.cache import NodeCache
+from coordl.peers import PeerServer
+from coordl.peers import protocol as P
+SECRET = bytes(range(32))
+cache = NodeCache.attach("peers-thr-" + uuid.uuid4().hex, 4, 4096)
+srv = PeerServer(cache, SECRET, "127.0.0.1", handshake_timeout=5)
+cid = P.cache_id(cache.name)
+def attempt(tag, c):
+    try:
+        P.client_handshake(c, SECRET, cid, 3)
+        print(tag, "served")
+    except (OSError, P.ProtocolError) as e:
+        print(tag, "refused" if "timed out" not in str(e) else "unanswered")
+    c.close()
+c = socket.socket()
+c.settimeout(5)
+soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+# no room for another thread's stack (8 MB) from here on
+resource.setrlimit(resource.RLIMIT_AS, (psutil.Process().memory_info().vms + (1 << 20), hard))
+try:
+    c.connect(tuple(srv.address))
+    attempt("starved", c)
+finally:
+    resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
+attempt("after", socket.create_connection(tuple(srv.address), timeout=5))
+srv.close()
+print("left", srv.threads, srv.connections)
+cache.close()
+"""
+    r = run_in_child(code, timeout=60)
+    assert r.returncode == 0, r.stderr
+    out = {line.split()[0]: line.split()[1:] for line in r.stdout.split("\n") if line}
+    assert out["starved"] == ["refused"], r.stdout + r.stderr
+    assert out["after"] == ["served"], r.stdout + r.stderr
+    assert out["left"] == ["0", "0"]
+    assert "Exception in thread" not in r.stderr, r.stderr

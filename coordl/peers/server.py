@@ -138,10 +138,16 @@ class PeerServer:
                     self.refused += 1
                     conn.close()
                     continue
-                self._conns[conn.fileno()] = conn
                 t = threading.Thread(target=self._serve, args=(conn,), name="coordl-peer-conn", daemon=True)
+                try:
+                    # under the lock: close() joins only started threads
+                    t.start()
+                except RuntimeError:    # no thread to be had (memory, limits): refuse this one
+                    self.refused += 1
+                    conn.close()
+                    continue
+                self._conns[conn.fileno()] = conn
                 self._threads.add(t)
-            t.start()
 
     def _serve(self, conn: socket.socket) -> None:
         fd = conn.fileno()
