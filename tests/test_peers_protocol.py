@@ -973,3 +973,26 @@ cache.close()
     assert out["after"] == ["served"], r.stdout + r.stderr
     assert out["left"] == ["0", "0"]
     assert "Exception in thread" not in r.stderr, r.stderr
+
+
+def test_serving_peers_does_not_count_as_this_nodes_hits_or_misses(server, cache):
+    """The node cache's hits and misses are this node's own lookups (what
+    `coordl cache ls` and stats report); a peer's requests are counted as
+    peer traffic instead."""
+    before = cache.info()
+    client = two_node_client(server, cache)
+    try:
+        mine = owned_by_peer(client)
+        got = client.fetch(mine)
+    finally:
+        client.close()
+    after = cache.info()
+    assert got and len(got) < len(mine)          # some here, some absent
+    assert (after.hits, after.misses) == (before.hits, before.misses)
+    assert after.peer_out_bytes - before.peer_out_bytes == sum(len(v) for v in got.values())
+
+
+def test_server_refuses_a_short_secret(cache):
+    for bad in (b"", b"short"):
+        with pytest.raises(ValueError, match="secret should be"):
+            PeerServer(cache, bad, "127.0.0.1")

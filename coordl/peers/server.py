@@ -23,6 +23,8 @@ from . import protocol as P
 
 __all__ = ["PeerServer"]
 
+MIN_SECRET = 16     # bytes: anything shorter can be guessed, and b"" lets anyone in
+
 
 class PeerServer:
     """Serve ``cache`` to clients that know ``secret``, on ``(host, port)``
@@ -36,6 +38,9 @@ class PeerServer:
         if not host or host in ("0.0.0.0", "::"):
             raise ValueError(f"host should be one interface's address (never every interface), but got "
                              f"host={host!r}; set COORDL_PEER_ADDR")
+        if len(secret) < MIN_SECRET:
+            raise ValueError(f"secret should be at least {MIN_SECRET} random bytes (the job's secret), but got "
+                             f"a secret of {len(secret)} bytes")
         self.cache = cache
         self._secret = bytes(secret)
         self._cid = P.cache_id(key if key is not None else cache.name)   # what clients ask for by name
@@ -180,7 +185,7 @@ class PeerServer:
 
     def _send_one(self, conn: socket.socket, rid: int, i: int) -> None:
         try:
-            data = self.cache.get(i)
+            data = self.cache.get(i, count=False)   # a peer's lookup: not this node's hit or miss
         except Exception:   # an unreadable entry is as good as absent
             data = None
         if data is None or len(data) > P.MAX_SAMPLE:
