@@ -996,3 +996,36 @@ def test_server_refuses_a_short_secret(cache):
     for bad in (b"", b"short"):
         with pytest.raises(ValueError, match="secret should be"):
             PeerServer(cache, bad, "127.0.0.1")
+
+
+def test_client_reconnects_after_the_server_closed_an_idle_connection(cache):
+    """The server ends connections idle past ``idle_timeout``; the client's
+    next request opens a new one, and the peer is not marked down for it."""
+    srv = make_server(cache, idle_timeout=0.3)
+    client = two_node_client(srv, cache)
+    try:
+        mine = owned_by_peer(client)
+        want = {i: sample(i) for i in mine if i in HERE_IDX}
+        assert client.fetch(mine) == want
+        wait_for(lambda: srv.connections == 0, "the server closed the idle connection")
+        wait_for(lambda: rx_threads() == [], "the client saw it closed")
+        assert client.fetch(mine) == want
+        assert client.down() == {}
+        client.close()
+        assert rx_threads() == []
+    finally:
+        client.close()
+        srv.close()
+
+
+def test_a_sample_asked_twice_in_one_fetch_is_served(server, cache):
+    """A batch may hold a sample twice (a sampler with replacement, a user's
+    batch sampler): asking the peer for it twice is no protocol error."""
+    client = two_node_client(server, cache)
+    try:
+        mine = [i for i in owned_by_peer(client) if i in HERE_IDX]
+        got = client.fetch([mine[0], mine[1], mine[0], mine[0]])
+        assert got == {mine[0]: sample(mine[0]), mine[1]: sample(mine[1])}
+        assert client.down() == {}
+    finally:
+        client.close()

@@ -266,7 +266,7 @@ class PeerClient:
         self._check_pid()
         owner = self.owners()
         by_node: dict[int, list[int]] = {}
-        for i in indices:
+        for i in dict.fromkeys(int(i) for i in indices):   # once each: a batch may repeat a sample
             o = int(owner[i])
             if o >= 0 and o != self.me and self.nodes[o][2]:   # (port 0: that node serves nothing)
                 by_node.setdefault(o, []).append(int(i))
