@@ -2,8 +2,10 @@
 
 Nothing here is pickled, and nothing read from the network is trusted: every
 frame's type, version and length are checked against fixed bounds before its
-payload is read, every read has a deadline, and any violation ends the
-connection (:class:`ProtocolError`).
+payload is read, every read has a deadline (a handshake one for all its
+frames), and any violation ends the connection (:class:`ProtocolError`).
+Sends are bounded too: by the socket's timeout, or by an explicit deadline
+where another thread owns the socket's timeout (the client's receiver).
 
 Frame::
 
