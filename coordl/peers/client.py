@@ -85,7 +85,11 @@ class _Link:
             rid = next(self._ids) & 0xFFFFFFFF
             self._pending[rid] = req
             try:
-                P.send_frame(self.sock, P.GET, P.pack_get(rid, indices))
+                # bounded: the receiver may have left the socket blocking, and a
+                # peer that stopped reading would hold this lock (and every
+                # thread asking it) forever
+                P.send_frame(self.sock, P.GET, P.pack_get(rid, indices),
+                             deadline=time.monotonic() + self.timeout)
             except OSError as e:
                 self._pending.pop(rid, None)
                 self._fail_locked(e)
@@ -269,6 +273,7 @@ class PeerClient:
             link = self._links.pop(node, None)
         if link is not None:
             link.fail(e)
+            link.close()    # joins its receiver (out at once: its socket is shut down)
 
     def fetch(self, indices) -> dict[int, bytes]:
         """Ask each sample's owner (other nodes only) for ``indices``: the
@@ -276,7 +281,7 @@ class PeerClient:
         self._check_pid()
         owner = self.owners()
         by_node: dict[int, list[int]] = {}
-        for i in indices:
+        for i in dict.fromkeys(int(i) for i in indices):   # once each: a batch may repeat a sample
             o = int(owner[i])
             if o >= 0 and o != self.me and self.nodes[o][2]:   # (port 0: that node serves nothing)
                 by_node.setdefault(o, []).append(int(i))

@@ -2,8 +2,10 @@
 
 Nothing here is pickled, and nothing read from the network is trusted: every
 frame's type, version and length are checked against fixed bounds before its
-payload is read, every read has a deadline, and any violation ends the
-connection (:class:`ProtocolError`).
+payload is read, every read has a deadline (a handshake one for all its
+frames), and any violation ends the connection (:class:`ProtocolError`).
+Sends are bounded too: by the socket's timeout, or by an explicit deadline
+where another thread owns the socket's timeout (the client's receiver).
 
 Frame::
 
@@ -36,6 +38,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import os
+import select
 import socket
 import struct
 import time
@@ -89,13 +92,37 @@ def _recv_exact(sock: socket.socket, n: int, deadline: float) -> bytearray:
     return buf
 
 
-def send_frame(sock: socket.socket, ftype: int, *parts) -> None:
-    """Send one frame whose payload is ``parts`` (bytes-like) joined."""
+def _send_by(sock: socket.socket, data, deadline: float) -> None:
+    """``sock.sendall(data)``, but done by ``deadline`` whatever timeout the
+    socket has (another thread may have made it blocking: a receiver)."""
+    view = memoryview(data).cast("B")
+    poller = select.poll()
+    poller.register(sock, select.POLLOUT)
+    while view.nbytes:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise ProtocolError(f"timed out with {len(data) - view.nbytes} of {len(data)} bytes of a "
+                                "frame sent (the peer stopped reading)")
+        if not poller.poll(max(1, int(left * 1000))):
+            continue
+        try:
+            k = sock.send(view, socket.MSG_DONTWAIT)
+        except (BlockingIOError, InterruptedError):
+            continue
+        view = view[k:]
+
+
+def send_frame(sock: socket.socket, ftype: int, *parts, deadline: float | None = None) -> None:
+    """Send one frame whose payload is ``parts`` (bytes-like) joined.  With a
+    ``deadline`` (``time.monotonic()`` time) the frame must be sent by then
+    (:class:`ProtocolError` if not), else the socket's own timeout applies."""
     length = sum(len(p) for p in parts)
     if length > MAX_PAYLOAD[ftype]:
         raise ValueError(f"frame type {ftype} of {length} bytes exceeds its bound {MAX_PAYLOAD[ftype]}")
     head = HEADER.pack(MAGIC, VERSION, ftype, length)
-    if length <= 1 << 16:
+    if deadline is not None:
+        _send_by(sock, b"".join([head, *parts]), deadline)
+    elif length <= 1 << 16:
         sock.sendall(b"".join([head, *parts]))
     else:   # large payloads (samples): no copy into one buffer
         sock.sendall(head)
@@ -103,11 +130,17 @@ def send_frame(sock: socket.socket, ftype: int, *parts) -> None:
             sock.sendall(p)
 
 
+def _cap(t: float, deadline: float | None) -> float:
+    return t if deadline is None else min(t, deadline)
+
+
 def recv_frame(sock: socket.socket, expect: tuple, first_timeout: float | None,
-               body_timeout: float) -> tuple[int, bytes]:
+               body_timeout: float, deadline: float | None = None) -> tuple[int, bytes]:
     """``(type, payload)`` of the next frame, which must be of a type in
-    ``expect``.  ``first_timeout`` bounds the wait for its first byte (None:
-    wait as long as the socket is open), ``body_timeout`` the rest."""
+    ``expect``.  ``first_timeout`` bounds the wait for its header (None:
+    wait for its first byte as long as the socket is open), ``body_timeout``
+    the rest; ``deadline`` (``time.monotonic()`` time), if given, caps both:
+    the frame must be whole by then (a handshake's frames share one)."""
     if first_timeout is None:
         sock.settimeout(None)
         try:
@@ -116,12 +149,11 @@ def recv_frame(sock: socket.socket, expect: tuple, first_timeout: float | None,
             raise ProtocolError("timed out") from None
         if not first:
             raise ProtocolError("connection closed")
-        deadline = time.monotonic() + body_timeout
-        head = bytes(first + _recv_exact(sock, HEADER.size - 1, deadline))
+        end = _cap(time.monotonic() + body_timeout, deadline)
+        head = bytes(first + _recv_exact(sock, HEADER.size - 1, end))
     else:
-        deadline = time.monotonic() + first_timeout
-        head = bytes(_recv_exact(sock, HEADER.size, deadline))
-        deadline = time.monotonic() + body_timeout
+        head = bytes(_recv_exact(sock, HEADER.size, _cap(time.monotonic() + first_timeout, deadline)))
+        end = _cap(time.monotonic() + body_timeout, deadline)
     magic, version, ftype, length = HEADER.unpack(head)
     if magic != MAGIC:
         raise ProtocolError(f"bad magic {magic!r}: not a coordl peer")
@@ -132,7 +164,7 @@ def recv_frame(sock: socket.socket, expect: tuple, first_timeout: float | None,
         raise ProtocolError(f"unexpected frame type {ftype} (expected {expect})")
     if length > MAX_PAYLOAD[ftype]:
         raise ProtocolError(f"frame type {ftype} announces {length} bytes, over its bound {MAX_PAYLOAD[ftype]}")
-    payload = _recv_exact(sock, length, deadline) if length else bytearray()
+    payload = _recv_exact(sock, length, end) if length else bytearray()
     return ftype, payload
 
 
@@ -147,10 +179,12 @@ def cache_id(name: str) -> bytes:
 
 
 def client_handshake(sock: socket.socket, secret: bytes, cid: bytes, timeout: float) -> None:
-    """Authenticate the server and ourselves; raise :class:`ProtocolError` if not."""
+    """Authenticate the server and ourselves within ``timeout`` (the whole
+    handshake, not each frame); raise :class:`ProtocolError` if not."""
+    deadline = time.monotonic() + timeout
     cn = os.urandom(NONCE)
     send_frame(sock, HELLO, cn, cid)
-    _, p = recv_frame(sock, (CHALLENGE,), timeout, timeout)
+    _, p = recv_frame(sock, (CHALLENGE,), timeout, timeout, deadline)
     if len(p) != NONCE + MAC:
         raise ProtocolError("malformed challenge")
     sn, proof = p[:NONCE], p[NONCE:]
@@ -158,12 +192,15 @@ def client_handshake(sock: socket.socket, secret: bytes, cid: bytes, timeout: fl
         raise ProtocolError("the peer failed to prove it knows the job secret (another job on that "
                             "address, or a different coordl rendezvous)")
     send_frame(sock, AUTH, _mac(secret, b"cli", sn, cn, cid))
-    recv_frame(sock, (OK,), timeout, timeout)
+    recv_frame(sock, (OK,), timeout, timeout, deadline)
 
 
 def server_handshake(sock: socket.socket, secret: bytes, cid: bytes, timeout: float) -> None:
-    """Authenticate a new client; raise :class:`ProtocolError` if it fails."""
-    _, p = recv_frame(sock, (HELLO,), timeout, timeout)
+    """Authenticate a new client within ``timeout`` (the whole handshake, so a
+    client trickling its frames cannot hold the connection longer); raise
+    :class:`ProtocolError` if it fails."""
+    deadline = time.monotonic() + timeout
+    _, p = recv_frame(sock, (HELLO,), timeout, timeout, deadline)
     if len(p) != NONCE + CACHE_ID:
         raise ProtocolError("malformed hello")
     cn, want = p[:NONCE], p[NONCE:]
@@ -171,7 +208,7 @@ def server_handshake(sock: socket.socket, secret: bytes, cid: bytes, timeout: fl
         raise ProtocolError("the client asks for a cache this server does not serve")
     sn = os.urandom(NONCE)
     send_frame(sock, CHALLENGE, sn, _mac(secret, b"srv", cn, sn, cid))
-    _, proof = recv_frame(sock, (AUTH,), timeout, timeout)
+    _, proof = recv_frame(sock, (AUTH,), timeout, timeout, deadline)
     if not hmac.compare_digest(proof, _mac(secret, b"cli", sn, cn, cid)):
         raise ProtocolError("authentication failed (wrong secret or a replayed handshake)")
     send_frame(sock, OK)

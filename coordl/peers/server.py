@@ -23,6 +23,8 @@ from . import protocol as P
 
 __all__ = ["PeerServer"]
 
+MIN_SECRET = 16     # bytes: anything shorter can be guessed, and b"" lets anyone in
+
 
 class PeerServer:
     """Serve ``cache`` to clients that know ``secret``, on ``(host, port)``
@@ -36,6 +38,9 @@ class PeerServer:
         if not host or host in ("0.0.0.0", "::"):
             raise ValueError(f"host should be one interface's address (never every interface), but got "
                              f"host={host!r}; set COORDL_PEER_ADDR")
+        if len(secret) < MIN_SECRET:
+            raise ValueError(f"secret should be at least {MIN_SECRET} random bytes (the job's secret), but got "
+                             f"a secret of {len(secret)} bytes")
         self.cache = cache
         self._secret = bytes(secret)
         self._cid = P.cache_id(key if key is not None else cache.name)   # what clients ask for by name
@@ -94,6 +99,12 @@ class PeerServer:
             threads = list(self._threads)
         for t in threads:
             t.join(timeout)
+        try:
+            # stop listening even where a forked process (a loader worker)
+            # holds a copy of the descriptor: its port then refuses connections
+            self._sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
         self._sock.close()
         for fd in (self._wake_r, self._wake_w):
             try:
@@ -113,26 +124,40 @@ class PeerServer:
 
     # ------------------------------------------------------------------ threads
     def _accept_loop(self) -> None:
+        # poll, not select: a loader process may hold descriptors numbered
+        # past select()'s limit (1024) before the server starts
+        poller = select.poll()
+        poller.register(self._sock, select.POLLIN)
+        poller.register(self._wake_r, select.POLLIN)
+        wake = select.poll()
+        wake.register(self._wake_r, select.POLLIN)
         while True:
-            try:
-                ready, _, _ = select.select([self._sock, self._wake_r], [], [])
-            except (OSError, ValueError):
-                return
+            ready = {fd for fd, _ in poller.poll()}
             if self._wake_r in ready or self._closed:
                 return
             try:
                 conn, _ = self._sock.accept()
             except OSError:
+                # out of descriptors or memory (EMFILE, ENFILE, ENOBUFS): the
+                # client waits in the backlog and the socket stays readable;
+                # try again shortly rather than spin (or at once on close)
+                wake.poll(100)
                 continue
             with self._lock:
                 if self._closed or len(self._conns) >= self.max_connections:
                     self.refused += 1
                     conn.close()
                     continue
-                self._conns[conn.fileno()] = conn
                 t = threading.Thread(target=self._serve, args=(conn,), name="coordl-peer-conn", daemon=True)
+                try:
+                    # under the lock: close() joins only started threads
+                    t.start()
+                except RuntimeError:    # no thread to be had (memory, limits): refuse this one
+                    self.refused += 1
+                    conn.close()
+                    continue
+                self._conns[conn.fileno()] = conn
                 self._threads.add(t)
-            t.start()
 
     def _serve(self, conn: socket.socket) -> None:
         fd = conn.fileno()
@@ -153,13 +178,19 @@ class PeerServer:
                 self._conns.pop(fd, None)
                 self._threads.discard(threading.current_thread())
             try:
+                # the connection itself, not just our descriptor: a process
+                # forked from ours (a loader worker) holds a copy of it
+                conn.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            try:
                 conn.close()
             except OSError:
                 pass
 
     def _send_one(self, conn: socket.socket, rid: int, i: int) -> None:
         try:
-            data = self.cache.get(i, count=False)   # not this node's own hit or miss
+            data = self.cache.get(i, count=False)   # a peer's lookup: not this node's hit or miss
         except Exception:   # an unreadable entry is as good as absent
             data = None
         if data is None or len(data) > P.MAX_SAMPLE:
