@@ -59,7 +59,8 @@ class _Link:
     def __init__(self, addr, secret: bytes, cid: bytes, timeout: float, name: str) -> None:
         self.name = name
         self.timeout = timeout
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()          # pending requests and the link's state
+        self._send_lock = threading.Lock()     # one frame on the wire at a time
         self._pending: dict[int, _Request] = {}
         self._ids = itertools.count(1)
         self.dead: BaseException | None = None
@@ -84,16 +85,20 @@ class _Link:
                 raise PeerDown(f"peer {self.name}: {self.dead}")
             rid = next(self._ids) & 0xFFFFFFFF
             self._pending[rid] = req
-            try:
-                # bounded: the receiver may have left the socket blocking, and a
-                # peer that stopped reading would hold this lock (and every
-                # thread asking it) forever
+        # Sent under its own lock, not the one the receiver needs: a sender
+        # blocked on a full socket must never keep the receiver from draining
+        # the answers the peer is blocked sending.  Bounded: the receiver
+        # leaves the socket blocking, and a peer that stopped reading must
+        # cost one timeout, not a hang.
+        try:
+            with self._send_lock:
                 P.send_frame(self.sock, P.GET, P.pack_get(rid, indices),
                              deadline=time.monotonic() + self.timeout)
-            except OSError as e:
+        except OSError as e:
+            with self._lock:
                 self._pending.pop(rid, None)
                 self._fail_locked(e)
-                raise PeerDown(f"peer {self.name}: {e}") from None
+            raise PeerDown(f"peer {self.name}: {e}") from None
         return req
 
     def wait(self, req: _Request, deadline: float) -> dict:

@@ -204,13 +204,17 @@ def server_handshake(sock: socket.socket, secret: bytes, cid: bytes, timeout: fl
     if len(p) != NONCE + CACHE_ID:
         raise ProtocolError("malformed hello")
     cn, want = p[:NONCE], p[NONCE:]
-    if not hmac.compare_digest(want, cid):
-        raise ProtocolError("the client asks for a cache this server does not serve")
+    # A cache this server does not serve is refused only after AUTH, like a
+    # wrong secret: before authentication a prober learns nothing, not even
+    # which datasets this node serves (the challenge is over what it asked for).
+    serves = hmac.compare_digest(want, cid)
     sn = os.urandom(NONCE)
-    send_frame(sock, CHALLENGE, sn, _mac(secret, b"srv", cn, sn, cid))
+    send_frame(sock, CHALLENGE, sn, _mac(secret, b"srv", cn, sn, want))
     _, proof = recv_frame(sock, (AUTH,), timeout, timeout, deadline)
-    if not hmac.compare_digest(proof, _mac(secret, b"cli", sn, cn, cid)):
+    if not hmac.compare_digest(proof, _mac(secret, b"cli", sn, cn, want)):
         raise ProtocolError("authentication failed (wrong secret or a replayed handshake)")
+    if not serves:
+        raise ProtocolError("the client asks for a cache this server does not serve")
     send_frame(sock, OK)
 
 
