@@ -80,6 +80,7 @@ import _host  # noqa: E402
 CONFIGS = ("peers", "off", "local")
 MEM = "/sys/fs/cgroup/memory"
 BLKIO = "/sys/fs/cgroup/blkio"
+CPUACCT = "/sys/fs/cgroup/cpuacct"
 INNER_IF = "cdl0"   # the veth's name inside every namespace
 
 
@@ -145,6 +146,30 @@ def _run(cmd: list[str], check: bool = True) -> subprocess.CompletedProcess:
     return r
 
 
+# a bulk TCP transfer between two namespaces: what a link really carries
+LINK_RX = """
+import socket, sys, time
+s = socket.socket(); s.bind((sys.argv[1], 0)); s.listen(1)
+print(s.getsockname()[1], flush=True)
+c, _ = s.accept(); n = 0; t0 = None
+while True:
+    b = c.recv(1 << 20)
+    if not b:
+        break
+    if t0 is None:
+        t0 = time.perf_counter()
+    n += len(b)
+print(n * 8 / (time.perf_counter() - t0) / 1e6, flush=True)
+"""
+LINK_TX = """
+import socket, sys, time
+c = socket.create_connection((sys.argv[1], int(sys.argv[2]))); buf = bytes(1 << 20); t0 = time.perf_counter()
+while time.perf_counter() - t0 < float(sys.argv[3]):
+    c.sendall(buf)
+c.close()
+"""
+
+
 class Net:
     """Namespaces, a bridge, veth pairs and their tbf qdiscs; ``remove()``
     undoes whatever was made (deleting a namespace deletes its veth end and
@@ -179,6 +204,20 @@ class Net:
             _run(x + ["tc", "qdisc", "add", "dev", INNER_IF] + tbf)    # from the node
         self.tbf = " ".join(tbf[1:])
 
+    def measure(self, seconds: float = 2.0) -> float:
+        """Mbit/s of one TCP stream from node 1 to node 0 over the bridge."""
+        rx = subprocess.Popen(["ip", "netns", "exec", self.netns[0], sys.executable, "-c", LINK_RX, self.addrs[0]],
+                              stdout=subprocess.PIPE, text=True)
+        try:
+            port = rx.stdout.readline().strip()
+            _run(["ip", "netns", "exec", self.netns[1], sys.executable, "-c", LINK_TX, self.addrs[0], port,
+                  str(seconds)])
+            return float(rx.communicate(timeout=30)[0].strip())
+        finally:
+            if rx.poll() is None:
+                rx.kill()
+                rx.wait()
+
     def remove(self) -> None:
         for kind, name in reversed(self.made):
             if kind == "netns":
@@ -186,6 +225,13 @@ class Net:
             else:
                 _run(["ip", "link", "del", name], check=False)
         self.made.clear()
+
+
+def _machine_busy() -> float:
+    """CPU seconds the whole machine has been busy (all processes, /proc/stat)."""
+    with open("/proc/stat") as f:
+        v = [int(x) for x in f.readline().split()[1:]]
+    return (sum(v[:8]) - v[3] - v[4]) / os.sysconf("SC_CLK_TCK")   # minus idle and iowait
 
 
 def _blkio_read(path: str, dev_id: str) -> int:
@@ -198,17 +244,21 @@ def _blkio_read(path: str, dev_id: str) -> int:
 
 
 class NodeGroup:
-    """One node's memory + blkio cgroups (v1)."""
+    """One node's memory + blkio (+ cpuacct, when mounted) cgroups (v1)."""
 
     def __init__(self, name: str, mem_cap: int, dev_id: str):
         self.mem = os.path.join(MEM, name)
         self.blk = os.path.join(BLKIO, name)
+        self.cpu = os.path.join(CPUACCT, name) if _v1("cpuacct") else None
         self.dev_id = dev_id
-        os.mkdir(self.mem)
+        self.dirs: list[str] = []
         try:
-            os.mkdir(self.blk)
+            for d in (self.mem, self.blk, self.cpu):
+                if d:
+                    os.mkdir(d)
+                    self.dirs.append(d)
         except BaseException:
-            _host.rmdir_retry(self.mem)
+            self.remove()
             raise
         with open(os.path.join(self.mem, "memory.limit_in_bytes"), "w") as f:
             f.write(str(mem_cap))
@@ -219,6 +269,16 @@ class NodeGroup:
 
     def read_bytes(self) -> int:
         return _blkio_read(self.blk, self.dev_id)
+
+    def cpu_seconds(self) -> tuple[float, float] | None:
+        """(all, kernel) CPU seconds of the node's processes so far."""
+        if not self.cpu:
+            return None
+        with open(os.path.join(self.cpu, "cpuacct.usage")) as f:
+            total = int(f.read()) / 1e9
+        with open(os.path.join(self.cpu, "cpuacct.stat")) as f:
+            kernel = next(int(l.split()[1]) for l in f if l.startswith("system")) / os.sysconf("SC_CLK_TCK")
+        return total, kernel
 
     def peak_memory(self) -> int:
         with open(os.path.join(self.mem, "memory.max_usage_in_bytes")) as f:
@@ -236,7 +296,7 @@ class NodeGroup:
 
     def pids(self) -> set[int]:
         out = set()
-        for d in (self.mem, self.blk):
+        for d in self.dirs:
             try:
                 with open(os.path.join(d, "cgroup.procs")) as f:
                     out |= {int(x) for x in f.read().split()}
@@ -260,8 +320,9 @@ class NodeGroup:
             time.sleep(0.1)
 
     def remove(self) -> None:
-        for d in (self.mem, self.blk):
+        for d in reversed(self.dirs):
             _host.rmdir_retry(d)
+        self.dirs.clear()
 
 
 # ====================================================================== jobs
@@ -415,8 +476,9 @@ def run_config(args, ctx: dict, name: str, rnd: int) -> dict:
                 if groups[k]:
                     # join the node's cgroups before exec, so the rank and all it
                     # starts are in them (inside the namespace /sys/fs/cgroup is gone)
-                    cmd = ["sh", "-c", 'echo $$ > "$1/cgroup.procs" && echo $$ > "$2/cgroup.procs" && shift 2 '
-                           '&& exec "$@"', "sh", groups[k].mem, groups[k].blk] + cmd
+                    dirs = groups[k].dirs
+                    cmd = (["sh", "-c", 'n=$1; shift; while [ "$n" -gt 0 ]; do echo $$ > "$1/cgroup.procs" || '
+                            'exit 97; shift; n=$((n - 1)); done; exec "$@"', "sh", str(len(dirs))] + dirs + cmd)
                 jobs.append(Job(cmd, e, os.path.join(ctx["tmp"], f"{name}-{rnd}-rank{rank}.log")))
         deadline = time.monotonic() + args.timeout
         _wait_all(jobs, "ready", None, deadline, "a built loader")
@@ -427,10 +489,15 @@ def run_config(args, ctx: dict, name: str, rnd: int) -> dict:
                 for g in groups:
                     g.throttle(int(args.read_mbps * 1e6))
             before = [g.read_bytes() if g else None for g in groups]
+            cpu0 = [g.cpu_seconds() if g else None for g in groups]
+            busy0 = _machine_busy()
             for j in jobs:
                 j.say("go")
             _wait_all(jobs, "epoch", e, time.monotonic() + args.timeout, f"the end of epoch {e}")
             after = [g.read_bytes() if g else None for g in groups]
+            cpu1 = [g.cpu_seconds() if g else None for g in groups]
+            busy = _machine_busy() - busy0
+            ours = sum(c1[0] - c0[0] for c0, c1 in zip(cpu0, cpu1) if c0 is not None)
             for k in range(n_nodes):
                 recs = [next(r for r in j.recs if r.get("epoch") == e) for j in jobs[k * rpn:(k + 1) * rpn]]
                 st = [r["stats"] for r in recs]
@@ -443,7 +510,11 @@ def run_config(args, ctx: dict, name: str, rnd: int) -> dict:
                     "peer_samples": sum(s["samples_from_peers"] for s in st),
                     "storage_samples": sum(s["samples_from_storage"] for s in st),
                     "blkio_bytes": (after[k] - before[k]) if groups[k] else "",
-                    "throttled": int(bool(groups[k]) and e >= 1)})
+                    "cpu_seconds": round(cpu1[k][0] - cpu0[k][0], 3) if cpu0[k] is not None else "",
+                    "cpu_kernel_seconds": round(cpu1[k][1] - cpu0[k][1], 3) if cpu0[k] is not None else "",
+                    "throttled": int(bool(groups[k]) and e >= 1),
+                    # CPU the rest of the machine used meanwhile (other tenants of the 2 cores)
+                    "others_cpu_seconds": round(busy - ours, 3) if cpu0[k] is not None else ""})
         _wait_all(jobs, "done", None, time.monotonic() + args.timeout, "the end")
         for j in jobs:
             j.say("exit")
@@ -484,15 +555,20 @@ def summarize(res: dict, args, dataset_bytes: int) -> dict:
         return sum(vals) / len(es)
 
     times = [max(r["seconds"] for r in eps if r["epoch"] == e) for e in measured]
+    others = [next(r["others_cpu_seconds"] for r in eps if r["epoch"] == e) for e in measured]
     images = {e: sum(r["images"] for r in eps if r["epoch"] == e) for e in range(args.epochs)}
     return {"config": res["name"], "round": res["round"],
-            "epoch_seconds": statistics.mean(times),
+            "epoch_seconds": statistics.median(times),
+            "others_cpu_s_per_s": (statistics.mean(o / t for o, t in zip(others, times))
+                                   if all(o != "" for o in others) else float("nan")),
             "blkio_frac": cluster("blkio_bytes", later) / dataset_bytes,
             "blkio_frac_ep1": cluster("blkio_bytes", [measured[0]]) / dataset_bytes,
             "storage_frac": cluster("storage_bytes", later) / dataset_bytes,
             "peer_frac": cluster("peer_bytes", later) / dataset_bytes,
             "cache_frac": cluster("cache_bytes", later) / dataset_bytes,
             "blkio_mib_ep0": cluster("blkio_bytes", [0]) / 2**20,
+            "cpu_s_per_epoch": cluster("cpu_seconds", measured),
+            "cpu_kernel_s_per_epoch": cluster("cpu_kernel_seconds", measured),
             "images_per_epoch": "/".join(str(images[e]) for e in range(args.epochs)),
             "peak_mem_mib": "/".join("-" if m is None else f"{m / 2**20:.0f}" for m in res["peak_mem"])}
 
@@ -513,15 +589,15 @@ def report(rows: list[dict], args, dataset_bytes: int, n_images: int) -> list[st
         m["rounds"] = len(rs)
         med.append(m)
     print(f"\n{'config':<8}{'round':>6}{'epoch s':>9}{'blkio/D':>9}{'ep1':>7}{'coordl storage/D':>17}"
-          f"{'peers/D':>9}{'cache/D':>9}{'MiB ep0':>9}  images per epoch  peak MiB per node")
+          f"{'peers/D':>9}{'cache/D':>9}{'MiB ep0':>9}{'CPU s':>7}{'kernel':>7}{'others':>7}  images per epoch  peak MiB per node")
     for r in rows + [dict(m, round="med") for m in med]:
         print(f"{r['config']:<8}{str(r['round']):>6}{_f(r['epoch_seconds'], '.2f'):>9}"
               f"{_f(r['blkio_frac'], '.3f'):>9}{_f(r['blkio_frac_ep1'], '.3f'):>7}{_f(r['storage_frac'], '.3f'):>17}"
-              f"{_f(r['peer_frac'], '.3f'):>9}{_f(r['cache_frac'], '.3f'):>9}{_f(r['blkio_mib_ep0'], '.1f'):>9}"
+              f"{_f(r['peer_frac'], '.3f'):>9}{_f(r['cache_frac'], '.3f'):>9}{_f(r['blkio_mib_ep0'], '.1f'):>9}{_f(r['cpu_s_per_epoch'], '.1f'):>7}{_f(r['cpu_kernel_s_per_epoch'], '.1f'):>7}{_f(r['others_cpu_s_per_s'], '.2f'):>7}"
               f"  {r['images_per_epoch']:<17} {r['peak_mem_mib']}")
-    print("epoch s: the slowest node's epoch, mean of epochs >= 1; X/D: cluster bytes per epoch over the "
+    print("epoch s: the slowest node's epoch, median of epochs >= 1; X/D: cluster bytes per epoch over the "
           "dataset's bytes, epochs >= 2 (ep1: epoch 1, blkio); blkio: read from the block device by the nodes' "
-          "cgroups; coordl storage/peers/cache: coordl's stats()")
+          "cgroups; coordl storage/peers/cache: coordl's stats(); CPU s (kernel): all nodes' processes per epoch >= 1 (cpuacct), of which in the kernel; others: cores the rest of the machine kept busy meanwhile")
     by = {m["config"]: m for m in med}
     lines = []
     bad = [r for r in rows if any(int(x) != n_images for x in r["images_per_epoch"].split("/"))]
@@ -685,6 +761,8 @@ def main(argv=None) -> int:
         if not args.no_netns:
             net = Net(tag, args.nodes, args.link_mbit, subnet=int(tag) % 200 + 20)
             ctx["net"] = net
+            ctx["link_mbit"] = net.measure()
+            print(f"link check: one TCP stream node 1 -> node 0: {ctx['link_mbit']:.0f} Mbit/s", flush=True)
         print(f"dataset {args.root}: {n_images} files, {dataset_bytes / 2**20:.1f} MiB on /dev/{dev}; "
               f"{args.nodes} nodes x {args.ranks_per_node} rank(s), {args.workers} worker(s) per rank, batch "
               f"{args.batch_size}, crop {args.crop}, {args.epochs} epochs (epoch 0 fills the caches); node cache "
