@@ -409,25 +409,33 @@ def _child_env() -> dict:
     return env
 
 
-def _segments(nodes: list[str]) -> list[str]:
-    """This run's cache segments still in /dev/shm (their names end in a node id of ours)."""
-    from coordl.cache import PREFIX, user_dir
+def _segment_names(root: str, nodes: list[str]) -> list[str]:
+    """The node-cache segment of each of this run's nodes (a segment is named
+    after the dataset and COORDL_NODE_ID)."""
+    import coordl
+    from coordl.cache import _segment_name
+
+    fp = coordl.ImageFolder(root).fingerprint()
+    saved = os.environ.get("COORDL_NODE_ID")
     try:
-        names = os.listdir(user_dir())
-    except FileNotFoundError:
-        return []
-    return sorted(n for n in names if n.startswith(PREFIX) and any(n.endswith("@" + x) for x in nodes))
+        names = []
+        for node in nodes:
+            os.environ["COORDL_NODE_ID"] = node
+            names.append(_segment_name(fp))
+        return names
+    finally:
+        if saved is None:
+            os.environ.pop("COORDL_NODE_ID", None)
+        else:
+            os.environ["COORDL_NODE_ID"] = saved
 
 
-def _clear_segments(nodes: list[str]) -> list[str]:
-    from coordl.cache import user_dir
-    left = _segments(nodes)
-    for n in left:   # a crashed configuration's: nobody of ours holds them any more
-        try:
-            os.unlink(os.path.join(user_dir(), n))
-        except FileNotFoundError:
-            pass
-    return left
+def _clear_segments(names: list[str]) -> list[str]:
+    """Remove this run's segments that nobody holds any more (a killed
+    configuration's: a segment normally goes with its last holder)."""
+    from coordl.cache import clear_caches
+
+    return [r for name in names for r in clear_caches(name)]
 
 
 def run_config(args, ctx: dict, name: str, rnd: int) -> dict:
@@ -439,6 +447,7 @@ def run_config(args, ctx: dict, name: str, rnd: int) -> dict:
     local = name == "local"
     cache = ctx["cache_local"] if local else ctx["cache_part"]
     node_ids = ctx["node_ids"]
+    segments = ctx["segments"]
     groups: list[NodeGroup | None] = [None] * n_nodes
     jobs: list[Job] = []
     env = _child_env()
@@ -447,7 +456,7 @@ def run_config(args, ctx: dict, name: str, rnd: int) -> dict:
     out = {"name": name, "round": rnd, "epochs": [], "peak_mem": [None] * n_nodes, "servers": []}
     ok = False
     try:
-        _clear_segments(node_ids)
+        _clear_segments(segments)
         if ctx["drop"]:
             os.sync()
             with open("/proc/sys/vm/drop_caches", "w") as f:
@@ -535,7 +544,7 @@ def run_config(args, ctx: dict, name: str, rnd: int) -> dict:
                     print(f"  {g.mem}: {g.oom_kills()} OOM kill(s): raise --mem-slack", flush=True)
                 g.kill_all()
                 g.remove()
-        left = _clear_segments(node_ids)
+        left = _clear_segments(segments)
         if left and ok:
             print(f"  warning: cache segments left after {name}, removed: {left}", flush=True)
     return out
@@ -760,6 +769,7 @@ def main(argv=None) -> int:
                "cache_part": cache_part, "cache_local": int(dataset_bytes * 1.1) + (1 << 20),
                "mem_slack": mem_slack, "dev_id": dev_id, "cgroups": not args.no_cgroups,
                "drop": not args.no_drop_caches, "port": 20000 + os.getpid() % 20000, "net": None}
+        ctx["segments"] = _segment_names(args.root, ctx["node_ids"])
         if not args.no_netns:
             net = Net(tag, args.nodes, args.link_mbit, subnet=int(tag) % 200 + 20)
             ctx["net"] = net
