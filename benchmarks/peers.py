@@ -186,6 +186,14 @@ class Net:
         # tbf: the bucket must hold at least a timer tick's worth at the rate
         burst = f"{max(64, int(mbit * 1e6 / 8 / 250 / 1024) * 2)}kb"
         tbf = ["root", "tbf", "rate", rate, "burst", burst, "latency", "20ms"]
+        self.tbf = " ".join(tbf[1:])
+        try:
+            self._make(tbf)
+        except BaseException:   # a half-made network is undone here: the caller never gets it
+            self.remove()
+            raise
+
+    def _make(self, tbf: list[str]) -> None:
         _run(["ip", "link", "add", self.bridge, "type", "bridge"])
         self.made.append(("link", self.bridge))
         _run(["ip", "link", "set", self.bridge, "up"])
@@ -202,7 +210,6 @@ class Net:
             _run(x + ["ip", "link", "set", INNER_IF, "up"])
             _run(x + ["ip", "link", "set", "lo", "up"])
             _run(x + ["tc", "qdisc", "add", "dev", INNER_IF] + tbf)    # from the node
-        self.tbf = " ".join(tbf[1:])
 
     def measure(self, seconds: float = 2.0) -> float:
         """Mbit/s of one TCP stream from node 1 to node 0 over the bridge."""
