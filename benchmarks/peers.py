@@ -129,13 +129,15 @@ def job(args) -> int:
     for e in range(args.epochs):
         if sys.stdin.readline().strip() != "go":
             return 2   # the benchmark went away
-        t0, n = time.perf_counter(), 0
+        t0, n, first = time.perf_counter(), 0, None
         for images, _ in L:
+            if first is None:
+                first = time.perf_counter() - t0
             images[:, :, 0].float().mean()    # a trivial step: the loader is measured
             n += int(images.shape[0])
         dt = time.perf_counter() - t0
         st = L.stats().epochs[-1]
-        emit({"epoch": e, "images": n, "seconds": dt, "stats": dataclasses.asdict(st)})
+        emit({"epoch": e, "images": n, "seconds": dt, "first_batch_s": first, "stats": dataclasses.asdict(st)})
     emit({"done": os.getpid()})
     sys.stdin.readline()   # "exit": every rank leaves together (the servers serve until then)
     del L, pre
@@ -525,6 +527,7 @@ def run_config(args, ctx: dict, name: str, rnd: int) -> dict:
                 out["epochs"].append({
                     "config": name, "round": rnd, "node": k, "epoch": e,
                     "images": sum(r["images"] for r in recs), "seconds": max(r["seconds"] for r in recs),
+                    "first_batch_s": max(r["first_batch_s"] or 0.0 for r in recs),
                     "cache_bytes": sum(s["bytes_from_cache"] for s in st),
                     "peer_bytes": sum(s["bytes_from_peers"] for s in st),
                     "storage_bytes": sum(s["bytes_from_storage"] for s in st),
