@@ -107,3 +107,33 @@ def test_sharing_quick(tmp_path):
     for c in ("cpuacct", "blkio"):
         d = f"/sys/fs/cgroup/{c}"
         assert not (os.path.isdir(d) and [x for x in os.listdir(d) if x.startswith("coordl-sharing-")])
+
+
+def test_peers_quick(tmp_path):
+    # three "nodes" as processes on loopback (--quick: no namespaces, cgroups or root);
+    # the namespace + cgroup set-up runs in the benchmark itself (docs/_bench_peers.md)
+    out = _script("peers.py", "--quick", "--out", str(tmp_path), timeout=300)
+    with open(tmp_path / "peers.csv") as f:
+        rows = list(csv.DictReader(f))
+    with open(tmp_path / "peers_summary.csv") as f:
+        summary = {r["config"]: r for r in csv.DictReader(f)}
+    assert list(summary) == ["peers", "off", "local"], out
+    for name in summary:
+        mine = [r for r in rows if r["config"] == name]
+        assert sorted((int(r["node"]), int(r["epoch"])) for r in mine) == [(n, e) for n in range(3) for e in range(3)]
+        # every epoch delivered the 60 images once across the three nodes
+        assert all(sum(int(r["images"]) for r in mine if int(r["epoch"]) == e) == 60 for e in range(3))
+    later = [r for r in rows if int(r["epoch"]) >= 1]
+    peer = [r for r in later if r["config"] == "peers"]
+    # with peers, a later epoch's misses come from the other nodes, not storage
+    assert all(int(r["peer_bytes"]) > 0 and int(r["storage_bytes"]) == 0 for r in peer), peer
+    assert all(int(r["peer_bytes"]) == 0 for r in rows if r["config"] != "peers")
+    assert sum(int(r["storage_bytes"]) for r in later if r["config"] == "off") > 0
+    assert all(int(r["storage_bytes"]) == 0 and int(r["peer_bytes"]) == 0
+               for r in rows if r["config"] == "local")
+    assert "targets (issue 9)" in out
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return
+    assert (tmp_path / "peers.png").exists()
