@@ -360,7 +360,12 @@ def write_plot(report: dict, path: str | os.PathLike) -> str | None:
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
     xs = [r["cached_fraction"] * 100 for r in wi["cache"]]
     a.plot(xs, [r["throughput"] for r in wi["cache"]], "o-", label="predicted")
-    a.axhline(rt["ingest"], ls=":", c="gray", label="ingestion-free")
+    top = 1.25 * max([r["throughput"] for r in wi["cache"]] + [rt["cold"], rt["cached"]])
+    if rt["ingest"] <= top:
+        a.axhline(rt["ingest"], ls=":", c="gray", label="ingestion-free")
+    else:
+        a.plot([], [], " ", label=f"ingestion-free {rt['ingest']:.0f}/s (off the scale)")
+    a.set_ylim(0, top)
     a.plot([0], [rt["cold"]], "x", c="red", label="measured cold")
     a.plot([100], [rt["cached"]], "x", c="green", label="measured cached")
     a.set_xlabel("dataset cached (%)")
@@ -372,8 +377,10 @@ def write_plot(report: dict, path: str | os.PathLike) -> str | None:
         b.plot(ws, [r["throughput"] for r in wi["workers_cold"]], "o-", label="predicted, cold")
         b.plot(ws, [r["throughput"] for r in wi["workers_cached"]], "s-", label="predicted, cached")
         b.plot(ws, [r["prep_rate"] for r in wi["workers_cold"]], ":", label="prep rate")
+        b.set_xticks(ws)
+        b.set_ylim(bottom=0)
         b.set_xlabel("CPU workers")
-        b.set_title("workers")
+        b.set_title("workers (samples/s)")
         b.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
