@@ -60,6 +60,7 @@ def child_analyze(args) -> None:
     workers = [int(w) for w in args.workers.split(",")]
     r = analyze(args.root, transform=args.transform, batch_size=args.batch_size, workers=max(workers),
                 rate=args.rate, scaling_workers=workers, cache="node", evict="drop_caches",
+                repeats=args.analyze_repeats,
                 log=lambda m: print(m, file=sys.stderr, flush=True))
     print("REPORT " + json.dumps(r, default=str), flush=True)
 
@@ -84,7 +85,8 @@ def child_run(args) -> None:
 def _spawn(args, kind: str, cgroup: str, extra: list[str]) -> subprocess.CompletedProcess:
     cmd = [sys.executable, os.path.abspath(__file__), "--child", kind, "--cgroup", cgroup, "--root", args.root,
            "--transform", args.transform, "--batch-size", str(args.batch_size), "--rate", str(args.rate),
-           "--workers", args.workers, "--epochs", str(args.epochs)] + extra
+           "--workers", args.workers, "--epochs", str(args.epochs),
+           "--analyze-repeats", str(args.analyze_repeats)] + extra
     return subprocess.run(cmd, stdout=subprocess.PIPE, text=True, timeout=args.timeout)
 
 
@@ -131,6 +133,8 @@ def main(argv=None) -> int:
     ap.add_argument("--transform", default="rrc224")
     ap.add_argument("--overhead", default="1GiB", help="memory cap above the node cache (default 1GiB)")
     ap.add_argument("--repeats", type=int, default=1, help="whole validations to run (analyzer included)")
+    ap.add_argument("--analyze-repeats", type=int, default=3,
+                    help="the analyzer's repeats of each in-memory pass, fastest kept (default 3)")
     ap.add_argument("--out", default="analyze_validate.json")
     ap.add_argument("--timeout", type=float, default=1800)
     ap.add_argument("--child", choices=("analyze", "run"), help=argparse.SUPPRESS)

@@ -182,7 +182,7 @@ def test_cli_end_to_end(tiny_folder, tmp_path):
     out_json, out_png = tmp_path / "r.json", tmp_path / "r.png"
     code = (f"import sys; from coordl.cli import main; sys.exit(main(['analyze', {tiny_folder!r}, '--rate', '1e6', "
             f"'--batch-size', '8', '--workers', '1', '--evict', 'fadvise', '--max-samples', '48', "
-            f"'--json', {str(out_json)!r}, '--plot', {str(out_png)!r}]))")
+            f"'--repeats', '2', '--json', {str(out_json)!r}, '--plot', {str(out_png)!r}]))")
     r = run_in_child(code, timeout=240)
     assert r.returncode == 0, r.stdout + r.stderr
     rep = json.loads(out_json.read_text())
@@ -191,6 +191,9 @@ def test_cli_end_to_end(tiny_folder, tmp_path):
     assert rep["eviction"] == {"cold_fetch_pass": "fadvise", "cold_pass": "fadvise"}
     assert [row["cached_fraction"] for row in rep["what_if"]["cache"]] == [i / 10 for i in range(11)]
     assert {"1", "2"} <= set(rep["rates"]["prep"])
+    # --repeats 2: every in-memory pass ran twice and the fastest was kept
+    for name in ("fetch_warm", "prep_1w", "prep_2w", "cached"):
+        assert len(rep["passes"][name]["rates"]) == 2 and rep["passes"][name]["rate"] == max(rep["passes"][name]["rates"])
     assert rep["passes"]["cold"]["bytes_storage"] > 0     # the cold pass read from storage
     assert rep["passes"]["cached"]["bytes_storage"] == 0  # the cached pass did not (node cache)
     for k in ("fetch", "prep", "total"):

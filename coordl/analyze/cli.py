@@ -35,6 +35,8 @@ def add_parser(sub) -> None:
     a.add_argument("--scaling-workers", default="1,2", help="worker counts whose prep rate is measured (default 1,2)")
     a.add_argument("--max-workers", type=int, default=None, help="workers what-if up to this (default: CPUs)")
     a.add_argument("--fetch-threads", type=int, default=None)
+    a.add_argument("--repeats", type=int, default=1, help="run each in-memory pass this many times and keep the "
+                                                          "fastest (on a busy machine; default 1)")
     a.add_argument("--json", default="analyze.json", help="where to write the report (default analyze.json)")
     a.add_argument("--plot", default="analyze.png", help="where to write the PNG (default analyze.png; '' for none)")
     a.set_defaults(func=run)
@@ -53,7 +55,7 @@ def run(args) -> int:
         report = analyze(args.root, dataset=args.dataset, transform=args.transform, batch_size=args.batch_size,
                          workers=args.workers, step=args.step, rate=args.rate, max_samples=args.max_samples,
                          cache=args.cache, evict=args.evict, scaling_workers=scaling,
-                         max_workers=args.max_workers, fetch_threads=args.fetch_threads,
+                         max_workers=args.max_workers, fetch_threads=args.fetch_threads, repeats=args.repeats,
                          log=lambda m: print(m, file=sys.stderr, flush=True))
     except (ValueError, FileNotFoundError, PermissionError) as e:
         print(f"coordl analyze: {e}", file=sys.stderr)
