@@ -110,6 +110,18 @@ def test_analyze_argument_errors():
         analyze("/x", rate=10, cache="disk", log=None)
 
 
+def test_cli_argument_errors_exit_2_with_the_reason(capsys):
+    from coordl.cli import main
+
+    assert main(["analyze", "--rate", "10"]) == 2
+    assert "give exactly one of root" in capsys.readouterr().err
+    assert main(["analyze", "/x", "--rate", "10", "--scaling-workers", "one"]) == 2
+    assert "--scaling-workers should be worker counts like 1,2, but got --scaling-workers='one'" in \
+        capsys.readouterr().err
+    assert main(["analyze", "/nonexistent-dir", "--rate", "10", "--evict", "fadvise"]) == 2
+    assert "/nonexistent-dir" in capsys.readouterr().err
+
+
 # ------------------------------------------------------- stall attribution
 def _analyze_in_child(spec: str, **kw) -> dict:
     args = ", ".join(f"{k}={v!r}" for k, v in kw.items())
