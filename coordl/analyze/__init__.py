@@ -87,7 +87,6 @@ def analyze(root: str | os.PathLike | None = None, *, dataset: Any = None, trans
         log: progress messages go here (``None``: silent).
     """
     from .. import DataLoader
-    from .._units import parse_size  # noqa: F401  (sizes in errors read like the loader's)
     from ..protocol import is_two_stage
     from . import measure as M
 
