@@ -27,11 +27,29 @@ def test_stalls_hand_computed():
 
 
 def test_stalls_noise_is_clamped_and_reported():
-    # cached measured slower than cold: the fetch stall would be negative
+    # cached measured slower than cold (noise): no fetch stall, prep is the whole stall
     st = model.stalls(ingest=100, cached=40, cold=50)
     assert st["fetch"] == 0
-    assert st["prep"] == pytest.approx((1 / 40 - 1 / 100) * 50)
-    assert st["noise"] == pytest.approx(0.25)
+    assert st["prep"] == pytest.approx(0.5)   # (1/50 - 1/100) / (1/50)
+    assert st["noise"] == pytest.approx(0.25)  # (1/40 - 1/50) / (1/50)
+    # far slower: the prep stall used to come out above 100% (a short, noisy pass saw 133%)
+    st = model.stalls(ingest=100, cached=20, cold=50)
+    assert st["prep"] == pytest.approx(0.5) and st["fetch"] == 0
+    assert st["noise"] == pytest.approx(1.5)
+    # cached faster than the step alone: no prep stall
+    st = model.stalls(ingest=100, cached=200, cold=50)
+    assert st["prep"] == 0 and st["fetch"] == pytest.approx(0.5) and st["noise"] == pytest.approx(0.25)
+    # cold faster than the step alone: no stall at all
+    st = model.stalls(ingest=100, cached=200, cold=400)
+    assert st["prep"] == 0 and st["fetch"] == 0 and st["total"] == 0
+
+
+@pytest.mark.parametrize("g, c, f", [(100, 80, 50), (100, 40, 50), (100, 20, 50), (100, 200, 50), (1e6, 5, 50),
+                                     (10, 80, 50), (100, 100, 100)])
+def test_stalls_stay_in_range_and_add_up(g, c, f):
+    st = model.stalls(g, c, f)
+    assert 0 <= st["fetch"] <= 1 and 0 <= st["prep"] <= 1 and 0 <= st["total"] <= 1, st
+    assert st["fetch"] + st["prep"] == pytest.approx(st["total"]), st
 
 
 def test_fetch_rate_hand_computed():

@@ -34,18 +34,23 @@ def stalls(ingest: float, cached: float, cold: float) -> dict:
     """Fetch and prep stall as fractions of the cold epoch time.
 
     ``prep_stall = (1/cached - 1/ingest) / (1/cold)``,
-    ``fetch_stall = (1/cold - 1/cached) / (1/cold)``; a negative difference
-    (noise: the slower setting measured faster) counts as 0 and
-    ``noise`` says how large it was, as a fraction of the cold epoch.
-    ``total`` is the share of the cold epoch the step waited for data.
+    ``fetch_stall = (1/cold - 1/cached) / (1/cold)``; they add up to
+    ``total``, the share of the cold epoch the step waited for data,
+    ``(1/cold - 1/ingest) / (1/cold)``.  Measurements out of order (noise:
+    the cached pass slower than the cold one, or faster than the step
+    alone) are clamped into that order first -- the cached time per
+    sample into ``[1/ingest, 1/cold]`` -- so each stall stays in [0, 1];
+    ``noise`` says by how much, as a fraction of the cold epoch.
     """
     g, c, f = _positive(ingest, "ingest"), _positive(cached, "cached"), _positive(cold, "cold")
     t_g, t_c, t_f = 1 / g, 1 / c, 1 / f
-    prep = (t_c - t_g) / t_f
-    fetch = (t_f - t_c) / t_f
-    noise = -min(prep, 0.0) - min(fetch, 0.0)
-    prep, fetch = max(prep, 0.0), max(fetch, 0.0)
-    return {"fetch": fetch, "prep": prep, "total": max(0.0, (t_f - t_g) / t_f), "noise": noise}
+    noise = max(0.0, t_g - t_f) / t_f  # the cold pass beat the step alone
+    t_g = min(t_g, t_f)
+    t_c_in = min(max(t_c, t_g), t_f)
+    noise += abs(t_c - t_c_in) / t_f
+    prep = (t_c_in - t_g) / t_f
+    fetch = (t_f - t_c_in) / t_f
+    return {"fetch": fetch, "prep": prep, "total": (t_f - t_g) / t_f, "noise": noise}
 
 
 def fetch_rate(samples: int, dataset_bytes: float, cached_fraction: float, cache_bw: float,
