@@ -1,4 +1,4 @@
-"""``coordl`` command line: ``coordl demo``, ``coordl cache``, ``coordl daemon``, ``coordl version``."""
+"""``coordl`` command line: ``coordl demo``, ``coordl cache``, ``coordl daemon``, ``coordl analyze``, ``coordl version``."""
 from __future__ import annotations
 
 import argparse
@@ -162,6 +162,10 @@ def main(argv: list[str] | None = None) -> int:
                                          "self-prepared samples), staging and cache use")
     dst.add_argument("--json", action="store_true", help="print the status as JSON")
     dm.set_defaults(func=_cmd_daemon)
+
+    from .analyze.cli import add_parser as add_analyze_parser
+
+    add_analyze_parser(sub)
 
     v = sub.add_parser("version", help="print coordl's version")
     v.set_defaults(func=_cmd_version)

@@ -1,0 +1,324 @@
+"""coordl analyze: the what-if model against hand-computed cases, stall
+attribution on datasets with known delays, and the CLI end to end."""
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import textwrap
+
+import pytest
+
+from coordl.analyze import model
+from coordl.testing import run_in_child
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+# ------------------------------------------------------------------ model
+def test_stalls_hand_computed():
+    # per sample: step 10 ms, cached 12.5 ms, cold 20 ms
+    st = model.stalls(ingest=100, cached=80, cold=50)
+    assert st["prep"] == pytest.approx(0.125)
+    assert st["fetch"] == pytest.approx(0.375)
+    assert st["total"] == pytest.approx(0.5)
+    assert st["noise"] == 0
+
+
+def test_stalls_noise_is_clamped_and_reported():
+    # cached measured slower than cold (noise): no fetch stall, prep is the whole stall
+    st = model.stalls(ingest=100, cached=40, cold=50)
+    assert st["fetch"] == 0
+    assert st["prep"] == pytest.approx(0.5)   # (1/50 - 1/100) / (1/50)
+    assert st["noise"] == pytest.approx(0.25)  # (1/40 - 1/50) / (1/50)
+    # far slower: the prep stall used to come out above 100% (a short, noisy pass saw 133%)
+    st = model.stalls(ingest=100, cached=20, cold=50)
+    assert st["prep"] == pytest.approx(0.5) and st["fetch"] == 0
+    assert st["noise"] == pytest.approx(1.5)
+    # cached faster than the step alone: no prep stall
+    st = model.stalls(ingest=100, cached=200, cold=50)
+    assert st["prep"] == 0 and st["fetch"] == pytest.approx(0.5) and st["noise"] == pytest.approx(0.25)
+    # cold faster than the step alone: no stall at all
+    st = model.stalls(ingest=100, cached=200, cold=400)
+    assert st["prep"] == 0 and st["fetch"] == 0 and st["total"] == 0
+
+
+@pytest.mark.parametrize("g, c, f", [(100, 80, 50), (100, 40, 50), (100, 20, 50), (100, 200, 50), (1e6, 5, 50),
+                                     (10, 80, 50), (100, 100, 100)])
+def test_stalls_stay_in_range_and_add_up(g, c, f):
+    st = model.stalls(g, c, f)
+    assert 0 <= st["fetch"] <= 1 and 0 <= st["prep"] <= 1 and 0 <= st["total"] <= 1, st
+    assert st["fetch"] + st["prep"] == pytest.approx(st["total"]), st
+
+
+def test_fetch_rate_hand_computed():
+    # 1000 samples, 1 GB; 10 GB/s cache, 100 MB/s storage; half cached:
+    # T = 0.5e9/1e10 + 0.5e9/1e8 = 0.05 + 5 = 5.05 s
+    assert model.fetch_rate(1000, 1e9, 0.5, 1e10, 1e8) == pytest.approx(1000 / 5.05)
+    assert model.fetch_rate(1000, 1e9, 0.0, 1e10, 1e8) == pytest.approx(100.0)
+    assert model.fetch_rate(1000, 1e9, 1.0, 1e10, 1e8) == pytest.approx(10000.0)
+
+
+def test_predict_is_the_slowest_stage():
+    assert model.predict(198.0, 150.0, 300.0) == 150.0
+    assert model.predict(98.0, 150.0, 300.0) == 98.0
+    assert model.predict(998.0, 450.0, 300.0) == 300.0
+
+
+def test_what_if_cache_rows_and_bounds():
+    rows = model.what_if_cache(1000, 1e9, 1e10, 1e8, prep=150, ingest=300, fractions=[0, 0.5, 0.9, 1])
+    assert [r["cached_fraction"] for r in rows] == [0, 0.5, 0.9, 1]
+    assert rows[0]["throughput"] == pytest.approx(100.0) and rows[0]["bound"] == "fetch"
+    # x=0.5: 198 samples/s fetch -> prep (150) bounds
+    assert rows[1]["fetch_rate"] == pytest.approx(1000 / 5.05)
+    assert rows[1]["throughput"] == 150 and rows[1]["bound"] == "prep"
+    # x=0.9: T = 0.09 + 1.0 = 1.09 s -> 917/s; still prep
+    assert rows[2]["fetch_rate"] == pytest.approx(1000 / 1.09)
+    rows = model.what_if_cache(1000, 1e9, 1e10, 1e8, prep=500, ingest=300, fractions=[1])
+    assert rows[0]["throughput"] == 300 and rows[0]["bound"] == "ingest"
+
+
+def test_amdahl_fit_hand_computed():
+    # P(1)=100, P(2)=180: 180 = 200/(1+s) -> s = 1/9; P(4) = 400/(1+3/9) = 300
+    s = model.fit_serial_fraction({1: 100, 2: 180})
+    assert s == pytest.approx(1 / 9, abs=1e-3)
+    assert model.prep_rate_at(4, {1: 100, 2: 180}, cpus=8) == pytest.approx(300, rel=2e-3)
+    # measured points are returned as measured
+    assert model.prep_rate_at(2, {1: 100, 2: 180}, cpus=8) == 180
+    # past the CPU count there is no gain: 4 workers on 2 CPUs = the 2-worker rate
+    assert model.prep_rate_at(4, {1: 100, 2: 180}, cpus=2) == 180
+    # linear scaling fits s = 0; no scaling s = 1
+    assert model.fit_serial_fraction({1: 100, 2: 200, 4: 400}) == 0
+    assert model.fit_serial_fraction({1: 100, 2: 100}) == 1
+    # one point: linear
+    assert model.prep_rate_at(3, {1: 50}, cpus=4) == pytest.approx(150)
+
+
+def test_what_if_workers_and_grid():
+    rows = model.what_if_workers({1: 100, 2: 180}, cpus=4, fetch=250, ingest=1000, workers=[1, 2, 3, 4])
+    assert [r["measured"] for r in rows] == [True, True, False, False]
+    assert rows[0]["throughput"] == 100 and rows[0]["bound"] == "prep"
+    # 3 workers: 300/(1+2/9) = 245.45 -> prep; 4: 300 -> fetch (250)
+    assert rows[2]["throughput"] == pytest.approx(300 / (1 + 2 / 9), rel=2e-3)
+    assert rows[3]["throughput"] == 250 and rows[3]["bound"] == "fetch"
+    grid = model.what_if_grid(1000, 1e9, 1e10, 1e8, {1: 100, 2: 180}, 4, 1000, [0, 1], [1, 2])
+    assert [(g["workers"], g["cached_fraction"], g["throughput"]) for g in grid] == [
+        (1, 0, pytest.approx(100)), (1, 1, 100), (2, 0, pytest.approx(100)), (2, 1, 180)]
+
+
+@pytest.mark.parametrize("call, msg", [
+    (lambda: model.fetch_rate(10, 100, 1.5, 1, 1), "cached_fraction should be in [0, 1], but got cached_fraction=1.5"),
+    (lambda: model.stalls(0, 1, 1), "ingest should be a positive number, but got ingest=0"),
+    (lambda: model.prep_rate_at(0, {1: 1}, 2), "workers should be >= 1, but got workers=0"),
+])
+def test_model_argument_errors(call, msg):
+    with pytest.raises(ValueError, match=msg.replace("[", r"\[").replace("]", r"\]")):
+        call()
+
+
+def test_analyze_argument_errors():
+    from coordl.analyze import analyze
+
+    with pytest.raises(ValueError, match="give exactly one of step .* and rate"):
+        analyze("/nonexistent", rate=None, step=None, log=None)
+    with pytest.raises(ValueError, match="give exactly one of root"):
+        analyze(None, rate=10, log=None)
+    with pytest.raises(ValueError, match="cache should be"):
+        analyze("/x", rate=10, cache="disk", log=None)
+
+
+def test_cli_argument_errors_exit_2_with_the_reason(capsys):
+    from coordl.cli import main
+
+    assert main(["analyze", "--rate", "10"]) == 2
+    assert "give exactly one of root" in capsys.readouterr().err
+    assert main(["analyze", "/x", "--rate", "10", "--scaling-workers", "one"]) == 2
+    assert "--scaling-workers should be worker counts like 1,2, but got --scaling-workers='one'" in \
+        capsys.readouterr().err
+    assert main(["analyze", "/nonexistent-dir", "--rate", "10", "--evict", "fadvise"]) == 2
+    assert "/nonexistent-dir" in capsys.readouterr().err
+
+
+# ------------------------------------------------------- stall attribution
+def _analyze_in_child(spec: str, **kw) -> dict:
+    args = ", ".join(f"{k}={v!r}" for k, v in kw.items())
+    code = textwrap.dedent(f"""
+        import json, sys
+        sys.path.insert(0, {HERE!r})
+        from coordl.analyze import analyze
+        r = analyze(dataset={spec!r}, batch_size=4, workers=1, scaling_workers=(1,), fetch_threads=1,
+                    evict="fadvise", log=None, ingest_seconds=0.5, {args})
+        print("REPORT", json.dumps(r, default=str))
+    """)
+    res = run_in_child(code, timeout=240)
+    assert res.returncode == 0, res.stdout + res.stderr
+    line = next(l for l in res.stdout.splitlines() if l.startswith("REPORT "))
+    return json.loads(line[len("REPORT "):])
+
+
+def test_slow_fetch_is_attributed_to_fetch():
+    # raw() 20 ms, prep() 1 ms, one fetch thread, no model bound
+    r = _analyze_in_child("_analyze_helpers:slow_fetch", rate=1e6)
+    st = r["stalls"]
+    assert st["fetch"] > st["prep"], st
+    assert st["fetch"] > 0.5, st
+    # cached is several times faster than cold (fetch cost 20x prep cost)
+    assert r["rates"]["cached"] > 2 * r["rates"]["cold"], r["rates"]
+    # storage bandwidth ~ 4096 B / 20 ms; sleep is a floor on the read time
+    ratio = r["bandwidth"]["storage"] / (4096 / 0.020)
+    assert 0.3 < ratio < 1.1, ratio
+    # the model's cold prediction (fetch-bound) is within a factor 2 of the measurement
+    assert 0.5 < r["check"]["cold_predicted"] / r["check"]["cold_measured"] < 2, r["check"]
+    assert r["what_if"]["cache"][0]["bound"] == "fetch"
+    assert r["what_if"]["cache"][-1]["bound"] != "fetch"
+
+
+def test_slow_prep_is_attributed_to_prep():
+    # raw() 1 ms, prep() 20 ms: the cache does not help, more CPU would
+    r = _analyze_in_child("_analyze_helpers:slow_prep", rate=1e6)
+    st = r["stalls"]
+    assert st["prep"] > st["fetch"], st
+    assert st["prep"] > 0.5, st
+    ratio = r["rates"]["prep"]["1"] * 0.020
+    assert 0.3 < ratio < 1.1, ratio
+    assert all(row["bound"] == "prep" for row in r["what_if"]["cache"]), r["what_if"]["cache"]
+
+
+def test_step_from_a_script_sets_the_ingestion_rate(tmp_path):
+    # a step given as file.py:fn, 5 ms per batch of 4 -> at most 800 samples/s
+    script = tmp_path / "mystep.py"
+    script.write_text("import time\ndef step(batch):\n    time.sleep(0.005)\n")
+    r = _analyze_in_child("_analyze_helpers:slow_fetch", step=f"{script}:step")
+    g = r["rates"]["ingest"]
+    assert 0.3 < g / 800 < 1.05, g
+    assert r["rates"]["ingest_source"].startswith("measured")
+
+
+# ------------------------------------------------------------ end to end
+@pytest.fixture(scope="module")
+def tiny_folder(tmp_path_factory):
+    from coordl.synth import make_image_folder
+
+    return make_image_folder(tmp_path_factory.mktemp("an") / "data", num_images=64, num_classes=4,
+                             image_size=(64, 48))
+
+
+EXPECTED_KEYS = {"version", "dataset", "settings", "eviction", "rates", "bandwidth", "stalls", "what_if",
+                 "check", "passes", "seconds", "warnings", "plot", "plot_skipped"}
+
+
+def test_cli_end_to_end(tiny_folder, tmp_path):
+    out_json, out_png = tmp_path / "r.json", tmp_path / "r.png"
+    code = (f"import sys; from coordl.cli import main; sys.exit(main(['analyze', {tiny_folder!r}, '--rate', '1e6', "
+            f"'--batch-size', '8', '--workers', '1', '--evict', 'fadvise', '--max-samples', '48', "
+            f"'--repeats', '2', '--json', {str(out_json)!r}, '--plot', {str(out_png)!r}]))")
+    r = run_in_child(code, timeout=240)
+    assert r.returncode == 0, r.stdout + r.stderr
+    rep = json.loads(out_json.read_text())
+    assert EXPECTED_KEYS <= set(rep), set(rep) ^ EXPECTED_KEYS
+    assert rep["dataset"]["samples"] == 48 and rep["dataset"]["files"] == 48
+    assert rep["eviction"] == {"cold_fetch_pass": "fadvise", "cold_pass": "fadvise"}
+    assert [row["cached_fraction"] for row in rep["what_if"]["cache"]] == [i / 10 for i in range(11)]
+    assert {"1", "2"} <= set(rep["rates"]["prep"])
+    # --repeats 2: every in-memory pass ran twice and the fastest was kept
+    for name in ("fetch_warm", "prep_1w", "prep_2w", "cached"):
+        assert len(rep["passes"][name]["rates"]) == 2 and rep["passes"][name]["rate"] == max(rep["passes"][name]["rates"])
+    assert rep["passes"]["cold"]["bytes_storage"] > 0     # the cold pass read from storage
+    assert rep["passes"]["cached"]["bytes_storage"] == 0  # the cached pass did not (node cache)
+    for k in ("fetch", "prep", "total"):
+        assert 0 <= rep["stalls"][k] <= 1 and math.isfinite(rep["stalls"][k])
+    assert "fetch stall" in r.stdout and "what if: cached fraction" in r.stdout
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        assert "plot: skipped: matplotlib is not installed" in r.stdout
+        assert rep["plot"] is None
+    else:
+        assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        assert rep["plot"] == str(out_png)
+
+
+def test_plot_without_matplotlib_says_so(tmp_path, monkeypatch):
+    from coordl.analyze import write_plot
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
+    why = write_plot({}, tmp_path / "x.png")
+    assert why is not None and "matplotlib is not installed" in why
+    assert not (tmp_path / "x.png").exists()
+
+
+def test_evict_fadvise_drops_the_files_pages(tmp_path):
+    from coordl.analyze.measure import evict
+
+    path = tmp_path / "f.bin"
+    path.write_bytes(os.urandom(1 << 20))
+    os.sync()  # fadvise drops clean pages only
+    with open(path, "rb") as f:
+        f.read()
+    before = _resident_pages(str(path))
+    if before == 0:
+        pytest.skip("the file system keeps no page cache for this file")
+    assert evict([str(path)], "fadvise") == "fadvise"
+    after = _resident_pages(str(path))
+    assert after < before, (before, after)
+
+
+def _resident_pages(path: str) -> int:
+    """Pages of ``path`` in the page cache (libc mincore on a read-only mapping)."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    size = os.path.getsize(path)
+    page = os.sysconf("SC_PAGE_SIZE")
+    vec = (ctypes.c_ubyte * ((size + page - 1) // page))()
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        addr = libc.mmap(None, size, 1, 1, fd, 0)  # PROT_READ, MAP_SHARED
+        if addr in (None, ctypes.c_void_p(-1).value):
+            pytest.skip(f"mmap failed: errno {ctypes.get_errno()}")
+        try:
+            if libc.mincore(addr, size, vec) != 0:
+                pytest.skip(f"mincore failed: errno {ctypes.get_errno()}")
+        finally:
+            libc.munmap(addr, size)
+    finally:
+        os.close(fd)
+    return sum(v & 1 for v in vec)
+
+
+def _cgroup_v1_writable():
+    probe = "/sys/fs/cgroup/memory/coordl-probe-%d" % os.getpid()
+    try:
+        os.mkdir(probe)
+        os.rmdir(probe)
+        return os.access("/proc/sys/vm/drop_caches", os.W_OK) and os.path.isdir("/sys/fs/cgroup/blkio")
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not _cgroup_v1_writable(), reason="needs root and cgroup v1 (memory, blkio)")
+def test_validation_benchmark_tiny(tmp_path):
+    """benchmarks/analyze_validate.py at tiny size, so it cannot rot (no timing asserted)."""
+    from coordl.synth import make_image_folder
+
+    root = make_image_folder(tmp_path / "photos", num_images=48, num_classes=2, image_size=(96, 72), seed=0)
+    bench = os.path.join(os.path.dirname(HERE), "benchmarks", "analyze_validate.py")
+    out_json = tmp_path / "v.json"
+    code = (f"import sys; sys.argv = ['analyze_validate.py', '--root', {root!r}, '--read-mbps', '200', "
+            f"'--fractions', '0,0.5', '--workers', '1', '--epochs', '2', '--batch-size', '8', "
+            f"'--overhead', '700MiB', '--analyze-repeats', '1', '--out', {str(out_json)!r}]; "
+            f"import runpy; runpy.run_path({bench!r}, run_name='__main__')")
+    r = run_in_child(code, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "prediction error: mean |error|" in r.stdout, r.stdout
+    res = json.loads(out_json.read_text())
+    rows = [x for x in res["results"] if "error" in x]
+    assert [(x["cached_fraction"], x["workers"]) for x in rows] == [(0.0, 1), (0.5, 1)]
+    assert all(x["measured"] > 0 and x["predicted"]["throughput"] > 0 for x in rows)
+    for c in ("memory", "blkio"):
+        assert not [d for d in os.listdir(f"/sys/fs/cgroup/{c}") if d.startswith("coordl-anval-")]
