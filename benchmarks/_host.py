@@ -3,10 +3,15 @@ coordl (safe in a benchmark's outer process, whose own CPU and memory must
 stay out of the measurement)."""
 from __future__ import annotations
 
+import json
 import os
+import queue
+import signal
+import subprocess
+import threading
 import time
 
-__all__ = ["rmdir_retry", "pyplot"]
+__all__ = ["rmdir_retry", "pyplot", "JsonJob"]
 
 
 def rmdir_retry(path: str, tries: int = 50) -> None:
@@ -33,3 +38,56 @@ def pyplot():
         print("matplotlib is not installed (pip install -e '.[bench]'): no plot")
         return None
     return plt
+
+
+class JsonJob:
+    """A child process (its own process group) whose stdout carries one JSON
+    record per line, read on a thread onto a queue; its stderr goes to
+    ``log_path``; ``say`` writes a word to its stdin."""
+
+    def __init__(self, cmd: list[str], env: dict, log_path: str):
+        self.log_path = log_path
+        self.log = open(log_path, "w")
+        self.p = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log,
+                                  text=True, env=env, start_new_session=True)
+        self.lines: queue.Queue = queue.Queue()
+        self.recs: list[dict] = []
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self):
+        try:
+            for line in self.p.stdout:
+                if line.startswith("{"):
+                    try:
+                        self.lines.put(json.loads(line))
+                    except ValueError:
+                        pass  # somebody else's output
+        finally:
+            self.lines.put(None)  # end of its output
+
+    def arrived(self):
+        """The records read since the last call (None once: its output ended)."""
+        while True:
+            try:
+                yield self.lines.get_nowait()
+            except queue.Empty:
+                return
+
+    def say(self, word: str) -> None:
+        try:
+            self.p.stdin.write(word + "\n")
+            self.p.stdin.flush()
+        except (BrokenPipeError, OSError):
+            pass
+
+    def stderr_tail(self, n: int = 3000) -> str:
+        self.log.flush()
+        with open(self.log_path, errors="replace") as f:
+            return f.read()[-n:]
+
+    def kill(self) -> None:
+        try:
+            os.killpg(self.p.pid, signal.SIGKILL)  # the job and its workers
+        except ProcessLookupError:
+            pass
+        self.p.wait()

@@ -68,13 +68,11 @@ import argparse
 import csv
 import json
 import os
-import queue
 import signal
 import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -340,62 +338,22 @@ class NodeGroup:
 
 
 # ====================================================================== jobs
-class Job:
+class Job(_host.JsonJob):
     """One rank's process; its JSON lines arrive on a queue."""
 
     def __init__(self, cmd: list[str], env: dict, log_path: str):
-        self.log_path = log_path
-        self.log = open(log_path, "w")
-        self.p = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log,
-                                  text=True, env=env, start_new_session=True)
-        self.lines: queue.Queue = queue.Queue()
-        self.recs: list[dict] = []
+        super().__init__(cmd, env, log_path)
         self.eof = False
-        threading.Thread(target=self._read, daemon=True).start()
-
-    def _read(self):
-        try:
-            for line in self.p.stdout:
-                if line.startswith("{"):
-                    try:
-                        self.lines.put(json.loads(line))
-                    except ValueError:
-                        pass
-        finally:
-            self.lines.put(None)
 
     def pump(self) -> None:
-        while True:
-            try:
-                rec = self.lines.get_nowait()
-            except queue.Empty:
-                return
+        for rec in self.arrived():
             if rec is None:
                 self.eof = True
-                continue
-            self.recs.append(rec)
+            else:
+                self.recs.append(rec)
 
     def has(self, key: str, value=None) -> bool:
         return any(key in r and (value is None or r[key] == value) for r in self.recs)
-
-    def say(self, word: str) -> None:
-        try:
-            self.p.stdin.write(word + "\n")
-            self.p.stdin.flush()
-        except (BrokenPipeError, OSError):
-            pass
-
-    def stderr_tail(self, n: int = 3000) -> str:
-        self.log.flush()
-        with open(self.log_path, errors="replace") as f:
-            return f.read()[-n:]
-
-    def kill(self) -> None:
-        try:
-            os.killpg(self.p.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        self.p.wait()
 
 
 def _wait_all(jobs: list[Job], key: str, value, deadline: float, what: str) -> None:

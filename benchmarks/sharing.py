@@ -73,13 +73,11 @@ import csv
 import inspect
 import json
 import os
-import queue
 import signal
 import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -361,34 +359,13 @@ def daemon_start(args) -> int:
 
 
 # ===================================================================== parent
-class Job:
+class Job(_host.JsonJob):
     def __init__(self, cmd: list[str], env: dict, log_path: str):
-        self.log_path = log_path
-        self.log = open(log_path, "w")
-        self.p = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log,
-                                  text=True, env=env, start_new_session=True)  # own process group
-        self.lines: queue.Queue = queue.Queue()
-        self.recs: list[dict] = []
+        super().__init__(cmd, env, log_path)
         self.ready = self.done = False
-        threading.Thread(target=self._read, daemon=True).start()
-
-    def _read(self):
-        try:
-            for line in self.p.stdout:
-                if line.startswith("{"):
-                    try:
-                        self.lines.put(json.loads(line))
-                    except ValueError:
-                        pass  # somebody else's output
-        finally:
-            self.lines.put(None)
 
     def pump(self) -> None:
-        while True:
-            try:
-                rec = self.lines.get_nowait()
-            except queue.Empty:
-                return
+        for rec in self.arrived():
             if rec is None:
                 if not self.done:
                     raise RuntimeError(f"job {self.p.pid} exited early (status {self.p.poll()}); "
@@ -397,25 +374,6 @@ class Job:
             self.ready |= "ready" in rec
             self.done |= "done" in rec
             self.recs.append(rec)
-
-    def say(self, word: str) -> None:
-        try:
-            self.p.stdin.write(word + "\n")
-            self.p.stdin.flush()
-        except (BrokenPipeError, OSError):
-            pass
-
-    def kill(self) -> None:
-        try:
-            os.killpg(self.p.pid, signal.SIGKILL)  # the job and its workers
-        except ProcessLookupError:
-            pass
-        self.p.wait()
-
-    def stderr_tail(self, n: int = 3000) -> str:
-        self.log.flush()
-        with open(self.log_path, errors="replace") as f:
-            return f.read()[-n:]
 
     def epochs(self) -> list[dict]:
         return [r for r in self.recs if "epoch" in r]

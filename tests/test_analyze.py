@@ -289,36 +289,3 @@ def _resident_pages(path: str) -> int:
     finally:
         os.close(fd)
     return sum(v & 1 for v in vec)
-
-
-def _cgroup_v1_writable():
-    probe = "/sys/fs/cgroup/memory/coordl-probe-%d" % os.getpid()
-    try:
-        os.mkdir(probe)
-        os.rmdir(probe)
-        return os.access("/proc/sys/vm/drop_caches", os.W_OK) and os.path.isdir("/sys/fs/cgroup/blkio")
-    except OSError:
-        return False
-
-
-@pytest.mark.skipif(not _cgroup_v1_writable(), reason="needs root and cgroup v1 (memory, blkio)")
-def test_validation_benchmark_tiny(tmp_path):
-    """benchmarks/analyze_validate.py at tiny size, so it cannot rot (no timing asserted)."""
-    from coordl.synth import make_image_folder
-
-    root = make_image_folder(tmp_path / "photos", num_images=48, num_classes=2, image_size=(96, 72), seed=0)
-    bench = os.path.join(os.path.dirname(HERE), "benchmarks", "analyze_validate.py")
-    out_json = tmp_path / "v.json"
-    code = (f"import sys; sys.argv = ['analyze_validate.py', '--root', {root!r}, '--read-mbps', '200', "
-            f"'--fractions', '0,0.5', '--workers', '1', '--epochs', '2', '--batch-size', '8', "
-            f"'--overhead', '700MiB', '--analyze-repeats', '1', '--out', {str(out_json)!r}]; "
-            f"import runpy; runpy.run_path({bench!r}, run_name='__main__')")
-    r = run_in_child(code, timeout=300)
-    assert r.returncode == 0, r.stdout + r.stderr
-    assert "prediction error: mean |error|" in r.stdout, r.stdout
-    res = json.loads(out_json.read_text())
-    rows = [x for x in res["results"] if "error" in x]
-    assert [(x["cached_fraction"], x["workers"]) for x in rows] == [(0.0, 1), (0.5, 1)]
-    assert all(x["measured"] > 0 and x["predicted"]["throughput"] > 0 for x in rows)
-    for c in ("memory", "blkio"):
-        assert not [d for d in os.listdir(f"/sys/fs/cgroup/{c}") if d.startswith("coordl-anval-")]

@@ -1,5 +1,6 @@
 """The benchmark scripts at tiny sizes, so they cannot rot (no timing asserted)."""
 import csv
+import json
 import os
 
 import pytest
@@ -137,3 +138,26 @@ def test_peers_quick(tmp_path):
     except ImportError:
         return
     assert (tmp_path / "peers.png").exists()
+
+
+@pytest.mark.skipif(not _cgroup_v1_writable(), reason="needs root and cgroup v1 (memory, blkio)")
+def test_validation_benchmark_tiny(tmp_path):
+    """benchmarks/analyze_validate.py at tiny size, so it cannot rot (no timing asserted)."""
+    from coordl.synth import make_image_folder
+
+    root = make_image_folder(tmp_path / "photos", num_images=48, num_classes=2, image_size=(96, 72), seed=0)
+    bench = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "analyze_validate.py")
+    out_json = tmp_path / "v.json"
+    code = (f"import sys; sys.argv = ['analyze_validate.py', '--root', {root!r}, '--read-mbps', '200', "
+            f"'--fractions', '0,0.5', '--workers', '1', '--epochs', '2', '--batch-size', '8', "
+            f"'--overhead', '700MiB', '--analyze-repeats', '1', '--out', {str(out_json)!r}]; "
+            f"import runpy; runpy.run_path({bench!r}, run_name='__main__')")
+    r = run_in_child(code, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "prediction error: mean |error|" in r.stdout, r.stdout
+    res = json.loads(out_json.read_text())
+    rows = [x for x in res["results"] if "error" in x]
+    assert [(x["cached_fraction"], x["workers"]) for x in rows] == [(0.0, 1), (0.5, 1)]
+    assert all(x["measured"] > 0 and x["predicted"]["throughput"] > 0 for x in rows)
+    for c in ("memory", "blkio"):
+        assert not [d for d in os.listdir(f"/sys/fs/cgroup/{c}") if d.startswith("coordl-anval-")]
