@@ -11,7 +11,7 @@ import subprocess
 import threading
 import time
 
-__all__ = ["rmdir_retry", "pyplot", "JsonJob"]
+__all__ = ["rmdir_retry", "pyplot", "JsonJob", "cgroup_pids", "medians_by_config"]
 
 
 def rmdir_retry(path: str, tries: int = 50) -> None:
@@ -91,3 +91,33 @@ class JsonJob:
         except ProcessLookupError:
             pass
         self.p.wait()
+
+
+def cgroup_pids(dirs: list[str]) -> set[int]:
+    """The processes in any of the cgroup v1 directories ``dirs`` (as the kernel lists them)."""
+    out = set()
+    for d in dirs:
+        try:
+            with open(os.path.join(d, "cgroup.procs")) as f:
+                out |= {int(x) for x in f.read().split()}
+        except FileNotFoundError:
+            pass
+    return out
+
+
+def medians_by_config(rows: list[dict]) -> list[tuple[list[dict], dict]]:
+    """Per configuration (in first-seen order): its rows, and one row whose
+    float fields are the medians over them (NaNs left out) and ``rounds``."""
+    import statistics
+
+    out = []
+    for name in dict.fromkeys(r["config"] for r in rows):
+        rs = [r for r in rows if r["config"] == name]
+        m = dict(rs[0])
+        for k, v in rs[0].items():
+            if isinstance(v, float):
+                vals = [r[k] for r in rs if r[k] == r[k]]
+                m[k] = statistics.median(vals) if vals else float("nan")
+        m["rounds"] = len(rs)
+        out.append((rs, m))
+    return out

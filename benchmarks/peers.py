@@ -307,14 +307,7 @@ class NodeGroup:
         return 0
 
     def pids(self) -> set[int]:
-        out = set()
-        for d in self.dirs:
-            try:
-                with open(os.path.join(d, "cgroup.procs")) as f:
-                    out |= {int(x) for x in f.read().split()}
-            except FileNotFoundError:
-                pass
-        return out
+        return _host.cgroup_pids(self.dirs)
 
     def kill_all(self, timeout: float = 10.0) -> None:
         deadline = time.monotonic() + timeout
@@ -560,16 +553,7 @@ def _f(x, fmt):
 
 
 def report(rows: list[dict], args, dataset_bytes: int, n_images: int) -> list[str]:
-    med = []
-    for name in dict.fromkeys(r["config"] for r in rows):
-        rs = [r for r in rows if r["config"] == name]
-        m = dict(rs[0])
-        for k, v in rs[0].items():
-            if isinstance(v, float):
-                vals = [r[k] for r in rs if r[k] == r[k]]
-                m[k] = statistics.median(vals) if vals else float("nan")
-        m["rounds"] = len(rs)
-        med.append(m)
+    med = [m for _rs, m in _host.medians_by_config(rows)]
     print(f"\n{'config':<8}{'round':>6}{'epoch s':>9}{'blkio/D':>9}{'ep1':>7}{'coordl storage/D':>17}"
           f"{'peers/D':>9}{'cache/D':>9}{'MiB ep0':>9}{'CPU s':>7}{'kernel':>7}{'others':>7}  images per epoch  peak MiB per node")
     for r in rows + [dict(m, round="med") for m in med]:

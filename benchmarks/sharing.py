@@ -156,14 +156,7 @@ class JobGroup:
         return _read_bytes(self.dirs, dev_id)
 
     def pids(self) -> set[int]:
-        out = set()
-        for d in self.dirs:
-            try:
-                with open(os.path.join(d, "cgroup.procs")) as f:
-                    out |= {int(x) for x in f.read().split()}
-            except FileNotFoundError:
-                pass
-        return out
+        return _host.cgroup_pids(self.dirs)
 
     def kill_all(self, timeout: float = 10.0) -> list[str]:
         """SIGKILL whatever is still in the group; the command lines killed."""
@@ -619,16 +612,9 @@ def _groups_seen(snapshots: list[dict]) -> str:
 # ===================================================================== report
 def _median_rows(rows: list[dict]) -> list[dict]:
     out = []
-    for name in dict.fromkeys(r["config"] for r in rows):
-        rs = [r for r in rows if r["config"] == name]
-        m = dict(rs[0])
-        for k, v in rs[0].items():
-            if isinstance(v, float):
-                vals = [r[k] for r in rs if r[k] == r[k]]
-                m[k] = statistics.median(vals) if vals else float("nan")
+    for rs, m in _host.medians_by_config(rows):
         per_job = [[float(x) for x in r["job_images_per_s"].split("/")] for r in rs]
         m["job_images_per_s"] = "/".join(f"{statistics.median(v):.1f}" for v in zip(*per_job))
-        m["rounds"] = len(rs)
         out.append(m)
     return out
 
