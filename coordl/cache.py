@@ -538,6 +538,14 @@ class NodeCache:
             cache._hdr[ORPHAN_SINCE] = 0
         return cache
 
+    @classmethod
+    def from_spec(cls, spec: dict) -> "NodeCache":
+        """Attach by the description another process of this user sent
+        (``DataLoader._cache_spec``: fingerprint, n, capacity, checksum,
+        keep_warm), as the node daemon and its workers do."""
+        return cls.attach(str(spec["fingerprint"]), int(spec["n"]), int(spec["capacity"]),
+                          checksum=bool(spec.get("checksum")), keep_warm=float(spec.get("keep_warm", 0)))
+
     def _hold(self) -> None:
         """Take this process's hold: a new description of the segment with a
         shared flock (attachers take it under the directory lock, so it

@@ -43,7 +43,7 @@ import torch
 #: tail) with :class:`HostStreams` instead of being a no-op.
 CPU_TEST_DEVICE = False
 
-__all__ = ["DeviceDelivery", "Staged", "DeviceTail", "CudaStreams", "HostStreams", "split_for_device", "streams_for"]
+__all__ = ["DeviceDelivery", "Staged", "map_tensors", "DeviceTail", "CudaStreams", "HostStreams", "split_for_device", "streams_for"]
 
 
 # ---------------------------------------------------------------- stream seam
@@ -210,15 +210,17 @@ def _leaves(obj, out: list) -> list:
     return out
 
 
-def _rebuild(obj, fn: Callable):
+def map_tensors(obj, fn: Callable):
+    """``obj`` (tensors in dicts, lists, tuples, named tuples) with ``fn``
+    applied to every tensor; anything else as it is."""
     if isinstance(obj, torch.Tensor):
         return fn(obj)
     if isinstance(obj, dict):
-        return {k: _rebuild(v, fn) for k, v in obj.items()}
+        return {k: map_tensors(v, fn) for k, v in obj.items()}
     if isinstance(obj, tuple) and hasattr(obj, "_fields"):
-        return type(obj)(*(_rebuild(v, fn) for v in obj))
+        return type(obj)(*(map_tensors(v, fn) for v in obj))
     if isinstance(obj, (tuple, list)):
-        return type(obj)(_rebuild(v, fn) for v in obj)
+        return type(obj)(map_tensors(v, fn) for v in obj)
     return obj
 
 
@@ -276,7 +278,7 @@ class DeviceDelivery:
             view.copy_(t)
             return view
 
-        return _rebuild(batch, put)
+        return map_tensors(batch, put)
 
     def stage(self, batch) -> Staged:
         """Start ``batch``'s copy to the device (any thread: the pin thread
@@ -291,7 +293,7 @@ class DeviceDelivery:
         copy_stream = st.copy_stream()
         with st.use(copy_stream):
             # (copy=True: on the host "device" of the test seam too, never a view of the ring)
-            dev = _rebuild(host, lambda t: t.to(self.device, non_blocking=True, copy=True))
+            dev = map_tensors(host, lambda t: t.to(self.device, non_blocking=True, copy=True))
             if self.tail is not None:
                 dev = self.tail.apply(dev)
             event = st.event()           # one per batch: a later reuse of the slot re-records nothing

@@ -245,8 +245,9 @@ class _LoaderIter:
             # A batch that failed (a bad sample, an error in the user's
             # dataset or collate_fn) is used up, as under torch: the pass goes
             # on with the next batch, and the state must not redo this one.
-            counters.wait_seconds += clock() - t0
-            counters.bucket(self._epoch)["wait_seconds"] += clock() - t0
+            t1 = clock()
+            counters.wait_seconds += t1 - t0
+            counters.bucket(self._epoch)["wait_seconds"] += t1 - t0
             if _batch_failed(e, L._mode.runs_pipeline):
                 self._delivered(getattr(e, "coordl_step", None))
             raise
@@ -836,22 +837,26 @@ class DataLoader(_TorchDataLoader[_T_co]):
         when this rank is the node's lowest."""
         from .peers import rendezvous
 
-        fp = self.dataset.fingerprint() if self._cache is not None else None
+        spec = self._cache_spec()
         p = self._plan
         plan_kwargs = dict(num_samples=p.num_samples, seed=p.seed, batch_size=p.batch_size,
                            shuffle=p.shuffle, drop_last=p.drop_last)
-        spec = None
-        if self._cache is not None:
-            checksum, keep_warm = self._cache_opts
-            spec = {"fingerprint": fp, "n": len(self.dataset), "capacity": self._cache_size,
-                    "checksum": checksum, "keep_warm": keep_warm}
-        client, server = rendezvous.setup(peers, self._cache, fp, plan_kwargs, self._rank, self._world_size,
-                                          cache_spec=spec, share=bool(self._share))
+        client, server = rendezvous.setup(peers, self._cache, spec["fingerprint"] if spec else None, plan_kwargs,
+                                          self._rank, self._world_size, cache_spec=spec, share=bool(self._share))
         self._peers, self._peer_server = client, server
         if client is not None:
             weakref.finalize(self, _reaper.later, client.close)
         if server is not None:
             weakref.finalize(self, _reaper.later, server.close)
+
+    def _cache_spec(self) -> dict | None:
+        """How another process of this user attaches this loader's node cache
+        (``NodeCache.from_spec``): the daemon, its workers, a peer server."""
+        if self._cache is None:
+            return None
+        checksum, keep_warm = self._cache_opts
+        return {"fingerprint": self.dataset.fingerprint(), "n": len(self.dataset), "capacity": self._cache_size,
+                "checksum": checksum, "keep_warm": keep_warm}
 
     @property
     def peer_server(self):

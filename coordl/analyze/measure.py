@@ -248,15 +248,12 @@ class DeviceCounter:
 
 
 def batch_samples(batch) -> int:
-    """Samples in ``batch``: the leading dimension of its first tensor."""
-    x = batch
-    while isinstance(x, (list, tuple)) and x:
-        x = x[0]
-    if isinstance(x, dict) and x:
-        x = next(iter(x.values()))
-    if isinstance(x, torch.Tensor) and x.dim() > 0:
-        return int(x.shape[0])
-    return 1
+    """Samples in ``batch``: the leading dimension of its first tensor (the
+    loader's own rule, ``loader._first_tensor``)."""
+    from ..loader import _first_tensor
+
+    x = _first_tensor(batch)
+    return int(x.size(0)) if x is not None and x.dim() > 0 else 1
 
 
 class RateStep:
@@ -318,14 +315,9 @@ def run_pass(loader, step: Callable | None = None, device: DeviceCounter | None 
 
 
 def _clone(batch):
-    if isinstance(batch, torch.Tensor):
-        return batch.clone()
-    if isinstance(batch, (list, tuple)):
-        return type(batch)(_clone(b) for b in batch) if not hasattr(batch, "_fields") else \
-            type(batch)(*(_clone(b) for b in batch))
-    if isinstance(batch, dict):
-        return {k: _clone(v) for k, v in batch.items()}
-    return batch
+    from ..device import map_tensors
+
+    return map_tensors(batch, torch.Tensor.clone)
 
 
 def ingest_rate(step: Callable, batch, seconds: float = 2.0, min_calls: int = 3) -> dict:

@@ -192,8 +192,7 @@ class Hub:
         c = msg["cache"]
         secret = bytes.fromhex(msg["secret"])   # from a same-uid process (SO_PEERCRED-checked)
         try:
-            cache = NodeCache.attach(str(c["fingerprint"]), int(c["n"]), int(c["capacity"]),
-                                     checksum=bool(c.get("checksum")), keep_warm=float(c.get("keep_warm", 0)))
+            cache = NodeCache.from_spec(c)
         except (OSError, ValueError, RuntimeError, MemoryError) as e:
             self._send(conn, {"op": "refused", "why": f"cannot attach the node cache: {e}"})
             return

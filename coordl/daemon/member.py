@@ -203,11 +203,7 @@ class ShareMode(PipelineMode):
             plan.shuffle, plan.rank, plan.world_size, plan.num_samples,
             plan.drop_last if plan.world_size > 1 else False, digest]).encode(), digest_size=20).hexdigest()
         stride = (HEADER + self.layout1.nbytes + 63) // 64 * 64
-        cache = None
-        if loader._cache is not None:
-            checksum, keep_warm = loader._cache_opts
-            cache = {"fingerprint": fp, "n": len(ds), "capacity": loader._cache_size,
-                     "checksum": checksum, "keep_warm": keep_warm}
+        cache = loader._cache_spec()
         msg = {"op": "join", "key": key, "name": _job_name(), "num_workers": loader.num_workers,
                "seed": plan.seed, "digest": digest, "stride": stride,
                "samples_per_epoch": plan.samples_per_epoch, "dataset": repr(ds)[:200],

@@ -91,9 +91,7 @@ class _Group:
             if self.cache is None:
                 from ..cache import NodeCache
 
-                self.cache = caches[c["fingerprint"]] = NodeCache.attach(
-                    c["fingerprint"], int(c["n"]), int(c["capacity"]), checksum=bool(c.get("checksum")),
-                    keep_warm=float(c.get("keep_warm", 0)))
+                self.cache = caches[c["fingerprint"]] = NodeCache.from_spec(c)
         from .._engine import _make_reader
 
         self.peers = None

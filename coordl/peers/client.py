@@ -180,6 +180,7 @@ class PeerClient:
         self._connecting = {n: threading.Lock() for n in range(len(self.nodes))}
         self._down: dict[int, str] = {}
         self._owner: np.ndarray | None = None
+        self._owner_lock = threading.Lock()
         self._cid = P.cache_id(self.cache_name)
 
     def __getstate__(self):
@@ -213,7 +214,11 @@ class PeerClient:
 
     def owners(self) -> np.ndarray:
         """``owner[i]``: the node that first read sample ``i`` (-1: none)."""
-        if self._owner is None:
+        if self._owner is not None:
+            return self._owner
+        with self._owner_lock:   # once per process, not once per fetch thread arriving first
+            if self._owner is not None:
+                return self._owner
             from ..plan import EpochPlan
 
             n = int(self.plan["num_samples"])

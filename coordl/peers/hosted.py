@@ -22,7 +22,8 @@ __all__ = ["start_server", "DaemonHosted"]
 class DaemonHosted:
     """The node's cache server, run by the node daemon for this job."""
 
-    def __init__(self, cache_spec: dict, secret: bytes, host: str, port: int, start_daemon: bool) -> None:
+    def __init__(self, cache, cache_spec: dict, secret: bytes, host: str, port: int, start_daemon: bool) -> None:
+        self.cache = cache           # this process's own hold, for serving here if the daemon cannot
         self.cache_spec = dict(cache_spec)
         self._secret = bytes(secret)
         self.host = host
@@ -81,13 +82,9 @@ class DaemonHosted:
         except (OSError, ConnectionError, TimeoutError, RuntimeError) as e:
             why = e
         from .server import PeerServer
-        from ..cache import NodeCache
 
         try:
-            c = self.cache_spec
-            cache = NodeCache.attach(c["fingerprint"], c["n"], c["capacity"], checksum=c["checksum"],
-                                     keep_warm=c["keep_warm"])
-            self.local = PeerServer(cache, self._secret, self.host, port, key=c["fingerprint"])
+            self.local = PeerServer(self.cache, self._secret, self.host, port, key=self.cache_spec["fingerprint"])
         except (OSError, ValueError) as e:
             warnings.warn(f"coordl: cannot serve this node's cache to peers again ({why}; {e}); the "
                           "other nodes read its samples from storage", stacklevel=3)
@@ -115,7 +112,7 @@ def start_server(cache, cache_spec: dict, secret: bytes, host: str, port: int, s
     job shares prep, which starts it), else a :class:`PeerServer` here."""
     if share or _daemon_running():
         try:
-            return DaemonHosted(cache_spec, secret, host, port, start_daemon=share)
+            return DaemonHosted(cache, cache_spec, secret, host, port, start_daemon=share)
         except (OSError, ConnectionError, TimeoutError, RuntimeError, KeyError, ValueError) as e:
             warnings.warn(f"coordl: the node daemon cannot serve peers ({e}); serving from this process",
                           stacklevel=3)

@@ -85,7 +85,8 @@ def setup(mode, cache, fingerprint: str | None, plan_kwargs: dict, rank: int, wo
           cache_spec: dict | None = None, share: bool = False):
     """``(client, server)`` for this rank, or ``(None, None)`` when peers are
     off.  Collective over the default process group when it is initialized
-    and spans more than one rank (unless ``mode`` is "off").  The server
+    and spans more than one rank (unless ``mode`` is "off").  ``cache_spec``
+    (``DataLoader._cache_spec``) names ``cache`` to the node daemon.  The server
     (the node's lowest rank only) runs in the node daemon when one runs or
     ``share`` starts one, else in this process (``hosted.start_server``)."""
     import torch.distributed as dist
@@ -139,14 +140,8 @@ def setup(mode, cache, fingerprint: str | None, plan_kwargs: dict, rank: int, wo
     if first_rank[my_node] == rank:
         from .hosted import start_server
 
-        spec = dict(cache_spec or {})
-        spec.setdefault("fingerprint", fingerprint)
-        spec.setdefault("n", int(cache.n))
-        spec.setdefault("capacity", int(cache.capacity))
-        spec.setdefault("checksum", bool(cache.checksum))
-        spec.setdefault("keep_warm", 0.0)
         try:
-            server = start_server(cache, spec, secret, peer_host(), int(os.environ.get("COORDL_PEER_PORT") or 0),
+            server = start_server(cache, cache_spec, secret, peer_host(), int(os.environ.get("COORDL_PEER_PORT") or 0),
                                   share)
             where = list(server.address)
         except (OSError, ValueError) as e:
