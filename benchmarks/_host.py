@@ -92,6 +92,12 @@ class JsonJob:
             pass
         self.p.wait()
 
+    def close(self) -> None:
+        """Killed if still running; its log closed."""
+        if self.p.poll() is None:
+            self.kill()
+        self.log.close()
+
 
 def cgroup_pids(dirs: list[str]) -> set[int]:
     """The processes in any of the cgroup v1 directories ``dirs`` (as the kernel lists them)."""

@@ -501,9 +501,7 @@ def run_config(args, ctx: dict, name: str, rnd: int) -> dict:
         ok = True
     finally:
         for j in jobs:
-            if j.p.poll() is None:
-                j.kill()
-            j.log.close()
+            j.close()
         for g in groups:
             if g:
                 if not ok and g.oom_kills():

@@ -463,9 +463,7 @@ def run_config(args, name: str, specs: list[dict], share: bool, ctx: dict) -> di
         ok = True
     finally:
         for j in jobs:
-            if j.p.poll() is None:
-                j.kill()
-            j.log.close()
+            j.close()
         if not ok and share:
             try:
                 from coordl.daemon import server
