@@ -126,6 +126,7 @@ class Fetcher:
         self._closed = False
         self._exhausted = False
         self._pending = None    # the next item, taken off the order, not yet admitted
+        self._slack = budget_bytes // 8  # free budget that wakes a waiting thread
         self._threads = [
             threading.Thread(target=self._loop, name=f"{name}-{i}", daemon=True) for i in range(threads)
         ]
@@ -137,7 +138,7 @@ class Fetcher:
         with self._cond:
             self._held -= nbytes
             self._outstanding -= 1
-            self._cond.notify_all()
+            self._wake_if_room()
 
     def close(self) -> None:
         """Stop issuing reads; threads exit after their current read."""
@@ -155,6 +156,23 @@ class Fetcher:
         return self._held
 
     # threads ---------------------------------------------------------------
+    def _wake_if_room(self) -> None:
+        """Wake one waiting thread if the budget has room for a read of the
+        usual size or nothing is outstanding (caller holds ``_cond``).
+
+        One thread, not all, and only with room: waking every fetch thread
+        on each admission, completion and release (notify_all) cost the
+        worker's prep thread ~25% of its time in wake-ups and the GIL
+        hand-offs that follow (docs/benchmarks.md, section 9).  A woken
+        thread that admits a read calls this again, so a freed budget is
+        taken up by as many threads as it fits.  Waiting for a read's worth
+        of room, rather than any room, batches the wake-ups when samples
+        are released one by one; nothing can wait forever, because the
+        last release (nothing outstanding) always wakes a waiter.
+        """
+        if self._outstanding == 0 or self._budget - self._held >= self._slack:
+            self._cond.notify()
+
     def _admit(self, block: bool = True):
         """Next (key, index, estimate) to read, or None when done/closed
         (or, with ``block=False``, when the budget does not admit it now).
@@ -187,7 +205,7 @@ class Fetcher:
                     item, self._pending = self._pending, None
                     self._held += est
                     self._outstanding += 1
-                    self._cond.notify_all()
+                    self._wake_if_room()  # hand the wake-up on while there is room
                     return item
                 if not block:
                     return None
@@ -254,7 +272,8 @@ class Fetcher:
                     self._held += nbytes - est  # correct the estimate
                     self._reads += 1
                     self._mean += (nbytes - self._mean) / self._reads
-                    self._cond.notify_all()
+                    if nbytes < est:
+                        self._wake_if_room()
                 self._out.put(Fetched(key, index, data, error, nbytes, seconds, source))
                 items.pop(0)
 

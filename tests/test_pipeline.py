@@ -314,3 +314,35 @@ def test_breaking_out_early_stops_the_workers():
     gc.collect()
     gone, alive = psutil.wait_procs(kids, timeout=10)
     assert not alive
+
+
+def test_fetcher_does_not_wake_every_thread_per_sample(monkeypatch):
+    """Each release used to wake every waiting fetch thread (notify_all, plus
+    one more on each admission and completion): ~threads wake-ups per sample,
+    each taking the GIL from the prep thread.  Now a release wakes at most one
+    thread, and only once a read's worth of budget is free."""
+    import queue
+
+    wakeups = [0]
+
+    class Counting(threading.Condition):
+        def wait(self, timeout=None):
+            r = super().wait(timeout)
+            wakeups[0] += 1
+            return r
+
+    monkeypatch.setattr(threading, "Condition", Counting)
+    q = queue.Queue()
+    n = 400
+    f = Fetcher(lambda i: (b"w" * 100, "storage"), ((None, i) for i in range(n)), q,
+                threads=8, budget_bytes=2000, size_of=lambda i: 100)
+    monkeypatch.undo()
+    got = []
+    while len(got) < n:
+        item = q.get(timeout=10)
+        got.append(item.index)
+        f.release(item.nbytes)
+        time.sleep(0.0005)  # "decoding" without the GIL, as the prep thread does: woken threads run
+    f.join()
+    assert sorted(got) == list(range(n))
+    assert wakeups[0] <= n, f"{wakeups[0]} fetch-thread wake-ups for {n} samples"
