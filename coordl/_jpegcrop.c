@@ -79,48 +79,48 @@ typedef struct {
     unsigned long size;
     int denom, top, left, height, width;
     /* out */
-    unsigned char *pixels; /* PyMem_RawMalloc'd */
     JDIMENSION rows, cols, y0, x0, out_h, out_w;
     int unsupported;
 } crop_job;
 
-/* Runs without the GIL: touches no Python object.  0 on success; else -1
- * with err->message set (or job->unsupported). */
-static int run_decode(crop_job *job, crop_error_mgr *err) {
+typedef struct {
     struct jpeg_decompress_struct cinfo;
-    /* volatile: read after a longjmp */
-    unsigned char *volatile pixels = NULL;
-    volatile int created = 0;
+    crop_error_mgr err;
+} crop_state;
 
-    cinfo.err = jpeg_std_error(&err->pub);
+/* Phase 1, without the GIL (touches no Python object): header, scale, start,
+ * column crop; sets the block's size.  0 on success; else -1 with the
+ * decompressor destroyed and err.message set (or job->unsupported). */
+static int start_window(crop_state *st, crop_job *job) {
+    struct jpeg_decompress_struct *cinfo = &st->cinfo;
+    crop_error_mgr *err = &st->err;
+
+    cinfo->err = jpeg_std_error(&err->pub);
     err->pub.error_exit = crop_error_exit;
     err->pub.emit_message = crop_emit_message;
     err->pub.output_message = crop_output_message;
     err->warned = 0;
     err->message[0] = '\0';
+    jpeg_create_decompress(cinfo); /* only allocates: its errors can't jump yet */
     if (setjmp(err->jump)) {
-        if (created)
-            jpeg_destroy_decompress(&cinfo);
-        PyMem_RawFree(pixels);
+        jpeg_destroy_decompress(cinfo);
         return -1;
     }
-    jpeg_create_decompress(&cinfo);
-    created = 1;
-    jpeg_mem_src(&cinfo, job->data, job->size);
-    jpeg_read_header(&cinfo, TRUE);
-    if (!plain_sampling(&cinfo)) {
+    jpeg_mem_src(cinfo, job->data, job->size);
+    jpeg_read_header(cinfo, TRUE);
+    if (!plain_sampling(cinfo)) {
         job->unsupported = 1;
-        jpeg_destroy_decompress(&cinfo);
+        jpeg_destroy_decompress(cinfo);
         return -1;
     }
-    cinfo.out_color_space = JCS_RGB;
-    cinfo.scale_num = 1;
-    cinfo.scale_denom = (unsigned int)job->denom;
-    cinfo.dct_method = JDCT_ISLOW;
-    cinfo.do_fancy_upsampling = TRUE;
-    jpeg_start_decompress(&cinfo);
+    cinfo->out_color_space = JCS_RGB;
+    cinfo->scale_num = 1;
+    cinfo->scale_denom = (unsigned int)job->denom;
+    cinfo->dct_method = JDCT_ISLOW;
+    cinfo->do_fancy_upsampling = TRUE;
+    jpeg_start_decompress(cinfo); /* a progressive file is read whole here */
 
-    JDIMENSION out_w = cinfo.output_width, out_h = cinfo.output_height;
+    JDIMENSION out_w = cinfo->output_width, out_h = cinfo->output_height;
     if (job->top < 0 || job->left < 0 || job->height <= 0 || job->width <= 0 ||
         (JDIMENSION)job->top + (JDIMENSION)job->height > out_h ||
         (JDIMENSION)job->left + (JDIMENSION)job->width > out_w) {
@@ -128,90 +128,121 @@ static int run_decode(crop_job *job, crop_error_mgr *err) {
                  "window (top=%d, left=%d, height=%d, width=%d) outside the %ux%u image "
                  "decoded at scale 1/%d", job->top, job->left, job->height, job->width,
                  (unsigned)out_w, (unsigned)out_h, job->denom);
-        jpeg_destroy_decompress(&cinfo);
+        jpeg_destroy_decompress(cinfo);
         return -1;
     }
     JDIMENSION x0 = (JDIMENSION)job->left, cols = (JDIMENSION)job->width;
     if (cols < out_w)
-        jpeg_crop_scanline(&cinfo, &x0, &cols); /* moves x0 left to an iMCU boundary */
-    JDIMENSION y0 = (JDIMENSION)job->top, rows = (JDIMENSION)job->height;
-    size_t stride = (size_t)cinfo.output_width * (size_t)cinfo.output_components;
-    pixels = PyMem_RawMalloc(stride * rows + 1);
-    if (pixels == NULL) {
-        snprintf(err->message, sizeof err->message, "out of memory for a %ux%u window",
-                 (unsigned)cols, (unsigned)rows);
-        jpeg_destroy_decompress(&cinfo);
-        return -1;
-    }
-    if (y0 > 0 && jpeg_skip_scanlines(&cinfo, y0) != y0) {
-        snprintf(err->message, sizeof err->message, "could not skip %u rows", (unsigned)y0);
-        jpeg_destroy_decompress(&cinfo);
-        PyMem_RawFree(pixels);
-        return -1;
-    }
-    JDIMENSION done = 0;
-    while (done < rows) {
-        JSAMPROW row = pixels + stride * done;
-        JDIMENSION got = jpeg_read_scanlines(&cinfo, &row, 1);
-        if (got != 1) { /* suspension cannot happen with a memory source */
-            snprintf(err->message, sizeof err->message, "no row %u", (unsigned)(y0 + done));
-            jpeg_destroy_decompress(&cinfo);
-            PyMem_RawFree(pixels);
-            return -1;
-        }
-        done++;
-    }
-    jpeg_abort_decompress(&cinfo); /* the rows below the window are never read */
-    jpeg_destroy_decompress(&cinfo);
-    job->pixels = pixels;
-    job->rows = rows;
-    job->cols = cinfo.output_width;
-    job->y0 = y0;
+        jpeg_crop_scanline(cinfo, &x0, &cols); /* moves x0 left to an iMCU boundary */
+    job->rows = (JDIMENSION)job->height;
+    job->cols = cinfo->output_width;
+    job->y0 = (JDIMENSION)job->top;
     job->x0 = x0;
     job->out_h = out_h;
     job->out_w = out_w;
     return 0;
 }
 
+/* Phase 2, without the GIL: skip the rows above, decode the block's rows into
+ * dst (rows x cols x 3), never read the rows below.  Always destroys the
+ * decompressor.  0 on success; else -1 with err.message set. */
+static int read_window(crop_state *st, crop_job *job, unsigned char *dst) {
+    struct jpeg_decompress_struct *cinfo = &st->cinfo;
+    crop_error_mgr *err = &st->err;
+    JSAMPROW *volatile rowptrs = NULL; /* volatile: freed after a longjmp */
+
+    if (setjmp(err->jump)) {
+        jpeg_destroy_decompress(cinfo);
+        PyMem_RawFree(rowptrs);
+        return -1;
+    }
+    rowptrs = PyMem_RawMalloc(sizeof(JSAMPROW) * job->rows);
+    if (rowptrs == NULL) {
+        snprintf(err->message, sizeof err->message, "out of memory for %u row pointers",
+                 (unsigned)job->rows);
+        jpeg_destroy_decompress(cinfo);
+        return -1;
+    }
+    size_t stride = (size_t)job->cols * 3;
+    for (JDIMENSION i = 0; i < job->rows; i++)
+        rowptrs[i] = dst + stride * i;
+    if (job->y0 > 0 && jpeg_skip_scanlines(cinfo, job->y0) != job->y0) {
+        snprintf(err->message, sizeof err->message, "could not skip %u rows", (unsigned)job->y0);
+        jpeg_destroy_decompress(cinfo);
+        PyMem_RawFree(rowptrs);
+        return -1;
+    }
+    JDIMENSION done = 0;
+    while (done < job->rows) {
+        JDIMENSION got = jpeg_read_scanlines(cinfo, rowptrs + done, job->rows - done);
+        if (got == 0) { /* suspension: cannot happen with a memory source */
+            snprintf(err->message, sizeof err->message, "no row %u", (unsigned)(job->y0 + done));
+            jpeg_destroy_decompress(cinfo);
+            PyMem_RawFree(rowptrs);
+            return -1;
+        }
+        done += got;
+    }
+    jpeg_abort_decompress(cinfo); /* the rows below the window are never read */
+    jpeg_destroy_decompress(cinfo);
+    PyMem_RawFree(rowptrs);
+    return 0;
+}
+
 static PyObject *crop_decode(PyObject *self, PyObject *args) {
     Py_buffer view;
     crop_job job;
-    crop_error_mgr err;
+    crop_state st;
+    PyObject *buf = NULL;
+    int rc;
     (void)self;
     memset(&job, 0, sizeof job);
     if (!PyArg_ParseTuple(args, "y*iiiii:decode", &view, &job.denom, &job.top, &job.left,
                           &job.height, &job.width))
         return NULL;
     if (job.denom != 1 && job.denom != 2 && job.denom != 4 && job.denom != 8) {
-        PyBuffer_Release(&view);
-        return PyErr_Format(PyExc_ValueError,
-                            "denom should be 1, 2, 4 or 8, but got denom=%d", job.denom);
+        PyErr_Format(PyExc_ValueError, "denom should be 1, 2, 4 or 8, but got denom=%d",
+                     job.denom);
+        goto done;
     }
     if ((size_t)view.len > (size_t)(unsigned long)-1 || view.len < 4) {
-        PyBuffer_Release(&view);
-        return PyErr_Format(PyExc_ValueError, "not a JPEG: %zd bytes", view.len);
+        PyErr_Format(PyExc_ValueError, "not a JPEG: %zd bytes", view.len);
+        goto done;
     }
     job.data = view.buf;
     job.size = (unsigned long)view.len;
-    int rc;
     Py_BEGIN_ALLOW_THREADS
-    rc = run_decode(&job, &err);
+    rc = start_window(&st, &job);
     Py_END_ALLOW_THREADS
-    PyBuffer_Release(&view);
-    if (rc != 0) {
-        if (job.unsupported)
-            return PyErr_Format(PyExc_ValueError,
-                                "colour space or sampling not handled by the window decoder");
-        return PyErr_Format(PyExc_ValueError, "libjpeg: %s", err.message);
+    if (rc != 0)
+        goto failed;
+    /* the block goes straight into the bytearray handed back: no copy */
+    buf = PyByteArray_FromStringAndSize(NULL, (Py_ssize_t)((size_t)job.rows * job.cols * 3));
+    if (buf == NULL) {
+        jpeg_destroy_decompress(&st.cinfo);
+        goto done;
     }
-    size_t n = (size_t)job.rows * job.cols * 3;
-    PyObject *buf = PyByteArray_FromStringAndSize((const char *)job.pixels, (Py_ssize_t)n);
-    PyMem_RawFree(job.pixels);
-    if (buf == NULL)
-        return NULL;
+    unsigned char *dst = (unsigned char *)PyByteArray_AS_STRING(buf);
+    Py_BEGIN_ALLOW_THREADS
+    rc = read_window(&st, &job, dst);
+    Py_END_ALLOW_THREADS
+    if (rc != 0) {
+        Py_CLEAR(buf);
+        goto failed;
+    }
+    PyBuffer_Release(&view);
     return Py_BuildValue("(NIIIIII)", buf, (unsigned)job.rows, (unsigned)job.cols,
                          (unsigned)job.y0, (unsigned)job.x0, (unsigned)job.out_h,
                          (unsigned)job.out_w);
+failed:
+    if (job.unsupported)
+        PyErr_SetString(PyExc_ValueError,
+                        "colour space or sampling not handled by the window decoder");
+    else
+        PyErr_Format(PyExc_ValueError, "libjpeg: %s", st.err.message);
+done:
+    PyBuffer_Release(&view);
+    return NULL;
 }
 
 static PyMethodDef crop_methods[] = {
