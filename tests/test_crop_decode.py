@@ -389,3 +389,18 @@ def test_env_var_disables_the_window_decode():
         res = run_in_child(code, timeout=120, env={**os.environ, "COORDL_CROP_DECODE": value})
         assert res.returncode == 0, res.stderr
         assert res.stdout.strip() == disabled
+
+
+def test_benchmark_script_runs(tmp_path, capsys):
+    import importlib.util
+    for i in range(3):
+        (tmp_path / f"{i}.jpg").write_bytes(_jpeg(300 + 20 * i, 200, seed=i))
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks",
+                        "crop_decode.py")
+    spec = importlib.util.spec_from_file_location("crop_decode_bench", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    assert bench.main([str(tmp_path), "--rounds", "1", "--size", "64"]) == 0
+    out = capsys.readouterr().out
+    assert "3 images" in out and "identical in 3/3 samples" in out
+    assert _decode._crop is crop_ext  # restored
