@@ -37,7 +37,7 @@ def main(argv=None) -> int:
     if crop is None:
         print("coordl._jpegcrop is not available (not built, or COORDL_CROP_DECODE=0)")
         return 1
-    torch.set_num_threads(1)
+    threads = torch.get_num_threads()
     files = sorted(glob.glob(os.path.join(args.root, "**", "*.jp*g"), recursive=True))
     if not files:
         print(f"no JPEGs under {args.root}")
@@ -57,6 +57,7 @@ def main(argv=None) -> int:
         return (time.perf_counter() - t) / len(raws) * 1e6
 
     try:
+        torch.set_num_threads(1)
         run(None), run(crop)  # warm up
         times = {"whole": [], "window": []}
         for r in range(args.rounds):
@@ -90,6 +91,7 @@ def main(argv=None) -> int:
               f"max |diff| {worst:.0f}, mean |diff| {total / len(raws):.4f}")
     finally:
         _decode._crop = crop
+        torch.set_num_threads(threads)
     return 0
 
 

@@ -400,7 +400,9 @@ def test_benchmark_script_runs(tmp_path, capsys):
     spec = importlib.util.spec_from_file_location("crop_decode_bench", path)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
+    threads = torch.get_num_threads()
     assert bench.main([str(tmp_path), "--rounds", "1", "--size", "64"]) == 0
     out = capsys.readouterr().out
     assert "3 images" in out and "identical in 3/3 samples" in out
     assert _decode._crop is crop_ext  # restored
+    assert torch.get_num_threads() == threads
