@@ -95,17 +95,18 @@ static int start_window(crop_state *st, crop_job *job) {
     struct jpeg_decompress_struct *cinfo = &st->cinfo;
     crop_error_mgr *err = &st->err;
 
+    memset(cinfo, 0, sizeof *cinfo); /* mem == NULL: destroying it before create is a no-op */
     cinfo->err = jpeg_std_error(&err->pub);
     err->pub.error_exit = crop_error_exit;
     err->pub.emit_message = crop_emit_message;
     err->pub.output_message = crop_output_message;
     err->warned = 0;
     err->message[0] = '\0';
-    jpeg_create_decompress(cinfo); /* only allocates: its errors can't jump yet */
     if (setjmp(err->jump)) {
         jpeg_destroy_decompress(cinfo);
         return -1;
     }
+    jpeg_create_decompress(cinfo);
     jpeg_mem_src(cinfo, job->data, job->size);
     jpeg_read_header(cinfo, TRUE);
     if (!plain_sampling(cinfo)) {
