@@ -14,11 +14,22 @@ twice as many raise ``DecompressionBombError``, None disables the check), and
 a file libjpeg-turbo refuses (truncated, corrupt, an unsupported colour space)
 is handed to PIL, which decodes it as torchvision would, honouring
 ``PIL.ImageFile.LOAD_TRUNCATED_IMAGES``, or raises its own error.
+
+:func:`decode_rgb_crop` decodes only a crop window, through coordl's own C
+extension ``coordl._jpegcrop`` over the system libjpeg-turbo (built by
+``pip install`` when a compiler and the libjpeg headers are there; optional).
+Its pixels are the same as the whole-image decode's, sliced.  Without the
+extension, with ``COORDL_CROP_DECODE=0`` in the environment when coordl is
+imported, or for any file it declines (CMYK, unusual chroma sampling, a
+libjpeg warning or error, no end-of-image marker), the whole image is
+decoded by :func:`decode_rgb` exactly as before.
 """
 from __future__ import annotations
 
 import io
+import logging
 import math
+import os
 import warnings
 
 import numpy as np
@@ -29,7 +40,30 @@ try:  # a hard dependency in setup.cfg; PIL remains the fallback
 except ImportError:  # pragma: no cover
     _sj = None
 
-__all__ = ["is_jpeg", "jpeg_size", "check_pixels", "decode_rgb", "pil_rgb"]
+
+def _load_crop():
+    if os.environ.get("COORDL_CROP_DECODE", "1").strip().lower() in ("0", "false", "no", "off"):
+        return None
+    try:
+        from . import _jpegcrop
+    except ImportError as e:  # not built here (no compiler or libjpeg headers at install)
+        logging.getLogger(__name__).debug(
+            "coordl._jpegcrop is not available (%s): RandomResizedCrop decodes whole JPEGs", e)
+        return None
+    return _jpegcrop
+
+
+# coordl._jpegcrop, or None: whole-image decodes only (tests set it to None)
+_crop = _load_crop()
+
+# rows/columns decoded beyond each side of a crop window: libjpeg's fancy
+# chroma upsampling treats the edge of what it decodes as the image edge, so
+# the outermost decoded pixel can differ from the whole-image decode (1 is
+# enough on every layout measured; 2 for headroom)
+_CROP_MARGIN = 2
+
+__all__ = ["is_jpeg", "jpeg_size", "check_pixels", "decode_rgb", "decode_rgb_crop", "pil_rgb",
+           "scaled_box"]
 
 
 def is_jpeg(raw) -> bool:
@@ -98,6 +132,12 @@ def decode_rgb(raw, min_hw: tuple[int, int] | None = None) -> np.ndarray:
     size = jpeg_size(raw)
     if size is not None:  # else PIL reads the file, and its header, itself
         check_pixels(size)  # before a single pixel is allocated
+    return _decode_whole(raw, size, min_hw)
+
+
+def _decode_whole(raw, size, min_hw) -> np.ndarray:
+    """decode_rgb after its pixel-limit check (``size``: from the header, or None)."""
+    if size is not None:
         kw = {}
         if min_hw is not None:
             d = _pow2_scale(size, min_hw)
@@ -114,3 +154,58 @@ def decode_rgb(raw, min_hw: tuple[int, int] | None = None) -> np.ndarray:
         img.draft("RGB", (max(1, int(math.ceil(min_hw[1]))), max(1, int(math.ceil(min_hw[0])))))
     img = img.convert("RGB")
     return np.array(img)
+
+
+def scaled_box(top: int, left: int, h: int, w: int, fy: float, fx: float, H2: int, W2: int
+               ) -> tuple[int, int, int, int]:
+    """The box (top, left, h, w) of an image, mapped onto that image scaled by
+    (fy, fx) to H2 x W2: rounded, at least 1 pixel, inside the scaled image."""
+    t, l = int(round(top * fy)), int(round(left * fx))
+    hh, ww = max(1, int(round(h * fy))), max(1, int(round(w * fx)))
+    t, l = min(t, H2 - hh), min(l, W2 - ww)
+    return max(t, 0), max(l, 0), min(hh, H2), min(ww, W2)
+
+
+def _ends_with_eoi(raw) -> bool:
+    """The file ends with the end-of-image marker: a crop decode never reads
+    past its window, so a file cut short must be seen here to be handed to the
+    whole-image path (and PIL's truncation rules) as before."""
+    return len(raw) >= 4 and raw[-2] == 0xFF and raw[-1] == 0xD9
+
+
+def decode_rgb_crop(raw, box: tuple[int, int, int, int], min_hw: tuple[float, float] | None = None
+                    ) -> tuple[np.ndarray, tuple[int, int, int, int]]:
+    """Decode what is needed of ``box`` = (top, left, h, w), a box of the full-size
+    image, as ``decode_rgb(raw, min_hw)`` would, then slice: (array, box in it).
+
+    The array is RGB uint8 HWC; the returned box, in the array's coordinates,
+    is ``box`` mapped onto the decoded size (:func:`scaled_box`) when the
+    decode used a DCT scale.  With ``coordl._jpegcrop`` only rows and columns
+    near the box are decoded (their pixels are the whole decode's); otherwise
+    the array is the whole image from :func:`decode_rgb`.
+    """
+    size = jpeg_size(raw)
+    if size is not None:
+        check_pixels(size)  # before a single pixel is allocated, on either path
+    if size is not None and _crop is not None and _ends_with_eoi(raw):
+        H, W = size
+        d = 1 if min_hw is None else _pow2_scale(size, min_hw)
+        H2, W2 = -(-H // d), -(-W // d)
+        t, l, h, w = box if d == 1 else scaled_box(*box, H2 / H, W2 / W, H2, W2)
+        m = _CROP_MARGIN
+        t0, l0 = max(0, t - m), max(0, l - m)
+        t1, l1 = min(H2, t + h + m), min(W2, l + w + m)
+        try:
+            buf, rows, cols, y0, x0, oh, ow = _crop.decode(raw, d, t0, l0, t1 - t0, l1 - l0)
+        except ValueError:
+            pass  # the whole-image path decides, exactly as before
+        else:
+            if (oh, ow) == (H2, W2):
+                arr = np.frombuffer(buf, np.uint8).reshape(rows, cols, 3)
+                return arr, (t - y0, l - x0, h, w)
+    arr = _decode_whole(raw, size, min_hw)
+    H2, W2 = arr.shape[:2]
+    if size is not None and (H2, W2) != size:
+        H, W = size
+        box = scaled_box(*box, H2 / H, W2 / W, H2, W2)
+    return arr, box

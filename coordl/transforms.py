@@ -504,13 +504,6 @@ def _fusable(ts: list) -> bool:
     return all(type(t) is Normalize for t in ts[i + 1:])
 
 
-def _scaled_box(top, left, h, w, fy, fx, H2, W2):
-    t, l = int(round(top * fy)), int(round(left * fx))
-    hh, ww = max(1, int(round(h * fy))), max(1, int(round(w * fx)))
-    t, l = min(t, H2 - hh), min(l, W2 - ww)
-    return max(t, 0), max(l, 0), min(hh, H2), min(ww, W2)
-
-
 def decode_and_apply(transforms: list, raw) -> Any:
     """Run a fusable pipeline on encoded image bytes; NotImplemented if it isn't.
 
@@ -518,7 +511,9 @@ def decode_and_apply(transforms: list, raw) -> Any:
     transforms; pixels differ only by interpolation rounding (torch's uint8
     antialiased kernels vs PIL's) and, when the first op lets the JPEG be
     decoded at a reduced DCT scale that still covers the output size, by that
-    scaling.  The result is a CHW tensor, as from PILToTensor/ToTensor.
+    scaling.  RandomResizedCrop decodes only the rows and columns around its
+    crop when it can (``_decode.decode_rgb_crop``), with the same pixels there
+    as the whole decode.  The result is a CHW tensor, as from PILToTensor/ToTensor.
     """
     if not _fusable(transforms):
         return NotImplemented
@@ -530,10 +525,9 @@ def decode_and_apply(transforms: list, raw) -> Any:
         H, W = hw
         top, left, h, w = first.get_params((W, H), first.scale, first.ratio)
         oh, ow = first.size
-        arr = _decode.decode_rgb(raw, min_hw=(H * oh / h, W * ow / w))
-        H2, W2 = arr.shape[:2]
-        if (H2, W2) != (H, W):
-            top, left, h, w = _scaled_box(top, left, h, w, H2 / H, W2 / W, H2, W2)
+        # only the rows and columns near the crop are decoded, where coordl._jpegcrop is built
+        arr, (top, left, h, w) = _decode.decode_rgb_crop(raw, (top, left, h, w),
+                                                         min_hw=(H * oh / h, W * ow / w))
         x = torch.from_numpy(arr).permute(2, 0, 1)
         x = _resize_tensor(x[:, top:top + h, left:left + w], oh, ow, first.interpolation, first.antialias)
     elif type(first) is Resize and hw is not None:

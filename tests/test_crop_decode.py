@@ -1,0 +1,408 @@
+"""Crop-window JPEG decode (coordl._jpegcrop) on the fused RandomResizedCrop path.
+
+The window decode must give the same crop and flip draws as the whole-image
+decode, and pixels inside the crop within rounding of it (on this machine they
+are identical), for every size, DCT scale, colour space and layout; files it
+declines must take today's path and give today's result exactly.
+"""
+import io
+import os
+import random
+import shutil
+import threading
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image, ImageFile
+
+from coordl import _decode, _rng
+from coordl import transforms as T
+from coordl.testing import run_in_child
+
+try:
+    from coordl import _jpegcrop as crop_ext
+except ImportError:
+    if shutil.which("cc") and os.path.exists("/usr/include/jpeglib.h"):
+        raise ImportError("coordl._jpegcrop is not built although this machine can build it: "
+                          "run `pip install -e .` (or `python setup.py build_ext --inplace`)") from None
+    pytest.skip("coordl._jpegcrop can't be built here (no C compiler or libjpeg headers)",
+                allow_module_level=True)
+
+# decoded pixels may differ by libjpeg rounding between the two libjpeg-turbo
+# builds (system vs simplejpeg's); a crop box off by one pixel on these noisy
+# images differs by far more
+TOL_MAX = 2
+
+
+def _jpeg(w, h, mode="RGB", seed=0, quality=90, **save):
+    """A noisy photo-like JPEG: smooth colour plus per-pixel noise, so a box
+    off by one pixel shows."""
+    rng = np.random.default_rng(seed)
+    small = rng.integers(0, 256, (max(1, h // 8), max(1, w // 8), 3), dtype=np.uint8)
+    base = np.asarray(Image.fromarray(small).resize((w, h), Image.BICUBIC), dtype=np.uint16)
+    noise = rng.integers(0, 64, (h, w, 3), dtype=np.uint16)
+    img = Image.fromarray(((base * 3 + noise * 4) // 4).clip(0, 255).astype(np.uint8)).convert(mode)
+    buf = io.BytesIO()
+    old = ImageFile.MAXBLOCK
+    ImageFile.MAXBLOCK = 1 << 24  # progressive saves need the whole image in one block
+    try:
+        img.save(buf, "JPEG", quality=quality, **save)
+    finally:
+        ImageFile.MAXBLOCK = old
+    return buf.getvalue()
+
+
+def _today(pipe, raw):
+    """The fused RandomResizedCrop path as it was before the window decode:
+    decode_rgb at the DCT scale, scaled box, slice, torch resize, then the rest."""
+    rrc, rest = pipe.transforms[0], pipe.transforms[1:]
+    H, W = _decode.jpeg_size(raw)
+    top, left, h, w = rrc.get_params((W, H), rrc.scale, rrc.ratio)
+    oh, ow = rrc.size
+    arr = _decode.decode_rgb(raw, min_hw=(H * oh / h, W * ow / w))
+    H2, W2 = arr.shape[:2]
+    if (H2, W2) != (H, W):
+        top, left, h, w = _decode.scaled_box(top, left, h, w, H2 / H, W2 / W, H2, W2)
+    x = T._resize_tensor(torch.from_numpy(arr).permute(2, 0, 1)[:, top:top + h, left:left + w],
+                         oh, ow, rrc.interpolation, rrc.antialias)
+    for t in rest:
+        if type(t) is T.PILToTensor:
+            x = x.contiguous()
+        elif type(t) is T.ToTensor:
+            x = x.to(torch.get_default_dtype()).div_(255).contiguous()
+        else:
+            x = t(x)
+    return x
+
+
+def _both(pipe, raw, key, monkeypatch):
+    """(window-decode output, rng state after), (whole-decode output, rng state after)."""
+    out = []
+    for mod in (crop_ext, None):
+        monkeypatch.setattr(_decode, "_crop", mod)
+        with _rng.sample_rng(*key):
+            x = pipe.from_bytes(raw)
+            out.append((x, _rng.current().getstate()))
+    monkeypatch.setattr(_decode, "_crop", crop_ext)
+    return out
+
+
+def _whole_window(raw, box, min_hw=None):
+    """The box of today's whole decode (at its DCT scale), as an int array."""
+    arr = _decode.decode_rgb(raw, min_hw=min_hw)
+    size = _decode.jpeg_size(raw)
+    t, l, h, w = box
+    if arr.shape[:2] != size:
+        H2, W2 = arr.shape[:2]
+        t, l, h, w = _decode.scaled_box(t, l, h, w, H2 / size[0], W2 / size[1], H2, W2)
+    return arr[t:t + h, l:l + w].astype(int)
+
+
+def _crop_window(raw, box, min_hw=None):
+    arr, (t, l, h, w) = _decode.decode_rgb_crop(raw, box, min_hw=min_hw)
+    assert 0 <= t and 0 <= l and t + h <= arr.shape[0] and l + w <= arr.shape[1]
+    return arr, arr[t:t + h, l:l + w].astype(int)
+
+
+# --------------------------------------------------------------------------
+# the window decoder is used, and decodes less
+
+def test_window_decode_decodes_only_rows_and_columns_near_the_box():
+    raw = _jpeg(640, 480)
+    arr, win = _crop_window(raw, (200, 300, 50, 40))
+    assert arr.shape[0] <= 50 + 2 * _decode._CROP_MARGIN  # rows above and below never produced
+    assert arr.shape[1] < 640  # columns cut (from an iMCU boundary on)
+    assert np.abs(win - _whole_window(raw, (200, 300, 50, 40))).max() <= TOL_MAX
+
+
+def test_fused_random_resized_crop_uses_the_window_decoder(monkeypatch):
+    calls = []
+
+    class Spy:
+        def decode(self, *a):
+            res = crop_ext.decode(*a)
+            calls.append((a[1:], res[1:]))
+            return res
+
+    monkeypatch.setattr(_decode, "_crop", Spy())
+    raw = _jpeg(500, 375)
+    pipe = T.Compose([T.RandomResizedCrop(64, scale=(0.05, 0.3)), T.ToTensor()])
+    for k in range(5):
+        with _rng.sample_rng(0, 0, k):
+            pipe.from_bytes(raw)
+    assert len(calls) == 5
+    # the decoded blocks are small: crops of <= 30% of the area, at most 8 margin rows/cols
+    assert all(rows * cols < 0.6 * 375 * 500 for _, (rows, cols, *_rest) in calls)
+
+
+# --------------------------------------------------------------------------
+# same draws, same pixels (within rounding), today's path when disabled
+
+SHAPES = [(1, 1), (7, 5), (37, 23), (500, 375), (375, 500), (1531, 1023)]
+
+
+@pytest.mark.parametrize("wh", SHAPES, ids=[f"{w}x{h}" for w, h in SHAPES])
+def test_same_draws_and_pixels_as_whole_decode(wh, monkeypatch):
+    raw = _jpeg(*wh, seed=sum(wh))
+    pipe = T.Compose([T.RandomResizedCrop(48), T.RandomHorizontalFlip(), T.PILToTensor()])
+    for k in range(12 if wh[0] < 1000 else 4):
+        (a, sa), (b, sb) = _both(pipe, raw, (7, 1, k), monkeypatch)
+        assert sa == sb  # the same numbers were drawn
+        assert a.shape == b.shape == (3, 48, 48) and a.dtype == b.dtype == torch.uint8
+        assert a.is_contiguous()
+        assert (a.int() - b.int()).abs().max() <= TOL_MAX
+
+
+def test_disabled_gives_exactly_todays_pixels(monkeypatch):
+    monkeypatch.setattr(_decode, "_crop", None)
+    raw = _jpeg(800, 600, seed=3)
+    pipe = T.Compose([T.RandomResizedCrop(96, scale=(0.02, 1.0)), T.RandomHorizontalFlip(),
+                      T.ToTensor(), T.Normalize([0.5] * 3, [0.25] * 3)])
+    for k in range(10):
+        with _rng.sample_rng(2, 0, k):
+            got = pipe.from_bytes(raw)
+        with _rng.sample_rng(2, 0, k):
+            ref = _today(pipe, raw)
+        assert torch.equal(got, ref)
+
+
+@pytest.mark.parametrize("d", [1, 2, 4, 8])
+def test_every_dct_scale(d, monkeypatch):
+    raw = _jpeg(1200, 900, seed=d)
+    H, W = 900, 1200
+    min_hw = (H / d * 0.9, W / d * 0.9)  # 1/d still covers it, 1/(2d) does not
+    assert _decode._pow2_scale((H, W), min_hw) == d
+    rng = random.Random(d)
+    for _ in range(8):
+        h, w = rng.randint(1, H), rng.randint(1, W)
+        box = (rng.randint(0, H - h), rng.randint(0, W - w), h, w)
+        arr, win = _crop_window(raw, box, min_hw)
+        ref = _whole_window(raw, box, min_hw)
+        assert win.shape == ref.shape
+        assert np.abs(win - ref).max() <= TOL_MAX
+        assert arr.shape[0] <= -(-H // d) and arr.shape[1] <= -(-W // d)
+    # and through the pipeline: an output small enough for 1/d
+    pipe = T.Compose([T.RandomResizedCrop(max(1, 900 // (2 * d) - 8), scale=(0.9, 1.0)), T.PILToTensor()])
+    for k in range(3):
+        (a, sa), (b, sb) = _both(pipe, raw, (0, 0, k), monkeypatch)
+        assert sa == sb and (a.int() - b.int()).abs().max() <= TOL_MAX
+
+
+def test_boxes_at_the_image_edges():
+    raw = _jpeg(333, 251, seed=9)
+    H, W = 251, 333
+    boxes = [(0, 0, H, W), (0, 0, 1, 1), (H - 1, W - 1, 1, 1), (0, W - 17, 40, 17), (H - 9, 0, 9, 100),
+             (0, 0, H, 1), (0, W - 1, H, 1), (0, 0, 1, W), (H - 1, 0, 1, W), (100, 160, 51, 13)]
+    for box in boxes:
+        for min_hw in (None, (40, 40)):
+            _, win = _crop_window(raw, box, min_hw)
+            ref = _whole_window(raw, box, min_hw)
+            assert win.shape == ref.shape and np.abs(win - ref).max() <= TOL_MAX, box
+
+
+LAYOUTS = {
+    "444": dict(subsampling=0), "422": dict(subsampling=1), "420": dict(subsampling=2),
+    "progressive-420": dict(subsampling=2, progressive=True),
+    "progressive-444": dict(subsampling=0, progressive=True),
+    "restart-rows": dict(subsampling=2, restart_marker_rows=1),
+    "restart-blocks": dict(subsampling=1, restart_marker_blocks=5),
+    "grayscale": dict(mode="L"),
+}
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_layouts_decode_the_window(name, monkeypatch):
+    save = dict(LAYOUTS[name])
+    raw = _jpeg(421, 317, seed=len(name), **save)
+    if name.startswith("restart"):
+        assert b"\xff\xdd" in raw  # a restart interval is defined
+    if name.startswith("progressive"):
+        assert Image.open(io.BytesIO(raw)).info.get("progressive")
+    rng = random.Random(name)
+    for _ in range(10):
+        h, w = rng.randint(1, 317), rng.randint(1, 421)
+        box = (rng.randint(0, 317 - h), rng.randint(0, 421 - w), h, w)
+        arr, win = _crop_window(raw, box)
+        assert arr.shape[0] <= h + 2 * _decode._CROP_MARGIN  # the window decoder did it
+        ref = _whole_window(raw, box)
+        assert np.abs(win - ref).max() <= TOL_MAX
+    if name == "grayscale":
+        assert (win[..., 0] == win[..., 1]).all() and (win[..., 1] == win[..., 2]).all()
+    pipe = T.Compose([T.RandomResizedCrop(40), T.RandomHorizontalFlip(), T.PILToTensor()])
+    for k in range(4):
+        (a, sa), (b, sb) = _both(pipe, raw, (5, 5, k), monkeypatch)
+        assert sa == sb and (a.int() - b.int()).abs().max() <= TOL_MAX
+
+
+def _cmyk_jpeg(w, h):
+    rng = np.random.default_rng(4)
+    img = Image.fromarray(rng.integers(0, 256, (h, w, 4), dtype=np.uint8), "CMYK")
+    buf = io.BytesIO()
+    img.save(buf, "JPEG", quality=90)
+    return buf.getvalue()
+
+
+def test_cmyk_falls_back_to_todays_path(monkeypatch):
+    raw = _cmyk_jpeg(120, 90)
+    with pytest.raises(ValueError, match="colour space"):
+        crop_ext.decode(raw, 1, 0, 0, 10, 10)
+    arr, box = _decode.decode_rgb_crop(raw, (10, 20, 30, 40))
+    assert arr.shape == (90, 120, 3) and box == (10, 20, 30, 40)  # the whole image, by PIL
+    pipe = T.Compose([T.RandomResizedCrop(32), T.RandomHorizontalFlip(), T.PILToTensor()])
+    for k in range(4):
+        (a, sa), (b, sb) = _both(pipe, raw, (1, 1, k), monkeypatch)
+        assert sa == sb and torch.equal(a, b)
+
+
+def test_exif_orientation_is_ignored_as_on_the_pil_path(monkeypatch):
+    """coordl's PIL path does not apply EXIF orientation; nor does the window decode."""
+    exif = Image.Exif()
+    exif[0x0112] = 6  # "rotate 90 CW to view"
+    raw = _jpeg(300, 200, seed=11, exif=exif.tobytes())
+    assert Image.open(io.BytesIO(raw)).getexif().get(0x0112) == 6
+    pil = np.asarray(_decode.pil_rgb(raw)).astype(int)
+    assert pil.shape == (200, 300, 3)  # not transposed
+    for box in [(0, 0, 200, 300), (20, 150, 100, 120), (199, 0, 1, 300)]:
+        arr, win = _crop_window(raw, box)
+        assert arr.shape[0] < 200 or box[2] == 200
+        t, l, h, w = box
+        assert np.abs(win - pil[t:t + h, l:l + w]).max() <= TOL_MAX
+
+def test_exif_orientation_through_the_pipeline(monkeypatch):
+    exif = Image.Exif()
+    exif[0x0112] = 8
+    raw = _jpeg(300, 200, seed=12, exif=exif.tobytes())
+    pipe = T.Compose([T.RandomResizedCrop(64), T.RandomHorizontalFlip(), T.PILToTensor()])
+    for k in range(5):
+        (a, sa), (b, sb) = _both(pipe, raw, (0, 3, k), monkeypatch)
+        assert sa == sb and (a.int() - b.int()).abs().max() <= TOL_MAX
+
+
+# --------------------------------------------------------------------------
+# broken files: today's outcome
+
+def _outcome(pipe, raw, key):
+    with _rng.sample_rng(*key):
+        try:
+            return "ok", pipe.from_bytes(raw)
+        except Exception as e:  # noqa: BLE001 - the outcome is what's compared
+            return "error", (type(e), str(e))
+
+
+@pytest.mark.parametrize("load_truncated", [False, True])
+def test_truncated_files_behave_as_today(load_truncated, monkeypatch):
+    monkeypatch.setattr(ImageFile, "LOAD_TRUNCATED_IMAGES", load_truncated)
+    full = _jpeg(400, 300, seed=12)
+    pipe = T.Compose([T.RandomResizedCrop(32, scale=(0.01, 0.05)), T.PILToTensor()])
+    for cut in (0.3, 0.6, 0.9, 0.99):
+        raw = full[: int(len(full) * cut)]
+        for k in range(6):  # small crops: many lie entirely above the cut
+            monkeypatch.setattr(_decode, "_crop", crop_ext)
+            got = _outcome(pipe, raw, (0, 0, k))
+            monkeypatch.setattr(_decode, "_crop", None)
+            ref = _outcome(pipe, raw, (0, 0, k))
+            assert got[0] == ref[0]
+            if got[0] == "error":
+                assert got[1] == ref[1]
+                assert issubclass(got[1][0], OSError) and "truncated" in got[1][1]
+            else:
+                assert torch.equal(got[1], ref[1])
+
+
+def test_corrupt_files_behave_as_today(monkeypatch, capfd):
+    full = _jpeg(400, 300, seed=13)
+    start = full.index(b"\xff\xda") + 20  # inside the entropy-coded data
+    rng = random.Random(13)
+    pipe = T.Compose([T.RandomResizedCrop(32, scale=(0.01, 0.3)), T.PILToTensor()])
+    for trial in range(12):
+        raw = bytearray(full)
+        for _ in range(3):
+            raw[rng.randrange(start, len(full) - 2)] = rng.randrange(256)
+        raw = bytes(raw)
+        for k in range(3):
+            monkeypatch.setattr(_decode, "_crop", crop_ext)
+            got = _outcome(pipe, raw, (trial, 0, k))
+            monkeypatch.setattr(_decode, "_crop", None)
+            ref = _outcome(pipe, raw, (trial, 0, k))
+            assert got[0] == ref[0], (trial, k, got, ref)
+            if got[0] == "error":
+                assert got[1] == ref[1]
+            else:  # corrupt rows below the window aren't read: same rows above it
+                assert got[1].shape == ref[1].shape
+                assert (got[1].float() - ref[1].float()).abs().mean() < 1.0
+    # and libjpeg's corrupt-data warnings are never printed by the window decoder
+    capfd.readouterr()
+    bad = bytearray(full)
+    bad[start + 50:start + 60] = b"\xff\x00" * 5
+    for args in [(bytes(bad), 1, 250, 0, 50, 400), (full[:len(full) // 2], 1, 250, 0, 50, 400),
+                 (b"\xff\xd8\xff\xe0garbage", 1, 0, 0, 1, 1)]:
+        try:
+            crop_ext.decode(*args)
+        except ValueError:
+            pass
+    out, err = capfd.readouterr()
+    assert out == "" and err == ""
+
+
+def test_extension_argument_errors():
+    raw = _jpeg(64, 48)
+    with pytest.raises(ValueError, match="denom should be 1, 2, 4 or 8, but got denom=3"):
+        crop_ext.decode(raw, 3, 0, 0, 1, 1)
+    with pytest.raises(ValueError, match="outside the 64x48 image"):
+        crop_ext.decode(raw, 1, 40, 0, 9, 1)
+    with pytest.raises(ValueError, match="outside the 32x24 image decoded at scale 1/2"):
+        crop_ext.decode(raw, 2, 0, 30, 1, 3)
+    with pytest.raises(ValueError, match="libjpeg"):
+        crop_ext.decode(b"not a jpeg at all", 1, 0, 0, 1, 1)
+    buf, rows, cols, y0, x0, oh, ow = crop_ext.decode(bytearray(raw), 1, 0, 0, 48, 64)
+    assert (rows, cols, y0, x0, oh, ow) == (48, 64, 0, 0, 48, 64) and len(buf) == 48 * 64 * 3
+
+
+def test_threads_decode_concurrently_and_correctly():
+    """The GIL is released around libjpeg; results stay per call."""
+    raws = [_jpeg(300 + 7 * i, 200 + 5 * i, seed=i) for i in range(4)]
+    refs = [_decode.decode_rgb(r) for r in raws]
+    errors = []
+
+    def work(i):
+        try:
+            for k in range(10):
+                box = (k * 7, k * 11, 50, 60)
+                _, win = _crop_window(raws[i], box)
+                t, l, h, w = box
+                assert np.abs(win - refs[i][t:t + h, l:l + w].astype(int)).max() <= TOL_MAX
+        except Exception as e:  # noqa: BLE001
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(60)
+    assert not any(th.is_alive() for th in threads) and errors == []
+
+
+def test_env_var_disables_the_window_decode():
+    code = "from coordl import _decode; print(_decode._crop is None)"
+    for value, disabled in (("0", "True"), ("1", "False")):
+        res = run_in_child(code, timeout=120, env={**os.environ, "COORDL_CROP_DECODE": value})
+        assert res.returncode == 0, res.stderr
+        assert res.stdout.strip() == disabled
+
+
+def test_benchmark_script_runs(tmp_path, capsys):
+    import importlib.util
+    for i in range(3):
+        (tmp_path / f"{i}.jpg").write_bytes(_jpeg(300 + 20 * i, 200, seed=i))
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks",
+                        "crop_decode.py")
+    spec = importlib.util.spec_from_file_location("crop_decode_bench", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    threads = torch.get_num_threads()
+    assert bench.main([str(tmp_path), "--rounds", "1", "--size", "64"]) == 0
+    out = capsys.readouterr().out
+    assert "3 images" in out and "identical in 3/3 samples" in out
+    assert _decode._crop is crop_ext  # restored
+    assert torch.get_num_threads() == threads
