@@ -275,7 +275,8 @@ def main(argv=None) -> int:
     ap.add_argument("--fractions", default="0,0.5,0.9", help="node cache sizes as fractions of the dataset")
     ap.add_argument("--workers", default="1,2", help="worker counts")
     ap.add_argument("--batch-size", type=int, default=32)
-    ap.add_argument("--epochs", type=int, default=4, help="epochs per measured run (epoch 0 fills the cache)")
+    ap.add_argument("--epochs", type=int, default=4,
+                    help="epochs per measured run (epoch 0 fills the cache; a side-by-side pair's loader runs 2)")
     ap.add_argument("--rate", type=float, default=1e6, help="ingestion rate of the simulated step (samples/s)")
     ap.add_argument("--transform", default="rrc224")
     ap.add_argument("--overhead", default="1GiB", help="memory cap above the node cache (default 1GiB)")
