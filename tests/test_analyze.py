@@ -195,6 +195,43 @@ def test_step_from_a_script_sets_the_ingestion_rate(tmp_path):
     assert r["rates"]["ingest_source"].startswith("measured")
 
 
+def test_measure_prep_runs_the_analyzers_prep_pass_alone():
+    # raw() 1 ms, prep() 20 ms: one worker preps at most 50 samples/s (the sleep is a floor), and
+    # the passes read the node cache the fill pass filled, never storage
+    code = textwrap.dedent(f"""
+        import json, sys
+        sys.path.insert(0, {HERE!r})
+        from coordl.analyze import measure_prep
+        r = measure_prep(dataset="_analyze_helpers:slow_prep", batch_size=4, workers=[1], fetch_threads=1,
+                         repeats=2, log=None)
+        print("REPORT", json.dumps(r, default=str))
+    """)
+    res = run_in_child(code, timeout=240)
+    assert res.returncode == 0, res.stdout + res.stderr
+    r = json.loads(next(l for l in res.stdout.splitlines() if l.startswith("REPORT "))[len("REPORT "):])
+    assert set(r["prep"]) == {"1"} and set(r["passes"]) == {"fill", "prep_1w"}
+    assert r["settings"]["cache"] == "node" and r["dataset"]["samples"] == 64
+    p = r["passes"]["prep_1w"]
+    assert len(p["rates"]) == 2 and p["rate"] == max(p["rates"]) == r["prep"]["1"]
+    assert 0 < p["rate"] < 50 * 1.1, p
+    assert p["samples"] == 64 and p["bytes_storage"] == 0 and p["samples_from_cache"] == 64, p
+    assert r["passes"]["fill"]["bytes_storage"] > 0
+
+
+@pytest.mark.parametrize("kw, msg", [
+    ({"workers": 2}, "workers should be a list of worker counts (each >= 1), but got workers=2"),
+    ({"workers": [1, 0]}, "workers[i] should be a positive int, but got workers[i]=0"),
+    ({"workers": [1], "cache": "disk"}, 'cache should be "auto", "node" or "page", but got cache=\'disk\''),
+    ({"workers": [1], "repeats": 0}, "repeats should be a positive int, but got repeats=0"),
+])
+def test_measure_prep_argument_errors(kw, msg):
+    from coordl.analyze import measure_prep
+
+    with pytest.raises(ValueError) as e:
+        measure_prep("/nonexistent", log=None, **kw)
+    assert msg in str(e.value)
+
+
 # ------------------------------------------------------------ end to end
 @pytest.fixture(scope="module")
 def tiny_folder(tmp_path_factory):

@@ -34,7 +34,7 @@ from typing import Any, Callable, Sequence
 from . import model
 from .measure import TRANSFORMS
 
-__all__ = ["analyze", "format_report", "write_json", "write_plot", "model", "TRANSFORMS"]
+__all__ = ["analyze", "measure_prep", "format_report", "write_json", "write_plot", "model", "TRANSFORMS"]
 
 _MiB = 2 ** 20
 
@@ -86,8 +86,6 @@ def analyze(root: str | os.PathLike | None = None, *, dataset: Any = None, trans
             other work on the machine (cold passes run once).
         log: progress messages go here (``None``: silent).
     """
-    from .. import DataLoader
-    from ..protocol import is_two_stage
     from . import measure as M
 
     say = log or (lambda _msg: None)
@@ -106,59 +104,17 @@ def analyze(root: str | os.PathLike | None = None, *, dataset: Any = None, trans
         raise ValueError(f'evict should be "auto", "drop_caches" or "fadvise", but got evict={evict!r}')
     scaling = sorted({_check_pos_int(w, "scaling_workers[i]") for w in scaling_workers} | ({workers} - {0}))
 
-    # ---------------------------------------------------------------- dataset
-    if (root is None) == (dataset is None):
-        raise ValueError(f"give exactly one of root (an ImageFolder directory) and dataset (a two-stage dataset "
-                         f"or \"module:callable\"), but got root={root!r}, dataset={dataset!r}")
-    if root is not None:
-        from .. import ImageFolder
-        source = os.fspath(root)
-        ds = ImageFolder(source, transform=M.make_transform(transform))
-        tf_desc = TRANSFORMS[transform][1] if isinstance(transform, str) and transform in TRANSFORMS else repr(transform)
-    else:
-        source = dataset if isinstance(dataset, str) else type(dataset).__name__
-        ds = M.load_callable(dataset, "dataset")() if isinstance(dataset, str) else dataset
-        tf_desc = "(the dataset's own)"
-    if not is_two_stage(ds):
-        raise ValueError(f"the analyzer needs a two-stage dataset (raw(i) -> bytes, prep(raw, i) -> sample) to "
-                         f"time fetch and prep apart, but {source!r} gave a {type(ds).__name__} without raw/prep; "
-                         f"use coordl.ImageFolder or wrap the dataset with coordl.datasets.two_stage")
-    if max_samples is not None:
-        _check_pos_int(max_samples, "max_samples")
-        if max_samples < len(ds):
-            ds = M.Subset(ds, max_samples)
+    ds, source, tf_desc = _open_dataset(root, dataset, transform, max_samples)
     n = len(ds)
-    if n < 1:
-        raise ValueError(f"the dataset {source!r} is empty")
-    sizes = getattr(ds, "sizes", None)
-    if sizes is not None and len(sizes) == n and min(int(s) for s in sizes) >= 0:
-        dbytes = int(sum(int(s) for s in sizes))
-        bytes_source = "dataset.sizes"
-    else:
-        dbytes = sum(len(ds.raw(i)) for i in range(n))
-        bytes_source = "len(raw(i)) of every sample"
+    dbytes, bytes_source = _dataset_bytes(ds)
     files = M.dataset_files(ds)
     device = M.DeviceCounter(files[0] if files else None)
-
-    import psutil
-    fp = callable(getattr(ds, "fingerprint", None))
-    if cache == "auto":
-        cache = "node" if fp and dbytes < psutil.virtual_memory().available // 4 else "page"
-    elif cache == "node" and not fp:
-        raise ValueError(f"cache='node' needs a dataset with fingerprint() (coordl.ImageFolder has one); "
-                         f"{type(ds).__name__} has none: use cache='page'")
-    cache_size = dbytes + dbytes // 20 + _MiB if cache == "node" else 0
+    cache, cache_size = _choose_cache(cache, ds, dbytes)
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     if max_workers is None:
         max_workers = max(cpus, workers, max(scaling))
     _check_pos_int(max_workers, "max_workers")
-
-    def loader(d, w, size):
-        kw = {} if fetch_threads is None else {"fetch_threads": fetch_threads}
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # e.g. "cache_size has no effect" is reported by us instead
-            return DataLoader(d, batch_size=batch_size, shuffle=True, num_workers=w, seed=0,
-                              cache_size=size or None, **kw)
+    loader = _loader_factory(batch_size, fetch_threads)
 
     step_fn = None
     if step is not None:
@@ -181,20 +137,9 @@ def analyze(root: str | os.PathLike | None = None, *, dataset: Any = None, trans
     passes["fetch_warm"] = _best(M, F, None, repeats)
     say(f"  fetch only, warm: {passes['fetch_warm']['rate']:.1f} samples/s")
     # 3: prep only at each worker count (F keeps the node cache alive)
-    prep: dict[int, float] = {}
-    batch = None
-    for w in scaling + ([0] if workers == 0 else []):
-        L = loader(ds, w, cache_size)
-        r = _best(M, L, None, repeats, keep_batch=batch is None)
-        kept = r.pop("batch", None)
-        if batch is None:
-            batch = kept
-        passes[f"prep_{w}w"] = r
-        if w:
-            prep[w] = r["rate"]
-        say(f"  prep only, {w} workers: {r['rate']:.1f} samples/s")
-        del L
-        M.collect()
+    prep, prep_passes, batch = _prep_passes(loader, ds, scaling + ([0] if workers == 0 else []), cache_size,
+                                            repeats, say, keep_batch=True)
+    passes.update(prep_passes)
     # 4: ingestion-free
     if step is not None:
         ing = M.ingest_rate(step_fn, batch, seconds=ingest_seconds)
@@ -300,6 +245,148 @@ def _best(M, loader, step, repeats: int, keep_batch: bool = False) -> dict:
     best["rates"] = [r["rate"] for r in runs]
     return best
 
+
+
+# -------------------------------------------- the steps analyze() shares
+def _open_dataset(root, dataset, transform, max_samples):
+    """The dataset the passes read: ``(dataset, source, transform description)``."""
+    from ..protocol import is_two_stage
+    from . import measure as M
+
+    if (root is None) == (dataset is None):
+        raise ValueError(f"give exactly one of root (an ImageFolder directory) and dataset (a two-stage dataset "
+                         f"or \"module:callable\"), but got root={root!r}, dataset={dataset!r}")
+    if root is not None:
+        from .. import ImageFolder
+        source = os.fspath(root)
+        ds = ImageFolder(source, transform=M.make_transform(transform))
+        tf_desc = TRANSFORMS[transform][1] if isinstance(transform, str) and transform in TRANSFORMS else repr(transform)
+    else:
+        source = dataset if isinstance(dataset, str) else type(dataset).__name__
+        ds = M.load_callable(dataset, "dataset")() if isinstance(dataset, str) else dataset
+        tf_desc = "(the dataset's own)"
+    if not is_two_stage(ds):
+        raise ValueError(f"the analyzer needs a two-stage dataset (raw(i) -> bytes, prep(raw, i) -> sample) to "
+                         f"time fetch and prep apart, but {source!r} gave a {type(ds).__name__} without raw/prep; "
+                         f"use coordl.ImageFolder or wrap the dataset with coordl.datasets.two_stage")
+    if max_samples is not None:
+        _check_pos_int(max_samples, "max_samples")
+        if max_samples < len(ds):
+            ds = M.Subset(ds, max_samples)
+    if len(ds) < 1:
+        raise ValueError(f"the dataset {source!r} is empty")
+    return ds, source, tf_desc
+
+
+def _dataset_bytes(ds) -> tuple[int, str]:
+    n = len(ds)
+    sizes = getattr(ds, "sizes", None)
+    if sizes is not None and len(sizes) == n and min(int(s) for s in sizes) >= 0:
+        return int(sum(int(s) for s in sizes)), "dataset.sizes"
+    return sum(len(ds.raw(i)) for i in range(n)), "len(raw(i)) of every sample"
+
+
+def _choose_cache(cache: str, ds, dbytes: int) -> tuple[str, int]:
+    """Where the in-memory passes read from, and the node cache size (0: the page cache)."""
+    import psutil
+
+    fp = callable(getattr(ds, "fingerprint", None))
+    if cache == "auto":
+        cache = "node" if fp and dbytes < psutil.virtual_memory().available // 4 else "page"
+    elif cache == "node" and not fp:
+        raise ValueError(f"cache='node' needs a dataset with fingerprint() (coordl.ImageFolder has one); "
+                         f"{type(ds).__name__} has none: use cache='page'")
+    return cache, (dbytes + dbytes // 20 + _MiB if cache == "node" else 0)
+
+
+def _loader_factory(batch_size: int, fetch_threads: int | None):
+    from .. import DataLoader
+
+    def loader(d, w, size):
+        kw = {} if fetch_threads is None else {"fetch_threads": fetch_threads}
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # e.g. "cache_size has no effect" is reported by us instead
+            return DataLoader(d, batch_size=batch_size, shuffle=True, num_workers=w, seed=0,
+                              cache_size=size or None, **kw)
+    return loader
+
+
+def _prep_passes(loader, ds, counts, cache_size: int, repeats: int, say, keep_batch: bool = False):
+    """Step 3 of :func:`analyze`: the prep-only pass (loader, no step, data in
+    memory: the caller keeps the node cache filled) at each worker count in
+    ``counts``, the fastest of ``repeats``.  Returns ``(P, passes, batch)``:
+    ``P`` maps worker counts >= 1 to samples/s, ``passes`` holds each pass
+    as ``prep_<w>w``, ``batch`` is a copy of the first batch when
+    ``keep_batch`` (else ``None``)."""
+    from . import measure as M
+
+    prep: dict[int, float] = {}
+    passes: dict[str, dict] = {}
+    batch = None
+    for w in counts:
+        L = loader(ds, w, cache_size)
+        r = _best(M, L, None, repeats, keep_batch=keep_batch and batch is None)
+        kept = r.pop("batch", None)
+        if batch is None:
+            batch = kept
+        passes[f"prep_{w}w"] = r
+        if w:
+            prep[w] = r["rate"]
+        say(f"  prep only, {w} workers: {r['rate']:.1f} samples/s")
+        del L
+        M.collect()
+    return prep, passes, batch
+
+
+def measure_prep(root: str | os.PathLike | None = None, *, dataset: Any = None, transform: Any = "rrc224",
+                 batch_size: int = 32, workers: Sequence[int] = (1, 2), max_samples: int | None = None,
+                 cache: str = "auto", fetch_threads: int | None = None, repeats: int = 1,
+                 log: Callable[[str], None] | None = print) -> dict:
+    """Only the prep rates ``P(w)`` of :func:`analyze` (its step 3), by the
+    same code: the same dataset, loader settings and in-memory source, each
+    worker count's prep-only pass the fastest of ``repeats``.  For measuring
+    ``P(w)`` again next to something else (benchmarks/analyze_validate.py
+    alternates it with the loader it predicts) without the other passes.
+
+    Before the prep passes, one fetch-only pass brings the dataset into
+    memory (with ``cache="node"`` it fills the node cache, which that loader
+    keeps alive until the prep passes are done), as the cold fetch pass
+    does in :func:`analyze`; nothing is evicted first.  Arguments as in
+    :func:`analyze`; ``workers`` is the list of worker counts (each >= 1).
+
+    Returns ``{"prep": {"<w>": samples/s}, "passes": {"fill": ...,
+    "prep_<w>w": ...}, "dataset": {"source", "samples", "bytes"},
+    "settings": {...}, "seconds"}`` (JSON-ready).
+    """
+    from . import measure as M
+
+    say = log or (lambda _msg: None)
+    _check_pos_int(batch_size, "batch_size")
+    _check_pos_int(repeats, "repeats")
+    if isinstance(workers, (int, str)) or not hasattr(workers, "__iter__"):
+        raise ValueError(f"workers should be a list of worker counts (each >= 1), but got workers={workers!r}")
+    counts = sorted({_check_pos_int(w, "workers[i]") for w in workers})
+    if not counts:
+        raise ValueError(f"workers should be a list of worker counts (each >= 1), but got workers={workers!r}")
+    if cache not in ("auto", "node", "page"):
+        raise ValueError(f'cache should be "auto", "node" or "page", but got cache={cache!r}')
+    ds, source, _tf = _open_dataset(root, dataset, transform, max_samples)
+    dbytes, _src = _dataset_bytes(ds)
+    cache, cache_size = _choose_cache(cache, ds, dbytes)
+    loader = _loader_factory(batch_size, fetch_threads)
+    t0 = time.perf_counter()
+    F = loader(M.FetchOnly(ds), max(counts), cache_size)
+    passes = {"fill": M.run_pass(F)}
+    say(f"  fetch only, filling the {cache} cache: {passes['fill']['rate']:.1f} samples/s")
+    prep, prep_passes, _ = _prep_passes(loader, ds, counts, cache_size, repeats, say)
+    passes.update(prep_passes)
+    del F
+    M.collect()
+    return {"prep": {str(k): v for k, v in prep.items()}, "passes": passes,
+            "dataset": {"source": source, "samples": len(ds), "bytes": dbytes},
+            "settings": {"batch_size": batch_size, "workers": counts, "cache": cache, "cache_size": cache_size,
+                         "fetch_threads": fetch_threads, "repeats": repeats},
+            "seconds": time.perf_counter() - t0}
 
 # ------------------------------------------------------------------ output
 def format_report(r: dict) -> str:
