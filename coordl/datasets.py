@@ -600,7 +600,7 @@ class _FolderBase:
         """True when ``raw``/``prep`` are available."""
         return self._two_stage_ok()
 
-    _store = None  # an FsspecStore for URL roots
+    _store = None  # an FsspecStore for URL roots (reads through obstore when it can)
 
     def _read(self, path: str) -> bytes:
         return read_bytes(path) if self._store is None else self._store.read(path)
@@ -623,9 +623,15 @@ class _FolderBase:
     @property
     def raw_many(self) -> Callable[[list], list]:
         """``raw_many([i, ...])``: the bytes of several samples (or the error
-        for each), fetched concurrently; only for fsspec URL roots."""
+        for each), fetched concurrently; only for URL roots read through
+        fsspec.  Local files and URLs read through obstore (the default for
+        http(s)/s3/gs/Azure when it is installed) have none: the fetch
+        stage's threads read them one by one, which costs less CPU."""
         if self._store is None or not self._two_stage_ok():
             raise AttributeError(f"{type(self).__name__} has no raw_many: local files are read one by one")
+        if self._store.native:
+            raise AttributeError(f"{type(self).__name__} has no raw_many: {self.root} is read through obstore, "
+                                 "one object per fetch thread (COORDL_NATIVE_STORE=0 reads through fsspec)")
         return self._raw_many
 
     def _raw_many(self, indices: list) -> list:
