@@ -29,7 +29,7 @@ import threading
 import urllib.parse
 from datetime import timedelta
 
-__all__ = ["plan", "Native", "NativeUnusable", "map_error"]
+__all__ = ["plan", "Native", "NativeUnusable", "NativeRefused", "map_error"]
 
 ENV = "COORDL_NATIVE_STORE"
 
@@ -70,6 +70,13 @@ class NativeUnusable(Exception):
     """The native reader cannot serve this store in this process (obstore
     missing, the store does not build, or it refuses our credentials):
     the caller switches to fsspec."""
+
+
+class NativeRefused(NativeUnusable):
+    """The server refused obstore's request (401/403).  fsspec's credential
+    chain (e.g. botocore's profiles) may differ from obstore's: the caller
+    reads the object through fsspec, which raises its own error if it is
+    refused too, and stays on fsspec if it is not."""
 
 
 def _enabled() -> bool:
@@ -237,8 +244,9 @@ def map_error(e: BaseException, url: str) -> BaseException:
 
     * missing object: ``FileNotFoundError(url)`` (what fsspec's ``cat_file``
       raises: the message is the URL);
-    * credentials refused: ``NativeUnusable`` (the caller retries through
-      fsspec, whose credential chain may differ from obstore's);
+    * credentials refused: :class:`NativeRefused` (the caller retries
+      through fsspec, whose credential chain may differ from obstore's, and
+      so raises fsspec's own error when fsspec is refused too);
     * cannot connect: ``ConnectionError`` (an ``OSError``, as aiohttp's
       ``ClientConnectorError`` is) naming the host;
     * timeout: ``TimeoutError`` (what aiohttp raises);
@@ -251,7 +259,7 @@ def map_error(e: BaseException, url: str) -> BaseException:
     except ImportError:  # pragma: no cover - we only get here through obstore
         X = None
     if X is not None and isinstance(e, (X.PermissionDeniedError, X.UnauthenticatedError)):
-        return NativeUnusable(f"obstore was refused reading {url}: {_first_line(e)}")
+        return NativeRefused(f"obstore was refused reading {url}: {_first_line(e)}")
     text = str(e)
     reason = _first_line(e)
     if "kind: Connect" in text:

@@ -138,8 +138,12 @@ class FsspecStore:
         if native is not None and native.usable():
             try:
                 return native.read(url[len(self.url):].lstrip("/"), url)
+            except _native_store.NativeRefused:
+                data = self.fs.cat_file(self._path(url))   # fsspec's own error if refused too
+                self._native = None   # fsspec's credentials work here: read through fsspec from now on
+                return data
             except _native_store.NativeUnusable:
-                self._native = None   # this process reads through fsspec from now on
+                self._native = None   # obstore cannot serve this store here: fsspec from now on
         return self.fs.cat_file(self._path(url))
 
     def read_many(self, urls: list[str]) -> list:
