@@ -229,3 +229,12 @@ def test_fallback_for_schemes_and_options_obstore_lacks(served, monkeypatch):
     assert s3.client == {"allow_http": True}
     assert _native_store.plan("s3://bucket/prefix", {"config_kwargs": {"max_pool_connections": 64}}) is None
     assert _native_store.plan("gcs://bucket/p", {"token": "anon"}).config == {"skip_signature": True}
+
+
+def test_loader_gives_native_reads_more_fetch_threads(served, monkeypatch):
+    _, url, _ = served
+    ds = coordl.ImageFolder(url)
+    assert coordl.DataLoader(ds, batch_size=4)._fetch_threads == 64   # one object per thread
+    assert coordl.DataLoader(ds, batch_size=4, fetch_threads=5)._fetch_threads == 5
+    monkeypatch.setenv("COORDL_NATIVE_STORE", "0")
+    assert coordl.DataLoader(coordl.ImageFolder(url), batch_size=4)._fetch_threads == 16  # batches of 8 each
