@@ -611,11 +611,15 @@ class _FolderBase:
     @property
     def raw_uncached(self) -> Callable[[int], bytes]:
         """``raw_uncached(i)``: ``raw(i)`` leaving no copy in the OS page
-        cache (local files; read when coordl's node cache keeps the bytes)."""
-        if self._store is not None or not self._two_stage_ok():
+        cache (read when coordl's node cache keeps the bytes): local files
+        drop their pages; URLs read through obstore are ``raw`` itself (the
+        fetch threads read them one by one and nothing enters the page
+        cache).  URLs read through fsspec have none (they are read in
+        batches by ``raw_many``)."""
+        if not self._two_stage_ok() or (self._store is not None and not self._store.native):
             raise AttributeError(f"{type(self).__name__} has no raw_uncached: remote objects are not "
                                  "in the page cache")
-        return self._raw_uncached
+        return self._raw if self._store is not None else self._raw_uncached
 
     def _raw_uncached(self, index: int) -> bytes:
         return read_bytes(self._path(self._check_index(index)), drop_cache=True)

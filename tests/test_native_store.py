@@ -82,6 +82,8 @@ def test_native_reads_every_sample_as_fsspec(served, monkeypatch):
     assert got == [fs.cat_file(p) for p, _ in ds.samples]
     with pytest.raises(AttributeError, match="read through obstore"):
         ds.raw_many  # the fetch threads read one by one: no batches for the engine
+    # and with the node cache on, no local page-dropping by the URL's name
+    assert ds.raw_uncached == ds.raw and ds.raw_uncached(4) == got[4]
     s2 = pickle.loads(pickle.dumps(ds._store))   # the recipe travels, no obstore store
     assert s2.native and s2._native._store is None and s2.read(ds.samples[3][0]) == got[3]
 
@@ -208,6 +210,8 @@ def test_fallback_when_turned_off(served, monkeypatch):
     ds = coordl.ImageFolder(url)
     assert not ds._store.native
     ds.raw(0)
+    with pytest.raises(AttributeError):
+        ds.raw_uncached   # fsspec URLs are read in batches (raw_many)
     assert not server.sample_gets("object_store") and server.sample_gets("aiohttp")
 
 
