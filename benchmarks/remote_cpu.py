@@ -140,7 +140,8 @@ def one_pass(ds, threads: int, passes: int) -> tuple[float, float, float, int]:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--root", default=None, help="an ImageFolder tree (default: 800 synthetic JPEGs)")
+    ap.add_argument("--root", default=None, help="an ImageFolder tree (default: --images synthetic JPEGs)")
+    ap.add_argument("--images", type=int, default=800, help="synthetic images without --root")
     ap.add_argument("--delay-ms", type=float, default=0)
     ap.add_argument("--server", choices=["auto", "nginx", "python"], default="auto")
     ap.add_argument("--threads", type=int, default=16, help="fetch threads reading through fsspec")
@@ -156,7 +157,7 @@ def main(argv=None) -> int:
     if root is None:
         from coordl.synth import make_image_folder
         made = tempfile.mkdtemp(prefix="coordl-rcpu-data-")
-        root = make_image_folder(os.path.join(made, "photos"), num_images=800, num_classes=4)
+        root = make_image_folder(os.path.join(made, "photos"), num_images=args.images, num_classes=4)
     root = os.path.abspath(root)
     server = Server(os.path.dirname(root), args.delay_ms, args.server)
     try:

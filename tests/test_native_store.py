@@ -242,3 +242,13 @@ def test_loader_gives_native_reads_more_fetch_threads(served, monkeypatch):
     assert coordl.DataLoader(ds, batch_size=4, fetch_threads=5)._fetch_threads == 5
     monkeypatch.setenv("COORDL_NATIVE_STORE", "0")
     assert coordl.DataLoader(coordl.ImageFolder(url), batch_size=4)._fetch_threads == 16  # batches of 8 each
+
+
+def test_remote_cpu_benchmark_runs():
+    script = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "remote_cpu.py")
+    code = (f"import sys; sys.argv = [{script!r}, '--images', '24', '--rounds', '1', '--passes', '1', "
+            f"'--server', 'python']; import runpy; runpy.run_path({script!r}, run_name='__main__')")
+    r = run_in_child(code, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    lines = {line.split()[0]: line for line in r.stdout.splitlines() if line.split()}
+    assert "us/sample" in lines["fsspec"] and "us/sample" in lines["obstore"], r.stdout
