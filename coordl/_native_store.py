@@ -5,14 +5,16 @@ of fsspec: the fetch stage's hot path for ``http(s)://``, ``s3://``,
 :class:`coordl.storage.FsspecStore` delegates single reads here when
 :func:`plan` says it can; fsspec keeps listing (``scan``) and every scheme,
 option or environment obstore cannot take.  Why not fsspec for reads: a GET
-through fsspec/aiohttp costs ~300-500 us of client CPU (Python coroutines,
-an event loop thread, per-request objects); obstore's blocking ``get`` runs
-the request in Rust with the GIL released, and the fetch threads already
-give the concurrency (see docs/_notes_obs.md for the measurement).
+through fsspec/aiohttp costs ~200-300 us of client CPU even batched (Python
+coroutines, an event loop thread, per-request objects); obstore's blocking
+``get`` runs the request in Rust with the GIL released (~30% less CPU per
+~110 KB object against nginx), and the fetch threads already give the
+concurrency (benchmarks/remote_cpu.py; docs/_notes_obs.md).
 
 Fork: obstore runs every request on one process-wide Tokio runtime that it
 starts on first use and that does not survive ``fork()`` (the child gets the
-runtime without its threads, and a ``get`` there blocks forever).  So a
+runtime without its threads: a ``get`` there blocks forever or crashes the
+process).  So a
 process forked from one that had started it (:data:`_inherited`, set by an
 ``os.register_at_fork`` hook) never calls obstore: :meth:`Native.usable` is
 false there and its reads go through fsspec.  Workers forked from a parent
