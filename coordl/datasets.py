@@ -600,7 +600,7 @@ class _FolderBase:
         """True when ``raw``/``prep`` are available."""
         return self._two_stage_ok()
 
-    _store = None  # an FsspecStore for URL roots
+    _store = None  # an FsspecStore for URL roots (reads through obstore when it can)
 
     def _read(self, path: str) -> bytes:
         return read_bytes(path) if self._store is None else self._store.read(path)
@@ -611,11 +611,15 @@ class _FolderBase:
     @property
     def raw_uncached(self) -> Callable[[int], bytes]:
         """``raw_uncached(i)``: ``raw(i)`` leaving no copy in the OS page
-        cache (local files; read when coordl's node cache keeps the bytes)."""
-        if self._store is not None or not self._two_stage_ok():
+        cache (read when coordl's node cache keeps the bytes): local files
+        drop their pages; URLs read through obstore are ``raw`` itself (the
+        fetch threads read them one by one and nothing enters the page
+        cache).  URLs read through fsspec have none (they are read in
+        batches by ``raw_many``)."""
+        if not self._two_stage_ok() or (self._store is not None and not self._store.native):
             raise AttributeError(f"{type(self).__name__} has no raw_uncached: remote objects are not "
                                  "in the page cache")
-        return self._raw_uncached
+        return self._raw if self._store is not None else self._raw_uncached
 
     def _raw_uncached(self, index: int) -> bytes:
         return read_bytes(self._path(self._check_index(index)), drop_cache=True)
@@ -623,9 +627,15 @@ class _FolderBase:
     @property
     def raw_many(self) -> Callable[[list], list]:
         """``raw_many([i, ...])``: the bytes of several samples (or the error
-        for each), fetched concurrently; only for fsspec URL roots."""
+        for each), fetched concurrently; only for URL roots read through
+        fsspec.  Local files and URLs read through obstore (the default for
+        http(s)/s3/gs/Azure when it is installed) have none: the fetch
+        stage's threads read them one by one, which costs less CPU."""
         if self._store is None or not self._two_stage_ok():
             raise AttributeError(f"{type(self).__name__} has no raw_many: local files are read one by one")
+        if self._store.native:
+            raise AttributeError(f"{type(self).__name__} has no raw_many: {self.root} is read through obstore, "
+                                 "one object per fetch thread (COORDL_NATIVE_STORE=0 reads through fsspec)")
         return self._raw_many
 
     def _raw_many(self, indices: list) -> list:

@@ -440,8 +440,10 @@ class DataLoader(_TorchDataLoader[_T_co]):
         Byte budget of the fetch stage's read-ahead (all workers together;
         default ``"64MiB"``).
     fetch_threads
-        Reads in flight per worker; default 8 for local files, 16 for fsspec
-        URLs (reads per second ~ threads / storage latency).
+        Fetch threads per worker; default 8 for local files, 16 for URLs
+        read through fsspec (each reads batches of up to 8 objects), 64 for
+        URLs read through obstore (one object each).  Reads per second ~
+        reads in flight / storage latency.
     share
         Prepare samples once for every job on the node that reads the same
         dataset with the same transforms, seed, shuffle and partition,
@@ -534,7 +536,9 @@ class DataLoader(_TorchDataLoader[_T_co]):
         if self._read_ahead < 1:
             raise ValueError(f"read_ahead should be a positive size like \"64MiB\", but got read_ahead={read_ahead!r}")
         if fetch_threads is None:  # remote storage needs more reads in flight to hide latency
-            fetch_threads = 16 if getattr(dataset, "_store", None) is not None else 8
+            store = getattr(dataset, "_store", None)
+            # fsspec: 16 threads reading batches of up to 8; obstore: one object per thread
+            fetch_threads = 8 if store is None else 64 if getattr(store, "native", False) else 16
         if isinstance(fetch_threads, bool) or not isinstance(fetch_threads, int) or fetch_threads < 1:
             raise ValueError(f"fetch_threads should be None or a positive int, but got fetch_threads={fetch_threads!r}")
         self._fetch_threads = fetch_threads

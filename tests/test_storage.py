@@ -82,8 +82,9 @@ def test_store_pickles_without_filesystem(served):
     assert s2._fs is None and s2.url == s.url
 
 
-def test_raw_many_equals_raw_and_reports_missing(served):
+def test_raw_many_equals_raw_and_reports_missing(served, monkeypatch):
     import os
+    monkeypatch.setenv("COORDL_NATIVE_STORE", "0")  # raw_many is fsspec's (obstore reads one by one)
     local_root, url = served
     ds = coordl.ImageFolder(url)
     got = ds.raw_many([0, 5, 7])
