@@ -21,7 +21,7 @@ reads ``fsspec.open(url)`` (what a torch user writes), DALI with its parallel
 to read from custom storage), coordl with ``ImageFolder("http://...")``.
 
     python -m coordl.synth bench_data/photos --images 2000
-    python benchmarks/latency.py --root bench_data/photos --delay-ms 5
+    python benchmarks/latency.py --root bench_data/photos --delay-ms 5 [--rounds 3 --epochs 2]
 """
 from __future__ import annotations
 
@@ -29,6 +29,7 @@ import argparse
 import csv
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -135,16 +136,28 @@ def inner(args) -> None:
         loaders.remove("dali")
     rows = []
     for kind in loaders:
-        res = {}
-        for where, u in (("local", None), ("http", url)):
-            L = _loader(kind, args.root, u, args.workers, args.batch_size)
-            per = common.time_epochs(L, args.epochs + 1)[1:]
-            res[where] = sum(n for n, _ in per) / sum(s for _, s in per)
-            del L
+        # Both loaders live side by side (persistent workers) and take turns,
+        # ``--rounds`` times, in alternating order: this VM's CPU speed drifts
+        # by 10-30% from one minute to the next, and a CPU-bound ratio
+        # measured as "all local, then all HTTP" measured that drift too.
+        Ls = {where: _loader(kind, args.root, u, args.workers, args.batch_size)
+              for where, u in (("local", None), ("http", url))}
+        for L in Ls.values():
+            common.time_epochs(L, 1)  # warm-up: workers started, HTTP connections open
+        rates = {"local": [], "http": []}
+        for r in range(args.rounds):
+            for where in (("local", "http") if r % 2 == 0 else ("http", "local")):
+                per = common.time_epochs(Ls[where], args.epochs)
+                rates[where].append(sum(n for n, _ in per) / sum(s for _, s in per))
+        del Ls
+        res = {w: statistics.median(v) for w, v in rates.items()}
+        ratios = [h / l for h, l in zip(rates["http"], rates["local"])]
         rows.append({"loader": kind, "local_images_per_s": res["local"], "http_images_per_s": res["http"],
-                     "http_over_local": res["http"] / res["local"]})
+                     "http_over_local": res["http"] / res["local"], "rounds": args.rounds,
+                     "round_ratios": " ".join(f"{x:.3f}" for x in ratios)})
         print(f"{kind:<8} local {res['local']:8.1f}/s  http+{args.delay_ms}ms {res['http']:8.1f}/s  "
-              f"kept {res['http'] / res['local']:.0%}", flush=True)
+              f"kept {res['http'] / res['local']:.0%}  (rounds: {' '.join(f'{x:.0%}' for x in ratios)})",
+              flush=True)
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "latency.csv"), "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=list(rows[0]))
@@ -202,8 +215,8 @@ def outer(args) -> int:
               "before its first byte", flush=True)
         cmd = [sys.executable, os.path.abspath(__file__), "--inner", "--root", os.path.abspath(args.root),
                "--workers", str(args.workers), "--batch-size", str(args.batch_size), "--epochs",
-               str(args.epochs), "--loaders", args.loaders, "--out", os.path.abspath(args.out),
-               "--delay-ms", str(args.delay_ms)]
+               str(args.epochs), "--rounds", str(args.rounds), "--loaders", args.loaders,
+               "--out", os.path.abspath(args.out), "--delay-ms", str(args.delay_ms)]
         return subprocess.run(["ip", "netns", "exec", ns] + cmd).returncode
     finally:
         pidfile = os.path.join(tmp, "nginx.pid")
@@ -221,7 +234,9 @@ def main(argv=None) -> int:
     ap.add_argument("--delay-ms", type=float, default=5)
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--batch-size", type=int, default=64)
-    ap.add_argument("--epochs", type=int, default=2)
+    ap.add_argument("--epochs", type=int, default=2, help="timed epochs per loader per round")
+    ap.add_argument("--rounds", type=int, default=3,
+                    help="interleaved rounds (local and HTTP take turns); medians are reported")
     ap.add_argument("--loaders", default="torch,dali,coordl")
     ap.add_argument("--out", default="bench_out")
     ap.add_argument("--inner", action="store_true",
