@@ -127,3 +127,37 @@ def medians_by_config(rows: list[dict]) -> list[tuple[list[dict], dict]]:
         m["rounds"] = len(rs)
         out.append((rs, m))
     return out
+
+
+NGINX_ECHO = "/usr/lib/nginx/modules/ngx_http_echo_module.so"
+
+
+def nginx_conf(tmp: str, port: int, www: str, delay_ms: float = 0, workers: int = 1) -> str:
+    """An nginx config serving ``www`` on 127.0.0.1:``port`` with autoindex
+    (fsspec lists folders from it), sendfile and keep-alive; with
+    ``delay_ms`` every request waits that long before its first byte
+    (``echo_sleep``, Debian's libnginx-mod-http-echo: ``NGINX_ECHO``)."""
+    if delay_ms:
+        load = f"load_module {NGINX_ECHO};"
+        location = (f"location / {{ echo_sleep {delay_ms / 1000}; echo_exec @files; }}\n"
+                    "        location @files { autoindex on; }")
+    else:
+        load, location = "", "location / { autoindex on; }"
+    return f"""{load}
+worker_processes {workers};
+pid {tmp}/nginx.pid;
+error_log {tmp}/error.log;
+daemon on;
+events {{ worker_connections 1024; }}
+http {{
+    access_log off;
+    sendfile on;
+    tcp_nodelay on;
+    keepalive_requests 100000;
+    server {{
+        listen 127.0.0.1:{port};
+        root {www};
+        {location}
+    }}
+}}
+"""

@@ -37,6 +37,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+import _host  # noqa: E402
 import common  # noqa: E402
 
 PORT = 18080
@@ -165,34 +166,11 @@ def inner(args) -> None:
         w.writerows(rows)
 
 
-NGINX_CONF = """
-load_module /usr/lib/nginx/modules/ngx_http_echo_module.so;
-worker_processes 2;
-pid {tmp}/nginx.pid;
-error_log {tmp}/error.log;
-daemon on;
-events {{ worker_connections 1024; }}
-http {{
-    access_log off;
-    sendfile on;
-    tcp_nodelay on;
-    keepalive_requests 100000;
-    server {{
-        listen 127.0.0.1:{port};
-        root {www};
-        location / {{
-            echo_sleep {delay_s};
-            echo_exec @files;
-        }}
-        location @files {{ autoindex on; }}
-    }}
-}}
-"""
 
 
 def outer(args) -> int:
     if shutil.which("nginx") is None or shutil.which("ip") is None or \
-            not os.path.exists("/usr/lib/nginx/modules/ngx_http_echo_module.so"):
+            not os.path.exists(_host.NGINX_ECHO):
         print("needs root, iproute2 and nginx with the echo module "
               "(apt-get install nginx-light libnginx-mod-http-echo)")
         return 2
@@ -201,7 +179,7 @@ def outer(args) -> int:
     www = os.path.dirname(os.path.abspath(args.root))
     conf = os.path.join(tmp, "nginx.conf")
     with open(conf, "w") as f:
-        f.write(NGINX_CONF.format(tmp=tmp, port=PORT, www=www, delay_s=args.delay_ms / 1000))
+        f.write(_host.nginx_conf(tmp, PORT, www, args.delay_ms, workers=2))
 
     def sh(*cmd, check=True):
         return subprocess.run(cmd, check=check)

@@ -28,25 +28,10 @@ import sys
 import tempfile
 import time
 
-NGINX_CONF = """
-{load}
-worker_processes 1;
-pid {tmp}/nginx.pid;
-error_log {tmp}/error.log;
-daemon on;
-events {{ worker_connections 1024; }}
-http {{
-    access_log off;
-    sendfile on;
-    tcp_nodelay on;
-    keepalive_requests 100000;
-    server {{
-        listen 127.0.0.1:{port};
-        root {www};
-        {location}
-    }}
-}}
-"""
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import _host  # noqa: E402
+
 
 PY_SERVER = """
 import functools, http.server, sys
@@ -58,7 +43,7 @@ http.server.ThreadingHTTPServer(("127.0.0.1", int(sys.argv[2])),
                                 functools.partial(H, directory=sys.argv[1])).serve_forever()
 """
 
-ECHO = "/usr/lib/nginx/modules/ngx_http_echo_module.so"
+ECHO = _host.NGINX_ECHO
 
 
 def _free_port() -> int:
@@ -90,13 +75,9 @@ class Server:
             raise SystemExit("--delay-ms needs nginx with the echo module (apt-get install nginx libnginx-mod-http-echo)")
         self.kind = kind
         if kind == "nginx":
-            location = ("location / { autoindex on; }" if not delay_ms else
-                        f"location / {{ echo_sleep {delay_ms / 1000}; echo_exec @files; }}\n"
-                        "        location @files { autoindex on; }")
             self.conf = os.path.join(self.tmp, "nginx.conf")
             with open(self.conf, "w") as f:
-                f.write(NGINX_CONF.format(load=f"load_module {ECHO};" if delay_ms else "", tmp=self.tmp,
-                                          port=self.port, www=www, location=location))
+                f.write(_host.nginx_conf(self.tmp, self.port, www, delay_ms))
             subprocess.run(["nginx", "-c", self.conf, "-e", os.path.join(self.tmp, "error.log")], check=True)
         else:
             self.proc = subprocess.Popen([sys.executable, "-c", PY_SERVER, www, str(self.port)])
