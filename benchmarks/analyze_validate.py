@@ -282,7 +282,7 @@ def main(argv=None) -> int:
     ap.add_argument("--overhead", default="1GiB", help="memory cap above the node cache (default 1GiB)")
     ap.add_argument("--repeats", type=int, default=1, help="whole validations to run (analyzer included)")
     ap.add_argument("--analyze-repeats", type=int, default=3,
-                    help="the analyzer's repeats of each in-memory pass, fastest kept (default 3)")
+                    help="the analyzer's repeats of each in-memory pass, median used (default 3)")
     ap.add_argument("--nice", type=int, default=0,
                     help="nice increment of the measured processes (negative, as root: less disturbed by other "
                          "work on a shared machine; default 0)")

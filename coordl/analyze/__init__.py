@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import time
 import warnings
 from typing import Any, Callable, Sequence
@@ -82,8 +83,8 @@ def analyze(root: str | os.PathLike | None = None, *, dataset: Any = None, trans
         fetch_threads: passed to the loader.
         ingest_seconds: how long the step alone runs.
         repeats: run each in-memory pass (fetch warm, prep, cached) this
-            many times and keep the fastest, the one least disturbed by
-            other work on the machine (cold passes run once).
+            many times and use the median rate, which a busy or noisy
+            machine moves less than a single pass (cold passes run once).
         log: progress messages go here (``None``: silent).
     """
     from . import measure as M
@@ -134,7 +135,7 @@ def analyze(root: str | os.PathLike | None = None, *, dataset: Any = None, trans
     F = loader(M.FetchOnly(ds), workers, cache_size)
     passes["fetch_cold"] = M.run_pass(F, device=device)
     say(f"  fetch only, cold ({eviction}): {passes['fetch_cold']['rate']:.1f} samples/s")
-    passes["fetch_warm"] = _best(M, F, None, repeats)
+    passes["fetch_warm"] = _typical(M, F, None, repeats)
     say(f"  fetch only, warm: {passes['fetch_warm']['rate']:.1f} samples/s")
     # 3: prep only at each worker count (F keeps the node cache alive)
     prep, prep_passes, batch = _prep_passes(loader, ds, scaling + ([0] if workers == 0 else []), cache_size,
@@ -153,7 +154,7 @@ def analyze(root: str | os.PathLike | None = None, *, dataset: Any = None, trans
     del batch
     # 5: cached
     L = loader(ds, workers, cache_size)
-    passes["cached"] = _best(M, L, step_fn, repeats)
+    passes["cached"] = _typical(M, L, step_fn, repeats)
     say(f"  loader + step, cached: {passes['cached']['rate']:.1f} samples/s")
     del L, F
     M.collect()
@@ -236,15 +237,23 @@ def analyze(root: str | os.PathLike | None = None, *, dataset: Any = None, trans
     return report
 
 
-def _best(M, loader, step, repeats: int, keep_batch: bool = False) -> dict:
-    """The fastest of ``repeats`` passes of ``loader`` (all rates kept)."""
+def _typical(M, loader, step, repeats: int, keep_batch: bool = False) -> dict:
+    """``repeats`` passes of ``loader``: the pass whose rate is nearest the
+    median, with ``rate`` set to the median of all (every rate kept in
+    ``rates``).  The median, not the fastest: what the model predicts is the
+    rate a training run sustains, and the fastest of several passes is an
+    optimistic estimate of that (on this VM a CPU-bound pass moves both ways
+    by 10-30% from one minute to the next; picking the fastest made every
+    prep-bound prediction of benchmarks/analyze_validate.py too high)."""
     runs = [M.run_pass(loader, step, keep_batch=keep_batch and k == 0) for k in range(repeats)]
-    best = max(runs, key=lambda r: r["rate"])
-    if keep_batch and "batch" not in best:
-        best["batch"] = runs[0]["batch"]
-    best["rates"] = [r["rate"] for r in runs]
-    return best
-
+    rates = [r["rate"] for r in runs]
+    med = statistics.median(rates)
+    chosen = min(runs, key=lambda r: abs(r["rate"] - med))
+    if keep_batch and "batch" not in chosen:
+        chosen["batch"] = runs[0]["batch"]
+    chosen["rate"] = med
+    chosen["rates"] = rates
+    return chosen
 
 
 # -------------------------------------------- the steps analyze() shares
@@ -314,7 +323,7 @@ def _loader_factory(batch_size: int, fetch_threads: int | None):
 def _prep_passes(loader, ds, counts, cache_size: int, repeats: int, say, keep_batch: bool = False):
     """Step 3 of :func:`analyze`: the prep-only pass (loader, no step, data in
     memory: the caller keeps the node cache filled) at each worker count in
-    ``counts``, the fastest of ``repeats``.  Returns ``(P, passes, batch)``:
+    ``counts``, the median of ``repeats``.  Returns ``(P, passes, batch)``:
     ``P`` maps worker counts >= 1 to samples/s, ``passes`` holds each pass
     as ``prep_<w>w``, ``batch`` is a copy of the first batch when
     ``keep_batch`` (else ``None``)."""
@@ -325,7 +334,7 @@ def _prep_passes(loader, ds, counts, cache_size: int, repeats: int, say, keep_ba
     batch = None
     for w in counts:
         L = loader(ds, w, cache_size)
-        r = _best(M, L, None, repeats, keep_batch=keep_batch and batch is None)
+        r = _typical(M, L, None, repeats, keep_batch=keep_batch and batch is None)
         kept = r.pop("batch", None)
         if batch is None:
             batch = kept
@@ -344,7 +353,7 @@ def measure_prep(root: str | os.PathLike | None = None, *, dataset: Any = None, 
                  log: Callable[[str], None] | None = print) -> dict:
     """Only the prep rates ``P(w)`` of :func:`analyze` (its step 3), by the
     same code: the same dataset, loader settings and in-memory source, each
-    worker count's prep-only pass the fastest of ``repeats``.  For measuring
+    worker count's prep-only pass the median of ``repeats``.  For measuring
     ``P(w)`` again next to something else (benchmarks/analyze_validate.py
     alternates it with the loader it predicts) without the other passes.
 

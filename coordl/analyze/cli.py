@@ -35,8 +35,8 @@ def add_parser(sub) -> None:
     a.add_argument("--scaling-workers", default="1,2", help="worker counts whose prep rate is measured (default 1,2)")
     a.add_argument("--max-workers", type=int, default=None, help="workers what-if up to this (default: CPUs)")
     a.add_argument("--fetch-threads", type=int, default=None)
-    a.add_argument("--repeats", type=int, default=1, help="run each in-memory pass this many times and keep the "
-                                                          "fastest (on a busy machine; default 1)")
+    a.add_argument("--repeats", type=int, default=1, help="run each in-memory pass this many times and use the "
+                                                          "median rate (on a busy machine; default 1)")
     a.add_argument("--json", default="analyze.json", help="where to write the report (default analyze.json)")
     a.add_argument("--plot", default="analyze.png", help="where to write the PNG (default analyze.png; '' for none)")
     a.set_defaults(func=run)
