@@ -119,7 +119,10 @@ def _pin_loop(inner, q: queue.Queue, stop: threading.Event, device_index, stage=
                 break
             except queue.Full:
                 continue
-        if item[0] == "end":
+        # drop this frame's reference: an error's traceback holds this frame,
+        # and the cycle would keep the pass (and its workers) alive until gc
+        kind, item = item[0], None
+        if kind == "end":
             return
 
 
@@ -170,7 +173,13 @@ class PinThread:
         if kind == "end":
             self._ended = True
             raise StopIteration
-        raise value
+        try:
+            raise value
+        finally:
+            # the traceback holds this frame: without this the error, the
+            # frame and self would form a cycle that keeps the workers alive
+            # until the garbage collector runs
+            value = None
 
     def worker_processes(self) -> list:
         return self._inner.worker_processes()

@@ -137,3 +137,39 @@ def test_shutdown_workers_of_a_pinned_pass(fake_accelerator):
         w.join(10)
         assert w.exitcode == 0
     assert len(list(L)) == 10
+
+
+def test_a_sample_error_through_the_pin_thread_does_not_keep_the_pass_alive(fake_accelerator, monkeypatch):
+    """After a SampleError from a pinned pass, dropping the iterator frees it
+    (and stops its workers) at once, without waiting for the garbage
+    collector: the re-raised error must not hold the pin thread's or the
+    consumer's frame in a reference cycle."""
+    import gc
+    import weakref
+
+    made = []
+    real_init = pin_mod.PinThread.__init__
+
+    def recording_init(self, *a, **kw):
+        made.append(self)
+        real_init(self, *a, **kw)
+
+    monkeypatch.setattr(pin_mod.PinThread, "__init__", recording_init)
+    L = DataLoader(TwoStageToy(24, bad=[13]), batch_size=4, seed=3, num_workers=2, pin_memory=True)
+    gc.collect()
+    gc.disable()
+    try:
+        it = iter(L)
+        (pin,) = made
+        made.clear()
+        gone, thread = weakref.ref(pin), pin._thread
+        del pin
+        with pytest.raises(SampleError, match="sample 13"):
+            for _ in it:
+                pass
+        del it
+        thread.join(10)  # the pin thread finishes the pass (or stops) and lets go of it
+        assert not thread.is_alive()
+        assert gone() is None, "the pinned pass outlived its iterator: a reference cycle through the error"
+    finally:
+        gc.enable()
