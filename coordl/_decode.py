@@ -173,8 +173,8 @@ def _ends_with_eoi(raw) -> bool:
     return len(raw) >= 4 and raw[-2] == 0xFF and raw[-1] == 0xD9
 
 
-def decode_rgb_crop(raw, box: tuple[int, int, int, int], min_hw: tuple[float, float] | None = None
-                    ) -> tuple[np.ndarray, tuple[int, int, int, int]]:
+def decode_rgb_crop(raw, box: tuple[int, int, int, int], min_hw: tuple[float, float] | None = None,
+                    size: tuple[int, int] | None = None) -> tuple[np.ndarray, tuple[int, int, int, int]]:
     """Decode what is needed of ``box`` = (top, left, h, w), a box of the full-size
     image, as ``decode_rgb(raw, min_hw)`` would, then slice: (array, box in it).
 
@@ -182,9 +182,11 @@ def decode_rgb_crop(raw, box: tuple[int, int, int, int], min_hw: tuple[float, fl
     is ``box`` mapped onto the decoded size (:func:`scaled_box`) when the
     decode used a DCT scale.  With ``coordl._jpegcrop`` only rows and columns
     near the box are decoded (their pixels are the whole decode's); otherwise
-    the array is the whole image from :func:`decode_rgb`.
+    the array is the whole image from :func:`decode_rgb`.  ``size``: the
+    header's (h, w), i.e. ``jpeg_size(raw)``, when the caller has read it.
     """
-    size = jpeg_size(raw)
+    if size is None:
+        size = jpeg_size(raw)
     if size is not None:
         check_pixels(size)  # before a single pixel is allocated, on either path
     if size is not None and _crop is not None and _ends_with_eoi(raw):

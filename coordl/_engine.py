@@ -48,7 +48,7 @@ __all__ = ["Engine", "pass_steps", "place", "finish", "to_copy_path"]
 class _Builder:
     """One batch being assembled, rows in plan order, samples in any order."""
 
-    __slots__ = ("k", "indices", "n", "done", "layout", "slot", "targets", "samples",
+    __slots__ = ("k", "indices", "n", "done", "layout", "slot", "targets", "dests", "samples",
                  "ok", "stats", "copy", "failed")
 
     def __init__(self, k: int, indices: list[int], copy: bool) -> None:
@@ -58,7 +58,8 @@ class _Builder:
         self.done = 0
         self.layout = None
         self.slot = None
-        self.targets = None
+        self.targets = None             # one tensor per leaf over the slot (_collate.views)
+        self.dests = None               # what rows are written through (_collate.row_targets)
         self.samples: list | None = [None] * self.n if copy else None
         self.ok = [False] * self.n
         self.stats = BatchStats()
@@ -226,7 +227,7 @@ class Engine:
         b.failed = True
         if b.slot is not None:
             self.slots.release(b.slot)
-            b.slot, b.targets = None, None
+            b.slot, b.targets, b.dests = None, None, None
         b.samples = None
 
     def _place(self, b: _Builder, j: int, sample) -> None:
@@ -260,7 +261,9 @@ def place(b: _Builder, j: int, sample, slots) -> None:
                 b.targets = _collate.views(b.layout, buf)
         leaves = b.layout.leaves_of(sample) if b.layout is not None else None
         if leaves is not None:
-            _collate.write_row(b.targets, j, leaves)
+            if b.dests is None:     # once per batch (also when the caller set b.targets itself)
+                b.dests = _collate.row_targets(b.layout, b.targets)
+            _collate.write_row(b.dests, j, leaves)
             b.ok[j] = True
             return
         to_copy_path(b, slots)
@@ -277,7 +280,7 @@ def to_copy_path(b: _Builder, slots) -> None:
         b.samples[r] = smp
     if b.slot is not None:
         slots.release(b.slot)
-    b.slot, b.targets, b.copy = None, None, True
+    b.slot, b.targets, b.dests, b.copy = None, None, None, True
 
 
 def finish(b: _Builder, collate_fn, batch_size, slots) -> tuple:

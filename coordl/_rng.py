@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import random
 import threading
-from contextlib import contextmanager
-from typing import Iterator
 
 import torch
 
@@ -61,13 +59,21 @@ def current():
     return g if g is not None else _TORCH_RANDOM
 
 
-@contextmanager
-def sample_rng(seed: int, epoch: int, index: int) -> Iterator[random.Random]:
-    """Make ``derive(seed, epoch, index)`` the current generator in this thread."""
-    prev = getattr(_local, "rng", None)
-    g = derive(seed, epoch, index)
-    _local.rng = g
-    try:
-        yield g
-    finally:
-        _local.rng = prev
+class sample_rng:
+    """``with sample_rng(seed, epoch, index) as g``: make ``g = derive(seed,
+    epoch, index)`` the current generator in this thread, the previous one
+    back on exit.  A class rather than a ``@contextmanager`` generator: it is
+    entered once per sample, and this costs a third as much."""
+
+    __slots__ = ("g", "prev")
+
+    def __init__(self, seed: int, epoch: int, index: int) -> None:
+        self.g = derive(seed, epoch, index)
+
+    def __enter__(self) -> random.Random:
+        self.prev = getattr(_local, "rng", None)
+        _local.rng = self.g
+        return self.g
+
+    def __exit__(self, *exc) -> None:
+        _local.rng = self.prev

@@ -154,6 +154,31 @@ def _resize_tensor(x: torch.Tensor, h: int, w: int, mode: InterpolationMode,
     return y.reshape(*x.shape[:-2], h, w)
 
 
+def _draw_box(height: int, width: int, scale: Sequence[float], ratio: Sequence[float], rng: Any
+              ) -> tuple[int, int, int, int]:
+    """RandomResizedCrop's (top, left, h, w) for a ``height`` x ``width`` image
+    (ints), drawn from ``rng``: the body of ``get_params``, which the fused
+    decode calls directly (no argument checks per sample)."""
+    area = height * width
+    s_lo, s_hi = min(scale), max(scale)
+    lr_lo, lr_hi = math.log(min(ratio)), math.log(max(ratio))
+    for _ in range(10):
+        target_area = area * rng.uniform(s_lo, s_hi)
+        aspect = math.exp(rng.uniform(lr_lo, lr_hi))
+        w = int(round(math.sqrt(target_area * aspect)))
+        h = int(round(math.sqrt(target_area / aspect)))
+        if 0 < w <= width and 0 < h <= height:
+            return rng.randint(0, height - h), rng.randint(0, width - w), h, w
+    in_ratio = width / height  # fallback: the largest central crop with a ratio in range
+    if in_ratio < min(ratio):
+        w, h = width, int(round(width / min(ratio)))
+    elif in_ratio > max(ratio):
+        w, h = int(round(height * max(ratio))), height
+    else:
+        w, h = width, height
+    return (height - h) // 2, (width - w) // 2, h, w
+
+
 def resized_crop(img: Any, top: int, left: int, height: int, width: int, size: Sequence[int],
                  interpolation: Any = InterpolationMode.BILINEAR, antialias: bool | None = True) -> Any:
     """Crop the in-bounds box (top, left, height, width) and resize it to ``size`` (h, w).
@@ -324,25 +349,7 @@ class RandomResizedCrop(Transform):
             width, height = int(img[0]), int(img[1])
         else:
             height, width = _hw(img)
-        rng = _rng.current() if rng is None else rng
-        area = height * width
-        s_lo, s_hi = min(scale), max(scale)
-        lr_lo, lr_hi = math.log(min(ratio)), math.log(max(ratio))
-        for _ in range(10):
-            target_area = area * rng.uniform(s_lo, s_hi)
-            aspect = math.exp(rng.uniform(lr_lo, lr_hi))
-            w = int(round(math.sqrt(target_area * aspect)))
-            h = int(round(math.sqrt(target_area / aspect)))
-            if 0 < w <= width and 0 < h <= height:
-                return rng.randint(0, height - h), rng.randint(0, width - w), h, w
-        in_ratio = width / height  # fallback: the largest central crop with a ratio in range
-        if in_ratio < min(ratio):
-            w, h = width, int(round(width / min(ratio)))
-        elif in_ratio > max(ratio):
-            w, h = int(round(height * max(ratio))), height
-        else:
-            w, h = width, height
-        return (height - h) // 2, (width - w) // 2, h, w
+        return _draw_box(height, width, scale, ratio, _rng.current() if rng is None else rng)
 
     def __call__(self, img: Any) -> Any:
         top, left, h, w = self.get_params(img, self.scale, self.ratio)
@@ -523,11 +530,11 @@ def decode_and_apply(transforms: list, raw) -> Any:
     hw = _decode.jpeg_size(raw)
     if type(first) is RandomResizedCrop and hw is not None:
         H, W = hw
-        top, left, h, w = first.get_params((W, H), first.scale, first.ratio)
+        top, left, h, w = _draw_box(H, W, first.scale, first.ratio, _rng.current())
         oh, ow = first.size
         # only the rows and columns near the crop are decoded, where coordl._jpegcrop is built
         arr, (top, left, h, w) = _decode.decode_rgb_crop(raw, (top, left, h, w),
-                                                         min_hw=(H * oh / h, W * ow / w))
+                                                         min_hw=(H * oh / h, W * ow / w), size=hw)
         x = torch.from_numpy(arr).permute(2, 0, 1)
         x = _resize_tensor(x[:, top:top + h, left:left + w], oh, ow, first.interpolation, first.antialias)
     elif type(first) is Resize and hw is not None:

@@ -136,6 +136,44 @@ def test_fused_random_resized_crop_uses_the_window_decoder(monkeypatch):
     assert all(rows * cols < 0.6 * 375 * 500 for _, (rows, cols, *_rest) in calls)
 
 
+
+def test_fused_decode_reads_the_header_once_and_draws_as_get_params(monkeypatch):
+    """Per-sample work of the fused path: one JPEG header parse per sample
+    (decode_rgb_crop is handed the size), and the crop drawn without
+    get_params' argument checks still draws exactly get_params' numbers."""
+    raw = _jpeg(500, 375)
+    pipe = T.Compose([T.RandomResizedCrop(64), T.RandomHorizontalFlip(), T.PILToTensor()])
+    reads = []
+    real = _decode.jpeg_size
+    monkeypatch.setattr(_decode, "jpeg_size", lambda r: reads.append(1) or real(r))
+    boxes = []
+    real_crop = _decode.decode_rgb_crop
+    monkeypatch.setattr(_decode, "decode_rgb_crop",
+                        lambda r, box, *a, **k: boxes.append(box) or real_crop(r, box, *a, **k))
+    for k in range(20):
+        with _rng.sample_rng(5, 1, k):
+            pipe.from_bytes(raw)
+    assert len(reads) == 20
+    rrc = pipe.transforms[0]
+    want = [rrc.get_params((500, 375), rrc.scale, rrc.ratio, _rng.derive(5, 1, k)) for k in range(20)]
+    assert boxes == want
+
+
+def test_sample_rng_sets_and_restores_the_current_generator():
+    outer = _rng.current()
+    with _rng.sample_rng(1, 2, 3) as g:
+        assert _rng.current() is g
+        with _rng.sample_rng(1, 2, 4) as h:
+            assert _rng.current() is h
+        assert _rng.current() is g
+        assert g.random() == _rng.derive(1, 2, 3).random()
+    assert _rng.current() is outer
+    with pytest.raises(KeyError):
+        with _rng.sample_rng(0, 0, 0):
+            raise KeyError
+    assert _rng.current() is outer
+
+
 # --------------------------------------------------------------------------
 # same draws, same pixels (within rounding), today's path when disabled
 

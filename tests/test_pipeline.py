@@ -93,6 +93,37 @@ def test_in_place_collate_matches_default_collate(sample):
     same(got, want)
 
 
+def test_numbers_written_through_row_targets_match_default_collate():
+    """Python-number leaves go into the slot through numpy views
+    (row_targets): same dtypes and values as default_collate, extremes
+    included; tensor and array leaves still go through torch."""
+    samples = [(torch.full((2, 2), r, dtype=torch.uint8), -(2 ** 63) + r, 1e308 * (r - 1), r == 1,
+                np.full(3, r, dtype=np.int16)) for r in range(3)]
+    lay = _collate.layout_of(samples[0], 3)
+    buf = np.zeros(lay.nbytes, dtype=np.uint8)
+    targets = _collate.views(lay, buf)
+    dests = _collate.row_targets(lay, targets)
+    assert [type(d) for d in dests] == [torch.Tensor, np.ndarray, np.ndarray, np.ndarray, torch.Tensor]
+    for r in (1, 2, 0):
+        _collate.write_row(dests, r, lay.leaves_of(samples[r]))
+    got = _collate.build(lay.template, targets)
+    want = default_collate(samples)
+    assert type(got) is type(want) and len(got) == len(want)
+    for a, b in zip(got, want):
+        assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+
+
+def test_leaves_of_refuses_tensors_of_another_kind():
+    lay = _collate.layout_of((torch.zeros(2, 3), 1), 4)
+    assert lay.leaves_of((torch.zeros(2, 3), 5)) is not None
+    assert lay.leaves_of((torch.zeros(3, 2), 5)) is None                       # shape
+    assert lay.leaves_of((torch.zeros(2, 3, dtype=torch.float64), 5)) is None  # dtype
+    assert lay.leaves_of((torch.zeros(2, 3).to_sparse(), 5)) is None          # layout
+    assert lay.leaves_of((torch.zeros(2, 3, device="meta"), 5)) is None       # device
+    assert lay.leaves_of((torch.zeros(2, 3), 5.0)) is None                     # label kind
+    assert lay.leaves_of((torch.nn.Parameter(torch.zeros(2, 3)), 5)) is not None  # subclass: the full check
+
+
 def test_unsupported_samples_take_copy_path():
     assert _collate.layout_of(("a string", 1), 2) is None
 
@@ -346,3 +377,23 @@ def test_fetcher_does_not_wake_every_thread_per_sample(monkeypatch):
     f.join()
     assert sorted(got) == list(range(n))
     assert wakeups[0] <= n, f"{wakeups[0]} fetch-thread wake-ups for {n} samples"
+
+
+def test_place_into_a_slot_the_caller_laid_out():
+    """The node daemon's member lays out a batch's slot itself (layout and
+    targets, as _Builder fields) and then places samples with the engine's
+    place(): the row targets are made on the first write."""
+    from coordl._engine import _Builder, finish, place
+    from coordl._slots import LocalSlots
+
+    slots = LocalSlots()
+    samples = [(torch.full((2, 2), r, dtype=torch.uint8), 10 + r) for r in range(2)]
+    b = _Builder(0, [0, 1], copy=False)
+    b.layout = _collate.layout_of(samples[0], 2)
+    b.slot, buf = slots.acquire(b.layout.nbytes)
+    b.targets = _collate.views(b.layout, buf)
+    for j in (1, 0):
+        place(b, j, samples[j], slots)
+    assert finish(b, None, 2, slots) == ("batch", 2)
+    got, want = _collate.build(b.layout.template, b.targets), default_collate(samples)
+    assert all(a.dtype == w.dtype and torch.equal(a, w) for a, w in zip(got, want))
