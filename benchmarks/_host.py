@@ -134,7 +134,10 @@ NGINX_ECHO = "/usr/lib/nginx/modules/ngx_http_echo_module.so"
 
 def nginx_conf(tmp: str, port: int, www: str, delay_ms: float = 0, workers: int = 1) -> str:
     """An nginx config serving ``www`` on 127.0.0.1:``port`` with autoindex
-    (fsspec lists folders from it), sendfile and keep-alive; with
+    (fsspec lists folders from it), sendfile, keep-alive and an open-file
+    cache (descriptors and sizes kept between requests, as a production file
+    server is set up: the server shares the loaders' cores here, so its
+    per-request CPU is kept to what serving costs); with
     ``delay_ms`` every request waits that long before its first byte
     (``echo_sleep``, Debian's libnginx-mod-http-echo: ``NGINX_ECHO``)."""
     if delay_ms:
@@ -153,6 +156,8 @@ http {{
     access_log off;
     sendfile on;
     tcp_nodelay on;
+    open_file_cache max=20000 inactive=300s;
+    open_file_cache_valid 300s;
     keepalive_requests 100000;
     server {{
         listen 127.0.0.1:{port};

@@ -166,8 +166,6 @@ def inner(args) -> None:
         w.writerows(rows)
 
 
-
-
 def outer(args) -> int:
     if shutil.which("nginx") is None or shutil.which("ip") is None or \
             not os.path.exists(_host.NGINX_ECHO):

@@ -43,9 +43,6 @@ http.server.ThreadingHTTPServer(("127.0.0.1", int(sys.argv[2])),
                                 functools.partial(H, directory=sys.argv[1])).serve_forever()
 """
 
-ECHO = _host.NGINX_ECHO
-
-
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -71,7 +68,7 @@ class Server:
         self.conf = None
         if kind == "auto":
             kind = "nginx" if shutil.which("nginx") else "python"
-        if delay_ms and (kind != "nginx" or not os.path.exists(ECHO)):
+        if delay_ms and (kind != "nginx" or not os.path.exists(_host.NGINX_ECHO)):
             raise SystemExit("--delay-ms needs nginx with the echo module (apt-get install nginx libnginx-mod-http-echo)")
         self.kind = kind
         if kind == "nginx":
