@@ -29,6 +29,9 @@ def main() -> None:
     p.add_argument("--barrier", type=int, default=1, help="synchronize ranks between epochs")
     p.add_argument("--barriers", type=int, default=-1, help="only after the first N epochs (-1: all)")
     p.add_argument("--stop-self-after", type=int, default=-1, help="SIGSTOP itself after this epoch")
+    p.add_argument("--await-stop-after", type=int, default=-1,
+                   help="after this epoch's barrier, wait until the rank writing --await-stop-of is stopped")
+    p.add_argument("--await-stop-of", default="", help="that rank's --out file (its first line has its pid)")
     p.add_argument("--sleep", type=float, default=0.0, help="seconds per batch")
     p.add_argument("--progress", type=int, default=0, help="write a line per batch")
     p.add_argument("--report", type=int, default=0, help="write the node caches' info at the end")
@@ -78,6 +81,8 @@ def main() -> None:
                 dist.barrier()
             if epoch == a.stop_self_after:
                 os.kill(os.getpid(), signal.SIGSTOP)    # a stalled node: its server stops answering
+            if epoch == a.await_stop_after:
+                _await_stopped(a.await_stop_of)
         if a.report:
             import contextlib
             import io
@@ -109,6 +114,21 @@ def main() -> None:
             time.sleep(0.05)
         out.write(json.dumps({"threads_left": left, "sockets_left": socks}) + "\n")
     dist.destroy_process_group()
+
+
+def _await_stopped(out_file: str, timeout: float = 60.0) -> None:
+    """Wait until the rank that writes ``out_file`` is stopped: the barrier
+    lets everyone go at once, and without this the next epoch could be served
+    by that rank's server in the moment before it stops itself."""
+    import psutil
+
+    with open(out_file) as f:
+        pid = json.loads(f.readline())["pid"]
+    deadline = time.monotonic() + timeout
+    while psutil.Process(pid).status() != psutil.STATUS_STOPPED:
+        if time.monotonic() > deadline:
+            raise SystemExit(f"rank with pid {pid} did not stop within {timeout} s")
+        time.sleep(0.005)
 
 
 if __name__ == "__main__":

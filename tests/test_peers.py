@@ -153,8 +153,10 @@ def test_a_peer_killed_mid_epoch_costs_storage_reads_not_samples(tmp_path, data)
 
 
 def test_a_stalled_peer_costs_one_timeout_and_serves_again_next_epoch(tmp_path, data):
-    # every rank finishes epoch 0 (n1 holds its share), then n1's lowest rank (its server) stops
-    c = Cluster(tmp_path, data, epochs=3, barriers=1, rank_opts={2: {"stop_self_after": 0}})
+    # every rank finishes epoch 0 (n1 holds its share), then n1's lowest rank (its server) stops;
+    # the others start epoch 1 only once it has (else its server might serve a batch first)
+    c = Cluster(tmp_path, data, epochs=3, barriers=1, await_stop_after=0, await_stop_of=tmp_path / "rank2.jsonl",
+                rank_opts={2: {"stop_self_after": 0, "await_stop_after": -1}})
     try:
         c.wait_for(0, lambda x: x.get("epoch") == 1)
         assert psutil.Process(c.procs[2].pid).status() == psutil.STATUS_STOPPED
