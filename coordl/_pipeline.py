@@ -586,9 +586,15 @@ class InlineIter:
         self._pos += 1
         eng.on_consumed(k)
         if kind == "error":  # this batch failed; the pass goes on with the next (as torch's)
-            e = p[0].exception()
+            e, p = p[0].exception(), None
             e.coordl_step = k  # the step is used up: the loader's state counts it
-            raise e
+            try:
+                raise e
+            finally:
+                # the traceback holds this frame: its locals must not hold the
+                # error (e, or p through the Failure), or error, frame and self
+                # form a cycle that keeps the pass alive until gc
+                e = None
         if kind == "batch":
             buf, layout, rows, stats = p
             batch = _collate.build(layout.template, _collate.views(layout, buf, rows))

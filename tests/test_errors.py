@@ -216,3 +216,41 @@ def test_user_types_rebuilt_as_torch_would():
     assert "coordl: error preparing sample 1 (x)" in str(e)
     # T(message) raises: plain SampleError, as torch falls back to RuntimeError
     assert sample_error_type(TwoArgError) is SampleError
+
+
+@pytest.mark.parametrize("stage", ["prep", "raw"])
+def test_an_in_process_sample_error_does_not_keep_the_pass_alive(monkeypatch, stage):
+    """num_workers=0: after a SampleError, dropping the error and the iterator
+    frees the pass at once, without the garbage collector: neither the error
+    nor the frames its traceback holds may be in a reference cycle with the
+    iterator (which holds the pass's fetch threads and read-ahead)."""
+    import gc
+    import weakref
+
+    from coordl import _pipeline
+
+    made = []
+    real_init = _pipeline.InlineIter.__init__
+
+    def recording_init(self, *a, **kw):
+        made.append(weakref.ref(self))
+        real_init(self, *a, **kw)
+
+    monkeypatch.setattr(_pipeline.InlineIter, "__init__", recording_init)
+    L = DataLoader(ErrDataset(12, bad=5, kind="value", stage=stage), batch_size=2, num_workers=0, seed=0)
+    gc.collect()
+    gc.disable()
+    try:
+        it = iter(L)
+        caught = None
+        try:
+            for _ in it:
+                pass
+        except SampleError as e:
+            caught = str(e)
+        assert caught is not None and "sample 5" in caught
+        assert len(made) == 1 and made[0]() is not None
+        del it
+        assert made[0]() is None, "the pass outlived its iterator: a reference cycle through the error"
+    finally:
+        gc.enable()
