@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import gc
 import os
+import re
 import shutil
 
 import pytest
@@ -32,6 +33,14 @@ from coordl.testing import (
 
 LEAK_GRACE = float(os.environ.get("COORDL_LEAK_GRACE", "5"))
 _SESSION_SHM = None
+_SESSION_SHM_RE = re.compile(r"coordl-test-\d+")
+
+
+def _leaks(before_pids, before_shm, grace):
+    """:func:`wait_no_leaks`, less the session directories of pytest runs
+    (another run's, made or removed meanwhile on this machine, is not ours)."""
+    procs, shm = wait_no_leaks(before_pids, before_shm, grace=grace)
+    return procs, {e for e in shm if not _SESSION_SHM_RE.fullmatch(os.path.basename(e))}
 
 
 def pytest_configure(config):
@@ -63,13 +72,13 @@ def _no_leaked_processes_or_shm(request):
     yield
     from coordl import _reaper
     _reaper.flush(LEAK_GRACE)  # clean-ups the test's finalizers handed to the reaper
-    procs, shm = wait_no_leaks(before_pids, before_shm, grace=0)
+    procs, shm = _leaks(before_pids, before_shm, 0)
     if procs or shm:
         # Iterators caught in reference cycles shut their workers down only
         # when collected: collect now rather than blame a later test.  (A full
         # collection costs ~0.1 s with torch loaded, so only when needed.)
         gc.collect()
-        procs, shm = wait_no_leaks(before_pids, before_shm, grace=LEAK_GRACE)
+        procs, shm = _leaks(before_pids, before_shm, LEAK_GRACE)
     if not procs and not shm:
         return
     report = [f"test leaked resources (still present {LEAK_GRACE:g} s after it ended):"]
