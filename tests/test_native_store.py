@@ -252,3 +252,57 @@ def test_remote_cpu_benchmark_runs():
     assert r.returncode == 0, r.stdout + r.stderr
     lines = {line.split()[0]: line for line in r.stdout.splitlines() if line.split()}
     assert "us/sample" in lines["fsspec"] and "us/sample" in lines["obstore"], r.stdout
+
+
+class _Stall:
+    """A TCP server that accepts connections and never answers."""
+
+    def __init__(self):
+        import socket
+
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(64)
+        self.port = self.sock.getsockname()[1]
+        self.conns = []
+        self.thread = threading.Thread(target=self._accept, daemon=True)
+        self.thread.start()
+
+    def _accept(self):
+        while True:
+            try:
+                c, _ = self.sock.accept()
+            except OSError:
+                return
+            self.conns.append(c)   # held open, never read or written
+
+    def stop(self):
+        for c in self.conns:
+            c.close()
+        self.sock.close()
+        self.thread.join(5)
+
+
+def test_a_stalled_server_is_a_timeout_error_as_with_fsspec():
+    """A server that takes the connection and never answers: the native read
+    ends in ``TimeoutError`` naming the URL (what aiohttp raises through
+    fsspec), after its retries, not a hang."""
+    import aiohttp
+
+    from coordl._native_store import Native
+
+    srv = _Stall()
+    try:
+        base = f"http://127.0.0.1:{srv.port}/photos"
+        native = Native(base, "http", {}, {"allow_http": True, "timeout": "1s"})
+        url = base + "/class_00/x.jpg"
+        e = _error(lambda: native.read("class_00/x.jpg", url))
+        assert isinstance(e, TimeoutError), repr(e)
+        assert str(e).startswith(f"Timed out reading {url}")
+        import fsspec
+
+        fs = fsspec.filesystem("http", client_kwargs={"timeout": aiohttp.ClientTimeout(total=1)},
+                               skip_instance_cache=True)
+        assert isinstance(_error(lambda: fs.cat_file(url)), TimeoutError)
+    finally:
+        srv.stop()
