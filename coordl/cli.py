@@ -10,9 +10,9 @@ __all__ = ["main"]
 def _cmd_demo(args) -> int:
     from .demo import run_demo
 
-    run_demo(root=args.root, images=args.images, epochs=args.epochs,
-             workers=args.workers, batch_size=args.batch_size)
-    return 0
+    out = run_demo(root=args.root, images=args.images, epochs=args.epochs,
+                   workers=args.workers, batch_size=args.batch_size)
+    return 0 if out["resume_exact"] else 1   # the demo's own check failed: say so to the shell
 
 
 def _cmd_cache(args) -> int:

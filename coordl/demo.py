@@ -70,7 +70,9 @@ def run_demo(root: str | None = None, images: int = 600, epochs: int = 2,
         print(f"{'loader':<28}{'images':>8}{'seconds':>10}{'images/s':>11}")
         print(f"{'torch.utils.data.DataLoader':<28}{n_torch:>8}{t_torch:>10.2f}{r_torch:>11.1f}")
         print(f"{'coordl.DataLoader':<28}{n_coordl:>8}{t_coordl:>10.2f}{r_coordl:>11.1f}")
-        print(f"coordl / torch throughput: {r_coordl / r_torch:.2f}x\n")
+        print(f"coordl / torch throughput: {r_coordl / r_torch:.2f}x")
+        print("(both read the same coordl.ImageFolder, decode included, so this is the loader alone;\n"
+              " benchmarks/throughput.py compares with torch's usual PIL pipeline and with DALI)\n")
 
         print("what coordl did:")
         print("  order: epoch plan, seed=0 (epoch e's order is a pure function of (seed, e))")
