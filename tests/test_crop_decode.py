@@ -136,7 +136,6 @@ def test_fused_random_resized_crop_uses_the_window_decoder(monkeypatch):
     assert all(rows * cols < 0.6 * 375 * 500 for _, (rows, cols, *_rest) in calls)
 
 
-
 def test_fused_decode_reads_the_header_once_and_draws_as_get_params(monkeypatch):
     """Per-sample work of the fused path: one JPEG header parse per sample
     (decode_rgb_crop is handed the size), and the crop drawn without

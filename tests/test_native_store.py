@@ -288,6 +288,7 @@ def test_a_stalled_server_is_a_timeout_error_as_with_fsspec():
     ends in ``TimeoutError`` naming the URL (what aiohttp raises through
     fsspec), after its retries, not a hang."""
     import aiohttp
+    import fsspec
 
     from coordl._native_store import Native
 
@@ -299,8 +300,6 @@ def test_a_stalled_server_is_a_timeout_error_as_with_fsspec():
         e = _error(lambda: native.read("class_00/x.jpg", url))
         assert isinstance(e, TimeoutError), repr(e)
         assert str(e).startswith(f"Timed out reading {url}")
-        import fsspec
-
         fs = fsspec.filesystem("http", client_kwargs={"timeout": aiohttp.ClientTimeout(total=1)},
                                skip_instance_cache=True)
         assert isinstance(_error(lambda: fs.cat_file(url)), TimeoutError)
