@@ -51,6 +51,7 @@ import torch
 from PIL import Image
 
 from . import _rng
+from . import datasets as _datasets
 from . import transforms as T
 from .datasets import TwoStageFolder, pil_decode
 
@@ -133,6 +134,9 @@ class TorchvisionFolder(TwoStageFolder):
     def __init__(self, dataset: Any, transform: Any):
         super().__init__(dataset)
         self.transform = transform
+        # coordl's function of the same name and result: the dataset then pickles (workers under
+        # spawn, the node daemon) without torchvision whenever its transforms were all translated
+        self.loader = _datasets.pil_loader if self.loader.__name__ == "pil_loader" else _datasets.default_loader
 
     def _repr_name(self) -> str:
         return f"{type(self).__name__}(torchvision {self._source})"
