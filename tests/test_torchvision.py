@@ -452,3 +452,35 @@ def test_analyze_reads_a_torchvision_dataset(photos, tmp_path):
 
     rep = json.loads(out.read_text())
     assert rep["dataset"]["samples"] == 30 and rep["dataset"]["files"] == 30
+
+
+def test_peers_serve_what_the_other_node_cached(photos, tmp_path):
+    import json
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    total = sum(os.path.getsize(p) for p, _ in D.ImageFolder(photos).samples)
+    job = os.path.join(HERE, "_tv_peers_job.py")
+    procs = [subprocess.Popen([sys.executable, job, photos, str(r), "2", port, str(total + 65536)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+             for r in range(2)]
+    outs = []
+    try:
+        for p in procs:
+            out, err = p.communicate(timeout=180)
+            assert p.returncode == 0, err[-3000:]
+            outs.append([json.loads(line) for line in out.splitlines() if line.startswith("{")])
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait(10)
+    targets = sorted(D.ImageFolder(photos).targets)
+    for epoch in range(2):
+        assert sorted(outs[0][epoch]["got"] + outs[1][epoch]["got"]) == targets  # every sample once
+    assert all(o[0]["path"] == "coordl" for o in outs)
+    second = [o[1]["stats"] for o in outs]
+    assert sum(s["samples_from_storage"] for s in second) == 0          # epoch 1: nothing from storage
+    assert sum(s["samples_from_peers"] for s in second) > 0             # the other node's half from it
