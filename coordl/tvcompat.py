@@ -21,9 +21,11 @@ The rules (docs/api.md, "torchvision datasets and transforms"):
   log-uniform aspect ratio, then the central fallback; RandomCrop: uniform
   offsets; flips: Bernoulli(p)) and computes the same thing up to
   interpolation rounding.  PIL always antialiases, so a step on the PIL image
-  becomes a step on the uint8 tensor with ``antialias=True``; steps on a
-  tensor (after ``ToImage``/``PILToTensor``) keep their own ``antialias``.
-  Interpolations coordl's tensor kernels lack (box, hamming, lanczos),
+  becomes a step on the uint8 tensor with ``antialias=True`` (torch's
+  antialiased bilinear and bicubic kernels are PIL's, to rounding); steps on
+  a tensor (after ``ToImage``/``PILToTensor``) keep their own ``antialias``.
+  Interpolations coordl's tensor kernels lack (box, hamming, lanczos; PIL's
+  nearest, which picks other pixels than torch's),
   padding, ``ToDtype`` with a dict, and anything unknown end the fused
   prefix.
 * Whatever follows the fused prefix runs as written, on what it expects: a
@@ -234,8 +236,10 @@ def _interp(value: Any, on_pil: bool, antialias: bool) -> T.InterpolationMode | 
             return None
     if name == "bilinear":
         return T.InterpolationMode.BILINEAR
-    if name == "nearest":  # PIL's nearest samples pixel centres: torch's "nearest-exact"
-        return T.InterpolationMode.NEAREST_EXACT if on_pil else T.InterpolationMode.NEAREST
+    # PIL's nearest picks other source pixels than torch's "nearest" and "nearest-exact" do
+    # (measured: several levels per pixel on average), so it is run as written
+    if name == "nearest" and not on_pil:
+        return T.InterpolationMode.NEAREST
     if name == "nearest-exact" and not on_pil:
         return T.InterpolationMode.NEAREST_EXACT
     if name == "bicubic" and antialias:  # torch's antialiased bicubic uses PIL's kernel

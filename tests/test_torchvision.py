@@ -502,3 +502,16 @@ def test_demo_compares_the_torchvision_loop_and_says_what_coordl_did(with_tv):
     else:
         assert "written by hand" in out and "path: coordl" in out
     assert "coordl / torch throughput:" in out and "identical to an uninterrupted epoch" in out
+
+
+def test_pil_nearest_is_run_as_written_and_tensor_nearest_is_fused():
+    _, f, r = translate(V1.Compose([V1.Resize(20, interpolation=V1.InterpolationMode.NEAREST), V1.PILToTensor()]))
+    assert f == () and r == ("Resize", "PILToTensor")
+    out, f, r = translate(V2.Compose([V2.PILToTensor(), V2.Resize(20, interpolation=V2.InterpolationMode.NEAREST)]))
+    assert f == ("PILToTensor", "Resize") and r == ()
+    assert out.transforms[0].interpolation.value == "nearest"
+    x = torch.randint(0, 256, (3, 37, 53), dtype=torch.uint8)
+    for interp in (V2.InterpolationMode.NEAREST, V2.InterpolationMode.BILINEAR):
+        theirs = V2.Resize(20, interpolation=interp)
+        ours = translate(V2.Compose([V2.PILToTensor(), theirs]))[0].transforms[0]
+        assert torch.equal(ours(x), theirs(x))  # on a tensor: torchvision's pixels exactly
