@@ -515,3 +515,37 @@ def test_pil_nearest_is_run_as_written_and_tensor_nearest_is_fused():
         theirs = V2.Resize(20, interpolation=interp)
         ours = translate(V2.Compose([V2.PILToTensor(), theirs]))[0].transforms[0]
         assert torch.equal(ours(x), theirs(x))  # on a tensor: torchvision's pixels exactly
+
+
+class KeepsGetItem(D.ImageFolder):
+    """A subclass that changes how classes are found but keeps __getitem__ and the loader."""
+
+    def find_classes(self, directory):
+        classes, _ = super().find_classes(directory)
+        classes = classes[::-1]
+        return classes, {c: i for i, c in enumerate(classes)}
+
+
+def test_a_subclass_that_keeps_getitem_and_loader_runs_on_coordls_path(photos):
+    ds = KeepsGetItem(photos, transform=V1.Compose([V1.Resize((8, 8)), V1.PILToTensor()]))
+    L = coordl.DataLoader(ds, batch_size=30, shuffle=False)
+    assert L.stats().path == "coordl"
+    (_, y), = list(L)
+    assert y.tolist() == ds.targets and ds.targets[0] == len(ds.classes) - 1
+
+
+def test_coordl_never_imports_torchvision_for_its_own_objects(photos):
+    code = textwrap.dedent(f"""
+        import sys, torch, coordl
+        from coordl import transforms as T
+        ds = coordl.ImageFolder({photos!r}, transform=T.Compose([T.RandomResizedCrop(8), T.PILToTensor()]))
+        for d in (ds, torch.utils.data.TensorDataset(torch.arange(6))):
+            L = coordl.DataLoader(d, batch_size=3, num_workers=1)
+            list(L)
+            print(L.stats().path)
+        from coordl.analyze import measure
+        print("LOADED", sorted(m for m in sys.modules if m.split(".")[0] == "torchvision"))
+    """)
+    r = run_in_child(code, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "LOADED []" in r.stdout and r.stdout.split()[:2] == ["coordl", "torch"]
