@@ -6,7 +6,6 @@ tests/_torchvision.py (see there why it needs help beside CPU torch)."""
 import math
 import os
 import pickle
-import random
 import subprocess
 import sys
 import textwrap
@@ -32,7 +31,7 @@ import coordl  # noqa: E402
 from coordl import _rng  # noqa: E402
 from coordl import transforms as T  # noqa: E402
 from coordl.testing import run_in_child  # noqa: E402
-from coordl.tvcompat import TorchvisionFolder, TorchvisionPipeline, adapt, translate  # noqa: E402
+from coordl.tvcompat import TorchvisionFolder, adapt, translate  # noqa: E402
 
 MEAN, STD = [0.485, 0.456, 0.406], [0.229, 0.224, 0.225]
 
@@ -158,7 +157,8 @@ def _ks(a, b) -> float:
     """Two-sample Kolmogorov-Smirnov statistic."""
     a, b = np.sort(a), np.sort(b)
     grid = np.concatenate([a, b])
-    return float(np.max(np.abs(np.searchsorted(a, grid, "right") / len(a) - np.searchsorted(b, grid, "right") / len(b))))
+    fa, fb = np.searchsorted(a, grid, "right") / len(a), np.searchsorted(b, grid, "right") / len(b)
+    return float(np.max(np.abs(fa - fb)))
 
 
 def _ks_ok(a, b) -> bool:
@@ -443,7 +443,8 @@ def test_analyze_reads_a_torchvision_dataset(photos, tmp_path):
             return datasets.ImageFolder({photos!r}, transform=V1.Compose([V1.RandomResizedCrop(16), V1.ToTensor()]))
     """))
     out = tmp_path / "r.json"
-    code = (f"import sys; from coordl.cli import main; sys.exit(main(['analyze', '--dataset', {str(script) + ':make'!r}, "
+    spec = str(script) + ":make"
+    code = (f"import sys; from coordl.cli import main; sys.exit(main(['analyze', '--dataset', {spec!r}, "
             f"'--rate', '1e6', '--batch-size', '6', '--workers', '1', '--scaling-workers', '1', '--evict', 'fadvise', "
             f"'--json', {str(out)!r}, '--plot', '']))")
     r = run_in_child(code, timeout=240)
