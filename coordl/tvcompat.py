@@ -43,7 +43,6 @@ The rules (docs/api.md, "torchvision datasets and transforms"):
 from __future__ import annotations
 
 import logging
-import operator
 import random
 import sys
 from dataclasses import dataclass
@@ -373,19 +372,15 @@ def adapt(dataset: Any) -> tuple[Any, Decision | None]:
     if not from_torchvision(dataset):
         return dataset, None
     why = _why_not(dataset)
-    if why is None:
-        samples = getattr(dataset, "samples", None)
-        try:
-            if samples is None:
-                raise TypeError("it has no samples")
-            for s in samples:
-                operator.index(s[1])
-        except (TypeError, IndexError, ValueError) as e:
-            why = f"its samples are not (path, class index) pairs ({e})"
+    if why is None and getattr(dataset, "samples", None) is None:
+        why = "it has no samples"
     if why is not None:
         return dataset, Decision("torch", why)
     transform, fused, as_written = translate(dataset.transform)
-    adapted = TorchvisionFolder(dataset, transform)
+    try:
+        adapted = TorchvisionFolder(dataset, transform)
+    except (TypeError, ValueError) as e:  # a subclass's make_dataset gave other kinds of samples
+        return dataset, Decision("torch", f"its samples are not (path, class index) pairs ({e})")
     if dataset.transform is None:
         what = "no transform"
     else:

@@ -546,3 +546,20 @@ def test_coordl_never_imports_torchvision_for_its_own_objects(photos):
     r = run_in_child(code, timeout=120)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "LOADED []" in r.stdout and r.stdout.split()[:2] == ["coordl", "torch"]
+
+
+class OddTargets(D.ImageFolder):
+    """make_dataset gives targets that are not class indices (torch passes them through)."""
+
+    @staticmethod
+    def make_dataset(directory, class_to_idx, extensions=None, is_valid_file=None, allow_empty=False):
+        out = D.ImageFolder.make_dataset(directory, class_to_idx, extensions, is_valid_file, allow_empty)
+        return [(p, f"label-{t}") for p, t in out]
+
+
+def test_samples_that_are_not_class_indices_stay_on_torchs_path(photos):
+    ds = OddTargets(photos, transform=V1.Compose([V1.Resize((8, 8)), V1.PILToTensor()]))
+    L = coordl.DataLoader(ds, batch_size=30, shuffle=False)
+    assert L.stats().path == "torch" and "not (path, class index) pairs" in L.stats().path_reason
+    (_, y), = list(L)
+    assert list(y) == [t for _, t in ds.samples]
