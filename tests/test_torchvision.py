@@ -563,3 +563,13 @@ def test_samples_that_are_not_class_indices_stay_on_torchs_path(photos):
     assert L.stats().path == "torch" and "not (path, class index) pairs" in L.stats().path_reason
     (_, y), = list(L)
     assert list(y) == [t for _, t in ds.samples]
+
+
+def test_a_user_sampler_keeps_torchs_iterators_and_says_so(photos):
+    ds = D.ImageFolder(photos, transform=v1_pipeline(16))
+    sampler = torch.utils.data.RandomSampler(ds, generator=torch.Generator().manual_seed(0))
+    L = coordl.DataLoader(ds, batch_size=8, sampler=sampler, num_workers=1)
+    s = L.stats()
+    assert s.path == "torch" and "fused RandomResizedCrop" in s.path_reason and "user sampler" in s.path_reason
+    ys = torch.cat([y for _, y in L])
+    assert sorted(ys.tolist()) == sorted(ds.targets)
