@@ -573,3 +573,15 @@ def test_a_user_sampler_keeps_torchs_iterators_and_says_so(photos):
     assert s.path == "torch" and "fused RandomResizedCrop" in s.path_reason and "user sampler" in s.path_reason
     ys = torch.cat([y for _, y in L])
     assert sorted(ys.tolist()) == sorted(ds.targets)
+
+
+def test_a_copy_with_a_subset_of_samples_is_recognized(photos):
+    import copy
+
+    ds = D.ImageFolder(photos, transform=V1.Compose([V1.Resize((8, 8)), V1.PILToTensor()]))
+    part = copy.copy(ds)
+    part.samples = [ds.samples[i] for i in range(0, len(ds), 3)]
+    L = coordl.DataLoader(part, batch_size=len(part.samples), shuffle=False)
+    assert L.stats().path == "coordl" and len(L.dataset) == len(part)
+    (_, y), = list(L)
+    assert y.tolist() == [t for _, t in part.samples]
