@@ -1,9 +1,12 @@
 """The README's first command: a small end-to-end run on generated photos.
 
 Generates a photo-like JPEG ImageFolder, trains nothing, and reads it a few
-epochs through torch's DataLoader and through coordl with the same transforms,
-workers and batch size; then shows what coordl did (plan, stats) and a
-mid-epoch save/restore that continues exactly where it stopped.
+epochs the way users do today, torch's DataLoader over torchvision's
+ImageFolder and transforms (or, where torchvision does not import, the same
+PIL pipeline written by hand), and then with the same code on
+coordl.DataLoader, with the same workers and batch size; then shows what
+coordl did (which path, fused transforms, plan, stats) and a mid-epoch
+save/restore that continues exactly where it stopped.
 """
 from __future__ import annotations
 
@@ -17,10 +20,75 @@ import torch
 __all__ = ["run_demo"]
 
 
-def _pipeline():
+MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
+
+
+def _torchvision():
+    """torchvision, when it imports as it is (never patched), else None."""
+    try:
+        import torchvision  # noqa: F401
+        from torchvision import datasets, transforms
+    except Exception:  # absent, or its compiled operators do not load beside this torch build
+        return None
+    return datasets, transforms
+
+
+class _HandWrittenFolder(torch.utils.data.Dataset):
+    """What torchvision's ImageFolder + RandomResizedCrop(224), RandomHorizontalFlip(),
+    ToTensor(), Normalize() do, written with PIL by hand (torch's RNG, torchvision's
+    crop algorithm): what users without torchvision would run."""
+
+    def __init__(self, root: str, size: int = 224):
+        from .datasets import IMG_EXTENSIONS, find_classes
+
+        self.classes, self.class_to_idx = find_classes(root)
+        self.samples = []
+        for c in self.classes:
+            for dirpath, _dirs, files in sorted(os.walk(os.path.join(root, c))):
+                self.samples += [(os.path.join(dirpath, f), self.class_to_idx[c]) for f in sorted(files)
+                                 if f.lower().endswith(IMG_EXTENSIONS)]
+        self.size = size
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __getitem__(self, i: int):
+        from PIL import Image
+
+        from . import transforms as T
+
+        path, target = self.samples[i]
+        with open(path, "rb") as f:
+            img = Image.open(f).convert("RGB")
+        top, left, h, w = T.RandomResizedCrop.get_params(img, (0.08, 1.0), (3 / 4, 4 / 3))
+        img = img.crop((left, top, left + w, top + h)).resize((self.size, self.size), Image.Resampling.BILINEAR)
+        if torch.rand(1) < 0.5:
+            img = img.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
+        x = T._to_chw(img).float().div_(255)
+        x = (x - torch.tensor(MEAN).view(3, 1, 1)) / torch.tensor(STD).view(3, 1, 1)
+        return x, target
+
+
+def _datasets(root: str):
+    """``(what torch's DataLoader reads, what coordl.DataLoader reads, description)``:
+    torchvision's ImageFolder + transforms for both when torchvision imports;
+    otherwise the hand-written PIL pipeline for torch and coordl's namesakes."""
+    tv = _torchvision()
+    if tv is not None:
+        datasets, V = tv
+        tf = V.Compose([V.RandomResizedCrop(224), V.RandomHorizontalFlip(), V.ToTensor(), V.Normalize(MEAN, STD)])
+        ds = datasets.ImageFolder(root, transform=tf)
+        return ds, ds, ("torchvision.datasets.ImageFolder + torchvision.transforms (RandomResizedCrop(224), "
+                        "RandomHorizontalFlip(), ToTensor(), Normalize()), the same object for both loaders")
+    from . import ImageFolder
     from . import transforms as T
 
-    return T.Compose([T.RandomResizedCrop(224), T.RandomHorizontalFlip(), T.PILToTensor()])
+    mine = ImageFolder(root, transform=T.Compose([T.RandomResizedCrop(224), T.RandomHorizontalFlip(), T.ToTensor(),
+                                                  T.Normalize(MEAN, STD)]))
+    return _HandWrittenFolder(root), mine, (
+        "torchvision does not import here, so torch reads the same PIL pipeline written by hand "
+        "(ImageFolder + RandomResizedCrop(224), RandomHorizontalFlip(), ToTensor(), Normalize()) "
+        "and coordl its namesakes coordl.ImageFolder + coordl.transforms")
 
 
 def _time_epochs(loader, epochs: int) -> tuple[float, int]:
@@ -48,15 +116,14 @@ def run_demo(root: str | None = None, images: int = 600, epochs: int = 2,
             t0 = time.perf_counter()
             make_image_folder(root, num_images=images, num_classes=10, seed=0)
             print(f"generated {images} photo-like JPEGs in {root} ({time.perf_counter() - t0:.1f}s)")
-        tf = _pipeline()
-        ds = ImageFolder(root, transform=tf)
-        total_bytes = int(ds.sizes.sum())
-        print(f"dataset: {len(ds)} images, {len(ds.classes)} classes, {total_bytes / 2**20:.1f} MiB")
-        print(f"pipeline: {tf!r}")
-        print(f"loaders: batch_size={batch_size}, num_workers={workers}, {epochs} epochs each\n")
+        torch_ds, ds, what = _datasets(root)
+        total_bytes = sum(os.path.getsize(p) for p, _ in torch_ds.samples)
+        print(f"dataset: {len(torch_ds)} images, {len(torch_ds.classes)} classes, {total_bytes / 2**20:.1f} MiB")
+        print(f"pipeline: {what}")
+        print(f"loaders: batch_size={batch_size}, num_workers={workers}, shuffle=True, {epochs} epochs each\n")
 
         torch.manual_seed(0)
-        torch_loader = TorchDataLoader(ds, batch_size=batch_size, shuffle=True, num_workers=workers)
+        torch_loader = TorchDataLoader(torch_ds, batch_size=batch_size, shuffle=True, num_workers=workers)
         t_torch, n_torch = _time_epochs(torch_loader, epochs)
         del torch_loader
 
@@ -70,11 +137,10 @@ def run_demo(root: str | None = None, images: int = 600, epochs: int = 2,
         print(f"{'loader':<28}{'images':>8}{'seconds':>10}{'images/s':>11}")
         print(f"{'torch.utils.data.DataLoader':<28}{n_torch:>8}{t_torch:>10.2f}{r_torch:>11.1f}")
         print(f"{'coordl.DataLoader':<28}{n_coordl:>8}{t_coordl:>10.2f}{r_coordl:>11.1f}")
-        print(f"coordl / torch throughput: {r_coordl / r_torch:.2f}x")
-        print("(both read the same coordl.ImageFolder, decode included, so this is the loader alone;\n"
-              " benchmarks/throughput.py compares with torch's usual PIL pipeline and with DALI)\n")
+        print(f"coordl / torch throughput: {r_coordl / r_torch:.2f}x (only the DataLoader import differs)\n")
 
         print("what coordl did:")
+        print(f"  path: {st.path} ({st.path_reason})")
         print("  order: epoch plan, seed=0 (epoch e's order is a pure function of (seed, e))")
         print(f"  samples delivered: {st.samples} in {st.batches} batches over {len(st.epochs)} epochs")
         for e in st.epochs:
@@ -100,7 +166,8 @@ def run_demo(root: str | None = None, images: int = 600, epochs: int = 2,
         same = len(got) == len(want) and all(torch.equal(x, y) for x, y in zip(got, want))
         print(f"  resume: stopped after batch {cut} of {len(want)}, restored into a new loader: "
               f"{'identical to an uninterrupted epoch' if same else 'MISMATCH'}")
-        return {"torch_images_per_s": r_torch, "coordl_images_per_s": r_coordl, "resume_exact": same}
+        return {"torch_images_per_s": r_torch, "coordl_images_per_s": r_coordl, "resume_exact": same,
+                "path": st.path, "path_reason": st.path_reason}
     finally:
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)

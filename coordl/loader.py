@@ -500,6 +500,10 @@ class DataLoader(_TorchDataLoader[_T_co]):
         peers: str | None = None,
         progress: bool = False,
     ) -> None:
+        from .tvcompat import adapt, record_path
+
+        # torchvision's ImageFolder/DatasetFolder -> coordl's two-stage dataset (see coordl/tvcompat.py)
+        dataset, tv_decision = adapt(dataset)
         super().__init__(
             dataset, batch_size, shuffle, sampler, batch_sampler, num_workers, collate_fn,
             pin_memory, drop_last, timeout, worker_init_fn, multiprocessing_context, generator,
@@ -610,6 +614,7 @@ class DataLoader(_TorchDataLoader[_T_co]):
         self._pass = _Pass()
         self._pass_sampler = _PassSampler(self)
         self._counters = Counters()
+        record_path(self, tv_decision)
 
     # ------------------------------------------------------------------ public
     @property

@@ -143,6 +143,11 @@ class LoaderStats:
         The epoch of the latest pass (or of the next one if none started).
     epochs
         Per-epoch records, oldest first.
+    path, path_reason
+        Which machinery runs the loader's passes, ``"coordl"`` (its own
+        pipeline) or ``"torch"`` (torch's DataLoader iterators), and why, in
+        words (for a torchvision dataset: how it was read and which of its
+        transforms were fused; see docs/api.md).
     """
 
     samples: int = 0
@@ -162,6 +167,8 @@ class LoaderStats:
     bytes_from_peers: int = 0
     epoch: int = 0
     epochs: tuple[EpochStats, ...] = ()
+    path: str = ""
+    path_reason: str = ""
 
 
 _EPOCH_FIELDS = tuple(f.name for f in fields(EpochStats) if f.name not in ("epoch", "stall_fraction"))
@@ -178,6 +185,7 @@ class Counters:
         self.prep_seconds = 0.0
         self.deliver_seconds = 0.0
         self.epoch = 0
+        self.path = self.path_reason = ""   # set once by the loader (coordl.tvcompat.record_path)
         self._epochs: dict[int, dict[str, int]] = {}
 
     def bucket(self, epoch: int) -> dict[str, int]:
@@ -222,5 +230,7 @@ class Counters:
             deliver_seconds=self.deliver_seconds,
             epoch=self.epoch,
             epochs=per_epoch,
+            path=self.path,
+            path_reason=self.path_reason,
             **totals,
         )

@@ -38,7 +38,8 @@ from . import _rng
 
 __all__ = [
     "InterpolationMode", "Transform", "Compose", "RandomResizedCrop", "RandomHorizontalFlip",
-    "Resize", "CenterCrop", "PILToTensor", "ToTensor", "Normalize", "resized_crop", "spec_of",
+    "Resize", "CenterCrop", "RandomCrop", "PILToTensor", "ToTensor", "ToDtype", "Normalize",
+    "resized_crop", "spec_of",
 ]
 
 
@@ -444,6 +445,26 @@ class CenterCrop(Transform):
         return {"size": self.size}
 
 
+class RandomCrop(Transform):
+    """Crop a uniformly random (h, w) window of the image (no padding: an image
+    smaller than ``size`` is an error, as in torchvision without ``padding``
+    or ``pad_if_needed``)."""
+
+    def __init__(self, size: Any):
+        self.size = _check_size(size)
+
+    def __call__(self, img: Any) -> Any:
+        (H, W), (h, w) = _hw(img), self.size
+        if H < h or W < w:
+            raise ValueError(f"Required crop size {(h, w)} is larger than input image size {(H, W)}")
+        rng = _rng.current()
+        top, left = rng.randint(0, H - h), rng.randint(0, W - w)
+        return _crop(img, top, left, h, w)
+
+    def _params(self) -> dict[str, Any]:
+        return {"size": self.size}
+
+
 class PILToTensor(Transform):
     """PIL image -> CHW tensor of the image's own dtype (uint8 for L/RGB/RGBA...)."""
 
@@ -462,6 +483,33 @@ class ToTensor(Transform):
             raise _bad("pic.ndim", "2 or 3", pic.ndim)
         t = _to_chw(pic)
         return t.to(torch.get_default_dtype()).div_(255) if t.dtype == torch.uint8 else t
+
+
+class ToDtype(Transform):
+    """Convert a tensor to ``dtype``; with ``scale``, integer images become
+    floats in [0, 1] (divided by their dtype's maximum, 255 for uint8).
+    Only the conversions that cannot lose values are offered: to a floating
+    dtype, or to the tensor's own dtype."""
+
+    def __init__(self, dtype: torch.dtype, scale: bool = False):
+        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+            raise _bad("dtype", "a floating torch.dtype", dtype, TypeError)
+        if not isinstance(scale, bool):
+            raise _bad("scale", "a bool", scale, TypeError)
+        self.dtype, self.scale = dtype, scale
+
+    def __call__(self, tensor: torch.Tensor) -> torch.Tensor:
+        if not isinstance(tensor, torch.Tensor):
+            raise _bad("tensor", "a torch.Tensor", type(tensor), TypeError)
+        if tensor.dtype == self.dtype:
+            return tensor
+        out = tensor.to(self.dtype)
+        if self.scale and not tensor.is_floating_point() and tensor.dtype != torch.bool:
+            out = out.div_(torch.iinfo(tensor.dtype).max)
+        return out
+
+    def _params(self) -> dict[str, Any]:
+        return {"dtype": str(self.dtype), "scale": self.scale}
 
 
 class Normalize(Transform):
@@ -496,11 +544,11 @@ class Normalize(Transform):
 # --------------------------------------------------------------------------
 # Fused decode: bytes -> tensor without PIL images in between.
 
-_GEOMETRIC = (RandomResizedCrop, Resize, CenterCrop, RandomHorizontalFlip)
+_GEOMETRIC = (RandomResizedCrop, Resize, CenterCrop, RandomCrop, RandomHorizontalFlip)
 
 
 def _fusable(ts: list) -> bool:
-    """[geometric ops]* + PILToTensor|ToTensor + [Normalize]*, coordl's own classes only."""
+    """[geometric ops]* + PILToTensor|ToTensor + [ToDtype|Normalize]*, coordl's own classes only."""
     i = 0
     while i < len(ts) and type(ts[i]) in _GEOMETRIC:
         if hasattr(ts[i], "interpolation") and ts[i].interpolation.value not in _TENSOR_MODES:
@@ -508,7 +556,7 @@ def _fusable(ts: list) -> bool:
         i += 1
     if i == len(ts) or type(ts[i]) not in (PILToTensor, ToTensor):
         return False
-    return all(type(t) is Normalize for t in ts[i + 1:])
+    return all(type(t) in (Normalize, ToDtype) for t in ts[i + 1:])
 
 
 def decode_and_apply(transforms: list, raw) -> Any:

@@ -203,3 +203,20 @@ def test_validation_benchmark_interleaved_tiny(tmp_path):
     assert all(q["hit_bytes"] > 0 for q in pairs)
     for c in ("memory", "blkio"):
         assert not [d for d in os.listdir(f"/sys/fs/cgroup/{c}") if d.startswith("coordl-anval-")]
+
+
+def test_torchvision_loop_quick(tmp_path):
+    import sys as _sys
+    _sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from _torchvision import import_torchvision
+
+    if import_torchvision() is None:
+        pytest.skip("torchvision is not installed")
+    out = _script("torchvision_loop.py", "--quick", "--out", str(tmp_path))
+    rep = json.loads((tmp_path / "torchvision_loop.json").read_text())
+    assert set(rep["summary"]) == {"v1", "v2"}
+    for s in rep["summary"].values():
+        assert s["every_sample_once"] and s["pixel_statistics_match"] and s["coordl_over_torch"] > 0
+    assert [(r["pipeline"], r["loader"]) for r in rep["rows"]] == [("v1", "torch"), ("v1", "coordl"),
+                                                                  ("v2", "torch"), ("v2", "coordl")]
+    assert "fused RandomResizedCrop, RandomHorizontalFlip, ToTensor, Normalize" in out

@@ -449,3 +449,29 @@ def test_min_max_warning_and_reversed_ranges_still_work():
         assert 0 < h <= 100 and 0 < w <= 100
     torch.manual_seed(0)
     assert t(rgb(50, 40)).size == (8, 8)
+
+
+def test_random_crop_is_the_same_window_on_pil_and_tensor_and_refuses_small_images():
+    img = rgb(50, 40)
+    x = T.PILToTensor()(img)
+    crop = T.RandomCrop((10, 20))
+    for i in range(20):
+        with sample_rng(1, 0, i):
+            a = T.PILToTensor()(crop(img))
+        with sample_rng(1, 0, i):
+            b = crop(x)
+        assert a.shape == b.shape == (3, 10, 20) and torch.equal(a, b)
+    with pytest.raises(ValueError, match="larger than input image size"):
+        T.RandomCrop(60)(img)
+
+
+def test_to_dtype_scales_integers_only():
+    x = torch.tensor([[[0, 255, 51]]], dtype=torch.uint8)
+    assert torch.equal(T.ToDtype(torch.float32, scale=True)(x), x.float() / 255)
+    assert torch.equal(T.ToDtype(torch.float32)(x), x.float())
+    f = torch.rand(1, 2, 2)
+    assert torch.equal(T.ToDtype(torch.float64, scale=True)(f), f.double())
+    with pytest.raises(TypeError, match="floating torch.dtype"):
+        T.ToDtype(torch.uint8)
+    # fused: decode + crop + ToDtype, as the torchvision translation builds it
+    assert T._fusable([T.RandomCrop(8), T.PILToTensor(), T.ToDtype(torch.float32, scale=True)])

@@ -274,10 +274,14 @@ def _open_dataset(root, dataset, transform, max_samples):
         source = dataset if isinstance(dataset, str) else type(dataset).__name__
         ds = M.load_callable(dataset, "dataset")() if isinstance(dataset, str) else dataset
         tf_desc = "(the dataset's own)"
+    from ..tvcompat import adapt
+
+    ds, tv = adapt(ds)   # torchvision's ImageFolder: the two-stage dataset coordl.DataLoader would run
     if not is_two_stage(ds):
+        why = f" ({tv.reason})" if tv is not None else ""
         raise ValueError(f"the analyzer needs a two-stage dataset (raw(i) -> bytes, prep(raw, i) -> sample) to "
-                         f"time fetch and prep apart, but {source!r} gave a {type(ds).__name__} without raw/prep; "
-                         f"use coordl.ImageFolder or wrap the dataset with coordl.datasets.two_stage")
+                         f"time fetch and prep apart, but {source!r} gave a {type(ds).__name__} without raw/prep"
+                         f"{why}; use coordl.ImageFolder or wrap the dataset with coordl.datasets.two_stage")
     if max_samples is not None:
         _check_pos_int(max_samples, "max_samples")
         if max_samples < len(ds):

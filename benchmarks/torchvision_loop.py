@@ -1,0 +1,220 @@
+"""The ordinary torchvision training loop, with only the DataLoader import
+changed: torch's DataLoader vs coordl's, side by side in one run, for the
+transforms v1 and v2 pipelines (issue 20).
+
+    ImageFolder(root, transform=Compose([RandomResizedCrop(224),
+        RandomHorizontalFlip(), ToTensor(), Normalize(mean, std)]))
+    DataLoader(ds, batch_size=64, shuffle=True, num_workers=2)
+
+(v2: the same with ``ToImage()`` first and ``ToDtype(float32, scale=True)``
+instead of ``ToTensor()``, as torchvision's docs write it.)  The loop body is
+one function that receives the DataLoader class, so the two sides run the
+same code.  Rounds alternate the order of the loaders; the ratio is the
+median over rounds of coordl's images/s over torch's, over all timed epochs
+(worker start-up included, as a user sees it) and over the epochs after the
+first.
+
+Checked on every timed epoch: every sample once with torchvision's targets
+(coordl: the labels delivered equal ``ds.targets`` in the epoch plan's order,
+which is a permutation); pixel statistics: the average over images of each
+image's per-channel mean and std of the normalized pixels, coordl's against
+torch's, within 4 standard errors (the two sides draw different crops).
+The exit status is 1 when a check fails.
+
+torchvision's PyPI wheel does not import beside a CPU build of torch (its
+compiled operators need the CUDA build); this script then loads it the way
+the test suite does (tests/_torchvision.py), which touches neither
+torchvision nor coordl.
+
+    python -m coordl.synth bench_data/photos --images 2000
+    python benchmarks/torchvision_loop.py --root bench_data/photos --epochs 2 --rounds 3
+    python benchmarks/torchvision_loop.py --quick          # tiny smoke run (tests use it)
+
+Writes bench_out/torchvision_loop.csv and bench_out/torchvision_loop.json.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
+
+import torch  # noqa: E402
+
+MEAN, STD = [0.485, 0.456, 0.406], [0.229, 0.224, 0.225]
+
+
+def _torchvision():
+    from _torchvision import import_torchvision
+
+    if import_torchvision() is None:
+        raise SystemExit("torchvision is not installed: pip install 'coordl[test]'")
+    from torchvision import datasets, transforms
+    from torchvision.transforms import v2
+
+    return datasets, transforms, v2
+
+
+def pipeline(kind: str, size: int):
+    _, V1, V2 = _torchvision()
+    if kind == "v1":
+        return V1.Compose([V1.RandomResizedCrop(size), V1.RandomHorizontalFlip(), V1.ToTensor(),
+                           V1.Normalize(MEAN, STD)])
+    return V2.Compose([V2.ToImage(), V2.RandomResizedCrop(size), V2.RandomHorizontalFlip(),
+                       V2.ToDtype(torch.float32, scale=True), V2.Normalize(MEAN, STD)])
+
+
+def training_loop(DataLoader, dataset, epochs: int, batch_size: int, workers: int):
+    """What a user runs; only ``DataLoader`` differs.  Returns per-epoch
+    (images, seconds, labels), each image's per-channel mean and std, and
+    the loader."""
+    loader = DataLoader(dataset, batch_size=batch_size, shuffle=True, num_workers=workers)
+    out, means, stds = [], [], []
+    for _epoch in range(epochs):
+        labels = []
+        n = 0
+        t0 = time.perf_counter()
+        for images, targets in loader:
+            n += images.shape[0]
+            labels.append(targets)
+            means.append(images.mean((2, 3)))
+            stds.append(images.std((2, 3)))
+        out.append((n, time.perf_counter() - t0, torch.cat(labels)))
+    return out, torch.cat(means).double(), torch.cat(stds).double(), loader
+
+
+def _compare(a: torch.Tensor, b: torch.Tensor) -> tuple[float, float]:
+    """(largest per-channel difference of the averages of two samples of
+    per-image values, the same divided by its standard error)."""
+    diff = (a.mean(0) - b.mean(0)).abs()
+    se = (a.var(0) / len(a) + b.var(0) / len(b)).sqrt().clamp_min(1e-12)
+    return float(diff.max()), float((diff / se).max())
+
+
+def run(args) -> dict:
+    import coordl
+
+    datasets, _, _ = _torchvision()
+    root = args.root
+    if root is None:
+        from coordl.synth import make_image_folder
+
+        args.tmp = tempfile.mkdtemp(prefix="tvloop-")
+        root = os.path.join(args.tmp, "photos")
+        make_image_folder(root, num_images=args.images, num_classes=10, seed=0,
+                          **({"image_size": (96, 128), "mean_kb": 6} if args.quick else {}))
+    for dirpath, _, files in os.walk(root):  # warm page cache, the same for both
+        for f in files:
+            with open(os.path.join(dirpath, f), "rb") as fh:
+                fh.read()
+    loaders = {"torch": torch.utils.data.DataLoader, "coordl": coordl.DataLoader}
+    rows, checks = [], []
+    for rnd in range(args.rounds):
+        for kind in args.pipelines:
+            order = ["torch", "coordl"] if rnd % 2 == 0 else ["coordl", "torch"]
+            stats = {}
+            for name in order:
+                ds = datasets.ImageFolder(root, transform=pipeline(kind, args.size))
+                torch.manual_seed(rnd)
+                epochs, means, stds, loader = training_loop(loaders[name], ds, args.epochs, args.batch_size,
+                                                          args.workers)
+                once = None
+                if name == "coordl":
+                    st = loader.stats()
+                    want = torch.tensor(ds.targets)
+                    once = all(sorted(loader.plan.indices(e).tolist()) == list(range(len(ds)))
+                               and torch.equal(lab, want[torch.as_tensor(loader.plan.indices(e))])
+                               for e, (_n, _s, lab) in enumerate(epochs))
+                    path = f"{st.path}: {st.path_reason}"
+                else:
+                    once = all(len(lab) == len(ds) and sorted(lab.tolist()) == sorted(ds.targets)
+                               for _n, _s, lab in epochs)
+                    path = "torch"
+                del loader
+                n = sum(e[0] for e in epochs)
+                sec = sum(e[1] for e in epochs)
+                later = epochs[1:] or epochs  # without the first epoch (worker start-up) when there are more
+                steady = sum(e[0] for e in later) / sum(e[1] for e in later)
+                rows.append({"round": rnd, "pipeline": kind, "loader": name, "images": n,
+                             "seconds": round(sec, 3), "images_per_s": round(n / sec, 1),
+                             "images_per_s_after_first_epoch": round(steady, 1),
+                             "every_sample_once": once, "mean": [round(v, 4) for v in means.mean(0).tolist()],
+                             "std": [round(v, 4) for v in stds.mean(0).tolist()]})
+                stats[name] = (means, stds)
+                print(f"round {rnd} {kind} {name:<6} {n:>6} images {sec:>8.2f}s {n / sec:>8.1f} images/s "
+                      f"once={once} mean={rows[-1]['mean']} std={rows[-1]['std']}"
+                      + (f"\n    {path}" if name == "coordl" else ""), flush=True)
+            # the two sides draw different crops: compare in units of the sampling noise
+            dm, zm = _compare(stats["coordl"][0], stats["torch"][0])
+            dsd, zs = _compare(stats["coordl"][1], stats["torch"][1])
+            checks.append({"round": rnd, "pipeline": kind, "max_mean_diff": round(dm, 4), "mean_z": round(zm, 2),
+                           "max_std_diff": round(dsd, 4), "std_z": round(zs, 2), "match": zm < 4 and zs < 4})
+            print(f"    pixel statistics, coordl vs torch: mean differs by {dm:.4f} ({zm:.1f} standard errors), "
+                  f"std by {dsd:.4f} ({zs:.1f} s.e.)", flush=True)
+    summary = {}
+    for kind in args.pipelines:
+        ratios, steady = [], []
+        for rnd in range(args.rounds):
+            r = {x["loader"]: x for x in rows if x["round"] == rnd and x["pipeline"] == kind}
+            ratios.append(r["coordl"]["images_per_s"] / r["torch"]["images_per_s"])
+            steady.append(r["coordl"]["images_per_s_after_first_epoch"] / r["torch"]["images_per_s_after_first_epoch"])
+        summary[kind] = {"coordl_over_torch": round(statistics.median(ratios), 3),
+                         "ratios": [round(r, 3) for r in ratios],
+                         "coordl_over_torch_after_first_epoch": round(statistics.median(steady), 3),
+                         "every_sample_once": all(x["every_sample_once"] for x in rows if x["pipeline"] == kind),
+                         "pixel_statistics_match": all(c["match"] for c in checks if c["pipeline"] == kind)}
+        print(f"{kind}: coordl / torch throughput {summary[kind]['coordl_over_torch']:.2f}x "
+              f"(rounds {summary[kind]['ratios']}; after the first epoch "
+              f"{summary[kind]['coordl_over_torch_after_first_epoch']:.2f}x), every sample once: {summary[kind]['every_sample_once']}, "
+              f"pixel statistics match: {summary[kind]['pixel_statistics_match']}")
+    return {"rows": rows, "checks": checks, "summary": summary,
+            "settings": {"root": root, "batch_size": args.batch_size, "workers": args.workers,
+                         "epochs": args.epochs, "rounds": args.rounds, "size": args.size,
+                         "cpus": os.cpu_count(), "torch": torch.__version__}}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--root", default=None, help="ImageFolder root (default: generate one)")
+    ap.add_argument("--images", type=int, default=2000, help="images to generate when --root is not given")
+    ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--batch-size", type=int, default=64)
+    ap.add_argument("--epochs", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--size", type=int, default=224)
+    ap.add_argument("--pipelines", default="v1,v2")
+    ap.add_argument("--out", default="bench_out")
+    ap.add_argument("--quick", action="store_true", help="tiny sizes: a smoke test")
+    args = ap.parse_args(argv)
+    args.pipelines = args.pipelines.split(",")
+    if args.quick:
+        args.images, args.epochs, args.rounds, args.size, args.batch_size = 48, 1, 1, 32, 16
+    args.tmp = None
+    try:
+        res = run(args)
+    finally:
+        if args.tmp is not None:
+            shutil.rmtree(args.tmp, ignore_errors=True)
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "torchvision_loop.json"), "w") as f:
+        json.dump(res, f, indent=1)
+    with open(os.path.join(args.out, "torchvision_loop.csv"), "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=["round", "pipeline", "loader", "images", "seconds", "images_per_s",
+                                          "images_per_s_after_first_epoch", "every_sample_once"])
+        w.writeheader()
+        for r in res["rows"]:
+            w.writerow({k: r[k] for k in w.fieldnames})
+    ok = all(s["every_sample_once"] and s["pixel_statistics_match"] for s in res["summary"].values())
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,415 @@
+"""torchvision datasets and transforms on coordl's pipeline, unchanged.
+
+``coordl.DataLoader(dataset)`` calls :func:`adapt` first.  When ``dataset``
+is torchvision's ``DatasetFolder``/``ImageFolder`` (or a subclass that keeps
+their ``__getitem__``, ``__len__`` and a known ``loader``), the loader runs a
+:class:`TorchvisionFolder` instead: a two-stage copy of it (``raw(i)`` = the
+bytes of the file at ``samples[i][0]``, ``prep`` = decode + transform, target
+= ``samples[i][1]`` through ``target_transform`` as written), whose transform
+is the user's pipeline read from its public attributes (:func:`translate`)
+into coordl's own transforms, so the fused crop-window decode runs it.
+
+Nothing here imports torchvision: objects are recognized by the module and
+name of their class, and torchvision's functions and classes are looked up in
+``sys.modules`` (the user's objects come from there, so it is imported).
+torchvision is never modified.
+
+The rules (docs/api.md, "torchvision datasets and transforms"):
+
+* A transform is translated only when coordl's version draws from the same
+  distributions (RandomResizedCrop: 10 tries of a uniform area fraction and a
+  log-uniform aspect ratio, then the central fallback; RandomCrop: uniform
+  offsets; flips: Bernoulli(p)) and computes the same thing up to
+  interpolation rounding.  PIL always antialiases, so a step on the PIL image
+  becomes a step on the uint8 tensor with ``antialias=True`` (torch's
+  antialiased bilinear and bicubic kernels are PIL's, to rounding); steps on
+  a tensor (after ``ToImage``/``PILToTensor``) keep their own ``antialias``.
+  Interpolations coordl's tensor kernels lack (box, hamming, lanczos; PIL's
+  nearest, which picks other pixels than torch's),
+  padding, ``ToDtype`` with a dict, and anything unknown end the fused
+  prefix.
+* Whatever follows the fused prefix runs as written, on what it expects: a
+  PIL image when the user's pipeline had not converted to a tensor yet, else
+  the tensor (a ``tv_tensors.Image`` after ``ToImage``).  Its random draws
+  come from torch's and Python's generators seeded from the sample's own
+  generator, so they too depend on (seed, epoch, index) only.
+* Anything coordl cannot prove equivalent stays on torch's machinery: a
+  torchvision dataset that is not a folder, a subclass overriding
+  ``__getitem__``/``__len__``, a loader other than torchvision's
+  ``default_loader``/``pil_loader`` (or the accimage backend), a
+  ``transform``/``target_transform`` that is not callable, targets that are
+  not class indices.
+"""
+from __future__ import annotations
+
+import logging
+import random
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from PIL import Image
+
+from . import _rng
+from . import datasets as _datasets
+from . import transforms as T
+from .datasets import TwoStageFolder, pil_decode
+
+__all__ = ["Decision", "TorchvisionFolder", "TorchvisionPipeline", "adapt", "translate", "from_torchvision",
+           "describe_path", "record_path"]
+
+log = logging.getLogger("coordl.tvcompat")
+
+_FOLDER_MODULE = "torchvision.datasets.folder"
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What :func:`adapt` decided: ``path`` is ``"coordl"`` (the dataset runs
+    on coordl's pipeline as a :class:`TorchvisionFolder`) or ``"torch"`` (it
+    stays on torch's machinery); ``reason`` says why, in words; ``fused``
+    names the user's transforms that run on coordl's fused decode path and
+    ``as_written`` those that run as the user wrote them."""
+
+    path: str
+    reason: str
+    fused: tuple[str, ...] = ()
+    as_written: tuple[str, ...] = ()
+
+
+def from_torchvision(obj: Any) -> bool:
+    """True when ``obj``'s class or one of its bases comes from torchvision."""
+    return any(c.__module__ == "torchvision" or c.__module__.startswith("torchvision.")
+               for c in type(obj).__mro__)
+
+
+def _base(cls: type, module: str, name: str) -> type | None:
+    for c in cls.__mro__:
+        if c.__module__ == module and c.__name__ == name:
+            return c
+    return None
+
+
+def _name(obj: Any) -> str:
+    return type(obj).__name__
+
+
+# ------------------------------------------------------------------ dataset
+def _why_not(ds: Any) -> str | None:
+    """Why ``ds`` (a torchvision object) cannot run on coordl's pipeline, or None."""
+    cls = type(ds)
+    base = _base(cls, _FOLDER_MODULE, "DatasetFolder")
+    if base is None:
+        return (f"torchvision's {cls.__name__} is not a DatasetFolder/ImageFolder, so coordl has no file "
+                "bytes to cache and share for it")
+    for attr in ("__getitem__", "__len__"):
+        if getattr(cls, attr) is not getattr(base, attr):
+            return f"{cls.__name__} overrides {attr}, which coordl cannot prove equivalent to raw bytes + prep"
+    folder = sys.modules.get(_FOLDER_MODULE)
+    loader = getattr(ds, "loader", None)
+    if folder is None or loader not in (getattr(folder, "pil_loader", None), getattr(folder, "default_loader", None)):
+        return (f"its loader {loader!r} is not torchvision's default_loader/pil_loader, so coordl cannot "
+                "decode the file's bytes the same way (coordl.ImageFolder(..., decode=...) can)")
+    if loader is getattr(folder, "default_loader", None):
+        tv = sys.modules.get("torchvision")
+        backend = tv.get_image_backend() if tv is not None and hasattr(tv, "get_image_backend") else "PIL"
+        if backend != "PIL":
+            return f"torchvision's image backend is {backend!r}, not PIL"
+    for attr in ("transform", "target_transform"):
+        fn = getattr(ds, attr, None)
+        if fn is not None and not callable(fn):
+            return f"its {attr} {fn!r} is not callable, so coordl cannot run it"
+    return None
+
+
+class TorchvisionFolder(TwoStageFolder):
+    """A torchvision ``DatasetFolder``/``ImageFolder`` as a coordl two-stage
+    dataset, made by :func:`adapt`: ``samples``, ``classes``,
+    ``class_to_idx``, ``targets``, ``root``, ``loader`` and
+    ``target_transform`` as in the original, ``transform`` its translation
+    (a coordl ``Compose``, or a :class:`TorchvisionPipeline` when part of it
+    runs as written).  Keeps no reference to the original dataset or to the
+    transforms it replaced."""
+
+    def __init__(self, dataset: Any, transform: Any):
+        super().__init__(dataset)
+        self.transform = transform
+        # coordl's function of the same name and result: the dataset then pickles (workers under
+        # spawn, the node daemon) without torchvision whenever its transforms were all translated
+        self.loader = _datasets.pil_loader if self.loader.__name__ == "pil_loader" else _datasets.default_loader
+
+    def _repr_name(self) -> str:
+        return f"{type(self).__name__}(torchvision {self._source})"
+
+
+class TorchvisionPipeline:
+    """A translated transform with a part that runs as written.
+
+    ``fused``: coordl transforms ending in a tensor conversion, run on the
+    fused decode path (or None: decode with PIL).  ``to_pil``: hand the rest a
+    PIL image (the user's pipeline had not converted to a tensor yet).
+    ``image_type``: wrap the tensor in this class (``tv_tensors.Image``, after
+    ``ToImage``).  ``tail``: the user's own transforms, run in order."""
+
+    def __init__(self, fused: T.Compose | None, to_pil: bool, image_type: type | None, tail: list):
+        self.fused, self.to_pil, self.image_type, self.tail = fused, to_pil, image_type, list(tail)
+
+    def from_bytes(self, raw) -> Any:
+        x = self.fused.from_bytes(raw) if self.fused is not None else NotImplemented
+        if x is NotImplemented:
+            return self(pil_decode(raw))
+        return self._rest(x)
+
+    def __call__(self, img: Any) -> Any:
+        return self._rest(self.fused(img) if self.fused is not None else img)
+
+    def _rest(self, x: Any) -> Any:
+        if self.fused is not None:
+            if self.to_pil:
+                x = Image.fromarray(x.permute(1, 2, 0).numpy())
+            elif self.image_type is not None:
+                x = x.as_subclass(self.image_type)
+        if not self.tail:
+            return x
+        g = _rng.current()
+        if not isinstance(g, random.Random):  # outside a coordl prep stage: torch's RNG, as torchvision
+            return self._run_tail(x)
+        # inside one: the as-written part draws from torch's and Python's generators,
+        # seeded from the sample's own generator and restored afterwards
+        torch_seed, py_seed = g.getrandbits(63), g.getrandbits(63)
+        py_state = random.getstate()
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(torch_seed)
+            random.seed(py_seed)
+            try:
+                return self._run_tail(x)
+            finally:
+                random.setstate(py_state)
+
+    def _run_tail(self, x: Any) -> Any:
+        for t in self.tail:
+            x = t(x)
+        return x
+
+    def spec(self) -> tuple:
+        return ("coordl.tvcompat.TorchvisionPipeline", self.fused.spec() if self.fused is not None else None,
+                self.to_pil, T.spec_of(self.image_type) if self.image_type is not None else None,
+                tuple(T.spec_of(t) for t in self.tail))
+
+    def __repr__(self) -> str:
+        lines = [f"    fused: {self.fused!r}".replace("\n", "\n    ")] if self.fused is not None else []
+        lines += [f"    as written: {t!r}" for t in self.tail]
+        return type(self).__name__ + "(\n" + "\n".join(lines) + "\n)"
+
+
+# --------------------------------------------------------------- transforms
+def _kind(t: Any) -> tuple[str, str] | None:
+    """("v1"|"v2", class name) for torchvision's own transform classes."""
+    mod = type(t).__module__
+    if mod.startswith("torchvision.transforms.v2"):
+        return "v2", type(t).__name__
+    if mod.startswith("torchvision.transforms."):
+        return "v1", type(t).__name__
+    return None
+
+
+def _flatten(transform: Any) -> list:
+    k = _kind(transform)
+    if k is not None and k[1] == "Compose":
+        out: list = []
+        for t in transform.transforms:
+            out.extend(_flatten(t))
+        return out
+    return [transform]
+
+
+def _interp(value: Any, on_pil: bool, antialias: bool) -> T.InterpolationMode | None:
+    """coordl's interpolation for torchvision's ``value``, or None when coordl's
+    tensor kernels do not compute the same filter."""
+    name = getattr(value, "value", value)
+    if isinstance(name, int) and not isinstance(name, bool):
+        try:
+            name = T._check_interp(name).value
+        except ValueError:
+            return None
+    if name == "bilinear":
+        return T.InterpolationMode.BILINEAR
+    # PIL's nearest picks other source pixels than torch's "nearest" and "nearest-exact" do
+    # (measured: several levels per pixel on average), so it is run as written
+    if name == "nearest" and not on_pil:
+        return T.InterpolationMode.NEAREST
+    if name == "nearest-exact" and not on_pil:
+        return T.InterpolationMode.NEAREST_EXACT
+    if name == "bicubic" and antialias:  # torch's antialiased bicubic uses PIL's kernel
+        return T.InterpolationMode.BICUBIC
+    return None
+
+
+def _size(size: Any) -> Any:
+    if isinstance(size, (list, tuple)):
+        return size[0] if len(size) == 1 else tuple(size)
+    return size
+
+
+def _ordered(pair: Any) -> bool:
+    try:
+        return len(pair) == 2 and float(pair[0]) <= float(pair[1])
+    except (TypeError, ValueError):
+        return False
+
+
+@dataclass
+class _State:
+    stage: str = "pil"                  # "pil", "u8" (uint8 tensor) or "float"
+    geo: list = None                    # coordl geometric ops, in draw order
+    to_tensor: Any = None               # coordl PILToTensor or ToTensor
+    post: list = None                   # coordl ToDtype/Normalize
+    image_type: type | None = None      # tv_tensors.Image after v2.ToImage
+
+    def __post_init__(self):
+        self.geo, self.post = [], []
+
+
+def _step(t: Any, st: _State) -> bool:
+    """Translate one torchvision transform into ``st``; False if it cannot be."""
+    kind = _kind(t)
+    if kind is None:
+        return False
+    _, name = kind
+    on_pil = st.stage == "pil"
+    geometric_ok = st.stage in ("pil", "u8")
+    try:
+        if name in ("RandomResizedCrop", "Resize") and geometric_ok:
+            aa = True if on_pil else bool(getattr(t, "antialias", True))
+            mode = _interp(t.interpolation, on_pil, aa)
+            if mode is None:
+                return False
+            if name == "RandomResizedCrop":
+                if not (_ordered(t.scale) and _ordered(t.ratio)):
+                    return False
+                st.geo.append(T.RandomResizedCrop(_size(t.size), tuple(t.scale), tuple(t.ratio), mode, aa))
+            else:
+                st.geo.append(T.Resize(_size(t.size), mode, getattr(t, "max_size", None), aa))
+            return True
+        if name == "CenterCrop" and geometric_ok:
+            st.geo.append(T.CenterCrop(_size(t.size)))
+            return True
+        if name == "RandomCrop" and geometric_ok:
+            if t.padding is not None or t.pad_if_needed:
+                return False
+            st.geo.append(T.RandomCrop(_size(t.size)))
+            return True
+        if name == "RandomHorizontalFlip":
+            # a flip commutes with the conversions and Normalize that may precede it
+            st.geo.append(T.RandomHorizontalFlip(float(t.p)))
+            return True
+        if name == "ToTensor" and on_pil:
+            st.to_tensor, st.stage = T.ToTensor(), "float"
+            return True
+        if name == "PILToTensor" and on_pil:
+            st.to_tensor, st.stage = T.PILToTensor(), "u8"
+            return True
+        if name == "ToImage" and kind[0] == "v2":
+            if on_pil:
+                st.to_tensor, st.stage = T.PILToTensor(), "u8"
+            tvt = sys.modules.get("torchvision.tv_tensors")
+            st.image_type = getattr(tvt, "Image", None)
+            return True
+        if name in ("ToDtype", "ConvertImageDtype") and st.stage in ("u8", "float"):
+            dtype = t.dtype
+            scale = True if name == "ConvertImageDtype" else bool(t.scale)
+            if not isinstance(dtype, torch.dtype):
+                return False
+            if st.stage == "u8" and dtype == torch.uint8:
+                return True
+            if not dtype.is_floating_point:
+                return False
+            if (st.stage == "u8" and scale and not st.post and type(st.to_tensor) is T.PILToTensor
+                    and dtype == torch.get_default_dtype()):
+                st.to_tensor = T.ToTensor()  # the same division by 255 (and what the device split knows)
+            else:
+                st.post.append(T.ToDtype(dtype, scale))
+            st.stage = "float"
+            return True
+        if name == "Normalize" and st.stage == "float":
+            st.post.append(T.Normalize([float(m) for m in t.mean], [float(v) for v in t.std], bool(t.inplace)))
+            return True
+    except (TypeError, ValueError, AttributeError):
+        return False  # attributes coordl does not read the same way: run it as written
+    return False
+
+
+def translate(transform: Any) -> tuple[Any, tuple[str, ...], tuple[str, ...]]:
+    """``(coordl transform, fused names, as-written names)`` for a torchvision
+    transform (or any callable, or None): the longest prefix coordl can fuse,
+    then the rest as written."""
+    if transform is None:
+        return None, (), ()
+    steps = _flatten(transform)
+    st = _State()
+    n = 0
+    while n < len(steps) and _step(steps[n], st):
+        n += 1
+    fused_names = tuple(_name(t) for t in steps[:n])
+    tail = steps[n:]
+    tail_names = tuple(_name(t) for t in tail)
+    if not st.geo and st.to_tensor is None:
+        # nothing to fuse before the first step coordl cannot express: the user's pipeline as it is
+        return TorchvisionPipeline(None, False, None, steps), (), tuple(_name(t) for t in steps)
+    if st.to_tensor is None:
+        fused = T.Compose(st.geo + [T.PILToTensor()])
+        return TorchvisionPipeline(fused, True, None, tail), fused_names, tail_names
+    fused = T.Compose(st.geo + [st.to_tensor] + st.post)
+    if not tail:
+        return fused, fused_names, tail_names
+    return TorchvisionPipeline(fused, False, st.image_type, tail), fused_names, tail_names
+
+
+def adapt(dataset: Any) -> tuple[Any, Decision | None]:
+    """``(dataset the loader runs, decision)``: ``decision`` is None for
+    datasets that do not come from torchvision (returned as they are)."""
+    if not from_torchvision(dataset):
+        return dataset, None
+    why = _why_not(dataset)
+    if why is None and getattr(dataset, "samples", None) is None:
+        why = "it has no samples"
+    if why is not None:
+        return dataset, Decision("torch", why)
+    transform, fused, as_written = translate(dataset.transform)
+    try:
+        adapted = TorchvisionFolder(dataset, transform)
+    except (TypeError, ValueError) as e:  # a subclass's make_dataset gave other kinds of samples
+        return dataset, Decision("torch", f"its samples are not (path, class index) pairs ({e})")
+    if dataset.transform is None:
+        what = "no transform"
+    else:
+        what = (f"fused {', '.join(fused) or 'nothing'}"
+                + (f"; as written: {', '.join(as_written)}" if as_written else ""))
+    reason = f"torchvision's {_name(dataset)} read as raw file bytes, decoded by coordl; {what}"
+    return adapted, Decision("coordl", reason, fused, as_written)
+
+
+def record_path(loader: Any, decision: Decision | None) -> None:
+    """Put which machinery runs ``loader``'s passes, and why, into its stats
+    (``path``, ``path_reason``) and say it in one debug log line."""
+    path, reason = describe_path(loader, decision)
+    loader._counters.path, loader._counters.path_reason = path, reason
+    log.debug("coordl.DataLoader over %s runs on %s's machinery: %s",
+              _name(loader.dataset) if decision is None else "a torchvision dataset", path, reason)
+
+
+def describe_path(loader: Any, decision: Decision | None) -> tuple[str, str]:
+    """``(path, reason)``: which machinery runs the loader's passes and why."""
+    from ._modes import PipelineMode
+
+    mode = loader._mode
+    on_pipeline = isinstance(mode, PipelineMode)
+    if decision is not None and decision.path == "torch":
+        return "torch", decision.reason
+    if on_pipeline:
+        return "coordl", decision.reason if decision is not None else "two-stage dataset in epoch-plan order"
+    if decision is not None:
+        return "torch", (decision.reason + f"; but the passes run on torch's machinery ({mode.name} mode: "
+                         "a user sampler, or a collate/option coordl's pipeline does not take)")
+    return "torch", f"{mode.name} mode"

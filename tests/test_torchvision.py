@@ -1,0 +1,587 @@
+"""torchvision's ImageFolder and transforms on coordl's pipeline (issue 20):
+recognized, translated with the same parameters and draw distributions,
+the rest run as written, fallbacks on torch's path, and the loader's other
+features on such datasets.  torchvision is loaded through
+tests/_torchvision.py (see there why it needs help beside CPU torch)."""
+import math
+import os
+import pickle
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from _torchvision import import_torchvision  # noqa: E402
+
+tv = import_torchvision()
+if tv is None:
+    pytest.skip("torchvision is not installed (pip install coordl[test])", allow_module_level=True)
+
+from torchvision import datasets as D  # noqa: E402
+from torchvision import transforms as V1  # noqa: E402
+from torchvision.transforms import v2 as V2  # noqa: E402
+
+import coordl  # noqa: E402
+from coordl import _rng  # noqa: E402
+from coordl import transforms as T  # noqa: E402
+from coordl.testing import run_in_child  # noqa: E402
+from coordl.tvcompat import TorchvisionFolder, adapt, translate  # noqa: E402
+
+MEAN, STD = [0.485, 0.456, 0.406], [0.229, 0.224, 0.225]
+
+
+@pytest.fixture(scope="module")
+def photos(tmp_path_factory):
+    from coordl.synth import make_image_folder
+
+    root = tmp_path_factory.mktemp("tv") / "photos"
+    make_image_folder(str(root), num_images=30, num_classes=3, mean_kb=3, image_size=(48, 64), seed=2)
+    return str(root)
+
+
+def v1_pipeline(size=32):
+    return V1.Compose([V1.RandomResizedCrop(size), V1.RandomHorizontalFlip(), V1.ToTensor(), V1.Normalize(MEAN, STD)])
+
+
+def v2_pipeline(size=32):
+    return V2.Compose([V2.ToImage(), V2.RandomResizedCrop(size), V2.RandomHorizontalFlip(),
+                       V2.ToDtype(torch.float32, scale=True), V2.Normalize(MEAN, STD)])
+
+
+def batches(loader):
+    return [(x.clone(), y.clone()) for x, y in loader]
+
+
+# ------------------------------------------------------------ the dataset
+@pytest.mark.parametrize("make", [
+    lambda root: D.ImageFolder(root),
+    lambda root: D.DatasetFolder(root, loader=D.folder.default_loader, extensions=(".jpg",)),
+    lambda root: D.ImageFolder(root, is_valid_file=lambda p: not p.endswith("0.jpg")),
+])
+def test_same_samples_classes_targets_and_length_as_torchvision(photos, make):
+    ds = make(photos)
+    ds.transform = V1.Compose([V1.Resize((24, 24)), V1.PILToTensor()])
+    L = coordl.DataLoader(ds, batch_size=4, shuffle=False)
+    s = L.stats()
+    assert s.path == "coordl" and "fused Resize, PILToTensor" in s.path_reason, s
+    a = L.dataset
+    assert isinstance(a, TorchvisionFolder)
+    assert len(a) == len(ds) and len(L) == math.ceil(len(ds) / 4)
+    assert list(a.samples) == ds.samples and a.targets == ds.targets
+    assert a.classes == ds.classes and a.class_to_idx == ds.class_to_idx
+    ref = batches(torch.utils.data.DataLoader(ds, batch_size=4, shuffle=False))
+    got = batches(L)
+    assert len(got) == len(ref)
+    for (x, y), (rx, ry) in zip(got, ref):
+        assert torch.equal(y, ry)
+        assert x.shape == rx.shape and x.dtype == rx.dtype == torch.uint8
+        # torch's antialiased uint8 kernel vs PIL's, on a JPEG decoded at a reduced DCT scale that still
+        # covers the output: a few levels per pixel (these noisy synthetic images are a worst case),
+        # and the same image on average
+        assert (x.int() - rx.int()).abs().float().mean() < 4
+        assert (x.float().mean((2, 3)) - rx.float().mean((2, 3))).abs().max() < 1.5
+
+
+def test_every_sample_once_per_epoch_with_torchvisions_targets(photos):
+    ds = D.ImageFolder(photos, transform=v1_pipeline(16))
+    L = coordl.DataLoader(ds, batch_size=7, shuffle=True, num_workers=2)
+    for _ in range(2):
+        ys = torch.cat([y for _, y in L])
+        assert sorted(ys.tolist()) == sorted(ds.targets)
+    assert L.stats().samples == 2 * len(ds)
+
+
+# ------------------------------------------------------- the translation
+def test_v1_and_v2_pipelines_translate_to_the_same_coordl_pipeline():
+    for tf in (v1_pipeline(224), v2_pipeline(224)):
+        out, fused, rest = translate(tf)
+        assert type(out) is T.Compose and rest == ()
+        assert [type(t) for t in out.transforms] == [T.RandomResizedCrop, T.RandomHorizontalFlip, T.ToTensor,
+                                                     T.Normalize]
+        rrc = out.transforms[0]
+        assert rrc.size == (224, 224) and rrc.scale == (0.08, 1.0) and rrc.antialias is True
+        assert rrc.ratio == pytest.approx((3 / 4, 4 / 3)) and rrc.interpolation.value == "bilinear"
+        assert out.transforms[3].mean == tuple(MEAN) and out.transforms[3].std == tuple(STD)
+
+
+@pytest.mark.parametrize("tf, kinds", [
+    (V1.Compose([V1.Resize(40, interpolation=V1.InterpolationMode.BICUBIC, max_size=50), V1.CenterCrop(32),
+                 V1.PILToTensor(), V1.ConvertImageDtype(torch.float32)]),
+     [T.Resize, T.CenterCrop, T.ToTensor]),
+    (V2.Compose([V2.RandomCrop(20), V2.RandomHorizontalFlip(0.25), V2.PILToTensor(),
+                 V2.ToDtype(torch.float64, scale=True)]),
+     [T.RandomCrop, T.RandomHorizontalFlip, T.PILToTensor, T.ToDtype]),
+    (V2.Compose([V2.ToImage(), V2.ToDtype(torch.float32, scale=True), V2.RandomHorizontalFlip(),
+                 V2.Normalize(MEAN, STD)]),
+     [T.RandomHorizontalFlip, T.ToTensor, T.Normalize]),
+])
+def test_parameters_are_read_from_public_attributes(tf, kinds):
+    out, fused, rest = translate(tf)
+    assert [type(t) for t in out.transforms] == kinds and rest == ()
+    first = out.transforms[0]
+    if isinstance(first, T.Resize):
+        assert first.size == 40 and first.max_size == 50 and first.interpolation.value == "bicubic"
+    if isinstance(first, T.RandomCrop):
+        assert first.size == (20, 20) and out.transforms[1].p == 0.25
+        assert out.transforms[3].dtype == torch.float64 and out.transforms[3].scale
+
+
+@pytest.mark.parametrize("tf, fused, rest", [
+    # PIL's lanczos has no tensor kernel in coordl: nothing fuses, everything runs as written
+    (V1.Compose([V1.Resize(20, interpolation=V1.InterpolationMode.LANCZOS), V1.ToTensor()]), (),
+     ("Resize", "ToTensor")),
+    # padding is not fused
+    (V2.Compose([V2.RandomResizedCrop(20), V2.RandomCrop(16, padding=2), V2.PILToTensor()]),
+     ("RandomResizedCrop",), ("RandomCrop", "PILToTensor")),
+    # an unknown transform ends the fused prefix
+    (V1.Compose([V1.RandomResizedCrop(20), V1.ColorJitter(0.3), V1.ToTensor(), V1.Normalize(MEAN, STD)]),
+     ("RandomResizedCrop",), ("ColorJitter", "ToTensor", "Normalize")),
+    # antialias=False on a tensor: coordl's kernel would antialias; bicubic without antialias differs
+    (V2.Compose([V2.ToImage(), V2.Resize(20, antialias=False,
+                                         interpolation=V2.InterpolationMode.BICUBIC), V2.ToDtype(torch.float32)]),
+     ("ToImage",), ("Resize", "ToDtype")),
+])
+def test_what_cannot_be_expressed_is_not_fused(tf, fused, rest):
+    _out, f, r = translate(tf)
+    assert f == fused and r == rest
+
+
+# ------------------------------------------------- same draw distributions
+def _ks(a, b) -> float:
+    """Two-sample Kolmogorov-Smirnov statistic."""
+    a, b = np.sort(a), np.sort(b)
+    grid = np.concatenate([a, b])
+    fa, fb = np.searchsorted(a, grid, "right") / len(a), np.searchsorted(b, grid, "right") / len(b)
+    return float(np.max(np.abs(fa - fb)))
+
+
+def _ks_ok(a, b) -> bool:
+    n, m = len(a), len(b)
+    return _ks(a, b) < 1.95 * math.sqrt((n + m) / (n * m))  # alpha = 0.001
+
+
+N_DRAWS = 3000
+
+
+@pytest.mark.parametrize("H, W, scale, ratio", [(375, 500, (0.08, 1.0), (3 / 4, 4 / 3)),
+                                                (60, 400, (0.5, 1.0), (0.9, 1.1))])  # often the fallback
+@pytest.mark.parametrize("version", ["v1", "v2"])
+def test_random_resized_crop_draws_follow_torchvisions_distributions(H, W, scale, ratio, version):
+    if version == "v1":
+        t = V1.RandomResizedCrop(32, scale=scale, ratio=ratio)
+        img = torch.zeros(3, H, W)
+        torch.manual_seed(0)
+        theirs = np.array([t.get_params(img, t.scale, t.ratio) for _ in range(N_DRAWS)], dtype=float)
+    else:
+        t = V2.RandomResizedCrop(32, scale=scale, ratio=ratio)
+        img = tv.tv_tensors.Image(torch.zeros(3, H, W, dtype=torch.uint8))
+        torch.manual_seed(0)
+        theirs = np.array([list(t.make_params([img]).values()) for _ in range(N_DRAWS)], dtype=float)
+    rrc = translate(V1.Compose([t, V1.PILToTensor()]) if version == "v1" else t)[0]
+    rrc = rrc.transforms[0] if isinstance(rrc, T.Compose) else rrc.fused.transforms[0]
+    # coordl's draws: the per-sample generators of (seed, epoch, index), as in its prep stage
+    ours = []
+    for i in range(N_DRAWS):
+        with _rng.sample_rng(11, 0, i) as g:
+            ours.append(T.RandomResizedCrop.get_params((W, H), rrc.scale, rrc.ratio, rng=g))
+    ours = np.array(ours, dtype=float)
+    for name, f in [("area", lambda p: p[:, 2] * p[:, 3] / (H * W)), ("log ratio", lambda p: np.log(p[:, 3] / p[:, 2])),
+                    ("top", lambda p: p[:, 0] / np.maximum(H - p[:, 2], 1)),
+                    ("left", lambda p: p[:, 1] / np.maximum(W - p[:, 3], 1))]:
+        assert _ks_ok(f(ours), f(theirs)), (name, _ks(f(ours), f(theirs)))
+    # the fallback (central crop) is taken as often
+    fb_ours = np.mean((ours[:, 0] == (H - ours[:, 2]) // 2) & (ours[:, 1] == (W - ours[:, 3]) // 2))
+    fb_theirs = np.mean((theirs[:, 0] == (H - theirs[:, 2]) // 2) & (theirs[:, 1] == (W - theirs[:, 3]) // 2))
+    assert abs(fb_ours - fb_theirs) < 4 * math.sqrt(0.25 / N_DRAWS) * math.sqrt(2)
+
+
+def test_random_crop_and_flip_draws_follow_torchvisions_distributions():
+    H, W = 50, 70
+    t = V1.RandomCrop((20, 30))
+    torch.manual_seed(1)
+    theirs = np.array([t.get_params(torch.zeros(3, H, W), t.size) for _ in range(N_DRAWS)], dtype=float)
+    crop = translate(V1.Compose([t, V1.PILToTensor()]))[0].transforms[0]
+    ours = []
+    img = torch.arange(H * W).reshape(1, H, W)
+    for i in range(N_DRAWS):
+        with _rng.sample_rng(5, 1, i):
+            out = crop(img)
+        k = int(out[0, 0, 0])
+        ours.append((k // W, k % W))
+    ours = np.array(ours, dtype=float)
+    for col in (0, 1):  # chi-square over the offsets, against uniform, for both
+        for draws, hi in ((ours[:, col], (H - 20, W - 30)[col]), (theirs[:, col], (H - 20, W - 30)[col])):
+            counts = np.bincount(draws.astype(int), minlength=hi + 1)
+            exp = len(draws) / (hi + 1)
+            chi2 = float(((counts - exp) ** 2 / exp).sum())
+            dof = hi
+            assert chi2 < dof + 4.5 * math.sqrt(2 * dof), (col, chi2, dof)
+    # flips: the same Bernoulli(p)
+    for p in (0.5, 0.2):
+        v1f, v2f = V1.RandomHorizontalFlip(p), V2.RandomHorizontalFlip(p)
+        for tf in (v1f, v2f):
+            flip = translate(V1.Compose([tf, V1.PILToTensor()]) if tf is v1f else
+                             V2.Compose([tf, V2.PILToTensor()]))[0].transforms[0]
+            x = torch.tensor([[[0, 1]]])
+            n = 0
+            for i in range(N_DRAWS):
+                with _rng.sample_rng(3, 0, i):
+                    n += int(flip(x)[0, 0, 0] == 1)
+            torch.manual_seed(2)
+            m = sum(int(tf(x)[0, 0, 0] == 1) for _ in range(N_DRAWS))
+            sd = math.sqrt(p * (1 - p) / N_DRAWS)
+            assert abs(n / N_DRAWS - p) < 4.5 * sd and abs(m / N_DRAWS - p) < 4.5 * sd, (p, n, m)
+
+
+def test_pixel_statistics_match_torchs(photos):
+    """Per-channel mean and std of normalized batches over several epochs: the same as
+    under torch's DataLoader within sampling noise."""
+    for make in (v1_pipeline, v2_pipeline):
+        ds = D.ImageFolder(photos, transform=make(24))
+        torch.manual_seed(0)
+        ref = torch.cat([x for _ in range(6) for x, _ in torch.utils.data.DataLoader(ds, batch_size=10, shuffle=True)])
+        L = coordl.DataLoader(ds, batch_size=10, shuffle=True, seed=0)
+        got = torch.cat([x for _ in range(6) for x, _ in L])
+        assert got.shape == ref.shape
+        for dims in ((0, 2, 3),):
+            assert torch.allclose(got.mean(dims), ref.mean(dims), atol=0.08), (got.mean(dims), ref.mean(dims))
+            assert torch.allclose(got.std(dims), ref.std(dims), rtol=0.08)
+
+
+# ----------------------------------------------------- run as written
+class Spy:
+    """Records what it was given (picklable: module level)."""
+    seen = []
+
+    def __call__(self, x):
+        Spy.seen.append(type(x))
+        return x
+
+
+def test_the_part_after_the_fused_prefix_runs_as_written_on_what_it_expects(photos):
+    Spy.seen.clear()
+    tf = V1.Compose([V1.RandomResizedCrop(20), Spy(), V1.ToTensor(), Spy(), V1.Normalize(MEAN, STD)])
+    L = coordl.DataLoader(D.ImageFolder(photos, transform=tf), batch_size=5, seed=1)
+    assert [x.shape for x, _ in L][0] == (5, 3, 20, 20)
+    assert set(Spy.seen[0::2]) == {Image.Image} and set(Spy.seen[1::2]) == {torch.Tensor}
+    Spy.seen.clear()
+    tf2 = V2.Compose([V2.ToImage(), V2.RandomResizedCrop(20), Spy(), V2.ToDtype(torch.float32, scale=True)])
+    L2 = coordl.DataLoader(D.ImageFolder(photos, transform=tf2), batch_size=5, seed=1)
+    next(iter(L2))
+    assert set(Spy.seen) == {tv.tv_tensors.Image}
+
+
+def test_a_transform_coordl_cannot_express_runs_exactly_as_written(photos):
+    tf = V1.Compose([V1.Resize((20, 20), interpolation=V1.InterpolationMode.LANCZOS), V1.CenterCrop(16),
+                     V1.PILToTensor()])
+    ds = D.ImageFolder(photos, transform=tf)
+    L = coordl.DataLoader(ds, batch_size=6, shuffle=False)
+    assert "as written: Resize, CenterCrop, PILToTensor" in L.stats().path_reason
+    for (x, y), (rx, ry) in zip(L, torch.utils.data.DataLoader(ds, batch_size=6, shuffle=False)):
+        assert torch.equal(x, rx) and torch.equal(y, ry)
+
+
+def test_random_transforms_run_as_written_are_reproducible_too(photos):
+    tf = V1.Compose([V1.RandomResizedCrop(16), V1.ColorJitter(0.5, 0.5, 0.5), V1.ToTensor()])
+    ds = D.ImageFolder(photos, transform=tf)
+    a = batches(coordl.DataLoader(ds, batch_size=6, shuffle=True, seed=4))
+    b = batches(coordl.DataLoader(ds, batch_size=6, shuffle=True, seed=4, num_workers=2))
+    assert all(torch.equal(x[0], y[0]) and torch.equal(x[1], y[1]) for x, y in zip(a, b))
+
+
+# --------------------------------------------------------- fallbacks
+class OwnGetItem(D.ImageFolder):
+    def __getitem__(self, i):
+        x, y = super().__getitem__(i)
+        return x, y + 100
+
+
+def _own_loader(path):
+    return Image.open(path).convert("L").convert("RGB")
+
+
+@pytest.mark.parametrize("make, why", [
+    (lambda r: OwnGetItem(r, transform=V1.Compose([V1.Resize((8, 8)), V1.PILToTensor()])), "overrides __getitem__"),
+    (lambda r: D.ImageFolder(r, transform=V1.Compose([V1.Resize((8, 8)), V1.PILToTensor()]), loader=_own_loader),
+     "loader"),
+    (lambda r: D.ImageFolder(r, transform=V1.Compose([V1.Resize((8, 8)), V1.PILToTensor()]),
+                             target_transform="not callable"), "target_transform"),
+    (lambda r: D.FakeData(12, image_size=(3, 8, 8), transform=V1.PILToTensor()), "not a DatasetFolder"),
+])
+def test_what_coordl_cannot_prove_equivalent_stays_on_torchs_path_and_says_so(photos, make, why, caplog):
+    ds = make(photos)
+    with caplog.at_level("DEBUG", logger="coordl.tvcompat"):
+        L = coordl.DataLoader(ds, batch_size=4, shuffle=False)
+    s = L.stats()
+    assert s.path == "torch" and why in s.path_reason, s
+    assert L.dataset is ds
+    lines = [r.getMessage() for r in caplog.records if r.name == "coordl.tvcompat"]
+    assert len(lines) == 1 and "torch's machinery" in lines[0] and why in lines[0]
+    if why == "target_transform":
+        with pytest.raises(TypeError):  # torch's own error, as without coordl
+            next(iter(L))
+        return
+    for (x, y), (rx, ry) in zip(L, torch.utils.data.DataLoader(ds, batch_size=4, shuffle=False)):
+        assert torch.equal(x, rx) and torch.equal(y, ry)
+
+
+def test_target_transform_runs_as_written(photos):
+    ds = D.ImageFolder(photos, transform=V1.Compose([V1.Resize((8, 8)), V1.PILToTensor()]),
+                       target_transform=lambda y: 10 * y + 1)
+    L = coordl.DataLoader(ds, batch_size=30, shuffle=False, num_workers=2)
+    assert L.stats().path == "coordl"
+    (_, y), = list(L)
+    assert y.tolist() == [10 * t + 1 for t in ds.targets]
+
+
+def test_coordl_objects_and_other_datasets_are_untouched():
+    ds = torch.utils.data.TensorDataset(torch.arange(10))
+    assert adapt(ds) == (ds, None)
+    L = coordl.DataLoader(ds, batch_size=5)
+    assert L.stats().path == "torch"
+
+
+# ------------------------------------------ resume, cache, device, share
+@pytest.mark.parametrize("make", [v1_pipeline, v2_pipeline])
+def test_resume_is_exact(photos, make):
+    ds = D.ImageFolder(photos, transform=make(16))
+    ref = batches(coordl.DataLoader(ds, batch_size=4, shuffle=True, seed=9, num_workers=2))
+    L = coordl.DataLoader(ds, batch_size=4, shuffle=True, seed=9, num_workers=2)
+    it = iter(L)
+    head = [tuple(t.clone() for t in next(it)) for _ in range(3)]
+    state = L.state_dict()
+    del it
+    L2 = coordl.DataLoader(D.ImageFolder(photos, transform=make(16)), batch_size=4, shuffle=True, seed=9)
+    L2.load_state_dict(state)
+    tail = batches(L2)
+    got = head + tail
+    assert len(got) == len(ref)
+    assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(got, ref))
+
+
+def test_node_cache_serves_the_second_epoch(photos):
+    ds = D.ImageFolder(photos, transform=v1_pipeline(16))
+    L = coordl.DataLoader(ds, batch_size=8, shuffle=True, cache_size="4MiB", num_workers=1)
+    for _ in range(2):
+        list(L)
+    e0, e1 = L.stats().epochs
+    assert e0.samples_from_storage == len(ds) and e1.samples_from_cache == len(ds) and e1.bytes_from_storage == 0
+
+
+def test_device_delivery_moves_totensor_and_normalize_to_the_device(photos, monkeypatch):
+    from coordl import device as Dev
+
+    for make in (v1_pipeline, v2_pipeline):
+        ds = D.ImageFolder(photos, transform=make(16))
+        plain = batches(coordl.DataLoader(ds, batch_size=5, seed=4, shuffle=True))
+        monkeypatch.setattr(Dev, "CPU_TEST_DEVICE", True)
+        L = coordl.DataLoader(ds, batch_size=5, seed=4, shuffle=True, device="cpu")
+        assert L._device_tail is not None  # uint8 travels, ToTensor + Normalize run on the device
+        got = batches(L)
+        monkeypatch.setattr(Dev, "CPU_TEST_DEVICE", False)
+        assert len(got) == len(plain)
+        for a, b in zip(got, plain):
+            assert a[0].dtype == torch.float32 and torch.allclose(a[0], b[0], atol=1e-6)
+            assert torch.equal(a[1], b[1])
+
+
+def test_adapter_pickles_without_torchvision_when_fully_translated(photos):
+    ds = D.ImageFolder(photos, transform=v2_pipeline(16))
+    a, decision = adapt(ds)
+    blob = pickle.dumps(a)
+    assert b"torchvision" not in blob  # the node daemon and spawned workers need no torchvision
+    code = textwrap.dedent(f"""
+        import pickle, sys
+        a = pickle.loads({blob!r})
+        assert "torchvision" not in sys.modules
+        x, y = a[0]
+        print(tuple(x.shape), y)
+    """)
+    r = run_in_child(code, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert r.stdout.split()[-1] == str(ds.targets[0])
+
+
+def test_share_prepares_once_for_two_jobs(photos, tmp_path, monkeypatch):
+    from coordl.daemon import server as S
+
+    monkeypatch.setenv("COORDL_RUN_DIR", str(tmp_path / "run"))
+    monkeypatch.delenv("COORDL_STAGING", raising=False)
+    monkeypatch.delenv("COORDL_SHARE", raising=False)
+    try:
+        ref = batches(coordl.DataLoader(D.ImageFolder(photos, transform=v1_pipeline(16)), batch_size=6, seed=7))
+        a = coordl.DataLoader(D.ImageFolder(photos, transform=v1_pipeline(16)), batch_size=6, seed=7, share=True)
+        b = coordl.DataLoader(D.ImageFolder(photos, transform=v1_pipeline(16)), batch_size=6, seed=7, share=True)
+        got_a, got_b = [], []
+        for x, y in zip(a, b):
+            got_a.append(x)
+            got_b.append(y)
+        for got in (got_a, got_b):
+            assert all(torch.equal(p[0], q[0]) and torch.equal(p[1], q[1]) for p, q in zip(got, ref))
+        assert a.stats().samples_shared > 0 and b.stats().samples_shared > 0
+        del a, b
+    finally:
+        S.stop(timeout=20)
+
+
+def test_analyze_reads_a_torchvision_dataset(photos, tmp_path):
+    script = tmp_path / "tvds.py"
+    script.write_text(textwrap.dedent(f"""
+        import sys
+        sys.path.insert(0, {HERE!r})
+        from _torchvision import import_torchvision
+        tv = import_torchvision()
+        from torchvision import datasets, transforms as V1
+
+        def make():
+            return datasets.ImageFolder({photos!r}, transform=V1.Compose([V1.RandomResizedCrop(16), V1.ToTensor()]))
+    """))
+    out = tmp_path / "r.json"
+    spec = str(script) + ":make"
+    code = (f"import sys; from coordl.cli import main; sys.exit(main(['analyze', '--dataset', {spec!r}, "
+            f"'--rate', '1e6', '--batch-size', '6', '--workers', '1', '--scaling-workers', '1', '--evict', 'fadvise', "
+            f"'--json', {str(out)!r}, '--plot', '']))")
+    r = run_in_child(code, timeout=240)
+    assert r.returncode == 0, r.stdout + r.stderr
+    import json
+
+    rep = json.loads(out.read_text())
+    assert rep["dataset"]["samples"] == 30 and rep["dataset"]["files"] == 30
+
+
+def test_peers_serve_what_the_other_node_cached(photos, tmp_path):
+    import json
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    total = sum(os.path.getsize(p) for p, _ in D.ImageFolder(photos).samples)
+    job = os.path.join(HERE, "_tv_peers_job.py")
+    procs = [subprocess.Popen([sys.executable, job, photos, str(r), "2", port, str(total + 65536)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+             for r in range(2)]
+    outs = []
+    try:
+        for p in procs:
+            out, err = p.communicate(timeout=180)
+            assert p.returncode == 0, err[-3000:]
+            outs.append([json.loads(line) for line in out.splitlines() if line.startswith("{")])
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait(10)
+    targets = sorted(D.ImageFolder(photos).targets)
+    for epoch in range(2):
+        assert sorted(outs[0][epoch]["got"] + outs[1][epoch]["got"]) == targets  # every sample once
+    assert all(o[0]["path"] == "coordl" for o in outs)
+    second = [o[1]["stats"] for o in outs]
+    assert sum(s["samples_from_storage"] for s in second) == 0          # epoch 1: nothing from storage
+    assert sum(s["samples_from_peers"] for s in second) > 0             # the other node's half from it
+
+
+def test_demo_compares_the_torchvision_loop_and_says_what_coordl_did():
+    # (without torchvision the demo's hand-written PIL pipeline runs: tests/test_demo.py)
+    code = (f"import sys; sys.path.insert(0, {HERE!r}); from _torchvision import import_torchvision; "
+            "import_torchvision(); from coordl.demo import run_demo; "
+            "r = run_demo(images=24, epochs=1, workers=1, batch_size=8); sys.exit(0 if r['resume_exact'] else 1)")
+    r = run_in_child(code, timeout=240)
+    assert r.returncode == 0, r.stdout + r.stderr
+    out = r.stdout
+    assert "torchvision.datasets.ImageFolder + torchvision.transforms" in out
+    assert ("path: coordl (torchvision's ImageFolder read as raw file bytes, decoded by coordl; fused "
+            "RandomResizedCrop, RandomHorizontalFlip, ToTensor, Normalize)") in out
+    assert "coordl / torch throughput:" in out and "identical to an uninterrupted epoch" in out
+
+
+def test_pil_nearest_is_run_as_written_and_tensor_nearest_is_fused():
+    _, f, r = translate(V1.Compose([V1.Resize(20, interpolation=V1.InterpolationMode.NEAREST), V1.PILToTensor()]))
+    assert f == () and r == ("Resize", "PILToTensor")
+    out, f, r = translate(V2.Compose([V2.PILToTensor(), V2.Resize(20, interpolation=V2.InterpolationMode.NEAREST)]))
+    assert f == ("PILToTensor", "Resize") and r == ()
+    assert out.transforms[0].interpolation.value == "nearest"
+    x = torch.randint(0, 256, (3, 37, 53), dtype=torch.uint8)
+    for interp in (V2.InterpolationMode.NEAREST, V2.InterpolationMode.BILINEAR):
+        theirs = V2.Resize(20, interpolation=interp)
+        ours = translate(V2.Compose([V2.PILToTensor(), theirs]))[0].transforms[0]
+        assert torch.equal(ours(x), theirs(x))  # on a tensor: torchvision's pixels exactly
+
+
+class KeepsGetItem(D.ImageFolder):
+    """A subclass that changes how classes are found but keeps __getitem__ and the loader."""
+
+    def find_classes(self, directory):
+        classes, _ = super().find_classes(directory)
+        classes = classes[::-1]
+        return classes, {c: i for i, c in enumerate(classes)}
+
+
+def test_a_subclass_that_keeps_getitem_and_loader_runs_on_coordls_path(photos):
+    ds = KeepsGetItem(photos, transform=V1.Compose([V1.Resize((8, 8)), V1.PILToTensor()]))
+    L = coordl.DataLoader(ds, batch_size=30, shuffle=False)
+    assert L.stats().path == "coordl"
+    (_, y), = list(L)
+    assert y.tolist() == ds.targets and ds.targets[0] == len(ds.classes) - 1
+
+
+def test_coordl_never_imports_torchvision_for_its_own_objects(photos):
+    code = textwrap.dedent(f"""
+        import sys, torch, coordl
+        from coordl import transforms as T
+        ds = coordl.ImageFolder({photos!r}, transform=T.Compose([T.RandomResizedCrop(8), T.PILToTensor()]))
+        for d in (ds, torch.utils.data.TensorDataset(torch.arange(6))):
+            L = coordl.DataLoader(d, batch_size=3, num_workers=1)
+            list(L)
+            print(L.stats().path)
+        from coordl.analyze import measure
+        print("LOADED", sorted(m for m in sys.modules if m.split(".")[0] == "torchvision"))
+    """)
+    r = run_in_child(code, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "LOADED []" in r.stdout and r.stdout.split()[:2] == ["coordl", "torch"]
+
+
+class OddTargets(D.ImageFolder):
+    """make_dataset gives targets that are not class indices (torch passes them through)."""
+
+    @staticmethod
+    def make_dataset(directory, class_to_idx, extensions=None, is_valid_file=None, allow_empty=False):
+        out = D.ImageFolder.make_dataset(directory, class_to_idx, extensions, is_valid_file, allow_empty)
+        return [(p, f"label-{t}") for p, t in out]
+
+
+def test_samples_that_are_not_class_indices_stay_on_torchs_path(photos):
+    ds = OddTargets(photos, transform=V1.Compose([V1.Resize((8, 8)), V1.PILToTensor()]))
+    L = coordl.DataLoader(ds, batch_size=30, shuffle=False)
+    assert L.stats().path == "torch" and "not (path, class index) pairs" in L.stats().path_reason
+    (_, y), = list(L)
+    assert list(y) == [t for _, t in ds.samples]
+
+
+def test_a_user_sampler_keeps_torchs_iterators_and_says_so(photos):
+    ds = D.ImageFolder(photos, transform=v1_pipeline(16))
+    sampler = torch.utils.data.RandomSampler(ds, generator=torch.Generator().manual_seed(0))
+    L = coordl.DataLoader(ds, batch_size=8, sampler=sampler, num_workers=1)
+    s = L.stats()
+    assert s.path == "torch" and "fused RandomResizedCrop" in s.path_reason and "user sampler" in s.path_reason
+    ys = torch.cat([y for _, y in L])
+    assert sorted(ys.tolist()) == sorted(ds.targets)
+
+
+def test_a_copy_with_a_subset_of_samples_is_recognized(photos):
+    import copy
+
+    ds = D.ImageFolder(photos, transform=V1.Compose([V1.Resize((8, 8)), V1.PILToTensor()]))
+    part = copy.copy(ds)
+    part.samples = [ds.samples[i] for i in range(0, len(ds), 3)]
+    L = coordl.DataLoader(part, batch_size=len(part.samples), shuffle=False)
+    assert L.stats().path == "coordl" and len(L.dataset) == len(part)
+    (_, y), = list(L)
+    assert y.tolist() == [t for _, t in part.samples]
