@@ -10,8 +10,9 @@ For each batch the loader hands over (``DeviceDelivery.deliver``):
    allocated on first use and when a batch outgrows them);
 3. on the copy stream: start the host-to-device copies
    (``non_blocking=True``), run the device tail (uint8 -> float and
-   ``Normalize``, when the dataset's transform ends with them) and record
-   the slot's event;
+   ``Normalize``) on the leaves the split marked (the batch's
+   ``BatchStats.device_marks``, see "the split" below) and record the
+   slot's event;
 4. make the training stream wait for that event (on the device: the host
    does not block) and ``record_stream`` every delivered tensor on it, so the
    caching allocator never hands their memory to another tensor while the
@@ -25,6 +26,13 @@ of batch ``k+1`` thus runs while the device still computes on batch ``k``;
 the training stream can never read an unfinished copy, and no pinned
 buffer is overwritten while a copy reads it.
 
+Batches of torch's machinery (plain map-style datasets, ``TensorDataset``)
+skip the ring (``send``): the loader has torch's iterator pin them (torch's
+pin thread, off the training thread), and the copy starts from torch's
+page-locked batch; nothing is copied twice.  Which containers are walked
+(to copy, pin, ``record_stream``) follows torch's ``pin_memory`` exactly
+(:func:`walk`).
+
 The stream API is behind a seam (:class:`CudaStreams` / :class:`HostStreams`)
 so the ring, the reuse rule and the tail are tested on a machine without an
 accelerator (``HostStreams``: events that complete when the test says).
@@ -35,7 +43,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import random
 import threading
 import warnings
 from collections import abc
@@ -476,9 +483,7 @@ class SplitPrep:
     def prep(self, raw, index: int):
         from . import _rng
 
-        g = _rng.current()
-        g_state = g.getstate() if isinstance(g, random.Random) else None
-        t_state = torch.random.get_rng_state()
+        t_state = torch.random.get_rng_state()      # (3 us; the per-sample generator is rewound by key)
         cap: list = []
         _local.capture = cap
         try:
@@ -498,8 +503,7 @@ class SplitPrep:
             self._marks = (paths, False)
             return sample
         # the prep code did more with the image than place it: the CPU path, same random state
-        if g_state is not None:
-            g.setstate(g_state)
+        _rng.rewind()
         torch.random.set_rng_state(t_state)
         sample = self._dataset.prep(raw, index)
         self._marks = ((), True)

@@ -224,7 +224,7 @@ class _LoaderIter:
                     self._delivered(data.step)
                     if data.batch is None:  # every sample of the step was skipped
                         continue
-                    batch, n, marks = data.batch, data.stats.samples, data.stats.device_marks
+                    batch, n, marks = data.batch, data.stats.samples, getattr(data.stats, "device_marks", ())
                 else:
                     self._delivered(None)
                     batch, n, marks = data, L._count_samples(data), ()
@@ -427,7 +427,9 @@ class DataLoader(_TorchDataLoader[_T_co]):
         outlives its last user (see docs/api.md, "Node cache").
     device
         Deliver batches on this device (``"cuda"``, ``"cuda:1"``, ``"cpu"``);
-        with CUDA, batches are pinned and copied with ``non_blocking=True``.
+        with CUDA, batches are pinned and copied with ``non_blocking=True``
+        on a side stream, and a coordl ``Compose`` ending in ``ToTensor`` and
+        ``Normalize`` is split so uint8 images travel (docs/api.md).
     on_error
         ``"raise"`` (default): a bad sample raises ``SampleError`` naming its
         index and path, which is also an instance of the sample's own error
@@ -831,6 +833,9 @@ class DataLoader(_TorchDataLoader[_T_co]):
                                                        "images land is unknown): images are converted on the CPU")
             else:
                 split = _dev.split_for_device(self.dataset, self._device)
+                old = self._device_tail
+                if split.tail is not None and old is not None and split.tail.normalizes == old.normalizes:
+                    split.tail = old    # its constants are on the device already
         self._device_tail = split.tail
         self._counters.device_split = split.note
         if self._delivery is not None:
@@ -841,7 +846,7 @@ class DataLoader(_TorchDataLoader[_T_co]):
         """In the pin thread: start the copy of ``env``'s batch to the device."""
         if env.batch is not None:
             try:
-                env.batch = self._device_delivery().stage(env.batch, env.stats.device_marks)
+                env.batch = self._device_delivery().stage(env.batch, getattr(env.stats, "device_marks", ()))
             except Exception as e:
                 raise RuntimeError(f"copying {note} to {self._device} failed ({type(e).__name__}: {e})") from e
         return env
