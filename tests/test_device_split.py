@@ -70,6 +70,8 @@ class Structured(torch.utils.data.Dataset):
             return Pair(tf(img), y)
         if k == "mapping":
             return Frozen({"x": tf(img), "y": y})
+        if k == "mixed":                      # strings and arrays beside the image (the copy path)
+            return {"name": f"s{i}", "arr": np.array([i, y]), "image": tf(img), "scale": 0.5 * i}
         if k == "numpy":                      # ToTensor receives an ndarray
             return tf(np.asarray(img)), y
         if k == "float_numpy":                # ... of floats: ToTensor does not scale, Normalize must run
@@ -124,7 +126,8 @@ def _both(ds, **kw):
 
 
 # ---------------------------------------------------------------- item 1
-@pytest.mark.parametrize("kind", ["bare", "dict", "label_first", "two_views", "nested", "namedtuple", "mapping"])
+@pytest.mark.parametrize("kind", ["bare", "dict", "label_first", "two_views", "nested", "namedtuple", "mapping",
+                                  "mixed"])
 @pytest.mark.parametrize("workers", [0, 2])
 def test_images_anywhere_in_the_sample_are_converted_on_the_device(photos, cpu_device, kind, workers):
     ds = Structured(photos, _tf(), kind)
@@ -164,18 +167,20 @@ def test_stats_say_when_the_transform_is_not_split(photos, cpu_device):
 
 
 # ---------------------------------------------------------------- item 2
-@pytest.mark.parametrize("workers", [0, 2])
-def test_a_transform_assigned_later_takes_effect_at_the_next_pass(photos, cpu_device, workers):
+@pytest.mark.parametrize("workers,persistent", [(0, False), (2, False), (2, True)])
+def test_a_transform_assigned_later_takes_effect_at_the_next_pass(photos, cpu_device, workers, persistent):
+    """As without device=: at the next pass; persistent workers keep the
+    dataset they started with (as under torch), and the tail stays theirs."""
     ds = coordl.ImageFolder(photos, transform=_tf(16))
-    L = coordl.DataLoader(ds, batch_size=4, seed=5, device="cpu", num_workers=workers)
-    assert next(iter(L))[0].shape[-1] == 16
+    kw = dict(batch_size=4, seed=5, num_workers=workers, persistent_workers=persistent)
+    L = coordl.DataLoader(ds, device="cpu", **kw)
+    plain = coordl.DataLoader(ds, **kw)
+    assert next(iter(L))[0].shape[-1] == 16 and next(iter(plain))[0].shape[-1] == 16
     ds.transform = T.Compose([T.RandomResizedCrop(24), T.ToTensor(), T.Normalize([0.5] * 3, [0.2] * 3)])
     L.set_epoch(1)
-    got = list(L)
-    plain = coordl.DataLoader(ds, batch_size=4, seed=5, num_workers=workers)
     plain.set_epoch(1)
-    want = list(plain)
-    assert got[0][0].shape[-1] == 24
+    got, want = list(L), list(plain)
+    assert got[0][0].shape[-1] == (16 if persistent else 24)
     assert all(_same(a, b) for a, b in zip(got, want)) and len(got) == len(want)
 
 
