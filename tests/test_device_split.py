@@ -84,6 +84,9 @@ class Structured(torch.utils.data.Dataset):
         if k == "some_touched":               # rows of one batch disagree
             x = tf(img)
             return (x, x.sum()) if i % 4 == 1 else (x, torch.tensor(0.0))
+        if k == "odd_one":                    # same layout, but one row's image is not the transform's
+            x = tf(img)
+            return (x, y) if i % 4 else (torch.zeros(x.shape, dtype=torch.uint8), y)
         raise AssertionError(k)
 
 
@@ -141,7 +144,7 @@ def test_images_anywhere_in_the_sample_are_converted_on_the_device(photos, cpu_d
     assert L._delivery is not None and L._delivery.k == 3
 
 
-@pytest.mark.parametrize("kind", ["stat", "cat", "some_touched"])
+@pytest.mark.parametrize("kind", ["stat", "cat", "some_touched", "odd_one"])
 def test_what_the_split_cannot_carry_is_converted_on_the_cpu(photos, cpu_device, kind):
     """The prep code reads the image's values or builds a new tensor from
     it: that sample is prepared again, unsplit, under the same random
@@ -341,3 +344,31 @@ def test_torchs_iterator_pins_for_a_cuda_device(monkeypatch):
     monkeypatch.setattr(L._mode, "build_torch_iterator", lambda loader: seen.append(loader.pin_memory) or 0)
     assert L._get_iterator() == 0
     assert seen == [True] and L.pin_memory is False
+
+
+# ------------------------------------------- found on the way (the copy path)
+class OddRow(torch.utils.data.Dataset):
+    """Row 2 of each batch has another dtype: the batch leaves the in-place
+    layout after rows were written."""
+
+    def __len__(self):
+        return 8
+
+    def raw(self, i):
+        return bytes([i])
+
+    def prep(self, raw, i):
+        x = torch.full((2,), i, dtype=torch.uint8 if i % 4 == 2 else torch.float32)
+        return x, i, 0.5 * i, np.array([i, i])
+
+    def __getitem__(self, i):
+        return self.prep(self.raw(i), i)
+
+
+def test_a_batch_that_leaves_the_in_place_layout_collates_as_torch():
+    """Rows already written come back as the numbers and arrays they were
+    (default_collate cannot stack a 0-dim tensor with an int)."""
+    want = list(torch.utils.data.DataLoader(OddRow(), batch_size=4))
+    got = list(coordl.DataLoader(OddRow(), batch_size=4))
+    assert len(got) == len(want) == 2
+    assert all(_same(a, b) for a, b in zip(got, want))
