@@ -799,6 +799,8 @@ class DataLoader(_TorchDataLoader[_T_co]):
         p.exact = self._mode.exact_steps(self)
         self._counters.epoch = epoch
         self._counters.bucket(epoch)
+        if self._device is not None and type(self._mode) is not PipelineMode:
+            self._split_for_pass()   # nothing split: stats() says why
         inner = self._mode.start_pass(self, epoch, start, skip)
         ff = start if self._dataset_kind == _DatasetKind.Iterable else 0
         it = _LoaderIter(self, inner, epoch, ff, start, skip)
@@ -825,6 +827,10 @@ class DataLoader(_TorchDataLoader[_T_co]):
         if split is None:
             if self._device is None:
                 split = _dev.Split(self.dataset, None, "")
+            elif not self._mode.runs_pipeline:
+                split = _dev.Split(self.dataset, None, "not split (torch's machinery reads this dataset: no "
+                                                       "raw/prep, or a user sampler): images are converted on "
+                                                       "the CPU")
             elif type(self._mode) is not PipelineMode:
                 split = _dev.Split(self.dataset, None, "not split (share=True: the node daemon prepares "
                                                        "samples whole): images are converted on the CPU")
@@ -915,7 +921,7 @@ class DataLoader(_TorchDataLoader[_T_co]):
 
     def _get_iterator(self):
         # torch's hook for building its iterator (torch-machinery modes only)
-        if self._device is not None and self._device.type != "cpu" and not self.pin_memory:
+        if self._device is not None and self._device.type == "cuda" and not self.pin_memory:
             # device=: torch's pin thread puts batches in page-locked memory, off the
             # training thread, and the copy to the device starts from there (coordl.device)
             d = self.__dict__

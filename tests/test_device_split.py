@@ -279,6 +279,9 @@ def test_batches_of_torchs_machinery_skip_the_ring(cpu_device, monkeypatch, ds, 
     got = list(coordl.DataLoader(ds, batch_size=3, num_workers=workers, device="cpu"))
     assert seen["stage"] == [] and len(seen["send"]) == len(want)
     assert all(_same(a, b) for a, b in zip(got, want))
+    L = coordl.DataLoader(ds, batch_size=3, device="cpu")
+    list(L)
+    assert L.stats().device_split.startswith("not split (torch's machinery")
 
 
 class Holder:
