@@ -255,6 +255,10 @@ class DeviceTail:
             self._pairs.append((mean, std))
         self._consts: dict = {}     # device -> (255, [(mean, std), ...]) on that device
 
+    def __getstate__(self):
+        # never ship device constants to another process (a worker finishing rows on the CPU)
+        return {**self.__dict__, "_consts": {}}
+
     def constants(self, device: torch.device):
         c = self._consts.get(device)
         if c is None:
