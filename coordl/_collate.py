@@ -177,11 +177,21 @@ def write_row(targets: list, row: int, leaves: list) -> None:
 
 
 def rows_as_samples(layout: Layout, targets: list[torch.Tensor], rows) -> list:
-    """Samples rebuilt (cloned) from written rows, for a switch to the copy path."""
+    """Samples rebuilt (cloned) from written rows, for a switch to the copy
+    path: each leaf of the type it had (a Python number, a numpy array, a
+    tensor), so ``default_collate`` treats them as the samples still to
+    come (it cannot stack a 0-dim tensor with an int)."""
     out = []
     for r in rows:
-        it = iter([t[r].clone() for t in targets])
-        out.append(_unflatten(layout.template, it, as_sample=True))
+        vals = []
+        for leaf, t in zip(layout.leaves, targets):
+            x = t[r].clone()
+            if leaf.kind in ("int", "float", "bool"):
+                x = x.item()
+            elif leaf.kind == "numpy":
+                x = x.numpy()
+            vals.append(x)
+        out.append(_unflatten(layout.template, iter(vals), as_sample=True))
     return out
 
 

@@ -49,7 +49,7 @@ class _Builder:
     """One batch being assembled, rows in plan order, samples in any order."""
 
     __slots__ = ("k", "indices", "n", "done", "layout", "slot", "targets", "dests", "samples",
-                 "ok", "stats", "copy", "failed")
+                 "ok", "stats", "copy", "failed", "marks")
 
     def __init__(self, k: int, indices: list[int], copy: bool) -> None:
         self.k = k
@@ -65,6 +65,7 @@ class _Builder:
         self.stats = BatchStats()
         self.copy = copy
         self.failed = False             # an error was emitted for this batch
+        self.marks = None               # per row: paths of its device-split images (coordl.device)
 
 
 class Engine:
@@ -94,6 +95,8 @@ class Engine:
         self.q: queue.Queue = queue.Queue()
         self.peers = peers
         self._read, self._read_many = _make_reader(dataset, cache, peers)
+        # device split (coordl.device.SplitPrep): where each sample's uint8 images are
+        self._take_marks = getattr(dataset, "take_device_marks", None)
         sizes = getattr(dataset, "sizes", None)
         self._size_of = (lambda i: int(sizes[i])) if isinstance(sizes, np.ndarray) else None
         self.pass_id = None
@@ -195,6 +198,11 @@ class Engine:
                                                   type(e.__cause__) if e.__cause__ is not None else None, e))
                 else:
                     if sample is not SKIP:
+                        if self._take_marks is not None:
+                            paths, _ = self._take_marks()
+                            if b.marks is None:
+                                b.marks = [()] * b.n
+                            b.marks[j] = paths
                         t0 = clock()
                         self._place(b, j, sample)
                         st.prep_s += clock() - t0
@@ -235,7 +243,8 @@ class Engine:
 
     def _finish(self, b: _Builder) -> None:
         try:
-            out = finish(b, self.collate_fn, self.batch_size, self.slots)
+            out = finish(b, self.collate_fn, self.batch_size, self.slots,
+                         getattr(self.dataset, "finish_on_cpu", None))
         except Exception as e:
             self.emit("error", b.k, Failure(f"Caught an error in collate_fn in DataLoader worker process "
                                             f"{self.worker_id}.\nOriginal {traceback.format_exc()}", type(e)))
@@ -283,16 +292,33 @@ def to_copy_path(b: _Builder, slots) -> None:
     b.slot, b.targets, b.dests, b.copy = None, None, None, True
 
 
-def finish(b: _Builder, collate_fn, batch_size, slots) -> tuple:
+def finish(b: _Builder, collate_fn, batch_size, slots, finish_on_cpu=None) -> tuple:
     """Batch ``b``, every row placed or skipped: ``("empty",)`` (all
     skipped), ``("obj", batch)`` (collated) or ``("batch", rows)`` (in
     ``b.slot`` with ``b.layout``, the skipped rows' gaps closed, plan order
-    kept).  An error of ``collate_fn`` propagates."""
+    kept).  An error of ``collate_fn`` propagates.
+
+    With a device split (``b.marks``), the batch's images travel as uint8
+    only when every row has them at the same places (``stats.device_marks``);
+    otherwise the marked rows are converted on the CPU first
+    (``finish_on_cpu``), so a collated leaf never mixes uint8 and float."""
     rows = [r for r in range(b.n) if b.ok[r]]
     if not rows:
         if b.slot is not None:
             slots.release(b.slot)
         return ("empty",)
+    if b.marks is not None:
+        marks = {b.marks[r] for r in rows}
+        if len(marks) == 1 and b.marks[rows[0]]:
+            b.stats.device_marks = b.marks[rows[0]]
+        else:
+            if any(marks):
+                if not b.copy:
+                    to_copy_path(b, slots)
+                for r in rows:
+                    if b.marks[r]:
+                        b.samples[r] = finish_on_cpu(b.samples[r], b.marks[r])
+            b.stats.device_cpu = len(rows)
     if b.copy:
         samples = [b.samples[r] for r in rows]
         b.samples = None

@@ -134,6 +134,7 @@ class PipelineMode:
 
     def __init__(self) -> None:
         self.pool = None
+        self.pool_split = None  # the device split the persistent pool prepares (coordl.device)
         self._pin_prev = None  # (stop event, thread) of the last pass's pin thread
 
     def exact_steps(self, loader) -> bool:
@@ -200,17 +201,21 @@ class PipelineMode:
         if loader._peers is not None:
             loader._peers.start(epoch)   # the run's first epoch: who read what (before workers copy it)
         if W == 0:
-            return InlineIter(loader._prep_dataset, cfg, loader.plan, epoch, start, skip=skip)
+            ds = loader._split_for_pass().dataset   # the transform as it is now (coordl.device)
+            return InlineIter(ds, cfg, loader.plan, epoch, start, skip=skip)
         pool = self.pool
-        if pool is None or pool.closed:
+        if pool is not None and not pool.closed:
+            loader._split_for_pass(self.pool_split)  # persistent workers prepare as when they started
+        else:
+            split = loader._split_for_pass()
             cfg["base_seed"] = int(torch.empty((), dtype=torch.int64).random_(generator=loader.generator).item())
             ctx = loader.multiprocessing_context
             if ctx is None:
                 import multiprocessing
                 ctx = multiprocessing.get_context()
-            pool = WorkerPool(loader._prep_dataset, cfg, W, ctx, timeout=loader.timeout)
+            pool = WorkerPool(split.dataset, cfg, W, ctx, timeout=loader.timeout)
             if loader.persistent_workers:
-                self.pool = pool
+                self.pool, self.pool_split = pool, split
         return PipelineIter(pool, loader.plan, epoch, start, loader.in_order,
                             owns_pool=not loader.persistent_workers, skip=skip)
 

@@ -17,7 +17,7 @@ import threading
 
 import torch
 
-__all__ = ["sample_rng", "current", "derive", "TorchRandom"]
+__all__ = ["sample_rng", "current", "derive", "rewind", "TorchRandom"]
 
 _MASK64 = (1 << 64) - 1
 _local = threading.local()
@@ -65,15 +65,25 @@ class sample_rng:
     back on exit.  A class rather than a ``@contextmanager`` generator: it is
     entered once per sample, and this costs a third as much."""
 
-    __slots__ = ("g", "prev")
+    __slots__ = ("g", "prev", "key")
 
     def __init__(self, seed: int, epoch: int, index: int) -> None:
+        self.key = (seed, epoch, index)
         self.g = derive(seed, epoch, index)
 
     def __enter__(self) -> random.Random:
-        self.prev = getattr(_local, "rng", None)
-        _local.rng = self.g
+        self.prev = (getattr(_local, "rng", None), getattr(_local, "key", None))
+        _local.rng, _local.key = self.g, self.key
         return self.g
 
     def __exit__(self, *exc) -> None:
-        _local.rng = self.prev
+        _local.rng, _local.key = self.prev
+
+
+def rewind() -> None:
+    """Inside a prep stage: make the sample's generator what it was when its
+    prep began (a sample prepared again draws the same values; see
+    coordl.device.SplitPrep).  Outside one: nothing to rewind."""
+    key = getattr(_local, "key", None)
+    if key is not None:
+        _local.rng = derive(*key)

@@ -224,10 +224,10 @@ class _LoaderIter:
                     self._delivered(data.step)
                     if data.batch is None:  # every sample of the step was skipped
                         continue
-                    batch, n = data.batch, data.stats.samples
+                    batch, n, marks = data.batch, data.stats.samples, getattr(data.stats, "device_marks", ())
                 else:
                     self._delivered(None)
-                    batch, n = data, L._count_samples(data)
+                    batch, n, marks = data, L._count_samples(data), ()
                 break
         except StopIteration:
             t1 = clock()
@@ -253,7 +253,7 @@ class _LoaderIter:
             raise
         t1 = clock()
         if L._device is not None:
-            batch = L._deliver(batch)
+            batch = L._deliver(batch, marks)
         bucket = counters.bucket(self._epoch)
         bucket["samples"] += n
         bucket["batches"] += 1
@@ -427,7 +427,9 @@ class DataLoader(_TorchDataLoader[_T_co]):
         outlives its last user (see docs/api.md, "Node cache").
     device
         Deliver batches on this device (``"cuda"``, ``"cuda:1"``, ``"cpu"``);
-        with CUDA, batches are pinned and copied with ``non_blocking=True``.
+        with CUDA, batches are pinned and copied with ``non_blocking=True``
+        on a side stream, and a coordl ``Compose`` ending in ``ToTensor`` and
+        ``Normalize`` is split so uint8 images travel (docs/api.md).
     on_error
         ``"raise"`` (default): a bad sample raises ``SampleError`` naming its
         index and path, which is also an instance of the sample's own error
@@ -534,7 +536,6 @@ class DataLoader(_TorchDataLoader[_T_co]):
         self._device = _parse_device(device)
         self._delivery = None
         self._device_tail = None
-        self._prep_dataset = dataset   # what the pipeline prepares (see coordl.device.split_for_device)
         self._on_error = on_error
         self._read_ahead = parse_size(read_ahead, "read_ahead")
         if self._read_ahead < 1:
@@ -596,12 +597,6 @@ class DataLoader(_TorchDataLoader[_T_co]):
                 "two-stage datasets (raw/prep) read in coordl's epoch-plan order; this loader "
                 f"{'has a user sampler' if user_sampler else 'reads a dataset without raw/prep'}",
                 stacklevel=2)
-        if (self._device is not None and type(self._mode) is PipelineMode and collate_fn is None
-                and batch_size is not None):
-            from .device import split_for_device
-
-            # uint8 images travel; the float conversion and Normalize run on the device
-            self._prep_dataset, self._device_tail = split_for_device(dataset)
         self._peers = self._peer_server = None
         if isinstance(self._mode, PipelineMode):
             self._setup_peers(peers)
@@ -809,6 +804,8 @@ class DataLoader(_TorchDataLoader[_T_co]):
         p.exact = self._mode.exact_steps(self)
         self._counters.epoch = epoch
         self._counters.bucket(epoch)
+        if self._device is not None and type(self._mode) is not PipelineMode:
+            self._split_for_pass()   # nothing split: stats() says why
         inner = self._mode.start_pass(self, epoch, start, skip)
         ff = start if self._dataset_kind == _DatasetKind.Iterable else 0
         it = _LoaderIter(self, inner, epoch, ff, start, skip)
@@ -823,22 +820,61 @@ class DataLoader(_TorchDataLoader[_T_co]):
             d = self._delivery = DeviceDelivery(self._device, tail=self._device_tail)
         return d
 
+    def _split_for_pass(self, split=None):
+        """What coordl's pipeline prepares in a pass that builds its prep now
+        (``split=None``: split the dataset's transform as it is now, so an
+        assignment to ``dataset.transform`` takes effect at the next pass),
+        or in one that reuses persistent workers (``split``: theirs).
+        Returns the split (coordl.device.Split)."""
+        from . import device as _dev
+        from ._collate import is_default_collate
+
+        if split is None:
+            if self._device is None:
+                split = _dev.Split(self.dataset, None, "")
+            elif not self._mode.runs_pipeline:
+                split = _dev.Split(self.dataset, None, "not split (torch's machinery reads this dataset: no "
+                                                       "raw/prep, or a user sampler): images are converted on "
+                                                       "the CPU")
+            elif type(self._mode) is not PipelineMode:
+                split = _dev.Split(self.dataset, None, "not split (share=True: the node daemon prepares "
+                                                       "samples whole): images are converted on the CPU")
+            elif not is_default_collate(self.collate_fn) or self.batch_size is None:
+                split = _dev.Split(self.dataset, None, "not split (a collate_fn or batch_size=None: where the "
+                                                       "images land is unknown): images are converted on the CPU")
+            else:
+                split = _dev.split_for_device(self.dataset, self._device)
+                old = self._device_tail
+                if split.tail is not None and old is not None and split.tail.normalizes == old.normalizes:
+                    split.tail = old    # its constants are on the device already
+        self._device_tail = split.tail
+        self._counters.device_split = split.note
+        if self._delivery is not None:
+            self._delivery.tail = split.tail
+        return split
+
     def _stage_envelope(self, env, note: str):
         """In the pin thread: start the copy of ``env``'s batch to the device."""
         if env.batch is not None:
             try:
-                env.batch = self._device_delivery().stage(env.batch)
+                env.batch = self._device_delivery().stage(env.batch, getattr(env.stats, "device_marks", ()))
             except Exception as e:
                 raise RuntimeError(f"copying {note} to {self._device} failed ({type(e).__name__}: {e})") from e
         return env
 
-    def _deliver(self, batch):
-        """Hand ``batch`` to the device through the pinned ring (coordl.device):
-        already staged by the pin thread, or staged here."""
+    def _deliver(self, batch, marks=()):
+        """Hand ``batch`` to the device (coordl.device): coordl's pipeline's
+        through the pinned ring (already staged by the pin thread, or staged
+        here, without workers); a batch of torch's machinery straight from
+        the page-locked memory torch's pin thread put it in."""
         from .device import Staged
 
         d = self._device_delivery()
-        return d.hand_over(batch) if type(batch) is Staged else d.deliver(batch)
+        if type(batch) is Staged:
+            return d.hand_over(batch)
+        if self._mode.runs_pipeline:
+            return d.deliver(batch, marks)
+        return d.send(batch)
 
     def _setup_peers(self, peers) -> None:
         """Agree on the peer table over torch.distributed (collective when the
@@ -890,6 +926,15 @@ class DataLoader(_TorchDataLoader[_T_co]):
 
     def _get_iterator(self):
         # torch's hook for building its iterator (torch-machinery modes only)
+        if self._device is not None and self._device.type == "cuda" and not self.pin_memory:
+            # device=: torch's pin thread puts batches in page-locked memory, off the
+            # training thread, and the copy to the device starts from there (coordl.device)
+            d = self.__dict__
+            d["pin_memory"] = True
+            try:
+                return self._mode.build_torch_iterator(self)
+            finally:
+                d["pin_memory"] = False
         return self._mode.build_torch_iterator(self)
 
     @property

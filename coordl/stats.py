@@ -23,7 +23,7 @@ class BatchStats:
     """
 
     __slots__ = ("samples", "bytes_storage", "from_cache", "bytes_cache", "fetch_s", "prep_s", "skips",
-                 "shared", "from_peers", "bytes_peers")
+                 "shared", "from_peers", "bytes_peers", "device_marks", "device_cpu")
 
     def __init__(self) -> None:
         self.samples = 0            # samples prepared into the batch
@@ -36,6 +36,8 @@ class BatchStats:
         self.shared = 0             # of ``samples``, how many the node daemon prepared (share=True)
         self.from_peers = 0         # samples whose raw bytes came from another node's cache
         self.bytes_peers = 0
+        self.device_marks = ()      # paths of the uint8 images the device tail converts (coordl.device)
+        self.device_cpu = 0         # samples of a device-split pass whose images were converted on the CPU
 
     def record_read(self, source: str, nbytes: int) -> None:
         if source == "cache":
@@ -50,7 +52,7 @@ class BatchStats:
     def add(self, other: "BatchStats") -> None:
         """Count ``other``'s samples, reads and time in this record too."""
         for k in ("samples", "bytes_storage", "from_cache", "bytes_cache", "fetch_s", "prep_s", "shared",
-                  "from_peers", "bytes_peers"):
+                  "from_peers", "bytes_peers", "device_cpu"):
             setattr(self, k, getattr(self, k) + getattr(other, k))
         self.skips += other.skips
 
@@ -148,6 +150,14 @@ class LoaderStats:
         pipeline) or ``"torch"`` (torch's DataLoader iterators), and why, in
         words (for a torchvision dataset: how it was read and which of its
         transforms were fused; see docs/api.md).
+    device_split
+        With ``device=``: whether the latest pass split the transform (uint8
+        images travel, ``ToTensor``'s scaling and ``Normalize`` run on the
+        device) or why not; ``""`` without ``device=``.
+    device_split_cpu_samples
+        Samples of split passes whose images were converted on the CPU all
+        the same (the dataset's prep used the image in a way the split
+        cannot carry, or the rows of a batch disagreed; see docs/api.md).
     """
 
     samples: int = 0
@@ -169,6 +179,8 @@ class LoaderStats:
     epochs: tuple[EpochStats, ...] = ()
     path: str = ""
     path_reason: str = ""
+    device_split: str = ""
+    device_split_cpu_samples: int = 0
 
 
 _EPOCH_FIELDS = tuple(f.name for f in fields(EpochStats) if f.name not in ("epoch", "stall_fraction"))
@@ -184,6 +196,8 @@ class Counters:
         self.fetch_seconds = 0.0
         self.prep_seconds = 0.0
         self.deliver_seconds = 0.0
+        self.device_split = ""
+        self.device_split_cpu_samples = 0
         self.epoch = 0
         self.path = self.path_reason = ""   # set once by the loader (coordl.tvcompat.record_path)
         self._epochs: dict[int, dict[str, int]] = {}
@@ -213,6 +227,7 @@ class Counters:
             b["samples_shared"] += stats.shared
             b["samples_self_prepared"] += stats.samples - stats.shared
         b["skipped"] += len(stats.skips)
+        self.device_split_cpu_samples += getattr(stats, "device_cpu", 0)
         return b
 
     def snapshot(self) -> LoaderStats:
@@ -228,6 +243,8 @@ class Counters:
             fetch_seconds=self.fetch_seconds,
             prep_seconds=self.prep_seconds,
             deliver_seconds=self.deliver_seconds,
+            device_split=self.device_split,
+            device_split_cpu_samples=self.device_split_cpu_samples,
             epoch=self.epoch,
             epochs=per_epoch,
             path=self.path,

@@ -479,10 +479,16 @@ class ToTensor(Transform):
     (other dtypes are returned unscaled, as torchvision does)."""
 
     def __call__(self, pic: Any) -> torch.Tensor:
+        t = self.unscaled(pic)
+        return t.to(torch.get_default_dtype()).div_(255) if t.dtype == torch.uint8 else t
+
+    @staticmethod
+    def unscaled(pic: Any) -> torch.Tensor:
+        """The CHW tensor before the uint8 scaling (what the device split of
+        ``coordl.device`` sends to the device, which then divides there)."""
         if isinstance(pic, np.ndarray) and pic.ndim not in (2, 3):
             raise _bad("pic.ndim", "2 or 3", pic.ndim)
-        t = _to_chw(pic)
-        return t.to(torch.get_default_dtype()).div_(255) if t.dtype == torch.uint8 else t
+        return _to_chw(pic)
 
 
 class ToDtype(Transform):

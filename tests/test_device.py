@@ -56,21 +56,32 @@ def test_the_tail_is_the_cpu_transforms_on_the_batch():
     want = torch.stack([norm(T.ToTensor()(im.permute(1, 2, 0).numpy())) for im in imgs])
     tail = D.DeviceTail([norm])
     assert torch.equal(tail(imgs), want)
-    got = tail.apply((imgs, torch.arange(5)))
+    # applied at the paths the split marked, nowhere else
+    got = tail.apply((imgs, torch.arange(5)), [(0,)])
     assert isinstance(got, tuple) and torch.equal(got[0], want) and torch.equal(got[1], torch.arange(5))
-    assert torch.equal(tail.apply([imgs])[0], want)
+    assert torch.equal(tail.apply([imgs], [(0,)])[0], want)
+    got = tail.apply({"a": [7, imgs], "b": imgs}, [("a", 1)])
+    assert torch.equal(got["a"][1], want) and got["b"] is imgs
 
 
 def test_split_for_device_keeps_the_users_dataset(photos):
     tf = T.Compose([T.RandomResizedCrop(16), T.RandomHorizontalFlip(), T.ToTensor(),
                     T.Normalize([0.5] * 3, [0.25] * 3)])
     ds = coordl.ImageFolder(photos, transform=tf)
-    mine, tail = D.split_for_device(ds)
+    split = D.split_for_device(ds)
     assert ds.transform is tf and type(tf.transforms[2]) is T.ToTensor        # untouched
-    assert type(mine.transform.transforms[-1]) is T.PILToTensor and tail is not None
+    assert isinstance(split.dataset, D.SplitPrep) and split.tail is not None
+    assert split.note.startswith("split")
+    # outside a split prep the copy's transform is the user's whole transform
+    img = coordl.datasets.pil_decode(ds.raw(0))
+    torch.manual_seed(0)
+    want = tf(img)
+    torch.manual_seed(0)
+    assert torch.equal(split.dataset.transform(img), want)
     # nothing to split: no ToTensor at the end
     plain = coordl.ImageFolder(photos, transform=T.Compose([T.RandomResizedCrop(16), T.PILToTensor()]))
-    assert D.split_for_device(plain) == (plain, None)
+    split = D.split_for_device(plain)
+    assert split.dataset is plain and split.tail is None and split.note.startswith("not split")
 
 
 @pytest.fixture(scope="module")
@@ -94,10 +105,10 @@ def test_the_device_path_delivers_what_the_cpu_path_delivers(photos, monkeypatch
     where = []
     real_stage = D.DeviceDelivery.stage
     monkeypatch.setattr(D.DeviceDelivery, "stage",
-                        lambda self, b: where.append(threading.current_thread().name) or real_stage(self, b))
+                        lambda self, b, *a: where.append(threading.current_thread().name) or real_stage(self, b, *a))
     L = coordl.DataLoader(ds, batch_size=5, seed=4, shuffle=True, num_workers=workers, device="cpu")
-    assert L._device_tail is not None           # Normalize moved to the "device"
     got = list(L)
+    assert L._device_tail is not None           # Normalize moved to the "device"
     # with workers the copies start in the pin thread, ahead of the training loop
     assert set(where) == ({"coordl-pin-memory"} if workers else {threading.current_thread().name})
     assert L._delivery is not None and L._delivery.k == len(got)
