@@ -382,12 +382,13 @@ def test_device_delivery_moves_totensor_and_normalize_to_the_device(photos, monk
         plain = batches(coordl.DataLoader(ds, batch_size=5, seed=4, shuffle=True))
         monkeypatch.setattr(Dev, "CPU_TEST_DEVICE", True)
         L = coordl.DataLoader(ds, batch_size=5, seed=4, shuffle=True, device="cpu")
-        assert L._device_tail is not None  # uint8 travels, ToTensor + Normalize run on the device
         got = batches(L)
+        st = L.stats()  # uint8 travels, ToTensor + Normalize run on the device
+        assert st.device_split.startswith("split") and st.device_split_cpu_samples == 0, st.device_split
         monkeypatch.setattr(Dev, "CPU_TEST_DEVICE", False)
         assert len(got) == len(plain)
         for a, b in zip(got, plain):
-            assert a[0].dtype == torch.float32 and torch.allclose(a[0], b[0], atol=1e-6)
+            assert a[0].dtype == torch.float32 and torch.equal(a[0], b[0])  # bit-identical to the CPU path
             assert torch.equal(a[1], b[1])
 
 
