@@ -24,7 +24,8 @@ from typing import Any, Callable
 import torch
 
 __all__ = ["load_callable", "make_transform", "TRANSFORMS", "FetchOnly", "Subset", "dataset_files",
-           "evict", "DeviceCounter", "RateStep", "run_pass", "ingest_rate", "batch_samples"]
+           "evict", "DeviceCounter", "RateStep", "run_pass", "ingest_rate", "batch_samples", "CPUClock",
+           "SyncStep", "cuda_sync"]
 
 
 def load_callable(spec: str, what: str) -> Callable:
@@ -273,17 +274,75 @@ def _stats_tuple(L) -> tuple:
             s.fetch_seconds, s.prep_seconds)
 
 
+class CPUClock:
+    """CPU-seconds used by this process (every thread: the loader's fetch
+    threads, the consumer, a step's intra-op threads) and by its child
+    processes (the loader's workers), from ``psutil``.  Children are read
+    while alive, so a pass must keep its workers alive to the end of its
+    window (the analyzer's loaders use ``persistent_workers=True``); a
+    child that exits inside the window loses its share since the last
+    read (``lost`` counts such children)."""
+
+    def __init__(self):
+        import psutil
+
+        self._me = psutil.Process()
+        self._psutil = psutil
+
+    def read(self) -> dict:
+        t = self._me.cpu_times()
+        kids = {}
+        for c in self._me.children(recursive=True):
+            try:
+                ct = c.cpu_times()
+                kids[c.pid] = ct.user + ct.system
+            except (self._psutil.NoSuchProcess, self._psutil.AccessDenied):
+                continue
+        return {"self": t.user + t.system, "children": kids}
+
+    @staticmethod
+    def delta(a: dict, b: dict) -> dict:
+        """CPU between two reads: ``{"self", "children", "lost"}``."""
+        kids = sum(v - a["children"].get(pid, 0.0) for pid, v in b["children"].items())
+        lost = sum(1 for pid in a["children"] if pid not in b["children"])
+        return {"self": b["self"] - a["self"], "children": max(kids, 0.0), "lost": lost}
+
+
+def _segments(times: list, counts: list, first: int, k: int = 5) -> list:
+    """Rates of up to ``k`` consecutive segments of the steady-state window
+    (batch means: their spread says how steady the pass was)."""
+    idx = list(range(first, len(times)))
+    if len(idx) < 2 * k:
+        k = len(idx) // 2
+    if k < 2:
+        return []
+    out = []
+    for j in range(k):
+        lo, hi = idx[0] + j * len(idx) // k, idx[0] + (j + 1) * len(idx) // k
+        t0 = times[lo - 1]
+        dt = times[hi - 1] - t0
+        if dt > 0:
+            out.append(sum(counts[lo:hi]) / dt)
+    return out
+
+
 def run_pass(loader, step: Callable | None = None, device: DeviceCounter | None = None,
              keep_batch: bool = False) -> dict:
     """Iterate ``loader`` once (one epoch), calling ``step(batch)`` on each
-    batch; returns the steady-state rate and the loader's counters for the
-    pass (differences of ``loader.stats()``)."""
+    batch; returns the steady-state rate, the CPU-seconds per sample this
+    process (``cpu_self``) and its children (``cpu_children``: the workers)
+    used in the same window, the rates of segments of the window
+    (``segments``) and the loader's counters for the pass (differences of
+    ``loader.stats()``)."""
     workers = max(1, int(loader.num_workers))
     before = _stats_tuple(loader)
     dev0 = device.read() if device is not None else None
+    clock = CPUClock()
     kept = None
     times, counts = [], []
     t_start = time.perf_counter()
+    c_start = clock.read()
+    c_win = None
     for batch in loader:
         n = batch_samples(batch)
         if step is not None:
@@ -293,7 +352,10 @@ def run_pass(loader, step: Callable | None = None, device: DeviceCounter | None 
         del batch
         times.append(time.perf_counter())
         counts.append(n)
+        if len(times) == workers:
+            c_win = clock.read()
     t_end = time.perf_counter()
+    c_end = clock.read()
     dev1 = device.read() if device is not None else None
     after = _stats_tuple(loader)
     d = [a - b for a, b in zip(after, before)]
@@ -301,10 +363,17 @@ def run_pass(loader, step: Callable | None = None, device: DeviceCounter | None 
     short = len(times) <= workers
     if short:
         rate = total / max(t_end - t_start, 1e-9)
+        win_samples, cpu = total, CPUClock.delta(c_start, c_end)
+        segs = []
     else:
-        rate = sum(counts[workers:]) / max(times[-1] - times[workers - 1], 1e-9)
+        win_samples = sum(counts[workers:])
+        rate = win_samples / max(times[-1] - times[workers - 1], 1e-9)
+        cpu = CPUClock.delta(c_win, c_end)
+        segs = _segments(times, counts, workers)
     out = {
         "samples": total, "batches": len(times), "seconds": t_end - t_start, "rate": rate, "short": short,
+        "segments": segs, "cpu_self": cpu["self"] / max(win_samples, 1),
+        "cpu_children": cpu["children"] / max(win_samples, 1), "cpu_children_lost": cpu["lost"],
         "bytes_storage": d[1], "bytes_cache": d[2], "samples_from_cache": d[3], "wait_seconds": d[4],
         "fetch_seconds": d[5], "prep_seconds": d[6], "workers": int(loader.num_workers),
         "device_bytes": None if dev0 is None or dev1 is None else dev1 - dev0,
@@ -320,17 +389,61 @@ def _clone(batch):
     return map_tensors(batch, torch.Tensor.clone)
 
 
-def ingest_rate(step: Callable, batch, seconds: float = 2.0, min_calls: int = 3) -> dict:
+def cuda_sync() -> Callable[[], None] | None:
+    """``torch.cuda.synchronize`` when CUDA is in use in this process (a
+    step on the GPU returns before the device is done: timing it without a
+    synchronize measures the launch, not the work); else ``None``."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        return torch.cuda.synchronize
+    return None
+
+
+class SyncStep:
+    """``step`` followed by a device synchronize, so a pass's clock sees the
+    device's time (used when CUDA is in use)."""
+
+    def __init__(self, step: Callable, sync: Callable[[], None]):
+        self.step, self.sync = step, sync
+
+    def __call__(self, batch):
+        r = self.step(batch)
+        self.sync()
+        return r
+
+
+def ingest_rate(step: Callable, batch, seconds: float = 2.0, min_calls: int = 3, chunks: int = 3) -> dict:
     """The step alone on ``batch`` (already in memory): one warm-up call,
-    then calls for ``seconds`` (at least ``min_calls``)."""
+    then ``chunks`` timed runs of calls for ``seconds / chunks`` each (at
+    least ``min_calls``), with the device synchronized after every call
+    when CUDA is in use.  Each chunk's wall rate and the CPU-seconds per
+    sample this process used (every thread: a step's intra-op threads
+    too) are returned; ``cpu_share`` = CPU-seconds per wall-second of the
+    step, the cores it keeps busy (about 0 for a step that waits on an
+    accelerator or sleeps, about 1 or more for a step computing on the
+    CPU)."""
     n = batch_samples(batch)
+    sync = cuda_sync()
     step(batch)
-    calls, t0 = 0, time.perf_counter()
-    while calls < min_calls or time.perf_counter() - t0 < seconds:
-        step(batch)
-        calls += 1
-    dt = time.perf_counter() - t0
-    return {"rate": n * calls / max(dt, 1e-9), "calls": calls, "seconds": dt, "batch_samples": n}
+    if sync is not None:
+        sync()
+    clock = CPUClock()
+    rates, cpus = [], []
+    for _ in range(max(1, chunks)):
+        calls = 0
+        c0, t0 = clock.read()["self"], time.perf_counter()
+        while calls < min_calls or time.perf_counter() - t0 < seconds / max(1, chunks):
+            step(batch)
+            if sync is not None:
+                sync()
+            calls += 1
+        dt = time.perf_counter() - t0
+        cpu = clock.read()["self"] - c0
+        rates.append(n * calls / max(dt, 1e-9))
+        cpus.append(cpu / (n * calls))
+    import statistics
+    rate, cpu = statistics.median(rates), statistics.median(cpus)
+    return {"rate": rate, "rates": rates, "cpu_per_sample": cpu, "cpu_per_sample_runs": cpus,
+            "cpu_share": cpu * rate, "synchronized": sync is not None, "batch_samples": n}
 
 
 def collect() -> None:
