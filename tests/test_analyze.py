@@ -249,7 +249,7 @@ def _analyze_in_child(spec: str, **kw) -> dict:
         sys.path.insert(0, {HERE!r})
         from coordl.analyze import analyze
         r = analyze(dataset={spec!r}, batch_size=4, workers=1, scaling_workers=(1,), fetch_threads=1,
-                    evict="fadvise", log=None, ingest_seconds=0.5, {args})
+                    evict="fadvise", log=None, ingest_seconds=0.5, repeats=2, {args})
         print("REPORT", json.dumps(r, default=str))
     """)
     res = run_in_child(code, timeout=240)
@@ -273,6 +273,9 @@ def test_slow_fetch_is_attributed_to_fetch():
     assert 0.5 < r["check"]["cold_predicted"] / r["check"]["cold_measured"] < 2, r["check"]
     assert r["what_if"]["cache"][0]["bound"] == "fetch"
     assert r["what_if"]["cache"][-1]["bound"] != "fetch"
+    assert r["verdict"]["largest"] == "fetch", r["verdict"]
+    # every prediction carries its interval
+    assert all(row["lo"] <= row["throughput"] <= row["hi"] for row in r["what_if"]["cache"])
 
 
 def test_slow_prep_is_attributed_to_prep():
@@ -283,7 +286,9 @@ def test_slow_prep_is_attributed_to_prep():
     assert st["prep"] > 0.5, st
     ratio = r["rates"]["prep"]["1"] * 0.020
     assert 0.3 < ratio < 1.1, ratio
-    assert all(row["bound"] == "prep" for row in r["what_if"]["cache"]), r["what_if"]["cache"]
+    assert all(row["bound"] in ("workers", "cpu") for row in r["what_if"]["cache"]), r["what_if"]["cache"]
+    # the verdict agrees with the table: removing prep helps most
+    assert r["verdict"]["largest"] == "prep", r["verdict"]
 
 
 def test_step_from_a_script_sets_the_ingestion_rate(tmp_path):
@@ -343,7 +348,7 @@ def tiny_folder(tmp_path_factory):
 
 
 EXPECTED_KEYS = {"version", "dataset", "settings", "eviction", "rates", "bandwidth", "stalls", "what_if",
-                 "check", "passes", "seconds", "warnings", "plot", "plot_skipped"}
+                 "check", "passes", "seconds", "warnings", "plot", "plot_skipped", "model", "verdict"}
 
 
 def test_cli_end_to_end(tiny_folder, tmp_path):
@@ -358,16 +363,38 @@ def test_cli_end_to_end(tiny_folder, tmp_path):
     assert rep["dataset"]["samples"] == 48 and rep["dataset"]["files"] == 48
     assert rep["eviction"] == {"cold_fetch_pass": "fadvise", "cold_pass": "fadvise"}
     assert [row["cached_fraction"] for row in rep["what_if"]["cache"]] == [i / 10 for i in range(11)]
-    assert {"1", "2"} <= set(rep["rates"]["prep"])
+    assert {"1", "2", "3"} <= set(rep["rates"]["prep"])     # three worker counts by default
+    # every model input says whether it was measured or modelled, and carries an interval
+    inputs = rep["model"]["inputs"]
+    assert set(rep["model"]["measured"]) | set(rep["model"]["modelled"]) >= {"storage_bw", "cache_bw", "ingest",
+                                                                             "loader_cpu", "amdahl_s", "eta"}
+    assert "amdahl_s" in rep["model"]["modelled"] and "loader_cpu" in rep["model"]["measured"]
+    for k in rep["model"]["measured"] + rep["model"]["modelled"]:
+        assert inputs[k]["lo"] <= inputs[k]["value"] <= inputs[k]["hi"], (k, inputs[k])
+    assert inputs["step_kind"] == "accelerator" and rep["settings"]["step_kind"] == "accelerator"
+    # the workers' prep CPU was counted (their processes are children of the analyzer)
+    assert all(v["value"] > 0 for v in inputs["worker_cpu"].values()), inputs["worker_cpu"]
+    # the verdict is the what-if's: the stall whose removal it says helps most
+    v = rep["verdict"]
+    if v["largest"] is not None:
+        assert v["speedup_without_" + v["largest"]] == max(v["speedup_without_fetch"], v["speedup_without_prep"])
+    row100 = rep["what_if"]["cache"][-1]
+    assert row100["throughput"] == pytest.approx(rep["check"]["cached_predicted"])
+    assert v["speedup_without_fetch"] == pytest.approx(row100["throughput"] / rep["check"]["cold_predicted"])
+    # the public predict() gives the report's model at points it did not measure, with an interval
+    from coordl.analyze import predict
+    p = predict(rep, 0.35, 5)
+    assert p["lo"] <= p["throughput"] <= p["hi"] and p["bound"] in ("step", "fetch", "workers", "cpu")
     # --repeats 2: every in-memory pass ran twice and the median (of two: the mean) is the rate
-    for name in ("fetch_warm", "prep_1w", "prep_2w", "cached"):
+    for name in ("fetch_warm", "prep_1w", "prep_2w", "prep_3w", "cached"):
         rates = rep["passes"][name]["rates"]
         assert len(rates) == 2 and rep["passes"][name]["rate"] == pytest.approx(sum(rates) / 2)
     assert rep["passes"]["cold"]["bytes_storage"] > 0     # the cold pass read from storage
     assert rep["passes"]["cached"]["bytes_storage"] == 0  # the cached pass did not (node cache)
     for k in ("fetch", "prep", "total"):
         assert 0 <= rep["stalls"][k] <= 1 and math.isfinite(rep["stalls"][k])
-    assert "fetch stall" in r.stdout and "what if: cached fraction" in r.stdout
+    assert "fetch" in r.stdout and "what if: cached fraction" in r.stdout and "verdict:" in r.stdout
+    assert "model inputs (value [interval]; where from)" in r.stdout
     try:
         import matplotlib  # noqa: F401
     except ImportError:

@@ -428,8 +428,10 @@ def ingest_rate(step: Callable, batch, seconds: float = 2.0, min_calls: int = 3,
         sync()
     clock = CPUClock()
     rates, cpus = [], []
+    wall = waited = cpu_all = 0.0
     for _ in range(max(1, chunks)):
         calls = 0
+        q0 = _runqueue_wait()
         c0, t0 = clock.read()["self"], time.perf_counter()
         while calls < min_calls or time.perf_counter() - t0 < seconds / max(1, chunks):
             step(batch)
@@ -438,12 +440,29 @@ def ingest_rate(step: Callable, batch, seconds: float = 2.0, min_calls: int = 3,
             calls += 1
         dt = time.perf_counter() - t0
         cpu = clock.read()["self"] - c0
+        wall += dt
+        waited += _runqueue_wait() - q0
+        cpu_all += cpu
         rates.append(n * calls / max(dt, 1e-9))
         cpus.append(cpu / (n * calls))
     import statistics
     rate, cpu = statistics.median(rates), statistics.median(cpus)
+    # the cores the step keeps busy while it runs: its CPU over the wall time it was not waiting for a
+    # core (on a loaded machine a computing step waits in the run queue; a sleeping one does not)
+    share = cpu_all / max(wall - waited, 1e-3)
     return {"rate": rate, "rates": rates, "cpu_per_sample": cpu, "cpu_per_sample_runs": cpus,
-            "cpu_share": cpu * rate, "synchronized": sync is not None, "batch_samples": n}
+            "cpu_share": share, "runqueue_wait_seconds": waited, "synchronized": sync is not None,
+            "batch_samples": n}
+
+
+def _runqueue_wait() -> float:
+    """Seconds this thread has waited in the run queue for a core
+    (``/proc/thread-self/schedstat``, field 2); 0 where not available."""
+    try:
+        with open("/proc/thread-self/schedstat") as f:
+            return int(f.read().split()[1]) / 1e9
+    except (OSError, ValueError, IndexError):
+        return 0.0
 
 
 def collect() -> None:

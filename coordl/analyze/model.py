@@ -100,7 +100,9 @@ def est_from_samples(samples: Sequence[float], source: str, within: Sequence[flo
     if len(xs) == 1 and len(seg) >= 2:
         m = statistics.fmean(seg)
         se = statistics.stdev(seg) / math.sqrt(len(seg)) / m  # relative standard error of the mean
-        lo, hi = min(lo, med * (1 - 2 * se)), max(hi, med * (1 + 2 * se))
+        # a pass so unsteady that 2 standard errors reach below half its rate: half its rate (and said so
+        # by the width of the interval)
+        lo, hi = min(lo, max(med * (1 - 2 * se), med / 2)), max(hi, med * (1 + 2 * se))
     return Est(med, max(lo, 0.0), hi, source)
 
 
