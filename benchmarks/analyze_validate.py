@@ -232,14 +232,14 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--root", required=True)
     ap.add_argument("--read-mbps", type=float, default=20, help="disk read throttle, MB/s (default 20)")
-    ap.add_argument("--fractions", default="0.3,0.7", help="node cache sizes (fractions of the dataset) measured "
-                                                           "with the page cache dropped (default 0.3,0.7)")
+    ap.add_argument("--fractions", default="0.2,0.5", help="node cache sizes (fractions of the dataset) measured "
+                                                           "with the page cache dropped (default 0.2,0.5)")
     ap.add_argument("--workers", default="1,4", help="worker counts of the independent loops (default 1,4)")
     ap.add_argument("--pages", default="dropped,warm", help="page cache states: dropped, warm (default both)")
     ap.add_argument("--steps", default="sleep,cpu", help="kinds of step: sleep (accelerator-like), cpu")
-    ap.add_argument("--sleep-rate", type=float, default=600,
-                    help="samples/s of the sleep step (default 600: it binds where the data is in memory and the "
-                         "workers are many)")
+    ap.add_argument("--sleep-rate", type=float, default=1200,
+                    help="samples/s of the sleep step (default 1200: on a 2-core VM that decodes ~950/s a core it "
+                         "binds where the data is in memory and the workers are many, and not at 1 worker)")
     ap.add_argument("--analyze-workers", type=int, default=2, help="the analyzer's --workers (default 2)")
     ap.add_argument("--scaling-workers", default="1,2,3", help="the analyzer's prep worker counts (default 1,2,3)")
     ap.add_argument("--analyze-repeats", type=int, default=3, help="the analyzer's --repeats (default 3)")

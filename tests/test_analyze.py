@@ -98,6 +98,16 @@ def test_model_accelerator_step():
     assert p["bound"] == "cpu" and p["throughput"] == pytest.approx(125.0)
 
 
+def test_model_training_thread_takes_batches_between_steps():
+    # the step (1/500 s a sample) and taking batches (0.5 CPU-ms a sample) share the training thread:
+    # 1 / (0.002 + 0.0005) = 400/s, not 500
+    inp = _inputs(ingest=model.Est.exact(500.0), consumer_cpu=model.Est(0.0005, 0.0004, 0.0006, "measured"),
+                  loader_cpu=model.Est.exact(0.0), cores=16)
+    p = model.predict(inp, 1.0, 16)  # 16 workers on 16 cores: 1067/s, the cores 16 / 0.015
+    assert p["bound"] == "step" and p["throughput"] == pytest.approx(400.0)
+    assert p["lo"] == pytest.approx(1 / 0.0026) and p["hi"] == pytest.approx(1 / 0.0024)
+
+
 def test_model_fetch_bound_and_prep_bound():
     fast = _inputs(ingest=model.Est.exact(1e6))
     # 2 workers, nothing cached: storage gives 100/s; workers 133/s; cores 2 / 0.017 = 117.6/s

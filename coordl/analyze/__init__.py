@@ -305,6 +305,8 @@ def _model_inputs(passes: dict, n: int, dbytes: int, cpus: int, G, c_step, kind:
     a_cold = model.Est(max(extra, 0.0), max(fc["cpu_self"] - max(warm_cpu), 0.0),
                        max(fc["cpu_self"] - min(warm_cpu), extra, 0.0),
                        "measured: loader CPU per sample, cold fetch-only pass minus warm")
+    m = E([v for p in pp for v in _runs(p, "cpu_main")],
+          "measured: the consuming thread's CPU per sample in the prep-only passes")
     b = {w: E(_runs(p, "cpu_children"), f"measured: worker CPU per sample, prep-only at {w} workers")
          for w, p in preps.items()}
     notes = []
@@ -332,7 +334,7 @@ def _model_inputs(passes: dict, n: int, dbytes: int, cpus: int, G, c_step, kind:
                      f"poorly known (measure three or more: scaling_workers)")
     inp = model.Inputs(samples=n, dataset_bytes=dbytes, cores=cpus, storage_bw=s_bw, cache_bw=c_bw, ingest=G,
                        step_cpu=c_step, loader_cpu=a, storage_cpu=a_cold, worker_cpu=b, amdahl_s=fit["s"],
-                       amdahl_p1=fit["p1"], eta=eta, step_kind=kind, amdahl_draws=fit["draws"])
+                       amdahl_p1=fit["p1"], eta=eta, step_kind=kind, amdahl_draws=fit["draws"], consumer_cpu=m)
     # a step on the CPU shares the cores less smoothly than prep workers share them with each other
     # (its threads wait on each other when preempted): where the cached pass is CPU-bound, take the
     # cores' share it got from that pass
@@ -365,7 +367,9 @@ def _typical(M, loader, step, repeats: int, keep_batch: bool = False) -> dict:
         chosen["batch"] = runs[0]["batch"]
     chosen["rate"] = med
     chosen["rates"] = rates
-    for k in ("cpu_self", "cpu_children"):
+    for k in ("cpu_self", "cpu_children", "cpu_main"):
+        if k not in chosen:
+            continue
         vals = [r[k] for r in runs]
         chosen[f"{k}_runs"] = vals
         chosen[k] = statistics.median(vals)
@@ -555,7 +559,7 @@ def format_report(r: dict) -> str:
     L.append("model inputs (value [interval]; where from):")
     unit = {"storage_bw": (1e-6, "MB/s"), "cache_bw": (1e-6, "MB/s"), "ingest": (1, "samples/s"),
             "step_cpu": (1e3, "CPU-ms/sample"), "loader_cpu": (1e3, "CPU-ms/sample"),
-            "storage_cpu": (1e3, "CPU-ms/sample"), "amdahl_s": (1, ""), "amdahl_p1": (1, "samples/s"),
+            "storage_cpu": (1e3, "CPU-ms/sample"), "consumer_cpu": (1e3, "CPU-ms/sample"), "amdahl_s": (1, ""), "amdahl_p1": (1, "samples/s"),
             "eta": (1, "of the cores")}
     for k, (f, u) in unit.items():
         e = inp[k]

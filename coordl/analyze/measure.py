@@ -332,7 +332,9 @@ def run_pass(loader, step: Callable | None = None, device: DeviceCounter | None 
     batch; returns the steady-state rate, the CPU-seconds per sample this
     process (``cpu_self``) and its children (``cpu_children``: the workers)
     used in the same window, the rates of segments of the window
-    (``segments``) and the loader's counters for the pass (differences of
+    (``segments``), the CPU the consuming thread used per sample
+    (``cpu_main``: with a step, the step's share on this thread too) and the
+    loader's counters for the pass (differences of
     ``loader.stats()``)."""
     workers = max(1, int(loader.num_workers))
     before = _stats_tuple(loader)
@@ -342,7 +344,9 @@ def run_pass(loader, step: Callable | None = None, device: DeviceCounter | None 
     times, counts = [], []
     t_start = time.perf_counter()
     c_start = clock.read()
+    m_start = time.thread_time()
     c_win = None
+    m_win = m_start
     for batch in loader:
         n = batch_samples(batch)
         if step is not None:
@@ -354,7 +358,9 @@ def run_pass(loader, step: Callable | None = None, device: DeviceCounter | None 
         counts.append(n)
         if len(times) == workers:
             c_win = clock.read()
+            m_win = time.thread_time()
     t_end = time.perf_counter()
+    m_end = time.thread_time()
     c_end = clock.read()
     dev1 = device.read() if device is not None else None
     after = _stats_tuple(loader)
@@ -364,6 +370,7 @@ def run_pass(loader, step: Callable | None = None, device: DeviceCounter | None 
     if short:
         rate = total / max(t_end - t_start, 1e-9)
         win_samples, cpu = total, CPUClock.delta(c_start, c_end)
+        m_win = m_start
         segs = []
     else:
         win_samples = sum(counts[workers:])
@@ -374,6 +381,7 @@ def run_pass(loader, step: Callable | None = None, device: DeviceCounter | None 
         "samples": total, "batches": len(times), "seconds": t_end - t_start, "rate": rate, "short": short,
         "segments": segs, "cpu_self": cpu["self"] / max(win_samples, 1),
         "cpu_children": cpu["children"] / max(win_samples, 1), "cpu_children_lost": cpu["lost"],
+        "cpu_main": (m_end - m_win) / max(win_samples, 1),
         "bytes_storage": d[1], "bytes_cache": d[2], "samples_from_cache": d[3], "wait_seconds": d[4],
         "fetch_seconds": d[5], "prep_seconds": d[6], "workers": int(loader.num_workers),
         "device_bytes": None if dev0 is None or dev1 is None else dev1 - dev0,

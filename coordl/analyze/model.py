@@ -16,8 +16,11 @@ analysis: each resource ``k`` a sample needs ``D_k`` seconds of bounds the
 throughput by ``capacity_k / D_k``, and the prediction is the smallest of
 those bounds:
 
-* ``step``:    the step's own wall time per sample (``1/G``, measured alone,
-               with the device synchronized for an accelerator step);
+* ``step``:    the training thread, which runs the step and takes each
+               batch from the loader in turn: ``1 / (1/G + m)``, ``1/G`` the
+               step's wall time per sample (measured alone, with the device
+               synchronized for an accelerator step), ``m`` the thread's
+               own CPU per sample for taking batches;
 * ``fetch``:   storage and cache bandwidth, ``N / (D*x/C_bw + D*(1-x)/S_bw)``;
 * ``workers``: what ``w`` worker processes can prep when the cores are not
                the limit: Amdahl ``P1*w / (1 + s*(w-1))`` fitted to the
@@ -229,6 +232,7 @@ class Inputs:
     eta: Est                    # share of the cores the pipeline gets
     step_kind: str = "accelerator"
     amdahl_draws: list = field(default_factory=list)
+    consumer_cpu: Est = Est(0.0, 0.0, 0.0, "not measured")  # the training thread's loader CPU-s/sample
 
     def b(self, w: int) -> Est:
         if not self.worker_cpu:
@@ -262,7 +266,7 @@ def inputs_from_dict(d: Mapping) -> Inputs:
 
 
 _UP = ("storage_bw", "cache_bw", "ingest", "amdahl_p1", "eta")     # more is faster
-_DOWN = ("step_cpu", "loader_cpu", "storage_cpu", "amdahl_s")      # more is slower
+_DOWN = ("step_cpu", "loader_cpu", "storage_cpu", "amdahl_s", "consumer_cpu")      # more is slower
 
 
 def _workers_bound(inp: Inputs, w: int, end: str) -> float:
@@ -300,7 +304,8 @@ def bounds(inp: Inputs, cached_fraction: float, workers: int, end: str = "value"
         v = getattr(inp, name)
         return v.end(end if name in _UP else flip)
     b = inp.b(max(w, 1)).end(flip)
-    out = {"step": g("ingest"),
+    per = 1 / g("ingest") + g("consumer_cpu")
+    out = {"step": 1 / per if per > 0 else math.inf,
            "fetch": fetch_rate(inp.samples, inp.dataset_bytes, x, g("cache_bw"), g("storage_bw"))}
     if not no_prep:
         out["workers"] = _workers_bound(inp, max(w, 1), end)
