@@ -309,6 +309,21 @@ def test_step_from_a_script_sets_the_ingestion_rate(tmp_path):
     g = r["rates"]["ingest"]
     assert 0.3 < g / 800 < 1.05, g
     assert r["rates"]["ingest_source"].startswith("measured")
+    assert r["settings"]["step_kind"] == "accelerator"  # it sleeps: no CPU
+
+
+def test_a_cpu_step_is_detected_and_charged_to_the_shared_cores():
+    r = _analyze_in_child("_analyze_helpers:quick", step="_analyze_helpers:busy_step")
+    inp = r["model"]["inputs"]
+    assert r["settings"]["step_kind"] == "cpu" and inp["step_kind"] == "cpu", r["passes"]["ingest"]
+    # 4 CPU-ms a batch of 4: about 1 CPU-ms a sample (the busy loop overshoots a little)
+    assert 0.0008 < inp["step_cpu"]["value"] < 0.003, inp["step_cpu"]
+    assert "step_cpu" in r["model"]["measured"]
+    # the cores bound counts the step's CPU with the loader's and the workers'
+    from coordl.analyze import predict
+    p = predict(r, 1.0, 1)
+    demand = inp["loader_cpu"]["value"] + inp["worker_cpu"]["1"]["value"] + inp["step_cpu"]["value"]
+    assert p["bounds"]["cpu"] == pytest.approx(inp["eta"]["value"] * inp["cores"] / demand)
 
 
 def test_measure_prep_runs_the_analyzers_prep_pass_alone():
