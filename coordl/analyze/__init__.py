@@ -312,10 +312,19 @@ def _model_inputs(passes: dict, n: int, dbytes: int, cpus: int, G, c_step, kind:
     notes = []
     # eta: the share of the cores the pipeline was seen to get where the cores were the limit
     util = [r * (a.value + b[w].value) / cpus for w, p in preps.items() if w >= cpus for r in _runs(p)]
-    if util and statistics.median(util) < 0.5:
-        notes.append(f"the prep-only passes at >= {cpus} workers kept only {statistics.median(util):.0%} of the "
-                     f"cores busy: prep is not CPU-bound there (it waits), so the cores are not its limit")
+    # were those passes limited by the cores? Their workers were, if they were running or waiting for a core
+    # (run queue) most of the time; a worker that waits on something else (a sleep, I/O) is not
+    runnable = [p["rate"] * (p["cpu_children"] + p.get("wait_children", 0.0)) / w
+                for w, p in preps.items() if w >= cpus]
+    if util and statistics.median(runnable) < 0.5:
+        notes.append(f"the workers of the prep-only passes at >= {cpus} workers were running or waiting for a core "
+                     f"only {statistics.median(runnable):.0%} of the time: prep waits on something else there, so "
+                     f"the cores are not its limit")
         util = []
+    elif util and statistics.median(util) < 0.5:
+        notes.append(f"the prep-only passes at >= {cpus} workers got only {statistics.median(util):.0%} of the "
+                     f"cores while their workers were waiting for one: the machine is shared (figures from a busy "
+                     f"machine hold for that load only)")
     if util:
         eta = model.Est(min(statistics.median(util), 1.0), min(min(util), 1.0), min(max(util), 1.0),
                         f"measured: CPU-seconds per second the prep-only passes at >= {cpus} workers got, per core")
@@ -367,7 +376,7 @@ def _typical(M, loader, step, repeats: int, keep_batch: bool = False) -> dict:
         chosen["batch"] = runs[0]["batch"]
     chosen["rate"] = med
     chosen["rates"] = rates
-    for k in ("cpu_self", "cpu_children", "cpu_main"):
+    for k in ("cpu_self", "cpu_children", "cpu_main", "wait_children"):
         if k not in chosen:
             continue
         vals = [r[k] for r in runs]

@@ -291,21 +291,62 @@ class CPUClock:
 
     def read(self) -> dict:
         t = self._me.cpu_times()
-        kids = {}
+        kids, waits = {}, {}
         for c in self._me.children(recursive=True):
+            run_wait = _task_schedstats(c.pid)
+            if run_wait is not None:  # nanosecond counters, every thread of the child
+                kids[c.pid], waits[c.pid] = run_wait
+                continue
             try:
-                ct = c.cpu_times()
+                ct = c.cpu_times()  # clock ticks (10 ms)
                 kids[c.pid] = ct.user + ct.system
             except (self._psutil.NoSuchProcess, self._psutil.AccessDenied):
                 continue
-        return {"self": t.user + t.system, "children": kids}
+            waits[c.pid] = _schedstat_wait(f"/proc/{c.pid}/schedstat")
+        return {"self": t.user + t.system, "children": kids, "waits": waits}
 
     @staticmethod
     def delta(a: dict, b: dict) -> dict:
-        """CPU between two reads: ``{"self", "children", "lost"}``."""
+        """CPU between two reads: ``{"self", "children", "children_wait", "lost"}``;
+        ``children_wait``: seconds the children's main threads waited in the
+        run queue for a core (runnable, not running)."""
         kids = sum(v - a["children"].get(pid, 0.0) for pid, v in b["children"].items())
+        wait = sum(v - a.get("waits", {}).get(pid, 0.0) for pid, v in b.get("waits", {}).items())
         lost = sum(1 for pid in a["children"] if pid not in b["children"])
-        return {"self": b["self"] - a["self"], "children": max(kids, 0.0), "lost": lost}
+        return {"self": b["self"] - a["self"], "children": max(kids, 0.0), "children_wait": max(wait, 0.0),
+                "lost": lost}
+
+
+def _task_schedstats(pid: int) -> tuple[float, float] | None:
+    """``(seconds on a CPU, seconds waiting in the run queue)`` summed over
+    the threads of ``pid`` (``/proc/<pid>/task/*/schedstat``, nanoseconds:
+    finer than the 10 ms ticks of ``/proc/<pid>/stat``); ``None`` where not
+    available."""
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return None
+    run = wait = 0.0
+    seen = False
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+                v = f.read().split()
+            run += int(v[0]) / 1e9
+            wait += int(v[1]) / 1e9
+            seen = True
+        except (OSError, ValueError, IndexError):
+            continue
+    return (run, wait) if seen else None
+
+
+def _schedstat_wait(path: str) -> float:
+    """Run-queue wait in seconds from a ``schedstat`` file (field 2); 0 where not available."""
+    try:
+        with open(path) as f:
+            return int(f.read().split()[1]) / 1e9
+    except (OSError, ValueError, IndexError):
+        return 0.0
 
 
 def _segments(times: list, counts: list, first: int, k: int = 5) -> list:
@@ -382,6 +423,7 @@ def run_pass(loader, step: Callable | None = None, device: DeviceCounter | None 
         "segments": segs, "cpu_self": cpu["self"] / max(win_samples, 1),
         "cpu_children": cpu["children"] / max(win_samples, 1), "cpu_children_lost": cpu["lost"],
         "cpu_main": (m_end - m_win) / max(win_samples, 1),
+        "wait_children": cpu["children_wait"] / max(win_samples, 1),
         "bytes_storage": d[1], "bytes_cache": d[2], "samples_from_cache": d[3], "wait_seconds": d[4],
         "fetch_seconds": d[5], "prep_seconds": d[6], "workers": int(loader.num_workers),
         "device_bytes": None if dev0 is None or dev1 is None else dev1 - dev0,
@@ -466,11 +508,7 @@ def ingest_rate(step: Callable, batch, seconds: float = 2.0, min_calls: int = 3,
 def _runqueue_wait() -> float:
     """Seconds this thread has waited in the run queue for a core
     (``/proc/thread-self/schedstat``, field 2); 0 where not available."""
-    try:
-        with open("/proc/thread-self/schedstat") as f:
-            return int(f.read().split()[1]) / 1e9
-    except (OSError, ValueError, IndexError):
-        return 0.0
+    return _schedstat_wait("/proc/thread-self/schedstat")
 
 
 def collect() -> None:
