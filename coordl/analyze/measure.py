@@ -472,8 +472,8 @@ def ingest_rate(step: Callable, batch, seconds: float = 2.0, min_calls: int = 3,
     accelerator or sleeps, about 1 or more for a step computing on the
     CPU)."""
     n = batch_samples(batch)
+    step(batch)  # warm-up: also what first initializes CUDA for a step that moves the batch itself
     sync = cuda_sync()
-    step(batch)
     if sync is not None:
         sync()
     clock = CPUClock()
