@@ -312,6 +312,32 @@ def test_step_from_a_script_sets_the_ingestion_rate(tmp_path):
     assert r["settings"]["step_kind"] == "accelerator"  # it sleeps: no CPU
 
 
+def test_an_accelerator_step_is_timed_with_the_device_synchronized(monkeypatch):
+    # no GPU here: stand in for CUDA's API and count the synchronizes -- the step returns at once (as a
+    # kernel launch does) and the device "finishes" in synchronize(), 10 ms a batch of 4
+    import torch
+    from coordl.analyze import measure as M
+
+    calls = {"step": 0, "sync": 0}
+
+    def step(b):
+        calls["step"] += 1
+
+    def sync():
+        calls["sync"] += 1
+        time.sleep(0.01)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "synchronize", sync)
+    r = M.ingest_rate(step, torch.zeros(4, 2), seconds=0.15)
+    assert r["synchronized"] and calls["sync"] == calls["step"]  # after every call, the warm-up's too
+    assert r["rate"] < 4 / 0.01 * 1.05, r   # the device's time, not the launch's
+    assert r["cpu_share"] < 0.5             # and an accelerator step
+    wrapped = M.SyncStep(step, sync)
+    wrapped(None)
+    assert calls["sync"] == calls["step"]
+
+
 def test_a_cpu_step_is_detected_and_charged_to_the_shared_cores():
     r = _analyze_in_child("_analyze_helpers:quick", step="_analyze_helpers:busy_step")
     inp = r["model"]["inputs"]
