@@ -345,11 +345,11 @@ def _model_inputs(passes: dict, n: int, dbytes: int, cpus: int, G, c_step, kind:
                        step_cpu=c_step, loader_cpu=a, storage_cpu=a_cold, worker_cpu=b, amdahl_s=fit["s"],
                        amdahl_p1=fit["p1"], eta=eta, step_kind=kind, amdahl_draws=fit["draws"], consumer_cpu=m)
     # a step on the CPU shares the cores less smoothly than prep workers share them with each other
-    # (its threads wait on each other when preempted): where the cached pass is CPU-bound, take the
-    # cores' share it got from that pass
+    # (its intra-op threads wait on each other when one is preempted): where the cached pass is
+    # CPU-bound, or ran slower than the model without this, take the cores' share it got from that pass
     if kind == "cpu" and workers > 0:
         p = model.predict(inp, 1.0, workers)
-        if p["bound"] == "cpu":
+        if p["bound"] == "cpu" or passes["cached"]["rate"] < p["throughput"]:
             demand = a.value + b[workers if workers in b else min(b, key=lambda m: abs(m - workers))].value \
                 + c_step.value
             us = [r * demand / cpus for r in _runs(passes["cached"])]
