@@ -1,62 +1,47 @@
-"""Validate ``coordl analyze``'s predictions against measured throughput.
+"""Validate ``coordl analyze``'s predictions against independent training loops.
 
-On a throttled disk (cgroup v1 ``blkio.throttle.read_bps_device`` on the
-dataset's device) and under a memory cap (``memory.limit_in_bytes``), this
-script
+For each kind of step (``--steps``: ``sleep``, an accelerator-like step that
+sleeps ``batch / --sleep-rate`` seconds and uses no CPU, and ``cpu``, one
+SGD step of a small CNN on the CPU, ``benchmarks/_anval_steps.py``), on a
+throttled disk (cgroup v1 ``blkio.throttle.read_bps_device`` on the
+dataset's device) and under a memory cap (``memory.limit_in_bytes``):
 
-1. runs the analyzer (``coordl.analyze.analyze``) once, inside the cgroup,
-   measuring storage and cache bandwidth, prep rates at the worker counts
-   and (with ``--rate``) a fixed ingestion rate;
-2. predicts the throughput of a ``coordl.DataLoader`` whose node cache
-   holds a fraction ``x`` of the dataset (``cache_size = x * dataset
-   bytes``) with ``w`` workers: ``min(N / T_fetch(x), P(w), G)``;
-3. measures it: a fresh loader per ``(x, w)`` in a fresh cgroup, page cache
-   dropped first, epoch 0 fills the node cache (MinIO), epochs 1.. are
-   timed (steady state, as the analyzer times its passes);
-4. prints predicted, measured and the error, and writes JSON.
+1. **The analyzer** (``coordl.analyze.analyze``) runs once, in its own
+   child cgroup, page cache dropped first, at ``--analyze-workers`` workers
+   with prep measured at ``--scaling-workers``.  Its report is kept whole;
+   every prediction below is ``coordl.analyze.predict(report, x, w)`` (the
+   report's own model: value and interval), computed once, before any
+   point is measured.
+2. **Independent training loops** (this file's :func:`train`: a plain loop
+   over ``coordl.DataLoader``, its own clock, none of the analyzer's pass
+   code) at points the analyzer did not measure, each ``--runs`` times, each
+   run a fresh process in a fresh cgroup:
 
-**Side by side (``--interleave K``, default 5).**  On a VM a CPU-bound rate
-drifts by up to 30% from one minute to the next, and the analyzer's prep
-passes run minutes before the loaders are measured, so a prep-bound
-prediction compared that way measures the drift as much as the model.  For
-each point the analyzer predicts prep-bound (``--interleave-points all``:
-every point), the script instead runs K pairs, each pair two child
-processes one after the other, each in a fresh cgroup set up as above:
+   * page cache **dropped** (``echo 3 > /proc/sys/vm/drop_caches``) and a
+     node cache of ``x * dataset`` bytes for each ``x`` in ``--fractions``
+     under a memory cap of ``x * dataset + --overhead``: epoch 0 fills the
+     node cache (MinIO), epochs 1.. read the rest from the throttled disk;
+   * page cache **warm** (every file read just before, no node cache): the
+     whole dataset in memory, the model's ``x = 1``;
 
-(a) the analyzer's own prep measurement at ``w`` workers
-    (``coordl.analyze.measure_prep``: the code ``analyze()`` measures
-    ``P(w)`` with, same repeats, from a filled node cache), and
-(b) the loader at ``(x, w)``: epoch 0 fills the node cache, epoch 1 is
-    timed (one steady-state epoch).
+   each at every worker count in ``--workers`` (defaults 1 and 4; the
+   analyzer runs its loader + step passes at 2, so no point's loader + step
+   was measured by it, and 4 workers is beyond every prep count it
+   measured).  A run's rate is the median of its epochs 1..; a point's rate
+   is the median of its runs.
+3. For each point: predicted [interval], measured, error, and whether the
+   interval holds the measurement; the summary counts points within 15%
+   and inside their interval.
 
-Pairs alternate their order (a b, b a, a b, ...) so a steady drift does not
-favour one side.  The prediction stays the analyzer's model, ``min(fetch(x),
-P(w), G)`` with fetch from the analyzer's ``S_bw``/``C_bw``, now with
-``P(w)`` = the median of the K (a) runs; "measured" is the median of the K
-(b) epochs.  Every pair is printed with its own ratio (the prediction from
-that pair's ``P(w)`` over that pair's epoch); the spread of those ratios
-says how much the machine moved within a pair.  ``--interleave 0`` is the
-earlier mode (section 8's first figures in docs/benchmarks.md).
-
-Each child's line also gives the host's CPU over its run, from
-``/proc/stat``: steal (time the hypervisor gave our vCPUs to someone else)
-and the CPU used by processes other than ours (busy minus the children's
-own ``getrusage`` time); the whole run's totals are printed at the end.
-
-The page cache does not help the measured runs: with a node cache on,
-coordl reads storage through ``raw_uncached`` (pages dropped on the read's
-own descriptor), and ``x = 0`` is run with a 1 MiB cache for the same
-reason; the device's sectors-read counter per epoch confirms it
-("device MiB/epoch" should be about ``(1 - x) * dataset``).  The memory cap
-is the cache plus ``--overhead`` for the processes.
+Each run's line also gives the host's CPU over it, from ``/proc/stat``:
+steal and the CPU used by processes other than ours (a busy machine makes
+the figures meaningless; run on a quiet one).
 
     python -m coordl.synth /tmp/anval --images 1200            # ~130 MB
     python benchmarks/analyze_validate.py --root /tmp/anval --read-mbps 20 --nice -10
-    python benchmarks/analyze_validate.py ... --interleave 0   # the earlier mode, no side-by-side
 
 Needs root and cgroup v1 (memory, blkio); creates and removes its cgroups.
-The outer process imports neither torch nor coordl (it stays out of the
-measurement).
+The outer process imports neither torch nor coordl.
 """
 from __future__ import annotations
 
@@ -73,6 +58,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 MiB = 2 ** 20
+STEPS_FILE = os.path.join(HERE, "_anval_steps.py")
 
 
 # ------------------------------------------------------------------- children
@@ -90,59 +76,71 @@ def child_analyze(args) -> None:
     _join(args.cgroup, args.nice)
     from coordl.analyze import analyze
 
-    workers = [int(w) for w in args.workers.split(",")]
-    r = analyze(args.root, transform=args.transform, batch_size=args.batch_size, workers=max(workers),
-                rate=args.rate, scaling_workers=workers, cache="node", evict="drop_caches",
-                repeats=args.analyze_repeats,
-                log=lambda m: print(m, file=sys.stderr, flush=True))
+    kw = {"rate": args.sleep_rate} if args.step == "sleep" else {"step": f"{STEPS_FILE}:cpu_step"}
+    r = analyze(args.root, transform=args.transform, batch_size=args.batch_size, workers=args.analyze_workers,
+                scaling_workers=[int(w) for w in args.scaling_workers.split(",")], cache="node",
+                evict="drop_caches", repeats=args.analyze_repeats, max_samples=args.max_samples,
+                log=lambda m: print(m, file=sys.stderr, flush=True), **kw)
     print("REPORT " + json.dumps(r, default=str), flush=True)
 
 
-def child_prep(args) -> None:
-    _join(args.cgroup, args.nice)
-    from coordl.analyze import measure_prep
+def train(root, transform, batch_size, workers, cache_size, step, epochs, max_samples=None):
+    """The independent measurement: a plain training loop over a
+    ``coordl.DataLoader``, timed with its own clock.  Yields, per epoch,
+    ``(samples, seconds, steady_rate)``: the whole epoch, and the rate after
+    the first ``max(1, workers)`` batches (the steady state, as a trainer's
+    throughput meter that ignores the epoch's ramp would show)."""
+    from coordl import DataLoader, ImageFolder
+    from coordl.analyze.measure import Subset, make_transform
 
-    r = measure_prep(args.root, transform=args.transform, batch_size=args.batch_size, workers=[args.w],
-                     cache="node", repeats=args.analyze_repeats,
-                     log=lambda m: print(m, file=sys.stderr, flush=True))
-    print("PREP " + json.dumps(r, default=str), flush=True)
+    ds = ImageFolder(root, transform=make_transform(transform))
+    if max_samples and max_samples < len(ds):
+        ds = Subset(ds, max_samples)
+    loader = DataLoader(ds, batch_size=batch_size, shuffle=True, seed=0, num_workers=workers,
+                        cache_size=cache_size or None, persistent_workers=workers > 0)
+    skip = max(1, workers)
+    for _ in range(epochs):
+        t0 = time.perf_counter()
+        n = k = n_after = 0
+        t_skip = None
+        for images, labels in loader:
+            step((images, labels))
+            n += len(labels)
+            k += 1
+            if k == skip:
+                t_skip = time.perf_counter()
+            elif k > skip:
+                n_after += len(labels)
+        t1 = time.perf_counter()
+        yield n, t1 - t0, (n_after / (t1 - t_skip) if t_skip and t1 > t_skip and n_after else n / (t1 - t0))
 
 
 def child_run(args) -> None:
     _join(args.cgroup, args.nice)
-    from coordl import DataLoader, ImageFolder
-    from coordl.analyze.measure import DeviceCounter, RateStep, make_transform, run_pass
+    sys.path.insert(0, HERE)
+    import _anval_steps
 
-    ds = ImageFolder(args.root, transform=make_transform(args.transform))
-    L = DataLoader(ds, batch_size=args.batch_size, shuffle=True, seed=0, num_workers=args.w,
-                   cache_size=args.cache_size, persistent_workers=args.w > 0)
-    dev = DeviceCounter(ds.describe(0))
-    step = RateStep(args.rate)
-    for e in range(args.epochs):
-        r = run_pass(L, step, device=dev)
-        r["epoch"] = e
-        print("EPOCH " + json.dumps(r), flush=True)
+    step = _anval_steps.SleepStep(args.sleep_rate) if args.step == "sleep" else _anval_steps.cpu_step
+    for e, (n, dt, steady) in enumerate(train(args.root, args.transform, args.batch_size, args.w,
+                                              args.cache_size, step, args.epochs, args.max_samples)):
+        print("EPOCH " + json.dumps({"epoch": e, "samples": n, "seconds": dt, "rate": n / dt,
+                                     "steady_rate": steady}), flush=True)
 
 
 # ------------------------------------------------------------------- parent
 class HostCPU:
     """The machine's CPU between two points in time, from ``/proc/stat``'s
-    ``cpu`` line (all CPUs) and this process's ``RUSAGE_CHILDREN`` (the CPU
-    our measured children and their workers used, once waited for)."""
+    ``cpu`` line and this process's ``RUSAGE_CHILDREN``."""
 
     def __init__(self):
         self.t = time.monotonic()
         with open("/proc/stat") as f:
             v = [int(x) for x in f.readline().split()[1:]]
-        # user nice system idle iowait irq softirq steal (guest time is inside user)
         self.total, self.idle, self.steal = sum(v[:8]), v[3] + v[4], v[7]
         ru = resource.getrusage(resource.RUSAGE_CHILDREN)
         self.ours = ru.ru_utime + ru.ru_stime
 
     def since(self, start: "HostCPU") -> dict:
-        """``steal``: share of all CPU time the hypervisor gave away;
-        ``busy_cores``: CPUs busy on average (steal excluded);
-        ``others_cores``: of those, what was not our children's."""
         tick = os.sysconf("SC_CLK_TCK")
         dt = max(self.t - start.t, 1e-9)
         total = max(self.total - start.total, 1)
@@ -157,11 +155,28 @@ def _cpu_text(c: dict) -> str:
     return f"steal {c['steal']:.1%}, others {c['others_cores']:.2f} cores"
 
 
-def _spawn(args, kind: str, cgroup: str, extra: list[str], epochs: int | None = None) -> subprocess.CompletedProcess:
+def _model():
+    """coordl/analyze/model.py loaded by path (pure arithmetic: keeps torch
+    and coordl out of this process)."""
+    import importlib.util
+
+    path = os.path.join(os.path.dirname(HERE), "coordl", "analyze", "model.py")
+    if not os.path.exists(path):
+        import coordl.analyze.model as m
+        return m
+    spec = importlib.util.spec_from_file_location("_coordl_analyze_model", path)
+    m = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = m  # dataclasses look the module up
+    spec.loader.exec_module(m)
+    return m
+
+
+def _spawn(args, kind: str, cgroup: str, extra: list[str]) -> subprocess.CompletedProcess:
     cmd = [sys.executable, os.path.abspath(__file__), "--child", kind, "--cgroup", cgroup, "--root", args.root,
-           "--transform", args.transform, "--batch-size", str(args.batch_size), "--rate", str(args.rate),
-           "--workers", args.workers, "--epochs", str(args.epochs if epochs is None else epochs),
-           "--analyze-repeats", str(args.analyze_repeats), "--nice", str(args.nice)] + extra
+           "--transform", args.transform, "--batch-size", str(args.batch_size), "--sleep-rate", str(args.sleep_rate),
+           "--epochs", str(args.epochs), "--analyze-repeats", str(args.analyze_repeats), "--nice", str(args.nice),
+           "--analyze-workers", str(args.analyze_workers), "--scaling-workers", args.scaling_workers,
+           "--step", args.step] + (["--max-samples", str(args.max_samples)] if args.max_samples else []) + extra
     c0 = HostCPU()
     p = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, timeout=args.timeout)
     p.cpu = HostCPU().since(c0)
@@ -172,133 +187,77 @@ def _lines(out: str, tag: str) -> list[dict]:
     return [json.loads(l[len(tag) + 1:]) for l in out.splitlines() if l.startswith(tag + " ")]
 
 
-def _model():
-    """coordl/analyze/model.py loaded by path: pure arithmetic, and importing
-    it this way keeps torch and coordl out of this (outer) process."""
-    import importlib.util
-
-    path = os.path.join(os.path.dirname(HERE), "coordl", "analyze", "model.py")
-    if not os.path.exists(path):
-        import coordl.analyze.model as m  # an installed coordl
-        return m
-    spec = importlib.util.spec_from_file_location("_coordl_analyze_model", path)
-    m = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(m)
-    return m
+def _warm(root: str) -> None:
+    """Read every file of the dataset (into the page cache)."""
+    for d, _, fs in os.walk(root):
+        for f in fs:
+            with open(os.path.join(d, f), "rb") as fh:
+                while fh.read(1 << 20):
+                    pass
 
 
-def predict(report: dict, x: float, w: int, prep_at_w: float | None = None) -> dict:
-    """The analyzer's model for ``x`` cached and ``w`` workers from its
-    report; ``prep_at_w``: a ``P(w)`` measured again (side by side) instead
-    of the report's."""
-    model = _model()
-
-    n, d = report["dataset"]["samples"], report["dataset"]["bytes"]
-    bw, rt = report["bandwidth"], report["rates"]
-    prep = {int(k): v for k, v in rt["prep"].items()}
-    if prep_at_w is not None:
-        prep[w] = prep_at_w
-    f = model.fetch_rate(n, d, min(x, 1.0), bw["cache"], bw["storage"])
-    p = model.prep_rate_at(w, prep, report["settings"]["cpus"])
-    t = model.predict(f, p, rt["ingest"])
-    return {"fetch": f, "prep": p, "throughput": t, "bound": "fetch" if t == f else "prep" if t == p else "ingest"}
-
-
-def _median(vals: list[float]) -> float:
-    return statistics.median(vals) if vals else float("nan")
-
-
-def interleaved(args, report: dict, x: float, frac: float, size: int, w: int, prep_cap: int, overhead: int,
-                dev_id: str, bps: int, tag: str) -> dict | None:
-    """``args.interleave`` pairs of (a) the analyzer's prep pass at ``w``
-    workers and (b) one steady-state epoch of the loader at ``(x, w)``,
-    alternating which goes first; the row compares the medians."""
+def measure_point(args, page: str, x: float, w: int, dbytes: int, overhead: int, dev_id: str, bps: int,
+                  tag: str) -> dict | None:
+    """``args.runs`` independent runs of :func:`train` at one point."""
     from cache import Cgroup, drop_caches
 
-    pairs = []
-    for k in range(args.interleave):
-        order = ("prep", "run") if k % 2 == 0 else ("run", "prep")
-        got = {}
-        for kind in order:
-            cap = prep_cap if kind == "prep" else size + overhead
-            cg = Cgroup(f"coordl-anval-{os.getpid()}-{tag}-{w}-{x}-{k}{kind[0]}", cap, dev_id, bps)
-            try:
-                drop_caches()
-                p = _spawn(args, kind, cg.name, ["--w", str(w), "--cache-size", str(size)], epochs=2)
-            finally:
-                cg.remove()
-            if kind == "prep":
-                recs = _lines(p.stdout, "PREP")
-                if p.returncode != 0 or not recs:
-                    print(f"{x:>6.0%} {w:>7}  pair {k + 1}: the prep child failed (exit {p.returncode})", flush=True)
-                    return None
-                got["prep"] = {"rate": recs[0]["prep"][str(w)], "rates": recs[0]["passes"][f"prep_{w}w"]["rates"],
-                               "cpu": p.cpu}
-            else:
-                epochs = _lines(p.stdout, "EPOCH")
-                if p.returncode != 0 or len(epochs) < 2:
-                    print(f"{x:>6.0%} {w:>7}  pair {k + 1}: the loader failed (exit {p.returncode}; an OOM kill "
-                          f"means --overhead is too small)", flush=True)
-                    return None
-                got["run"] = {"rate": epochs[1]["rate"], "fill_rate": epochs[0]["rate"],
-                              "bytes_cache": epochs[1]["bytes_cache"], "device_bytes": epochs[1]["device_bytes"],
-                              "cpu": p.cpu}
-        pred = predict(report, frac, w, got["prep"]["rate"])
-        ratio = pred["throughput"] / got["run"]["rate"]
-        pair = {"pair": k, "order": list(order), "prep_rate": got["prep"]["rate"], "prep_rates": got["prep"]["rates"],
-                "predicted": pred["throughput"], "bound": pred["bound"], "measured": got["run"]["rate"],
-                "ratio": ratio, "hit_bytes": got["run"]["bytes_cache"], "device_bytes": got["run"]["device_bytes"],
-                "cpu_prep": got["prep"]["cpu"], "cpu_run": got["run"]["cpu"]}
-        pairs.append(pair)
-        print(f"{'':>6} {'':>7}  pair {k + 1} ({order[0]} first): P({w}) {pair['prep_rate']:.1f}/s -> predicted "
-              f"{pair['predicted']:.1f} {pair['bound']}, measured {pair['measured']:.1f}, ratio "
-              f"{ratio:.3f}; prep: {_cpu_text(pair['cpu_prep'])}; loader: {_cpu_text(pair['cpu_run'])}",
-              flush=True)
-    p_med = _median([q["prep_rate"] for q in pairs])
-    pred = predict(report, frac, w, p_med)
-    measured = _median([q["measured"] for q in pairs])
-    ratios = sorted(q["ratio"] for q in pairs)
-    devb = [q["device_bytes"] for q in pairs if q["device_bytes"] is not None]
-    return {"mode": "interleaved", "pairs": pairs, "prep_median": p_med, "predicted": pred,
-            "measured": measured, "error": pred["throughput"] / measured - 1,
-            "ratio": {"min": ratios[0], "median": statistics.median(ratios), "max": ratios[-1],
-                      "spread": ratios[-1] - ratios[0]},
-            "epoch_rates": [q["measured"] for q in pairs],
-            "hit_bytes_per_epoch": _median([q["hit_bytes"] for q in pairs]),
-            "device_bytes_per_epoch": _median(devb)}
+    size = int(x * dbytes) if page == "dropped" else 0
+    cap = (size if page == "dropped" else int(dbytes * 1.1)) + overhead
+    runs = []
+    for k in range(args.runs):
+        cg = Cgroup(f"coordl-anval-{os.getpid()}-{tag}-{k}", cap, dev_id, bps)
+        try:
+            drop_caches()
+            if page == "warm":
+                _warm(args.root)
+            p = _spawn(args, "run", cg.name, ["--w", str(w), "--cache-size", str(size)])
+        finally:
+            cg.remove()
+        eps = _lines(p.stdout, "EPOCH")
+        if p.returncode != 0 or len(eps) < 2:
+            print(f"  {page} x={x:.0%} w={w} run {k + 1}: failed (exit {p.returncode}; an OOM kill means "
+                  f"--overhead is too small)", flush=True)
+            return None
+        later = eps[1:]
+        runs.append({"steady": statistics.median(e["steady_rate"] for e in later),
+                     "epoch": statistics.median(e["rate"] for e in later),
+                     "epochs": later, "fill": eps[0]["rate"], "cpu": p.cpu})
+        print(f"  {page:>7} {x:>5.0%} {w:>3}w  run {k + 1}: {runs[-1]['steady']:.1f}/s steady, "
+              f"{runs[-1]['epoch']:.1f}/s whole epochs ({_cpu_text(p.cpu)})", flush=True)
+    return {"measured": statistics.median(r["steady"] for r in runs),
+            "measured_epoch": statistics.median(r["epoch"] for r in runs), "runs": runs}
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--root", required=True)
     ap.add_argument("--read-mbps", type=float, default=20, help="disk read throttle, MB/s (default 20)")
-    ap.add_argument("--fractions", default="0,0.5,0.9", help="node cache sizes as fractions of the dataset")
-    ap.add_argument("--workers", default="1,2", help="worker counts")
+    ap.add_argument("--fractions", default="0.2,0.5", help="node cache sizes (fractions of the dataset) measured "
+                                                           "with the page cache dropped (default 0.2,0.5)")
+    ap.add_argument("--workers", default="1,4", help="worker counts of the independent loops (default 1,4)")
+    ap.add_argument("--pages", default="dropped,warm", help="page cache states: dropped, warm (default both)")
+    ap.add_argument("--steps", default="sleep,cpu", help="kinds of step: sleep (accelerator-like), cpu")
+    ap.add_argument("--sleep-rate", type=float, default=1200,
+                    help="samples/s of the sleep step (default 1200: on a 2-core VM that decodes ~950/s a core it "
+                         "binds where the data is in memory and the workers are many, and not at 1 worker)")
+    ap.add_argument("--analyze-workers", type=int, default=2, help="the analyzer's --workers (default 2)")
+    ap.add_argument("--scaling-workers", default="1,2,3", help="the analyzer's prep worker counts (default 1,2,3)")
+    ap.add_argument("--analyze-repeats", type=int, default=3, help="the analyzer's --repeats (default 3)")
+    ap.add_argument("--runs", type=int, default=3, help="independent runs per point; the median is compared")
+    ap.add_argument("--epochs", type=int, default=3, help="epochs per run (epoch 0 fills; default 3)")
     ap.add_argument("--batch-size", type=int, default=32)
-    ap.add_argument("--epochs", type=int, default=4,
-                    help="epochs per measured run (epoch 0 fills the cache; a side-by-side pair's loader runs 2)")
-    ap.add_argument("--rate", type=float, default=1e6, help="ingestion rate of the simulated step (samples/s)")
     ap.add_argument("--transform", default="rrc224")
+    ap.add_argument("--max-samples", type=int, default=None, help="use this many samples (default: all)")
     ap.add_argument("--overhead", default="1GiB", help="memory cap above the node cache (default 1GiB)")
-    ap.add_argument("--repeats", type=int, default=1, help="whole validations to run (analyzer included)")
-    ap.add_argument("--analyze-repeats", type=int, default=3,
-                    help="the analyzer's repeats of each in-memory pass, median used (default 3)")
-    ap.add_argument("--nice", type=int, default=0,
-                    help="nice increment of the measured processes (negative, as root: less disturbed by other "
-                         "work on a shared machine; default 0)")
-    ap.add_argument("--interleave", type=int, default=5, metavar="K",
-                    help="for each prep-bound point, K pairs of (the analyzer's prep pass at w workers, one "
-                         "steady-state epoch of the loader), side by side, medians compared (default 5; 0: the "
-                         "earlier mode, the analyzer's P(w) from its one run against 3 epochs run minutes later)")
-    ap.add_argument("--interleave-points", choices=("prep", "all"), default="prep",
-                    help="which points --interleave measures side by side: those the analyzer predicts "
-                         "prep-bound (default) or all of them")
+    ap.add_argument("--nice", type=int, default=0, help="niceness of the measured processes (e.g. -10)")
+    ap.add_argument("--timeout", type=float, default=900, help="seconds per child process")
+    ap.add_argument("--target", type=float, default=0.15, help="the error target (default 0.15)")
     ap.add_argument("--out", default="analyze_validate.json")
-    ap.add_argument("--timeout", type=float, default=1800)
-    ap.add_argument("--child", choices=("analyze", "prep", "run"), help=argparse.SUPPRESS)
-    ap.add_argument("--cgroup", help=argparse.SUPPRESS)
+    ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--cgroup", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--w", type=int, default=1, help=argparse.SUPPRESS)
     ap.add_argument("--cache-size", type=int, default=0, help=argparse.SUPPRESS)
+    ap.add_argument("--step", default="sleep", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.child == "analyze":
         child_analyze(args)
@@ -306,17 +265,18 @@ def main(argv=None) -> int:
     if args.child == "run":
         child_run(args)
         return 0
-    if args.child == "prep":
-        child_prep(args)
-        return 0
-    if args.interleave < 0:
-        ap.error(f"--interleave should be a number of pairs >= 0, but got --interleave={args.interleave}")
 
     from cache import Cgroup, _dev_of, drop_caches
 
     if os.geteuid() != 0 or not os.path.isdir("/sys/fs/cgroup/blkio"):
         print("analyze_validate.py needs root and cgroup v1 (memory, blkio)", file=sys.stderr)
         return 2
+    steps = [s for s in args.steps.split(",") if s]
+    pages = [s for s in args.pages.split(",") if s]
+    if not set(steps) <= {"sleep", "cpu"} or not steps:
+        ap.error(f"--steps should be a list of sleep, cpu, but got --steps={args.steps!r}")
+    if not set(pages) <= {"dropped", "warm"} or not pages:
+        ap.error(f"--pages should be a list of dropped, warm, but got --pages={args.pages!r}")
     units = {"kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30}
     ov = args.overhead.lower()
     overhead = int(float(ov[:-3]) * units[ov[-3:]]) if ov[-3:] in units else int(ov)
@@ -325,17 +285,15 @@ def main(argv=None) -> int:
     fractions = [float(x) for x in args.fractions.split(",")]
     workers = [int(w) for w in args.workers.split(",")]
     bps = int(args.read_mbps * 1e6)
+    model = _model()
     print(f"dataset {dbytes / MiB:.1f} MiB on /dev/{dev} ({dev_id}); reads throttled to {args.read_mbps:g} MB/s; "
-          f"memory cap = node cache + {overhead / MiB:.0f} MiB; ingestion rate {args.rate:g}/s; "
-          f"{os.cpu_count()} CPUs (shared: expect noise); nice {args.nice:+d}", flush=True)
-    mode = (f"side by side: {args.interleave} pairs per {'prep-bound ' if args.interleave_points == 'prep' else ''}"
-            f"point" if args.interleave else "analyzer first, then the loaders (no side by side)")
-    print(f"mode: {mode}", flush=True)
-    cpu_start = HostCPU()
-    results = []
-    for rep in range(args.repeats):
-        prep_cap = int(dbytes * 1.1) + overhead  # the analyzer's cgroup: the whole dataset in the node cache
-        cg = Cgroup(f"coordl-anval-{os.getpid()}-a{rep}", prep_cap, dev_id, bps)
+          f"memory cap = node cache + {overhead / MiB:.0f} MiB; {os.cpu_count()} CPUs; steps {', '.join(steps)}; "
+          f"{args.runs} runs per point", flush=True)
+    t_start, cpu_start = time.time(), HostCPU()
+    results, analyzers = [], {}
+    for step in steps:
+        args.step = step
+        cg = Cgroup(f"coordl-anval-{os.getpid()}-a-{step}", int(dbytes * 1.1) + overhead, dev_id, bps)
         try:
             drop_caches()
             p = _spawn(args, "analyze", cg.name, [])
@@ -343,97 +301,65 @@ def main(argv=None) -> int:
             cg.remove()
         reports = _lines(p.stdout, "REPORT")
         if p.returncode != 0 or not reports:
-            print(f"analyzer failed (exit {p.returncode})", file=sys.stderr)
+            print(f"the analyzer failed (exit {p.returncode})", file=sys.stderr)
             return 1
-        report, analyzer_cpu = reports[0], p.cpu
-        rt, bw = report["rates"], report["bandwidth"]
-        print(f"\nrun {rep + 1}: analyzer: storage {bw['storage'] / 1e6:.1f} MB/s, cache {bw['cache'] / 1e6:.0f} MB/s, "
-              f"prep {', '.join(f'{k}w {v:.0f}/s' for k, v in rt['prep'].items())}, cold {rt['cold']:.0f}/s, "
-              f"cached {rt['cached']:.0f}/s, fetch stall {report['stalls']['fetch']:.0%}, prep stall "
-              f"{report['stalls']['prep']:.0%} ({report['seconds']:.0f} s; {_cpu_text(analyzer_cpu)})", flush=True)
-        print(f"{'cache':>6} {'workers':>7} {'predicted':>10} {'bound':>6} {'measured':>9} {'error':>7} "
-              f"{'best ep':>8} {'error':>7} {'hit MiB/ep':>10} {'device MiB/ep':>13}", flush=True)
-        for w in workers:
-            for x in fractions:
-                size = max(int(x * dbytes), MiB)
-                pred = predict(report, size / dbytes, w)
-                if args.interleave and (args.interleave_points == "all" or pred["bound"] == "prep"):
-                    t0 = time.time()
-                    print(f"{x:>6.0%} {w:>7} {pred['throughput']:>10.1f} {pred['bound']:>6}  (the analyzer's run; "
-                          f"now {args.interleave} pairs side by side)", flush=True)
-                    row = interleaved(args, report, x, size / dbytes, size, w, prep_cap, overhead, dev_id, bps,
-                                      f"r{rep}")
-                    if row is None:
-                        continue
-                    row.update({"repeat": rep, "cached_fraction": x, "cache_size": size, "workers": w,
-                                "analyzer_predicted": pred, "seconds": time.time() - t0})
-                    results.append(row)
-                    r, q = row["ratio"], row["predicted"]
-                    print(f"{x:>6.0%} {w:>7} {q['throughput']:>10.1f} {q['bound']:>6} {row['measured']:>9.1f} "
-                          f"{row['error']:>+7.1%} {'':>8} {'':>7} {row['hit_bytes_per_epoch'] / MiB:>10.1f} "
-                          f"{row['device_bytes_per_epoch'] / MiB:>13.1f}   medians; pair ratios {r['min']:.3f}.."
-                          f"{r['max']:.3f} (spread {r['spread']:.3f})", flush=True)
-                    continue
-                cg = Cgroup(f"coordl-anval-{os.getpid()}-r{rep}-{w}-{x}", size + overhead, dev_id, bps)
-                try:
-                    drop_caches()
-                    t0 = time.time()
-                    p = _spawn(args, "run", cg.name, ["--w", str(w), "--cache-size", str(size)])
-                finally:
-                    cg.remove()
-                epochs = _lines(p.stdout, "EPOCH")
-                if p.returncode != 0 or len(epochs) < 2:
-                    print(f"{x:>6.0%} {w:>7}  run failed (exit {p.returncode}; an OOM kill means --overhead is "
-                          f"too small)", flush=True)
-                    continue
-                later = epochs[1:]
-                measured = sum(e["rate"] for e in later) / len(later)
-                hit = sum(e["bytes_cache"] for e in later) / len(later)
-                devb = [e["device_bytes"] for e in later if e["device_bytes"] is not None]
-                devb = sum(devb) / len(devb) if devb else float("nan")
-                err = pred["throughput"] / measured - 1
-                best = max(e["rate"] for e in later)  # the least disturbed epoch
-                err_best = pred["throughput"] / best - 1
-                row = {"repeat": rep, "mode": "sequential", "cached_fraction": x, "cache_size": size, "workers": w,
-                       "predicted": pred, "measured": measured, "epoch_rates": [e["rate"] for e in later],
-                       "error": err, "best_epoch": best, "error_best_epoch": err_best,
-                       "hit_bytes_per_epoch": hit, "device_bytes_per_epoch": devb, "seconds": time.time() - t0,
-                       "cpu": p.cpu}
-                results.append(row)
-                print(f"{x:>6.0%} {w:>7} {pred['throughput']:>10.1f} {pred['bound']:>6} {measured:>9.1f} "
-                      f"{err:>+7.1%} {best:>8.1f} {err_best:>+7.1%} {hit / MiB:>10.1f} {devb / MiB:>13.1f}   "
-                      f"{_cpu_text(p.cpu)}", flush=True)
-        results.append({"repeat": rep, "analyzer": report, "cpu": analyzer_cpu})
+        report = reports[0]
+        analyzers[step] = {"report": report, "cpu": p.cpu}
+        inp = model.inputs_from_dict(report["model"]["inputs"])
+        v = report["verdict"]
+        print(f"\n{step} step: the analyzer ({report['seconds']:.0f} s; {_cpu_text(p.cpu)}): a "
+              f"{report['settings']['step_kind']} step, storage {report['bandwidth']['storage'] / 1e6:.1f} MB/s, "
+              f"prep {', '.join(f'{k}w {r:.0f}/s' for k, r in report['rates']['prep'].items())}, step alone "
+              f"{report['rates']['ingest']:.0f}/s, Amdahl s {inp.amdahl_s.value:.2f} "
+              f"[{inp.amdahl_s.lo:.2f}, {inp.amdahl_s.hi:.2f}], eta {inp.eta.value:.2f}; verdict: "
+              f"{v['largest'] or 'not waiting for data'}", flush=True)
+        points = [(pg, x, w) for pg in pages for w in workers
+                  for x in (fractions if pg == "dropped" else [1.0])]
+        preds = {pt: model.predict(inp, pt[1], pt[2]) for pt in points}  # all predicted before any is measured
+        for pg, x, w in points:
+            pred = preds[(pg, x, w)]
+            got = measure_point(args, pg, x, w, dbytes, overhead, dev_id, bps, f"{step[0]}{pg[0]}{w}-{x}")
+            if got is None:
+                continue
+            m = got["measured"]
+            err = pred["throughput"] / m - 1
+            row = {"step": step, "page_cache": pg, "cached_fraction": x, "workers": w, "predicted": pred["throughput"],
+                   "lo": pred["lo"], "hi": pred["hi"], "bound": pred["bound"], "measured": m,
+                   "measured_whole_epochs": got["measured_epoch"], "error": err,
+                   "error_whole_epochs": pred["throughput"] / got["measured_epoch"] - 1,
+                   "in_interval": pred["lo"] <= m <= pred["hi"], "runs": got["runs"]}
+            results.append(row)
+            print(f"{step:>5} {pg:>7} {x:>5.0%} {w:>3}w  predicted {pred['throughput']:8.1f} "
+                  f"[{pred['lo']:.1f}, {pred['hi']:.1f}] {pred['bound']:<7} measured {m:8.1f}  error {err:+6.1%}  "
+                  f"{'inside' if row['in_interval'] else 'OUTSIDE'} the interval", flush=True)
     host = HostCPU().since(cpu_start)
-    rows = [r for r in results if "error" in r]
-    if rows:
-        worst = max(abs(r["error"]) for r in rows)
-        mean = sum(abs(r["error"]) for r in rows) / len(rows)
-        print(f"\nprediction error: mean |error| {mean:.1%}, worst {worst:.1%} over {len(rows)} runs "
-              f"(target <= 15%)")
-        for bound in ("fetch", "prep", "ingest"):
-            for mode in ("sequential", "interleaved"):
-                sel = [r for r in rows if r["predicted"]["bound"] == bound and r["mode"] == mode]
-                if not sel:
-                    continue
-                line = (f"  {bound}-bound, {mode}: mean |error| {sum(abs(r['error']) for r in sel) / len(sel):.1%}, "
-                        f"worst {max(abs(r['error']) for r in sel):.1%} over {len(sel)}")
-                if mode == "sequential":
-                    line += f"; against each run's best epoch: worst {max(abs(r['error_best_epoch']) for r in sel):.1%}"
-                else:
-                    line += (f" (medians of {args.interleave} pairs); per-pair ratios "
-                             f"{min(r['ratio']['min'] for r in sel):.3f}..{max(r['ratio']['max'] for r in sel):.3f}, "
-                             f"widest spread within a point {max(r['ratio']['spread'] for r in sel):.3f}")
-                print(line)
-    print(f"host over the run ({host['seconds']:.0f} s): steal {host['steal']:.1%} of CPU time, "
-          f"{host['busy_cores']:.2f} of {os.cpu_count()} CPUs busy on average, "
-          f"{host['others_cores']:.2f} of them by processes other than ours")
+    if results:
+        within = [r for r in results if abs(r["error"]) <= args.target]
+        inside = [r for r in results if r["in_interval"]]
+        print(f"\n{'step':>5} {'page':>7} {'cache':>5} {'w':>3} {'predicted [interval]':>28} {'bound':<7} "
+              f"{'measured':>9} {'error':>7} {'whole-epoch error':>17}")
+        for r in results:
+            print(f"{r['step']:>5} {r['page_cache']:>7} {r['cached_fraction']:>5.0%} {r['workers']:>3} "
+                  f"{r['predicted']:>10.1f} [{r['lo']:>7.1f}, {r['hi']:>7.1f}] {r['bound']:<7} {r['measured']:>9.1f} "
+                  f"{r['error']:>+7.1%} {r['error_whole_epochs']:>+17.1%}")
+        print(f"\nwithin {args.target:.0%}: {len(within)} of {len(results)} points (worst |error| "
+              f"{max(abs(r['error']) for r in results):.1%}); measurement inside the reported interval: "
+              f"{len(inside)} of {len(results)}")
+        for step in steps:
+            sel = [r for r in results if r["step"] == step]
+            if sel:
+                print(f"  {step} step: worst |error| {max(abs(r['error']) for r in sel):.1%} over {len(sel)} points, "
+                      f"{sum(r['in_interval'] for r in sel)} inside their interval; bounds "
+                      f"{', '.join(sorted({r['bound'] for r in sel}))}")
+    print(f"host over the run ({host['seconds']:.0f} s): steal {host['steal']:.1%}, {host['busy_cores']:.2f} of "
+          f"{os.cpu_count()} CPUs busy on average, {host['others_cores']:.2f} of them by other processes")
     with open(args.out, "w") as f:
-        json.dump({"dataset_bytes": dbytes, "read_mbps": args.read_mbps, "overhead": overhead,
-                   "interleave": args.interleave, "interleave_points": args.interleave_points, "host_cpu": host,
+        json.dump({"dataset_bytes": dbytes, "read_mbps": args.read_mbps, "overhead": overhead, "host_cpu": host,
+                   "seconds": time.time() - t_start, "args": vars(args), "analyzers": analyzers,
                    "results": results}, f, indent=1, default=str)
     print(f"results: {args.out}")
     return 0
+
 
 if __name__ == "__main__":
     sys.exit(main())

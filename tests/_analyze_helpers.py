@@ -50,3 +50,15 @@ def slow_prep():
 def step_5ms(batch) -> None:
     """A model step that takes 5 ms a batch without using the CPU."""
     time.sleep(0.005)
+
+
+def quick():
+    """Fetch 0.5 ms, prep 0.5 ms a sample (48 samples): quick passes."""
+    return SleepyDataset(48, fetch_ms=0.5, prep_ms=0.5)
+
+
+def busy_step(batch) -> None:
+    """A model step that computes on the CPU for 4 ms (of this thread's CPU time) a batch."""
+    t = time.thread_time()
+    while time.thread_time() - t < 0.004:
+        pass

@@ -6,7 +6,9 @@ import json
 import math
 import os
 import sys
+import statistics
 import textwrap
+import time
 
 import pytest
 
@@ -60,61 +62,170 @@ def test_fetch_rate_hand_computed():
     assert model.fetch_rate(1000, 1e9, 1.0, 1e10, 1e8) == pytest.approx(10000.0)
 
 
-def test_predict_is_the_slowest_stage():
-    assert model.predict(198.0, 150.0, 300.0) == 150.0
-    assert model.predict(98.0, 150.0, 300.0) == 98.0
-    assert model.predict(998.0, 450.0, 300.0) == 300.0
+def _inputs(**kw):
+    """Hand-made model inputs: 1000 samples of 1 MB, 2 cores; storage 100 MB/s (100 samples/s), cache 10 GB/s;
+    loader 1 CPU-ms/sample, +1 CPU-ms for a read from storage; prep 15 CPU-ms/sample in a worker and a worker
+    preps 1/0.015 = 66.7 samples/s, scaling linearly (s = 0); all cores available; a step at 100 samples/s
+    that uses no CPU."""
+    E = model.Est.exact
+    base = dict(samples=1000, dataset_bytes=1e9, cores=2, storage_bw=E(1e8), cache_bw=E(1e10), ingest=E(100.0),
+                step_cpu=E(0.0), loader_cpu=E(0.001), storage_cpu=E(0.001), worker_cpu={1: E(0.015)},
+                amdahl_s=E(0.0), amdahl_p1=E(1 / 0.015), eta=E(1.0))
+    base.update(kw)
+    return model.Inputs(**base)
 
 
-def test_what_if_cache_rows_and_bounds():
-    rows = model.what_if_cache(1000, 1e9, 1e10, 1e8, prep=150, ingest=300, fractions=[0, 0.5, 0.9, 1])
-    assert [r["cached_fraction"] for r in rows] == [0, 0.5, 0.9, 1]
-    assert rows[0]["throughput"] == pytest.approx(100.0) and rows[0]["bound"] == "fetch"
-    # x=0.5: 198 samples/s fetch -> prep (150) bounds
-    assert rows[1]["fetch_rate"] == pytest.approx(1000 / 5.05)
-    assert rows[1]["throughput"] == 150 and rows[1]["bound"] == "prep"
-    # x=0.9: T = 0.09 + 1.0 = 1.09 s -> 917/s; still prep
-    assert rows[2]["fetch_rate"] == pytest.approx(1000 / 1.09)
-    rows = model.what_if_cache(1000, 1e9, 1e10, 1e8, prep=500, ingest=300, fractions=[1])
-    assert rows[0]["throughput"] == 300 and rows[0]["bound"] == "ingest"
+def test_model_shared_cores_cpu_step():
+    # a CPU step: 100 samples/s alone using one core (10 CPU-ms/sample). With 4 workers and data in memory:
+    # workers 4 x 66.7 = 266.7/s, step 100/s, but the 2 cores must hold 1 + 15 + 10 = 26 CPU-ms/sample:
+    # 2 / 0.026 = 76.9/s, below every separate rate (min(prep, step) would say 100)
+    inp = _inputs(step_cpu=model.Est.exact(0.010), step_kind="cpu")
+    p = model.predict(inp, 1.0, 4)
+    assert p["bound"] == "cpu" and p["throughput"] == pytest.approx(2 / 0.026)
+    assert p["bounds"]["step"] == 100 and p["bounds"]["workers"] == pytest.approx(4 / 0.015)
+    # cold: a read from storage costs 1 CPU-ms more, and storage gives 100/s: fetch-bound at 100? no: the
+    # cores give 2 / 0.027 = 74.1 < 100, so the cores still bound
+    p = model.predict(inp, 0.0, 4)
+    assert p["bound"] == "cpu" and p["throughput"] == pytest.approx(2 / 0.027)
 
 
-def test_amdahl_fit_hand_computed():
-    # P(1)=100, P(2)=180: 180 = 200/(1+s) -> s = 1/9; P(4) = 400/(1+3/9) = 300
-    s = model.fit_serial_fraction({1: 100, 2: 180})
-    assert s == pytest.approx(1 / 9, abs=1e-3)
-    assert model.prep_rate_at(4, {1: 100, 2: 180}, cpus=8) == pytest.approx(300, rel=2e-3)
-    # measured points are returned as measured
-    assert model.prep_rate_at(2, {1: 100, 2: 180}, cpus=8) == 180
-    # past the CPU count there is no gain: 4 workers on 2 CPUs = the 2-worker rate
-    assert model.prep_rate_at(4, {1: 100, 2: 180}, cpus=2) == 180
-    # linear scaling fits s = 0; no scaling s = 1
-    assert model.fit_serial_fraction({1: 100, 2: 200, 4: 400}) == 0
-    assert model.fit_serial_fraction({1: 100, 2: 100}) == 1
-    # one point: linear
-    assert model.prep_rate_at(3, {1: 50}, cpus=4) == pytest.approx(150)
+def test_model_accelerator_step():
+    # the same step on an accelerator (no host CPU): the step binds at 100/s (cores: 2 / 0.016 = 125/s)
+    p = model.predict(_inputs(), 1.0, 4)
+    assert p["bound"] == "step" and p["throughput"] == 100
+    # a faster accelerator: now the cores bind, at 2 / 0.016
+    p = model.predict(_inputs(ingest=model.Est.exact(500.0)), 1.0, 4)
+    assert p["bound"] == "cpu" and p["throughput"] == pytest.approx(125.0)
 
 
-def test_what_if_workers_and_grid():
-    rows = model.what_if_workers({1: 100, 2: 180}, cpus=4, fetch=250, ingest=1000, workers=[1, 2, 3, 4])
-    assert [r["measured"] for r in rows] == [True, True, False, False]
-    assert rows[0]["throughput"] == 100 and rows[0]["bound"] == "prep"
-    # 3 workers: 300/(1+2/9) = 245.45 -> prep; 4: 300 -> fetch (250)
-    assert rows[2]["throughput"] == pytest.approx(300 / (1 + 2 / 9), rel=2e-3)
-    assert rows[3]["throughput"] == 250 and rows[3]["bound"] == "fetch"
-    grid = model.what_if_grid(1000, 1e9, 1e10, 1e8, {1: 100, 2: 180}, 4, 1000, [0, 1], [1, 2])
-    assert [(g["workers"], g["cached_fraction"], g["throughput"]) for g in grid] == [
-        (1, 0, pytest.approx(100)), (1, 1, 100), (2, 0, pytest.approx(100)), (2, 1, 180)]
+def test_model_training_thread_takes_batches_between_steps():
+    # the step (1/500 s a sample) and taking batches (0.5 CPU-ms a sample) share the training thread:
+    # 1 / (0.002 + 0.0005) = 400/s, not 500
+    inp = _inputs(ingest=model.Est.exact(500.0), consumer_cpu=model.Est(0.0005, 0.0004, 0.0006, "measured"),
+                  loader_cpu=model.Est.exact(0.0), cores=16)
+    p = model.predict(inp, 1.0, 16)  # 16 workers on 16 cores: 1067/s, the cores 16 / 0.015
+    assert p["bound"] == "step" and p["throughput"] == pytest.approx(400.0)
+    assert p["lo"] == pytest.approx(1 / 0.0026) and p["hi"] == pytest.approx(1 / 0.0024)
+
+
+def test_model_fetch_bound_and_prep_bound():
+    fast = _inputs(ingest=model.Est.exact(1e6))
+    # 2 workers, nothing cached: storage gives 100/s; workers 133/s; cores 2 / 0.017 = 117.6/s
+    p = model.predict(fast, 0.0, 2)
+    assert p["bound"] == "fetch" and p["throughput"] == pytest.approx(100.0)
+    # half cached: fetch 1000/5.05 = 198/s; workers 133.3/s; cores 2 / 0.0165 = 121.2/s -> the cores
+    p = model.predict(fast, 0.5, 2)
+    assert p["bound"] == "cpu" and p["throughput"] == pytest.approx(2 / 0.0165)
+    # one worker, all cached: the worker binds (66.7/s)
+    p = model.predict(fast, 1.0, 1)
+    assert p["bound"] == "workers" and p["throughput"] == pytest.approx(1 / 0.015)
+    # the fetch rate is not held fixed across worker counts: at 40% cached, fetch I/O gives 1000/3.04 = 329/s,
+    # but the loader's CPU for reads from storage competes with the workers' prep
+    rows = model.what_if_workers(fast, 0.4, [1, 2, 4])
+    assert [r["bound"] for r in rows] == ["workers", "cpu", "cpu"]
+    assert rows[2]["throughput"] == pytest.approx(2 / (0.001 + 0.6 * 0.001 + 0.015))
+
+
+def test_interval_arithmetic():
+    E = model.Est
+    inp = _inputs(ingest=E(100.0, 90.0, 110.0), loader_cpu=E(0.001, 0.0005, 0.002))
+    p = model.predict(inp, 1.0, 4)
+    assert (p["throughput"], p["lo"], p["hi"], p["bound"]) == (100, 90, 110, "step")
+    # the cores bind at the pessimistic end: loader 2 ms -> 2 / 0.017 = 117.6 > 90: still the step's 90
+    inp = _inputs(ingest=E(200.0, 150.0, 250.0), loader_cpu=E(0.001, 0.0005, 0.002), eta=E(1.0, 0.8, 1.0))
+    p = model.predict(inp, 1.0, 4)
+    assert p["throughput"] == pytest.approx(125.0) and p["bound"] == "cpu"
+    assert p["lo"] == pytest.approx(0.8 * 2 / 0.017)   # every input at its pessimistic end
+    assert p["hi"] == pytest.approx(2 / 0.0155)        # every input at its optimistic end
+    # measured rates: median and range; one pass: batch means +- 2 standard errors
+    e = model.est_from_samples([120.0, 100.0, 90.0], "measured: x")
+    assert (e.value, e.lo, e.hi) == (100.0, 90.0, 120.0)
+    e = model.est_from_samples([100.0], "measured: x", within=[90.0, 110.0, 100.0, 100.0])
+    se = statistics.stdev([90.0, 110.0, 100.0, 100.0]) / 2 / 100
+    assert e.lo == pytest.approx(100 * (1 - 2 * se)) and e.hi == pytest.approx(100 * (1 + 2 * se))
+    with pytest.raises(ValueError, match="lo <= value <= hi"):
+        E(1.0, 2.0, 3.0)
+
+
+def test_amdahl_fit_can_say_more_workers_help_with_uncertainty():
+    # P(w) = 100 w / (1 + 0.2 (w - 1)), three repeats per count, +-5%
+    runs = {w: [model.amdahl(100, 0.2, w) * f for f in (0.95, 1.0, 1.05)] for w in (1, 2, 3)}
+    fit = model.fit_amdahl(runs)
+    assert fit["s"].value == pytest.approx(0.2, abs=0.01) and fit["p1"].value == pytest.approx(100, rel=0.01)
+    assert fit["s"].lo < 0.2 < fit["s"].hi and fit["s"].hi - fit["s"].lo < 0.6   # uncertainty shown, bounded
+    inp = _inputs(ingest=model.Est.exact(1e6), cores=16, amdahl_s=fit["s"], amdahl_p1=fit["p1"],
+                  amdahl_draws=fit["draws"], worker_cpu={1: model.Est.exact(0.001)})
+    rows = model.what_if_workers(inp, 1.0, [1, 2, 3, 4, 6])
+    ws = [r["throughput"] for r in rows]
+    assert ws == sorted(ws) and ws[-1] > 1.3 * ws[2]   # more workers help, beyond the measured counts (300 vs 214)
+    assert all(r["lo"] <= r["throughput"] <= r["hi"] for r in rows) and rows[-1]["hi"] > rows[-1]["lo"]
+    # points the cores limit do not read as serial work: linear up to 2, capped at 2 cores' worth
+    capped = model.fit_amdahl({1: [100.0], 2: [198.0], 3: [200.0]}, cap={1: 200.0, 2: 200.0, 3: 200.0})
+    assert capped["s"].value < 0.05
+    uncapped = model.fit_amdahl({1: [100.0], 2: [198.0], 3: [200.0]})
+    assert uncapped["s"].value >= 0.2
+    # one count: s unknown, said so
+    one = model.fit_amdahl({2: [150.0]})
+    assert (one["s"].lo, one["s"].hi) == (0.0, 1.0) and "unknown" in one["s"].source
+
+
+def test_verdict_names_the_stall_whose_removal_helps_most():
+    def P(t, bound="x"):
+        return {"throughput": t, "bound": bound}
+    v = model.verdict(P(100), no_fetch=P(180), no_prep=P(120))
+    assert v["largest"] == "fetch" and v["speedup_without_fetch"] == pytest.approx(1.8)
+    assert v["fetch_stall"] == pytest.approx(1 - 100 / 180) and v["prep_stall"] == pytest.approx(1 - 100 / 120)
+    assert model.verdict(P(100), P(110), P(150))["largest"] == "prep"
+    assert model.verdict(P(100), P(102), P(101))["largest"] is None
+    # on the model: a CPU step sharing the cores, all in memory -> prep is the stall (removing fetch gains
+    # nothing, removing prep frees 15 of 26 CPU-ms) -- the case where the old verdict said "fetch"
+    inp = _inputs(step_cpu=model.Est.exact(0.010), storage_bw=model.Est.exact(1e10))
+    now = model.predict(inp, 0.0, 4)
+    v = model.verdict(now, model.predict(inp, 0.0, 4, no_fetch=True), model.predict(inp, 0.0, 4, no_prep=True))
+    assert v["largest"] == "prep"
+    # slow storage, accelerator step: fetch
+    inp = _inputs(storage_bw=model.Est.exact(2e7))
+    now = model.predict(inp, 0.0, 4)
+    v = model.verdict(now, model.predict(inp, 0.0, 4, no_fetch=True), model.predict(inp, 0.0, 4, no_prep=True))
+    assert v["largest"] == "fetch" and now["bound"] == "fetch"
+
+
+def test_inputs_round_trip_through_json():
+    fit = model.fit_amdahl({1: [100.0, 98.0], 2: [180.0, 185.0]})
+    inp = _inputs(amdahl_s=fit["s"], amdahl_p1=fit["p1"], amdahl_draws=fit["draws"], step_kind="cpu")
+    back = model.inputs_from_dict(json.loads(json.dumps(inp.as_dict())))
+    for x, w in ((0.0, 1), (0.5, 3), (1.0, 8)):
+        assert model.predict(back, x, w) == model.predict(inp, x, w)
 
 
 @pytest.mark.parametrize("call, msg", [
     (lambda: model.fetch_rate(10, 100, 1.5, 1, 1), "cached_fraction should be in [0, 1], but got cached_fraction=1.5"),
     (lambda: model.stalls(0, 1, 1), "ingest should be a positive number, but got ingest=0"),
-    (lambda: model.prep_rate_at(0, {1: 1}, 2), "workers should be >= 1, but got workers=0"),
+    (lambda: model.bounds(_inputs(), 0.5, -1), "workers should be >= 0, but got workers=-1"),
+    (lambda: model.fit_amdahl({0: [1.0]}), "prep_runs should map worker counts >= 1"),
 ])
 def test_model_argument_errors(call, msg):
     with pytest.raises(ValueError, match=msg.replace("[", r"\[").replace("]", r"\]")):
         call()
+
+
+def test_step_kind_is_measured_from_cpu_seconds_per_wall_second():
+    from coordl.analyze.measure import ingest_rate
+    import torch
+
+    batch = torch.zeros(4, 2)
+
+    def sleeps(b):
+        time.sleep(0.01)
+
+    def computes(b):
+        t = time.thread_time()
+        while time.thread_time() - t < 0.01:
+            pass
+    s = ingest_rate(sleeps, batch, seconds=0.3)
+    c = ingest_rate(computes, batch, seconds=0.3)
+    assert s["cpu_share"] < 0.5 < c["cpu_share"], (s, c)
+    assert len(s["rates"]) == 3 and s["synchronized"] is False  # no CUDA here: nothing to synchronize
 
 
 def test_analyze_argument_errors():
@@ -148,7 +259,7 @@ def _analyze_in_child(spec: str, **kw) -> dict:
         sys.path.insert(0, {HERE!r})
         from coordl.analyze import analyze
         r = analyze(dataset={spec!r}, batch_size=4, workers=1, scaling_workers=(1,), fetch_threads=1,
-                    evict="fadvise", log=None, ingest_seconds=0.5, {args})
+                    evict="fadvise", log=None, ingest_seconds=0.5, repeats=2, {args})
         print("REPORT", json.dumps(r, default=str))
     """)
     res = run_in_child(code, timeout=240)
@@ -172,6 +283,9 @@ def test_slow_fetch_is_attributed_to_fetch():
     assert 0.5 < r["check"]["cold_predicted"] / r["check"]["cold_measured"] < 2, r["check"]
     assert r["what_if"]["cache"][0]["bound"] == "fetch"
     assert r["what_if"]["cache"][-1]["bound"] != "fetch"
+    assert r["verdict"]["largest"] == "fetch", r["verdict"]
+    # every prediction carries its interval
+    assert all(row["lo"] <= row["throughput"] <= row["hi"] for row in r["what_if"]["cache"])
 
 
 def test_slow_prep_is_attributed_to_prep():
@@ -182,7 +296,9 @@ def test_slow_prep_is_attributed_to_prep():
     assert st["prep"] > 0.5, st
     ratio = r["rates"]["prep"]["1"] * 0.020
     assert 0.3 < ratio < 1.1, ratio
-    assert all(row["bound"] == "prep" for row in r["what_if"]["cache"]), r["what_if"]["cache"]
+    assert all(row["bound"] in ("workers", "cpu") for row in r["what_if"]["cache"]), r["what_if"]["cache"]
+    # the verdict agrees with the table: removing prep helps most
+    assert r["verdict"]["largest"] == "prep", r["verdict"]
 
 
 def test_step_from_a_script_sets_the_ingestion_rate(tmp_path):
@@ -193,6 +309,47 @@ def test_step_from_a_script_sets_the_ingestion_rate(tmp_path):
     g = r["rates"]["ingest"]
     assert 0.3 < g / 800 < 1.05, g
     assert r["rates"]["ingest_source"].startswith("measured")
+    assert r["settings"]["step_kind"] == "accelerator"  # it sleeps: no CPU
+
+
+def test_an_accelerator_step_is_timed_with_the_device_synchronized(monkeypatch):
+    # no GPU here: stand in for CUDA's API and count the synchronizes -- the step returns at once (as a
+    # kernel launch does) and the device "finishes" in synchronize(), 10 ms a batch of 4
+    import torch
+    from coordl.analyze import measure as M
+
+    calls = {"step": 0, "sync": 0}
+
+    def step(b):
+        calls["step"] += 1
+
+    def sync():
+        calls["sync"] += 1
+        time.sleep(0.01)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "synchronize", sync)
+    r = M.ingest_rate(step, torch.zeros(4, 2), seconds=0.15)
+    assert r["synchronized"] and calls["sync"] == calls["step"]  # after every call, the warm-up's too
+    assert r["rate"] < 4 / 0.01 * 1.05, r   # the device's time, not the launch's
+    assert r["cpu_share"] < 0.5             # and an accelerator step
+    wrapped = M.SyncStep(step, sync)
+    wrapped(None)
+    assert calls["sync"] == calls["step"]
+
+
+def test_a_cpu_step_is_detected_and_charged_to_the_shared_cores():
+    r = _analyze_in_child("_analyze_helpers:quick", step="_analyze_helpers:busy_step")
+    inp = r["model"]["inputs"]
+    assert r["settings"]["step_kind"] == "cpu" and inp["step_kind"] == "cpu", r["passes"]["ingest"]
+    # 4 CPU-ms a batch of 4: about 1 CPU-ms a sample (the busy loop overshoots a little)
+    assert 0.0008 < inp["step_cpu"]["value"] < 0.003, inp["step_cpu"]
+    assert "step_cpu" in r["model"]["measured"]
+    # the cores bound counts the step's CPU with the loader's and the workers'
+    from coordl.analyze import predict
+    p = predict(r, 1.0, 1)
+    demand = inp["loader_cpu"]["value"] + inp["worker_cpu"]["1"]["value"] + inp["step_cpu"]["value"]
+    assert p["bounds"]["cpu"] == pytest.approx(inp["eta"]["value"] * inp["cores"] / demand)
 
 
 def test_measure_prep_runs_the_analyzers_prep_pass_alone():
@@ -242,7 +399,7 @@ def tiny_folder(tmp_path_factory):
 
 
 EXPECTED_KEYS = {"version", "dataset", "settings", "eviction", "rates", "bandwidth", "stalls", "what_if",
-                 "check", "passes", "seconds", "warnings", "plot", "plot_skipped"}
+                 "check", "passes", "seconds", "warnings", "plot", "plot_skipped", "model", "verdict"}
 
 
 def test_cli_end_to_end(tiny_folder, tmp_path):
@@ -257,16 +414,38 @@ def test_cli_end_to_end(tiny_folder, tmp_path):
     assert rep["dataset"]["samples"] == 48 and rep["dataset"]["files"] == 48
     assert rep["eviction"] == {"cold_fetch_pass": "fadvise", "cold_pass": "fadvise"}
     assert [row["cached_fraction"] for row in rep["what_if"]["cache"]] == [i / 10 for i in range(11)]
-    assert {"1", "2"} <= set(rep["rates"]["prep"])
+    assert {"1", "2", "3"} <= set(rep["rates"]["prep"])     # three worker counts by default
+    # every model input says whether it was measured or modelled, and carries an interval
+    inputs = rep["model"]["inputs"]
+    assert set(rep["model"]["measured"]) | set(rep["model"]["modelled"]) >= {"storage_bw", "cache_bw", "ingest",
+                                                                             "loader_cpu", "amdahl_s", "eta"}
+    assert "amdahl_s" in rep["model"]["modelled"] and "loader_cpu" in rep["model"]["measured"]
+    for k in rep["model"]["measured"] + rep["model"]["modelled"]:
+        assert inputs[k]["lo"] <= inputs[k]["value"] <= inputs[k]["hi"], (k, inputs[k])
+    assert inputs["step_kind"] == "accelerator" and rep["settings"]["step_kind"] == "accelerator"
+    # the workers' prep CPU was counted (their processes are children of the analyzer)
+    assert all(v["value"] > 0 for v in inputs["worker_cpu"].values()), inputs["worker_cpu"]
+    # the verdict is the what-if's: the stall whose removal it says helps most
+    v = rep["verdict"]
+    if v["largest"] is not None:
+        assert v["speedup_without_" + v["largest"]] == max(v["speedup_without_fetch"], v["speedup_without_prep"])
+    row100 = rep["what_if"]["cache"][-1]
+    assert row100["throughput"] == pytest.approx(rep["check"]["cached_predicted"])
+    assert v["speedup_without_fetch"] == pytest.approx(row100["throughput"] / rep["check"]["cold_predicted"])
+    # the public predict() gives the report's model at points it did not measure, with an interval
+    from coordl.analyze import predict
+    p = predict(rep, 0.35, 5)
+    assert p["lo"] <= p["throughput"] <= p["hi"] and p["bound"] in ("step", "fetch", "workers", "cpu")
     # --repeats 2: every in-memory pass ran twice and the median (of two: the mean) is the rate
-    for name in ("fetch_warm", "prep_1w", "prep_2w", "cached"):
+    for name in ("fetch_warm", "prep_1w", "prep_2w", "prep_3w", "cached"):
         rates = rep["passes"][name]["rates"]
         assert len(rates) == 2 and rep["passes"][name]["rate"] == pytest.approx(sum(rates) / 2)
     assert rep["passes"]["cold"]["bytes_storage"] > 0     # the cold pass read from storage
     assert rep["passes"]["cached"]["bytes_storage"] == 0  # the cached pass did not (node cache)
     for k in ("fetch", "prep", "total"):
         assert 0 <= rep["stalls"][k] <= 1 and math.isfinite(rep["stalls"][k])
-    assert "fetch stall" in r.stdout and "what if: cached fraction" in r.stdout
+    assert "fetch" in r.stdout and "what if: cached fraction" in r.stdout and "verdict:" in r.stdout
+    assert "model inputs (value [interval]; where from)" in r.stdout
     try:
         import matplotlib  # noqa: F401
     except ImportError:

@@ -35,7 +35,8 @@ from typing import Any, Callable, Sequence
 from . import model
 from .measure import TRANSFORMS
 
-__all__ = ["analyze", "measure_prep", "format_report", "write_json", "write_plot", "model", "TRANSFORMS"]
+__all__ = ["analyze", "measure_prep", "format_report", "write_json", "write_plot", "model", "TRANSFORMS",
+           "predict", "STEP_KINDS"]
 
 _MiB = 2 ** 20
 
@@ -46,13 +47,17 @@ def _check_pos_int(v, name):
     return v
 
 
+STEP_KINDS = ("auto", "cpu", "accelerator")
+
+
 def analyze(root: str | os.PathLike | None = None, *, dataset: Any = None, transform: Any = "rrc224",
             batch_size: int = 32, workers: int = 2, step: Callable | str | None = None,
             rate: float | None = None, max_samples: int | None = None, cache: str = "auto",
-            evict: str = "auto", scaling_workers: Sequence[int] = (1, 2), max_workers: int | None = None,
-            fetch_threads: int | None = None, ingest_seconds: float = 2.0, repeats: int = 1,
+            evict: str = "auto", scaling_workers: Sequence[int] = (1, 2, 3), max_workers: int | None = None,
+            fetch_threads: int | None = None, ingest_seconds: float = 3.0, repeats: int = 3,
+            step_kind: str = "auto", device: Any = None,
             log: Callable[[str], None] | None = print) -> dict:
-    """Run the differential measurement and return the report (a dict, JSON-ready).
+    """Run the measurement, fit the model and return the report (a dict, JSON-ready).
 
     Args:
         root: an ImageFolder directory (``coordl.ImageFolder(root, transform)``).
@@ -70,21 +75,26 @@ def analyze(root: str | os.PathLike | None = None, *, dataset: Any = None, trans
             needs no host CPU).
         max_samples: measure on this many samples spread over the dataset
             (default: all of it).
-        cache: where the "in memory" passes read from: ``"node"`` (a coordl
-            node cache holding the whole dataset in /dev/shm), ``"page"``
-            (the OS page cache), ``"auto"`` (node when the dataset has a
+        cache: where the "in memory" passes read from: ``"node"``,
+            ``"page"`` or ``"auto"`` (node when the dataset has a
             fingerprint and fits in a quarter of available memory).
         evict: how cold passes start cold: ``"auto"`` (drop_caches as root,
             else fadvise), ``"drop_caches"``, ``"fadvise"``.
-        scaling_workers: worker counts whose prep rate is measured (besides
-            ``workers``), for the workers what-if.
-        max_workers: the workers what-if goes up to this (default: the CPUs
-            this process may use, at least ``workers``).
+        scaling_workers: worker counts whose prep rate and CPU cost are
+            measured (besides ``workers``); three or more let the fit say
+            whether more workers help.
+        max_workers: the workers what-if goes up to this (default: twice
+            the CPUs this process may use, at least ``workers``).
         fetch_threads: passed to the loader.
-        ingest_seconds: how long the step alone runs.
+        ingest_seconds: how long the step alone runs (in 3 chunks).
         repeats: run each in-memory pass (fetch warm, prep, cached) this
-            many times and use the median rate, which a busy or noisy
-            machine moves less than a single pass (cold passes run once).
+            many times; the median is the value, the spread the interval.
+        step_kind: ``"auto"`` (decide from the step's CPU-seconds per
+            wall-second alone: >= 0.5 is a CPU step), ``"cpu"`` or
+            ``"accelerator"``.  Reported; the model charges the step's
+            measured CPU to the shared cores either way.
+        device: passed to the loader (``DataLoader(device=...)``), so the
+            passes run the device path training runs.
         log: progress messages go here (``None``: silent).
     """
     from . import measure as M
@@ -103,19 +113,21 @@ def analyze(root: str | os.PathLike | None = None, *, dataset: Any = None, trans
         raise ValueError(f'cache should be "auto", "node" or "page", but got cache={cache!r}')
     if evict not in ("auto", "drop_caches", "fadvise"):
         raise ValueError(f'evict should be "auto", "drop_caches" or "fadvise", but got evict={evict!r}')
+    if step_kind not in STEP_KINDS:
+        raise ValueError(f'step_kind should be "auto", "cpu" or "accelerator", but got step_kind={step_kind!r}')
     scaling = sorted({_check_pos_int(w, "scaling_workers[i]") for w in scaling_workers} | ({workers} - {0}))
 
     ds, source, tf_desc = _open_dataset(root, dataset, transform, max_samples)
     n = len(ds)
     dbytes, bytes_source = _dataset_bytes(ds)
     files = M.dataset_files(ds)
-    device = M.DeviceCounter(files[0] if files else None)
+    disk = M.DeviceCounter(files[0] if files else None)
     cache, cache_size = _choose_cache(cache, ds, dbytes)
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     if max_workers is None:
-        max_workers = max(cpus, workers, max(scaling))
+        max_workers = max(2 * cpus, workers, max(scaling))
     _check_pos_int(max_workers, "max_workers")
-    loader = _loader_factory(batch_size, fetch_threads)
+    loader = _loader_factory(batch_size, fetch_threads, device)
 
     step_fn = None
     if step is not None:
@@ -126,14 +138,14 @@ def analyze(root: str | os.PathLike | None = None, *, dataset: Any = None, trans
         step_fn = M.RateStep(rate)
 
     say(f"coordl analyze: {n} samples, {dbytes / _MiB:.1f} MiB ({source}), batch {batch_size}, "
-        f"{workers} workers, in-memory passes from the {cache} cache")
+        f"{workers} workers, {cpus} CPUs, in-memory passes from the {cache} cache, {repeats} repeats")
     passes: dict[str, dict] = {}
     t_all = time.perf_counter()
 
     # 1-2: fetch only, cold then warm (same loader: with the node cache the first pass fills it)
     eviction = M.evict(files, evict)
     F = loader(M.FetchOnly(ds), workers, cache_size)
-    passes["fetch_cold"] = M.run_pass(F, device=device)
+    passes["fetch_cold"] = M.run_pass(F, device=disk)
     say(f"  fetch only, cold ({eviction}): {passes['fetch_cold']['rate']:.1f} samples/s")
     passes["fetch_warm"] = _typical(M, F, None, repeats)
     say(f"  fetch only, warm: {passes['fetch_warm']['rate']:.1f} samples/s")
@@ -141,87 +153,107 @@ def analyze(root: str | os.PathLike | None = None, *, dataset: Any = None, trans
     prep, prep_passes, batch = _prep_passes(loader, ds, scaling + ([0] if workers == 0 else []), cache_size,
                                             repeats, say, keep_batch=True)
     passes.update(prep_passes)
-    # 4: ingestion-free
+    # 4: the step alone, device synchronized when CUDA is in use
     if step is not None:
         ing = M.ingest_rate(step_fn, batch, seconds=ingest_seconds)
         passes["ingest"] = ing
-        G = ing["rate"]
-        ingest_source = "measured: the step alone on one batch in memory"
+        G = model.est_from_samples(ing["rates"], "measured: the step alone on one batch in memory"
+                                   + (", device synchronized" if ing["synchronized"] else ""))
+        c_step = model.est_from_samples(ing["cpu_per_sample_runs"], "measured: process CPU during the step alone")
+        share = ing["cpu_share"]
     else:
-        G = float(rate)
-        ingest_source = "given (rate=)"
-    say(f"  ingestion-free: {G:.1f} samples/s ({ingest_source})")
+        G = model.Est.exact(rate, "given (rate=)")
+        c_step = model.Est.exact(0.0, "given: a rate= step sleeps (no CPU)")
+        share = 0.0
+    kind = step_kind if step_kind != "auto" else ("cpu" if share >= 0.5 else "accelerator")
+    say(f"  step alone: {G.value:.1f} samples/s, {c_step.value * 1e3:.3f} CPU-ms/sample "
+        f"({share:.2f} cores busy: a{'' if kind == 'accelerator' else ' CPU'} {kind} step)")
     del batch
+    timed_step = step_fn
+    sync = M.cuda_sync()
+    if sync is not None and step is not None:
+        timed_step = M.SyncStep(step_fn, sync)
     # 5: cached
     L = loader(ds, workers, cache_size)
-    passes["cached"] = _typical(M, L, step_fn, repeats)
+    passes["cached"] = _typical(M, L, timed_step, repeats)
     say(f"  loader + step, cached: {passes['cached']['rate']:.1f} samples/s")
     del L, F
     M.collect()
     # 6: cold
     eviction2 = M.evict(files, evict)
     L = loader(ds, workers, 0)
-    passes["cold"] = M.run_pass(L, step_fn, device=device)
+    passes["cold"] = M.run_pass(L, timed_step, device=disk)
     say(f"  loader + step, cold ({eviction2}): {passes['cold']['rate']:.1f} samples/s")
     del L
     M.collect()
 
     # ---------------------------------------------------------------- model
-    per_sample = dbytes / n
-    s_bw = passes["fetch_cold"]["rate"] * per_sample
-    c_bw = passes["fetch_warm"]["rate"] * per_sample
-    rc, rf = passes["cached"]["rate"], passes["cold"]["rate"]
-    st = model.stalls(G, rc, rf)
-    p_w = prep[workers] if workers else passes["prep_0w"]["rate"]
+    inp, notes = _model_inputs(passes, n, dbytes, cpus, G, c_step, kind, workers, cache)
     fractions = [i / 10 for i in range(11)]
     wlist = list(range(1, max_workers + 1))
-    f0 = model.fetch_rate(n, dbytes, 0.0, c_bw, s_bw)
-    f1 = model.fetch_rate(n, dbytes, 1.0, c_bw, s_bw)
+    rc, rf = passes["cached"]["rate"], passes["cold"]["rate"]
+    now = model.predict(inp, 0.0, workers)
+    cached_p = model.predict(inp, 1.0, workers)
+    vd = model.verdict(now, model.predict(inp, 0.0, workers, no_fetch=True),
+                       model.predict(inp, 0.0, workers, no_prep=True))
+    per_sample = dbytes / n
     cold_dev = passes["fetch_cold"]["device_bytes"]
+    measured_names = sorted(k for k, v in inp.__dict__.items() if isinstance(v, model.Est)
+                            and v.source.startswith("measured"))
     report = {
-        "version": 1,
+        "version": 2,
         "dataset": {"source": source, "samples": n, "bytes": dbytes, "bytes_source": bytes_source,
                     "files": len(files), "transform": tf_desc},
         "settings": {"batch_size": batch_size, "workers": workers, "cache": cache, "cache_size": cache_size,
                      "fetch_threads": fetch_threads, "cpus": cpus, "max_workers": max_workers,
                      "scaling_workers": scaling, "step": step if isinstance(step, str) else
                      (getattr(step, "__qualname__", repr(step)) if step is not None else None),
-                     "rate": rate, "repeats": repeats},
+                     "rate": rate, "repeats": repeats, "step_kind": kind, "step_kind_given": step_kind,
+                     "device": None if device is None else str(device)},
         "eviction": {"cold_fetch_pass": eviction, "cold_pass": eviction2},
-        "rates": {"ingest": G, "ingest_source": ingest_source, "cached": rc, "cold": rf,
+        "rates": {"ingest": G.value, "ingest_source": G.source, "cached": rc, "cold": rf,
                   "prep": {str(k): v for k, v in prep.items()}, "fetch_cold": passes["fetch_cold"]["rate"],
                   "fetch_warm": passes["fetch_warm"]["rate"]},
         "bandwidth": {
-            "storage": s_bw, "cache": c_bw,
+            "storage": inp.storage_bw.value, "cache": inp.cache_bw.value,
             "storage_source": "fetch-only cold pass: samples/s x mean sample bytes (dataset bytes / samples)",
             "cache_source": f"fetch-only warm pass from the {cache} cache, same formula",
             "storage_loader_bytes": passes["fetch_cold"]["bytes_storage"],
-            "storage_device": device.disk,
+            "storage_device": disk.disk,
             "storage_device_bytes": cold_dev,
             "storage_device_note": ("sectors read on /sys/block/%s/stat during the cold fetch pass (all readers "
-                                    "of that disk count)" % device.disk) if device.disk else
+                                    "of that disk count)" % disk.disk) if disk.disk else
                                    "no block device behind the dataset (or not a local file dataset)",
+            "mean_sample_bytes": per_sample,
         },
-        "stalls": st,
+        "stalls": model.stalls(G.value, rc, rf),
+        "model": {
+            "inputs": inp.as_dict(),
+            "measured": measured_names,
+            "modelled": sorted(k for k, v in inp.__dict__.items() if isinstance(v, model.Est)
+                               and k not in measured_names),
+            "notes": notes,
+            "description": model.__doc__.split("\n\n")[1].replace("\n", " "),
+        },
+        "verdict": vd,
         "what_if": {
-            "cache": model.what_if_cache(n, dbytes, c_bw, s_bw, p_w, G, fractions),
-            "workers_cold": model.what_if_workers(prep, cpus, f0, G, wlist) if prep else [],
-            "workers_cached": model.what_if_workers(prep, cpus, f1, G, wlist) if prep else [],
-            "grid": model.what_if_grid(n, dbytes, c_bw, s_bw, prep, cpus, G, fractions, wlist) if prep else [],
-            "serial_fraction": model.fit_serial_fraction(prep) if prep else None,
-            "model": ("T_fetch = D*x/C_bw + D*(1-x)/S_bw per epoch; throughput = min(N/T_fetch, P(w), G); "
-                      "P(w) measured where measured, else Amdahl P(1)*w/(1+s*(w-1)) fitted to the measured "
-                      "points, flat past the CPU count"),
+            "cache": model.what_if_cache(inp, workers, fractions),
+            "workers_cold": model.what_if_workers(inp, 0.0, wlist, prep),
+            "workers_cached": model.what_if_workers(inp, 1.0, wlist, prep),
+            "grid": model.what_if_grid(inp, fractions, wlist),
+            "serial_fraction": inp.amdahl_s.as_dict(),
         },
-        "check": {
-            "cold_predicted": model.predict(f0, p_w, G), "cold_measured": rf,
-            "cached_predicted": model.predict(f1, p_w, G), "cached_measured": rc,
-        },
+        "check": {"cold_predicted": now["throughput"], "cold_lo": now["lo"], "cold_hi": now["hi"],
+                  "cold_bound": now["bound"], "cold_measured": rf,
+                  "cached_predicted": cached_p["throughput"], "cached_lo": cached_p["lo"],
+                  "cached_hi": cached_p["hi"], "cached_bound": cached_p["bound"], "cached_measured": rc},
         "passes": passes,
         "seconds": time.perf_counter() - t_all,
     }
     for k in ("cold", "cached"):
-        report["check"][f"{k}_error"] = report["check"][f"{k}_predicted"] / report["check"][f"{k}_measured"] - 1
+        c = report["check"]
+        c[f"{k}_error"] = c[f"{k}_predicted"] / c[f"{k}_measured"] - 1
+        c[f"{k}_in_interval"] = c[f"{k}_lo"] <= c[f"{k}_measured"] <= c[f"{k}_hi"]
     short = [k for k, p in passes.items() if p.get("short")]
     report["warnings"] = []
     if short:
@@ -234,7 +266,98 @@ def analyze(root: str | os.PathLike | None = None, *, dataset: Any = None, trans
     if not files:
         report["warnings"].append("no local files behind the dataset: nothing was evicted, the cold passes read "
                                   "whatever raw() reads")
+    lost = [k for k, p in passes.items() if p.get("cpu_children_lost")]
+    if lost:
+        report["warnings"].append(f"worker processes exited inside the timed window of {', '.join(lost)}: their "
+                                  f"CPU is undercounted")
+    for k in ("cold", "cached"):
+        c = report["check"]
+        if not c[f"{k}_in_interval"]:
+            report["warnings"].append(
+                f"the model's {k} prediction {c[f'{k}_predicted']:.1f} [{c[f'{k}_lo']:.1f}, {c[f'{k}_hi']:.1f}] does "
+                f"not hold the measured {c[f'{k}_measured']:.1f}: treat the what-if tables with care (a busy "
+                f"machine, or a pipeline the model does not describe)")
     return report
+
+
+def _runs(p: dict, key: str = "rate") -> list:
+    """The values of ``key`` in each repeat of a pass (``_typical`` keeps them)."""
+    return p.get(f"{key}s" if key == "rate" else f"{key}_runs", [p[key]])
+
+
+def _model_inputs(passes: dict, n: int, dbytes: int, cpus: int, G, c_step, kind: str, workers: int,
+                  cache: str) -> tuple:
+    """The model's inputs (:class:`model.Inputs`) from the passes, and notes
+    saying how each modelled one was made."""
+    E = model.est_from_samples
+    per = dbytes / n
+    fc, fw = passes["fetch_cold"], passes["fetch_warm"]
+    s_bw = E([fc["rate"] * per], "measured: fetch-only pass after eviction", fc.get("segments", ()))
+    c_bw = E([r * per for r in _runs(fw)], f"measured: fetch-only passes from the {cache} cache",
+             fw.get("segments", ()) if len(_runs(fw)) == 1 else ())
+    preps = {int(k[5:-1]): p for k, p in passes.items() if k.startswith("prep_") and k != "prep_0w"}
+    pp = list(preps.values()) or [passes["prep_0w"]]
+    loader_runs = [v for p in pp for v in _runs(p, "cpu_self")]
+    a = E(loader_runs, "measured: loader process CPU per sample in the prep-only passes (fetch threads from "
+                       "memory, batch assembly)")
+    warm_cpu = _runs(fw, "cpu_self")
+    extra = fc["cpu_self"] - statistics.median(warm_cpu)
+    a_cold = model.Est(max(extra, 0.0), max(fc["cpu_self"] - max(warm_cpu), 0.0),
+                       max(fc["cpu_self"] - min(warm_cpu), extra, 0.0),
+                       "measured: loader CPU per sample, cold fetch-only pass minus warm")
+    m = E([v for p in pp for v in _runs(p, "cpu_main")],
+          "measured: the consuming thread's CPU per sample in the prep-only passes")
+    b = {w: E(_runs(p, "cpu_children"), f"measured: worker CPU per sample, prep-only at {w} workers")
+         for w, p in preps.items()}
+    notes = []
+    # eta: the share of the cores the pipeline was seen to get where the cores were the limit
+    util = [r * (a.value + b[w].value) / cpus for w, p in preps.items() if w >= cpus for r in _runs(p)]
+    # were those passes limited by the cores? Their workers were, if they were running or waiting for a core
+    # (run queue) most of the time; a worker that waits on something else (a sleep, I/O) is not
+    runnable = [p["rate"] * (p["cpu_children"] + p.get("wait_children", 0.0)) / w
+                for w, p in preps.items() if w >= cpus]
+    if util and statistics.median(runnable) < 0.5:
+        notes.append(f"the workers of the prep-only passes at >= {cpus} workers were running or waiting for a core "
+                     f"only {statistics.median(runnable):.0%} of the time: prep waits on something else there, so "
+                     f"the cores are not its limit")
+        util = []
+    elif util and statistics.median(util) < 0.5:
+        notes.append(f"the prep-only passes at >= {cpus} workers got only {statistics.median(util):.0%} of the "
+                     f"cores while their workers were waiting for one: the machine is shared (figures from a busy "
+                     f"machine hold for that load only)")
+    if util:
+        eta = model.Est(min(statistics.median(util), 1.0), min(min(util), 1.0), min(max(util), 1.0),
+                        f"measured: CPU-seconds per second the prep-only passes at >= {cpus} workers got, per core")
+    else:
+        eta = model.Est(1.0, 0.9, 1.0, "modelled: no pass had as many workers as cores; all cores assumed")
+        notes.append("eta (share of the cores the pipeline gets) not measured: no prep pass had >= cores workers")
+    cap = {w: eta.value * cpus / (a.value + b[w].value) for w in preps}
+    if preps:
+        fit = model.fit_amdahl({w: _runs(p) for w, p in preps.items()}, cap)
+    else:
+        r0 = passes["prep_0w"]["rate"]
+        fit = {"s": model.Est(0.0, 0.0, 1.0, "modelled: no worker counts measured"),
+               "p1": model.Est(r0, r0, r0, "measured: in-process prep"), "draws": [], "points": 0}
+    if len(preps) < 3:
+        notes.append(f"prep measured at {len(preps)} worker count(s): the Amdahl fit's serial fraction is "
+                     f"poorly known (measure three or more: scaling_workers)")
+    inp = model.Inputs(samples=n, dataset_bytes=dbytes, cores=cpus, storage_bw=s_bw, cache_bw=c_bw, ingest=G,
+                       step_cpu=c_step, loader_cpu=a, storage_cpu=a_cold, worker_cpu=b, amdahl_s=fit["s"],
+                       amdahl_p1=fit["p1"], eta=eta, step_kind=kind, amdahl_draws=fit["draws"], consumer_cpu=m)
+    # a step on the CPU shares the cores less smoothly than prep workers share them with each other
+    # (its intra-op threads wait on each other when one is preempted): where the cached pass is
+    # CPU-bound, or ran slower than the model without this, take the cores' share it got from that pass
+    if kind == "cpu" and workers > 0:
+        p = model.predict(inp, 1.0, workers)
+        if p["bound"] == "cpu" or passes["cached"]["rate"] < p["throughput"]:
+            demand = a.value + b[workers if workers in b else min(b, key=lambda m: abs(m - workers))].value \
+                + c_step.value
+            us = [r * demand / cpus for r in _runs(passes["cached"])]
+            inp.eta = model.Est(min(statistics.median(us), 1.0), min(min(us), 1.0), min(max(us), 1.0),
+                                "measured: cores' share the cached loader + CPU step pass got")
+            notes.append(f"CPU step: eta taken from the cached loader + step pass ({inp.eta.value:.2f}), where the "
+                         f"prep-only passes gave {eta.value:.2f}")
+    return inp, notes
 
 
 def _typical(M, loader, step, repeats: int, keep_batch: bool = False) -> dict:
@@ -253,6 +376,12 @@ def _typical(M, loader, step, repeats: int, keep_batch: bool = False) -> dict:
         chosen["batch"] = runs[0]["batch"]
     chosen["rate"] = med
     chosen["rates"] = rates
+    for k in ("cpu_self", "cpu_children", "cpu_main", "wait_children"):
+        if k not in chosen:
+            continue
+        vals = [r[k] for r in runs]
+        chosen[f"{k}_runs"] = vals
+        chosen[k] = statistics.median(vals)
     return chosen
 
 
@@ -312,11 +441,18 @@ def _choose_cache(cache: str, ds, dbytes: int) -> tuple[str, int]:
     return cache, (dbytes + dbytes // 20 + _MiB if cache == "node" else 0)
 
 
-def _loader_factory(batch_size: int, fetch_threads: int | None):
+def _loader_factory(batch_size: int, fetch_threads: int | None, device: Any = None):
+    """Loaders as the analyzer's passes use them.  Workers are persistent so
+    they are alive when a pass's CPU is read at its end (and repeats of a
+    pass do not pay start-up again)."""
     from .. import DataLoader
 
     def loader(d, w, size):
         kw = {} if fetch_threads is None else {"fetch_threads": fetch_threads}
+        if w > 0:
+            kw["persistent_workers"] = True
+        if device is not None:
+            kw["device"] = device
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # e.g. "cache_size has no effect" is reported by us instead
             return DataLoader(d, batch_size=batch_size, shuffle=True, num_workers=w, seed=0,
@@ -402,52 +538,86 @@ def measure_prep(root: str | os.PathLike | None = None, *, dataset: Any = None, 
             "seconds": time.perf_counter() - t0}
 
 # ------------------------------------------------------------------ output
+def predict(report: dict, cached_fraction: float, workers: int) -> dict:
+    """The report's model at a point it may not have measured: a fraction
+    ``cached_fraction`` of the dataset in the node cache and ``workers``
+    workers.  Returns ``{"throughput", "lo", "hi", "bound", "bounds"}``."""
+    return model.predict_from_report(report, cached_fraction, workers)
+
+
+def _iv(v: float, lo: float, hi: float, width: int = 10) -> str:
+    return f"{v:>{width}.1f} [{lo:.1f}, {hi:.1f}]"
+
+
 def format_report(r: dict) -> str:
-    """The report as text: rates, stalls, bandwidths and the what-if tables."""
+    """The report as text: inputs (measured or modelled, with intervals),
+    the verdict, and the what-if tables with intervals."""
     ds, rt, bw, st = r["dataset"], r["rates"], r["bandwidth"], r["stalls"]
+    inp = r["model"]["inputs"]
     L = []
     L.append(f"dataset: {ds['source']}: {ds['samples']} samples, {ds['bytes'] / _MiB:.1f} MiB; transform "
              f"{ds['transform']}")
     s = r["settings"]
     L.append(f"batch {s['batch_size']}, {s['workers']} workers, {s['cpus']} CPUs; in-memory passes from the "
-             f"{s['cache']} cache; cold passes after {r['eviction']['cold_pass']}")
+             f"{s['cache']} cache; cold passes after {r['eviction']['cold_pass']}; each in-memory pass run "
+             f"{s['repeats']}x (value = median, interval = range)")
     L.append("")
-    L.append(f"{'ingestion-free (step alone)':<34}{rt['ingest']:>10.1f} samples/s  ({rt['ingest_source']})")
-    L.append(f"{'cached (prep only + step)':<34}{rt['cached']:>10.1f} samples/s")
-    L.append(f"{'cold (fetch + prep + step)':<34}{rt['cold']:>10.1f} samples/s")
+    L.append("measured passes (samples/s):")
+    L.append(f"  {'step alone':<30}{rt['ingest']:>10.1f}  ({rt['ingest_source']}; a {s['step_kind']} step)")
+    L.append(f"  {'loader + step, cached':<30}{rt['cached']:>10.1f}")
+    L.append(f"  {'loader + step, cold':<30}{rt['cold']:>10.1f}")
     for w, v in rt["prep"].items():
-        L.append(f"{f'prep alone, {w} worker(s)':<34}{v:>10.1f} samples/s")
+        L.append(f"  {f'prep only, {w} worker(s)':<30}{v:>10.1f}")
     L.append("")
-    L.append(f"fetch stall {st['fetch']:6.1%}   prep stall {st['prep']:6.1%}   (of the cold epoch; "
-             f"the step waits {st['total']:.1%} of it)")
-    if st["noise"] > 0.05:
-        L.append(f"  note: a slower setting measured {st['noise']:.0%} faster than a faster one: noise; "
-                 f"rerun with more samples or on a quieter machine")
-    dom = "fetch (storage)" if st["fetch"] > st["prep"] else "prep (CPU)"
-    if st["total"] < 0.05:
-        L.append("verdict: the step is not waiting for data")
+    L.append("model inputs (value [interval]; where from):")
+    unit = {"storage_bw": (1e-6, "MB/s"), "cache_bw": (1e-6, "MB/s"), "ingest": (1, "samples/s"),
+            "step_cpu": (1e3, "CPU-ms/sample"), "loader_cpu": (1e3, "CPU-ms/sample"),
+            "storage_cpu": (1e3, "CPU-ms/sample"), "consumer_cpu": (1e3, "CPU-ms/sample"), "amdahl_s": (1, ""), "amdahl_p1": (1, "samples/s"),
+            "eta": (1, "of the cores")}
+    for k, (f, u) in unit.items():
+        e = inp[k]
+        L.append(f"  {k:<12}{e['value'] * f:>10.3f} [{e['lo'] * f:.3f}, {e['hi'] * f:.3f}] {u:<14} {e['source']}")
+    for w, e in inp["worker_cpu"].items():
+        L.append(f"  {'prep CPU ' + w + 'w':<12}{e['value'] * 1e3:>10.3f} [{e['lo'] * 1e3:.3f}, {e['hi'] * 1e3:.3f}] "
+                 f"{'CPU-ms/sample':<14} {e['source']}")
+    L.append(f"  cores       {inp['cores']:>10d}   (len(os.sched_getaffinity(0)))")
+    for note in r["model"]["notes"]:
+        L.append(f"  note: {note}")
+    L.append("")
+    L.append(f"measured stalls (DS-Analyzer differential): fetch {st['fetch']:.1%}, prep {st['prep']:.1%} "
+             f"of the cold epoch")
+    v = r["verdict"]
+    L.append(f"model: removing the fetch stall (all data in memory) -> x{v['speedup_without_fetch']:.2f}; "
+             f"removing the prep stall (free prep) -> x{v['speedup_without_prep']:.2f}; cold run bound by "
+             f"{v['bound_now']}")
+    if v["largest"] is None:
+        L.append("verdict: the step is not waiting for data (neither removal saves 5%)")
     else:
-        L.append(f"verdict: the larger stall is {dom}")
+        L.append(f"verdict: the largest stall is {v['largest']} ({'storage' if v['largest'] == 'fetch' else 'CPU'}): "
+                 f"removing it helps most (x{v['speedup_without_' + v['largest']]:.2f})")
     L.append(f"storage bandwidth {bw['storage'] / 1e6:9.1f} MB/s  ({bw['storage_source']})")
     if bw["storage_device_bytes"] is not None:
         L.append(f"  device /dev/{bw['storage_device']} read {bw['storage_device_bytes'] / _MiB:.1f} MiB in that "
                  f"pass; the loader read {bw['storage_loader_bytes'] / _MiB:.1f} MiB from storage")
     L.append(f"cache bandwidth   {bw['cache'] / 1e6:9.1f} MB/s  ({bw['cache_source']})")
     L.append("")
-    L.append(f"what if: cached fraction of the dataset ({s['workers']} workers)")
-    L.append(f"  {'cached':>7} {'fetch/s':>10} {'samples/s':>10}  bound")
+    L.append(f"what if: cached fraction of the dataset ({s['workers']} workers); predicted [interval]")
+    L.append(f"  {'cached':>7} {'fetch I/O/s':>11} {'samples/s [interval]':>28}  bound")
     for row in r["what_if"]["cache"]:
-        L.append(f"  {row['cached_fraction']:>7.0%} {row['fetch_rate']:>10.1f} {row['throughput']:>10.1f}  "
-                 f"{row['bound']}")
-    if r["what_if"]["workers_cold"]:
-        L.append(f"what if: CPU workers (serial fraction fitted {r['what_if']['serial_fraction']:.3f})")
-        L.append(f"  {'workers':>7} {'prep/s':>10} {'cold':>10} {'cached':>10}")
-        for a, b in zip(r["what_if"]["workers_cold"], r["what_if"]["workers_cached"]):
-            L.append(f"  {a['workers']:>7} {a['prep_rate']:>10.1f} {a['throughput']:>10.1f} {b['throughput']:>10.1f}"
-                     f"  {'measured' if a['measured'] else 'modelled'}")
+        L.append(f"  {row['cached_fraction']:>7.0%} {row['fetch_rate']:>11.1f} "
+                 f"{_iv(row['throughput'], row['lo'], row['hi'], 10):>28}  {row['bound']}")
+    sf = r["what_if"]["serial_fraction"]
+    L.append(f"what if: CPU workers (Amdahl serial fraction {sf['value']:.3f} [{sf['lo']:.3f}, {sf['hi']:.3f}], "
+             f"capped by the cores)")
+    L.append(f"  {'workers':>7} {'prep only [interval]':>26} {'cold [interval]':>26} {'cached [interval]':>26}")
+    for a, b in zip(r["what_if"]["workers_cold"], r["what_if"]["workers_cached"]):
+        L.append(f"  {a['workers']:>7} {_iv(a['prep_rate'], a['prep_lo'], a['prep_hi'], 8):>26} "
+                 f"{_iv(a['throughput'], a['lo'], a['hi'], 8):>26} {_iv(b['throughput'], b['lo'], b['hi'], 8):>26}"
+                 f"  {b['bound']:<7} {'(prep measured)' if a['measured'] else '(modelled)'}")
     c = r["check"]
-    L.append(f"model check: cold predicted {c['cold_predicted']:.1f} vs measured {c['cold_measured']:.1f} "
-             f"({c['cold_error']:+.0%}), cached {c['cached_predicted']:.1f} vs {c['cached_measured']:.1f} "
+    L.append(f"model check: cold predicted {_iv(c['cold_predicted'], c['cold_lo'], c['cold_hi'], 1)} vs measured "
+             f"{c['cold_measured']:.1f} ({c['cold_error']:+.0%}); cached "
+             f"{_iv(c['cached_predicted'], c['cached_lo'], c['cached_hi'], 1)} vs {c['cached_measured']:.1f} "
              f"({c['cached_error']:+.0%})")
     for w in r.get("warnings", []):
         L.append(f"warning: {w}")
@@ -473,7 +643,8 @@ def write_plot(report: dict, path: str | os.PathLike) -> str | None:
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
     xs = [r["cached_fraction"] * 100 for r in wi["cache"]]
     a.plot(xs, [r["throughput"] for r in wi["cache"]], "o-", label="predicted")
-    top = 1.25 * max([r["throughput"] for r in wi["cache"]] + [rt["cold"], rt["cached"]])
+    a.fill_between(xs, [r["lo"] for r in wi["cache"]], [r["hi"] for r in wi["cache"]], alpha=0.2)
+    top = 1.25 * max([r["hi"] for r in wi["cache"]] + [rt["cold"], rt["cached"]])
     if rt["ingest"] <= top:
         a.axhline(rt["ingest"], ls=":", c="gray", label="ingestion-free")
     else:

@@ -32,11 +32,17 @@ def add_parser(sub) -> None:
                         "fits in a quarter of available memory)")
     a.add_argument("--evict", choices=("auto", "drop_caches", "fadvise"), default="auto",
                    help="how to go cold: drop_caches (root), fadvise (any user), auto (drop_caches when root)")
-    a.add_argument("--scaling-workers", default="1,2", help="worker counts whose prep rate is measured (default 1,2)")
-    a.add_argument("--max-workers", type=int, default=None, help="workers what-if up to this (default: CPUs)")
+    a.add_argument("--scaling-workers", default="1,2,3",
+                   help="worker counts whose prep rate and CPU cost are measured (default 1,2,3: three or more "
+                        "let the fit say whether more workers help)")
+    a.add_argument("--max-workers", type=int, default=None, help="workers what-if up to this (default: 2 x CPUs)")
+    a.add_argument("--step-kind", choices=("auto", "cpu", "accelerator"), default="auto",
+                   help="does the step compute on the CPU or wait on an accelerator? (default auto: measured, "
+                        "from the step's CPU-seconds per wall-second alone)")
+    a.add_argument("--device", default=None, help="passed to the loader (DataLoader(device=...)), e.g. cuda:0")
     a.add_argument("--fetch-threads", type=int, default=None)
-    a.add_argument("--repeats", type=int, default=1, help="run each in-memory pass this many times and use the "
-                                                          "median rate (on a busy machine; default 1)")
+    a.add_argument("--repeats", type=int, default=3, help="run each in-memory pass this many times: the median is "
+                                                          "the value, the range the interval (default 3)")
     a.add_argument("--json", default="analyze.json", help="where to write the report (default analyze.json)")
     a.add_argument("--plot", default="analyze.png", help="where to write the PNG (default analyze.png; '' for none)")
     a.set_defaults(func=run)
@@ -56,7 +62,7 @@ def run(args) -> int:
                          workers=args.workers, step=args.step, rate=args.rate, max_samples=args.max_samples,
                          cache=args.cache, evict=args.evict, scaling_workers=scaling,
                          max_workers=args.max_workers, fetch_threads=args.fetch_threads, repeats=args.repeats,
-                         log=lambda m: print(m, file=sys.stderr, flush=True))
+                         step_kind=args.step_kind, device=args.device, log=lambda m: print(m, file=sys.stderr, flush=True))
     except (ValueError, FileNotFoundError, PermissionError) as e:
         print(f"coordl analyze: {e}", file=sys.stderr)
         return 2

@@ -24,7 +24,8 @@ from typing import Any, Callable
 import torch
 
 __all__ = ["load_callable", "make_transform", "TRANSFORMS", "FetchOnly", "Subset", "dataset_files",
-           "evict", "DeviceCounter", "RateStep", "run_pass", "ingest_rate", "batch_samples"]
+           "evict", "DeviceCounter", "RateStep", "run_pass", "ingest_rate", "batch_samples", "CPUClock",
+           "SyncStep", "cuda_sync"]
 
 
 def load_callable(spec: str, what: str) -> Callable:
@@ -273,17 +274,120 @@ def _stats_tuple(L) -> tuple:
             s.fetch_seconds, s.prep_seconds)
 
 
+class CPUClock:
+    """CPU-seconds used by this process (every thread: the loader's fetch
+    threads, the consumer, a step's intra-op threads) and by its child
+    processes (the loader's workers), from ``psutil``.  Children are read
+    while alive, so a pass must keep its workers alive to the end of its
+    window (the analyzer's loaders use ``persistent_workers=True``); a
+    child that exits inside the window loses its share since the last
+    read (``lost`` counts such children)."""
+
+    def __init__(self):
+        import psutil
+
+        self._me = psutil.Process()
+        self._psutil = psutil
+
+    def read(self) -> dict:
+        own = time.process_time()  # every thread of this process, CLOCK_PROCESS_CPUTIME_ID (ns)
+        kids, waits = {}, {}
+        for c in self._me.children(recursive=True):
+            run_wait = _task_schedstats(c.pid)
+            if run_wait is not None:  # nanosecond counters, every thread of the child
+                kids[c.pid], waits[c.pid] = run_wait
+                continue
+            try:
+                ct = c.cpu_times()  # clock ticks (10 ms)
+                kids[c.pid] = ct.user + ct.system
+            except (self._psutil.NoSuchProcess, self._psutil.AccessDenied):
+                continue
+            waits[c.pid] = _schedstat_wait(f"/proc/{c.pid}/schedstat")
+        return {"self": own, "children": kids, "waits": waits}
+
+    @staticmethod
+    def delta(a: dict, b: dict) -> dict:
+        """CPU between two reads: ``{"self", "children", "children_wait", "lost"}``;
+        ``children_wait``: seconds the children's main threads waited in the
+        run queue for a core (runnable, not running)."""
+        kids = sum(v - a["children"].get(pid, 0.0) for pid, v in b["children"].items())
+        wait = sum(v - a.get("waits", {}).get(pid, 0.0) for pid, v in b.get("waits", {}).items())
+        lost = sum(1 for pid in a["children"] if pid not in b["children"])
+        return {"self": b["self"] - a["self"], "children": max(kids, 0.0), "children_wait": max(wait, 0.0),
+                "lost": lost}
+
+
+def _task_schedstats(pid: int) -> tuple[float, float] | None:
+    """``(seconds on a CPU, seconds waiting in the run queue)`` summed over
+    the threads of ``pid`` (``/proc/<pid>/task/*/schedstat``, nanoseconds:
+    finer than the 10 ms ticks of ``/proc/<pid>/stat``); ``None`` where not
+    available."""
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return None
+    run = wait = 0.0
+    seen = False
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+                v = f.read().split()
+            run += int(v[0]) / 1e9
+            wait += int(v[1]) / 1e9
+            seen = True
+        except (OSError, ValueError, IndexError):
+            continue
+    return (run, wait) if seen else None
+
+
+def _schedstat_wait(path: str) -> float:
+    """Run-queue wait in seconds from a ``schedstat`` file (field 2); 0 where not available."""
+    try:
+        with open(path) as f:
+            return int(f.read().split()[1]) / 1e9
+    except (OSError, ValueError, IndexError):
+        return 0.0
+
+
+def _segments(times: list, counts: list, first: int, k: int = 5) -> list:
+    """Rates of up to ``k`` consecutive segments of the steady-state window
+    (batch means: their spread says how steady the pass was)."""
+    idx = list(range(first, len(times)))
+    if len(idx) < 2 * k:
+        k = len(idx) // 2
+    if k < 2:
+        return []
+    out = []
+    for j in range(k):
+        lo, hi = idx[0] + j * len(idx) // k, idx[0] + (j + 1) * len(idx) // k
+        t0 = times[lo - 1]
+        dt = times[hi - 1] - t0
+        if dt > 0:
+            out.append(sum(counts[lo:hi]) / dt)
+    return out
+
+
 def run_pass(loader, step: Callable | None = None, device: DeviceCounter | None = None,
              keep_batch: bool = False) -> dict:
     """Iterate ``loader`` once (one epoch), calling ``step(batch)`` on each
-    batch; returns the steady-state rate and the loader's counters for the
-    pass (differences of ``loader.stats()``)."""
+    batch; returns the steady-state rate, the CPU-seconds per sample this
+    process (``cpu_self``) and its children (``cpu_children``: the workers)
+    used in the same window, the rates of segments of the window
+    (``segments``), the CPU the consuming thread used per sample
+    (``cpu_main``: with a step, the step's share on this thread too) and the
+    loader's counters for the pass (differences of
+    ``loader.stats()``)."""
     workers = max(1, int(loader.num_workers))
     before = _stats_tuple(loader)
     dev0 = device.read() if device is not None else None
+    clock = CPUClock()
     kept = None
     times, counts = [], []
     t_start = time.perf_counter()
+    c_start = clock.read()
+    m_start = time.thread_time()
+    c_win = None
+    m_win = m_start
     for batch in loader:
         n = batch_samples(batch)
         if step is not None:
@@ -293,7 +397,12 @@ def run_pass(loader, step: Callable | None = None, device: DeviceCounter | None 
         del batch
         times.append(time.perf_counter())
         counts.append(n)
+        if len(times) == workers:
+            c_win = clock.read()
+            m_win = time.thread_time()
     t_end = time.perf_counter()
+    m_end = time.thread_time()
+    c_end = clock.read()
     dev1 = device.read() if device is not None else None
     after = _stats_tuple(loader)
     d = [a - b for a, b in zip(after, before)]
@@ -301,10 +410,20 @@ def run_pass(loader, step: Callable | None = None, device: DeviceCounter | None 
     short = len(times) <= workers
     if short:
         rate = total / max(t_end - t_start, 1e-9)
+        win_samples, cpu = total, CPUClock.delta(c_start, c_end)
+        m_win = m_start
+        segs = []
     else:
-        rate = sum(counts[workers:]) / max(times[-1] - times[workers - 1], 1e-9)
+        win_samples = sum(counts[workers:])
+        rate = win_samples / max(times[-1] - times[workers - 1], 1e-9)
+        cpu = CPUClock.delta(c_win, c_end)
+        segs = _segments(times, counts, workers)
     out = {
         "samples": total, "batches": len(times), "seconds": t_end - t_start, "rate": rate, "short": short,
+        "segments": segs, "cpu_self": cpu["self"] / max(win_samples, 1),
+        "cpu_children": cpu["children"] / max(win_samples, 1), "cpu_children_lost": cpu["lost"],
+        "cpu_main": (m_end - m_win) / max(win_samples, 1),
+        "wait_children": cpu["children_wait"] / max(win_samples, 1),
         "bytes_storage": d[1], "bytes_cache": d[2], "samples_from_cache": d[3], "wait_seconds": d[4],
         "fetch_seconds": d[5], "prep_seconds": d[6], "workers": int(loader.num_workers),
         "device_bytes": None if dev0 is None or dev1 is None else dev1 - dev0,
@@ -320,17 +439,76 @@ def _clone(batch):
     return map_tensors(batch, torch.Tensor.clone)
 
 
-def ingest_rate(step: Callable, batch, seconds: float = 2.0, min_calls: int = 3) -> dict:
+def cuda_sync() -> Callable[[], None] | None:
+    """``torch.cuda.synchronize`` when CUDA is in use in this process (a
+    step on the GPU returns before the device is done: timing it without a
+    synchronize measures the launch, not the work); else ``None``."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        return torch.cuda.synchronize
+    return None
+
+
+class SyncStep:
+    """``step`` followed by a device synchronize, so a pass's clock sees the
+    device's time (used when CUDA is in use)."""
+
+    def __init__(self, step: Callable, sync: Callable[[], None]):
+        self.step, self.sync = step, sync
+
+    def __call__(self, batch):
+        r = self.step(batch)
+        self.sync()
+        return r
+
+
+def ingest_rate(step: Callable, batch, seconds: float = 2.0, min_calls: int = 3, chunks: int = 3) -> dict:
     """The step alone on ``batch`` (already in memory): one warm-up call,
-    then calls for ``seconds`` (at least ``min_calls``)."""
+    then ``chunks`` timed runs of calls for ``seconds / chunks`` each (at
+    least ``min_calls``), with the device synchronized after every call
+    when CUDA is in use.  Each chunk's wall rate and the CPU-seconds per
+    sample this process used (every thread: a step's intra-op threads
+    too) are returned; ``cpu_share`` = CPU-seconds per wall-second of the
+    step, the cores it keeps busy (about 0 for a step that waits on an
+    accelerator or sleeps, about 1 or more for a step computing on the
+    CPU)."""
     n = batch_samples(batch)
-    step(batch)
-    calls, t0 = 0, time.perf_counter()
-    while calls < min_calls or time.perf_counter() - t0 < seconds:
-        step(batch)
-        calls += 1
-    dt = time.perf_counter() - t0
-    return {"rate": n * calls / max(dt, 1e-9), "calls": calls, "seconds": dt, "batch_samples": n}
+    step(batch)  # warm-up: also what first initializes CUDA for a step that moves the batch itself
+    sync = cuda_sync()
+    if sync is not None:
+        sync()
+    clock = CPUClock()
+    rates, cpus = [], []
+    wall = waited = cpu_all = 0.0
+    for _ in range(max(1, chunks)):
+        calls = 0
+        q0 = _runqueue_wait()
+        c0, t0 = clock.read()["self"], time.perf_counter()
+        while calls < min_calls or time.perf_counter() - t0 < seconds / max(1, chunks):
+            step(batch)
+            if sync is not None:
+                sync()
+            calls += 1
+        dt = time.perf_counter() - t0
+        cpu = clock.read()["self"] - c0
+        wall += dt
+        waited += _runqueue_wait() - q0
+        cpu_all += cpu
+        rates.append(n * calls / max(dt, 1e-9))
+        cpus.append(cpu / (n * calls))
+    import statistics
+    rate, cpu = statistics.median(rates), statistics.median(cpus)
+    # the cores the step keeps busy while it runs: its CPU over the wall time it was not waiting for a
+    # core (on a loaded machine a computing step waits in the run queue; a sleeping one does not)
+    share = cpu_all / max(wall - waited, 1e-3)
+    return {"rate": rate, "rates": rates, "cpu_per_sample": cpu, "cpu_per_sample_runs": cpus,
+            "cpu_share": share, "runqueue_wait_seconds": waited, "synchronized": sync is not None,
+            "batch_samples": n}
+
+
+def _runqueue_wait() -> float:
+    """Seconds this thread has waited in the run queue for a core
+    (``/proc/thread-self/schedstat``, field 2); 0 where not available."""
+    return _schedstat_wait("/proc/thread-self/schedstat")
 
 
 def collect() -> None:
