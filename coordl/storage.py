@@ -20,7 +20,7 @@ import os
 import posixpath
 from typing import Callable
 
-from . import _native_store
+from . import _native_store, _remote
 
 __all__ = ["is_url", "FsspecStore"]
 
@@ -90,7 +90,7 @@ class FsspecStore:
         if self._fs is None or self._pid != os.getpid():
             import fsspec
 
-            self._fs, self._root = fsspec.core.url_to_fs(self.url, **self.storage_options)
+            self._fs, self._root = fsspec.core.url_to_fs(self.url, **_with_timeouts(self.url, self.storage_options))
             self._pid = os.getpid()
         return self._fs
 
@@ -134,6 +134,11 @@ class FsspecStore:
         return posixpath.join(self._root, url[len(self.url):].lstrip("/"))
 
     def read(self, url: str) -> bytes:
+        """The bytes at ``url``: under the host's concurrency limit, with
+        transient failures retried (:func:`coordl._remote.call`)."""
+        return _remote.call(url, lambda: self._read_once(url))
+
+    def _read_once(self, url: str) -> bytes:
         native = self._native
         if native is not None and native.usable():
             try:
@@ -150,7 +155,9 @@ class FsspecStore:
         """Bytes of each URL (or the exception reading it raised): fetched
         concurrently in one call (fsspec's ``cat``), or one after the other
         through obstore when :attr:`native` (the fetch stage then reads from
-        its own threads instead, see ``ImageFolder.raw_many``)."""
+        its own threads instead, see ``ImageFolder.raw_many``).  Either way
+        under the host's concurrency limit, with transient failures retried
+        (:mod:`coordl._remote`)."""
         if self.native:
             out = []
             for u in urls:
@@ -159,6 +166,9 @@ class FsspecStore:
                 except Exception as e:
                     out.append(e)
             return out
+        return _remote.call_many(urls, self._cat)
+
+    def _cat(self, urls: list[str]) -> list:
         paths = [self._path(u) for u in urls]
         got = self.fs.cat(paths, on_error="return")
         out = []
@@ -168,3 +178,27 @@ class FsspecStore:
                 v = FileNotFoundError(2, "No such file", p)
             out.append(v)
         return out
+
+
+def _with_timeouts(url: str, so: dict) -> dict:
+    """fsspec storage options with coordl's request timeout
+    (``COORDL_REMOTE_TIMEOUT``) where the user set none: aiohttp's default
+    is 5 minutes, botocore's 60 s per connect and per read."""
+    so = dict(so)
+    scheme = url.split("://", 1)[0].lower()
+    t = _remote.timeout_s()
+    if scheme in ("http", "https"):
+        ck = dict(so.get("client_kwargs") or {})
+        if "timeout" not in ck:
+            try:
+                import aiohttp
+            except ImportError:
+                return so
+            ck["timeout"] = aiohttp.ClientTimeout(total=t)
+            so["client_kwargs"] = ck
+    elif scheme in ("s3", "s3a"):
+        cfg = dict(so.get("config_kwargs") or {})
+        cfg.setdefault("connect_timeout", t)
+        cfg.setdefault("read_timeout", t)
+        so["config_kwargs"] = cfg
+    return so
