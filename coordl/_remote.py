@@ -188,6 +188,9 @@ class HostLimiter:
         self._base = None     # the latency that "holds" (see _observe)
         self._ewma = None     # recent latency: the median of the last 16
         self._recent = collections.deque(maxlen=16)
+        self._last_ok = time.monotonic()
+        self._streak = 0      # transient failures since the last success
+        self.last_failure = None   # (kind, exception) of the latest transient failure
         self._cond = threading.Condition()
 
     # callers
@@ -217,7 +220,13 @@ class HostLimiter:
             self.inflight -= k
             if congested:
                 self.failures += congested
+                self._streak += congested
                 self._cut(epoch, 0.5, leave_slow_start=True)
+            if ok:
+                self._last_ok = now
+                self._streak = 0
+            if congested:
+                pass
             elif ok:
                 self.successes += ok
                 self._observe(latency, now)
@@ -238,6 +247,12 @@ class HostLimiter:
                     self.limit = min(float(self.maximum), self.limit + step)
                     self.peak_limit = max(self.peak_limit, self.limit)
             self._cond.notify(k + (1 if self.limit - self.inflight >= 2 else 0))
+
+    def down_for(self, streak: int) -> float:
+        """Seconds since the last success when at least ``streak`` requests
+        in a row have failed transiently since, else 0."""
+        with self._cond:
+            return time.monotonic() - self._last_ok if self._streak >= streak else 0.0
 
     def _observe(self, latency: float, now: float) -> None:
         """Update the recent latency (the median of the last 16 requests:
@@ -325,11 +340,21 @@ _WHAT = {"timeout": "timed out", "connect": "could not connect", "reset": "lost 
 
 
 def final_error(e: BaseException, kind: str, url: str, attempts: int, elapsed: float,
-                lim: HostLimiter) -> BaseException:
-    """The exception for a transient failure that outlasted its retries."""
-    reason = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}".rstrip(": ")
-    msg = (f"reading {url}: the server {_WHAT[kind]} ({reason}) on each of {attempts} attempt(s) over "
-           f"{elapsed:.1f} s. {lim.describe()}. This is the network or the server, not the file. "
+                lim: HostLimiter, down: float = 0.0) -> BaseException:
+    """The exception for a transient failure that outlasted its retries
+    (or, with ``down``, for a request not sent because every request to the
+    host has failed for ``down`` seconds)."""
+    text = str(e).splitlines()[0] if str(e) else ""
+    reason = text if type(e).__module__ == __name__ or type(e).__module__ == "builtins" and text \
+        else f"{type(e).__name__}: {text}".rstrip(": ")
+    if down:
+        what = (f"not sent: every request to {lim.host} has failed for {down:.1f} s and the server "
+                f"{_WHAT[kind]} on the latest (the last: {reason}). ")
+    else:
+        what = (f"the server {_WHAT[kind]} on each of {attempts} attempt(s) over {elapsed:.1f} s "
+                f"(the last: {reason}). ")
+    msg = (f"reading {url}: {what}"
+           f"{lim.describe()}. This is the network or the server, not the file. "
            f"To fix: let the server take more concurrent connections (more server threads or "
            f"processes, a larger listen queue), or send it fewer: pass fetch_threads= to the "
            f"DataLoader (e.g. fetch_threads=8; the default for URLs is 64 per worker), use fewer "
@@ -359,22 +384,35 @@ def call(url: str, read_once: Callable[[], bytes]) -> bytes:
     failures (see the module docstring)."""
     lim = limiter(url)
     budget, deadline_s = retries(), 2 * timeout_s()
-    start = time.monotonic()
     attempt = 0
+    start = None
+    streak = budget + 1
     while True:
         k, ticket = lim.acquire()
+        if start is None:
+            start = time.monotonic()   # waiting for a slot is not the server failing
+        down = lim.down_for(streak)
+        if down >= deadline_s and lim.last_failure is not None:
+            kind, last = lim.last_failure
+            final = final_error(last, kind, url, attempt, time.monotonic() - start, lim, down=down)
+            lim.release(k, ticket)
+            raise final
         try:
             data = read_once()
         except BaseException as e:
             kind = classify(e) if isinstance(e, Exception) else None
+            if kind is not None:
+                lim.last_failure = (kind, e)
+            elapsed = time.monotonic() - start
+            if kind is not None and (attempt >= budget or elapsed >= deadline_s):
+                final = final_error(e, kind, url, attempt + 1, elapsed, lim)   # with this request in flight
+                lim.release(k, ticket, congested=1)
+                raise final from e
             lim.release(k, ticket, congested=1 if kind else 0)
             if kind is None:
                 if isinstance(e, FileNotFoundError):
                     raise not_found(url) from e
                 raise
-            elapsed = time.monotonic() - start
-            if attempt >= budget or elapsed >= deadline_s:
-                raise final_error(e, kind, url, attempt + 1, elapsed, lim) from e
             time.sleep(_backoff(attempt))
             attempt += 1
             continue
@@ -394,9 +432,19 @@ def call_many(urls: list, read_batch: Callable[[list], list]) -> list:
     start = time.monotonic()
     attempts = [0] * len(urls)
     todo = list(range(len(urls)))
+    first = True
     while todo:
         k, ticket = lim.acquire(len(todo))
+        if first:
+            start, first = time.monotonic(), False   # waiting for a slot is not the server failing
         idx, todo = todo[:k], todo[k:]
+        down = lim.down_for(budget + 1)
+        if down >= deadline_s and lim.last_failure is not None:
+            kind, last = lim.last_failure
+            for i in idx:
+                out[i] = final_error(last, kind, urls[i], attempts[i], time.monotonic() - start, lim, down=down)
+            lim.release(k, ticket)
+            continue
         try:
             got = read_batch([urls[i] for i in idx])
             if len(got) != len(idx):
@@ -415,6 +463,7 @@ def call_many(urls: list, read_batch: Callable[[list], list]) -> list:
             if kind is None:
                 out[i] = not_found(urls[i]) if isinstance(r, FileNotFoundError) else r
                 continue
+            lim.last_failure = (kind, r)
             congested += 1
             if attempts[i] >= budget or elapsed >= deadline_s:
                 err = final_error(r, kind, urls[i], attempts[i] + 1, elapsed, lim)
