@@ -137,10 +137,16 @@ def _options(kind: str, url: str, so: dict):
                 config["skip_signature"] = bool(v)
             else:
                 return None
+    if kind == "s3" and "endpoint" not in config:
+        # a custom endpoint from the environment, with botocore's precedence
+        # (the service-specific variable first), so both read paths use the same server
+        env = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+        if env:
+            config["endpoint"] = env
     if kind == "http":
         client["allow_http"] = True   # the URL's own scheme decides, as with fsspec
-    elif str(config.get("endpoint", "")).startswith("http://"):
-        client["allow_http"] = True
+    elif str(config.get("endpoint", os.environ.get("AWS_ENDPOINT", ""))).startswith("http://"):
+        client["allow_http"] = True   # an http:// endpoint is the user's choice, as with botocore
     return config, client
 
 
@@ -232,12 +238,15 @@ class Native:
         # fsspec's HTTP listing yields percent-encoded hrefs; obstore encodes the key itself
         return urllib.parse.unquote(rel) if self.kind == "http" else rel
 
-    def read(self, rel: str, full_url: str) -> bytes:
-        """The object's bytes; errors mapped by :func:`map_error`."""
+    def read(self, rel: str, full_url: str, span: tuple | None = None) -> bytes:
+        """The object's bytes, or bytes ``[start, end)`` for ``span``;
+        errors mapped by :func:`map_error`."""
         import obstore
 
         st = self.store()
         try:
+            if span is not None:
+                return bytes(obstore.get_range(st, self.key(rel), start=span[0], end=span[1]))
             return bytes(obstore.get(st, self.key(rel)).bytes())
         except Exception as e:
             raise map_error(e, full_url) from e
@@ -281,6 +290,8 @@ def map_error(e: BaseException, url: str) -> BaseException:
     status = int(m.group(1)) if m else None
     if status in _remote.TRANSIENT_STATUS:
         return _remote.RemoteStatusError(f"HTTP {status} reading {url}: {reason}", status)
+    if "kind: Builder" in text:   # the request could not be built (configuration): fsspec may manage
+        return NativeUnusable(f"obstore cannot build a request for {url}: {reason}")
     if "kind: Timeout" in text:
         return TimeoutError(f"Timed out reading {url}: {reason}")
     if "kind: Connect" in text:

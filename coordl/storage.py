@@ -107,7 +107,12 @@ class FsspecStore:
         sorted order: class folders are the first path components under the
         root; ``version`` is what the store reports (see :func:`_version`)."""
         fs = self.fs
-        found = fs.find(self._root, detail=True, withdirs=True)
+        try:
+            found = fs.find(self._root, detail=True, withdirs=True)
+        except FileNotFoundError as e:   # e.g. s3fs: "The specified bucket does not exist"
+            raise FileNotFoundError(f"Cannot list {self.url}: {e}") from e
+        except PermissionError as e:
+            raise refused(self.url, e, "listing") from e
         classes: set[str] = set()
         files = []
         for path, info in found.items():
@@ -129,6 +134,16 @@ class FsspecStore:
         files.sort(key=lambda f: f[0].split("/"))
         return sorted(classes), files
 
+    def location(self) -> str:
+        """The URL, plus the endpoint when the store has a custom one (an
+        S3-compatible server: ``storage_options`` or ``AWS_ENDPOINT_URL``),
+        which decides what the URL names: part of the dataset's fingerprint."""
+        so = self.storage_options
+        ep = so.get("endpoint_url") or (so.get("client_kwargs") or {}).get("endpoint_url")
+        if not ep and self.url.split("://", 1)[0].lower() in ("s3", "s3a"):
+            ep = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+        return f"{self.url} @ {ep}" if ep else self.url
+
     def _path(self, url: str) -> str:
         self.fs
         return posixpath.join(self._root, url[len(self.url):].lstrip("/"))
@@ -136,20 +151,37 @@ class FsspecStore:
     def read(self, url: str) -> bytes:
         """The bytes at ``url``: under the host's concurrency limit, with
         transient failures retried (:func:`coordl._remote.call`)."""
-        return _remote.call(url, lambda: self._read_once(url))
+        try:
+            return _remote.call(url, lambda: self._read_once(url))
+        except PermissionError as e:
+            raise refused(url, e, "reading") from e
 
-    def _read_once(self, url: str) -> bytes:
+    def read_range(self, url: str, start: int, end: int) -> bytes:
+        """Bytes ``[start, end)`` of the object at ``url`` (one ranged GET),
+        with :meth:`read`'s limits, retries, fallbacks and errors."""
+        if not (isinstance(start, int) and isinstance(end, int) and 0 <= start <= end):
+            raise ValueError(f"start and end should be ints with 0 <= start <= end, but got start={start!r}, "
+                             f"end={end!r}")
+        if start == end:
+            return b""
+        try:
+            return _remote.call(url, lambda: self._read_once(url, (start, end)))
+        except PermissionError as e:
+            raise refused(url, e, "reading") from e
+
+    def _read_once(self, url: str, span: tuple | None = None) -> bytes:
+        start, end = span if span is not None else (None, None)
         native = self._native
         if native is not None and native.usable():
             try:
-                return native.read(url[len(self.url):].lstrip("/"), url)
+                return native.read(url[len(self.url):].lstrip("/"), url, span)
             except _native_store.NativeRefused:
-                data = self.fs.cat_file(self._path(url))   # fsspec's own error if refused too
+                data = self.fs.cat_file(self._path(url), start=start, end=end)   # fsspec's own error if refused too
                 self._native = None   # fsspec's credentials work here: read through fsspec from now on
                 return data
             except _native_store.NativeUnusable:
                 self._native = None   # obstore cannot serve this store here: fsspec from now on
-        return self.fs.cat_file(self._path(url))
+        return self.fs.cat_file(self._path(url), start=start, end=end)
 
     def read_many(self, urls: list[str]) -> list:
         """Bytes of each URL (or the exception reading it raised): fetched
@@ -180,11 +212,30 @@ class FsspecStore:
         return out
 
 
+def refused(url: str, e: BaseException, doing: str) -> PermissionError:
+    """A refusal (401/403: credentials or permissions) naming the URL and
+    where credentials come from; not retried."""
+    if url in str(e):
+        text = str(e)
+    else:
+        text = f"{type(e).__name__}: {e}"
+    hint = ""
+    if url.split("://", 1)[0].lower() in ("s3", "s3a"):
+        hint = (" For S3 the credentials come from storage_options (key=, secret=, token=) or the "
+                "environment (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_SESSION_TOKEN, AWS_PROFILE) "
+                "and the endpoint from endpoint_url= or AWS_ENDPOINT_URL.")
+    return PermissionError(f"Access refused {doing} {url} ({text}): check the credentials and the "
+                           f"permissions they carry; not retried.{hint}")
+
+
 def _with_timeouts(url: str, so: dict) -> dict:
-    """fsspec storage options with coordl's request timeout
+    """fsspec storage options for a store's own filesystem, with coordl's request timeout
     (``COORDL_REMOTE_TIMEOUT``) where the user set none: aiohttp's default
     is 5 minutes, botocore's 60 s per connect and per read."""
     so = dict(so)
+    # each store its own filesystem: fsspec's instance cache is keyed by the options alone, so a
+    # filesystem made earlier would keep the credentials the environment had then
+    so.setdefault("skip_instance_cache", True)
     scheme = url.split("://", 1)[0].lower()
     t = _remote.timeout_s()
     if scheme in ("http", "https"):

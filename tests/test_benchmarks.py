@@ -203,3 +203,18 @@ def test_validation_benchmark_interleaved_tiny(tmp_path):
     assert all(q["hit_bytes"] > 0 for q in pairs)
     for c in ("memory", "blkio"):
         assert not [d for d in os.listdir(f"/sys/fs/cgroup/{c}") if d.startswith("coordl-anval-")]
+
+
+
+
+def test_small_server_tiny():
+    """benchmarks/small_server.py: local files vs ``python -m http.server``."""
+    pytest.importorskip("aiohttp")
+    out = _script("small_server.py", "--images", "24", "--workers", "0", "--epochs", "1", "--batch-size", "8",
+                  "--size", "32", "--paths", "native,fsspec")
+    rows = [l.split() for l in out.splitlines() if l.startswith(("local ", "http "))]
+    assert rows[0][:2] == ["local", "default"], out
+    assert [r[1:3] for r in rows[1:]] == [["native", "default"], ["native", "fetch_threads=8"],
+                                          ["fsspec", "default"], ["fsspec", "fetch_threads=8"]], out
+    assert all(r[-1] == "0/1" for r in rows), out        # every configuration ran, none failed
+    assert all(float(r[-5]) > 0 for r in rows), out     # images/s
