@@ -186,7 +186,7 @@ class HostLimiter:
         self.successes = 0
         self._epoch = 0       # bumped at each cut: one cut per round trip
         self._base = None     # the latency that "holds" (see _observe)
-        self._ewma = None     # recent latency: the median of the last 16
+        self._recent_median = None   # recent latency: the median of the last 16
         self._recent = collections.deque(maxlen=16)
         self._last_ok = time.monotonic()
         self._streak = 0      # transient failures since the last success
@@ -218,25 +218,23 @@ class HostLimiter:
         with self._cond:
             busy = busy or self.waiting > 0
             self.inflight -= k
-            if congested:
-                self.failures += congested
-                self._streak += congested
-                self._cut(epoch, 0.5, leave_slow_start=True)
             if ok:
+                self.successes += ok
                 self._last_ok = now
                 self._streak = 0
-            if congested:
-                pass
+            if congested:   # a refusal, reset, timeout, 5xx or 429 answers for the whole batch
+                self.failures += congested
+                self._streak += congested
+                self._cut(epoch, 0.5)
             elif ok:
-                self.successes += ok
-                self._observe(latency, now)
-                base, recent = self._base, self._ewma
+                self._observe(latency)
+                base, recent = self._base, self._recent_median
                 if latency >= STALL_S and latency > 20 * base:
                     # a request stalled while the others run in milliseconds: a dropped
                     # connection attempt (a full listen queue) waiting for its retransmit
-                    self._cut(epoch, 0.5, leave_slow_start=True)
+                    self._cut(epoch, 0.5)
                 elif recent > CUT_ABOVE * base + SLACK_S:
-                    self._cut(epoch, 0.8, leave_slow_start=True)
+                    self._cut(epoch, 0.8)
                 elif busy and recent <= GROW_BELOW * base + SLACK_S and self.fixed is None:
                     if recent > 1.5 * base + SLACK_S:
                         self.slow_start = False   # latency starts to rise: grow slowly from here
@@ -254,7 +252,7 @@ class HostLimiter:
         with self._cond:
             return time.monotonic() - self._last_ok if self._streak >= streak else 0.0
 
-    def _observe(self, latency: float, now: float) -> None:
+    def _observe(self, latency: float) -> None:
         """Update the recent latency (the median of the last 16 requests:
         object stores' latencies spread widely even when idle, and one slow
         request says little) and the base it is judged against: the lowest
@@ -264,20 +262,19 @@ class HostLimiter:
         recent = self._recent
         recent.append(latency)
         med = sorted(recent)[len(recent) // 2]
-        self._ewma = med
+        self._recent_median = med
         if self._base is None or med < self._base or self.limit <= 2:
             self._base = med   # at 1-2 requests in flight, none of the wait is queueing behind ours
         else:
             self._base += 0.0002 * (med - self._base)
 
-    def _cut(self, epoch: int, factor: float, leave_slow_start: bool) -> None:
+    def _cut(self, epoch: int, factor: float) -> None:
         if self.fixed is not None or epoch != self._epoch:
             return   # a request started before the last cut: that cut answered it already
         self._epoch += 1
         self.cuts += 1
         self.limit = max(1.0, self.limit * factor)
-        if leave_slow_start:
-            self.slow_start = False
+        self.slow_start = False
         self._recent.clear()   # judge the new limit afresh
 
     def describe(self) -> str:
