@@ -27,9 +27,12 @@ failure (:func:`map_error`), so users see the same types and messages.
 from __future__ import annotations
 
 import os
+import re
 import threading
 import urllib.parse
 from datetime import timedelta
+
+from . import _remote
 
 __all__ = ["plan", "Native", "NativeUnusable", "NativeRefused", "map_error"]
 
@@ -46,10 +49,10 @@ _IGNORABLE = {"skip_instance_cache", "use_listings_cache", "listings_expiry_time
               "cache_type", "cache_options", "simple_links", "same_scheme", "size_policy",
               "asynchronous", "loop", "project", "version_aware"}
 
-# A dead server must not hold a sample for minutes (obstore's defaults:
-# 10 retries within 3 minutes); transient 5xx/connection errors still get
-# a few retries, which fsspec's HTTP client does not do at all.
-_RETRY = {"max_retries": 3, "retry_timeout": timedelta(seconds=30),
+# No retries inside obstore: coordl retries (coordl._remote), so that every
+# refusal and timeout also reaches the per-host concurrency limiter, and
+# both read paths retry alike.
+_RETRY = {"max_retries": 0, "retry_timeout": timedelta(seconds=1),
           "backoff": {"init_backoff": timedelta(milliseconds=100), "max_backoff": timedelta(seconds=5),
                       "base": 2}}
 
@@ -134,10 +137,16 @@ def _options(kind: str, url: str, so: dict):
                 config["skip_signature"] = bool(v)
             else:
                 return None
+    if kind == "s3" and "endpoint" not in config:
+        # a custom endpoint from the environment, with botocore's precedence
+        # (the service-specific variable first), so both read paths use the same server
+        env = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+        if env:
+            config["endpoint"] = env
     if kind == "http":
         client["allow_http"] = True   # the URL's own scheme decides, as with fsspec
-    elif str(config.get("endpoint", "")).startswith("http://"):
-        client["allow_http"] = True
+    elif str(config.get("endpoint", os.environ.get("AWS_ENDPOINT", ""))).startswith("http://"):
+        client["allow_http"] = True   # an http:// endpoint is the user's choice, as with botocore
     return config, client
 
 
@@ -209,13 +218,18 @@ class Native:
             raise NativeUnusable(f"obstore is not importable: {e}") from e
         _started = True   # before any call that could start the runtime
         url = self.url
+        client = dict(self.client)
+        if "timeout" not in client:   # coordl's request timeout (COORDL_REMOTE_TIMEOUT)
+            t = _remote.timeout_s()
+            client["timeout"] = f"{t:.3f}s"
+            client.setdefault("connect_timeout", f"{min(t, 5.0):.3f}s")
         try:
             if self.kind == "http":
-                return S.HTTPStore.from_url(url, client_options=self.client, retry_config=_RETRY)
+                return S.HTTPStore.from_url(url, client_options=client, retry_config=_RETRY)
             if self.kind == "gcs" and url.startswith("gcs://"):
                 url = "gs://" + url[len("gcs://"):]
             cls = {"s3": S.S3Store, "gcs": S.GCSStore, "azure": S.AzureStore}[self.kind]
-            return cls.from_url(url, config=self.config or None, client_options=self.client or None,
+            return cls.from_url(url, config=self.config or None, client_options=client or None,
                                 retry_config=_RETRY)
         except Exception as e:  # bad config, missing credentials/region...: fsspec may still manage
             raise NativeUnusable(f"obstore could not open {self.url}: {_first_line(e)}") from e
@@ -224,12 +238,15 @@ class Native:
         # fsspec's HTTP listing yields percent-encoded hrefs; obstore encodes the key itself
         return urllib.parse.unquote(rel) if self.kind == "http" else rel
 
-    def read(self, rel: str, full_url: str) -> bytes:
-        """The object's bytes; errors mapped by :func:`map_error`."""
+    def read(self, rel: str, full_url: str, span: tuple | None = None) -> bytes:
+        """The object's bytes, or bytes ``[start, end)`` for ``span``;
+        errors mapped by :func:`map_error`."""
         import obstore
 
         st = self.store()
         try:
+            if span is not None:
+                return bytes(obstore.get_range(st, self.key(rel), start=span[0], end=span[1]))
             return bytes(obstore.get(st, self.key(rel)).bytes())
         except Exception as e:
             raise map_error(e, full_url) from e
@@ -250,9 +267,14 @@ def map_error(e: BaseException, url: str) -> BaseException:
       through fsspec, whose credential chain may differ from obstore's, and
       so raises fsspec's own error when fsspec is refused too);
     * cannot connect: ``ConnectionError`` (an ``OSError``, as aiohttp's
-      ``ClientConnectorError`` is) naming the host;
+      ``ClientConnectorError`` is) naming the host; a request the
+      connection failed under (reset, closed): ``ConnectionError`` too;
     * timeout: ``TimeoutError`` (what aiohttp raises);
+    * a transient status (5xx, 429, 408): :class:`coordl._remote.RemoteStatusError`
+      with ``.status``;
     * anything else: ``OSError`` naming the URL and obstore's reason.
+
+    The transient ones are retried by :func:`coordl._remote.call`.
     """
     if isinstance(e, FileNotFoundError):
         return FileNotFoundError(url)
@@ -264,11 +286,19 @@ def map_error(e: BaseException, url: str) -> BaseException:
         return NativeRefused(f"obstore was refused reading {url}: {_first_line(e)}")
     text = str(e)
     reason = _first_line(e)
-    if "kind: Connect" in text:
-        host = urllib.parse.urlsplit(url).netloc
-        return ConnectionError(f"Cannot connect to host {host} reading {url}: {reason}")
+    m = re.search(r"non-2xx status code: (\d{3})", text)
+    status = int(m.group(1)) if m else None
+    if status in _remote.TRANSIENT_STATUS:
+        return _remote.RemoteStatusError(f"HTTP {status} reading {url}: {reason}", status)
+    if "kind: Builder" in text:   # the request could not be built (configuration): fsspec may manage
+        return NativeUnusable(f"obstore cannot build a request for {url}: {reason}")
     if "kind: Timeout" in text:
         return TimeoutError(f"Timed out reading {url}: {reason}")
+    if "kind: Connect" in text:
+        host = urllib.parse.urlsplit(url).netloc
+        return ConnectionRefusedError(f"Cannot connect to host {host} reading {url}: {reason}")
+    if status is None and ("HTTP error:" in text or "kind: Request" in text or "kind: Body" in text):
+        return ConnectionResetError(f"Connection failed reading {url}: {reason}")
     if isinstance(e, OSError):
         return e
     return OSError(f"Error reading {url}: {type(e).__name__}: {reason}")

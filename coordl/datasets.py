@@ -553,7 +553,7 @@ class _FolderBase:
         store, else the resolved prefix directory (or working directory, for
         relative paths under no common prefix)."""
         if self._store is not None:
-            return b"url:" + self._store.url.encode()
+            return b"url:" + self._store.location().encode()
         if self._prefix:
             return b"dir:" + os.fsencode(os.path.realpath(self._prefix))
         starts = self._paths[self._offsets[:-1][self._offsets[:-1] < len(self._paths)]]
@@ -721,6 +721,9 @@ class DatasetFolder(_FolderBase):
         decode: a function of the file's *bytes* returning the sample, which
             makes the dataset two-stage when ``loader`` is a custom path
             loader (see the module docstring).
+        storage_options: for a URL root, fsspec's options for its filesystem
+            (e.g. ``{"endpoint_url": ..., "key": ..., "secret": ...}`` for
+            s3://); the obstore reader takes the same (docs/api.md, Storage).
 
     ``samples``/``imgs`` (``(path, class_index)`` tuples), ``targets``,
     ``sizes`` and :meth:`fingerprint` are backed by numpy arrays.
@@ -730,14 +733,17 @@ class DatasetFolder(_FolderBase):
                  extensions: str | tuple[str, ...] | None = None,
                  transform: Callable | None = None, target_transform: Callable | None = None,
                  is_valid_file: Callable[[str], bool] | None = None, allow_empty: bool = False,
-                 *, decode: Callable[[bytes], Any] | None = None):
+                 *, decode: Callable[[bytes], Any] | None = None, storage_options: dict | None = None):
+        if storage_options and not is_url(root):
+            raise ValueError(f"storage_options should be given only with a URL root (s3://, http://, ...), "
+                             f"but got root={root!r} and storage_options={storage_options!r}")
         self.root = os.path.expanduser(root) if isinstance(root, str) else root
         self.transform = transform
         self.target_transform = target_transform
         self.extensions = extensions
         self.loader, self._decode = self._resolve_loader(loader, decode)
         if is_url(root):
-            self._store = FsspecStore(root)
+            self._store = FsspecStore(root, storage_options)
             self._scan_store(extensions, is_valid_file, allow_empty)
             return
         directory = os.path.expanduser(os.fspath(root))
@@ -815,8 +821,8 @@ class ImageFolder(DatasetFolder):
 
     Same positional arguments as torchvision's (``root, transform,
     target_transform, loader, is_valid_file, allow_empty``); ``extensions``
-    (default :data:`IMG_EXTENSIONS`, or none when ``is_valid_file`` is given)
-    and ``decode`` are keyword-only.  With the default loader the dataset is
+    (default :data:`IMG_EXTENSIONS`, or none when ``is_valid_file`` is given),
+    ``decode`` and ``storage_options`` (for a URL root) are keyword-only.  With the default loader the dataset is
     two-stage: ``raw`` reads the file, ``prep`` decodes it with PIL
     (:func:`pil_decode`) and applies the transforms.  See
     :class:`DatasetFolder` and the module docstring for ``loader``/``decode``.
@@ -827,12 +833,12 @@ class ImageFolder(DatasetFolder):
                  loader: Callable[[str], Any] | None = None,
                  is_valid_file: Callable[[str], bool] | None = None, allow_empty: bool = False,
                  *, extensions: str | tuple[str, ...] | None = _UNSET,
-                 decode: Callable[[bytes], Any] | None = None):
+                 decode: Callable[[bytes], Any] | None = None, storage_options: dict | None = None):
         if extensions is _UNSET:
             extensions = IMG_EXTENSIONS if is_valid_file is None else None
         super().__init__(root, loader, extensions, transform=transform,
                          target_transform=target_transform, is_valid_file=is_valid_file,
-                         allow_empty=allow_empty, decode=decode)
+                         allow_empty=allow_empty, decode=decode, storage_options=storage_options)
 
     def _default_decode(self) -> Callable[[bytes], Any]:
         return pil_decode

@@ -136,9 +136,14 @@ def sample_error(stage: str, index: int, where: str, err: BaseException) -> Samp
 
     An instance of ``SampleError[type(err)]``; raise it ``from err``.
     """
+    if getattr(err, "coordl_transient", False) or isinstance(err, (TimeoutError, ConnectionError)):
+        # the network or the server, not the file: its message says what to change
+        remedy = "The file itself may be fine: retry once the storage keeps up."
+    else:
+        remedy = "Fix or remove the file, or pass on_error='skip' to the DataLoader to skip bad samples."
     return sample_error_type(type(err))(
-        f"coordl: error {stage} sample {index} ({where}): {type(err).__name__}: {err}. "
-        "Fix or remove the file, or pass on_error='skip' to the DataLoader to skip bad samples."
+        f"coordl: error {stage} sample {index} ({where}): {type(err).__name__}: "
+        f"{str(err).rstrip('.')}. {remedy}"
     )
 
 

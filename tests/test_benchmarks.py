@@ -186,3 +186,16 @@ def test_torchvision_loop_quick(tmp_path):
     assert [(r["pipeline"], r["loader"]) for r in rep["rows"]] == [("v1", "torch"), ("v1", "coordl"),
                                                                   ("v2", "torch"), ("v2", "coordl")]
     assert "fused RandomResizedCrop, RandomHorizontalFlip, ToTensor, Normalize" in out
+
+
+def test_small_server_tiny():
+    """benchmarks/small_server.py: local files vs ``python -m http.server``."""
+    pytest.importorskip("aiohttp")
+    out = _script("small_server.py", "--images", "24", "--workers", "0", "--epochs", "1", "--batch-size", "8",
+                  "--size", "32", "--paths", "native,fsspec")
+    rows = [l.split() for l in out.splitlines() if l.startswith(("local ", "http "))]
+    assert rows[0][:2] == ["local", "default"], out
+    assert [r[1:3] for r in rows[1:]] == [["native", "default"], ["native", "fetch_threads=8"],
+                                          ["fsspec", "default"], ["fsspec", "fetch_threads=8"]], out
+    assert all(r[-1] == "0/1" for r in rows), out        # every configuration ran, none failed
+    assert all(float(r[-5]) > 0 for r in rows), out     # images/s
