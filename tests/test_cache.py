@@ -269,3 +269,19 @@ def test_no_room_advice_fits_what_the_cache_directory_is(tmp_path, monkeypatch):
         assert f"mount -o remount,size=<bytes> {mnt}" in str(info.value), str(info.value)
         assert ("--shm-size" in str(info.value)) == (mnt == "/dev/shm")
     assert not [c for c in list_caches() if c.name.startswith("cache-feed")]
+
+
+def test_cache_help_names_the_directory_in_effect(tmp_path, monkeypatch, capsys):
+    """``coordl cache --help`` showed /dev/shm whatever COORDL_SHM_DIR said
+    (issue 21, 14)."""
+    from coordl import cli
+
+    monkeypatch.setenv("COORDL_SHM_DIR", str(tmp_path))
+    monkeypatch.setenv("COLUMNS", "1000")  # argparse wraps at hyphens, paths included
+    for argv in (["cache", "--help"], ["--help"]):
+        with pytest.raises(SystemExit) as info:
+            cli.main(argv)
+        assert info.value.code == 0
+        out = capsys.readouterr().out
+        assert os.path.join(str(tmp_path), f"coordl-{os.geteuid()}", "cache-*") in out, out
+        assert "/dev/shm/coordl-" not in out
