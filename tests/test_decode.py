@@ -373,3 +373,23 @@ def test_mutated_jpegs_in_a_dataset_raise_pils_error_naming_the_file(tmp_path):
     assert ok == good and sorted(errors) == sorted(p for p, _ in bad)
     for p, t in bad:
         assert isinstance(errors[p], t), (p, type(errors[p]).__mro__)
+
+
+def test_a_file_pil_cannot_identify_is_named_by_path_when_indexed(tmp_path):
+    """``ds[i]`` (no loader) raises PIL's ``UnidentifiedImageError`` naming
+    the file, as torchvision's ``Image.open(path)`` does, not a BytesIO
+    object; on the fused path, the PIL path and through a path loader."""
+    from PIL import UnidentifiedImageError
+
+    from coordl.datasets import default_loader, pil_loader
+
+    (tmp_path / "d" / "c").mkdir(parents=True)
+    bad = tmp_path / "d" / "c" / "x.jpg"
+    bad.write_bytes(b"\xff\xd8 not really a JPEG" * 4)
+    for transform in (None, T.Compose([T.RandomResizedCrop(8), T.PILToTensor()])):
+        ds = coordl.ImageFolder(str(tmp_path / "d"), transform=transform)
+        with pytest.raises(UnidentifiedImageError, match=f"cannot identify image file '{bad}'"):
+            ds[0]
+    for load in (default_loader, pil_loader):
+        with pytest.raises(UnidentifiedImageError, match=f"cannot identify image file '{bad}'"):
+            load(str(bad))
