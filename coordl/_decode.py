@@ -11,8 +11,9 @@ The fast path keeps PIL's rules, read at call time as PIL reads them:
 ``PIL.Image.MAX_IMAGE_PIXELS`` is checked from the JPEG header before any
 pixel is decoded (more pixels warn ``DecompressionBombWarning``, more than
 twice as many raise ``DecompressionBombError``, None disables the check), and
-a file libjpeg-turbo refuses (truncated, corrupt, an unsupported colour space)
-is handed to PIL, which decodes it as torchvision would, honouring
+a file libjpeg-turbo refuses or whose header it cannot parse (truncated,
+corrupt, a sampling layout such as 4:4:1) and every CMYK/YCCK JPEG (which
+PIL converts to RGB its own way) is handed to PIL, which decodes it as torchvision would, honouring
 ``PIL.ImageFile.LOAD_TRUNCATED_IMAGES``, or raises its own error.
 
 :func:`decode_rgb_crop` decodes only a crop window, through coordl's own C
@@ -70,15 +71,30 @@ def is_jpeg(raw) -> bool:
     return len(raw) > 3 and raw[0] == 0xFF and raw[1] == 0xD8
 
 
-def jpeg_size(raw) -> tuple[int, int] | None:
-    """(height, width) from a JPEG header, or None if it can't be read cheaply."""
+# JPEG colour spaces whose libjpeg-turbo decode (simplejpeg) gives PIL's
+# pixels exactly (measured: YCbCr at every sampling simplejpeg names, RGB,
+# grey).  CMYK and YCCK (Adobe) are converted to RGB differently by PIL
+# (1 off in most values), so they are decoded by PIL.
+_FAST_COLORSPACES = frozenset({"YCbCr", "RGB", "Gray"})
+
+
+def _header(raw):
+    """simplejpeg's (height, width, colorspace, subsampling) of a JPEG header,
+    or None for anything it cannot parse (not a JPEG, a corrupt header, a
+    layout it has no name for, such as 4:4:1, which raises KeyError inside
+    simplejpeg): PIL then reads the file, and raises its own error."""
     if _sj is None or not is_jpeg(raw):
         return None
     try:
-        h, w, _, _ = _sj.decode_jpeg_header(raw)
-    except ValueError:
+        return _sj.decode_jpeg_header(raw)
+    except Exception:  # noqa: BLE001 - any failure here means "PIL decides"
         return None
-    return h, w
+
+
+def jpeg_size(raw) -> tuple[int, int] | None:
+    """(height, width) from a JPEG header, or None if it can't be read cheaply."""
+    hdr = _header(raw)
+    return None if hdr is None else (hdr[0], hdr[1])
 
 
 def check_pixels(size: tuple[int, int]) -> None:
@@ -129,25 +145,31 @@ def decode_rgb(raw, min_hw: tuple[int, int] | None = None) -> np.ndarray:
     scale of 1/2, 1/4 or 1/8, as long as it stays at least this (h, w).
     (PIL's ``draft`` picks among the same power-of-two scales.)
     """
-    size = jpeg_size(raw)
-    if size is not None:  # else PIL reads the file, and its header, itself
-        check_pixels(size)  # before a single pixel is allocated
-    return _decode_whole(raw, size, min_hw)
+    hdr = _header(raw)
+    if hdr is not None:  # else PIL reads the file, and its header, itself
+        check_pixels(hdr[:2])  # before a single pixel is allocated
+    return _decode_whole(raw, hdr, min_hw)
 
 
-def _decode_whole(raw, size, min_hw) -> np.ndarray:
-    """decode_rgb after its pixel-limit check (``size``: from the header, or None)."""
-    if size is not None:
+def _decode_whole(raw, hdr, min_hw) -> np.ndarray:
+    """decode_rgb after its pixel-limit check (``hdr``: :func:`_header`'s, or None).
+
+    libjpeg-turbo (simplejpeg) decodes the JPEGs whose pixels it gives as PIL
+    does; everything else, and anything it fails on for any reason, is
+    decoded by PIL, which raises its own error (an ``OSError`` such as
+    ``UnidentifiedImageError`` for a file it cannot read)."""
+    if hdr is not None and hdr[2] in _FAST_COLORSPACES:
         kw = {}
         if min_hw is not None:
+            size = hdr[:2]
             d = _pow2_scale(size, min_hw)
             if d > 1:
                 H, W = size
                 kw = {"min_height": -(-H // d), "min_width": -(-W // d)}
         try:
             return _sj.decode_jpeg(raw, colorspace="RGB", **kw)
-        except ValueError:
-            pass  # PIL decides: truncated files under LOAD_TRUNCATED_IMAGES, CMYK, or its own error
+        except Exception:  # noqa: BLE001 - PIL decides: truncated files under LOAD_TRUNCATED_IMAGES, or its own error
+            pass
     img = Image.open(io.BytesIO(raw))  # applies MAX_IMAGE_PIXELS itself
     if min_hw is not None and img.format == "JPEG":
         W, H = img.size
@@ -205,7 +227,7 @@ def decode_rgb_crop(raw, box: tuple[int, int, int, int], min_hw: tuple[float, fl
             if (oh, ow) == (H2, W2):
                 arr = np.frombuffer(buf, np.uint8).reshape(rows, cols, 3)
                 return arr, (t - y0, l - x0, h, w)
-    arr = _decode_whole(raw, size, min_hw)
+    arr = _decode_whole(raw, _header(raw) if size is not None else None, min_hw)
     H2, W2 = arr.shape[:2]
     if size is not None and (H2, W2) != size:
         H, W = size

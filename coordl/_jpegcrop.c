@@ -7,9 +7,10 @@
  * scaling) to RGB.  Of that scaled image (out_height x out_width) only rows
  * [y0, y0 + rows) and columns [x0, x0 + cols) are produced: a block that
  * covers the requested window [top, top + height) x [left, left + width).
- * Rows above the window are skipped (jpeg_skip_scanlines: entropy decoding
- * only, no IDCT, upsampling or colour conversion), rows below it are never
- * read, and columns outside it are cropped away before the IDCT
+ * Rows above and below the window are skipped (jpeg_skip_scanlines: entropy
+ * decoding only, no IDCT, upsampling or colour conversion; the file is read
+ * to its end, so corrupt data anywhere fails as it does in a whole decode),
+ * and columns outside it are cropped away before the IDCT
  * (jpeg_crop_scanline, which starts the block at an iMCU boundary, so x0 can
  * be left of `left`).  `pixels` holds rows x cols x 3 bytes, row-major.
  *
@@ -145,16 +146,18 @@ static int start_window(crop_state *st, crop_job *job) {
 }
 
 /* Phase 2, without the GIL: skip the rows above, decode the block's rows into
- * dst (rows x cols x 3), never read the rows below.  Always destroys the
+ * dst (rows x cols x 3), skip the rows below and finish the file.  Always destroys the
  * decompressor.  0 on success; else -1 with err.message set. */
 static int read_window(crop_state *st, crop_job *job, unsigned char *dst) {
     struct jpeg_decompress_struct *cinfo = &st->cinfo;
     crop_error_mgr *err = &st->err;
     JSAMPROW *volatile rowptrs = NULL; /* volatile: freed after a longjmp */
+    JSAMPROW volatile last = NULL;
 
     if (setjmp(err->jump)) {
         jpeg_destroy_decompress(cinfo);
         PyMem_RawFree(rowptrs);
+        PyMem_RawFree(last);
         return -1;
     }
     rowptrs = PyMem_RawMalloc(sizeof(JSAMPROW) * job->rows);
@@ -184,9 +187,42 @@ static int read_window(crop_state *st, crop_job *job, unsigned char *dst) {
         }
         done += got;
     }
-    jpeg_abort_decompress(cinfo); /* the rows below the window are never read */
+    /* The rows below the window are entropy-decoded only (no IDCT, upsampling
+     * or colour conversion) and the file is read to its end-of-image marker,
+     * as PIL's whole decode reads it: data that makes PIL fail (a broken
+     * stream anywhere in the file) makes this decode fail too, whatever the
+     * window.  A skip that reaches the last row decodes nothing (libjpeg just
+     * marks the input finished), so the last row is read, into a row of its
+     * own. */
+    JDIMENSION next = job->y0 + job->rows;
+    if (next < job->out_h) {
+        JDIMENSION gap = job->out_h - 1 - next;
+        if (gap > 0 && jpeg_skip_scanlines(cinfo, gap) != gap) {
+            snprintf(err->message, sizeof err->message, "could not skip %u rows", (unsigned)gap);
+            jpeg_destroy_decompress(cinfo);
+            PyMem_RawFree(rowptrs);
+            return -1;
+        }
+        last = PyMem_RawMalloc(stride);
+        if (last == NULL) {
+            snprintf(err->message, sizeof err->message, "out of memory for one row");
+            jpeg_destroy_decompress(cinfo);
+            PyMem_RawFree(rowptrs);
+            return -1;
+        }
+        rowptrs[0] = last;
+        if (jpeg_read_scanlines(cinfo, rowptrs, 1) != 1) {
+            snprintf(err->message, sizeof err->message, "no row %u", (unsigned)(job->out_h - 1));
+            jpeg_destroy_decompress(cinfo);
+            PyMem_RawFree(rowptrs);
+            PyMem_RawFree(last);
+            return -1;
+        }
+    }
+    jpeg_finish_decompress(cinfo);
     jpeg_destroy_decompress(cinfo);
     PyMem_RawFree(rowptrs);
+    PyMem_RawFree(last);
     return 0;
 }
 

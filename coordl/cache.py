@@ -837,15 +837,55 @@ def _adopt(dfd: int, name: str, n: int):
         raise
 
 
+_MEMORY_FS = ("tmpfs", "ramfs", "hugetlbfs")
+
+
+def _mount_of(path: str) -> tuple[str, str]:
+    """(mount point, filesystem type) of the filesystem holding ``path``,
+    from /proc/self/mountinfo; ("", "") where that cannot be read."""
+    target = os.path.realpath(path)
+    best = ("", "")
+    try:
+        with open("/proc/self/mountinfo") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return best
+    for line in lines:
+        left, sep, right = line.partition(" - ")
+        parts = left.split()
+        if not sep or len(parts) < 5 or not right:
+            continue
+        mnt = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), parts[4])
+        inside = target == mnt or target.startswith(mnt.rstrip("/") + "/")
+        if inside and len(mnt) >= len(best[0]):  # the last of equal mount points is the one on top
+            best = (mnt, right.split()[0])
+    return best
+
+
+def _room_advice(root: str) -> str:
+    """How to make room in ``root``, for what it is: a tmpfs (/dev/shm, or
+    another memory filesystem: remount it bigger) or a folder on a disk
+    filesystem (no remount: its space is the disk's, and a cache there is
+    not in memory)."""
+    mnt, fstype = _mount_of(root)
+    if fstype in _MEMORY_FS:
+        docker = "; in Docker: --shm-size" if mnt == "/dev/shm" else ""
+        return (f"free space in {root} (coordl cache clear), or enlarge the {fstype} mounted at {mnt} "
+                f"(mount -o remount,size=<bytes> {mnt}{docker})")
+    what = f"a folder on {fstype} (mounted at {mnt})" if fstype else "not on a filesystem known here"
+    return (f"free space in {root} (coordl cache clear), or set COORDL_SHM_DIR to a directory on a "
+            f"tmpfs (or unset it to use /dev/shm): {root} is {what}, not a memory filesystem, so its "
+            "free space is the disk's and a node cache there is not held in memory")
+
+
 def _create(dfd: int, name: str, n: int, capacity: int, total: int, checksum: bool):
     def no_room():
         free = shm_free_bytes()
         return MemoryError(
             f"coordl node cache: cache_size={capacity} bytes (plus {total - capacity} bytes of index) "
             f"does not fit in {shm_root()}: {free} bytes free. Pass a smaller cache_size (e.g. "
-            f"cache_size=\"{max(0, free - _HEADER - n * _ENTRY) // 2 // 2**20}MiB\"), free space in "
-            f"{shm_root()} (coordl cache clear), or enlarge it (mount -o remount,size=<bytes> "
-            f"{shm_root()}; in Docker: --shm-size)")
+            f"cache_size=\"{max(0, free - _HEADER - n * _ENTRY) // 2 // 2**20}MiB\"), "
+            f"{_room_advice(shm_root())}")
 
     if total > shm_free_bytes():
         raise no_room()  # cheap early answer; the reservation below is the real check

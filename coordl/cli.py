@@ -2,16 +2,21 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 __all__ = ["main"]
 
 
 def _cmd_demo(args) -> int:
-    from .demo import run_demo
+    from .demo import DemoRootError, run_demo
 
-    out = run_demo(root=args.root, images=args.images, epochs=args.epochs,
-                   workers=args.workers, batch_size=args.batch_size)
+    try:
+        out = run_demo(root=args.root, images=args.images, epochs=args.epochs,
+                       workers=args.workers, batch_size=args.batch_size)
+    except DemoRootError as e:   # a --root it will not use: nothing was written
+        print(f"coordl demo: {e}", file=sys.stderr)
+        return 2
     return 0 if out["resume_exact"] else 1   # the demo's own check failed: say so to the shell
 
 
@@ -135,14 +140,22 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
 
     d = sub.add_parser("demo", help="generate a small photo-like ImageFolder and compare coordl with torch's DataLoader")
-    d.add_argument("--root", default=None, help="where to generate the dataset (default: a temporary directory, removed afterwards)")
-    d.add_argument("--images", type=int, default=600, help="number of images (default 600)")
+    d.add_argument("--root", default=None, help="a new or empty directory to generate the dataset in, kept "
+                                                "afterwards; a directory an earlier demo generated is reused "
+                                                "(default: a temporary directory, removed afterwards)")
+    d.add_argument("--images", type=int, default=None, help="number of images (default 600; with a --root an "
+                                                             "earlier demo made: what it holds)")
     d.add_argument("--epochs", type=int, default=2, help="epochs per loader (default 2)")
     d.add_argument("--workers", type=int, default=2, help="worker processes per loader (default 2)")
     d.add_argument("--batch-size", type=int, default=32, help="batch size (default 32)")
     d.set_defaults(func=_cmd_demo)
 
-    c = sub.add_parser("cache", help="show or remove your node caches (/dev/shm/coordl-<uid>/cache-*)")
+    from .cache import user_dir
+
+    where = os.path.join(user_dir(), "cache-*")   # where this environment's caches are (COORDL_SHM_DIR)
+    c = sub.add_parser("cache", help=f"show or remove your node caches ({where})",
+                       description=f"Your node caches on this node: {where} (the directory is "
+                                   "$COORDL_SHM_DIR, or /dev/shm when it is unset, then coordl-<uid>).")
     csub = c.add_subparsers(dest="cache_cmd", required=True)
     csub.add_parser("ls", help="list caches: size, fill, samples cached, hits, misses, holders "
                                "(processes attached)")

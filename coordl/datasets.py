@@ -128,14 +128,28 @@ def pil_decode(raw: bytes) -> Image.Image:
         return img.convert("RGB")
 
 
+def _naming(path: str, decode: Callable[[bytes], Any], raw: bytes) -> Any:
+    """``decode(raw)``; a file PIL cannot identify raises PIL's
+    ``UnidentifiedImageError`` naming ``path``, as ``Image.open(path)`` does
+    in torchvision's loader (decoding bytes, PIL names a BytesIO object)."""
+    from PIL import UnidentifiedImageError
+
+    try:
+        return decode(raw)
+    except UnidentifiedImageError as e:
+        if str(path) in str(e):
+            raise
+        raise UnidentifiedImageError(f"cannot identify image file {str(path)!r}") from e
+
+
 def pil_loader(path: str) -> Image.Image:
     """Read the image at ``path`` as RGB (a path loader, for torchvision code)."""
-    return pil_decode(read_bytes(path))
+    return _naming(path, pil_decode, read_bytes(path))
 
 
 def default_loader(path: str) -> Image.Image:
     """The default ``ImageFolder`` loader: :func:`pil_loader`."""
-    return pil_decode(read_bytes(path))
+    return _naming(path, pil_decode, read_bytes(path))
 
 
 def _identity(raw: bytes) -> bytes:
@@ -150,7 +164,7 @@ class _DecodingLoader:
         self.decode = decode
 
     def __call__(self, path: str) -> Any:
-        return self.decode(read_bytes(path))
+        return _naming(path, self.decode, read_bytes(path))
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.decode!r})"
@@ -673,7 +687,7 @@ class _FolderBase:
         path = self._path(i)
         if self._decode is None:
             return self._finish(self.loader(path), i)
-        return self._prep(self._read(path), i)
+        return _naming(path, lambda raw: self._prep(raw, i), self._read(path))
 
     def __len__(self) -> int:
         return len(self._targets)

@@ -17,7 +17,7 @@ import time
 
 import torch
 
-__all__ = ["run_demo"]
+__all__ = ["run_demo", "DemoRootError"]
 
 
 MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
@@ -100,22 +100,71 @@ def _time_epochs(loader, epochs: int) -> tuple[float, int]:
     return time.perf_counter() - t0, n
 
 
-def run_demo(root: str | None = None, images: int = 600, epochs: int = 2,
+DEFAULT_IMAGES = 600
+# written into a --root folder once the demo has generated its images there:
+# what it holds, so a later run can reuse it knowingly (or refuse)
+MARKER = ".coordl-demo.json"
+
+
+class DemoRootError(ValueError):
+    """``--root`` names a folder the demo will not use (nothing was written)."""
+
+
+def _prepare_root(root: str, images: int | None) -> None:
+    """Generate the demo's images in ``root`` (new or empty), or reuse the
+    ones an earlier ``coordl demo --root`` generated there, saying so.
+
+    Refused (:class:`DemoRootError`, nothing written): a folder with other contents (the
+    demo never writes into, or reads as its dataset, a folder it did not
+    make), and a demo folder whose image count differs from ``images``."""
+    import json
+
+    from .synth import make_image_folder
+
+    if os.path.exists(root) and not os.path.isdir(root):
+        raise DemoRootError(f"--root {root} exists and is not a directory: pass a new or empty directory")
+    marker = os.path.join(root, MARKER)
+    if os.path.isdir(root) and os.listdir(root):
+        try:
+            with open(marker) as f:
+                made = json.load(f)
+            held = int(made["images"])
+        except (OSError, ValueError, KeyError, TypeError):
+            raise DemoRootError(
+                f"--root {root} is not empty and was not made by coordl demo: the demo generates its "
+                "images into a new or empty directory and does not use or touch other folders. Pass a "
+                "new directory (it is kept afterwards), or leave --root out (a temporary directory, "
+                "removed afterwards)") from None
+        if images is not None and images != held:
+            raise DemoRootError(
+                f"--root {root} holds the {held} images an earlier coordl demo generated, not "
+                f"--images {images}: pass --images {held} (or leave --images out) to reuse them, or "
+                f"another --root for {images} new images (or remove {root} first)")
+        print(f"reusing the {held} photo-like JPEGs coordl demo generated earlier in {root} "
+              f"(a new --root generates new ones)")
+        return
+    images = DEFAULT_IMAGES if images is None else images
+    t0 = time.perf_counter()
+    make_image_folder(root, num_images=images, num_classes=10, seed=0)
+    with open(marker, "w") as f:
+        json.dump({"images": images, "classes": 10, "seed": 0}, f)
+    print(f"generated {images} photo-like JPEGs in {root} ({time.perf_counter() - t0:.1f}s)")
+
+
+def run_demo(root: str | None = None, images: int | None = None, epochs: int = 2,
              workers: int = 2, batch_size: int = 32) -> dict:
+    """``images``: how many to generate (default 600); with ``root`` a folder
+    an earlier demo generated, None reuses what it holds."""
     from torch.utils.data import DataLoader as TorchDataLoader
 
     from . import DataLoader, ImageFolder
-    from .synth import make_image_folder
 
     tmp = None
     if root is None:
         tmp = tempfile.mkdtemp(prefix="coordl-demo-")
         root = os.path.join(tmp, "photos")
     try:
-        if not os.path.isdir(root) or not os.listdir(root):
-            t0 = time.perf_counter()
-            make_image_folder(root, num_images=images, num_classes=10, seed=0)
-            print(f"generated {images} photo-like JPEGs in {root} ({time.perf_counter() - t0:.1f}s)")
+        _prepare_root(root, images)
         torch_ds, ds, what = _datasets(root)
         total_bytes = sum(os.path.getsize(p) for p, _ in torch_ds.samples)
         print(f"dataset: {len(torch_ds)} images, {len(torch_ds.classes)} classes, {total_bytes / 2**20:.1f} MiB")

@@ -184,10 +184,12 @@ class _LoaderIter:
     """
 
     def __init__(self, loader: "DataLoader", inner, epoch: int, fast_forward: int,
-                 start: int = 0, skip: frozenset = frozenset()) -> None:
+                 start: int = 0, skip: frozenset = frozenset(), bucket: dict | None = None) -> None:
         self._loader = loader
         self._inner = inner
         self._epoch = epoch
+        # this pass's record in the loader's statistics (stats().epochs)
+        self._bucket = loader._counters.bucket(epoch) if bucket is None else bucket
         self._ff = fast_forward
         self._seq = start   # next step in plan order, for batches that do not say theirs
         self._skip = skip
@@ -196,6 +198,9 @@ class _LoaderIter:
         self._t_first = None   # when the training loop first asked (wall time of the pass)
         self._wall_base = 0.0
         self._bar = None       # progress bar (progress=True)
+        self._pass_samples = 0     # this pass's own samples and wait, for the bar
+        self._pass_wait = 0.0
+        self._start_done = start + len(skip)   # steps of the epoch done before this pass
 
     def __iter__(self) -> "_LoaderIter":
         return self
@@ -210,7 +215,9 @@ class _LoaderIter:
         t0 = clock()
         if self._t_first is None:
             self._t_first = t0
-            self._wall_base = counters.bucket(self._epoch)["wall_seconds"]
+            self._wall_base = self._bucket["wall_seconds"]
+            if L._progress:
+                self._open_bar()
         try:
             while True:
                 if self._stopped:
@@ -232,13 +239,15 @@ class _LoaderIter:
         except StopIteration:
             t1 = clock()
             counters.wait_seconds += t1 - t0
-            b = counters.bucket(self._epoch)
+            b = self._bucket
             b["wait_seconds"] += t1 - t0
             b["wall_seconds"] = self._wall_base + (t1 - self._t_first)   # the pass ends here
             if L._pass.owner() is self:
                 L._pass.active = False
             if self._bar is not None:
-                self._bar.close()
+                self._pass_wait += t1 - t0
+                self._show_rates(t1)
+                self._bar.close()   # stays on screen (leave=True) with the pass's final rates
                 self._bar = None
             raise
         except Exception as e:
@@ -247,14 +256,14 @@ class _LoaderIter:
             # on with the next batch, and the state must not redo this one.
             t1 = clock()
             counters.wait_seconds += t1 - t0
-            counters.bucket(self._epoch)["wait_seconds"] += t1 - t0
+            self._bucket["wait_seconds"] += t1 - t0
             if _batch_failed(e, L._mode.runs_pipeline):
                 self._delivered(getattr(e, "coordl_step", None))
             raise
         t1 = clock()
         if L._device is not None:
             batch = L._deliver(batch, marks)
-        bucket = counters.bucket(self._epoch)
+        bucket = self._bucket
         bucket["samples"] += n
         bucket["batches"] += 1
         t2 = clock()
@@ -263,30 +272,41 @@ class _LoaderIter:
         bucket["wait_seconds"] += t1 - t0
         bucket["wall_seconds"] = self._wall_base + (t2 - self._t_first)
         self._num_yielded += 1
-        if L._progress:
-            self._progress(bucket, n)
+        bar = self._bar
+        if bar is not None:
+            self._pass_samples += n
+            self._pass_wait += t1 - t0
+            if time.time() - bar.last_print_t >= bar.mininterval:
+                self._show_rates(t2)   # tqdm redraws in this update: both rates of one moment
+            bar.update(1)
         return batch
 
-    def _progress(self, bucket: dict, n: int) -> None:
-        bar = self._bar
-        if bar is None:
-            from tqdm.auto import tqdm
+    def _open_bar(self) -> None:
+        """The pass's progress bar (``progress=True``), opened when the pass
+        starts.  Its batches/s and the samples/s beside it are both this
+        pass's averages since that moment (tqdm's ``smoothing=0``), so
+        samples/s is batches/s times the samples per batch; the bar stays on
+        screen when the pass ends (``leave=True``)."""
+        from tqdm.auto import tqdm
 
-            try:
-                total = len(self)
-            except TypeError:
-                total = None
-            bar = self._bar = tqdm(total=total, unit="batch", desc=f"epoch {self._epoch}", leave=False,
-                                   dynamic_ncols=True)
-            self._bar_shown = 0.0
-        bar.update(1)
-        now = time.perf_counter()
-        if now - self._bar_shown >= 0.5:      # the postfix costs more than the bar: twice a second
-            self._bar_shown = now
-            wall = bucket["wall_seconds"]
-            bar.set_postfix_str(f"{bucket['samples'] / wall if wall else 0:.0f} samples/s, "
-                                f"stall {100 * bucket['wait_seconds'] / wall if wall else 0:.0f}%",
-                                refresh=False)
+        try:
+            total = len(self)
+        except TypeError:
+            total = None
+        initial = min(self._start_done, total) if total is not None else 0
+        # redrawn at most twice a second: the postfix costs more than the bar
+        self._bar = tqdm(total=total, initial=initial, unit="batch", desc=f"epoch {self._epoch}",
+                         leave=True, smoothing=0, mininterval=0.5, miniters=1, dynamic_ncols=True)
+
+    def _show_rates(self, now: float) -> None:
+        """Set the postfix for the bar's next redraw: samples/s over tqdm's
+        own elapsed time (the one its batches/s is computed over), and the
+        stall over this pass's wall time."""
+        bar = self._bar
+        elapsed = time.time() - bar.start_t
+        wall = now - self._t_first
+        bar.set_postfix_str(f"{self._pass_samples / elapsed if elapsed > 0 else 0:.0f} samples/s, "
+                            f"stall {100 * self._pass_wait / wall if wall > 0 else 0:.0f}%", refresh=False)
 
     # ----------------------------------------------- torch's iterator attributes
     @property
@@ -357,8 +377,9 @@ class _LoaderIter:
 
     def _absorb(self, env: Envelope) -> None:
         # epoch -1: torch's machinery ran a generic dataset (on_error="skip"), whose I/O coordl cannot see
-        self._loader._counters.absorb(env.stats, env.epoch if env.epoch >= 0 else self._epoch,
-                                      reads_seen=env.epoch >= 0)
+        counters = self._loader._counters
+        b = self._bucket if env.epoch in (-1, self._epoch) else counters.bucket(env.epoch)
+        counters.absorb(env.stats, b, reads_seen=env.epoch >= 0)
         for index, where, err in env.stats.skips:
             warnings.warn(
                 f"coordl: skipped sample {index} ({where}) after an error {err}",
@@ -803,12 +824,12 @@ class DataLoader(_TorchDataLoader[_T_co]):
         # their step: the pass's progress is then unknown (see state_dict).
         p.exact = self._mode.exact_steps(self)
         self._counters.epoch = epoch
-        self._counters.bucket(epoch)
+        bucket = self._counters.begin_pass(epoch, resumed=start > 0 or bool(skip))
         if self._device is not None and type(self._mode) is not PipelineMode:
             self._split_for_pass()   # nothing split: stats() says why
         inner = self._mode.start_pass(self, epoch, start, skip)
         ff = start if self._dataset_kind == _DatasetKind.Iterable else 0
-        it = _LoaderIter(self, inner, epoch, ff, start, skip)
+        it = _LoaderIter(self, inner, epoch, ff, start, skip, bucket)
         p.owner = weakref.ref(it)
         return it
 

@@ -144,7 +144,11 @@ class LoaderStats:
     epoch
         The epoch of the latest pass (or of the next one if none started).
     epochs
-        Per-epoch records, oldest first.
+        One :class:`EpochStats` per pass over an epoch, in the order the
+        passes ran: ``epochs[-1]`` is the latest pass.  An epoch run again
+        from its start (``set_epoch`` to an epoch already run) gets a record
+        of its own; a pass that continues the latest pass's epoch mid-way
+        (``load_state_dict`` of a state saved during it) adds to its record.
     path, path_reason
         Which machinery runs the loader's passes, ``"coordl"`` (its own
         pipeline) or ``"torch"`` (torch's DataLoader iterators), and why, in
@@ -189,7 +193,14 @@ _TIMES = ("wait_seconds", "wall_seconds", "fetch_seconds", "prep_seconds")
 
 
 class Counters:
-    """The mutable side: one per loader, touched only by the main process."""
+    """The mutable side: one per loader, touched only by the main process.
+
+    One record per pass over an epoch, in the order the passes started
+    (:meth:`begin_pass`): running an epoch again from its start
+    (``set_epoch`` to an epoch already run) starts a new record, so
+    ``epochs[-1]`` is always the latest pass; a pass that continues the
+    latest pass's epoch mid-way (``load_state_dict`` of a state saved in it)
+    adds to its record."""
 
     def __init__(self) -> None:
         self.wait_seconds = 0.0
@@ -200,21 +211,45 @@ class Counters:
         self.device_split_cpu_samples = 0
         self.epoch = 0
         self.path = self.path_reason = ""   # set once by the loader (coordl.tvcompat.record_path)
-        self._epochs: dict[int, dict[str, int]] = {}
+        self._records: list[tuple[int, dict[str, int]]] = []   # (epoch, counters), oldest first
+        self._latest: dict[int, dict[str, int]] = {}           # epoch -> its latest record
 
-    def bucket(self, epoch: int) -> dict[str, int]:
-        b = self._epochs.get(epoch)
-        if b is None:
-            b = self._epochs[epoch] = {k: (0.0 if k in _TIMES else 0) for k in _EPOCH_FIELDS}
+    def _new(self, epoch: int) -> dict[str, int]:
+        b = {k: (0.0 if k in _TIMES else 0) for k in _EPOCH_FIELDS}
+        self._records.append((epoch, b))
+        self._latest[epoch] = b
         return b
 
-    def absorb(self, stats: BatchStats, epoch: int, reads_seen: bool) -> dict[str, int]:
-        """Add one batch's ``stats`` into epoch ``epoch``; ``reads_seen``: coordl
+    def bucket(self, epoch: int) -> dict[str, int]:
+        """The latest record of ``epoch`` (made if there is none)."""
+        b = self._latest.get(epoch)
+        return self._new(epoch) if b is None else b
+
+    def begin_pass(self, epoch: int, resumed: bool) -> dict[str, int]:
+        """The record a pass over ``epoch`` counts into: the latest record when
+        it is this epoch's and the pass continues it (``resumed``); else a
+        new record (an unused latest record, of a pass that ended before
+        anything happened, is dropped first)."""
+        if self._records:
+            e, b = self._records[-1]
+            if e == epoch and resumed:
+                return b
+            if b["batches"] == 0 and b["wall_seconds"] == 0 and b["skipped"] == 0:
+                self._records.pop()
+                if self._latest.get(e) is b:
+                    prev = [r for x, r in self._records if x == e]
+                    if prev:
+                        self._latest[e] = prev[-1]
+                    else:
+                        del self._latest[e]
+        return self._new(epoch)
+
+    def absorb(self, stats: BatchStats, b: dict[str, int], reads_seen: bool) -> dict[str, int]:
+        """Add one batch's ``stats`` into the record ``b``; ``reads_seen``: coordl
         did the reading (two-stage datasets), so bytes and sources count.
-        Returns the epoch's bucket."""
+        Returns ``b``."""
         self.fetch_seconds += stats.fetch_s
         self.prep_seconds += stats.prep_s
-        b = self.bucket(epoch)
         b["fetch_seconds"] += stats.fetch_s
         b["prep_seconds"] += stats.prep_s
         if reads_seen:
@@ -233,9 +268,9 @@ class Counters:
     def snapshot(self) -> LoaderStats:
         per_epoch = tuple(EpochStats(epoch=e, stall_fraction=b["wait_seconds"] / b["wall_seconds"]
                                      if b["wall_seconds"] > 0 else 0.0, **b)
-                          for e, b in sorted(self._epochs.items()))
+                          for e, b in self._records)
         totals = {k: 0 for k in _EPOCH_FIELDS if k not in _TIMES}
-        for b in self._epochs.values():
+        for _, b in self._records:
             for k in totals:
                 totals[k] += b[k]
         return LoaderStats(

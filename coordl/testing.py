@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -193,45 +194,82 @@ def live_children(pid: int | None = None) -> list[psutil.Process]:
         return []
 
 
-def shm_entries() -> set[str]:
-    """Shared-memory entries of this user: names of what it owns in
-    ``/dev/shm`` (files and directories), plus the full paths of its node
-    cache directory (``coordl.cache.user_dir()``, wherever ``COORDL_SHM_DIR``
-    puts it) and of everything in it, the lock file included: coordl leaves
-    none of them once no cache exists.
+# coordl's own names directly in /dev/shm: its per-user cache directory
+# (``coordl-<uid>``, when COORDL_SHM_DIR is unset) and every name its tests
+# make (``coordl-test-...``): all start with "coordl".
+COORDL_SHM_PREFIX = "coordl"
 
-    Other users' entries are not listed: a leak check built on this sees
-    only what this user created.
+# torch's shared-memory names: ``/torch_<pid>_<random>_<counter>`` (ATen's
+# NewProcessWideShmHandle, used by the file_system sharing strategy and, for
+# the moment between shm_open and unlink, by file_descriptor), so the pid of
+# the process that made it is in the name.
+_TORCH_SHM = re.compile(r"torch_(\d+)_")
+
+
+def _tree_pids(pid: int | None = None) -> set[int]:
+    """``pid`` (default: this process) and every live descendant of it."""
+    root = os.getpid() if pid is None else pid
+    return {root} | {p.pid for p in live_children(root)}
+
+
+def shm_entries(pids: Iterable[int] | None = None) -> set[str]:
+    """The shared-memory entries coordl or this process tree made, by name:
+
+    * in ``/dev/shm``, entries of this user named ``coordl*`` (coordl's cache
+      directory when ``COORDL_SHM_DIR`` is unset; its tests' names; not
+      ``coordl-<uid>`` when ``COORDL_SHM_DIR`` is set elsewhere: that is
+      the cache directory of the user's other coordl programs), and
+      torch's ``torch_<pid>_...`` whose pid is in ``pids`` (default: this
+      process and its live descendants);
+    * the full paths of coordl's cache directory (``coordl.cache.user_dir()``,
+      wherever ``COORDL_SHM_DIR`` puts it) and of everything in it, the lock
+      file included: coordl leaves none of them once no cache exists; and,
+      when ``COORDL_SHM_DIR`` names a directory other than /dev/shm (a test
+      session's own), the full paths of this user's entries in it.
+
+    Anything else in /dev/shm (other programs', other users', another test
+    run's) is not listed: a leak check built on this blames only what coordl
+    or the code under test created.
     """
-    from .cache import user_dir
+    from .cache import shm_root, user_dir
 
     me = os.geteuid()
+    tree = _tree_pids() if pids is None else set(pids)
     out: set[str] = set()
+
+    def mine(path: str) -> bool:
+        try:
+            return os.lstat(path).st_uid == me
+        except OSError:
+            return False
+
+    root = shm_root()
+    elsewhere = os.path.realpath(root) != os.path.realpath(SHM_DIR)
+    # with COORDL_SHM_DIR elsewhere, /dev/shm/coordl-<uid> is the cache
+    # directory of this user's *other* coordl programs, not of this code
+    others = f"coordl-{me}" if elsewhere else None
     try:
         names = os.listdir(SHM_DIR)
     except FileNotFoundError:
         names = []
     for name in names:
-        try:
-            st = os.lstat(os.path.join(SHM_DIR, name))
-        except OSError:
-            continue
-        if st.st_uid == me:
+        m = _TORCH_SHM.match(name)
+        ours = ((name.startswith(COORDL_SHM_PREFIX) and name != others)
+                or (m is not None and int(m.group(1)) in tree))
+        if ours and mine(os.path.join(SHM_DIR, name)):
             out.add(name)
-    udir = user_dir()
-    try:
-        names = os.listdir(udir)
-    except (FileNotFoundError, NotADirectoryError, PermissionError):
-        return out
-    out.add(udir)
-    for name in names:
-        path = os.path.join(udir, name)
+    dirs = [root, user_dir()] if elsewhere else [user_dir()]
+    for d in dirs:
         try:
-            st = os.lstat(path)
-        except OSError:
+            names = os.listdir(d)
+        except (FileNotFoundError, NotADirectoryError, PermissionError):
             continue
-        if st.st_uid == me:
-            out.add(path)
+        if d != root:
+            out.add(d)
+        for name in names:
+            path = os.path.join(d, name)
+            if mine(path):
+                out.add(path)
     return out
 
 
@@ -266,9 +304,12 @@ def wait_no_leaks(
 
     ``before_children_pids`` and ``before_shm`` are snapshots taken earlier
     with :func:`live_children` and :func:`shm_entries`.  A process or
-    ``/dev/shm`` entry is *leaked* if it is new and stays present through every
-    poll until the grace period ends; something that appears only after the
-    first poll (another program's short-lived segment, say) is not blamed.
+    shared-memory entry is *leaked* if it is new and stays present through
+    every poll until the grace period ends; something that appears only after
+    the first poll is not blamed.  Only coordl's entries and torch's entries
+    of this process tree count (:func:`shm_entries`; the tree is ``pid``, the
+    processes in ``before_children_pids`` and every descendant seen while
+    waiting): another program's or another user's entry is never blamed.
     Descendants whose command line contains one of ``ignore`` (Python's
     resource tracker and forkserver, torch's shm manager) are never leaks.
 
@@ -276,18 +317,22 @@ def wait_no_leaks(
     """
     before_pids = set(before_children_pids)
     before_names = set(before_shm)
+    tree = set(before_pids)
     ignore = tuple(ignore)
     deadline = time.monotonic() + max(0.0, grace)
     delay = 0.02
     cand_procs: dict | None = None
     cand_shm: set[str] | None = None
     while True:
+        kids = live_children(pid)
         procs = {
             _key(p): p
-            for p in live_children(pid)
+            for p in kids
             if p.pid not in before_pids and not _is_infrastructure(p, ignore)
         }
-        names = shm_entries() - before_names
+        # torch_<pid>_ names of every process of the tree seen so far count
+        tree |= {os.getpid() if pid is None else pid} | {p.pid for p in kids}
+        names = shm_entries(tree) - before_names
         if cand_procs is None:
             cand_procs, cand_shm = procs, names
         else:

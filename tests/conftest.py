@@ -1,8 +1,12 @@
 """Suite-wide fixtures.
 
 Every test runs under a leak check: worker processes (any descendant of the
-pytest process) and ``/dev/shm`` entries that appear during the test must be
-gone shortly after it ends.  Leaked processes are killed so later tests start
+pytest process) and shared-memory entries that coordl or the test's own
+process tree created during the test must be gone shortly after it ends.
+Only those count (:func:`coordl.testing.shm_entries`): coordl's names, the
+session's ``COORDL_SHM_DIR`` contents and torch's ``torch_<pid>_...``
+segments of this process tree; other programs' and other users' entries in
+/dev/shm are never blamed.  Leaked processes are killed so later tests start
 clean, and the test is failed (reported as an error at its teardown) with the
 leaked pids, command lines and shm names.
 

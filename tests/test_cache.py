@@ -241,3 +241,47 @@ def test_storage_reads_drop_their_pages_on_the_reads_own_descriptor(tmp_path):
     assert calls == {"raw": 0, "uncached": 24}  # epoch 1 misses all, epoch 2 hits all
     del L
     settle()
+
+
+def test_no_room_advice_fits_what_the_cache_directory_is(tmp_path, monkeypatch):
+    """A COORDL_SHM_DIR that is a plain folder on a disk: no remount advice,
+    but that it is not in memory and how to put the cache in memory.  A
+    full tmpfs: remount it bigger (Docker's --shm-size only for /dev/shm)
+    (issue 21, 14)."""
+    disk = tmp_path / "plain"
+    disk.mkdir()
+    on_disk = subprocess.run(["stat", "-f", "-c", "%T", str(disk)], capture_output=True, text=True)
+    if on_disk.returncode != 0 or on_disk.stdout.strip() in ("tmpfs", "ramfs"):
+        pytest.skip("the temporary directory is on a tmpfs here (or stat -f is missing)")
+    with monkeypatch.context() as m:
+        m.setenv("COORDL_SHM_DIR", str(disk))
+        with pytest.raises(MemoryError, match="does not fit in") as info:
+            coordl.DataLoader(Fingerprinted(10, tag="g"), batch_size=2, seed=0,
+                              cache_size=C.shm_free_bytes() + (1 << 30))
+    msg = str(info.value)
+    assert "remount" not in msg and "--shm-size" not in msg, msg
+    assert "not a memory filesystem" in msg and "COORDL_SHM_DIR" in msg and "tmpfs" in msg, msg
+    with pytest.raises(MemoryError) as info:  # the session's COORDL_SHM_DIR, a folder in /dev/shm
+        coordl.DataLoader(Fingerprinted(10, tag="g"), batch_size=2, seed=0,
+                          cache_size=C.shm_free_bytes() + (1 << 30))
+    mnt, fstype = C._mount_of(C.shm_root())
+    if fstype == "tmpfs":
+        assert f"mount -o remount,size=<bytes> {mnt}" in str(info.value), str(info.value)
+        assert ("--shm-size" in str(info.value)) == (mnt == "/dev/shm")
+    assert not [c for c in list_caches() if c.name.startswith("cache-feed")]
+
+
+def test_cache_help_names_the_directory_in_effect(tmp_path, monkeypatch, capsys):
+    """``coordl cache --help`` showed /dev/shm whatever COORDL_SHM_DIR said
+    (issue 21, 14)."""
+    from coordl import cli
+
+    monkeypatch.setenv("COORDL_SHM_DIR", str(tmp_path))
+    monkeypatch.setenv("COLUMNS", "1000")  # argparse wraps at hyphens, paths included
+    for argv in (["cache", "--help"], ["--help"]):
+        with pytest.raises(SystemExit) as info:
+            cli.main(argv)
+        assert info.value.code == 0
+        out = capsys.readouterr().out
+        assert os.path.join(str(tmp_path), f"coordl-{os.geteuid()}", "cache-*") in out, out
+        assert "/dev/shm/coordl-" not in out

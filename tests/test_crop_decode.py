@@ -292,6 +292,27 @@ def test_cmyk_falls_back_to_todays_path(monkeypatch):
         assert sa == sb and torch.equal(a, b)
 
 
+def test_corrupt_data_below_the_window_fails_as_the_whole_decode():
+    """A stray marker (an SOI) late in the entropy-coded data: PIL's whole
+    decode fails on it ("broken data stream").  The window decode of rows
+    above it must fail too (it reads the file to its end), not hand back an
+    image of a file torchvision's loader rejects (issue 21, 8)."""
+    raw = _jpeg(64, 64, seed=3)
+    sos = raw.find(b"\xff\xda")
+    at = sos + (len(raw) - sos) * 4 // 5
+    bad = raw[:at] + b"\xff\xd8" + raw[at:]
+    with pytest.raises(OSError) as pil:
+        _decode.pil_rgb(bad)
+    for box in [(0, 0, 8, 8), (0, 40, 16, 24), (10, 5, 30, 30)]:
+        with pytest.raises(ValueError, match="libjpeg"):
+            crop_ext.decode(bad, 1, *box)
+        with pytest.raises(type(pil.value)):
+            _decode.decode_rgb_crop(bad, box)
+    # the untouched file still decodes through the window path, as before
+    buf, rows, cols, y0, x0, oh, ow = crop_ext.decode(raw, 1, 0, 0, 8, 8)
+    assert (rows, oh, ow) == (8, 64, 64)
+
+
 def test_exif_orientation_is_ignored_as_on_the_pil_path(monkeypatch):
     """coordl's PIL path does not apply EXIF orientation; nor does the window decode."""
     exif = Image.Exif()

@@ -220,3 +220,176 @@ def test_image_folder_bomb_skipped_or_raised(num_workers, tmp_path, monkeypatch,
                 pass
         assert isinstance(info.value, coordl.SampleError)
         assert f"sample {bad[0]}" in str(info.value) and "zz_bomb.jpg" in str(info.value)
+
+
+# ---------------------------------------- what the fast path can't read goes to PIL (issue 21, 8-9)
+# A 4:4:1 JPEG (chroma sampled 1x4: luma h1v4), 24x40, made with libjpeg-turbo's
+# `cjpeg -sample 1x4 -quality 75 -optimize` (PIL cannot write this layout).
+# simplejpeg's header read has no name for it and raised KeyError: 6.
+JPEG_441 = __import__("base64").b64decode(
+    "/9j/4AAQSkZJRgABAQAAAQABAAD/2wBDAAgGBgcGBQgHBwcJCQgKDBQNDAsLDBkSEw8UHRofHh0aHBwgJC4nICIsIxwcKDcp"
+    "LDAxNDQ0Hyc5PTgyPC4zNDL/2wBDAQkJCQwLDBgNDRgyIRwhMjIyMjIyMjIyMjIyMjIyMjIyMjIyMjIyMjIyMjIyMjIyMjIy"
+    "MjIyMjIyMjIyMjIyMjL/wAARCAAoABgDARQAAhEBAxEB/8QAFwABAQEBAAAAAAAAAAAAAAAAAAQFB//EACYQAAICAQIDCQAA"
+    "AAAAAAAAAAACBTIDAQQRMUESFCEiQlFTkdH/xAAYAQEBAAMAAAAAAAAAAAAAAAAFBwMEBv/EACIRAAAFAwQDAAAAAAAAAAAA"
+    "AAABAgMEBQZhETFRcRMhM//aAAwDAQACEQMRAD8A5xFJUoikqUxSVKYpKnXSLhyFnaHgbkUlSmKSpTFJUoikqCSLgyC3aHgb"
+    "kUlSmKSpTFJUpikqCSLhyDHaHgcbikqAAiQpXItLyU8DewT+z2vBcWveMnsmvl05er84gAwkkj3IS64ZT7evjWZdGZcDQwSm"
+    "8kOGmXJ2cfxp4L0++XUAGo962E9kuuOfRRn2eo//2Q==")
+
+
+def _cmyk(w, h, seed=4):
+    rng = np.random.default_rng(seed)
+    small = rng.integers(0, 256, (max(1, h // 8), max(1, w // 8), 4), dtype=np.uint8)
+    img = Image.fromarray(small, "CMYK").resize((w, h), Image.BICUBIC)
+    buf = io.BytesIO()
+    img.save(buf, "JPEG", quality=90)
+    return buf.getvalue()
+
+
+def _window(raw, box):
+    arr, (t, l, h, w) = _decode.decode_rgb_crop(raw, box)
+    return arr[t:t + h, l:l + w]
+
+
+@pytest.mark.parametrize("raw", [JPEG_441, _cmyk(48, 40)], ids=["4:4:1", "cmyk"])
+def test_jpeg_layouts_the_fast_path_cannot_match_decode_as_pil(raw):
+    """4:4:1 raised KeyError from the header read; CMYK came out 1 off from
+    PIL in most values.  Both must give PIL's pixels exactly, on every path."""
+    assert Image.open(io.BytesIO(raw)).format == "JPEG"
+    ref = np.asarray(_decode.pil_rgb(raw))
+    H, W = ref.shape[:2]
+    assert np.array_equal(_decode.decode_rgb(raw), ref)
+    assert np.array_equal(_window(raw, (3, 2, H - 6, W - 5)), ref[3:H - 3, 2:W - 3])
+    plain = T.Compose([T.PILToTensor()])
+    assert torch.equal(plain.from_bytes(raw), torch.from_numpy(ref.copy()).permute(2, 0, 1))
+    # output >= the image: no DCT scaling, so same draws and resampling rounding only
+    rrc = T.Compose([T.RandomResizedCrop(max(H, W)), T.RandomHorizontalFlip(), T.PILToTensor()])
+    for k in range(3):
+        with _rng.sample_rng(0, 0, k):
+            a = rrc.from_bytes(raw)
+        with _rng.sample_rng(0, 0, k):
+            b = rrc(_decode.pil_rgb(raw))
+        assert a.shape == b.shape and (a.float() - b.float()).abs()[:, 2:-2, 2:-2].mean() < 3.0
+
+
+def _mutations(n: int, seed: int = 21):
+    """``n`` deterministic mutations of a few small JPEGs (4:2:0, 4:4:4, 4:2:2,
+    4:4:1, CMYK): random bytes anywhere, bytes in the header, the sampling
+    factors of the frame header, cut-off ends and deleted runs."""
+    import random
+
+    bases = [_jpeg(64, 48, seed=0), _jpeg(48, 40, seed=1), JPEG_441, _cmyk(40, 32)]
+    buf = io.BytesIO()
+    Image.fromarray(np.asarray(_decode.pil_rgb(bases[0]))).save(buf, "JPEG", subsampling=0)
+    bases.append(buf.getvalue())
+    buf = io.BytesIO()
+    Image.fromarray(np.asarray(_decode.pil_rgb(bases[1]))).save(buf, "JPEG", subsampling=1)
+    bases.append(buf.getvalue())
+    r = random.Random(seed)
+    for i in range(n):
+        b = bytearray(bases[i % len(bases)])
+        sos = b.find(b"\xff\xda")
+        kind = i // len(bases) % 5
+        if kind == 0:
+            for _ in range(r.randint(1, 4)):
+                b[r.randrange(2, len(b))] = r.randrange(256)
+        elif kind == 1:
+            b[r.randrange(2, sos + 2)] = r.randrange(256)
+        elif kind == 2:
+            sof = b.find(b"\xff\xc0") if b.find(b"\xff\xc0") > 0 else b.find(b"\xff\xc2")
+            ncomp = b[sof + 9]
+            b[sof + 11 + 3 * r.randrange(ncomp)] = r.choice(
+                [0x11, 0x12, 0x21, 0x22, 0x14, 0x41, 0x24, 0x42, 0x44, r.randrange(256)])
+        elif kind == 3:
+            b = b[:r.randrange(4, len(b))]
+        else:
+            at = r.randrange(2, len(b))
+            del b[at:at + r.randint(1, 16)]
+        yield bytes(b)
+
+
+def _outcome(f, raw):
+    try:
+        return f(raw), None
+    except Exception as e:  # noqa: BLE001 - the point is which
+        return None, e
+
+
+def test_mutated_jpegs_decode_as_pil_or_raise_pils_error():
+    """Every outcome of a mutated JPEG on coordl's decode paths is PIL's: the
+    same pixels (a crop window: the same pixels there, within libjpeg
+    rounding), or an error of the type PIL raises (never a KeyError or a
+    ValueError from the fast path; never an image where PIL fails)."""
+    rrc = T.Compose([T.RandomResizedCrop(8), T.PILToTensor()])
+    seen = set()
+    for n, raw in enumerate(_mutations(600)):
+        ref, ref_err = _outcome(lambda x: np.asarray(_decode.pil_rgb(x)), raw)
+        seen.add("pil-ok" if ref_err is None else type(ref_err).__name__)
+        H, W = (1, 1) if ref is None else ref.shape[:2]
+        box = (H // 3, W // 4, max(1, H // 3), max(1, W // 2))
+        paths = {"whole": _decode.decode_rgb,
+                 "window": lambda x: _window(x, box),
+                 "fused": lambda x: _rng_call(rrc.from_bytes, x)}
+        for name, f in paths.items():
+            out, err = _outcome(f, raw)
+            where = f"mutation {n}, {name}: PIL gave {ref_err!r}, coordl {err!r}"
+            if ref_err is not None:
+                assert err is not None and type(err) is type(ref_err), where
+            elif name == "whole":
+                assert err is None and np.array_equal(out, ref), where
+            elif name == "window":
+                t, l, h, w = box
+                assert err is None and out.shape == (h, w, 3), where
+                assert np.abs(out.astype(int) - ref[t:t + h, l:l + w]).max() <= 2, where
+            else:
+                assert err is None and out.shape == (3, 8, 8), where
+    assert {"pil-ok", "OSError", "UnidentifiedImageError"} <= seen  # the mix did exercise both sides
+
+
+def test_mutated_jpegs_in_a_dataset_raise_pils_error_naming_the_file(tmp_path):
+    """Through the loader: a file PIL cannot read raises PIL's error type
+    (also a SampleError) naming the file; the rest decode."""
+    bad, good = [], 0
+    root = tmp_path / "d" / "c"
+    root.mkdir(parents=True)
+    for n, raw in enumerate(_mutations(60, seed=5)):
+        (root / f"m{n:03d}.jpg").write_bytes(raw)
+        try:
+            _decode.pil_rgb(raw)
+            good += 1
+        except Exception as e:  # noqa: BLE001
+            bad.append((f"m{n:03d}.jpg", type(e)))
+    assert bad and good
+    ds = coordl.ImageFolder(str(tmp_path / "d"), transform=T.Compose([T.RandomResizedCrop(8), T.PILToTensor()]))
+    it = iter(coordl.DataLoader(ds, batch_size=1, seed=0))
+    errors, ok = {}, 0
+    for _ in range(len(ds)):
+        try:
+            next(it)
+            ok += 1
+        except coordl.SampleError as e:
+            name = [p for p, _ in bad if p in str(e)]
+            assert len(name) == 1, str(e)
+            errors[name[0]] = e
+    assert ok == good and sorted(errors) == sorted(p for p, _ in bad)
+    for p, t in bad:
+        assert isinstance(errors[p], t), (p, type(errors[p]).__mro__)
+
+
+def test_a_file_pil_cannot_identify_is_named_by_path_when_indexed(tmp_path):
+    """``ds[i]`` (no loader) raises PIL's ``UnidentifiedImageError`` naming
+    the file, as torchvision's ``Image.open(path)`` does, not a BytesIO
+    object; on the fused path, the PIL path and through a path loader."""
+    from PIL import UnidentifiedImageError
+
+    from coordl.datasets import default_loader, pil_loader
+
+    (tmp_path / "d" / "c").mkdir(parents=True)
+    bad = tmp_path / "d" / "c" / "x.jpg"
+    bad.write_bytes(b"\xff\xd8 not really a JPEG" * 4)
+    for transform in (None, T.Compose([T.RandomResizedCrop(8), T.PILToTensor()])):
+        ds = coordl.ImageFolder(str(tmp_path / "d"), transform=transform)
+        with pytest.raises(UnidentifiedImageError, match=f"cannot identify image file '{bad}'"):
+            ds[0]
+    for load in (default_loader, pil_loader):
+        with pytest.raises(UnidentifiedImageError, match=f"cannot identify image file '{bad}'"):
+            load(str(bad))

@@ -26,3 +26,42 @@ def test_demo_exits_nonzero_when_its_resume_check_fails(monkeypatch, capsys):
 
     monkeypatch.setattr(demo, "run_demo", lambda **kw: {"resume_exact": False})
     assert cli.main(["demo", "--images", "8"]) == 1
+
+
+def test_demo_refuses_a_root_it_did_not_make(tmp_path, capsys):
+    """``coordl demo --root <existing folder> --images 100`` used to run on
+    whatever the folder held, silently (issue 21, 14).  A folder the demo did
+    not make is refused, untouched, with what to do instead."""
+    from coordl import cli
+    from coordl.synth import make_image_folder
+
+    root = str(tmp_path / "mine")
+    make_image_folder(root, num_images=6, num_classes=2, image_size=(64, 48), seed=1)
+    before = sorted(os.walk(root))
+    assert cli.main(["demo", "--root", root, "--images", "100", "--workers", "0", "--epochs", "1"]) == 2
+    err = capsys.readouterr().err
+    assert f"--root {root} is not empty and was not made by coordl demo" in err, err
+    assert "new directory" in err and "leave --root out" in err
+    assert sorted(os.walk(root)) == before
+
+
+def test_demo_reuses_a_root_it_made_and_says_so(tmp_path, capsys):
+    from coordl.demo import MARKER, DemoRootError, _prepare_root
+
+    root = str(tmp_path / "demo")
+    _prepare_root(root, 8)
+    assert "generated 8 photo-like JPEGs in " + root in capsys.readouterr().out
+    assert os.path.isfile(os.path.join(root, MARKER))
+    for images in (None, 8):
+        _prepare_root(root, images)
+        assert f"reusing the 8 photo-like JPEGs coordl demo generated earlier in {root}" in capsys.readouterr().out
+    try:
+        _prepare_root(root, 20)
+    except DemoRootError as e:
+        assert "holds the 8 images" in str(e) and "--images 8" in str(e) and "another --root" in str(e)
+    else:
+        raise AssertionError("a demo folder of 8 images was taken for --images 20")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    _prepare_root(str(empty), 4)  # an empty directory is filled
+    assert "generated 4 photo-like JPEGs" in capsys.readouterr().out

@@ -204,6 +204,42 @@ def test_another_users_shm_entry_is_not_blamed():
         os.unlink(os.path.join(SHM_DIR, ours))
 
 
+@needs_shm
+def test_only_coordls_and_this_trees_shm_entries_are_blamed():
+    """Another program's entries appearing in /dev/shm during a test (any
+    name of its own; torch's ``torch_<pid>_...`` of a process outside this
+    tree) are not this test's leaks; coordl's entries and torch entries of
+    this process or its children are (issue 21, 11)."""
+    before_pids, before_shm = _snapshot()
+    tag = uuid.uuid4().hex[:8]
+    outsider = os.getppid()  # alive, and not in this process' tree
+    child = subprocess.Popen(SLEEPER)
+    foreign = [f"psm_{tag}", f"other-program-{tag}", f"sem.mp-{tag}", f"torch_{outsider}_{tag}_0"]
+    ours = [_shm_name(), f"torch_{os.getpid()}_{tag}_0", f"torch_{child.pid}_{tag}_1"]
+    for name in foreign + ours:
+        open(os.path.join(SHM_DIR, name), "wb").close()
+    try:
+        procs, shm = wait_no_leaks(before_pids, before_shm, grace=0.2)
+        assert [p.pid for p in procs] == [child.pid]
+        assert shm == set(ours)
+        assert not set(foreign) & shm_entries()
+    finally:
+        child.kill()
+        child.wait()
+        for name in foreign + ours:
+            os.unlink(os.path.join(SHM_DIR, name))
+
+
+def test_session_shm_dir_contents_are_blamed(tmp_path, monkeypatch):
+    """Whatever appears in a COORDL_SHM_DIR of the test's own (not /dev/shm)
+    is the test's: it is reported when left behind."""
+    monkeypatch.setenv("COORDL_SHM_DIR", str(tmp_path))
+    before_pids, before_shm = _snapshot()
+    (tmp_path / "cache-left-behind").write_bytes(b"x")
+    _, shm = wait_no_leaks(before_pids, before_shm, grace=0.2)
+    assert shm == {str(tmp_path / "cache-left-behind")}
+
+
 # -- run_in_child -------------------------------------------------------------------
 
 def test_run_in_child_returns_completed_process():
@@ -277,6 +313,11 @@ def test_leaks_a_process():
 def test_leaks_shm():
     open(os.path.join("/dev/shm", os.environ["SHM_NAME"]), "wb").close()
 
+def test_foreign_shm_entries_are_not_this_tests():
+    # as other programs would, while this test runs: left in place at its end
+    for name in os.environ["FOREIGN_SHM"].split():
+        open(os.path.join("/dev/shm", name), "wb").close()
+
 def test_clean():
     subprocess.run([sys.executable, "-c", "pass"], check=True)
 '''
@@ -291,10 +332,14 @@ def test_autouse_fixture_fails_leaking_tests_and_kills_leaked_processes(tmp_path
     (inner / "pytest.ini").write_text("[pytest]\n")
     pidfile = tmp_path / "pid"
     shm_name = _shm_name()
+    tag = uuid.uuid4().hex[:8]
+    # the inner pytest's parent (this process) is not in the inner run's tree
+    foreign = [f"other-program-{tag}", f"torch_{os.getpid()}_{tag}_0"]
     env = {
         **os.environ,
         "PIDFILE": str(pidfile),
         "SHM_NAME": shm_name,
+        "FOREIGN_SHM": " ".join(foreign),
         "COORDL_LEAK_GRACE": "0.5",
     }
     code = textwrap.dedent(
@@ -311,10 +356,14 @@ def test_autouse_fixture_fails_leaking_tests_and_kills_leaked_processes(tmp_path
         shm_existed = os.path.exists(shm_path)
         if shm_existed:
             os.unlink(shm_path)
+        for name in foreign:
+            if os.path.exists(os.path.join(SHM_DIR, name)):
+                os.unlink(os.path.join(SHM_DIR, name))
     out = res.stdout + res.stderr
     leaked_pid = int(pidfile.read_text())
     assert res.returncode == 1, out
-    assert "3 passed, 2 errors" in out, out
+    assert "4 passed, 2 errors" in out, out
+    assert "test_foreign_shm_entries_are_not_this_tests" not in out.split("short test summary", 1)[-1], out
     assert "ERROR at teardown of test_leaks_a_process" in out, out
     assert "ERROR at teardown of test_leaks_shm" in out, out
     assert "test_clean" not in out.split("short test summary", 1)[-1], out

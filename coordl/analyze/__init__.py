@@ -117,6 +117,14 @@ def analyze(root: str | os.PathLike | None = None, *, dataset: Any = None, trans
         raise ValueError(f'step_kind should be "auto", "cpu" or "accelerator", but got step_kind={step_kind!r}')
     scaling = sorted({_check_pos_int(w, "scaling_workers[i]") for w in scaling_workers} | ({workers} - {0}))
 
+    step_fn = None  # resolved first: a wrong "module:fn" is said before any dataset is read
+    if step is not None:
+        step_fn = M.load_callable(step, "step") if isinstance(step, str) else step
+        if not callable(step_fn):
+            raise ValueError(f"step should be a callable or \"module:fn\", but got step={step!r}")
+    elif rate is not None:
+        step_fn = M.RateStep(rate)
+
     ds, source, tf_desc = _open_dataset(root, dataset, transform, max_samples)
     n = len(ds)
     dbytes, bytes_source = _dataset_bytes(ds)
@@ -128,14 +136,6 @@ def analyze(root: str | os.PathLike | None = None, *, dataset: Any = None, trans
         max_workers = max(2 * cpus, workers, max(scaling))
     _check_pos_int(max_workers, "max_workers")
     loader = _loader_factory(batch_size, fetch_threads, device)
-
-    step_fn = None
-    if step is not None:
-        step_fn = M.load_callable(step, "step") if isinstance(step, str) else step
-        if not callable(step_fn):
-            raise ValueError(f"step should be a callable or \"module:fn\", but got step={step!r}")
-    elif rate is not None:
-        step_fn = M.RateStep(rate)
 
     say(f"coordl analyze: {n} samples, {dbytes / _MiB:.1f} MiB ({source}), batch {batch_size}, "
         f"{workers} workers, {cpus} CPUs, in-memory passes from the {cache} cache, {repeats} repeats")

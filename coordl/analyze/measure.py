@@ -28,8 +28,35 @@ __all__ = ["load_callable", "make_transform", "TRANSFORMS", "FetchOnly", "Subset
            "SyncStep", "cuda_sync"]
 
 
+def _import_like_python_m(mod_name: str, spec: str, what: str):
+    """Import ``mod_name`` with the current directory searched first, as
+    ``python -m`` does: the installed ``coordl`` command's ``sys.path`` starts
+    with its own bin directory, not the directory it is run from, so
+    ``coordl analyze --step mymodel:train_step`` did not find ``./mymodel.py``.
+    The directory stays on ``sys.path`` (at the front, as under ``python -m``)
+    so worker processes and pickled objects find the module too."""
+    import sys
+
+    cwd = os.getcwd()
+    if "" not in sys.path and cwd not in sys.path:
+        sys.path.insert(0, cwd)
+        importlib.invalidate_caches()
+    try:
+        return importlib.import_module(mod_name)
+    except ModuleNotFoundError as e:
+        if e.name is None or not (mod_name == e.name or mod_name.startswith(e.name + ".")):
+            raise  # the module was found; something it imports is missing: that error is the user's
+        raise ValueError(f"{what}={spec!r}: no module named {e.name!r} in the current directory ({cwd}) "
+                         f"or on sys.path; run coordl from the directory that holds {e.name}.py, or "
+                         f"give a file: {what}=path/to/{mod_name.replace('.', '/')}.py:"
+                         f"{spec.rpartition(':')[2]}") from None
+
+
 def load_callable(spec: str, what: str) -> Callable:
-    """``"package.module:name"`` or ``"path/to/file.py:name"`` -> the object."""
+    """``"package.module:name"`` or ``"path/to/file.py:name"`` -> the object.
+
+    A module name is imported as ``python -m`` would: the current directory
+    is searched first, then ``sys.path``."""
     if not isinstance(spec, str) or ":" not in spec:
         raise ValueError(f'{what} should be "module:callable" or "path/to/file.py:callable", but got '
                          f"{what}={spec!r}")
@@ -43,7 +70,7 @@ def load_callable(spec: str, what: str) -> Callable:
         module = importlib.util.module_from_spec(modspec)
         modspec.loader.exec_module(module)
     else:
-        module = importlib.import_module(mod_name)
+        module = _import_like_python_m(mod_name, spec, what)
     try:
         obj = getattr(module, attr)
     except AttributeError:

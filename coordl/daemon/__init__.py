@@ -1,7 +1,14 @@
-"""The node daemon (coordinated prep across jobs): work in progress.
+"""The node daemon: coordinated prep for concurrent jobs (``share=True``).
 
-What exists so far is the local transport every part of it will use
-(:mod:`coordl.daemon.ipc`): a per-user Unix socket in a private directory,
-the peer's uid checked on both ends, and bounded JSON frames that may carry
-file descriptors.  Nothing in the loader uses it yet.
+One daemon per user per node prepares each sample of a group's plan once,
+into shared memory, and every member job assembles its own batches from it.
+
+* :mod:`coordl.daemon.ipc`: the local transport (a per-user Unix socket in a
+  private directory, the peer's uid checked on both ends, bounded JSON
+  frames that may carry file descriptors);
+* :mod:`coordl.daemon.server`: the daemon process and its serve loop;
+* :mod:`coordl.daemon.hub` and :mod:`coordl.daemon.groups`: groups of jobs,
+  staging memory and the worker pool (protocol and policy);
+* :mod:`coordl.daemon.worker`: the prep worker processes;
+* :mod:`coordl.daemon.member`: the job's side of sharing.
 """
