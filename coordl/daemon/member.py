@@ -45,6 +45,7 @@ from .._torch_path import Envelope
 from ..errors import SampleError
 from ..stats import BatchStats
 from . import ipc
+from .codeid import Unidentified, identity_of
 from .worker import HDR, HEADER, MARK, layout_digest
 
 __all__ = ["ShareMode", "SharedIter", "share_requested"]
@@ -103,6 +104,7 @@ class ShareMode(PipelineMode):
         self.self_prepared = 0
         self._reader = None
         self._first: tuple | None = None  # (G, sample) prepared here to learn the layout
+        self.told: set[str] = set()       # reasons of the daemon's temporary failures already warned about
 
     def start_pass(self, loader, epoch: int, start: int, skip: frozenset):
         self._stop_pin_thread()
@@ -194,22 +196,33 @@ class ShareMode(PipelineMode):
             self.off = f"the dataset cannot be pickled for the daemon ({type(e).__name__}: {e})"
             warnings.warn(f"coordl: share=True: {self.off}; this loader prepares in the job", stacklevel=5)
             return False
+        try:   # the code the dataset and its transforms run: a group runs one code
+            code, code_desc = identity_of(ds)
+        except Unidentified as e:
+            self.off = f"cannot tell which code the dataset runs ({e})"
+            warnings.warn(f"coordl: share=True: {self.off}; this loader prepares in the job", stacklevel=5)
+            return False
         digest = layout_digest(self.layout1)
         fp = ds.fingerprint() if callable(getattr(ds, "fingerprint", None)) else ""
-        import coordl
-
-        key = hashlib.blake2b(json.dumps([
-            coordl.__version__, fp, hashlib.blake2b(blob, digest_size=20).hexdigest(), plan.seed,
-            plan.shuffle, plan.rank, plan.world_size, plan.num_samples,
-            plan.drop_last if plan.world_size > 1 else False, digest]).encode(), digest_size=20).hexdigest()
-        stride = (HEADER + self.layout1.nbytes + 63) // 64 * 64
         cache = loader._cache_spec()
+        from ..cache import shm_root
+
+        shm_dir = os.path.abspath(shm_root())
+        if cache is not None:
+            cache["shm_dir"] = shm_dir
+        key = hashlib.blake2b(json.dumps([
+            code, fp, hashlib.blake2b(blob, digest_size=20).hexdigest(), plan.seed,
+            plan.shuffle, plan.rank, plan.world_size, plan.num_samples,
+            plan.drop_last if plan.world_size > 1 else False, digest,
+            shm_dir if cache is not None else None]).encode(), digest_size=20).hexdigest()
+        stride = (HEADER + self.layout1.nbytes + 63) // 64 * 64
         msg = {"op": "join", "key": key, "name": _job_name(), "num_workers": loader.num_workers,
                "seed": plan.seed, "digest": digest, "stride": stride,
                "samples_per_epoch": plan.samples_per_epoch, "dataset": repr(ds)[:200],
                "plan": {"num_samples": plan.num_samples, "shuffle": plan.shuffle, "rank": plan.rank,
                         "world_size": plan.world_size, "drop_last": plan.drop_last},
-               "sys_path": [os.path.abspath(p) if p else os.getcwd() for p in sys.path], "cache": cache}
+               "sys_path": [os.path.abspath(p) if p else os.getcwd() for p in sys.path], "cache": cache,
+               "code": code, "code_desc": code_desc, "shm_dir": shm_dir}
         if loader._peers is not None:   # the daemon's workers read through the other nodes' caches too
             loader._peers.start(epoch)
             msg["peers"] = loader._peers.to_json()
@@ -368,6 +381,9 @@ class SharedIter:
                     self.mode.drop_link()
                     warnings.warn(f"coordl: share=True: {why}; this loader prepares its own samples from here "
                                   "on (nothing lost or repeated)", stacklevel=4)
+                elif msg.get("warn") and why not in self.mode.told:   # the group failed for now: once per cause
+                    self.mode.told.add(why)
+                    warnings.warn(f"coordl: share=True: {why} (nothing lost or repeated)", stacklevel=4)
                 return
             return
 

@@ -41,12 +41,13 @@ import time
 import traceback
 from concurrent.futures import ThreadPoolExecutor
 
-__all__ = ["HEADER", "HDR", "MARK", "layout_digest", "main"]
+__all__ = ["HEADER", "HDR", "MARK", "LAYOUT", "CodeMismatch", "layout_digest", "main"]
 
 HEADER = 64
 _DONE_BATCH = 4   # finished samples reported in one message (fewer wake-ups of the daemon)
 HDR = struct.Struct("<qqqq")   # epoch, global position, index, marker
 MARK = 0x636F6F72646C          # "coordl": a complete sample
+LAYOUT = "layout: "            # a failure's reason starts with it when the sample's shapes differ
 
 
 def layout_digest(layout) -> str:
@@ -61,6 +62,16 @@ def layout_digest(layout) -> str:
 class _Group:
     def __init__(self, msg: dict, fds: list[int], caches: dict) -> None:
         dfd, sfd = fds
+        try:
+            self._setup(msg, dfd, sfd, caches)
+        except BaseException:
+            try:
+                os.close(sfd)
+            except OSError:
+                pass   # closed already (mapped)
+            raise
+
+    def _setup(self, msg: dict, dfd: int, sfd: int, caches: dict) -> None:
         try:   # pread: every worker's descriptor shares one file offset with the hub's
             size = os.fstat(dfd).st_size
             parts, off = [], 0
@@ -78,12 +89,12 @@ class _Group:
                 sys.path.insert(0, p)
         # the bytes come from a process of this same user (SO_PEERCRED-checked by the server)
         self.dataset = pickle.loads(blob)
+        _check_code(self.dataset, msg)
         self.seed = int(msg["seed"])
         self.stride = int(msg["stride"])
         self.digest = msg["digest"]
         size = os.fstat(sfd).st_size
         self.mm = mmap.mmap(sfd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-        os.close(sfd)
         self.cache = None
         c = msg.get("cache")
         if c:
@@ -112,6 +123,7 @@ class _Group:
                               rank=int(p["rank"]), world_size=int(p["world_size"]))
         self.n = self.plan.samples_per_epoch
         self._order = (-1, None)
+        os.close(sfd)
 
     def index(self, g: int) -> tuple[int, int]:
         """(epoch, dataset index) of global position ``g``."""
@@ -129,6 +141,39 @@ class _Group:
             pass   # the node cache stays: the daemon holds it while it runs (worker exit closes it)
 
 
+class CodeMismatch(Exception):
+    """This worker imported other code than the group's members run."""
+
+
+def _check_code(dataset, msg: dict) -> None:
+    """Prepare for a group only with the code its members run: the identity
+    of the dataset as unpickled here (the modules this worker imported
+    from the group's sys.path, its library versions) must be the one the
+    members computed (``coordl.daemon.codeid``)."""
+    want = msg.get("code")
+    if not want:
+        raise CodeMismatch("the job sent no code identity")
+    from .codeid import Unidentified, identity_of
+
+    try:
+        have, desc = identity_of(dataset)
+    except Unidentified as e:
+        raise CodeMismatch(f"the daemon's worker cannot identify the dataset's code: {e}") from None
+    if have != want:
+        theirs = list(msg.get("code_desc") or [])
+        diff = [d for d in desc if d not in theirs] + [d for d in theirs if d not in desc]
+        names = sorted({d.split(" ")[0] for d in diff})
+        raise CodeMismatch(
+            "the daemon's workers would run other code than this job: "
+            + (", ".join(names[:8]) or "the code") + " differ between the job and what the worker imports "
+            "(a module edited after the job imported it, or a daemon started from another environment); "
+            "restart the job to share, or stop the daemon (coordl daemon stop) if its environment differs")
+
+
+def _describe(layout) -> str:
+    return ", ".join(f"{l.kind} {l.dtype} {tuple(l.shape)}" for l in layout.leaves) if layout else "no tensors"
+
+
 def _write(grp: _Group, slot: int, sample, epoch: int, g: int, i: int) -> str | None:
     """Write ``sample`` into ``slot``; a reason when it does not fit the layout."""
     import numpy as np
@@ -136,14 +181,16 @@ def _write(grp: _Group, slot: int, sample, epoch: int, g: int, i: int) -> str | 
     from .. import _collate
 
     layout = grp.layout
+    mine = None
     if layout is None:
-        layout = _collate.layout_of(sample, 1)
+        layout = mine = _collate.layout_of(sample, 1)
         if layout is None or layout_digest(layout) != grp.digest:
-            return "the sample's structure, dtypes or shapes differ from the group's"
+            return LAYOUT + f"sample {i} holds {_describe(mine)}, unlike the job's first sample"
         grp.layout = layout
     leaves = layout.leaves_of(sample)
     if leaves is None:
-        return "the sample's structure, dtypes or shapes differ from the group's"
+        return LAYOUT + (f"sample {i} holds {_describe(_collate.layout_of(sample, 1))}, the first "
+                         f"{_describe(layout)}")
     base = slot * grp.stride
     buf = np.frombuffer(grp.mm, dtype=np.uint8, count=layout.nbytes, offset=base + HEADER)
     try:
@@ -200,8 +247,11 @@ def main(fd: int) -> int:
                         groups[int(msg["gid"])] = _Group(msg, fds, caches)
                         conn.send({"op": "group_ok", "gid": msg["gid"]})
                     except BaseException as e:
+                        if isinstance(e, KeyboardInterrupt):
+                            raise
                         conn.send({"op": "group_failed", "gid": msg["gid"],
-                                   "why": f"{type(e).__name__}: {e}"})
+                                   "code": isinstance(e, CodeMismatch),
+                                   "why": str(e) if isinstance(e, CodeMismatch) else f"{type(e).__name__}: {e}"})
                     continue
                 for f in fds:
                     os.close(f)
