@@ -74,6 +74,39 @@ def _project(path, body):
     return str(path)
 
 
+_REFS = [0]
+
+
+def _reference(project, root, seed=7, epochs=1):
+    """The job's digests with share=False, computed here (the project's
+    ``myaug.py`` loaded under a name of its own)."""
+    import hashlib
+    import importlib.util
+
+    from coordl import transforms as T
+
+    _REFS[0] += 1
+    spec = importlib.util.spec_from_file_location(f"_myaug_ref{_REFS[0]}", os.path.join(project, "myaug.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    ds = coordl.ImageFolder(root, transform=T.Compose([T.RandomResizedCrop(16), T.PILToTensor(), mod.MyAug()]))
+    ld = coordl.DataLoader(ds, batch_size=8, seed=seed)
+    return [hashlib.sha1(x.numpy().tobytes() + y.numpy().tobytes()).hexdigest()
+            for _ in range(epochs) for x, y in ld]
+
+
+def _stop_and_check(p, first, project, root, most=4):
+    """Kill a long job and check every whole epoch it printed (up to
+    ``most``) against share=False."""
+    p.kill()
+    out, _ = p.communicate(timeout=30)
+    got = [first] + [json.loads(x)["digest"] for x in out.splitlines() if x.startswith('{"epoch"')]
+    per = 3                                         # batches per epoch (24 photos, batch 8)
+    n = min(most, len(got) // per)
+    assert n >= 1
+    assert got[:n * per] == _reference(project, root, epochs=n)
+
+
 def _job(project, root, *extra):
     return subprocess.Popen([sys.executable, CODE_JOB, "--project", project, "--root", root, *extra],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
@@ -105,34 +138,31 @@ def _stop(p):
 def test_two_projects_with_the_same_class_name_run_their_own_code(photos, daemon_env, tmp_path):
     a = _project(tmp_path / "proj_a", FLIP)
     b = _project(tmp_path / "proj_b", ROLL)
-    ref_a = _finish(_job(a, photos, "--share", "0"))[0]
-    ref_b = _finish(_job(b, photos, "--share", "0"))[0]
+    ref_a, ref_b = _reference(a, photos), _reference(b, photos)
     assert ref_a != ref_b
     S.start()
-    ja = _job(a, photos, "--epochs", "3", "--sleep", "0.1")
+    ja = _job(a, photos, "--epochs", "1000", "--sleep", "0.1")   # runs until b is done
     try:
         first = _first_line(ja)                     # a's group exists, its workers imported a's myaug
+        assert first == ref_a[0]
         got_b, done_b, err_b = _finish(_job(b, photos))
         assert got_b == ref_b                       # today: the first project's batches
         assert done_b["shared"] > 0                 # prepared by the daemon, with b's code
-        got_a, done_a, _ = _finish(ja)
+        assert ja.poll() is None
     finally:
-        if ja.poll() is None:
-            _stop(ja)
-    assert ([first] + got_a)[:len(ref_a)] == ref_a and done_a["shared"] > 0
+        _stop_and_check(ja, first, a, photos)       # and a kept its own code meanwhile
 
 
 def test_module_edited_between_runs_while_another_job_keeps_the_workers(photos, daemon_env, tmp_path):
     proj = _project(tmp_path / "proj", FLIP)
-    ref1 = _finish(_job(proj, photos, "--share", "0"))[0]
-    _project(proj, ROLL)
-    ref2 = _finish(_job(proj, photos, "--share", "0"))[0]
-    _project(proj, FLIP)
+    ref1 = _reference(proj, photos)
+    ref2 = _reference(_project(tmp_path / "proj2", ROLL), photos)
     assert ref1 != ref2
     S.start()
-    keeper = _job(proj, photos, "--epochs", "1000", "--sleep", "0.05")   # keeps the daemon's workers busy
+    keeper = _job(proj, photos, "--epochs", "1000", "--sleep", "0.1")   # keeps the daemon's workers busy
+    first = None
     try:
-        _first_line(keeper)
+        first = _first_line(keeper)
         got1, done1, _ = _finish(_job(proj, photos))
         assert got1 == ref1 and done1["shared"] > 0
         _project(proj, ROLL)                          # the user edits myaug.py
@@ -141,7 +171,10 @@ def test_module_edited_between_runs_while_another_job_keeps_the_workers(photos, 
         assert done2["shared"] > 0
         assert keeper.poll() is None
     finally:
-        _stop(keeper)
+        if first is None:
+            _stop(keeper)
+    _project(proj, FLIP)
+    _stop_and_check(keeper, first, proj, photos)     # the keeper ran the code it imported throughout
 
 
 def _photos_dataset(root):
