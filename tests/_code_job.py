@@ -19,7 +19,7 @@ def main() -> None:
     p.add_argument("--epochs", type=int, default=1)
     p.add_argument("--share", type=int, default=1)
     p.add_argument("--sleep", type=float, default=0.0)
-    p.add_argument("--go", default=None, help="wait for this file to exist before the first batch")
+    p.add_argument("--go", default=None, help="say when myaug is imported, then wait for this file before the first batch")
     a = p.parse_args()
     sys.path.insert(0, a.project)
     import coordl
@@ -29,11 +29,12 @@ def main() -> None:
     ds = coordl.ImageFolder(a.root, transform=T.Compose([T.RandomResizedCrop(16), T.PILToTensor(), myaug.MyAug()]))
     loader = coordl.DataLoader(ds, batch_size=8, seed=a.seed, share=bool(a.share))
     warnings.simplefilter("always")
+    if a.go:   # myaug is imported: the test may edit it now
+        print(json.dumps({"imported": True}), flush=True)
+        while not os.path.exists(a.go):
+            time.sleep(0.05)
     for epoch in range(a.epochs):
         for k, (x, y) in enumerate(loader):
-            if a.go:
-                while not os.path.exists(a.go):
-                    time.sleep(0.05)
             h = hashlib.sha1(x.numpy().tobytes() + y.numpy().tobytes()).hexdigest()
             print(json.dumps({"epoch": epoch, "step": k, "digest": h}), flush=True)
             if a.sleep:

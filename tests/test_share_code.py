@@ -177,6 +177,27 @@ def test_module_edited_between_runs_while_another_job_keeps_the_workers(photos, 
     _stop_and_check(keeper, first, proj, photos)     # the keeper ran the code it imported throughout
 
 
+def test_module_edited_after_the_job_imported_it_is_not_run_for_it(photos, daemon_env, tmp_path):
+    """The daemon's fresh workers import the file as it is now; the job runs
+    what it imported before the edit: its identity check refuses, the job
+    prepares for itself and says why."""
+    proj = _project(tmp_path / "proj", FLIP)
+    ref1 = _reference(proj, photos)
+    go = tmp_path / "go"
+    job = _job(proj, photos, "--go", str(go))
+    try:
+        assert json.loads(job.stdout.readline()) == {"imported": True}
+        _project(proj, ROLL)
+        go.touch()
+        got, done, err = _finish(job)
+    finally:
+        if job.poll() is None:
+            _stop(job)
+    assert got == ref1                              # today: the edited file's output
+    assert err.count("other code than this job") == 1, err
+    assert done["shared"] == 0
+
+
 def _photos_dataset(root):
     from coordl import transforms as T
 
