@@ -1,0 +1,101 @@
+"""The code identity of a dataset (coordl.daemon.codeid), in process: what
+changes it and what cannot be identified."""
+import importlib
+import sys
+
+import pytest
+
+from coordl.daemon.codeid import Unidentified, identity_of
+
+SRC = """\
+import helper_{tag}
+
+
+class MyAug:
+    def __init__(self):
+        self.k = 3
+
+    def __call__(self, x):
+        return {body}
+
+
+class Box:
+    def __init__(self, t):
+        self.transform = t
+"""
+HELPER = "def twice(x):\n    return {body}\n"
+
+
+def _load(tmp_path, tag, body="x", helper="x * 2"):
+    d = tmp_path / tag
+    d.mkdir(exist_ok=True)
+    (d / f"aug_{tag}.py").write_text(SRC.format(tag=tag, body=body))
+    (d / f"helper_{tag}.py").write_text(HELPER.format(body=helper))
+    sys.path.insert(0, str(d))
+    try:
+        importlib.invalidate_caches()
+        for m in (f"aug_{tag}", f"helper_{tag}"):
+            sys.modules.pop(m, None)
+        mod = importlib.import_module(f"aug_{tag}")
+    finally:
+        sys.path.remove(str(d))
+    return mod
+
+
+@pytest.fixture(autouse=True)
+def _forget_modules():
+    yield
+    for m in [m for m in sys.modules if m.startswith(("aug_", "helper_"))]:
+        del sys.modules[m]
+
+
+def test_same_code_same_identity_and_any_change_differs(tmp_path):
+    a = _load(tmp_path, "a")
+    one, desc = identity_of(a.Box(a.MyAug()))
+    assert identity_of(a.Box(a.MyAug()))[0] == one
+    assert any(d.startswith("aug_a ") for d in desc) and any(d.startswith("helper_a ") for d in desc)
+    assert any(d.startswith("torch ") for d in desc) and any(d.startswith("numpy ") for d in desc)
+    b = _load(tmp_path, "a", body="x + 1")                     # the module edited
+    assert identity_of(b.Box(b.MyAug()))[0] != one
+    c = _load(tmp_path, "a", helper="x * 3")                  # a module it reaches, edited
+    assert identity_of(c.Box(c.MyAug()))[0] != one
+
+
+def test_running_code_counts_not_only_the_file(tmp_path):
+    a = _load(tmp_path, "r")
+    before = identity_of(a.Box(a.MyAug()))[0]
+    (tmp_path / "r" / "aug_r.py").write_text(SRC.format(tag="r", body="x"))   # same text: same identity
+    assert identity_of(a.Box(a.MyAug()))[0] == before
+    a.MyAug.__call__.__code__ = (lambda self, x: -x).__code__                # the code in memory changed
+    assert identity_of(a.Box(a.MyAug()))[0] != before
+
+
+class InMain:
+    pass
+
+
+def test_main_and_sourceless_modules_cannot_be_identified(monkeypatch):
+    import types
+
+    monkeypatch.setattr(InMain, "__module__", "__main__")
+    monkeypatch.setattr(sys.modules["__main__"], "InMain", InMain, raising=False)
+    with pytest.raises(Unidentified, match="__main__"):
+        identity_of(InMain())
+    mod = types.ModuleType("nofile_mod")
+    exec("class K:\n    pass\n", mod.__dict__)
+    mod.K.__module__ = "nofile_mod"
+    monkeypatch.setitem(sys.modules, "nofile_mod", mod)
+    with pytest.raises(Unidentified, match="no source file"):
+        identity_of(mod.K())
+
+
+def test_library_versions_are_part_of_it():
+    import coordl
+    from coordl import transforms as T
+
+    ds = coordl.ImageFolder.__new__(coordl.ImageFolder)
+    ds.__dict__["transform"] = T.Compose([T.PILToTensor()])
+    _, desc = identity_of(ds)
+    names = {d.split(" ")[0] for d in desc}
+    assert {"python", "coordl", "torch", "numpy", "PIL", "simplejpeg"} <= names
+    assert any(d.startswith("coordl.transforms ") or d.startswith("coordl source") for d in desc)
