@@ -18,11 +18,19 @@ fingerprint and pickled identity (transforms included), the seed, shuffle
 and rank partition, and the sample layout.  The policy (what to keep, whom
 to detach) is in :mod:`groups`; this module only carries it out.
 
-Workers are ``python -m coordl.daemon.worker`` processes on a socket pair.
-As many as the largest ``num_workers`` among the members (at least 1, at
-most the CPUs this process may use); the pool only grows while the daemon
-runs.  A worker that dies fails its samples in flight (members prepare
-those themselves) and is replaced.
+A group runs one code: the key includes the members' code identity
+(:mod:`codeid`), and the group's samples are prepared only by the workers
+of its *pool*: ``python -m coordl.daemon.worker`` processes on socket
+pairs, started fresh for one (code identity, ``sys.path``, cache
+directory), with the job's ``COORDL_SHM_DIR``, never given another pool's
+group; each checks the code it imported against the members' identity
+before it prepares anything.  A pool has as many workers as the largest
+``num_workers`` among its members (at least 1, at most the CPUs this
+process may use); a pool without groups keeps its workers (and node
+caches) for the next run of that code, up to two such pools.  A worker
+that dies fails its samples in flight (members prepare those themselves)
+and is replaced; one that cannot set a group up is replaced too, and a
+group no worker could set up is tried again at its members' next pass.
 """
 from __future__ import annotations
 
@@ -349,9 +357,10 @@ class Hub:
     def _grow(self, pool: _Pool) -> None:
         """As many workers in ``pool`` as the largest ``num_workers`` among
         its groups' members (at least 1, at most the CPUs)."""
-        if not pool.gids:
+        live = [gid for gid in pool.gids if not self.groups[gid].permanent]
+        if not live:
             return
-        n = max([m.num_workers for gid in pool.gids for m in self.groups[gid].group.members.values()] + [1])
+        n = max([m.num_workers for gid in live for m in self.groups[gid].group.members.values()] + [1])
         n = min(n, self.max_workers)
         while len(pool.workers) < n:
             w = _Worker(pool)

@@ -18,8 +18,13 @@ Fallbacks, all at the exact sample where the stream stopped:
 * EOF on the socket (the daemon died) or no answer within
   ``_STALL`` seconds (a stuck daemon): the same, and the next pass connects
   again, starting a new daemon if none runs.
-* The dataset cannot be pickled, or its samples have no fixed layout:
-  one warning, and this loader never asks again.
+* The dataset cannot be pickled, its code cannot be identified
+  (:mod:`codeid`: a class from ``__main__``, a module without a source),
+  or its samples have no fixed layout: one warning, and this loader never
+  asks again.  The daemon ends the group for good (with one warning) when
+  its worker runs other code than this job or samples vary in shape, and
+  for now (warned once per cause; the next pass tries again) when no
+  worker could set the group up.
 """
 from __future__ import annotations
 
@@ -198,7 +203,9 @@ class ShareMode(PipelineMode):
             return False
         try:   # the code the dataset and its transforms run: a group runs one code
             code, code_desc = identity_of(ds)
-        except Unidentified as e:
+        except Exception as e:
+            if not isinstance(e, Unidentified):
+                e = f"{type(e).__name__}: {e}"
             self.off = f"cannot tell which code the dataset runs ({e})"
             warnings.warn(f"coordl: share=True: {self.off}; this loader prepares in the job", stacklevel=5)
             return False

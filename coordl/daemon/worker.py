@@ -4,10 +4,15 @@ staging slots.
 The daemon starts it with one end of a socket pair (``--fd``) and talks to
 it with :mod:`ipc` frames (JSON, descriptors alongside):
 
-* ``{"op": "group", gid, seed, plan, sys_path, cache, stride, digest}`` with
-  two descriptors, the pickled dataset (a memfd a member of the same uid
-  sent; the server checked its peer credentials) and the group's staging
-  memfd.
+* ``{"op": "group", gid, seed, plan, sys_path, cache, stride, digest, code,
+  code_desc}`` with two descriptors, the pickled dataset (a memfd a member
+  of the same uid sent; the server checked its peer credentials) and the
+  group's staging memfd.  The dataset's code identity as unpickled here
+  must be ``code`` (:func:`_check_code`), else ``group_failed`` with
+  ``code: true`` and the parts that differ.  A worker serves one pool (one
+  code, ``sys.path`` and cache directory: ``COORDL_SHM_DIR`` is the jobs').
+  A sample whose layout differs from the group's fails with a reason that
+  starts with :data:`LAYOUT`.
 * ``{"op": "prep", gid, tasks: [[g, slot], ...]}``: for each, read the
   sample at global position ``g`` of the plan (epoch ``g //
   samples_per_epoch``) (node cache, then storage, admitting it), prepare
