@@ -114,6 +114,7 @@ class _GroupRes:
         self.ready: set = set()      # workers that set the group up
         self.pending: set = set()    # workers it was sent to, not answered yet
         self.failures = 0            # setup failures since the group last worked (or was retried)
+        self.broken_at = -1          # the latest epoch of a member when it broke: retried after it
 
     def close(self) -> None:
         self.mm.close()
@@ -172,7 +173,10 @@ class Hub:
             if res.broken and res.permanent:
                 self._send(conn, {"op": "detach", "why": res.broken, "permanent": True})
                 return
-            if res.broken or res.failures >= 2:   # a failed group is retried at its members' next pass
+            if res.broken and int(msg["epoch"]) <= res.broken_at:   # not in the epoch it failed in
+                self._send(conn, {"op": "detach", "why": res.broken, "permanent": False, "warn": True})
+                return
+            if res.broken or res.failures >= 2:   # a failed group is retried at its members' next epoch
                 self.log(f"group {g.gid}: trying again (it failed: {res.broken or 'a worker setup'})")
                 res.broken, res.failures = None, 0
                 self._grow(res.pool)
@@ -436,6 +440,7 @@ class Hub:
         and prepares for itself, told ``why``."""
         self.log(f"group {res.group.gid}: {why}")
         res.broken, res.permanent = why, permanent
+        res.broken_at = max([m.epoch for m in res.group.members.values()] + [-1])
         for conn, m, gid in list(self.members.values()):
             if gid == res.group.gid:
                 self._outbox.pop(conn.fileno(), None)
