@@ -401,7 +401,8 @@ class Hub:
         self._wsend(w, {"op": "group", "gid": res.group.gid, "seed": j["seed"], "plan": j["plan"],
                         "sys_path": j.get("sys_path"), "cache": j.get("cache"), "stride": res.stride,
                         "digest": j["digest"], "peers": j.get("peers"), "code": j.get("code"),
-                        "code_desc": j.get("code_desc")}, fds=[res.dataset_fd, res.staging_fd])
+                        "code_desc": j.get("code_desc"), "layout": j.get("layout")},
+                   fds=[res.dataset_fd, res.staging_fd])
 
     def _wsend(self, w: _Worker, msg: dict, fds=()) -> bool:
         try:
@@ -450,9 +451,9 @@ class Hub:
     def _variable_shapes(self, res: _GroupRes, detail: str) -> None:
         """Staging holds samples of one layout: a dataset whose samples differ
         in shape cannot be shared, so the daemon stops preparing them."""
-        self._break(res, f"samples of {str(res.join.get('dataset', 'the dataset'))[:80]} differ in shape, dtype "
-                         f"or structure ({detail}), so they cannot be staged for sharing; make every sample the "
-                         "same shape (e.g. a fixed-size crop or resize) to share", permanent=True)
+        self._break(res, f"this dataset's samples differ in shape, dtype or structure ({detail}), so the daemon "
+                         "cannot stage them for sharing; to share, make every sample the same shape (e.g. a "
+                         "fixed-size crop or resize)", permanent=True)
 
     def _setup_failed(self, w: _Worker, res: _GroupRes, why: str, code: bool) -> None:
         """A worker could not set a group up.  Other code than the members'

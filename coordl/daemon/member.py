@@ -51,7 +51,7 @@ from ..errors import SampleError
 from ..stats import BatchStats
 from . import ipc
 from .codeid import Unidentified, identity_of
-from .worker import HDR, HEADER, MARK, layout_digest
+from .worker import HDR, HEADER, MARK, describe_layout, layout_digest
 
 __all__ = ["ShareMode", "SharedIter", "share_requested"]
 
@@ -229,7 +229,8 @@ class ShareMode(PipelineMode):
                "plan": {"num_samples": plan.num_samples, "shuffle": plan.shuffle, "rank": plan.rank,
                         "world_size": plan.world_size, "drop_last": plan.drop_last},
                "sys_path": [os.path.abspath(p) if p else os.getcwd() for p in sys.path], "cache": cache,
-               "code": code, "code_desc": code_desc, "shm_dir": shm_dir}
+               "code": code, "code_desc": code_desc, "shm_dir": shm_dir,
+               "layout": describe_layout(self.layout1)}
         if loader._peers is not None:   # the daemon's workers read through the other nodes' caches too
             loader._peers.start(epoch)
             msg["peers"] = loader._peers.to_json()

@@ -46,7 +46,7 @@ import time
 import traceback
 from concurrent.futures import ThreadPoolExecutor
 
-__all__ = ["HEADER", "HDR", "MARK", "LAYOUT", "CodeMismatch", "layout_digest", "main"]
+__all__ = ["HEADER", "HDR", "MARK", "LAYOUT", "CodeMismatch", "describe_layout", "layout_digest", "main"]
 
 HEADER = 64
 _DONE_BATCH = 4   # finished samples reported in one message (fewer wake-ups of the daemon)
@@ -98,6 +98,7 @@ class _Group:
         self.seed = int(msg["seed"])
         self.stride = int(msg["stride"])
         self.digest = msg["digest"]
+        self.first_layout = str(msg.get("layout") or "another layout")[:300]
         size = os.fstat(sfd).st_size
         self.mm = mmap.mmap(sfd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         self.cache = None
@@ -175,8 +176,15 @@ def _check_code(dataset, msg: dict) -> None:
             "restart the job to share, or stop the daemon (coordl daemon stop) if its environment differs")
 
 
-def _describe(layout) -> str:
-    return ", ".join(f"{l.kind} {l.dtype} {tuple(l.shape)}" for l in layout.leaves) if layout else "no tensors"
+def describe_layout(layout) -> str:
+    """A one-sample layout for messages: each leaf's kind, dtype and shape."""
+    if layout is None:
+        return "no fixed layout"
+    return ", ".join(f"{l.kind} {l.dtype} {tuple(l.shape)}" if l.kind in ("tensor", "numpy") else l.kind
+                     for l in layout.leaves)
+
+
+_describe = describe_layout
 
 
 def _write(grp: _Group, slot: int, sample, epoch: int, g: int, i: int) -> str | None:
@@ -186,16 +194,14 @@ def _write(grp: _Group, slot: int, sample, epoch: int, g: int, i: int) -> str | 
     from .. import _collate
 
     layout = grp.layout
-    mine = None
     if layout is None:
-        layout = mine = _collate.layout_of(sample, 1)
+        layout = _collate.layout_of(sample, 1)
         if layout is None or layout_digest(layout) != grp.digest:
-            return LAYOUT + f"sample {i} holds {_describe(mine)}, unlike the job's first sample"
+            return LAYOUT + f"sample {i}: {_describe(layout)}; the first: {grp.first_layout}"
         grp.layout = layout
     leaves = layout.leaves_of(sample)
     if leaves is None:
-        return LAYOUT + (f"sample {i} holds {_describe(_collate.layout_of(sample, 1))}, the first "
-                         f"{_describe(layout)}")
+        return LAYOUT + f"sample {i}: {_describe(_collate.layout_of(sample, 1))}; the first: {_describe(layout)}"
     base = slot * grp.stride
     buf = np.frombuffer(grp.mm, dtype=np.uint8, count=layout.nbytes, offset=base + HEADER)
     try:
