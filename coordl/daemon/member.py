@@ -220,8 +220,8 @@ class ShareMode(PipelineMode):
         key = hashlib.blake2b(json.dumps([
             code, fp, hashlib.blake2b(blob, digest_size=20).hexdigest(), plan.seed,
             plan.shuffle, plan.rank, plan.world_size, plan.num_samples,
-            plan.drop_last if plan.world_size > 1 else False, digest,
-            shm_dir if cache is not None else None]).encode(), digest_size=20).hexdigest()
+            plan.drop_last if plan.world_size > 1 else False, digest, shm_dir]).encode(),
+            digest_size=20).hexdigest()
         stride = (HEADER + self.layout1.nbytes + 63) // 64 * 64
         msg = {"op": "join", "key": key, "name": _job_name(), "num_workers": loader.num_workers,
                "seed": plan.seed, "digest": digest, "stride": stride,
