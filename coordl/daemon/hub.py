@@ -498,8 +498,15 @@ class Hub:
     def worker_gone(self, w: _Worker) -> None:
         if w not in self.workers:
             return
+        setting_up = [res for res in self.groups.values() if w in res.pending]
         self._forget(w)
         self.log(f"worker pid {w.proc.pid} exited with {w.proc.returncode}")
+        for res in setting_up:   # died while setting a group up: a setup failure too (no endless respawns)
+            res.failures += 1
+            if res.failures >= 2 and not res.ready and not res.broken:
+                self._break(res, f"the daemon's worker pid {w.proc.pid} died while setting this job's group up "
+                                 f"(exit {w.proc.returncode}); this job prepares its own samples meanwhile and "
+                                 "the daemon tries again at its next epoch", permanent=False)
         self._grow(w.pool)
 
     def pump(self) -> None:
