@@ -1,6 +1,7 @@
 """The code identity of a dataset (coordl.daemon.codeid), in process: what
 changes it and what cannot be identified."""
 import importlib
+import os
 import sys
 
 import pytest
@@ -99,3 +100,34 @@ def test_library_versions_are_part_of_it():
     names = {d.split(" ")[0] for d in desc}
     assert {"python", "coordl", "torch", "numpy", "PIL", "simplejpeg"} <= names
     assert any(d.startswith("coordl.transforms ") or d.startswith("coordl source") for d in desc)
+
+
+def test_the_same_in_every_process_whatever_the_hash_seed(tmp_path):
+    """Set constants (``x in {"a", "b"}``) print in an order that follows
+    string hashing; the identity must not."""
+    import subprocess
+
+    (tmp_path / "setconst.py").write_text(
+        "class Aug:\n    def __call__(self, x):\n        return x if x in {'alpha', 'beta', 'gamma', 'delta'} else 0\n")
+    code = ("import sys; sys.path.insert(0, %r)\n"
+            "import setconst\n"
+            "from coordl.daemon.codeid import identity_of\n"
+            "print(identity_of(setconst.Aug())[0])\n" % str(tmp_path))
+    out = set()
+    for seed in ("1", "2", "3"):
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                           env={**os.environ, "PYTHONHASHSEED": seed})
+        assert r.returncode == 0, r.stderr
+        out.add(r.stdout.strip())
+    assert len(out) == 1, out
+
+
+def test_a_helper_module_edited_after_import_differs_from_a_fresh_import(tmp_path):
+    a = _load(tmp_path, "h")
+    box = a.Box(a.MyAug())
+    before = identity_of(box)[0]
+    (tmp_path / "h" / "helper_h.py").write_text(HELPER.format(body="x * 5"))   # edited on disk only
+    stale = identity_of(box)[0]
+    fresh = _load(tmp_path, "h", helper="x * 5")
+    assert stale != before                                   # the file changed
+    assert stale != identity_of(fresh.Box(fresh.MyAug()))[0]  # and this process does not run it

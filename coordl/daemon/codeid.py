@@ -138,7 +138,21 @@ def _code_digest(h, co: types.CodeType) -> None:
         if isinstance(c, types.CodeType):
             _code_digest(h, c)
         else:
-            h.update(repr(c).encode())
+            h.update(_const(c).encode())
+
+
+def _const(c) -> str:
+    """A constant's text, the same in every process (a frozenset's order
+    follows string hashing, which differs between processes)."""
+    if isinstance(c, (frozenset, set)):
+        return "{" + ",".join(sorted(_const(x) for x in c)) + "}"
+    if isinstance(c, tuple):
+        return "(" + ",".join(_const(x) for x in c) + ")"
+    if isinstance(c, types.CodeType):
+        h = hashlib.blake2b(digest_size=16)
+        _code_digest(h, c)
+        return h.hexdigest()
+    return repr(c)
 
 
 def _obj_code(h, obj) -> None:
@@ -238,6 +252,14 @@ def identity_of(obj) -> tuple[str, list[str]]:
             parts[name] = _file_digest(f)
         except OSError as e:
             raise Unidentified(f"cannot read {f}, the source of module {name}: {e}") from None
+        if kind == "user" and f.endswith(".py"):
+            # the code this process runs from it (the file may have been edited since it was imported)
+            h = hashlib.blake2b(digest_size=16)
+            for k, v in sorted(vars(mod).items(), key=lambda kv: kv[0]):
+                if isinstance(v, (type, types.FunctionType)) and getattr(v, "__module__", None) == name:
+                    h.update(k.encode())
+                    _obj_code(h, v)
+            parts[name] += " " + h.hexdigest()
         pkg = name + "." if hasattr(mod, "__path__") else None
         for v in list(vars(mod).values()):    # what this module reaches: its imports, classes and functions
             if isinstance(v, types.ModuleType):
