@@ -18,11 +18,19 @@ fingerprint and pickled identity (transforms included), the seed, shuffle
 and rank partition, and the sample layout.  The policy (what to keep, whom
 to detach) is in :mod:`groups`; this module only carries it out.
 
-Workers are ``python -m coordl.daemon.worker`` processes on a socket pair.
-As many as the largest ``num_workers`` among the members (at least 1, at
-most the CPUs this process may use); the pool only grows while the daemon
-runs.  A worker that dies fails its samples in flight (members prepare
-those themselves) and is replaced.
+A group runs one code: the key includes the members' code identity
+(:mod:`codeid`), and the group's samples are prepared only by the workers
+of its *pool*: ``python -m coordl.daemon.worker`` processes on socket
+pairs, started fresh for one (code identity, ``sys.path``, cache
+directory), with the job's ``COORDL_SHM_DIR``, never given another pool's
+group; each checks the code it imported against the members' identity
+before it prepares anything.  A pool has as many workers as the largest
+``num_workers`` among its members (at least 1, at most the CPUs this
+process may use); a pool without groups keeps its workers (and node
+caches) for the next run of that code, up to two such pools.  A worker
+that dies fails its samples in flight (members prepare those themselves)
+and is replaced; one that cannot set a group up is replaced too, and a
+group no worker could set up is tried again at its members' next pass.
 """
 from __future__ import annotations
 
@@ -34,6 +42,7 @@ import sys
 
 from . import ipc
 from .groups import Group, Member
+from .worker import LAYOUT
 
 __all__ = ["Hub", "DEFAULT_STAGING"]
 
@@ -42,14 +51,41 @@ _IN_FLIGHT = 8                # samples handed to one worker at a time (it reads
 _DELIVER_BATCH = 32           # ready samples a member gets in one message unless it waits for one
 
 
+class _Pool:
+    """The workers that run one code: the groups whose members' code
+    identity, ``sys.path`` and cache directory are these.  Its workers are
+    started fresh for it, import that code from that ``sys.path``, attach
+    node caches in that directory, and never serve another pool's group."""
+
+    def __init__(self, key: str, join: dict) -> None:
+        self.key = key
+        self.sys_path = list(join.get("sys_path") or [])
+        self.shm_dir = join.get("shm_dir") or None
+        self.workers: list[_Worker] = []
+        self.gids: set[int] = set()
+        self.used = 0          # when a group last joined it (a counter): idle pools retire oldest first
+
+
+def _pool_key(join: dict) -> str:
+    import hashlib
+    import json
+
+    return hashlib.blake2b(json.dumps([str(join.get("code")), join.get("shm_dir"), join.get("sys_path")]).encode(),
+                           digest_size=16).hexdigest()
+
+
 class _Worker:
-    def __init__(self) -> None:
+    def __init__(self, pool: _Pool) -> None:
+        self.pool = pool
+        env = dict(os.environ)
+        if pool.shm_dir:    # node caches in the job's directory, not the one the daemon was started with
+            env["COORDL_SHM_DIR"] = pool.shm_dir
         mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         mine.set_inheritable(False)
         try:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "coordl.daemon.worker", "--fd", str(theirs.fileno())],
-                pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL)
+                pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL, env=env)
         finally:
             theirs.close()
         self.conn = ipc.Conn(mine, self.proc.pid)
@@ -72,8 +108,13 @@ class _GroupRes:
         size = group.nslots * stride
         os.ftruncate(self.staging_fd, size)
         self.mm = mmap.mmap(self.staging_fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        self.pool: _Pool | None = None
         self.broken: str | None = None
-        self.workers_ready: set[int] = set()
+        self.permanent = False       # broken for good (code or sample shapes), else retried at the next pass
+        self.ready: set = set()      # workers that set the group up
+        self.pending: set = set()    # workers it was sent to, not answered yet
+        self.failures = 0            # setup failures since the group last worked (or was retried)
+        self.broken_at = -1          # the latest epoch of a member when it broke: retried after it
 
     def close(self) -> None:
         self.mm.close()
@@ -88,7 +129,9 @@ class Hub:
         self.groups: dict[int, _GroupRes] = {}
         self.by_key: dict[str, int] = {}
         self.members: dict[int, tuple[ipc.Conn, Member, int | None]] = {}   # conn fd -> ...
-        self.workers: list[_Worker] = []
+        self.workers: list[_Worker] = []      # every pool's (the serve loop waits on them)
+        self.pools: dict[str, _Pool] = {}
+        self._pool_uses = 0
         self._next_gid = 1
         self._next_mid = 1
         self._conn_by_mid: dict[int, ipc.Conn] = {}
@@ -127,9 +170,19 @@ class Hub:
             return
         g = res.group
         if op == "pass":
-            if res.broken:
+            if res.broken and res.permanent:
                 self._send(conn, {"op": "detach", "why": res.broken, "permanent": True})
                 return
+            if res.broken and int(msg["epoch"]) <= res.broken_at:   # not in the epoch it failed in
+                self._send(conn, {"op": "detach", "why": res.broken, "permanent": False, "warn": True})
+                return
+            if res.broken or res.failures >= 2:   # a failed group is retried at its members' next epoch
+                self.log(f"group {g.gid}: trying again (it failed: {res.broken or 'a worker setup'})")
+                res.broken, res.failures = None, 0
+                self._grow(res.pool)
+                for w in res.pool.workers:
+                    if w not in res.ready and w not in res.pending:
+                        self._setup(w, res)
             self._act(res, g.begin_pass(m.mid, int(msg["epoch"]), int(msg["start"]), int(msg["end"])))
         elif op == "step":
             m.shared, m.self_prepared = int(msg.get("shared", m.shared)), int(msg.get("self", m.self_prepared))
@@ -166,7 +219,15 @@ class Hub:
             group = Group(gid, key, nslots, n)
             res = self.groups[gid] = _GroupRes(group, msg, dataset_fd, stride)
             self.by_key[key] = gid
-            for w in self.workers:
+            pk = _pool_key(msg)
+            pool = self.pools.get(pk)
+            if pool is None:
+                pool = self.pools[pk] = _Pool(pk, msg)
+            self._pool_uses += 1
+            pool.used = self._pool_uses
+            pool.gids.add(gid)
+            res.pool = pool
+            for w in pool.workers:
                 self._setup(w, res)
         else:
             os.close(dataset_fd)   # the group already has one, identical by its key
@@ -176,7 +237,8 @@ class Hub:
         res.group.add(m)
         self.members[conn.fileno()] = (conn, m, gid)
         self._conn_by_mid[m.mid] = conn
-        self._grow(max(1, m.num_workers))
+        self._grow(res.pool)
+        self._retire_idle()
         self._send(conn, {"op": "joined", "gid": gid, "slots": res.group.nslots, "stride": res.stride},
                    fds=[res.staging_fd])
 
@@ -191,8 +253,8 @@ class Hub:
             return
         c = msg["cache"]
         secret = bytes.fromhex(msg["secret"])   # from a same-uid process (SO_PEERCRED-checked)
-        try:
-            cache = NodeCache.from_spec(c)
+        try:   # in the job's cache directory (the daemon may have been started with another)
+            cache = in_shm_dir(c.get("shm_dir"), lambda: NodeCache.from_spec(c))
         except (OSError, ValueError, RuntimeError, MemoryError) as e:
             self._send(conn, {"op": "refused", "why": f"cannot attach the node cache: {e}"})
             return
@@ -203,6 +265,7 @@ class Hub:
             cache.close()
             self._send(conn, {"op": "refused", "why": f"cannot listen on {msg['host']}: {e}"})
             return
+        cache._coordl_shm_dir = c.get("shm_dir")   # where it is released too
         self.peer_servers[conn.fileno()] = (srv, cache, conn.peer_pid)
         self.log(f"serving node cache {cache.name} to peers on {srv.address[0]}:{srv.address[1]} "
                  f"for pid {conn.peer_pid}")
@@ -213,7 +276,7 @@ class Hub:
         if entry is not None:
             srv, cache, _ = entry
             srv.close()
-            cache.close()
+            in_shm_dir(getattr(cache, "_coordl_shm_dir", None), cache.close)
 
     def member_gone(self, conn: ipc.Conn) -> None:
         self._end_peer_serve(conn.fileno())
@@ -234,10 +297,12 @@ class Hub:
         g = res.group
         del self.groups[g.gid]
         self.by_key.pop(g.key, None)
-        for w in self.workers:
+        res.pool.gids.discard(g.gid)
+        for w in list(res.pool.workers):
             w.inflight = {k for k in w.inflight if k[0] != g.gid}
             self._wsend(w, {"op": "drop", "gid": g.gid})
         res.close()
+        self._retire_idle()
 
     def _send(self, conn: ipc.Conn, msg: dict, fds=()) -> bool:
         try:
@@ -264,7 +329,10 @@ class Hub:
                         items.append([g, it.slot, False, it.why])
             elif a[0] == "detach":
                 self._outbox.pop(conn.fileno(), None)   # its claims are revoked
-                self._send(conn, {"op": "detach", "why": "fell further behind the group than its staging holds"})
+                if res.broken:
+                    self._send(conn, {"op": "detach", "why": res.broken, "permanent": res.permanent, "warn": True})
+                else:
+                    self._send(conn, {"op": "detach", "why": "fell further behind the group than its staging holds"})
 
     def flush(self) -> None:
         """Send gathered deliveries, one message per member: when the batch
@@ -290,19 +358,51 @@ class Hub:
         return self._conn_by_mid.get(m.mid)
 
     # ------------------------------------------------------------------ workers
-    def _grow(self, n: int) -> None:
+    def _grow(self, pool: _Pool) -> None:
+        """As many workers in ``pool`` as the largest ``num_workers`` among
+        its groups' members (at least 1, at most the CPUs)."""
+        live = [gid for gid in pool.gids if not self.groups[gid].permanent]
+        if not live:
+            return
+        n = max([m.num_workers for gid in live for m in self.groups[gid].group.members.values()] + [1])
         n = min(n, self.max_workers)
-        while len(self.workers) < n:
-            w = _Worker()
+        while len(pool.workers) < n:
+            w = _Worker(pool)
+            pool.workers.append(w)
             self.workers.append(w)
-            for res in self.groups.values():
-                self._setup(w, res)
+            for gid in sorted(pool.gids):
+                res = self.groups[gid]
+                if not res.broken and res.failures < 2:   # else: at the group's next pass
+                    self._setup(w, res)
+
+    def _retire_idle(self, keep: int = 2) -> None:
+        """Stop the workers of pools without groups beyond the ``keep`` used
+        last (they hold their node caches warm for the next jobs of that
+        code; a pool's workers never serve another code)."""
+        idle = sorted((p for p in self.pools.values() if not p.gids), key=lambda p: p.used, reverse=True)
+        for pool in idle[keep:]:
+            del self.pools[pool.key]
+            for w in list(pool.workers):
+                self._retire(w)
+
+    def _retire(self, w: _Worker) -> None:
+        """Stop ``w`` (its samples in flight fail: members prepare them)."""
+        if w not in self.workers:
+            return
+        try:
+            w.conn.send({"op": "stop"}, timeout=1.0)
+        except (OSError, ValueError):
+            pass
+        self._forget(w)
 
     def _setup(self, w: _Worker, res: _GroupRes) -> None:
         j = res.join
+        res.pending.add(w)
         self._wsend(w, {"op": "group", "gid": res.group.gid, "seed": j["seed"], "plan": j["plan"],
                         "sys_path": j.get("sys_path"), "cache": j.get("cache"), "stride": res.stride,
-                        "digest": j["digest"], "peers": j.get("peers")}, fds=[res.dataset_fd, res.staging_fd])
+                        "digest": j["digest"], "peers": j.get("peers"), "code": j.get("code"),
+                        "code_desc": j.get("code_desc"), "layout": j.get("layout")},
+                   fds=[res.dataset_fd, res.staging_fd])
 
     def _wsend(self, w: _Worker, msg: dict, fds=()) -> bool:
         try:
@@ -325,36 +425,89 @@ class Hub:
                 if (gid, g) not in w.inflight or res is None:
                     continue
                 w.inflight.discard((gid, g))
-                self._act(res, res.group.done(g, bool(item.get("ok")), item.get("why", ""), item.get("info")))
-        elif op == "group_failed" and res is not None:
-            why = (f"the daemon could not load this dataset ({msg.get('why')}); prepare in the job "
-                   "(define the dataset's classes in an importable module, not in __main__)")
-            self.log(why)
-            res.broken = why
-            for conn, m, gid in list(self.members.values()):
-                if gid == res.group.gid:
-                    res.group.end_pass(m.mid)
-                    self._send(conn, {"op": "detach", "why": why, "permanent": True})
+                why = str(item.get("why", ""))
+                self._act(res, res.group.done(g, bool(item.get("ok")), why, item.get("info")))
+                if why.startswith(LAYOUT) and not res.broken:
+                    self._variable_shapes(res, why[len(LAYOUT):])
+        elif op == "group_ok" and res is not None and w in res.pending:
+            res.pending.discard(w)
+            res.ready.add(w)
+            res.failures = 0
+        elif op == "group_failed" and res is not None and w in res.pending:
+            self._setup_failed(w, res, str(msg.get("why")), bool(msg.get("code")))
 
-    def worker_gone(self, w: _Worker) -> None:
-        if w not in self.workers:
-            return
+    def _break(self, res: _GroupRes, why: str, permanent: bool) -> None:
+        """Every member of ``res`` leaves the stream (``permanent``: for good)
+        and prepares for itself, told ``why``."""
+        self.log(f"group {res.group.gid}: {why}")
+        res.broken, res.permanent = why, permanent
+        res.broken_at = max([m.epoch for m in res.group.members.values()] + [-1])
+        for conn, m, gid in list(self.members.values()):
+            if gid == res.group.gid:
+                self._outbox.pop(conn.fileno(), None)
+                res.group.end_pass(m.mid)
+                self._send(conn, {"op": "detach", "why": why, "permanent": permanent, "warn": True})
+
+    def _variable_shapes(self, res: _GroupRes, detail: str) -> None:
+        """Staging holds samples of one layout: a dataset whose samples differ
+        in shape cannot be shared, so the daemon stops preparing them."""
+        self._break(res, f"this dataset's samples differ in shape, dtype or structure ({detail}), so the daemon "
+                         "cannot stage them for sharing; to share, make every sample the same shape (e.g. a "
+                         "fixed-size crop or resize)", permanent=True)
+
+    def _setup_failed(self, w: _Worker, res: _GroupRes, why: str, code: bool) -> None:
+        """A worker could not set a group up.  Other code than the members'
+        is final for the group; anything else is the worker's: it is replaced
+        (its imports may be half done), and after a second failure in a row
+        the group waits for its members' next pass to be tried again."""
+        res.pending.discard(w)
+        pid = w.proc.pid
+        self._retire(w)
+        if code:
+            self._break(res, why, permanent=True)
+        else:
+            res.failures += 1
+            self.log(f"worker pid {pid} could not set up group {res.group.gid}: {why}")
+            if res.failures >= 2 and not res.ready:
+                self._break(res, f"the daemon's worker could not set this job's group up ({why}); this job "
+                                 "prepares its own samples meanwhile and the daemon tries again at its next epoch",
+                            permanent=False)
+        self._grow(res.pool)
+
+    def _forget(self, w: _Worker) -> None:
+        """``w`` is gone or going: reap it, fail its samples in flight."""
         self.workers.remove(w)
+        if w in w.pool.workers:
+            w.pool.workers.remove(w)
+        for res in self.groups.values():
+            res.ready.discard(w)
+            res.pending.discard(w)
         w.conn.close()
         try:
             w.proc.wait(timeout=2.0)
         except subprocess.TimeoutExpired:
             w.proc.kill()
             w.proc.wait()
-        self.log(f"worker pid {w.proc.pid} exited with {w.proc.returncode}")
         for (gid, g) in list(w.inflight):
             res = self.groups.get(gid)
             if res is not None:
-                self._act(res, res.group.done(g, False, f"the daemon's worker pid {w.proc.pid} died "
+                self._act(res, res.group.done(g, False, f"the daemon's worker pid {w.proc.pid} stopped "
                                                         f"(exit {w.proc.returncode})"))
         w.inflight.clear()
-        want = max([m.num_workers for _, m, _ in self.members.values()] + [1]) if self.members else 0
-        self._grow(want)
+
+    def worker_gone(self, w: _Worker) -> None:
+        if w not in self.workers:
+            return
+        setting_up = [res for res in self.groups.values() if w in res.pending]
+        self._forget(w)
+        self.log(f"worker pid {w.proc.pid} exited with {w.proc.returncode}")
+        for res in setting_up:   # died while setting a group up: a setup failure too (no endless respawns)
+            res.failures += 1
+            if res.failures >= 2 and not res.ready and not res.broken:
+                self._break(res, f"the daemon's worker pid {w.proc.pid} died while setting this job's group up "
+                                 f"(exit {w.proc.returncode}); this job prepares its own samples meanwhile and "
+                                 "the daemon tries again at its next epoch", permanent=False)
+        self._grow(w.pool)
 
     def pump(self) -> None:
         """Hand queued samples to workers with room, lowest position first;
@@ -374,10 +527,15 @@ class Hub:
             for res in list(self.groups.values()):
                 if res.broken:
                     continue
-                k = min(range(len(self.workers)), key=lambda k: len(self.workers[k].inflight))
+                # only the group's own pool's workers that set it up (or are setting it up:
+                # the tasks follow the setup on the same socket)
+                mine = [k for k, w in enumerate(self.workers) if w in res.ready or w in res.pending]
+                if not mine:
+                    continue
+                k = min(mine, key=lambda k: len(self.workers[k].inflight))
                 w = self.workers[k]
                 if len(w.inflight) >= _IN_FLIGHT:
-                    break
+                    continue
                 actions, task = res.group.next_task()
                 self._act(res, actions)
                 if task is None:
@@ -406,6 +564,7 @@ class Hub:
                 w.proc.wait()
             w.conn.close()
         self.workers.clear()
+        self.pools.clear()
         for conn, _, _ in list(self.members.values()):
             conn.close()
         self.members.clear()
@@ -423,21 +582,52 @@ class Hub:
             st["staged_bytes"] = (st["staged"] + st["preparing"]) * res.stride
             st["dataset"] = str(res.join.get("dataset", ""))[:200]
             st["broken"] = res.broken
+            st["code"] = str(res.join.get("code", ""))[:16]
+            st["worker_pids"] = [w.proc.pid for w in res.pool.workers] if res.pool else []
             groups.append(st)
         peers = [{"address": list(srv.address), "cache": cache.name, "job_pid": pid,
                   "connections": srv.connections, "samples_served": srv.samples_served,
                   "bytes_served": srv.bytes_served, "absent": srv.absent}
                  for srv, cache, pid in self.peer_servers.values()]
         return {"groups": groups, "worker_pids": [w.proc.pid for w in self.workers], "peer_servers": peers,
-                "staging_limit": self.staging_bytes, "caches": _caches()}
+                "staging_limit": self.staging_bytes,
+                "caches": _caches([None] + [p.shm_dir for p in self.pools.values()])}
 
 
-def _caches() -> list:
+def in_shm_dir(shm_dir, fn):
+    """``fn()`` with node caches in ``shm_dir`` (a job's ``COORDL_SHM_DIR``)
+    rather than the daemon's own.  The serve loop is the only thread that
+    attaches or detaches caches in the daemon, so the variable is swapped
+    around the call."""
+    from ..cache import shm_root
+
+    if not shm_dir or shm_dir == shm_root():
+        return fn()
+    old = os.environ.get("COORDL_SHM_DIR")
+    os.environ["COORDL_SHM_DIR"] = shm_dir
     try:
-        from ..cache import list_caches
+        return fn()
+    finally:
+        if old is None:
+            os.environ.pop("COORDL_SHM_DIR", None)
+        else:
+            os.environ["COORDL_SHM_DIR"] = old
 
-        return [{"name": c.name, "capacity": c.capacity, "filled": c.filled, "cached": c.cached,
-                 "samples": c.samples, "holders": c.holders} for c in list_caches()]
-    except Exception as e:  # the status must answer even if a cache is unreadable
-        return [{"name": f"(unreadable: {e})", "capacity": 0, "filled": 0, "cached": 0, "samples": 0,
-                 "holders": 0}]
+
+def _caches(dirs) -> list:
+    from ..cache import list_caches, shm_root
+
+    out, seen = [], set()
+    for d in dirs:
+        d = d or shm_root()
+        if d in seen:
+            continue
+        seen.add(d)
+        try:
+            out += [{"name": c.name, "capacity": c.capacity, "filled": c.filled, "cached": c.cached,
+                     "samples": c.samples, "holders": c.holders, "dir": d}
+                    for c in in_shm_dir(d, list_caches)]
+        except Exception as e:  # the status must answer even if a cache is unreadable
+            out.append({"name": f"(unreadable: {e})", "capacity": 0, "filled": 0, "cached": 0, "samples": 0,
+                        "holders": 0, "dir": d})
+    return out

@@ -18,8 +18,13 @@ Fallbacks, all at the exact sample where the stream stopped:
 * EOF on the socket (the daemon died) or no answer within
   ``_STALL`` seconds (a stuck daemon): the same, and the next pass connects
   again, starting a new daemon if none runs.
-* The dataset cannot be pickled, or its samples have no fixed layout:
-  one warning, and this loader never asks again.
+* The dataset cannot be pickled, its code cannot be identified
+  (:mod:`codeid`: a class from ``__main__``, a module without a source),
+  or its samples have no fixed layout: one warning, and this loader never
+  asks again.  The daemon ends the group for good (with one warning) when
+  its worker runs other code than this job or samples vary in shape, and
+  for now (warned once per cause; the next pass tries again) when no
+  worker could set the group up.
 """
 from __future__ import annotations
 
@@ -45,7 +50,8 @@ from .._torch_path import Envelope
 from ..errors import SampleError
 from ..stats import BatchStats
 from . import ipc
-from .worker import HDR, HEADER, MARK, layout_digest
+from .codeid import Unidentified, identity_of
+from .worker import HDR, HEADER, MARK, describe_layout, layout_digest
 
 __all__ = ["ShareMode", "SharedIter", "share_requested"]
 
@@ -103,6 +109,7 @@ class ShareMode(PipelineMode):
         self.self_prepared = 0
         self._reader = None
         self._first: tuple | None = None  # (G, sample) prepared here to learn the layout
+        self.told: set[str] = set()       # reasons of the daemon's temporary failures already warned about
 
     def start_pass(self, loader, epoch: int, start: int, skip: frozenset):
         self._stop_pin_thread()
@@ -194,22 +201,36 @@ class ShareMode(PipelineMode):
             self.off = f"the dataset cannot be pickled for the daemon ({type(e).__name__}: {e})"
             warnings.warn(f"coordl: share=True: {self.off}; this loader prepares in the job", stacklevel=5)
             return False
+        try:   # the code the dataset and its transforms run: a group runs one code
+            code, code_desc = identity_of(ds)
+        except Exception as e:
+            if not isinstance(e, Unidentified):
+                e = f"{type(e).__name__}: {e}"
+            self.off = f"cannot tell which code the dataset runs ({e})"
+            warnings.warn(f"coordl: share=True: {self.off}; this loader prepares in the job", stacklevel=5)
+            return False
         digest = layout_digest(self.layout1)
         fp = ds.fingerprint() if callable(getattr(ds, "fingerprint", None)) else ""
-        import coordl
-
-        key = hashlib.blake2b(json.dumps([
-            coordl.__version__, fp, hashlib.blake2b(blob, digest_size=20).hexdigest(), plan.seed,
-            plan.shuffle, plan.rank, plan.world_size, plan.num_samples,
-            plan.drop_last if plan.world_size > 1 else False, digest]).encode(), digest_size=20).hexdigest()
-        stride = (HEADER + self.layout1.nbytes + 63) // 64 * 64
         cache = loader._cache_spec()
+        from ..cache import shm_root
+
+        shm_dir = os.path.abspath(shm_root())
+        if cache is not None:
+            cache["shm_dir"] = shm_dir
+        key = hashlib.blake2b(json.dumps([
+            code, fp, hashlib.blake2b(blob, digest_size=20).hexdigest(), plan.seed,
+            plan.shuffle, plan.rank, plan.world_size, plan.num_samples,
+            plan.drop_last if plan.world_size > 1 else False, digest, shm_dir]).encode(),
+            digest_size=20).hexdigest()
+        stride = (HEADER + self.layout1.nbytes + 63) // 64 * 64
         msg = {"op": "join", "key": key, "name": _job_name(), "num_workers": loader.num_workers,
                "seed": plan.seed, "digest": digest, "stride": stride,
                "samples_per_epoch": plan.samples_per_epoch, "dataset": repr(ds)[:200],
                "plan": {"num_samples": plan.num_samples, "shuffle": plan.shuffle, "rank": plan.rank,
                         "world_size": plan.world_size, "drop_last": plan.drop_last},
-               "sys_path": [os.path.abspath(p) if p else os.getcwd() for p in sys.path], "cache": cache}
+               "sys_path": [os.path.abspath(p) if p else os.getcwd() for p in sys.path], "cache": cache,
+               "code": code, "code_desc": code_desc, "shm_dir": shm_dir,
+               "layout": describe_layout(self.layout1)}
         if loader._peers is not None:   # the daemon's workers read through the other nodes' caches too
             loader._peers.start(epoch)
             msg["peers"] = loader._peers.to_json()
@@ -368,6 +389,9 @@ class SharedIter:
                     self.mode.drop_link()
                     warnings.warn(f"coordl: share=True: {why}; this loader prepares its own samples from here "
                                   "on (nothing lost or repeated)", stacklevel=4)
+                elif msg.get("warn") and why not in self.mode.told:   # the group failed for now: once per cause
+                    self.mode.told.add(why)
+                    warnings.warn(f"coordl: share=True: {why} (nothing lost or repeated)", stacklevel=4)
                 return
             return
 

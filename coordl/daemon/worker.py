@@ -4,10 +4,15 @@ staging slots.
 The daemon starts it with one end of a socket pair (``--fd``) and talks to
 it with :mod:`ipc` frames (JSON, descriptors alongside):
 
-* ``{"op": "group", gid, seed, plan, sys_path, cache, stride, digest}`` with
-  two descriptors, the pickled dataset (a memfd a member of the same uid
-  sent; the server checked its peer credentials) and the group's staging
-  memfd.
+* ``{"op": "group", gid, seed, plan, sys_path, cache, stride, digest, code,
+  code_desc}`` with two descriptors, the pickled dataset (a memfd a member
+  of the same uid sent; the server checked its peer credentials) and the
+  group's staging memfd.  The dataset's code identity as unpickled here
+  must be ``code`` (:func:`_check_code`), else ``group_failed`` with
+  ``code: true`` and the parts that differ.  A worker serves one pool (one
+  code, ``sys.path`` and cache directory: ``COORDL_SHM_DIR`` is the jobs').
+  A sample whose layout differs from the group's fails with a reason that
+  starts with :data:`LAYOUT`.
 * ``{"op": "prep", gid, tasks: [[g, slot], ...]}``: for each, read the
   sample at global position ``g`` of the plan (epoch ``g //
   samples_per_epoch``) (node cache, then storage, admitting it), prepare
@@ -41,12 +46,13 @@ import time
 import traceback
 from concurrent.futures import ThreadPoolExecutor
 
-__all__ = ["HEADER", "HDR", "MARK", "layout_digest", "main"]
+__all__ = ["HEADER", "HDR", "MARK", "LAYOUT", "CodeMismatch", "describe_layout", "layout_digest", "main"]
 
 HEADER = 64
 _DONE_BATCH = 4   # finished samples reported in one message (fewer wake-ups of the daemon)
 HDR = struct.Struct("<qqqq")   # epoch, global position, index, marker
 MARK = 0x636F6F72646C          # "coordl": a complete sample
+LAYOUT = "layout: "            # a failure's reason starts with it when the sample's shapes differ
 
 
 def layout_digest(layout) -> str:
@@ -61,6 +67,16 @@ def layout_digest(layout) -> str:
 class _Group:
     def __init__(self, msg: dict, fds: list[int], caches: dict) -> None:
         dfd, sfd = fds
+        try:
+            self._setup(msg, dfd, sfd, caches)
+        except BaseException:
+            try:
+                os.close(sfd)
+            except OSError:
+                pass   # closed already (mapped)
+            raise
+
+    def _setup(self, msg: dict, dfd: int, sfd: int, caches: dict) -> None:
         try:   # pread: every worker's descriptor shares one file offset with the hub's
             size = os.fstat(dfd).st_size
             parts, off = [], 0
@@ -78,12 +94,13 @@ class _Group:
                 sys.path.insert(0, p)
         # the bytes come from a process of this same user (SO_PEERCRED-checked by the server)
         self.dataset = pickle.loads(blob)
+        _check_code(self.dataset, msg)
         self.seed = int(msg["seed"])
         self.stride = int(msg["stride"])
         self.digest = msg["digest"]
+        self.first_layout = str(msg.get("layout") or "another layout")[:300]
         size = os.fstat(sfd).st_size
         self.mm = mmap.mmap(sfd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-        os.close(sfd)
         self.cache = None
         c = msg.get("cache")
         if c:
@@ -112,6 +129,7 @@ class _Group:
                               rank=int(p["rank"]), world_size=int(p["world_size"]))
         self.n = self.plan.samples_per_epoch
         self._order = (-1, None)
+        os.close(sfd)
 
     def index(self, g: int) -> tuple[int, int]:
         """(epoch, dataset index) of global position ``g``."""
@@ -129,6 +147,46 @@ class _Group:
             pass   # the node cache stays: the daemon holds it while it runs (worker exit closes it)
 
 
+class CodeMismatch(Exception):
+    """This worker imported other code than the group's members run."""
+
+
+def _check_code(dataset, msg: dict) -> None:
+    """Prepare for a group only with the code its members run: the identity
+    of the dataset as unpickled here (the modules this worker imported
+    from the group's sys.path, its library versions) must be the one the
+    members computed (``coordl.daemon.codeid``)."""
+    want = msg.get("code")
+    if not want:
+        raise CodeMismatch("the job sent no code identity")
+    from .codeid import Unidentified, identity_of
+
+    try:
+        have, desc = identity_of(dataset)
+    except Unidentified as e:
+        raise CodeMismatch(f"the daemon's worker cannot identify the dataset's code: {e}") from None
+    if have != want:
+        theirs = list(msg.get("code_desc") or [])
+        diff = [d for d in desc if d not in theirs] + [d for d in theirs if d not in desc]
+        names = sorted({d.split(" ")[0] for d in diff})
+        raise CodeMismatch(
+            "the daemon's workers would run other code than this job: "
+            + (", ".join(names[:8]) or "the code") + " differ between the job and what the worker imports "
+            "(a module edited after the job imported it, or a daemon started from another environment); "
+            "restart the job to share, or stop the daemon (coordl daemon stop) if its environment differs")
+
+
+def describe_layout(layout) -> str:
+    """A one-sample layout for messages: each leaf's kind, dtype and shape."""
+    if layout is None:
+        return "no fixed layout"
+    return ", ".join(f"{l.kind} {l.dtype} {tuple(l.shape)}" if l.kind in ("tensor", "numpy") else l.kind
+                     for l in layout.leaves)
+
+
+_describe = describe_layout
+
+
 def _write(grp: _Group, slot: int, sample, epoch: int, g: int, i: int) -> str | None:
     """Write ``sample`` into ``slot``; a reason when it does not fit the layout."""
     import numpy as np
@@ -139,11 +197,11 @@ def _write(grp: _Group, slot: int, sample, epoch: int, g: int, i: int) -> str | 
     if layout is None:
         layout = _collate.layout_of(sample, 1)
         if layout is None or layout_digest(layout) != grp.digest:
-            return "the sample's structure, dtypes or shapes differ from the group's"
+            return LAYOUT + f"sample {i}: {_describe(layout)}; the first: {grp.first_layout}"
         grp.layout = layout
     leaves = layout.leaves_of(sample)
     if leaves is None:
-        return "the sample's structure, dtypes or shapes differ from the group's"
+        return LAYOUT + f"sample {i}: {_describe(_collate.layout_of(sample, 1))}; the first: {_describe(layout)}"
     base = slot * grp.stride
     buf = np.frombuffer(grp.mm, dtype=np.uint8, count=layout.nbytes, offset=base + HEADER)
     try:
@@ -200,8 +258,11 @@ def main(fd: int) -> int:
                         groups[int(msg["gid"])] = _Group(msg, fds, caches)
                         conn.send({"op": "group_ok", "gid": msg["gid"]})
                     except BaseException as e:
+                        if isinstance(e, KeyboardInterrupt):
+                            raise
                         conn.send({"op": "group_failed", "gid": msg["gid"],
-                                   "why": f"{type(e).__name__}: {e}"})
+                                   "code": isinstance(e, CodeMismatch),
+                                   "why": str(e) if isinstance(e, CodeMismatch) else f"{type(e).__name__}: {e}"})
                     continue
                 for f in fds:
                     os.close(f)

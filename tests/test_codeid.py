@@ -1,0 +1,133 @@
+"""The code identity of a dataset (coordl.daemon.codeid), in process: what
+changes it and what cannot be identified."""
+import importlib
+import os
+import sys
+
+import pytest
+
+from coordl.daemon.codeid import Unidentified, identity_of
+
+SRC = """\
+import helper_{tag}
+
+
+class MyAug:
+    def __init__(self):
+        self.k = 3
+
+    def __call__(self, x):
+        return {body}
+
+
+class Box:
+    def __init__(self, t):
+        self.transform = t
+"""
+HELPER = "def twice(x):\n    return {body}\n"
+
+
+def _load(tmp_path, tag, body="x", helper="x * 2"):
+    d = tmp_path / tag
+    d.mkdir(exist_ok=True)
+    (d / f"aug_{tag}.py").write_text(SRC.format(tag=tag, body=body))
+    (d / f"helper_{tag}.py").write_text(HELPER.format(body=helper))
+    sys.path.insert(0, str(d))
+    try:
+        importlib.invalidate_caches()
+        for m in (f"aug_{tag}", f"helper_{tag}"):
+            sys.modules.pop(m, None)
+        mod = importlib.import_module(f"aug_{tag}")
+    finally:
+        sys.path.remove(str(d))
+    return mod
+
+
+@pytest.fixture(autouse=True)
+def _forget_modules():
+    yield
+    for m in [m for m in sys.modules if m.startswith(("aug_", "helper_"))]:
+        del sys.modules[m]
+
+
+def test_same_code_same_identity_and_any_change_differs(tmp_path):
+    a = _load(tmp_path, "a")
+    one, desc = identity_of(a.Box(a.MyAug()))
+    assert identity_of(a.Box(a.MyAug()))[0] == one
+    assert any(d.startswith("aug_a ") for d in desc) and any(d.startswith("helper_a ") for d in desc)
+    assert any(d.startswith("torch ") for d in desc) and any(d.startswith("numpy ") for d in desc)
+    b = _load(tmp_path, "a", body="x + 1")                     # the module edited
+    assert identity_of(b.Box(b.MyAug()))[0] != one
+    c = _load(tmp_path, "a", helper="x * 3")                  # a module it reaches, edited
+    assert identity_of(c.Box(c.MyAug()))[0] != one
+
+
+def test_running_code_counts_not_only_the_file(tmp_path):
+    a = _load(tmp_path, "r")
+    before = identity_of(a.Box(a.MyAug()))[0]
+    (tmp_path / "r" / "aug_r.py").write_text(SRC.format(tag="r", body="x"))   # same text: same identity
+    assert identity_of(a.Box(a.MyAug()))[0] == before
+    a.MyAug.__call__.__code__ = (lambda self, x: -x).__code__                # the code in memory changed
+    assert identity_of(a.Box(a.MyAug()))[0] != before
+
+
+class InMain:
+    pass
+
+
+def test_main_and_sourceless_modules_cannot_be_identified(monkeypatch):
+    import types
+
+    monkeypatch.setattr(InMain, "__module__", "__main__")
+    monkeypatch.setattr(sys.modules["__main__"], "InMain", InMain, raising=False)
+    with pytest.raises(Unidentified, match="__main__"):
+        identity_of(InMain())
+    mod = types.ModuleType("nofile_mod")
+    exec("class K:\n    pass\n", mod.__dict__)
+    mod.K.__module__ = "nofile_mod"
+    monkeypatch.setitem(sys.modules, "nofile_mod", mod)
+    with pytest.raises(Unidentified, match="no source file"):
+        identity_of(mod.K())
+
+
+def test_library_versions_are_part_of_it():
+    import coordl
+    from coordl import transforms as T
+
+    ds = coordl.ImageFolder.__new__(coordl.ImageFolder)
+    ds.__dict__["transform"] = T.Compose([T.PILToTensor()])
+    _, desc = identity_of(ds)
+    names = {d.split(" ")[0] for d in desc}
+    assert {"python", "coordl", "torch", "numpy", "PIL", "simplejpeg"} <= names
+    assert any(d.startswith("coordl.transforms ") or d.startswith("coordl source") for d in desc)
+
+
+def test_the_same_in_every_process_whatever_the_hash_seed(tmp_path):
+    """Set constants (``x in {"a", "b"}``) print in an order that follows
+    string hashing; the identity must not."""
+    import subprocess
+
+    (tmp_path / "setconst.py").write_text(
+        "class Aug:\n    def __call__(self, x):\n        return x if x in {'alpha', 'beta', 'gamma', 'delta'} else 0\n")
+    code = ("import sys; sys.path.insert(0, %r)\n"
+            "import setconst\n"
+            "from coordl.daemon.codeid import identity_of\n"
+            "print(identity_of(setconst.Aug())[0])\n" % str(tmp_path))
+    out = set()
+    for seed in ("1", "2", "3"):
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                           env={**os.environ, "PYTHONHASHSEED": seed})
+        assert r.returncode == 0, r.stderr
+        out.add(r.stdout.strip())
+    assert len(out) == 1, out
+
+
+def test_a_helper_module_edited_after_import_differs_from_a_fresh_import(tmp_path):
+    a = _load(tmp_path, "h")
+    box = a.Box(a.MyAug())
+    before = identity_of(box)[0]
+    (tmp_path / "h" / "helper_h.py").write_text(HELPER.format(body="x * 5"))   # edited on disk only
+    stale = identity_of(box)[0]
+    fresh = _load(tmp_path, "h", helper="x * 5")
+    assert stale != before                                   # the file changed
+    assert stale != identity_of(fresh.Box(fresh.MyAug()))[0]  # and this process does not run it
