@@ -15,9 +15,14 @@ Fallbacks, all at the exact sample where the stream stopped:
 * ``detach`` from the daemon (this job fell further behind than staging
   holds): the rest of the pass runs on the job's own pipeline (node cache
   still used); the next pass rejoins.
-* EOF on the socket (the daemon died) or no answer within
-  ``_STALL`` seconds (a stuck daemon): the same, and the next pass connects
-  again, starting a new daemon if none runs.
+* EOF on the socket (the daemon died), or no answer to a ping within
+  ``COORDL_DAEMON_TIMEOUT`` seconds (default 10: a stopped or hung daemon;
+  one that is alive but busy serving others answers pings at once, so it
+  is never taken for dead), or no sample delivered for ``_STALL`` seconds
+  while it answers: the same, and the next pass connects again, starting
+  a new daemon if none runs.  A daemon found hung is not asked again for
+  ``_RETRY_HUNG`` timeouts, unless its socket changed (a restarted daemon
+  is found at the next pass, within one timeout).
 * The dataset cannot be pickled, or its samples have no fixed layout:
   one warning, and this loader never asks again.
 """
@@ -28,7 +33,7 @@ import json
 import mmap
 import os
 import pickle
-import select
+import selectors
 import sys
 import time
 import warnings
@@ -49,8 +54,14 @@ from .worker import HDR, HEADER, MARK, layout_digest
 
 __all__ = ["ShareMode", "SharedIter", "share_requested"]
 
-_STALL = 60.0   # seconds without any message from the daemon while waiting: give up on it
-_POLL = 1.0
+_STALL = 60.0   # seconds without a sample while the daemon answers pings: give up on it
+_RETRY_HUNG = 6  # timeouts before a daemon found hung (same socket) is tried again
+
+
+def _timeout() -> float:
+    from . import server
+
+    return server.answer_timeout()
 
 
 def share_requested(share) -> bool:
@@ -103,6 +114,7 @@ class ShareMode(PipelineMode):
         self.self_prepared = 0
         self._reader = None
         self._first: tuple | None = None  # (G, sample) prepared here to learn the layout
+        self._hung: tuple | None = None   # (socket id, when) of a daemon that did not answer
 
     def start_pass(self, loader, epoch: int, start: int, skip: frozenset):
         self._stop_pin_thread()
@@ -154,6 +166,13 @@ class ShareMode(PipelineMode):
             return None
         if self.link is not None and not self.link.alive:
             self.drop_link()
+        if self.link is None and self._hung is not None:
+            from . import server
+
+            if (server.socket_id() == self._hung[0]
+                    and time.monotonic() - self._hung[1] < _RETRY_HUNG * _timeout()):
+                return None      # the same daemon did not answer a moment ago: not another timeout now
+            self._hung = None
         if self.link is None and not self._connect(loader, epoch, steps[0]):
             return None
         try:
@@ -219,13 +238,16 @@ class ShareMode(PipelineMode):
             os.fchmod(fd, 0o600)
             _write_all(fd, blob)
             try:
-                server.start()
-                conn = ipc.connect(server.socket_path(), timeout=10.0)
-                conn.send(msg, fds=[fd], timeout=10.0)
-                reply, fds = conn.recv(timeout=30.0)
+                t = _timeout()
+                server.start(answer=t)
+                conn = ipc.connect(server.socket_path(), timeout=t)
+                conn.send(msg, fds=[fd], timeout=t)
+                reply, fds = conn.recv(timeout=t)
             except (OSError, ConnectionError, TimeoutError, RuntimeError) as e:
                 if conn is not None:
                     conn.close()
+                if isinstance(e, TimeoutError):
+                    self._hung = (server.socket_id(), time.monotonic())
                 warnings.warn(f"coordl: share=True: cannot reach the node daemon ({e}); this pass "
                               "prepares in the job and the next one tries again", stacklevel=5)
                 return False
@@ -316,7 +338,11 @@ class SharedIter:
         except (OSError, ValueError):
             self._lost("the node daemon closed the connection")
 
-    def _lost(self, why: str) -> None:
+    def _lost(self, why: str, hung: bool = False) -> None:
+        if hung:
+            from . import server
+
+            self.mode._hung = (server.socket_id(), time.monotonic())
         if self.mode.link is not None:
             warnings.warn(f"coordl: share=True: {why}; this job prepares its own samples from here "
                           "(nothing lost or repeated) and reconnects at its next epoch", stacklevel=4)
@@ -337,39 +363,61 @@ class SharedIter:
         if link is None:
             self.attached = False
             return
-        waited = 0.0
-        while True:
-            r = select.select([link.conn], [], [], _POLL if block else 0)[0]
-            if not r:
-                if not block:
+        t = _timeout()
+        ping_every = max(0.05, t / 4)
+        start = heard = pinged = time.monotonic()
+        poller = selectors.DefaultSelector()
+        poller.register(link.conn.sock, selectors.EVENT_READ)
+        try:
+            while True:
+                r = poller.select(min(ping_every, 1.0) if block else 0)
+                now = time.monotonic()
+                if not r:
+                    if not block:
+                        return
+                    if now - heard >= t:     # it did not even answer a ping: stopped or hung
+                        self._lost(f"the node daemon (pid {link.conn.peer_pid}) did not answer for {t:g} s "
+                                   "(COORDL_DAEMON_TIMEOUT)", hung=True)
+                        return
+                    if now - start >= _STALL:  # it answers, but our samples do not come
+                        self._lost(f"the node daemon (pid {link.conn.peer_pid}) delivered nothing for "
+                                   f"{_STALL:g} s")
+                        return
+                    if now - max(heard, pinged) >= ping_every:
+                        pinged = now          # liveness by progress: are you there, busy with others?
+                        self._send({"op": "ping"})
+                        if not self.attached:
+                            return
+                    continue
+                try:
+                    msg, fds = link.conn.recv(timeout=t)
+                except (ConnectionError, TimeoutError, OSError) as e:
+                    self._lost(f"lost the node daemon (pid {link.conn.peer_pid}): {e}",
+                               hung=isinstance(e, TimeoutError))
                     return
-                waited += _POLL
-                if waited >= _STALL:
-                    self._lost(f"the node daemon (pid {link.conn.peer_pid}) sent nothing for {_STALL:g} s")
-                    return
-                continue
-            try:
-                msg, fds = link.conn.recv(timeout=30.0)
-            except (ConnectionError, TimeoutError, OSError) as e:
-                self._lost(f"lost the node daemon (pid {link.conn.peer_pid}): {e}")
-                return
-            for fd in fds:
-                os.close(fd)
-            op = msg.get("op")
-            if op == "ready":
-                for item in msg["items"]:
-                    self.got[int(item[0])] = item
-            elif op == "detach":
-                why = msg.get("why", "")
-                self._send({"op": "end", "shared": self.mode.shared, "self": self.mode.self_prepared})
-                self.attached = False
-                if msg.get("permanent"):   # a detach for being slow is normal: stats() counts it
-                    self.mode.off = why
-                    self.mode.drop_link()
-                    warnings.warn(f"coordl: share=True: {why}; this loader prepares its own samples from here "
-                                  "on (nothing lost or repeated)", stacklevel=4)
-                return
+                heard = time.monotonic()
+                for fd in fds:
+                    os.close(fd)
+                op = msg.get("op")
+                if op == "pong":
+                    continue
+                break
+        finally:
+            poller.close()
+        if op == "ready":
+            for item in msg["items"]:
+                self.got[int(item[0])] = item
+        elif op == "detach":
+            why = msg.get("why", "")
+            self._send({"op": "end", "shared": self.mode.shared, "self": self.mode.self_prepared})
+            self.attached = False
+            if msg.get("permanent"):   # a detach for being slow is normal: stats() counts it
+                self.mode.off = why
+                self.mode.drop_link()
+                warnings.warn(f"coordl: share=True: {why}; this loader prepares its own samples from here "
+                              "on (nothing lost or repeated)", stacklevel=4)
             return
+        return
 
     # ------------------------------------------------------------ batches
     def __next__(self) -> Envelope:
