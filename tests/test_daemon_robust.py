@@ -413,3 +413,24 @@ def test_bad_positions_do_not_use_up_or_crash_workers(photos, daemon_env):
     assert st["pid"] == pid and st["worker_pids"] == first    # no worker crashed
     _alive_and_serving(pid, photos)
     assert S.status()["worker_pids"] == first
+
+
+def test_no_select_in_the_library():
+    """select() fails on descriptors past 1024: poll or selectors only."""
+    import ast
+
+    import coordl
+
+    top = os.path.dirname(coordl.__file__)
+    bad = []
+    for d, _, files in os.walk(top):
+        for f in files:
+            if f.endswith(".py"):
+                path = os.path.join(d, f)
+                with open(path) as fh:
+                    tree = ast.parse(fh.read())
+                for node in ast.walk(tree):
+                    if (isinstance(node, ast.Attribute) and node.attr == "select"
+                            and isinstance(node.value, ast.Name) and node.value.id == "select"):
+                        bad.append(f"{os.path.relpath(path, top)}:{node.lineno}")
+    assert not bad, f"select.select in {bad}"

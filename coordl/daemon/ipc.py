@@ -166,6 +166,7 @@ class Conn:
         self._out: collections.deque = collections.deque()   # [memoryview, [dup'd fds]]
         self.out_bytes = 0
         self.on_close = None               # called once, before the socket closes (the owner unregisters it)
+        self._reg_fd: int | None = None    # the descriptor the owner's poller knows it by
 
     def fileno(self) -> int:
         return self.sock.fileno()
