@@ -380,6 +380,28 @@ def test_a_hung_daemon_costs_a_job_one_short_deadline(photos, daemon_env):
     os.kill(pid, signal.SIGCONT)
 
 
+def test_a_restarted_daemon_is_found_within_one_timeout(photos, daemon_env):
+    """Mid-pass: the daemon is SIGKILLed, a new one starts; the job takes
+    its stream again within one timeout (2 s here), not at its next epoch."""
+    ref = _digests(photos, epochs=1, bs=2)
+    pid = S.start()
+    job = _job(photos, "--sleep", "1.0", "--epochs", "1", "--batch-size", "2")
+    first = _until_step(job, 1)
+    os.kill(pid, signal.SIGKILL)
+    psutil.Process(pid).wait(10)
+    time.sleep(0.5)
+    new = S.start()
+    seen = False
+    deadline = time.monotonic() + 12.0         # the job has ~10 s of its epoch left
+    while time.monotonic() < deadline and not seen:
+        st = S.status() or {}
+        seen = any(m["pid"] == job.pid for g in st.get("groups", []) for m in g["members"])
+        time.sleep(0.2)
+    lines, err = _lines(job, 60)
+    _check(first + lines, ref)
+    assert new != pid and seen, err
+
+
 def test_truncated_frames_do_not_block_the_daemon(photos, daemon_env):
     pid = S.start()
     socks = []

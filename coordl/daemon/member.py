@@ -87,6 +87,9 @@ class _Link:
     def __init__(self, conn: ipc.Conn, mm: mmap.mmap, stride: int, gid: int) -> None:
         self.conn, self.mm, self.stride, self.gid = conn, mm, stride, gid
         self.alive = True
+        from . import server
+
+        self.sid = server.socket_id()   # the daemon's socket file: a daemon started in its place has another
 
     def close(self) -> None:
         self.alive = False
@@ -305,6 +308,8 @@ class SharedIter:
         self.got: dict[int, list] = {}
         self.release: list[int] = []
         self.local = None     # the job's own pipeline, after a detach
+        self._lost_sid = None  # the socket (device, inode) of a daemon this pass lost
+        self._looked = 0.0     # when it last looked for a daemon started in that one's place
         self.window = max(32, min(1024, 2 * (bs or 1) * max(1, loader.prefetch_factor or 2) // 2))
         link = mode.link
         self.window = min(self.window, max(4, link.mm.size() // link.stride // 4))
@@ -339,13 +344,17 @@ class SharedIter:
             self._lost("the node daemon closed the connection")
 
     def _lost(self, why: str, hung: bool = False) -> None:
-        if hung:
-            from . import server
+        from . import server
 
-            self.mode._hung = (server.socket_id(), time.monotonic())
+        link = self.mode.link
+        self._lost_sid = (link.sid if link is not None else None) or server.socket_id() or (0, 0)
+        self._looked = time.monotonic()
+        if hung:
+            self.mode._hung = (self._lost_sid, time.monotonic())
         if self.mode.link is not None:
             warnings.warn(f"coordl: share=True: {why}; this job prepares its own samples from here "
-                          "(nothing lost or repeated) and reconnects at its next epoch", stacklevel=4)
+                          "(nothing lost or repeated) and reconnects at its next epoch, or as soon as "
+                          "a new daemon runs", stacklevel=4)
             self.mode.drop_link()
         self.attached = False
 
@@ -421,11 +430,13 @@ class SharedIter:
 
     # ------------------------------------------------------------ batches
     def __next__(self) -> Envelope:
+        if self.local is not None and not self._rejoin():
+            env = next(self.local)
+            self.idx += 1
+            return env
         if self.idx >= len(self.steps):
             self._leave(complete=True)
             raise StopIteration
-        if self.local is not None:
-            return next(self.local)
         k, rows = self.steps[self.idx], self.rows[self.idx]
         want_g = [self.base + p for p in rows]
         first = self.mode._first[0] if self.mode._first is not None else None
@@ -450,6 +461,40 @@ class SharedIter:
         if not self.attached and self.idx < len(self.steps) and self.local is None:
             self._go_local()
         return env
+
+    def _rejoin(self) -> bool:
+        """After losing the daemon mid-pass: once per ``COORDL_DAEMON_TIMEOUT``,
+        look for a daemon started in its place (a new socket file); if one
+        runs, join it and take the rest of the pass from its stream, from
+        the next step (the batches the own pipeline prepared ahead are
+        dropped: they are the same batches).  So a restarted daemon is found
+        within one timeout, not at the next epoch."""
+        if self._lost_sid is None or self.idx >= len(self.steps) or not self.loader.in_order:
+            return False
+        now = time.monotonic()
+        if now - self._looked < _timeout():
+            return False
+        self._looked = now
+        from . import server
+
+        sid = server.socket_id()
+        mode = self.mode
+        if sid is None or sid == self._lost_sid or mode.off is not None or mode.link is not None:
+            return False
+        self._lost_sid = sid          # one try per daemon
+        if not mode._connect(self.loader, self.epoch, self.steps[self.idx]):
+            return False
+        self.local.shutdown_workers()
+        self.local = None
+        self._lost_sid = None
+        link = mode.link
+        self.window = min(self.window, max(4, link.mm.size() // link.stride // 4))
+        self.got.clear()
+        self.release = []
+        self.cursor = self.asked = sum(len(r) for r in self.rows[:self.idx])
+        self.attached = True
+        self._send({"op": "pass", "epoch": self.epoch, "start": self.flat[self.cursor], "end": self.base + self.n})
+        return self.attached
 
     def _go_local(self) -> None:
         """The rest of the pass on this job's own pipeline, from the next step."""
