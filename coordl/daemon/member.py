@@ -21,8 +21,11 @@ Fallbacks, all at the exact sample where the stream stopped:
   is never taken for dead), or no sample delivered for ``_STALL`` seconds
   while it answers: the same, and the next pass connects again, starting
   a new daemon if none runs.  A daemon found hung is not asked again for
-  ``_RETRY_HUNG`` timeouts, unless its socket changed (a restarted daemon
-  is found at the next pass, within one timeout).
+  ``_RETRY_HUNG`` timeouts, unless its socket changed.  A pass that lost
+  its daemon looks once per timeout for one started in its place (a new
+  socket file) and takes the rest of the pass from it
+  (:meth:`SharedIter._rejoin`): a restarted daemon is found within one
+  timeout.
 * The dataset cannot be pickled, or its samples have no fixed layout:
   one warning, and this loader never asks again.
 """
