@@ -317,8 +317,11 @@ def serve(ready_fd: int | None = None, staging_bytes: int | None = None) -> int:
                     sel.modify(fd, want, c)
             events = sel.select(_TICK)
             now = time.monotonic()
-            if now - last > 2 * _TICK + 1.0:
-                hub.paused(now - last)    # this process was stopped: nobody made no progress meanwhile
+            if now - last > 2 * _TICK + 1.0:   # this process did not run (stopped): no clock ran on others
+                hub.paused(now - last)
+                for c in conns.values():
+                    if c.partial_since is not None:
+                        c.partial_since += now - last
             for key, mask in events:
                 c = key.data
                 if c is None:
