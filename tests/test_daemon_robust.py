@@ -456,3 +456,39 @@ def test_no_select_in_the_library():
                             and isinstance(node.value, ast.Name) and node.value.id == "select"):
                         bad.append(f"{os.path.relpath(path, top)}:{node.lineno}")
     assert not bad, f"select.select in {bad}"
+
+
+def test_nonblocking_frames_arrive_whole_with_their_descriptors():
+    """The daemon's side of a connection: a frame sent in pieces is returned
+    once complete, with the descriptors that came with its first byte; a
+    queued answer keeps its descriptor even if the sender closes its own."""
+    a, b = socket.socketpair()
+    ca, cb = ipc.Conn(a, 0), ipc.Conn(b, 0)
+    cb.sock.setblocking(False)
+    try:
+        fd = os.memfd_create("x")
+        os.write(fd, b"hello")
+        frame = ipc._frame({"op": "join", "pad": "x" * 100}, [fd])
+        import array
+
+        a.sendmsg([frame[:5]], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [fd]))])
+        assert cb.read_ready() == [] and cb.partial_since is not None
+        a.sendall(frame[5:50])
+        assert cb.read_ready() == []
+        a.sendall(frame[50:] + ipc._frame({"op": "status"}, []))
+        got = cb.read_ready()
+        assert [m["op"] for m, _ in got] == ["join", "status"] and len(got[0][1]) == 1 and got[1][1] == []
+        assert os.pread(got[0][1][0], 5, 0) == b"hello" and cb.partial_since is None
+        os.close(got[0][1][0])
+        cb.queue({"op": "joined"}, [fd])
+        os.close(fd)                      # the queued copy is its own
+        assert cb.write_ready()
+        msg, fds = ca.recv(timeout=5)
+        assert msg == {"op": "joined"} and os.pread(fds[0], 5, 0) == b"hello"
+        os.close(fds[0])
+        a.sendall(b"XX\x01\x00\x00\x00\x00\x02{}")
+        with pytest.raises(ipc.ProtocolError):
+            cb.read_ready()
+    finally:
+        ca.close()
+        cb.close()
