@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import mmap
 import os
-import signal
 import socket
 import subprocess
 import sys

@@ -222,7 +222,8 @@ def main(fd: int) -> int:
                                             "why": "the worker has no such group"})
                             continue
                         try:   # (the daemon checks positions; a bad one is failed here, never fatal)
-                            if type(g) is not int or g < 0 or type(slot) is not int or not 0 <= slot * grp.stride < len(grp.mm):
+                            bad_slot = type(slot) is not int or not 0 <= slot * grp.stride < len(grp.mm)
+                            if type(g) is not int or g < 0 or bad_slot:
                                 raise ValueError(f"bad task {[g, slot]!r}")
                             epoch, i = grp.index(g)
                         except (ValueError, TypeError, IndexError) as e:
