@@ -424,29 +424,37 @@ def test_bad_positions_do_not_use_up_or_crash_workers(photos, daemon_env):
     daemon drops that member; no worker crashes or loses its slots."""
     pid = S.start()
     code = _MEMBER.format(here=HERE, root=photos) + (
-        "bad = [{'op': 'pass', 'epoch': 0, 'start': -40, 'end': 48},\n"
-        "       {'op': 'step', 'pos': 8, 'need': 16, 'release': [], 'want': [-3, -2, -1]},\n"
-        "       {'op': 'step', 'pos': 8, 'need': 48, 'release': [],\n"
-        "        'want': [8.5, 9.5, 10.5, 11.5, 12.5, 13.5, 14.5, 15.5, 16.5, '17']}]\n"
+        "bad = [[{'op': 'pass', 'epoch': 0, 'start': -40, 'end': 48},\n"
+        "        {'op': 'step', 'pos': -40, 'need': -30, 'release': [], 'want': [-3, -2, -1]}],\n"
+        "       [{'op': 'step', 'pos': 8, 'need': 48, 'release': [],\n"
+        "         'want': [8.5, 9.5, 10.5, 11.5, 12.5, 13.5, 14.5, 15.5, 16.5]}]]\n"
         "loaders = [ld]\n"
-        "for msg in bad:\n"
+        "for msgs in bad:\n"
         "    if len(loaders) > 1:\n"
         "        ld = coordl.DataLoader(dataset({root!r}, 32), batch_size=8, seed=7, share=True)\n"
         "        it = iter(ld); next(it)\n"
         "    loaders.append(ld)\n"
-        "    try:\n"
-        "        ld._mode.link.conn.send(msg)\n"
-        "    except OSError:\n"
-        "        pass\n"
+        "    for msg in msgs:\n"
+        "        try:\n"
+        "            ld._mode.link.conn.send(msg)\n"
+        "        except OSError:\n"
+        "            pass\n"
         "time.sleep(1.5)\n"
         "from coordl.daemon import server as S\n"
-        "print(json.dumps(S.status()['worker_pids']))\n"
+        "print(json.dumps(S.status()['worker_pids']), flush=True)\n"
+        "sys.stdin.readline()\n"        # its members stay (a group whose members all leave is dropped)
         "os._exit(0)\n").replace("{root!r}", repr(photos))
-    first = json.loads(_child(code, 90).strip().splitlines()[-1])
-    st = S.status()
-    assert first and st["pid"] == pid and st["worker_pids"] == first    # no worker crashed
-    _alive_and_serving(pid, photos)
-    assert S.status()["worker_pids"] == first
+    p = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                         env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    try:
+        first = json.loads(p.stdout.readline())
+        st = S.status()
+        assert first and st["pid"] == pid and st["worker_pids"] == first    # no worker crashed
+        _alive_and_serving(pid, photos)       # the same group: its workers' slots are not used up
+        assert S.status()["worker_pids"] == first
+    finally:
+        p.kill()
+        p.communicate()
 
 
 def test_no_select_in_the_library():
