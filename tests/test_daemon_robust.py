@@ -424,6 +424,8 @@ def test_bad_positions_do_not_use_up_or_crash_workers(photos, daemon_env):
     daemon drops that member; no worker crashes or loses its slots."""
     pid = S.start()
     code = _MEMBER.format(here=HERE, root=photos) + (
+        "from coordl.daemon import server as S\n"
+        "print(json.dumps(S.status()['worker_pids']), flush=True)\n"
         "bad = [[{'op': 'pass', 'epoch': 0, 'start': -40, 'end': 48},\n"
         "        {'op': 'step', 'pos': -40, 'need': -30, 'release': [], 'want': [-3, -2, -1]}],\n"
         "       [{'op': 'step', 'pos': 8, 'need': 48, 'release': [],\n"
@@ -440,14 +442,14 @@ def test_bad_positions_do_not_use_up_or_crash_workers(photos, daemon_env):
         "        except OSError:\n"
         "            pass\n"
         "time.sleep(1.5)\n"
-        "from coordl.daemon import server as S\n"
-        "print(json.dumps(S.status()['worker_pids']), flush=True)\n"
+        "print('sent', flush=True)\n"
         "sys.stdin.readline()\n"        # its members stay (a group whose members all leave is dropped)
         "os._exit(0)\n").replace("{root!r}", repr(photos))
     p = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
                          env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
     try:
-        first = json.loads(p.stdout.readline())
+        first = json.loads(p.stdout.readline())     # before the bad messages
+        assert p.stdout.readline().strip() == "sent"
         st = S.status()
         assert first and st["pid"] == pid and st["worker_pids"] == first    # no worker crashed
         _alive_and_serving(pid, photos)       # the same group: its workers' slots are not used up
