@@ -87,7 +87,7 @@ import _host  # noqa: E402
 import cache as cachebench  # noqa: E402  (block-device counters, drop_caches)
 
 CONFIGS = ("solo", "K2", "K4", "shared-K1", "shared-K2", "shared-K4", "shared-mixed",
-           "shared-fast3", "shared-fast3+slow")
+           "shared-fast3", "shared-fast3+slow", "shared-idle")
 
 
 # ===================================================================== cgroup
@@ -252,6 +252,10 @@ STEPS = {
     # the issue's "mean over the batch": converts every pixel to float, ~0.5 ms
     # of CPU per 224x224 image here, a quarter of what preparing it costs
     "mean": lambda images: images.float().mean(),
+    # issue 18's CPU step (the same work, its result taken to Python)
+    "cpu": lambda images: float(images.float().mean()),
+    # issue 18's stand-in for the accelerator: 10 ms per batch of 64, CPU left to the loader
+    "sleep": lambda images: time.sleep(0.010 * int(images.shape[0]) / 64),
     # one pixel row per image: the loader alone is measured
     "light": lambda images: images[:, :, 0].float().mean(),
 }
@@ -295,19 +299,31 @@ def job(args) -> int:
         return 2  # the benchmark went away
     step = STEPS[args.step]
     batch = None
+    import zlib
+    go = time.monotonic()
     for e in range(args.epochs):
         p0, n, step_cpu = probe(), 0, 0.0
+        # bit-identity: CRC-32 of the epoch's images and labels as one byte stream each, the same
+        # whatever the batch size (CRC-32 streams), so every job's epoch must match the solo job's
+        crc_x = crc_y = 0
+        first_batch_s = None
         for batch in L:
+            if first_batch_s is None and e == 0:
+                first_batch_s = time.monotonic() - go
             c0 = time.thread_time()
             step(batch[0])  # the trivial step: the loader is the bottleneck
             step_cpu += time.thread_time() - c0
             n += int(batch[0].shape[0])
+            if not args.no_check:
+                crc_x = zlib.crc32(batch[0].numpy().tobytes(), crc_x)
+                crc_y = zlib.crc32(batch[1].numpy().astype("<i8").tobytes(), crc_y)
             if args.sleep:
                 time.sleep(args.sleep)
         p1 = probe()
         st = L.stats()
         rec = {"epoch": e, "images": n, "seconds": p1["t"] - p0["t"], "start": p0, "end": p1,
-               "step_cpu_s": step_cpu, "stats": dataclasses.asdict(st.epochs[-1]) if st.epochs else {}}
+               "step_cpu_s": step_cpu, "stats": dataclasses.asdict(st.epochs[-1]) if st.epochs else {},
+               "crc": None if args.no_check else f"{crc_x:08x}{crc_y:08x}", "first_batch_s": first_batch_s}
         emit(rec)
     totals = dataclasses.asdict(L.stats())
     totals.pop("epochs", None)
@@ -483,6 +499,45 @@ def run_config(args, name: str, specs: list[dict], share: bool, ctx: dict) -> di
             "daemon_pid": daemon_pid, "status": snapshots, "by_role": by_role}
 
 
+def run_idle(args, ctx: dict) -> tuple[float, float]:
+    """Issue 18: a job that warms the daemon (its workers, the node cache),
+    a new job at once (warm start), the daemon idle ``--idle`` seconds, then
+    a new job: each new job's seconds from "go" to its first batch."""
+    env = _child_env()
+    r = subprocess.run([sys.executable, __file__, "--daemon-start", "--cgroup-dirs", ""], env=env,
+                       capture_output=True, text=True, timeout=60, cwd=ctx["tmp"])
+    if r.returncode != 0:
+        raise RuntimeError(f"daemon start failed:\n{r.stdout}{r.stderr}")
+    from coordl.daemon import server
+
+    def one(tag: str) -> float:
+        cmd = [sys.executable, __file__, "--job", "--root", args.root, "--workers", str(args.workers),
+               "--batch-size", str(args.batch_size), "--epochs", "1", "--seed", str(args.seed),
+               "--cache-size", args.cache_size, "--job-name", tag, "--step", args.step, "--share"]
+        j = Job(cmd, env, os.path.join(ctx["tmp"], f"idle-{tag}.log"))
+        try:
+            deadline = time.monotonic() + args.timeout
+            _wait([j], "ready", deadline)
+            j.say("go")
+            _wait([j], "done", deadline)
+            j.say("exit")
+            j.p.wait(timeout=60)
+            return float(j.epochs()[0]["first_batch_s"])
+        finally:
+            j.close()
+
+    try:
+        one("warm-up")
+        warm = one("warm")
+        time.sleep(args.idle)
+        st = server.status(timeout=10) or {}
+        idle = one("after-idle")
+        print(f"  shared-idle: daemon workers after {args.idle:g} s idle: {st.get('worker_pids')}", flush=True)
+        return warm, idle
+    finally:
+        server.stop(timeout=30)
+
+
 def _child_env() -> dict:
     """The environment of the jobs and the daemon: they import the coordl
     this script imported (its directory first on PYTHONPATH), whatever their
@@ -587,6 +642,10 @@ def summarize(res: dict, args, solo_rate: float | None) -> tuple[dict, list[dict
     row["shared_fraction"] = shared / (shared + selfp) if has_split and shared + selfp else float("nan")
     groups = [len(g.get("members", [])) for st in res["status"] for g in (st.get("groups") or [])]
     row["daemon_max_group"] = max(groups) if groups else (0 if res["share"] else "")
+    # per epoch, the CRC of every job (one value if all jobs got the same samples)
+    crcs = [{ep[e].get("crc") for ep in jobs_epochs if len(ep) > e} for e in range(args.epochs)]
+    row["images_per_epoch"] = jobs_epochs[0][0]["images"] if jobs_epochs and jobs_epochs[0] else 0
+    row["epoch_crcs"] = "/".join(",".join(sorted(str(c) for c in cs)) for cs in crcs)
     return row, job_rows
 
 
@@ -688,6 +747,32 @@ def report(rows: list[dict], job_rows: list[dict], args, share_ok: bool) -> None
     x = ratio("shared-fast3+slow", "shared-fast3", "mean_fast_images_per_s")
     if x is not None:
         lines.append(("fast members with a 1/3-speed member / without it >= 0.9", x, x >= 0.9))
+    # issue 18: the slowest job vs solo, the CPU bound, bit-identity, idle start
+    if "shared-K4" in by:
+        x = by["shared-K4"]["min_ratio_vs_solo"]
+        lines.append((f"issue 18: slowest of K=4 sharing / solo >= 0.9 (step {args.step})", x, x >= 0.9))
+    if "shared-mixed" in by:
+        x = by["shared-mixed"]["min_ratio_vs_solo"]
+        lines.append(("issue 18: slowest of mixed batch sizes sharing / solo >= 0.9", x, x >= 0.9))
+    if "solo" in by and "shared-K4" in by:
+        so = by["solo"]
+        secs = 1.0 / so["mean_images_per_s"]          # solo seconds per image
+        step_per_img = so["step_cpu_s_per_epoch"]
+        prep_per_epoch = so["cpu_s_per_epoch"] - step_per_img
+        if prep_per_epoch == prep_per_epoch and prep_per_epoch > 0:
+            cores = len(os.sched_getaffinity(0))
+            # K jobs sharing need one prep and K steps per epoch; on `cores` cores that takes at least
+            # (prep + K * step) / cores seconds; solo took images * secs
+            images = so["images_per_epoch"]
+            bound = min(1.0, images * secs * cores / (prep_per_epoch + 4 * step_per_img))
+            lines.append((f"issue 18: K=4 CPU-seconds bound on {cores} cores vs solo (report)", bound, None))
+    if "solo" in by:
+        ref = by["solo"]["epoch_crcs"]
+        same = all(r["epoch_crcs"] == ref for r in med if r.get("epoch_crcs") and "," not in r["epoch_crcs"])
+        one = all("," not in r.get("epoch_crcs", "") for r in med)
+        lines.append(("issue 18: every job's batches bit-identical to solo (1 = yes)",
+                      float(same and one), same and one))
+    idle_line(args, lines)
     for text, x, met in lines:
         if x != x:
             met = None
@@ -705,6 +790,18 @@ def report(rows: list[dict], job_rows: list[dict], args, share_ok: bool) -> None
                 w.writerow({k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items()})
         print(f"wrote {path}")
     plot(med, args)
+
+
+def idle_line(args, lines: list) -> None:
+    """Issue 18's idle target: first batch after the daemon idled / warm start."""
+    got = getattr(args, "idle_results", None)
+    if not got:
+        return
+    warm = statistics.median(w for w, _ in got)
+    idle = statistics.median(i for _, i in got)
+    x = idle / warm if warm > 0 else float("nan")
+    lines.append((f"issue 18: first batch after {args.idle:g} s idle / warm start <= 2 "
+                  f"({idle:.2f} s / {warm:.2f} s)", x, x <= 2))
 
 
 def plot(med: list[dict], args) -> None:
@@ -748,6 +845,7 @@ def plan_configs(args, share_ok: bool) -> list[tuple[str, list[dict], bool]]:
         "solo": ([b], False), "K2": ([b] * 2, False), "K4": ([b] * 4, False),
         "shared-K1": ([b], True), "shared-K2": ([b] * 2, True), "shared-K4": ([b] * 4, True),
         "shared-mixed": (mixed, True), "shared-fast3": ([b] * 3, True), "shared-fast3+slow": ([b] * 4, True),
+        "shared-idle": ([b], True),
     }
     out = []
     for name in args.configs.split(","):
@@ -778,6 +876,8 @@ def main(argv=None) -> int:
     ap.add_argument("--no-drop-caches", action="store_true", help="keep the page cache between configurations")
     ap.add_argument("--out", default=os.path.join("bench_out", "sharing"))
     ap.add_argument("--quick", action="store_true", help="tiny sizes: a smoke test")
+    ap.add_argument("--idle", type=float, default=60.0, help="shared-idle: seconds the daemon idles before a new job")
+    ap.add_argument("--no-check", action="store_true", help="skip the bit-identity CRCs (a little CPU per batch)")
     # internal: one job process, or the daemon starter
     ap.add_argument("--job", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--daemon-start", action="store_true", help=argparse.SUPPRESS)
@@ -797,6 +897,7 @@ def main(argv=None) -> int:
         args.images, args.batch_size, args.epochs, args.workers, args.rounds = 48, 8, 2, 1, 1
         args.cache_size = "64MiB"  # the budget is reserved in /dev/shm up front
         args.timeout = min(args.timeout, 180)
+        args.idle = min(args.idle, 2.0)
 
     import coordl
 
@@ -841,6 +942,17 @@ def main(argv=None) -> int:
                     # runs at ~1/3 of solo: each step takes 3x a solo step
                     specs[-1]["sleep"] = 3 * specs[-1]["batch_size"] / solo_rate
                 t0 = time.monotonic()
+                if name == "shared-idle":
+                    try:
+                        warm, idle = run_idle(args, ctx)
+                    except (RuntimeError, TimeoutError, OSError, subprocess.SubprocessError) as e:
+                        failed.append(f"round {rnd} {name}: {e}")
+                        print(f"  round {rnd} {name:<18} FAILED: {e}", flush=True)
+                        continue
+                    args.idle_results = getattr(args, "idle_results", []) + [(warm, idle)]
+                    print(f"  round {rnd} {name:<18} first batch: warm start {warm:.2f} s, after {args.idle:g} s "
+                          f"idle {idle:.2f} s ({time.monotonic() - t0:.0f} s)", flush=True)
+                    continue
                 try:
                     res = run_config(args, name, specs, share, ctx)
                 except (RuntimeError, TimeoutError, OSError, subprocess.SubprocessError) as e:
@@ -863,8 +975,13 @@ def main(argv=None) -> int:
                 print(f"  round {rnd} {name:<18} {row['job_images_per_s']:>28} images/s per job "
                       f"({time.monotonic() - t0:.0f} s{extra})", flush=True)
         if not rows:
-            print("nothing ran")
-            return 1
+            lines = []
+            idle_line(args, lines)
+            for text, x, met in lines:
+                print(f"  {text:<62}{_f(x, '.2f'):>6}{'  met' if met else '  NOT met'}")
+            if not lines:
+                print("nothing ran")
+            return 1 if failed or not lines else 0
         report(rows, job_rows, args, share_ok)
         if failed:
             print("\nfailed configurations:\n  " + "\n  ".join(failed))

@@ -73,9 +73,19 @@ def _watch_parent(parent_pid: int):
     return fd
 
 
+def _readable(fds: list, timeout: float) -> list:
+    """Which of ``fds`` are readable (or closed) within ``timeout`` seconds:
+    poll, not select (select fails on descriptors past 1024)."""
+    p = select.poll()
+    for fd in fds:
+        p.register(fd, select.POLLIN)
+    got = {fd for fd, ev in p.poll(timeout * 1000) if ev}
+    return [fd for fd in fds if fd in got]
+
+
 def _parent_gone(pidfd, parent_pid: int) -> bool:
     if pidfd is not None:
-        return bool(select.select([pidfd], [], [], 0)[0])
+        return bool(_readable([pidfd], 0))
     try:
         os.kill(parent_pid, 0)
     except ProcessLookupError:
@@ -143,7 +153,7 @@ def _worker_main(w: int, num_workers: int, dataset, cfg: dict, ctrl, res, parent
         try:
             watch = [ctrl.fileno()] + ([pidfd] if pidfd is not None else [])
             while True:
-                ready = select.select(watch, [], [], _POLL)[0]
+                ready = _readable(watch, _POLL)
                 if (pidfd is not None and pidfd in ready) or (not ready and _parent_gone(pidfd, parent_pid)):
                     from .cache import mark_orphaned
                     mark_orphaned()  # the node cache stays for a restart to adopt

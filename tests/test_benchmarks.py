@@ -87,8 +87,8 @@ def test_cache_benchmark_tiny(tmp_path):
 
 def test_sharing_quick(tmp_path):
     # a few configurations keep the suite short; the full list runs in the benchmark itself
-    out = _script("sharing.py", "--quick", "--configs", "solo,K2,shared-K2,shared-mixed", "--out", str(tmp_path),
-                  timeout=600)
+    out = _script("sharing.py", "--quick", "--configs", "solo,K2,shared-K2,shared-mixed,shared-idle", "--step", "sleep",
+                  "--out", str(tmp_path), timeout=600)
     with open(tmp_path / "sharing.csv") as f:
         rows = {r["config"]: r for r in csv.DictReader(f)}
     with open(tmp_path / "sharing_jobs.csv") as f:
@@ -105,6 +105,10 @@ def test_sharing_quick(tmp_path):
     for name in ("shared-K2", "shared-mixed"):   # jobs started together did share samples
         assert sum(int(j["samples_shared"] or 0) for j in jobs if j["config"] == name) > 0
     assert "targets (issue 8)" in out
+    # issue 18: the slowest job vs solo, bit-identity by CRC, first batch after idling
+    assert "issue 18: slowest of mixed batch sizes sharing / solo" in out
+    assert "bit-identical to solo (1 = yes)   1.00  met" in out, out
+    assert "issue 18: first batch after 2 s idle / warm start" in out, out
     for c in ("cpuacct", "blkio"):
         d = f"/sys/fs/cgroup/{c}"
         assert not (os.path.isdir(d) and [x for x in os.listdir(d) if x.startswith("coordl-sharing-")])

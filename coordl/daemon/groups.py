@@ -170,26 +170,73 @@ class Group:
 
     # ---------------------------------------------------------------- work
     def next_task(self) -> tuple[list, tuple[int, int] | None]:
-        """``(actions, (G, slot) or None)``: the lowest wanted position not
-        yet staged, with the slot it goes into (room made if needed)."""
+        """``(actions, (G, slot) or None)``: the next position to prepare,
+        with the slot it goes into (room made if needed).
+
+        Urgent first: a position some member needs for the batch it
+        assembles now (below its ``need``), lowest first; then the others
+        (read-ahead windows), lowest first.  A position that cannot get a
+        slot now (every slot claimed, nobody to detach) is passed over, not
+        waited on: one stalled member's window never holds back another
+        member's request (no head-of-line blocking)."""
         actions: list = []
-        while self._queue:
-            g = self._queue[0]
-            if not any(g in m.want for m in self.members.values()):
-                heapq.heappop(self._queue)   # nobody waits for it any more
-                self._queued.discard(g)
-                continue
-            while not self.free:
-                acts = self._make_room(g)
-                actions += acts
-                if not acts and not self.free:
-                    return actions, None     # every slot is claimed: wait for releases
-            heapq.heappop(self._queue)
-            self._queued.discard(g)
-            slot = self.free.pop()
-            self.items[g] = Item(slot)
-            return actions, (g, slot)
+        urgent = sorted({g for m in self.members.values() if m.attached and m.want
+                         for g in self._urgent(m) if g in self._queued})
+        for g in urgent:
+            slot = self._slot_for(g, actions)
+            if slot is not None:
+                return actions, (g, slot)
+        skipped = []
+        try:
+            while self._queue:
+                g = heapq.heappop(self._queue)
+                if g not in self._queued or g in self.items:
+                    continue                 # taken already (urgent), or a stale entry
+                if not any(g in m.want for m in self.members.values()):
+                    self._queued.discard(g)  # nobody waits for it any more
+                    continue
+                slot = self._slot_for(g, actions)
+                if slot is not None:
+                    return actions, (g, slot)
+                skipped.append(g)            # no room for it now: look further
+                if not self.free and len(skipped) > 4 * len(self.members) + 4:
+                    break                    # nobody can be detached for these either
+        finally:
+            for g in skipped:
+                heapq.heappush(self._queue, g)
         return actions, None
+
+    @staticmethod
+    def _urgent(m: Member):
+        """What ``m`` asked for and needs for the batch it assembles now."""
+        lo, hi = m.pos, min(m.need, m.end)
+        if hi - lo > len(m.want):
+            return [g for g in m.want if lo <= g < hi]
+        return [g for g in range(lo, hi) if g in m.want]
+
+    def _slot_for(self, g: int, actions: list) -> int | None:
+        """A slot for position ``g`` (room made if the policy allows), or None."""
+        while not self.free:
+            acts = self._make_room(g)
+            actions += acts
+            if not acts and not self.free:
+                return None
+        self._queued.discard(g)
+        slot = self.free.pop()
+        self.items[g] = Item(slot)
+        return slot
+
+    def requeue(self, g: int) -> None:
+        """The worker preparing ``g`` is gone before it finished: free its
+        slot (the worker was SIGKILLed and reaped) and queue ``g`` again for
+        whoever still wants it."""
+        it = self.items.get(g)
+        if it is None or it.state != "prep":
+            return
+        self.free.append(self.items.pop(g).slot)
+        if g not in self._queued and any(g in m.want for m in self.members.values()):
+            heapq.heappush(self._queue, g)
+            self._queued.add(g)
 
     def done(self, g: int, ok: bool, why: str = "", info=None) -> list:
         """A worker finished position ``g``: deliver it to whoever waits."""

@@ -1,6 +1,8 @@
 """The daemon's state: groups of jobs, their staging memory, the worker pool,
 and the messages that move samples between them.  Driven by the serve loop
-in ``server.py`` (one thread: every event comes through ``select``).
+in ``server.py`` (one thread: every event comes through one poller; every
+send here is queued on the connection and goes out as its socket takes it,
+so nothing here waits on a member or a worker).
 
 Members (jobs with ``share=True``) speak JSON frames (:mod:`ipc`)::
 
@@ -31,6 +33,12 @@ caches) for the next run of that code, up to two such pools.  A worker
 that dies fails its samples in flight (members prepare those themselves)
 and is replaced; one that cannot set a group up is replaced too, and a
 group no worker could set up is tried again at its members' next pass.
+
+A worker that dies, or makes no progress on the samples in its hands
+within ``COORDL_DAEMON_WORKER_STALL`` seconds (default 30; hung: it is
+SIGKILLed), is replaced and its samples are prepared again by another worker
+of its pool (once; a sample that takes down a second worker is failed, and
+its members prepare it themselves).
 """
 from __future__ import annotations
 
@@ -39,6 +47,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 
 from . import ipc
 from .groups import Group, Member
@@ -49,6 +58,28 @@ __all__ = ["Hub", "DEFAULT_STAGING"]
 DEFAULT_STAGING = 512 << 20   # bytes of staging per group (touched only as it is used)
 _IN_FLIGHT = 8                # samples handed to one worker at a time (it reads ahead on them)
 _DELIVER_BATCH = 32           # ready samples a member gets in one message unless it waits for one
+_MAX_STRIDE = 1 << 30         # bytes of one staged sample, at most
+
+
+def _env_seconds(name: str, default: float) -> float:
+    from .server import _env_seconds as f
+
+    return f(name, default)
+
+
+def _pos(x, what: str) -> int:
+    """A global position from a member: a non-negative int, nothing else."""
+    if type(x) is not int or x < 0:
+        raise ValueError(f"{what} should be a non-negative integer, but got {what}={x!r}")
+    return x
+
+
+def _positions(xs, what: str) -> list[int]:
+    if xs is None:
+        return []
+    if not isinstance(xs, list):
+        raise ValueError(f"{what} should be a list of positions, but got {type(xs).__name__}")
+    return [_pos(x, what) for x in xs]
 
 
 class _Pool:
@@ -90,6 +121,9 @@ class _Worker:
             theirs.close()
         self.conn = ipc.Conn(mine, self.proc.pid)
         self.inflight: set[tuple[int, int]] = set()   # (gid, G) handed to it, not reported yet
+        self.ready = False           # it said hello (imports done)
+        self.setting_up = 0          # groups sent, not answered yet (unpickling, imports)
+        self.progress_t = time.monotonic()   # last sign of progress: a message, or work handed to it idle
 
     def fileno(self) -> int:
         return self.conn.fileno()
@@ -104,10 +138,14 @@ class _GroupRes:
         self.dataset_fd = dataset_fd
         self.stride = stride
         self.staging_fd = os.memfd_create(f"coordl-staging-{group.gid}", os.MFD_CLOEXEC)
-        os.fchmod(self.staging_fd, 0o600)
-        size = group.nslots * stride
-        os.ftruncate(self.staging_fd, size)
-        self.mm = mmap.mmap(self.staging_fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        try:
+            os.fchmod(self.staging_fd, 0o600)
+            size = group.nslots * stride
+            os.ftruncate(self.staging_fd, size)
+            self.mm = mmap.mmap(self.staging_fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        except BaseException:   # a join that fails here leaves nothing behind (the caller closes dataset_fd)
+            os.close(self.staging_fd)
+            raise
         self.pool: _Pool | None = None
         self.broken: str | None = None
         self.permanent = False       # broken for good (code or sample shapes), else retried at the next pass
@@ -115,6 +153,7 @@ class _GroupRes:
         self.pending: set = set()    # workers it was sent to, not answered yet
         self.failures = 0            # setup failures since the group last worked (or was retried)
         self.broken_at = -1          # the latest epoch of a member when it broke: retried after it
+        self.retries: dict[int, int] = {}    # G -> times a worker died or hung with it
 
     def close(self) -> None:
         self.mm.close()
@@ -137,6 +176,9 @@ class Hub:
         self._conn_by_mid: dict[int, ipc.Conn] = {}
         self._outbox: dict[int, tuple] = {}   # conn fd -> (conn, [ready items]) until flush()
         self.peer_servers: dict[int, tuple] = {}   # conn fd -> (PeerServer, NodeCache, job pid)
+        self.worker_stall = _env_seconds("COORDL_DAEMON_WORKER_STALL", 30.0)
+        self.worker_start = _env_seconds("COORDL_DAEMON_WORKER_START", 120.0)
+        self.replaced = 0                          # workers replaced for making no progress
         try:
             self.max_workers = max(1, len(os.sched_getaffinity(0)))
         except AttributeError:
@@ -162,7 +204,7 @@ class Hub:
             self._peer_serve(conn, msg)
             return
         if entry is None:
-            conn.send({"op": "error", "why": f"unknown op {op!r} before join"})
+            self._send(conn, {"op": "error", "why": f"unknown op {op!r} before join"})
             return
         _, m, gid = entry
         res = self.groups.get(gid)
@@ -173,7 +215,10 @@ class Hub:
             if res.broken and res.permanent:
                 self._send(conn, {"op": "detach", "why": res.broken, "permanent": True})
                 return
-            if res.broken and int(msg["epoch"]) <= res.broken_at:   # not in the epoch it failed in
+            epoch, start, end = _pos(msg["epoch"], "epoch"), _pos(msg["start"], "start"), _pos(msg["end"], "end")
+            if end < start:
+                raise ValueError(f"end should be >= start, but got start={start}, end={end}")
+            if res.broken and epoch <= res.broken_at:   # not in the epoch it failed in
                 self._send(conn, {"op": "detach", "why": res.broken, "permanent": False, "warn": True})
                 return
             if res.broken or res.failures >= 2:   # a failed group is retried at its members' next epoch
@@ -183,11 +228,14 @@ class Hub:
                 for w in res.pool.workers:
                     if w not in res.ready and w not in res.pending:
                         self._setup(w, res)
-            self._act(res, g.begin_pass(m.mid, int(msg["epoch"]), int(msg["start"]), int(msg["end"])))
+            self._act(res, g.begin_pass(m.mid, epoch, start, end))
         elif op == "step":
+            pos = _pos(msg["pos"], "pos")
+            release, want = _positions(msg.get("release"), "release"), _positions(msg.get("want"), "want")
+            need = msg.get("need")
+            need = None if need is None else _pos(need, "need")
             m.shared, m.self_prepared = int(msg.get("shared", m.shared)), int(msg.get("self", m.self_prepared))
-            self._act(res, g.step(m.mid, int(msg["pos"]), msg.get("release") or (), msg.get("want") or (),
-                                 msg.get("need")))
+            self._act(res, g.step(m.mid, pos, release, want, need))
         elif op == "end":
             m.shared, m.self_prepared = int(msg.get("shared", m.shared)), int(msg.get("self", m.self_prepared))
             self._act(res, g.end_pass(m.mid, complete=bool(msg.get("complete"))))
@@ -206,7 +254,7 @@ class Hub:
             nw = int(msg.get("num_workers", 0))
             for field in ("seed", "plan", "digest"):
                 msg[field]
-            if stride < 64 or n < 0:
+            if not 64 <= stride <= _MAX_STRIDE or n < 0:
                 raise ValueError(f"stride {stride} or samples_per_epoch {n} out of range")
         except BaseException:
             os.close(dataset_fd)
@@ -217,7 +265,12 @@ class Hub:
             self._next_gid += 1
             nslots = max(16, min(1 << 16, self.staging_bytes // max(stride, 1)))
             group = Group(gid, key, nslots, n)
-            res = self.groups[gid] = _GroupRes(group, msg, dataset_fd, stride)
+            try:
+                res = _GroupRes(group, msg, dataset_fd, stride)
+            except BaseException:
+                os.close(dataset_fd)
+                raise
+            self.groups[gid] = res
             self.by_key[key] = gid
             pk = _pool_key(msg)
             pool = self.pools.get(pk)
@@ -305,13 +358,28 @@ class Hub:
         self._retire_idle()
 
     def _send(self, conn: ipc.Conn, msg: dict, fds=()) -> bool:
+        """Queue ``msg`` for ``conn``; it goes out as the socket takes it
+        (the serve loop), so a member that does not read never holds us."""
+        if conn.fileno() < 0:
+            return False
         try:
-            conn.send(msg, fds=fds, timeout=5.0)
+            conn.queue(msg, fds)
+            conn.write_ready()
             return True
         except (OSError, ValueError) as e:
             self.log(f"dropping member pid {conn.peer_pid}: {e}")
             self.member_gone(conn)
             return False
+
+    reply = _send
+
+    def progress_of(self, conn: ipc.Conn) -> dict:
+        """For a member's ping: what of its requests is still open."""
+        entry = self.members.get(conn.fileno())
+        if entry is None:
+            return {"member": False}
+        m = entry[1]
+        return {"member": True, "attached": m.attached, "waiting": len(m.want)}
 
     def _act(self, res: _GroupRes, actions) -> None:
         for a in actions:
@@ -398,6 +466,7 @@ class Hub:
     def _setup(self, w: _Worker, res: _GroupRes) -> None:
         j = res.join
         res.pending.add(w)
+        w.setting_up += 1
         self._wsend(w, {"op": "group", "gid": res.group.gid, "seed": j["seed"], "plan": j["plan"],
                         "sys_path": j.get("sys_path"), "cache": j.get("cache"), "stride": res.stride,
                         "digest": j["digest"], "peers": j.get("peers"), "code": j.get("code"),
@@ -406,7 +475,8 @@ class Hub:
 
     def _wsend(self, w: _Worker, msg: dict, fds=()) -> bool:
         try:
-            w.conn.send(msg, fds=fds, timeout=10.0)
+            w.conn.queue(msg, fds)
+            w.conn.write_ready()
             return True
         except (OSError, ValueError) as e:
             self.log(f"worker pid {w.proc.pid}: {e}")
@@ -417,7 +487,12 @@ class Hub:
         for fd in fds:
             os.close(fd)
         op = msg.get("op")
+        w.progress_t = time.monotonic()
         res = self.groups.get(int(msg.get("gid", -1)))
+        if op == "hello":
+            w.ready = True
+        elif op in ("group_ok", "group_failed"):
+            w.setting_up = max(0, w.setting_up - 1)
         if op == "done":
             for item in msg["items"]:
                 gid, g = int(item["gid"]), int(item["g"])
@@ -474,8 +549,12 @@ class Hub:
                             permanent=False)
         self._grow(res.pool)
 
-    def _forget(self, w: _Worker) -> None:
-        """``w`` is gone or going: reap it, fail its samples in flight."""
+    def _forget(self, w: _Worker, why: str | None = None) -> None:
+        """``w`` is gone or going (died, broke the protocol, hung, or
+        retired): SIGKILL it, so it can write into no slot after this; its
+        samples in flight go to another worker once, then to the members."""
+        if w not in self.workers:
+            return
         self.workers.remove(w)
         if w in w.pool.workers:
             w.pool.workers.remove(w)
@@ -483,24 +562,31 @@ class Hub:
             res.ready.discard(w)
             res.pending.discard(w)
         w.conn.close()
-        try:
-            w.proc.wait(timeout=2.0)
-        except subprocess.TimeoutExpired:
+        if w.proc.poll() is None:
             w.proc.kill()
-            w.proc.wait()
-        for (gid, g) in list(w.inflight):
+            try:
+                w.proc.wait(timeout=1.0)    # a SIGKILLed process is gone in milliseconds, stopped or not
+            except subprocess.TimeoutExpired:
+                pass
+        what = why or f"exited with {w.proc.returncode}"
+        self.log(f"worker pid {w.proc.pid} {what}; {len(w.inflight)} samples in its hands go to another worker")
+        for (gid, g) in sorted(w.inflight):
             res = self.groups.get(gid)
-            if res is not None:
-                self._act(res, res.group.done(g, False, f"the daemon's worker pid {w.proc.pid} stopped "
-                                                        f"(exit {w.proc.returncode})"))
+            if res is None:
+                continue
+            tries = res.retries[g] = res.retries.get(g, 0) + 1
+            if tries <= 1 and w.proc.returncode is not None:
+                res.group.requeue(g)
+            else:   # it took down a second worker (or this one could not be reaped): its members prepare it
+                self._act(res, res.group.done(g, False, f"the daemon's worker pid {w.proc.pid} {what}"))
         w.inflight.clear()
 
-    def worker_gone(self, w: _Worker) -> None:
+    def worker_gone(self, w: _Worker, why: str | None = None) -> None:
+        """``w`` died, broke the protocol or hung: forget it, replace it."""
         if w not in self.workers:
             return
         setting_up = [res for res in self.groups.values() if w in res.pending]
-        self._forget(w)
-        self.log(f"worker pid {w.proc.pid} exited with {w.proc.returncode}")
+        self._forget(w, why)
         for res in setting_up:   # died while setting a group up: a setup failure too (no endless respawns)
             res.failures += 1
             if res.failures >= 2 and not res.ready and not res.broken:
@@ -508,6 +594,31 @@ class Hub:
                                  f"(exit {w.proc.returncode}); this job prepares its own samples meanwhile and "
                                  "the daemon tries again at its next epoch", permanent=False)
         self._grow(w.pool)
+
+    def check_workers(self) -> None:
+        """Liveness by progress: a worker with samples in its hands that sent
+        nothing for ``worker_stall`` seconds (``worker_start`` while it starts
+        or loads a group) is hung, and replaced."""
+        now = time.monotonic()
+        for w in list(self.workers):
+            if w.proc.poll() is not None:
+                self.worker_gone(w)
+                continue
+            starting = not w.ready or w.setting_up > 0
+            limit = self.worker_start if starting else self.worker_stall
+            if (w.inflight or starting) and now - w.progress_t > limit:
+                self.replaced += 1
+                self.worker_gone(w, f"made no progress on its {len(w.inflight)} samples in {limit:g} s "
+                                    "(hung): SIGKILLed and replaced")
+        for pool in list(self.pools.values()):
+            if pool.gids and not pool.workers:
+                self._grow(pool)
+
+    def paused(self, gap: float) -> None:
+        """This process did not run for ``gap`` seconds (SIGSTOP, suspend):
+        nobody could make progress meanwhile, so no clock runs on it."""
+        for w in self.workers:
+            w.progress_t += gap
 
     def pump(self) -> None:
         """Hand queued samples to workers with room, lowest position first;
@@ -543,6 +654,8 @@ class Hub:
                 g, slot = task
                 base = slot * res.stride
                 res.mm[base:base + 32] = b"\xff" * 32   # invalid until the worker's header lands
+                if not w.inflight:
+                    w.progress_t = time.monotonic()   # its clock starts with its work
                 w.inflight.add((res.group.gid, g))
                 batches.setdefault((k, res.group.gid), []).append([g, slot])
                 progress = True
@@ -556,6 +669,14 @@ class Hub:
             self._end_peer_serve(fd)
         for w in list(self.workers):
             self._wsend(w, {"op": "stop"})
+        deadline = time.monotonic() + 2.0
+        for w in list(self.workers):
+            while w.conn.pending_out and time.monotonic() < deadline:
+                try:
+                    if not w.conn.write_ready():
+                        time.sleep(0.01)
+                except OSError:
+                    break
         for w in list(self.workers):
             try:
                 w.proc.wait(timeout=5.0)
@@ -590,7 +711,7 @@ class Hub:
                   "bytes_served": srv.bytes_served, "absent": srv.absent}
                  for srv, cache, pid in self.peer_servers.values()]
         return {"groups": groups, "worker_pids": [w.proc.pid for w in self.workers], "peer_servers": peers,
-                "staging_limit": self.staging_bytes,
+                "workers_replaced": self.replaced, "staging_limit": self.staging_bytes,
                 "caches": _caches([None] + [p.shm_dir for p in self.pools.values()])}
 
 

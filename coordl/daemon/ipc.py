@@ -19,6 +19,7 @@ checked on both ends, bounded framed messages that may carry descriptors.
 from __future__ import annotations
 
 import array
+import collections
 import errno
 import json
 import os
@@ -125,8 +126,9 @@ def accept(server: socket.socket, timeout: float | None = None) -> "Conn":
     pid, uid = _peer_uid(s)
     if uid != os.geteuid():
         c = Conn(s, pid)
-        try:
-            c.send({"error": f"refused: this coordl server belongs to uid {os.geteuid()}, you are uid {uid}"})
+        try:   # a short deadline: the refused client cannot hold the server
+            c.send({"error": f"refused: this coordl server belongs to uid {os.geteuid()}, you are uid {uid}"},
+                   timeout=0.5)
         except OSError:
             pass
         c.close()
@@ -156,12 +158,124 @@ class Conn:
     def __init__(self, sock: socket.socket, peer_pid: int) -> None:
         self.sock = sock
         self.peer_pid = peer_pid
+        # non-blocking use (the daemon): a partial frame in, frames waiting to go out
+        self._rbuf = bytearray()
+        self._rfds: list[int] = []
+        self._rlen: int | None = None      # body length of the frame being read (header done)
+        self.partial_since: float | None = None   # when the incomplete frame in _rbuf began
+        self._out: collections.deque = collections.deque()   # [memoryview, [dup'd fds]]
+        self.out_bytes = 0
+        self.on_close = None               # called once, before the socket closes (the owner unregisters it)
+        self._reg_fd: int | None = None    # the descriptor the owner's poller knows it by
 
     def fileno(self) -> int:
         return self.sock.fileno()
 
     def close(self) -> None:
+        cb, self.on_close = self.on_close, None
+        if cb is not None:
+            cb(self)
+        for fd in self._rfds:
+            os.close(fd)
+        self._rfds = []
+        while self._out:
+            for fd in self._out.popleft()[1]:
+                os.close(fd)
+        self.out_bytes = 0
         self.sock.close()
+
+    # ------------------------------------------------------------ non-blocking
+    # The daemon's side: one owner thread polls many connections, so no call
+    # below waits.  ``queue`` + ``write_ready`` send; ``read_ready`` returns the
+    # complete frames that have arrived and keeps a partial one for later.
+    def queue(self, msg: dict, fds=()) -> None:
+        """Queue ``msg`` (descriptors duplicated now: the caller may close
+        its own at once); :meth:`write_ready` sends what the socket takes."""
+        data = _frame(msg, fds)
+        dup = [os.dup(fd) for fd in fds]
+        self._out.append([memoryview(data), dup])
+        self.out_bytes += len(data)
+
+    @property
+    def pending_out(self) -> bool:
+        return bool(self._out)
+
+    def write_ready(self) -> bool:
+        """Send what the socket takes now, without waiting; True when all is out."""
+        while self._out:
+            item = self._out[0]
+            data, fds = item
+            anc = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))] if fds else []
+            try:
+                n = self.sock.sendmsg([data], anc, socket.MSG_DONTWAIT | socket.MSG_NOSIGNAL)
+            except (BlockingIOError, InterruptedError):
+                return False
+            for fd in fds:       # they went with the first byte
+                os.close(fd)
+            item[1] = []
+            self.out_bytes -= n
+            if n < len(data):
+                item[0] = data[n:]
+                return False
+            self._out.popleft()
+        return True
+
+    def read_ready(self, limit: int = 64) -> list[tuple[dict, list[int]]]:
+        """The complete frames that have arrived (at most ``limit``), without
+        waiting.  ``ConnectionError`` on EOF, ``ProtocolError`` on a bad
+        frame (descriptors of a partial frame are closed with the connection)."""
+        out: list = []
+        space = socket.CMSG_SPACE(MAX_FDS * 4)
+        try:
+            while len(out) < limit:
+                need = (_HDR.size if self._rlen is None else _HDR.size + self._rlen) - len(self._rbuf)
+                try:   # never past this frame: descriptors then belong to the frame being read
+                    data, anc, flags, _ = self.sock.recvmsg(need, space, socket.MSG_DONTWAIT)
+                except (BlockingIOError, InterruptedError):
+                    break
+                for level, kind, payload in anc:
+                    if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                        got = array.array("i")
+                        got.frombytes(payload[: len(payload) - len(payload) % 4])
+                        self._rfds.extend(got)
+                if flags & socket.MSG_CTRUNC or len(self._rfds) > MAX_FDS:
+                    raise ProtocolError(f"more than {MAX_FDS} descriptors in one frame")
+                if not data:
+                    raise ConnectionError(f"coordl: pid {self.peer_pid} closed the connection")
+                if not self._rbuf:
+                    self.partial_since = time.monotonic()
+                self._rbuf += data
+                if self._rlen is None:
+                    if len(self._rbuf) < _HDR.size:
+                        continue
+                    magic, version, _flags, length = _HDR.unpack(bytes(self._rbuf[:_HDR.size]))
+                    if magic != MAGIC or version != VERSION:
+                        raise ProtocolError(f"bad frame header {bytes(self._rbuf[:_HDR.size])!r}")
+                    if length > MAX_BODY:
+                        raise ProtocolError(f"frame of {length} bytes announced, over the limit of {MAX_BODY}")
+                    self._rlen = length
+                if len(self._rbuf) < _HDR.size + self._rlen:
+                    continue
+                body = bytes(self._rbuf[_HDR.size:])
+                fds, self._rfds = self._rfds, []
+                self._rbuf.clear()
+                self._rlen = None
+                self.partial_since = None
+                try:
+                    msg = json.loads(body)
+                    if not isinstance(msg, dict):
+                        raise ValueError(f"a JSON object expected, got {type(msg).__name__}")
+                except (UnicodeDecodeError, ValueError) as e:
+                    for fd in fds:
+                        os.close(fd)
+                    raise ProtocolError(f"frame body is not a JSON object: {e}") from None
+                out.append((msg, fds))
+        except BaseException:
+            for _, fds in out:
+                for fd in fds:
+                    os.close(fd)
+            raise
+        return out
 
     def __enter__(self) -> "Conn":
         return self
@@ -170,15 +284,8 @@ class Conn:
         self.close()
 
     def send(self, msg: dict, fds=(), timeout: float | None = 30.0) -> None:
-        if not isinstance(msg, dict):
-            raise TypeError(f"msg should be a dict, but got msg={type(msg).__name__}")
-        body = json.dumps(msg, separators=(",", ":")).encode()
-        if len(body) > MAX_BODY:
-            raise ValueError(f"message of {len(body)} bytes is over the frame limit of {MAX_BODY}")
         fds = list(fds)
-        if len(fds) > MAX_FDS:
-            raise ValueError(f"{len(fds)} descriptors in one message, over the limit of {MAX_FDS}")
-        data = _HDR.pack(MAGIC, VERSION, 0, len(body)) + body
+        data = _frame(msg, fds)
         self.sock.settimeout(timeout)
         anc = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))] if fds else []
         sent = self.sock.sendmsg([data], anc)
@@ -220,6 +327,8 @@ class Conn:
                 if left <= 0:
                     raise TimeoutError(f"coordl: no complete message from pid {self.peer_pid} in time")
                 self.sock.settimeout(left)
+            else:   # no deadline: wait as long as it takes (not the last send's timeout)
+                self.sock.settimeout(None)
             try:
                 data, anc, flags, _ = self.sock.recvmsg(n - len(buf), space)
             except socket.timeout:
@@ -237,3 +346,14 @@ class Conn:
                 raise ConnectionError(f"coordl: pid {self.peer_pid} closed the connection")
             buf += data
         return bytes(buf)
+
+
+def _frame(msg: dict, fds) -> bytes:
+    if not isinstance(msg, dict):
+        raise TypeError(f"msg should be a dict, but got msg={type(msg).__name__}")
+    body = json.dumps(msg, separators=(",", ":")).encode()
+    if len(body) > MAX_BODY:
+        raise ValueError(f"message of {len(body)} bytes is over the frame limit of {MAX_BODY}")
+    if len(fds) > MAX_FDS:
+        raise ValueError(f"{len(fds)} descriptors in one message, over the limit of {MAX_FDS}")
+    return _HDR.pack(MAGIC, VERSION, 0, len(body)) + body

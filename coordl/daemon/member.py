@@ -15,9 +15,17 @@ Fallbacks, all at the exact sample where the stream stopped:
 * ``detach`` from the daemon (this job fell further behind than staging
   holds): the rest of the pass runs on the job's own pipeline (node cache
   still used); the next pass rejoins.
-* EOF on the socket (the daemon died) or no answer within
-  ``_STALL`` seconds (a stuck daemon): the same, and the next pass connects
-  again, starting a new daemon if none runs.
+* EOF on the socket (the daemon died), or no answer to a ping within
+  ``COORDL_DAEMON_TIMEOUT`` seconds (default 10: a stopped or hung daemon;
+  one that is alive but busy serving others answers pings at once, so it
+  is never taken for dead), or no sample delivered for ``_STALL`` seconds
+  while it answers: the same, and the next pass connects again, starting
+  a new daemon if none runs.  A daemon found hung is not asked again for
+  ``_RETRY_HUNG`` timeouts, unless its socket changed.  A pass that lost
+  its daemon looks once per timeout for one started in its place (a new
+  socket file) and takes the rest of the pass from it
+  (:meth:`SharedIter._rejoin`): a restarted daemon is found within one
+  timeout.
 * The dataset cannot be pickled, its code cannot be identified
   (:mod:`codeid`: a class from ``__main__``, a module without a source),
   or its samples have no fixed layout: one warning, and this loader never
@@ -33,7 +41,7 @@ import json
 import mmap
 import os
 import pickle
-import select
+import selectors
 import sys
 import time
 import warnings
@@ -55,8 +63,14 @@ from .worker import HDR, HEADER, MARK, describe_layout, layout_digest
 
 __all__ = ["ShareMode", "SharedIter", "share_requested"]
 
-_STALL = 60.0   # seconds without any message from the daemon while waiting: give up on it
-_POLL = 1.0
+_STALL = 60.0   # seconds without a sample while the daemon answers pings: give up on it
+_RETRY_HUNG = 6  # timeouts before a daemon found hung (same socket) is tried again
+
+
+def _timeout() -> float:
+    from . import server
+
+    return server.answer_timeout()
 
 
 def share_requested(share) -> bool:
@@ -82,6 +96,9 @@ class _Link:
     def __init__(self, conn: ipc.Conn, mm: mmap.mmap, stride: int, gid: int) -> None:
         self.conn, self.mm, self.stride, self.gid = conn, mm, stride, gid
         self.alive = True
+        from . import server
+
+        self.sid = server.socket_id()   # the daemon's socket file: a daemon started in its place has another
 
     def close(self) -> None:
         self.alive = False
@@ -110,6 +127,7 @@ class ShareMode(PipelineMode):
         self._reader = None
         self._first: tuple | None = None  # (G, sample) prepared here to learn the layout
         self.told: set[str] = set()       # reasons of the daemon's temporary failures already warned about
+        self._hung: tuple | None = None   # (socket id, when) of a daemon that did not answer
 
     def start_pass(self, loader, epoch: int, start: int, skip: frozenset):
         self._stop_pin_thread()
@@ -161,6 +179,13 @@ class ShareMode(PipelineMode):
             return None
         if self.link is not None and not self.link.alive:
             self.drop_link()
+        if self.link is None and self._hung is not None:
+            from . import server
+
+            if (server.socket_id() == self._hung[0]
+                    and time.monotonic() - self._hung[1] < _RETRY_HUNG * _timeout()):
+                return None      # the same daemon did not answer a moment ago: not another timeout now
+            self._hung = None
         if self.link is None and not self._connect(loader, epoch, steps[0]):
             return None
         try:
@@ -240,13 +265,16 @@ class ShareMode(PipelineMode):
             os.fchmod(fd, 0o600)
             _write_all(fd, blob)
             try:
-                server.start()
-                conn = ipc.connect(server.socket_path(), timeout=10.0)
-                conn.send(msg, fds=[fd], timeout=10.0)
-                reply, fds = conn.recv(timeout=30.0)
+                t = _timeout()
+                server.start(answer=t)
+                conn = ipc.connect(server.socket_path(), timeout=t)
+                conn.send(msg, fds=[fd], timeout=t)
+                reply, fds = conn.recv(timeout=t)
             except (OSError, ConnectionError, TimeoutError, RuntimeError) as e:
                 if conn is not None:
                     conn.close()
+                if isinstance(e, TimeoutError):
+                    self._hung = (server.socket_id(), time.monotonic())
                 warnings.warn(f"coordl: share=True: cannot reach the node daemon ({e}); this pass "
                               "prepares in the job and the next one tries again", stacklevel=5)
                 return False
@@ -304,6 +332,8 @@ class SharedIter:
         self.got: dict[int, list] = {}
         self.release: list[int] = []
         self.local = None     # the job's own pipeline, after a detach
+        self._lost_sid = None  # the socket (device, inode) of a daemon this pass lost
+        self._looked = 0.0     # when it last looked for a daemon started in that one's place
         self.window = max(32, min(1024, 2 * (bs or 1) * max(1, loader.prefetch_factor or 2) // 2))
         link = mode.link
         self.window = min(self.window, max(4, link.mm.size() // link.stride // 4))
@@ -337,10 +367,18 @@ class SharedIter:
         except (OSError, ValueError):
             self._lost("the node daemon closed the connection")
 
-    def _lost(self, why: str) -> None:
+    def _lost(self, why: str, hung: bool = False) -> None:
+        from . import server
+
+        link = self.mode.link
+        self._lost_sid = (link.sid if link is not None else None) or server.socket_id() or (0, 0)
+        self._looked = time.monotonic()
+        if hung:
+            self.mode._hung = (self._lost_sid, time.monotonic())
         if self.mode.link is not None:
             warnings.warn(f"coordl: share=True: {why}; this job prepares its own samples from here "
-                          "(nothing lost or repeated) and reconnects at its next epoch", stacklevel=4)
+                          "(nothing lost or repeated) and reconnects at its next epoch, or as soon as "
+                          "a new daemon runs", stacklevel=4)
             self.mode.drop_link()
         self.attached = False
 
@@ -358,50 +396,74 @@ class SharedIter:
         if link is None:
             self.attached = False
             return
-        waited = 0.0
-        while True:
-            r = select.select([link.conn], [], [], _POLL if block else 0)[0]
-            if not r:
-                if not block:
+        t = _timeout()
+        ping_every = max(0.05, t / 4)
+        start = heard = pinged = time.monotonic()
+        poller = selectors.DefaultSelector()
+        poller.register(link.conn.sock, selectors.EVENT_READ)
+        try:
+            while True:
+                r = poller.select(min(ping_every, 1.0) if block else 0)
+                now = time.monotonic()
+                if not r:
+                    if not block:
+                        return
+                    if now - heard >= t:     # it did not even answer a ping: stopped or hung
+                        self._lost(f"the node daemon (pid {link.conn.peer_pid}) did not answer for {t:g} s "
+                                   "(COORDL_DAEMON_TIMEOUT)", hung=True)
+                        return
+                    if now - start >= _STALL:  # it answers, but our samples do not come
+                        self._lost(f"the node daemon (pid {link.conn.peer_pid}) delivered nothing for "
+                                   f"{_STALL:g} s")
+                        return
+                    if now - max(heard, pinged) >= ping_every:
+                        pinged = now          # liveness by progress: are you there, busy with others?
+                        self._send({"op": "ping"})
+                        if not self.attached:
+                            return
+                    continue
+                try:
+                    msg, fds = link.conn.recv(timeout=t)
+                except (ConnectionError, TimeoutError, OSError) as e:
+                    self._lost(f"lost the node daemon (pid {link.conn.peer_pid}): {e}",
+                               hung=isinstance(e, TimeoutError))
                     return
-                waited += _POLL
-                if waited >= _STALL:
-                    self._lost(f"the node daemon (pid {link.conn.peer_pid}) sent nothing for {_STALL:g} s")
-                    return
-                continue
-            try:
-                msg, fds = link.conn.recv(timeout=30.0)
-            except (ConnectionError, TimeoutError, OSError) as e:
-                self._lost(f"lost the node daemon (pid {link.conn.peer_pid}): {e}")
-                return
-            for fd in fds:
-                os.close(fd)
-            op = msg.get("op")
-            if op == "ready":
-                for item in msg["items"]:
-                    self.got[int(item[0])] = item
-            elif op == "detach":
-                why = msg.get("why", "")
-                self._send({"op": "end", "shared": self.mode.shared, "self": self.mode.self_prepared})
-                self.attached = False
-                if msg.get("permanent"):   # a detach for being slow is normal: stats() counts it
-                    self.mode.off = why
-                    self.mode.drop_link()
-                    warnings.warn(f"coordl: share=True: {why}; this loader prepares its own samples from here "
-                                  "on (nothing lost or repeated)", stacklevel=4)
-                elif msg.get("warn") and why not in self.mode.told:   # the group failed for now: once per cause
-                    self.mode.told.add(why)
-                    warnings.warn(f"coordl: share=True: {why} (nothing lost or repeated)", stacklevel=4)
-                return
+                heard = time.monotonic()
+                for fd in fds:
+                    os.close(fd)
+                op = msg.get("op")
+                if op == "pong":
+                    continue
+                break
+        finally:
+            poller.close()
+        if op == "ready":
+            for item in msg["items"]:
+                self.got[int(item[0])] = item
+        elif op == "detach":
+            why = msg.get("why", "")
+            self._send({"op": "end", "shared": self.mode.shared, "self": self.mode.self_prepared})
+            self.attached = False
+            if msg.get("permanent"):   # a detach for being slow is normal: stats() counts it
+                self.mode.off = why
+                self.mode.drop_link()
+                warnings.warn(f"coordl: share=True: {why}; this loader prepares its own samples from here "
+                              "on (nothing lost or repeated)", stacklevel=4)
+            elif msg.get("warn") and why not in self.mode.told:   # the group failed for now: once per cause
+                self.mode.told.add(why)
+                warnings.warn(f"coordl: share=True: {why} (nothing lost or repeated)", stacklevel=4)
             return
+        return
 
     # ------------------------------------------------------------ batches
     def __next__(self) -> Envelope:
+        if self.local is not None and not self._rejoin():
+            env = next(self.local)
+            self.idx += 1
+            return env
         if self.idx >= len(self.steps):
             self._leave(complete=True)
             raise StopIteration
-        if self.local is not None:
-            return next(self.local)
         k, rows = self.steps[self.idx], self.rows[self.idx]
         want_g = [self.base + p for p in rows]
         first = self.mode._first[0] if self.mode._first is not None else None
@@ -426,6 +488,40 @@ class SharedIter:
         if not self.attached and self.idx < len(self.steps) and self.local is None:
             self._go_local()
         return env
+
+    def _rejoin(self) -> bool:
+        """After losing the daemon mid-pass: once per ``COORDL_DAEMON_TIMEOUT``,
+        look for a daemon started in its place (a new socket file); if one
+        runs, join it and take the rest of the pass from its stream, from
+        the next step (the batches the own pipeline prepared ahead are
+        dropped: they are the same batches).  So a restarted daemon is found
+        within one timeout, not at the next epoch."""
+        if self._lost_sid is None or self.idx >= len(self.steps) or not self.loader.in_order:
+            return False
+        now = time.monotonic()
+        if now - self._looked < _timeout():
+            return False
+        self._looked = now
+        from . import server
+
+        sid = server.socket_id()
+        mode = self.mode
+        if sid is None or sid == self._lost_sid or mode.off is not None or mode.link is not None:
+            return False
+        self._lost_sid = sid          # one try per daemon
+        if not mode._connect(self.loader, self.epoch, self.steps[self.idx]):
+            return False
+        self.local.shutdown_workers()
+        self.local = None
+        self._lost_sid = None
+        link = mode.link
+        self.window = min(self.window, max(4, link.mm.size() // link.stride // 4))
+        self.got.clear()
+        self.release = []
+        self.cursor = self.asked = sum(len(r) for r in self.rows[:self.idx])
+        self.attached = True
+        self._send({"op": "pass", "epoch": self.epoch, "start": self.flat[self.cursor], "end": self.base + self.n})
+        return self.attached
 
     def _go_local(self) -> None:
         """The rest of the pass on this job's own pipeline, from the next step."""

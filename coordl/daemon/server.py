@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import fcntl
 import os
-import select
+import selectors
 import signal
 import subprocess
 import sys
@@ -64,16 +64,46 @@ def _log_path() -> str:
 def status(timeout: float = 5.0) -> dict | None:
     """The running daemon's status, or None if none answers."""
     try:
+        return _probe(timeout)
+    except TimeoutError:
+        return None   # one runs, but does not answer (stopped, hung)
+
+
+def _probe(timeout: float) -> dict | None:
+    """The daemon's status; None if none runs; ``TimeoutError`` if one
+    holds the socket but does not answer within ``timeout``."""
+    try:
         with ipc.connect(socket_path(), timeout=timeout) as c:
             c.send({"op": "status"}, timeout=timeout)
             return c.recv(timeout=timeout)[0]
-    except (FileNotFoundError, ConnectionError, TimeoutError):
+    except TimeoutError:
+        raise TimeoutError(f"the coordl daemon at {socket_path()} does not answer within {timeout:g} s "
+                           "(stopped or hung; `coordl daemon status`, or kill it and the next job starts "
+                           "a new one)") from None
+    except (FileNotFoundError, ConnectionError):
         return None   # none runs, or it is going away (reset mid-answer)
 
 
-def start(timeout: float = 30.0) -> int:
-    """Start the daemon detached unless one runs; its pid."""
-    st = status()
+def answer_timeout() -> float:
+    """Seconds a job gives the daemon to answer (``COORDL_DAEMON_TIMEOUT``,
+    default 10): past it, a daemon that holds its socket is taken as hung."""
+    return _env_seconds("COORDL_DAEMON_TIMEOUT", 10.0)
+
+
+def socket_id() -> tuple[int, int] | None:
+    """(device, inode) of the daemon's socket file: a new daemon binds a new one."""
+    try:
+        st = os.stat(socket_path())
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
+
+
+def start(timeout: float = 30.0, answer: float | None = None) -> int:
+    """Start the daemon detached unless one runs; its pid.  One that holds
+    the socket but does not answer in ``answer`` s (default :func:`timeout`)
+    raises ``TimeoutError`` (a second daemon could not take its place)."""
+    st = _probe(answer if answer is not None else answer_timeout())
     if st is not None:
         return int(st["pid"])
     r, w = os.pipe()
@@ -93,7 +123,13 @@ def start(timeout: float = 30.0) -> int:
         line = b""
         while not line.endswith(b"\n"):
             left = deadline - time.monotonic()
-            if left <= 0 or not select.select([r], [], [], left)[0]:
+            poller = selectors.DefaultSelector()
+            poller.register(r, selectors.EVENT_READ)
+            try:
+                got = left > 0 and poller.select(left)
+            finally:
+                poller.close()
+            if not got:
                 raise TimeoutError(f"coordl daemon did not get ready in {timeout:g} s; see {_log_path()}")
             chunk = os.read(r, 64)
             if not chunk:
@@ -143,7 +179,18 @@ def _tail(n: int = 2000) -> str:
 
 
 def serve(ready_fd: int | None = None, staging_bytes: int | None = None) -> int:
-    """Run the daemon in this process until stopped."""
+    """Run the daemon in this process until stopped.
+
+    One owner thread, every socket non-blocking behind one ``selectors``
+    poller (epoll: no limit on descriptor numbers).  Nothing a client, a
+    member or a worker does can make this loop wait: a frame is taken only
+    once it is complete (a partial one is kept, and the client dropped if it
+    stays partial for ``COORDL_DAEMON_CLIENT_TIMEOUT`` s), answers are queued
+    and sent as the socket takes them (a client whose unsent answers pass
+    :data:`_OUT_LIMIT` is dropped), and a worker that makes no progress on
+    its samples within ``COORDL_DAEMON_WORKER_STALL`` s is replaced
+    (:meth:`Hub.check_workers`).  Clients past :func:`_max_clients` are told
+    why and refused."""
     lock = os.open(_lock_path(), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     try:
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -156,84 +203,231 @@ def serve(ready_fd: int | None = None, staging_bytes: int | None = None) -> int:
     stopping = []
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stopping.append(True))  # only a flag; the loop acts
+    signal.signal(signal.SIGPIPE, signal.SIG_IGN)
+    max_clients = _max_clients()
     path = socket_path()
-    server = ipc.listen(path)  # under the lock: nobody else replaces the name meanwhile
+    server = ipc.listen(path, backlog=256)  # under the lock: nobody else replaces the name meanwhile
+    server.setblocking(False)
     mine = os.stat(path)
     started = time.time()
-    conns: dict[int, ipc.Conn] = {}
+    sel = selectors.DefaultSelector()
+    sel.register(server, selectors.EVENT_READ, None)
+    conns: dict[int, ipc.Conn] = {}      # fd -> a client (job, member, status/stop caller)
+    masks: dict[int, int] = {}            # fd -> events registered
+    kinds: dict[int, str] = {}            # fd -> "client" | "worker"
+    client_timeout = _env_seconds("COORDL_DAEMON_CLIENT_TIMEOUT", 10.0)
     hub = Hub(staging_bytes if staging_bytes is not None else _staging_default())
+
+    def unregister(c: ipc.Conn) -> None:
+        fd = getattr(c, "_reg_fd", None)
+        if fd is None:
+            return
+        c._reg_fd = None
+        conns.pop(fd, None)
+        masks.pop(fd, None)
+        kinds.pop(fd, None)
+        try:
+            sel.unregister(fd)
+        except (KeyError, ValueError):
+            pass
+
+    def register(c: ipc.Conn, kind: str) -> None:
+        fd = c.fileno()
+        c.sock.setblocking(False)
+        c._reg_fd = fd
+        c.on_close = unregister           # whoever closes it (hub or loop), it leaves the poller first
+        kinds[fd] = kind
+        masks[fd] = selectors.EVENT_READ
+        sel.register(fd, selectors.EVENT_READ, c)
+        if kind == "client":
+            conns[fd] = c
+
+    def drop(c: ipc.Conn, why: str | None = None) -> None:
+        if why:
+            print(f"coordl daemon: dropping pid {c.peer_pid}: {why}", file=sys.stderr, flush=True)
+        hub.member_gone(c)                # closes it (and so unregisters it)
+        c.close()
+
+    def accept() -> None:
+        for _ in range(64):               # a burst at a time; the rest next round
+            try:
+                c = ipc.accept(server, timeout=0.0)
+            except (BlockingIOError, InterruptedError, TimeoutError):
+                return
+            except ipc.PeerRefused as e:
+                print(f"coordl daemon: {e}", file=sys.stderr, flush=True)
+                continue
+            except OSError as e:          # out of descriptors: refuse by not accepting for a moment
+                print(f"coordl daemon: cannot accept a client: {e}", file=sys.stderr, flush=True)
+                return
+            if len(conns) >= max_clients:
+                try:
+                    c.sock.setblocking(False)
+                    c.queue({"op": "refused", "why": f"the coordl daemon serves {len(conns)} clients, its "
+                                                     f"limit (COORDL_DAEMON_MAX_CLIENTS={max_clients}); "
+                                                     "this job prepares its own samples"})
+                    c.write_ready()
+                except OSError:
+                    pass
+                c.close()
+                continue
+            register(c, "client")
+
+    def client_msgs(c: ipc.Conn) -> None:
+        for msg, fds in c.read_ready():
+            if c._reg_fd is None:         # dropped by an earlier message of this round
+                for fd in fds:
+                    os.close(fd)
+                continue
+            op = msg.get("op")
+            if op in ("status", "stop", "ping"):
+                for fd in fds:
+                    os.close(fd)
+                if op == "status":
+                    hub.reply(c, {"pid": os.getpid(), "uptime": time.time() - started,
+                                  "clients": len(conns), "max_clients": max_clients, **hub.status()})
+                elif op == "ping":
+                    hub.reply(c, {"op": "pong", **hub.progress_of(c)})
+                else:
+                    hub.reply(c, {"ok": True})
+                    stopping.append(True)
+            else:
+                try:
+                    hub.member_msg(c, msg, fds)
+                except (KeyError, ValueError, TypeError, AttributeError) as e:
+                    # a malformed message (fields missing or of the wrong type): that client goes, the daemon stays
+                    hub.reply(c, {"op": "error", "why": f"bad message: {type(e).__name__}: {e}"})
+                    c.write_ready()
+                    drop(c, f"bad message: {type(e).__name__}: {e}")
+                    return
+
+    last = time.monotonic()
     try:
         if ready_fd is not None:
             os.write(ready_fd, f"ready {os.getpid()}\n".encode())
             os.close(ready_fd)
         while not stopping:
-            workers = [w.conn for w in hub.workers]
-            ready = select.select([server] + list(conns.values()) + workers, [], [], _TICK)[0]
-            for x in ready:
-                if x is server:
-                    try:
-                        c = ipc.accept(server, timeout=_TICK)
-                    except (ipc.PeerRefused, OSError) as e:
-                        print(f"coordl daemon: {e}", file=sys.stderr, flush=True)
-                        continue
-                    conns[c.fileno()] = c
+            for w in hub.workers:         # (new or replaced workers join the poller here)
+                if getattr(w.conn, "_reg_fd", None) is None and w.conn.fileno() >= 0:
+                    register(w.conn, "worker")
+            for fd, c in list(conns.items()) + [(w.conn._reg_fd, w.conn) for w in hub.workers]:
+                want = selectors.EVENT_READ | (selectors.EVENT_WRITE if c.pending_out else 0)
+                if fd is not None and masks.get(fd) != want:
+                    masks[fd] = want
+                    sel.modify(fd, want, c)
+            events = sel.select(_TICK)
+            now = time.monotonic()
+            if now - last > 2 * _TICK + 1.0:   # this process did not run (stopped): no clock ran on others
+                hub.paused(now - last)
+                for c in conns.values():
+                    if c.partial_since is not None:
+                        c.partial_since += now - last
+            for key, mask in events:
+                c = key.data
+                if c is None:
+                    accept()
                     continue
-                w = hub.is_worker(x)
-                if w is not None:
-                    try:
-                        msg, fds = x.recv(timeout=10.0)
-                    except (ConnectionError, TimeoutError, OSError):
-                        hub.worker_gone(w)
-                        continue
-                    hub.worker_msg(w, msg, fds)
-                    continue
-                if conns.get(x.fileno()) is not x:
-                    continue  # closed while handling an earlier event of this round
+                if getattr(c, "_reg_fd", None) != key.fd:
+                    continue              # closed while handling an earlier event of this round
+                w = hub.is_worker(c)
                 try:
-                    msg, fds = x.recv(timeout=5.0)
-                    op = msg.get("op")
-                    if op == "status":
-                        for fd in fds:
-                            os.close(fd)
-                        x.send({"pid": os.getpid(), "uptime": time.time() - started,
-                                "clients": len(conns), **hub.status()})
-                    elif op == "stop":
-                        for fd in fds:
-                            os.close(fd)
-                        x.send({"ok": True})
-                        stopping.append(True)
+                    if mask & selectors.EVENT_WRITE:
+                        c.write_ready()
+                    if mask & selectors.EVENT_READ:
+                        if w is not None:
+                            for msg, fds in c.read_ready():
+                                hub.worker_msg(w, msg, fds)
+                        else:
+                            client_msgs(c)
+                except (ConnectionError, OSError) as e:
+                    if w is not None:
+                        hub.worker_gone(w)
                     else:
-                        hub.member_msg(x, msg, fds)
-                except (ConnectionError, TimeoutError, OSError):
-                    conns.pop(x.fileno(), None)
-                    hub.member_gone(x)
-                    x.close()
-                except (KeyError, ValueError, TypeError, AttributeError) as e:
-                    # a malformed message (fields missing or of the wrong type): that client goes, the daemon stays
-                    print(f"coordl daemon: dropping pid {x.peer_pid}: bad message: {type(e).__name__}: {e}",
-                          file=sys.stderr, flush=True)
-                    try:
-                        x.send({"op": "error", "why": f"bad message: {type(e).__name__}: {e}"}, timeout=1.0)
-                    except OSError:
-                        pass
-                    conns.pop(x.fileno(), None)
-                    hub.member_gone(x)
-            for fd in [fd for fd, c in conns.items() if c.sock.fileno() < 0]:
-                del conns[fd]   # a member the hub dropped
-            hub.pump()
+                        drop(c, None if isinstance(e, ConnectionError) and not isinstance(e, ipc.ProtocolError)
+                             else f"{type(e).__name__}: {e}")
+                except Exception as e:   # a bug must cost that client, not the daemon
+                    import traceback
+
+                    traceback.print_exc()
+                    if w is not None:
+                        hub.worker_gone(w)
+                    else:
+                        drop(c, f"internal error: {type(e).__name__}: {e}")
+            for c in list(conns.values()):   # partial frames left hanging, answers nobody reads
+                if c.partial_since is not None and now - c.partial_since > client_timeout:
+                    drop(c, f"an incomplete message for {client_timeout:g} s")
+                elif c.out_bytes > _OUT_LIMIT:
+                    drop(c, f"{c.out_bytes} bytes of answers it does not read")
+            try:
+                hub.check_workers()
+                hub.pump()
+                for c in list(conns.values()) + [w.conn for w in hub.workers]:
+                    if c.pending_out and c.fileno() >= 0:
+                        try:
+                            c.write_ready()
+                        except OSError:
+                            pass          # its next read reports it
+            except Exception:
+                import traceback
+
+                traceback.print_exc()
+            last = time.monotonic()
     finally:
         hub.stop()
-        for c in conns.values():
+        for c in list(conns.values()):
             c.close()
+        sel.close()
         server.close()
         try:  # remove the socket only while the name is still the one we bound
-            now = os.stat(path)
-            if (now.st_dev, now.st_ino) == (mine.st_dev, mine.st_ino):
+            now_st = os.stat(path)
+            if (now_st.st_dev, now_st.st_ino) == (mine.st_dev, mine.st_ino):
                 os.unlink(path)
         except OSError:
             pass
         os.close(lock)
     return 0
+
+
+_OUT_LIMIT = 8 << 20   # bytes of unsent answers to one client before it is dropped
+
+
+def _env_seconds(name: str, default: float) -> float:
+    v = os.environ.get(name)
+    if not v:
+        return default
+    try:
+        x = float(v)
+    except ValueError:
+        raise ValueError(f"{name} should be a number of seconds, but got {name}={v!r}") from None
+    if not x > 0:
+        raise ValueError(f"{name} should be > 0, but got {name}={v!r}")
+    return x
+
+
+def _max_clients() -> int:
+    """Clients served at once: ``COORDL_DAEMON_MAX_CLIENTS``, else what the
+    descriptor limit allows (raised to its hard limit first), leaving room
+    for groups, workers and caches.  Past it, new clients are refused."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = hard if hard != resource.RLIM_INFINITY else 1 << 16
+    want = min(want, 1 << 16)
+    if soft == resource.RLIM_INFINITY or soft < want:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+            soft = want
+        except (ValueError, OSError):
+            pass
+    room = max(16, (min(soft, 1 << 16) - 256) // 2)
+    v = os.environ.get("COORDL_DAEMON_MAX_CLIENTS")
+    if v:
+        try:
+            n = int(v)
+        except ValueError:
+            raise ValueError(f"COORDL_DAEMON_MAX_CLIENTS should be an integer, but got {v!r}") from None
+        return max(1, min(n, room))
+    return room
 
 
 def _staging_default() -> int:

@@ -38,7 +38,7 @@ from __future__ import annotations
 import mmap
 import os
 import pickle
-import select
+import selectors
 import signal
 import struct
 import sys
@@ -231,9 +231,13 @@ def main(fd: int) -> int:
     replies: list = []   # finished samples not reported yet
 
     def flush() -> None:
-        if replies:
-            conn.send({"op": "done", "items": replies[:]})
+        if replies:   # no deadline: the daemon reads whenever it runs (it may be stopped a while)
+            conn.send({"op": "done", "items": replies[:]}, timeout=None)
             replies.clear()
+
+    poller = selectors.DefaultSelector()
+    poller.register(conn.sock, selectors.EVENT_READ)
+    conn.send({"op": "hello"}, timeout=None)   # imports done: from here the daemon times its progress
 
     def read(grp, i):
         t0 = time.perf_counter()
@@ -245,10 +249,10 @@ def main(fd: int) -> int:
 
     try:
         while True:
-            if pending and not select.select([conn], [], [], 0)[0]:
+            if pending and not poller.select(0):
                 msg, fds = None, []      # nothing new: prepare the oldest read
-            else:
-                msg, fds = conn.recv(timeout=None if not pending else 30.0)
+            else:                        # idle: wait for the daemon as long as it takes (EOF when it dies)
+                msg, fds = conn.recv(timeout=None)
             if msg is not None:
                 op = msg.get("op")
                 if op == "stop":
@@ -256,13 +260,14 @@ def main(fd: int) -> int:
                 if op == "group":
                     try:
                         groups[int(msg["gid"])] = _Group(msg, fds, caches)
-                        conn.send({"op": "group_ok", "gid": msg["gid"]})
+                        conn.send({"op": "group_ok", "gid": msg["gid"]}, timeout=None)
                     except BaseException as e:
                         if isinstance(e, KeyboardInterrupt):
                             raise
                         conn.send({"op": "group_failed", "gid": msg["gid"],
                                    "code": isinstance(e, CodeMismatch),
-                                   "why": str(e) if isinstance(e, CodeMismatch) else f"{type(e).__name__}: {e}"})
+                                   "why": str(e) if isinstance(e, CodeMismatch) else f"{type(e).__name__}: {e}"},
+                          timeout=None)
                     continue
                 for f in fds:
                     os.close(f)
@@ -278,7 +283,14 @@ def main(fd: int) -> int:
                             replies.append({"gid": msg["gid"], "g": g, "ok": False,
                                             "why": "the worker has no such group"})
                             continue
-                        epoch, i = grp.index(int(g))
+                        try:   # (the daemon checks positions; a bad one is failed here, never fatal)
+                            bad_slot = type(slot) is not int or not 0 <= slot * grp.stride < len(grp.mm)
+                            if type(g) is not int or g < 0 or bad_slot:
+                                raise ValueError(f"bad task {[g, slot]!r}")
+                            epoch, i = grp.index(g)
+                        except (ValueError, TypeError, IndexError) as e:
+                            replies.append({"gid": msg["gid"], "g": g, "ok": False, "why": f"{e}"})
+                            continue
                         task = {"gid": msg["gid"], "g": int(g), "slot": int(slot), "epoch": epoch, "i": i}
                         pending.append((task, grp, reads.submit(read, grp, i)))
                     if not pending:

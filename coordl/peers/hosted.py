@@ -63,7 +63,9 @@ class DaemonHosted:
         if self.conn is None:
             return False
         try:
-            r, _, _ = select.select([self.conn.sock], [], [], 0)
+            p = select.poll()     # (poll, not select: descriptors past 1024)
+            p.register(self.conn.sock, select.POLLIN)
+            r = p.poll(0)
         except (OSError, ValueError):
             return False
         return not r    # the daemon never writes again on this connection: readable means EOF
