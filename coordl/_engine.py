@@ -348,7 +348,8 @@ def _make_reader(dataset, cache, peers=None):
                 continue
             if cache is not None:
                 cache.note_peer_in(len(data))
-                cache.put(i, data)
+                if peers.admit(cache, len(data), sizes):   # never crowding out what no node holds
+                    cache.put(i, data)
         return got
 
     def read(i):
