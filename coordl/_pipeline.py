@@ -73,9 +73,19 @@ def _watch_parent(parent_pid: int):
     return fd
 
 
+def _readable(fds, timeout: float) -> list[int]:
+    """The descriptors of ``fds`` readable (or at EOF) within ``timeout``
+    seconds.  poll, not select(): a loader process may hold descriptors
+    numbered past select()'s limit (1024), and its workers inherit them."""
+    p = select.poll()
+    for fd in fds:
+        p.register(fd, select.POLLIN)
+    return [fd for fd, _ in p.poll(max(0, int(timeout * 1000)))]
+
+
 def _parent_gone(pidfd, parent_pid: int) -> bool:
     if pidfd is not None:
-        return bool(select.select([pidfd], [], [], 0)[0])
+        return bool(_readable([pidfd], 0))
     try:
         os.kill(parent_pid, 0)
     except ProcessLookupError:
@@ -143,7 +153,7 @@ def _worker_main(w: int, num_workers: int, dataset, cfg: dict, ctrl, res, parent
         try:
             watch = [ctrl.fileno()] + ([pidfd] if pidfd is not None else [])
             while True:
-                ready = select.select(watch, [], [], _POLL)[0]
+                ready = _readable(watch, _POLL)
                 if (pidfd is not None and pidfd in ready) or (not ready and _parent_gone(pidfd, parent_pid)):
                     from .cache import mark_orphaned
                     mark_orphaned()  # the node cache stays for a restart to adopt

@@ -339,7 +339,10 @@ class SharedIter:
             return
         waited = 0.0
         while True:
-            r = select.select([link.conn], [], [], _POLL if block else 0)[0]
+            # poll, not select(): this rank may hold descriptors past select()'s 1024
+            poller = select.poll()
+            poller.register(link.conn, select.POLLIN)
+            r = poller.poll(int((_POLL if block else 0) * 1000))
             if not r:
                 if not block:
                     return
