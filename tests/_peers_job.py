@@ -41,7 +41,8 @@ def main() -> None:
                    help="before the training loader, build and run one more (shuffle=False) loader on this "
                         "rank: 'nocache' (cache_size=0) or 'cache' (the training one's cache_size)")
     p.add_argument("--first", default="none",
-                   help="'partial': break the first epoch off after 2 batches; 'eval': one shuffle=False "
+                   help="'partial': break the first epoch off after 2 batches; 'resume': resume mid-epoch 0 "
+                        "with fresh caches; 'eval': one shuffle=False "
                         "pass over the same dataset and cache (a loader built on every rank) before training")
     a = p.parse_args()
     if a.node:
@@ -65,6 +66,13 @@ def main() -> None:
         del V
     L = coordl.DataLoader(ds, batch_size=a.batch_size, shuffle=True, seed=3, num_workers=a.workers,
                           cache_size=a.cache_size, peers=a.peers, share=bool(a.share))
+    if a.first == "resume":    # fresh caches, resumed mid-epoch 0 (from a loader without cache)
+        R = coordl.DataLoader(ds, batch_size=a.batch_size, shuffle=True, seed=3, num_workers=0, peers="off")
+        it = iter(R)
+        for _ in range(len(R) // 2):
+            next(it)
+        L.load_state_dict(R.state_dict())
+        del it, R
     with open(a.out, "w") as out:
         server = L.peer_server
         out.write(json.dumps({"server": list(server.address) if server else None, "pid": os.getpid(),

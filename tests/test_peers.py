@@ -271,16 +271,16 @@ def test_a_rank_building_one_loader_more_is_an_error_on_every_rank(tmp_path, dat
     _fails_with(c, "built different DataLoaders")
 
 
-@pytest.mark.parametrize("first", ["eval", "partial"])
+@pytest.mark.parametrize("first", ["eval", "resume"])
 def test_ownership_follows_what_caches_hold_after_any_first_pass(tmp_path, data, first):
     """Issue 19, defect 2: an evaluation pass (shuffle=False) first, or a
-    first epoch broken off after two batches, left ownership computed from
-    a plan the caches never followed: a share of every later epoch came from
+    mid-epoch resume with fresh caches, left ownership computed from a plan
+    the caches never followed: a share of every later epoch came from
     storage for good.  Asked from what caches hold, the cluster reads
     nothing from storage from the first epoch after one full pass."""
     c = Cluster(tmp_path, data, world=2, per_node=1, epochs=4, first=first)
     c.finish()
-    full = 0 if first == "eval" else 2      # (a partial first pass: epoch 1 is the first full one)
+    full = 0 if first == "eval" else 2      # (resumed mid-epoch 0: epoch 1 is the first full one)
     for epoch in range(1, 4):
         assert sorted(c.epochs(0)[epoch]["got"] + c.epochs(1)[epoch]["got"]) == list(range(N))
     for epoch in range(full, 4):
