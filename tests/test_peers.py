@@ -316,6 +316,37 @@ def test_a_node_daemon_killed_serves_again_within_one_timeout(tmp_path, data):
 
 
 # ---------------------------------------------------------------- no processes
+def test_a_rank_with_many_descriptors_keeps_its_daemon_hosted_server():
+    """Issue 19, defect 4: in a rank holding 1,100 open files, the check
+    that the node daemon still serves (select() on its connection) failed
+    with ValueError, read as "the daemon died", and the server was torn down
+    and rebuilt every pass; the worker's and the daemon's loops had the
+    same select()."""
+    from coordl.testing import run_in_child
+
+    code = r"""
+import os, resource, socket
+soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, 4096), hard))
+held = [os.open(os.devnull, os.O_RDONLY) for _ in range(1100)]
+a, b = socket.socketpair()
+assert a.fileno() > 1024
+from coordl.peers.hosted import DaemonHosted
+from coordl._pipeline import _readable
+h = DaemonHosted.__new__(DaemonHosted)
+h.local = None
+class Conn: pass
+h.conn = Conn()
+h.conn.sock = a
+print("alive", h.alive(), _readable([a.fileno()], 0) == [])
+b.close()
+print("dead", not h.alive(), _readable([a.fileno()], 0) == [a.fileno()])
+"""
+    r = run_in_child(code, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["alive", "True", "True", "dead", "True", "True"], r.stdout + r.stderr
+
+
 def test_peers_environment_takes_the_share_convention(monkeypatch):
     """Issue 19, defect 7: COORDL_PEERS accepts 0/1/true/false/yes/no like
     COORDL_SHARE; a bad value's error names the variable, not a peers=

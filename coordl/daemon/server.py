@@ -38,6 +38,19 @@ __all__ = ["start", "stop", "status", "serve", "socket_path"]
 _TICK = 0.5
 
 
+
+def _readable(objs, timeout: float) -> list:
+    """Those of ``objs`` (fds or objects with fileno()) readable or at EOF
+    within ``timeout`` s.  poll, not select(): the daemon also hosts peer
+    servers with thousands of connections, so its descriptors pass 1024."""
+    p = select.poll()
+    by_fd = {}
+    for o in objs:
+        fd = o if isinstance(o, int) else o.fileno()
+        by_fd[fd] = o
+        p.register(fd, select.POLLIN)
+    return [by_fd[fd] for fd, _ in p.poll(max(0, int(timeout * 1000)))]
+
 def _stem() -> str:
     """``daemon``, or ``daemon-<node>`` under ``COORDL_NODE_ID`` (several
     "nodes" on one machine each have their own daemon, as their own caches)."""
@@ -93,7 +106,7 @@ def start(timeout: float = 30.0) -> int:
         line = b""
         while not line.endswith(b"\n"):
             left = deadline - time.monotonic()
-            if left <= 0 or not select.select([r], [], [], left)[0]:
+            if left <= 0 or not _readable([r], left):
                 raise TimeoutError(f"coordl daemon did not get ready in {timeout:g} s; see {_log_path()}")
             chunk = os.read(r, 64)
             if not chunk:
@@ -168,7 +181,7 @@ def serve(ready_fd: int | None = None, staging_bytes: int | None = None) -> int:
             os.close(ready_fd)
         while not stopping:
             workers = [w.conn for w in hub.workers]
-            ready = select.select([server] + list(conns.values()) + workers, [], [], _TICK)[0]
+            ready = _readable([server] + list(conns.values()) + workers, _TICK)
             for x in ready:
                 if x is server:
                     try:

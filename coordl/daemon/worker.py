@@ -49,6 +49,14 @@ HDR = struct.Struct("<qqqq")   # epoch, global position, index, marker
 MARK = 0x636F6F72646C          # "coordl": a complete sample
 
 
+
+def _poll_in(conn) -> bool:
+    """``conn`` has something to read now (poll, not select(): descriptors
+    inherited from the daemon can pass 1024)."""
+    p = select.poll()
+    p.register(conn.fileno(), select.POLLIN)
+    return bool(p.poll(0))
+
 def layout_digest(layout) -> str:
     """Identity of a one-sample layout (structure, dtypes, shapes), the same
     in every process."""
@@ -187,7 +195,7 @@ def main(fd: int) -> int:
 
     try:
         while True:
-            if pending and not select.select([conn], [], [], 0)[0]:
+            if pending and not _poll_in(conn):
                 msg, fds = None, []      # nothing new: prepare the oldest read
             else:
                 msg, fds = conn.recv(timeout=None if not pending else 30.0)
