@@ -23,6 +23,7 @@ import threading
 import time
 import tracemalloc
 import uuid
+import zlib
 
 import pytest
 
@@ -1057,3 +1058,46 @@ def test_a_sample_asked_twice_in_one_fetch_is_served(server, cache):
         assert client.down() == {}
     finally:
         client.close()
+
+
+def test_bytes_failing_their_checksum_are_read_from_storage_not_spread(cache):
+    """Issue 19 ("Also"): a peer's bytes carry the CRC32 of what its cache
+    verified; bytes that do not match (corrupted on the wire or a bad
+    entry) are dropped, so they are neither used nor admitted here, and the
+    peer stays up for the samples it sends intact."""
+    cid = cid_of(cache)
+
+    def bad_crc(conn, _cid=cid):
+        _fake_handshake(conn, _cid)
+        _, p = P.recv_frame(conn, (P.GET,), 5, 5)
+        rid, idx = P.unpack_get(p)
+        for i in idx:
+            data = sample(i)
+            crc = zlib.crc32(data) ^ (1 if i == idx[0] else 0)     # the first one corrupt
+            P.send_frame(conn, P.ITEM, P.pack_item_header(rid, i, P.HERE, crc), data)
+        time.sleep(1.0)
+
+    fake = FakeServer(bad_crc)
+    client = two_node_client(fake.address, cache, timeout=2.0)
+    try:
+        got = client.fetch([3, 4, 5])
+        assert got == {4: sample(4), 5: sample(5)}, "bytes failing their CRC32 were used"
+        assert client.down() == {}
+    finally:
+        client.close()
+        fake.close()
+    # and a server never sends an entry its cache cannot verify
+    srv = make_server(cache)
+    try:
+        i = HERE_IDX[0]
+        off = int(cache._index[i, 0])
+        cache._arena[off] ^= 0xFF          # the entry's bytes rot in shared memory
+        c2 = two_node_client(srv, cache)
+        try:
+            got = c2.fetch(HERE_IDX)
+        finally:
+            c2.close()
+        assert i not in got and len(got) == len(HERE_IDX) - 1
+        assert srv.absent == 1
+    finally:
+        srv.close()
