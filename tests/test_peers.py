@@ -288,6 +288,19 @@ def test_ownership_follows_what_caches_hold_after_any_first_pass(tmp_path, data,
         assert _peers_got(c, (0, 1), epoch) > 0
 
 
+def test_uneven_ranks_per_node_cost_no_storage_reads_after_the_first_epoch(tmp_path, data):
+    """Issue 19, defect 2: node n0 runs 2 ranks, n1 one; n0 reads 2/3 of the
+    dataset in the first epoch and caches only half: what overflows is
+    handed to n1, which has room, so from epoch 1 on nothing comes from
+    storage (the plan-based ownership read the overflow every epoch)."""
+    c = Cluster(tmp_path, data, world=3, per_node=2, epochs=3, peers="auto")
+    c.finish()
+    for epoch in range(3):
+        assert set(sum((c.epochs(r)[epoch]["got"] for r in range(3)), [])) == set(range(N))   # (padded: 3 ranks)
+    for epoch in (1, 2):
+        assert _storage(c, range(3), epoch) == 0, f"epoch {epoch}: {_storage(c, range(3), epoch)} from storage"
+
+
 def test_bad_peer_environment_is_refused_on_every_rank_naming_the_variable(tmp_path, data):
     """Issue 19, defect 7: COORDL_PEER_PORT=70000 raised OverflowError on one
     rank and a gloo error on the others; now every rank refuses it, before

@@ -42,6 +42,7 @@ import os
 import socket
 import threading
 import time
+import zlib
 
 import numpy as np
 
@@ -135,6 +136,19 @@ class _Link:
             raise PeerDown(f"peer {self.name}: {e}") from None
         return req
 
+    def put(self, index: int, data) -> None:
+        """Hand sample ``index`` to the peer (no answer; bounded by the timeout)."""
+        with self._lock:
+            if self.dead is not None:
+                raise PeerDown(f"peer {self.name}: {self.dead}")
+        try:
+            with self._send_lock:
+                P.send_frame(self.sock, P.PUT, P.pack_put_header(index, zlib.crc32(data)), data,
+                             deadline=time.monotonic() + self.timeout)
+        except OSError as e:
+            self.fail(e)
+            raise PeerDown(f"peer {self.name}: {e}") from None
+
     def wait(self, req: _Request, deadline: float) -> dict:
         if not req.done.wait(max(0.0, deadline - time.monotonic())):
             self.fail(PeerDown(f"peer {self.name} did not answer within {self.timeout:g} s"))
@@ -168,12 +182,13 @@ class _Link:
             while True:
                 ftype, payload = P.recv_frame(self.sock, (P.ITEM, P.HAVE), None, max(self.timeout, 30.0))
                 if ftype == P.HAVE:
-                    rid, _n, bits = P.unpack_have(payload)
+                    rid, _n, free, bits = P.unpack_have_free(payload)
                     with self._lock:
                         req = self._pending.pop(rid, None)
                         if req is None or req.indices != {-1}:
                             raise P.ProtocolError(f"a membership nobody asked for (request {rid})")
                         req.bits = np.frombuffer(bytes(bits), dtype=np.uint8)
+                        req.got = {-1: free}
                         req.done.set()
                     continue
                 rid, index, status, data = P.unpack_item(payload)
@@ -234,6 +249,8 @@ class PeerClient:
         self._owner: np.ndarray | None = None
         self._unheld_bytes = 0
         self._unheld_dirty = True
+        self._room: dict[int, int] = {}      # node: its cache's free bytes at the snapshot, less what we handed it
+        self.handed = 0                      # samples handed to a peer with room (statistics, tests)
         self._cid = P.cache_id(self.cache_name)
         self.map_requests = 0        # membership bitmaps asked for (statistics, tests)
 
@@ -311,19 +328,21 @@ class PeerClient:
             except PeerDown as e:
                 self._mark_down(node, e)
         deadline = time.monotonic() + self.timeout
-        got = {}
+        got, room = {}, {}
         for node, link, req in asked:
             try:
                 link.wait(req, deadline)
                 if req.bits is None or len(req.bits) != (self.n + 7) // 8:
                     raise PeerDown(f"peer {link.name}: no membership")
                 got[node] = req.bits
+                room[node] = int(req.got.get(-1, 0))
             except PeerDown as e:
                 self._mark_down(node, e)
         with self._lock:
             for node, _l, _r in asked:
                 self._maps.pop(node, None)
             self._maps.update(got)
+            self._room.update(room)
             self._stale.difference_update(got)
             self._owner = None
             self._unheld_dirty = True
@@ -392,6 +411,29 @@ class PeerClient:
         with self._lock:
             need = self._unheld_bytes
         return free - nbytes >= need
+
+    def offer(self, i: int, data) -> None:
+        """Sample ``i`` came from storage and this node's cache is full: if
+        no node held it at the epoch's start, hand it to the peer with the
+        most room (it would otherwise be read from storage every epoch)."""
+        self._check_pid()
+        n = len(data)
+        if self.holders([i])[0] >= 0:
+            return
+        with self._lock:
+            room = {k: v for k, v in self._room.items() if v >= n and k in self._maps and k not in self._down}
+            if not room:
+                return
+            node = max(room, key=room.get)
+            self._room[node] -= n
+        link = self._link(node)
+        if link is None:
+            return
+        try:
+            link.put(int(i), data)
+            self.handed += 1
+        except PeerDown as e:
+            self._mark_down(node, e)
 
     def note_unheld(self, cache, sizes=None) -> None:
         """Estimate the bytes of samples no node holds (this node's cache

@@ -36,8 +36,13 @@ Requests, after the handshake::
                     1 = absent: the peer does not hold it; the CRC32 of the
                     bytes, checked by the receiver before it uses or caches them)
     client -> HAVE? request id (4) + number of samples n (8)
-    server -> HAVE  request id (4) + n (8) + ceil(n/8) bytes: bit i (numpy
-                    packbits order) set iff the server's cache holds sample i
+    server -> HAVE  request id (4) + n (8) + free bytes (8) + ceil(n/8) bytes:
+                    bit i (numpy packbits order) set iff the server's cache
+                    holds sample i; free bytes: its cache's room left
+    client -> PUT   sample index (8) + CRC32 (4) + bytes: a sample no node
+                    held, read from storage by a node whose cache is full,
+                    handed to one with room (no answer; admitted if it fits
+                    and the CRC32 matches)
 """
 from __future__ import annotations
 
@@ -57,7 +62,7 @@ __all__ = ["ProtocolError", "VERSION", "HELLO", "CHALLENGE", "AUTH", "OK", "GET"
 MAGIC = b"CP"
 VERSION = 2
 HEADER = struct.Struct("!2sBBI")
-HELLO, CHALLENGE, AUTH, OK, GET, ITEM, HAVEQ, HAVE = 1, 2, 3, 4, 5, 6, 7, 8
+HELLO, CHALLENGE, AUTH, OK, GET, ITEM, HAVEQ, HAVE, PUT = 1, 2, 3, 4, 5, 6, 7, 8, 9
 NONCE = 32
 CACHE_ID = 16
 MAC = 32
@@ -66,6 +71,8 @@ MAX_SAMPLE = 256 << 20              # bytes of one sample a server sends (and a 
 _GET_HEAD = struct.Struct("!IH")
 _ITEM_HEAD = struct.Struct("!IQBI")
 _HAVE_HEAD = struct.Struct("!IQ")
+_HAVE_FREE = struct.Struct("!Q")
+_PUT_HEAD = struct.Struct("!QI")
 MAX_SAMPLES = 1 << 32                # samples a membership bitmap may describe (512 MiB of bits)
 MAX_PAYLOAD = {
     HELLO: NONCE + CACHE_ID,
@@ -75,7 +82,8 @@ MAX_PAYLOAD = {
     GET: _GET_HEAD.size + 8 * MAX_GET,
     ITEM: _ITEM_HEAD.size + MAX_SAMPLE,
     HAVEQ: _HAVE_HEAD.size,
-    HAVE: _HAVE_HEAD.size + MAX_SAMPLES // 8,
+    HAVE: _HAVE_HEAD.size + 8 + MAX_SAMPLES // 8,
+    PUT: _PUT_HEAD.size + MAX_SAMPLE,
 }
 HERE, ABSENT = 0, 1
 CORRUPT = 2                         # (never on the wire: a HERE item whose CRC32 failed)
@@ -284,15 +292,33 @@ def unpack_haveq(payload) -> tuple[int, int]:
     return rid, n
 
 
-def pack_have_header(rid: int, n: int) -> bytes:
-    return _HAVE_HEAD.pack(rid, n)
+def pack_have_header(rid: int, n: int, free: int = 0) -> bytes:
+    return _HAVE_HEAD.pack(rid, n) + _HAVE_FREE.pack(max(0, int(free)))
 
 
 def unpack_have(payload) -> tuple[int, int, memoryview]:
-    if len(payload) < _HAVE_HEAD.size:
+    """``(rid, n, bits)``; :func:`have_free` reads the room left."""
+    rid, n, _free, bits = unpack_have_free(payload)
+    return rid, n, bits
+
+
+def unpack_have_free(payload) -> tuple[int, int, int, memoryview]:
+    if len(payload) < _HAVE_HEAD.size + 8:
         raise ProtocolError("malformed membership")
     rid, n = _HAVE_HEAD.unpack_from(payload)
-    bits = memoryview(payload)[_HAVE_HEAD.size:]
+    (free,) = _HAVE_FREE.unpack_from(payload, _HAVE_HEAD.size)
+    bits = memoryview(payload)[_HAVE_HEAD.size + 8:]
     if len(bits) != (n + 7) // 8:
         raise ProtocolError("malformed membership (count and length disagree)")
-    return rid, n, bits
+    return rid, n, free, bits
+
+
+def pack_put_header(index: int, crc: int) -> bytes:
+    return _PUT_HEAD.pack(index, crc)
+
+
+def unpack_put(payload) -> tuple[int, int, memoryview]:
+    if len(payload) < _PUT_HEAD.size:
+        raise ProtocolError("malformed hand-off")
+    index, crc = _PUT_HEAD.unpack_from(payload)
+    return index, crc, memoryview(payload)[_PUT_HEAD.size:]

@@ -48,7 +48,7 @@ MAX_QUEUED = 4      # GET frames queued per connection before the server stops r
 _TICK = 0.1         # seconds between deadline sweeps
 _SEND_CHUNK = 256 << 10
 _HELLO, _AUTH, _READY = 0, 1, 2
-_EXPECT = {_HELLO: (P.HELLO,), _AUTH: (P.AUTH,), _READY: (P.GET, P.HAVEQ)}
+_EXPECT = {_HELLO: (P.HELLO,), _AUTH: (P.AUTH,), _READY: (P.GET, P.HAVEQ, P.PUT)}
 
 
 def _raise_nofile() -> int:
@@ -274,13 +274,28 @@ class _Loop:
                     raise P.ProtocolError(f"sample {i} out of range (n={srv._n})")
             c.queue.append([rid, indices, 0])
             c.deadline = time.monotonic() + srv.idle_timeout
+        elif ftype == P.PUT:
+            i, crc, data = P.unpack_put(p)
+            if i >= srv._n:
+                raise P.ProtocolError(f"sample {i} out of range (n={srv._n})")
+            if zlib.crc32(data) == crc and len(data):
+                try:
+                    if srv.cache.put(i, data):
+                        srv.taken += 1
+                        note = getattr(srv.cache, "note_peer_in", None)
+                        if note is not None:
+                            note(len(data))
+                except Exception:   # a full or busy cache: the hand-off is a hint, never an error
+                    pass
+            c.deadline = time.monotonic() + srv.idle_timeout
         else:   # HAVEQ
             rid, n = P.unpack_haveq(p)
             if n != srv._n:
                 raise P.ProtocolError(f"membership asked for {n} samples, this cache has {srv._n}")
             bits = srv._bitmap()
-            self._send(c, P.HEADER.pack(P.MAGIC, P.VERSION, P.HAVE, 12 + len(bits)) + P.pack_have_header(rid, n),
-                       memoryview(bits))
+            free = int(getattr(srv.cache, "free_bytes", 0) or 0)
+            self._send(c, P.HEADER.pack(P.MAGIC, P.VERSION, P.HAVE, 20 + len(bits))
+                       + P.pack_have_header(rid, n, free), memoryview(bits))
             c.deadline = time.monotonic() + srv.idle_timeout
 
     # ------------------------------------------------------------ writing
@@ -416,6 +431,7 @@ class PeerServer:
         self.absent = 0
         self.refused = 0
         self.evicted = 0          # unauthenticated connections closed to make room
+        self.taken = 0            # samples other nodes handed over (PUT) and this cache admitted
         self._loops = [_Loop(self, k) for k in range(max(1, int(loops)))]
         self._next = 0
         for lp in self._loops:
