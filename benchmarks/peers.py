@@ -54,6 +54,12 @@ the dataset (blkio) against ~0.67 without peers; epoch time with peers <=
     python benchmarks/peers.py --root /tmp/peersds3k --epochs 5 --rounds 3 --out docs/img   # ~8 min
     python benchmarks/peers.py --quick                       # smoke run: loopback, no root needed
 
+Issue 19's targets (``benchmarks/_peers_issue19.py``; functional counts,
+loopback, no root)::
+
+    python benchmarks/peers.py first-pass --nodes 3 --images 3000 --epochs 4   # resume/partial/eval/adopted
+    python benchmarks/peers.py connections --nodes 64 --ranks 8 --workers 8     # 4,032 connections on one server
+
 Writes DIR/peers.csv (one row per round, configuration, node and epoch),
 DIR/peers_summary.csv (one row per configuration and round) and
 DIR/peers.png (per node and epoch: bytes from cache / peers / storage).
@@ -637,6 +643,11 @@ def _v1(controller: str) -> bool:
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] in ("first-pass", "connections"):     # issue 19's targets (_peers_issue19.py)
+        import _peers_issue19 as i19
+
+        return (i19.first_pass if argv[0] == "first-pass" else i19.connections)(argv[1:])
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--root", default=None, help="ImageFolder root (default: generate --images photos)")
     ap.add_argument("--images", type=int, default=1500, help="images to generate when --root is not given")

@@ -366,6 +366,12 @@ def _make_reader(dataset, cache, peers=None):
             return data
         return None
 
+    def _keep(i, data) -> None:
+        """Admit a storage read; a full cache hands it to a peer with room
+        when no node holds it (coordl.peers.client.PeerClient.offer)."""
+        if not cache.put(i, data) and peers is not None and getattr(cache, "free_bytes", 1) < len(data):
+            peers.offer(i, data)
+
     def from_peers(indices) -> dict:
         got = peers.fetch(indices)
         for i, data in list(got.items()):
@@ -374,7 +380,8 @@ def _make_reader(dataset, cache, peers=None):
                 continue
             if cache is not None:
                 cache.note_peer_in(len(data))
-                cache.put(i, data)
+                if peers.admit(cache, len(data), sizes):   # never crowding out what no node holds
+                    cache.put(i, data)
         return got
 
     def read(i):
@@ -387,7 +394,7 @@ def _make_reader(dataset, cache, peers=None):
                 return data, "peer"
         data = raw(i)
         if cache is not None:
-            cache.put(i, data)
+            _keep(i, data)
         return data, "storage"
 
     if raw_many is None and peers is None:
@@ -417,7 +424,7 @@ def _make_reader(dataset, cache, peers=None):
                     out[k] = e
                     continue
                 if cache is not None:
-                    cache.put(indices[k], data)
+                    _keep(indices[k], data)
                 out[k] = (data, "storage")
         elif missing:
             got = raw_many([indices[k] for k in missing])
@@ -426,7 +433,7 @@ def _make_reader(dataset, cache, peers=None):
                     out[k] = res
                 else:
                     if cache is not None:
-                        cache.put(indices[k], res)
+                        _keep(indices[k], res)
                     out[k] = (res, "storage")
         return out
 

@@ -653,9 +653,11 @@ class NodeCache:
             pass
 
     # ------------------------------------------------------------ data
-    def get(self, i: int, count: bool = True):
+    def get(self, i: int, count: bool = True, verify: bool = False):
         """The cached bytes of sample ``i`` (a copy), or None.  Lock-free.
-        ``count=False``: not a hit or miss of this node (a peer's request)."""
+        ``count=False``: not a hit or miss of this node (a peer's request).
+        ``verify=True``: check the entry's CRC32 whatever ``checksum`` says
+        (what a peer server sends must not spread a corrupt entry)."""
         e = self._index[i]
         hdr = self._hdr if count else _NOCOUNT
         if e[2] != READY:
@@ -666,13 +668,28 @@ class NodeCache:
             hdr[MISSES] += 1
             return None
         data = self._arena[off:off + length].tobytes()
-        if (VALIDATE_READS or self.checksum) and _entry_crc(i, off, length, data) != crc:
-            if self.checksum:
+        if (VALIDATE_READS or self.checksum or verify) and _entry_crc(i, off, length, data) != crc:
+            if self.checksum and not verify:
                 self._check_corrupt(i)
             hdr[MISSES] += 1
             return None  # published out of order (weak memory order): a miss
         hdr[HITS] += 1
         return data
+
+    def held(self) -> np.ndarray:
+        """``held()[i]``: sample ``i`` is in the cache (a snapshot; bool array
+        of ``n``), what a peer server tells other nodes at each epoch start."""
+        return self._index[:, 2] == READY
+
+    @property
+    def admitted(self) -> int:
+        """Entries admitted so far (grows only: a changed value means more held)."""
+        return int(self._hdr[ADMITTED])
+
+    @property
+    def free_bytes(self) -> int:
+        """Arena bytes not yet reserved (0 once full)."""
+        return 0 if self._hdr[FULL] else max(0, self.capacity - int(self._hdr[FILL]))
 
     def note_peer_in(self, nbytes: int) -> None:
         """A sample of ``nbytes`` came to this node from a peer (racy counter)."""

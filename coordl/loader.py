@@ -480,8 +480,11 @@ class DataLoader(_TorchDataLoader[_T_co]):
         holds it, before storage.  ``"auto"`` (default; ``None`` reads
         ``COORDL_PEERS``, else "auto"): on when the process group spans
         more than one node and the node cache is on; ``"on"``: the same, and
-        an error when it cannot be; ``"off"``.  With it on, building the
-        loader is collective (every rank must build it).  See docs/api.md,
+        an error when it cannot be; ``"off"``.  Building the loader is
+        collective only when every rank can tell alone that peers may be on
+        (a node cache, a process group, no launcher saying one node); then
+        every rank must build it, and a rank that does not, or builds
+        another loader, is an error on every rank.  See docs/api.md,
         "Across nodes".
     progress
         Show a progress bar per epoch (tqdm) with samples/s and the data

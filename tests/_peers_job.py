@@ -37,8 +37,16 @@ def main() -> None:
     p.add_argument("--report", type=int, default=0, help="write the node caches' info at the end")
     p.add_argument("--share", type=int, default=0, help="share=True (the node daemon prepares)")
     p.add_argument("--kill-daemon-after", type=int, default=-1, help="SIGKILL this node's daemon after this epoch")
+    p.add_argument("--extra", default="none",
+                   help="before the training loader, build and run one more (shuffle=False) loader on this "
+                        "rank: 'nocache' (cache_size=0) or 'cache' (the training one's cache_size)")
+    p.add_argument("--first", default="none",
+                   help="'partial': break the first epoch off after 2 batches; 'resume': resume mid-epoch 0 "
+                        "with fresh caches; 'eval': one shuffle=False "
+                        "pass over the same dataset and cache (a loader built on every rank) before training")
     a = p.parse_args()
-    os.environ["COORDL_NODE_ID"] = a.node
+    if a.node:
+        os.environ["COORDL_NODE_ID"] = a.node
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(a.port)
     import torch.distributed as dist
@@ -50,8 +58,21 @@ def main() -> None:
     dist.init_process_group("gloo", rank=a.rank, world_size=a.world)
     ds = folder(a.root)
     which = {b: i for i, b in enumerate(file_bytes(ds))}
+    if a.extra != "none" or a.first == "eval":
+        V = coordl.DataLoader(ds, batch_size=a.batch_size, shuffle=False, seed=3, num_workers=a.workers,
+                              cache_size=0 if a.extra == "nocache" else a.cache_size, peers=a.peers)
+        for _ in V:
+            pass
+        del V
     L = coordl.DataLoader(ds, batch_size=a.batch_size, shuffle=True, seed=3, num_workers=a.workers,
                           cache_size=a.cache_size, peers=a.peers, share=bool(a.share))
+    if a.first == "resume":    # fresh caches, resumed mid-epoch 0 (from a loader without cache)
+        R = coordl.DataLoader(ds, batch_size=a.batch_size, shuffle=True, seed=3, num_workers=0, peers="off")
+        it = iter(R)
+        for _ in range(len(R) // 2):
+            next(it)
+        L.load_state_dict(R.state_dict())
+        del it, R
     with open(a.out, "w") as out:
         server = L.peer_server
         out.write(json.dumps({"server": list(server.address) if server else None, "pid": os.getpid(),
@@ -67,6 +88,8 @@ def main() -> None:
                     out.flush()
                 if a.sleep:
                     time.sleep(a.sleep)
+                if epoch == 0 and a.first == "partial" and k == 1:
+                    break
             if epoch == a.kill_daemon_after:
                 from coordl.daemon import server as daemon
 

@@ -203,3 +203,16 @@ def test_small_server_tiny():
                                           ["fsspec", "default"], ["fsspec", "fetch_threads=8"]], out
     assert all(r[-1] == "0/1" for r in rows), out        # every configuration ran, none failed
     assert all(float(r[-5]) > 0 for r in rows), out     # images/s
+def test_peers_issue19_targets_tiny(tmp_path):
+    """benchmarks/peers.py first-pass and connections (issue 19) at a tiny size."""
+    out = _script("peers.py", "first-pass", "--images", "60", "--nodes", "2", "--epochs", "3", "--workers", "0",
+                  "--batch-size", "8", "--cache-fraction", "0.55", "--scenarios", "eval,resume", "--out", str(tmp_path), timeout=300)
+    assert "eval " in out and "resume " in out and "MISSED" not in out, out
+    import json
+
+    res = json.loads((tmp_path / "peers_first_pass.json").read_text())["results"]
+    assert res["eval"]["met"] and res["resume"]["met"]
+    out = _script("peers.py", "connections", "--nodes", "5", "--ranks", "2", "--workers", "3", "--procs", "2",
+                  "--idle", "20", "--out", str(tmp_path), timeout=120)
+    c = json.loads((tmp_path / "peers_connections.json").read_text())
+    assert c["served"] == c["requests"] == 4 * 2 * 3 * 4 and c["server_threads"] == 3, out

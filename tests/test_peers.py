@@ -42,14 +42,14 @@ def _free_port() -> int:
 class Cluster:
     """``world`` rank processes, ``per_node`` per node, started together."""
 
-    def __init__(self, tmp, root, world=4, per_node=2, env=None, rank_opts=None, **opts):
+    def __init__(self, tmp, root, world=4, per_node=2, env=None, rank_opts=None, node_ids=True, **opts):
         self.port = _free_port()
         self.outs = [str(tmp / f"rank{r}.jsonl") for r in range(world)]
         self.procs = []
         env = {**os.environ, "COORDL_PEER_TIMEOUT": "2", **(env or {})}
         for r in range(world):
             args = [sys.executable, JOB, "--root", root, "--rank", str(r), "--world", str(world),
-                    "--node", f"n{r // per_node}", "--port", str(self.port), "--cache-size", str(CACHE),
+                    "--node", f"n{r // per_node}" if node_ids else "", "--port", str(self.port), "--cache-size", str(CACHE),
                     "--out", self.outs[r]]
             for k, v in {**opts, **(rank_opts or {}).get(r, {})}.items():
                 args += [f"--{k.replace('_', '-')}", str(v)]
@@ -223,23 +223,226 @@ def test_one_node_keeps_peers_off_and_on_is_refused(tmp_path, data):
         c.kill()
 
 
+def _storage(c, ranks, epoch):
+    return sum(c.epochs(r)[epoch]["stats"]["samples_from_storage"] for r in ranks)
+
+
+def _peers_got(c, ranks, epoch):
+    return sum(c.epochs(r)[epoch]["stats"]["samples_from_peers"] for r in ranks)
+
+
+def _fails_with(c, text, timeout=90):
+    try:
+        for r, p in enumerate(c.procs):
+            _out, err = p.communicate(timeout=timeout)
+            assert p.returncode != 0 and text in err, f"rank {r}: rc={p.returncode}\n{err[-3000:]}"
+    finally:
+        c.kill()
+
+
+def test_a_loader_built_on_rank_0_only_without_cache_is_not_collective(tmp_path, data):
+    """Issue 19, defect 1: an evaluation loader built on rank 0 only (peers
+    "auto", no cache_size) must not call a collective: it paired with the
+    other ranks' training loader (a wrong warning, then a hang)."""
+    c = Cluster(tmp_path, data, world=2, per_node=1, epochs=2, peers="auto", rank_opts={0: {"extra": "nocache"}})
+    c.finish(timeout=90)
+    for epoch in range(2):
+        assert sorted(c.epochs(0)[epoch]["got"] + c.epochs(1)[epoch]["got"]) == list(range(N))
+    assert _storage(c, (0, 1), 1) == 0 and _peers_got(c, (0, 1), 1) > 0     # the training loader's peers work
+
+
+def test_a_loader_one_node_by_the_launcher_is_not_collective(tmp_path, data):
+    """Issue 19, defect 1: torchrun's environment says one node
+    (LOCAL_WORLD_SIZE == WORLD_SIZE): peers "auto" stay off without any
+    collective, so a loader with a cache built on rank 0 only goes through."""
+    c = Cluster(tmp_path, data, world=2, per_node=2, epochs=1, node_ids=False, barrier=0, peers="auto",
+                env={"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "COORDL_NODE_ID": ""},
+                rank_opts={0: {"extra": "cache"}})
+    c.finish(timeout=90)
+    assert [c.lines(r)[0]["server"] for r in range(2)] == [None, None]
+
+
+def test_a_rank_building_one_loader_more_is_an_error_on_every_rank(tmp_path, data):
+    """Issue 19, defect 1: rank 0 builds one cached loader more than rank 1
+    (peers on): every rank raises a clear error naming the mismatch, instead
+    of pairing rank 0's extra loader with rank 1's training loader."""
+    c = Cluster(tmp_path, data, world=2, per_node=1, epochs=1, rank_opts={0: {"extra": "cache"}},
+                env={"COORDL_PEER_RENDEZVOUS_TIMEOUT": "20"})
+    _fails_with(c, "built different DataLoaders")
+
+
+@pytest.mark.parametrize("first", ["eval", "resume"])
+def test_ownership_follows_what_caches_hold_after_any_first_pass(tmp_path, data, first):
+    """Issue 19, defect 2: an evaluation pass (shuffle=False) first, or a
+    mid-epoch resume with fresh caches, left ownership computed from a plan
+    the caches never followed: a share of every later epoch came from
+    storage for good.  Asked from what caches hold, the cluster reads
+    nothing from storage from the first epoch after one full pass."""
+    c = Cluster(tmp_path, data, world=2, per_node=1, epochs=4, first=first)
+    c.finish()
+    full = 0 if first == "eval" else 2      # (resumed mid-epoch 0: epoch 1 is the first full one)
+    for epoch in range(1, 4):
+        assert sorted(c.epochs(0)[epoch]["got"] + c.epochs(1)[epoch]["got"]) == list(range(N))
+    for epoch in range(full, 4):
+        assert _storage(c, (0, 1), epoch) == 0, f"epoch {epoch}: {_storage(c, (0, 1), epoch)} from storage"
+        assert _peers_got(c, (0, 1), epoch) > 0
+
+
+def test_uneven_ranks_per_node_cost_no_storage_reads_after_the_first_epoch(tmp_path, data):
+    """Issue 19, defect 2: node n0 runs 2 ranks, n1 one; n0 reads 2/3 of the
+    dataset in the first epoch and caches only half: what overflows is
+    handed to n1, which has room, so from epoch 1 on nothing comes from
+    storage (the plan-based ownership read the overflow every epoch)."""
+    c = Cluster(tmp_path, data, world=3, per_node=2, epochs=3, peers="auto")
+    c.finish()
+    for epoch in range(3):
+        assert set(sum((c.epochs(r)[epoch]["got"] for r in range(3)), [])) == set(range(N))   # (padded: 3 ranks)
+    for epoch in (1, 2):
+        assert _storage(c, range(3), epoch) == 0, f"epoch {epoch}: {_storage(c, range(3), epoch)} from storage"
+
+
+def test_bad_peer_environment_is_refused_on_every_rank_naming_the_variable(tmp_path, data):
+    """Issue 19, defect 7: COORDL_PEER_PORT=70000 raised OverflowError on one
+    rank and a gloo error on the others; now every rank refuses it, before
+    any collective, naming the variable."""
+    c = Cluster(tmp_path, data, world=2, per_node=1, epochs=1, env={"COORDL_PEER_PORT": "70000"})
+    _fails_with(c, "COORDL_PEER_PORT should be")
+
+
+def test_a_node_daemon_killed_serves_again_within_one_timeout(tmp_path, data):
+    """Issue 19, defect 6: after n1's daemon (its peer server) is SIGKILLed,
+    n1 serves again within about one timeout, in the very next epoch (it was
+    read from storage for that whole epoch)."""
+    env = {"COORDL_RUN_DIR": str(tmp_path / "run")}
+    os.makedirs(env["COORDL_RUN_DIR"], mode=0o700)
+    c = Cluster(tmp_path, data, world=2, per_node=1, epochs=3, share=1, env=env, sleep=0.4,
+                rank_opts={1: {"kill_daemon_after": 0}})
+    try:
+        c.finish()
+    finally:
+        for node in ("n0", "n1"):
+            subprocess.run([sys.executable, "-m", "coordl", "daemon", "stop"], timeout=60,
+                           env={**os.environ, **env, "COORDL_NODE_ID": node}, capture_output=True)
+    for epoch in range(3):
+        assert sorted(c.epochs(0)[epoch]["got"] + c.epochs(1)[epoch]["got"]) == list(range(N))
+    assert c.epochs(0)[1]["stats"]["samples_from_peers"] > 0, "n1 not served again within epoch 1"
+
+
 # ---------------------------------------------------------------- no processes
-def test_ownership_is_the_first_epochs_reader():
-    plan = dict(num_samples=48, seed=1, batch_size=4, shuffle=True, drop_last=False)   # no padding repeats
-    rank_nodes = [0, 0, 1, 2]
-    c = PeerClient([("a", "h", 1), ("b", "h", 2), ("c", "h", 3)], 0, rank_nodes, b"s" * 32, "fp", plan)
-    c.start(2)
-    c.start(5)                               # only the first call counts
+def test_a_rank_with_many_descriptors_keeps_its_daemon_hosted_server():
+    """Issue 19, defect 4: in a rank holding 1,100 open files, the check
+    that the node daemon still serves (select() on its connection) failed
+    with ValueError, read as "the daemon died", and the server was torn down
+    and rebuilt every pass; the worker's and the daemon's loops had the
+    same select()."""
+    from coordl.testing import run_in_child
+
+    code = r"""
+import os, resource, socket
+soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, 4096), hard))
+held = [os.open(os.devnull, os.O_RDONLY) for _ in range(1100)]
+a, b = socket.socketpair()
+assert a.fileno() > 1024
+from coordl.peers.hosted import DaemonHosted
+from coordl._pipeline import _readable
+h = DaemonHosted.__new__(DaemonHosted)
+h.local = None
+class Conn: pass
+h.conn = Conn()
+h.conn.sock = a
+print("alive", h.alive(), _readable([a.fileno()], 0) == [])
+b.close()
+print("dead", not h.alive(), _readable([a.fileno()], 0) == [a.fileno()])
+"""
+    r = run_in_child(code, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["alive", "True", "True", "dead", "True", "True"], r.stdout + r.stderr
+
+
+def test_peers_environment_takes_the_share_convention(monkeypatch):
+    """Issue 19, defect 7: COORDL_PEERS accepts 0/1/true/false/yes/no like
+    COORDL_SHARE; a bad value's error names the variable, not a peers=
+    argument nobody passed."""
+    for v, want in (("0", "off"), ("false", "off"), ("no", "off"), ("1", "on"), ("true", "on"), ("YES", "on"),
+                    ("", "auto"), ("auto", "auto"), ("off", "off")):
+        monkeypatch.setenv("COORDL_PEERS", v)
+        assert rendezvous._want(None) == want, v
+    monkeypatch.setenv("COORDL_PEERS", "maybe")
+    with pytest.raises(ValueError, match="COORDL_PEERS should be") as e:
+        rendezvous._want(None)
+    assert "peers=" not in str(e.value).split("but got")[1]
+    for var, bad in (("COORDL_PEER_PORT", "70000"), ("COORDL_PEER_PORT", "x"), ("COORDL_PEER_TIMEOUT", "0"),
+                     ("COORDL_PEER_TIMEOUT", "nan")):
+        monkeypatch.setenv(var, bad)
+        with pytest.raises(ValueError, match=f"{var} should be"):
+            rendezvous.env_settings()
+        monkeypatch.delenv(var)
+
+
+def test_peers_env_values_build_a_loader_in_one_process(monkeypatch, data):
+    import coordl
+    from _cache_helpers import folder
+
+    for v in ("0", "1", "false", "no"):
+        monkeypatch.setenv("COORDL_PEERS", v)
+        if v == "1":      # on, where it cannot be: said, not an error about an argument
+            with pytest.warns(UserWarning, match="no effect"):
+                L = coordl.DataLoader(folder(data), batch_size=4, seed=1, cache_size=1 << 16)
+        else:
+            L = coordl.DataLoader(folder(data), batch_size=4, seed=1, cache_size=1 << 16)
+        assert L.peer_server is None
+        del L
+
+
+@pytest.mark.parametrize("addr", ["0", "::0", "0:0:0:0:0:0:0:0", "0.0.0.0", "::", "0.0", "[::]"])
+def test_every_spelling_of_the_wildcard_is_refused(monkeypatch, addr):
+    """Issue 19, defect 8: the guard compared strings, so "0", "::0" or
+    "0:0:0:0:0:0:0:0" bound every interface."""
+    from coordl.peers.server import PeerServer
+
+    monkeypatch.setenv("COORDL_PEER_ADDR", addr)
+    with pytest.raises(ValueError, match="one interface"):
+        rendezvous.peer_host()
+    with pytest.raises(ValueError, match="one interface"):
+        rendezvous.env_settings()
+    with pytest.raises(ValueError, match="one interface"):
+        PeerServer(object(), b"s" * 32, addr)
+
+
+
+def test_ownership_comes_from_membership_not_from_plans(monkeypatch):
+    """Issue 19, defect 5 (and 2): who holds what is the peers' membership,
+    asked once per process per epoch; owners() draws no permutation (it drew
+    one per rank: 5.5 s at world 256 for 1.28M samples, in every worker)."""
+    import importlib
+
+    plan_mod = importlib.import_module("coordl.plan")
+
+    def no_plan(*a, **k):
+        raise AssertionError("owners() computed an epoch plan")
+
+    monkeypatch.setattr(plan_mod.EpochPlan, "indices", no_plan)
+    n = 1000
+    plan = dict(num_samples=n, seed=1, batch_size=4, shuffle=True, drop_last=False)
+    c = PeerClient([("a", "h", 1), ("b", "h", 2), ("c", "h", 3)], 0, [0, 0, 1, 2] * 64, b"s" * 32, "fp", plan)
+    c._stale.clear()                 # membership as a peer would have answered it
+    b = np.zeros(n, bool)
+    b[::3] = True
+    cc = np.zeros(n, bool)
+    cc[1::3] = True
+    cc[::3] = True                   # both hold every third sample
+    c._maps = {1: np.packbits(b), 2: np.packbits(cc)}
     own = c.owners()
-    for r, node in enumerate(rank_nodes):
-        idx = EpochPlan(**plan, rank=r, world_size=4).indices(2)
-        assert set(own[idx].tolist()) == {node}
-    assert (own >= 0).all()
-    # pickled into a worker: configuration only, and the same answer
+    assert set(own[2::3].tolist()) == {-1}             # nobody holds these: storage, no round trip
+    assert set(own[1::3].tolist()) == {2}
+    assert set(own[::3].tolist()) <= {1, 2}
+    h = c.holders(list(range(0, n, 3)))
+    assert set(h.tolist()) == {1, 2}, "several holders: the load is not spread"
     import pickle
 
-    c2 = pickle.loads(pickle.dumps(c))
-    assert c2.e0 == 2 and np.array_equal(c2.owners(), own) and c2.secret == c.secret
+    c2 = pickle.loads(pickle.dumps(c))                # pickled into a worker: configuration only
+    assert c2.secret == c.secret and c2._maps == {} and c2._stale == {1, 2}
 
 
 def test_peer_address_follows_the_process_groups_interface(monkeypatch):

@@ -6,14 +6,17 @@ training process), else in the node's lowest rank's process.
 over the user's private socket, SO_PEERCRED-checked, carrying the job
 secret) and keeps that connection open: the daemon serves exactly as long
 as the connection lives, so a job killed with SIGKILL stops its server with
-it (the kernel closes the socket).  :meth:`ensure`, called at each pass
-start, brings the server back on the same address if the daemon died: in a
-restarted daemon, or else in this process.
+it (the kernel closes the socket).  If the daemon dies (even SIGKILL), a
+watcher thread sees that connection reach EOF at once and brings the server
+back on the same address, in this process (:meth:`ensure`), so the other nodes, which retry a failed peer one timeout
+later, are served again within about one timeout; :meth:`ensure` also runs
+at each pass start.
 """
 from __future__ import annotations
 
 import os
 import select
+import threading
 import warnings
 
 __all__ = ["start_server", "DaemonHosted"]
@@ -29,7 +32,33 @@ class DaemonHosted:
         self.host = host
         self.conn = None
         self.local = None            # a PeerServer in this process, after the daemon went away
+        self._lock = threading.RLock()
+        self._closed = False
+        self.restarts = 0
         self.address = self._ask(port, start_daemon)
+        self._wake_r, self._wake_w = os.pipe()
+        self._watch = threading.Thread(target=self._watch_loop, name="coordl-peer-watch", daemon=True)
+        self._watch.start()
+
+    def _watch_loop(self) -> None:
+        """Serve again as soon as the daemon's connection ends (its death)."""
+        while not self._closed:
+            with self._lock:
+                conn = self.conn
+            p = select.poll()
+            p.register(self._wake_r, select.POLLIN)
+            if conn is not None:
+                p.register(conn.sock, select.POLLIN)
+            ready = {fd for fd, _ in p.poll(None if conn is not None else 1000)}
+            if self._closed or self._wake_r in ready:
+                return
+            if (conn is not None and ready) or (conn is None and self.local is None):
+                try:
+                    self.ensure()
+                except Exception as e:     # never silent: said, and retried at the next pass start
+                    warnings.warn(f"coordl: serving this node's cache again failed ({e})", stacklevel=1)
+            if self.local is not None:
+                return                     # served from this process now: nothing left to watch
 
     def _ask(self, port: int, start_daemon: bool):
         from ..daemon import ipc
@@ -72,32 +101,58 @@ class DaemonHosted:
 
     def ensure(self) -> None:
         """If the daemon serving us died, serve again on the same address."""
-        if self.alive():
-            return
+        with self._lock:
+            if self._closed or self.alive():
+                return
+            self.restarts += 1
+            self._ensure()
+
+    def _ensure(self) -> None:
+        # The daemon died: serve from this process at once, on the same
+        # address (a new daemon takes seconds to start; this takes
+        # milliseconds, and the other nodes retry a failed peer one timeout
+        # later).  A daemon that is already running again is asked only if
+        # this process cannot bind the port.
         if self.conn is not None:
             self.conn.close()
             self.conn = None
         port = int(self.address[1])
-        try:
-            self._ask(port, start_daemon=True)
-            return
-        except (OSError, ConnectionError, TimeoutError, RuntimeError) as e:
-            why = e
         from .server import PeerServer
 
         try:
             self.local = PeerServer(self.cache, self._secret, self.host, port, key=self.cache_spec["fingerprint"])
+            return
         except (OSError, ValueError) as e:
+            why = e
+        try:
+            self._ask(port, start_daemon=False)
+        except (OSError, ConnectionError, TimeoutError, RuntimeError, ValueError) as e:
             warnings.warn(f"coordl: cannot serve this node's cache to peers again ({why}; {e}); the "
                           "other nodes read its samples from storage", stacklevel=3)
 
     def close(self) -> None:
-        if self.conn is not None:
-            self.conn.close()
-            self.conn = None
-        if self.local is not None:
-            self.local.close()
-            self.local = None
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        try:
+            os.write(self._wake_w, b"x")
+        except OSError:
+            pass
+        if self._watch is not threading.current_thread():
+            self._watch.join(10)
+        with self._lock:
+            if self.conn is not None:
+                self.conn.close()
+                self.conn = None
+            if self.local is not None:
+                self.local.close()
+                self.local = None
+        for fd in (self._wake_r, self._wake_w):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
 
 
 def _daemon_running() -> bool:

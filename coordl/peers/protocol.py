@@ -18,20 +18,31 @@ handshake cannot be replayed)::
 
     client -> HELLO      client nonce (32) + cache id (16)
     server -> CHALLENGE  server nonce (32) + HMAC(secret, "srv" | cn | sn | id)
+                         (or closes the connection at once if it does not
+                         serve cache ``id``: no challenge, no MAC computed)
     client -> AUTH       HMAC(secret, "cli" | sn | cn | id)
     server -> OK         (empty)                       or closes the connection
 
 The two MACs are domain-separated ("srv"/"cli" and the order of the
 nonces), so a client cannot use the server as an oracle for its own proof.
 The cache id names the node cache being asked for (a server answers only
-for the one it serves).
+for the one it serves, and refuses any other before the challenge).
 
 Requests, after the handshake::
 
     client -> GET   request id (4) + count (2) + count x sample index (8)
-    server -> ITEM  request id (4) + sample index (8) + status (1) + bytes
+    server -> ITEM  request id (4) + sample index (8) + status (1) + CRC32 (4) + bytes
                     (one ITEM per index, in the order asked; status 0 = here,
-                    1 = absent: the peer does not hold it)
+                    1 = absent: the peer does not hold it; the CRC32 of the
+                    bytes, checked by the receiver before it uses or caches them)
+    client -> HAVE? request id (4) + number of samples n (8)
+    server -> HAVE  request id (4) + n (8) + free bytes (8) + ceil(n/8) bytes:
+                    bit i (numpy packbits order) set iff the server's cache
+                    holds sample i; free bytes: its cache's room left
+    client -> PUT   sample index (8) + CRC32 (4) + bytes: a sample no node
+                    held, read from storage by a node whose cache is full,
+                    handed to one with room (no answer; admitted if it fits
+                    and the CRC32 matches)
 """
 from __future__ import annotations
 
@@ -42,22 +53,27 @@ import select
 import socket
 import struct
 import time
+import zlib
 
 __all__ = ["ProtocolError", "VERSION", "HELLO", "CHALLENGE", "AUTH", "OK", "GET", "ITEM",
-           "MAX_GET", "MAX_SAMPLE", "send_frame", "recv_frame", "client_handshake",
+           "MAX_GET", "MAX_SAMPLE", "HAVEQ", "HAVE", "CORRUPT", "send_frame", "recv_frame", "client_handshake",
            "server_handshake", "pack_get", "unpack_get", "pack_item_header", "unpack_item"]
 
 MAGIC = b"CP"
-VERSION = 1
+VERSION = 2
 HEADER = struct.Struct("!2sBBI")
-HELLO, CHALLENGE, AUTH, OK, GET, ITEM = 1, 2, 3, 4, 5, 6
+HELLO, CHALLENGE, AUTH, OK, GET, ITEM, HAVEQ, HAVE, PUT = 1, 2, 3, 4, 5, 6, 7, 8, 9
 NONCE = 32
 CACHE_ID = 16
 MAC = 32
 MAX_GET = 1024                      # indices in one request
 MAX_SAMPLE = 256 << 20              # bytes of one sample a server sends (and a client accepts)
 _GET_HEAD = struct.Struct("!IH")
-_ITEM_HEAD = struct.Struct("!IQB")
+_ITEM_HEAD = struct.Struct("!IQBI")
+_HAVE_HEAD = struct.Struct("!IQ")
+_HAVE_FREE = struct.Struct("!Q")
+_PUT_HEAD = struct.Struct("!QI")
+MAX_SAMPLES = 1 << 32                # samples a membership bitmap may describe (512 MiB of bits)
 MAX_PAYLOAD = {
     HELLO: NONCE + CACHE_ID,
     CHALLENGE: NONCE + MAC,
@@ -65,8 +81,12 @@ MAX_PAYLOAD = {
     OK: 0,
     GET: _GET_HEAD.size + 8 * MAX_GET,
     ITEM: _ITEM_HEAD.size + MAX_SAMPLE,
+    HAVEQ: _HAVE_HEAD.size,
+    HAVE: _HAVE_HEAD.size + 8 + MAX_SAMPLES // 8,
+    PUT: _PUT_HEAD.size + MAX_SAMPLE,
 }
 HERE, ABSENT = 0, 1
+CORRUPT = 2                         # (never on the wire: a HERE item whose CRC32 failed)
 
 
 class ProtocolError(ConnectionError):
@@ -204,18 +224,22 @@ def server_handshake(sock: socket.socket, secret: bytes, cid: bytes, timeout: fl
     if len(p) != NONCE + CACHE_ID:
         raise ProtocolError("malformed hello")
     cn, want = p[:NONCE], p[NONCE:]
-    # A cache this server does not serve is refused only after AUTH, like a
-    # wrong secret: before authentication a prober learns nothing, not even
-    # which datasets this node serves (the challenge is over what it asked for).
-    serves = hmac.compare_digest(want, cid)
+    check_hello_cache(want, cid)
     sn = os.urandom(NONCE)
     send_frame(sock, CHALLENGE, sn, _mac(secret, b"srv", cn, sn, want))
     _, proof = recv_frame(sock, (AUTH,), timeout, timeout, deadline)
     if not hmac.compare_digest(proof, _mac(secret, b"cli", sn, cn, want)):
         raise ProtocolError("authentication failed (wrong secret or a replayed handshake)")
-    if not serves:
-        raise ProtocolError("the client asks for a cache this server does not serve")
     send_frame(sock, OK)
+
+
+def check_hello_cache(want, cid: bytes) -> None:
+    """A HELLO for a cache this server does not serve is refused before any
+    challenge: the server computes no MAC over an id it was not started for
+    (docs/architecture.md, "Handshake").  The cache id is a hash of the
+    dataset's fingerprint, which the job's own nodes know anyway."""
+    if not hmac.compare_digest(bytes(want), cid):
+        raise ProtocolError("the client asks for a cache this server does not serve")
 
 
 def pack_get(rid: int, indices) -> bytes:
@@ -234,14 +258,67 @@ def unpack_get(payload: bytes) -> tuple[int, tuple]:
     return rid, struct.unpack_from(f"!{n}Q", payload, _GET_HEAD.size)
 
 
-def pack_item_header(rid: int, index: int, status: int) -> bytes:
-    return _ITEM_HEAD.pack(rid, index, status)
+def pack_item_header(rid: int, index: int, status: int, crc: int = 0) -> bytes:
+    return _ITEM_HEAD.pack(rid, index, status, crc)
 
 
 def unpack_item(payload: bytes) -> tuple[int, int, int, memoryview]:
+    """``(rid, index, status, bytes)``; a HERE item whose bytes do not match
+    the CRC32 it carries comes back ABSENT (the sample is read from storage,
+    never used or cached from that peer)."""
     if len(payload) < _ITEM_HEAD.size:
         raise ProtocolError("malformed item")
-    rid, index, status = _ITEM_HEAD.unpack_from(payload)
+    rid, index, status, crc = _ITEM_HEAD.unpack_from(payload)
     if status not in (HERE, ABSENT) or (status == ABSENT and len(payload) != _ITEM_HEAD.size):
         raise ProtocolError("malformed item status")
-    return rid, index, status, memoryview(payload)[_ITEM_HEAD.size:]
+    data = memoryview(payload)[_ITEM_HEAD.size:]
+    if status == HERE and zlib.crc32(data) != crc:
+        return rid, index, CORRUPT, data[:0]
+    return rid, index, status, data
+
+
+def pack_haveq(rid: int, n: int) -> bytes:
+    if not 0 <= n <= MAX_SAMPLES:
+        raise ValueError(f"n should be in 0..{MAX_SAMPLES}, but got n={n}")
+    return _HAVE_HEAD.pack(rid, n)
+
+
+def unpack_haveq(payload) -> tuple[int, int]:
+    if len(payload) != _HAVE_HEAD.size:
+        raise ProtocolError("malformed membership request")
+    rid, n = _HAVE_HEAD.unpack_from(payload)
+    if n > MAX_SAMPLES:
+        raise ProtocolError("membership request over its bound")
+    return rid, n
+
+
+def pack_have_header(rid: int, n: int, free: int = 0) -> bytes:
+    return _HAVE_HEAD.pack(rid, n) + _HAVE_FREE.pack(max(0, int(free)))
+
+
+def unpack_have(payload) -> tuple[int, int, memoryview]:
+    """``(rid, n, bits)``; :func:`have_free` reads the room left."""
+    rid, n, _free, bits = unpack_have_free(payload)
+    return rid, n, bits
+
+
+def unpack_have_free(payload) -> tuple[int, int, int, memoryview]:
+    if len(payload) < _HAVE_HEAD.size + 8:
+        raise ProtocolError("malformed membership")
+    rid, n = _HAVE_HEAD.unpack_from(payload)
+    (free,) = _HAVE_FREE.unpack_from(payload, _HAVE_HEAD.size)
+    bits = memoryview(payload)[_HAVE_HEAD.size + 8:]
+    if len(bits) != (n + 7) // 8:
+        raise ProtocolError("malformed membership (count and length disagree)")
+    return rid, n, free, bits
+
+
+def pack_put_header(index: int, crc: int) -> bytes:
+    return _PUT_HEAD.pack(index, crc)
+
+
+def unpack_put(payload) -> tuple[int, int, memoryview]:
+    if len(payload) < _PUT_HEAD.size:
+        raise ProtocolError("malformed hand-off")
+    index, crc = _PUT_HEAD.unpack_from(payload)
+    return index, crc, memoryview(payload)[_PUT_HEAD.size:]
