@@ -581,10 +581,12 @@ class DataLoader(_TorchDataLoader[_T_co]):
                 'iterator, which coordl cannot resume past), but got on_error="skip"'
             )
         plan_order = not iterable and not user_sampler and (two_stage or seed is not None)
-        if (plan_order or two_stage) and seed is None:
-            seed = _agree_on_seed(int(torch.empty((), dtype=torch.int64).random_(generator=generator).item()))
-        self._seed = seed
         self._rank, self._world_size = _rank_and_world(rank, world_size)
+        if (plan_order or two_stage) and seed is None:
+            seed = _agree_on_seed(int(torch.empty((), dtype=torch.int64).random_(generator=generator).item()),
+                                  dataset, self._rank, self._world_size,
+                                  (batch_size, bool(shuffle), drop_last))
+        self._seed = seed
         self._plan = None
         if plan_order:
             self._plan = EpochPlan(
@@ -1040,10 +1042,50 @@ def _rank_and_world(rank, world_size) -> tuple[int, int]:
     return rank, world_size
 
 
-def _agree_on_seed(seed: int) -> int:
-    """Ranks of a torch.distributed job must share one plan: rank 0's seed wins."""
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        box = [seed]
-        dist.broadcast_object_list(box, src=0)
-        return int(box[0])
-    return seed
+_SEED_COUNTS: dict[str, int] = {}   # loaders of this process per seed key (see _agree_on_seed)
+
+
+def _agree_on_seed(seed: int, dataset, rank: int, world_size: int, plan: tuple) -> int:
+    """The seed of an unseeded loader whose plan spans the ranks of a
+    torch.distributed job: rank 0's, passed over the process group's
+    key-value store, not a collective, so building a loader on some ranks
+    only never hangs the ones that build it (an evaluation loader on rank 0).
+
+    Rank 0 publishes its seed under a key naming what the plan is of
+    (dataset, plan settings, world size, and how many such loaders this
+    process built before) and goes on; every other rank waits for that key,
+    within ``COORDL_PEER_RENDEZVOUS_TIMEOUT`` seconds (default 300), and
+    fails clearly if rank 0 never builds that loader.  A loader with its own
+    ``seed=`` (or a plan of one rank) talks to nobody."""
+    if world_size < 2 or not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() != world_size:
+        return seed
+    import datetime
+    import hashlib
+
+    from torch.distributed import distributed_c10d as c10d
+
+    fp = getattr(dataset, "fingerprint", None)
+    try:
+        what = fp() if callable(fp) else f"{type(dataset).__module__}.{type(dataset).__qualname__}"
+    except Exception:
+        what = type(dataset).__qualname__
+    desc = repr((what, len(dataset), plan, world_size))
+    key = hashlib.blake2b(desc.encode(), digest_size=12).hexdigest()
+    n = _SEED_COUNTS[key] = _SEED_COUNTS.get(key, 0) + 1
+    name = f"coordl/seed/{key}/{n}"
+    store = c10d._get_default_store()
+    if rank == 0:
+        store.set(name, str(seed))
+        return seed
+    from .peers.rendezvous import env_settings
+
+    timeout = env_settings().get("rendezvous_timeout") or 300.0
+    try:
+        store.wait([name], datetime.timedelta(seconds=timeout))
+        return int(store.get(name).decode())
+    except RuntimeError as e:   # the deadline passed (DistStoreError), or rank 0's store went away
+        raise RuntimeError(
+            f"coordl: this rank ({rank}) built a DataLoader without seed= whose plan spans the "
+            f"{world_size} ranks, and rank 0 did not build the same one within {timeout:g} s (it gives "
+            "the seed every rank shuffles with); build it on rank 0 too, or pass the same seed= on every "
+            f"rank (COORDL_PEER_RENDEZVOUS_TIMEOUT sets the wait) [{type(e).__name__}: {e}]") from None
