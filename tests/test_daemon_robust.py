@@ -452,8 +452,9 @@ def test_bad_positions_do_not_use_up_or_crash_workers(photos, daemon_env):
         assert p.stdout.readline().strip() == "sent"
         st = S.status()
         assert first and st["pid"] == pid and st["worker_pids"] == first    # no worker crashed
-        _alive_and_serving(pid, photos)       # the same group: its workers' slots are not used up
-        assert S.status()["worker_pids"] == first
+        _alive_and_serving(pid, photos)       # its workers' slots are not used up
+        # (this process runs the same code from another sys.path: its group may get a pool of its own)
+        assert set(first) <= set(S.status()["worker_pids"])
     finally:
         p.kill()
         p.communicate()

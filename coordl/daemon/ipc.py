@@ -139,9 +139,18 @@ def accept(server: socket.socket, timeout: float | None = None) -> "Conn":
 def connect(path: str, timeout: float = 10.0) -> "Conn":
     """Connect to the server at ``path``, refusing one run by another user."""
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+    deadline = time.monotonic() + timeout
     try:
-        s.settimeout(timeout)
-        s.connect(path)
+        while True:
+            s.settimeout(max(0.001, deadline - time.monotonic()))
+            try:
+                s.connect(path)
+                break
+            except BlockingIOError:   # the server's listen backlog is full: it is busy, not gone
+                if time.monotonic() >= deadline:
+                    raise TimeoutError(f"coordl: the server at {path} did not accept a connection within "
+                                       f"{timeout:g} s (its queue of connections stayed full)") from None
+                time.sleep(0.02)
         pid, uid = _peer_uid(s)
         if uid != os.geteuid():
             raise PeerRefused(f"coordl: the server at {path} (pid {pid}) belongs to uid {uid}, not to you "

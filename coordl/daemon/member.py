@@ -334,6 +334,7 @@ class SharedIter:
         self.local = None     # the job's own pipeline, after a detach
         self._lost_sid = None  # the socket (device, inode) of a daemon this pass lost
         self._looked = 0.0     # when it last looked for a daemon started in that one's place
+        self._tries: dict = {}   # socket id -> failed joins of a daemon found in that one's place
         self.window = max(32, min(1024, 2 * (bs or 1) * max(1, loader.prefetch_factor or 2) // 2))
         link = mode.link
         self.window = min(self.window, max(4, link.mm.size() // link.stride // 4))
@@ -371,7 +372,7 @@ class SharedIter:
         from . import server
 
         link = self.mode.link
-        self._lost_sid = (link.sid if link is not None else None) or server.socket_id() or (0, 0)
+        self._lost_sid = (link.sid if link is not None else None) or server.socket_id() or (0, 0, 0)
         self._looked = time.monotonic()
         if hung:
             self.mode._hung = (self._lost_sid, time.monotonic())
@@ -508,8 +509,11 @@ class SharedIter:
         mode = self.mode
         if sid is None or sid == self._lost_sid or mode.off is not None or mode.link is not None:
             return False
-        self._lost_sid = sid          # one try per daemon
         if not mode._connect(self.loader, self.epoch, self.steps[self.idx]):
+            # a daemon that has just bound its socket may not accept yet: a few tries, one per timeout
+            self._tries[sid] = self._tries.get(sid, 0) + 1
+            if self._tries[sid] >= 3:
+                self._lost_sid = sid
             return False
         self.local.shutdown_workers()
         self.local = None

@@ -90,13 +90,16 @@ def answer_timeout() -> float:
     return _env_seconds("COORDL_DAEMON_TIMEOUT", 10.0)
 
 
-def socket_id() -> tuple[int, int] | None:
-    """(device, inode) of the daemon's socket file: a new daemon binds a new one."""
+def socket_id() -> tuple[int, int, int] | None:
+    """(device, inode, change time in ns) of the daemon's socket file: a new
+    daemon binds a new one.  The time is part of it because a file system
+    gives a freed inode number to the next file it makes (the socket of a
+    daemon started right after one was SIGKILLed often has the same one)."""
     try:
         st = os.stat(socket_path())
     except OSError:
         return None
-    return st.st_dev, st.st_ino
+    return st.st_dev, st.st_ino, st.st_ctime_ns
 
 
 def start(timeout: float = 30.0, answer: float | None = None) -> int:
