@@ -96,7 +96,15 @@ class _Link:
         self._rx.start()
 
     def request(self, indices: list[int]) -> _Request:
-        req = _Request(indices)
+        return self._ask(_Request(indices), lambda rid: (P.GET, P.pack_get(rid, indices)))
+
+    def request_have(self, n: int) -> _Request:
+        """Ask for the peer's membership bitmap over ``n`` samples."""
+        return self._ask(_Request((-1,)), lambda rid: (P.HAVEQ, P.pack_haveq(rid, n)))
+
+    def _ask(self, req: _Request, frame) -> _Request:
+        """Register ``req`` under a new request id and send ``frame(rid)``
+        (a frame type and its payload); its answer completes ``req``."""
         with self._lock:
             if self.dead is not None:
                 raise PeerDown(f"peer {self.name}: {self.dead}")
@@ -107,28 +115,10 @@ class _Link:
         # the answers the peer is blocked sending.  Bounded: the receiver
         # leaves the socket blocking, and a peer that stopped reading must
         # cost one timeout, not a hang.
+        kind, payload = frame(rid)
         try:
             with self._send_lock:
-                P.send_frame(self.sock, P.GET, P.pack_get(rid, indices),
-                             deadline=time.monotonic() + self.timeout)
-        except OSError as e:
-            with self._lock:
-                self._pending.pop(rid, None)
-                self._fail_locked(e)
-            raise PeerDown(f"peer {self.name}: {e}") from None
-        return req
-
-    def request_have(self, n: int) -> _Request:
-        """Ask for the peer's membership bitmap over ``n`` samples."""
-        req = _Request((-1,))
-        with self._lock:
-            if self.dead is not None:
-                raise PeerDown(f"peer {self.name}: {self.dead}")
-            rid = next(self._ids) & 0xFFFFFFFF
-            self._pending[rid] = req
-        try:
-            with self._send_lock:
-                P.send_frame(self.sock, P.HAVEQ, P.pack_haveq(rid, n), deadline=time.monotonic() + self.timeout)
+                P.send_frame(self.sock, kind, payload, deadline=time.monotonic() + self.timeout)
         except OSError as e:
             with self._lock:
                 self._pending.pop(rid, None)
