@@ -35,6 +35,7 @@ __all__ = [
     "describe_processes",
     "INFRASTRUCTURE_MARKERS",
     "SHM_DIR",
+    "stop_daemon",
 ]
 
 SHM_DIR = "/dev/shm"
@@ -423,3 +424,25 @@ def settle(timeout: float = 10.0) -> None:
     gc.collect()
     if not _reaper.flush(timeout):
         raise TimeoutError(f"coordl's reaper did not finish its clean-ups within {timeout} s")
+
+
+def stop_daemon(timeout: float = 20.0, wait: float = 15.0) -> list[int]:
+    """Stop the node daemon of this environment (``COORDL_RUN_DIR``) if one
+    runs, and wait for it and its workers to exit; the pids still alive
+    after ``wait`` seconds each (a test fixture asserts there are none)."""
+    import psutil
+
+    from .daemon import server
+
+    st = server.status()
+    pids = [st["pid"]] + st.get("worker_pids", []) if st else []
+    server.stop(timeout=timeout)
+    left = []
+    for pid in pids:
+        try:
+            psutil.Process(pid).wait(wait)
+        except psutil.NoSuchProcess:
+            pass
+        except psutil.TimeoutExpired:
+            left.append(pid)
+    return left

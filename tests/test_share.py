@@ -16,6 +16,7 @@ import torch
 import coordl
 from coordl import transforms as T
 from coordl.daemon import server as S
+from coordl.testing import stop_daemon
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 JOB = os.path.join(HERE, "_share_job.py")
@@ -38,17 +39,7 @@ def daemon_env(tmp_path, monkeypatch):
     monkeypatch.delenv("COORDL_STAGING", raising=False)
     monkeypatch.delenv("COORDL_SHARE", raising=False)
     yield tmp_path / "run"
-    st = S.status()
-    pids = [st["pid"]] + st.get("worker_pids", []) if st else []
-    S.stop(timeout=20)
-    left = []
-    for pid in pids:
-        try:
-            psutil.Process(pid).wait(15)
-        except psutil.NoSuchProcess:
-            pass
-        except psutil.TimeoutExpired:
-            left.append(pid)
+    left = stop_daemon()
     assert not left, f"daemon processes left behind: {left}"
 
 

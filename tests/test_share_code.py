@@ -9,15 +9,14 @@ import json
 import os
 import subprocess
 import sys
-import time
 import warnings
 
-import psutil
 import pytest
 import torch
 
 import coordl
 from coordl.daemon import server as S
+from coordl.testing import stop_daemon
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 CODE_JOB = os.path.join(HERE, "_code_job.py")
@@ -41,17 +40,7 @@ def daemon_env(tmp_path, monkeypatch):
     monkeypatch.delenv("COORDL_STAGING", raising=False)
     monkeypatch.delenv("COORDL_SHARE", raising=False)
     yield tmp_path / "run"
-    st = S.status()
-    pids = [st["pid"]] + st.get("worker_pids", []) if st else []
-    S.stop(timeout=20)
-    left = []
-    for pid in pids:
-        try:
-            psutil.Process(pid).wait(15)
-        except psutil.NoSuchProcess:
-            pass
-        except psutil.TimeoutExpired:
-            left.append(pid)
+    left = stop_daemon()
     assert not left, f"daemon processes left behind: {left}"
 
 
