@@ -98,6 +98,50 @@ def test_model_accelerator_step():
     assert p["bound"] == "cpu" and p["throughput"] == pytest.approx(125.0)
 
 
+def test_model_one_worker_and_a_step_on_every_core_take_turns():
+    # a CPU step whose intra-op threads keep both cores busy: 100 samples/s alone (10 ms a sample of wall
+    # time) using 20 CPU-ms a sample (2 cores).  One worker preps 66.7/s alone (15 ms a sample).  The core
+    # sum says 2 / (1 + 15 + 20 ms) = 55.6/s, but the step leaves no core free while it runs: prep done
+    # during the step delays the step by as much (its threads wait for the slowest), and while the training
+    # thread waits for the next batch only the one worker runs (one core idle).  So per sample 10 ms of step
+    # + 15 ms of prep: 40/s (the independent validation measured 466/s here where the core sum said 620)
+    inp = _inputs(step_cpu=model.Est.exact(0.020), step_kind="cpu")
+    p = model.predict(inp, 1.0, 1)
+    assert p["bound"] == "turns" and p["throughput"] == pytest.approx(1 / (0.010 + 0.015))
+    assert p["bounds"]["cpu"] == pytest.approx(2 / 0.036) and p["bounds"]["workers"] == pytest.approx(1 / 0.015)
+    # two workers on the two cores: the turns are the core sum again (10 ms of step + 16 ms of the cores'
+    # prep and loader work spread over 2 cores = 18 ms)
+    p = model.predict(inp, 1.0, 2)
+    assert p["throughput"] == pytest.approx(2 / 0.036) and p["bounds"]["turns"] == pytest.approx(1 / 0.018)
+    # a step on one thread (10 CPU-ms a sample: 1 core) leaves the other core to the worker: no turns,
+    # the worker binds
+    p = model.predict(_inputs(step_cpu=model.Est.exact(0.010), step_kind="cpu"), 1.0, 1)
+    assert p["bound"] == "workers" and "turns" not in p["bounds"]
+    # an accelerator step (no CPU): prep runs during the step, no turns either
+    assert "turns" not in model.predict(_inputs(), 1.0, 1)["bounds"]
+    # without prep (the verdict's "prep removed") there is nothing to take turns with
+    assert "turns" not in model.predict(inp, 1.0, 1, no_prep=True)["bounds"]
+    # half a core free (1.5 cores of step): the worker preps 0.5 x 10 ms = 5 ms of its 15 during the step,
+    # the other 10 ms while the training thread waits: 10 + 10 = 20 ms a sample
+    p = model.predict(_inputs(step_cpu=model.Est.exact(0.015), step_kind="cpu"), 1.0, 1)
+    assert p["bound"] == "turns" and p["throughput"] == pytest.approx(1 / 0.020)
+
+
+def test_model_error_widens_the_interval_beyond_the_inputs_spread():
+    # the step binds at 100 [90, 110] from its inputs; a stated model error of 10% (relative to the
+    # measurement) widens that to [90 / 1.1, 110 / 0.9]; the inputs-only interval is kept beside it
+    E = model.Est
+    inp = _inputs(ingest=E(100.0, 90.0, 110.0), model_error=E(0.10, 0.10, 0.10, "modelled: stated"))
+    p = model.predict(inp, 1.0, 4)
+    assert (p["throughput"], p["lo_inputs"], p["hi_inputs"]) == (100, 90, 110)
+    assert p["lo"] == pytest.approx(90 / 1.1) and p["hi"] == pytest.approx(110 / 0.9)
+    # so a measurement m holds |predicted / m - 1| <= 10% exactly when it lies inside [100/1.1, 100/0.9]
+    q = model.predict(_inputs(model_error=E(0.10, 0.10, 0.10, "modelled: stated")), 1.0, 4)
+    assert (q["lo"], q["hi"]) == (pytest.approx(100 / 1.1), pytest.approx(100 / 0.9))
+    rows = model.what_if_cache(inp, 4, [0.0, 1.0])
+    assert rows[1]["lo"] == pytest.approx(90 / 1.1) and rows[1]["lo_inputs"] == 90
+
+
 def test_model_training_thread_takes_batches_between_steps():
     # the step (1/500 s a sample) and taking batches (0.5 CPU-ms a sample) share the training thread:
     # 1 / (0.002 + 0.0005) = 400/s, not 500

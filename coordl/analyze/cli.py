@@ -43,6 +43,9 @@ def add_parser(sub) -> None:
     a.add_argument("--fetch-threads", type=int, default=None)
     a.add_argument("--repeats", type=int, default=3, help="run each in-memory pass this many times: the median is "
                                                           "the value, the range the interval (default 3)")
+    a.add_argument("--model-error", type=float, default=None,
+                   help="the model's own relative error, added to every interval (default: the larger of 10%% and "
+                        "the model's error on the analyzer's own cold and cached passes)")
     a.add_argument("--json", default="analyze.json", help="where to write the report (default analyze.json)")
     a.add_argument("--plot", default="analyze.png", help="where to write the PNG (default analyze.png; '' for none)")
     a.set_defaults(func=run)
@@ -62,7 +65,7 @@ def run(args) -> int:
                          workers=args.workers, step=args.step, rate=args.rate, max_samples=args.max_samples,
                          cache=args.cache, evict=args.evict, scaling_workers=scaling,
                          max_workers=args.max_workers, fetch_threads=args.fetch_threads, repeats=args.repeats,
-                         step_kind=args.step_kind, device=args.device, log=lambda m: print(m, file=sys.stderr, flush=True))
+                         step_kind=args.step_kind, device=args.device, model_error=args.model_error, log=lambda m: print(m, file=sys.stderr, flush=True))
     except (ValueError, FileNotFoundError, PermissionError) as e:
         print(f"coordl analyze: {e}", file=sys.stderr)
         return 2

@@ -233,6 +233,9 @@ class Inputs:
     step_kind: str = "accelerator"
     amdahl_draws: list = field(default_factory=list)
     consumer_cpu: Est = Est(0.0, 0.0, 0.0, "not measured")  # the training thread's loader CPU-s/sample
+    # relative error of the model itself, beside the inputs' spread: a measurement m is expected within
+    # |prediction / m - 1| <= model_error, so intervals run from lo / (1 + e) to hi / (1 - e)
+    model_error: Est = Est(0.0, 0.0, 0.0, "not stated")
 
     def b(self, w: int) -> Est:
         if not self.worker_cpu:
@@ -316,20 +319,67 @@ def bounds(inp: Inputs, cached_fraction: float, workers: int, end: str = "value"
         # everything in one process: prep and step take turns on the main thread
         out["workers"] = 1 / (1 / out["workers"] + 1 / out["step"])
     out["cpu"] = g("eta") * inp.cores / demand if demand > 0 else math.inf
+    if w > 0 and not no_prep:
+        t = _turns(inp, w, per, g("step_cpu"), out["workers"], g("eta") * inp.cores / (g("loader_cpu") + b)
+                   if g("loader_cpu") + b > 0 else math.inf)
+        if t is not None:
+            out["turns"] = t
     return out
+
+
+def _turns(inp: Inputs, w: int, per: float, step_cpu: float, workers: float, cores_prep: float) -> float | None:
+    """The ``turns`` bound: a step that keeps ``k`` cores busy while it runs
+    (``k`` = its CPU-seconds per sample x its rate alone, at most the
+    cores) leaves ``cores - k`` of them to the workers during the step.
+    Its intra-op threads wait for the slowest, so prep done on a step's
+    core delays the step by as much: only prep on the free cores overlaps
+    the step.  The rest runs while the training thread waits for the next
+    batch, on ``min(w, cores)`` cores.  Per sample, with ``s`` the training
+    thread's time (``1/G + m``), ``r`` the workers' rate on their own
+    (``min(workers bound, cores' prep rate)``) and ``f = min(w, cores - k)
+    / min(w, cores)`` the share of it that fits beside the step:
+    ``T = s + max(0, 1 - s*f*r) / r``.  The prefetch depth does not enter:
+    running ahead during the step costs the step what it gains.  With ``f
+    = 1`` (an accelerator step, or a free core per worker) this is
+    ``max(s, 1/r)``, already the ``step`` and ``workers`` bounds, and
+    ``None`` is returned; with ``w >= cores`` it is the core sum without
+    ``eta``.  It matters where the workers are fewer than the cores a CPU
+    step leaves idle while it waits for a batch: one worker beside a
+    two-thread step on 2 cores runs step and prep in turn (1 / (1/G +
+    1/P1)), not side by side (the core sum)."""
+    g = 1 / per if per > 0 else math.inf
+    k = min(float(inp.cores), max(step_cpu, 0.0) * inp.ingest.value)
+    busy = min(w, inp.cores)
+    f = min(w, max(inp.cores - k, 0.0)) / busy
+    if f >= 1.0 or not math.isfinite(g):
+        return None
+    r = min(workers, cores_prep)
+    if not r > 0:
+        return None
+    if not math.isfinite(r):
+        return g
+    t = per + max(0.0, 1.0 - per * f * r) / r
+    return 1 / t
 
 
 def predict(inp: Inputs, cached_fraction: float, workers: int, **kw) -> dict:
     """Predicted throughput with its interval: ``{"throughput", "lo", "hi",
-    "bound", "bounds"}`` (``bound``: the resource that limits it)."""
+    "lo_inputs", "hi_inputs", "model_error", "bound", "bounds"}``
+    (``bound``: the resource that limits it).  ``lo_inputs``/``hi_inputs``:
+    the prediction with every input at its pessimistic / optimistic end
+    (the measurements' spread); ``lo``/``hi`` widen that by the model's own
+    error ``e`` (``inp.model_error``), relative to the measurement:
+    ``lo_inputs / (1 + e)`` and ``hi_inputs / (1 - e)``."""
     out = {}
     for end in ("value", "lo", "hi"):
         bs = bounds(inp, cached_fraction, workers, end, **kw)
         name = min(bs, key=bs.get)
         out[end] = (bs[name], name, bs)
     t, name, bs = out["value"]
-    return {"throughput": t, "lo": min(out["lo"][0], t), "hi": max(out["hi"][0], t), "bound": name,
-            "bounds": bs}
+    lo, hi = min(out["lo"][0], t), max(out["hi"][0], t)
+    e = min(max(float(inp.model_error.value), 0.0), 0.9)
+    return {"throughput": t, "lo": lo / (1 + e), "hi": hi / (1 - e), "lo_inputs": lo, "hi_inputs": hi,
+            "model_error": e, "bound": name, "bounds": bs}
 
 
 def verdict(now: Mapping, no_fetch: Mapping, no_prep: Mapping, threshold: float = 0.05) -> dict:
@@ -352,7 +402,8 @@ def verdict(now: Mapping, no_fetch: Mapping, no_prep: Mapping, threshold: float 
 
 
 def _row(p: dict, **extra) -> dict:
-    return {**extra, "throughput": p["throughput"], "lo": p["lo"], "hi": p["hi"], "bound": p["bound"]}
+    return {**extra, "throughput": p["throughput"], "lo": p["lo"], "hi": p["hi"], "lo_inputs": p["lo_inputs"],
+            "hi_inputs": p["hi_inputs"], "bound": p["bound"]}
 
 
 def what_if_cache(inp: Inputs, workers: int, fractions: Iterable[float] = tuple(i / 10 for i in range(11))) -> list:
