@@ -24,11 +24,17 @@ dataset's device) and under a memory cap (``memory.limit_in_bytes``):
    * page cache **warm** (every file read just before, no node cache): the
      whole dataset in memory, the model's ``x = 1``;
 
-   each at every worker count in ``--workers`` (defaults 1 and 4; the
-   analyzer runs its loader + step passes at 2, so no point's loader + step
-   was measured by it, and 4 workers is beyond every prep count it
-   measured).  A run's rate is the median of its epochs 1..; a point's rate
-   is the median of its runs.
+   the warm points at every worker count in ``--workers`` (defaults 1 and
+   4; the analyzer runs its loader + step passes at 2, so no point's loader
+   + step was measured by it, and 4 workers is beyond every prep count it
+   measured).  The dropped points (the slow ones: each run reads the
+   dataset through the throttled disk three times) pair each fraction with
+   one worker count, rotated between the steps (``--grid paired``, the
+   default: with 0.2,0.5 and 1,4 the sleep step gets 20%/1 and 50%/4, the
+   CPU step 20%/4 and 50%/1, so each step still has both fractions and
+   both counts, and together they cover all four); ``--grid full`` measures
+   every pair for every step.  A run's rate is the median of its epochs
+   1..; a point's rate is the median of its runs.
 3. For each point: predicted [interval], measured, error, and whether the
    interval holds the measurement; the summary counts points within 15%
    and inside their interval.
@@ -228,6 +234,24 @@ def measure_point(args, page: str, x: float, w: int, dbytes: int, overhead: int,
             "measured_epoch": statistics.median(r["epoch"] for r in runs), "runs": runs}
 
 
+def _points(pages: list, fractions: list, workers: list, j: int, grid: str) -> list:
+    """The (page cache, cached fraction, workers) points of the ``j``-th
+    step: warm at every worker count; dropped at every (fraction, workers)
+    pair (``grid="full"``) or at ``max(len)`` pairs, fraction ``i`` with
+    worker count ``i + j`` (``"paired"``)."""
+    out = []
+    for pg in pages:
+        if pg == "warm":
+            out += [(pg, 1.0, w) for w in workers]
+        elif grid == "full":
+            out += [(pg, x, w) for w in workers for x in fractions]
+        else:
+            n = max(len(fractions), len(workers))
+            out += sorted({(pg, fractions[i % len(fractions)], workers[(i + j) % len(workers)]) for i in range(n)},
+                          key=lambda t: (t[2], t[1]))
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--root", required=True)
@@ -235,6 +259,9 @@ def main(argv=None) -> int:
     ap.add_argument("--fractions", default="0.2,0.5", help="node cache sizes (fractions of the dataset) measured "
                                                            "with the page cache dropped (default 0.2,0.5)")
     ap.add_argument("--workers", default="1,4", help="worker counts of the independent loops (default 1,4)")
+    ap.add_argument("--grid", choices=("paired", "full"), default="paired",
+                    help="dropped-page-cache points: each fraction with one worker count, rotated between the steps "
+                         "(paired, default), or every fraction at every worker count (full)")
     ap.add_argument("--pages", default="dropped,warm", help="page cache states: dropped, warm (default both)")
     ap.add_argument("--steps", default="sleep,cpu", help="kinds of step: sleep (accelerator-like), cpu")
     ap.add_argument("--sleep-rate", type=float, default=1200,
@@ -311,10 +338,11 @@ def main(argv=None) -> int:
               f"{report['settings']['step_kind']} step, storage {report['bandwidth']['storage'] / 1e6:.1f} MB/s, "
               f"prep {', '.join(f'{k}w {r:.0f}/s' for k, r in report['rates']['prep'].items())}, step alone "
               f"{report['rates']['ingest']:.0f}/s, Amdahl s {inp.amdahl_s.value:.2f} "
-              f"[{inp.amdahl_s.lo:.2f}, {inp.amdahl_s.hi:.2f}], eta {inp.eta.value:.2f}; verdict: "
+              f"[{inp.amdahl_s.lo:.2f}, {inp.amdahl_s.hi:.2f}], eta {inp.eta.value:.2f}, model error "
+              f"{inp.model_error.value:.1%} (its own cold/cached passes: "
+              f"{', '.join(f'{k} {v:+.1%}' for k, v in report['check'].get('held_out_errors', {}).items())}); verdict: "
               f"{v['largest'] or 'not waiting for data'}", flush=True)
-        points = [(pg, x, w) for pg in pages for w in workers
-                  for x in (fractions if pg == "dropped" else [1.0])]
+        points = _points(pages, fractions, workers, steps.index(step), args.grid)
         preds = {pt: model.predict(inp, pt[1], pt[2]) for pt in points}  # all predicted before any is measured
         for pg, x, w in points:
             pred = preds[(pg, x, w)]
@@ -327,7 +355,10 @@ def main(argv=None) -> int:
                    "lo": pred["lo"], "hi": pred["hi"], "bound": pred["bound"], "measured": m,
                    "measured_whole_epochs": got["measured_epoch"], "error": err,
                    "error_whole_epochs": pred["throughput"] / got["measured_epoch"] - 1,
-                   "in_interval": pred["lo"] <= m <= pred["hi"], "runs": got["runs"]}
+                   "in_interval": pred["lo"] <= m <= pred["hi"], "lo_inputs": pred.get("lo_inputs", pred["lo"]),
+                   "hi_inputs": pred.get("hi_inputs", pred["hi"]), "model_error": pred.get("model_error", 0.0),
+                   "runs": got["runs"]}
+            row["in_inputs_interval"] = row["lo_inputs"] <= m <= row["hi_inputs"]
             results.append(row)
             print(f"{step:>5} {pg:>7} {x:>5.0%} {w:>3}w  predicted {pred['throughput']:8.1f} "
                   f"[{pred['lo']:.1f}, {pred['hi']:.1f}] {pred['bound']:<7} measured {m:8.1f}  error {err:+6.1%}  "
@@ -344,7 +375,8 @@ def main(argv=None) -> int:
                   f"{r['error']:>+7.1%} {r['error_whole_epochs']:>+17.1%}")
         print(f"\nwithin {args.target:.0%}: {len(within)} of {len(results)} points (worst |error| "
               f"{max(abs(r['error']) for r in results):.1%}); measurement inside the reported interval: "
-              f"{len(inside)} of {len(results)}")
+              f"{len(inside)} of {len(results)} (inside the inputs-only interval, without the model error: "
+              f"{sum(r['in_inputs_interval'] for r in results)})")
         for step in steps:
             sel = [r for r in results if r["step"] == step]
             if sel:

@@ -234,9 +234,47 @@ def test_verdict_names_the_stall_whose_removal_helps_most():
     assert v["largest"] == "fetch" and now["bound"] == "fetch"
 
 
+def test_model_error_comes_from_the_held_out_passes_with_a_floor():
+    from coordl import analyze as A
+
+    # the analyzer's own cold and cached loader + step passes are predicted, not fitted: the model says 100/s
+    # cold (fetch) and 100/s cached (the step) at 4 workers
+    inp = _inputs()
+    assert model.predict(inp, 0.0, 4)["throughput"] == pytest.approx(100.0)
+    assert model.predict(inp, 1.0, 4)["throughput"] == pytest.approx(100.0)
+    # measured within 10%: the floor (run-to-run drift of the inputs) is the model error
+    e, held = A._model_error(inp, {"cold": {"rate": 104.0}, "cached": {"rate": 97.0}}, 4, None)
+    assert e.value == A.MODEL_ERROR_FLOOR == 0.10 and e.source.startswith("modelled")
+    assert held == {"cold": pytest.approx(100 / 104 - 1), "cached": pytest.approx(100 / 97 - 1)}
+    # the model missed its own check by 25%: every interval carries that
+    e, _ = A._model_error(inp, {"cold": {"rate": 80.0}, "cached": {"rate": 97.0}}, 4, None)
+    assert e.value == pytest.approx(0.25)
+    inp.model_error = e
+    p = model.predict(inp, 1.0, 4)
+    assert p["lo"] == pytest.approx(100 / 1.25) and p["hi"] == pytest.approx(100 / 0.75)
+    # a figure given by the user wins, and is said to be given
+    e, _ = A._model_error(inp, {"cold": {"rate": 80.0}, "cached": {"rate": 97.0}}, 4, 0.05)
+    assert e.value == 0.05 and e.source.startswith("given")
+
+
+def test_model_turns_use_the_measured_step_cores():
+    # on a busy machine a two-thread step waits for a core, so CPU-seconds per sample x its rate says 1.2
+    # cores; the cores it keeps busy while running (measured without the run-queue wait) say 2: turns
+    inp = _inputs(step_cpu=model.Est.exact(0.012), step_kind="cpu")
+    # 0.012 x 100 = 1.2 cores: 0.8 free, the worker preps 0.8 x 10 ms during the step: 10 + 7 ms a sample
+    assert model.predict(inp, 1.0, 1)["throughput"] == pytest.approx(1 / 0.017)
+    inp.step_cores = model.Est(2.0, 1.9, 2.0, "measured")
+    p = model.predict(inp, 1.0, 1)
+    assert p["bound"] == "turns" and p["throughput"] == pytest.approx(1 / (0.010 + 0.015))
+    # the interval's optimistic end has 0.1 core free: the worker preps 0.1 x 10 ms during the step
+    assert p["hi_inputs"] == pytest.approx(1 / (0.010 + (1 - 0.1 * 0.010 / 0.015) * 0.015))
+
+
 def test_inputs_round_trip_through_json():
     fit = model.fit_amdahl({1: [100.0, 98.0], 2: [180.0, 185.0]})
-    inp = _inputs(amdahl_s=fit["s"], amdahl_p1=fit["p1"], amdahl_draws=fit["draws"], step_kind="cpu")
+    inp = _inputs(amdahl_s=fit["s"], amdahl_p1=fit["p1"], amdahl_draws=fit["draws"], step_kind="cpu",
+                  step_cpu=model.Est.exact(0.02), step_cores=model.Est(1.9, 1.8, 2.0, "measured"),
+                  model_error=model.Est.exact(0.12, "given"))
     back = model.inputs_from_dict(json.loads(json.dumps(inp.as_dict())))
     for x, w in ((0.0, 1), (0.5, 3), (1.0, 8)):
         assert model.predict(back, x, w) == model.predict(inp, x, w)
@@ -281,6 +319,8 @@ def test_analyze_argument_errors():
         analyze(None, rate=10, log=None)
     with pytest.raises(ValueError, match="cache should be"):
         analyze("/x", rate=10, cache="disk", log=None)
+    with pytest.raises(ValueError, match=r"model_error should be a number in \[0, 0.9\)"):
+        analyze("/x", rate=10, model_error=1.5, log=None)
 
 
 def test_cli_argument_errors_exit_2_with_the_reason(capsys):
@@ -479,7 +519,14 @@ def test_cli_end_to_end(tiny_folder, tmp_path):
     # the public predict() gives the report's model at points it did not measure, with an interval
     from coordl.analyze import predict
     p = predict(rep, 0.35, 5)
-    assert p["lo"] <= p["throughput"] <= p["hi"] and p["bound"] in ("step", "fetch", "workers", "cpu")
+    assert p["lo"] <= p["throughput"] <= p["hi"] and p["bound"] in ("step", "fetch", "workers", "cpu", "turns")
+    # intervals carry the model's own error beside the inputs' spread, stated and sourced
+    me = inputs["model_error"]
+    assert me["value"] >= 0.10 and "model_error" in rep["model"]["modelled"], me
+    assert p["lo"] == pytest.approx(p["lo_inputs"] / (1 + me["value"]))
+    assert set(rep["check"]["held_out_errors"]) == {"cold", "cached"}
+    assert me["value"] >= max(abs(v) for v in rep["check"]["held_out_errors"].values()) - 1e-12
+    assert "model error" in r.stdout and "step_cores" in inputs
     # --repeats 2: every in-memory pass ran twice and the median (of two: the mean) is the rate
     for name in ("fetch_warm", "prep_1w", "prep_2w", "prep_3w", "cached"):
         rates = rep["passes"][name]["rates"]

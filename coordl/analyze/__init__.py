@@ -171,10 +171,15 @@ def analyze(root: str | os.PathLike | None = None, *, dataset: Any = None, trans
                                    + (", device synchronized" if ing["synchronized"] else ""))
         c_step = model.est_from_samples(ing["cpu_per_sample_runs"], "measured: process CPU during the step alone")
         share = ing["cpu_share"]
+        k_step = model.est_from_samples(ing.get("cpu_share_runs") or [share],
+                                        "measured: cores the step kept busy alone (CPU-seconds per second it was "
+                                        "not waiting for a core)")
+        k_step = model.Est(share, min(k_step.lo, share), max(k_step.hi, share), k_step.source)
     else:
         G = model.Est.exact(rate, "given (rate=)")
         c_step = model.Est.exact(0.0, "given: a rate= step sleeps (no CPU)")
         share = 0.0
+        k_step = model.Est.exact(0.0, "given: a rate= step sleeps (no CPU)")
     kind = step_kind if step_kind != "auto" else ("cpu" if share >= 0.5 else "accelerator")
     say(f"  step alone: {G.value:.1f} samples/s, {c_step.value * 1e3:.3f} CPU-ms/sample "
         f"({share:.2f} cores busy: a{'' if kind == 'accelerator' else ' CPU'} {kind} step)")
@@ -199,6 +204,7 @@ def analyze(root: str | os.PathLike | None = None, *, dataset: Any = None, trans
 
     # ---------------------------------------------------------------- model
     inp, notes = _model_inputs(passes, n, dbytes, cpus, G, c_step, kind, workers, cache)
+    inp.step_cores = k_step
     inp.model_error, held_out = _model_error(inp, passes, workers, model_error)
     fractions = [i / 10 for i in range(11)]
     wlist = list(range(1, max_workers + 1))
@@ -616,6 +622,9 @@ def format_report(r: dict) -> str:
     for w, e in inp["worker_cpu"].items():
         L.append(f"  {'prep CPU ' + w + 'w':<12}{e['value'] * 1e3:>10.3f} [{e['lo'] * 1e3:.3f}, {e['hi'] * 1e3:.3f}] "
                  f"{'CPU-ms/sample':<14} {e['source']}")
+    sc = inp.get("step_cores")
+    if sc is not None:
+        L.append(f"  {'step_cores':<12}{sc['value']:>10.3f} [{sc['lo']:.3f}, {sc['hi']:.3f}] {'cores':<14} {sc['source']}")
     L.append(f"  cores       {inp['cores']:>10d}   (len(os.sched_getaffinity(0)))")
     me = inp.get("model_error")
     if me is not None:

@@ -504,7 +504,7 @@ def ingest_rate(step: Callable, batch, seconds: float = 2.0, min_calls: int = 3,
     if sync is not None:
         sync()
     clock = CPUClock()
-    rates, cpus = [], []
+    rates, cpus, shares = [], [], []
     wall = waited = cpu_all = 0.0
     for _ in range(max(1, chunks)):
         calls = 0
@@ -518,7 +518,9 @@ def ingest_rate(step: Callable, batch, seconds: float = 2.0, min_calls: int = 3,
         dt = time.perf_counter() - t0
         cpu = clock.read()["self"] - c0
         wall += dt
-        waited += _runqueue_wait() - q0
+        w_chunk = _runqueue_wait() - q0
+        waited += w_chunk
+        shares.append(cpu / max(dt - w_chunk, 1e-3))
         cpu_all += cpu
         rates.append(n * calls / max(dt, 1e-9))
         cpus.append(cpu / (n * calls))
@@ -528,7 +530,7 @@ def ingest_rate(step: Callable, batch, seconds: float = 2.0, min_calls: int = 3,
     # core (on a loaded machine a computing step waits in the run queue; a sleeping one does not)
     share = cpu_all / max(wall - waited, 1e-3)
     return {"rate": rate, "rates": rates, "cpu_per_sample": cpu, "cpu_per_sample_runs": cpus,
-            "cpu_share": share, "runqueue_wait_seconds": waited, "synchronized": sync is not None,
+            "cpu_share": share, "cpu_share_runs": shares, "runqueue_wait_seconds": waited, "synchronized": sync is not None,
             "batch_samples": n}
 
 

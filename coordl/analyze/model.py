@@ -236,6 +236,8 @@ class Inputs:
     # relative error of the model itself, beside the inputs' spread: a measurement m is expected within
     # |prediction / m - 1| <= model_error, so intervals run from lo / (1 + e) to hi / (1 - e)
     model_error: Est = Est(0.0, 0.0, 0.0, "not stated")
+    # cores the step keeps busy while it runs (its CPU-seconds per second of running); None: step_cpu x ingest
+    step_cores: Est | None = None
 
     def b(self, w: int) -> Est:
         if not self.worker_cpu:
@@ -320,17 +322,22 @@ def bounds(inp: Inputs, cached_fraction: float, workers: int, end: str = "value"
         out["workers"] = 1 / (1 / out["workers"] + 1 / out["step"])
     out["cpu"] = g("eta") * inp.cores / demand if demand > 0 else math.inf
     if w > 0 and not no_prep:
-        t = _turns(inp, w, per, g("step_cpu"), out["workers"], g("eta") * inp.cores / (g("loader_cpu") + b)
+        if inp.step_cores is not None:
+            k = inp.step_cores.end(flip)
+        else:
+            k = g("step_cpu") * inp.ingest.value
+        t = _turns(inp, w, per, k, out["workers"], g("eta") * inp.cores / (g("loader_cpu") + b)
                    if g("loader_cpu") + b > 0 else math.inf)
         if t is not None:
             out["turns"] = t
     return out
 
 
-def _turns(inp: Inputs, w: int, per: float, step_cpu: float, workers: float, cores_prep: float) -> float | None:
+def _turns(inp: Inputs, w: int, per: float, step_cores: float, workers: float, cores_prep: float) -> float | None:
     """The ``turns`` bound: a step that keeps ``k`` cores busy while it runs
-    (``k`` = its CPU-seconds per sample x its rate alone, at most the
-    cores) leaves ``cores - k`` of them to the workers during the step.
+    (``k`` = ``step_cores``, measured as its CPU-seconds per second of
+    running alone, else its CPU-seconds per sample x its rate alone; at
+    most the cores) leaves ``cores - k`` of them to the workers during the step.
     Its intra-op threads wait for the slowest, so prep done on a step's
     core delays the step by as much: only prep on the free cores overlaps
     the step.  The rest runs while the training thread waits for the next
@@ -348,7 +355,7 @@ def _turns(inp: Inputs, w: int, per: float, step_cpu: float, workers: float, cor
     two-thread step on 2 cores runs step and prep in turn (1 / (1/G +
     1/P1)), not side by side (the core sum)."""
     g = 1 / per if per > 0 else math.inf
-    k = min(float(inp.cores), max(step_cpu, 0.0) * inp.ingest.value)
+    k = min(float(inp.cores), max(step_cores, 0.0))
     busy = min(w, inp.cores)
     f = min(w, max(inp.cores - k, 0.0)) / busy
     if f >= 1.0 or not math.isfinite(g):
