@@ -30,12 +30,20 @@ those bounds:
                threads, batch assembly), the extra CPU a read from storage
                costs, the workers' prep CPU per sample, and the step's CPU
                per sample (about 0 for an accelerator step); ``eta`` the
-               share of the cores the pipeline was measured to get.
+               share of the cores the pipeline was measured to get;
+* ``turns``:   a step that keeps ``k`` cores busy and fewer workers than
+               the cores it leaves idle while the training thread waits
+               for a batch: only prep on the ``cores - k`` free cores
+               overlaps the step, the rest runs in turn with it
+               (:func:`_turns`; one worker beside a step on every core:
+               ``1 / (1/G + 1/P1)``).
 
 Every input is an :class:`Est` (value and interval, and where it came
 from); every bound is monotone in each input, so the interval of a
 prediction is the prediction at the pessimistic ends of all inputs and at
-the optimistic ends (interval arithmetic, :func:`predict`).
+the optimistic ends (interval arithmetic, :func:`predict`), widened by the
+model's own relative error ``Inputs.model_error`` (``lo / (1 + e)``, ``hi
+/ (1 - e)``).
 """
 from __future__ import annotations
 
