@@ -615,3 +615,27 @@ def test_repeated_passes_report_the_median_not_the_fastest():
     assert got["rate"] == 200.0 and got["tag"] == 200.0  # the median's own pass, not the 300 one
     assert got["rates"] == [300.0, 100.0, 200.0]
     assert got["batch"] == "first"                        # the batch of the first pass is kept
+
+
+def test_validation_pairs_the_dropped_points_so_each_step_keeps_both_fractions_and_counts():
+    """benchmarks/analyze_validate.py --grid paired (the default): the slow dropped-page-cache points pair each
+    cache fraction with one worker count, rotated between the steps; each step keeps two fractions and two
+    counts (issue 22, requirement 5), the two steps together cover every pair, warm points at every count."""
+    import importlib.util
+
+    path = os.path.join(os.path.dirname(HERE), "benchmarks", "analyze_validate.py")
+    spec = importlib.util.spec_from_file_location("_anval_under_test", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    pages, fr, ws = ["dropped", "warm"], [0.2, 0.5], [1, 4]
+    sleep, cpu = mod._points(pages, fr, ws, 0, "paired"), mod._points(pages, fr, ws, 1, "paired")
+    for pts in (sleep, cpu):
+        dropped = [(x, w) for pg, x, w in pts if pg == "dropped"]
+        assert {x for x, _ in dropped} == set(fr) and {w for _, w in dropped} == set(ws) and len(dropped) == 2
+        assert [(x, w) for pg, x, w in pts if pg == "warm"] == [(1.0, 1), (1.0, 4)]
+    both = {(x, w) for pg, x, w in sleep + cpu if pg == "dropped"}
+    assert both == {(x, w) for x in fr for w in ws}
+    full = mod._points(pages, fr, ws, 0, "full")
+    assert len([p for p in full if p[0] == "dropped"]) == 4
+    # one fraction, one count (the smoke test's size): one dropped point per step
+    assert mod._points(pages, [0.5], [1], 1, "paired") == [("dropped", 0.5, 1), ("warm", 1.0, 1)]
