@@ -37,14 +37,20 @@ dataset's device) and under a memory cap (``memory.limit_in_bytes``):
    1..; a point's rate is the median of its runs.
 3. For each point: predicted [interval], measured, error, and whether the
    interval holds the measurement; the summary counts points within 15%
-   and inside their interval.
+   and inside their interval.  The interval is the report's: its inputs'
+   spread widened by its model error (``model_error``: the larger of 10%
+   and the model's error on the analyzer's own cold and cached passes);
+   the count inside the inputs-only interval is printed beside it.
 
 Each run's line also gives the host's CPU over it, from ``/proc/stat``:
 steal and the CPU used by processes other than ours (a busy machine makes
 the figures meaningless; run on a quiet one).
 
     python -m coordl.synth /tmp/anval --images 1200            # ~130 MB
-    python benchmarks/analyze_validate.py --root /tmp/anval --read-mbps 20 --nice -10
+    python benchmarks/analyze_validate.py --root /tmp/anval --read-mbps 20 --nice -10 --out anval22b.json
+
+About 11 minutes on a 2-core VM (two analyzer runs of ~1 minute, 8 points
+x 3 runs of 15-35 s).
 
 Needs root and cgroup v1 (memory, blkio); creates and removes its cgroups.
 The outer process imports neither torch nor coordl.
