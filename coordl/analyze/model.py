@@ -357,8 +357,9 @@ def _turns(inp: Inputs, w: int, per: float, step_cores: float, workers: float, c
     running ahead during the step costs the step what it gains.  With ``f
     = 1`` (an accelerator step, or a free core per worker) this is
     ``max(s, 1/r)``, already the ``step`` and ``workers`` bounds, and
-    ``None`` is returned; with ``w >= cores`` it is the core sum without
-    ``eta``.  It matters where the workers are fewer than the cores a CPU
+    ``None`` is returned; with ``w >= cores`` it is the core sum with the
+    step's part not divided by ``eta`` (never below the ``cpu`` bound).  It
+    matters where the workers are fewer than the cores a CPU
     step leaves idle while it waits for a batch: one worker beside a
     two-thread step on 2 cores runs step and prep in turn (1 / (1/G +
     1/P1)), not side by side (the core sum)."""
