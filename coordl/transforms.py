@@ -636,7 +636,10 @@ def _float_lut(steps: list, channels: int) -> torch.Tensor | None:
     (channels, 1, 256) image of all uint8 values: every step is elementwise,
     so a pixel's value is its table entry, bit for bit."""
     key = (torch.get_default_dtype(), channels, tuple(_lut_key(t) for t in steps))
-    lut = _LUTS.get(key, False)
+    try:
+        lut = _LUTS.get(key, False)
+    except TypeError:  # parameters changed after construction into something unhashable (a list)
+        return None
     if lut is not False:
         return lut
     lut = None

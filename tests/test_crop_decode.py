@@ -600,3 +600,14 @@ def test_benchmark_script_runs(tmp_path, capsys):
     assert "3 images" in out and "identical in 3/3 samples" in out
     assert _decode._crop is crop_ext  # restored
     assert torch.get_num_threads() == threads
+
+
+def test_normalize_parameters_changed_into_lists_still_convert(monkeypatch):
+    """A Normalize whose mean/std were replaced by lists after construction
+    (unhashable: no table for it) converts step by step, with the same values."""
+    norm = T.Normalize([0.485, 0.456, 0.406], [0.229, 0.224, 0.225])
+    norm.mean, norm.std = [0.5, 0.4, 0.3], [0.2, 0.3, 0.4]
+    x = torch.randint(0, 256, (3, 9, 11), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
+    got = T._convert(x, [T.ToTensor(), norm], True, crop_ext)
+    want = T.Normalize([0.5, 0.4, 0.3], [0.2, 0.3, 0.4])(x.flip(-1).float().div(255))
+    assert torch.equal(got, want)
