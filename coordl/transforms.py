@@ -606,7 +606,7 @@ def decode_and_apply(transforms: list, raw) -> Any:
                 flip = not flip
             continue
         if tt is PILToTensor or tt is ToTensor:
-            return _convert(x, rest[k:], flip, _decode._crop)
+            return _convert(x, rest[k:], flip, _decode._ext)
         if flip:  # a flip does not commute with the crops that may follow it
             x, flip = x.flip(-1), False
         x = t(x)

@@ -439,6 +439,7 @@ def test_fused_pipeline_without_to_float_gives_the_same_batches(monkeypatch):
     out = {}
     for name, ext in [("new", crop_ext), ("old", SimpleNamespace(decode=crop_ext.decode))]:
         monkeypatch.setattr(_decode, "_crop", ext)
+        monkeypatch.setattr(_decode, "_ext", ext)
         res = []
         for i, raw in enumerate(raws):
             for e in range(4):
