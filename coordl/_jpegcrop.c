@@ -7,10 +7,13 @@
  * scaling) to RGB.  Of that scaled image (out_height x out_width) only rows
  * [y0, y0 + rows) and columns [x0, x0 + cols) are produced: a block that
  * covers the requested window [top, top + height) x [left, left + width).
- * Rows above and below the window are skipped (jpeg_skip_scanlines: entropy
- * decoding only, no IDCT, upsampling or colour conversion; the file is read
- * to its end, so corrupt data anywhere fails as it does in a whole decode),
- * and columns outside it are cropped away before the IDCT
+ * Rows above the window are skipped (jpeg_skip_scanlines: entropy decoding
+ * only, no IDCT, upsampling or colour conversion).  Rows below it are left
+ * unread when the rest of the file is plain entropy-coded data (where
+ * libjpeg can only warn, so a whole decode could not fail there either),
+ * else skipped too and the file read to its end, so corrupt data anywhere
+ * fails as it does in a whole decode.  Columns outside the window are
+ * cropped away before the IDCT
  * (jpeg_crop_scanline, which starts the block at an iMCU boundary, so x0 can
  * be left of `left`).  `pixels` holds rows x cols x 3 bytes, row-major.
  *
@@ -18,6 +21,9 @@
  * decode then decides, as it did before), a CMYK/YCCK file or an unusual
  * sampling layout raises ValueError; the caller falls back to its full
  * decode.  Nothing is printed.  The GIL is released while libjpeg runs.
+ *
+ * to_float(src, lut, out, flip): the fused path's uint8 -> float32 step
+ * through a per-channel table (see there).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -82,7 +88,6 @@ typedef struct {
     /* out */
     JDIMENSION rows, cols, y0, x0, out_h, out_w;
     int unsupported;
-    int rest_unread; /* the rows below the window were left unread (rest_is_plain) */
 } crop_job;
 
 typedef struct {
@@ -175,7 +180,8 @@ static int rest_is_plain(const JOCTET *data, size_t n) {
 }
 
 /* Phase 2, without the GIL: skip the rows above, decode the block's rows into
- * dst (rows x cols x 3), skip the rows below and finish the file.  Always destroys the
+ * dst (rows x cols x 3), then leave the rows below unread (the rest is plain
+ * data) or skip them and finish the file.  Always destroys the
  * decompressor.  0 on success; else -1 with err.message set. */
 static int read_window(crop_state *st, crop_job *job, unsigned char *dst) {
     struct jpeg_decompress_struct *cinfo = &st->cinfo;
@@ -224,9 +230,9 @@ static int read_window(crop_state *st, crop_job *job, unsigned char *dst) {
      * the rest of the file is entropy-coded data (bytes, stuffed FF 00, fill
      * FFs, restart markers) followed by the end-of-image marker at its very
      * end, and the decoder holds no marker other than a restart, the rows
-     * below are left unread (rest_is_plain).  Otherwise they are read: entropy-decoded only
-     * (no IDCT, upsampling or colour conversion) and the file to its
-     * end-of-image marker, as PIL's whole decode reads it, so that data that
+     * below are left unread (rest_is_plain).  Otherwise they are read:
+     * entropy-decoded only (no IDCT, upsampling or colour conversion) and the
+     * file to its end-of-image marker, as PIL's whole decode reads it, so that data that
      * makes PIL fail makes this decode fail too, whatever the window.  A skip
      * that reaches the last row decodes nothing (libjpeg just marks the input
      * finished), so the last row is read, into a row of its own. */
@@ -234,7 +240,6 @@ static int read_window(crop_state *st, crop_job *job, unsigned char *dst) {
     int held = cinfo->unread_marker; /* a marker the entropy decoder ran into: only a restart is plain */
     if (next < job->out_h && (held == 0 || (held >= JPEG_RST0 && held <= JPEG_RST0 + 7)) &&
         rest_is_plain(cinfo->src->next_input_byte, cinfo->src->bytes_in_buffer)) {
-        job->rest_unread = 1;
         jpeg_destroy_decompress(cinfo);
         PyMem_RawFree(rowptrs);
         return 0;
