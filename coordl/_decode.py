@@ -42,9 +42,7 @@ except ImportError:  # pragma: no cover
     _sj = None
 
 
-def _load_crop():
-    if os.environ.get("COORDL_CROP_DECODE", "1").strip().lower() in ("0", "false", "no", "off"):
-        return None
+def _load_ext():
     try:
         from . import _jpegcrop
     except ImportError as e:  # not built here (no compiler or libjpeg headers at install)
@@ -52,6 +50,16 @@ def _load_crop():
             "coordl._jpegcrop is not available (%s): RandomResizedCrop decodes whole JPEGs", e)
         return None
     return _jpegcrop
+
+
+# coordl._jpegcrop as built, or None: its to_float (the fused path's uint8 -> float table pass)
+_ext = _load_ext()
+
+
+def _load_crop():
+    if os.environ.get("COORDL_CROP_DECODE", "1").strip().lower() in ("0", "false", "no", "off"):
+        return None
+    return _ext
 
 
 # coordl._jpegcrop, or None: whole-image decodes only (tests set it to None)

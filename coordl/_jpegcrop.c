@@ -7,10 +7,13 @@
  * scaling) to RGB.  Of that scaled image (out_height x out_width) only rows
  * [y0, y0 + rows) and columns [x0, x0 + cols) are produced: a block that
  * covers the requested window [top, top + height) x [left, left + width).
- * Rows above and below the window are skipped (jpeg_skip_scanlines: entropy
- * decoding only, no IDCT, upsampling or colour conversion; the file is read
- * to its end, so corrupt data anywhere fails as it does in a whole decode),
- * and columns outside it are cropped away before the IDCT
+ * Rows above the window are skipped (jpeg_skip_scanlines: entropy decoding
+ * only, no IDCT, upsampling or colour conversion).  Rows below it are left
+ * unread when the rest of the file is plain entropy-coded data (where
+ * libjpeg can only warn, so a whole decode could not fail there either),
+ * else skipped too and the file read to its end, so corrupt data anywhere
+ * fails as it does in a whole decode.  Columns outside the window are
+ * cropped away before the IDCT
  * (jpeg_crop_scanline, which starts the block at an iMCU boundary, so x0 can
  * be left of `left`).  `pixels` holds rows x cols x 3 bytes, row-major.
  *
@@ -18,6 +21,9 @@
  * decode then decides, as it did before), a CMYK/YCCK file or an unusual
  * sampling layout raises ValueError; the caller falls back to its full
  * decode.  Nothing is printed.  The GIL is released while libjpeg runs.
+ *
+ * to_float(src, lut, out, flip): the fused path's uint8 -> float32 step
+ * through a per-channel table (see there).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -145,8 +151,37 @@ static int start_window(crop_state *st, crop_job *job) {
     return 0;
 }
 
+/* True when data[0, n) is what may follow the last decoded row of a
+ * sequential scan without libjpeg raising an error while reading it:
+ * entropy-coded bytes, where 0xFF is followed by a stuffed 0x00, by more
+ * 0xFF fill bytes or by a restart marker (RST0-RST7), ending with the
+ * end-of-image marker (FF D9) as its last two bytes and nowhere before.
+ * Any other marker (a table, a new frame or scan, a stray SOI or EOI)
+ * returns false: the caller then reads the rest with libjpeg. */
+static int rest_is_plain(const JOCTET *data, size_t n) {
+    if (n < 2 || data[n - 2] != 0xFF || data[n - 1] != 0xD9)
+        return 0;
+    size_t end = n - 2; /* the bytes before the final EOI */
+    const JOCTET *p = data, *stop = data + end;
+    while (p < stop) {
+        const JOCTET *ff = memchr(p, 0xFF, (size_t)(stop - p));
+        if (ff == NULL)
+            return 1;
+        while (ff + 1 < stop && ff[1] == 0xFF) /* fill bytes */
+            ff++;
+        if (ff + 1 >= stop) /* FF FF... then the final EOI: fill before it */
+            return 1;
+        JOCTET m = ff[1];
+        if (m != 0x00 && !(m >= 0xD0 && m <= 0xD7))
+            return 0;
+        p = ff + 2;
+    }
+    return 1;
+}
+
 /* Phase 2, without the GIL: skip the rows above, decode the block's rows into
- * dst (rows x cols x 3), skip the rows below and finish the file.  Always destroys the
+ * dst (rows x cols x 3), then leave the rows below unread (the rest is plain
+ * data) or skip them and finish the file.  Always destroys the
  * decompressor.  0 on success; else -1 with err.message set. */
 static int read_window(crop_state *st, crop_job *job, unsigned char *dst) {
     struct jpeg_decompress_struct *cinfo = &st->cinfo;
@@ -187,14 +222,28 @@ static int read_window(crop_state *st, crop_job *job, unsigned char *dst) {
         }
         done += got;
     }
-    /* The rows below the window are entropy-decoded only (no IDCT, upsampling
-     * or colour conversion) and the file is read to its end-of-image marker,
-     * as PIL's whole decode reads it: data that makes PIL fail (a broken
-     * stream anywhere in the file) makes this decode fail too, whatever the
-     * window.  A skip that reaches the last row decodes nothing (libjpeg just
-     * marks the input finished), so the last row is read, into a row of its
-     * own. */
+    /* The rows below the window.  Only markers in the data still unread can
+     * make libjpeg (and so PIL's whole decode) fail there: inside
+     * entropy-coded data a bad code, a missing byte or an out-of-sequence
+     * restart marker is a warning, after which PIL goes on and hands back an
+     * image whose rows above the damage, the window's, are these.  So when
+     * the rest of the file is entropy-coded data (bytes, stuffed FF 00, fill
+     * FFs, restart markers) followed by the end-of-image marker at its very
+     * end, and the decoder holds no marker other than a restart, the rows
+     * below are left unread (rest_is_plain).  Otherwise they are read:
+     * entropy-decoded only (no IDCT, upsampling or colour conversion) and the
+     * file to its end-of-image marker, as PIL's whole decode reads it, so that data that
+     * makes PIL fail makes this decode fail too, whatever the window.  A skip
+     * that reaches the last row decodes nothing (libjpeg just marks the input
+     * finished), so the last row is read, into a row of its own. */
     JDIMENSION next = job->y0 + job->rows;
+    int held = cinfo->unread_marker; /* a marker the entropy decoder ran into: only a restart is plain */
+    if (next < job->out_h && (held == 0 || (held >= JPEG_RST0 && held <= JPEG_RST0 + 7)) &&
+        rest_is_plain(cinfo->src->next_input_byte, cinfo->src->bytes_in_buffer)) {
+        jpeg_destroy_decompress(cinfo);
+        PyMem_RawFree(rowptrs);
+        return 0;
+    }
     if (next < job->out_h) {
         JDIMENSION gap = job->out_h - 1 - next;
         if (gap > 0 && jpeg_skip_scanlines(cinfo, gap) != gap) {
@@ -282,6 +331,80 @@ done:
     return NULL;
 }
 
+/* to_float(src, lut, out, flip): out[c, y, x] = lut[c, src[c, y, x']] with
+ * x' = W-1-x when flip, else x.  src: a uint8 array (C, H, W), any strides;
+ * lut: C*256 float32 values, contiguous; out: a writable, C-contiguous
+ * float32 buffer of C*H*W values.  One pass, no temporaries: the uint8 ->
+ * float conversion (ToTensor, ToDtype, Normalize) of the fused decode path,
+ * its values computed once per uint8 value into `lut` by the caller (so
+ * they are the unfused path's, bit for bit).  The GIL is released. */
+static PyObject *crop_to_float(PyObject *self, PyObject *args) {
+    PyObject *src_obj, *lut_obj, *out_obj;
+    int flip;
+    Py_buffer src, lut, out;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "OOOp:to_float", &src_obj, &lut_obj, &out_obj, &flip))
+        return NULL;
+    if (PyObject_GetBuffer(src_obj, &src, PyBUF_STRIDES | PyBUF_FORMAT) < 0)
+        return NULL;
+    if (PyObject_GetBuffer(lut_obj, &lut, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) {
+        PyBuffer_Release(&src);
+        return NULL;
+    }
+    if (PyObject_GetBuffer(out_obj, &out, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE | PyBUF_FORMAT) < 0) {
+        PyBuffer_Release(&src);
+        PyBuffer_Release(&lut);
+        return NULL;
+    }
+    Py_ssize_t C = 0, H = 0, W = 0;
+    const char *why = NULL;
+    if (src.ndim != 3 || src.itemsize != 1 || (src.format != NULL && strcmp(src.format, "B") != 0))
+        why = "src should be a uint8 array of shape (C, H, W)";
+    else {
+        C = src.shape[0];
+        H = src.shape[1];
+        W = src.shape[2];
+        if (lut.itemsize != 4 || (lut.format != NULL && strcmp(lut.format, "f") != 0) ||
+            lut.len != C * 256 * 4)
+            why = "lut should hold C*256 float32 values";
+        else if (out.itemsize != 4 || (out.format != NULL && strcmp(out.format, "f") != 0) ||
+                 out.len != C * H * W * 4)
+            why = "out should hold C*H*W float32 values";
+    }
+    if (why != NULL) {
+        PyErr_SetString(PyExc_ValueError, why);
+        PyBuffer_Release(&src);
+        PyBuffer_Release(&lut);
+        PyBuffer_Release(&out);
+        return NULL;
+    }
+    const unsigned char *sp = (const unsigned char *)src.buf;
+    const Py_ssize_t sc = src.strides[0], sy = src.strides[1], sx = src.strides[2];
+    const float *tab = (const float *)lut.buf;
+    float *op = (float *)out.buf;
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t c = 0; c < C; c++) {
+        const float *t = tab + 256 * c;
+        for (Py_ssize_t y = 0; y < H; y++) {
+            const unsigned char *row = sp + c * sc + y * sy;
+            float *o = op + (c * H + y) * W;
+            if (flip) {
+                const unsigned char *r = row + (W - 1) * sx;
+                for (Py_ssize_t x = 0; x < W; x++)
+                    o[x] = t[r[-x * sx]];
+            } else {
+                for (Py_ssize_t x = 0; x < W; x++)
+                    o[x] = t[row[x * sx]];
+            }
+        }
+    }
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&src);
+    PyBuffer_Release(&lut);
+    PyBuffer_Release(&out);
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef crop_methods[] = {
     {"decode", crop_decode, METH_VARARGS,
      "decode(data, denom, top, left, height, width) -> (pixels, rows, cols, y0, x0, out_h, out_w)\n"
@@ -290,6 +413,12 @@ static PyMethodDef crop_methods[] = {
      "1/denom to RGB, covering the window (top, left, height, width) of the\n"
      "scaled image; pixels is a bytearray of rows*cols*3.  ValueError when the\n"
      "file can't be decoded this way (the caller then decodes it whole)."},
+    {"to_float", crop_to_float, METH_VARARGS,
+     "to_float(src, lut, out, flip) -> None\n"
+     "\n"
+     "out[c, y, x] = lut[c, src[c, y, x]] (x mirrored when flip): src a uint8\n"
+     "(C, H, W) array of any strides, lut C*256 float32, out a C-contiguous\n"
+     "writable float32 buffer of C*H*W.  ValueError on other shapes or types."},
     {NULL, NULL, 0, NULL}};
 
 static struct PyModuleDef crop_module = {PyModuleDef_HEAD_INIT, "coordl._jpegcrop",

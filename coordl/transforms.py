@@ -598,13 +598,83 @@ def decode_and_apply(transforms: list, raw) -> Any:
     else:
         x = torch.from_numpy(_decode.decode_rgb(raw)).permute(2, 0, 1)
         rest = transforms
-    for t in rest:
+    flip = False  # a drawn flip not yet applied: it is folded into the conversion below when it can be
+    for k, t in enumerate(rest):
         tt = type(t)
-        if tt is PILToTensor:
-            x = x.contiguous()
-        elif tt is ToTensor:
-            x = x.to(torch.get_default_dtype()).div_(255).contiguous()
-        else:
+        if tt is RandomHorizontalFlip:
+            if _rng.current().random() < t.p:  # the draw RandomHorizontalFlip makes, in its place
+                flip = not flip
+            continue
+        if tt is PILToTensor or tt is ToTensor:
+            return _convert(x, rest[k:], flip, _decode._ext)
+        if flip:  # a flip does not commute with the crops that may follow it
+            x, flip = x.flip(-1), False
+        x = t(x)
+    raise AssertionError("a fusable pipeline has a tensor conversion")  # pragma: no cover
+
+
+# (default dtype, channels, conversion steps) -> (channels, 256) float32 table, see _float_lut
+_LUTS: dict = {}
+
+
+def _lut_key(t: Any) -> tuple | None:
+    tt = type(t)
+    if tt is ToTensor:
+        return ("ToTensor",)
+    if tt is ToDtype:
+        return ("ToDtype", t.dtype, t.scale)
+    if tt is Normalize:
+        return ("Normalize", t.mean, t.std)
+    return None
+
+
+def _float_lut(steps: list, channels: int) -> torch.Tensor | None:
+    """The values ``steps`` (``ToTensor`` then ``ToDtype``/``Normalize``)
+    give each uint8 value of each channel, as a (channels, 256) float32
+    table, or None (a ``PILToTensor`` first, or a result that is not
+    float32).  The table is made by running the very same steps on a
+    (channels, 1, 256) image of all uint8 values: every step is elementwise,
+    so a pixel's value is its table entry, bit for bit."""
+    key = (torch.get_default_dtype(), channels, tuple(_lut_key(t) for t in steps))
+    try:
+        lut = _LUTS.get(key, False)
+    except TypeError:  # parameters changed after construction into something unhashable (a list)
+        return None
+    if lut is not False:
+        return lut
+    lut = None
+    if type(steps[0]) is ToTensor:
+        x = torch.arange(256, dtype=torch.uint8).expand(channels, 1, 256).contiguous()
+        x = x.to(torch.get_default_dtype()).div_(255)
+        for t in steps[1:]:
             x = t(x)
+        if x.dtype == torch.float32 and x.shape == (channels, 1, 256):
+            lut = x.reshape(channels, 256).contiguous()
+    if len(_LUTS) < 64:
+        _LUTS[key] = lut
+    return lut
+
+
+def _convert(x: torch.Tensor, steps: list, flip: bool, ext: Any) -> torch.Tensor:
+    """The uint8 CHW image ``x`` (mirrored first when ``flip``) through
+    ``steps``: ``PILToTensor``/``ToTensor`` and the ``ToDtype``/``Normalize``
+    after it.  A float32 result is made in one pass through a table
+    (``coordl._jpegcrop.to_float``, where it is built), with the values the
+    steps one by one give."""
+    if ext is not None and x.dtype == torch.uint8 and x.ndim == 3 and type(steps[0]) is ToTensor:
+        to_float = getattr(ext, "to_float", None)  # None: an extension built before it existed
+        lut = _float_lut(steps, x.shape[0]) if to_float is not None else None
+        if lut is not None:
+            out = torch.empty(x.shape, dtype=torch.float32)
+            to_float(x.numpy(), lut.numpy(), out.numpy(), flip)
+            return out
+    if flip:
+        x = x.flip(-1)
+    if type(steps[0]) is PILToTensor:
+        x = x.contiguous()
+    else:
+        x = x.to(torch.get_default_dtype()).div_(255).contiguous()
+    for t in steps[1:]:
+        x = t(x)
     return x
 

@@ -192,6 +192,24 @@ def test_torchvision_loop_quick(tmp_path):
     assert "fused RandomResizedCrop, RandomHorizontalFlip, ToTensor, Normalize" in out
 
 
+def test_torchvision_loop_check_from_sums_is_torchs_std():
+    """The loop's pixel check computes each image's std from sums (cheap in
+    the main process): the same statistic as torch's ``std((2, 3))``."""
+    import importlib.util
+
+    import torch
+
+    spec = importlib.util.spec_from_file_location("tvloop", os.path.join(BENCH, "torchvision_loop.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    g = torch.Generator().manual_seed(0)
+    x = (torch.rand(6, 3, 40, 50, generator=g) - 0.45) / 0.22
+    (m1, s1), (m2, s2) = mod.image_stats(x, "sums"), mod.image_stats(x, "std")
+    assert m1.shape == s1.shape == (6, 3) and m1.dtype == s1.dtype == torch.float64
+    assert torch.allclose(m1, m2, atol=1e-6) and torch.allclose(s1, s2, atol=1e-5)
+    assert not torch.allclose(s1, x.flatten(2).std(2).double() * 1.01, atol=1e-5)  # could fail
+
+
 def test_small_server_tiny():
     """benchmarks/small_server.py: local files vs ``python -m http.server``."""
     pytest.importorskip("aiohttp")

@@ -313,6 +313,143 @@ def test_corrupt_data_below_the_window_fails_as_the_whole_decode():
     assert (rows, oh, ow) == (8, 64, 64)
 
 
+def _entropy_start(raw) -> int:
+    sos = raw.find(b"\xff\xda")
+    return sos + 2 + int.from_bytes(raw[sos + 2:sos + 4], "big")
+
+
+def _damaged_below(raw, frac, H, W):
+    """``raw`` with a few bytes of its entropy-coded data overwritten after
+    the fraction ``frac`` of it, without making a marker, such that libjpeg
+    warns ("corrupt data") when it reads the bottom rows: a damage PIL
+    decodes through (rows above it intact), not an error."""
+    start = _entropy_start(raw)
+    lo = start + int((len(raw) - 2 - start) * frac)
+    r = random.Random(0)
+    for _ in range(50):
+        b = bytearray(raw)
+        for _ in range(6):
+            p = r.randrange(lo, len(b) - 2)
+            if b[p] != 0xFF and b[p - 1] != 0xFF:
+                b[p] = r.choice([v for v in range(255) if v != b[p]])
+        bad = bytes(b)
+        try:
+            crop_ext.decode(bad, 1, H - 16, 0, 16, W)
+        except ValueError:
+            return bad
+    raise AssertionError("no damage made libjpeg warn")
+
+
+def test_damaged_data_below_the_window_is_not_read():
+    """Entropy-coded data below the window that libjpeg only warns about (PIL
+    decodes the file, rows above the damage intact) and nothing but restart
+    markers and the final end-of-image marker after the window: the rows
+    below are left unread, so the window decodes (the same pixels as the
+    undamaged file) instead of falling back to a whole decode."""
+    H, W = 256, 64
+    raw = _jpeg(W, H, seed=5)
+    bad = _damaged_below(raw, 0.75, H, W)
+    pil = np.asarray(_decode.pil_rgb(bad)).astype(int)  # PIL reads through the damage
+    for box in [(0, 0, 16, 64), (20, 8, 40, 30)]:
+        got = crop_ext.decode(bad, 1, *box)
+        assert got == crop_ext.decode(raw, 1, *box)
+        arr, (t, l, h, w) = _decode.decode_rgb_crop(bad, box)
+        assert arr.shape[0] < H  # the window path, not the whole decode
+        assert np.abs(arr[t:t + h, l:l + w].astype(int) - pil[box[0]:box[0] + h, box[1]:box[1] + w]).max() <= TOL_MAX
+
+
+def test_restart_markers_below_the_window_are_not_read():
+    """Restart markers (in order, or out of order: a warning, which PIL
+    decodes through) are entropy-coded data for this rule: the window
+    decodes with the whole decode's pixels, the rows below unread."""
+    H, W = 256, 64
+    raw = _jpeg(W, H, seed=6, restart_marker_rows=1)
+    start = _entropy_start(raw)
+    rst = [i for i in range(start, len(raw) - 1) if raw[i] == 0xFF and 0xD0 <= raw[i + 1] <= 0xD7]
+    assert len(rst) >= 10
+    whole = _decode.decode_rgb(raw).astype(int)
+    swapped = bytearray(raw)
+    a, b = rst[-3], rst[-2]
+    swapped[a + 1], swapped[b + 1] = raw[b + 1], raw[a + 1]
+    swapped = bytes(swapped)
+    with pytest.raises(ValueError, match="libjpeg"):  # out of sequence: libjpeg warns there
+        crop_ext.decode(swapped, 1, H - 16, 0, 16, W)
+    _decode.pil_rgb(swapped)  # and PIL reads through it
+    for data in (raw, swapped):
+        box = (0, 8, 16, 40)
+        arr, (t, l, h, w) = _decode.decode_rgb_crop(data, box)
+        assert arr.shape[0] < H
+        assert np.abs(arr[t:t + h, l:l + w].astype(int) - whole[:16, 8:48]).max() <= TOL_MAX
+
+
+def test_any_other_marker_below_the_window_is_read_as_before():
+    """A comment marker inside the entropy-coded data below the window (PIL
+    decodes through it): not plain data, so the rest is read as before; the
+    decode warns and the file takes the whole-image path, with PIL's result."""
+    H, W = 256, 64
+    raw = _jpeg(W, H, seed=7)
+    start = _entropy_start(raw)
+    at = start + (len(raw) - start) * 4 // 5
+    while raw[at - 1] == 0xFF:
+        at += 1
+    bad = raw[:at] + b"\xff\xfe\x00\x06note" + raw[at:]
+    pil = np.asarray(_decode.pil_rgb(bad))
+    with pytest.raises(ValueError, match="libjpeg"):
+        crop_ext.decode(bad, 1, 0, 0, 16, 64)
+    arr, box = _decode.decode_rgb_crop(bad, (0, 0, 16, 64))
+    assert arr.shape == (H, W, 3) and box == (0, 0, 16, 64) and np.array_equal(arr, pil)
+
+
+def test_float_conversion_in_one_pass_is_the_step_by_step_one_bit_for_bit():
+    """ToTensor (+ ToDtype/Normalize) after the uint8 image, done by
+    ``to_float`` through a per-channel table (with the flip folded in): the
+    very values of the steps run one by one, on any strides."""
+    g = torch.Generator().manual_seed(0)
+    chains = [[T.ToTensor()],
+              [T.ToTensor(), T.Normalize([0.485, 0.456, 0.406], [0.229, 0.224, 0.225])],
+              [T.ToTensor(), T.Normalize([0.5], [0.25]), T.ToDtype(torch.float32)],
+              [T.ToTensor(), T.ToDtype(torch.float32, scale=True), T.Normalize([0.1, 0.2, 0.3], [1, 2, 3])]]
+    base = torch.randint(0, 256, (37, 53, 3), dtype=torch.uint8, generator=g)
+    views = [base.permute(2, 0, 1), base.permute(2, 0, 1).contiguous(), base.permute(2, 0, 1)[:, 3:30, 5:40]]
+    for steps in chains:
+        for flip in (False, True):
+            for x in views:
+                got = T._convert(x, steps, flip, crop_ext)
+                want = (x.flip(-1) if flip else x).to(torch.float32).div(255)
+                for t in steps[1:]:
+                    want = t(want)
+                assert got.dtype == torch.float32 and got.is_contiguous() and torch.equal(got, want)
+    # a result that is not float32 takes the steps one by one
+    x = views[0]
+    assert T._convert(x, [T.ToTensor(), T.ToDtype(torch.float64)], True, crop_ext).dtype == torch.float64
+    with pytest.raises(ValueError, match="uint8"):
+        crop_ext.to_float(np.zeros((3, 4), np.uint8), np.zeros(768, np.float32), np.zeros(12, np.float32), False)
+    with pytest.raises(ValueError, match="out"):
+        crop_ext.to_float(np.zeros((3, 4, 5), np.uint8), np.zeros(768, np.float32), np.zeros(59, np.float32), False)
+
+
+def test_fused_pipeline_without_to_float_gives_the_same_batches(monkeypatch):
+    """An extension built before ``to_float`` existed: the same pixels and
+    draws, the conversion done step by step."""
+    from types import SimpleNamespace
+
+    pipe = T.Compose([T.RandomResizedCrop(40), T.RandomHorizontalFlip(), T.ToTensor(),
+                      T.Normalize([0.485, 0.456, 0.406], [0.229, 0.224, 0.225])])
+    raws = [_jpeg(120, 90, seed=s) for s in range(3)]
+    out = {}
+    for name, ext in [("new", crop_ext), ("old", SimpleNamespace(decode=crop_ext.decode))]:
+        monkeypatch.setattr(_decode, "_crop", ext)
+        monkeypatch.setattr(_decode, "_ext", ext)
+        res = []
+        for i, raw in enumerate(raws):
+            for e in range(4):
+                with _rng.sample_rng(0, e, i):
+                    res.append((pipe.from_bytes(raw), _rng.current().random()))
+        out[name] = res
+    for (a, ra), (b, rb) in zip(out["new"], out["old"]):
+        assert ra == rb and torch.equal(a, b)
+
+
 def test_exif_orientation_is_ignored_as_on_the_pil_path(monkeypatch):
     """coordl's PIL path does not apply EXIF orientation; nor does the window decode."""
     exif = Image.Exif()
@@ -464,3 +601,14 @@ def test_benchmark_script_runs(tmp_path, capsys):
     assert "3 images" in out and "identical in 3/3 samples" in out
     assert _decode._crop is crop_ext  # restored
     assert torch.get_num_threads() == threads
+
+
+def test_normalize_parameters_changed_into_lists_still_convert(monkeypatch):
+    """A Normalize whose mean/std were replaced by lists after construction
+    (unhashable: no table for it) converts step by step, with the same values."""
+    norm = T.Normalize([0.485, 0.456, 0.406], [0.229, 0.224, 0.225])
+    norm.mean, norm.std = [0.5, 0.4, 0.3], [0.2, 0.3, 0.4]
+    x = torch.randint(0, 256, (3, 9, 11), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
+    got = T._convert(x, [T.ToTensor(), norm], True, crop_ext)
+    want = T.Normalize([0.5, 0.4, 0.3], [0.2, 0.3, 0.4])(x.flip(-1).float().div(255))
+    assert torch.equal(got, want)
