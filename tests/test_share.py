@@ -428,3 +428,41 @@ def test_skipped_samples_and_other_collations_match_without_sharing(daemon_env, 
     assert [flat(b) for b in got[0]] == [flat(b) for b in ref[0]]
     assert [flat(b) for b in got[1]] == [flat(b) for b in ref[1]]
     assert st.skipped == 4 and st.samples_shared > 0
+
+
+def _private_staging_maps() -> int:
+    """Private (copy-on-write) mappings of a staging memfd in this process:
+    the zero-copy batches alive."""
+    with open("/proc/self/maps") as f:
+        return sum(1 for line in f if "coordl-staging" in line and line.split()[1].endswith("p"))
+
+
+def test_zero_copy_batches_are_private_views_kept_until_they_die(photos, daemon_env, monkeypatch):
+    """A batch of consecutive staged samples is a view of staging (no copy):
+    a job that writes into its batch in place does not change what another
+    job sees, and the slots a live batch views are not reused, even while
+    the other jobs go round the staging several times."""
+    import gc
+
+    from coordl import _reaper
+
+    monkeypatch.setenv("COORDL_STAGING", "408KiB")   # 128 slots: 4 epochs of 48 wrap around them
+    ref = reference(photos, epochs=4)
+    a = coordl.DataLoader(dataset(photos), batch_size=8, seed=7, share=True)
+    b = coordl.DataLoader(dataset(photos), batch_size=8, seed=7, share=True)
+    held = []
+    for e in range(4):
+        for k, (xa, xb) in enumerate(zip(a, b)):
+            assert same([xa, xb], [ref[e][k], ref[e][k]])
+            xb[0].fill_(0)           # b writes into its batch: a's batch over the same slots keeps its bytes
+            xb[1].fill_(-1)
+            if e == 0 and k in (1, 2):
+                held.append((k, xa))
+        if e == 0:
+            assert _private_staging_maps() >= 2      # the held batches view staging (image and label runs)
+    assert all(same([x], [ref[0][k]]) for k, x in held)
+    assert a.stats().samples_shared > 100 and b.stats().samples_shared > 100
+    del held, xa, xb, a, b
+    gc.collect()
+    _reaper.flush()
+    assert _private_staging_maps() == 0
