@@ -446,7 +446,7 @@ def test_zero_copy_batches_are_private_views_kept_until_they_die(photos, daemon_
 
     from coordl import _reaper
 
-    monkeypatch.setenv("COORDL_STAGING", "408KiB")   # 128 slots: 4 epochs of 48 wrap around them
+    monkeypatch.setenv("COORDL_STAGING", "408KiB")   # 128 slots; freed slots are reused lowest first
     ref = reference(photos, epochs=4)
     a = coordl.DataLoader(dataset(photos), batch_size=8, seed=7, share=True)
     b = coordl.DataLoader(dataset(photos), batch_size=8, seed=7, share=True)

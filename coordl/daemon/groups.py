@@ -257,14 +257,15 @@ class Group:
             if not acts and not self.free:
                 return None
         self._queued.discard(g)
-        # position G in slot G % nslots when it is free: a run of positions is then a run of
-        # slots, and a batch of them is one contiguous view of staging (no copy in the member)
-        want = g % self.nslots
-        if want in self.free:
-            self.free.discard(want)
-            slot = want
-        else:
-            slot = self.free.pop()
+        # position G in the slot after G - 1's when that one is free: a run of positions is a
+        # run of slots, and a batch of them one contiguous view of staging (no copy in the
+        # member); else the lowest free slot, so staging in use stays compact (pages touched
+        # already, not a walk through all of it)
+        prev = self.items.get(g - 1)
+        slot = prev.slot + 1 if prev is not None else -1
+        if slot not in self.free:
+            slot = min(self.free)
+        self.free.discard(slot)
         self.items[g] = Item(slot)
         return slot
 

@@ -718,7 +718,7 @@ class SharedIter:
     def _view(self, k: int, gs: list[int]):
         """Batch ``k`` as a view of staging, no copy, when its samples are all
         staged, complete, pinned for this job and in consecutive slots (the
-        daemon puts position G in slot G % slots): each leaf of the batch is
+        daemon puts position G in the slot after G - 1's when it can): each leaf of the batch is
         then one contiguous run of staging.  The slots stay pinned until the
         batch's tensors are all gone (a finalizer on the array they view;
         then released with the next message, or by the connection's close).

@@ -29,7 +29,7 @@ headers (epoch, position, index, marker) first, then for each leaf of the
 group's one-sample layout one region holding that leaf of every slot, slot
 after slot.  So samples in consecutive slots are, leaf by leaf, one
 contiguous run: a batch of them is a view of staging with no copy (the
-daemon puts position ``G`` in slot ``G % slots`` when it is free).  The
+daemon puts position ``G`` in the slot after ``G - 1``'s when it is free).  The
 worker writes the leaves first and the header last; the server wrote an
 invalid header before handing the slot out, so a member that checks the
 header before and after its copy never uses a half-written sample.
