@@ -40,7 +40,6 @@ Fallbacks, all at the exact sample where the stream stopped:
 from __future__ import annotations
 
 import collections
-import functools
 import hashlib
 import json
 import mmap
@@ -66,7 +65,7 @@ from ..errors import SampleError
 from ..stats import BatchStats
 from . import ipc
 from .codeid import Unidentified, identity_of
-from .worker import HDR, HEADER, MARK, describe_layout, layout_digest, leaf_views, slot_stride, staging_bases
+from .worker import HDR, HEADER, MARK, describe_layout, layout_digest, slot_stride, staging_bases
 
 __all__ = ["ShareMode", "SharedIter", "share_requested"]
 
