@@ -139,3 +139,32 @@ def test_a_member_epochs_behind_takes_every_sample_within_the_bound():
         g.step(2, (epoch + 1) * n, release=range(epoch * n, (epoch + 1) * n))
     assert got.count(0) == 1 and sorted(set(got)) == list(range(3 * n))
     assert g.prepared == 3 * n and slow.attached and g.detaches == 0
+
+
+def test_pinned_items_survive_a_detach_until_released():
+    """What a member asked to pin is never revoked (it may view those slots):
+    not by a detach, not at the end of its pass; only its release (or its
+    connection's close) frees them.  Pins are bounded per member."""
+    g = Group(1, "k", nslots=16, samples_per_epoch=64)
+    a = Member(1, 10, "a")
+    g.add(a)
+    g.begin_pass(1, 0, 0, 64)
+    acts = g.step(1, 0, want=[0, 1, 2, 3], need=4, pin=[0, 4])
+    assert ("pinned", a, [0, 4]) in acts
+    for _ in range(4):
+        _, task = g.next_task()
+        g.done(task[0], True, info=["storage", 1, 0.0, 0.0])
+    assert a.pinned == {0, 1, 2, 3} and not a.claims
+    slots = sorted(g.items[x].slot for x in range(4))
+    assert slots == list(range(slots[0], slots[0] + 4))     # consecutive positions, consecutive slots
+    g.detach(a)
+    g.end_pass(1)
+    assert set(g.items) == {0, 1, 2, 3} and len(g.free) == 12   # still staged for its views
+    g.release(1, [0, 1])
+    assert set(g.items) == {2, 3}
+    g.remove(1)                       # its connection closed
+    assert not g.items and len(g.free) == 16
+    b = Member(2, 11, "b")
+    g.add(b)
+    g.begin_pass(2, 0, 0, 64)
+    assert not any(x[0] == "pinned" for x in g.step(2, 0, want=[0], need=1, pin=[0, 5]))   # > a quarter

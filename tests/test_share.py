@@ -428,3 +428,54 @@ def test_skipped_samples_and_other_collations_match_without_sharing(daemon_env, 
     assert [flat(b) for b in got[0]] == [flat(b) for b in ref[0]]
     assert [flat(b) for b in got[1]] == [flat(b) for b in ref[1]]
     assert st.skipped == 4 and st.samples_shared > 0
+
+
+def _private_staging_maps() -> int:
+    """Private (copy-on-write) mappings of a staging memfd in this process:
+    the zero-copy batches alive."""
+    with open("/proc/self/maps") as f:
+        return sum(1 for line in f if "coordl-staging" in line and line.split()[1].endswith("p"))
+
+
+def test_zero_copy_batches_are_private_views_kept_until_they_die(photos, daemon_env, monkeypatch):
+    """A batch of consecutive staged samples is a view of staging (no copy):
+    a job that writes into its batch in place does not change what another
+    job sees, and the slots a live batch views are not reused, even after
+    its loader is gone and while another job goes round the staging several
+    times (the loader's connection, whose close would free them, stays open
+    until the last such batch dies)."""
+    import gc
+
+    from coordl import _reaper
+
+    monkeypatch.setenv("COORDL_STAGING", "408KiB")   # 128 slots; freed slots are reused lowest first
+    ref = reference(photos, epochs=5)
+    a = coordl.DataLoader(dataset(photos), batch_size=8, seed=7, share=True)
+    b = coordl.DataLoader(dataset(photos), batch_size=8, seed=7, share=True)
+    held = []
+    for k, (xa, xb) in enumerate(zip(a, b)):
+        assert same([xa, xb], [ref[0][k], ref[0][k]])
+        xb[0].fill_(0)           # b writes into its batch: a's batch over the same slots keeps its bytes
+        xb[1].fill_(-1)
+        if k in (1, 2):
+            held.append((k, xa))
+    assert _private_staging_maps() >= 2      # the held batches view staging (image and label runs)
+    del a, xa
+    gc.collect()
+    _reaper.flush()
+    for e in range(1, 5):
+        got = list(b)
+        assert same(got, ref[e])
+        for x in got:
+            x[0].fill_(0)
+    assert all(same([x], [ref[0][k]]) for k, x in held)
+    assert len(S.status()["groups"][0]["members"]) == 2   # a's connection lives while its batches do
+    assert b.stats().samples_shared > 100
+    del held, got, x, xb
+    gc.collect()
+    _reaper.flush()
+    assert _private_staging_maps() == 0
+    deadline = time.monotonic() + 10
+    while len(S.status()["groups"][0]["members"]) != 1 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert len(S.status()["groups"][0]["members"]) == 1   # and closes with the last of them

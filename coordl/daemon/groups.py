@@ -65,6 +65,16 @@ class Member:
     shared: int = 0            # samples it reports taken from the stream
     self_prepared: int = 0     # samples it reports it prepared itself
     need: int = 0              # end of the batch it is assembling now (it waits for what is below)
+    pinned: set = field(default_factory=set)   # delivered and never revoked: it may view their slots
+    pin: tuple = (0, 0)        # positions [lo, hi) that are pinned as they are delivered to it
+
+
+def _may_pin(pin, m: Member, nslots: int) -> bool:
+    """Whether ``m`` may pin ``pin``: at most a quarter of staging pinned per
+    member (views included), so a member that stops reading leaves the
+    others room."""
+    lo, hi = pin
+    return lo <= hi and len(m.pinned) + (hi - lo) <= nslots // 4
 
 
 class Group:
@@ -82,7 +92,7 @@ class Group:
         self.key = key
         self.nslots = nslots
         self.n = max(1, samples_per_epoch)
-        self.free = list(range(nslots - 1, -1, -1))
+        self.free: set[int] = set(range(nslots))   # free slots
         self.items: dict[int, Item] = {}
         self.members: dict[int, Member] = {}
         self._queue: list[int] = []            # heap of positions to prepare
@@ -100,6 +110,7 @@ class Group:
         if m is not None:
             m.want.clear()
             m.claims.clear()
+            m.pinned.clear()    # its connection closed: no view of staging is left in it
             m.attached = False
         self.gc()
         return []
@@ -110,6 +121,7 @@ class Group:
         m.claims.clear()
         m.want.clear()
         m.attached = True
+        m.pin = (0, 0)
         m.epoch, m.pos, m.end = epoch, start, end
         self.gc()
         return []
@@ -132,16 +144,32 @@ class Group:
         self.gc()
         return []
 
-    def step(self, mid: int, pos: int, release=(), want=(), need: int | None = None) -> list:
+    def release(self, mid: int, gs) -> None:
+        """Member ``mid`` no longer uses (or views) ``gs``."""
+        m = self.members[mid]
+        gs = [g for g in gs if g in m.claims or g in m.pinned]
+        for g in gs:
+            m.claims.discard(g)
+            m.pinned.discard(g)
+        self.gc(gs)
+
+    def step(self, mid: int, pos: int, release=(), want=(), need: int | None = None, pin=None) -> list:
         """Member ``mid`` is at ``pos``, is done with ``release`` and asks for
         ``want`` (ascending).  Ready items are delivered at once; the others
-        are queued for a worker."""
+        are queued for a worker.
+
+        ``pin`` ``[lo, hi)``: what it has been given of those positions, and
+        what it will be given, is *pinned*: never revoked (not by a detach
+        either) until it releases it or its connection closes, so it may
+        hand out views of those slots (zero-copy batches).  Answered with a
+        ``("pinned", m, [lo, hi])`` action, unless it is detached."""
         m = self.members[mid]
         old = m.pos
         m.pos = max(m.pos, pos)
         m.need = max(m.pos, need if need is not None else pos + 1)
         for g in release:
             m.claims.discard(g)
+            m.pinned.discard(g)
         # only what it released or moved past may be free now
         if m.pos - old <= len(self.items):
             passed = {h for h in range(old, m.pos) if h in self.items}
@@ -150,13 +178,20 @@ class Group:
         maybe = set(release) | passed
         out = []
         if m.attached:
+            if pin is not None and _may_pin(pin, m, self.nslots):
+                lo, hi = pin
+                m.pin = (lo, hi)
+                for g in [g for g in m.claims if lo <= g < hi]:
+                    m.claims.discard(g)
+                    m.pinned.add(g)
+                out.append(("pinned", m, [lo, hi]))
             now = []
             for g in want:
                 if not m.pos <= g < m.end:
                     continue                 # outside its pass: nobody will prepare that for it
                 it = self.items.get(g)
                 if it is not None and it.state != "prep":
-                    m.claims.add(g)
+                    self._give(m, g)
                     now.append(g)
                 else:
                     m.want.add(g)
@@ -222,7 +257,15 @@ class Group:
             if not acts and not self.free:
                 return None
         self._queued.discard(g)
-        slot = self.free.pop()
+        # position G in the slot after G - 1's when that one is free: a run of positions is a
+        # run of slots, and a batch of them one contiguous view of staging (no copy in the
+        # member); else the lowest free slot, so staging in use stays compact (pages touched
+        # already, not a walk through all of it)
+        prev = self.items.get(g - 1)
+        slot = prev.slot + 1 if prev is not None else -1
+        if slot not in self.free:
+            slot = min(self.free)
+        self.free.discard(slot)
         self.items[g] = Item(slot)
         return slot
 
@@ -233,7 +276,7 @@ class Group:
         it = self.items.get(g)
         if it is None or it.state != "prep":
             return
-        self.free.append(self.items.pop(g).slot)
+        self.free.add(self.items.pop(g).slot)
         if g not in self._queued and any(g in m.want for m in self.members.values()):
             heapq.heappush(self._queue, g)
             self._queued.add(g)
@@ -252,18 +295,26 @@ class Group:
         for m in self.members.values():
             if g in m.want:
                 m.want.discard(g)
-                m.claims.add(g)
+                self._give(m, g)
                 out.append(("deliver", m, [g]))
         if not self._needed(g, it):      # nothing else changed: only this one may be free now
-            self.free.append(self.items.pop(g).slot)
+            self.free.add(self.items.pop(g).slot)
         return out
 
     # ---------------------------------------------------------------- policy
+    @staticmethod
+    def _give(m: Member, g: int) -> None:
+        """``g`` is delivered to ``m``: claimed, or pinned if in its pin range."""
+        if m.pin[0] <= g < m.pin[1]:
+            m.pinned.add(g)
+        else:
+            m.claims.add(g)
+
     def _needed(self, g: int, it: Item) -> bool:
         if it.state == "prep":
             return True                      # a worker writes into its slot
         for m in self.members.values():
-            if g in m.claims or g in m.want:
+            if g in m.claims or g in m.want or g in m.pinned:
                 return True
             if self._holds(m, g):
                 return True
@@ -284,7 +335,7 @@ class Group:
         else:
             dead = [g for g in only if g in items and not self._needed(g, items[g])]
         for g in dead:
-            self.free.append(self.items.pop(g).slot)
+            self.free.add(self.items.pop(g).slot)
 
     def detach(self, m: Member) -> list:
         """``m`` leaves the stream until its next pass and prepares for itself.
@@ -309,9 +360,10 @@ class Group:
             if h <= g:
                 break
             it = self.items[h]
-            if it.state == "prep" or any(h in m.claims or h in m.want for m in self.members.values()):
+            if it.state == "prep" or any(h in m.claims or h in m.want or h in m.pinned
+                                         for m in self.members.values()):
                 continue
-            self.free.append(self.items.pop(h).slot)
+            self.free.add(self.items.pop(h).slot)
             return []
         # every slot is claimed.  A member that needs this sample now would wait for
         # others to release theirs; if it needs it now, revoke the largest other holder

@@ -10,10 +10,15 @@ Members (jobs with ``share=True``) speak JSON frames (:mod:`ipc`)::
            digest, samples_per_epoch}  + [pickled dataset memfd]
           -> {op: joined, gid, slots, stride} + [staging memfd]
     pass  {epoch, start, end}          a pass over global positions [start, end)
-    step  {pos, release, want, shared, self}
-          -> {op: ready, items: [[G, slot, ok, info|why], ...]}  (as they are prepared)
+    step  {pos, need, release, want, shared, self, pin?: [lo, hi]}
+          -> {op: ready, items: [[G, slot, ok, info|why], ...], pinned?: [lo, hi]}  (as they are prepared)
           -> {op: detach, why}          (fell behind the staging bound, or the group broke)
-    end   {}                            the pass is over
+    end   {complete, release}           the pass is over
+    release {release}                   views of staging the job no longer holds
+
+``pin`` asks that what the member is given of positions [lo, hi) is never
+revoked until it releases it (or its connection closes): it hands out
+batches that are views of those slots (zero-copy); ``pinned`` confirms.
 
 A group is keyed by what decides a prepared sample: the dataset's
 fingerprint and pickled identity (transforms included), the seed, shuffle
@@ -51,7 +56,7 @@ import time
 
 from . import ipc
 from .groups import Group, Member
-from .worker import LAYOUT
+from .worker import HEADER, LAYOUT
 
 __all__ = ["Hub", "DEFAULT_STAGING"]
 
@@ -175,6 +180,7 @@ class Hub:
         self._next_mid = 1
         self._conn_by_mid: dict[int, ipc.Conn] = {}
         self._outbox: dict[int, tuple] = {}   # conn fd -> (conn, [ready items]) until flush()
+        self._pins: dict[int, list] = {}      # conn fd -> [lo, hi] pinned for it, to tell it at flush()
         self.peer_servers: dict[int, tuple] = {}   # conn fd -> (PeerServer, NodeCache, job pid)
         self.worker_stall = _env_seconds("COORDL_DAEMON_WORKER_STALL", 30.0)
         self.worker_start = _env_seconds("COORDL_DAEMON_WORKER_START", 120.0)
@@ -234,11 +240,19 @@ class Hub:
             release, want = _positions(msg.get("release"), "release"), _positions(msg.get("want"), "want")
             need = msg.get("need")
             need = None if need is None else _pos(need, "need")
+            pin = msg.get("pin")
+            if pin is not None:
+                pin = _positions(pin, "pin")
+                if len(pin) != 2:
+                    raise ValueError(f"pin should be [lo, hi], but got {pin!r}")
             m.shared, m.self_prepared = int(msg.get("shared", m.shared)), int(msg.get("self", m.self_prepared))
-            self._act(res, g.step(m.mid, pos, release, want, need))
+            self._act(res, g.step(m.mid, pos, release, want, need, pin))
         elif op == "end":
             m.shared, m.self_prepared = int(msg.get("shared", m.shared)), int(msg.get("self", m.self_prepared))
+            g.release(m.mid, _positions(msg.get("release"), "release"))
             self._act(res, g.end_pass(m.mid, complete=bool(msg.get("complete"))))
+        elif op == "release":    # views of staging the job no longer holds (after its pass)
+            g.release(m.mid, _positions(msg.get("release"), "release"))
         else:
             self._send(conn, {"op": "error", "why": f"unknown op {op!r}"})
 
@@ -395,8 +409,12 @@ class Hub:
                         items.append([g, it.slot, True, it.info])
                     else:
                         items.append([g, it.slot, False, it.why])
+            elif a[0] == "pinned":   # told with its next delivery, or alone at this round's end
+                self._outbox.setdefault(conn.fileno(), (conn, []))
+                self._pins[conn.fileno()] = a[2]
             elif a[0] == "detach":
-                self._outbox.pop(conn.fileno(), None)   # its claims are revoked
+                self._outbox.pop(conn.fileno(), None)   # its claims are revoked (not its pinned items)
+                self._pins.pop(conn.fileno(), None)
                 if res.broken:
                     self._send(conn, {"op": "detach", "why": res.broken, "permanent": res.permanent, "warn": True})
                 else:
@@ -408,16 +426,21 @@ class Hub:
         ``_DELIVER_BATCH`` have gathered, so a job wakes about once per
         batch, not once per sample."""
         keep = {}
+        pins, self._pins = self._pins, {}
         for fd, (conn, items) in self._outbox.items():
-            if not items or conn.fileno() < 0:
+            pin = pins.get(fd)
+            if (not items and pin is None) or conn.fileno() < 0:
                 continue
             entry = self.members.get(fd)
             m = entry[1] if entry is not None else None
             # a member waiting for its batch is woken once, when the whole batch is here
             ready = m is None or (any(it[0] < m.need for it in items)
                                   and not any(w < m.need for w in m.want))
-            if len(items) >= _DELIVER_BATCH or ready:
-                self._send(conn, {"op": "ready", "items": items})
+            if len(items) >= _DELIVER_BATCH or ready or pin is not None:
+                msg = {"op": "ready", "items": items}
+                if pin is not None:
+                    msg["pinned"] = pin
+                self._send(conn, msg)
             else:
                 keep[fd] = (conn, items)
         self._outbox = keep
@@ -469,6 +492,7 @@ class Hub:
         w.setting_up += 1
         self._wsend(w, {"op": "group", "gid": res.group.gid, "seed": j["seed"], "plan": j["plan"],
                         "sys_path": j.get("sys_path"), "cache": j.get("cache"), "stride": res.stride,
+                        "slots": res.group.nslots,
                         "digest": j["digest"], "peers": j.get("peers"), "code": j.get("code"),
                         "code_desc": j.get("code_desc"), "layout": j.get("layout")},
                    fds=[res.dataset_fd, res.staging_fd])
@@ -652,7 +676,7 @@ class Hub:
                 if task is None:
                     continue
                 g, slot = task
-                base = slot * res.stride
+                base = slot * HEADER
                 res.mm[base:base + 32] = b"\xff" * 32   # invalid until the worker's header lands
                 if not w.inflight:
                     w.progress_t = time.monotonic()   # its clock starts with its work

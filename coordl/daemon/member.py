@@ -4,7 +4,10 @@
 tries the node daemon.  If the daemon runs (or can be started) and the
 dataset can be sent to it, the pass is a :class:`SharedIter`, which takes
 samples the daemon prepared into the group's staging memory and assembles
-this job's own batches from them (one copy per sample into the batch).
+this job's own batches from them: a batch whose samples sit in consecutive
+slots, pinned for this job, is a view of staging through a private
+copy-on-write mapping (no copy; :meth:`SharedIter._view`), any other one
+gets one copy per sample into the batch.
 Samples the stream cannot give (the first one, which fixes the layout;
 failures; anything after a detach or after the daemon died) are prepared
 here, exactly as the pipeline would, so a job gets bit-identical batches
@@ -36,6 +39,7 @@ Fallbacks, all at the exact sample where the stream stopped:
 """
 from __future__ import annotations
 
+import collections
 import hashlib
 import json
 import mmap
@@ -43,11 +47,13 @@ import os
 import pickle
 import selectors
 import sys
+import threading
 import time
 import warnings
 import weakref
 
 import numpy as np
+import torch
 
 from .. import _collate, _reaper
 from .._engine import _Builder, _make_reader, finish, pass_steps, place
@@ -59,7 +65,7 @@ from ..errors import SampleError
 from ..stats import BatchStats
 from . import ipc
 from .codeid import Unidentified, identity_of
-from .worker import HDR, HEADER, MARK, describe_layout, layout_digest
+from .worker import HDR, HEADER, MARK, describe_layout, layout_digest, slot_stride, staging_bases
 
 __all__ = ["ShareMode", "SharedIter", "share_requested"]
 
@@ -91,21 +97,70 @@ def _job_name() -> str:
 
 
 class _Link:
-    """One loader's connection to the daemon and the group's staging memory."""
+    """One loader's connection to the daemon and the group's staging memory.
 
-    def __init__(self, conn: ipc.Conn, mm: mmap.mmap, stride: int, gid: int) -> None:
+    Batches handed out as views of staging (zero-copy) pin their slots at
+    the daemon until they are released; the daemon also drops every pin of
+    a connection when it closes.  So while views live the connection stays
+    open (:meth:`close` defers to the last view): a slot a batch views is
+    never reused under it."""
+
+    def __init__(self, conn: ipc.Conn, mm: mmap.mmap, stride: int, gid: int, nslots: int, bases,
+                 fd: int) -> None:
         self.conn, self.mm, self.stride, self.gid = conn, mm, stride, gid
+        self.nslots, self.bases = nslots, bases
+        self.fd = fd                           # the staging memfd: batches map their runs of it privately
         self.alive = True
+        self.closing = False
+        self.views = 0                         # batches that view staging, alive
+        self.viewed = 0                        # slots they view
+        self.freed: collections.deque = collections.deque()   # positions of views gone, to release
+        self._lock = threading.Lock()
         from . import server
 
         self.sid = server.socket_id()   # the daemon's socket file: a daemon started in its place has another
 
+    def viewing(self, n: int) -> None:
+        with self._lock:
+            self.views += 1
+            self.viewed += n
+
+    def view_gone(self, gs: list) -> None:
+        """A batch viewing staging was collected (run by the reaper thread):
+        its slots are released with the next message, or by closing."""
+        with self._lock:
+            self.views -= 1
+            self.viewed -= len(gs)
+            last = self.views == 0 and self.closing
+            if not last:
+                self.freed.extend(gs)
+        if last:
+            self._close_now()
+
+    def take_freed(self) -> list:
+        out = []
+        while True:
+            try:
+                out.append(self.freed.popleft())
+            except IndexError:
+                return out
+
     def close(self) -> None:
         self.alive = False
+        with self._lock:
+            if self.views:   # batches still view staging: closing would free their slots at the daemon
+                self.closing = True
+                return
+        self._close_now()
+
+    def _close_now(self) -> None:
         try:
             self.conn.close()
         except OSError:
             pass
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
         try:
             self.mm.close()
         except BufferError:
@@ -247,7 +302,7 @@ class ShareMode(PipelineMode):
             plan.shuffle, plan.rank, plan.world_size, plan.num_samples,
             plan.drop_last if plan.world_size > 1 else False, digest, shm_dir]).encode(),
             digest_size=20).hexdigest()
-        stride = (HEADER + self.layout1.nbytes + 63) // 64 * 64
+        stride = slot_stride(self.layout1)
         msg = {"op": "join", "key": key, "name": _job_name(), "num_workers": loader.num_workers,
                "seed": plan.seed, "digest": digest, "stride": stride,
                "samples_per_epoch": plan.samples_per_epoch, "dataset": repr(ds)[:200],
@@ -291,11 +346,24 @@ class ShareMode(PipelineMode):
                 if st.st_uid != os.geteuid() or st.st_mode & 0o077:
                     raise ipc.PeerRefused(f"coordl: refusing staging memory of uid {st.st_uid}, "
                                           f"mode {st.st_mode & 0o777:o}")
-                # writable mapping only so torch can view it without copying; this side never writes
+                # read here for the headers and copies (writable only so torch can view it for a copy;
+                # this side never writes); batches view it through private mappings
                 mm = mmap.mmap(sfd, st.st_size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-            finally:
+                os.set_inheritable(sfd, False)
+            except BaseException:
                 os.close(sfd)
-            link = self.link = _Link(conn, mm, int(reply["stride"]), int(reply["gid"]))
+                raise
+            try:
+                nslots = int(reply["slots"])
+                bases = staging_bases(self.layout1, nslots, st.st_size)
+            except (KeyError, TypeError, ValueError) as e:
+                mm.close()
+                os.close(sfd)
+                conn.close()
+                warnings.warn(f"coordl: share=True: the node daemon's staging does not fit this job ({e}); "
+                              "this pass prepares in the job", stacklevel=5)
+                return False
+            link = self.link = _Link(conn, mm, int(reply["stride"]), int(reply["gid"]), nslots, bases, sfd)
             _reaper.start()
             # a collected loader leaves its group: the reaper closes the socket (finalizers only enqueue)
             weakref.finalize(self, _reaper.later, link.close)
@@ -331,6 +399,8 @@ class SharedIter:
         self.asked = 0        # flat[:asked] were asked for
         self.got: dict[int, list] = {}
         self.release: list[int] = []
+        self.pins: list = []      # [lo, hi) ranges the daemon pinned for this job (latest last)
+        self._viewed: list = []   # positions the batch just built views (released when it dies)
         self.local = None     # the job's own pipeline, after a detach
         self._lost_sid = None  # the socket (device, inode) of a daemon this pass lost
         self._looked = 0.0     # when it last looked for a daemon started in that one's place
@@ -388,8 +458,18 @@ class SharedIter:
         and the next epoch will likely follow)."""
         if self.attached:
             self._send({"op": "end", "complete": complete, "shared": self.mode.shared,
-                        "self": self.mode.self_prepared})
+                        "self": self.mode.self_prepared, "release": self._unused()})
             self.attached = False
+
+    def _unused(self) -> list:
+        """What to release when the pass stops taking from the stream: what
+        was released already, what views gave back, and what it was given
+        and will not use (pinned items stay pinned until released)."""
+        link = self.mode.link
+        out = self.release + list(self.got) + (link.take_freed() if link is not None else [])
+        self.release = []
+        self.got.clear()
+        return out
 
     def _receive(self, block: bool) -> None:
         """Take in what the daemon sent; wait (with liveness checks) when ``block``."""
@@ -441,9 +521,12 @@ class SharedIter:
         if op == "ready":
             for item in msg["items"]:
                 self.got[int(item[0])] = item
+            if msg.get("pinned"):
+                self.pins = self.pins[-3:] + [(int(msg["pinned"][0]), int(msg["pinned"][1]))]
         elif op == "detach":
             why = msg.get("why", "")
-            self._send({"op": "end", "shared": self.mode.shared, "self": self.mode.self_prepared})
+            self._send({"op": "end", "shared": self.mode.shared, "self": self.mode.self_prepared,
+                        "release": self._unused()})
             self.attached = False
             if msg.get("permanent"):   # a detach for being slow is normal: stats() counts it
                 self.mode.off = why
@@ -472,19 +555,31 @@ class SharedIter:
             end = min(len(self.flat), self.cursor + len(rows) + self.window)
             want = [g for g in self.flat[self.asked:end] if g != first]  # that one was prepared here
             self.asked = max(self.asked, end)
-            self._send({"op": "step", "pos": want_g[0], "need": want_g[-1] + 1, "release": self.release,
-                        "want": want,
-                        "shared": self.mode.shared, "self": self.mode.self_prepared})
+            nxt = self.rows[self.idx + 1] if self.idx + 1 < len(self.rows) else rows
+            link = self.mode.link
+            msg = {"op": "step", "pos": want_g[0], "need": want_g[-1] + 1,
+                   "release": self.release + (link.take_freed() if link is not None else []),
+                   "want": want, "shared": self.mode.shared, "self": self.mode.self_prepared}
+            if self.in_place and link is not None:   # this batch and the next may be views of staging
+                room = link.nslots // 8
+                hi = self.base + nxt[-1] + 1
+                if hi - want_g[0] > room:
+                    hi = want_g[-1] + 1
+                if hi - want_g[0] <= room:
+                    msg["pin"] = [want_g[0], hi]
+            self._send(msg)
             self.release = []
             while self.attached and any(g not in self.got and g != first for g in want_g):
                 self._receive(block=True)
         self.idx += 1
         self.cursor += len(rows)
+        self._viewed = []
         try:
             env = self._assemble(k, rows, want_g)
         finally:
+            viewed = set(self._viewed)
             for g in want_g:
-                if self.got.pop(g, None) is not None:
+                if self.got.pop(g, None) is not None and g not in viewed:
                     self.release.append(g)
         if not self.attached and self.idx < len(self.steps) and self.local is None:
             self._go_local()
@@ -522,6 +617,7 @@ class SharedIter:
         self.window = min(self.window, max(4, link.mm.size() // link.stride // 4))
         self.got.clear()
         self.release = []
+        self.pins = []
         self.cursor = self.asked = sum(len(r) for r in self.rows[:self.idx])
         self.attached = True
         self._send({"op": "pass", "epoch": self.epoch, "start": self.flat[self.cursor], "end": self.base + self.n})
@@ -531,19 +627,23 @@ class SharedIter:
         """The rest of the pass on this job's own pipeline, from the next step."""
         self._leave()
         self.got.clear()
+        self.pins = []
         done = frozenset(range(self.plan.num_batches)) - frozenset(self.steps[self.idx:])
         self.local = PipelineMode._pipeline_iter(self.mode, self.loader, self.epoch, self.steps[self.idx], done)
 
     def _slot_rows(self, item, g: int):
-        """``(bytes of the staged sample, slot offset)``, or None if the slot
-        does not hold position ``g`` complete (then it is prepared here)."""
+        """``(the staged sample's leaves as uint8 arrays, header offset)``, or
+        None if the slot does not hold position ``g`` complete (then it is
+        prepared here)."""
         link = self.mode.link
         if link is None or not item[2]:
             return None
-        base = int(item[1]) * link.stride
-        if not self._still(base, g):
+        slot = int(item[1])
+        base = slot * HEADER
+        if not 0 <= slot < link.nslots or not self._still(base, g):
             return None
-        return np.frombuffer(link.mm, dtype=np.uint8, count=self.layout1.nbytes, offset=base + HEADER), base
+        return [np.frombuffer(link.mm, dtype=np.uint8, count=ls.nbytes, offset=b0 + slot * ls.nbytes)
+                for ls, b0 in zip(self.layout1.leaves, link.bases)], base
 
     def _still(self, base: int, g: int) -> bool:
         """The slot at ``base`` holds position ``g``, complete (its header)."""
@@ -557,6 +657,10 @@ class SharedIter:
         mode, loader = self.mode, self.loader
         l1 = self.layout1
         n = len(rows)
+        if self.in_place:
+            env = self._view(k, gs)
+            if env is not None:
+                return env
         b = _Builder(k, [int(self.order[p]) for p in rows], copy=not self.in_place)
         st = b.stats
         if not b.copy:   # the batch layout is the one-sample layout, n rows
@@ -569,11 +673,13 @@ class SharedIter:
             if src is not None:
                 sbuf, base = src
                 if b.copy:
-                    b.samples[j] = _sample_from(l1, [v[0] for v in _collate.views(l1, sbuf)])
+                    b.samples[j] = _sample_from(l1, [
+                        (torch.from_numpy(a).view(ls.dtype) if ls.nbytes else torch.empty((0,), dtype=ls.dtype))
+                        .view(tuple(ls.shape)) for a, ls in zip(sbuf, l1.leaves)])
                 else:   # row j of each leaf <- the slot's bytes: plain memcpy, no torch threads
-                    for lb, ls in zip(b.layout.leaves, l1.leaves):
+                    for lb, ls, a in zip(b.layout.leaves, l1.leaves, sbuf):
                         per = ls.nbytes
-                        b.slot[lb.offset + j * per:lb.offset + (j + 1) * per] = sbuf[ls.offset:ls.offset + per]
+                        b.slot[lb.offset + j * per:lb.offset + (j + 1) * per] = a
                 del sbuf
                 if self._still(base, g):
                     b.ok[j] = True
@@ -606,6 +712,91 @@ class SharedIter:
             return Envelope(out[1], self.epoch, st, k)
         return Envelope(_collate.build(b.layout.template, _collate.views(b.layout, b.slot, out[1])),
                         self.epoch, st, k)
+
+
+    def _view(self, k: int, gs: list[int]):
+        """Batch ``k`` as a view of staging, no copy, when its samples are all
+        staged, complete, pinned for this job and in consecutive slots (the
+        daemon puts position G in the slot after G - 1's when it can): each leaf of the batch is
+        then one contiguous run of staging.  The slots stay pinned until the
+        batch's tensors are all gone (a finalizer on the array they view;
+        then released with the next message, or by the connection's close).
+        None: build it by copying."""
+        link = self.mode.link
+        n = len(gs)
+        if link is None or not n or gs[-1] - gs[0] != n - 1:
+            return None
+        if not any(lo <= gs[0] and gs[-1] < hi for lo, hi in self.pins):
+            return None
+        if link.viewed + n > link.nslots // 8:   # a job holding many batches copies the rest
+            return None
+        items = [self.got.get(g) for g in gs]
+        if any(it is None or not it[2] for it in items):
+            return None
+        s0 = int(items[0][1])
+        if s0 < 0 or s0 + n > link.nslots or any(int(it[1]) != s0 + j for j, it in enumerate(items)):
+            return None
+        if not all(self._still((s0 + j) * HEADER, g) for j, g in enumerate(gs)):
+            return None
+        try:
+            leaves, bufs = _private_views(self.layout1, link, s0, n)
+        except (OSError, ValueError):
+            return None
+        link.viewing(n)
+        gone = _Gone(link, list(gs), len(bufs))
+        for buf in bufs:
+            weakref.finalize(buf, _reaper.later, gone)
+        del bufs
+        self._viewed = list(gs)
+        st = BatchStats()
+        for it in items:
+            source, nbytes, fetch_s, prep_s = it[3]
+            st.record_read(source, int(nbytes))
+            st.fetch_s += float(fetch_s)
+            st.prep_s += float(prep_s)
+        st.samples = st.shared = n
+        self.mode.count(st)
+        return Envelope(_collate.build(self.layout1.template, leaves), self.epoch, st, k)
+
+
+_PAGE = mmap.PAGESIZE
+
+
+def _private_views(layout1, link: _Link, s0: int, n: int) -> tuple[list, list]:
+    """Each leaf of slots ``s0 .. s0 + n - 1`` as a ``(n, *shape)`` tensor
+    over a private (copy-on-write) mapping of its run of staging: reading
+    costs no copy (the pages are staging's own until written), and a job
+    that writes into its batch in place writes into its own copy of those
+    pages, never into staging that other jobs read.  Also the uint8 arrays
+    that own the mappings (they go with the last tensor over them)."""
+    leaves, bufs = [], []
+    for leaf, b0 in zip(layout1.leaves, link.bases):
+        per = leaf.nbytes
+        if not per:
+            leaves.append(torch.empty((n,) + tuple(leaf.shape), dtype=leaf.dtype))
+            continue
+        start, end = b0 + s0 * per, b0 + (s0 + n) * per
+        off = start // _PAGE * _PAGE
+        m = mmap.mmap(link.fd, end - off, mmap.MAP_PRIVATE, mmap.PROT_READ | mmap.PROT_WRITE, offset=off)
+        buf = np.frombuffer(m, dtype=np.uint8)
+        bufs.append(buf)
+        leaves.append(torch.from_numpy(buf[start - off:]).view(leaf.dtype).view((n,) + tuple(leaf.shape)))
+    return leaves, bufs
+
+
+class _Gone:
+    """Counts a zero-copy batch's mappings down (in the reaper thread); the
+    last one gone releases its slots."""
+
+    def __init__(self, link: _Link, gs: list, left: int) -> None:
+        self.link, self.gs, self.left = link, gs, left
+        if not left:
+            link.view_gone(gs)
+
+    def __call__(self) -> None:
+        self.left -= 1
+        if self.left == 0:
+            self.link.view_gone(self.gs)
 
 
 _SLOTS = LocalSlots()   # a fresh buffer per batch: the user may keep a batch as long as it likes

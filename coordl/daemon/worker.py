@@ -24,11 +24,15 @@ it with :mod:`ipc` frames (JSON, descriptors alongside):
   attached until the worker exits: the daemon holds them while it runs, so
   the next wave of jobs finds them warm (``coordl daemon stop`` lets go).
 
-A slot is a 64-byte header (epoch, position, index, marker) and the sample's
-leaves in the group's one-sample layout.  The worker writes the leaves first
-and the header last; the server wrote an invalid header before handing the
-slot out, so a member that checks the header before and after its copy
-never uses a half-written sample.
+Staging is laid out leaf-major (:func:`staging_bases`): the slots' 64-byte
+headers (epoch, position, index, marker) first, then for each leaf of the
+group's one-sample layout one region holding that leaf of every slot, slot
+after slot.  So samples in consecutive slots are, leaf by leaf, one
+contiguous run: a batch of them is a view of staging with no copy (the
+daemon puts position ``G`` in the slot after ``G - 1``'s when it is free).  The
+worker writes the leaves first and the header last; the server wrote an
+invalid header before handing the slot out, so a member that checks the
+header before and after its copy never uses a half-written sample.
 
 The worker exits on EOF from the daemon (the kernel closes the socket when
 the daemon dies) or on ``{"op": "stop"}``.
@@ -46,7 +50,8 @@ import time
 import traceback
 from concurrent.futures import ThreadPoolExecutor
 
-__all__ = ["HEADER", "HDR", "MARK", "LAYOUT", "CodeMismatch", "describe_layout", "layout_digest", "main"]
+__all__ = ["HEADER", "HDR", "MARK", "LAYOUT", "CodeMismatch", "describe_layout", "layout_digest", "main",
+           "slot_stride", "staging_bases", "leaf_views"]
 
 HEADER = 64
 _DONE_BATCH = 4   # finished samples reported in one message (fewer wake-ups of the daemon)
@@ -62,6 +67,48 @@ def layout_digest(layout) -> str:
 
     parts = [repr(layout.template)] + [f"{l.dtype}|{l.shape}|{l.kind}" for l in layout.leaves]
     return hashlib.blake2b("\n".join(parts).encode(), digest_size=12).hexdigest()
+
+
+def slot_stride(layout) -> int:
+    """Staging bytes per slot for a one-sample ``layout``: the header, the
+    leaves, and room for aligning each leaf's region (:func:`staging_bases`;
+    a group has at least 16 slots)."""
+    return (HEADER + layout.nbytes + 4 * len(layout.leaves) + 63) // 64 * 64
+
+
+def staging_bases(layout, nslots: int, size: int) -> list[int]:
+    """Where each leaf's region starts in staging of ``nslots`` slots and
+    ``size`` bytes: after the headers, 64-byte aligned, ``nslots`` samples'
+    worth of that leaf each (slot ``s``'s leaf at ``base + s * leaf.nbytes``)."""
+    off = nslots * HEADER
+    out = []
+    for leaf in layout.leaves:
+        off = (off + 63) // 64 * 64
+        out.append(off)
+        off += nslots * leaf.nbytes
+    if off > size:
+        raise ValueError(f"staging of {size} bytes cannot hold {nslots} samples of {off // max(nslots, 1)} bytes")
+    return out
+
+
+def leaf_views(layout, bases: list[int], mm, slot: int, rows: int = 1, whole=None) -> list:
+    """One tensor per leaf over staging: slots ``slot .. slot + rows - 1``,
+    shape ``(rows, *leaf.shape)`` (``whole``: a uint8 numpy array over all of
+    ``mm``, so the views keep it alive)."""
+    import numpy as np
+    import torch
+
+    if whole is None:
+        whole = np.frombuffer(mm, dtype=np.uint8)
+    out = []
+    for leaf, b0 in zip(layout.leaves, bases):
+        per = leaf.nbytes
+        if per:
+            region = whole[b0 + slot * per:b0 + (slot + rows) * per]
+            out.append(torch.from_numpy(region).view(leaf.dtype).view((rows,) + tuple(leaf.shape)))
+        else:
+            out.append(torch.empty((rows,) + tuple(leaf.shape), dtype=leaf.dtype))
+    return out
 
 
 class _Group:
@@ -97,6 +144,8 @@ class _Group:
         _check_code(self.dataset, msg)
         self.seed = int(msg["seed"])
         self.stride = int(msg["stride"])
+        self.nslots = int(msg["slots"])
+        self.bases = None   # leaf regions of staging, from the first sample's layout
         self.digest = msg["digest"]
         self.first_layout = str(msg.get("layout") or "another layout")[:300]
         size = os.fstat(sfd).st_size
@@ -198,17 +247,18 @@ def _write(grp: _Group, slot: int, sample, epoch: int, g: int, i: int) -> str | 
         layout = _collate.layout_of(sample, 1)
         if layout is None or layout_digest(layout) != grp.digest:
             return LAYOUT + f"sample {i}: {_describe(layout)}; the first: {grp.first_layout}"
+        grp.bases = staging_bases(layout, grp.nslots, len(grp.mm))
         grp.layout = layout
     leaves = layout.leaves_of(sample)
     if leaves is None:
         return LAYOUT + f"sample {i}: {_describe(_collate.layout_of(sample, 1))}; the first: {_describe(layout)}"
-    base = slot * grp.stride
-    buf = np.frombuffer(grp.mm, dtype=np.uint8, count=layout.nbytes, offset=base + HEADER)
+    whole, targets = np.frombuffer(grp.mm, dtype=np.uint8), None
     try:
-        _collate.write_row(_collate.views(layout, buf), 0, leaves)
+        targets = leaf_views(layout, grp.bases, grp.mm, slot, whole=whole)
+        _collate.write_row(_collate.row_targets(layout, targets), 0, leaves)
     finally:
-        del buf
-    HDR.pack_into(grp.mm, base, epoch, g, i, MARK)
+        del whole, targets
+    HDR.pack_into(grp.mm, slot * HEADER, epoch, g, i, MARK)
     return None
 
 
@@ -284,7 +334,7 @@ def main(fd: int) -> int:
                                             "why": "the worker has no such group"})
                             continue
                         try:   # (the daemon checks positions; a bad one is failed here, never fatal)
-                            bad_slot = type(slot) is not int or not 0 <= slot * grp.stride < len(grp.mm)
+                            bad_slot = type(slot) is not int or not 0 <= slot < grp.nslots
                             if type(g) is not int or g < 0 or bad_slot:
                                 raise ValueError(f"bad task {[g, slot]!r}")
                             epoch, i = grp.index(g)
