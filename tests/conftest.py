@@ -24,6 +24,7 @@ import gc
 import os
 import re
 import shutil
+import tempfile
 
 import pytest
 
@@ -37,6 +38,7 @@ from coordl.testing import (
 
 LEAK_GRACE = float(os.environ.get("COORDL_LEAK_GRACE", "5"))
 _SESSION_SHM = None
+_SESSION_RUN = None
 _SESSION_SHM_RE = re.compile(r"coordl-test-\d+")
 
 
@@ -48,12 +50,21 @@ def _leaks(before_pids, before_shm, grace):
 
 
 def pytest_configure(config):
-    global _SESSION_SHM
-    if "COORDL_SHM_DIR" not in os.environ and os.path.isdir("/dev/shm"):
+    global _SESSION_SHM, _SESSION_RUN
+    # pytest-xdist's workers inherit the controller's environment: each
+    # worker takes directories of its own, so that parallel tests never see,
+    # sweep, stop or blame each other's caches and node daemons.
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    ours = os.environ.get("COORDL_TEST_SESSION_DIRS") == "1"
+    if ("COORDL_SHM_DIR" not in os.environ or (worker and ours)) and os.path.isdir("/dev/shm"):
         _SESSION_SHM = f"/dev/shm/coordl-test-{os.getpid()}"
         os.makedirs(_SESSION_SHM, exist_ok=True)
         os.chmod(_SESSION_SHM, 0o1777)
         os.environ["COORDL_SHM_DIR"] = _SESSION_SHM
+        os.environ["COORDL_TEST_SESSION_DIRS"] = "1"
+    if worker and "COORDL_RUN_DIR" not in os.environ:
+        _SESSION_RUN = tempfile.mkdtemp(prefix=f"coordl-run-{worker}-")
+        os.environ["COORDL_RUN_DIR"] = _SESSION_RUN
     config.addinivalue_line(
         "markers",
         "allow_leaks: skip the per-test check for leaked processes and /dev/shm entries",
@@ -64,6 +75,9 @@ def pytest_unconfigure(config):
     if _SESSION_SHM is not None:
         shutil.rmtree(_SESSION_SHM, ignore_errors=True)
         os.environ.pop("COORDL_SHM_DIR", None)
+    if _SESSION_RUN is not None:
+        shutil.rmtree(_SESSION_RUN, ignore_errors=True)
+        os.environ.pop("COORDL_RUN_DIR", None)
 
 
 @pytest.fixture(autouse=True)

@@ -62,7 +62,10 @@ ATTACKER = textwrap.dedent("""
 @pytest.fixture
 def base(monkeypatch):
     """A fresh shared tmpfs directory (1777, like /dev/shm) as COORDL_SHM_DIR."""
-    path = f"/dev/shm/coordl-sectest-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    # inside this session's own directory (tests/conftest.py), so that a
+    # parallel worker's leak check never sees it appear in /dev/shm
+    parent = os.environ.get("COORDL_SHM_DIR") or "/dev/shm"
+    path = os.path.join(parent, f"coordl-sectest-{os.getpid()}-{uuid.uuid4().hex[:8]}")
     os.mkdir(path)
     os.chmod(path, 0o1777)
     monkeypatch.setenv("COORDL_SHM_DIR", path)
