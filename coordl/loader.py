@@ -30,10 +30,11 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader as _TorchDataLoader
 from torch.utils.data.dataloader import _DatasetKind
 
-from . import _pin, _reaper
-from ._modes import PipelineMode, choose_mode
-from ._torch_path import Envelope, Task
-from ._units import parse_size
+from .base import reaper as _reaper
+from .device import pin as _pin
+from .pipeline.modes import PipelineMode, choose_mode
+from .pipeline.torch_path import Envelope, Task
+from .base.units import parse_size
 from .errors import SkippedSampleWarning, StateError
 from .plan import EpochPlan, check_seed
 from .protocol import is_two_stage
@@ -852,8 +853,8 @@ class DataLoader(_TorchDataLoader[_T_co]):
         assignment to ``dataset.transform`` takes effect at the next pass),
         or in one that reuses persistent workers (``split``: theirs).
         Returns the split (coordl.device.Split)."""
-        from . import device as _dev
-        from ._collate import is_default_collate
+        from .device import delivery as _dev
+        from .pipeline.collate import is_default_collate
 
         if split is None:
             if self._device is None:
@@ -1022,7 +1023,7 @@ def _parse_device(device) -> torch.device | None:
             "torch.cuda.is_available() is False: pass device=None or 'cpu'"
         )
     if dev.type == "cpu":
-        from . import device as _dev
+        from .device import delivery as _dev
 
         # batches are already on the CPU (the test seam runs the device path on it)
         return dev if _dev.CPU_TEST_DEVICE else None

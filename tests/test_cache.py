@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import coordl
-from coordl import cache as C
+from coordl.cache import node as C
 from coordl.testing import settle
 from coordl.cache import NodeCache, list_caches
 from coordl.plan import plan

@@ -13,7 +13,7 @@ import psutil
 import pytest
 
 import coordl
-from coordl import cache as C
+from coordl.cache import node as C
 from coordl.cache import NodeCache, list_caches
 from coordl.testing import run_in_child, settle
 
@@ -238,7 +238,7 @@ def test_job_exiting_right_after_dropping_persistent_workers_removes_its_cache(d
                               persistent_workers=True)
         check_pass(L, file_bytes(L.dataset))
         print("pids", *[p.pid for p in L._mode.pool.procs], flush=True)
-    """) + ("from coordl import _reaper\nimport time\n"
+    """) + ("from coordl.base import reaper as _reaper\nimport time\n"
             "_reaper.later(lambda: time.sleep(1))  # the reaper is busy when the script ends\n"
             "del L\n" if drop == "del" else "")
     r = run_in_child(code, timeout=120)
@@ -382,7 +382,7 @@ def test_writer_killed_at_every_step_of_put_leaves_no_torn_entry():
 
 _KILL_PARENT_IN_PUT = """
 import os, select, signal, sys
-from coordl import cache as C
+from coordl.cache import node as C
 from coordl.cache import NodeCache, list_caches
 C._LOCK_WAIT = 10.0  # a lock kept alive by a dead parent would show as a TimeoutError, soon
 """ + _CALLS_IN_PUT.format(name="feedf0f0") + """

@@ -10,7 +10,7 @@ import uuid
 import pytest
 
 import coordl
-from coordl import cache as C
+from coordl.cache import node as C
 from coordl.testing import settle
 from coordl.cache import list_caches
 

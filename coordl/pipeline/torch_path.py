@@ -22,9 +22,9 @@ import torch
 from torch.utils.data import get_worker_info
 from torch.utils.data._utils.pin_memory import pin_memory as _pin
 
-from ._prep import SKIP, failed, prep_sample
-from .protocol import is_two_stage
-from .stats import BatchStats
+from .prep import SKIP, failed, prep_sample
+from ..protocol import is_two_stage
+from ..stats import BatchStats
 
 __all__ = ["Task", "Envelope", "TwoStageFetch", "CollateEnvelope", "TensorBatchFetch", "Precollated"]
 

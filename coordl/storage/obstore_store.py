@@ -32,7 +32,7 @@ import threading
 import urllib.parse
 from datetime import timedelta
 
-from . import _remote
+from . import remote as _remote
 
 __all__ = ["plan", "Native", "NativeUnusable", "NativeRefused", "map_error"]
 

@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import time
 
-from ._rng import sample_rng
-from .errors import sample_error
-from .protocol import describe
-from .stats import BatchStats
+from .._rng import sample_rng
+from ..errors import sample_error
+from ..protocol import describe
+from ..stats import BatchStats
 
 __all__ = ["SKIP", "prep_sample", "failed"]
 

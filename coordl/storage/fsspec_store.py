@@ -20,7 +20,7 @@ import os
 import posixpath
 from typing import Callable
 
-from . import _native_store, _remote
+from . import obstore_store as _native_store, remote as _remote
 
 __all__ = ["is_url", "FsspecStore"]
 

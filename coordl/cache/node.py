@@ -506,7 +506,7 @@ class NodeCache:
         Removes idle segments of other datasets whose keep-warm time is over."""
         name = _segment_name(fingerprint)
         total = _HEADER + n * _ENTRY + capacity
-        from ._signals import install_sigterm_exit
+        from .signals import install_sigterm_exit
         install_sigterm_exit()
         with _DirLock() as dfd:
             _sweep(dfd, keep=name)
@@ -793,7 +793,7 @@ os.register_at_fork(after_in_child=_after_fork_in_child)
 
 @atexit.register
 def _close_all() -> None:
-    from . import _reaper
+    from ..base import reaper as _reaper
     _reaper.flush(30.0)  # clean-ups enqueued before exit (pool stops, detaches) go first
     for c in list(_LIVE):
         try:

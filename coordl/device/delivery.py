@@ -392,7 +392,7 @@ class _SplitCompose:
             return self.full(img)
         for t in self.transforms:
             img = t(img)
-        from .transforms import ToTensor
+        from ..transforms import ToTensor
 
         x = ToTensor.unscaled(img)          # ToTensor's checks and conversion
         if x.dtype != torch.uint8:
@@ -406,7 +406,7 @@ class _SplitCompose:
         cap = getattr(_local, "capture", None)
         if cap is None:
             return self.full.from_bytes(raw)
-        from .transforms import PILToTensor, decode_and_apply
+        from ..transforms import PILToTensor, decode_and_apply
 
         x = decode_and_apply(self.transforms + [PILToTensor()], raw)
         if x is NotImplemented or x.dtype != torch.uint8:
@@ -485,7 +485,7 @@ class SplitPrep:
         return str(fn(index)) if callable(fn) else f"{type(self._dataset).__name__}[{index}]"
 
     def prep(self, raw, index: int):
-        from . import _rng
+        from .. import _rng
 
         t_state = torch.random.get_rng_state()      # (3 us; the per-sample generator is rewound by key)
         cap: list = []
@@ -545,7 +545,7 @@ def split_for_device(dataset, device=None) -> Split:
     pipeline prepares a :class:`SplitPrep` (uint8 images travel) and the
     tail does the rest on the device.  Otherwise the dataset as it is.  The
     user's dataset is never modified."""
-    from . import transforms as T
+    from .. import transforms as T
 
     def no(why: str) -> Split:
         return Split(dataset, None, f"not split ({why}): images are converted on the CPU")

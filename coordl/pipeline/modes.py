@@ -28,8 +28,8 @@ import torch
 from torch.utils.data import DataLoader as _TorchDataLoader
 from torch.utils.data import TensorDataset
 
-from . import _pin
-from ._torch_path import CollateEnvelope, TensorBatchFetch, TwoStageFetch, passthrough_collate
+from ..device import pin as _pin
+from .torch_path import CollateEnvelope, TensorBatchFetch, TwoStageFetch, passthrough_collate
 
 __all__ = ["choose_mode", "PipelineMode", "TwoStageTorchMode", "TensorBatchMode", "TorchMode"]
 
@@ -188,7 +188,7 @@ class PipelineMode:
         return pinner
 
     def _pipeline_iter(self, loader, epoch: int, start: int, skip: frozenset):
-        from ._pipeline import InlineIter, PipelineIter, WorkerPool
+        from .workers import InlineIter, PipelineIter, WorkerPool
 
         W = loader.num_workers
         cfg = dict(

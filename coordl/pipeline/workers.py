@@ -41,11 +41,12 @@ from multiprocessing import reduction
 import numpy as np
 import torch
 
-from . import _collate, _reaper
-from ._engine import Engine, pass_steps
-from ._torch_path import Envelope
-from .errors import SampleError
-from ._slots import LocalSlots, WorkerSlots, map_slot
+from . import collate as _collate
+from ..base import reaper as _reaper
+from .engine import Engine, pass_steps
+from .torch_path import Envelope
+from ..errors import SampleError
+from .slots import LocalSlots, WorkerSlots, map_slot
 
 __all__ = ["WorkerPool", "PipelineIter", "InlineIter"]
 
@@ -155,7 +156,7 @@ def _worker_main(w: int, num_workers: int, dataset, cfg: dict, ctrl, res, parent
             while True:
                 ready = _readable(watch, _POLL)
                 if (pidfd is not None and pidfd in ready) or (not ready and _parent_gone(pidfd, parent_pid)):
-                    from .cache import mark_orphaned
+                    from ..cache import mark_orphaned
                     mark_orphaned()  # the node cache stays for a restart to adopt
                     break
                 if ctrl.fileno() in ready:

@@ -292,7 +292,7 @@ static PyMethodDef crop_methods[] = {
      "file can't be decoded this way (the caller then decodes it whole)."},
     {NULL, NULL, 0, NULL}};
 
-static struct PyModuleDef crop_module = {PyModuleDef_HEAD_INIT, "coordl._jpegcrop",
+static struct PyModuleDef crop_module = {PyModuleDef_HEAD_INIT, "coordl.decode._jpegcrop",
                                          "Window (crop-region) JPEG decode through libjpeg.", -1,
                                          crop_methods};
 

@@ -1,0 +1,25 @@
+"""Delivery onto the accelerator: the last stage, in the main process.
+
+The modules (private):
+
+- ``delivery``: the ring of pinned host buffers, the copy stream and its
+  events, ``record_stream``; the transform split (uint8 leaves prepared on
+  the CPU, float conversion and Normalize on the device); torch's
+  pin_memory container rules; the host-stream seam the CPU tests use;
+- ``pin``: the pin thread (with worker processes) and inline pinning
+  (``num_workers=0``) for ``pin_memory=True``.
+
+Public names (``from coordl.device import ...``, the names ``coordl.device``
+had as one module): :class:`DeviceDelivery`, :class:`Staged`, :func:`walk`,
+:class:`DeviceTail`, :class:`CudaStreams`, :class:`HostStreams`,
+:func:`split_for_device`, :class:`SplitPrep`, :class:`Split`,
+:func:`streams_for`.  Users reach all of this through
+``DataLoader(device=...)``.
+"""
+from .delivery import (  # noqa: F401
+    CudaStreams, DeviceDelivery, DeviceTail, HostStreams, Split, SplitPrep, Staged, split_for_device,
+    streams_for, walk,
+)
+
+__all__ = ["DeviceDelivery", "Staged", "walk", "DeviceTail", "CudaStreams", "HostStreams", "split_for_device",
+           "SplitPrep", "Split", "streams_for"]
