@@ -384,7 +384,7 @@ def _segment_names(root: str, nodes: list[str]) -> list[str]:
     """The node-cache segment of each of this run's nodes (a segment is named
     after the dataset and COORDL_NODE_ID)."""
     import coordl
-    from coordl.cache.node import _segment_name
+    from coordl.cache.segment import _segment_name
 
     fp = coordl.ImageFolder(root).fingerprint()
     saved = os.environ.get("COORDL_NODE_ID")

@@ -10,7 +10,7 @@ import uuid
 import pytest
 
 import coordl
-from coordl.cache import node as C
+from coordl import cache as C
 from coordl.testing import settle
 from coordl.cache import list_caches
 
@@ -120,7 +120,7 @@ def test_existing_segment_with_wrong_owner_mode_or_symlink_is_refused(base, data
     root, ds, expected = data
     d = C.user_dir()
     os.mkdir(d, 0o700)
-    path = os.path.join(d, C._segment_name(ds.fingerprint()))
+    path = os.path.join(d, C.segment._segment_name(ds.fingerprint()))
     if problem == "symlink":
         other = os.path.join(base, "elsewhere")
         open(other, "wb").close()

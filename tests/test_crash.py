@@ -108,7 +108,7 @@ def test_sigkilled_trainer_leaves_no_workers_and_its_cache_is_reclaimed():
     pidfd of the main process), and the next start removes its orphaned node cache."""
     import psutil
 
-    from coordl.cache import node as C
+    from coordl import cache as C
 
     r = _child("""
         import os, signal, numpy as np, psutil
