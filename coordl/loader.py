@@ -156,6 +156,33 @@ class DataLoader(_TorchDataLoader[_T_co]):
             prefetch_factor=prefetch_factor, persistent_workers=persistent_workers,
             pin_memory_device=pin_memory_device, in_order=in_order,
         )
+        seed = self._check_options(
+            dataset, seed=seed, on_error=on_error, cache_size=cache_size, cache_checksum=cache_checksum,
+            cache_keep_warm=cache_keep_warm, progress=progress, device=device, read_ahead=read_ahead,
+            fetch_threads=fetch_threads)
+        iterable = self._dataset_kind == _DatasetKind.Iterable
+        user_sampler = sampler is not None or batch_sampler is not None
+        two_stage = not iterable and is_two_stage(dataset)
+        plan_order = self._choose_order(
+            dataset, seed=seed, iterable=iterable, user_sampler=user_sampler, two_stage=two_stage,
+            on_error=on_error, rank=rank, world_size=world_size, generator=generator,
+            plan=(batch_size, shuffle, drop_last))
+        self._choose_mode(dataset, two_stage=two_stage, plan_order=plan_order, user_sampler=user_sampler,
+                          iterable=iterable, on_error=on_error, user_collate=collate_fn is not None,
+                          batch_size=batch_size, share=share)
+        self._open_node_cache(dataset, cache_size, user_sampler)
+        self._open_peers(peers)
+        self._pass = _Pass()
+        self._pass_sampler = _PassSampler(self)
+        self._counters = Counters()
+        record_path(self, tv_decision)
+
+    # ------------------------------------------------- the steps of __init__
+    # Warnings raised here name the user's call: stacklevel 3 (step, __init__, caller).
+
+    def _check_options(self, dataset, *, seed, on_error, cache_size, cache_checksum, cache_keep_warm,
+                       progress, device, read_ahead, fetch_threads) -> int | None:
+        """Validate coordl's own keyword arguments and keep them; returns the checked seed."""
         if on_error not in ("raise", "skip"):
             raise ValueError(f'on_error should be "raise" or "skip", but got on_error={on_error!r}')
         if seed is not None:
@@ -174,7 +201,7 @@ class DataLoader(_TorchDataLoader[_T_co]):
                 import tqdm  # noqa: F401
             except ImportError:
                 warnings.warn("progress=True needs tqdm (pip install tqdm, or coordl[progress]); "
-                              "no progress bar is shown", stacklevel=2)
+                              "no progress bar is shown", stacklevel=3)
                 progress = False
         self._progress = progress
         self._device = _parse_device(device)
@@ -191,10 +218,13 @@ class DataLoader(_TorchDataLoader[_T_co]):
         if isinstance(fetch_threads, bool) or not isinstance(fetch_threads, int) or fetch_threads < 1:
             raise ValueError(f"fetch_threads should be None or a positive int, but got fetch_threads={fetch_threads!r}")
         self._fetch_threads = fetch_threads
+        return seed
 
-        iterable = self._dataset_kind == _DatasetKind.Iterable
-        user_sampler = sampler is not None or batch_sampler is not None
-        two_stage = not iterable and is_two_stage(dataset)
+    def _choose_order(self, dataset, *, seed, iterable, user_sampler, two_stage, on_error, rank, world_size,
+                      generator, plan) -> bool:
+        """The epoch plan (coordl's order) or torch's samplers; the rank, world size and seed
+        (agreed across ranks when none is given).  Returns whether the plan gives the order."""
+        batch_size, shuffle, drop_last = plan
         if iterable and on_error == "skip":
             raise ValueError(
                 'on_error should be "raise" for an IterableDataset (its errors come from its own '
@@ -214,9 +244,14 @@ class DataLoader(_TorchDataLoader[_T_co]):
                 shuffle=bool(shuffle), drop_last=drop_last,
                 rank=self._rank, world_size=self._world_size,
             )
+        return plan_order
+
+    def _choose_mode(self, dataset, *, two_stage, plan_order, user_sampler, iterable, on_error, user_collate,
+                     batch_size, share) -> None:
+        """How passes run (table in docs/architecture.md, "Modes"), the node daemon first with share=True."""
         self._mode = choose_mode(dataset, two_stage=two_stage, plan_order=plan_order,
                                  user_sampler=user_sampler, iterable=iterable, on_error=on_error,
-                                 seed=seed, collate_fn=self.collate_fn, user_collate=collate_fn is not None,
+                                 seed=self._seed, collate_fn=self.collate_fn, user_collate=user_collate,
                                  batch_size=batch_size)
         from .daemon.member import ShareMode, share_requested
 
@@ -228,7 +263,10 @@ class DataLoader(_TorchDataLoader[_T_co]):
                 "share=True has no effect here: the node daemon prepares samples of two-stage datasets "
                 "(raw/prep) read in coordl's epoch-plan order; this loader "
                 f"{'has a user sampler' if user_sampler else 'reads a dataset without raw/prep'}",
-                stacklevel=2)
+                stacklevel=3)
+
+    def _open_node_cache(self, dataset, cache_size, user_sampler: bool) -> None:
+        """Attach the node cache (reserved in full now) when this loader's mode reads through it."""
         self._cache = None
         if self._cache_size and isinstance(self._mode, PipelineMode):
             if not callable(getattr(dataset, "fingerprint", None)):
@@ -242,7 +280,10 @@ class DataLoader(_TorchDataLoader[_T_co]):
                 f"cache_size={cache_size!r} has no effect here: the node cache holds raw bytes of "
                 "two-stage datasets (raw/prep) read in coordl's epoch-plan order; this loader "
                 f"{'has a user sampler' if user_sampler else 'reads a dataset without raw/prep'}",
-                stacklevel=2)
+                stacklevel=3)
+
+    def _open_peers(self, peers) -> None:
+        """Join the nodes' peer caches when this loader's mode reads through the node cache."""
         self._peers = self._peer_server = None
         if isinstance(self._mode, PipelineMode):
             self._setup_peers(peers)
@@ -251,11 +292,7 @@ class DataLoader(_TorchDataLoader[_T_co]):
 
             _want(peers)   # a bad value is an error everywhere
             warnings.warn(f"peers={peers!r} has no effect here: peers serve node caches of two-stage datasets "
-                          "(raw/prep) read in coordl's epoch-plan order", stacklevel=2)
-        self._pass = _Pass()
-        self._pass_sampler = _PassSampler(self)
-        self._counters = Counters()
-        record_path(self, tv_decision)
+                          "(raw/prep) read in coordl's epoch-plan order", stacklevel=3)
 
     # ------------------------------------------------------------------ public
     @property
