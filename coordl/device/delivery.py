@@ -19,7 +19,7 @@ For each batch the loader hands over (``DeviceDelivery.deliver``):
    training stream may still use it.
 
 Steps 1-3 (``stage``) run one batch ahead of the training loop in the pin
-thread when the pipeline has workers (``_pin.PinThread`` with a ``stage``
+thread when the pipeline has workers (``pin.PinThread`` with a ``stage``
 function), step 4 (``hand_over``) in the training loop's thread, whose
 current stream is the training stream (streams are per thread).  The copy
 of batch ``k+1`` thus runs while the device still computes on batch ``k``;

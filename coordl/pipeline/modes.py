@@ -6,7 +6,7 @@ in one place (:func:`choose_mode`), as torch picks its iterator class in
 mode                   chosen when                                 runs a pass with
 =====================  ==========================================  ==========================
 ``PipelineMode``       two-stage dataset, order from the epoch     coordl's pipeline
-                       plan (no user sampler)                      (``_pipeline.py``)
+                       plan (no user sampler)                      (``workers.py``)
 ``TwoStageTorchMode``  two-stage dataset with a user sampler, or    torch's iterators over
                        any map-style dataset with                  ``TwoStageFetch``
                        ``on_error="skip"``

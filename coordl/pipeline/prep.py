@@ -1,6 +1,6 @@
 """The prep stage's one step, raw bytes -> prepared sample, shared by every
-placement: coordl's engine (``_engine.Engine``, in workers or inline) and
-the torch-machinery adapter (``_torch_path.TwoStageFetch``).
+placement: coordl's engine (``engine.Engine``, in workers or inline) and
+the torch-machinery adapter (``torch_path.TwoStageFetch``).
 
 It runs ``dataset.prep(raw, i)`` under the sample's own generator (keyed by
 seed, epoch and index, so a sample gets the same augmentation wherever and

@@ -2,7 +2,7 @@
 the words of the errors that end them.
 
 Every object read of a URL dataset, through obstore
-(:mod:`coordl._native_store`) or fsspec (:mod:`coordl.storage`), goes
+(:mod:`coordl.storage.obstore_store`) or fsspec (:mod:`coordl.storage.fsspec_store`), goes
 through :func:`call` (one object) or :func:`call_many` (a batch through
 fsspec's concurrent ``cat``), so both read paths behave the same.
 
