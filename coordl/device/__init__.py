@@ -3,9 +3,10 @@
 The modules (private):
 
 - ``delivery``: the ring of pinned host buffers, the copy stream and its
-  events, ``record_stream``; the transform split (uint8 leaves prepared on
-  the CPU, float conversion and Normalize on the device); torch's
-  pin_memory container rules; the host-stream seam the CPU tests use;
+  events, ``record_stream``; torch's pin_memory container rules; the
+  host-stream seam the CPU tests use;
+- ``split``: the transform split (uint8 leaves prepared on the CPU, marked)
+  and the device tail (float conversion and Normalize on the device);
 - ``pin``: the pin thread (with worker processes) and inline pinning
   (``num_workers=0``) for ``pin_memory=True``.
 
@@ -16,10 +17,8 @@ had as one module): :class:`DeviceDelivery`, :class:`Staged`, :func:`walk`,
 :func:`streams_for`.  Users reach all of this through
 ``DataLoader(device=...)``.
 """
-from .delivery import (  # noqa: F401
-    CudaStreams, DeviceDelivery, DeviceTail, HostStreams, Split, SplitPrep, Staged, split_for_device,
-    streams_for, walk,
-)
+from .delivery import CudaStreams, DeviceDelivery, HostStreams, Staged, streams_for, walk  # noqa: F401
+from .split import DeviceTail, Split, SplitPrep, split_for_device  # noqa: F401
 
 __all__ = ["DeviceDelivery", "Staged", "walk", "DeviceTail", "CudaStreams", "HostStreams", "split_for_device",
            "SplitPrep", "Split", "streams_for"]
