@@ -9,6 +9,8 @@
   shared with the main process;
 - ``workers``: the placements: worker processes (``WorkerPool``,
   ``PipelineIter``) and inline (``InlineIter``, ``num_workers=0``);
+- ``worker_process``: what runs inside a worker process (its main loop,
+  the watch on the main process, seeding);
 - ``torch_path``: adapters that run two-stage datasets on torch's own worker
   machinery;
 - ``modes``: how a loader runs its passes (one strategy per mode);
