@@ -17,7 +17,9 @@ had as one module): :class:`DeviceDelivery`, :class:`Staged`, :func:`walk`,
 :func:`streams_for`.  Users reach all of this through
 ``DataLoader(device=...)``.
 """
-from .delivery import CudaStreams, DeviceDelivery, HostStreams, Staged, streams_for, walk  # noqa: F401
+from .delivery import (  # noqa: F401
+    CudaStreams, DeviceDelivery, HostStreams, Staged, map_tensors, streams_for, walk, warn_pin_without_accelerator,
+)
 from .split import DeviceTail, Split, SplitPrep, split_for_device  # noqa: F401
 
 __all__ = ["DeviceDelivery", "Staged", "walk", "DeviceTail", "CudaStreams", "HostStreams", "split_for_device",

@@ -13,7 +13,7 @@ The modules (private):
 - ``remote``: per-host concurrency, retries and deadlines, and the words of
   remote errors, shared by both readers.
 """
-from .fsspec_store import FsspecStore, is_url  # noqa: F401
+from .fsspec_store import FsspecStore, is_url, refused  # noqa: F401
 from .remote import RemoteStatusError  # noqa: F401
 
 __all__ = ["is_url", "FsspecStore", "RemoteStatusError"]
