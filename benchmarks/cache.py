@@ -164,7 +164,7 @@ def main(argv=None) -> int:
     ap.add_argument("--cgroup", help=argparse.SUPPRESS)
     ap.add_argument("--hold", type=float, default=0, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
-    from coordl._units import parse_size
+    from coordl.base.units import parse_size
 
     args.cap = parse_size(args.cap, "cap") if not str(args.cap).isdigit() else int(args.cap)
     if args.child:

@@ -23,7 +23,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from coordl import _decode, _rng  # noqa: E402
+from coordl import _rng  # noqa: E402
+from coordl.decode import jpeg as _decode  # noqa: E402
 from coordl import transforms as T  # noqa: E402
 
 

@@ -384,7 +384,7 @@ def _segment_names(root: str, nodes: list[str]) -> list[str]:
     """The node-cache segment of each of this run's nodes (a segment is named
     after the dataset and COORDL_NODE_ID)."""
     import coordl
-    from coordl.cache import _segment_name
+    from coordl.cache.segment import _segment_name
 
     fp = coordl.ImageFolder(root).fingerprint()
     saved = os.environ.get("COORDL_NODE_ID")
@@ -699,7 +699,7 @@ def main(argv=None) -> int:
         if missing:
             raise SystemExit(f"cgroup v1 controller(s) {missing} are not mounted at /sys/fs/cgroup/<controller>; "
                              "pass --no-cgroups to run without throttle and blkio counts")
-    from coordl._units import parse_size
+    from coordl.base.units import parse_size
 
     mem_slack = parse_size(args.mem_slack, "mem_slack")
     tag = str(os.getpid() % 100000)

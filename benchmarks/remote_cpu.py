@@ -97,8 +97,8 @@ def _cpu() -> tuple[float, float]:
 def one_pass(ds, threads: int, passes: int) -> tuple[float, float, float, int]:
     """(user s, system s, wall s, samples) for ``passes`` reads of every
     sample through the engine's reader and fetch stage."""
-    from coordl._engine import _make_reader
-    from coordl._readahead import Fetcher
+    from coordl.pipeline.engine import _make_reader
+    from coordl.pipeline.readahead import Fetcher
 
     read, read_many = _make_reader(ds, None)
     order = [((p, i), i) for p in range(passes) for i in range(len(ds))]

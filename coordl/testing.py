@@ -419,7 +419,7 @@ def settle(timeout: float = 10.0) -> None:
     """
     import gc
 
-    from . import _reaper
+    from .base import reaper as _reaper
 
     gc.collect()
     if not _reaper.flush(timeout):

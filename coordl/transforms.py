@@ -578,7 +578,7 @@ def decode_and_apply(transforms: list, raw) -> Any:
     """
     if not _fusable(transforms):
         return NotImplemented
-    from . import _decode
+    from .decode import jpeg as _decode
 
     first, rest = transforms[0], transforms[1:]
     hw = _decode.jpeg_size(raw)

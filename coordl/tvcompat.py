@@ -401,7 +401,7 @@ def record_path(loader: Any, decision: Decision | None) -> None:
 
 def describe_path(loader: Any, decision: Decision | None) -> tuple[str, str]:
     """``(path, reason)``: which machinery runs the loader's passes and why."""
-    from ._modes import PipelineMode
+    from .pipeline.modes import PipelineMode
 
     mode = loader._mode
     on_pipeline = isinstance(mode, PipelineMode)

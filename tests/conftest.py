@@ -88,7 +88,7 @@ def _no_leaked_processes_or_shm(request):
     before_pids = {p.pid for p in live_children()}
     before_shm = shm_entries()
     yield
-    from coordl import _reaper
+    from coordl.base import reaper as _reaper
     _reaper.flush(LEAK_GRACE)  # clean-ups the test's finalizers handed to the reaper
     procs, shm = _leaks(before_pids, before_shm, 0)
     if procs or shm:

@@ -264,7 +264,7 @@ def test_no_room_advice_fits_what_the_cache_directory_is(tmp_path, monkeypatch):
     with pytest.raises(MemoryError) as info:  # the session's COORDL_SHM_DIR, a folder in /dev/shm
         coordl.DataLoader(Fingerprinted(10, tag="g"), batch_size=2, seed=0,
                           cache_size=C.shm_free_bytes() + (1 << 30))
-    mnt, fstype = C._mount_of(C.shm_root())
+    mnt, fstype = C.segment._mount_of(C.shm_root())
     if fstype == "tmpfs":
         assert f"mount -o remount,size=<bytes> {mnt}" in str(info.value), str(info.value)
         assert ("--shm-size" in str(info.value)) == (mnt == "/dev/shm")

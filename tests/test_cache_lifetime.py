@@ -81,20 +81,20 @@ def test_loader_collected_inside_another_attach_does_not_wait_for_itself(data, m
     new one is attaching (holding the directory lock): its finalizer detaches
     without waiting for the lock its own thread holds."""
     root, ds, expected = data
-    monkeypatch.setattr(C, "_LOCK_WAIT", 5.0)
+    monkeypatch.setattr(C.directory, "_LOCK_WAIT", 5.0)
     a = coordl.DataLoader(folder(root), batch_size=8, cache_size=BIG)
     check_pass(a, expected)
     a.cycle = a  # only the cycle collector frees it
     del a
-    real = C._adopt
+    real = C.node._adopt
 
     def adopt_after_gc(*args):
         gc.collect()  # the old loader's finalizer runs here, under our directory lock: it only enqueues
         return real(*args)
 
-    monkeypatch.setattr(C, "_adopt", adopt_after_gc)
+    monkeypatch.setattr(C.node, "_adopt", adopt_after_gc)
     b = coordl.DataLoader(folder(root), batch_size=8, cache_size=BIG)
-    monkeypatch.setattr(C, "_adopt", real)
+    monkeypatch.setattr(C.node, "_adopt", real)
     settle()  # the reaper detaches the old loader once the lock is free
     for _ in range(2):
         check_pass(b, expected)
@@ -238,7 +238,7 @@ def test_job_exiting_right_after_dropping_persistent_workers_removes_its_cache(d
                               persistent_workers=True)
         check_pass(L, file_bytes(L.dataset))
         print("pids", *[p.pid for p in L._mode.pool.procs], flush=True)
-    """) + ("from coordl import _reaper\nimport time\n"
+    """) + ("from coordl.base import reaper as _reaper\nimport time\n"
             "_reaper.later(lambda: time.sleep(1))  # the reaper is busy when the script ends\n"
             "del L\n" if drop == "del" else "")
     r = run_in_child(code, timeout=120)
@@ -439,7 +439,7 @@ def test_entry_published_out_of_order_is_a_miss_not_wrong_data(monkeypatch):
     """What a reader on a weakly ordered CPU can see: READY before the
     offset/bytes.  With read validation (on by default off x86) such an
     entry is a miss."""
-    monkeypatch.setattr(C, "VALIDATE_READS", True, raising=False)
+    monkeypatch.setattr(C.node, "VALIDATE_READS", True, raising=False)
     c = NodeCache.attach("feed0de4", 4, 1000)
     try:
         assert c.put(0, b"a" * 100)
@@ -448,7 +448,7 @@ def test_entry_published_out_of_order_is_a_miss_not_wrong_data(monkeypatch):
         assert c.get(2) is None
         # entry 3 READY with the right offset/length/CRC, bytes not landed yet
         fill = int(c._hdr[C.FILL])
-        c._index[3, :] = (fill, 100, C.READY, C._entry_crc(3, fill, 100, b"c" * 100))
+        c._index[3, :] = (fill, 100, C.READY, C.segment._entry_crc(3, fill, 100, b"c" * 100))
         assert c.get(3) is None
         c._arena[fill:fill + 100] = np.frombuffer(b"c" * 100, dtype=np.uint8)  # the stores land
         assert c.get(3) == b"c" * 100

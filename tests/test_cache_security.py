@@ -123,7 +123,7 @@ def test_existing_segment_with_wrong_owner_mode_or_symlink_is_refused(base, data
     root, ds, expected = data
     d = C.user_dir()
     os.mkdir(d, 0o700)
-    path = os.path.join(d, C._segment_name(ds.fingerprint()))
+    path = os.path.join(d, C.segment._segment_name(ds.fingerprint()))
     if problem == "symlink":
         other = os.path.join(base, "elsewhere")
         open(other, "wb").close()

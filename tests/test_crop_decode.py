@@ -16,12 +16,13 @@ import pytest
 import torch
 from PIL import Image, ImageFile
 
-from coordl import _decode, _rng
+from coordl import _rng
+from coordl.decode import jpeg as _decode
 from coordl import transforms as T
 from coordl.testing import run_in_child
 
 try:
-    from coordl import _jpegcrop as crop_ext
+    from coordl.decode import _jpegcrop as crop_ext
 except ImportError:
     if shutil.which("cc") and os.path.exists("/usr/include/jpeglib.h"):
         raise ImportError("coordl._jpegcrop is not built although this machine can build it: "
@@ -579,7 +580,7 @@ def test_threads_decode_concurrently_and_correctly():
 
 
 def test_env_var_disables_the_window_decode():
-    code = "from coordl import _decode; print(_decode._crop is None)"
+    code = "from coordl.decode import jpeg as _decode; print(_decode._crop is None)"
     for value, disabled in (("0", "True"), ("1", "False")):
         res = run_in_child(code, timeout=120, env={**os.environ, "COORDL_CROP_DECODE": value})
         assert res.returncode == 0, res.stderr

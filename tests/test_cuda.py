@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import coordl
-from coordl import device as D
+from coordl.device import delivery as D
 from coordl import transforms as T
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -7,7 +7,8 @@ import torch
 from PIL import Image
 
 import coordl
-from coordl import _decode, _rng
+from coordl import _rng
+from coordl.decode import jpeg as _decode
 from coordl import transforms as T
 
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import coordl
-from coordl import device as D
+from coordl.device import delivery as D
 from coordl import transforms as T
 
 

@@ -14,7 +14,7 @@ import torch
 from PIL import Image
 
 import coordl
-from coordl import device as D
+from coordl.device import delivery as D
 from coordl import transforms as T
 
 NORM = T.Normalize([0.485, 0.456, 0.406], [0.229, 0.224, 0.225])

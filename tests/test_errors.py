@@ -227,7 +227,7 @@ def test_an_in_process_sample_error_does_not_keep_the_pass_alive(monkeypatch, st
     import gc
     import weakref
 
-    from coordl import _pipeline
+    from coordl.pipeline import workers as _pipeline
 
     made = []
     real_init = _pipeline.InlineIter.__init__

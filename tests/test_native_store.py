@@ -219,7 +219,7 @@ def test_fallback_when_turned_off(served, monkeypatch):
 def test_fallback_for_schemes_and_options_obstore_lacks(served, monkeypatch):
     _, url, server = served
     assert not FsspecStore("memory://bucket/data").native
-    from coordl import _native_store
+    from coordl.storage import obstore_store as _native_store
     assert _native_store.plan("ftp://host/data") is None
     assert not FsspecStore(url, {"client_kwargs": {"trust_env": True}}).native  # no obstore equivalent
     store = FsspecStore(url, {"headers": {"X-Coordl-Test": "yes"}, "block_size": 0})
@@ -291,7 +291,7 @@ def test_a_stalled_server_is_a_timeout_error_as_with_fsspec():
     import aiohttp
     import fsspec
 
-    from coordl._native_store import Native
+    from coordl.storage.obstore_store import Native
 
     srv = _Stall()
     try:

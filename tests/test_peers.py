@@ -345,7 +345,7 @@ held = [os.open(os.devnull, os.O_RDONLY) for _ in range(1100)]
 a, b = socket.socketpair()
 assert a.fileno() > 1024
 from coordl.peers.hosted import DaemonHosted
-from coordl._pipeline import _readable
+from coordl.pipeline.worker_process import _readable
 h = DaemonHosted.__new__(DaemonHosted)
 h.local = None
 class Conn: pass

@@ -12,7 +12,7 @@ import warnings
 import pytest
 import torch
 
-import coordl._pin as pin_mod
+import coordl.device.pin as pin_mod
 from coordl import DataLoader, SampleError
 from toydata import TwoStageToy
 

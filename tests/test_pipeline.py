@@ -11,8 +11,8 @@ import torch
 from torch.utils.data import default_collate
 
 from coordl import DataLoader
-from coordl import _collate
-from coordl._readahead import Fetcher
+from coordl.pipeline import collate as _collate
+from coordl.pipeline.readahead import Fetcher
 from coordl.plan import plan
 from toydata import TwoStageToy
 
@@ -383,8 +383,8 @@ def test_place_into_a_slot_the_caller_laid_out():
     """The node daemon's member lays out a batch's slot itself (layout and
     targets, as _Builder fields) and then places samples with the engine's
     place(): the row targets are made on the first write."""
-    from coordl._engine import _Builder, finish, place
-    from coordl._slots import LocalSlots
+    from coordl.pipeline.engine import _Builder, finish, place
+    from coordl.pipeline.slots import LocalSlots
 
     slots = LocalSlots()
     samples = [(torch.full((2, 2), r, dtype=torch.uint8), 10 + r) for r in range(2)]

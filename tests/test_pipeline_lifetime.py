@@ -385,7 +385,8 @@ def test_worker_that_died_before_the_pass_began_is_reported_with_its_error():
     not a bare BrokenPipeError (main is held back to make the order certain)."""
     out = _child("""
         import time
-        from coordl import DataLoader, _pipeline
+        from coordl import DataLoader
+        from coordl.pipeline import workers as _pipeline
         from toydata import TwoStageToy
 
         def bad(w):

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import coordl
-from coordl import _remote
+from coordl.storage import remote as _remote
 from coordl import transforms as T
 from coordl.synth import make_image_folder
 

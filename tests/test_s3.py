@@ -22,7 +22,7 @@ pytest.importorskip("s3fs")
 boto3 = pytest.importorskip("boto3")
 
 import coordl  # noqa: E402
-from coordl import _remote  # noqa: E402
+from coordl.storage import remote as _remote  # noqa: E402
 from coordl import transforms as T  # noqa: E402
 from coordl.storage import FsspecStore  # noqa: E402
 from coordl.synth import make_image_folder  # noqa: E402

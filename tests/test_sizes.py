@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from coordl import DataLoader
-from coordl._units import parse_size
+from coordl.base.units import parse_size
 
 
 @pytest.mark.parametrize("name", ["cache_size", "read_ahead"])

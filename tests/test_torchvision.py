@@ -375,7 +375,7 @@ def test_node_cache_serves_the_second_epoch(photos):
 
 
 def test_device_delivery_moves_totensor_and_normalize_to_the_device(photos, monkeypatch):
-    from coordl import device as Dev
+    from coordl.device import delivery as Dev
 
     for make in (v1_pipeline, v2_pipeline):
         ds = D.ImageFolder(photos, transform=make(16))

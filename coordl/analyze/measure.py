@@ -461,7 +461,7 @@ def run_pass(loader, step: Callable | None = None, device: DeviceCounter | None 
 
 
 def _clone(batch):
-    from ..device import map_tensors
+    from ..device.delivery import map_tensors
 
     return map_tensors(batch, torch.Tensor.clone)
 

@@ -55,12 +55,13 @@ import weakref
 import numpy as np
 import torch
 
-from .. import _collate, _reaper
-from .._engine import _Builder, _make_reader, finish, pass_steps, place
-from .._modes import PipelineMode
-from .._prep import SKIP, prep_sample
-from .._slots import LocalSlots
-from .._torch_path import Envelope
+from ..base import reaper as _reaper
+from ..pipeline import collate as _collate
+from ..pipeline.engine import _Builder, _make_reader, finish, pass_steps, place
+from ..pipeline.modes import PipelineMode
+from ..pipeline.prep import SKIP, prep_sample
+from ..pipeline.slots import LocalSlots
+from ..pipeline.torch_path import Envelope
 from ..errors import SampleError
 from ..stats import BatchStats
 from . import ipc

@@ -437,7 +437,7 @@ def _staging_default() -> int:
     v = os.environ.get("COORDL_STAGING")
     if not v:
         return DEFAULT_STAGING
-    from .._units import parse_size
+    from ..base.units import parse_size
 
     return parse_size(v, "COORDL_STAGING")
 

@@ -158,7 +158,7 @@ class _Group:
                 from ..cache import NodeCache
 
                 self.cache = caches[c["fingerprint"]] = NodeCache.from_spec(c)
-        from .._engine import _make_reader
+        from ..pipeline.engine import _make_reader
 
         self.peers = None
         if msg.get("peers") and self.cache is not None:   # (from a same-uid member, as the dataset)
@@ -240,7 +240,7 @@ def _write(grp: _Group, slot: int, sample, epoch: int, g: int, i: int) -> str | 
     """Write ``sample`` into ``slot``; a reason when it does not fit the layout."""
     import numpy as np
 
-    from .. import _collate
+    from ..pipeline import collate as _collate
 
     layout = grp.layout
     if layout is None:
@@ -270,7 +270,7 @@ def main(fd: int) -> int:
     import torch
 
     torch.set_num_threads(1)
-    from .._prep import prep_sample
+    from ..pipeline.prep import prep_sample
     from ..stats import BatchStats
 
     conn = ipc.Conn(socket.socket(fileno=fd), os.getppid())

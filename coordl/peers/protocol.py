@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import ipaddress
 import os
 import select
 import socket
@@ -322,3 +323,39 @@ def unpack_put(payload) -> tuple[int, int, memoryview]:
         raise ProtocolError("malformed hand-off")
     index, crc = _PUT_HEAD.unpack_from(payload)
     return index, crc, memoryview(payload)[_PUT_HEAD.size:]
+
+
+# ---------------------------------------------------------------- addresses
+# (here, below both ends, so the server checks its bind address without
+# importing the rendezvous that starts it)
+
+def _unspecified(host: str) -> bool:
+    """True if binding ``host`` would bind every interface: an unspecified
+    address in any spelling ("0.0.0.0", "0", "::", "::0", "0:0:0:0:0:0:0:0",
+    ...), or a name that resolves to one."""
+    h = host.strip()
+    if h in ("", "*"):
+        return True
+    try:
+        return ipaddress.ip_address(h.strip("[]").split("%")[0]).is_unspecified
+    except ValueError:
+        pass
+    try:   # what bind() would do with it: inet_aton spellings ("0", "0.0") and names
+        infos = socket.getaddrinfo(h, None, proto=socket.IPPROTO_TCP)
+    except (OSError, UnicodeError):
+        return False     # not resolvable: bind() will fail with its own error
+    for *_, sockaddr in infos:
+        try:
+            if ipaddress.ip_address(sockaddr[0].split("%")[0]).is_unspecified:
+                return True
+        except ValueError:
+            continue
+    return False
+
+
+def check_bind_host(host: str, what: str = "host") -> str:
+    """``host``, or ValueError if it is every interface's address."""
+    if not isinstance(host, str) or _unspecified(host):
+        raise ValueError(f"{what} should be one interface's address (never every interface), but got "
+                         f"{what}={host!r}")
+    return host

@@ -389,9 +389,7 @@ class PeerServer:
     def __init__(self, cache, secret: bytes, host: str, port: int = 0, *, key: str | None = None,
                  handshake_timeout: float = 5.0, idle_timeout: float = 300.0, body_timeout: float = 30.0,
                  max_connections: int | None = None, max_unauthenticated: int = 512, loops: int = 2) -> None:
-        from .rendezvous import check_bind_host
-
-        check_bind_host(host)
+        P.check_bind_host(host)
         if len(secret) < MIN_SECRET:
             raise ValueError(f"secret should be at least {MIN_SECRET} random bytes (the job's secret), but got "
                              f"a secret of {len(secret)} bytes")

@@ -10,7 +10,7 @@ A filesystem object is created lazily in each process: async fsspec
 filesystems hold an event loop and sessions that must not cross a fork.
 
 Reads of ``http(s)``, ``s3``, ``gs``/``gcs`` and Azure URLs go through obstore
-(:mod:`coordl._native_store`) when it is installed: less client CPU per
+(:mod:`coordl.storage.obstore_store`) when it is installed: less client CPU per
 sample than fsspec's aiohttp path.  fsspec still lists the tree and reads
 everything else; ``COORDL_NATIVE_STORE=0`` turns the native reader off.
 """
@@ -20,7 +20,7 @@ import os
 import posixpath
 from typing import Callable
 
-from . import _native_store, _remote
+from . import obstore_store as _native_store, remote as _remote
 
 __all__ = ["is_url", "FsspecStore"]
 
@@ -57,7 +57,7 @@ def _version(info: dict) -> str:
 
 class FsspecStore:
     """Lists a folder tree through fsspec and reads it through obstore when
-    :attr:`native` (see :mod:`coordl._native_store`), else through fsspec."""
+    :attr:`native` (see :mod:`coordl.storage.obstore_store`), else through fsspec."""
 
     def __init__(self, url: str, storage_options: dict | None = None) -> None:
         try:
@@ -150,7 +150,7 @@ class FsspecStore:
 
     def read(self, url: str) -> bytes:
         """The bytes at ``url``: under the host's concurrency limit, with
-        transient failures retried (:func:`coordl._remote.call`)."""
+        transient failures retried (:func:`coordl.storage.remote.call`)."""
         try:
             return _remote.call(url, lambda: self._read_once(url))
         except PermissionError as e:
@@ -189,7 +189,7 @@ class FsspecStore:
         through obstore when :attr:`native` (the fetch stage then reads from
         its own threads instead, see ``ImageFolder.raw_many``).  Either way
         under the host's concurrency limit, with transient failures retried
-        (:mod:`coordl._remote`)."""
+        (:mod:`coordl.storage.remote`)."""
         if self.native:
             out = []
             for u in urls:

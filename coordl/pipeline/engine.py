@@ -34,13 +34,13 @@ from typing import Callable
 import numpy as np
 import torch
 
-from . import _collate
-from ._prep import SKIP, prep_sample
-from ._readahead import Fetched, Fetcher, FetcherDied
-from .errors import Failure, SampleError
-from .plan import EpochPlan
-from .protocol import describe
-from .stats import BatchStats
+from . import collate as _collate
+from .prep import SKIP, prep_sample
+from .readahead import Fetched, Fetcher, FetcherDied
+from ..errors import Failure, SampleError
+from ..plan import EpochPlan
+from ..protocol import describe
+from ..stats import BatchStats
 
 __all__ = ["Engine", "pass_steps", "place", "finish", "to_copy_path"]
 

@@ -19,7 +19,7 @@ Two bounds keep it honest:
   request (measured here: fsspec HTTP ~500 us/request one by one, ~300 us
   batched).
 
-``read`` is the engine's reader (``_engine._make_reader``): the node cache
+``read`` is the engine's reader (``engine._make_reader``): the node cache
 first, then storage.
 
 Failures: whatever ``read``/``read_many`` raises, or a malformed result (not

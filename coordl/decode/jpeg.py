@@ -47,7 +47,7 @@ def _load_ext():
         from . import _jpegcrop
     except ImportError as e:  # not built here (no compiler or libjpeg headers at install)
         logging.getLogger(__name__).debug(
-            "coordl._jpegcrop is not available (%s): RandomResizedCrop decodes whole JPEGs", e)
+            "coordl.decode._jpegcrop is not available (%s): RandomResizedCrop decodes whole JPEGs", e)
         return None
     return _jpegcrop
 

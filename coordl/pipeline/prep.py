@@ -1,6 +1,6 @@
 """The prep stage's one step, raw bytes -> prepared sample, shared by every
-placement: coordl's engine (``_engine.Engine``, in workers or inline) and
-the torch-machinery adapter (``_torch_path.TwoStageFetch``).
+placement: coordl's engine (``engine.Engine``, in workers or inline) and
+the torch-machinery adapter (``torch_path.TwoStageFetch``).
 
 It runs ``dataset.prep(raw, i)`` under the sample's own generator (keyed by
 seed, epoch and index, so a sample gets the same augmentation wherever and
@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import time
 
-from ._rng import sample_rng
-from .errors import sample_error
-from .protocol import describe
-from .stats import BatchStats
+from .._rng import sample_rng
+from ..errors import sample_error
+from ..protocol import describe
+from ..stats import BatchStats
 
 __all__ = ["SKIP", "prep_sample", "failed"]
 

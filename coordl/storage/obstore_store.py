@@ -32,7 +32,7 @@ import threading
 import urllib.parse
 from datetime import timedelta
 
-from . import _remote
+from . import remote as _remote
 
 __all__ = ["plan", "Native", "NativeUnusable", "NativeRefused", "map_error"]
 
@@ -49,7 +49,7 @@ _IGNORABLE = {"skip_instance_cache", "use_listings_cache", "listings_expiry_time
               "cache_type", "cache_options", "simple_links", "same_scheme", "size_policy",
               "asynchronous", "loop", "project", "version_aware"}
 
-# No retries inside obstore: coordl retries (coordl._remote), so that every
+# No retries inside obstore: coordl retries (coordl.storage.remote), so that every
 # refusal and timeout also reaches the per-host concurrency limiter, and
 # both read paths retry alike.
 _RETRY = {"max_retries": 0, "retry_timeout": timedelta(seconds=1),
@@ -270,11 +270,11 @@ def map_error(e: BaseException, url: str) -> BaseException:
       ``ClientConnectorError`` is) naming the host; a request the
       connection failed under (reset, closed): ``ConnectionError`` too;
     * timeout: ``TimeoutError`` (what aiohttp raises);
-    * a transient status (5xx, 429, 408): :class:`coordl._remote.RemoteStatusError`
+    * a transient status (5xx, 429, 408): :class:`coordl.storage.RemoteStatusError`
       with ``.status``;
     * anything else: ``OSError`` naming the URL and obstore's reason.
 
-    The transient ones are retried by :func:`coordl._remote.call`.
+    The transient ones are retried by :func:`coordl.storage.remote.call`.
     """
     if isinstance(e, FileNotFoundError):
         return FileNotFoundError(url)

@@ -421,7 +421,7 @@ static PyMethodDef crop_methods[] = {
      "writable float32 buffer of C*H*W.  ValueError on other shapes or types."},
     {NULL, NULL, 0, NULL}};
 
-static struct PyModuleDef crop_module = {PyModuleDef_HEAD_INIT, "coordl._jpegcrop",
+static struct PyModuleDef crop_module = {PyModuleDef_HEAD_INIT, "coordl.decode._jpegcrop",
                                          "Window (crop-region) JPEG decode through libjpeg.", -1,
                                          crop_methods};
 

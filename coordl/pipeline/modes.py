@@ -6,7 +6,7 @@ in one place (:func:`choose_mode`), as torch picks its iterator class in
 mode                   chosen when                                 runs a pass with
 =====================  ==========================================  ==========================
 ``PipelineMode``       two-stage dataset, order from the epoch     coordl's pipeline
-                       plan (no user sampler)                      (``_pipeline.py``)
+                       plan (no user sampler)                      (``workers.py``)
 ``TwoStageTorchMode``  two-stage dataset with a user sampler, or    torch's iterators over
                        any map-style dataset with                  ``TwoStageFetch``
                        ``on_error="skip"``
@@ -28,8 +28,8 @@ import torch
 from torch.utils.data import DataLoader as _TorchDataLoader
 from torch.utils.data import TensorDataset
 
-from . import _pin
-from ._torch_path import CollateEnvelope, TensorBatchFetch, TwoStageFetch, passthrough_collate
+from ..device import pin as _pin
+from .torch_path import CollateEnvelope, TensorBatchFetch, TwoStageFetch, passthrough_collate
 
 __all__ = ["choose_mode", "PipelineMode", "TwoStageTorchMode", "TensorBatchMode", "TorchMode"]
 
@@ -188,7 +188,7 @@ class PipelineMode:
         return pinner
 
     def _pipeline_iter(self, loader, epoch: int, start: int, skip: frozenset):
-        from ._pipeline import InlineIter, PipelineIter, WorkerPool
+        from .workers import InlineIter, PipelineIter, WorkerPool
 
         W = loader.num_workers
         cfg = dict(

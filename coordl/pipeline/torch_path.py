@@ -6,7 +6,7 @@ Data flow for a two-stage dataset (see docs/architecture.md)::
     ------------                         -----------------------------------
     _PassSampler --Task(epoch, idx)-->   TwoStageFetch.__getitems__
                                            raw(i)              (fetch stage)
-                                           _prep.prep_sample   (prep stage)
+                                           prep.prep_sample    (prep stage)
                                          CollateEnvelope       (collate)
     _LoaderIter  <----- Envelope(batch, epoch, BatchStats) ----+
 
@@ -22,9 +22,9 @@ import torch
 from torch.utils.data import get_worker_info
 from torch.utils.data._utils.pin_memory import pin_memory as _pin
 
-from ._prep import SKIP, failed, prep_sample
-from .protocol import is_two_stage
-from .stats import BatchStats
+from .prep import SKIP, failed, prep_sample
+from ..protocol import is_two_stage
+from ..stats import BatchStats
 
 __all__ = ["Task", "Envelope", "TwoStageFetch", "CollateEnvelope", "TensorBatchFetch", "Precollated"]
 
@@ -81,7 +81,7 @@ class Envelope:
 
 class TwoStageFetch(torch.utils.data.Dataset):
     """Runs the samples of a :class:`Task` under torch's worker machinery:
-    ``raw(i)`` then the shared prep step (``_prep.prep_sample``).
+    ``raw(i)`` then the shared prep step (``prep.prep_sample``).
 
     For a dataset that is not two-stage (used with ``on_error="skip"``) it runs
     ``dataset[i]`` for each plain index instead, so bad samples can be skipped.

@@ -6,7 +6,7 @@ whatever thread triggered it, possibly while that thread holds a lock the
 clean-up needs (a pipe's send lock, a directory lock, a fetcher's
 condition).  So finalizers only call :func:`later`, which enqueues (a
 ``SimpleQueue.put`` is safe there); the reaper runs the clean-up in its own
-thread.  Used for: stopping a dropped pool's workers (``_pipeline``),
+thread.  Used for: stopping a dropped pool's workers (``pipeline.workers``),
 ending a dropped inline pass's fetch threads, and a collected loader's node
 cache detach.  At interpreter exit (the main thread has finished, and a
 daemon thread may never run again) :func:`later` runs the clean-up at once,

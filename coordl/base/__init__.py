@@ -1,0 +1,9 @@
+"""Process-wide helpers every layer stands on (private: nothing here is public API).
+
+- ``reaper``: the one thread that runs the clean-ups finalizers enqueue
+  (stopping a dropped pool's workers, a collected loader's cache detach);
+- ``units``: ``parse_size`` for sizes given as ``"16GiB"`` or ``"10%"``.
+
+They import nothing of coordl, so the cache, the pipeline, the device path
+and the loader can all use them without an import running up a layer.
+"""

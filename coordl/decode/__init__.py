@@ -1,0 +1,12 @@
+"""Image decode: the JPEG fast path the fused transforms use (private).
+
+- ``jpeg``: libjpeg-turbo decode through simplejpeg with PIL's limits
+  (truncated files, decompression bombs), and crop-window decode for
+  RandomResizedCrop;
+- ``_jpegcrop``: the optional C extension (``_jpegcrop.c``, built by
+  ``setup.py``) that decodes only a crop window; the leading underscore is
+  Python's convention for a compiled helper behind a pure-Python front
+  (``jpeg``); without it RandomResizedCrop decodes whole images.
+
+Users reach this through :mod:`coordl.transforms`.
+"""

@@ -1,0 +1,26 @@
+"""Delivery onto the accelerator: the last stage, in the main process.
+
+The modules (private):
+
+- ``delivery``: the ring of pinned host buffers, the copy stream and its
+  events, ``record_stream``; torch's pin_memory container rules; the
+  host-stream seam the CPU tests use;
+- ``split``: the transform split (uint8 leaves prepared on the CPU, marked)
+  and the device tail (float conversion and Normalize on the device);
+- ``pin``: the pin thread (with worker processes) and inline pinning
+  (``num_workers=0``) for ``pin_memory=True``.
+
+Public names (``from coordl.device import ...``, the names ``coordl.device``
+had as one module): :class:`DeviceDelivery`, :class:`Staged`, :func:`walk`,
+:class:`DeviceTail`, :class:`CudaStreams`, :class:`HostStreams`,
+:func:`split_for_device`, :class:`SplitPrep`, :class:`Split`,
+:func:`streams_for`.  Users reach all of this through
+``DataLoader(device=...)``.
+"""
+from .delivery import (  # noqa: F401
+    CudaStreams, DeviceDelivery, HostStreams, Staged, map_tensors, streams_for, walk, warn_pin_without_accelerator,
+)
+from .split import DeviceTail, Split, SplitPrep, split_for_device  # noqa: F401
+
+__all__ = ["DeviceDelivery", "Staged", "walk", "DeviceTail", "CudaStreams", "HostStreams", "split_for_device",
+           "SplitPrep", "Split", "streams_for"]

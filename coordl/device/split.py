@@ -1,0 +1,362 @@
+"""The transform split: which part of a sample's prep moves to the device.
+
+A coordl ``Compose`` ending in ``ToTensor`` and ``Normalize`` is split so a
+sample leaves prep as uint8 (marked leaves, found by :class:`SplitPrep`), and
+:class:`DeviceTail` runs uint8 -> float and ``Normalize`` on the device,
+on the copy stream, after the batch's copy (see :mod:`.delivery`).
+:func:`split_for_device` decides, per loader, whether a dataset splits.
+"""
+from __future__ import annotations
+
+import copy
+import threading
+from collections import abc
+from typing import Any, Callable
+
+import torch
+
+__all__ = ["DeviceTail", "SplitPrep", "Split", "split_for_device"]
+
+# ---------------------------------------------------------------- the tail
+_F32 = torch.float32
+
+
+class DeviceTail:
+    """uint8 -> float in [0, 1] (as ``ToTensor``) then each ``Normalize``, on
+    images ``[..., C, H, W]`` on whatever device they are: the operations of
+    the CPU path (``x.to(float32).div_(255)`` then ``x.sub_(mean).div_(std)``
+    with ``mean``/``std`` float32 tensors of shape ``[C, 1, 1]``), in the same
+    order, every one a true IEEE division by a tensor.  On CUDA a division
+    by a *CPU scalar* is computed as a multiply by its rounded reciprocal
+    (1 ulp off for about half the uint8 values), so the divisor 255 is a
+    0-dim tensor on the device: the result is bit-identical to the CPU path.
+
+    Constants are built once per device (no per-batch list -> tensor copies,
+    and ``std == 0`` is checked once, on the host, when the tail is made)."""
+
+    def __init__(self, normalizes: list) -> None:
+        self.normalizes = list(normalizes)
+        self._pairs = []
+        for n in self.normalizes:
+            mean = torch.tensor(n.mean, dtype=_F32).view(-1, 1, 1)
+            std = torch.tensor(n.std, dtype=_F32).view(-1, 1, 1)
+            if (std == 0).any():
+                raise ValueError(f"std evaluated to zero after conversion to {_F32}, leading to division by zero.")
+            self._pairs.append((mean, std))
+        self._consts: dict = {}     # device -> (255, [(mean, std), ...]) on that device
+
+    def __getstate__(self):
+        # never ship device constants to another process (a worker finishing rows on the CPU)
+        return {**self.__dict__, "_consts": {}}
+
+    def constants(self, device: torch.device):
+        c = self._consts.get(device)
+        if c is None:
+            c = self._consts[device] = (torch.tensor(255.0, dtype=_F32).to(device),
+                                        [(m.to(device), s.to(device)) for m, s in self._pairs])
+        return c
+
+    def __call__(self, images: torch.Tensor) -> torch.Tensor:
+        if images.dtype != torch.uint8:
+            raise TypeError(f"the device tail converts the uint8 images the split sent, but got {images.dtype}")
+        div, pairs = self.constants(images.device)
+        x = images.to(_F32).div_(div)
+        for mean, std in pairs:
+            x.sub_(mean).div_(std)
+        return x
+
+    def apply(self, batch: Any, paths) -> Any:
+        """``batch`` with the tail applied to the leaf at each of ``paths``
+        (the places the split marked, see :class:`SplitPrep`)."""
+        for path in paths:
+            batch = _replace_at(batch, path, self)
+        return batch
+
+    def __repr__(self) -> str:
+        return f"DeviceTail(float, {self.normalizes!r})"
+
+
+def _replace_at(obj, path: tuple, fn: Callable):
+    """``obj`` with ``fn`` applied to the leaf at ``path`` (keys and indices),
+    containers along the path copied, never modified."""
+    if not path:
+        return fn(obj)
+    key, rest = path[0], path[1:]
+    if isinstance(obj, abc.Mapping):
+        if isinstance(obj, abc.MutableMapping):
+            clone = copy.copy(obj)
+        else:
+            clone = dict(obj)
+        clone[key] = _replace_at(obj[key], rest, fn)
+        return clone if isinstance(obj, abc.MutableMapping) else _rebuild_mapping(obj, clone)
+    items = list(obj)
+    items[key] = _replace_at(items[key], rest, fn)
+    if isinstance(obj, tuple):
+        return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
+    if isinstance(obj, list):
+        return type(obj)(items) if type(obj) is not list else items
+    try:
+        return type(obj)(items)
+    except TypeError:
+        return items
+
+
+def _rebuild_mapping(obj, d: dict):
+    try:
+        return type(obj)(d)
+    except TypeError:
+        return d
+
+
+# ---------------------------------------------------------------- the split
+#
+# How the tail finds "exactly the tensors the removed ToTensor/Normalize
+# produced" (docs/architecture.md, "Device delivery"): for a pass, the
+# pipeline prepares a shallow copy of the dataset whose transform is a
+# _SplitCompose.  Inside SplitPrep.prep, _SplitCompose returns the uint8
+# image as a _Marked tensor and records it.  After the dataset's own prep
+# returned, each recorded tensor must sit in the sample as a leaf, reached
+# through the containers default_collate walks, and must not have been
+# touched (any torch operation on it other than reading its shape marks it).
+# Then the leaves' paths are the sample's marks; otherwise the sample is
+# prepared again, unsplit, under the same random state (the CPU path).  The
+# engine collates a batch with marks only when every row has the same marks
+# (else it converts the marked rows on the CPU first), and the marks travel
+# with the batch (BatchStats.device_marks) to the tail.
+
+_local = threading.local()
+
+_METADATA = frozenset([torch.Tensor.shape.__get__, torch.Tensor.size, torch.Tensor.dim,
+                       torch.Tensor.ndim.__get__, torch.Tensor.numel, torch.Tensor.__len__,
+                       torch.Tensor.device.__get__])
+
+
+class _Marked(torch.Tensor):
+    """A uint8 image the split produced, while the dataset's prep runs: any
+    torch operation on it but reading its shape marks it touched (the prep
+    code computed something from uint8 values the CPU path has as floats)."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if func not in _METADATA:
+            for a in _flat(args) + _flat(kwargs):
+                if type(a) is _Marked:
+                    a.__dict__["_coordl_touched"] = True
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **(kwargs or {}))
+
+
+def _flat(x, out=None) -> list:
+    out = [] if out is None else out
+    if isinstance(x, torch.Tensor):
+        out.append(x)
+    elif isinstance(x, (list, tuple)):
+        for v in x:
+            _flat(v, out)
+    elif isinstance(x, dict):
+        for v in x.values():
+            _flat(v, out)
+    return out
+
+
+def _unmark(t: torch.Tensor) -> None:
+    t.__class__ = torch.Tensor
+    t.__dict__.pop("_coordl_touched", None)
+
+
+class _SplitCompose:
+    """The transform of the split's dataset copy: the user's ``Compose``
+    without its final ``ToTensor``/``Normalize``s, ending in the uint8 image
+    ``ToTensor`` would have scaled.  Outside ``SplitPrep.prep`` (nothing
+    records) it is the user's whole transform."""
+
+    def __init__(self, full, k: int) -> None:
+        ts = list(full.transforms)
+        self.full = full
+        self.transforms = ts[:k - 1]
+        self.normalizes = ts[k:]
+
+    def __call__(self, img):
+        cap = getattr(_local, "capture", None)
+        if cap is None:
+            return self.full(img)
+        for t in self.transforms:
+            img = t(img)
+        from ..transforms import ToTensor
+
+        x = ToTensor.unscaled(img)          # ToTensor's checks and conversion
+        if x.dtype != torch.uint8:
+            # ToTensor does not scale it: nothing to do on the device; the CPU path as is
+            for n in self.normalizes:
+                x = n(x)
+            return x
+        return _mark(x, cap)
+
+    def from_bytes(self, raw):
+        cap = getattr(_local, "capture", None)
+        if cap is None:
+            return self.full.from_bytes(raw)
+        from ..transforms import PILToTensor, decode_and_apply
+
+        x = decode_and_apply(self.transforms + [PILToTensor()], raw)
+        if x is NotImplemented or x.dtype != torch.uint8:
+            return NotImplemented if x is NotImplemented else self.full.from_bytes(raw)
+        return _mark(x, cap)
+
+    def spec(self):
+        return self.full.spec()
+
+    def __repr__(self) -> str:
+        return f"split({self.full!r})"
+
+
+def _mark(x: torch.Tensor, cap: list) -> torch.Tensor:
+    m = x.as_subclass(_Marked)
+    cap.append(m)
+    return m
+
+
+def _find(sample, cap: list):
+    """The paths of the recorded tensors in ``sample`` (containers as
+    default_collate walks them), or None when one was touched or is not a
+    leaf there."""
+    if any(m.__dict__.get("_coordl_touched") for m in cap):
+        return None
+    ids = {id(m) for m in cap}
+    found: set = set()
+    paths: list = []
+
+    def go(x, path):
+        if isinstance(x, torch.Tensor):
+            if id(x) in ids:
+                found.add(id(x))
+                paths.append(path)
+            return
+        if isinstance(x, (str, bytes)):
+            return
+        if isinstance(x, abc.Mapping):
+            for k, v in x.items():
+                go(v, path + (k,))
+        elif isinstance(x, abc.Sequence):
+            for i, v in enumerate(x):
+                go(v, path + (i,))
+
+    go(sample, ())
+    return tuple(paths) if found == ids else None
+
+
+class SplitPrep:
+    """What the pipeline prepares when the transform is split for the
+    device: ``prep`` runs the dataset's own ``prep`` with the split
+    transform and records where the uint8 images sit (:meth:`take_device_marks`);
+    everything else is the dataset's (read through a shallow copy whose
+    transform is the split one)."""
+
+    def __init__(self, dataset, split_ds, tail: DeviceTail) -> None:
+        self._dataset = dataset
+        self._split_ds = split_ds
+        self._tail = tail
+        self._marks = ((), False)
+
+    def __getattr__(self, name: str):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        try:
+            target = self.__dict__["_split_ds"]
+        except KeyError:
+            raise AttributeError(name) from None
+        return getattr(target, name)
+
+    def __len__(self) -> int:
+        return len(self._split_ds)
+
+    def describe(self, index: int) -> str:
+        fn = getattr(self._dataset, "describe", None)
+        return str(fn(index)) if callable(fn) else f"{type(self._dataset).__name__}[{index}]"
+
+    def prep(self, raw, index: int):
+        from .. import _rng
+
+        t_state = torch.random.get_rng_state()      # (3 us; the per-sample generator is rewound by key)
+        cap: list = []
+        _local.capture = cap
+        try:
+            sample = self._split_ds.prep(raw, index)
+        except Exception:
+            if not any(m.__dict__.get("_coordl_touched") for m in cap):
+                raise               # the dataset's own error
+            sample = None           # it failed on the uint8 image: the CPU path below
+            paths = None
+        else:
+            paths = _find(sample, cap) if cap else ()
+        finally:
+            _local.capture = None
+        for m in cap:
+            _unmark(m)
+        if paths is not None:
+            self._marks = (paths, False)
+            return sample
+        # the prep code did more with the image than place it: the CPU path, same random state
+        _rng.rewind()
+        torch.random.set_rng_state(t_state)
+        sample = self._dataset.prep(raw, index)
+        self._marks = ((), True)
+        return sample
+
+    def take_device_marks(self) -> tuple:
+        """(paths of the uint8 images in the last sample, whether it had to
+        be prepared again on the CPU path)."""
+        m, self._marks = self._marks, ((), False)
+        return m
+
+    def finish_on_cpu(self, sample, paths):
+        """``sample`` with the tail applied on the CPU to its images at
+        ``paths``: exactly the CPU path's values."""
+        for p in paths:
+            sample = _replace_at(sample, p, self._tail)
+        return sample
+
+
+class Split:
+    """The device split of one pass: ``dataset`` is what the pipeline
+    prepares (a :class:`SplitPrep`, or the user's dataset), ``tail`` the
+    device tail (None: nothing split) and ``note`` what stats() says."""
+
+    __slots__ = ("dataset", "tail", "note")
+
+    def __init__(self, dataset, tail, note: str) -> None:
+        self.dataset, self.tail, self.note = dataset, tail, note
+
+
+def split_for_device(dataset, device=None) -> Split:
+    """The split for the dataset's transform *now* (made at each pass, so
+    ``dataset.transform = ...`` between passes takes effect): when it is a
+    coordl ``Compose`` ending in ``ToTensor`` and ``Normalize``s, the
+    pipeline prepares a :class:`SplitPrep` (uint8 images travel) and the
+    tail does the rest on the device.  Otherwise the dataset as it is.  The
+    user's dataset is never modified."""
+    from .. import transforms as T
+
+    def no(why: str) -> Split:
+        return Split(dataset, None, f"not split ({why}): images are converted on the CPU")
+
+    tf = getattr(dataset, "transform", None)
+    if type(tf) is not T.Compose:
+        return no("the dataset's transform is not a coordl.transforms.Compose")
+    ts = list(tf.transforms)
+    k = len(ts)
+    while k > 0 and type(ts[k - 1]) is T.Normalize:
+        k -= 1
+    if k == 0 or type(ts[k - 1]) is not T.ToTensor:
+        return no("the transform does not end with ToTensor() and Normalize()s")
+    if torch.get_default_dtype() != torch.float32:
+        return no("torch's default dtype is not float32")
+    try:
+        tail = DeviceTail(ts[k:])
+    except ValueError as e:
+        return no(str(e))
+    mine = copy.copy(dataset)
+    mine.transform = _SplitCompose(tf, k)
+    where = str(device) if device is not None else "the device"
+    return Split(SplitPrep(dataset, mine, tail), tail,
+                 f"split: uint8 images travel; ToTensor's scaling and {len(ts) - k} Normalize run on {where}")
