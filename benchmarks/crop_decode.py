@@ -2,7 +2,7 @@
 
 The fused RandomResizedCrop(224) + RandomHorizontalFlip + ToTensor path, one
 process, one thread, on an ImageFolder of JPEGs: each round runs every image
-once with the window decode (coordl._jpegcrop) and once with the whole-image
+once with the window decode (coordl.decode._jpegcrop) and once with the whole-image
 decode (the path it replaces), in alternating order; the figure is the median
 over rounds.  Then the pixel difference between the two paths, per sample,
 with the same (seed, epoch, index) draws.
@@ -36,7 +36,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     crop = _decode._crop
     if crop is None:
-        print("coordl._jpegcrop is not available (not built, or COORDL_CROP_DECODE=0)")
+        print("coordl.decode._jpegcrop is not available (not built, or COORDL_CROP_DECODE=0)")
         return 1
     threads = torch.get_num_threads()
     files = sorted(glob.glob(os.path.join(args.root, "**", "*.jp*g"), recursive=True))

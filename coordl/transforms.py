@@ -586,7 +586,7 @@ def decode_and_apply(transforms: list, raw) -> Any:
         H, W = hw
         top, left, h, w = _draw_box(H, W, first.scale, first.ratio, _rng.current())
         oh, ow = first.size
-        # only the rows and columns near the crop are decoded, where coordl._jpegcrop is built
+        # only the rows and columns near the crop are decoded, where coordl.decode._jpegcrop is built
         arr, (top, left, h, w) = _decode.decode_rgb_crop(raw, (top, left, h, w),
                                                          min_hw=(H * oh / h, W * ow / w), size=hw)
         x = torch.from_numpy(arr).permute(2, 0, 1)
@@ -659,7 +659,7 @@ def _convert(x: torch.Tensor, steps: list, flip: bool, ext: Any) -> torch.Tensor
     """The uint8 CHW image ``x`` (mirrored first when ``flip``) through
     ``steps``: ``PILToTensor``/``ToTensor`` and the ``ToDtype``/``Normalize``
     after it.  A float32 result is made in one pass through a table
-    (``coordl._jpegcrop.to_float``, where it is built), with the values the
+    (``coordl.decode._jpegcrop.to_float``, where it is built), with the values the
     steps one by one give."""
     if ext is not None and x.dtype == torch.uint8 and x.ndim == 3 and type(steps[0]) is ToTensor:
         to_float = getattr(ext, "to_float", None)  # None: an extension built before it existed

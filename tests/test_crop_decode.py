@@ -1,4 +1,4 @@
-"""Crop-window JPEG decode (coordl._jpegcrop) on the fused RandomResizedCrop path.
+"""Crop-window JPEG decode (coordl.decode._jpegcrop) on the fused RandomResizedCrop path.
 
 The window decode must give the same crop and flip draws as the whole-image
 decode, and pixels inside the crop within rounding of it (on this machine they
@@ -25,9 +25,9 @@ try:
     from coordl.decode import _jpegcrop as crop_ext
 except ImportError:
     if shutil.which("cc") and os.path.exists("/usr/include/jpeglib.h"):
-        raise ImportError("coordl._jpegcrop is not built although this machine can build it: "
+        raise ImportError("coordl.decode._jpegcrop is not built although this machine can build it: "
                           "run `pip install -e .` (or `python setup.py build_ext --inplace`)") from None
-    pytest.skip("coordl._jpegcrop can't be built here (no C compiler or libjpeg headers)",
+    pytest.skip("coordl.decode._jpegcrop can't be built here (no C compiler or libjpeg headers)",
                 allow_module_level=True)
 
 # decoded pixels may differ by libjpeg rounding between the two libjpeg-turbo

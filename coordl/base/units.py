@@ -8,7 +8,7 @@ from fractions import Fraction
 
 import psutil
 
-__all__ = ["parse_size"]
+__all__ = ["parse_size", "env_seconds"]
 
 _UNITS = {
     "": 1, "b": 1,
@@ -59,3 +59,20 @@ def parse_size(value, name: str = "cache_size") -> int:
     if _UNITS[unit] == 1 and nbytes.denominator != 1:
         raise ValueError(f"{hint}, but got {name}={value!r}")
     return int(nbytes)  # rounds a fraction of a byte down ("1.3KiB" -> 1331)
+
+
+def env_seconds(name: str, default: float) -> float:
+    """A positive number of seconds from the environment variable ``name``
+    (``default`` when unset or empty); a bad value's error names the variable."""
+    import os
+
+    v = os.environ.get(name)
+    if not v:
+        return default
+    try:
+        x = float(v)
+    except ValueError:
+        raise ValueError(f"{name} should be a number of seconds, but got {name}={v!r}") from None
+    if not x > 0:
+        raise ValueError(f"{name} should be > 0, but got {name}={v!r}")
+    return x

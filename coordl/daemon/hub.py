@@ -54,6 +54,7 @@ import subprocess
 import sys
 import time
 
+from ..base.units import env_seconds as _env_seconds
 from . import ipc
 from .groups import Group, Member
 from .worker import HEADER, LAYOUT
@@ -64,12 +65,6 @@ DEFAULT_STAGING = 512 << 20   # bytes of staging per group (touched only as it i
 _IN_FLIGHT = 8                # samples handed to one worker at a time (it reads ahead on them)
 _DELIVER_BATCH = 32           # ready samples a member gets in one message unless it waits for one
 _MAX_STRIDE = 1 << 30         # bytes of one staged sample, at most
-
-
-def _env_seconds(name: str, default: float) -> float:
-    from .server import _env_seconds as f
-
-    return f(name, default)
 
 
 def _pos(x, what: str) -> int:

@@ -30,6 +30,7 @@ import subprocess
 import sys
 import time
 
+from ..base.units import env_seconds as _env_seconds
 from . import ipc
 from .hub import DEFAULT_STAGING, Hub
 
@@ -392,19 +393,6 @@ def serve(ready_fd: int | None = None, staging_bytes: int | None = None) -> int:
 
 
 _OUT_LIMIT = 8 << 20   # bytes of unsent answers to one client before it is dropped
-
-
-def _env_seconds(name: str, default: float) -> float:
-    v = os.environ.get(name)
-    if not v:
-        return default
-    try:
-        x = float(v)
-    except ValueError:
-        raise ValueError(f"{name} should be a number of seconds, but got {name}={v!r}") from None
-    if not x > 0:
-        raise ValueError(f"{name} should be > 0, but got {name}={v!r}")
-    return x
 
 
 def _max_clients() -> int:

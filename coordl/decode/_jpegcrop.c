@@ -1,4 +1,4 @@
-/* coordl._jpegcrop: decode only a window of a JPEG, through libjpeg(-turbo).
+/* coordl.decode._jpegcrop: decode only a window of a JPEG, through libjpeg(-turbo).
  *
  * decode(data, denom, top, left, height, width)
  *     -> (pixels: bytearray, rows, cols, y0, x0, out_height, out_width)

@@ -17,7 +17,7 @@ PIL converts to RGB its own way) is handed to PIL, which decodes it as torchvisi
 ``PIL.ImageFile.LOAD_TRUNCATED_IMAGES``, or raises its own error.
 
 :func:`decode_rgb_crop` decodes only a crop window, through coordl's own C
-extension ``coordl._jpegcrop`` over the system libjpeg-turbo (built by
+extension ``coordl.decode._jpegcrop`` over the system libjpeg-turbo (built by
 ``pip install`` when a compiler and the libjpeg headers are there; optional).
 Its pixels are the same as the whole-image decode's, sliced.  Without the
 extension, with ``COORDL_CROP_DECODE=0`` in the environment when coordl is
@@ -52,7 +52,7 @@ def _load_ext():
     return _jpegcrop
 
 
-# coordl._jpegcrop as built, or None: its to_float (the fused path's uint8 -> float table pass)
+# coordl.decode._jpegcrop as built, or None: its to_float (the fused path's uint8 -> float table pass)
 _ext = _load_ext()
 
 
@@ -62,7 +62,7 @@ def _load_crop():
     return _ext
 
 
-# coordl._jpegcrop, or None: whole-image decodes only (tests set it to None)
+# coordl.decode._jpegcrop, or None: whole-image decodes only (tests set it to None)
 _crop = _load_crop()
 
 # rows/columns decoded beyond each side of a crop window: libjpeg's fancy
@@ -210,7 +210,7 @@ def decode_rgb_crop(raw, box: tuple[int, int, int, int], min_hw: tuple[float, fl
 
     The array is RGB uint8 HWC; the returned box, in the array's coordinates,
     is ``box`` mapped onto the decoded size (:func:`scaled_box`) when the
-    decode used a DCT scale.  With ``coordl._jpegcrop`` only rows and columns
+    decode used a DCT scale.  With ``coordl.decode._jpegcrop`` only rows and columns
     near the box are decoded (their pixels are the whole decode's); otherwise
     the array is the whole image from :func:`decode_rgb`.  ``size``: the
     header's (h, w), i.e. ``jpeg_size(raw)``, when the caller has read it.
