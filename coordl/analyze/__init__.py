@@ -667,19 +667,13 @@ def format_report(r: dict) -> str:
              "cpu (the cores' CPU-seconds), turns (a step on every core and fewer workers than cores: step and prep "
              "run in turn)")
     c = r["check"]
-    if "cold_lo_inputs" in c:
-        L.append(f"model check (intervals: inputs' spread only): cold predicted "
-                 f"{_iv(c['cold_predicted'], c['cold_lo_inputs'], c['cold_hi_inputs'], 1)} vs measured "
-                 f"{c['cold_measured']:.1f} ({c['cold_error']:+.0%}); cached "
-                 f"{_iv(c['cached_predicted'], c['cached_lo_inputs'], c['cached_hi_inputs'], 1)} vs "
-                 f"{c['cached_measured']:.1f} ({c['cached_error']:+.0%})")
-        for w in r.get("warnings", []):
-            L.append(f"warning: {w}")
-        return "\n".join(L)
-    L.append(f"model check: cold predicted {_iv(c['cold_predicted'], c['cold_lo'], c['cold_hi'], 1)} vs measured "
+    # a report with a model error gives the check's intervals from the inputs' spread alone
+    sfx, what = ("_inputs", " (intervals: inputs' spread only)") if "cold_lo_inputs" in c else ("", "")
+    L.append(f"model check{what}: cold predicted "
+             f"{_iv(c['cold_predicted'], c['cold_lo' + sfx], c['cold_hi' + sfx], 1)} vs measured "
              f"{c['cold_measured']:.1f} ({c['cold_error']:+.0%}); cached "
-             f"{_iv(c['cached_predicted'], c['cached_lo'], c['cached_hi'], 1)} vs {c['cached_measured']:.1f} "
-             f"({c['cached_error']:+.0%})")
+             f"{_iv(c['cached_predicted'], c['cached_lo' + sfx], c['cached_hi' + sfx], 1)} vs "
+             f"{c['cached_measured']:.1f} ({c['cached_error']:+.0%})")
     for w in r.get("warnings", []):
         L.append(f"warning: {w}")
     return "\n".join(L)

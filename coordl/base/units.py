@@ -8,7 +8,7 @@ from fractions import Fraction
 
 import psutil
 
-__all__ = ["parse_size", "env_seconds"]
+__all__ = ["parse_size", "env_number", "env_seconds"]
 
 _UNITS = {
     "": 1, "b": 1,
@@ -61,18 +61,25 @@ def parse_size(value, name: str = "cache_size") -> int:
     return int(nbytes)  # rounds a fraction of a byte down ("1.3KiB" -> 1331)
 
 
-def env_seconds(name: str, default: float) -> float:
-    """A positive number of seconds from the environment variable ``name``
-    (``default`` when unset or empty); a bad value's error names the variable."""
+def env_number(name: str, default: float, minimum: float, *, strict: bool = False,
+               what: str = "a number") -> float:
+    """A number from the environment variable ``name`` (``default`` when it is
+    unset or blank), at least ``minimum`` (above it when ``strict``); a bad
+    value's error names the variable and what it should be."""
     import os
 
-    v = os.environ.get(name)
+    v = os.environ.get(name, "").strip()
     if not v:
         return default
     try:
         x = float(v)
     except ValueError:
-        raise ValueError(f"{name} should be a number of seconds, but got {name}={v!r}") from None
-    if not x > 0:
-        raise ValueError(f"{name} should be > 0, but got {name}={v!r}")
+        raise ValueError(f"{name} should be {what}, but got {name}={v!r}") from None
+    if not (x > minimum if strict else x >= minimum):
+        raise ValueError(f"{name} should be {'>' if strict else '>='} {minimum:g}, but got {name}={v!r}")
     return x
+
+
+def env_seconds(name: str, default: float) -> float:
+    """A positive number of seconds from the environment variable ``name``."""
+    return env_number(name, default, 0.0, strict=True, what="a number of seconds")

@@ -65,6 +65,8 @@ import time
 import urllib.parse
 from typing import Callable
 
+from ..base.units import env_number
+
 __all__ = ["HostLimiter", "limiter", "call", "call_many", "classify", "RemoteStatusError",
            "timeout_s", "retries"]
 
@@ -88,17 +90,7 @@ _NET_ERRNOS = frozenset({errno.ECONNREFUSED, errno.ECONNRESET, errno.ECONNABORTE
                          errno.EAGAIN})
 
 
-def _env_float(name: str, default: float, minimum: float) -> float:
-    v = os.environ.get(name, "").strip()
-    if not v:
-        return default
-    try:
-        f = float(v)
-    except ValueError:
-        raise ValueError(f"{name} should be a number, but got {name}={v!r}") from None
-    if not f >= minimum:
-        raise ValueError(f"{name} should be >= {minimum:g}, but got {name}={v!r}")
-    return f
+_env_float = env_number   # (name, default, minimum)
 
 
 def timeout_s() -> float:
