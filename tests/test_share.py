@@ -446,7 +446,7 @@ def test_zero_copy_batches_are_private_views_kept_until_they_die(photos, daemon_
     until the last such batch dies)."""
     import gc
 
-    from coordl import _reaper
+    from coordl.base import reaper as _reaper
 
     monkeypatch.setenv("COORDL_STAGING", "408KiB")   # 128 slots; freed slots are reused lowest first
     ref = reference(photos, epochs=5)

@@ -36,7 +36,7 @@ from . import model
 from .measure import TRANSFORMS
 
 __all__ = ["analyze", "measure_prep", "format_report", "write_json", "write_plot", "model", "TRANSFORMS",
-           "predict", "STEP_KINDS", "MODEL_ERROR_FLOOR"]
+           "predict", "STEP_KINDS", "MODEL_ERROR_FLOOR", "MODEL_ERROR_CAP"]
 
 _MiB = 2 ** 20
 
@@ -313,6 +313,8 @@ def analyze(root: str | os.PathLike | None = None, *, dataset: Any = None, trans
 #: sample; 8.2: a prep-only pass and a loader epoch 30 s apart, ratios 0.93-1.17), more than the spread of
 #: back-to-back repeats, which is all an input's own interval holds.
 MODEL_ERROR_FLOOR = 0.10
+# the largest model error an interval carries (hi = hi_inputs / (1 - e)); past it the warning says why
+MODEL_ERROR_CAP = 0.85
 
 
 def _model_error(inp, passes: dict, workers: int, given: float | None) -> tuple:
@@ -328,10 +330,11 @@ def _model_error(inp, passes: dict, workers: int, given: float | None) -> tuple:
     if given is not None:
         return model.Est.exact(float(given), "given (model_error=)"), held
     worst = max(abs(v) for v in held.values())
-    e = min(max(MODEL_ERROR_FLOOR, worst), 0.85)
+    e = min(max(MODEL_ERROR_FLOOR, worst), MODEL_ERROR_CAP)
     src = (f"modelled: the larger of {MODEL_ERROR_FLOOR:.0%} (run-to-run drift of the inputs on an idle machine) "
            f"and the model's error on its own cold and cached loader + step passes "
-           f"({held['cold']:+.1%}, {held['cached']:+.1%})")
+           f"({held['cold']:+.1%}, {held['cached']:+.1%})"
+           + (f", capped at {MODEL_ERROR_CAP:.0%}" if worst > MODEL_ERROR_CAP else ""))
     return model.Est(e, e, e, src), held
 
 
