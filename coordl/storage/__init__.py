@@ -12,6 +12,9 @@ The modules (private):
 - ``obstore_store``: the obstore reader and its error mapping;
 - ``remote``: per-host concurrency, retries and deadlines, and the words of
   remote errors, shared by both readers.
+- ``listing``: a local folder of samples listed by torchvision's rules
+  (class folders, extensions, a stable walk, sizes and mtimes); the names
+  :mod:`coordl.datasets` exports from it are public there.
 """
 from .fsspec_store import FsspecStore, is_url, refused  # noqa: F401
 from .remote import RemoteStatusError  # noqa: F401
