@@ -7,6 +7,9 @@
   ``setup.py``) that decodes only a crop window; the leading underscore is
   Python's convention for a compiled helper behind a pure-Python front
   (``jpeg``); without it RandomResizedCrop decodes whole images.
+- ``ops``: the image operations the transforms and the fused decode run
+  (resize, crop, RandomResizedCrop's box draw, HWC -> CHW, the resampling
+  filters) and their argument checks.
 
 Users reach this through :mod:`coordl.transforms`.
 """
