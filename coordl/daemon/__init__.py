@@ -10,5 +10,7 @@ into shared memory, and every member job assembles its own batches from it.
 * :mod:`coordl.daemon.hub` and :mod:`coordl.daemon.groups`: groups of jobs,
   staging memory and the worker pool (protocol and policy);
 * :mod:`coordl.daemon.worker`: the prep worker processes;
-* :mod:`coordl.daemon.member`: the job's side of sharing.
+* :mod:`coordl.daemon.member`: the job's side of sharing (joining, the share mode);
+* :mod:`coordl.daemon.shared_iter`: a job's pass over the staged samples
+  (batches as views of staging or one copy; detach, rejoin, fallback).
 """
