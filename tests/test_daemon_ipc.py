@@ -222,3 +222,30 @@ def test_server_of_another_user_is_refused_by_the_client():
             p.stdout.close()
     finally:
         shutil.rmtree(d)
+
+
+def test_an_answer_written_before_the_server_closed_is_read_even_if_the_request_cannot_go():
+    """A daemon past its client limit writes why it refuses and closes at
+    accept, maybe before the job's request arrives: the job's send then
+    fails with a broken pipe, and it used to report "cannot reach the node
+    daemon (Broken pipe)" instead of the daemon's reason."""
+    a, b = socket.socketpair()
+    server, client = ipc.Conn(a, 0), ipc.Conn(b, 0)
+    server.send({"op": "refused", "why": "too many clients (COORDL_DAEMON_MAX_CLIENTS=8)"})
+    server.close()
+    with pytest.raises(BrokenPipeError):     # what a plain send does now
+        client.send({"op": "join"})
+    client.close()
+    c2a, c2b = socket.socketpair()
+    server, client = ipc.Conn(c2a, 0), ipc.Conn(c2b, 0)
+    server.send({"op": "refused", "why": "too many clients (COORDL_DAEMON_MAX_CLIENTS=8)"})
+    server.close()
+    reply, fds = client.ask({"op": "join"}, timeout=5)
+    assert reply == {"op": "refused", "why": "too many clients (COORDL_DAEMON_MAX_CLIENTS=8)"} and fds == []
+    client.close()
+    # a bare close (nothing written) is still a lost connection, not an answer
+    c3a, c3b = socket.socketpair()
+    c3a.close()
+    with pytest.raises(ConnectionError):
+        ipc.Conn(c3b, 0).ask({"op": "join"}, timeout=5)
+    c3b.close()

@@ -342,8 +342,8 @@ def test_clients_past_the_limit_are_told_why(photos, daemon_env, monkeypatch):
     try:
         time.sleep(0.5)
         with ipc.connect(S.socket_path()) as c:
-            c.send({"op": "status"})
-            reply, _ = c.recv(timeout=10)
+            # the refusal is written at accept, maybe before the request arrives: ask() reads it then too
+            reply, _ = c.ask({"op": "status"}, timeout=10)
         assert reply.get("op") == "refused" and "COORDL_DAEMON_MAX_CLIENTS" in reply["why"], reply
     finally:
         for c in held:

@@ -301,6 +301,17 @@ class Conn:
         if sent < len(data):
             self.sock.sendall(data[sent:])
 
+    def ask(self, msg: dict, fds=(), timeout: float | None = 30.0) -> tuple[dict, list[int]]:
+        """Send ``msg`` and return the answer.  A server that refuses a
+        client at once (past its client limit) writes why and closes, maybe
+        before the request arrives: the send then fails with a broken pipe,
+        but the refusal is still there to read, so it is read."""
+        try:
+            self.send(msg, fds, timeout)
+        except (BrokenPipeError, ConnectionResetError):
+            pass    # recv gives the answer written before the close, or ConnectionError on a bare EOF
+        return self.recv(timeout)
+
     def recv(self, timeout: float | None = 30.0) -> tuple[dict, list[int]]:
         """The next message and the descriptors that came with it (the
         caller owns them).  ``ConnectionError`` on EOF, ``TimeoutError`` when

@@ -241,8 +241,7 @@ class ShareMode(PipelineMode):
                 t = _timeout()
                 server.start(answer=t)
                 conn = ipc.connect(server.socket_path(), timeout=t)
-                conn.send(msg, fds=[fd], timeout=t)
-                reply, fds = conn.recv(timeout=t)
+                reply, fds = conn.ask(msg, fds=[fd], timeout=t)
             except (OSError, ConnectionError, TimeoutError, RuntimeError) as e:
                 if conn is not None:
                     conn.close()
