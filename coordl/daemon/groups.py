@@ -77,6 +77,41 @@ def _may_pin(pin, m: Member, nslots: int) -> bool:
     return lo <= hi and len(m.pinned) + (hi - lo) <= nslots // 4
 
 
+class _FreeSlots:
+    """The free slots of staging: a set for membership, and a heap beside it
+    (entries of slots taken since are skipped when they surface) so the
+    lowest free slot costs O(log n), not a scan of thousands per sample."""
+
+    def __init__(self, n: int) -> None:
+        self._set = set(range(n))
+        self._heap = list(range(n))
+        self._n = n
+
+    def __contains__(self, slot: int) -> bool:
+        return slot in self._set
+
+    def __bool__(self) -> bool:
+        return bool(self._set)
+
+    def __len__(self) -> int:
+        return len(self._set)
+
+    def add(self, slot: int) -> None:
+        if slot not in self._set:
+            self._set.add(slot)
+            heapq.heappush(self._heap, slot)
+            if len(self._heap) > 2 * self._n:     # mostly stale entries: start again from the set
+                self._heap = sorted(self._set)
+
+    def discard(self, slot: int) -> None:
+        self._set.discard(slot)
+
+    def lowest(self) -> int:
+        while self._heap[0] not in self._set:
+            heapq.heappop(self._heap)
+        return self._heap[0]
+
+
 class Group:
     """One group's staging slots, items, members and queue of work.
 
@@ -92,7 +127,7 @@ class Group:
         self.key = key
         self.nslots = nslots
         self.n = max(1, samples_per_epoch)
-        self.free: set[int] = set(range(nslots))   # free slots
+        self.free = _FreeSlots(nslots)
         self.items: dict[int, Item] = {}
         self.members: dict[int, Member] = {}
         self._queue: list[int] = []            # heap of positions to prepare
@@ -264,7 +299,7 @@ class Group:
         prev = self.items.get(g - 1)
         slot = prev.slot + 1 if prev is not None else -1
         if slot not in self.free:
-            slot = min(self.free)
+            slot = self.free.lowest()
         self.free.discard(slot)
         self.items[g] = Item(slot)
         return slot
