@@ -168,3 +168,38 @@ def test_pinned_items_survive_a_detach_until_released():
     g.add(b)
     g.begin_pass(2, 0, 0, 64)
     assert not any(x[0] == "pinned" for x in g.step(2, 0, want=[0], need=1, pin=[0, 5]))   # > a quarter
+
+
+def test_tasks_come_urgent_first_then_windows_lowest_first_whatever_the_members_ask():
+    """The order ``next_task`` hands out work, checked on random requests from
+    members at different places: first what some member needs for the batch
+    it assembles (below its ``need``), lowest first, then the read-ahead
+    windows, lowest first (the cheap path for the common case must keep it)."""
+    import random
+
+    rng = random.Random(7)
+    for trial in range(200):
+        n = 400
+        g = Group(1, "k", nslots=4096, samples_per_epoch=n)
+        members = []
+        for k in range(rng.randint(1, 4)):
+            m = Member(k + 1, 10 + k, f"m{k}")
+            g.add(m)
+            start = rng.randrange(0, 200)
+            g.begin_pass(m.mid, 0, start, n)
+            members.append(m)
+        for m in members:
+            pos = m.pos + rng.randrange(0, 20)
+            batch = rng.randint(1, 16)
+            window = rng.randint(0, 40)
+            want = list(range(pos, min(n, pos + batch + window)))
+            g.step(m.mid, pos, want=want, need=min(n, pos + batch))
+        urgent = sorted({h for m in members for h in m.want if m.pos <= h < min(m.need, m.end)})
+        rest = sorted({h for m in members for h in m.want} - set(urgent))
+        got = []
+        while True:
+            _, task = g.next_task()
+            if task is None:
+                break
+            got.append(task[0])
+        assert got == urgent + rest, trial

@@ -250,8 +250,23 @@ class Group:
         waited on: one stalled member's window never holds back another
         member's request (no head-of-line blocking)."""
         actions: list = []
-        urgent = sorted({g for m in self.members.values() if m.attached and m.want
-                         for g in self._urgent(m) if g in self._queued})
+        queue, queued = self._queue, self._queued
+        while queue and (queue[0] not in queued or queue[0] in self.items):
+            heapq.heappop(queue)         # stale entries: taken already, or a slot since
+        if not queue:
+            return actions, None         # (every queued position has an entry in the heap)
+        # the common case, cheaply: the lowest queued position is needed now by someone (it is
+        # then the lowest urgent one too); only otherwise look for urgent ones further up
+        g = queue[0]
+        if any(m.attached and m.pos <= g < m.need and g < m.end and g in m.want
+               for m in self.members.values()):
+            slot = self._slot_for(g, actions)
+            if slot is not None:
+                heapq.heappop(queue)
+                return actions, (g, slot)
+        # (a member whose batch ends at or below the lowest queued position has nothing urgent queued)
+        urgent = sorted({h for m in self.members.values() if m.attached and m.want and g < min(m.need, m.end)
+                         for h in self._urgent(m) if h in queued})
         for g in urgent:
             slot = self._slot_for(g, actions)
             if slot is not None:
