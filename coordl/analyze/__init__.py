@@ -19,8 +19,8 @@ From them: fetch and prep stall (:func:`coordl.analyze.model.stalls`) and
 what-if tables (:mod:`coordl.analyze.model`).  See docs/api.md
 ("coordl analyze").
 
-Modules: ``measure`` (timed passes, eviction, counters, what the passes
-read), ``inputs`` (the model's inputs and its own error from
+Modules: ``sources`` (what the passes read), ``measure`` (timed passes,
+eviction, counters), ``inputs`` (the model's inputs and its own error from
 the passes), ``model`` (the what-if arithmetic), ``report``, ``cli``.
 
     from coordl.analyze import analyze, format_report
