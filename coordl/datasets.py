@@ -38,19 +38,30 @@ a function of the file's *bytes*, which coordl calls ``decode``:
 
 :func:`two_stage` adapts an existing torchvision-style folder dataset
 instance the same way.
+
+Where the parts live: the sample table (numpy storage, ``samples``,
+``targets``, ``fingerprint``) in ``coordl/storage/table.py``, the folder scan
+in ``coordl/storage/listing.py``, the path loaders and :func:`pil_decode` in
+``coordl/decode/loaders.py``; this module holds the dataset classes (the
+two-stage protocol and torchvision's constructors) and exports the public
+names of all three.
 """
 from __future__ import annotations
 
-import hashlib
-import io
-import operator
 import os
-from collections.abc import Sequence
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Callable
 
-import numpy as np
-from PIL import Image
-
+from .decode.loaders import (  # noqa: F401 (public names of this module)
+    _DecodingLoader,
+    _check_decode,
+    _identity,
+    _is_default_pil_loader,
+    _naming,
+    default_loader,
+    pil_decode,
+    pil_loader,
+    read_bytes,
+)
 from .storage import FsspecStore, is_url
 from .storage.listing import (  # noqa: F401 (public names of this module)
     IMG_EXTENSIONS,
@@ -63,6 +74,7 @@ from .storage.listing import (  # noqa: F401 (public names of this module)
     is_image_file,
     make_dataset,
 )
+from .storage.table import FolderSamples, SampleTable  # noqa: F401 (FolderSamples: public here)
 
 __all__ = [
     "IMG_EXTENSIONS",
@@ -82,315 +94,16 @@ __all__ = [
 ]
 
 
-_O_FLAGS = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_BINARY", 0)
-_CHUNK = 1 << 20
-_DEFAULT_LOADER_NAMES = ("default_loader", "pil_loader")
-_FINGERPRINT_TAG = b"coordl.datasets.folder/2\0"
-
-
-# --------------------------------------------------------------------------
-# Reading and decoding
-# --------------------------------------------------------------------------
-
-def read_bytes(path: str, drop_cache: bool = False) -> bytes:
-    """The whole content of the file at ``path``.
-
-    One ``open``, one ``fstat`` and (normally) one ``read`` into a buffer of
-    the file's size; no Python file object.  Raises ``FileNotFoundError``
-    (whose message names the path) when the file is missing.  ``drop_cache``:
-    then drop the file's pages from the OS page cache, on the same descriptor
-    (the bytes are kept elsewhere, e.g. in coordl's node cache).
-    """
-    fd = os.open(path, _O_FLAGS)
-    try:
-        data = _read_all(fd)
-        if drop_cache:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        return data
-    finally:
-        os.close(fd)
-
-
-def _read_all(fd: int) -> bytes:
-    size = os.fstat(fd).st_size
-    data = os.read(fd, size) if size > 0 else b""
-    if size > 0 and len(data) == size:
-        return data
-    # Short read (huge file, network file system) or a size of 0 that may
-    # not be true (pseudo files): read on until end of file.
-    parts, total = [data], len(data)
-    while True:
-        chunk = os.read(fd, max(size - total, _CHUNK))
-        if not chunk:
-            break
-        parts.append(chunk)
-        total += len(chunk)
-    return b"".join(parts)
-
-
-def pil_decode(raw: bytes) -> Image.Image:
-    """Decode image bytes with PIL and convert to RGB, fully.
-
-    ``convert`` loads every pixel, so a truncated or corrupt file raises
-    ``OSError`` here rather than later in a transform.
-    """
-    with Image.open(io.BytesIO(raw)) as img:
-        return img.convert("RGB")
-
-
-def _naming(path: str, decode: Callable[[bytes], Any], raw: bytes) -> Any:
-    """``decode(raw)``; a file PIL cannot identify raises PIL's
-    ``UnidentifiedImageError`` naming ``path``, as ``Image.open(path)`` does
-    in torchvision's loader (decoding bytes, PIL names a BytesIO object)."""
-    from PIL import UnidentifiedImageError
-
-    try:
-        return decode(raw)
-    except UnidentifiedImageError as e:
-        if str(path) in str(e):
-            raise
-        raise UnidentifiedImageError(f"cannot identify image file {str(path)!r}") from e
-
-
-def pil_loader(path: str) -> Image.Image:
-    """Read the image at ``path`` as RGB (a path loader, for torchvision code)."""
-    return _naming(path, pil_decode, read_bytes(path))
-
-
-def default_loader(path: str) -> Image.Image:
-    """The default ``ImageFolder`` loader: :func:`pil_loader`."""
-    return _naming(path, pil_decode, read_bytes(path))
-
-
-def _identity(raw: bytes) -> bytes:
-    return raw
-
-
-class _DecodingLoader:
-    """A path loader made from a bytes decoder: ``decode(read_bytes(path))``.
-    A class rather than a closure so that the dataset still pickles."""
-
-    def __init__(self, decode: Callable[[bytes], Any]):
-        self.decode = decode
-
-    def __call__(self, path: str) -> Any:
-        return _naming(path, self.decode, read_bytes(path))
-
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}({self.decode!r})"
-
-
-def _is_default_pil_loader(loader: Any) -> bool:
-    return getattr(loader, "__name__", None) in _DEFAULT_LOADER_NAMES
-
-
-def _check_decode(decode: Any) -> None:
-    if decode is not None and not callable(decode):
-        raise TypeError(
-            "decode should be a callable taking the file's bytes and returning "
-            f"the sample, but got decode={decode!r}"
-        )
-
-
-# --------------------------------------------------------------------------
-# Samples view
-# --------------------------------------------------------------------------
-
-class FolderSamples(Sequence):
-    """Read-only sequence of ``(path, class_index)`` tuples over a folder
-    dataset's numpy storage; what ``dataset.samples`` returns.
-
-    Compares equal to any sequence of the same tuples (a list, say); slicing
-    returns a list.
-    """
-
-    __slots__ = ("_ds",)
-
-    def __init__(self, dataset: "_FolderBase"):
-        self._ds = dataset
-
-    def __len__(self) -> int:
-        return len(self._ds._targets)
-
-    def __getitem__(self, index):
-        ds = self._ds
-        if isinstance(index, slice):
-            return [(ds._path(i), int(ds._targets[i])) for i in range(*index.indices(len(self)))]
-        i = ds._check_index(index)
-        return ds._path(i), int(ds._targets[i])
-
-    def __iter__(self) -> Iterator[tuple[str, int]]:
-        ds = self._ds
-        buf = ds._paths.tobytes()
-        offs = ds._offsets.tolist()
-        prefix, join, dec = ds._prefix, os.path.join, os.fsdecode
-        for k, t in enumerate(ds._targets.tolist()):
-            yield join(prefix, dec(buf[offs[k]:offs[k + 1]])), t
-
-    def __eq__(self, other: object) -> bool:
-        if isinstance(other, FolderSamples) or isinstance(other, (list, tuple)):
-            return len(self) == len(other) and all(
-                tuple(a) == tuple(b) for a, b in zip(self, other))
-        return NotImplemented
-
-    __hash__ = None  # type: ignore[assignment]
-
-    def __repr__(self) -> str:
-        n = len(self)
-        head = ", ".join(repr(s) for s in self[:3])
-        more = f", ... ({n} samples)" if n > 3 else ""
-        return f"FolderSamples([{head}{more}])"
-
-
 # --------------------------------------------------------------------------
 # Datasets
 # --------------------------------------------------------------------------
 
-def _ro(a: np.ndarray) -> np.ndarray:
-    v = a.view()
-    v.flags.writeable = False
-    return v
-
-
-class _FolderBase:
-    """Numpy-backed ``(path, target)`` storage plus the two-stage protocol.
+class _FolderBase(SampleTable):
+    """The two-stage protocol over a sample table (:class:`~coordl.storage.table.SampleTable`).
 
     Subclasses set ``root``, ``classes``, ``class_to_idx``, ``transform``,
     ``target_transform``, ``loader`` and ``_decode`` and call ``_set_table``.
     """
-
-    # -- storage ----------------------------------------------------------
-
-    def _set_table(self, prefix: str, names: list[bytes], targets, sizes, mtimes, versions=None) -> None:
-        lengths = np.fromiter((len(b) for b in names), dtype=np.int64, count=len(names))
-        offsets = np.zeros(len(names) + 1, dtype=np.int64)
-        np.cumsum(lengths, out=offsets[1:])
-        self._prefix = prefix
-        self._paths = np.frombuffer(b"".join(names), dtype=np.uint8).copy()
-        self._offsets = offsets
-        self._targets = np.asarray(targets, dtype=np.int64).reshape(-1).copy()
-        self._sizes = np.asarray(sizes, dtype=np.int64).reshape(-1).copy()
-        self._mtimes = np.asarray(mtimes, dtype=np.int64).reshape(-1).copy()
-        # what a remote store reports per object (ETag, version id, ...), as one digest
-        self._versions = b""
-        if versions is not None:
-            h = hashlib.blake2b(digest_size=16)
-            for v in versions:
-                b = str(v or "").encode()
-                h.update(len(b).to_bytes(8, "little"))
-                h.update(b)
-            self._versions = h.digest()
-        self._fingerprint = None
-
-    def _set_samples(self, samples: Iterable[tuple[Any, int]], root: str | None) -> None:
-        paths, targets = [], []
-        for path, target in samples:
-            paths.append(os.fsdecode(os.fspath(path)))
-            targets.append(operator.index(target))
-        sizes, mtimes = _stat_paths(paths)
-        prefix, names = _split_prefix(root, paths)
-        fsencode = os.fsencode
-        self._set_table(prefix, [fsencode(n) for n in names], targets, sizes, mtimes)
-
-    def _check_index(self, index) -> int:
-        i = operator.index(index)
-        n = len(self._targets)
-        if i < 0:
-            i += n
-        if not 0 <= i < n:
-            raise IndexError(f"index {index} is out of range for {type(self).__name__} of length {n}")
-        return i
-
-    def _path(self, i: int) -> str:
-        a, b = self._offsets[i], self._offsets[i + 1]
-        return os.path.join(self._prefix, os.fsdecode(self._paths[a:b].tobytes()))
-
-    # -- torchvision attributes ---------------------------------------------
-
-    @property
-    def samples(self) -> FolderSamples:
-        """``(path, class_index)`` for every sample, as a read-only sequence.
-
-        Assigning a sequence of such tuples replaces the samples (the way
-        torchvision code takes a subset); sizes and mtimes are read again.
-        """
-        return FolderSamples(self)
-
-    @samples.setter
-    def samples(self, value: Iterable[tuple[Any, int]]) -> None:
-        root = getattr(self, "root", None)
-        self._set_samples(list(value), os.fspath(root) if root is not None else None)
-
-    imgs = samples
-
-    @property
-    def targets(self) -> list[int]:
-        """The class index of every sample (a new list on each access).
-
-        Assigning a sequence of ints of the right length replaces the class
-        indices, which ``__getitem__`` then returns too (in torchvision the
-        ``targets`` list and the targets in ``samples`` are separate copies).
-        """
-        return self._targets.tolist()
-
-    @targets.setter
-    def targets(self, value: Iterable[int]) -> None:
-        t = np.asarray([operator.index(v) for v in value], dtype=np.int64)
-        if t.shape != self._targets.shape:
-            raise ValueError(f"targets should have {len(self._targets)} entries, but got {len(t)}")
-        self._targets = t
-
-    @property
-    def sizes(self) -> np.ndarray:
-        """File sizes in bytes when the folder was scanned (-1: unreadable),
-        as a read-only int64 array."""
-        return _ro(self._sizes)
-
-    @property
-    def mtimes_ns(self) -> np.ndarray:
-        """File modification times (ns) when the folder was scanned."""
-        return _ro(self._mtimes)
-
-    def fingerprint(self) -> str:
-        """Hex digest of where the samples are (the resolved root directory,
-        or the URL), their paths relative to it, sizes and mtimes, and for a
-        remote store the version it reports per object (ETag, version id,
-        generation), as recorded by the scan.
-
-        Stable for an unchanged folder, different once a file is added,
-        removed, renamed, resized, touched or (remote) re-uploaded, and for
-        two copies of a dataset in different places (rescan: create a new
-        dataset).  A cache of raw bytes can name its storage after it.  A
-        remote store that reports neither mtimes nor versions cannot tell a
-        rewritten object of the same size: clear the cache after such a change.
-        """
-        if self._fingerprint is None:
-            h = hashlib.blake2b(digest_size=16)
-            h.update(_FINGERPRINT_TAG)
-            where = self._where()
-            h.update(len(where).to_bytes(8, "little"))
-            h.update(where)
-            h.update(self._versions)
-            h.update(np.int64(len(self._sizes)).astype("<i8").tobytes())
-            h.update(self._offsets.astype("<i8").tobytes())
-            h.update(self._paths.tobytes())
-            h.update(self._sizes.astype("<i8").tobytes())
-            h.update(self._mtimes.astype("<i8").tobytes())
-            self._fingerprint = h.hexdigest()
-        return self._fingerprint
-
-    def _where(self) -> bytes:
-        """The samples' location for the fingerprint: the URL of a remote
-        store, else the resolved prefix directory (or working directory, for
-        relative paths under no common prefix)."""
-        if self._store is not None:
-            return b"url:" + self._store.location().encode()
-        if self._prefix:
-            return b"dir:" + os.fsencode(os.path.realpath(self._prefix))
-        starts = self._paths[self._offsets[:-1][self._offsets[:-1] < len(self._paths)]]
-        if (starts != ord("/")).any():
-            return b"cwd:" + os.fsencode(os.path.realpath(os.getcwd()))
-        return b"abs:"
 
     # -- protocol ---------------------------------------------------------
 
@@ -431,7 +144,6 @@ class _FolderBase:
         """True when ``raw``/``prep`` are available."""
         return self._two_stage_ok()
 
-    _store = None  # an FsspecStore for URL roots (reads through obstore when it can)
 
     def _read(self, path: str) -> bytes:
         return read_bytes(path) if self._store is None else self._store.read(path)

@@ -9,7 +9,9 @@
   (``jpeg``); without it RandomResizedCrop decodes whole images.
 - ``ops``: the image operations the transforms and the fused decode run
   (resize, crop, RandomResizedCrop's box draw, HWC -> CHW, the resampling
-  filters) and their argument checks.
+  filters) and their argument checks;
+- ``loaders``: the folder datasets' path loaders and byte decoder
+  (``read_bytes``, ``pil_decode``, ``pil_loader``, ``default_loader``).
 
-Users reach this through :mod:`coordl.transforms`.
+Users reach this through :mod:`coordl.transforms` and :mod:`coordl.datasets`.
 """

@@ -14,7 +14,9 @@ The modules (private):
   remote errors, shared by both readers.
 - ``listing``: a local folder of samples listed by torchvision's rules
   (class folders, extensions, a stable walk, sizes and mtimes); the names
-  :mod:`coordl.datasets` exports from it are public there.
+  :mod:`coordl.datasets` exports from it are public there;
+- ``table``: the sample table a folder dataset is (paths, targets, sizes
+  and mtimes in numpy; ``samples``, ``targets``, ``fingerprint``).
 """
 from .fsspec_store import FsspecStore, is_url, refused  # noqa: F401
 from .remote import RemoteStatusError  # noqa: F401
