@@ -203,3 +203,9 @@ def test_tasks_come_urgent_first_then_windows_lowest_first_whatever_the_members_
                 break
             got.append(task[0])
         assert got == urgent + rest, trial
+        # what each member still waits for in its batch, kept as a count, matches its wants
+        rng.shuffle(got)
+        for h in got:
+            g.done(h, True, info=["storage", 1, 0.0, 0.0])
+            for m in members:
+                assert m.short == sum(1 for w in m.want if m.pos <= w < min(m.need, m.end)), trial

@@ -65,6 +65,7 @@ class Member:
     shared: int = 0            # samples it reports taken from the stream
     self_prepared: int = 0     # samples it reports it prepared itself
     need: int = 0              # end of the batch it is assembling now (it waits for what is below)
+    short: int = 0             # of ``want``, how many are in [pos, need): what it still waits for now
     pinned: set = field(default_factory=set)   # delivered and never revoked: it may view their slots
     pin: tuple = (0, 0)        # positions [lo, hi) that are pinned as they are delivered to it
 
@@ -144,6 +145,7 @@ class Group:
         m = self.members.pop(mid, None)
         if m is not None:
             m.want.clear()
+            m.short = 0
             m.claims.clear()
             m.pinned.clear()    # its connection closed: no view of staging is left in it
             m.attached = False
@@ -155,6 +157,7 @@ class Group:
         m = self.members[mid]
         m.claims.clear()
         m.want.clear()
+        m.short = 0
         m.attached = True
         m.pin = (0, 0)
         m.epoch, m.pos, m.end = epoch, start, end
@@ -169,6 +172,7 @@ class Group:
         the stream until its next pass."""
         m = self.members[mid]
         m.want.clear()
+        m.short = 0
         m.claims.clear()
         if complete and m.attached:
             m.epoch += 1
@@ -235,6 +239,7 @@ class Group:
                         self._queued.add(g)
             if now:
                 out.append(("deliver", m, now))
+        m.short = sum(1 for w in m.want if m.pos <= w < m.need)
         self.gc(maybe)
         return out
 
@@ -345,6 +350,8 @@ class Group:
         for m in self.members.values():
             if g in m.want:
                 m.want.discard(g)
+                if m.pos <= g < m.need:
+                    m.short -= 1
                 self._give(m, g)
                 out.append(("deliver", m, [g]))
         if not self._needed(g, it):      # nothing else changed: only this one may be free now
@@ -363,10 +370,8 @@ class Group:
     def _needed(self, g: int, it: Item) -> bool:
         if it.state == "prep":
             return True                      # a worker writes into its slot
-        for m in self.members.values():
-            if g in m.claims or g in m.want or g in m.pinned:
-                return True
-            if self._holds(m, g):
+        for m in self.members.values():   # (_holds inlined: this runs for every sample a member passes)
+            if (m.attached and g >= m.pos) or g in m.claims or g in m.pinned or g in m.want:
                 return True
         return False
 
@@ -393,6 +398,7 @@ class Group:
         after copying, so a reused slot is never taken for its sample."""
         m.attached = False
         m.want.clear()
+        m.short = 0
         m.claims.clear()
         self.detaches += 1
         self.gc()

@@ -61,7 +61,15 @@ def _positions(xs, what: str) -> list[int]:
         return []
     if not isinstance(xs, list):
         raise ValueError(f"{what} should be a list of positions, but got {type(xs).__name__}")
+    if all(type(x) is int for x in xs) and (not xs or min(xs) >= 0):
+        return xs      # (the common case, checked at C speed)
     return [_pos(x, what) for x in xs]
+
+
+def _waits(m: Member) -> bool:
+    """Whether ``m`` still waits for a sample of the batch it assembles
+    (``[pos, need)``; the group keeps the count)."""
+    return m.short > 0
 
 
 class _GroupRes:
@@ -110,6 +118,7 @@ class Hub(WorkerPools):
         self._next_mid = 1
         self._conn_by_mid: dict[int, ipc.Conn] = {}
         self._outbox: dict[int, tuple] = {}   # conn fd -> (conn, [ready items]) until flush()
+        self._stirred: set[int] = set()        # conn fds whose member's wait may have ended since flush()
         self._pins: dict[int, list] = {}      # conn fd -> [lo, hi] pinned for it, to tell it at flush()
         self.peer_servers: dict[int, tuple] = {}   # conn fd -> (PeerServer, NodeCache, job pid)
         self.worker_stall = _env_seconds("COORDL_DAEMON_WORKER_STALL", 30.0)
@@ -136,6 +145,7 @@ class Hub(WorkerPools):
             return
         for fd in fds:
             os.close(fd)
+        self._stirred.add(conn.fileno())   # its wait may end with what it says (flush() looks)
         if op == "peer_serve":
             self._peer_serve(conn, msg)
             return
@@ -326,25 +336,28 @@ class Hub(WorkerPools):
         return {"member": True, "attached": m.attached, "waiting": len(m.want)}
 
     def _act(self, res: _GroupRes, actions) -> None:
+        staged = res.group.items
         for a in actions:
             m = a[1]
             conn = self._conn_of(m)
             if conn is None:
                 continue
+            fd = conn.fileno()
             if a[0] == "deliver":
-                items = self._outbox.setdefault(conn.fileno(), (conn, []))[1]
+                items = self._outbox.setdefault(fd, (conn, []))[1]
+                self._stirred.add(fd)
                 for g in a[2]:
-                    it = res.group.items[g]
+                    it = staged[g]
                     if it.state == "ready":
                         items.append([g, it.slot, True, it.info])
                     else:
                         items.append([g, it.slot, False, it.why])
             elif a[0] == "pinned":   # told with its next delivery, or alone at this round's end
-                self._outbox.setdefault(conn.fileno(), (conn, []))
-                self._pins[conn.fileno()] = a[2]
+                self._outbox.setdefault(fd, (conn, []))
+                self._pins[fd] = a[2]
             elif a[0] == "detach":
-                self._outbox.pop(conn.fileno(), None)   # its claims are revoked (not its pinned items)
-                self._pins.pop(conn.fileno(), None)
+                self._outbox.pop(fd, None)   # its claims are revoked (not its pinned items)
+                self._pins.pop(fd, None)
                 if res.broken:
                     self._send(conn, {"op": "detach", "why": res.broken, "permanent": res.permanent, "warn": True})
                 else:
@@ -357,15 +370,18 @@ class Hub(WorkerPools):
         batch, not once per sample."""
         keep = {}
         pins, self._pins = self._pins, {}
+        stirred, self._stirred = self._stirred, set()
         for fd, (conn, items) in self._outbox.items():
             pin = pins.get(fd)
             if (not items and pin is None) or conn.fileno() < 0:
                 continue
+            if pin is None and fd not in stirred:
+                keep[fd] = (conn, items)   # nothing came for it and it asked nothing: still waiting
+                continue
             entry = self.members.get(fd)
             m = entry[1] if entry is not None else None
             # a member waiting for its batch is woken once, when the whole batch is here
-            ready = m is None or (any(it[0] < m.need for it in items)
-                                  and not any(w < m.need for w in m.want))
+            ready = m is None or (any(it[0] < m.need for it in items) and not _waits(m))
             if len(items) >= _DELIVER_BATCH or ready or pin is not None:
                 msg = {"op": "ready", "items": items}
                 if pin is not None:

@@ -276,25 +276,24 @@ class WorkerPools:
         if not self.workers:
             return
         batches: dict[tuple[int, int], list] = {}    # (worker index, gid) -> [[g, slot], ...]
-        progress = True
-        while progress:
-            progress = False
-            for res in list(self.groups.values()):
-                if res.broken:
-                    continue
-                # only the group's own pool's workers that set it up (or are setting it up:
-                # the tasks follow the setup on the same socket)
-                mine = [k for k, w in enumerate(self.workers) if w in res.ready or w in res.pending]
-                if not mine:
-                    continue
-                k = min(mine, key=lambda k: len(self.workers[k].inflight))
-                w = self.workers[k]
+        # each group's workers: its own pool's that set it up (or are setting it up: the
+        # tasks follow the setup on the same socket); a group out of work or of room drops out
+        live = [(res, [(k, w) for k, w in enumerate(self.workers) if w in res.ready or w in res.pending])
+                for res in self.groups.values() if not res.broken]
+        live = [x for x in live if x[1]]
+        while live:    # one task per group per round, so groups sharing a pool take turns
+            left = []
+            for res, mine in live:
+                if res.broken or self.groups.get(res.group.gid) is not res:
+                    continue                 # broken or dropped by an action of this round
+                k, w = min(mine, key=lambda kw: len(kw[1].inflight))
                 if len(w.inflight) >= _IN_FLIGHT:
                     continue
                 actions, task = res.group.next_task()
                 self._act(res, actions)
                 if task is None:
                     continue
+                left.append((res, mine))
                 g, slot = task
                 base = slot * HEADER
                 res.mm[base:base + 32] = b"\xff" * 32   # invalid until the worker's header lands
@@ -302,7 +301,7 @@ class WorkerPools:
                     w.progress_t = time.monotonic()   # its clock starts with its work
                 w.inflight.add((res.group.gid, g))
                 batches.setdefault((k, res.group.gid), []).append([g, slot])
-                progress = True
+            live = left
         workers = list(self.workers)
         for (k, gid), tasks in batches.items():   # one message per worker and group
             if workers[k] in self.workers:
