@@ -209,3 +209,36 @@ def test_tasks_come_urgent_first_then_windows_lowest_first_whatever_the_members_
             g.done(h, True, info=["storage", 1, 0.0, 0.0])
             for m in members:
                 assert m.short == sum(1 for w in m.want if m.pos <= w < min(m.need, m.end)), trial
+
+
+def test_staging_in_use_stays_compact_and_batches_stay_runs_of_slots():
+    """A run of positions takes a run of slots (a batch is then one view of
+    staging, no copy), and turns back to the lowest free slot where a batch
+    of every member begins once it has walked ``compact`` slots: the pages of
+    staging in use stay few (walking on through all of staging touched every
+    page of it) and no batch is split by the turn."""
+    n, bs, window = 3000, 16, 32
+    g = Group(1, "k", nslots=4096, samples_per_epoch=n, compact=64)
+    members = [Member(k + 1, 10 + k, f"m{k}") for k in range(2)]
+    for m in members:
+        g.add(m)
+        g.begin_pass(m.mid, 0, 0, n)
+    highest, split = 0, 0
+    for start in range(0, n, bs):
+        slots = {}
+        for m in members:
+            want = list(range(start, min(n, start + bs + window)))
+            acts = g.step(m.mid, start, release=list(range(max(0, start - bs), start)), want=want,
+                          need=start + bs)
+            while True:
+                more, task = g.next_task()
+                acts += more
+                if task is None:
+                    break
+                highest = max(highest, task[1])
+                acts += g.done(task[0], True, info=["storage", 1, 0.0, 0.0])
+            assert not any(a[0] == "detach" for a in acts)
+        batch = [g.items[h].slot for h in range(start, min(n, start + bs))]
+        split += batch != list(range(batch[0], batch[0] + len(batch)))
+    assert highest < 4 * 64, highest          # not a walk through all 4096 slots
+    assert split == 0

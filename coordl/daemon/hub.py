@@ -46,6 +46,7 @@ __all__ = ["Hub", "DEFAULT_STAGING"]
 
 DEFAULT_STAGING = 512 << 20   # bytes of staging per group (touched only as it is used)
 _DELIVER_BATCH = 32           # ready samples a member gets in one message unless it waits for one
+_COMPACT_BYTES = 128 << 20   # staging a run of positions walks through before it turns back (groups.py)
 _MAX_STRIDE = 1 << 30         # bytes of one staged sample, at most
 
 
@@ -218,7 +219,7 @@ class Hub(WorkerPools):
             gid = self._next_gid
             self._next_gid += 1
             nslots = max(16, min(1 << 16, self.staging_bytes // max(stride, 1)))
-            group = Group(gid, key, nslots, n)
+            group = Group(gid, key, nslots, n, compact=max(256, _COMPACT_BYTES // stride))
             try:
                 res = _GroupRes(group, msg, dataset_fd, stride)
             except BaseException:
