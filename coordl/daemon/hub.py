@@ -45,7 +45,7 @@ from .pool import WorkerPools, _Pool, _pool_key, _Worker
 __all__ = ["Hub", "DEFAULT_STAGING"]
 
 DEFAULT_STAGING = 512 << 20   # bytes of staging per group (touched only as it is used)
-_DELIVER_BATCH = 32           # ready samples a member gets in one message unless it waits for one
+_DELIVER_BATCH = 512          # ready samples a member gets in one message unless its batch is complete first
 _COMPACT_BYTES = 128 << 20   # staging a run of positions walks through before it turns back (groups.py)
 _MAX_STRIDE = 1 << 30         # bytes of one staged sample, at most
 
