@@ -405,10 +405,12 @@ class Group:
     def gc(self, only=None) -> None:
         """Free every item nobody may take any more (of ``only``, when given)."""
         items = self.items
+        # held for the attached member furthest behind, or later: kept, no need to look further
+        low = min((m.pos for m in self.members.values() if m.attached), default=None)
         if only is None:
-            dead = [g for g, it in items.items() if not self._needed(g, it)]
+            dead = [g for g, it in items.items() if (low is None or g < low) and not self._needed(g, it)]
         else:
-            dead = [g for g in only if g in items and not self._needed(g, items[g])]
+            dead = [g for g in only if g in items and (low is None or g < low) and not self._needed(g, items[g])]
         for g in dead:
             self.free.add(self.items.pop(g).slot)
 

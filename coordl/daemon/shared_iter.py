@@ -396,6 +396,22 @@ class SharedIter:
         link = self.mode.link
         return link is not None and HDR.unpack_from(link.mm, base)[1:] == (g, int(self.order[g - self.base]), MARK)
 
+    def _still_run(self, s0: int, gs: list[int]) -> bool:
+        """Slots ``s0, s0 + 1, ...`` hold positions ``gs``, complete: their
+        headers read at once (what :meth:`_still` checks one by one)."""
+        link = self.mode.link
+        if link is None:
+            return False
+        n = len(gs)
+        h = np.frombuffer(link.mm, dtype="<i8", count=n * (HEADER // 8), offset=s0 * HEADER)
+        try:
+            h = h.reshape(n, HEADER // 8)
+            g = np.asarray(gs, dtype=np.int64)
+            return bool((h[:, 1] == g).all() and (h[:, 3] == MARK).all()
+                        and (h[:, 2] == self.order[g - self.base]).all())
+        finally:
+            del h
+
     def _assemble(self, k: int, rows: list[int], gs: list[int]) -> Envelope:
         """Batch ``k`` from staged samples (one byte copy each) and samples
         prepared here, with the engine's own placing and finishing, so the
@@ -482,7 +498,7 @@ class SharedIter:
         s0 = int(items[0][1])
         if s0 < 0 or s0 + n > link.nslots or any(int(it[1]) != s0 + j for j, it in enumerate(items)):
             return None
-        if not all(self._still((s0 + j) * HEADER, g) for j, g in enumerate(gs)):
+        if not self._still_run(s0, gs):
             return None
         try:
             leaves, bufs = _private_views(self.layout1, link, s0, n)
@@ -495,11 +511,14 @@ class SharedIter:
         del bufs
         self._viewed = list(gs)
         st = BatchStats()
-        for it in items:
-            source, nbytes, fetch_s, prep_s = it[3]
-            st.record_read(source, int(nbytes))
-            st.fetch_s += float(fetch_s)
-            st.prep_s += float(prep_s)
+        infos = [it[3] for it in items]
+        if all(info[0] == "storage" for info in infos):   # (the common case, summed at once)
+            st.bytes_storage += sum(int(info[1]) for info in infos)
+        else:
+            for info in infos:
+                st.record_read(info[0], int(info[1]))
+        st.fetch_s += sum(float(info[2]) for info in infos)
+        st.prep_s += sum(float(info[3]) for info in infos)
         st.samples = st.shared = n
         self.mode.count(st)
         return Envelope(_collate.build(self.layout1.template, leaves), self.epoch, st, k)
