@@ -490,7 +490,11 @@ class SharedIter:
             return None
         if not any(lo <= gs[0] and gs[-1] < hi for lo, hi in self.pins):
             return None
-        if link.viewed + n > link.nslots // 8:   # a job holding many batches copies the rest
+        # a job holding many batches copies the rest: views of an eighth of staging at most, or
+        # of three batches (the one the user holds, this one, and the one before, whose release
+        # the reaper thread may not have carried out yet) within the quarter the daemon lets it
+        # pin, so a large batch next to a small staging is not copied every other time
+        if link.viewed + n > max(link.nslots // 8, min(3 * max(n, self.plan.batch_size or 0), link.nslots // 4)):
             return None
         items = [self.got.get(g) for g in gs]
         if any(it is None or not it[2] for it in items):
