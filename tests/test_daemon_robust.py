@@ -353,6 +353,31 @@ def test_clients_past_the_limit_are_told_why(photos, daemon_env, monkeypatch):
     assert st["pid"] == pid and st["max_clients"] == 8
 
 
+def test_status_stop_and_start_past_the_limit_say_the_daemon_runs_and_why_it_refused(daemon_env, monkeypatch):
+    """``coordl daemon status``/``stop`` and a job's start past the client
+    limit: the daemon answers at accept and closes, maybe before the request
+    arrives; they must report that refusal, not 'no daemon runs' (nor start
+    a second one, nor fail with a KeyError)."""
+    from coordl import cli
+
+    monkeypatch.setenv("COORDL_DAEMON_MAX_CLIENTS", "4")
+    pid = S.start()
+    held = [ipc.connect(S.socket_path()) for _ in range(4)]
+    try:
+        time.sleep(0.5)
+        for _ in range(5):    # the refusal may come before or after the request is sent: both ways
+            for call in (S.status, S.stop, S.start):
+                with pytest.raises(RuntimeError, match="COORDL_DAEMON_MAX_CLIENTS"):
+                    call()
+        assert cli.main(["daemon", "status"]) == 1
+        assert psutil.pid_exists(pid)
+    finally:
+        for c in held:
+            c.close()
+    time.sleep(0.5)
+    assert S.status()["pid"] == pid
+
+
 # ------------------------------------------------------------------ defect 7
 def test_a_hung_daemon_worker_is_replaced_and_its_samples_redone(photos, daemon_env):
     ref = _digests(photos)

@@ -63,20 +63,35 @@ def _log_path() -> str:
 
 
 def status(timeout: float = 5.0) -> dict | None:
-    """The running daemon's status, or None if none answers."""
+    """The running daemon's status, or None if none answers; ``Refused``
+    (a ``RuntimeError``) if one runs but refuses new clients (past its limit)."""
     try:
         return _probe(timeout)
     except TimeoutError:
         return None   # one runs, but does not answer (stopped, hung)
 
 
+class Refused(RuntimeError):
+    """The daemon runs but refused this client (past its client limit)."""
+
+
+def _answer(c: ipc.Conn, msg: dict, timeout: float) -> dict:
+    """``msg``'s answer; ``Refused`` when the daemon refused this client
+    (it writes why at accept and closes, maybe before the request arrives:
+    ``ask`` reads that answer even when the send broke)."""
+    reply = c.ask(msg, timeout=timeout)[0]
+    if reply.get("op") == "refused":
+        raise Refused(f"the coordl daemon at {socket_path()} runs but refused this client: {reply.get('why')}")
+    return reply
+
+
 def _probe(timeout: float) -> dict | None:
     """The daemon's status; None if none runs; ``TimeoutError`` if one
-    holds the socket but does not answer within ``timeout``."""
+    holds the socket but does not answer within ``timeout``; ``Refused`` if
+    it runs but refuses new clients."""
     try:
         with ipc.connect(socket_path(), timeout=timeout) as c:
-            c.send({"op": "status"}, timeout=timeout)
-            return c.recv(timeout=timeout)[0]
+            return _answer(c, {"op": "status"}, timeout)
     except TimeoutError:
         raise TimeoutError(f"the coordl daemon at {socket_path()} does not answer within {timeout:g} s "
                            "(stopped or hung; `coordl daemon status`, or kill it and the next job starts "
@@ -153,8 +168,7 @@ def stop(timeout: float = 30.0) -> bool:
     """Ask the running daemon to stop and wait until it has (False: none ran)."""
     try:
         with ipc.connect(socket_path(), timeout=timeout) as c:
-            c.send({"op": "stop"}, timeout=timeout)
-            c.recv(timeout=timeout)
+            _answer(c, {"op": "stop"}, timeout)
     except (FileNotFoundError, ConnectionRefusedError):
         return False
     fd = os.open(_lock_path(), os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
