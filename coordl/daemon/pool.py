@@ -41,7 +41,7 @@ from .worker import HEADER, LAYOUT
 if TYPE_CHECKING:
     from .hub import _GroupRes
 
-_IN_FLIGHT = 8                # samples handed to one worker at a time (it reads ahead on them)
+_IN_FLIGHT = 16               # samples handed to one worker at a time (it reads ahead on them)
 
 
 class _Pool:

@@ -54,7 +54,7 @@ __all__ = ["HEADER", "HDR", "MARK", "LAYOUT", "CodeMismatch", "describe_layout",
            "slot_stride", "staging_bases", "leaf_views"]
 
 HEADER = 64
-_DONE_BATCH = 4   # finished samples reported in one message (fewer wake-ups of the daemon)
+_DONE_BATCH = 8   # finished samples reported in one message (fewer wake-ups of the daemon)
 HDR = struct.Struct("<qqqq")   # epoch, global position, index, marker
 MARK = 0x636F6F72646C          # "coordl": a complete sample
 LAYOUT = "layout: "            # a failure's reason starts with it when the sample's shapes differ
