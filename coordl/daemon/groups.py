@@ -316,7 +316,7 @@ class Group:
         # position G in the slot after G - 1's when that one is free: a run of positions is a
         # run of slots, and a batch of them one contiguous view of staging (no copy in the
         # member); else the lowest free slot.  A run also goes back to the lowest free slot
-        # once it passes ``compact`` slots or four times what is staged now: staging in use stays compact (pages touched
+        # once it passes ``compact`` slots or twice what is staged now: staging in use stays compact (pages touched
         # already, not a walk through all of it: a run that walked on through 512 MiB touched
         # all of it, and every first touch of a page costs a fault and zeroing, measured as
         # ~10% more CPU in the daemon's workers over the first pass)
@@ -327,7 +327,7 @@ class Group:
         if slot not in self.free:
             slot = self.free.lowest()
         else:
-            far = max(self.compact, 4 * len(self.items))
+            far = max(self.compact, 2 * len(self.items))
             if slot >= 2 * far or (slot >= far and self._batches_begin_at(g)):
                 slot = self.free.lowest()
         self.free.discard(slot)
