@@ -490,11 +490,7 @@ class SharedIter:
             return None
         if not any(lo <= gs[0] and gs[-1] < hi for lo, hi in self.pins):
             return None
-        # a job holding many batches copies the rest: views of an eighth of staging at most, or
-        # of three batches (the one the user holds, this one, and the one before, whose release
-        # the reaper thread may not have carried out yet) within the quarter the daemon lets it
-        # pin, so a large batch next to a small staging is not copied every other time
-        if link.viewed + n > max(link.nslots // 8, min(3 * max(n, self.plan.batch_size or 0), link.nslots // 4)):
+        if link.viewed + n > view_room(link.nslots, max(n, self.plan.batch_size or 0)):
             return None
         items = [self.got.get(g) for g in gs]
         if any(it is None or not it[2] for it in items):
@@ -526,6 +522,16 @@ class SharedIter:
         st.samples = st.shared = n
         self.mode.count(st)
         return Envelope(_collate.build(self.layout1.template, leaves), self.epoch, st, k)
+
+
+def view_room(nslots: int, batch: int) -> int:
+    """Slots of staging a job may view at once: a job holding many batches
+    copies the rest.  An eighth of staging, or three batches (the one the
+    user holds, the one being built, and the one before, whose release the
+    reaper thread may not have carried out yet) within the quarter the
+    daemon lets a job pin, whichever is more: a large batch next to a small
+    staging is not copied every other time."""
+    return max(nslots // 8, min(3 * batch, nslots // 4))
 
 
 _PAGE = mmap.PAGESIZE
