@@ -315,13 +315,10 @@ class Group:
         self._queued.discard(g)
         # position G in the slot after G - 1's when that one is free: a run of positions is a
         # run of slots, and a batch of them one contiguous view of staging (no copy in the
-        # member); else the lowest free slot.  A run also goes back to the lowest free slot
-        # once it passes ``compact`` slots or twice what is staged now: staging in use stays compact (pages touched
-        # already, not a walk through all of it: a run that walked on through 512 MiB touched
-        # all of it, and every first touch of a page costs a fault and zeroing, measured as
-        # ~10% more CPU in the daemon's workers over the first pass)
-        # (it turns back where a batch of every member begins, so no batch is split: split,
-        # each member would copy it)
+        # member); else the lowest free slot.  Past ``compact`` slots or twice what is staged,
+        # a run turns back to the lowest free slot where a batch of every member begins (a
+        # split batch is copied by every member), so staging in use stays compact: walking on
+        # through all of it touched every page, a fault and zeroing each (docs/architecture.md)
         prev = self.items.get(g - 1)
         slot = prev.slot + 1 if prev is not None else -1
         if slot not in self.free:

@@ -67,12 +67,6 @@ def _positions(xs, what: str) -> list[int]:
     return [_pos(x, what) for x in xs]
 
 
-def _waits(m: Member) -> bool:
-    """Whether ``m`` still waits for a sample of the batch it assembles
-    (``[pos, need)``; the group keeps the count)."""
-    return m.short > 0
-
-
 class _GroupRes:
     """The kernel objects of one group: the dataset pickle and the staging memfd."""
 
@@ -382,7 +376,8 @@ class Hub(WorkerPools):
             entry = self.members.get(fd)
             m = entry[1] if entry is not None else None
             # a member waiting for its batch is woken once, when the whole batch is here
-            ready = m is None or (any(it[0] < m.need for it in items) and not _waits(m))
+            # (m.short: what it still waits for of that batch, counted by the group)
+            ready = m is None or (any(it[0] < m.need for it in items) and not m.short)
             if len(items) >= _DELIVER_BATCH or ready or pin is not None:
                 msg = {"op": "ready", "items": items}
                 if pin is not None:

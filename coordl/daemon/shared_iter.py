@@ -511,14 +511,11 @@ class SharedIter:
         del bufs
         self._viewed = list(gs)
         st = BatchStats()
-        infos = [it[3] for it in items]
-        if all(info[0] == "storage" for info in infos):   # (the common case, summed at once)
-            st.bytes_storage += sum(int(info[1]) for info in infos)
-        else:
-            for info in infos:
-                st.record_read(info[0], int(info[1]))
-        st.fetch_s += sum(float(info[2]) for info in infos)
-        st.prep_s += sum(float(info[3]) for info in infos)
+        for it in items:
+            source, nbytes, fetch_s, prep_s = it[3]
+            st.record_read(source, int(nbytes))
+            st.fetch_s += float(fetch_s)
+            st.prep_s += float(prep_s)
         st.samples = st.shared = n
         self.mode.count(st)
         return Envelope(_collate.build(self.layout1.template, leaves), self.epoch, st, k)
