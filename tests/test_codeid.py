@@ -131,3 +131,33 @@ def test_a_helper_module_edited_after_import_differs_from_a_fresh_import(tmp_pat
     fresh = _load(tmp_path, "h", helper="x * 5")
     assert stale != before                                   # the file changed
     assert stale != identity_of(fresh.Box(fresh.MyAug()))[0]  # and this process does not run it
+
+
+def test_installed_distributions_are_named_from_their_dist_info_as_importlib_names_them(tmp_path):
+    # the cheap lookup (dist-info listing and top_level.txt) must name the same
+    # distribution and version as importlib.metadata's scan of every file list
+    from importlib import metadata
+
+    import numpy
+    import PIL
+    import torch
+
+    from coordl.daemon import codeid
+
+    std, site_dirs = codeid._roots()
+    pd = metadata.packages_distributions()
+    for mod in (numpy, torch, PIL):
+        top = mod.__name__
+        f = os.path.realpath(mod.__file__)
+        site = next(d for d in site_dirs if f.startswith(d))
+        got = codeid._dist_versions(top, site)
+        want = sorted(f"{n}=={metadata.version(n)}" for n in set(pd[top]))
+        assert got and [g.split("==")[1] for g in got] == [w.split("==")[1] for w in want], (top, got, want)
+    # a dist-info without top_level.txt names its own package; an unknown one finds nothing there
+    site = tmp_path / "site"
+    (site / "fancy_pkg-1.2.3.dist-info").mkdir(parents=True)
+    (site / "other-0.1.dist-info").mkdir()
+    (site / "other-0.1.dist-info" / "top_level.txt").write_text("oth\nother_two\n")
+    codeid._BESIDE.pop(str(site), None)
+    beside = codeid._dists_beside(str(site))
+    assert beside == {"fancy_pkg": ["fancy_pkg==1.2.3"], "oth": ["other==0.1"], "other_two": ["other==0.1"]}
