@@ -355,25 +355,37 @@ class Group:
 
     def done(self, g: int, ok: bool, why: str = "", info=None) -> list:
         """A worker finished position ``g``: deliver it to whoever waits."""
-        it = self.items.get(g)
-        if it is None:
-            return []
-        if ok:
-            it.state, it.info = "ready", list(info or [])
-            self.prepared += 1
-        else:
-            it.state, it.why = "failed", why
-        out = []
-        for m in self.members.values():
-            if g in m.want:
-                m.want.discard(g)
-                if m.pos <= g < m.need:
-                    m.short -= 1
-                self._give(m, g)
-                out.append(("deliver", m, [g]))
-        if not self._needed(g, it):      # nothing else changed: only this one may be free now
-            self.free.add(self.items.pop(g).slot)
-        return out
+        return self.done_many([(g, ok, why, info)])
+
+    def done_many(self, results) -> list:
+        """Workers finished ``results`` (``(g, ok, why, info)`` each): one
+        ``deliver`` action per member that waits for any of them, with all
+        of those it waits for (a worker reports several samples at once)."""
+        out: dict[int, tuple] = {}
+        members = self.members.values()
+        for g, ok, why, info in results:
+            it = self.items.get(g)
+            if it is None:
+                continue
+            if ok:
+                it.state, it.info = "ready", list(info or [])
+                self.prepared += 1
+            else:
+                it.state, it.why = "failed", why
+            for m in members:
+                if g in m.want:
+                    m.want.discard(g)
+                    if m.pos <= g < m.need:
+                        m.short -= 1
+                    self._give(m, g)
+                    a = out.get(m.mid)
+                    if a is None:
+                        out[m.mid] = ("deliver", m, [g])
+                    else:
+                        a[2].append(g)
+            if not self._needed(g, it):      # nothing else changed: only this one may be free now
+                self.free.add(self.items.pop(g).slot)
+        return list(out.values())
 
     # ---------------------------------------------------------------- policy
     @staticmethod

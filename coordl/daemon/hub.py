@@ -347,7 +347,7 @@ class Hub(WorkerPools):
                         items.append([g, it.slot, True, it.info])
                     else:
                         items.append([g, it.slot, False, it.why])
-            elif a[0] == "pinned":   # told with its next delivery, or alone at this round's end
+            elif a[0] == "pinned":   # told with its next delivery (alone if it waits for none)
                 self._outbox.setdefault(fd, (conn, []))
                 self._pins[fd] = a[2]
             elif a[0] == "detach":
@@ -376,15 +376,18 @@ class Hub(WorkerPools):
             entry = self.members.get(fd)
             m = entry[1] if entry is not None else None
             # a member waiting for its batch is woken once, when the whole batch is here
-            # (m.short: what it still waits for of that batch, counted by the group)
+            # (m.short: what it still waits for of that batch, counted by the group); a pin's
+            # answer goes with that message, alone only to a member that waits for nothing
             ready = m is None or (any(it[0] < m.need for it in items) and not m.short)
-            if len(items) >= _DELIVER_BATCH or ready or pin is not None:
+            if len(items) >= _DELIVER_BATCH or ready or (pin is not None and (m is None or not m.short)):
                 msg = {"op": "ready", "items": items}
                 if pin is not None:
                     msg["pinned"] = pin
                 self._send(conn, msg)
             else:
                 keep[fd] = (conn, items)
+                if pin is not None:
+                    self._pins[fd] = pin
         self._outbox = keep
 
     def _conn_of(self, m: Member):

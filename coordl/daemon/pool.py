@@ -165,16 +165,22 @@ class WorkerPools:
         elif op in ("group_ok", "group_failed"):
             w.setting_up = max(0, w.setting_up - 1)
         if op == "done":
+            by_group: dict[int, list] = {}      # one set of deliveries per group and message
             for item in msg["items"]:
                 gid, g = int(item["gid"]), int(item["g"])
-                res = self.groups.get(gid)
-                if (gid, g) not in w.inflight or res is None:
+                if (gid, g) not in w.inflight or gid not in self.groups:
                     continue
                 w.inflight.discard((gid, g))
-                why = str(item.get("why", ""))
-                self._act(res, res.group.done(g, bool(item.get("ok")), why, item.get("info")))
-                if why.startswith(LAYOUT) and not res.broken:
-                    self._variable_shapes(res, why[len(LAYOUT):])
+                by_group.setdefault(gid, []).append((g, bool(item.get("ok")), str(item.get("why", "")),
+                                                     item.get("info")))
+            for gid, results in by_group.items():
+                res = self.groups.get(gid)
+                if res is None:
+                    continue
+                self._act(res, res.group.done_many(results))
+                for _g, _ok, why, _info in results:
+                    if why.startswith(LAYOUT) and not res.broken:
+                        self._variable_shapes(res, why[len(LAYOUT):])
         elif op == "group_ok" and res is not None and w in res.pending:
             res.pending.discard(w)
             res.ready.add(w)
