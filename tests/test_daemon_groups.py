@@ -242,3 +242,21 @@ def test_staging_in_use_stays_compact_and_batches_stay_runs_of_slots():
         split += batch != list(range(batch[0], batch[0] + len(batch)))
     assert highest < 4 * 64, highest          # not a walk through all 4096 slots
     assert split == 0
+
+
+def test_a_report_of_several_samples_is_one_delivery_per_member_with_what_each_waits_for():
+    g, a, b = two_members(16, 8)
+    g.step(1, 0, want=range(4), need=4)
+    g.step(2, 0, want=[0, 2], need=1)
+    tasks = []
+    while True:
+        _, t = g.next_task()
+        if t is None:
+            break
+        tasks.append(t[0])
+    assert sorted(tasks) == [0, 1, 2, 3]
+    acts = g.done_many([(x, x != 3, "" if x != 3 else "broke", ["storage", 1, 0.0, 0.0]) for x in tasks])
+    assert [(x[0], x[1]) for x in acts] == [("deliver", a), ("deliver", b)]      # one each
+    assert sorted(delivered(acts, a)) == [0, 1, 2, 3] and sorted(delivered(acts, b)) == [0, 2]
+    assert a.short == 0 and b.short == 0 and not a.want and not b.want
+    assert g.prepared == 3 and g.items[3].state == "failed"
