@@ -666,7 +666,7 @@ def _groups_seen(snapshots: list[dict]) -> str:
     prepared = max((sum(g.get("prepared", 0) for g in st.get("groups") or []) for st in ok), default=0)
     detaches = max((sum(g.get("detaches", 0) for g in st.get("groups") or []) for st in ok), default=0)
     return (f"largest groups seen {sizes or 'none'}, up to {workers} daemon worker(s), "
-            f"{prepared} samples prepared, {detaches} detaches")
+            f"{prepared} samples prepared by the last poll, {detaches} detaches")
 
 
 # ===================================================================== report
