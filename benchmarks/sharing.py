@@ -753,7 +753,10 @@ def report(rows: list[dict], job_rows: list[dict], args, share_ok: bool) -> None
     # issue 18: the slowest job vs solo, the CPU bound, bit-identity, idle start
     if "shared-K4" in by:
         x = by["shared-K4"]["min_ratio_vs_solo"]
-        lines.append((f"issue 18: slowest of K=4 sharing / solo >= 0.9 (step {args.step})", x, x >= 0.9))
+        if args.step == "sleep":    # the target's step; with another step it is a report
+            lines.append(("issue 18: slowest of K=4 sharing / solo >= 0.9 (step sleep)", x, x >= 0.9))
+        else:
+            lines.append((f"issue 18: slowest of K=4 sharing / solo (step {args.step}; report)", x, None))
     if "shared-mixed" in by:
         x = by["shared-mixed"]["min_ratio_vs_solo"]
         lines.append(("issue 18: slowest of mixed batch sizes sharing / solo >= 0.9", x, x >= 0.9))
