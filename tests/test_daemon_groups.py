@@ -15,6 +15,16 @@ def run_worker(g: Group):
         out += g.done(task[0], True, info=["storage", 1, 0.0, 0.0])
 
 
+def tasks(g: Group) -> list:
+    """Every position the group hands out now, in its order (none prepared)."""
+    out = []
+    while True:
+        _, task = g.next_task()
+        if task is None:
+            return out
+        out.append(task[0])
+
+
 def two_members(nslots, n, names=("a", "b"), passes=((0, 0, None), (0, 0, None))):
     """A group with two members, each in a pass (epoch, start, end or n)."""
     g = Group(1, "k", nslots=nslots, samples_per_epoch=n)
@@ -196,12 +206,7 @@ def test_tasks_come_urgent_first_then_windows_lowest_first_whatever_the_members_
             g.step(m.mid, pos, want=want, need=min(n, pos + batch))
         urgent = sorted({h for m in members for h in m.want if m.pos <= h < min(m.need, m.end)})
         rest = sorted({h for m in members for h in m.want} - set(urgent))
-        got = []
-        while True:
-            _, task = g.next_task()
-            if task is None:
-                break
-            got.append(task[0])
+        got = tasks(g)
         assert got == urgent + rest, trial
         # what each member still waits for in its batch, kept as a count, matches its wants
         rng.shuffle(got)
@@ -248,14 +253,9 @@ def test_a_report_of_several_samples_is_one_delivery_per_member_with_what_each_w
     g, a, b = two_members(16, 8)
     g.step(1, 0, want=range(4), need=4)
     g.step(2, 0, want=[0, 2], need=1)
-    tasks = []
-    while True:
-        _, t = g.next_task()
-        if t is None:
-            break
-        tasks.append(t[0])
-    assert sorted(tasks) == [0, 1, 2, 3]
-    acts = g.done_many([(x, x != 3, "" if x != 3 else "broke", ["storage", 1, 0.0, 0.0]) for x in tasks])
+    handed = tasks(g)
+    assert sorted(handed) == [0, 1, 2, 3]
+    acts = g.done_many([(x, x != 3, "" if x != 3 else "broke", ["storage", 1, 0.0, 0.0]) for x in handed])
     assert [(x[0], x[1]) for x in acts] == [("deliver", a), ("deliver", b)]      # one each
     assert sorted(delivered(acts, a)) == [0, 1, 2, 3] and sorted(delivered(acts, b)) == [0, 2]
     assert a.short == 0 and b.short == 0 and not a.want and not b.want

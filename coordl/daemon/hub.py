@@ -379,7 +379,7 @@ class Hub(WorkerPools):
             # (m.short: what it still waits for of that batch, counted by the group); a pin's
             # answer goes with that message, alone only to a member that waits for nothing
             ready = m is None or (any(it[0] < m.need for it in items) and not m.short)
-            if len(items) >= _DELIVER_BATCH or ready or (pin is not None and (m is None or not m.short)):
+            if len(items) >= _DELIVER_BATCH or ready or (pin is not None and not m.short):
                 msg = {"op": "ready", "items": items}
                 if pin is not None:
                     msg["pinned"] = pin
