@@ -29,6 +29,7 @@ from torch.utils.data import DataLoader as _TorchDataLoader
 from torch.utils.data.dataloader import _DatasetKind
 
 from .base import reaper as _reaper
+from .base.forks import starting_workers
 from .base.units import parse_size
 from .errors import StateError
 from .pipeline.modes import PipelineMode, choose_mode
@@ -608,17 +609,19 @@ class DataLoader(_TorchDataLoader[_T_co]):
         return cache
 
     def _get_iterator(self):
-        # torch's hook for building its iterator (torch-machinery modes only)
-        if self._device is not None and self._device.type == "cuda" and not self.pin_memory:
-            # device=: torch's pin thread puts batches in page-locked memory, off the
-            # training thread, and the copy to the device starts from there (coordl.device)
-            d = self.__dict__
-            d["pin_memory"] = True
-            try:
-                return self._mode.build_torch_iterator(self)
-            finally:
-                d["pin_memory"] = False
-        return self._mode.build_torch_iterator(self)
+        # torch's hook for building its iterator (torch-machinery modes only);
+        # it forks torch's workers: they must never collect what they inherit
+        with starting_workers():
+            if self._device is not None and self._device.type == "cuda" and not self.pin_memory:
+                # device=: torch's pin thread puts batches in page-locked memory, off the
+                # training thread, and the copy to the device starts from there (coordl.device)
+                d = self.__dict__
+                d["pin_memory"] = True
+                try:
+                    return self._mode.build_torch_iterator(self)
+                finally:
+                    d["pin_memory"] = False
+            return self._mode.build_torch_iterator(self)
 
     @property
     def _index_sampler(self):

@@ -107,3 +107,14 @@ def _no_leaked_processes_or_shm(request):
     if shm:
         report.append(f"/dev/shm entries: {sorted(shm)}")
     pytest.fail("\n".join(report), pytrace=False)
+
+
+@pytest.fixture
+def no_accelerator(monkeypatch):
+    """This process behaves as on a machine without an accelerator, also where
+    one is present: torch's and coordl's pinning decisions both ask
+    ``torch.accelerator.is_available()`` (and CUDA's own test answers alike)."""
+    import torch
+
+    monkeypatch.setattr(torch.accelerator, "is_available", lambda: False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)

@@ -141,3 +141,35 @@ def test_sigkilled_trainer_leaves_no_workers_and_its_cache_is_reclaimed():
     assert os.path.exists(os.path.join(C.user_dir(), name))  # nobody detached it
     assert name in C.reclaim_stale()  # the next start's sweep (no keep-warm asked)
     assert not os.path.exists(os.path.join(C.user_dir(), name))
+
+
+def test_a_worker_killed_by_a_signal_other_than_sigkill_is_reported_without_the_oom_hint():
+    """SIGABRT (a C++ exception, CUDA in a forked worker) names the signal and
+    points at the worker's stderr; only SIGKILL suggests the OOM killer."""
+    r = _child("""
+        import os, signal
+        from coordl import DataLoader
+        from toydata import TwoStageToy
+
+        class Dies(TwoStageToy):
+            def prep(self, raw, i):
+                if i == 13:
+                    os.kill(os.getpid(), int(os.environ["SIG"]))
+                return super().prep(raw, i)
+
+        for sig in ("SIGABRT", "SIGSEGV", "SIGKILL"):
+            os.environ["SIG"] = str(int(getattr(signal, sig)))
+            try:
+                sum(1 for _ in DataLoader(Dies(64), batch_size=4, num_workers=2, seed=0))
+            except RuntimeError as e:
+                print(sig, "|", str(e).replace(chr(10), " "))
+            else:
+                print(sig, "| NO ERROR")
+    """)
+    assert r.returncode == 0, r.stderr
+    lines = dict(x.split(" | ", 1) for x in r.stdout.splitlines() if " | " in x)
+    assert set(lines) == {"SIGABRT", "SIGSEGV", "SIGKILL"}, r.stdout
+    for sig, msg in lines.items():
+        assert f"killed by signal: {sig}" in msg, msg
+        assert ("OOM" in msg) == (sig == "SIGKILL"), msg
+    assert "stderr" in lines["SIGABRT"], lines["SIGABRT"]

@@ -117,7 +117,7 @@ def test_the_device_path_delivers_what_the_cpu_path_delivers(photos, monkeypatch
         assert a[0].dtype == torch.float32 and torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
 
 
-def test_pin_memory_without_an_accelerator_warns_and_works(photos):
+def test_pin_memory_without_an_accelerator_warns_and_works(photos, no_accelerator):
     ds = coordl.ImageFolder(photos, transform=T.Compose([T.RandomResizedCrop(16), T.PILToTensor()]))
     with warnings.catch_warnings(record=True) as w:
         warnings.simplefilter("always")

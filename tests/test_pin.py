@@ -1,7 +1,8 @@
-"""pin_memory=True on coordl's own pipeline (issue 7 item 19).
+"""pin_memory=True on coordl's own pipeline.
 
-This machine has no accelerator: the "no accelerator" path is tested as is;
-the pinning path is tested with torch's availability check and the pin
+The "no accelerator" path runs with torch's availability check answering
+False (the ``no_accelerator`` fixture), so it holds on a machine with CUDA
+too; the pinning path is tested with torch's availability check and the pin
 function replaced, so the tests prove each batch goes through pinning (in a
 pin thread when there are workers) and that what the loop gets is the
 pinned copy.
@@ -20,7 +21,7 @@ NO_ACCEL = "'pin_memory' argument is set as true but no accelerator is found"
 
 
 @pytest.mark.parametrize("num_workers", [0, 2])
-def test_pin_without_accelerator_warns_like_torch_and_delivers(num_workers):
+def test_pin_without_accelerator_warns_like_torch_and_delivers(num_workers, no_accelerator):
     ds = TwoStageToy(20)
     want = list(DataLoader(ds, batch_size=4, seed=3, num_workers=num_workers))
     with warnings.catch_warnings(record=True) as w:

@@ -358,5 +358,8 @@ def split_for_device(dataset, device=None) -> Split:
     mine = copy.copy(dataset)
     mine.transform = _SplitCompose(tf, k)
     where = str(device) if device is not None else "the device"
-    return Split(SplitPrep(dataset, mine, tail), tail,
+    # The prep side (shipped to worker processes) gets a tail of its own: the
+    # delivery's tail holds constants on the device once a batch went through
+    # it, and nothing a worker receives may reach device state.
+    return Split(SplitPrep(dataset, mine, DeviceTail(tail.normalizes)), tail,
                  f"split: uint8 images travel; ToTensor's scaling and {len(ts) - k} Normalize run on {where}")

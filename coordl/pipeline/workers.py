@@ -38,6 +38,7 @@ import numpy as np
 
 from . import collate as _collate
 from ..base import reaper as _reaper
+from ..base.forks import starting_workers
 from .engine import Engine, pass_steps
 from .torch_path import Envelope
 from ..errors import SampleError
@@ -55,6 +56,18 @@ def _exit_reason(p) -> str:
         except ValueError:
             return f"killed by signal {-code}"
     return f"exit code {code}"
+
+
+def _exit_hint(code) -> str:
+    """What a worker's exit status suggests: only SIGKILL is the OOM killer's."""
+    if code == -signal.SIGKILL:
+        return ("If it was killed by the OOM killer, lower num_workers or the batch size; details may be in "
+                "the worker's stderr above.")
+    if code == -signal.SIGABRT:
+        return ("It aborted: the worker's stderr above says why (an uncaught C++ exception, a failed "
+                "assertion, or CUDA used in a forked worker: create CUDA tensors in the main process only, "
+                "or pass multiprocessing_context='spawn').")
+    return "Details may be in the worker's stderr above."
 
 
 class WorkerPool:
@@ -79,18 +92,8 @@ class WorkerPool:
         self._stats: dict[int, dict] = {}
         parent = os.getpid()
         try:
-            for w in range(num_workers):
-                ctrl_r, ctrl_w = ctx.Pipe(duplex=False)
-                res_main, res_child = ctx.Pipe(duplex=True)
-                p = ctx.Process(target=_worker_main, name=f"coordl-worker-{w}",
-                                args=(w, num_workers, dataset, cfg, ctrl_r, res_child, parent),
-                                daemon=True)
-                p.start()
-                ctrl_r.close()
-                res_child.close()
-                self.procs.append(p)
-                self.ctrl.append(ctrl_w)
-                self.res.append(res_main)
+            with starting_workers():    # a forked worker never collects what it inherited
+                self._start(dataset, cfg, num_workers, ctx, parent)
         except BaseException:
             _shutdown(self.procs, self.ctrl, self.res, parent)
             raise
@@ -100,6 +103,19 @@ class WorkerPool:
         self._stop = functools.partial(_shutdown, self.procs, self.ctrl, self.res, parent)
         _reaper.start()
         self._final = weakref.finalize(self, _reaper.later, self._stop)
+
+    def _start(self, dataset, cfg: dict, num_workers: int, ctx, parent: int) -> None:
+        for w in range(num_workers):
+            ctrl_r, ctrl_w = ctx.Pipe(duplex=False)
+            res_main, res_child = ctx.Pipe(duplex=True)
+            p = ctx.Process(target=_worker_main, name=f"coordl-worker-{w}",
+                            args=(w, num_workers, dataset, cfg, ctrl_r, res_child, parent), daemon=True)
+            p.start()
+            ctrl_r.close()
+            res_child.close()
+            self.procs.append(p)
+            self.ctrl.append(ctrl_w)
+            self.res.append(res_main)
 
     @property
     def pids(self) -> list[int]:
@@ -164,11 +180,8 @@ class WorkerPool:
     def _check_alive(self) -> None:
         for p in self.procs:
             if p.exitcode is not None:
-                raise RuntimeError(
-                    f"DataLoader worker (pid {p.pid}) exited unexpectedly with {_exit_reason(p)}. "
-                    "If it was killed by the OOM killer, lower num_workers or the batch size; "
-                    "details may be in the worker's stderr above."
-                )
+                raise RuntimeError(f"DataLoader worker (pid {p.pid}) exited unexpectedly with {_exit_reason(p)}. "
+                                   + _exit_hint(p.exitcode))
 
     def _receive(self, timeout: float) -> None:
         sentinels = {p.sentinel: p for p in self.procs}

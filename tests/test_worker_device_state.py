@@ -1,0 +1,234 @@
+"""Worker processes never hold, touch or free the main process's device state.
+
+On a GPU a CUDA tensor (or page-locked memory a copy has used) destroyed in a
+forked worker aborts it: its destructor calls into a CUDA context the worker
+does not have.  Here the CPU stands in for the device (``CPU_TEST_DEVICE``):
+every tensor the device path makes in the main process (delivered batches,
+ring buffers, the tail's constants) carries a probe that records being
+destroyed in a process other than the one that made it.  The training loops
+below are the ordinary ones (a training and a validation loader interleaved,
+three loaders, several epochs, early exits, garbage cycles of the training
+step), with a ``worker_init_fn`` that runs the cyclic collector in each
+worker, as any allocation there may: no probe may fire in a worker."""
+import textwrap
+
+import pytest
+
+from coordl.testing import run_in_child
+
+pytestmark = pytest.mark.timeout(240)
+
+
+@pytest.fixture(scope="module")
+def photos(tmp_path_factory):
+    from coordl.synth import make_image_folder
+
+    root = tmp_path_factory.mktemp("devstate") / "photos"
+    make_image_folder(str(root), num_images=24, num_classes=2, mean_kb=2, image_size=(40, 32), seed=3)
+    return str(root)
+
+
+_PRELUDE = '''
+import collections, gc, os, sys, types
+import torch
+import coordl
+from coordl import transforms as T
+from coordl.device import delivery as D
+
+D.CPU_TEST_DEVICE = True
+MAIN = os.getpid()
+
+
+class Probe:
+    """Records in LOG when it dies in a process other than MAIN."""
+    def __init__(self, what):
+        self.what = what
+    def __del__(self):
+        if os.getpid() != MAIN:
+            fd = os.open(LOG, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+            os.write(fd, f"{os.getpid()} {self.what}\\n".encode())
+            os.close(fd)
+
+
+def probe(t, what):
+    if "_probe" not in t.__dict__:
+        t._probe = Probe(what)
+    return t
+
+real_start, real_consts = D.DeviceDelivery._start_copy, D.DeviceTail.constants
+
+def start(self, host, paths):
+    st = real_start(self, host, paths)
+    D.map_tensors(st.batch, lambda t: probe(t, "delivered batch"))
+    for slot in self.slots:
+        for b in slot.buffers:
+            probe(b, "ring buffer")
+    return st
+
+def consts(self, device):
+    div, pairs = real_consts(self, device)
+    probe(div, "tail constant")
+    for m, s in pairs:
+        probe(m, "tail constant"), probe(s, "tail constant")
+    return div, pairs
+
+D.DeviceDelivery._start_copy, D.DeviceTail.constants = start, consts
+Pair = collections.namedtuple("Pair", "image label")
+
+
+class DictFolder(coordl.ImageFolder):
+    def prep(self, raw, i):
+        img, y = self._prep(raw, i)
+        return {"image": img, "label": y}
+
+
+class PairFolder(coordl.ImageFolder):
+    def prep(self, raw, i):
+        return Pair(*self._prep(raw, i))
+
+
+def collect_in_worker(w):
+    gc.collect()          # what any allocation in the worker may start
+
+
+NORM = T.Normalize([0.485, 0.456, 0.406], [0.229, 0.224, 0.225])
+TRAIN = T.Compose([T.RandomResizedCrop(16), T.RandomHorizontalFlip(), T.ToTensor(), NORM])
+VAL = T.Compose([T.Resize(20), T.CenterCrop(16), T.ToTensor(), NORM])
+
+
+def loader(cls, tf, **kw):
+    kw.setdefault("num_workers", 2)
+    return coordl.DataLoader(cls(ROOT, transform=tf), batch_size=4, seed=1, device="cpu",
+                             worker_init_fn=collect_in_worker, **kw)
+
+
+def garbage_of_a_training_step(batch):
+    """A reference cycle holding a delivered batch, as autograd graphs,
+    exceptions with tracebacks and closures leave them, not yet collected."""
+    junk = {"batch": batch}
+    junk["self"] = junk
+
+
+def report():
+    gc.enable()
+    fired = open(LOG).read() if os.path.exists(LOG) else ""
+    print("FIRED:" + repr(fired))
+'''
+
+
+def _run(photos, tmp_path, body: str, setup: str = ""):
+    log = str(tmp_path / "fired.log")
+    code = f"ROOT, LOG = {photos!r}, {log!r}\n" + _PRELUDE + setup + textwrap.dedent(body) + "\nreport()\n"
+    res = run_in_child(code, timeout=200)
+    assert res.returncode == 0, res.stdout + res.stderr
+    line = [x for x in res.stdout.splitlines() if x.startswith("FIRED:")]
+    assert line, res.stdout + res.stderr
+    fired = line[-1][len("FIRED:"):].strip("'").split("\\n")
+    assert line[-1] == "FIRED:''", (f"device state destroyed in a worker process ({len(fired) - 1} objects), "
+                                    f"first: {fired[:5]}\n{res.stderr[-3000:]}")
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+@pytest.mark.parametrize("kind", ["tuple", "dict", "namedtuple"])
+def test_training_and_validation_loaders_interleaved_never_free_device_state_in_a_worker(
+        photos, tmp_path, kind, persistent):
+    cls = {"tuple": "coordl.ImageFolder", "dict": "DictFolder", "namedtuple": "PairFolder"}[kind]
+    _run(photos, tmp_path, f"""
+        gc.disable()          # the main process has not collected its garbage yet when workers start
+        train = loader({cls}, TRAIN, shuffle=True, persistent_workers={persistent})
+        val = loader({cls}, VAL, persistent_workers={persistent})
+        held = None
+        for epoch in range(3):
+            for k, batch in enumerate(train):
+                garbage_of_a_training_step(batch)
+                held = held or batch
+                if epoch == 1 and k == 2:
+                    break     # an early exit: the pass is abandoned
+            for batch in val:
+                garbage_of_a_training_step(batch)
+        third = loader({cls}, VAL, num_workers=1)
+        for batch in third:
+            garbage_of_a_training_step(batch)
+        del train, val, third
+        for batch in loader({cls}, TRAIN):
+            pass
+    """)
+
+
+_RECEIVED = '''
+import coordl.pipeline.workers as W
+from torch.utils.data._utils import worker as TW
+
+
+def reachable_probes(roots):
+    """What of the device path's tensors is reachable from ``roots``
+    (module namespaces and classes left out: they are the program, not data)."""
+    skip = {id(m.__dict__) for m in list(sys.modules.values()) if m is not None}
+    seen, stack, hits = set(), list(roots), []
+    while stack and len(seen) < 500000:
+        o = stack.pop()
+        if id(o) in seen or id(o) in skip or isinstance(o, (types.ModuleType, type)):
+            continue
+        seen.add(id(o))
+        if isinstance(o, torch.Tensor) and "_probe" in o.__dict__:
+            hits.append(o._probe.what)
+        if isinstance(o, types.FunctionType):
+            stack.extend([o.__closure__ or (), o.__defaults__ or (), o.__kwdefaults__ or {}])
+            continue
+        stack.extend(gc.get_referents(o))
+    return hits
+
+
+def checked(real, name):
+    def main(*args, **kw):
+        hits = reachable_probes((args, kw))
+        if hits:
+            fd = os.open(LOG, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+            os.write(fd, f"{os.getpid()} {name} received {sorted(set(hits))}\\\\n".encode())
+            os.close(fd)
+        return real(*args, **kw)
+    return main
+
+
+W._worker_main = checked(W._worker_main, "coordl worker")
+TW._worker_loop = checked(TW._worker_loop, "torch worker")
+
+
+class Plain(torch.utils.data.Dataset):
+    """A dataset without raw/prep: torch's machinery delivers it."""
+    def __init__(self, root, transform):
+        self.ds = coordl.ImageFolder(root, transform=transform)
+    def __len__(self):
+        return len(self.ds)
+    def __getitem__(self, i):
+        return self.ds[i]
+'''
+
+
+@pytest.mark.parametrize("cls", ["coordl.ImageFolder", "Plain"])
+def test_nothing_a_worker_receives_reaches_device_state(photos, tmp_path, cls):
+    """Each worker's arguments are walked in the worker: no tensor the device
+    path made in the main process is reachable from them, at any epoch, with
+    persistent workers or without."""
+    _run(photos, tmp_path, setup=_RECEIVED, body=f"""
+        for persistent in (False, True):
+            train = loader({cls}, TRAIN, shuffle=True, persistent_workers=persistent)
+            val = loader({cls}, VAL, persistent_workers=persistent)
+            keep = []
+            for epoch in range(3):
+                keep += [b for b in train][:1]
+                keep += [b for b in val][:1]
+            train.load_state_dict(train.state_dict())
+            keep += [next(iter(train))]
+    """)
+
+
+def test_spawned_and_forkserver_workers_get_no_device_state(photos, tmp_path):
+    _run(photos, tmp_path, """
+        for ctx in ("spawn", "forkserver"):
+            L = coordl.DataLoader(coordl.ImageFolder(ROOT, transform=TRAIN), batch_size=4, seed=1, device="cpu",
+                                  num_workers=2, multiprocessing_context=ctx, worker_init_fn=gc.collect)
+            for epoch in range(2):
+                for batch in L:
+                    garbage_of_a_training_step(batch)
+    """)
