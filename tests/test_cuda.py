@@ -1,8 +1,20 @@
-"""The real CUDA path of device delivery (issue 21 item 7): streams,
-events, pinned buffers, ``record_stream`` and the bit-identical check
-against the CPU path.  Runs wherever CUDA is present; skipped otherwise
-(the same code is tested through its seams in test_device*.py)."""
+"""The real CUDA path of device delivery: streams, events, pinned buffers,
+``record_stream`` and the bit-identical check against the CPU path; and the
+training scripts users run on a GPU node, each in a child process whose
+CUDA context exists before any worker starts (a training and a validation
+loader interleaved, three loaders, later epochs, persistent workers on and
+off, tuple, dict and namedtuple samples, torchvision's ImageFolder with
+only the import changed, ``share=True``, ``pin_memory=True`` without
+``device=``, spawn and forkserver workers): no worker may die, and every
+batch is the CPU path's.
+
+Runs wherever CUDA is present; skipped otherwise (the same code is tested
+through its seams in test_device*.py and test_worker_device_state.py).
+``COORDL_TEST_CUDA_AS_CPU=1`` runs the scenario tests on a machine without
+CUDA, the CPU standing in for the device, to check the scripts themselves."""
 import collections
+import os
+import textwrap
 import threading
 
 import pytest
@@ -12,7 +24,10 @@ import coordl
 from coordl.device import delivery as D
 from coordl import transforms as T
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+AS_CPU = os.environ.get("COORDL_TEST_CUDA_AS_CPU") == "1" and not torch.cuda.is_available()
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+pytestmark = pytest.mark.skipif(not (torch.cuda.is_available() or AS_CPU), reason="needs CUDA")
+HERE = os.path.dirname(os.path.abspath(__file__))
 
 NORM = T.Normalize([0.485, 0.456, 0.406], [0.229, 0.224, 0.225])
 Pair = collections.namedtuple("Pair", "image label")
@@ -45,6 +60,7 @@ def _same(a, b):
     return a == b
 
 
+@needs_cuda
 def test_the_tail_is_bit_identical_to_the_cpu_path_on_cuda():
     every = torch.arange(256, dtype=torch.uint8).repeat(3, 1).view(1, 3, 16, 16)
     tail = D.DeviceTail([NORM, T.Normalize([0.1, 0.2, 0.3], [0.7, 0.11, 0.13])])
@@ -58,6 +74,7 @@ def test_the_tail_is_bit_identical_to_the_cpu_path_on_cuda():
     assert div.is_cuda and all(m.is_cuda and s.is_cuda for m, s in pairs)
 
 
+@needs_cuda
 def test_ring_streams_events_pinned_buffers_and_record_stream(monkeypatch):
     dd = D.DeviceDelivery(torch.device("cuda"), tail=D.DeviceTail([NORM]))
     assert isinstance(dd.streams, D.CudaStreams)
@@ -90,6 +107,7 @@ class DictFolder(coordl.ImageFolder):
         return {"image": img, "label": y}
 
 
+@needs_cuda
 @pytest.mark.parametrize("workers", [0, 2])
 @pytest.mark.parametrize("kind", ["tuple", "dict"])
 def test_loader_batches_on_cuda_are_the_cpu_paths(photos, workers, kind):
@@ -108,6 +126,7 @@ def test_loader_batches_on_cuda_are_the_cpu_paths(photos, workers, kind):
         assert _same(_cpu(a), b)
 
 
+@needs_cuda
 @pytest.mark.parametrize("workers", [0, 2])
 def test_torch_machinery_batches_are_pinned_by_torch_and_copied_once(monkeypatch, workers):
     ds = torch.utils.data.TensorDataset(torch.randn(20, 3), torch.arange(20))
@@ -122,3 +141,221 @@ def test_torch_machinery_batches_are_pinned_by_torch_and_copied_once(monkeypatch
     assert len(seen) == len(want) and all(pinned for _, pinned in seen)
     assert all(a[0].is_cuda and torch.equal(a[0].cpu(), b[0]) and torch.equal(a[1].cpu(), b[1])
                for a, b in zip(got, want))
+
+
+# ------------------------------------------------------------------ scripts users run on a GPU node
+_SCRIPT = '''
+import collections, gc, os, sys, torch
+sys.path.insert(0, HERE)
+import coordl
+from coordl import transforms as T
+from coordl.device import delivery as D
+
+if torch.cuda.is_available():
+    DEV = "cuda"
+    torch.zeros(1, device="cuda")        # the CUDA context exists before any worker starts
+else:                                    # COORDL_TEST_CUDA_AS_CPU: the CPU stands in
+    DEV = "cpu"
+    D.CPU_TEST_DEVICE = True
+Pair = collections.namedtuple("Pair", "image label")
+NORM = T.Normalize([0.485, 0.456, 0.406], [0.229, 0.224, 0.225])
+TRAIN = T.Compose([T.RandomResizedCrop(16), T.RandomHorizontalFlip(), T.ToTensor(), NORM])
+VAL = T.Compose([T.Resize(20), T.CenterCrop(16), T.ToTensor(), NORM])
+
+
+class DictFolder(coordl.ImageFolder):
+    def prep(self, raw, i):
+        img, y = self._prep(raw, i)
+        return {"image": img, "label": y}
+
+
+class PairFolder(coordl.ImageFolder):
+    def prep(self, raw, i):
+        return Pair(*self._prep(raw, i))
+
+
+KINDS = {"tuple": coordl.ImageFolder, "dict": DictFolder, "namedtuple": PairFolder}
+
+
+def cpu(x):
+    return D.map_tensors(x, lambda t: t.cpu())
+
+
+def on_device(x):
+    leaves = []
+    D.map_tensors(x, lambda t: leaves.append(t) or t)
+    return leaves and all(t.device.type == DEV for t in leaves)
+
+
+def same(a, b):
+    if isinstance(a, torch.Tensor):
+        return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+def step_garbage(batch):
+    """What a training step leaves for the cyclic collector."""
+    junk = {"batch": batch}
+    junk["self"] = junk
+
+
+def check(got, want, what):
+    assert len(got) == len(want), (what, len(got), len(want))
+    for k, (a, b) in enumerate(zip(got, want)):
+        assert on_device(a), (what, k, "not on the device")
+        assert same(cpu(a), b), (what, k, "differs from the CPU path")
+'''
+
+
+def _script(photos, body: str, timeout: float = 240):
+    from coordl.testing import run_in_child
+
+    code = f"HERE, ROOT = {HERE!r}, {photos!r}\n" + _SCRIPT + textwrap.dedent(body) + "\nprint('SCRIPT OK')\n"
+    r = run_in_child(code, timeout=timeout)
+    assert r.returncode == 0 and "SCRIPT OK" in r.stdout, (
+        f"exit status {r.returncode}\n{r.stdout[-3000:]}\n{r.stderr[-6000:]}")
+    assert "initialization error" not in r.stderr, r.stderr[-6000:]
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+@pytest.mark.parametrize("kind", ["tuple", "dict", "namedtuple"])
+def test_training_and_validation_loaders_interleaved_over_epochs(photos, kind, persistent):
+    _script(photos, f"""
+        cls = KINDS[{kind!r}]
+        kw = dict(batch_size=5, seed=4, num_workers=2, persistent_workers={persistent})
+        train = coordl.DataLoader(cls(ROOT, transform=TRAIN), shuffle=True, device=DEV, **kw)
+        val = coordl.DataLoader(cls(ROOT, transform=VAL), device=DEV, **kw)
+        ref_train = coordl.DataLoader(cls(ROOT, transform=TRAIN), shuffle=True, batch_size=5, seed=4)
+        ref_val = list(coordl.DataLoader(cls(ROOT, transform=VAL), batch_size=5, seed=4))
+        held = []
+        for epoch in range(4):
+            train.set_epoch(epoch)
+            ref_train.set_epoch(epoch)
+            want = list(ref_train)
+            got = []
+            for k, batch in enumerate(train):
+                step_garbage(batch)
+                got.append(batch)
+                if epoch == 1 and k == 1:
+                    break                      # a pass left early
+            check(got, want[:len(got)], f"train epoch {{epoch}}")
+            held.append(got[0])
+            got = []
+            for batch in val:
+                step_garbage(batch)
+                got.append(batch)
+            check(got, ref_val, f"val epoch {{epoch}}")
+        torch.cuda.synchronize() if DEV == "cuda" else None
+    """)
+
+
+def test_three_loaders_in_one_process(photos):
+    _script(photos, """
+        loaders = [coordl.DataLoader(coordl.ImageFolder(ROOT, transform=tf), batch_size=5, seed=1, device=DEV,
+                                     num_workers=w, shuffle=s)
+                   for tf, w, s in ((TRAIN, 4, True), (VAL, 2, False), (TRAIN, 1, False))]
+        refs = [coordl.DataLoader(coordl.ImageFolder(ROOT, transform=tf), batch_size=5, seed=1, shuffle=s)
+                for tf, s in ((TRAIN, True), (VAL, False), (TRAIN, False))]
+        for epoch in range(3):
+            for i, (L, R) in enumerate(zip(loaders, refs)):
+                L.set_epoch(epoch)
+                R.set_epoch(epoch)
+                got = []
+                for b in L:
+                    step_garbage(b)
+                    got.append(b)
+                check(got, list(R), f"loader {i} epoch {epoch}")
+    """)
+
+
+def test_torchvision_imagefolder_with_only_the_import_changed(photos):
+    """torchvision's ImageFolder and v1 transforms, coordl's DataLoader: with
+    the user's own ``.cuda(non_blocking=True)`` and ``pin_memory=True``, and
+    with ``device=``; training and validation loaders, two epochs."""
+    _script(photos, """
+        from _torchvision import import_torchvision
+        tv = import_torchvision()
+        tt = tv.transforms
+        norm = tt.Normalize([0.485, 0.456, 0.406], [0.229, 0.224, 0.225])
+        train_tf = tt.Compose([tt.RandomResizedCrop(16), tt.RandomHorizontalFlip(), tt.ToTensor(), norm])
+        val_tf = tt.Compose([tt.Resize(20), tt.CenterCrop(16), tt.ToTensor(), norm])
+        kw = dict(batch_size=5, num_workers=2, seed=3)
+        ref_val = list(coordl.DataLoader(tv.datasets.ImageFolder(ROOT, val_tf), batch_size=5, seed=3))
+        for dev_kw in (dict(pin_memory=True), dict(device=DEV)):
+            train = coordl.DataLoader(tv.datasets.ImageFolder(ROOT, train_tf), shuffle=True, **kw, **dev_kw)
+            val = coordl.DataLoader(tv.datasets.ImageFolder(ROOT, val_tf), **kw, **dev_kw)
+            for epoch in range(2):
+                n = 0
+                for images, labels in train:
+                    images = images.to(DEV, non_blocking=True)
+                    step_garbage((images, labels))
+                    n += len(labels)
+                assert n == 24, n
+                got = [D.map_tensors(b, lambda t: t.to(DEV, non_blocking=True)) for b in val]
+                check(got, ref_val, f"{dev_kw} val epoch {epoch}")
+    """)
+
+
+def test_pin_memory_without_device_after_cuda_tensors_exist(photos):
+    """``pin_memory=True`` and the user's own copy, on coordl's pipeline and on
+    torch's machinery (a plain dataset), several epochs."""
+    _script(photos, """
+        class Plain(torch.utils.data.Dataset):
+            def __init__(self):
+                self.ds = coordl.ImageFolder(ROOT, transform=TRAIN)
+            def __len__(self):
+                return len(self.ds)
+            def __getitem__(self, i):
+                return self.ds[i]
+
+        for ds in (coordl.ImageFolder(ROOT, transform=TRAIN), Plain()):
+            for persistent in (False, True):
+                L = coordl.DataLoader(ds, batch_size=5, num_workers=2, pin_memory=True, seed=2,
+                                      persistent_workers=persistent)
+                for epoch in range(3):
+                    n = 0
+                    for images, labels in L:
+                        if DEV == "cuda":
+                            assert images.is_pinned()
+                        step_garbage(images.to(DEV, non_blocking=True))
+                        n += len(labels)
+                    assert n == 24, n
+    """)
+
+
+def test_spawn_and_forkserver_workers_on_the_device(photos):
+    _script(photos, """
+        ref = list(coordl.DataLoader(coordl.ImageFolder(ROOT, transform=TRAIN), batch_size=5, seed=5))
+        for ctx in ("spawn", "forkserver"):
+            L = coordl.DataLoader(coordl.ImageFolder(ROOT, transform=TRAIN), batch_size=5, seed=5, device=DEV,
+                                  num_workers=2, multiprocessing_context=ctx)
+            check(list(L), ref, ctx)
+    """)
+
+
+def test_share_true_on_the_device(photos, tmp_path, monkeypatch):
+    """Jobs sharing prep through the node daemon, batches delivered on the
+    device, two epochs; the same batches as the CPU path."""
+    from coordl.testing import stop_daemon
+
+    monkeypatch.setenv("COORDL_RUN_DIR", str(tmp_path / "run"))
+    try:
+        _script(photos, """
+            tf = T.Compose([T.RandomResizedCrop(16), T.RandomHorizontalFlip(), T.PILToTensor()])
+            ref = coordl.DataLoader(coordl.ImageFolder(ROOT, transform=tf), batch_size=5, seed=6, shuffle=True)
+            L = coordl.DataLoader(coordl.ImageFolder(ROOT, transform=tf), batch_size=5, seed=6, shuffle=True,
+                                  share=True, num_workers=2, device=DEV)
+            for epoch in range(2):
+                got = []
+                for b in L:
+                    step_garbage(b)
+                    got.append(b)
+                check(got, list(ref), f"epoch {epoch}")
+            assert L.stats().samples_shared > 0, L.stats()
+        """)
+    finally:
+        assert not stop_daemon()
