@@ -24,11 +24,11 @@ torchvision's ``loader`` is a function of a *path*.  A two-stage dataset needs
 a function of the file's *bytes*, which coordl calls ``decode``:
 
 * default (``loader=None, decode=None``): ``ImageFolder`` decodes with PIL and
-  converts to RGB (:func:`pil_decode`), exactly what torchvision's
+  converts to RGB (``pil_decode``), exactly what torchvision's
   ``default_loader`` returns; ``DatasetFolder``'s sample is the file's bytes.
 * ``loader`` given, ``decode=None``: if ``loader`` is a default PIL loader
   (a function named ``default_loader`` or ``pil_loader``, ours or
-  torchvision's) the dataset decodes with :func:`pil_decode`.  Otherwise it
+  torchvision's) the dataset decodes with ``pil_decode``.  Otherwise it
   cannot decode bytes: it is **not** two-stage (``raw``/``prep`` raise
   ``AttributeError``, ``coordl.protocol.is_two_stage`` is False) and
   ``__getitem__`` calls ``loader(path)`` like torchvision.
@@ -41,7 +41,7 @@ instance the same way.
 
 Where the parts live: the sample table (numpy storage, ``samples``,
 ``targets``, ``fingerprint``) in ``coordl/storage/table.py``, the folder scan
-in ``coordl/storage/listing.py``, the path loaders and :func:`pil_decode` in
+in ``coordl/storage/listing.py``, the path loaders and ``pil_decode`` in
 ``coordl/decode/loaders.py``; this module holds the dataset classes (the
 two-stage protocol and torchvision's constructors) and exports the public
 names of all three.
@@ -269,7 +269,7 @@ class DatasetFolder(_FolderBase):
             s3://); the obstore reader takes the same (docs/api.md, Storage).
 
     ``samples``/``imgs`` (``(path, class_index)`` tuples), ``targets``,
-    ``sizes`` and :meth:`fingerprint` are backed by numpy arrays.
+    ``sizes`` and ``fingerprint()`` are backed by numpy arrays.
     """
 
     def __init__(self, root: str | os.PathLike, loader: Callable[[str], Any] | None = None,
@@ -364,10 +364,10 @@ class ImageFolder(DatasetFolder):
 
     Same positional arguments as torchvision's (``root, transform,
     target_transform, loader, is_valid_file, allow_empty``); ``extensions``
-    (default :data:`IMG_EXTENSIONS`, or none when ``is_valid_file`` is given),
+    (default ``IMG_EXTENSIONS``, or none when ``is_valid_file`` is given),
     ``decode`` and ``storage_options`` (for a URL root) are keyword-only.  With the default loader the dataset is
     two-stage: ``raw`` reads the file, ``prep`` decodes it with PIL
-    (:func:`pil_decode`) and applies the transforms.  See
+    (``pil_decode``) and applies the transforms.  See
     :class:`DatasetFolder` and the module docstring for ``loader``/``decode``.
     """
 

@@ -33,7 +33,7 @@ class SampleError(RuntimeError, metaclass=_SampleErrorMeta):
     The message names the stage, the sample index and its location (path),
     the original error and the remedy. The exception raised is an instance of
     ``SampleError`` *and* of the original exception's type (its class is
-    ``SampleError[T]``, see :func:`sample_error_type`), so ``except
+    ``SampleError[T]``, see ``sample_error_type``), so ``except
     SampleError``, ``except OSError`` (for an ``OSError`` from the sample) and
     ``except RuntimeError`` all catch it. In the main process (``num_workers=0``)
     the original exception is chained as ``__cause__``; from a worker process

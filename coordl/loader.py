@@ -298,12 +298,12 @@ class DataLoader(_TorchDataLoader[_T_co]):
     # ------------------------------------------------------------------ public
     @property
     def seed(self) -> int | None:
-        """The seed of the epoch plan / per-sample generators (None: torch's samplers)."""
+        """The seed of the epoch plan and the per-sample generators (None with torch's samplers)."""
         return self._seed
 
     @property
     def cache_size(self) -> int:
-        """Node cache budget in bytes (0: disabled)."""
+        """The node cache's budget in bytes (0 when there is no node cache)."""
         return self._cache_size
 
     @property

@@ -122,6 +122,7 @@ class EpochPlan:
         return n // self.batch_size if self.drop_last else math.ceil(n / self.batch_size)
 
     def indices(self, epoch: int) -> np.ndarray:
+        """This rank's sample indices for ``epoch``, in order (:func:`plan`)."""
         return plan(self.num_samples, self.seed, epoch, self.rank, self.world_size,
                     self.shuffle, self.drop_last)
 

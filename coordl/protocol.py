@@ -48,11 +48,19 @@ __all__ = ["TwoStageDataset", "is_two_stage", "describe"]
 
 @runtime_checkable
 class TwoStageDataset(Protocol):
+    """A map-style dataset whose samples come in two stages, ``raw`` then
+    ``prep`` (the module's description says what each must and must not
+    do, and the optional methods coordl uses when present)."""
+
     def __len__(self) -> int: ...
 
-    def raw(self, index: int) -> bytes: ...
+    def raw(self, index: int) -> bytes:
+        """Sample ``index``'s stored bytes, exactly as in storage: I/O only."""
+        ...
 
-    def prep(self, raw: bytes, index: int) -> Any: ...
+    def prep(self, raw: bytes, index: int) -> Any:
+        """``raw`` decoded and augmented into what ``dataset[index]`` returns: CPU only."""
+        ...
 
 
 def is_two_stage(dataset: Any) -> bool:

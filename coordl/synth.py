@@ -237,6 +237,8 @@ def make_image_folder(root: str | os.PathLike, num_images: int = 2000, num_class
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m coordl.synth ROOT [options]``: :func:`make_image_folder` from
+    the command line; returns the exit status."""
     p = argparse.ArgumentParser(prog="python -m coordl.synth",
                                 description="Write a synthetic photo-like ImageFolder dataset of JPEGs.")
     p.add_argument("root", help="output directory")

@@ -5,7 +5,7 @@
 torchvision namesakes on PIL images (and on tensors where documented), without
 importing torchvision.
 
-Randomness: a random transform asks :func:`coordl._rng.current` for its
+Randomness: a random transform asks ``coordl._rng.current()`` for its
 generator each time it is called (never caching it).  Inside a coordl prep
 stage that is the per-sample generator of ``(seed, epoch, index)``, so a
 sample's augmentation is a pure function of those three numbers.  Anywhere
@@ -116,6 +116,8 @@ class Transform:
         return {}
 
     def spec(self) -> tuple:
+        """What decides this transform's output, as plain hashable data (its
+        class and parameters): part of the key under which jobs share prep."""
         return (_class_name(type(self)), tuple((k, _plain(v)) for k, v in self._params().items()))
 
     def __eq__(self, other: object) -> bool:
@@ -145,12 +147,13 @@ class Compose(Transform):
         return img
 
     def spec(self) -> tuple:
+        """The class and the spec of every step, in order (see :func:`spec_of`)."""
         return (_class_name(type(self)), tuple(spec_of(t) for t in self.transforms))
 
     def from_bytes(self, raw) -> Any:
         """Decode ``raw`` (an encoded image) and apply this pipeline without
         PIL images in between, or NotImplemented when the pipeline can't be
-        fused (see :func:`decode_and_apply`)."""
+        fused (see ``decode_and_apply``)."""
         return decode_and_apply(self.transforms, raw)
 
     def __repr__(self) -> str:

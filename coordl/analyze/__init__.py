@@ -15,8 +15,8 @@ The differential method of CoorDL's DS-Analyzer, run on a real
 5. **cached**: loader + step, data in memory: ``R_c``;
 6. **cold**: loader + step after evicting again: ``R_f``.
 
-From them: fetch and prep stall (:func:`coordl.analyze.model.stalls`) and
-what-if tables (:mod:`coordl.analyze.model`).  See docs/api.md
+From them: fetch and prep stall (``coordl.analyze.model.stalls``) and
+what-if tables (``coordl.analyze.model``).  See docs/api.md
 ("coordl analyze").
 
 Modules: ``sources`` (what the passes read), ``measure`` (timed passes,
@@ -69,7 +69,7 @@ def analyze(root: str | os.PathLike | None = None, *, dataset: Any = None, trans
         dataset: instead of ``root``: a two-stage dataset object, or
             ``"module:callable"`` / ``"file.py:callable"`` returning one
             (called without arguments; ``transform`` is then not used).
-        transform: for ``root``: a name in :data:`TRANSFORMS`, a
+        transform: for ``root``: a name in ``TRANSFORMS``, a
             ``"module:callable"`` returning a transform, or a transform.
         batch_size, workers: the loader's, as in training.
         step: the model step, ``step(batch)``: a callable or
@@ -103,7 +103,7 @@ def analyze(root: str | os.PathLike | None = None, *, dataset: Any = None, trans
         model_error: the model's own relative error, by which every
             prediction's interval is widened beyond its inputs' spread
             (``lo / (1 + e)``, ``hi / (1 - e)``).  ``None``: the larger of
-            :data:`MODEL_ERROR_FLOOR` and the model's error on the
+            ``MODEL_ERROR_FLOOR`` and the model's error on the
             analyzer's own loader + step passes (cold and cached), which
             no input is fitted to.
         log: progress messages go here (``None``: silent).

@@ -104,6 +104,7 @@ def format_report(r: dict) -> str:
 
 
 def write_json(report: dict, path: str | os.PathLike) -> None:
+    """Write ``report`` (what :func:`analyze` returns) to ``path`` as JSON."""
     with open(path, "w") as f:
         json.dump(report, f, indent=1, default=str)
         f.write("\n")
