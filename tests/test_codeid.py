@@ -161,3 +161,63 @@ def test_installed_distributions_are_named_from_their_dist_info_as_importlib_nam
     codeid._BESIDE.pop(str(site), None)
     beside = codeid._dists_beside(str(site))
     assert beside == {"fancy_pkg": ["fancy_pkg==1.2.3"], "oth": ["other==0.1"], "other_two": ["other==0.1"]}
+
+
+def _write_tree(root, files: dict):
+    for rel, text in files.items():
+        p = root / rel
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_text(text)
+
+
+def _fresh_import(root, name, drop=()):
+    sys.path.insert(0, str(root))
+    try:
+        importlib.invalidate_caches()
+        for m in [m for m in sys.modules if m.split(".")[0] in drop]:
+            del sys.modules[m]
+        return importlib.import_module(name)
+    finally:
+        sys.path.remove(str(root))
+
+
+def test_a_submodule_reached_through_its_package_attribute_counts(tmp_path):
+    """``import pkg.mod`` then ``pkg.mod.f()``: the module's global is the
+    package, the code reaches the submodule by attribute; editing the
+    submodule changes the identity."""
+    files = {"aug_pkgattr.py": "import helper_pkg.ops\n\n\nclass Aug:\n"
+                               "    def __call__(self, x):\n        return helper_pkg.ops.f(x)\n",
+             "helper_pkg/__init__.py": "", "helper_pkg/ops.py": "def f(x):\n    return x + 1\n"}
+    _write_tree(tmp_path, files)
+    a = _fresh_import(tmp_path, "aug_pkgattr", drop=("aug_pkgattr", "helper_pkg"))
+    one, desc = identity_of(a.Aug())
+    assert any(d.startswith("helper_pkg.ops ") for d in desc), desc
+    (tmp_path / "helper_pkg" / "ops.py").write_text("def f(x):\n    return x + 140\n")
+    b = _fresh_import(tmp_path, "aug_pkgattr", drop=("aug_pkgattr", "helper_pkg"))
+    assert identity_of(b.Aug())[0] != one
+
+
+@pytest.mark.parametrize("imported_before", [True, False])
+def test_a_module_imported_inside_a_method_counts(tmp_path, imported_before):
+    """``from helper_inner import g`` inside ``__call__``: the module is not
+    among the module's globals, and may not be imported yet when the job
+    joins; editing it changes the identity either way."""
+    files = {"aug_inner.py": "class Aug:\n    def __call__(self, x):\n"
+                             "        from helper_inner import g\n        return g(x)\n",
+             "helper_inner.py": "def g(x):\n    return x * 2\n"}
+    _write_tree(tmp_path, files)
+
+    def ident():
+        a = _fresh_import(tmp_path, "aug_inner", drop=("aug_inner", "helper_inner"))
+        sys.path.insert(0, str(tmp_path))
+        try:
+            if imported_before:
+                a.Aug()(1)
+            return identity_of(a.Aug())
+        finally:
+            sys.path.remove(str(tmp_path))
+
+    one, desc = ident()
+    assert any(d.startswith("helper_inner ") for d in desc), desc
+    (tmp_path / "helper_inner.py").write_text("def g(x):\n    return x * 3\n")
+    assert ident()[0] != one

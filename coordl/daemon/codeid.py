@@ -28,7 +28,9 @@ saying which and why: the job then prepares its own samples.
 """
 from __future__ import annotations
 
+import dis
 import hashlib
+import importlib.util
 import io
 import os
 import pickle
@@ -82,6 +84,7 @@ _ROOTS = None
 _DISTS = None                        # importlib.metadata's map of every distribution (the slow way)
 _BESIDE: dict[str, dict] = {}        # site directory -> {top-level name: [name==version, ...]}
 _FILE_DIGESTS: dict[tuple, str] = {}
+_REFS: dict[tuple, tuple] = {}       # (module, its code objects' ids) -> (codes, imports, names) their code makes
 
 
 def _dists_beside(site_dir: str) -> dict:
@@ -208,6 +211,101 @@ def _obj_code(h, obj) -> None:
                 _code_digest(h, v.__code__)
 
 
+def _code_refs(co: types.CodeType, imports: list, names: set) -> None:
+    """What a code object (and the code nested in it) names: every
+    ``import`` it runs, as ``(module, level, fromlist)``, and every global and
+    attribute name it loads (``pkg.mod.f()`` names ``pkg``, ``mod`` and ``f``)."""
+    names.update(co.co_names)
+    consts: list = []
+    for ins in dis.get_instructions(co):
+        if ins.opname in ("LOAD_CONST", "LOAD_SMALL_INT"):
+            consts = (consts + [ins.argval])[-2:]
+            continue
+        if ins.opname == "IMPORT_NAME":
+            level, fromlist = (consts + [0, None])[:2] if len(consts) < 2 else consts
+            imports.append((ins.argval, level if isinstance(level, int) else 0,
+                            tuple(x for x in (fromlist or ()) if isinstance(x, str) and x != "*")))
+        consts = []
+    for c in co.co_consts:
+        if isinstance(c, types.CodeType):
+            _code_refs(c, imports, names)
+
+
+def _module_code(mod: types.ModuleType):
+    """The code objects of the classes and functions ``mod`` defines."""
+    for v in list(vars(mod).values()):
+        if getattr(v, "__module__", None) != mod.__name__:
+            continue
+        if isinstance(v, types.FunctionType):
+            yield v.__code__
+        elif isinstance(v, type):
+            for a in list(vars(v).values()):
+                if isinstance(a, (staticmethod, classmethod)):
+                    a = a.__func__
+                elif isinstance(a, property):
+                    a = a.fget
+                if isinstance(a, types.FunctionType):
+                    yield a.__code__
+
+
+def _reached_by_code(mod: types.ModuleType) -> tuple[list[str], list[str]]:
+    """Modules ``mod``'s functions reach that its globals do not show:
+    ``(imported modules, not yet imported module names)``.
+
+    * an ``import`` inside a function (``from helper import g`` in
+      ``__call__``), resolved against ``mod``'s package; a module not
+      imported yet in this process is named for its file to be identified
+      without importing it;
+    * a submodule reached through its package's attribute (``import pkg.mod``
+      binds ``pkg``; ``pkg.mod.f()`` reaches ``pkg.mod``): the submodules of
+      every package among ``mod``'s globals whose names its code loads."""
+    codes = tuple(_module_code(mod))
+    key = (mod.__name__, tuple(map(id, codes)))
+    got = _REFS.get(key)
+    if got is None or got[0] != codes:        # (the code objects kept: their ids stay theirs)
+        imports: list = []
+        names: set = set()
+        for co in codes:
+            _code_refs(co, imports, names)
+        got = _REFS[key] = (codes, imports, names)
+    imports, names = got[1], got[2]
+    here, later = [], []
+    package = mod.__name__ if hasattr(mod, "__path__") else mod.__name__.rpartition(".")[0]
+    for name, level, fromlist in imports:
+        try:
+            full = importlib.util.resolve_name("." * level + name, package) if level else name
+        except (ImportError, ValueError):
+            continue
+        for cand in (full,) + tuple(f"{full}.{x}" for x in fromlist):
+            if cand in sys.modules:
+                here.append(cand)
+            elif cand == full:
+                later.append(cand)
+    frontier = [v.__name__ for v in vars(mod).values() if isinstance(v, types.ModuleType) and hasattr(v, "__path__")]
+    while frontier:
+        p = frontier.pop()
+        for n in names:
+            sub = f"{p}.{n}"
+            if sub in sys.modules and sub not in here:
+                here.append(sub)
+                frontier.append(sub)
+    return here, later
+
+
+def _unimported_source(name: str) -> str | None:
+    """The file module ``name`` would be imported from, found without
+    importing anything (None when it cannot be found that way)."""
+    parent = name.rpartition(".")[0]
+    if parent and parent not in sys.modules:
+        return None
+    try:
+        spec = importlib.util.find_spec(name)
+    except (ImportError, ValueError, AttributeError):
+        return None
+    origin = getattr(spec, "origin", None) if spec is not None else None
+    return origin if origin and os.path.isfile(origin) else None
+
+
 def _kind(mod: types.ModuleType, std, site_dirs) -> tuple[str, str | None]:
     """('builtin'|'stdlib'|'site'|'user', file)."""
     name = mod.__name__
@@ -297,6 +395,28 @@ def identity_of(obj) -> tuple[str, list[str]]:
                     h.update(k.encode())
                     _obj_code(h, v)
             parts[name] += " " + h.hexdigest()
+            # (coordl from a source tree: its whole tree's digest is part of the identity already)
+            if name.partition(".")[0] not in _LIBRARIES:
+                here, later = _reached_by_code(mod)
+                todo.extend(here)
+                for m in later:
+                    src = _unimported_source(m)
+                    if src is None or m in parts:
+                        continue
+                    real = os.path.realpath(src)
+                    if real.startswith(std):
+                        continue
+                    site_dir = next((d for d in site_dirs if real.startswith(d)), None)
+                    if site_dir is not None:       # an installed distribution: its name and version
+                        top = m.partition(".")[0]
+                        vers = _dist_versions(top, site_dir)
+                        if vers:
+                            parts.setdefault(top, " ".join(vers))
+                            continue
+                    try:
+                        parts[m] = "not imported " + _file_digest(real)
+                    except OSError:
+                        pass
         pkg = name + "." if hasattr(mod, "__path__") else None
         for v in list(vars(mod).values()):    # what this module reaches: its imports, classes and functions
             if isinstance(v, types.ModuleType):
