@@ -554,9 +554,12 @@ def _forking() -> None:
         try:
             m.madvise(_POPULATE_WRITE)
         except (OSError, ValueError):   # an older kernel: touch each page with its own byte
-            a = np.frombuffer(m, dtype=np.uint8)
-            a[::_PAGE] = a[::_PAGE].copy()
-            del a
+            try:
+                a = np.frombuffer(m, dtype=np.uint8)
+                a[::_PAGE] = a[::_PAGE].copy()
+                del a
+            except ValueError:
+                pass   # closed: nothing views it any more
         _live.discard(m)
 
 
