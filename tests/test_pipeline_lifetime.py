@@ -408,3 +408,46 @@ def test_worker_that_died_before_the_pass_began_is_reported_with_its_error():
             print("OTHER", type(e).__name__, e)
     """, timeout=40)
     assert "RAISED True" in out, out
+
+
+# ---------------------------------------------------------------- forked children
+@pytest.mark.parametrize("placement", ["inline", "workers", "persistent"])
+def test_a_batch_handed_to_a_forked_child_keeps_its_bytes_there(placement):
+    """``mp.Process(target=f, args=(batch,))`` with fork: the child maps the
+    parent's memory, so a zero-copy batch there views the same slot.  Once
+    the parent drops its batch and goes on, the slot must not be reused
+    under the child (torch's batches keep their bytes in a child too); and
+    once the children are gone nothing of those slots stays mapped, in the
+    main process or in the workers."""
+    nw = 0 if placement == "inline" else 2
+    pw = placement == "persistent"
+    out = _child(f"""
+        import gc, json
+        from coordl import DataLoader
+        from toydata import TwoStageToy
+        from _fork_check import hand_to_children, mappings
+
+        L = DataLoader(TwoStageToy(400), batch_size=4, seed=0, num_workers={nw}, persistent_workers={pw})
+        r = hand_to_children(L, "coordl-slot")
+        gc.collect()
+        pool = L._mode.pool
+        if pool is not None:
+            st = pool.worker_stats()
+            r["slots"] = [s["slots"] for s in st]
+            r["free"] = [s["free_slots"] for s in st]
+            r["worker_maps"] = [mappings("coordl-slot", p) for p in pool.pids]
+            r["known"] = len(pool.maps)
+        r["main_maps"] = mappings("coordl-slot")
+        print("RESULT", json.dumps(r))
+    """, timeout=120)
+    r = json.loads(out.split("RESULT ", 1)[1])
+    assert r["exitcodes"] == [0] * 5, r
+    assert r["views"] == (0 if nw == 0 else 5), r   # the batches handed over were zero-copy views
+    assert r["changed"] == 0, r
+    if pw:
+        # every slot came back (the children are gone); each is mapped once in
+        # its worker and once here, and none that the workers dropped stays
+        assert r["slots"] == r["free"] and all(n <= 10 for n in r["slots"]), r
+        assert r["worker_maps"] == r["slots"] and r["main_maps"] == r["known"] == sum(r["slots"]), r
+    else:
+        assert r["main_maps"] == 0, r

@@ -495,3 +495,39 @@ def test_zero_copy_batches_are_private_views_kept_until_they_die(photos, daemon_
     while len(S.status()["groups"][0]["members"]) != 1 and time.monotonic() < deadline:
         time.sleep(0.05)
     assert len(S.status()["groups"][0]["members"]) == 1   # and closes with the last of them
+
+
+def test_a_zero_copy_batch_handed_to_a_forked_child_keeps_its_bytes_there(photos, daemon_env, monkeypatch):
+    """``mp.Process(target=f, args=(batch,))`` with fork: the child inherits
+    the batch's mapping of staging.  Once the parent drops its batch (its
+    slots unpinned) and the daemon reuses those slots for later epochs, the
+    child's batch must still hold its values, as torch's batches do; and the
+    parent's mappings of staging go with its batches as usual."""
+    from coordl.testing import run_in_child
+
+    monkeypatch.setenv("COORDL_STAGING", "408KiB")   # 128 slots: four epochs of 48 wrap it
+    r = run_in_child(f"""
+import gc, json, sys
+sys.path.insert(0, {HERE!r})
+import coordl
+from coordl import transforms as T
+from _fork_check import hand_to_children
+
+ds = coordl.ImageFolder({photos!r}, transform=T.Compose(
+    [T.RandomResizedCrop(32), T.RandomHorizontalFlip(), T.PILToTensor()]))
+L = coordl.DataLoader(ds, batch_size=8, seed=7, share=True)
+r = hand_to_children(L, "coordl-staging", n=4, epochs=4)
+gc.collect()
+from coordl.base import reaper
+reaper.flush()
+with open("/proc/self/maps") as f:
+    r["private_maps"] = sum(1 for line in f if "coordl-staging" in line and line.split()[1].endswith("p"))
+r["shared"] = L.stats().samples_shared
+print("RESULT", json.dumps(r))
+""", timeout=150)
+    assert r.returncode == 0, r.stderr
+    r = json.loads(r.stdout.split("RESULT ", 1)[1])
+    assert r["exitcodes"] == [0] * 4, r
+    assert r["views"] >= 3 and r["shared"] > 200, r   # the batches handed over were views of staging
+    assert r["changed"] == 0, r
+    assert r["private_maps"] == 0, r

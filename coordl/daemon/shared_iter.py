@@ -24,6 +24,7 @@ import weakref
 import numpy as np
 import torch
 
+from ..base import forks as _forks
 from ..base import reaper as _reaper
 from ..pipeline import collate as _collate
 from ..pipeline.engine import _Builder, finish, place
@@ -532,6 +533,37 @@ def view_room(nslots: int, batch: int) -> int:
 
 
 _PAGE = mmap.PAGESIZE
+_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)   # Linux >= 5.14
+
+# The private mappings of staging that live batches view, until a fork makes
+# them private pages (_forking); weak: a mapping goes with its last view.
+_live: weakref.WeakSet = weakref.WeakSet()
+
+
+def _forking() -> None:
+    """Before a fork (``base.forks`` hook, under its lock): every live view
+    of staging gets its own pages.  A private mapping reads staging's own
+    pages until written, so after the fork the parent's and the child's
+    batches would both change when the daemon reuses the slots, which it
+    does once the parent's batch dies (the pins are the parent's).  Writing
+    faults copy each page (``MADV_POPULATE_WRITE``: no byte changes); the
+    child then shares those copies with the parent, copy-on-write, and
+    staging's later contents reach neither.  Costs one copy of the batches
+    alive at the fork (at most what a job may view: ``view_room``)."""
+    for m in list(_live):
+        try:
+            m.madvise(_POPULATE_WRITE)
+        except (OSError, ValueError):   # an older kernel: touch each page with its own byte
+            try:
+                a = np.frombuffer(m, dtype=np.uint8)
+                a[::_PAGE] = a[::_PAGE].copy()
+                del a
+            except ValueError:
+                pass   # closed: nothing views it any more
+        _live.discard(m)
+
+
+_forks.on_fork(_forking)
 
 
 def _private_views(layout1, link: _Link, s0: int, n: int) -> tuple[list, list]:
@@ -540,8 +572,9 @@ def _private_views(layout1, link: _Link, s0: int, n: int) -> tuple[list, list]:
     costs no copy (the pages are staging's own until written), and a job
     that writes into its batch in place writes into its own copy of those
     pages, never into staging that other jobs read.  Also the uint8 arrays
-    that own the mappings (they go with the last tensor over them)."""
-    leaves, bufs = [], []
+    that own the mappings (they go with the last tensor over them).  A
+    fork gives the mappings private pages first (:func:`_forking`)."""
+    leaves, bufs, maps = [], [], []
     for leaf, b0 in zip(layout1.leaves, link.bases):
         per = leaf.nbytes
         if not per:
@@ -550,9 +583,12 @@ def _private_views(layout1, link: _Link, s0: int, n: int) -> tuple[list, list]:
         start, end = b0 + s0 * per, b0 + (s0 + n) * per
         off = start // _PAGE * _PAGE
         m = mmap.mmap(link.fd, end - off, mmap.MAP_PRIVATE, mmap.PROT_READ | mmap.PROT_WRITE, offset=off)
+        maps.append(m)
         buf = np.frombuffer(m, dtype=np.uint8)
         bufs.append(buf)
         leaves.append(torch.from_numpy(buf[start - off:]).view(leaf.dtype).view((n,) + tuple(leaf.shape)))
+    with _forks.lock:   # seen by a fork's hook, or made after the fork
+        _live.update(maps)
     return leaves, bufs
 
 

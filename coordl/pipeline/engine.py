@@ -11,8 +11,8 @@ Event loop (all events arrive on one ``queue.Queue``, ``Engine.q``; the
 worker loop in ``_pipeline`` or ``InlineIter`` dispatches them)::
 
     fetch threads ---Fetched(key=(pass, pos, j)) | FetcherDied--> on_fetched
-    control (main) ---("pass"|"consumed"|"free"|"stats"|"stop")--> begin_pass,
-                                                    on_consumed, slot release
+    control (main) ---("pass"|"consumed"|"free"|"retire"|"stats"|"stop")--> begin_pass,
+                                                    on_consumed, slot release or retirement
     Engine.pump: prepare ready samples of batches inside the window
                  [first unconsumed, + prefetch), lowest batch first, writing
                  each into its row of the batch's slot; emit finished batches.

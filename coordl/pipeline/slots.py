@@ -10,6 +10,13 @@ last tensor of the batch is gone.  A batch is therefore never overwritten
 while anything still references it, by construction; a consumer that keeps
 many batches makes the worker allocate more slots, as torch would allocate
 more batches.
+
+A child forked from the main process while a batch lives maps the same
+memfd and may keep the batch after main drops it.  Such a slot is
+*retired* instead of freed (``WorkerPool._forked_now``): the worker unmaps
+it and never writes it again, and allocates a fresh slot when it needs
+one; the kernel keeps the memfd's pages for as long as the child maps them
+and frees them when it exits.
 """
 from __future__ import annotations
 
@@ -64,6 +71,21 @@ class WorkerSlots:
         cur = self._slots.get(sid)
         if cur is not None and cur[0] == gen and sid not in self._free:
             self._free.append(sid)
+
+    def retire(self, slot) -> None:
+        """Drop a slot for good (a forked child of main may still view it)."""
+        sid, gen = slot
+        cur = self._slots.get(sid)
+        if cur is not None and cur[0] == gen:
+            if sid in self._free:
+                self._free.remove(sid)
+            del self._slots[sid]
+            mm = cur[2]
+            del cur
+            try:
+                mm.close()
+            except BufferError:
+                pass  # still viewed here (it cannot be written again: no id names it); unmapped with the view
 
     @property
     def count(self) -> int:

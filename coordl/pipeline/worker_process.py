@@ -160,6 +160,8 @@ def _worker_main(w: int, num_workers: int, dataset, cfg: dict, ctrl, res, parent
                             engine.on_consumed(msg[2])
                     elif op == "free":
                         slots.release((msg[1], msg[2]))
+                    elif op == "retire":   # a forked child of main may still view it
+                        slots.retire((msg[1], msg[2]))
                     elif op == "stats":
                         send(("stats", None, w, _worker_stats(slots, engine)))
                 else:

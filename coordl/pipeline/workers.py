@@ -15,6 +15,8 @@
       pool.consumed ----("consumed", id, k)------> window advances
       last tensor freed -> finalizer queues the slot;
       the next call into the pool sends ("free", slot) --> slot reusable
+      (or ("retire", slot) if a child was forked while the batch lived:
+      the worker drops the slot and never writes it again)
 
 Every wait has a timeout after which the workers' liveness is checked; a dead
 worker is reported with its pid and exit code or signal.  Workers exit when
@@ -37,6 +39,7 @@ from multiprocessing import reduction
 import numpy as np
 
 from . import collate as _collate
+from ..base import forks as _forks
 from ..base import reaper as _reaper
 from ..base.forks import starting_workers
 from .engine import Engine, pass_steps
@@ -87,6 +90,12 @@ class WorkerPool:
         # (deque.append takes no lock), and the thread calling into the pool
         # sends the "free" messages (_drain_frees).
         self._frees: collections.deque = collections.deque()
+        # Slots that batches handed out view, (w, sid, gen) -> the finalizer
+        # of the batch's owner (recorded under _forks.lock; dropped when
+        # drained), and those of them a forked child may still view: when
+        # the batch dies here they are retired, never reused (_forked_now).
+        self._lent: dict[tuple, weakref.finalize] = {}
+        self._forked: set[tuple] = set()
         self.pass_id = 0
         self.closed = False
         self._stats: dict[int, dict] = {}
@@ -103,6 +112,8 @@ class WorkerPool:
         self._stop = functools.partial(_shutdown, self.procs, self.ctrl, self.res, parent)
         _reaper.start()
         self._final = weakref.finalize(self, _reaper.later, self._stop)
+        with _forks.lock:   # not while a fork's hook walks the pools
+            _pools.add(self)
 
     def _start(self, dataset, cfg: dict, num_workers: int, ctx, parent: int) -> None:
         for w in range(num_workers):
@@ -154,19 +165,36 @@ class WorkerPool:
         self._drain_frees()
 
     def _drain_frees(self) -> None:
-        """Send the "free" messages queued by slot finalizers (owner thread only)."""
+        """Send the "free" messages queued by slot finalizers (owner thread
+        only); a slot a forked child may view is retired instead."""
         frees = self._frees
         while frees:
             try:
-                w, sid, gen = frees.popleft()
+                key = frees.popleft()
             except IndexError:
                 return
+            self._lent.pop(key, None)
+            op = "free"
+            if self._forked and key in self._forked:
+                self._forked.discard(key)
+                # the child's mapping keeps the pages; ours goes, and the worker drops its own
+                if self.maps.get(key[:2], (None,))[0] == key[2]:
+                    del self.maps[key[:2]]
+                op = "retire"
             if self.closed:
                 continue
+            w, sid, gen = key
             try:
-                self._send(w, ("free", sid, gen))
+                self._send(w, (op, sid, gen))
             except (OSError, ValueError):
                 pass  # the pool was shut down meanwhile
+
+    def _forked_now(self) -> None:
+        """Before a fork (``base.forks`` hook, under its lock): the slots of
+        batches alive now may be viewed by the child; never reuse them."""
+        for key, f in self._lent.copy().items():
+            if f.alive:
+                self._forked.add(key)
 
     def shutdown(self) -> None:
         """Stop the workers now (in the calling thread)."""
@@ -267,11 +295,24 @@ class WorkerPool:
             # only enqueues (see _frees); holds the deque, not the pool
             f = weakref.finalize(owner, self._frees.append, (w, sid, gen))
             f.atexit = False
+            with _forks.lock:   # seen by a fork's hook, or made after the fork
+                self._lent[(w, sid, gen)] = f
             batch = _collate.build(layout.template, _collate.views(layout, owner, rows))
             return batch, stats
         if kind == "obj":
             return msg[3], msg[4]
         return None, msg[3]  # "empty": every sample skipped
+
+
+_pools: weakref.WeakSet = weakref.WeakSet()   # this process's pools, for the fork hook
+
+
+def _forking() -> None:
+    for pool in list(_pools):
+        pool._forked_now()
+
+
+_forks.on_fork(_forking)
 
 
 def _shutdown(procs, ctrl, res, owner_pid: int) -> None:
