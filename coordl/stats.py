@@ -162,6 +162,10 @@ class LoaderStats:
         Samples of split passes whose images were converted on the CPU all
         the same (the dataset's prep used the image in a way the split
         cannot carry, or the rows of a batch disagreed; see docs/api.md).
+    samples_verified
+        With ``share=True``: samples this job prepared itself to check, bit
+        for bit, that the node daemon's are its own (``COORDL_SHARE_VERIFY``
+        per pass, default 2; see docs/api.md, "Sharing prep across jobs").
     """
 
     samples: int = 0
@@ -185,6 +189,7 @@ class LoaderStats:
     path_reason: str = ""
     device_split: str = ""
     device_split_cpu_samples: int = 0
+    samples_verified: int = 0
 
 
 _EPOCH_FIELDS = tuple(f.name for f in fields(EpochStats) if f.name not in ("epoch", "stall_fraction"))
@@ -209,6 +214,7 @@ class Counters:
         self.deliver_seconds = 0.0
         self.device_split = ""
         self.device_split_cpu_samples = 0
+        self.samples_verified = 0
         self.epoch = 0
         self.path = self.path_reason = ""   # set once by the loader (coordl.tvcompat.record_path)
         self._records: list[tuple[int, dict[str, int]]] = []   # (epoch, counters), oldest first
@@ -280,6 +286,7 @@ class Counters:
             deliver_seconds=self.deliver_seconds,
             device_split=self.device_split,
             device_split_cpu_samples=self.device_split_cpu_samples,
+            samples_verified=self.samples_verified,
             epoch=self.epoch,
             epochs=per_epoch,
             path=self.path,

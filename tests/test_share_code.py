@@ -262,3 +262,95 @@ def test_a_worker_setup_failure_is_retried_and_not_blamed_on_the_dataset(daemon_
     st = ld.stats()
     assert st.epochs[1].samples_shared + st.epochs[2].samples_shared >= n   # retried: shared again
     assert len(S.status()["worker_pids"]) == 1
+
+
+_CFG_JOB = r"""
+import hashlib, json, sys, warnings
+sys.path.insert(0, sys.argv[1])
+import coordl
+from coordl import transforms as T
+import shiftcfg, shiftaug
+
+if sys.argv[3] != "default":
+    shiftcfg.amount = int(sys.argv[3])     # a value the job sets at run time, before building its loader
+warnings.simplefilter("always")
+ds = coordl.ImageFolder(sys.argv[2], transform=T.Compose([T.RandomResizedCrop(16), T.PILToTensor(),
+                                                             shiftaug.Shift()]))
+loader = coordl.DataLoader(ds, batch_size=8, seed=7, share=sys.argv[4] == "1")
+for epoch in range(2):
+    for x, y in loader:
+        print(json.dumps({"digest": hashlib.sha1(x.numpy().tobytes() + y.numpy().tobytes()).hexdigest()}),
+              flush=True)
+st = loader.stats()
+print(json.dumps({"shared": st.samples_shared, "verified": st.samples_verified}), flush=True)
+"""
+
+_SHIFTAUG = """\
+import shiftcfg
+
+
+class Shift:
+    def __call__(self, x):
+        return (x.int() + shiftcfg.{attr}).clamp(0, 255).to(x.dtype)
+"""
+
+
+def _cfg_project(path, amount=10, attr="amount"):
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(path, "shiftcfg.py"), "w") as f:
+        f.write(f"amount = {amount}\n")
+    with open(os.path.join(path, "shiftaug.py"), "w") as f:
+        f.write(_SHIFTAUG.format(attr=attr))
+    return str(path)
+
+
+def _cfg_job(project, root, amount, share):
+    r = subprocess.run([sys.executable, "-c", _CFG_JOB, project, root, str(amount), "1" if share else "0"],
+                       capture_output=True, text=True, timeout=150)
+    assert r.returncode == 0, r.stderr[-3000:]
+    lines = [json.loads(x) for x in r.stdout.splitlines() if x.startswith("{")]
+    return [x["digest"] for x in lines if "digest" in x], lines[-1], r.stderr
+
+
+def test_a_value_set_at_run_time_that_the_daemon_cannot_see_is_caught_and_never_delivered(photos, tmp_path,
+                                                                                         daemon_env):
+    """The job sets ``shiftcfg.amount = 140`` before building its loader; the
+    daemon's workers import the module and see its default, 10.  The code
+    identity cannot see a value: the job's check of the daemon's samples
+    against its own finds the difference before its first batch, warns
+    naming it, and every batch is the one share=False makes."""
+    project = _cfg_project(tmp_path / "proj")
+    want, _, _ = _cfg_job(project, photos, 140, share=False)
+    got, last, err = _cfg_job(project, photos, 140, share=True)
+    assert got == want
+    assert "differs from this job's own" in err and "values differ, by up to 130" in err, err[-3000:]
+    assert last["verified"] >= 1
+
+
+def test_the_check_costs_a_few_samples_per_pass_and_passes_when_the_code_agrees(photos, tmp_path, daemon_env):
+    project = _cfg_project(tmp_path / "proj2")
+    want, _, _ = _cfg_job(project, photos, "default", share=False)
+    got, last, err = _cfg_job(project, photos, "default", share=True)
+    assert got == want
+    assert "differs" not in err, err[-3000:]
+    assert last["shared"] > 0 and 1 <= last["verified"] <= 2 * 2      # two per pass, two passes
+
+
+def test_a_data_file_read_at_import_and_changed_since_is_caught(photos, tmp_path, daemon_env):
+    """A module reads a JSON file at import: the daemon's idle workers keep
+    what it said when they imported it (same source, same code identity);
+    a later job that reads the changed file gets its own samples."""
+    project = _cfg_project(tmp_path / "proj3")
+    with open(os.path.join(project, "shiftcfg.py"), "w") as f:
+        f.write("import json, os\n\namount = json.load(open(os.path.join(os.path.dirname(__file__), "
+                "'amount.json')))\n")
+    with open(os.path.join(project, "amount.json"), "w") as f:
+        f.write("10\n")
+    got, _, err = _cfg_job(project, photos, "default", share=True)        # the daemon's workers import it
+    assert "differs" not in err
+    with open(os.path.join(project, "amount.json"), "w") as f:
+        f.write("140\n")
+    want, _, _ = _cfg_job(project, photos, "default", share=False)
+    got, last, err = _cfg_job(project, photos, "default", share=True)
+    assert got == want
+    assert "differs from this job's own" in err, err[-3000:]

@@ -48,6 +48,18 @@ def _timeout() -> float:
     return server.answer_timeout()
 
 
+def verify_count() -> int:
+    """Samples per pass a sharing job prepares itself to check the daemon's
+    (``COORDL_SHARE_VERIFY``, default 2; 0 turns the check off)."""
+    raw = os.environ.get("COORDL_SHARE_VERIFY", "2")
+    try:
+        n = int(raw)
+    except ValueError:
+        raise ValueError(f"COORDL_SHARE_VERIFY should be a whole number of samples per pass (0: no check), "
+                         f"but got COORDL_SHARE_VERIFY={raw!r}") from None
+    return max(0, n)
+
+
 class _Link:
     """One loader's connection to the daemon and the group's staging memory.
 
@@ -157,8 +169,20 @@ class SharedIter:
         self.window = min(self.window, max(4, link.mm.size() // link.stride // 4))
         self.layout1 = mode.layout1
         self.in_place = _collate.is_default_collate(loader.collate_fn) and bs is not None
+        self.verify = self._verify_positions(verify_count())
         self._send({"op": "pass", "epoch": epoch, "start": self.flat[0], "end": self.base + self.n})
         self.attached = True
+
+    def _verify_positions(self, nv: int) -> set:
+        """Positions whose staged samples this pass checks against its own
+        prep: the first it takes from the stream (so a wrong group is found
+        before its first batch is handed out) and the rest spread over the
+        pass."""
+        first = self.mode._first[0] if self.mode._first is not None else None
+        cand = [g for g in self.flat if g != first]
+        if nv <= 0 or not cand:
+            return set()
+        return {cand[(j * len(cand)) // nv] for j in range(nv)}
 
     def __iter__(self):
         return self
@@ -420,6 +444,8 @@ class SharedIter:
         mode, loader = self.mode, self.loader
         l1 = self.layout1
         n = len(rows)
+        if self.verify:
+            self._check_batch(rows, gs)
         if self.in_place:
             env = self._view(k, gs)
             if env is not None:
@@ -477,6 +503,62 @@ class SharedIter:
                         self.epoch, st, k)
 
 
+    # ------------------------------------------------------------ the check
+    def _check_batch(self, rows: list[int], gs: list[int]) -> None:
+        """The staged samples of this batch that are to be checked, each
+        against this job's own prep of it, bit for bit; the first mismatch
+        ends sharing for this loader before the batch is built (so no batch
+        found wrong is handed out)."""
+        for p, g in zip(rows, gs):
+            if g not in self.verify or g not in self.got:
+                continue
+            self.verify.discard(g)
+            i = int(self.order[p])
+            why = self._check(g, i, self.got[g])
+            if why is not None:
+                self._mismatch(g, i, why)
+                return
+
+    def _check(self, g: int, i: int, item) -> str | None:
+        """None when the staged sample at position ``g`` (index ``i``) is the
+        one this job prepares, bit for bit (or cannot be compared: not staged
+        complete any more); else what differs."""
+        got = self._slot_rows(item, g)
+        if got is None:
+            return None
+        sbuf, base = got
+        st = BatchStats()
+        try:
+            mine = self.mode.prep_here(self.loader, self.epoch, i, st)
+        except Exception as e:   # the daemon prepared what this job cannot
+            return f"this job's own prep of it raised {type(e).__name__}: {e}"
+        finally:
+            self.loader._counters.samples_verified += 1
+        if mine is SKIP:
+            return "this job's own prep of it skipped it (on_error='skip')"
+        why = _differs(self.layout1, mine, sbuf)
+        if not self._still(base, g):
+            return None          # the slot was reused while it was read: no verdict
+        return why
+
+    def _mismatch(self, g: int, i: int, what: str) -> None:
+        """The daemon's sample is not this job's: stop sharing for this loader
+        (a warning says what differed), and take nothing more from the
+        stream; the batch being built and the rest are prepared here."""
+        ds = self.loader.dataset
+        where = ds.describe(i) if callable(getattr(ds, "describe", None)) else f"{type(ds).__name__}[{i}]"
+        why = (f"the node daemon's sample {i} ({where}) of epoch {self.epoch} differs from this job's own: "
+               f"{what}. Its workers run other code or data than this job (a module edited after they "
+               "imported it, a data file read at import, a value this job set at run time): the group's "
+               "code identity cannot see everything that decides a sample")
+        self.mode.off = why
+        self._leave()
+        self.got.clear()
+        self.mode.drop_link()
+        self.attached = False
+        warnings.warn(f"coordl: share=True: {why}; this loader prepares its own samples from here on (no "
+                      "batch found wrong was handed out)", stacklevel=5)
+
     def _view(self, k: int, gs: list[int]):
         """Batch ``k`` as a view of staging, no copy, when its samples are all
         staged, complete, pinned for this job and in consecutive slots (the
@@ -520,6 +602,44 @@ class SharedIter:
         st.samples = st.shared = n
         self.mode.count(st)
         return Envelope(_collate.build(self.layout1.template, leaves), self.epoch, st, k)
+
+
+def _leaf_bytes(x, leaf) -> np.ndarray:
+    """A sample's leaf as the bytes staging holds for it (uint8)."""
+    if isinstance(x, torch.Tensor):
+        return x.detach().contiguous().view(-1).view(torch.uint8).numpy() if x.numel() else np.empty(0, np.uint8)
+    if isinstance(x, np.ndarray):
+        return np.ascontiguousarray(x).reshape(-1).view(np.uint8)
+    return np.asarray([x], dtype={"int": np.int64, "float": np.float64, "bool": np.bool_}[leaf.kind]).view(np.uint8)
+
+
+def _differs(layout1, sample, staged: list) -> str | None:
+    """None when ``sample`` (this job's) is what ``staged`` (the leaves'
+    bytes in a slot) holds; else what differs, in words."""
+    leaves: list = []
+    try:
+        template = _collate._flatten(sample, leaves)
+    except _collate._Unsupported:
+        return "this job's sample has no fixed layout"
+    if template != layout1.template or len(leaves) != len(layout1.leaves):
+        return "this job's sample has another structure"
+    for k, (x, leaf, a) in enumerate(zip(leaves, layout1.leaves, staged)):
+        if not _collate._same(x, leaf):
+            return f"leaf {k} has another dtype or shape"
+        mine = _leaf_bytes(x, leaf)
+        if mine.nbytes != a.nbytes:
+            return f"leaf {k} has another size"
+        if np.array_equal(mine, a):
+            continue
+        dt = torch.empty(0, dtype=leaf.dtype).numpy().dtype if leaf.dtype != torch.bfloat16 else np.uint16
+        m, t = mine.view(dt), np.asarray(a).view(dt)
+        bad = m != t
+        detail = f"{int(bad.sum())} of {bad.size} values differ"
+        if dt.kind in "iuf":
+            diff = np.abs(m[bad].astype(np.float64) - t[bad].astype(np.float64))
+            detail += f", by up to {diff.max():g}"
+        return f"leaf {k} ({leaf.kind} {str(leaf.dtype).replace('torch.', '')} {list(leaf.shape)}): {detail}"
+    return None
 
 
 def view_room(nslots: int, batch: int) -> int:
