@@ -99,6 +99,13 @@ def format_status(st: dict) -> str:
     out = [f"coordl daemon pid {st['pid']}, up {st['uptime']:.0f} s, workers "
            f"{len(st.get('worker_pids', []))} (pids {' '.join(map(str, st.get('worker_pids', []))) or '-'}), "
            f"staging limit {st.get('staging_limit', 0) / mib:.0f} MiB per group"]
+    for p in st.get("pools", []):
+        if p.get("groups"):
+            ws = p.get("workers", [])
+            retiring = sum(1 for w in ws if w.get("retiring"))
+            out.append(f"pool of group(s) {' '.join(map(str, p['groups']))}: {len(ws) - retiring} worker(s)"
+                       f"{f' (+{retiring} retiring)' if retiring else ''}, the members brought {p.get('brought')}"
+                       f" (at most {st.get('max_workers')} for all pools)")
     groups = st.get("groups", [])
     if not groups:
         out.append("no groups")

@@ -50,3 +50,23 @@ class FlakySetup(TwoStageToy):
                 f.truncate()
                 f.write(str(left - 1))
                 raise MemoryError("flaky worker setup (test): out of memory while loading")
+
+
+class SlowInWorker(TwoStageToy):
+    """While the file ``flag`` exists, sample ``slow`` costs ``secs`` of CPU
+    time to prepare in any process but the job's (the daemon's workers): a
+    worker that runs, slowly, not a hung one."""
+
+    def __init__(self, n: int, slow: int, secs: float, flag: str):
+        super().__init__(n)
+        self.slow, self.secs, self.flag = slow, secs, flag
+        self.owner = os.getpid()
+
+    def prep(self, raw: bytes, i: int):
+        if i == self.slow and os.getpid() != self.owner and os.path.exists(self.flag):
+            import time
+
+            end = time.process_time() + self.secs
+            while time.process_time() < end:
+                pass
+        return super().prep(raw, i)

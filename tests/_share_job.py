@@ -41,10 +41,18 @@ def main() -> None:
     loader = coordl.DataLoader(dataset(a.root, a.size), batch_size=a.batch_size, num_workers=a.workers,
                                seed=a.seed, share=bool(a.share), cache_size=a.cache_size)
     for epoch in range(a.epochs):
-        for k, batch in enumerate(loader):
-            print(json.dumps({"epoch": epoch, "step": k, "digest": digest(batch)}), flush=True)
+        it, k = iter(loader), 0
+        while True:
+            t0 = time.monotonic()
+            batch = next(it, None)
+            if batch is None:
+                break
+            wait = time.monotonic() - t0   # how long this batch kept the job waiting
+            print(json.dumps({"epoch": epoch, "step": k, "digest": digest(batch), "wait": wait}), flush=True)
+            k += 1
             if a.sleep:
                 time.sleep(a.sleep)
+        del it, batch
     st = loader.stats()
     print(json.dumps({"done": True, "shared": st.samples_shared, "self": st.samples_self_prepared,
                       "samples": st.samples}), flush=True)

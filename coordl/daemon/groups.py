@@ -353,6 +353,24 @@ class Group:
             heapq.heappush(self._queue, g)
             self._queued.add(g)
 
+    def excuse(self, gs) -> list:
+        """The members that wait for any of ``gs`` now (in the batch they
+        assemble) stop waiting for them and prepare them themselves (the
+        worker that has them makes no progress, or none is ready): ``[(member,
+        [G, ...]), ...]``.  An item a worker has stays its: its slot is
+        written when the worker finishes, for whoever takes it then."""
+        out = []
+        gs = set(gs)
+        for m in self.members.values():
+            if not m.attached:
+                continue
+            mine = sorted(g for g in gs if g in m.want and m.pos <= g < m.need)
+            if mine:
+                m.want.difference_update(mine)
+                m.short = sum(1 for w in m.want if m.pos <= w < m.need)
+                out.append((m, mine))
+        return out
+
     def done(self, g: int, ok: bool, why: str = "", info=None) -> list:
         """A worker finished position ``g``: deliver it to whoever waits."""
         return self.done_many([(g, ok, why, info)])

@@ -50,6 +50,25 @@ _COMPACT_BYTES = 128 << 20   # staging a run of positions walks through before i
 _MAX_STRIDE = 1 << 30         # bytes of one staged sample, at most
 
 
+def _max_workers() -> int:
+    """Daemon workers of all pools together, at most: ``COORDL_DAEMON_MAX_WORKERS``,
+    else the CPUs this process may use."""
+    v = os.environ.get("COORDL_DAEMON_MAX_WORKERS")
+    if v:
+        try:
+            n = int(v)
+        except ValueError:
+            n = 0
+        if n < 1:
+            raise ValueError(f"COORDL_DAEMON_MAX_WORKERS should be a whole number >= 1, but got "
+                             f"COORDL_DAEMON_MAX_WORKERS={v!r}")
+        return n
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:
+        return max(1, os.cpu_count() or 1)
+
+
 def _pos(x, what: str) -> int:
     """A global position from a member: a non-negative int, nothing else."""
     if type(x) is not int or x < 0:
@@ -92,6 +111,7 @@ class _GroupRes:
         self.failures = 0            # setup failures since the group last worked (or was retried)
         self.broken_at = -1          # the latest epoch of a member when it broke: retried after it
         self.retries: dict[int, int] = {}    # G -> times a worker died or hung with it
+        self.lost_at: float | None = None    # when its last ready worker went (none ready since)
 
     def close(self) -> None:
         self.mm.close()
@@ -115,14 +135,13 @@ class Hub(WorkerPools):
         self._outbox: dict[int, tuple] = {}   # conn fd -> (conn, [ready items]) until flush()
         self._stirred: set[int] = set()        # conn fds whose member's wait may have ended since flush()
         self._pins: dict[int, list] = {}      # conn fd -> [lo, hi] pinned for it, to tell it at flush()
+        self._waits: dict[tuple, tuple] = {}  # (gid, mid) -> ((need, short), since when) of a waiting member
         self.peer_servers: dict[int, tuple] = {}   # conn fd -> (PeerServer, NodeCache, job pid)
         self.worker_stall = _env_seconds("COORDL_DAEMON_WORKER_STALL", 30.0)
         self.worker_start = _env_seconds("COORDL_DAEMON_WORKER_START", 120.0)
+        self.worker_wait = _env_seconds("COORDL_DAEMON_WORKER_WAIT", 5.0)
         self.replaced = 0                          # workers replaced for making no progress
-        try:
-            self.max_workers = max(1, len(os.sched_getaffinity(0)))
-        except AttributeError:
-            self.max_workers = max(1, os.cpu_count() or 1)
+        self.max_workers = _max_workers()
 
     # ------------------------------------------------------------------ select
     def is_worker(self, conn) -> _Worker | None:
@@ -165,7 +184,7 @@ class Hub(WorkerPools):
             if res.broken or res.failures >= 2:   # a failed group is retried at its members' next epoch
                 self.log(f"group {g.gid}: trying again (it failed: {res.broken or 'a worker setup'})")
                 res.broken, res.failures = None, 0
-                self._grow(res.pool)
+                self._resize()
                 for w in res.pool.workers:
                     if w not in res.ready and w not in res.pending:
                         self._setup(w, res)
@@ -239,7 +258,7 @@ class Hub(WorkerPools):
         res.group.add(m)
         self.members[conn.fileno()] = (conn, m, gid)
         self._conn_by_mid[m.mid] = conn
-        self._grow(res.pool)
+        self._resize()
         self._retire_idle()
         self._send(conn, {"op": "joined", "gid": gid, "slots": res.group.nslots, "stride": res.stride},
                    fds=[res.staging_fd])
@@ -294,6 +313,7 @@ class Hub(WorkerPools):
         res.group.remove(m.mid)
         if not res.group.members:
             self._drop(res)
+        self._resize()    # what it brought leaves with it
 
     def _drop(self, res: _GroupRes) -> None:
         g = res.group
@@ -467,7 +487,13 @@ class Hub(WorkerPools):
                   "connections": srv.connections, "samples_served": srv.samples_served,
                   "bytes_served": srv.bytes_served, "absent": srv.absent}
                  for srv, cache, pid in self.peer_servers.values()]
+        targets = self._targets()
+        pools = [{"groups": sorted(p.gids), "brought": self._brought(p), "target": targets.get(p.key),
+                  "workers": [{"pid": w.proc.pid, "ready": w.ready, "samples": len(w.inflight),
+                               "retiring": w.retiring} for w in p.workers]}
+                 for p in self.pools.values()]
         return {"groups": groups, "worker_pids": [w.proc.pid for w in self.workers], "peer_servers": peers,
+                "pools": pools, "max_workers": self.max_workers,
                 "workers_replaced": self.replaced, "staging_limit": self.staging_bytes,
                 "caches": _caches([None] + [p.shm_dir for p in self.pools.values()])}
 

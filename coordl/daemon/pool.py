@@ -12,19 +12,37 @@ of its *pool*: ``python -m coordl.daemon.worker`` processes on socket
 pairs, started fresh for one (code identity, ``sys.path``, cache
 directory), with the job's ``COORDL_SHM_DIR``, never given another pool's
 group; each checks the code it imported against the members' identity
-before it prepares anything.  A pool has as many workers as the largest
-``num_workers`` among its members (at least 1, at most the CPUs this
-process may use); a pool without groups keeps its workers (and node
-caches) for the next run of that code, up to two such pools.  A worker
-that dies fails its samples in flight (members prepare those themselves)
-and is replaced; one that cannot set a group up is replaced too, and a
-group no worker could set up is tried again at its members' next pass.
+before it prepares anything.
 
-A worker that dies, or makes no progress on the samples in its hands
-within ``COORDL_DAEMON_WORKER_STALL`` seconds (default 30; hung: it is
-SIGKILLed), is replaced and its samples are prepared again by another worker
-of its pool (once; a sample that takes down a second worker is failed, and
-its members prepare it themselves).
+A pool is the cores its jobs brought (:meth:`WorkerPools._targets`): the
+sum of its members' ``num_workers`` (a member with ``num_workers=0``
+counts as one: its main process would have prepared its samples), at most
+``COORDL_DAEMON_MAX_WORKERS`` (default: the CPUs the daemon may use,
+``os.sched_getaffinity``) over all pools with groups, shared in proportion
+to what each brought.  It grows as jobs join; as they leave, workers beyond
+it take no new samples and stop once the ones in their hands are done (a
+worker is never stopped mid-task).  A pool without groups keeps its workers
+(and node caches) for the next run of that code, up to two such pools.
+
+A worker that dies is replaced; its samples in flight go to another worker
+of its pool that has their group ready (once), else to the members, who
+prepare them themselves.  One that cannot set a group up is replaced too,
+and a group no worker could set up is tried again at its members' next pass.
+
+Liveness by progress (:meth:`WorkerPools.check_workers`).  A member whose
+batch has not moved (none of what it waits for came) for
+``COORDL_DAEMON_WORKER_WAIT`` seconds (default 5) is overdue: a worker
+holding part of that batch that reported no finished sample for as long
+(each is reported within half a second) and is stopped (SIGSTOP, a
+debugger) or used no CPU since and is not runnable is hung: SIGKILLed and
+replaced, its samples going to another worker of the pool that has their
+group ready, or to the members when there is none.  Then the member
+prepares what it still waits for itself; a worker running a slow sample
+goes on.  A group that lost its last ready worker is served the same way
+until a replacement is ready.  Independently, a worker that makes no
+progress at all on the samples in its hands for
+``COORDL_DAEMON_WORKER_STALL`` seconds (default 30) is replaced.  A sample
+that takes down a second worker is failed (its members prepare it).
 """
 from __future__ import annotations
 
@@ -86,9 +104,46 @@ class _Worker:
         self.ready = False           # it said hello (imports done)
         self.setting_up = 0          # groups sent, not answered yet (unpickling, imports)
         self.progress_t = time.monotonic()   # last sign of progress: a message, or work handed to it idle
+        self.retiring = False        # beyond its pool's size: takes no new samples, stops once idle
+        self.cpu: tuple | None = None    # (CPU seconds used or None, when): taken once a member waits on it
+        self.hung_since: float | None = None   # replaced for no progress since then
+        self._ps = None              # psutil's handle on it (CPU time, stopped or not)
 
     def fileno(self) -> int:
         return self.conn.fileno()
+
+    def hung(self) -> bool:
+        """Stopped (SIGSTOP, a debugger) or gone; or it used no CPU time
+        since :attr:`cpu` was taken and is not runnable either (blocked:
+        not a slow sample, nor one waiting for a busy machine's CPU).
+        Unreadable counts as hung."""
+        import psutil
+
+        try:
+            if self._ps is None:
+                self._ps = psutil.Process(self.proc.pid)
+            status = self._ps.status()
+            if status in (psutil.STATUS_STOPPED, psutil.STATUS_TRACING_STOP, psutil.STATUS_ZOMBIE,
+                          psutil.STATUS_DEAD):
+                return True
+            if status == psutil.STATUS_RUNNING:
+                return False
+            used = self.cpu_used()
+        except (psutil.Error, OSError):
+            return True
+        return used is None or self.cpu is None or self.cpu[0] is None or used <= self.cpu[0]
+
+    def cpu_used(self) -> float | None:
+        """CPU seconds it has used (all its threads); None if unreadable."""
+        import psutil
+
+        try:
+            if self._ps is None:
+                self._ps = psutil.Process(self.proc.pid)
+            t = self._ps.cpu_times()
+            return t.user + t.system
+        except (psutil.Error, OSError):
+            return None
 
 
 class WorkerPools:
@@ -96,22 +151,59 @@ class WorkerPools:
     ``self`` is the hub, its ``groups``, ``pools``, ``workers`` and the
     ``_act``/``_break`` that carry out the group policy)."""
 
-    def _grow(self, pool: _Pool) -> None:
-        """As many workers in ``pool`` as the largest ``num_workers`` among
-        its groups' members (at least 1, at most the CPUs)."""
-        live = [gid for gid in pool.gids if not self.groups[gid].permanent]
+    def _targets(self) -> dict[str, int]:
+        """Each pool with groups: how many workers it runs.  What its
+        members brought (the sum of their ``num_workers``, one for a member
+        with none), all pools together at most :attr:`max_workers`, shared in
+        proportion to what each brought (at least one each).  Pools without
+        groups are left as they are (kept warm for the next run)."""
+        brought = {}
+        for key, pool in self.pools.items():
+            n = self._brought(pool)
+            if n:
+                brought[key] = n
+        total, cap = sum(brought.values()), self.max_workers
+        if total <= cap:
+            return brought
+        return {key: max(1, n * cap // total) for key, n in brought.items()}
+
+    def _brought(self, pool: _Pool) -> int:
+        """Workers ``pool``'s members brought (0: no group to serve)."""
+        live = [self.groups[gid] for gid in pool.gids if not self.groups[gid].permanent]
         if not live:
-            return
-        n = max([m.num_workers for gid in live for m in self.groups[gid].group.members.values()] + [1])
-        n = min(n, self.max_workers)
-        while len(pool.workers) < n:
-            w = _Worker(pool)
-            pool.workers.append(w)
-            self.workers.append(w)
-            for gid in sorted(pool.gids):
-                res = self.groups[gid]
-                if not res.broken and res.failures < 2:   # else: at the group's next pass
-                    self._setup(w, res)
+            return 0
+        return max(1, sum(max(1, m.num_workers) for res in live for m in res.group.members.values()))
+
+    def _resize(self) -> None:
+        """Every pool with groups to its size (:meth:`_targets`): new workers
+        are started (each is sent the pool's groups), or those beyond the
+        size are retired, idle ones first; one with samples in its hands
+        takes no more and stops when it has finished them."""
+        for key, n in self._targets().items():
+            pool = self.pools[key]
+            active = [w for w in pool.workers if not w.retiring]
+            for w in pool.workers:       # taking back one that retires is cheaper than starting one
+                if w.retiring and len(active) < n:
+                    w.retiring = False
+                    active.append(w)
+            while len(active) < n:
+                w = _Worker(pool)
+                pool.workers.append(w)
+                self.workers.append(w)
+                active.append(w)
+                for gid in sorted(pool.gids):
+                    res = self.groups[gid]
+                    if not res.broken and res.failures < 2:   # else: at the group's next pass
+                        self._setup(w, res)
+            if len(active) > n:
+                for w in sorted(active, key=lambda w: (len(w.inflight) + w.setting_up, w.ready))[:len(active) - n]:
+                    w.retiring = True
+        self._reap_retiring()
+
+    def _reap_retiring(self) -> None:
+        """Stop the retiring workers that have nothing in their hands."""
+        for w in [w for w in self.workers if w.retiring and not w.inflight and not w.setting_up]:
+            self._retire(w, "retired: its pool is larger than what its jobs brought")
 
     def _retire_idle(self, keep: int = 2) -> None:
         """Stop the workers of pools without groups beyond the ``keep`` used
@@ -123,7 +215,7 @@ class WorkerPools:
             for w in list(pool.workers):
                 self._retire(w)
 
-    def _retire(self, w: _Worker) -> None:
+    def _retire(self, w: _Worker, why: str | None = None) -> None:
         """Stop ``w`` (its samples in flight fail: members prepare them)."""
         if w not in self.workers:
             return
@@ -131,7 +223,7 @@ class WorkerPools:
             w.conn.send({"op": "stop"}, timeout=1.0)
         except (OSError, ValueError):
             pass
-        self._forget(w)
+        self._forget(w, why)
 
     def _setup(self, w: _Worker, res: _GroupRes) -> None:
         j = res.join
@@ -159,6 +251,7 @@ class WorkerPools:
             os.close(fd)
         op = msg.get("op")
         w.progress_t = time.monotonic()
+        w.cpu = None        # progress: a new span for hung() if a member waits on it again
         res = self.groups.get(int(msg.get("gid", -1)))
         if op == "hello":
             w.ready = True
@@ -185,8 +278,11 @@ class WorkerPools:
             res.pending.discard(w)
             res.ready.add(w)
             res.failures = 0
+            res.lost_at = None
         elif op == "group_failed" and res is not None and w in res.pending:
             self._setup_failed(w, res, str(msg.get("why")), bool(msg.get("code")))
+        if w.retiring:
+            self._reap_retiring()
 
     def _setup_failed(self, w: _Worker, res: _GroupRes, why: str, code: bool) -> None:
         """A worker could not set a group up.  Other code than the members'
@@ -205,19 +301,25 @@ class WorkerPools:
                 self._break(res, f"the daemon's worker could not set this job's group up ({why}); this job "
                                  "prepares its own samples meanwhile and the daemon tries again at its next epoch",
                             permanent=False)
-        self._grow(res.pool)
+        self._resize()
 
     def _forget(self, w: _Worker, why: str | None = None) -> None:
         """``w`` is gone or going (died, broke the protocol, hung, or
         retired): SIGKILL it, so it can write into no slot after this; its
-        samples in flight go to another worker once, then to the members."""
+        samples in flight go to another worker of the pool that has their
+        group set up, once; to the members (who prepare them) when there is
+        none, or when a sample takes down a second worker."""
         if w not in self.workers:
             return
         self.workers.remove(w)
         if w in w.pool.workers:
             w.pool.workers.remove(w)
+        lost = w.hung_since if w.hung_since is not None else time.monotonic()
         for res in self.groups.values():
-            res.ready.discard(w)
+            if w in res.ready:
+                res.ready.discard(w)
+                if res.lost_at is None and not any(not x.retiring for x in res.ready):
+                    res.lost_at = lost    # waiting members are served by themselves after worker_wait
             res.pending.discard(w)
         w.conn.close()
         if w.proc.poll() is None:
@@ -227,15 +329,21 @@ class WorkerPools:
             except subprocess.TimeoutExpired:
                 pass
         what = why or f"exited with {w.proc.returncode}"
-        self.log(f"worker pid {w.proc.pid} {what}; {len(w.inflight)} samples in its hands go to another worker")
+        if w.inflight:
+            self.log(f"worker pid {w.proc.pid} {what}; {len(w.inflight)} samples in its hands go to another "
+                     "worker, or to the jobs")
+        else:
+            self.log(f"worker pid {w.proc.pid} {what}")
         for (gid, g) in sorted(w.inflight):
             res = self.groups.get(gid)
             if res is None:
                 continue
             tries = res.retries[g] = res.retries.get(g, 0) + 1
-            if tries <= 1 and w.proc.returncode is not None:
+            other = any(not x.retiring for x in res.ready)
+            if tries <= 1 and w.proc.returncode is not None and other:
                 res.group.requeue(g)
-            else:   # it took down a second worker (or this one could not be reaped): its members prepare it
+            else:   # no other worker can take it now, it took down a second worker, or this one could
+                    # not be reaped: its members prepare it
                 self._act(res, res.group.done(g, False, f"the daemon's worker pid {w.proc.pid} {what}"))
         w.inflight.clear()
 
@@ -251,12 +359,17 @@ class WorkerPools:
                 self._break(res, f"the daemon's worker pid {w.proc.pid} died while setting this job's group up "
                                  f"(exit {w.proc.returncode}); this job prepares its own samples meanwhile and "
                                  "the daemon tries again at its next epoch", permanent=False)
-        self._grow(w.pool)
+        self._resize()
 
     def check_workers(self) -> None:
-        """Liveness by progress: a worker with samples in its hands that sent
-        nothing for ``worker_stall`` seconds (``worker_start`` while it starts
-        or loads a group) is hung, and replaced."""
+        """Liveness by progress (see the module's doc).  A worker with samples
+        in its hands that reported nothing for ``worker_stall`` seconds
+        (``worker_start`` while it starts or loads a group) is replaced.  A
+        member that waited ``worker_wait`` seconds for its batch with none of
+        it coming: a worker holding what it waits for that is hung is
+        replaced, and the member prepares what it still waits for itself
+        (so does every member of a group that lost its last ready worker
+        ``worker_wait`` seconds ago, until one is ready)."""
         now = time.monotonic()
         for w in list(self.workers):
             if w.proc.poll() is not None:
@@ -266,17 +379,89 @@ class WorkerPools:
             limit = self.worker_start if starting else self.worker_stall
             if (w.inflight or starting) and now - w.progress_t > limit:
                 self.replaced += 1
+                w.hung_since = w.progress_t    # (its members may have waited on it that long already)
                 self.worker_gone(w, f"made no progress on its {len(w.inflight)} samples in {limit:g} s "
                                     "(hung): SIGKILLed and replaced")
+                continue
+            if w.cpu is None and w.inflight and now - w.progress_t >= min(1.0, self.worker_wait / 2):
+                w.cpu = (w.cpu_used(), now)   # (a working worker reports at least every half second)
+        waits = {}
+        for res in list(self.groups.values()):
+            if res.broken or self.groups.get(res.group.gid) is not res:
+                continue
+            if res.lost_at is not None and now - res.lost_at > self.worker_wait:
+                self._excuse(res, self._waiting(res), "the daemon's workers for this group are starting")
+                continue
+            if not res.ready:
+                continue      # its first workers start (COORDL_DAEMON_WORKER_START): waited for, as a job's own
+            for m in list(res.group.members.values()):
+                if not (m.attached and m.short):
+                    continue
+                key, mark = (res.group.gid, m.mid), (m.need, m.short)
+                since = self._waits.get(key)
+                if since is None or since[0] != mark:    # it began waiting, or some of its batch came
+                    waits[key] = (mark, now)
+                elif now - since[1] <= self.worker_wait:
+                    waits[key] = since
+                else:
+                    self._overdue(res, m, now)
+        self._waits = waits
         for pool in list(self.pools.values()):
             if pool.gids and not pool.workers:
-                self._grow(pool)
+                self._resize()
+
+    def _overdue(self, res: _GroupRes, m, now: float) -> None:
+        """Member ``m`` waited ``worker_wait`` seconds and none of its batch
+        came: a worker holding some of it that made no progress as long and
+        is hung (:meth:`_Worker.hung`) is replaced; what ``m`` still waits
+        for it prepares itself (a worker that has some of it keeps it)."""
+        gs = [g for g in m.want if m.pos <= g < m.need]
+        gid = res.group.gid
+        for w in [w for w in res.pool.workers if any((gid, g) in w.inflight for g in gs)]:
+            starting = not w.ready or w.setting_up > 0     # (judged by worker_start)
+            if not starting and now - w.progress_t > self.worker_wait and w.hung():
+                self.replaced += 1
+                w.hung_since = w.progress_t
+                self.worker_gone(w, f"made no progress for {now - w.progress_t:.1f} s on samples a job waits "
+                                    "for, and is stopped or runs nothing (hung): SIGKILLed and replaced")
+        if self.groups.get(gid) is res and not res.broken:
+            self._excuse(res, [g for g in gs if g in m.want],
+                         f"the daemon made no progress on it for {self.worker_wait:g} s")
+
+    @staticmethod
+    def _waiting(res: _GroupRes) -> list[int]:
+        """What ``res``'s members wait for now."""
+        return sorted({g for m in res.group.members.values() if m.attached and m.short
+                       for g in m.want if m.pos <= g < m.need})
+
+    def _excuse(self, res: _GroupRes, gs, why: str) -> None:
+        """The members waiting for ``gs`` prepare them themselves: each gets
+        them as failed items (``[G, slot or -1, False, why]``).  A worker
+        that has one keeps its slot and finishes it for whoever wants it
+        then (it is never freed under a worker)."""
+        if not gs:
+            return
+        for m, got in res.group.excuse(gs):
+            conn = self._conn_of(m)
+            if conn is None:
+                continue
+            fd = conn.fileno()
+            items = self._outbox.setdefault(fd, (conn, []))[1]
+            self._stirred.add(fd)
+            for g in got:
+                it = res.group.items.get(g)
+                items.append([g, it.slot if it is not None else -1, False, why])
 
     def paused(self, gap: float) -> None:
         """This process did not run for ``gap`` seconds (SIGSTOP, suspend):
         nobody could make progress meanwhile, so no clock runs on it."""
         for w in self.workers:
             w.progress_t += gap
+            w.cpu = None
+        for res in self.groups.values():
+            if res.lost_at is not None:
+                res.lost_at += gap
+        self._waits = {k: (mark, t + gap) for k, (mark, t) in self._waits.items()}
 
     def _pump(self) -> None:
         if not self.workers:
@@ -284,8 +469,14 @@ class WorkerPools:
         batches: dict[tuple[int, int], list] = {}    # (worker index, gid) -> [[g, slot], ...]
         # each group's workers: its own pool's that set it up (or are setting it up: the
         # tasks follow the setup on the same socket); a group out of work or of room drops out
-        live = [(res, [(k, w) for k, w in enumerate(self.workers) if w in res.ready or w in res.pending])
-                for res in self.groups.values() if not res.broken]
+        # (to workers still setting it up only while none has: a replacement that starts
+        # would hold them for seconds while the others are idle)
+        live = []
+        for res in self.groups.values():
+            if not res.broken:
+                mine = [(k, w) for k, w in enumerate(self.workers) if w in res.ready and not w.retiring]
+                live.append((res, mine or [(k, w) for k, w in enumerate(self.workers)
+                                           if w in res.pending and not w.retiring]))
         live = [x for x in live if x[1]]
         while live:    # one task per group per round, so groups sharing a pool take turns
             left = []

@@ -18,7 +18,9 @@ it with :mod:`ipc` frames (JSON, descriptors alongside):
   samples_per_epoch``) (node cache, then storage, admitting it), prepare
   it under its own generator (seed, epoch, i) and write it into ``slot``;
   answer ``{"op": "done", items: [{gid, g, ok, info | why}, ...]}``, a few
-  samples per message (when nothing else is pending, at once).  Reads run
+  samples per message (when nothing else is pending, at once; a finished
+  sample is never held back more than half a second: the daemon judges a
+  worker's liveness by them).  Reads run
   ahead on a few threads while earlier samples are prepared.
 * ``{"op": "drop", gid}``: forget a group.  Node caches it attached stay
   attached until the worker exits: the daemon holds them while it runs, so
@@ -55,6 +57,8 @@ __all__ = ["HEADER", "HDR", "MARK", "LAYOUT", "CodeMismatch", "describe_layout",
 
 HEADER = 64
 _DONE_BATCH = 8   # finished samples reported in one message (fewer wake-ups of the daemon)
+_DONE_WAIT = 0.5  # seconds a finished sample waits for others before it is reported: the daemon's
+                  # clock of progress (pool.py) sees every finished sample within this
 HDR = struct.Struct("<qqqq")   # epoch, global position, index, marker
 MARK = 0x636F6F72646C          # "coordl": a complete sample
 LAYOUT = "layout: "            # a failure's reason starts with it when the sample's shapes differ
@@ -279,6 +283,7 @@ def main(fd: int) -> int:
     reads = ThreadPoolExecutor(4, thread_name_prefix="coordl-daemon-read")
     pending: list = []   # (task, group, read future) in arrival order
     replies: list = []   # finished samples not reported yet
+    first_t = 0.0        # when the oldest of them finished
 
     def flush() -> None:
         if replies:   # no deadline: the daemon reads whenever it runs (it may be stopped a while)
@@ -367,8 +372,10 @@ def main(fd: int) -> int:
                 else:
                     reply.update(ok=False, why=why)
             data = None
+            if not replies:
+                first_t = time.monotonic()
             replies.append(reply)
-            if not pending or len(replies) >= _DONE_BATCH:
+            if not pending or len(replies) >= _DONE_BATCH or time.monotonic() - first_t >= _DONE_WAIT:
                 flush()
     except (ConnectionError, OSError):
         return 0  # the daemon is gone
