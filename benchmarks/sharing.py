@@ -55,6 +55,14 @@ CPU per epoch at K=4 sharing <= 1.15x solo; storage per epoch at K=4 sharing
     python benchmarks/sharing.py                       # 1000 generated photos, 3 rounds, ~9 min
     python benchmarks/sharing.py --root /tmp/synth --epochs 3 --rounds 1 --configs solo,K4,shared-K4
     python benchmarks/sharing.py --quick               # tiny smoke run (tests use it)
+    python benchmarks/sharing.py --independent --epochs 4 --rounds 2   # the independent check's setup
+
+``--workers`` is each job's ``num_workers`` (the daemon's pool is what the
+sharing jobs brought together: K x workers, capped at the CPUs); ``--stagger``
+starts a configuration's jobs that many seconds apart; ``--independent``
+is the setup of an independent check of the K=4 target (2,000 generated
+ImageNet-sized JPEGs of ~84 KB, batch 64, 2 workers, the sleep step, no node
+cache, jobs 0.5 s apart, solo and shared-K4).
 
 Writes DIR/sharing.csv (one row per configuration and round),
 DIR/sharing_jobs.csv (one row per job and epoch) and DIR/sharing.png
@@ -85,6 +93,13 @@ sys.path.insert(0, HERE)
 
 import _host  # noqa: E402
 import cache as cachebench  # noqa: E402  (block-device counters, drop_caches)
+
+# option defaults, and the independent check's setup (--independent): 2,000 ImageNet-sized JPEGs of
+# ~84 KB, batch 64, 2 workers, a 10 ms step per batch, no node cache, four jobs started 0.5 s apart
+DEFAULTS = {"images": 1000, "mean_kb": 110.0, "batch_size": 64, "workers": 2, "step": "mean",
+            "cache_size": "2GiB", "stagger": 0.0, "configs": None}
+INDEPENDENT = {"images": 2000, "mean_kb": 84.0, "batch_size": 64, "workers": 2, "step": "sleep",
+               "cache_size": "0", "stagger": 0.5, "configs": "solo,shared-K4"}
 
 CONFIGS = ("solo", "K2", "K4", "shared-K1", "shared-K2", "shared-K4", "shared-mixed",
            "shared-fast3", "shared-fast3+slow", "shared-idle")
@@ -446,7 +461,9 @@ def run_config(args, name: str, specs: list[dict], share: bool, ctx: dict) -> di
         deadline = time.monotonic() + args.timeout
         _wait(jobs, "ready", deadline)
         by_role = CpuByRole(cg) if cg else None
-        for j in jobs:
+        for i, j in enumerate(jobs):
+            if i and args.stagger:      # --stagger: the jobs start one after another
+                time.sleep(args.stagger)
             j.say("go")
         last_status = last_sample = 0.0
         while not all(j.done for j in jobs):
@@ -873,15 +890,26 @@ def plan_configs(args, share_ok: bool) -> list[tuple[str, list[dict], bool]]:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--root", default=None, help="ImageFolder root (default: generate --images photos)")
-    ap.add_argument("--images", type=int, default=1000, help="images to generate when --root is not given")
+    ap.add_argument("--images", type=int, default=None, help="images to generate when --root is not given "
+                    "(default 1000)")
+    ap.add_argument("--mean-kb", type=float, default=None,
+                    help="mean JPEG size of the generated images (KB, default 110)")
+    ap.add_argument("--stagger", type=float, default=None,
+                    help="seconds between the starts of a configuration's jobs (default: all at once)")
+    ap.add_argument("--independent", action="store_true",
+                    help="the independent check's setup: 2,000 ImageNet-sized JPEGs of ~84 KB, batch 64, "
+                         "2 workers, the sleep step, no node cache, jobs started 0.5 s apart, configurations "
+                         "solo,shared-K4; options given as well take precedence")
     ap.add_argument("--epochs", type=int, default=2, help="epochs per job; epoch 0 is the warm-up")
-    ap.add_argument("--workers", type=int, default=2)
-    ap.add_argument("--batch-size", type=int, default=64, help="batch of every job (mixed: /2, x1, x2, x4)")
+    ap.add_argument("--workers", type=int, default=None, help="num_workers of every job, default 2 (the daemon "
+                    "runs what the sharing jobs brought: K x this, at most the CPUs)")
+    ap.add_argument("--batch-size", type=int, default=None,
+                    help="batch of every job, default 64 (mixed: /2, x1, x2, x4)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--cache-size", default="2GiB", help='node cache of every job ("0": off)')
+    ap.add_argument("--cache-size", default=None, help='node cache of every job ("0": off; default 2GiB)')
     ap.add_argument("--rounds", type=int, default=3, help="repeat all configurations (medians reported)")
-    ap.add_argument("--configs", default=",".join(CONFIGS))
-    ap.add_argument("--step", choices=sorted(STEPS), default="mean",
+    ap.add_argument("--configs", default=None, help=f"default: {','.join(CONFIGS)}")
+    ap.add_argument("--step", choices=sorted(STEPS), default=None,
                     help="the jobs' training step: mean = images.float().mean() (default), light = the mean "
                          "of one pixel row per image (the loader alone)")
     ap.add_argument("--timeout", type=float, default=600, help="seconds per configuration before killing it")
@@ -905,6 +933,10 @@ def main(argv=None) -> int:
     ap.add_argument("--dev-id", default="", help=argparse.SUPPRESS)
     ap.add_argument("--warm-maps", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    for k, v in (INDEPENDENT if args.independent else DEFAULTS).items():   # what the command line does not say
+        if getattr(args, k) is None:
+            setattr(args, k, v)
+    args.configs = args.configs or ",".join(CONFIGS)
     if args.no_check:
         args.check = "none"
     if args.job:
@@ -930,7 +962,7 @@ def main(argv=None) -> int:
         from coordl.synth import make_image_folder
         if args.root is None:
             args.root = os.path.join(tmp.name, "photos")
-            kw = {"image_size": (96, 72)} if args.quick else {}
+            kw = {"image_size": (96, 72)} if args.quick else {"mean_kb": args.mean_kb}
             make_image_folder(args.root, num_images=args.images, num_classes=10, seed=0, **kw)
         primer = os.path.join(tmp.name, "primer")
         make_image_folder(primer, num_images=8, num_classes=2, image_size=(96, 72), seed=1)
@@ -944,7 +976,7 @@ def main(argv=None) -> int:
         nbytes = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(args.root) for f in fs)
         print(f"dataset {args.root}: {n_files} files, {nbytes / 2**20:.1f} MiB on /dev/{dev}; {args.workers} "
               f"workers, batch {args.batch_size} and step {args.step!r} per job, {args.epochs} epochs (epoch 0 warm-up), node cache "
-              f"{args.cache_size}, {os.cpu_count()} cores; page cache dropped before each configuration: "
+              f"{args.cache_size}, jobs started {args.stagger:g} s apart, {os.cpu_count()} cores; page cache dropped before each configuration: "
               f"{'yes' if ctx['drop'] else 'no'}; cgroup CPU/storage accounting: "
               f"{'yes' if ctx['cgroups'] else 'no (needs root and cgroup v1 cpuacct)'}", flush=True)
         if not share_ok:
