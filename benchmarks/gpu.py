@@ -34,19 +34,22 @@ Parts:
 (c) four ResNet-18 jobs training on the one GPU from the same folder,
     separate processes started together (3 workers each, batch 128):
     torch, coordl ``share=False``, coordl ``share=True``; images/s of each
-    job against one job alone;
+    job against one job alone.  Each job warms up, waits until all are
+    ready, then skips what its loader prefetched meanwhile (2 x workers + 1
+    batches) before its window;
 (d) whether DALI ran (its rows are in (a) and (b)).
 
 Each measurement is time-boxed: one epoch, a warm-up of ``workers + 2``
-batches (every worker has delivered), then a window of ``--seconds`` that
-closes early at the end of the epoch (an epoch boundary's restart is not
-measured); the device is synchronized at both ends of the window.  A
+batches (every worker has delivered), then a window of a few seconds
+(``--seconds``, ``--train-seconds``, ``--job-seconds``) that closes early at
+the end of the epoch (an epoch boundary's restart is not measured); the
+device is synchronized at both ends of the window.  A
 variant that raises prints its error and the run goes on; the JSON
 (``--out``) is rewritten after every measurement, with the machine's facts
 (GPU, CPUs, versions, date).
 
     python benchmarks/gpu.py --out gpu.json            # ~5 minutes on an H100 with 16 vCPUs
-    python benchmarks/gpu.py --parts a --workers 1,15 --seconds 3
+    python benchmarks/gpu.py --parts a,b --workers 1,15 --seconds 2
     python benchmarks/gpu.py --smoke --out smoke.json  # tiny sizes; CPU when there is no CUDA
 
 torchvision's PyPI wheel does not import beside a CPU build of torch; this
@@ -233,6 +236,9 @@ class Variant:
     unavailable: Callable[[Ctx], str | None] = lambda ctx: None
 
 
+# Rows of parts (a) and (b), in order.  A coordl option is one more entry, e.g.
+#   Variant("coordl-decode-device", functools.partial(make_coordl_device, decode="device"), "...")
+# (make_coordl_device passes keyword arguments on to coordl.DataLoader).
 VARIANTS: list[Variant] = [
     Variant("torch", make_torch, "torch DataLoader, pin_memory=True, .cuda(non_blocking=True)"),
     Variant("coordl-import", make_coordl_import, "coordl, only the import changed"),
@@ -475,9 +481,10 @@ def part_a(args, ctx: Ctx, res: dict, save: Callable) -> None:
         for v in VARIANTS:
             r = run_variant(ctx, v, w, args.batch_size, args.warmup or w + 2, args.seconds)
             part["rows"].setdefault(v.name, {})[str(w)] = r
-            print(f"  {v.name:<16} {w:>2} workers  {_cell(r):>8} images/s  "
-                  f"{_cell(r, 'cpu_ms_per_image', '{:.2f}'):>6} CPU ms/image  "
-                  + (r.get("error") or r.get("skipped") or f"(window {r['window_s']:.1f} s)"), flush=True)
+            why = r.get("error") or r.get("skipped")
+            print(f"  {v.name:<16} {w:>2} workers  " + (why.splitlines()[0] if why else
+                  f"{_cell(r):>8} images/s  {_cell(r, 'cpu_ms_per_image', '{:.2f}'):>6} CPU ms/image  "
+                  f"(window {r['window_s']:.1f} s)"), flush=True)
             save()
     hdr = ["loader"] + [str(w) for w in args.workers]
     print_table(f"(a) images/s on {ctx.device}, batch {args.batch_size}", hdr,
@@ -511,8 +518,9 @@ def part_b(args, ctx: Ctx, res: dict, save: Callable) -> None:
         if "images_per_s" in r and ceiling["images_per_s"] > 0:
             r["of_ceiling"] = round(r["images_per_s"] / ceiling["images_per_s"], 3)
         part["rows"][v.name] = r
-        print(f"  {v.name:<16} {_cell(r):>8} images/s  {_cell(r, 'of_ceiling', '{:.0%}'):>5} of the ceiling  "
-              + (r.get("error") or r.get("skipped") or ""), flush=True)
+        why = r.get("error") or r.get("skipped")
+        print(f"  {v.name:<16} " + (why.splitlines()[0] if why else
+              f"{_cell(r):>8} images/s  {_cell(r, 'of_ceiling', '{:.0%}'):>5} of the ceiling"), flush=True)
         save()
     print_table(f"(b) {args.model_b}, batch {args.train_batch_size}, {w} workers", ["source", "images/s", "of ceiling"],
                 [["synthetic (ceiling)", _cell(ceiling), "100%"]]
@@ -754,17 +762,17 @@ def parse(argv=None):
     ap.add_argument("--size", type=int, default=224, help="crop size")
     ap.add_argument("--workers", type=_ints, default=[1, 4, 8, 15], help="part (a): worker counts")
     ap.add_argument("--batch-size", type=int, default=128, help="part (a)")
-    ap.add_argument("--seconds", type=float, default=4.0, help="part (a): window of each measurement")
+    ap.add_argument("--seconds", type=float, default=3.0, help="part (a): window of each measurement")
     ap.add_argument("--warmup", type=int, default=None, help="batches before the window (default workers + 2)")
     ap.add_argument("--model-b", default="resnet50", help="part (b): a torchvision model (tiny: a small conv net)")
     ap.add_argument("--train-workers", type=int, default=15, help="part (b)")
     ap.add_argument("--train-batch-size", type=int, default=256, help="part (b)")
-    ap.add_argument("--train-seconds", type=float, default=6.0, help="part (b)")
+    ap.add_argument("--train-seconds", type=float, default=5.0, help="part (b)")
     ap.add_argument("--model-c", default="resnet18", help="part (c)")
     ap.add_argument("--jobs", type=int, default=4, help="part (c): jobs started together")
     ap.add_argument("--job-workers", type=int, default=3, help="part (c): workers per job")
     ap.add_argument("--job-batch-size", type=int, default=128, help="part (c)")
-    ap.add_argument("--job-seconds", type=float, default=6.0, help="part (c)")
+    ap.add_argument("--job-seconds", type=float, default=5.0, help="part (c)")
     ap.add_argument("--job-timeout", type=float, default=150.0, help="part (c): limit of one configuration")
     ap.add_argument("--tmp", default=None, help="where the data goes (default: the system's temporary folder)")
     ap.add_argument("--smoke", action="store_true", help="tiny sizes, a few seconds a part: checks the script")
@@ -806,7 +814,7 @@ def main(argv=None) -> int:
     os.environ.pop("COORDL_SHARE", None)
     res: dict[str, Any] = {"settings": {k: v for k, v in vars(args).items() if k not in ("job", "variant", "extra",
                                                                                          "model")},
-                           "parts": {}}
+                           "variants": {v.name: v.describe for v in VARIANTS}, "parts": {}}
 
     def save() -> None:
         d = os.path.dirname(os.path.abspath(args.out))
