@@ -234,3 +234,49 @@ def test_peers_issue19_targets_tiny(tmp_path):
                   "--idle", "20", "--out", str(tmp_path), timeout=120)
     c = json.loads((tmp_path / "peers_connections.json").read_text())
     assert c["served"] == c["requests"] == 4 * 2 * 3 * 4 and c["server_threads"] == 3, out
+
+
+@pytest.mark.timeout(600)
+def test_gpu_smoke(tmp_path):
+    """benchmarks/gpu.py --smoke: every part at tiny sizes (the CPU stands in
+    for the GPU where there is none), so the script is right before a GPU
+    run; no timing asserted."""
+    out, work = tmp_path / "gpu.json", tmp_path / "work"
+    work.mkdir()
+    text = _script("gpu.py", "--smoke", "--out", str(out), "--tmp", str(work), timeout=540)
+    res = json.loads(out.read_text())
+    assert set(res["parts"]) == {"a", "b", "c", "d"}, text
+    m = res["machine"]
+    assert m["cpu_count"] >= 1 and m["python"] and m["torch"] and m["coordl"] and m["date"], m
+    dali = res["parts"]["d"]
+    assert dali["ran"] or dali["skipped"], dali
+    if not dali["ran"]:
+        assert "(d) DALI: skipped: " in text
+    a = res["parts"]["a"]
+    assert list(a["rows"]) == ["torch", "coordl-import", "coordl-device", "dali"], a
+    for name, by_workers in a["rows"].items():
+        assert list(by_workers) == [str(w) for w in a["workers"]], by_workers
+        for r in by_workers.values():
+            if name == "dali" and not dali["ran"]:
+                assert r == {"skipped": dali["skipped"]}
+                continue
+            assert "error" not in r and r["images_per_s"] > 0 and r["images"] > 0 and r["cpu_ms_per_image"] > 0, r
+    b = res["parts"]["b"]
+    assert b["ceiling"]["images_per_s"] > 0, b
+    assert list(b["rows"]) == ["torch", "coordl-import", "coordl-device", "dali"], b
+    for name, r in b["rows"].items():
+        if name == "dali" and not dali["ran"]:
+            continue
+        assert "error" not in r and r["images_per_s"] > 0
+        assert r["of_ceiling"] == pytest.approx(r["images_per_s"] / b["ceiling"]["images_per_s"], abs=1e-3)
+    c = res["parts"]["c"]
+    assert list(c["rows"]) == ["torch", "coordl", "coordl share=True"], c
+    for label, r in c["rows"].items():
+        assert "error" not in r, r
+        assert r["alone"] > 0 and len(r["per_job"]) == c["jobs"] and min(r["per_job"]) > 0, r
+    # jobs started together on the same folder did share prep through the node daemon
+    assert sum(c["rows"]["coordl share=True"]["shared_samples"]) > 0, c
+    assert not any(c["rows"]["coordl"]["shared_samples"]), c
+    for title in ("(a) images/s on", "(b) ", "(c) "):
+        assert title in text, text
+    assert os.listdir(work) == [], "the run's temporary folder was left behind"
