@@ -136,7 +136,7 @@ def test_peers_quick(tmp_path):
     assert sum(int(r["storage_bytes"]) for r in later if r["config"] == "off") > 0
     assert all(int(r["storage_bytes"]) == 0 and int(r["peer_bytes"]) == 0
                for r in rows if r["config"] == "local")
-    assert "targets (issue 9)" in out
+    assert "targets:" in out
     try:
         import matplotlib  # noqa: F401
     except ImportError:
@@ -221,8 +221,8 @@ def test_small_server_tiny():
                                           ["fsspec", "default"], ["fsspec", "fetch_threads=8"]], out
     assert all(r[-1] == "0/1" for r in rows), out        # every configuration ran, none failed
     assert all(float(r[-5]) > 0 for r in rows), out     # images/s
-def test_peers_issue19_targets_tiny(tmp_path):
-    """benchmarks/peers.py first-pass and connections (issue 19) at a tiny size."""
+def test_peers_first_pass_and_connection_targets_tiny(tmp_path):
+    """benchmarks/peers.py first-pass and connections at a tiny size."""
     out = _script("peers.py", "first-pass", "--images", "60", "--nodes", "2", "--epochs", "3", "--workers", "0",
                   "--batch-size", "8", "--cache-fraction", "0.55", "--scenarios", "eval,resume", "--out", str(tmp_path), timeout=300)
     assert "eval " in out and "resume " in out and "MISSED" not in out, out

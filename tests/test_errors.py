@@ -1,4 +1,4 @@
-"""A bad sample's error keeps its own type (issue 7 item 16a).
+"""A bad sample's error keeps its own type.
 
 torch re-raises a failing sample's exception type, so a user's ``except
 OSError:`` works; coordl adds its context (stage, index, path, remedy) and
