@@ -49,7 +49,7 @@ from typing import Any, Callable
 
 import torch
 
-from .split import DeviceTail, Split, SplitPrep, split_for_device  # noqa: F401  (re-exported)
+from .split import DeviceTail, Split, SplitPrep, _replace_at, split_for_device  # noqa: F401  (re-exported)
 
 #: Test seam: ``device="cpu"`` runs the whole device path (ring, streams,
 #: tail) with :class:`HostStreams` instead of being a no-op.
@@ -288,7 +288,7 @@ class DeviceDelivery:
 
         return walk(batch, put, (lambda o: o.pin_memory()) if pin else (lambda o: o))
 
-    def _start_copy(self, host, paths) -> Staged:
+    def _start_copy(self, host, paths, replace=None) -> Staged:
         st = self.streams
         copy_stream = st.copy_stream()
         with st.use(copy_stream):
@@ -297,20 +297,25 @@ class DeviceDelivery:
                        _warn_unwalked)
             if paths and self.tail is not None:
                 dev = self.tail.apply(dev, paths)
+            for path, image in (replace or {}).items():   # made on this stream (decode="device")
+                dev = _replace_at(dev, path, lambda _record, image=image: image)
             event = st.event()           # one per batch: a later reuse of the slot re-records nothing
             event.record(copy_stream)
         return Staged(dev, event)
 
-    def stage(self, batch, paths=()) -> Staged:
+    def stage(self, batch, paths=(), replace=None) -> Staged:
         """Start ``batch``'s copy to the device through the pinned ring (any
         thread: the pin thread does this one batch ahead of the training
-        loop); the tail converts the images at ``paths`` there."""
+        loop); the tail converts the images at ``paths`` there.
+        ``replace``: ``{path: tensor}`` already on the device, made on the
+        copy stream, that take the places of the leaves at those paths
+        (``decode="device"``: the images in place of their records)."""
         slot = self.slots[self.k % len(self.slots)]
         self.k += 1
         if slot.event is not None and not slot.event.query():
             self.waits += 1
             slot.event.synchronize()     # its last copy still reads the pinned buffers
-        staged = self._start_copy(self._stage(slot, batch), paths)
+        staged = self._start_copy(self._stage(slot, batch), paths, replace)
         slot.event = staged.event
         return staged
 
