@@ -224,19 +224,19 @@ class DecodeStage:
         blob, _, offsets = stats.device_blob
         stats.device_blob = None       # the slot goes back to its worker once the stage lets go of it
         paths = tuple(stats.device_marks)
-        records = [_get(batch, p).numpy() for p in paths]
-        n, m = records[0].shape[0], len(paths)
+        records = [_get(batch, p).tolist() for p in paths]    # per path, per row: the RECORD fields
+        n, m = len(records[0]), len(paths)
         out = [[None] * n for _ in range(m)]
         errors: dict = {}
         on_device = on_cpu = 0
-        todo = [(r, k) for r in range(n) for k in range(m) if records[k][r, KIND] == ON_DEVICE]
+        todo = [(r, k) for r in range(n) for k in range(m) if records[k][r][KIND] == ON_DEVICE]
         for chunk in _chunks(todo, records):
             streams = [_bytes(blob, offsets[r * m + k]) for r, k in chunk]
             got = self.decoder.decode(streams)
             for (r, k), img, data in zip(chunk, got, streams):
                 if isinstance(img, BaseException):
                     log.debug("device decode of sample %d failed (%s: %s): decoding it on the CPU",
-                              int(records[k][r, INDEX]), type(img).__name__, img)
+                              records[k][r][INDEX], type(img).__name__, img)
                     try:
                         img = self._on_host(data)
                     except Exception as e:  # noqa: BLE001 - the sample's own error, as the CPU path's
@@ -250,8 +250,8 @@ class DecodeStage:
         oh, ow = self.plan.size
         for r in range(n):
             for k in range(m):
-                if records[k][r, KIND] == ON_CPU:   # prepared by the CPU path in the worker (counted there)
-                    x = _bytes(blob, offsets[r * m + k]).view(int(records[k][r, CHANNELS]), oh, ow)
+                if records[k][r][KIND] == ON_CPU:   # prepared by the CPU path in the worker (counted there)
+                    x = _bytes(blob, offsets[r * m + k]).view(records[k][r][CHANNELS], oh, ow)
                     out[k][r] = x.to(self.device).to(torch.float32)
         del blob
         keep = self._errors(errors, records[0], stats, step) if errors else list(range(n))
@@ -275,22 +275,22 @@ class DecodeStage:
         arr = decode_rgb(data.numpy().tobytes())
         return torch.from_numpy(arr).permute(2, 0, 1).to(self.device)
 
-    def _geometry(self, img: torch.Tensor, rec) -> torch.Tensor:
+    def _geometry(self, img: torch.Tensor, rec: list) -> torch.Tensor:
         """One decoded (3, H, W) uint8 image through the record's crop,
         resize, padded crop and mirror: float32 (3, h, w), not yet rounded."""
-        if tuple(img.shape[-2:]) != (int(rec[SRC_H]), int(rec[SRC_W])):
+        if tuple(img.shape[-2:]) != (rec[SRC_H], rec[SRC_W]):
             raise RuntimeError(f"the decoder gave a {tuple(img.shape)} image for a JPEG whose header says "
-                               f"{int(rec[SRC_H])}x{int(rec[SRC_W])}")
-        t, l, h, w = (int(v) for v in rec[T1:W1 + 1])
+                               f"{rec[SRC_H]}x{rec[SRC_W]}")
+        t, l, h, w = rec[T1:W1 + 1]
         x = img[:, t:t + h, l:l + w]
-        rh, rw = int(rec[RH]), int(rec[RW])
+        rh, rw = rec[RH], rec[RW]
         if rh and (rh, rw) != (h, w):
             mode = self.plan.mode.value
             kw = {"align_corners": False, "antialias": self.plan.antialias} if mode in ("bilinear", "bicubic") else {}
             x = F.interpolate(x.unsqueeze(0).to(torch.float32), size=(rh, rw), mode=mode, **kw)[0]
         else:
             x = x.to(torch.float32)
-        t, l, h, w = (int(v) for v in rec[T2:W2 + 1])
+        t, l, h, w = rec[T2:W2 + 1]
         x = _padded_crop(x, t, l, h, w)
         return x.flip(-1) if rec[FLIP] else x
 
@@ -299,9 +299,9 @@ class DecodeStage:
         the rows that stay."""
         from ..errors import sample_error
 
-        n = records.shape[0]
+        n = len(records)
         for r in sorted(errors):
-            i = int(records[r, INDEX])
+            i = records[r][INDEX]
             err, where = errors[r], self.describe(i)
             if self.on_error == "raise" or not isinstance(err, Exception):
                 e = sample_error("preparing", i, where, err)
@@ -317,7 +317,7 @@ def _chunks(todo: list, records: list):
     (at least one image each)."""
     chunk, size = [], 0
     for r, k in todo:
-        nbytes = 3 * int(records[k][r, SRC_H]) * int(records[k][r, SRC_W])
+        nbytes = 3 * records[k][r][SRC_H] * records[k][r][SRC_W]
         if chunk and size + nbytes > BUDGET:
             yield chunk
             chunk, size = [], 0
