@@ -27,6 +27,7 @@ Decoders compared:
 
     python benchmarks/device_decode_fidelity.py                 # CPU stand-in, three image sizes
     python benchmarks/device_decode_fidelity.py --device cuda   # also the GPU decoders
+    python benchmarks/device_decode_fidelity.py --quick         # tiny smoke run (tests use it)
 """
 from __future__ import annotations
 
@@ -85,7 +86,11 @@ def main(argv=None) -> int:
     ap.add_argument("--images", type=int, default=48, help="images per size (large: a quarter)")
     ap.add_argument("--device", default=None, help="also measure the decoders of this CUDA device")
     ap.add_argument("--out", default=None, help="write the table (Markdown) here too")
+    ap.add_argument("--quick", action="store_true", help="a few small images: a smoke test")
     args = ap.parse_args(argv)
+    sizes = {"small": (96, 72), "large": (480, 360)} if args.quick else SIZES
+    if args.quick:
+        args.images = 4
     from coordl.synth import make_image_folder
 
     D.CPU_TEST_DEVICE = True
@@ -102,7 +107,7 @@ def main(argv=None) -> int:
             print(f"(nvImageCodec not measured: {type(e).__name__}: {e})")
     rows = ["| images | pipeline | decoder | max | mean | > 8 levels |", "| --- | --- | --- | ---: | ---: | ---: |"]
     with tempfile.TemporaryDirectory() as tmp:
-        for size_name, size in SIZES.items():
+        for size_name, size in sizes.items():
             n = max(4, args.images // 4) if size_name == "large" else args.images
             root = make_image_folder(os.path.join(tmp, size_name), num_images=n, num_classes=2, image_size=size,
                                      seed=5, mean_kb=110.0 if size is None else 110.0 * size[0] * size[1] / 187500)
