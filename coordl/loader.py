@@ -364,7 +364,7 @@ class DataLoader(_TorchDataLoader[_T_co]):
 
     @property
     def decode(self) -> str:
-        """Where images are decoded: ``"cpu"`` (in the workers) or ``"device"``."""
+        """Where this loader decodes images, ``"cpu"`` (in the workers) or ``"device"``."""
         return self._decode
 
     @property

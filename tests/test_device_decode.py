@@ -24,6 +24,8 @@ from coordl.device import delivery as D
 from coordl.device import encoded as E
 
 NORM = T.Normalize([0.485, 0.456, 0.406], [0.229, 0.224, 0.225])
+# docs/api.md, "Decoding on the device": the bound against the CPU path (uint8 levels per channel value)
+DECODE_MEAN, DECODE_MAX = 4.0, 96
 STD255 = torch.tensor(NORM.std).view(1, 3, 1, 1) * 255
 Pair = collections.namedtuple("Pair", "image label")
 
@@ -144,7 +146,7 @@ def test_the_default_stand_in_is_within_the_documented_tolerance(photos, cpu_dev
     for tf in (_rrc(24), _eval()):
         cpu, dev, _ = _pairs(coordl.ImageFolder(photos, tf))
         d = torch.cat([_levels(a, b).flatten() for (a, _), (b, _) in zip(cpu, dev)])
-        assert float(d.mean()) <= 6.0, float(d.mean())
+        assert float(d.mean()) <= DECODE_MEAN and float(d.max()) <= DECODE_MAX, (float(d.mean()), float(d.max()))
 
 
 # ---------------------------------------------------------------- structure
@@ -267,7 +269,7 @@ def test_what_the_device_decoder_cannot_take_is_decoded_on_the_cpu(odd_files, cp
         if name in ("cmyk.jpg", "png.jpg"):
             assert float(d.max()) == 0, name                   # the CPU path, bit for bit
         else:
-            assert float(d.mean()) <= 6.0, (name, float(d.mean()))
+            assert float(d.mean()) <= DECODE_MEAN and float(d.max()) <= DECODE_MAX, (name, float(d.mean()))
     st = L.stats()
     assert st.device_decode_cpu_images == 3                     # cmyk, png, corrupt
     assert st.device_decode_images == len(ds) - 3
