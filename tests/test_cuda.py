@@ -364,7 +364,7 @@ def test_share_true_on_the_device(photos, tmp_path, monkeypatch):
 # ---------------------------------------------------------------- decode="device"
 # docs/api.md, "Decoding on the device": the bound against the CPU path (mean
 # and max absolute difference per channel value, in uint8 levels)
-DECODE_MEAN, DECODE_MAX = 4.0, 96
+DECODE_MEAN, DECODE_MAX = 6.0, 96
 # the GPU decoder's own arithmetic against the CPU stand-in CI runs (same
 # chroma upsampling, same geometry): mean per channel value
 STAND_IN_MEAN = 1.0

@@ -25,7 +25,7 @@ from coordl.device import encoded as E
 
 NORM = T.Normalize([0.485, 0.456, 0.406], [0.229, 0.224, 0.225])
 # docs/api.md, "Decoding on the device": the bound against the CPU path (uint8 levels per channel value)
-DECODE_MEAN, DECODE_MAX = 4.0, 96
+DECODE_MEAN, DECODE_MAX = 6.0, 96
 STD255 = torch.tensor(NORM.std).view(1, 3, 1, 1) * 255
 Pair = collections.namedtuple("Pair", "image label")
 
