@@ -288,7 +288,7 @@ class DeviceDelivery:
 
         return walk(batch, put, (lambda o: o.pin_memory()) if pin else (lambda o: o))
 
-    def _start_copy(self, host, paths, replace=None) -> Staged:
+    def _start_copy(self, host, paths) -> Staged:
         st = self.streams
         copy_stream = st.copy_stream()
         with st.use(copy_stream):
@@ -297,8 +297,6 @@ class DeviceDelivery:
                        _warn_unwalked)
             if paths and self.tail is not None:
                 dev = self.tail.apply(dev, paths)
-            for path, image in (replace or {}).items():   # made on this stream (decode="device")
-                dev = _replace_at(dev, path, lambda _record, image=image: image)
             event = st.event()           # one per batch: a later reuse of the slot re-records nothing
             event.record(copy_stream)
         return Staged(dev, event)
@@ -315,7 +313,10 @@ class DeviceDelivery:
         if slot.event is not None and not slot.event.query():
             self.waits += 1
             slot.event.synchronize()     # its last copy still reads the pinned buffers
-        staged = self._start_copy(self._stage(slot, batch), paths, replace)
+        staged = self._start_copy(self._stage(slot, batch), paths)
+        for path, image in (replace or {}).items():
+            # made on the copy stream before this copy: the staged batch's event covers them too
+            staged.batch = _replace_at(staged.batch, path, lambda _record, image=image: image)
         slot.event = staged.event
         return staged
 

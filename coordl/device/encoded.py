@@ -232,10 +232,8 @@ class EncodedCompose:
             return self._on_cpu(decode_and_apply(self.plan.prefix, raw), cap)
         height, width = int(hdr[0]), int(hdr[1])
         jpeg.check_pixels((height, width))        # PIL's limit, before any pixel exists, as the CPU path
-        rec = torch.zeros(RECORD, dtype=torch.int64)
-        rec[SRC_H], rec[SRC_W], rec[CHANNELS] = height, width, 3
-        rec[T1:FLIP + 1] = torch.tensor(self.plan.draw(height, width, _rng.current()))
-        return _capture(rec, raw, ON_DEVICE, cap)
+        geometry = self.plan.draw(height, width, _rng.current())
+        return _capture([ON_DEVICE, height, width, *geometry], raw, cap)
 
     def _on_cpu(self, x, cap):
         oh, ow = self.plan.size
@@ -244,9 +242,7 @@ class EncodedCompose:
             raise ValueError(f"decode='device': the CPU path made a {got} image where a uint8 (3, {oh}, {ow}) RGB "
                              "image was expected (a grayscale or RGBA image the dataset decoded itself?); "
                              "convert it to RGB, or use decode='cpu'")
-        rec = torch.zeros(RECORD, dtype=torch.int64)
-        rec[SRC_H], rec[SRC_W], rec[CHANNELS] = oh, ow, 3
-        return _capture(rec, x.contiguous(), ON_CPU, cap)
+        return _capture([ON_CPU, oh, ow] + [0] * (FLIP - SRC_W), x.contiguous(), cap)
 
     def spec(self):
         return self.full.spec()
@@ -255,10 +251,11 @@ class EncodedCompose:
         return f"encoded({self.full!r})"
 
 
-def _capture(rec: torch.Tensor, payload, kind: int, cap) -> torch.Tensor:
+def _capture(fields: list, payload, cap) -> torch.Tensor:
+    """The record (``fields`` KIND..FLIP, then the sample's index and 3
+    channels) as a marked tensor, captured with what travels beside it."""
     records, index = cap
-    rec[KIND], rec[INDEX] = kind, index
-    m = rec.as_subclass(_Marked)
+    m = torch.tensor(fields + [index, 3], dtype=torch.int64).as_subclass(_Marked)
     records.append((m, payload))
     return m
 
