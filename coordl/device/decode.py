@@ -43,8 +43,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from .encoded import (CHANNELS, FLIP, H1, H2, INDEX, KIND, L1, L2, ON_CPU, ON_DEVICE, RH, RW, SRC_H, SRC_W, T1,
-                      T2, W1, W2, DecodePlan)
+from .encoded import (CHANNELS, FLIP, INDEX, KIND, ON_CPU, ON_DEVICE, RH, RW, SRC_H, SRC_W, T1, T2, W1, W2,
+                      DecodePlan)
 from .split import DeviceTail
 
 __all__ = ["DecodeStage", "HostDecoder", "TorchvisionDecoder", "NvImageCodecDecoder", "decoder_for", "BUDGET"]
