@@ -72,6 +72,15 @@ class DataLoader(_TorchDataLoader[_T_co]):
         with CUDA, batches are pinned and copied with ``non_blocking=True``
         on a side stream, and a coordl ``Compose`` ending in ``ToTensor`` and
         ``Normalize`` is split so uint8 images travel (docs/api.md).
+    decode
+        ``"cpu"`` (default): images are decoded and transformed in the
+        workers.  ``"device"`` (with a CUDA ``device``): the workers read
+        each JPEG's bytes, its header and its crop and flip (drawn from
+        (seed, epoch, index) as on the CPU) and the main process decodes
+        the batch on the device in one call, then crops, resizes, flips
+        and normalizes there; for when the CPU cannot keep up with the
+        GPU.  Supported transforms, the tolerance against the CPU path and
+        the fallbacks: docs/api.md, "Decoding on the device".
     on_error
         ``"raise"`` (default): a bad sample raises ``SampleError`` naming its
         index and path, which is also an instance of the sample's own error
@@ -136,6 +145,7 @@ class DataLoader(_TorchDataLoader[_T_co]):
         seed: int | None = None,
         cache_size: int | str | None = None,
         device: str | torch.device | None = None,
+        decode: str = "cpu",
         on_error: str = "raise",
         rank: int | None = None,
         world_size: int | None = None,
@@ -160,7 +170,7 @@ class DataLoader(_TorchDataLoader[_T_co]):
         seed = self._check_options(
             dataset, seed=seed, on_error=on_error, cache_size=cache_size, cache_checksum=cache_checksum,
             cache_keep_warm=cache_keep_warm, progress=progress, device=device, read_ahead=read_ahead,
-            fetch_threads=fetch_threads)
+            fetch_threads=fetch_threads, decode=decode)
         iterable = self._dataset_kind == _DatasetKind.Iterable
         user_sampler = sampler is not None or batch_sampler is not None
         two_stage = not iterable and is_two_stage(dataset)
@@ -171,6 +181,7 @@ class DataLoader(_TorchDataLoader[_T_co]):
         self._choose_mode(dataset, two_stage=two_stage, plan_order=plan_order, user_sampler=user_sampler,
                           iterable=iterable, on_error=on_error, user_collate=collate_fn is not None,
                           batch_size=batch_size, share=share)
+        self._check_decode(dataset, share=share, two_stage=two_stage, user_sampler=user_sampler)
         self._open_node_cache(dataset, cache_size, user_sampler)
         self._open_peers(peers)
         self._pass = _Pass()
@@ -182,8 +193,12 @@ class DataLoader(_TorchDataLoader[_T_co]):
     # Warnings raised here name the user's call: stacklevel 3 (step, __init__, caller).
 
     def _check_options(self, dataset, *, seed, on_error, cache_size, cache_checksum, cache_keep_warm,
-                       progress, device, read_ahead, fetch_threads) -> int | None:
+                       progress, device, read_ahead, fetch_threads, decode) -> int | None:
         """Validate coordl's own keyword arguments and keep them; returns the checked seed."""
+        if decode not in ("cpu", "device"):
+            raise ValueError(f'decode should be "cpu" or "device", but got decode={decode!r}')
+        self._decode = decode
+        self._decoder = self._decode_stage = None
         if on_error not in ("raise", "skip"):
             raise ValueError(f'on_error should be "raise" or "skip", but got on_error={on_error!r}')
         if seed is not None:
@@ -206,6 +221,10 @@ class DataLoader(_TorchDataLoader[_T_co]):
                 progress = False
         self._progress = progress
         self._device = _parse_device(device)
+        if decode == "device" and self._device is None:
+            raise ValueError(
+                "decode='device' should come with device= the CUDA device the images are decoded and delivered "
+                f"on (device=\"cuda\"), but got device={device!r}")
         self._delivery = None
         self._device_tail = None
         self._on_error = on_error
@@ -266,6 +285,39 @@ class DataLoader(_TorchDataLoader[_T_co]):
                 f"{'has a user sampler' if user_sampler else 'reads a dataset without raw/prep'}",
                 stacklevel=3)
 
+    def _check_decode(self, dataset, *, share, two_stage: bool, user_sampler: bool) -> None:
+        """decode="device": refuse at construction what the device stage
+        cannot run, saying why and what to do; find the decoder."""
+        if self._decode != "device":
+            return
+        from .device.decode import decoder_for
+        from .device.encoded import plan_for
+        from .pipeline.collate import is_default_collate
+
+        if self._share:
+            how = "share=True" if share else "COORDL_SHARE=1 in the environment"
+            raise ValueError(
+                f"decode='device' cannot run with sharing ({how}): the node daemon prepares samples whole, on "
+                "its CPUs, and does not stage compressed bytes for each job to decode on its own device. Pass "
+                "share=False (the node cache still shares the files' bytes between the jobs of a node), or "
+                "decode='cpu' to share the prepared samples")
+        if type(self._mode) is not PipelineMode:
+            why = ("it has a sampler or batch_sampler of its own" if user_sampler and two_stage else
+                   "it is an IterableDataset" if self._dataset_kind == _DatasetKind.Iterable else
+                   f"its dataset ({type(dataset).__name__}) has no raw/prep (two stages: the file's bytes, then "
+                   "decode and transform)")
+            raise ValueError(
+                f"decode='device' runs in coordl's pipeline (a two-stage dataset such as coordl.ImageFolder or "
+                f"torchvision's ImageFolder, read in coordl's epoch plan), but this loader cannot use it: {why}. "
+                "Use decode='cpu'")
+        if not is_default_collate(self.collate_fn) or self.batch_size is None:
+            raise ValueError(
+                "decode='device' needs torch's default collation with a batch_size (the device stage stacks "
+                f"the images of a batch), but got collate_fn={self.collate_fn!r}, batch_size={self.batch_size!r}; "
+                "use decode='cpu' with a collate_fn of your own")
+        plan_for(getattr(dataset, "transform", None))
+        self._decoder = decoder_for(self._device)
+
     def _open_node_cache(self, dataset, cache_size, user_sampler: bool) -> None:
         """Attach the node cache (reserved in full now) when this loader's mode reads through it."""
         self._cache = None
@@ -309,6 +361,11 @@ class DataLoader(_TorchDataLoader[_T_co]):
     @property
     def device(self) -> torch.device | None:
         return self._device
+
+    @property
+    def decode(self) -> str:
+        """Where this loader decodes images, ``"cpu"`` (in the workers) or ``"device"``."""
+        return self._decode
 
     @property
     def on_error(self) -> str:
@@ -526,6 +583,13 @@ class DataLoader(_TorchDataLoader[_T_co]):
             elif not is_default_collate(self.collate_fn) or self.batch_size is None:
                 split = _dev.Split(self.dataset, None, "not split (a collate_fn or batch_size=None: where the "
                                                        "images land is unknown): images are converted on the CPU")
+            elif self._decode == "device":
+                from .device.encoded import DecodePrep, plan_for
+
+                plan = plan_for(getattr(self.dataset, "transform", None))   # as it is now: may have changed
+                split = _dev.Split(DecodePrep(self.dataset, plan), None,
+                                   "not split (decode='device': images are decoded, transformed and converted "
+                                   "on the device)", decode=plan)
             else:
                 split = _dev.split_for_device(self.dataset, self._device)
                 old = self._device_tail
@@ -535,10 +599,33 @@ class DataLoader(_TorchDataLoader[_T_co]):
         self._counters.device_split = split.note
         if self._delivery is not None:
             self._delivery.tail = split.tail
+        if split.decode is not None:
+            stage = self._decode_stage
+            if stage is None or stage.plan is not split.decode:
+                import functools
+
+                from .device.decode import DecodeStage
+                from .protocol import describe
+
+                # (the stage holds the dataset, never the loader: no cycle)
+                stage = self._decode_stage = DecodeStage(self._device, split.decode, self._decoder, self._on_error,
+                                                         functools.partial(describe, self.dataset))
+            self._counters.device_decode = stage.note()
         return split
 
     def _stage_envelope(self, env, note: str):
-        """In the pin thread: start the copy of ``env``'s batch to the device."""
+        """In the pin thread: start the copy of ``env``'s batch to the device
+        (with ``decode="device"``, decode its images there first)."""
+        if env.batch is not None and getattr(env.stats, "device_blob", None) is not None:
+            from .errors import SampleError
+
+            try:
+                env.batch = self._decode_stage.stage(self._device_delivery(), env)
+            except SampleError:
+                raise           # a sample's error: that batch fails, the pass goes on (tagged with its step)
+            except Exception as e:
+                raise RuntimeError(f"decoding {note} on {self._device} failed ({type(e).__name__}: {e})") from e
+            return env
         if env.batch is not None:
             try:
                 env.batch = self._device_delivery().stage(env.batch, getattr(env.stats, "device_marks", ()))

@@ -23,7 +23,8 @@ class BatchStats:
     """
 
     __slots__ = ("samples", "bytes_storage", "from_cache", "bytes_cache", "fetch_s", "prep_s", "skips",
-                 "shared", "from_peers", "bytes_peers", "device_marks", "device_cpu")
+                 "shared", "from_peers", "bytes_peers", "device_marks", "device_cpu", "decoded_device",
+                 "decoded_cpu", "device_blob")
 
     def __init__(self) -> None:
         self.samples = 0            # samples prepared into the batch
@@ -38,6 +39,9 @@ class BatchStats:
         self.bytes_peers = 0
         self.device_marks = ()      # paths of the uint8 images the device tail converts (coordl.device)
         self.device_cpu = 0         # samples of a device-split pass whose images were converted on the CPU
+        self.decoded_device = 0     # decode="device": images decoded on the device
+        self.decoded_cpu = 0        # ... decoded on the CPU (a worker's CPU path, or the main process's fallback)
+        self.device_blob = None     # ... (slot, total bytes, offsets) of the bytes the device decodes (not summed)
 
     def record_read(self, source: str, nbytes: int) -> None:
         if source == "cache":
@@ -52,7 +56,7 @@ class BatchStats:
     def add(self, other: "BatchStats") -> None:
         """Count ``other``'s samples, reads and time in this record too."""
         for k in ("samples", "bytes_storage", "from_cache", "bytes_cache", "fetch_s", "prep_s", "shared",
-                  "from_peers", "bytes_peers", "device_cpu"):
+                  "from_peers", "bytes_peers", "device_cpu", "decoded_device", "decoded_cpu"):
             setattr(self, k, getattr(self, k) + getattr(other, k))
         self.skips += other.skips
 
@@ -60,6 +64,7 @@ class BatchStats:
         return tuple(getattr(self, k) for k in self.__slots__)
 
     def __setstate__(self, st) -> None:
+        self.__init__()             # fields a sender of another version did not have keep their defaults
         for k, v in zip(self.__slots__, st):
             setattr(self, k, v)
 
@@ -166,6 +171,14 @@ class LoaderStats:
         With ``share=True``: samples this job prepared itself to check, bit
         for bit, that the node daemon's are its own (``COORDL_SHARE_VERIFY``
         per pass, default 2; see docs/api.md, "Sharing prep across jobs").
+    device_decode
+        With ``decode="device"``: the decoder, the device and the pipeline
+        the latest pass runs there; ``""`` otherwise.
+    device_decode_images, device_decode_cpu_images
+        With ``decode="device"``: images decoded on the device, and images
+        decoded on the CPU instead (a file the device decoder cannot take:
+        not a JPEG, CMYK, a header it cannot read, a stream it rejected; see
+        docs/api.md).  One image per sample for the usual ``(image, label)``.
     """
 
     samples: int = 0
@@ -190,6 +203,9 @@ class LoaderStats:
     device_split: str = ""
     device_split_cpu_samples: int = 0
     samples_verified: int = 0
+    device_decode: str = ""
+    device_decode_images: int = 0
+    device_decode_cpu_images: int = 0
 
 
 _EPOCH_FIELDS = tuple(f.name for f in fields(EpochStats) if f.name not in ("epoch", "stall_fraction"))
@@ -215,6 +231,9 @@ class Counters:
         self.device_split = ""
         self.device_split_cpu_samples = 0
         self.samples_verified = 0
+        self.device_decode = ""
+        self.device_decode_images = 0
+        self.device_decode_cpu_images = 0
         self.epoch = 0
         self.path = self.path_reason = ""   # set once by the loader (coordl.tvcompat.record_path)
         self._records: list[tuple[int, dict[str, int]]] = []   # (epoch, counters), oldest first
@@ -269,6 +288,8 @@ class Counters:
             b["samples_self_prepared"] += stats.samples - stats.shared
         b["skipped"] += len(stats.skips)
         self.device_split_cpu_samples += getattr(stats, "device_cpu", 0)
+        self.device_decode_images += getattr(stats, "decoded_device", 0)
+        self.device_decode_cpu_images += getattr(stats, "decoded_cpu", 0)
         return b
 
     def snapshot(self) -> LoaderStats:
@@ -287,6 +308,9 @@ class Counters:
             device_split=self.device_split,
             device_split_cpu_samples=self.device_split_cpu_samples,
             samples_verified=self.samples_verified,
+            device_decode=self.device_decode,
+            device_decode_images=self.device_decode_images,
+            device_decode_cpu_images=self.device_decode_cpu_images,
             epoch=self.epoch,
             epochs=per_epoch,
             path=self.path,

@@ -383,6 +383,40 @@ def test_slow_prep_is_attributed_to_prep():
     assert all(row["bound"] in ("workers", "cpu") for row in r["what_if"]["cache"]), r["what_if"]["cache"]
     # the verdict agrees with the table: removing prep helps most
     assert r["verdict"]["largest"] == "prep", r["verdict"]
+    # with a GPU, the report says to decode there (this dataset has no transform: it says why not)
+    import torch
+
+    from coordl.analyze import format_report, recommend
+
+    assert r["recommendations"] == recommend(r["verdict"], None, gpu=torch.cuda.is_available())
+    [rec] = recommend(r["verdict"], None, gpu=True)
+    assert not rec["applies"] and "has no transform" in rec["why"]
+    text = format_report({**r, "recommendations": [rec]})
+    assert "not applicable: decode='device': prep (decode and augmentation on the CPU) is the largest" in text
+
+
+def test_a_prep_stall_with_a_gpu_recommends_decoding_on_it(tmp_path, monkeypatch):
+    import torch
+
+    import coordl
+    from coordl import transforms as T
+    from coordl.analyze import format_report, recommend
+    from coordl.analyze.measure import Subset, make_transform
+    from coordl.synth import make_image_folder
+
+    root = make_image_folder(str(tmp_path / "d"), num_images=4, num_classes=2, image_size=(40, 30))
+    ds = Subset(coordl.ImageFolder(root, transform=make_transform("rrc224")), 2)   # as the analyzer reads it
+    prep = {"largest": "prep"}
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    [rec] = recommend(prep, ds)
+    assert rec["applies"] and rec["option"] == "decode='device'"
+    assert "device='cuda', decode='device'" in rec["why"] and "RandomResizedCrop + RandomHorizontalFlip" in rec["why"]
+    assert recommend({"largest": "fetch"}, ds) == [] and recommend({"largest": None}, ds) == []
+    ds.dataset.transform = T.Compose([T.RandomResizedCrop(8), lambda x: x, T.ToTensor()])
+    [rec] = recommend(prep, ds)
+    assert not rec["applies"] and "step 1 is <function" in rec["why"]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert recommend(prep, ds) == []
 
 
 def test_step_from_a_script_sets_the_ingestion_rate(tmp_path):

@@ -34,6 +34,17 @@ def test_throughput_quick(tmp_path):
     assert "vs torch" in out
 
 
+def test_device_decode_fidelity_quick(tmp_path):
+    out = _script("device_decode_fidelity.py", "--quick", "--out", str(tmp_path / "fid.md"))
+    text = (tmp_path / "fid.md").read_text()
+    rows = [[c.strip() for c in line.strip("|").split("|")] for line in text.splitlines()[2:]]
+    assert len(rows) == 2 * 2 * 5 and "| exact |" in out
+    for size, pipe, name, mx, mean, over in rows:
+        assert int(mx) >= 0 and float(mean) >= 0
+        if name == "exact":             # same decoded pixels: the resize's rounding alone
+            assert int(mx) <= 1, (size, pipe)
+
+
 def test_latency_inner_against_local_http_server(tmp_path):
     pytest.importorskip("aiohttp")
     from coordl.synth import make_image_folder

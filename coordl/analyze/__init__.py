@@ -38,10 +38,10 @@ from typing import Any, Callable, Sequence
 from . import model
 from .inputs import MODEL_ERROR_CAP, MODEL_ERROR_FLOOR, _model_error, _model_inputs  # noqa: F401 (public here)
 from .measure import TRANSFORMS
-from .report import format_report, write_json, write_plot
+from .report import format_report, recommend, write_json, write_plot
 
 __all__ = ["analyze", "measure_prep", "format_report", "write_json", "write_plot", "model", "TRANSFORMS",
-           "predict", "STEP_KINDS", "MODEL_ERROR_FLOOR", "MODEL_ERROR_CAP"]
+           "predict", "recommend", "STEP_KINDS", "MODEL_ERROR_FLOOR", "MODEL_ERROR_CAP"]
 
 _MiB = 2 ** 20
 
@@ -258,6 +258,7 @@ def analyze(root: str | os.PathLike | None = None, *, dataset: Any = None, trans
             "description": model.__doc__.split("\n\n")[1].replace("\n", " "),
         },
         "verdict": vd,
+        "recommendations": recommend(vd, ds),
         "what_if": {
             "cache": model.what_if_cache(inp, workers, fractions),
             "workers_cold": model.what_if_workers(inp, 0.0, wlist, prep),

@@ -1,12 +1,14 @@
 """The analyzer's report as people read it: the text table
-(:func:`format_report`), the JSON file (:func:`write_json`) and the plot
-(:func:`write_plot`, where matplotlib is installed)."""
+(:func:`format_report`), the JSON file (:func:`write_json`), the plot
+(:func:`write_plot`, where matplotlib is installed) and what to change
+(:func:`recommend`)."""
 from __future__ import annotations
 
 import json
 import os
+from typing import Any
 
-__all__ = ["format_report", "write_json", "write_plot"]
+__all__ = ["format_report", "write_json", "write_plot", "recommend"]
 
 _MiB = 2 ** 20
 
@@ -68,6 +70,9 @@ def format_report(r: dict) -> str:
     else:
         L.append(f"verdict: the largest stall is {v['largest']} ({'storage' if v['largest'] == 'fetch' else 'CPU'}): "
                  f"removing it helps most (x{v['speedup_without_' + v['largest']]:.2f})")
+    for rec in r.get("recommendations", []):
+        L.append(f"{'recommendation' if rec.get('applies', True) else 'not applicable'}: {rec['option']}: "
+                 f"{rec['why']}")
     L.append(f"storage bandwidth {bw['storage'] / 1e6:9.1f} MB/s  ({bw['storage_source']})")
     if bw["storage_device_bytes"] is not None:
         L.append(f"  device /dev/{bw['storage_device']} read {bw['storage_device_bytes'] / _MiB:.1f} MiB in that "
@@ -150,3 +155,37 @@ def write_plot(report: dict, path: str | os.PathLike) -> str | None:
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return None
+
+
+def recommend(verdict: dict, dataset: Any, gpu: bool | None = None) -> list[dict]:
+    """What to change, from the verdict: ``[{"option", "applies", "why"}, ...]``.
+
+    When prep is the largest stall and a GPU is there (``gpu``; None: ask
+    ``torch.cuda.is_available()``), decoding on it: ``DataLoader(...,
+    device="cuda", decode="device")`` when the dataset's transform is one
+    the device stage runs, else why it is not.  (The what-if tables give
+    the worker counts and cache sizes.)"""
+    if verdict.get("largest") != "prep":
+        return []
+    if gpu is None:
+        import torch
+
+        gpu = torch.cuda.is_available()
+    if not gpu:
+        return []
+    from ..device.encoded import plan_for
+
+    tf = getattr(dataset, "transform", None)
+    if tf is None and hasattr(dataset, "dataset"):      # a Subset of the analyzer's
+        tf = getattr(dataset.dataset, "transform", None)
+    try:
+        plan = plan_for(tf)
+    except ValueError as e:
+        return [{"option": "decode='device'", "applies": False,
+                 "why": f"prep (decode and augmentation on the CPU) is the largest stall and a GPU is present, "
+                        f"but {e}"}]
+    return [{"option": "decode='device'", "applies": True,
+             "why": "prep (decode and augmentation on the CPU) is the largest stall and a GPU is present: "
+                    "coordl.DataLoader(..., device='cuda', decode='device') decodes the JPEGs on the GPU in one call "
+                    f"per batch and runs {plan.describe()} there; the workers only read bytes and JPEG headers "
+                    "(docs/api.md, \"Decoding on the device\")"}]

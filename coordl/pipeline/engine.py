@@ -49,7 +49,7 @@ class _Builder:
     """One batch being assembled, rows in plan order, samples in any order."""
 
     __slots__ = ("k", "indices", "n", "done", "layout", "slot", "targets", "dests", "samples",
-                 "ok", "stats", "copy", "failed", "marks")
+                 "ok", "stats", "copy", "failed", "marks", "payloads")
 
     def __init__(self, k: int, indices: list[int], copy: bool) -> None:
         self.k = k
@@ -66,6 +66,7 @@ class _Builder:
         self.copy = copy
         self.failed = False             # an error was emitted for this batch
         self.marks = None               # per row: paths of its device-split images (coordl.device)
+        self.payloads = None            # decode="device": per row, what travels with its records
 
 
 class Engine:
@@ -97,6 +98,8 @@ class Engine:
         self._read, self._read_many = _make_reader(dataset, cache, peers)
         # device split (coordl.device.SplitPrep): where each sample's uint8 images are
         self._take_marks = getattr(dataset, "take_device_marks", None)
+        # decode="device" (coordl.device.DecodePrep): the bytes (or CPU images) beside each record
+        self._take_payloads = getattr(dataset, "take_device_payloads", None)
         sizes = getattr(dataset, "sizes", None)
         self._size_of = (lambda i: int(sizes[i])) if isinstance(sizes, np.ndarray) else None
         self.pass_id = None
@@ -203,6 +206,8 @@ class Engine:
                             if b.marks is None:
                                 b.marks = [()] * b.n
                             b.marks[j] = paths
+                            if self._take_payloads is not None:
+                                self._encoded_row(b, j, i, paths)
                         t0 = clock()
                         self._place(b, j, sample)
                         st.prep_s += clock() - t0
@@ -217,6 +222,25 @@ class Engine:
                 self.at = ("collating", k, None)
                 self._finish(b)
         self.at = ("idle", None, None)
+
+    def _encoded_row(self, b: _Builder, j: int, i: int, paths: tuple) -> None:
+        """decode="device": keep row ``j``'s payloads; every row of a batch
+        must put its records at the same places (a collated leaf cannot mix
+        records and images).  Either failure is the dataset's code, not a
+        sample's: the pass stops with the message."""
+        payloads = self._take_payloads()
+        if b.payloads is None:
+            b.payloads = [None] * b.n
+        for r, other in enumerate(b.payloads):
+            if other is not None and b.marks[r] != paths:
+                raise RuntimeError(
+                    f"decode='device': sample {i} ({describe(self.dataset, i)}) has its images at "
+                    f"{list(paths) or 'no place'} but sample {b.indices[r]} of the same batch at "
+                    f"{list(b.marks[r]) or 'no place'}; the images of one batch must sit at the same places "
+                    "in every sample (or use decode='cpu')")
+            if other is not None:
+                break
+        b.payloads[j] = payloads
 
     def doing(self) -> str:
         """What the engine was doing, for the message of an unexpected failure."""
@@ -307,7 +331,9 @@ def finish(b: _Builder, collate_fn, batch_size, slots, finish_on_cpu=None) -> tu
         if b.slot is not None:
             slots.release(b.slot)
         return ("empty",)
-    if b.marks is not None:
+    if b.payloads is not None:
+        b.stats.device_marks = b.marks[rows[0]]     # the rows agree (Engine._encoded_row)
+    elif b.marks is not None:
         marks = {b.marks[r] for r in rows}
         if len(marks) == 1 and b.marks[rows[0]]:
             b.stats.device_marks = b.marks[rows[0]]
@@ -326,11 +352,37 @@ def finish(b: _Builder, collate_fn, batch_size, slots, finish_on_cpu=None) -> tu
         batch = collate_fn(samples[0]) if batch_size is None else \
             (collate_fn or torch.utils.data.default_collate)(samples)
         b.stats.prep_s += time.perf_counter() - t0
-        return ("obj", batch)
-    if len(rows) < b.n:  # skipped samples: close the gaps, keep plan order
-        for t in b.targets:
-            t[: len(rows)] = t[rows].clone()
-    return ("batch", len(rows))
+        out = ("obj", batch)
+    else:
+        if len(rows) < b.n:  # skipped samples: close the gaps, keep plan order
+            for t in b.targets:
+                t[: len(rows)] = t[rows].clone()
+        out = ("batch", len(rows))
+    if b.payloads is not None and b.stats.device_marks:
+        pack_payloads(b, rows, slots)
+    return out
+
+
+def pack_payloads(b: _Builder, rows: list, slots) -> None:
+    """decode="device": the payloads of ``rows`` (JPEG bytes, or uint8
+    images the CPU path made), one after the other in a buffer from
+    ``slots`` (a shared-memory slot in a worker), in the batch's row order
+    and, within a row, its records' order: ``BatchStats.device_blob`` =
+    (slot, total bytes, int64 [(offset, length), ...]).  The main process
+    decodes from there (coordl.device.decode)."""
+    items = [p for r in rows for p in b.payloads[r]]
+    views = [np.frombuffer(p.numpy() if isinstance(p, torch.Tensor) else p, dtype=np.uint8) for p in items]
+    total = sum(v.size for v in views)
+    slot, buf = slots.acquire(max(total, 1))
+    offsets = np.empty((len(views), 2), dtype=np.int64)
+    o = 0
+    for k, v in enumerate(views):
+        buf[o:o + v.size] = v
+        offsets[k] = (o, v.size)
+        o += v.size
+    b.stats.decoded_cpu += sum(isinstance(p, torch.Tensor) for p in items)
+    b.stats.device_blob = (slot, total, offsets)
+    b.payloads = None
 
 
 def _make_reader(dataset, cache, peers=None):

@@ -169,6 +169,8 @@ class PipelineMode:
         its own thread): with workers in a pin thread, else inline."""
         if loader._device is not None:
             if loader.num_workers == 0:
+                if loader._decode == "device":   # decoded before the loop counts the batch
+                    return _pin.StageInline(inner, loader._stage_envelope)
                 return inner     # staged and handed over in next() (DataLoader._deliver)
             # the copy to the device starts one batch ahead, in the pin thread
             pinner = _pin.PinThread(inner, depth=loader.prefetch_factor or 2, stage=loader._stage_envelope)
