@@ -16,7 +16,8 @@
 # 3. builds the crop extension in place;
 # 4. prints nvidia-smi and the versions;
 # 5. runs the CUDA test modules (CUDA_TESTS), going on when they fail;
-# 6. runs benchmarks/gpu.py (BENCH_ARGS), its JSON beside the report
+# 6. measures decode="device" against the CPU path (device_decode_fidelity.py --device cuda);
+# 7. runs benchmarks/gpu.py (BENCH_ARGS), its JSON beside the report
 #    (REPORT with .json) and appended to it.
 #
 # Exit status: 1 when a CUDA test failed or the tests did not run, 3 when
@@ -30,7 +31,7 @@ JSON=${REPORT%.txt}.json
 WHEELS=${WHEELS:-.whl}
 DALI_DIR=${DALI_DIR:-.dali}
 SITE=${SITE:-/tmp/site}
-CUDA_TESTS=${CUDA_TESTS:-"tests/test_cuda.py tests/test_device.py tests/test_device_split.py tests/test_pin.py"}
+CUDA_TESTS=${CUDA_TESTS:-"tests/test_cuda.py tests/test_device.py tests/test_device_split.py tests/test_pin.py tests/test_device_decode.py"}
 PYTEST_ARGS=${PYTEST_ARGS:-"-n 4"}
 TEST_TIMEOUT=${TEST_TIMEOUT:-150}
 BENCH_TIMEOUT=${BENCH_TIMEOUT:-300}
@@ -161,6 +162,13 @@ except (OSError, ET.ParseError) as e:
     print(f"CUDA tests: no results ({e}); pytest exit status {rc}")
 PY
   rm -f /tmp/gpu-check-junit.xml
+
+  step "decode on the device against the CPU path (limit 60 s)"
+  if python3 -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
+    timeout -s INT -k 10 60 python3 benchmarks/device_decode_fidelity.py --images 24 --device cuda
+  else
+    echo "no CUDA device: skipped"
+  fi
 
   step "benchmarks/gpu.py (limit ${BENCH_TIMEOUT} s)"
   # shellcheck disable=SC2086
