@@ -167,6 +167,7 @@ class _Resampling(Transform):
     there, rather than with PIL's arithmetic."""
 
     _on_tensor = False
+    draft = False
 
     def _set_draft(self, draft: Any) -> None:
         if not isinstance(draft, bool):
