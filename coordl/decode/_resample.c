@@ -131,7 +131,7 @@ static inline uint8_t to_u8(int32_t acc) {
 
 static inline void rows_strips(uint8_t *restrict dst, const uint8_t *restrict src, Py_ssize_t sstride,
                                int row0, int rows, const int C, const weights *wt, int n_out,
-                               uint8_t *restrict strip) {
+                               uint8_t *restrict strip, uint8_t *restrict outs) {
     const int32_t half = 1 << (FRAC_BITS - 1);
     const int L = STRIP * C;  /* lanes: the interleaved bytes of one input pixel */
     const int P = L + 4;      /* their pitch: room for a 4-byte copy of the last row's pixel */
@@ -162,26 +162,38 @@ static inline void rows_strips(uint8_t *restrict dst, const uint8_t *restrict sr
                 for (int j = 0; j < L; j++)
                     acc[j] += q[j] * k;
             }
-            for (int r = 0; r < R; r++) {
-                uint8_t *o = dst + ((size_t)(s + r) * n_out + x) * C;
-                for (int c = 0; c < C; c++)
-                    o[c] = to_u8(acc[r * C + c]);
+            uint8_t *ob = outs + (size_t)x * P;  /* the strip's outputs, interleaved as its inputs */
+            for (int j = 0; j < L; j++) {
+                int32_t v = acc[j] >> FRAC_BITS;
+                ob[j] = (uint8_t)(v < 0 ? 0 : v > 255 ? 255 : v);
             }
+        }
+        for (int r = 0; r < R; r++) {  /* back to rows */
+            uint8_t *o = dst + (size_t)(s + r) * n_out * C;
+            const uint8_t *b = outs + r * C;
+            int x = 0;
+            if (C == 3)  /* 4 bytes at a time: the 4th is the next pixel's, written next */
+                for (; x < n_out - 1; x++)
+                    memcpy(o + (size_t)x * 3, b + (size_t)x * P, 4);
+            for (; x < n_out; x++)
+                for (int c = 0; c < C; c++)
+                    o[(size_t)x * C + c] = b[(size_t)x * P + c];
         }
     }
 }
 
 /* Along rows: dst (rows x n_out pixels, contiguous) from src rows
  * [row0, row0 + rows) (row stride `sstride`, pixel stride C); `strip`
- * holds STRIP * C bytes per input pixel of a row. */
+ * holds STRIP * C + 4 bytes per input pixel of a row, `outs` as many per
+ * output pixel. */
 TARGETS static void pass_rows(uint8_t *restrict dst, const uint8_t *restrict src, Py_ssize_t sstride,
                               int row0, int rows, int C, const weights *wt, int n_out,
-                              uint8_t *restrict strip) {
+                              uint8_t *restrict strip, uint8_t *restrict outs) {
     switch (C) {  /* a constant C for each: fixed-length inner loops */
-    case 1: rows_strips(dst, src, sstride, row0, rows, 1, wt, n_out, strip); break;
-    case 2: rows_strips(dst, src, sstride, row0, rows, 2, wt, n_out, strip); break;
-    case 3: rows_strips(dst, src, sstride, row0, rows, 3, wt, n_out, strip); break;
-    default: rows_strips(dst, src, sstride, row0, rows, 4, wt, n_out, strip); break;
+    case 1: rows_strips(dst, src, sstride, row0, rows, 1, wt, n_out, strip, outs); break;
+    case 2: rows_strips(dst, src, sstride, row0, rows, 2, wt, n_out, strip, outs); break;
+    case 3: rows_strips(dst, src, sstride, row0, rows, 3, wt, n_out, strip, outs); break;
+    default: rows_strips(dst, src, sstride, row0, rows, 4, wt, n_out, strip, outs); break;
     }
 }
 
@@ -223,7 +235,7 @@ typedef struct {
 /* 0, or -1 when out of memory */
 static int run(job_t *j) {
     weights wx = {0}, wy = {0};
-    uint8_t *tmp = NULL, *strip = NULL;
+    uint8_t *tmp = NULL, *strip = NULL, *outs = NULL;
     int32_t *acc = NULL;
     int rc = -1;
     int C = j->C;
@@ -234,7 +246,8 @@ static int run(job_t *j) {
         goto done;
     if (need_x) {
         strip = PyMem_RawCalloc((size_t)j->W * (STRIP * C + 4), 1);
-        if (strip == NULL)
+        outs = PyMem_RawCalloc((size_t)j->out_w * (STRIP * C + 4), 1);
+        if (strip == NULL || outs == NULL)
             goto done;
     }
     if (!need_x && !need_y) {
@@ -254,7 +267,7 @@ static int run(job_t *j) {
         acc = PyMem_RawMalloc(sizeof(int32_t) * (size_t)len + 1);
         if (tmp == NULL || acc == NULL)
             goto done;
-        pass_rows(tmp, j->src, j->sstride, r0, r1 - r0, C, &wx, j->out_w, strip);
+        pass_rows(tmp, j->src, j->sstride, r0, r1 - r0, C, &wx, j->out_w, strip, outs);
         for (int y = 0; y < j->out_h; y++)
             wy.start[y] -= r0;
         pass_cols(j->out, tmp, len, 0, len, &wy, j->out_h, acc);
@@ -272,9 +285,9 @@ static int run(job_t *j) {
         pass_cols(tmp, j->src, j->sstride, (Py_ssize_t)c0 * C, len, &wy, j->out_h, acc);
         for (int x = 0; x < j->out_w; x++)
             wx.start[x] -= c0;
-        pass_rows(j->out, tmp, len, 0, j->out_h, C, &wx, j->out_w, strip);
+        pass_rows(j->out, tmp, len, 0, j->out_h, C, &wx, j->out_w, strip, outs);
     } else if (need_x) {
-        pass_rows(j->out, j->src, j->sstride, 0, j->H, C, &wx, j->out_w, strip);
+        pass_rows(j->out, j->src, j->sstride, 0, j->H, C, &wx, j->out_w, strip, outs);
     } else {
         int len = j->W * C;
         acc = PyMem_RawMalloc(sizeof(int32_t) * (size_t)len + 1);
@@ -288,6 +301,7 @@ done:
     weights_free(&wy);
     PyMem_RawFree(tmp);
     PyMem_RawFree(strip);
+    PyMem_RawFree(outs);
     PyMem_RawFree(acc);
     return rc;
 }
