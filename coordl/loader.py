@@ -120,6 +120,14 @@ class DataLoader(_TorchDataLoader[_T_co]):
         Show a progress bar per epoch (tqdm) with samples/s and the data
         stall (the share of the time the training loop waited in
         ``next()``).
+    jpeg_draft
+        torchvision ``ImageFolder``/``DatasetFolder`` only: let the fused
+        decode start at a reduced JPEG DCT scale (1/2, 1/4, 1/8) when the
+        pipeline's first step is an antialiased bilinear or bicubic
+        ``Resize``/``RandomResizedCrop`` and the image (or crop) is at least
+        twice the output size: faster on large images, pixels no longer
+        torchvision's (docs/api.md, "torchvision datasets and transforms").
+        Off by default.  coordl's own transforms take ``draft=True``.
     """
 
     def __init__(
@@ -156,11 +164,14 @@ class DataLoader(_TorchDataLoader[_T_co]):
         share: bool | None = None,
         peers: str | None = None,
         progress: bool = False,
+        jpeg_draft: bool = False,
     ) -> None:
         from .tvcompat import adapt, record_path
 
+        if not isinstance(jpeg_draft, bool):
+            raise TypeError(f"jpeg_draft should be a bool, but got jpeg_draft={jpeg_draft!r}")
         # torchvision's ImageFolder/DatasetFolder -> coordl's two-stage dataset (see coordl/tvcompat.py)
-        dataset, tv_decision = adapt(dataset)
+        dataset, tv_decision = adapt(dataset, jpeg_draft=jpeg_draft)
         super().__init__(
             dataset, batch_size, shuffle, sampler, batch_sampler, num_workers, collate_fn,
             pin_memory, drop_last, timeout, worker_init_fn, multiprocessing_context, generator,

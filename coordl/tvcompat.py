@@ -19,15 +19,19 @@ The rules (docs/api.md, "torchvision datasets and transforms"):
 * A transform is translated only when coordl's version draws from the same
   distributions (RandomResizedCrop: 10 tries of a uniform area fraction and a
   log-uniform aspect ratio, then the central fallback; RandomCrop: uniform
-  offsets; flips: Bernoulli(p)) and computes the same thing up to
-  interpolation rounding.  PIL always antialiases, so a step on the PIL image
-  becomes a step on the uint8 tensor with ``antialias=True`` (torch's
-  antialiased bilinear and bicubic kernels are PIL's, to rounding); steps on
-  a tensor (after ``ToImage``/``PILToTensor``) keep their own ``antialias``.
-  Interpolations coordl's tensor kernels lack (box, hamming, lanczos; PIL's
-  nearest, which picks other pixels than torch's),
-  padding, ``ToDtype`` with a dict, and anything unknown end the fused
-  prefix.
+  offsets; flips: Bernoulli(p)) and computes what torchvision computes, to
+  the tolerance docs/api.md states per step.  A resize of the PIL image
+  (bilinear or bicubic; PIL always antialiases) is computed with PIL's
+  arithmetic on the full-size decode: the same pixels.  A resize of a uint8
+  tensor (after ``ToImage``/``PILToTensor``) keeps its own ``antialias`` and
+  runs torch's kernel, as torchvision does (v2: the same call; v1 resizes in
+  float32 and rounds once, within 1 level of it), except v1's bicubic, whose
+  float result without clipping between the passes is up to ~26 levels from
+  any uint8 kernel.  Interpolations coordl has no kernel for (box, hamming,
+  lanczos), PIL's nearest (other source pixels than torch's), v1's tensor
+  bicubic, padding, ``ToDtype`` with a dict, and anything unknown end the
+  fused prefix.  The reduced-scale JPEG decode runs only when asked for
+  (``translate(..., draft=True)``, the loader's ``jpeg_draft``).
 * Whatever follows the fused prefix runs as written, on what it expects: a
   PIL image when the user's pipeline had not converted to a tensor yet, else
   the tensor (a ``tv_tensors.Image`` after ``ToImage``).  Its random draws
@@ -45,6 +49,7 @@ from __future__ import annotations
 import logging
 import random
 import sys
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -57,7 +62,7 @@ from . import transforms as T
 from .datasets import TwoStageFolder, pil_decode
 
 __all__ = ["Decision", "TorchvisionFolder", "TorchvisionPipeline", "adapt", "translate", "from_torchvision",
-           "describe_path", "record_path"]
+           "describe_path", "record_path", "draft_note"]
 
 log = logging.getLogger("coordl.tvcompat")
 
@@ -224,9 +229,9 @@ def _flatten(transform: Any) -> list:
     return [transform]
 
 
-def _interp(value: Any, on_pil: bool, antialias: bool) -> T.InterpolationMode | None:
+def _interp(value: Any, on_pil: bool, antialias: bool, v2: bool) -> T.InterpolationMode | None:
     """coordl's interpolation for torchvision's ``value``, or None when coordl's
-    tensor kernels do not compute the same filter."""
+    fused decode does not compute what torchvision computes with it."""
     name = getattr(value, "value", value)
     if isinstance(name, int) and not isinstance(name, bool):
         try:
@@ -241,7 +246,10 @@ def _interp(value: Any, on_pil: bool, antialias: bool) -> T.InterpolationMode | 
         return T.InterpolationMode.NEAREST
     if name == "nearest-exact" and not on_pil:
         return T.InterpolationMode.NEAREST_EXACT
-    if name == "bicubic" and antialias:  # torch's antialiased bicubic uses PIL's kernel
+    # bicubic: PIL's on a PIL image (computed exactly); on a uint8 tensor v2 runs torch's uint8
+    # kernel, which the fused path runs too, but v1 resizes in float32 without clipping between
+    # the passes (up to ~26 levels from the uint8 kernel), so v1's is run as written
+    if name == "bicubic" and (on_pil or v2):
         return T.InterpolationMode.BICUBIC
     return None
 
@@ -282,15 +290,18 @@ def _step(t: Any, st: _State) -> bool:
     try:
         if name in ("RandomResizedCrop", "Resize") and geometric_ok:
             aa = True if on_pil else bool(getattr(t, "antialias", True))
-            mode = _interp(t.interpolation, on_pil, aa)
+            mode = _interp(t.interpolation, on_pil, aa, kind[0] == "v2")
             if mode is None:
                 return False
             if name == "RandomResizedCrop":
                 if not (_ordered(t.scale) and _ordered(t.ratio)):
                     return False
-                st.geo.append(T.RandomResizedCrop(_size(t.size), tuple(t.scale), tuple(t.ratio), mode, aa))
+                step = T.RandomResizedCrop(_size(t.size), tuple(t.scale), tuple(t.ratio), mode, aa)
             else:
-                st.geo.append(T.Resize(_size(t.size), mode, getattr(t, "max_size", None), aa))
+                step = T.Resize(_size(t.size), mode, getattr(t, "max_size", None), aa)
+            # on a uint8 tensor torchvision resizes with torch's kernel: so does the fused path
+            step._on_tensor = not on_pil
+            st.geo.append(step)
             return True
         if name == "CenterCrop" and geometric_ok:
             st.geo.append(T.CenterCrop(_size(t.size)))
@@ -340,10 +351,12 @@ def _step(t: Any, st: _State) -> bool:
     return False
 
 
-def translate(transform: Any) -> tuple[Any, tuple[str, ...], tuple[str, ...]]:
+def translate(transform: Any, draft: bool = False) -> tuple[Any, tuple[str, ...], tuple[str, ...]]:
     """``(coordl transform, fused names, as-written names)`` for a torchvision
     transform (or any callable, or None): the longest prefix coordl can fuse,
-    then the rest as written."""
+    then the rest as written.  ``draft``: let the fused decode start at a
+    reduced JPEG DCT scale where the first fused step is a filtered resize
+    (``draft=True`` on it; the loader's ``jpeg_draft``)."""
     if transform is None:
         return None, (), ()
     steps = _flatten(transform)
@@ -357,6 +370,9 @@ def translate(transform: Any) -> tuple[Any, tuple[str, ...], tuple[str, ...]]:
     if not st.geo and st.to_tensor is None:
         # nothing to fuse before the first step coordl cannot express: the user's pipeline as it is
         return TorchvisionPipeline(None, False, None, steps), (), tuple(_name(t) for t in steps)
+    if draft and st.geo and isinstance(st.geo[0], (T.RandomResizedCrop, T.Resize)) and T._filtered(
+            st.geo[0].interpolation, st.geo[0].antialias):
+        st.geo[0].draft = True
     if st.to_tensor is None:
         fused = T.Compose(st.geo + [T.PILToTensor()])
         return TorchvisionPipeline(fused, True, None, tail), fused_names, tail_names
@@ -366,17 +382,34 @@ def translate(transform: Any) -> tuple[Any, tuple[str, ...], tuple[str, ...]]:
     return TorchvisionPipeline(fused, False, st.image_type, tail), fused_names, tail_names
 
 
-def adapt(dataset: Any) -> tuple[Any, Decision | None]:
+def draft_note(transform: Any) -> str | None:
+    """What ``loader.stats().path_reason`` says of the reduced-scale JPEG
+    decode for a (translated or coordl) transform, or None when it is off."""
+    fused = transform.fused if isinstance(transform, TorchvisionPipeline) else transform
+    steps = getattr(fused, "transforms", None) if type(fused) is T.Compose else None
+    first = steps[0] if steps and T._fusable(steps) else None
+    if first is None or not T._drafts(first):
+        return None
+    return (f"reduced-scale JPEG decode before {type(first).__name__} (draft): images at least twice "
+            "the output size are decoded at 1/2, 1/4 or 1/8 scale, so pixels differ from torchvision's")
+
+
+def adapt(dataset: Any, jpeg_draft: bool = False) -> tuple[Any, Decision | None]:
     """``(dataset the loader runs, decision)``: ``decision`` is None for
-    datasets that do not come from torchvision (returned as they are)."""
+    datasets that do not come from torchvision (returned as they are).
+    ``jpeg_draft``: the loader's option of that name (see :func:`translate`)."""
     if not from_torchvision(dataset):
+        if jpeg_draft:
+            warnings.warn("jpeg_draft=True applies to torchvision's ImageFolder/DatasetFolder only and has no "
+                          f"effect on {_name(dataset)}: with coordl's transforms pass draft=True to their Resize "
+                          "or RandomResizedCrop", stacklevel=3)
         return dataset, None
     why = _why_not(dataset)
     if why is None and getattr(dataset, "samples", None) is None:
         why = "it has no samples"
     if why is not None:
         return dataset, Decision("torch", why)
-    transform, fused, as_written = translate(dataset.transform)
+    transform, fused, as_written = translate(dataset.transform, draft=jpeg_draft)
     try:
         adapted = TorchvisionFolder(dataset, transform)
     except (TypeError, ValueError) as e:  # a subclass's make_dataset gave other kinds of samples
@@ -386,6 +419,12 @@ def adapt(dataset: Any) -> tuple[Any, Decision | None]:
     else:
         what = (f"fused {', '.join(fused) or 'nothing'}"
                 + (f"; as written: {', '.join(as_written)}" if as_written else ""))
+    note = draft_note(transform)
+    if note is not None:
+        what += f"; {note}"
+    elif jpeg_draft:
+        what += ("; jpeg_draft=True has no effect: the first fused step is no antialiased bilinear or bicubic "
+                 "Resize/RandomResizedCrop, so every image is decoded at full size")
     reason = f"torchvision's {_name(dataset)} read as raw file bytes, decoded by coordl; {what}"
     return adapted, Decision("coordl", reason, fused, as_written)
 
@@ -408,7 +447,10 @@ def describe_path(loader: Any, decision: Decision | None) -> tuple[str, str]:
     if decision is not None and decision.path == "torch":
         return "torch", decision.reason
     if on_pipeline:
-        return "coordl", decision.reason if decision is not None else "two-stage dataset in epoch-plan order"
+        if decision is not None:
+            return "coordl", decision.reason
+        note = draft_note(getattr(loader.dataset, "transform", None))
+        return "coordl", "two-stage dataset in epoch-plan order" + (f"; {note}" if note else "")
     if decision is not None:
         return "torch", (decision.reason + f"; but the passes run on torch's machinery ({mode.name} mode: "
                          "a user sampler, or a collate/option coordl's pipeline does not take)")

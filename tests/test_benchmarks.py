@@ -203,6 +203,41 @@ def test_torchvision_loop_quick(tmp_path):
     assert "fused RandomResizedCrop, RandomHorizontalFlip, ToTensor, Normalize" in out
 
 
+def test_torchvision_loop_quick_more_sides(tmp_path):
+    """``--draft`` and ``--old`` (here: this very tree, in a child process) add sides."""
+    import sys as _sys
+    _sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from _torchvision import import_torchvision
+
+    if import_torchvision() is None:
+        pytest.skip("torchvision is not installed")
+    tree = os.path.dirname(BENCH)
+    out = _script("torchvision_loop.py", "--quick", "--pipelines", "v1-eval", "--draft", "--old", tree,
+                  "--out", str(tmp_path), timeout=600)
+    rep = json.loads((tmp_path / "torchvision_loop.json").read_text())
+    assert sorted(r["loader"] for r in rep["rows"]) == ["coordl", "coordl-draft", "coordl-old", "torch"]
+    s = rep["summary"]["v1-eval"]
+    assert s["every_sample_once"] and s["coordl_over_coordl_old"] > 0 and s["coordl_over_coordl_draft"] > 0
+    assert "reduced-scale JPEG decode before Resize" in out
+
+
+def test_pixels_quick(tmp_path):
+    import sys as _sys
+    _sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from _torchvision import import_torchvision
+
+    if import_torchvision() is None:
+        pytest.skip("torchvision is not installed")
+    _script("pixels.py", "--quick", "--old", os.path.dirname(BENCH), "--out", str(tmp_path), timeout=600)
+    rep = json.loads((tmp_path / "pixels.json").read_text())
+    tol = rep["tolerance"]
+    assert tol["PIL image: Resize bicubic"]["max_levels"] == 0
+    assert all(v.get("max_levels", 0) <= 1 for v in tol.values())
+    assert all(v["at_reduced_scale"] >= 1 for v in rep["draft"].values())
+    for per_pipeline in rep["prep_ms"].values():
+        assert all(v["default"] > 0 and v["jpeg_draft"] > 0 and v["old"] > 0 for v in per_pipeline.values())
+
+
 def test_torchvision_loop_check_from_sums_is_torchs_std():
     """The loop's pixel check computes each image's std from sums (cheap in
     the main process): the same statistic as torch's ``std((2, 3))``."""

@@ -81,11 +81,8 @@ def test_same_samples_classes_targets_and_length_as_torchvision(photos, make):
     for (x, y), (rx, ry) in zip(got, ref):
         assert torch.equal(y, ry)
         assert x.shape == rx.shape and x.dtype == rx.dtype == torch.uint8
-        # torch's antialiased uint8 kernel vs PIL's, on a JPEG decoded at a reduced DCT scale that still
-        # covers the output: a few levels per pixel (these noisy synthetic images are a worst case),
-        # and the same image on average
-        assert (x.int() - rx.int()).abs().float().mean() < 4
-        assert (x.float().mean((2, 3)) - rx.float().mean((2, 3))).abs().max() < 1.5
+        # a resize of the PIL image: PIL's arithmetic on the full-size decode, the same pixels
+        assert torch.equal(x, rx)
 
 
 def test_every_sample_once_per_epoch_with_torchvisions_targets(photos):
@@ -142,10 +139,11 @@ def test_parameters_are_read_from_public_attributes(tf, kinds):
     # an unknown transform ends the fused prefix
     (V1.Compose([V1.RandomResizedCrop(20), V1.ColorJitter(0.3), V1.ToTensor(), V1.Normalize(MEAN, STD)]),
      ("RandomResizedCrop",), ("ColorJitter", "ToTensor", "Normalize")),
-    # antialias=False on a tensor: coordl's kernel would antialias; bicubic without antialias differs
-    (V2.Compose([V2.ToImage(), V2.Resize(20, antialias=False,
-                                         interpolation=V2.InterpolationMode.BICUBIC), V2.ToDtype(torch.float32)]),
-     ("ToImage",), ("Resize", "ToDtype")),
+    # v1 resizes a uint8 tensor in float32 and clips only at the end: with bicubic that is up to ~26
+    # levels from any uint8 kernel, so it runs as written
+    (V1.Compose([V1.PILToTensor(), V1.Resize(20, interpolation=V1.InterpolationMode.BICUBIC),
+                 V1.ConvertImageDtype(torch.float32)]),
+     ("PILToTensor",), ("Resize", "ConvertImageDtype")),
 ])
 def test_what_cannot_be_expressed_is_not_fused(tf, fused, rest):
     _out, f, r = translate(tf)
