@@ -1,9 +1,9 @@
 """How far ``decode="device"`` is from the CPU path, per channel value.
 
 Same files, same seed: each image goes through ``coordl.DataLoader`` with
-``decode="cpu"`` (the fused CPU path: reduced-size DCT decode when the crop
-allows it, libjpeg's interpolated chroma upsampling, torch's uint8
-antialiased resize) and with ``decode="device"``; the pipelines end in
+``decode="cpu"`` (the fused CPU path: full-size decode with libjpeg's
+interpolated chroma upsampling, PIL's resampling arithmetic) and with
+``decode="device"``; the pipelines end in
 ``PILToTensor`` so the difference is in uint8 levels, exactly what it is
 before ``ToTensor``/``Normalize`` (which run the CPU path's arithmetic on
 both sides).  Reported: max and mean absolute difference over every
@@ -15,10 +15,10 @@ Decoders compared:
   libjpeg-turbo, full size, plain chroma upsampling, as nvJPEG does by
   default (torchvision's GPU decode);
 * ``stand-in fancy``: the same with libjpeg's interpolated chroma
-  upsampling (what nvImageCodec is asked for, ``fancy_upsampling=1``);
-* ``exact``: ``stand-in fancy`` against a CPU path without its reduced-size
-  decode: both decode the same pixels, so this is the resize's float vs
-  uint8 rounding alone, the floor of the comparison;
+  upsampling (what nvImageCodec is asked for, ``fancy_upsampling=1``):
+  both sides decode the same pixels, so this is the resize's arithmetic
+  alone (the device's float antialiased resize against PIL's), the floor
+  of the comparison;
 * ``cuda torchvision``/``cuda nvimgcodec`` (``--device cuda``): the real
   decoders;
 * ``CPU path vs PIL`` and ``stand-in vs PIL``: each against what
@@ -43,7 +43,6 @@ import torch  # noqa: E402
 import coordl  # noqa: E402
 from coordl import transforms as T  # noqa: E402
 from coordl.datasets import pil_decode  # noqa: E402
-from coordl.decode import jpeg  # noqa: E402
 from coordl.device import decode as DD  # noqa: E402
 from coordl.device import delivery as D  # noqa: E402
 
@@ -58,27 +57,21 @@ def _pil(raw):
     return pil_decode(raw)
 
 
-def _diffs(ds, device: str | None, decoder, no_dct: bool, batch_size: int, ref_ds=None) -> torch.Tensor:
+def _diffs(ds, device: str | None, decoder, batch_size: int, ref_ds=None) -> torch.Tensor:
     """|device path - CPU path| over every channel value of ``ds``, as int
     (``device=None``: the CPU path itself); ``ref_ds``: compare with this
     dataset's CPU path instead (the PIL reference)."""
-    saved = jpeg._pow2_scale
-    if no_dct:
-        jpeg._pow2_scale = lambda size, min_hw: 1
-    try:
-        kw = dict(batch_size=batch_size, seed=3, shuffle=False)
-        ref = coordl.DataLoader(ref_ds if ref_ds is not None else ds, **kw)
-        if device is None:
-            dev = coordl.DataLoader(ds, **kw)
-        else:
-            dev = coordl.DataLoader(ds, device=device, decode="device", **kw)
-            dev._decoder = decoder
-        out = []
-        for (a, _), (b, _) in zip(ref, dev):
-            out.append((a.int() - b.cpu().int()).abs().flatten())
-        return torch.cat(out)
-    finally:
-        jpeg._pow2_scale = saved
+    kw = dict(batch_size=batch_size, seed=3, shuffle=False)
+    ref = coordl.DataLoader(ref_ds if ref_ds is not None else ds, **kw)
+    if device is None:
+        dev = coordl.DataLoader(ds, **kw)
+    else:
+        dev = coordl.DataLoader(ds, device=device, decode="device", **kw)
+        dev._decoder = decoder
+    out = []
+    for (a, _), (b, _) in zip(ref, dev):
+        out.append((a.int() - b.cpu().int()).abs().flatten())
+    return torch.cat(out)
 
 
 def main(argv=None) -> int:
@@ -94,15 +87,14 @@ def main(argv=None) -> int:
     from coordl.synth import make_image_folder
 
     D.CPU_TEST_DEVICE = True
-    variants = [("stand-in", "cpu", lambda: DD.HostDecoder(), False),
-                ("stand-in fancy", "cpu", lambda: DD.HostDecoder(fancy_upsampling=True), False),
-                ("exact", "cpu", lambda: DD.HostDecoder(fancy_upsampling=True), True)]
+    variants = [("stand-in", "cpu", lambda: DD.HostDecoder()),
+                ("stand-in fancy", "cpu", lambda: DD.HostDecoder(fancy_upsampling=True))]
     if args.device:
         dev = torch.device(args.device)
-        variants.append((f"{dev} torchvision", str(dev), lambda: DD.TorchvisionDecoder(dev), False))
+        variants.append((f"{dev} torchvision", str(dev), lambda: DD.TorchvisionDecoder(dev)))
         try:
             DD.NvImageCodecDecoder(dev)
-            variants.append((f"{dev} nvimgcodec", str(dev), lambda: DD.NvImageCodecDecoder(dev), False))
+            variants.append((f"{dev} nvimgcodec", str(dev), lambda: DD.NvImageCodecDecoder(dev)))
         except Exception as e:  # noqa: BLE001 - not installed
             print(f"(nvImageCodec not measured: {type(e).__name__}: {e})")
     rows = ["| images | pipeline | decoder | max | mean | > 8 levels |", "| --- | --- | --- | ---: | ---: | ---: |"]
@@ -115,10 +107,9 @@ def main(argv=None) -> int:
                 ds = coordl.ImageFolder(root, make())
                 # torchvision's own result: PIL decodes the whole image, PIL resizes (same draws)
                 pil = coordl.ImageFolder(root, make(), decode=_pil)
-                runs = [(name, _diffs(ds, device, decoder(), no_dct, batch_size=8))
-                        for name, device, decoder, no_dct in variants]
-                runs += [("CPU path vs PIL", _diffs(ds, None, None, False, 8, ref_ds=pil)),
-                         ("stand-in vs PIL", _diffs(ds, "cpu", DD.HostDecoder(), False, 8, ref_ds=pil))]
+                runs = [(name, _diffs(ds, device, decoder(), batch_size=8)) for name, device, decoder in variants]
+                runs += [("CPU path vs PIL", _diffs(ds, None, None, 8, ref_ds=pil)),
+                         ("stand-in vs PIL", _diffs(ds, "cpu", DD.HostDecoder(), 8, ref_ds=pil))]
                 for name, d in runs:
                     row = (f"| {size_name} | {pipe_name} | {name} | {int(d.max())} | {float(d.float().mean()):.3f} "
                            f"| {float((d > 8).float().mean()):.2%} |")

@@ -499,8 +499,8 @@ def test_decode_on_the_gpu_resumes_exactly_and_skips_what_no_decoder_reads(mixed
         def finish(self):
             self.inner.finish()
 
-    monkeypatch.setattr(jpeg, "decode_rgb", lambda raw, min_hw=None: (_ for _ in ()).throw(OSError("unreadable"))
-                        if bytes(raw[:64]) == head else real_host(raw, min_hw))
+    monkeypatch.setattr(jpeg, "decode_rgb", lambda raw, scale=1: (_ for _ in ()).throw(OSError("unreadable"))
+                        if bytes(raw[:64]) == head else real_host(raw, scale))
     monkeypatch.setattr(DD, "decoder_for", lambda dev: Refusing(real_for(dev)))
     S = coordl.DataLoader(ds, on_error="skip", **kw)
     with pytest.warns(coordl.SkippedSampleWarning, match="progressive.jpg"):

@@ -54,11 +54,10 @@ def cpu_device(monkeypatch):
 
 @pytest.fixture
 def exact(monkeypatch):
-    """The stand-in with libjpeg's interpolated chroma upsampling and the CPU
-    path without its reduced-size (DCT-scaled) decode: both decode the same
-    pixels, so what remains is the resize's float-vs-uint8 rounding (at
-    most 1 level): any other difference is a wrong crop, size or flip."""
-    monkeypatch.setattr(jpeg, "_pow2_scale", lambda size, min_hw: 1)
+    """The stand-in with libjpeg's interpolated chroma upsampling (the CPU
+    path decodes at full size): both decode the same pixels, so what remains
+    is the resize's float-vs-uint8 rounding (at most 1 level): any other
+    difference is a wrong crop, size or flip."""
     orig = DD.decoder_for
     monkeypatch.setattr(DD, "decoder_for", lambda dev: DD.HostDecoder(dev, fancy_upsampling=True)
                         if dev.type == "cpu" else orig(dev))
@@ -304,10 +303,10 @@ def test_a_sample_neither_decoder_can_read_is_the_cpu_paths_error(odd_files, cpu
     bad = {ds.raw(bad_index)[:64]}
     real = jpeg.decode_rgb
 
-    def host(raw, min_hw=None):
+    def host(raw, scale=1):
         if bytes(raw[:64]) in bad:
             raise OSError("broken data stream when reading image file")
-        return real(raw, min_hw)
+        return real(raw, scale)
 
     monkeypatch.setattr(jpeg, "decode_rgb", host)
     monkeypatch.setattr(DD, "decoder_for", lambda dev: _Refusing(DD.HostDecoder(dev), bad))
