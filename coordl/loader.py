@@ -43,7 +43,7 @@ __all__ = ["DataLoader"]
 _T_co = TypeVar("_T_co", covariant=True)
 
 _STATE_FORMAT = "coordl.DataLoader"
-_STATE_VERSION = 2  # 2 added "done"; version 1 states (no "done") still load
+_STATE_VERSION = 3  # 2 added "done", 3 "dataset"; states of versions 1 and 2 still load
 
 
 class DataLoader(_TorchDataLoader[_T_co]):
@@ -335,6 +335,18 @@ class DataLoader(_TorchDataLoader[_T_co]):
         p = self._pass
         p.next_epoch = epoch
         if p.resume is not None and p.resume["epoch"] != epoch:
+            r = p.resume
+            if r["batches"] or r["done"]:
+                try:
+                    of = f" of {len(self)}"
+                except TypeError:   # an iterable dataset or a sampler without a length
+                    of = ""
+                warnings.warn(
+                    f"set_epoch({epoch}) drops the position load_state_dict restored (epoch {r['epoch']}, "
+                    f"{r['batches'] + len(r['done'])}{of} batches delivered): the next pass is all of epoch "
+                    f"{epoch}. To finish the interrupted epoch, start the loop at the loaded epoch "
+                    f"(loader.epoch, {r['epoch']}) and call set_epoch with it (see docs/api.md, "
+                    "\"Resumable state\")", stacklevel=2)
             p.resume = None
         for s in (self.sampler, self.batch_sampler, getattr(self.batch_sampler, "sampler", None)):
             fn = getattr(s, "set_epoch", None)
@@ -399,6 +411,7 @@ class DataLoader(_TorchDataLoader[_T_co]):
             "rank": self._rank,
             "world_size": self._world_size,
             "rng": [s.clone() for s in rng] if rng is not None else None,
+            "dataset": self._dataset_identity(),
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -442,6 +455,13 @@ class DataLoader(_TorchDataLoader[_T_co]):
                 f"dataset has {n}: resume with the same dataset"
             )
         if batches > 0 or done:
+            theirs, mine = state.get("dataset"), self._dataset_identity()
+            if theirs is not None and mine is not None and theirs != mine:
+                raise StateError(
+                    f"state was saved mid-epoch (epoch {epoch}, batch {batches}) by a loader over another "
+                    f"dataset ({theirs}), but this loader's dataset is {mine}: resuming would deliver the "
+                    "rest of that epoch from the wrong samples. Resume with the same dataset (the same files "
+                    "under their root, which may have moved), or from an epoch boundary")
             for key, mine in (("batch_size", self.batch_size), ("drop_last", self.drop_last)):
                 if state[key] != mine:
                     raise StateError(
@@ -635,6 +655,22 @@ class DataLoader(_TorchDataLoader[_T_co]):
         try:
             return len(self.dataset)
         except TypeError:
+            return None
+
+    def _dataset_identity(self) -> str | None:
+        """What the state says the dataset is: its samples (relative paths,
+        class indices, sizes) for a folder dataset, else its
+        ``fingerprint()``; None when it has neither (nothing is checked)."""
+        ds = self.dataset
+        fn = getattr(ds, "sample_digest", None)
+        kind = "samples"
+        if not callable(fn):
+            fn, kind = getattr(ds, "fingerprint", None), "fingerprint"
+        if not callable(fn):
+            return None
+        try:
+            return f"{kind} {fn()}"
+        except Exception:   # a dataset whose identity cannot be computed: nothing to check
             return None
 
     def _adopt_seed(self, seed: int) -> None:
