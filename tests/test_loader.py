@@ -446,3 +446,12 @@ def test_two_stage_with_user_sampler_runs_on_torch_machinery(num_workers):
     assert out[0][0][0, 1].item() == int(derive(4, 0, 3).random() * 2**30)
     st = L.stats()
     assert st.samples == 4 and st.bytes_from_storage == 4 * 32
+
+
+def test_an_unpicklable_dataset_under_spawn_names_the_remedy():
+    ds = TwoStageToy(8)
+    ds.f = lambda x: x   # noqa: E731
+    L = DataLoader(ds, batch_size=2, seed=0, num_workers=1, multiprocessing_context="spawn")
+    with pytest.raises(Exception, match="pickle") as ei:
+        list(L)
+    assert "with def at module level (or as a class with __call__)" in "\n".join(ei.value.__notes__)

@@ -495,3 +495,15 @@ def test_zero_copy_batches_are_private_views_kept_until_they_die(photos, daemon_
     while len(S.status()["groups"][0]["members"]) != 1 and time.monotonic() < deadline:
         time.sleep(0.05)
     assert len(S.status()["groups"][0]["members"]) == 1   # and closes with the last of them
+
+
+def test_an_unpicklable_transform_warns_with_the_remedy(photos, daemon_env):
+    """A lambda in the transform cannot reach the daemon: the warning says
+    so and what to write instead; the loader prepares in the job."""
+    ds = coordl.ImageFolder(photos, transform=T.Compose([T.RandomResizedCrop(16), T.PILToTensor(),
+                                                          lambda x: x.flip(-1)]))
+    ld = coordl.DataLoader(ds, batch_size=8, seed=7, share=True)
+    with pytest.warns(UserWarning, match=r"cannot be pickled.*<lambda>.*define .* with def at module level "
+                                         r"\(or as a class with __call__\)"):
+        got = list(ld)
+    assert len(got) == 6 and ld.stats().samples_shared == 0
