@@ -412,4 +412,40 @@ def describe_path(loader: Any, decision: Decision | None) -> tuple[str, str]:
     if decision is not None:
         return "torch", (decision.reason + f"; but the passes run on torch's machinery ({mode.name} mode: "
                          "a user sampler, or a collate/option coordl's pipeline does not take)")
-    return "torch", f"{mode.name} mode"
+    return "torch", _torch_reason(loader)
+
+
+def _torch_reason(loader: Any) -> str:
+    """Why a dataset that is not a torchvision folder runs on torch's
+    machinery, in words (and, for a wrapper of torchvision folders, what
+    keeps coordl's pipeline)."""
+    from torch.utils.data import ConcatDataset, IterableDataset, Subset
+
+    ds, mode = loader.dataset, loader._mode
+    name = type(ds).__name__
+    if mode.name == "tensor-batch":
+        return (f"an unmodified {name} with default collation: torch's machinery runs it, one gather per "
+                "tensor per batch instead of a __getitem__ per sample (nothing to read ahead or cache)")
+    if mode.name == "two-stage-torch":
+        if callable(getattr(ds, "raw", None)):
+            return (f"{name} is two-stage (raw/prep), but its order comes from a sampler coordl cannot "
+                    "read an epoch of ahead (no len()), so torch's machinery runs raw then prep per sample")
+        return (f'on_error="skip" over {name}, which has no raw/prep: torch\'s machinery runs '
+                "dataset[i] per sample, so that a bad sample can be dropped")
+    if isinstance(ds, IterableDataset):
+        return f"{name} is an IterableDataset: its own iterator gives the samples, so torch's machinery runs it"
+    why = (f"{name} has no raw/prep (it is not a two-stage dataset), so torch's machinery runs "
+           "dataset[i] as written")
+    parts = ([ds.dataset] if isinstance(ds, Subset) else list(ds.datasets) if isinstance(ds, ConcatDataset)
+             else [])
+    folders = [_name(d) for d in parts if from_torchvision(d) and _base(type(d), _FOLDER_MODULE, "DatasetFolder")]
+    if folders and isinstance(ds, Subset):
+        why += (f". It is a Subset of torchvision's {folders[0]}, which coordl reads as raw file bytes "
+                "only when it is the loader's dataset itself: pass the folder with "
+                "sampler=SubsetRandomSampler(indices) (shuffled) or sampler=indices (in order) to read "
+                "those samples on coordl's pipeline")
+    elif folders:
+        why += (f". It is a ConcatDataset of torchvision's {', '.join(folders)}; coordl reads a "
+                "torchvision folder as raw file bytes only when it is the loader's dataset itself "
+                "(one folder whose root holds them all, or coordl.ImageFolder, reads on coordl's pipeline)")
+    return why
