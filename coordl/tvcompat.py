@@ -408,6 +408,9 @@ def describe_path(loader: Any, decision: Decision | None) -> tuple[str, str]:
     if decision is not None and decision.path == "torch":
         return "torch", decision.reason
     if on_pipeline:
+        if getattr(mode, "from_sampler", False):
+            order = "in the order of the loader's sampler (read once per pass, as torch reads it)"
+            return "coordl", f"{decision.reason}; {order}" if decision is not None else f"two-stage dataset {order}"
         return "coordl", decision.reason if decision is not None else "two-stage dataset in epoch-plan order"
     if decision is not None:
         return "torch", (decision.reason + f"; but the passes run on torch's machinery ({mode.name} mode: "
