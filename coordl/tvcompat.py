@@ -48,6 +48,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 from PIL import Image
 
@@ -176,7 +177,7 @@ class TorchvisionPipeline:
     def _rest(self, x: Any) -> Any:
         if self.fused is not None:
             if self.to_pil:
-                x = Image.fromarray(x.permute(1, 2, 0).numpy())
+                x = _to_pil(x)
             elif self.image_type is not None:
                 x = x.as_subclass(self.image_type)
         if self.tail:
@@ -210,8 +211,7 @@ class TorchvisionPipeline:
 
     def _run_post(self, x: Any) -> Any:
         if self.post_fused is not None and isinstance(x, Image.Image) and x.mode in ("RGB", "L"):
-            steps = self.post_fused.transforms
-            x = T._convert(T._to_chw(x), steps, False, _ext())
+            x = _pil_through(x, self.post_fused.transforms)
             return x.as_subclass(self.post_type) if self.post_type is not None else x
         for t in self.post:
             x = t(x)
@@ -234,6 +234,37 @@ def _ext():
     from .decode import jpeg as _decode
 
     return _decode._ext
+
+
+def _to_pil(x: torch.Tensor) -> Image.Image:
+    """The uint8 CHW image ``x`` as a PIL image: its planes merged by PIL
+    (a sixth of the time ``Image.fromarray`` takes on the HWC view of a CHW
+    tensor, which it copies element by element first)."""
+    c, h, w = x.shape
+    if c not in (1, 3):
+        return Image.fromarray(x.permute(1, 2, 0).numpy())
+    a = x.contiguous().numpy()
+    planes = [Image.frombuffer("L", (w, h), a[k], "raw", "L", 0, 1) for k in range(c)]
+    return planes[0].copy() if c == 1 else Image.merge("RGB", planes)
+
+
+def _pil_through(img: Image.Image, steps: list) -> torch.Tensor:
+    """The PIL image ``img`` (RGB or L) through coordl's ``steps`` (a tensor
+    conversion then ``ToDtype``/``Normalize``): read where PIL holds it and
+    converted in one pass through the per-channel table of the fused path
+    when the result is float32, else step by step."""
+    ext = _ext()
+    to_float = getattr(ext, "to_float", None) if ext is not None else None
+    if to_float is not None and type(steps[0]) is T.ToTensor:
+        arr = np.asarray(img)
+        if arr.ndim == 2:
+            arr = arr[:, :, None]
+        lut = T._float_lut(steps, arr.shape[2])
+        if lut is not None:
+            out = torch.empty((arr.shape[2], arr.shape[0], arr.shape[1]), dtype=torch.float32)
+            to_float(arr.transpose(2, 0, 1), lut.numpy(), out.numpy(), False)
+            return out
+    return T._convert(T._to_chw(img), steps, False, ext)
 
 
 # --------------------------------------------------------------- transforms

@@ -212,3 +212,24 @@ def test_the_generators_of_the_process_are_left_as_they_were():
         again = out(img)
     assert torch.equal(first, again)    # the sample's draws, whatever the process's generators
     assert torch.equal(torch.get_rng_state(), before[0]) and random.getstate() == before[1]
+
+
+def test_the_hand_over_to_pil_and_back_keeps_every_value():
+    import numpy as np
+    from PIL import Image
+
+    from coordl.tvcompat import _pil_through, _to_pil
+
+    g = torch.Generator().manual_seed(0)
+    for c, mode in ((3, "RGB"), (1, "L")):
+        x = torch.randint(0, 256, (c, 37, 53), dtype=torch.uint8, generator=g)
+        img = _to_pil(x)
+        assert img.mode == mode and img.size == (53, 37)
+        assert np.array_equal(np.asarray(img).reshape(37, 53, c), x.permute(1, 2, 0).numpy())
+        x = x[:, :, 1:]   # a view: not contiguous
+        assert np.array_equal(np.asarray(_to_pil(x)).reshape(37, 52, c), x.permute(1, 2, 0).numpy())
+    img = Image.fromarray(torch.randint(0, 256, (30, 40, 3), dtype=torch.uint8, generator=g).numpy())
+    steps = [T.ToTensor(), T.Normalize(MEAN, STD)]
+    want = T.Normalize(MEAN, STD)(T.ToTensor()(img))
+    assert torch.equal(_pil_through(img, steps), want)
+    assert torch.equal(_pil_through(img, [T.PILToTensor()]), T.PILToTensor()(img))
