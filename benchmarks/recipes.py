@@ -28,7 +28,10 @@ built in ``__init__``, ``__call__`` returning ``self.transforms(img)``).
 Each round runs every recipe with both loaders, alternating which goes
 first; a loader runs ``--epochs`` epochs from its construction (worker
 start-up included, as a user sees it).  The ratio is the median over
-rounds of coordl's images/s over torch's.  Checked: every epoch delivers
+rounds of coordl's images/s over torch's.  Beside it, the CPU each side
+spent per image (this process and its reaped children, the workers:
+``getrusage``), whose ratio other processes on a shared machine move much
+less than they move wall time.  Checked: every epoch delivers
 every sample once with the dataset's targets (torch's RandomSampler and
 coordl's read of it give the same indices for the same torch seed).
 
@@ -41,10 +44,12 @@ Writes bench_out/recipes.json.
 from __future__ import annotations
 
 import argparse
+import gc
 import importlib.util
 import inspect
 import json
 import os
+import resource
 import shutil
 import statistics
 import sys
@@ -61,6 +66,12 @@ MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 POLICIES = {"": None, "_ra": "ra", "_ta": "ta_wide", "_augmix": "augmix"}
 RECIPES = ([f"train_{v}{p}" for p in POLICIES for v in ("v1", "v2")] + ["eval_v1", "eval_v2"]
            + ["timm_train", "timm_eval"])
+
+
+def _cpu() -> float:
+    """CPU seconds of this process and of its reaped children (the workers)."""
+    me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
 
 
 def _torchvision():
@@ -180,6 +191,7 @@ def run(args) -> dict:
             seen = {}
             for name in order:
                 torch.manual_seed(rnd)
+                c0 = _cpu()
                 t0 = time.perf_counter()
                 ds, loader = build(recipe, root, args.size, presets, loaders[name], args.batch_size, args.workers)
                 n, once, labels = 0, True, []
@@ -194,27 +206,36 @@ def run(args) -> dict:
                 sec = time.perf_counter() - t0
                 path = (lambda s: f"{s.path}: {s.path_reason}")(loader.stats()) if name == "coordl" else "torch"
                 del loader
+                gc.collect()
+                time.sleep(0.5)     # the workers exit and are reaped: their CPU is then counted
+                cpu = _cpu() - c0
                 seen[name] = labels
                 rows.append({"round": rnd, "recipe": recipe, "loader": name, "images": n, "seconds": round(sec, 3),
-                             "images_per_s": round(n / sec, 1), "every_sample_once": once, "path": path})
+                             "images_per_s": round(n / sec, 1), "cpu_ms_per_image": round(1e3 * cpu / n, 2),
+                             "every_sample_once": once, "path": path})
                 print(f"round {rnd} {recipe:<16} {name:<6} {n:>6} images {sec:>8.2f}s {n / sec:>8.1f} images/s "
-                      f"once={once}" + (f"\n    {path}" if name == "coordl" else ""), flush=True)
+                      f"{1e3 * cpu / n:>7.2f} CPU-ms/image once={once}" + (f"\n    {path}" if name == "coordl" else ""),
+                      flush=True)
             same = all(torch.equal(a, b) for a, b in zip(seen["torch"], seen["coordl"]))
             rows[-1]["same_labels_as_torch"] = rows[-2]["same_labels_as_torch"] = same
     summary = {}
     for recipe in args.recipes:
-        ratios = []
+        ratios, cpu = [], []
         for rnd in range(args.rounds):
             r = {x["loader"]: x for x in rows if x["round"] == rnd and x["recipe"] == recipe}
             ratios.append(r["coordl"]["images_per_s"] / r["torch"]["images_per_s"])
+            cpu.append(r["torch"]["cpu_ms_per_image"] / r["coordl"]["cpu_ms_per_image"])
         mine = [x for x in rows if x["recipe"] == recipe]
         summary[recipe] = {"coordl_over_torch": round(statistics.median(ratios), 3),
                            "ratios": [round(r, 3) for r in ratios],
+                           "torch_cpu_over_coordl_cpu": round(statistics.median(cpu), 3),
                            "every_sample_once": all(x["every_sample_once"] for x in mine),
                            "same_labels_as_torch": all(x["same_labels_as_torch"] for x in mine),
                            "path": next(x["path"] for x in mine if x["loader"] == "coordl")}
         print(f"{recipe:<16} coordl / torch {summary[recipe]['coordl_over_torch']:.2f}x "
-              f"(rounds {summary[recipe]['ratios']}), every sample once: {summary[recipe]['every_sample_once']}, "
+              f"(rounds {summary[recipe]['ratios']}; CPU per image, torch / coordl "
+              f"{summary[recipe]['torch_cpu_over_coordl_cpu']:.2f}x), every sample once: "
+              f"{summary[recipe]['every_sample_once']}, "
               f"same labels in the same order as torch: {summary[recipe]['same_labels_as_torch']}")
     return {"rows": rows, "summary": summary,
             "settings": {"root": root, "batch_size": args.batch_size, "workers": args.workers, "epochs": args.epochs,
