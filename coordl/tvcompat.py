@@ -644,7 +644,7 @@ def describe_path(loader: Any, decision: Decision | None) -> tuple[str, str]:
         return "coordl", decision.reason if decision is not None else "two-stage dataset in epoch-plan order"
     if decision is not None:
         return "torch", (decision.reason + f"; but the passes run on torch's machinery ({mode.name} mode: "
-                         "a user sampler, or a collate/option coordl's pipeline does not take)")
+                         "a sampler without a length, or an option coordl's pipeline does not take)")
     return "torch", _torch_reason(loader)
 
 
