@@ -87,7 +87,7 @@ class _WrappedTorchMode(TorchMode):
 
 class TwoStageTorchMode(_WrappedTorchMode):
     """raw -> prep per sample (``TwoStageFetch``) under torch's machinery:
-    a two-stage dataset whose order comes from a user sampler, or a generic
+    a two-stage dataset whose order comes from a sampler without a length, or a generic
     map-style dataset with ``on_error="skip"`` (``dataset[i]`` per sample, so
     one bad sample can be dropped)."""
 
