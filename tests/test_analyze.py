@@ -234,6 +234,41 @@ def test_verdict_names_the_stall_whose_removal_helps_most():
     assert v["largest"] == "fetch" and now["bound"] == "fetch"
 
 
+def test_no_verdict_past_a_model_error_it_cannot_stand_behind():
+    """A busy machine: the model missed its own check passes by 84.5% and
+    the measured stalls were 0.0%; the report named a stall all the same."""
+    from coordl.analyze import MODEL_ERROR_VERDICT
+    from coordl.analyze.report import verdict_text
+
+    def P(t, bound="x"):
+        return {"throughput": t, "bound": bound}
+    quiet = {"fetch": 0.0, "prep": 0.0, "total": 0.0, "noise": 0.0}
+    v = model.verdict(P(100), P(110), P(150), model_error=0.845, measured=quiet)
+    assert v["largest"] is None and v["conclusive"] is False
+    assert "84%" in v["why"] and f"{MODEL_ERROR_VERDICT:.0%}" in v["why"], v["why"]
+    text = verdict_text(v, quiet)
+    assert text.startswith("verdict: cannot conclude") and "84%" in text and "largest stall" not in text, text
+    # within the error it stands behind, but the measured stalls say no stall: no verdict either
+    v = model.verdict(P(100), P(110), P(150), model_error=0.10, measured=quiet)
+    assert v["largest"] is None and v["conclusive"] is False
+    assert "prep" in v["why"] and "measured" in v["why"], v["why"]
+    # the measured stalls say fetch, the model prep: the verdict does not take sides
+    v = model.verdict(P(100), P(110), P(150), model_error=0.10,
+                      measured={"fetch": 0.4, "prep": 0.1, "total": 0.5, "noise": 0.0})
+    assert v["largest"] is None and v["conclusive"] is False
+    # agreement: the verdict stands
+    v = model.verdict(P(100), P(110), P(150), model_error=0.10,
+                      measured={"fetch": 0.05, "prep": 0.3, "total": 0.35, "noise": 0.0})
+    assert v["largest"] == "prep" and v["conclusive"] is True
+    assert verdict_text(v, {"fetch": 0.05, "prep": 0.3}).startswith("verdict: the largest stall is prep (CPU)")
+
+
+def test_step_kind_in_words():
+    from coordl.analyze.report import step_words
+
+    assert step_words("cpu") == "a CPU step" and step_words("accelerator") == "an accelerator step"
+
+
 def test_model_error_comes_from_the_held_out_passes_with_a_floor():
     from coordl import analyze as A
 

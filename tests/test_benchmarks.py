@@ -25,6 +25,20 @@ def test_overhead_quick():
     assert all(float(r[3]) > 0 for r in rows)
 
 
+def test_recipes_quick(tmp_path):
+    import importlib.util
+
+    if importlib.util.find_spec("torchvision") is None:
+        pytest.skip("torchvision is not installed (pip install coordl[test])")
+    _script("recipes.py", "--quick", "--recipes", "train_v1,train_v2_ra,eval_v2", "--out", str(tmp_path))
+    res = json.loads((tmp_path / "recipes.json").read_text())
+    assert set(res["summary"]) == {"train_v1", "train_v2_ra", "eval_v2"}
+    for name, s in res["summary"].items():
+        assert s["every_sample_once"] and s["same_labels_as_torch"], (name, s)
+        assert s["coordl_over_torch"] > 0 and s["path"].startswith("coordl: "), (name, s)
+    assert "read through PresetTrain.transforms" in res["summary"]["train_v1"]["path"]
+
+
 def test_throughput_quick(tmp_path):
     out = _script("throughput.py", "--quick", "--loaders", "torch,coordl", "--out", str(tmp_path))
     with open(tmp_path / "throughput.csv") as f:

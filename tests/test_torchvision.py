@@ -293,6 +293,19 @@ def test_random_transforms_run_as_written_are_reproducible_too(photos):
     assert all(torch.equal(x[0], y[0]) and torch.equal(x[1], y[1]) for x, y in zip(a, b))
 
 
+def test_subset_and_concat_of_a_torchvision_folder_say_why_in_words(photos):
+    ds = D.ImageFolder(photos, transform=v1_pipeline(16))
+    sub = torch.utils.data.Subset(ds, list(range(0, 30, 2)))
+    s = coordl.DataLoader(sub, batch_size=4).stats()
+    assert s.path == "torch" and "mode" not in s.path_reason, s
+    assert "Subset of torchvision's ImageFolder" in s.path_reason and "sampler=" in s.path_reason, s
+    cat = torch.utils.data.ConcatDataset([ds, ds])
+    s = coordl.DataLoader(cat, batch_size=4).stats()
+    assert s.path == "torch" and "ConcatDataset of torchvision's ImageFolder, ImageFolder" in s.path_reason, s
+    s = coordl.DataLoader(torch.utils.data.TensorDataset(torch.arange(4)), batch_size=2).stats()
+    assert "TensorDataset" in s.path_reason and "mode" not in s.path_reason, s
+
+
 # --------------------------------------------------------- fallbacks
 class OwnGetItem(D.ImageFolder):
     def __getitem__(self, i):
@@ -564,14 +577,16 @@ def test_samples_that_are_not_class_indices_stay_on_torchs_path(photos):
     assert list(y) == [t for _, t in ds.samples]
 
 
-def test_a_user_sampler_keeps_torchs_iterators_and_says_so(photos):
+def test_a_user_sampler_keeps_coordls_pipeline_and_says_so(photos):
     ds = D.ImageFolder(photos, transform=v1_pipeline(16))
     sampler = torch.utils.data.RandomSampler(ds, generator=torch.Generator().manual_seed(0))
     L = coordl.DataLoader(ds, batch_size=8, sampler=sampler, num_workers=1)
     s = L.stats()
-    assert s.path == "torch" and "fused RandomResizedCrop" in s.path_reason and "user sampler" in s.path_reason
+    assert s.path == "coordl" and "fused RandomResizedCrop" in s.path_reason, s
+    assert "order of the loader's sampler" in s.path_reason, s
     ys = torch.cat([y for _, y in L])
-    assert sorted(ys.tolist()) == sorted(ds.targets)
+    want = [ds.targets[i] for i in torch.randperm(len(ds), generator=torch.Generator().manual_seed(0)).tolist()]
+    assert ys.tolist() == want
 
 
 def test_a_copy_with_a_subset_of_samples_is_recognized(photos):

@@ -196,7 +196,9 @@ class ShareMode(PipelineMode):
         try:
             blob = pickle.dumps(ds, protocol=pickle.HIGHEST_PROTOCOL)
         except Exception as e:
-            self.off = f"the dataset cannot be pickled for the daemon ({type(e).__name__}: {e})"
+            self.off = (f"the dataset cannot be pickled for the daemon ({type(e).__name__}: {e}): define "
+                        "every function it holds (its transform's steps included) with def at module level "
+                        "(or as a class with __call__), not as a lambda or inside another function")
             warnings.warn(f"coordl: share=True: {self.off}; this loader prepares in the job", stacklevel=5)
             return False
         try:   # the code the dataset and its transforms run: a group runs one code

@@ -38,7 +38,7 @@ from . import collate as _collate
 from .prep import SKIP, prep_sample
 from .readahead import Fetched, Fetcher, FetcherDied
 from ..errors import Failure, SampleError
-from ..plan import EpochPlan
+from ..plan import EpochPlan, IndexOrder
 from ..protocol import describe
 from ..stats import BatchStats
 
@@ -72,7 +72,9 @@ class _Builder:
 class Engine:
     """Fetches and prepares the batches of one worker.
 
-    ``emit(kind, *payload)`` hands results out: ``("batch", k, slot, layout,
+    ``batch_size``: None (no batching: a step is one sample, converted by
+    ``collate_fn``), else batches are collated (0: of any size, from a batch
+    sampler).  ``emit(kind, *payload)`` hands results out: ``("batch", k, slot, layout,
     rows, stats)``, ``("obj", k, batch, stats)``, ``("empty", k, stats)`` or
     ``("error", k, failure)`` (an :class:`coordl.errors.Failure`).  ``slots`` provides batch buffers:
     ``acquire(nbytes) -> (slot_id, uint8 ndarray)``.
@@ -107,7 +109,7 @@ class Engine:
         self.at: tuple = ("idle", None, None)  # (stage, batch, sample): names a failure
 
     # ------------------------------------------------------------------ passes
-    def begin_pass(self, pass_id, plan: EpochPlan, epoch: int, start: int,
+    def begin_pass(self, pass_id, plan: EpochPlan | IndexOrder, epoch: int, start: int,
                    num_workers: int, worker_id: int, skip=()) -> None:
         """Start batches ``start, start+1, ...`` of ``epoch`` except those in
         ``skip`` (delivered before a resume); this worker takes every
@@ -117,13 +119,12 @@ class Engine:
             self.peers.new_epoch()      # peers that failed last epoch get another chance
         self.pass_id = pass_id
         self.epoch = epoch
-        idx = plan.indices(epoch)
-        bs = plan.batch_size
         ks = pass_steps(plan.num_batches, start, skip)[worker_id::num_workers]
-        if bs is None:
-            self.my = [(k, [int(idx[k])]) for k in ks]
-        else:
-            self.my = [(k, idx[k * bs:(k + 1) * bs].tolist()) for k in ks]
+        # an EpochPlan, or an IndexOrder (the steps a user's sampler yielded for this pass)
+        self.my = plan.steps(epoch, ks)
+        for k, ind in self.my:
+            if not ind:     # an empty step of a batch sampler: collated as torch would, at once
+                self._empty_step(k)
         self.first = 0                  # position of the first unconsumed batch
         self.consumed: set[int] = set()
         self.builders: dict[int, _Builder] = {}
@@ -133,6 +134,17 @@ class Engine:
         self.fetcher = Fetcher(self._read, order, self.q, threads=self.fetch_threads,
                                budget_bytes=self.budget, size_of=self._size_of,
                                name=f"coordl-fetch-w{self.worker_id}", read_many=self._read_many)
+
+    def _empty_step(self, k: int) -> None:
+        """Step ``k`` has no samples (a batch sampler yielded ``[]``): its
+        batch is ``collate_fn([])``, or that call's error, as under torch."""
+        try:
+            batch = (self.collate_fn or torch.utils.data.default_collate)([])
+        except Exception as e:
+            self.emit("error", k, Failure(f"Caught {type(e).__name__} in DataLoader worker process "
+                                          f"{self.worker_id}.\nOriginal {traceback.format_exc()}", type(e)))
+            return
+        self.emit("obj", k, batch, BatchStats())
 
     def end_pass(self) -> None:
         if self.fetcher is not None:

@@ -53,6 +53,8 @@ class _Pass:
         self.exact = True  # False: torch hands batches over out of order, steps unknown
         self.rng: list | None = None  # torch-sampler RNG states at pass start
         self.rng_restore: list | None = None
+        self.order = None  # the pass's IndexOrder when a user sampler gives the order on coordl's pipeline
+        self.order_restore = None  # the order a loaded state recorded for the pass about to start
         self.owner = None  # weakref to the _LoaderIter of the current pass
 
     def live(self) -> bool:

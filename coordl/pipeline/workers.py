@@ -103,8 +103,13 @@ class WorkerPool:
         try:
             with starting_workers():    # a forked worker never collects what it inherited
                 self._start(dataset, cfg, num_workers, ctx, parent)
-        except BaseException:
+        except BaseException as e:
             _shutdown(self.procs, self.ctrl, self.res, parent)
+            if "pickle" in str(e).lower():   # spawn/forkserver send the dataset to each worker
+                e.add_note("coordl: the dataset goes to each worker pickled (multiprocessing_context="
+                           f"{getattr(ctx, '_name', ctx)!r}): define every function it holds (its transform's "
+                           "steps included) with def at module level (or as a class with __call__), not as a "
+                           "lambda or inside another function")
             raise
         # Stopping workers joins and may kill: not something to do inside
         # whatever allocation triggers the gc that drops this pool.  The
