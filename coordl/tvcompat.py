@@ -500,7 +500,7 @@ def _timm_step(t: Any, name: str, st: _State) -> bool:
         if name == "RandomResizedCropAndInterpolation" and geometric_ok:
             if isinstance(t.interpolation, (tuple, list)):   # interpolation="random": drawn per call
                 return False
-            mode = _interp(t.interpolation, on_pil, True)
+            mode = _interp(t.interpolation, on_pil, True, False)
             if mode is None or not (_ordered(t.scale) and _ordered(t.ratio)):
                 return False
             st.geo.append(T.RandomResizedCrop(_size(t.size), tuple(t.scale), tuple(t.ratio), mode, True))

@@ -482,8 +482,18 @@ def test_combinations_the_stage_cannot_serve_are_refused(photos, cpu_device, mon
     with pytest.raises(ValueError, match=r"COORDL_SHARE=1 in the environment"):
         coordl.DataLoader(ds, **kw)
     monkeypatch.delenv("COORDL_SHARE")
+
+
+    class Unsized(torch.utils.data.Sampler):      # no length: torch's machinery reads it
+        def __iter__(self):
+            return iter(range(len(ds)))
+
     with pytest.raises(ValueError, match=r"has a sampler or batch_sampler of its own"):
-        coordl.DataLoader(ds, sampler=list(range(len(ds))), **kw)
+        coordl.DataLoader(ds, sampler=Unsized(), **kw)
+    # a sampler with a length runs on coordl's pipeline, in its order: the stage serves it
+    by_sampler = list(coordl.DataLoader(ds, sampler=list(range(len(ds))), seed=1, **kw))
+    in_order = list(coordl.DataLoader(ds, shuffle=False, seed=1, **kw))
+    assert len(by_sampler) == len(in_order) and all(torch.equal(a[0], b[0]) for a, b in zip(by_sampler, in_order))
     with pytest.raises(ValueError, match=r"has no raw/prep"):
         coordl.DataLoader(torch.utils.data.TensorDataset(torch.zeros(4, 3)), **kw)
     with pytest.raises(ValueError, match=r"default collation with a batch_size"):
