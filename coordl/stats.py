@@ -23,7 +23,7 @@ class BatchStats:
     """
 
     __slots__ = ("samples", "bytes_storage", "from_cache", "bytes_cache", "fetch_s", "prep_s", "skips",
-                 "shared", "from_peers", "bytes_peers", "device_marks", "device_cpu")
+                 "shared", "from_peers", "bytes_peers", "device_marks", "device_cpu", "zero_copy")
 
     def __init__(self) -> None:
         self.samples = 0            # samples prepared into the batch
@@ -38,6 +38,7 @@ class BatchStats:
         self.bytes_peers = 0
         self.device_marks = ()      # paths of the uint8 images the device tail converts (coordl.device)
         self.device_cpu = 0         # samples of a device-split pass whose images were converted on the CPU
+        self.zero_copy = 0          # 1: the batch is a view of the node daemon's staging (share=True), no copy
 
     def record_read(self, source: str, nbytes: int) -> None:
         if source == "cache":
@@ -85,6 +86,9 @@ class EpochStats:
     samples_from_peers, bytes_from_peers
         Samples (and their raw bytes) another node's cache served because
         this node's did not hold them (``peers``, multi-node jobs).
+    batches_zero_copy
+        Of the batches (``share=True``), how many were handed out as views
+        of the node daemon's staging memory, with no copy.
     wait_seconds, wall_seconds, stall_fraction
         Time the training loop waited in ``next()`` during this epoch, the
         wall time from its first ``next()`` to its last batch, and their
@@ -106,6 +110,7 @@ class EpochStats:
     samples_self_prepared: int = 0
     samples_from_peers: int = 0
     bytes_from_peers: int = 0
+    batches_zero_copy: int = 0
     wait_seconds: float = 0.0
     wall_seconds: float = 0.0
     fetch_seconds: float = 0.0
@@ -139,7 +144,7 @@ class LoaderStats:
         Main-process time spent handing batches over (unwrapping, device copy).
     skipped
         Bad samples skipped under ``on_error="skip"``.
-    samples_shared, samples_self_prepared, samples_from_peers, bytes_from_peers
+    samples_shared, samples_self_prepared, samples_from_peers, bytes_from_peers, batches_zero_copy
         As in :class:`EpochStats`, summed.
     epoch
         The epoch of the latest pass (or of the next one if none started).
@@ -183,6 +188,7 @@ class LoaderStats:
     samples_self_prepared: int = 0
     samples_from_peers: int = 0
     bytes_from_peers: int = 0
+    batches_zero_copy: int = 0
     epoch: int = 0
     epochs: tuple[EpochStats, ...] = ()
     path: str = ""
@@ -267,6 +273,7 @@ class Counters:
             b["samples_from_cache"] += stats.from_cache
             b["samples_shared"] += stats.shared
             b["samples_self_prepared"] += stats.samples - stats.shared
+            b["batches_zero_copy"] += stats.zero_copy
         b["skipped"] += len(stats.skips)
         self.device_split_cpu_samples += getattr(stats, "device_cpu", 0)
         return b

@@ -482,5 +482,6 @@ class Group:
                 "pid": m.pid, "name": m.name, "attached": m.attached, "epoch": m.epoch,
                 "position": m.pos - max(m.epoch, 0) * self.n, "lag": max(0, lead - m.pos) if m.attached else None,
                 "shared": m.shared, "self": m.self_prepared, "num_workers": m.num_workers,
+                "pinned": len(m.pinned),
             } for m in self.members.values()],
         }

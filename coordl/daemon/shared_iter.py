@@ -600,6 +600,7 @@ class SharedIter:
             st.fetch_s += float(fetch_s)
             st.prep_s += float(prep_s)
         st.samples = st.shared = n
+        st.zero_copy = 1
         self.mode.count(st)
         return Envelope(_collate.build(self.layout1.template, leaves), self.epoch, st, k)
 
