@@ -149,31 +149,34 @@ def test_a_held_batch_keeps_its_rows_across_a_load_state_dict_rollback(photos, d
 
 
 # --------------------------------------------------------------------------- early exits
-def test_a_pass_left_early_gives_back_its_read_ahead_pins(photos, daemon_env):
-    """Passes left early (a batch for a model summary, ``break``, a
-    limit-batches loop, an iterator kept while a new pass starts) give back
-    what the daemon pinned for their read-ahead when they end: the job
-    then holds pinned only the slots of the batches it keeps, and its later
-    full epochs are views of staging again."""
-    ref = reference(photos, epochs=8)
+def test_a_pass_left_early_gives_back_its_read_ahead_pins(photos, daemon_env, monkeypatch):
+    """Passes left early (a batch for a model summary, ``break``,
+    limit-batches loops, an iterator kept while a new pass starts) give
+    back what the daemon pinned for their read-ahead when they end: the job
+    then holds pinned only the slots of the batch it keeps, and its later
+    full epochs are views of staging again (it could pin nothing more once
+    the left passes' pins filled its quarter of staging)."""
+    monkeypatch.setenv("COORDL_STAGING", "1MiB")    # 320 slots: a job may pin 80 and view 40
+    ref = reference(photos, epochs=13)
     ld = loader(photos)
     example = next(iter(ld))                      # epoch 0
     before = zero_copy(ld)
     for kept in ld:                               # epoch 1
         break
     assert zero_copy(ld) == before + 1, "the kept batch should be a view of staging"
-    for k, x in enumerate(ld):                    # epoch 2: a limit-batches loop
-        if k == 2:
-            break
-    left = iter(ld)                               # epoch 3: left, still referenced, when...
+    for epoch in range(2, 8):                     # limit-batches loops of 1 to 3 batches
+        for k, x in enumerate(ld):
+            if k == epoch % 3:
+                break
+    left = iter(ld)                               # epoch 8: left, still referenced, when...
     next(left)
     next(left)
-    for x in ld:                                  # ...epoch 4 runs
+    for x in ld:                                  # ...epoch 9 runs
         pass
     del x
     assert same([example, kept], [ref[0][0], ref[1][0]])
     assert settle_pins([8]) == [8], "only the kept batch's 8 slots should stay pinned"
-    for epoch in (5, 6, 7):
+    for epoch in (10, 11, 12):
         for k, x in enumerate(ld):
             assert same([x], [ref[epoch][k]])
         del x
