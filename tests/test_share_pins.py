@@ -205,3 +205,57 @@ def test_a_job_whose_samples_are_staged_already_gets_its_batches_as_views(photos
     views = [e.batches_zero_copy for e in slow.stats().epochs]
     # 12 batches an epoch; batch 0 of the first pass holds the sample it prepared itself
     assert views[0] >= 10 and views[1] >= 11, f"batches of 12 the slower job got as views: {views}"
+
+
+# --------------------------------------------------------------------------- the job's count of its pins
+def test_the_jobs_count_of_its_pins_gives_each_back_once_and_never_one_a_view_uses():
+    """Without a daemon (the other end of a socket pair plays it): two
+    passes are given the same position, pinned, in the same slot; the first
+    views it, the second is done with it without viewing. One pin goes back
+    when the second is done with it, the other only when the view dies; the
+    second cannot view it while the first view lives; what comes for a pass
+    that is over goes back as it is read."""
+    import mmap
+    import socket
+
+    from coordl.daemon import ipc
+    from coordl.daemon.shared_iter import _Link
+
+    info = ["storage", 1, 0.0, 0.0]
+    a, b = socket.socketpair()
+    daemon = ipc.Conn(b, 0)
+    link = _Link(ipc.Conn(a, 0), mmap.mmap(-1, 4096), 64, 1, 16, [0], -1)
+    given_back = []
+
+    def read():
+        b.setblocking(False)      # (send gave it a timeout)
+        for msg, _ in daemon.read_ready():
+            given_back.extend(msg.get("unpin", []))
+
+    try:
+        first = link.begin()
+        daemon.send({"op": "ready", "pass": first.pid, "items": [[3, 5, True, info, True]]})
+        assert link.pump() == 1 and 3 in first.got and link.pins == {(3, 5): 1}
+        assert link.take_view([(3, 5)])                    # the first pass views it
+        first.pinned.discard((3, 5))
+        first.got.clear()
+        first.end(complete=True)
+        second = link.begin()
+        daemon.send({"op": "ready", "pass": second.pid, "items": [[3, 5, True, info, True]]})
+        daemon.send({"op": "ready", "pass": first.pid, "items": [[4, 6, True, info, True]]})   # late, for the first
+        assert link.pump() == 2 and link.pins == {(3, 5): 2}
+        assert not link.take_view([(4, 6)])                # given back as read: no pin left to view it with
+        second.got.pop(3)
+        second.done([(3, 5)])                              # copied: its own pin goes back...
+        assert link.pins == {(3, 5): 1} and link.held == {(3, 5): 1}
+        second.done([(3, 5)])                              # ...once
+        assert link.pins == {(3, 5): 1}
+        assert not link.take_view([(3, 5)])                # the one pin left is the first view's
+        link.view_gone([(3, 5)])
+        assert link.pins == {} and link.held == {} and link.views == 0
+        second.end()
+        read()
+        assert sorted(given_back) == [3, 3, 4]
+    finally:
+        link.close()
+        daemon.close()

@@ -74,8 +74,9 @@ class _Link:
     given back yet, and ``held``, how many of those live views use.  A view
     takes one spare pin of each of its positions (:meth:`take_view`) and
     gives it back when it dies (:meth:`view_gone`); a pass done with a
-    position it did not view gives back a spare pin of it, if there is one
-    (:meth:`finish`).  So a position viewed a second time while a first
+    position it did not view gives back the pin it was given of it, if any
+    (:meth:`_PassState.done`, :meth:`finish`: a spare one, never one a live
+    view uses).  So a position viewed a second time while a first
     view of it lives (the job runs an epoch again, or rolls back, holding a
     batch of it) holds two pins, and its slot stays until both views are
     gone; a pass that ends early gives back every pin of its read-ahead,
@@ -184,8 +185,9 @@ class _Link:
 
     # ------------------------------------------------------------ passes
     def begin(self) -> "_PassState":
-        """A new pass: its number, and what the daemon sends for it."""
-        with self._lock:
+        """A new pass: its number, and what the daemon sends for it (from
+        here on its thread reads the connection: :meth:`pump`)."""
+        with self._rlock, self._lock:
             self.passes += 1
             st = self.current = _PassState(self, self.passes)
         return st
@@ -241,13 +243,17 @@ class _Link:
             self._wlock.release()
 
     # ------------------------------------------------------------ reading
-    def pump(self, wait: bool = True) -> int:
+    def pump(self, wait: bool = True, idle: bool = False) -> int:
         """Read and route what the daemon sent, without waiting for more;
         the number of frames read (0 without reading when ``wait`` is False
-        and another thread reads).  ``ConnectionError`` on EOF or a bad frame."""
+        and another thread reads, or when ``idle`` and a pass runs: its
+        thread reads, and a frame taken from under its wait would delay
+        it).  ``ConnectionError`` on EOF or a bad frame."""
         if os.getpid() != self.pid or not self._rlock.acquire(blocking=wait):
             return 0
         try:
+            if idle and self.current is not None:
+                return 0
             n = 0
             while True:
                 frames = self.conn.read_ready(limit=256)
@@ -282,10 +288,14 @@ class _Link:
                         late.append((g, int(it[1])))
                 else:
                     got[g] = it
+                    if len(it) > 4 and it[4]:
+                        st.pinned.add((g, int(it[1])))
             for k in made:                 # a claim that became a pin after the pass was done with it
                 it = got.get(k[0])
                 if it is None or int(it[1]) != k[1]:
                     late.append(k)
+                else:
+                    st.pinned.add(k)
             if late:
                 self.finish(late)
             st.heard += 1
@@ -336,6 +346,7 @@ class _PassState:
     def __init__(self, link: _Link, pid: int) -> None:
         self.link, self.pid = link, pid
         self.got: dict[int, list] = {}
+        self.pinned: set = set()       # (G, slot) of ``got`` delivered pinned (or pinned since)
         self.release: list[int] = []   # claims it used, to give back with its next message
         self.detach: dict | None = None
         self.heard = 0                 # messages of deliveries read for it
@@ -358,11 +369,11 @@ class _PassState:
             if link.current is self:
                 link.current = None
         try:   # deliveries already on their way for it: read now, and given back with the rest
-            link.pump(wait=wait)
+            link.pump(wait=wait, idle=not wait)
         except (OSError, ValueError):
             pass
         got, self.got = self.got, {}
-        link.finish([(g, int(it[1])) for g, it in got.items()])
+        self.done([(g, int(it[1])) for g, it in got.items()])
         msg = {"op": "end", "pass": self.pid, "complete": complete, "release": self.release + list(got)}
         self.release = []
         if extra:
@@ -372,10 +383,20 @@ class _PassState:
         else:
             link.post(msg)
 
+    def done(self, keys) -> None:
+        """This pass is done with ``keys`` ((G, slot) of its deliveries),
+        without viewing them: the pins it was given of them go back (a spare
+        one of each: one a live view uses never does)."""
+        mine = [k for k in keys if k in self.pinned]
+        self.pinned.difference_update(mine)
+        if mine:
+            self.link.finish(mine)
+
     def drop(self) -> None:
         """The connection is gone: nothing more to tell."""
         self.ended = True
         self.got.clear()
+        self.pinned.clear()
         self.release = []
 
 
@@ -630,13 +651,11 @@ class SharedIter:
                 item = self.got.pop(g, None)
                 if item is not None and g not in viewed:
                     done.append((g, int(item[1])))
-            if done:
-                st = self._box[0]
-                link = self.mode.link
-                if st is not None and not st.ended:
+            st = self._box[0]
+            if done and st is not None:
+                if not st.ended:
                     st.release.extend(g for g, _ in done)
-                if link is not None:
-                    link.finish(done)
+                st.done(done)
         if not self.attached and self.idx < len(self.steps) and self.local is None:
             self._go_local()
         return env
@@ -876,6 +895,9 @@ class SharedIter:
             weakref.finalize(buf, _reaper.later, gone)
         del bufs
         self._viewed = list(gs)
+        ps = self._box[0]
+        if ps is not None:
+            ps.pinned.difference_update(keys)   # its pins are the view's now
         st = BatchStats()
         for it in items:
             source, nbytes, fetch_s, prep_s = it[3]
