@@ -24,7 +24,7 @@ class BatchStats:
 
     __slots__ = ("samples", "bytes_storage", "from_cache", "bytes_cache", "fetch_s", "prep_s", "skips",
                  "shared", "from_peers", "bytes_peers", "device_marks", "device_cpu", "decoded_device",
-                 "decoded_cpu", "device_blob")
+                 "decoded_cpu", "device_blob", "zero_copy")
 
     def __init__(self) -> None:
         self.samples = 0            # samples prepared into the batch
@@ -42,6 +42,7 @@ class BatchStats:
         self.decoded_device = 0     # decode="device": images decoded on the device
         self.decoded_cpu = 0        # ... decoded on the CPU (a worker's CPU path, or the main process's fallback)
         self.device_blob = None     # ... (slot, total bytes, offsets) of the bytes the device decodes (not summed)
+        self.zero_copy = 0          # 1: the batch is a view of the node daemon's staging (share=True), no copy
 
     def record_read(self, source: str, nbytes: int) -> None:
         if source == "cache":
@@ -90,6 +91,9 @@ class EpochStats:
     samples_from_peers, bytes_from_peers
         Samples (and their raw bytes) another node's cache served because
         this node's did not hold them (``peers``, multi-node jobs).
+    batches_zero_copy
+        Of the batches (``share=True``), how many were handed out as views
+        of the node daemon's staging memory, with no copy.
     wait_seconds, wall_seconds, stall_fraction
         Time the training loop waited in ``next()`` during this epoch, the
         wall time from its first ``next()`` to its last batch, and their
@@ -111,6 +115,7 @@ class EpochStats:
     samples_self_prepared: int = 0
     samples_from_peers: int = 0
     bytes_from_peers: int = 0
+    batches_zero_copy: int = 0
     wait_seconds: float = 0.0
     wall_seconds: float = 0.0
     fetch_seconds: float = 0.0
@@ -144,7 +149,7 @@ class LoaderStats:
         Main-process time spent handing batches over (unwrapping, device copy).
     skipped
         Bad samples skipped under ``on_error="skip"``.
-    samples_shared, samples_self_prepared, samples_from_peers, bytes_from_peers
+    samples_shared, samples_self_prepared, samples_from_peers, bytes_from_peers, batches_zero_copy
         As in :class:`EpochStats`, summed.
     epoch
         The epoch of the latest pass (or of the next one if none started).
@@ -196,6 +201,7 @@ class LoaderStats:
     samples_self_prepared: int = 0
     samples_from_peers: int = 0
     bytes_from_peers: int = 0
+    batches_zero_copy: int = 0
     epoch: int = 0
     epochs: tuple[EpochStats, ...] = ()
     path: str = ""
@@ -286,6 +292,7 @@ class Counters:
             b["samples_from_cache"] += stats.from_cache
             b["samples_shared"] += stats.shared
             b["samples_self_prepared"] += stats.samples - stats.shared
+            b["batches_zero_copy"] += stats.zero_copy
         b["skipped"] += len(stats.skips)
         self.device_split_cpu_samples += getattr(stats, "device_cpu", 0)
         self.device_decode_images += getattr(stats, "decoded_device", 0)

@@ -139,6 +139,13 @@ def test_sharing_quick(tmp_path):
         assert not (os.path.isdir(d) and [x for x in os.listdir(d) if x.startswith("coordl-sharing-")])
 
 
+def test_sharing_held_quick():
+    """``sharing.py --held``: kept batches of every epoch while the epochs run twice over a staging
+    that wraps; no row of a kept batch may change, every epoch is share=False's."""
+    out = _script("sharing.py", "--held", "--quick", timeout=300)
+    assert "held batches: 0 changed rows" in out and "epochs differing from share=False: 0" in out, out
+
+
 def test_peers_quick(tmp_path):
     # three "nodes" as processes on loopback (--quick: no namespaces, cgroups or root);
     # the namespace + cgroup set-up runs in the benchmark itself (docs/_bench_peers.md)
