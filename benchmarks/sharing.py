@@ -79,6 +79,7 @@ import csv
 import inspect
 import json
 import os
+import re
 import signal
 import statistics
 import subprocess
@@ -135,6 +136,27 @@ def _read_bytes(dirs: list[str], dev_id: str) -> int | None:
                         return int(w[2])
             return 0
     return None
+
+
+def _sweep_stale(prefix: str = "coordl-sharing-") -> list[str]:
+    """Remove the cgroups a killed earlier run left behind: ``<prefix><pid>-*``
+    whose pid is no longer alive and that hold no process (the kernel refuses
+    to remove one that does).  What was removed."""
+    removed = []
+    for controller in ("cpuacct", "blkio"):
+        root = _v1_mount(controller)
+        if root is None or not os.path.isdir(root):
+            continue
+        for name in os.listdir(root):
+            m = re.match(re.escape(prefix) + r"(\d+)-", name)
+            if not m or os.path.exists(f"/proc/{m.group(1)}"):
+                continue
+            path = os.path.join(root, name)
+            if not _host.cgroup_pids([path]):
+                _host.rmdir_retry(path, tries=5)
+                if not os.path.exists(path):
+                    removed.append(path)
+    return removed
 
 
 class JobGroup:
@@ -1050,6 +1072,9 @@ def main(argv=None) -> int:
             dev, dev_id = cachebench._dev_of(args.root)
         except (RuntimeError, OSError):
             dev, dev_id = None, None
+        if is_root and _v1_mount("cpuacct") is not None:
+            for path in _sweep_stale():
+                print(f"removed {path}: left by an earlier run that was killed")
         ctx = {"cgroups": is_root and _v1_mount("cpuacct") is not None, "drop": is_root and not args.no_drop_caches,
                "dev": dev, "dev_id": dev_id, "tmp": tmp.name, "primer": primer}
         n_files = sum(len(f) for _, _, f in os.walk(args.root))
@@ -1058,7 +1083,8 @@ def main(argv=None) -> int:
               f"workers, batch {args.batch_size} and step {args.step!r} per job, {args.epochs} epochs (epoch 0 warm-up), node cache "
               f"{args.cache_size}, {os.cpu_count()} cores; page cache dropped before each configuration: "
               f"{'yes' if ctx['drop'] else 'no'}; cgroup CPU/storage accounting: "
-              f"{'yes' if ctx['cgroups'] else 'no (needs root and cgroup v1 cpuacct)'}", flush=True)
+              f"{'yes, groups coordl-sharing-%d-*' % os.getpid() if ctx['cgroups'] else 'no (needs root and cgroup v1 cpuacct)'}",
+              flush=True)
         if not share_ok:
             print("coordl.DataLoader has no share= parameter: running the configurations without sharing only")
         rows, job_rows, failed = [], [], []
