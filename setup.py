@@ -1,14 +1,21 @@
-"""Build step for coordl's one optional C extension; metadata lives in setup.cfg.
+"""Build step for coordl's optional C extensions; metadata lives in setup.cfg.
 
 ``coordl.decode._jpegcrop`` decodes only the crop window of a JPEG through the
 system libjpeg(-turbo) (Debian: libjpeg62-turbo-dev).  It is optional: on a
 machine without a C compiler or the libjpeg headers the build of it fails
 quietly, the package still installs, and coordl decodes whole images with
 simplejpeg as before.
+
+``coordl.decode._resample`` resamples uint8 images with PIL's arithmetic (the
+fused path's Resize and RandomResizedCrop).  It needs only a C compiler;
+without it the fused path has PIL resample instead (the same pixels, slower).
 """
 from setuptools import Extension, setup
 
 setup(ext_modules=[
     Extension("coordl.decode._jpegcrop", ["coordl/decode/_jpegcrop.c"], libraries=["jpeg"], optional=True,
               extra_compile_args=["-O2", "-std=c99"]),
+    # -ffp-contract=off: the weights are computed as written (no fused multiply-add), as PIL computes them
+    Extension("coordl.decode._resample", ["coordl/decode/_resample.c"], optional=True,
+              extra_compile_args=["-O3", "-std=c99", "-ffp-contract=off"]),
 ])

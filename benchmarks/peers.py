@@ -1,4 +1,4 @@
-"""Partitioned cache across nodes (issue 9): three "nodes" on one machine, each
+"""Partitioned cache across nodes: three "nodes" on one machine, each
 in its own network namespace, cgroups and node-cache namespace, training
 data-parallel over torch.distributed (gloo); a node's cache miss is served
 by the peer that holds the sample (``peers="on"``), or read from storage.
@@ -46,7 +46,7 @@ tenants of the cores).  The cluster's epoch time is the slowest node's
 over epochs >= 1.  A link check (one TCP stream between two namespaces)
 runs before the configurations.
 
-Targets (issue 9): cluster storage bytes per epoch after epoch 1 <= 2% of
+Targets: cluster storage bytes per epoch after epoch 1 <= 2% of
 the dataset (blkio) against ~0.67 without peers; epoch time with peers <=
 1.2x the all-local reference and >= 2x faster than without peers.
 
@@ -54,7 +54,7 @@ the dataset (blkio) against ~0.67 without peers; epoch time with peers <=
     python benchmarks/peers.py --root /tmp/peersds3k --epochs 5 --rounds 3 --out docs/img   # ~8 min
     python benchmarks/peers.py --quick                       # smoke run: loopback, no root needed
 
-Issue 19's targets (``benchmarks/_peers_issue19.py``; functional counts,
+The first-pass and connection targets (``benchmarks/_peers_first_pass.py``; functional counts,
 loopback, no root)::
 
     python benchmarks/peers.py first-pass --nodes 3 --images 3000 --epochs 4   # resume/partial/eval/adopted
@@ -524,7 +524,7 @@ def run_config(args, ctx: dict, name: str, rnd: int) -> dict:
 def summarize(res: dict, args, dataset_bytes: int) -> dict:
     eps = res["epochs"]
     measured = [e for e in range(args.epochs) if e >= 1] or [0]
-    # the issue's storage target counts "after epoch 1": epochs >= 2 when there are any
+    # the storage target counts "after epoch 1": epochs >= 2 when there are any
     later = [e for e in measured if e >= 2] or measured
 
     def cluster(key, es):
@@ -594,7 +594,7 @@ def report(rows: list[dict], args, dataset_bytes: int, n_images: int) -> list[st
         lines.append(f"epoch time without peers / with peers >= 2: {x:.2f} -> {'met' if x >= 2 else 'NOT met'}")
     if args.no_cgroups or args.no_netns:
         lines.append("(storage not throttled or links not limited in this mode: the targets do not apply)")
-    print("\ntargets (issue 9):\n  " + "\n  ".join(lines))
+    print("\ntargets:\n  " + "\n  ".join(lines))
     return lines
 
 
@@ -644,8 +644,8 @@ def _v1(controller: str) -> bool:
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    if argv and argv[0] in ("first-pass", "connections"):     # issue 19's targets (_peers_issue19.py)
-        import _peers_issue19 as i19
+    if argv and argv[0] in ("first-pass", "connections"):     # first pass and connections (_peers_first_pass.py)
+        import _peers_first_pass as i19
 
         return (i19.first_pass if argv[0] == "first-pass" else i19.connections)(argv[1:])
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])

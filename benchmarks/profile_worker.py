@@ -43,7 +43,7 @@ import common  # noqa: E402
 # the stack, outermost call first, takes the sample.
 PREP_STAGES = [
     ("decode", ("decode_rgb", "decode_crop", "_decode.py")),
-    ("resize", ("_resize_tensor", "interpolate")),
+    ("resize", ("_resize_tensor", "interpolate", "pil_resize", "_resample")),
     ("copy into slot", ("Engine._place", "place (coordl/_engine.py")),
     ("collate/finish", ("Engine._finish",)),
     ("stats", ("coordl/stats.py",)),

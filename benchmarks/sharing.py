@@ -56,6 +56,7 @@ CPU per epoch at K=4 sharing <= 1.15x solo; storage per epoch at K=4 sharing
     python benchmarks/sharing.py --root /tmp/synth --epochs 3 --rounds 1 --configs solo,K4,shared-K4
     python benchmarks/sharing.py --quick               # tiny smoke run (tests use it)
     python benchmarks/sharing.py --independent --epochs 4 --rounds 2   # the independent check's setup
+    python benchmarks/sharing.py --held                # held batches: rows changed under the user (target 0)
 
 ``--workers`` is each job's ``num_workers`` (the daemon's pool is what the
 sharing jobs brought together: K x workers, capped at the CPUs); ``--stagger``
@@ -63,6 +64,11 @@ starts a configuration's jobs that many seconds apart; ``--independent``
 is the setup of an independent check of the K=4 target (2,000 generated
 ImageNet-sized JPEGs of ~84 KB, batch 64, 2 workers, the sleep step, no node
 cache, jobs 0.5 s apart, solo and shared-K4).
+
+``--held`` runs only the held-batches check (:func:`held`): jobs that keep
+one batch of every epoch, a view of staging, while they run epochs 0..N-1
+twice over a small staging; every kept batch's rows are compared with what
+they were when it was handed out, and every epoch with ``share=False``'s.
 
 Writes DIR/sharing.csv (one row per configuration and round),
 DIR/sharing_jobs.csv (one row per job and epoch) and DIR/sharing.png
@@ -81,6 +87,7 @@ import csv
 import inspect
 import json
 import os
+import re
 import signal
 import statistics
 import subprocess
@@ -144,6 +151,27 @@ def _read_bytes(dirs: list[str], dev_id: str) -> int | None:
                         return int(w[2])
             return 0
     return None
+
+
+def _sweep_stale(prefix: str = "coordl-sharing-") -> list[str]:
+    """Remove the cgroups a killed earlier run left behind: ``<prefix><pid>-*``
+    whose pid is no longer alive and that hold no process (the kernel refuses
+    to remove one that does).  What was removed."""
+    removed = []
+    for controller in ("cpuacct", "blkio"):
+        root = _v1_mount(controller)
+        if root is None or not os.path.isdir(root):
+            continue
+        for name in os.listdir(root):
+            m = re.match(re.escape(prefix) + r"(\d+)-", name)
+            if not m or os.path.exists(f"/proc/{m.group(1)}"):
+                continue
+            path = os.path.join(root, name)
+            if not _host.cgroup_pids([path]):
+                _host.rmdir_retry(path, tries=5)
+                if not os.path.exists(path):
+                    removed.append(path)
+    return removed
 
 
 class JobGroup:
@@ -866,6 +894,98 @@ def plot(med: list[dict], args) -> None:
     print(f"wrote {png}")
 
 
+# ======================================================================= held batches
+def held(args) -> int:
+    """The held-batches target: 0 rows of a kept batch changed.
+
+    ``--held-jobs`` loaders (members of one group, in this process) run
+    ``--epochs`` epochs, then the same epochs again (``set_epoch`` from 0),
+    over a staging of ``--held-staging`` (small, so the daemon reuses slots
+    every few epochs).  Each keeps the second batch of every epoch it runs
+    (the first batch of a loader's first pass holds a sample it prepared
+    itself, so the second is the first that can be a view of staging) and,
+    after every epoch, compares the rows of everything it keeps with copies
+    made when they were handed out.  Running an epoch again views the kept
+    batches' positions a second time: the case that breaks uncounted pins.
+    Every epoch is also checked against ``share=False`` (CRC-32 of its
+    images and labels).  Returns 1 if a row changed or an epoch differs."""
+    import zlib
+
+    import common
+    import coordl
+    import torch
+    from coordl.daemon import server
+
+    torch.set_num_threads(1)
+    tmp = tempfile.TemporaryDirectory(prefix="coordl-sharing-held-")
+    os.environ["COORDL_RUN_DIR"] = os.path.join(tmp.name, "run")
+    os.mkdir(os.environ["COORDL_RUN_DIR"], 0o700)
+    os.environ["COORDL_STAGING"] = args.held_staging
+    try:
+        from coordl.synth import make_image_folder
+
+        root = args.root
+        if root is None:
+            root = os.path.join(tmp.name, "photos")
+            make_image_folder(root, num_images=args.images, num_classes=10, seed=0, image_size=(96, 72))
+
+        def loader(share):
+            ds = common.coordl_dataset(root, size=args.held_crop)
+            return coordl.DataLoader(ds, batch_size=args.batch_size, num_workers=args.workers, seed=args.seed,
+                                     share=share)
+
+        def crc(batches, keep=None):
+            """CRC-32 of an epoch's images and labels; ``keep(k, batch)`` sees each batch first."""
+            cx = cy = 0
+            for k, (x, y) in enumerate(batches):
+                if keep is not None:
+                    keep(k, (x, y))
+                cx = zlib.crc32(x.contiguous().numpy().tobytes(), cx)
+                cy = zlib.crc32(y.numpy().astype("<i8").tobytes(), cy)
+            return cx, cy
+
+        ref_loader = loader(False)
+        ref = []
+        for e in range(args.epochs):
+            ref_loader.set_epoch(e)
+            ref.append(crc(ref_loader))
+        del ref_loader
+        t0 = time.monotonic()
+        jobs = [loader(True) for _ in range(args.held_jobs)]
+        kept = []          # (job, epoch, round, batch, copy of it when handed out, a view of staging)
+        changed = differ = 0
+        for rnd in range(2):
+            for e in range(args.epochs):
+                for j, ld in enumerate(jobs):
+                    ld.set_epoch(e)
+                    seen = []
+
+                    def keep(k, b):
+                        if k < 2:
+                            seen.append(ld.stats().batches_zero_copy)   # views so far, this batch included
+                        if k == 1:
+                            kept.append((j, e, rnd, b, (b[0].clone(), b[1].clone()), seen[1] == seen[0] + 1))
+
+                    differ += crc(ld, keep) != ref[e]
+                for _, _, _, b, c, _ in kept:
+                    changed += int(((b[0] != c[0]).flatten(1).any(1) | (b[1] != c[1])).sum())
+        seconds = time.monotonic() - t0
+        views = sum(1 for x in kept if x[5])
+        rows = sum(int(x[3][0].shape[0]) for x in kept)
+        zero_copy = sum(ld.stats().batches_zero_copy for ld in jobs)
+        batches = sum(ld.stats().batches for ld in jobs)
+        print(f"held batches: {changed} changed rows of {rows} rows in {len(kept)} kept batches ({views} views of "
+              f"staging), checked after every epoch; {args.held_jobs} jobs x epochs 0..{args.epochs - 1} twice, "
+              f"batch {args.batch_size}, {args.held_crop}x{args.held_crop} crops, staging {args.held_staging}; "
+              f"{zero_copy} of {batches} batches views; epochs differing from share=False: {differ} "
+              f"({seconds:.0f} s)", flush=True)
+        del kept, jobs
+        return 0 if changed == 0 and differ == 0 and views > 0 else 1
+    finally:
+        server.stop()
+        tmp.cleanup()
+
+
 # ======================================================================= main
 def plan_configs(args, share_ok: bool) -> list[tuple[str, list[dict], bool]]:
     b = args.batch_size
@@ -922,6 +1042,11 @@ def main(argv=None) -> int:
                          "takes ~3 ms of CPU per batch of 64 in every job, which the timed epochs would "
                          "take from the loader), in every epoch, or none")
     ap.add_argument("--no-check", action="store_true", help="the same as --check none")
+    ap.add_argument("--held", action="store_true",
+                    help="run only the held-batches check (--epochs: 6 unless given; see held())")
+    ap.add_argument("--held-jobs", type=int, default=2, help="--held: loaders sharing one group")
+    ap.add_argument("--held-staging", default="16MiB", help="--held: the group's staging (COORDL_STAGING)")
+    ap.add_argument("--held-crop", type=int, default=64, help="--held: crop size of the samples")
     # internal: one job process, or the daemon starter
     ap.add_argument("--job", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--daemon-start", action="store_true", help=argparse.SUPPRESS)
@@ -943,6 +1068,15 @@ def main(argv=None) -> int:
         return job(args)
     if args.daemon_start:
         return daemon_start(args)
+    if args.held:
+        if "--epochs" not in (argv if argv is not None else sys.argv[1:]):
+            args.epochs = 6
+        if "--batch-size" not in (argv if argv is not None else sys.argv[1:]):
+            args.batch_size = 16
+        if args.quick:   # staging wraps within the run: 96 samples of 32x32 an epoch, ~165 slots
+            args.images, args.epochs, args.workers = 96, 3, 1
+            args.held_crop, args.held_staging = 32, "512KiB"
+        return held(args)
     if args.quick:
         args.images, args.batch_size, args.epochs, args.workers, args.rounds = 48, 8, 2, 1, 1
         args.cache_size = "64MiB"  # the budget is reserved in /dev/shm up front
@@ -970,6 +1104,9 @@ def main(argv=None) -> int:
             dev, dev_id = cachebench._dev_of(args.root)
         except (RuntimeError, OSError):
             dev, dev_id = None, None
+        if is_root and _v1_mount("cpuacct") is not None:
+            for path in _sweep_stale():
+                print(f"removed {path}: left by an earlier run that was killed")
         ctx = {"cgroups": is_root and _v1_mount("cpuacct") is not None, "drop": is_root and not args.no_drop_caches,
                "dev": dev, "dev_id": dev_id, "tmp": tmp.name, "primer": primer}
         n_files = sum(len(f) for _, _, f in os.walk(args.root))
@@ -978,7 +1115,8 @@ def main(argv=None) -> int:
               f"workers, batch {args.batch_size} and step {args.step!r} per job, {args.epochs} epochs (epoch 0 warm-up), node cache "
               f"{args.cache_size}, jobs started {args.stagger:g} s apart, {os.cpu_count()} cores; page cache dropped before each configuration: "
               f"{'yes' if ctx['drop'] else 'no'}; cgroup CPU/storage accounting: "
-              f"{'yes' if ctx['cgroups'] else 'no (needs root and cgroup v1 cpuacct)'}", flush=True)
+              f"{'yes, groups coordl-sharing-%d-*' % os.getpid() if ctx['cgroups'] else 'no (needs root and cgroup v1 cpuacct)'}",
+              flush=True)
         if not share_ok:
             print("coordl.DataLoader has no share= parameter: running the configurations without sharing only")
         rows, job_rows, failed = [], [], []

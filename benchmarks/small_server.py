@@ -2,9 +2,8 @@
 ``python -m http.server`` (single process, a listen queue of 5), with the
 loader's default settings, on both URL read paths (obstore and fsspec).
 
-Issue 21, item 12: with the defaults, 64 requests in flight per worker
-overflowed that server's queue and 3 of 4 runs ended in a TimeoutError;
-coordl now adapts the requests in flight per host (coordl/_remote.py).  This
+A fixed 64 requests in flight per worker would overflow that server's
+queue; coordl adapts the requests in flight per host (coordl/_remote.py).  This
 reports, per read path, images/s over HTTP with the defaults and with
 ``fetch_threads=8`` (the setting that ran as fast as local files), each as
 a ratio of local files' images/s in the same run, and any run that failed.

@@ -87,7 +87,7 @@ def _cmd_daemon(args) -> int:
         print(json.dumps(st, indent=1))
         return 0 if st is not None else 1
     if st is None:
-        print(f"no coordl daemon running (socket {server.socket_path()})")
+        print(f"no coordl daemon running (socket {server.socket_name()})")
         return 1
     print(format_status(st))
     return 0

@@ -6,7 +6,9 @@ How a loader decides what to do (see docs/architecture.md for the diagram):
 * **Order.**  With no ``sampler``/``batch_sampler`` and either a two-stage
   dataset or an explicit ``seed``, the order is coordl's epoch plan, a pure
   function of (seed, epoch, rank, world_size).  Otherwise torch's own samplers
-  run, untouched, so a script that worked under torch sees the same batches.
+  run, untouched, so a script that worked under torch sees the same batches;
+  over a two-stage dataset a sampler with a length is read once per pass and
+  its order runs on coordl's pipeline (``pipeline.modes.sampler_order``).
 * **Work per batch.**  A two-stage dataset runs ``raw`` then ``prep`` under a
   per-sample generator (``TwoStageFetch``); an unmodified ``TensorDataset``
   with default collation takes one gather per tensor instead of N
@@ -43,7 +45,7 @@ __all__ = ["DataLoader"]
 _T_co = TypeVar("_T_co", covariant=True)
 
 _STATE_FORMAT = "coordl.DataLoader"
-_STATE_VERSION = 2  # 2 added "done"; version 1 states (no "done") still load
+_STATE_VERSION = 3  # 2 added "done", 3 "dataset"; states of versions 1 and 2 still load
 
 
 class DataLoader(_TorchDataLoader[_T_co]):
@@ -72,6 +74,15 @@ class DataLoader(_TorchDataLoader[_T_co]):
         with CUDA, batches are pinned and copied with ``non_blocking=True``
         on a side stream, and a coordl ``Compose`` ending in ``ToTensor`` and
         ``Normalize`` is split so uint8 images travel (docs/api.md).
+    decode
+        ``"cpu"`` (default): images are decoded and transformed in the
+        workers.  ``"device"`` (with a CUDA ``device``): the workers read
+        each JPEG's bytes, its header and its crop and flip (drawn from
+        (seed, epoch, index) as on the CPU) and the main process decodes
+        the batch on the device in one call, then crops, resizes, flips
+        and normalizes there; for when the CPU cannot keep up with the
+        GPU.  Supported transforms, the tolerance against the CPU path and
+        the fallbacks: docs/api.md, "Decoding on the device".
     on_error
         ``"raise"`` (default): a bad sample raises ``SampleError`` naming its
         index and path, which is also an instance of the sample's own error
@@ -111,6 +122,14 @@ class DataLoader(_TorchDataLoader[_T_co]):
         Show a progress bar per epoch (tqdm) with samples/s and the data
         stall (the share of the time the training loop waited in
         ``next()``).
+    jpeg_draft
+        torchvision ``ImageFolder``/``DatasetFolder`` only: let the fused
+        decode start at a reduced JPEG DCT scale (1/2, 1/4, 1/8) when the
+        pipeline's first step is an antialiased bilinear or bicubic
+        ``Resize``/``RandomResizedCrop`` and the image (or crop) is at least
+        twice the output size: faster on large images, pixels no longer
+        torchvision's (docs/api.md, "torchvision datasets and transforms").
+        Off by default.  coordl's own transforms take ``draft=True``.
     """
 
     def __init__(
@@ -136,6 +155,7 @@ class DataLoader(_TorchDataLoader[_T_co]):
         seed: int | None = None,
         cache_size: int | str | None = None,
         device: str | torch.device | None = None,
+        decode: str = "cpu",
         on_error: str = "raise",
         rank: int | None = None,
         world_size: int | None = None,
@@ -146,11 +166,14 @@ class DataLoader(_TorchDataLoader[_T_co]):
         share: bool | None = None,
         peers: str | None = None,
         progress: bool = False,
+        jpeg_draft: bool = False,
     ) -> None:
         from .tvcompat import adapt, record_path
 
+        if not isinstance(jpeg_draft, bool):
+            raise TypeError(f"jpeg_draft should be a bool, but got jpeg_draft={jpeg_draft!r}")
         # torchvision's ImageFolder/DatasetFolder -> coordl's two-stage dataset (see coordl/tvcompat.py)
-        dataset, tv_decision = adapt(dataset)
+        dataset, tv_decision = adapt(dataset, jpeg_draft=jpeg_draft)
         super().__init__(
             dataset, batch_size, shuffle, sampler, batch_sampler, num_workers, collate_fn,
             pin_memory, drop_last, timeout, worker_init_fn, multiprocessing_context, generator,
@@ -160,7 +183,7 @@ class DataLoader(_TorchDataLoader[_T_co]):
         seed = self._check_options(
             dataset, seed=seed, on_error=on_error, cache_size=cache_size, cache_checksum=cache_checksum,
             cache_keep_warm=cache_keep_warm, progress=progress, device=device, read_ahead=read_ahead,
-            fetch_threads=fetch_threads)
+            fetch_threads=fetch_threads, decode=decode)
         iterable = self._dataset_kind == _DatasetKind.Iterable
         user_sampler = sampler is not None or batch_sampler is not None
         two_stage = not iterable and is_two_stage(dataset)
@@ -170,7 +193,9 @@ class DataLoader(_TorchDataLoader[_T_co]):
             plan=(batch_size, shuffle, drop_last))
         self._choose_mode(dataset, two_stage=two_stage, plan_order=plan_order, user_sampler=user_sampler,
                           iterable=iterable, on_error=on_error, user_collate=collate_fn is not None,
-                          batch_size=batch_size, share=share)
+                          batch_size=batch_size, share=share,
+                          sized_sampler=user_sampler and two_stage and _has_len(self._index_sampler))
+        self._check_decode(dataset, share=share, two_stage=two_stage, user_sampler=user_sampler)
         self._open_node_cache(dataset, cache_size, user_sampler)
         self._open_peers(peers)
         self._pass = _Pass()
@@ -182,8 +207,12 @@ class DataLoader(_TorchDataLoader[_T_co]):
     # Warnings raised here name the user's call: stacklevel 3 (step, __init__, caller).
 
     def _check_options(self, dataset, *, seed, on_error, cache_size, cache_checksum, cache_keep_warm,
-                       progress, device, read_ahead, fetch_threads) -> int | None:
+                       progress, device, read_ahead, fetch_threads, decode) -> int | None:
         """Validate coordl's own keyword arguments and keep them; returns the checked seed."""
+        if decode not in ("cpu", "device"):
+            raise ValueError(f'decode should be "cpu" or "device", but got decode={decode!r}')
+        self._decode = decode
+        self._decoder = self._decode_stage = None
         if on_error not in ("raise", "skip"):
             raise ValueError(f'on_error should be "raise" or "skip", but got on_error={on_error!r}')
         if seed is not None:
@@ -206,6 +235,10 @@ class DataLoader(_TorchDataLoader[_T_co]):
                 progress = False
         self._progress = progress
         self._device = _parse_device(device)
+        if decode == "device" and self._device is None:
+            raise ValueError(
+                "decode='device' should come with device= the CUDA device the images are decoded and delivered "
+                f"on (device=\"cuda\"), but got device={device!r}")
         self._delivery = None
         self._device_tail = None
         self._on_error = on_error
@@ -234,8 +267,14 @@ class DataLoader(_TorchDataLoader[_T_co]):
         plan_order = not iterable and not user_sampler and (two_stage or seed is not None)
         self._rank, self._world_size = _rank_and_world(rank, world_size)
         if (plan_order or two_stage) and seed is None:
-            seed = _agree_on_seed(int(torch.empty((), dtype=torch.int64).random_(generator=generator).item()),
-                                  dataset, self._rank, self._world_size,
+            if user_sampler:
+                # the order is the sampler's, drawn as torch draws it: the seed of per-sample
+                # augmentation is taken without advancing the generator the sampler or the
+                # iterator will draw from (so the same torch seed gives torch's indices)
+                drawn = _peek_seed(generator)
+            else:
+                drawn = int(torch.empty((), dtype=torch.int64).random_(generator=generator).item())
+            seed = _agree_on_seed(drawn, dataset, self._rank, self._world_size,
                                   (batch_size, bool(shuffle), drop_last))
         self._seed = seed
         self._plan = None
@@ -248,16 +287,16 @@ class DataLoader(_TorchDataLoader[_T_co]):
         return plan_order
 
     def _choose_mode(self, dataset, *, two_stage, plan_order, user_sampler, iterable, on_error, user_collate,
-                     batch_size, share) -> None:
+                     batch_size, share, sized_sampler) -> None:
         """How passes run (table in docs/architecture.md, "Modes"), the node daemon first with share=True."""
         self._mode = choose_mode(dataset, two_stage=two_stage, plan_order=plan_order,
                                  user_sampler=user_sampler, iterable=iterable, on_error=on_error,
                                  seed=self._seed, collate_fn=self.collate_fn, user_collate=user_collate,
-                                 batch_size=batch_size)
+                                 batch_size=batch_size, sized_sampler=sized_sampler)
         from .daemon.member import ShareMode, share_requested
 
         self._share = share_requested(share)
-        if self._share and isinstance(self._mode, PipelineMode):
+        if self._share and isinstance(self._mode, PipelineMode) and plan_order:
             self._mode = ShareMode()
         elif self._share and share is not None:
             warnings.warn(
@@ -265,6 +304,39 @@ class DataLoader(_TorchDataLoader[_T_co]):
                 "(raw/prep) read in coordl's epoch-plan order; this loader "
                 f"{'has a user sampler' if user_sampler else 'reads a dataset without raw/prep'}",
                 stacklevel=3)
+
+    def _check_decode(self, dataset, *, share, two_stage: bool, user_sampler: bool) -> None:
+        """decode="device": refuse at construction what the device stage
+        cannot run, saying why and what to do; find the decoder."""
+        if self._decode != "device":
+            return
+        from .device.decode import decoder_for
+        from .device.encoded import plan_for
+        from .pipeline.collate import is_default_collate
+
+        if self._share:
+            how = "share=True" if share else "COORDL_SHARE=1 in the environment"
+            raise ValueError(
+                f"decode='device' cannot run with sharing ({how}): the node daemon prepares samples whole, on "
+                "its CPUs, and does not stage compressed bytes for each job to decode on its own device. Pass "
+                "share=False (the node cache still shares the files' bytes between the jobs of a node), or "
+                "decode='cpu' to share the prepared samples")
+        if type(self._mode) is not PipelineMode:
+            why = ("it has a sampler or batch_sampler of its own" if user_sampler and two_stage else
+                   "it is an IterableDataset" if self._dataset_kind == _DatasetKind.Iterable else
+                   f"its dataset ({type(dataset).__name__}) has no raw/prep (two stages: the file's bytes, then "
+                   "decode and transform)")
+            raise ValueError(
+                f"decode='device' runs in coordl's pipeline (a two-stage dataset such as coordl.ImageFolder or "
+                f"torchvision's ImageFolder, read in coordl's epoch plan), but this loader cannot use it: {why}. "
+                "Use decode='cpu'")
+        if not is_default_collate(self.collate_fn) or self.batch_size is None:
+            raise ValueError(
+                "decode='device' needs torch's default collation with a batch_size (the device stage stacks "
+                f"the images of a batch), but got collate_fn={self.collate_fn!r}, batch_size={self.batch_size!r}; "
+                "use decode='cpu' with a collate_fn of your own")
+        plan_for(getattr(dataset, "transform", None))
+        self._decoder = decoder_for(self._device)
 
     def _open_node_cache(self, dataset, cache_size, user_sampler: bool) -> None:
         """Attach the node cache (reserved in full now) when this loader's mode reads through it."""
@@ -286,7 +358,7 @@ class DataLoader(_TorchDataLoader[_T_co]):
     def _open_peers(self, peers) -> None:
         """Join the nodes' peer caches when this loader's mode reads through the node cache."""
         self._peers = self._peer_server = None
-        if isinstance(self._mode, PipelineMode):
+        if isinstance(self._mode, PipelineMode) and self._plan is not None:
             self._setup_peers(peers)
         elif peers not in (None, "auto", "off"):
             from .peers.rendezvous import _want
@@ -309,6 +381,11 @@ class DataLoader(_TorchDataLoader[_T_co]):
     @property
     def device(self) -> torch.device | None:
         return self._device
+
+    @property
+    def decode(self) -> str:
+        """Where this loader decodes images, ``"cpu"`` (in the workers) or ``"device"``."""
+        return self._decode
 
     @property
     def on_error(self) -> str:
@@ -335,6 +412,18 @@ class DataLoader(_TorchDataLoader[_T_co]):
         p = self._pass
         p.next_epoch = epoch
         if p.resume is not None and p.resume["epoch"] != epoch:
+            r = p.resume
+            if r["batches"] or r["done"]:
+                try:
+                    of = f" of {len(self)}"
+                except TypeError:   # an iterable dataset or a sampler without a length
+                    of = ""
+                warnings.warn(
+                    f"set_epoch({epoch}) drops the position load_state_dict restored (epoch {r['epoch']}, "
+                    f"{r['batches'] + len(r['done'])}{of} batches delivered): the next pass is all of epoch "
+                    f"{epoch}. To finish the interrupted epoch, start the loop at the loaded epoch "
+                    f"(loader.epoch, {r['epoch']}) and call set_epoch with it (see docs/api.md, "
+                    "\"Resumable state\")", stacklevel=2)
             p.resume = None
         for s in (self.sampler, self.batch_sampler, getattr(self.batch_sampler, "sampler", None)):
             fn = getattr(s, "set_epoch", None)
@@ -365,9 +454,12 @@ class DataLoader(_TorchDataLoader[_T_co]):
         is not known there, so no state could resume exactly.
         """
         p = self._pass
+        order = None
         if p.live():
-            epoch, batches, done, rng = p.epoch, p.yielded, sorted(p.done), p.rng
-            complete = self._plan is not None and batches >= self._plan.num_batches
+            epoch, batches, done, rng, order = p.epoch, p.yielded, sorted(p.done), p.rng, p.order
+            total = self._plan.num_batches if self._plan is not None else \
+                order.num_batches if order is not None else None
+            complete = total is not None and batches >= total
             if not p.exact and not complete and (batches > p.start or p.done != p.skip):
                 raise StateError(
                     f"state_dict() was called in the middle of epoch {epoch} of a loader with "
@@ -379,11 +471,13 @@ class DataLoader(_TorchDataLoader[_T_co]):
                 )
         elif p.resume is not None:
             epoch, batches, rng = p.resume["epoch"], p.resume["batches"], p.resume["rng"]
-            done = list(p.resume["done"])
+            done, order = list(p.resume["done"]), p.resume.get("order")
         else:
             epoch, batches, done, rng = p.next_epoch, 0, [], None
-        if self._plan is not None and batches >= self._plan.num_batches:
-            epoch, batches, done, rng = epoch + 1, 0, [], None
+        total = self._plan.num_batches if self._plan is not None else \
+            order.num_batches if order is not None else None
+        if total is not None and batches >= total:
+            epoch, batches, done, rng, order = epoch + 1, 0, [], None, None
         return {
             "format": _STATE_FORMAT,
             "version": _STATE_VERSION,
@@ -399,6 +493,8 @@ class DataLoader(_TorchDataLoader[_T_co]):
             "rank": self._rank,
             "world_size": self._world_size,
             "rng": [s.clone() for s in rng] if rng is not None else None,
+            "dataset": self._dataset_identity(),
+            "order": order.to_state() if order is not None else None,
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -442,6 +538,13 @@ class DataLoader(_TorchDataLoader[_T_co]):
                 f"dataset has {n}: resume with the same dataset"
             )
         if batches > 0 or done:
+            theirs, mine = state.get("dataset"), self._dataset_identity()
+            if theirs is not None and mine is not None and theirs != mine:
+                raise StateError(
+                    f"state was saved mid-epoch (epoch {epoch}, batch {batches}) by a loader over another "
+                    f"dataset ({theirs}), but this loader's dataset is {mine}: resuming would deliver the "
+                    "rest of that epoch from the wrong samples. Resume with the same dataset (the same files "
+                    "under their root, which may have moved), or from an epoch boundary")
             for key, mine in (("batch_size", self.batch_size), ("drop_last", self.drop_last)):
                 if state[key] != mine:
                     raise StateError(
@@ -461,11 +564,24 @@ class DataLoader(_TorchDataLoader[_T_co]):
                     "samples. Resume with the same world size and rank, or from an epoch boundary "
                     "(a state saved between epochs restores into any world size)"
                 )
-        if mode == "plan" and state["seed"] != self._seed:
-            self._adopt_seed(state["seed"])
+        if state["seed"] is not None and self._seed is not None and state["seed"] != self._seed:
+            self._adopt_seed(state["seed"])   # the plan's, and per-sample augmentation's
+        order = None
+        if state.get("order") is not None and getattr(self._mode, "from_sampler", False):
+            from .plan import IndexOrder
+
+            try:
+                order = IndexOrder.from_state(state["order"], n)
+            except (KeyError, TypeError, ValueError, IndexError, RuntimeError) as e:
+                raise StateError(f"state's order should be what state_dict() recorded, but it is not ({e}): "
+                                 "pass a dict returned by state_dict() unchanged") from None
+            if batches > order.num_batches or (done and done[-1] >= order.num_batches):
+                raise StateError(f"state says {batches} batches (and {done}) of an epoch of "
+                                 f"{order.num_batches} were delivered: pass a dict returned by state_dict() "
+                                 "unchanged")
         p = self._pass
         p.resume = {"epoch": epoch, "batches": batches, "done": frozenset(done),
-                    "rng": [s.clone() for s in state["rng"]] if state.get("rng") else None}
+                    "rng": [s.clone() for s in state["rng"]] if state.get("rng") else None, "order": order}
         p.next_epoch = epoch
         p.active = False
 
@@ -475,13 +591,16 @@ class DataLoader(_TorchDataLoader[_T_co]):
             self._peer_server.ensure()   # served again if the node daemon serving it died
         p = self._pass
         epoch = p.next_epoch
-        start, skip, restore = 0, frozenset(), None
+        start, skip, restore, order_restore = 0, frozenset(), None, None
         if p.resume is not None and p.resume["epoch"] == epoch:
             start, skip, restore = p.resume["batches"], p.resume["done"], p.resume["rng"]
+            order_restore = p.resume.get("order")
         p.resume = None
         p.next_epoch = epoch + 1
         p.epoch, p.start, p.skip, p.yielded, p.done = epoch, start, skip, start, set(skip)
         p.rng, p.rng_restore = restore, restore
+        p.order = None
+        p.order_restore = order_restore
         p.active = True
         # torch's worker machinery with in_order=False delivers batches without
         # their step: the pass's progress is then unknown (see state_dict).
@@ -518,14 +637,21 @@ class DataLoader(_TorchDataLoader[_T_co]):
                 split = _dev.Split(self.dataset, None, "")
             elif not self._mode.runs_pipeline:
                 split = _dev.Split(self.dataset, None, "not split (torch's machinery reads this dataset: no "
-                                                       "raw/prep, or a user sampler): images are converted on "
-                                                       "the CPU")
+                                                       "raw/prep, or a sampler without a length): images are "
+                                                       "converted on the CPU")
             elif type(self._mode) is not PipelineMode:
                 split = _dev.Split(self.dataset, None, "not split (share=True: the node daemon prepares "
                                                        "samples whole): images are converted on the CPU")
             elif not is_default_collate(self.collate_fn) or self.batch_size is None:
                 split = _dev.Split(self.dataset, None, "not split (a collate_fn or batch_size=None: where the "
                                                        "images land is unknown): images are converted on the CPU")
+            elif self._decode == "device":
+                from .device.encoded import DecodePrep, plan_for
+
+                plan = plan_for(getattr(self.dataset, "transform", None))   # as it is now: may have changed
+                split = _dev.Split(DecodePrep(self.dataset, plan), None,
+                                   "not split (decode='device': images are decoded, transformed and converted "
+                                   "on the device)", decode=plan)
             else:
                 split = _dev.split_for_device(self.dataset, self._device)
                 old = self._device_tail
@@ -535,10 +661,33 @@ class DataLoader(_TorchDataLoader[_T_co]):
         self._counters.device_split = split.note
         if self._delivery is not None:
             self._delivery.tail = split.tail
+        if split.decode is not None:
+            stage = self._decode_stage
+            if stage is None or stage.plan is not split.decode:
+                import functools
+
+                from .device.decode import DecodeStage
+                from .protocol import describe
+
+                # (the stage holds the dataset, never the loader: no cycle)
+                stage = self._decode_stage = DecodeStage(self._device, split.decode, self._decoder, self._on_error,
+                                                         functools.partial(describe, self.dataset))
+            self._counters.device_decode = stage.note()
         return split
 
     def _stage_envelope(self, env, note: str):
-        """In the pin thread: start the copy of ``env``'s batch to the device."""
+        """In the pin thread: start the copy of ``env``'s batch to the device
+        (with ``decode="device"``, decode its images there first)."""
+        if env.batch is not None and getattr(env.stats, "device_blob", None) is not None:
+            from .errors import SampleError
+
+            try:
+                env.batch = self._decode_stage.stage(self._device_delivery(), env)
+            except SampleError:
+                raise           # a sample's error: that batch fails, the pass goes on (tagged with its step)
+            except Exception as e:
+                raise RuntimeError(f"decoding {note} on {self._device} failed ({type(e).__name__}: {e})") from e
+            return env
         if env.batch is not None:
             try:
                 env.batch = self._device_delivery().stage(env.batch, getattr(env.stats, "device_marks", ()))
@@ -637,6 +786,22 @@ class DataLoader(_TorchDataLoader[_T_co]):
         except TypeError:
             return None
 
+    def _dataset_identity(self) -> str | None:
+        """What the state says the dataset is: its samples (relative paths,
+        class indices, sizes) for a folder dataset, else its
+        ``fingerprint()``; None when it has neither (nothing is checked)."""
+        ds = self.dataset
+        fn = getattr(ds, "sample_digest", None)
+        kind = "samples"
+        if not callable(fn):
+            fn, kind = getattr(ds, "fingerprint", None), "fingerprint"
+        if not callable(fn):
+            return None
+        try:
+            return f"{kind} {fn()}"
+        except Exception:   # a dataset whose identity cannot be computed: nothing to check
+            return None
+
     def _adopt_seed(self, seed: int) -> None:
         self._seed = seed
         if self._plan is not None:
@@ -664,6 +829,30 @@ class DataLoader(_TorchDataLoader[_T_co]):
             return len(batch)
         except TypeError:
             return 1
+
+
+def _has_len(sampler) -> bool:
+    """Whether an index sampler says how many steps it yields (``len``):
+    then coordl's pipeline reads each pass's order from it."""
+    try:
+        len(sampler)
+    except TypeError:
+        return False
+    return True
+
+
+def _peek_seed(generator) -> int:
+    """A seed from ``generator`` (torch's global one when None) that leaves
+    it where it was: a copy of its state draws, and the value is mixed so it
+    is not the draw the generator itself will make next."""
+    src = generator if generator is not None else torch.default_generator
+    g = torch.Generator()
+    g.set_state(src.get_state())
+    v = int(torch.empty((), dtype=torch.int64).random_(generator=g).item())
+    # splitmix64's finalizer
+    v = (v ^ (v >> 30)) * 0xBF58476D1CE4E5B9 & 0xFFFFFFFFFFFFFFFF
+    v = (v ^ (v >> 27)) * 0x94D049BB133111EB & 0xFFFFFFFFFFFFFFFF
+    return (v ^ (v >> 31)) & ((1 << 63) - 1)
 
 
 def _parse_device(device) -> torch.device | None:

@@ -22,7 +22,7 @@ from typing import Iterator
 import numpy as np
 import torch
 
-__all__ = ["plan", "EpochPlan", "check_seed"]
+__all__ = ["plan", "EpochPlan", "IndexOrder", "check_seed"]
 
 _MASK64 = (1 << 64) - 1
 
@@ -126,6 +126,16 @@ class EpochPlan:
         return plan(self.num_samples, self.seed, epoch, self.rank, self.world_size,
                     self.shuffle, self.drop_last)
 
+    def steps(self, epoch: int, ks) -> list[tuple[int, list[int]]]:
+        """``(k, indices of step k)`` for each step ``k`` in ``ks`` of
+        ``epoch`` (one index per step when ``batch_size`` is None): what a
+        worker prepares (coordl.pipeline.engine)."""
+        idx = self.indices(epoch)
+        bs = self.batch_size
+        if bs is None:
+            return [(k, [int(idx[k])]) for k in ks]
+        return [(k, idx[k * bs:(k + 1) * bs].tolist()) for k in ks]
+
     def batches(self, epoch: int, start: int = 0) -> Iterator[list[int]]:
         """Batches ``start, start+1, ...`` of ``epoch`` as lists of ints
         (single ints when ``batch_size`` is None)."""
@@ -136,3 +146,133 @@ class EpochPlan:
         bs = self.batch_size
         for k in range(start, self.num_batches):
             yield idx[k * bs:(k + 1) * bs].tolist()
+
+
+class IndexOrder:
+    """One pass's order given explicitly: the steps a user's sampler (or
+    batch sampler) yielded for an epoch, read once in the main process at
+    the start of the pass.  coordl's pipeline runs it as it runs an
+    ``EpochPlan`` (``num_batches``, ``steps``), so reading ahead, prep in the
+    workers and zero-copy batches do not depend on where the order comes
+    from.
+
+    ``indices``: every index of the pass in order (int64); ``lengths``: the
+    number of indices of each step (int64), or None when every step is one
+    index (no batching: ``batch_size=None`` with a ``sampler``).
+    """
+
+    __slots__ = ("indices", "lengths", "_offsets")
+
+    def __init__(self, indices: np.ndarray, lengths: np.ndarray | None) -> None:
+        self.indices = np.ascontiguousarray(indices, dtype=np.int64)
+        self.lengths = None if lengths is None else np.ascontiguousarray(lengths, dtype=np.int64)
+        self._offsets = None
+
+    def __getstate__(self):
+        return self.indices, self.lengths
+
+    def __setstate__(self, state) -> None:
+        self.indices, self.lengths = state
+        self._offsets = None
+
+    @classmethod
+    def from_steps(cls, steps, batched: bool, num_samples: int) -> "IndexOrder":
+        """The order of ``steps`` (what an index sampler yields: lists of
+        indices when ``batched``, else single indices), checked: every index
+        an int in ``[-num_samples, num_samples)`` (negative ones counted from
+        the end, as ``dataset[i]`` does)."""
+        lengths = None
+        if batched:
+            flat: list = []
+            lens: list[int] = []
+            for b in steps:
+                n0 = len(flat)
+                flat.extend(b)
+                lens.append(len(flat) - n0)
+            lengths = np.asarray(lens, dtype=np.int64)
+        else:
+            flat = list(steps)
+        return cls(_as_indices(flat, num_samples), lengths)
+
+    @property
+    def num_batches(self) -> int:
+        return len(self.indices) if self.lengths is None else len(self.lengths)
+
+    @property
+    def num_samples(self) -> int:
+        return len(self.indices)
+
+    def _offs(self) -> np.ndarray:
+        if self._offsets is None:
+            offs = np.zeros(len(self.lengths) + 1, dtype=np.int64)
+            np.cumsum(self.lengths, out=offs[1:])
+            self._offsets = offs
+        return self._offsets
+
+    def steps(self, epoch: int, ks) -> list[tuple[int, list[int]]]:
+        """``(k, indices of step k)`` for each ``k`` in ``ks`` (``epoch`` is
+        not needed: the order is this pass's)."""
+        idx = self.indices
+        if self.lengths is None:
+            return [(k, [int(idx[k])]) for k in ks]
+        offs = self._offs()
+        return [(k, idx[offs[k]:offs[k + 1]].tolist()) for k in ks]
+
+    def step(self, k: int) -> list[int]:
+        return self.steps(0, [k])[0][1]
+
+    def same_as(self, other: "IndexOrder") -> bool:
+        if (self.lengths is None) != (other.lengths is None):
+            return False
+        return (np.array_equal(self.indices, other.indices)
+                and (self.lengths is None or np.array_equal(self.lengths, other.lengths)))
+
+    def to_state(self) -> dict:
+        """Plain tensors for a loader's state (``torch.save`` keeps them compact)."""
+        return {"indices": torch.from_numpy(self.indices.copy()),
+                "lengths": None if self.lengths is None else torch.from_numpy(self.lengths.copy())}
+
+    @classmethod
+    def from_state(cls, state: dict, num_samples: int) -> "IndexOrder":
+        idx = torch.as_tensor(state["indices"], dtype=torch.int64).numpy()
+        lengths = state.get("lengths")
+        lengths = None if lengths is None else torch.as_tensor(lengths, dtype=torch.int64).numpy()
+        if lengths is not None and (int(lengths.sum()) != len(idx) or (lengths < 0).any()):
+            raise ValueError(f"the state's order has {len(idx)} indices, but its step lengths add up to "
+                             f"{int(lengths.sum())}")
+        return cls(_as_indices(idx, num_samples), lengths)
+
+
+def _as_indices(values, n: int) -> np.ndarray:
+    """``values`` as an int64 array of indices into a dataset of ``n``
+    samples (negative ones counted from the end); a value that is not an
+    integer or is out of range raises, naming it."""
+    if isinstance(values, np.ndarray) and values.dtype.kind in "iu":
+        arr = values.astype(np.int64, copy=True)
+    else:
+        try:
+            arr = np.asarray(values)
+        except (TypeError, ValueError):
+            arr = np.asarray(values, dtype=object)
+        if arr.dtype.kind not in "iu" or arr.ndim != 1:
+            import operator
+
+            out = np.empty(len(values), dtype=np.int64)
+            for j, v in enumerate(values):
+                try:
+                    out[j] = operator.index(v)
+                except TypeError:
+                    raise TypeError(f"the sampler yielded {v!r} ({type(v).__name__}) at position {j}, but a "
+                                    "dataset with raw/prep is read by integer index") from None
+            arr = out
+        else:
+            arr = arr.astype(np.int64, copy=False)
+    if len(arr):
+        lo, hi = int(arr.min()), int(arr.max())
+        if lo < -n or hi >= n:
+            bad = lo if lo < -n else hi
+            raise IndexError(f"the sampler yielded index {bad}, but the dataset has {n} samples "
+                             f"(indices {-n} to {n - 1})")
+        if lo < 0:
+            arr = np.where(arr < 0, arr + n, arr)
+    return arr

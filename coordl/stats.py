@@ -23,7 +23,8 @@ class BatchStats:
     """
 
     __slots__ = ("samples", "bytes_storage", "from_cache", "bytes_cache", "fetch_s", "prep_s", "skips",
-                 "shared", "from_peers", "bytes_peers", "device_marks", "device_cpu")
+                 "shared", "from_peers", "bytes_peers", "device_marks", "device_cpu", "decoded_device",
+                 "decoded_cpu", "device_blob", "zero_copy")
 
     def __init__(self) -> None:
         self.samples = 0            # samples prepared into the batch
@@ -38,6 +39,10 @@ class BatchStats:
         self.bytes_peers = 0
         self.device_marks = ()      # paths of the uint8 images the device tail converts (coordl.device)
         self.device_cpu = 0         # samples of a device-split pass whose images were converted on the CPU
+        self.decoded_device = 0     # decode="device": images decoded on the device
+        self.decoded_cpu = 0        # ... decoded on the CPU (a worker's CPU path, or the main process's fallback)
+        self.device_blob = None     # ... (slot, total bytes, offsets) of the bytes the device decodes (not summed)
+        self.zero_copy = 0          # 1: the batch is a view of the node daemon's staging (share=True), no copy
 
     def record_read(self, source: str, nbytes: int) -> None:
         if source == "cache":
@@ -52,7 +57,7 @@ class BatchStats:
     def add(self, other: "BatchStats") -> None:
         """Count ``other``'s samples, reads and time in this record too."""
         for k in ("samples", "bytes_storage", "from_cache", "bytes_cache", "fetch_s", "prep_s", "shared",
-                  "from_peers", "bytes_peers", "device_cpu"):
+                  "from_peers", "bytes_peers", "device_cpu", "decoded_device", "decoded_cpu"):
             setattr(self, k, getattr(self, k) + getattr(other, k))
         self.skips += other.skips
 
@@ -60,6 +65,7 @@ class BatchStats:
         return tuple(getattr(self, k) for k in self.__slots__)
 
     def __setstate__(self, st) -> None:
+        self.__init__()             # fields a sender of another version did not have keep their defaults
         for k, v in zip(self.__slots__, st):
             setattr(self, k, v)
 
@@ -85,6 +91,9 @@ class EpochStats:
     samples_from_peers, bytes_from_peers
         Samples (and their raw bytes) another node's cache served because
         this node's did not hold them (``peers``, multi-node jobs).
+    batches_zero_copy
+        Of the batches (``share=True``), how many were handed out as views
+        of the node daemon's staging memory, with no copy.
     wait_seconds, wall_seconds, stall_fraction
         Time the training loop waited in ``next()`` during this epoch, the
         wall time from its first ``next()`` to its last batch, and their
@@ -106,6 +115,7 @@ class EpochStats:
     samples_self_prepared: int = 0
     samples_from_peers: int = 0
     bytes_from_peers: int = 0
+    batches_zero_copy: int = 0
     wait_seconds: float = 0.0
     wall_seconds: float = 0.0
     fetch_seconds: float = 0.0
@@ -139,7 +149,7 @@ class LoaderStats:
         Main-process time spent handing batches over (unwrapping, device copy).
     skipped
         Bad samples skipped under ``on_error="skip"``.
-    samples_shared, samples_self_prepared, samples_from_peers, bytes_from_peers
+    samples_shared, samples_self_prepared, samples_from_peers, bytes_from_peers, batches_zero_copy
         As in :class:`EpochStats`, summed.
     epoch
         The epoch of the latest pass (or of the next one if none started).
@@ -166,6 +176,14 @@ class LoaderStats:
         With ``share=True``: samples this job prepared itself to check, bit
         for bit, that the node daemon's are its own (``COORDL_SHARE_VERIFY``
         per pass, default 2; see docs/api.md, "Sharing prep across jobs").
+    device_decode
+        With ``decode="device"``: the decoder, the device and the pipeline
+        the latest pass runs there; ``""`` otherwise.
+    device_decode_images, device_decode_cpu_images
+        With ``decode="device"``: images decoded on the device, and images
+        decoded on the CPU instead (a file the device decoder cannot take:
+        not a JPEG, CMYK, a header it cannot read, a stream it rejected; see
+        docs/api.md).  One image per sample for the usual ``(image, label)``.
     """
 
     samples: int = 0
@@ -183,6 +201,7 @@ class LoaderStats:
     samples_self_prepared: int = 0
     samples_from_peers: int = 0
     bytes_from_peers: int = 0
+    batches_zero_copy: int = 0
     epoch: int = 0
     epochs: tuple[EpochStats, ...] = ()
     path: str = ""
@@ -190,6 +209,9 @@ class LoaderStats:
     device_split: str = ""
     device_split_cpu_samples: int = 0
     samples_verified: int = 0
+    device_decode: str = ""
+    device_decode_images: int = 0
+    device_decode_cpu_images: int = 0
 
 
 _EPOCH_FIELDS = tuple(f.name for f in fields(EpochStats) if f.name not in ("epoch", "stall_fraction"))
@@ -215,6 +237,9 @@ class Counters:
         self.device_split = ""
         self.device_split_cpu_samples = 0
         self.samples_verified = 0
+        self.device_decode = ""
+        self.device_decode_images = 0
+        self.device_decode_cpu_images = 0
         self.epoch = 0
         self.path = self.path_reason = ""   # set once by the loader (coordl.tvcompat.record_path)
         self._records: list[tuple[int, dict[str, int]]] = []   # (epoch, counters), oldest first
@@ -267,8 +292,11 @@ class Counters:
             b["samples_from_cache"] += stats.from_cache
             b["samples_shared"] += stats.shared
             b["samples_self_prepared"] += stats.samples - stats.shared
+            b["batches_zero_copy"] += stats.zero_copy
         b["skipped"] += len(stats.skips)
         self.device_split_cpu_samples += getattr(stats, "device_cpu", 0)
+        self.device_decode_images += getattr(stats, "decoded_device", 0)
+        self.device_decode_cpu_images += getattr(stats, "decoded_cpu", 0)
         return b
 
     def snapshot(self) -> LoaderStats:
@@ -287,6 +315,9 @@ class Counters:
             device_split=self.device_split,
             device_split_cpu_samples=self.device_split_cpu_samples,
             samples_verified=self.samples_verified,
+            device_decode=self.device_decode,
+            device_decode_images=self.device_decode_images,
+            device_decode_cpu_images=self.device_decode_cpu_images,
             epoch=self.epoch,
             epochs=per_epoch,
             path=self.path,

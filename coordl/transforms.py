@@ -160,12 +160,55 @@ class Compose(Transform):
         return type(self).__name__ + "(" + "".join(f"\n    {t!r}" for t in self.transforms) + "\n)"
 
 
-class RandomResizedCrop(Transform):
-    """Crop a random area fraction and aspect ratio, then resize to ``size`` (h, w)."""
+class _Resampling(Transform):
+    """What Resize and RandomResizedCrop share: the ``draft`` option of the
+    fused decode, and which kernel the fused decode runs for them.
+
+    ``_on_tensor``: the step stands for one that torchvision runs on a uint8
+    tensor (set by coordl.tvcompat for steps after ``ToImage``/``PILToTensor``),
+    so the fused decode resizes with torch's kernel, as torchvision does
+    there, rather than with PIL's arithmetic."""
+
+    _on_tensor = False
+    draft = False
+
+    def _set_draft(self, draft: Any) -> None:
+        if not isinstance(draft, bool):
+            raise _bad("draft", "a bool", draft, TypeError)
+        if draft and not _filtered(self.interpolation, self.antialias):
+            raise ValueError(
+                "draft should be False with interpolation=" + repr(self.interpolation.value) +
+                f" and antialias={self.antialias!r}: the reduced-scale JPEG decode filters the image, "
+                "and this resize asks for no filtering (draft needs bilinear or bicubic with "
+                f"antialias=True), but got draft={draft!r}")
+        self.draft = draft
+
+    def spec(self) -> tuple:
+        base = super().spec()
+        return base + (("on_tensor", True),) if self._on_tensor else base
+
+
+def _filtered(mode: InterpolationMode, antialias: bool | None) -> bool:
+    """The resize is an antialiased bilinear or bicubic one (PIL's, on a PIL image)."""
+    return mode.value in ("bilinear", "bicubic") and antialias is True
+
+
+class RandomResizedCrop(_Resampling):
+    """Crop a random area fraction and aspect ratio, then resize to ``size`` (h, w).
+
+    ``draft=True``: where the fused decode path (``Compose.from_bytes``)
+    runs this step first on a JPEG whose crop is at least twice ``size``
+    on both axes, decode the JPEG at a reduced DCT scale (1/2, 1/4 or 1/8)
+    that still covers ``size``, then resize from there: faster on large
+    images, but not torchvision's pixels (blurrier; docs/api.md,
+    "Transforms", gives the measured difference).  Bilinear or bicubic
+    with ``antialias=True`` only.  It changes nothing else: an image already
+    decoded is cropped and resized as with ``draft=False``."""
 
     def __init__(self, size: Any, scale: Sequence[float] = (0.08, 1.0),
                  ratio: Sequence[float] = (3.0 / 4.0, 4.0 / 3.0),
-                 interpolation: Any = InterpolationMode.BILINEAR, antialias: bool | None = True):
+                 interpolation: Any = InterpolationMode.BILINEAR, antialias: bool | None = True,
+                 *, draft: bool = False):
         self.size = _check_size(size)
         self.scale = _check_range(scale, "scale", positive=False)
         self.ratio = _check_range(ratio, "ratio", positive=True)
@@ -173,6 +216,7 @@ class RandomResizedCrop(Transform):
             warnings.warn("Scale and ratio should be of kind (min, max)", stacklevel=2)
         self.interpolation = _check_interp(interpolation)
         self.antialias = _check_antialias(antialias)
+        self._set_draft(draft)
 
     @staticmethod
     def get_params(img: Any, scale: Sequence[float], ratio: Sequence[float], rng: Any = None
@@ -191,8 +235,9 @@ class RandomResizedCrop(Transform):
         return resized_crop(img, top, left, h, w, self.size, self.interpolation, self.antialias)
 
     def _params(self) -> dict[str, Any]:
-        return {"size": self.size, "scale": self.scale, "ratio": self.ratio,
-                "interpolation": self.interpolation, "antialias": self.antialias}
+        p = {"size": self.size, "scale": self.scale, "ratio": self.ratio,
+             "interpolation": self.interpolation, "antialias": self.antialias}
+        return {**p, "draft": True} if self.draft else p
 
 
 class RandomHorizontalFlip(Transform):
@@ -214,12 +259,16 @@ class RandomHorizontalFlip(Transform):
         return {"p": self.p}
 
 
-class Resize(Transform):
+class Resize(_Resampling):
     """Resize to ``size`` (h, w), or match the smaller edge to an int ``size``
-    keeping the aspect ratio, with the longer edge capped at ``max_size``."""
+    keeping the aspect ratio, with the longer edge capped at ``max_size``.
+
+    ``draft=True``: as for :class:`RandomResizedCrop`, the fused decode of a
+    JPEG at least twice the output size on both axes decodes it at a
+    reduced DCT scale first (faster, not torchvision's pixels)."""
 
     def __init__(self, size: Any, interpolation: Any = InterpolationMode.BILINEAR,
-                 max_size: int | None = None, antialias: bool | None = True):
+                 max_size: int | None = None, antialias: bool | None = True, *, draft: bool = False):
         if size is None:
             if max_size is None:
                 raise _bad("max_size", "a positive int when size is None", max_size)
@@ -237,6 +286,7 @@ class Resize(Transform):
         self.max_size = max_size
         self.interpolation = _check_interp(interpolation)
         self.antialias = _check_antialias(antialias)
+        self._set_draft(draft)
 
     def output_size(self, height: int, width: int) -> tuple[int, int]:
         """(h, w) of the output for an input of ``height`` x ``width``."""
@@ -259,8 +309,9 @@ class Resize(Transform):
         return img if img.size == (w, h) else img.resize((w, h), _PIL_FILTERS[mode])
 
     def _params(self) -> dict[str, Any]:
-        return {"size": self.size, "interpolation": self.interpolation,
-                "max_size": self.max_size, "antialias": self.antialias}
+        p = {"size": self.size, "interpolation": self.interpolation,
+             "max_size": self.max_size, "antialias": self.antialias}
+        return {**p, "draft": True} if self.draft else p
 
 
 class CenterCrop(Transform):
@@ -403,12 +454,18 @@ def decode_and_apply(transforms: list, raw) -> Any:
     """Run a fusable pipeline on encoded image bytes; NotImplemented if it isn't.
 
     Same random draws, in the same order, as decoding with PIL and calling the
-    transforms; pixels differ only by interpolation rounding (torch's uint8
-    antialiased kernels vs PIL's) and, when the first op lets the JPEG be
-    decoded at a reduced DCT scale that still covers the output size, by that
-    scaling.  RandomResizedCrop decodes only the rows and columns around its
-    crop when it can (``_decode.decode_rgb_crop``), with the same pixels there
-    as the whole decode.  The result is a CHW tensor, as from PILToTensor/ToTensor.
+    transforms, and the same pixels: a Resize or RandomResizedCrop that would
+    run on the PIL image (bilinear or bicubic, antialiased) resamples with
+    PIL's arithmetic (:func:`coordl.decode.resample.pil_resize`), after the
+    crop that torchvision makes first; one that runs on a uint8 tensor
+    (nearest, ``antialias=False``, or a step coordl.tvcompat marks as
+    torchvision's tensor step) with torch's kernel, as torchvision does.
+    RandomResizedCrop decodes only the rows and columns around its crop
+    when it can (``decode_rgb_crop``), with the same pixels there as the
+    whole decode.  With ``draft=True`` on the first step, a JPEG at least
+    twice the output size is decoded at a reduced DCT scale and resampled
+    from there (the box mapped exactly, in fractions of a decoded pixel).
+    The result is a CHW tensor, as from PILToTensor/ToTensor.
     """
     if not _fusable(transforms):
         return NotImplemented
@@ -418,17 +475,17 @@ def decode_and_apply(transforms: list, raw) -> Any:
     hw = _decode.jpeg_size(raw)
     if type(first) is RandomResizedCrop and hw is not None:
         H, W = hw
-        top, left, h, w = _draw_box(H, W, first.scale, first.ratio, _rng.current())
-        oh, ow = first.size
+        box = _draw_box(H, W, first.scale, first.ratio, _rng.current())
+        d = _decode.draft_scale(box[2:], first.size) if _drafts(first) else 1
         # only the rows and columns near the crop are decoded, where coordl.decode._jpegcrop is built
-        arr, (top, left, h, w) = _decode.decode_rgb_crop(raw, (top, left, h, w),
-                                                         min_hw=(H * oh / h, W * ow / w), size=hw)
-        x = torch.from_numpy(arr).permute(2, 0, 1)
-        x = _resize_tensor(x[:, top:top + h, left:left + w], oh, ow, first.interpolation, first.antialias)
+        arr, abox = _decode.decode_rgb_crop(raw, box, scale=d, size=hw)
+        x = _resample(arr, abox, first.size, first)
     elif type(first) is Resize and hw is not None:
-        oh, ow = first.output_size(*hw)
-        arr = _decode.decode_rgb(raw, min_hw=(oh, ow))
-        x = _resize_tensor(torch.from_numpy(arr).permute(2, 0, 1), oh, ow, first.interpolation, first.antialias)
+        out = first.output_size(*hw)
+        d = _decode.draft_scale(hw, out) if _drafts(first) else 1
+        arr, abox = _decode.decode_rgb_crop(raw, (0, 0, *hw), scale=d, size=hw) if d > 1 else (
+            _decode.decode_rgb(raw), (0, 0, *hw))
+        x = _resample(arr, abox, out, first)
     else:
         x = torch.from_numpy(_decode.decode_rgb(raw)).permute(2, 0, 1)
         rest = transforms
@@ -443,8 +500,47 @@ def decode_and_apply(transforms: list, raw) -> Any:
             return _convert(x, rest[k:], flip, _decode._ext)
         if flip:  # a flip does not commute with the crops that may follow it
             x, flip = x.flip(-1), False
-        x = t(x)
+        if tt is RandomResizedCrop:
+            box = t.get_params(x, t.scale, t.ratio)
+            x = _resample(x.permute(1, 2, 0).numpy(), box, t.size, t)
+        elif tt is Resize:
+            out = t.output_size(*x.shape[-2:])
+            x = _resample(x.permute(1, 2, 0).numpy(), (0, 0, *x.shape[-2:]), out, t)
+        else:
+            x = t(x)
     raise AssertionError("a fusable pipeline has a tensor conversion")  # pragma: no cover
+
+
+def _drafts(t: Any) -> bool:
+    """The step asks for the reduced-scale decode and is a filtered resize."""
+    return bool(getattr(t, "draft", False)) and _filtered(t.interpolation, t.antialias)
+
+
+def _resample(arr: np.ndarray, box: tuple, out: tuple[int, int], t: Any) -> torch.Tensor:
+    """The CHW uint8 image ``t`` (a Resize or RandomResizedCrop) makes of the
+    ``box`` = (top, left, h, w) of ``arr`` (HWC uint8): cropped, then resized
+    to ``out`` (h, w).  A box in fractions of a pixel (a reduced-scale decode)
+    is resampled from the pixels it touches, as PIL's ``resize(box=...)``
+    maps it."""
+    from .decode import resample as _rs
+
+    top, left, h, w = box
+    oh, ow = out
+    if all(isinstance(v, int) for v in box):
+        crop = arr[top:top + h, left:left + w]
+        if (h, w) == (oh, ow):
+            return torch.from_numpy(crop).permute(2, 0, 1)
+        if t._on_tensor or not _filtered(t.interpolation, t.antialias):
+            return _resize_tensor(torch.from_numpy(crop).permute(2, 0, 1), oh, ow, t.interpolation, t.antialias)
+        y = _rs.pil_resize(crop, out, t.interpolation.value)
+        return torch.from_numpy(y).permute(2, 0, 1)
+    # a reduced-scale decode (only for filtered resizes): the decoded pixels the box touches
+    r0, c0 = int(top), int(left)
+    r1, c1 = min(arr.shape[0], -int(-(top + h) // 1)), min(arr.shape[1], -int(-(left + w) // 1))
+    crop = arr[r0:r1, c0:c1]
+    pbox = (left - c0, top - r0, min(left + w - c0, c1 - c0), min(top + h - r0, r1 - r0))
+    y = _rs.pil_resize(crop, out, t.interpolation.value, box=pbox)
+    return torch.from_numpy(y).permute(2, 0, 1)
 
 
 # (default dtype, channels, conversion steps) -> (channels, 256) float32 table, see _float_lut

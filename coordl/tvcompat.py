@@ -19,15 +19,19 @@ The rules (docs/api.md, "torchvision datasets and transforms"):
 * A transform is translated only when coordl's version draws from the same
   distributions (RandomResizedCrop: 10 tries of a uniform area fraction and a
   log-uniform aspect ratio, then the central fallback; RandomCrop: uniform
-  offsets; flips: Bernoulli(p)) and computes the same thing up to
-  interpolation rounding.  PIL always antialiases, so a step on the PIL image
-  becomes a step on the uint8 tensor with ``antialias=True`` (torch's
-  antialiased bilinear and bicubic kernels are PIL's, to rounding); steps on
-  a tensor (after ``ToImage``/``PILToTensor``) keep their own ``antialias``.
-  Interpolations coordl's tensor kernels lack (box, hamming, lanczos; PIL's
-  nearest, which picks other pixels than torch's),
-  padding, ``ToDtype`` with a dict, and anything unknown end the fused
-  prefix.
+  offsets; flips: Bernoulli(p)) and computes what torchvision computes, to
+  the tolerance docs/api.md states per step.  A resize of the PIL image
+  (bilinear or bicubic; PIL always antialiases) is computed with PIL's
+  arithmetic on the full-size decode: the same pixels.  A resize of a uint8
+  tensor (after ``ToImage``/``PILToTensor``) keeps its own ``antialias`` and
+  runs torch's kernel, as torchvision does (v2: the same call; v1 resizes in
+  float32 and rounds once, within 1 level of it), except v1's bicubic, whose
+  float result without clipping between the passes is up to ~26 levels from
+  any uint8 kernel.  Interpolations coordl has no kernel for (box, hamming,
+  lanczos), PIL's nearest (other source pixels than torch's), v1's tensor
+  bicubic, padding, ``ToDtype`` with a dict, and anything unknown end the
+  fused prefix.  The reduced-scale JPEG decode runs only when asked for
+  (``translate(..., draft=True)``, the loader's ``jpeg_draft``).
 * Whatever follows the fused prefix runs as written, on what it expects: a
   PIL image when the user's pipeline had not converted to a tensor yet, else
   the tensor (a ``tv_tensors.Image`` after ``ToImage``).  Its random draws
@@ -45,9 +49,11 @@ from __future__ import annotations
 import logging
 import random
 import sys
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 from PIL import Image
 
@@ -56,8 +62,8 @@ from . import datasets as _datasets
 from . import transforms as T
 from .datasets import TwoStageFolder, pil_decode
 
-__all__ = ["Decision", "TorchvisionFolder", "TorchvisionPipeline", "adapt", "translate", "from_torchvision",
-           "describe_path", "record_path"]
+__all__ = ["Decision", "TorchvisionFolder", "TorchvisionPipeline", "adapt", "translate", "translate_steps",
+           "holder_attribute", "from_torchvision", "describe_path", "record_path", "draft_note"]
 
 log = logging.getLogger("coordl.tvcompat")
 
@@ -150,10 +156,19 @@ class TorchvisionPipeline:
     fused decode path (or None: decode with PIL).  ``to_pil``: hand the rest a
     PIL image (the user's pipeline had not converted to a tensor yet).
     ``image_type``: wrap the tensor in this class (``tv_tensors.Image``, after
-    ``ToImage``).  ``tail``: the user's own transforms, run in order."""
+    ``ToImage``).  ``tail``: the user's own transforms, run in order, under
+    the sample's generators.  ``post``: the user's transforms after the last
+    one that draws random numbers (conversions, ``Normalize``,
+    ``ToPureTensor``...): they run after ``tail`` without a generator of
+    their own, as coordl's conversion (``post_fused``, a coordl ``Compose``
+    of a tensor conversion and ``ToDtype``/``Normalize``, with
+    ``post_type`` the class to wrap its result in) when what ``tail`` gave is
+    a PIL image, else as written."""
 
-    def __init__(self, fused: T.Compose | None, to_pil: bool, image_type: type | None, tail: list):
+    def __init__(self, fused: T.Compose | None, to_pil: bool, image_type: type | None, tail: list,
+                 post: list = (), post_fused: T.Compose | None = None, post_type: type | None = None):
         self.fused, self.to_pil, self.image_type, self.tail = fused, to_pil, image_type, list(tail)
+        self.post, self.post_fused, self.post_type = list(post), post_fused, post_type
 
     def from_bytes(self, raw) -> Any:
         x = self.fused.from_bytes(raw) if self.fused is not None else NotImplemented
@@ -167,66 +182,183 @@ class TorchvisionPipeline:
     def _rest(self, x: Any) -> Any:
         if self.fused is not None:
             if self.to_pil:
-                x = Image.fromarray(x.permute(1, 2, 0).numpy())
+                x = _to_pil(x)
             elif self.image_type is not None:
                 x = x.as_subclass(self.image_type)
-        if not self.tail:
-            return x
-        g = _rng.current()
-        if not isinstance(g, random.Random):  # outside a coordl prep stage: torch's RNG, as torchvision
-            return self._run_tail(x)
-        # inside one: the as-written part draws from torch's and Python's generators,
-        # seeded from the sample's own generator and restored afterwards
-        torch_seed, py_seed = g.getrandbits(63), g.getrandbits(63)
-        py_state = random.getstate()
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(torch_seed)
-            random.seed(py_seed)
-            try:
-                return self._run_tail(x)
-            finally:
-                random.setstate(py_state)
+        if self.tail:
+            x = self._run_tail(x)
+        if self.post:
+            x = self._run_post(x)
+        return x
 
     def _run_tail(self, x: Any) -> Any:
-        for t in self.tail:
+        g = _rng.current()
+        if not isinstance(g, random.Random):  # outside a coordl prep stage: torch's RNG, as torchvision
+            for t in self.tail:
+                x = t(x)
+            return x
+        # inside one: the as-written part draws from torch's CPU generator and Python's, seeded from
+        # the sample's own generator and restored afterwards (only the CPU generator: torch.manual_seed
+        # would also seed every accelerator's, ~1 ms a call, and prep never draws on a device)
+        torch_seed, py_seed = g.getrandbits(63), g.getrandbits(63)
+        py_state = random.getstate()
+        cpu = torch.default_generator
+        cpu_state = cpu.get_state()
+        cpu.manual_seed(torch_seed)
+        random.seed(py_seed)
+        try:
+            for t in self.tail:
+                x = t(x)
+            return x
+        finally:
+            random.setstate(py_state)
+            cpu.set_state(cpu_state)
+
+    def _run_post(self, x: Any) -> Any:
+        if self.post_fused is not None and isinstance(x, Image.Image) and x.mode in ("RGB", "L"):
+            x = _pil_through(x, self.post_fused.transforms)
+            return x.as_subclass(self.post_type) if self.post_type is not None else x
+        for t in self.post:
             x = t(x)
         return x
 
     def spec(self) -> tuple:
         return ("coordl.tvcompat.TorchvisionPipeline", self.fused.spec() if self.fused is not None else None,
                 self.to_pil, T.spec_of(self.image_type) if self.image_type is not None else None,
-                tuple(T.spec_of(t) for t in self.tail))
+                tuple(T.spec_of(t) for t in self.tail), tuple(T.spec_of(t) for t in self.post))
 
     def __repr__(self) -> str:
         lines = [f"    fused: {self.fused!r}".replace("\n", "\n    ")] if self.fused is not None else []
         lines += [f"    as written: {t!r}" for t in self.tail]
+        lines += [f"    after them, without a generator: {t!r}" for t in self.post]
         return type(self).__name__ + "(\n" + "\n".join(lines) + "\n)"
+
+
+def _ext():
+    """coordl's compiled decode helpers (None where not built)."""
+    from .decode import jpeg as _decode
+
+    return _decode._ext
+
+
+def _to_pil(x: torch.Tensor) -> Image.Image:
+    """The uint8 CHW image ``x`` as a PIL image: its planes merged by PIL
+    (a sixth of the time ``Image.fromarray`` takes on the HWC view of a CHW
+    tensor, which it copies element by element first)."""
+    c, h, w = x.shape
+    if c not in (1, 3):
+        return Image.fromarray(x.permute(1, 2, 0).numpy())
+    a = x.contiguous().numpy()
+    planes = [Image.frombuffer("L", (w, h), a[k], "raw", "L", 0, 1) for k in range(c)]
+    return planes[0].copy() if c == 1 else Image.merge("RGB", planes)
+
+
+def _pil_through(img: Image.Image, steps: list) -> torch.Tensor:
+    """The PIL image ``img`` (RGB or L) through coordl's ``steps`` (a tensor
+    conversion then ``ToDtype``/``Normalize``): read where PIL holds it and
+    converted in one pass through the per-channel table of the fused path
+    when the result is float32, else step by step."""
+    ext = _ext()
+    to_float = getattr(ext, "to_float", None) if ext is not None else None
+    if to_float is not None and type(steps[0]) is T.ToTensor:
+        arr = np.asarray(img)
+        if arr.ndim == 2:
+            arr = arr[:, :, None]
+        lut = T._float_lut(steps, arr.shape[2])
+        if lut is not None:
+            out = torch.empty((arr.shape[2], arr.shape[0], arr.shape[1]), dtype=torch.float32)
+            to_float(arr.transpose(2, 0, 1), lut.numpy(), out.numpy(), False)
+            return out
+    return T._convert(T._to_chw(img), steps, False, ext)
 
 
 # --------------------------------------------------------------- transforms
 def _kind(t: Any) -> tuple[str, str] | None:
-    """("v1"|"v2", class name) for torchvision's own transform classes."""
+    """("v1"|"v2"|"timm", class name) for torchvision's own transform
+    classes and timm's (``timm.data.transforms``; recognized by the module
+    name of the class, so timm is never imported here)."""
     mod = type(t).__module__
     if mod.startswith("torchvision.transforms.v2"):
         return "v2", type(t).__name__
     if mod.startswith("torchvision.transforms."):
         return "v1", type(t).__name__
+    if mod == "timm.data.transforms":
+        return "timm", type(t).__name__
     return None
 
 
-def _flatten(transform: Any) -> list:
+# opcodes that carry no meaning for what a function does (the interpreter's bookkeeping)
+_NOISE_OPS = frozenset({"RESUME", "PUSH_NULL", "PRECALL", "CACHE", "NOP", "NOT_TAKEN"})
+_LOAD_FAST = frozenset({"LOAD_FAST", "LOAD_FAST_CHECK", "LOAD_FAST_BORROW"})
+
+
+def holder_attribute(obj: Any) -> str | None:
+    """The name of the attribute ``obj`` only hands its argument to, or None.
+
+    That is the case when ``type(obj).__call__`` is a plain function of
+    ``(self, x)`` whose whole body is ``return self.<name>(x)`` (read from its
+    bytecode: load self, load the attribute, load x, call with one argument,
+    return; nothing else), the class looks attributes up the ordinary way,
+    and ``<name>`` is an attribute of the instance itself (not a property or
+    other descriptor of the class).  torchvision's reference presets
+    (``ClassificationPresetTrain``/``Eval``: ``return self.transforms(img)``)
+    are such objects."""
+    import dis
+    import types
+
+    cls = type(obj)
+    fn = getattr(cls, "__call__", None)
+    if not isinstance(fn, types.FunctionType) or cls.__getattribute__ is not object.__getattribute__:
+        return None
+    code = fn.__code__
+    flags = code.co_flags & (0x04 | 0x08 | 0x20 | 0x80 | 0x100 | 0x200)  # *args **kw generator coroutine...
+    if code.co_argcount != 2 or code.co_kwonlyargcount or flags or code.co_freevars or code.co_cellvars:
+        return None
+    me, arg = code.co_varnames[:2]
+    ops = []
+    for ins in dis.get_instructions(fn):
+        if ins.opname in _NOISE_OPS:
+            continue
+        name = "LOAD_FAST" if ins.opname in _LOAD_FAST else ins.opname
+        ops.append((name, ins.argval))
+    if len(ops) != 5 or ops[0] != ("LOAD_FAST", me) or ops[2] != ("LOAD_FAST", arg):
+        return None
+    if ops[1][0] not in ("LOAD_ATTR", "LOAD_METHOD"):
+        return None
+    if ops[3] != ("CALL", 1) or ops[4][0] != "RETURN_VALUE":
+        return None
+    attr = ops[1][1]
+    if not isinstance(attr, str) or attr not in getattr(obj, "__dict__", {}):
+        return None
+    desc = type(getattr(cls, attr, None))
+    if hasattr(desc, "__set__") or hasattr(desc, "__delete__"):   # a data descriptor wins over the instance
+        return None
+    return attr
+
+
+def _flatten(transform: Any, through: list | None = None, depth: int = 0) -> list:
+    """The steps of ``transform``: a torchvision ``Compose`` is opened, and
+    an object that only hands its argument to a transform it holds
+    (:func:`holder_attribute`) is read through to it (its class name then
+    goes to ``through``)."""
     k = _kind(transform)
-    if k is not None and k[1] == "Compose":
+    if k is not None and k[0] != "timm" and k[1] == "Compose":
         out: list = []
         for t in transform.transforms:
-            out.extend(_flatten(t))
+            out.extend(_flatten(t, through, depth + 1))
         return out
+    if k is None and depth < 8 and not isinstance(transform, T.Transform):
+        attr = holder_attribute(transform)
+        if attr is not None:
+            if through is not None:
+                through.append(f"{_name(transform)}.{attr}")
+            return _flatten(getattr(transform, attr), through, depth + 1)
     return [transform]
 
 
-def _interp(value: Any, on_pil: bool, antialias: bool) -> T.InterpolationMode | None:
+def _interp(value: Any, on_pil: bool, antialias: bool, v2: bool) -> T.InterpolationMode | None:
     """coordl's interpolation for torchvision's ``value``, or None when coordl's
-    tensor kernels do not compute the same filter."""
+    fused decode does not compute what torchvision computes with it."""
     name = getattr(value, "value", value)
     if isinstance(name, int) and not isinstance(name, bool):
         try:
@@ -241,7 +373,10 @@ def _interp(value: Any, on_pil: bool, antialias: bool) -> T.InterpolationMode | 
         return T.InterpolationMode.NEAREST
     if name == "nearest-exact" and not on_pil:
         return T.InterpolationMode.NEAREST_EXACT
-    if name == "bicubic" and antialias:  # torch's antialiased bicubic uses PIL's kernel
+    # bicubic: PIL's on a PIL image (computed exactly); on a uint8 tensor v2 runs torch's uint8
+    # kernel, which the fused path runs too, but v1 resizes in float32 without clipping between
+    # the passes (up to ~26 levels from the uint8 kernel), so v1's is run as written
+    if name == "bicubic" and (on_pil or v2):
         return T.InterpolationMode.BICUBIC
     return None
 
@@ -272,25 +407,34 @@ class _State:
 
 
 def _step(t: Any, st: _State) -> bool:
-    """Translate one torchvision transform into ``st``; False if it cannot be."""
+    """Translate one torchvision or timm transform into ``st``; False if it cannot be."""
     kind = _kind(t)
     if kind is None:
         return False
+    if kind[0] == "timm":
+        return _timm_step(t, kind[1], st)
     _, name = kind
     on_pil = st.stage == "pil"
     geometric_ok = st.stage in ("pil", "u8")
     try:
+        if name == "ToPureTensor" and kind[0] == "v2":
+            # a plain tensor (or the PIL image, unchanged) from here: drop the tv_tensors wrapper
+            st.image_type = None
+            return True
         if name in ("RandomResizedCrop", "Resize") and geometric_ok:
             aa = True if on_pil else bool(getattr(t, "antialias", True))
-            mode = _interp(t.interpolation, on_pil, aa)
+            mode = _interp(t.interpolation, on_pil, aa, kind[0] == "v2")
             if mode is None:
                 return False
             if name == "RandomResizedCrop":
                 if not (_ordered(t.scale) and _ordered(t.ratio)):
                     return False
-                st.geo.append(T.RandomResizedCrop(_size(t.size), tuple(t.scale), tuple(t.ratio), mode, aa))
+                step = T.RandomResizedCrop(_size(t.size), tuple(t.scale), tuple(t.ratio), mode, aa)
             else:
-                st.geo.append(T.Resize(_size(t.size), mode, getattr(t, "max_size", None), aa))
+                step = T.Resize(_size(t.size), mode, getattr(t, "max_size", None), aa)
+            # on a uint8 tensor torchvision resizes with torch's kernel: so does the fused path
+            step._on_tensor = not on_pil
+            st.geo.append(step)
             return True
         if name == "CenterCrop" and geometric_ok:
             st.geo.append(T.CenterCrop(_size(t.size)))
@@ -340,13 +484,112 @@ def _step(t: Any, st: _State) -> bool:
     return False
 
 
-def translate(transform: Any) -> tuple[Any, tuple[str, ...], tuple[str, ...]]:
+def _timm_step(t: Any, name: str, st: _State) -> bool:
+    """timm's transforms (``timm.data.transforms``) where coordl's compute
+    the same thing: ``RandomResizedCropAndInterpolation`` (torchvision's
+    draw distributions, written with Python's ``random``: uniform area
+    fraction, log-uniform aspect ratio, 10 tries, uniform offsets, the same
+    central fallback) with one interpolation, ``CenterCropOrPad`` with zero
+    constant padding (torchvision's ``CenterCrop``), and the conversions
+    ``MaybeToTensor``, ``MaybePILToTensor`` and ``ToTensor``.  The others
+    (``ResizeKeepRatio``, whose output size rounds where ``Resize``
+    truncates; ``ToNumpy``; random padding and crops) run as written."""
+    on_pil = st.stage == "pil"
+    geometric_ok = st.stage in ("pil", "u8")
+    try:
+        if name == "RandomResizedCropAndInterpolation" and geometric_ok:
+            if isinstance(t.interpolation, (tuple, list)):   # interpolation="random": drawn per call
+                return False
+            mode = _interp(t.interpolation, on_pil, True, False)
+            if mode is None or not (_ordered(t.scale) and _ordered(t.ratio)):
+                return False
+            st.geo.append(T.RandomResizedCrop(_size(t.size), tuple(t.scale), tuple(t.ratio), mode, True))
+            return True
+        if name == "CenterCropOrPad" and geometric_ok:
+            if t.fill != 0 or t.padding_mode != "constant":
+                return False
+            st.geo.append(T.CenterCrop(_size(t.size)))
+            return True
+        if name in ("MaybeToTensor", "MaybePILToTensor"):
+            if on_pil:   # a tensor goes through unchanged
+                st.to_tensor, st.stage = (T.ToTensor(), "float") if name == "MaybeToTensor" else \
+                    (T.PILToTensor(), "u8")
+            return True
+        if name == "ToTensor" and on_pil:   # timm's: pil_to_tensor, then .to(dtype), unscaled
+            dtype = t.dtype
+            if not isinstance(dtype, torch.dtype):
+                return False
+            st.to_tensor, st.stage = T.PILToTensor(), "u8"
+            if dtype != torch.uint8:
+                if not dtype.is_floating_point:
+                    return False
+                st.post.append(T.ToDtype(dtype, False))
+                st.stage = "float"
+            return True
+    except (TypeError, ValueError, AttributeError):
+        return False
+    return False
+
+
+# Transforms that draw no random numbers: after the last one that does, the rest of an as-written
+# part runs without a generator of its own (TorchvisionPipeline.post).
+_DETERMINISTIC = {
+    "v1": frozenset({"PILToTensor", "ToTensor", "ConvertImageDtype", "Normalize", "ToPILImage", "Grayscale",
+                     "CenterCrop", "Resize", "Pad"}),
+    "v2": frozenset({"PILToTensor", "ToTensor", "ToImage", "ToPureTensor", "ToDtype", "ConvertImageDtype",
+                     "Normalize", "ToPILImage", "Grayscale", "CenterCrop", "Resize", "Pad"}),
+    "timm": frozenset({"MaybeToTensor", "MaybePILToTensor", "ToTensor", "ToNumpy", "CenterCropOrPad"}),
+}
+
+
+def _deterministic(t: Any) -> bool:
+    k = _kind(t)
+    return k is not None and k[1] in _DETERMINISTIC.get(k[0], ())
+
+
+def _split_post(tail: list) -> tuple[list, list, Any, Any]:
+    """``(tail, post, post_fused, post_type)``: the trailing steps of
+    ``tail`` that draw no random numbers move to ``post``; when ``post`` is a
+    tensor conversion then ``ToDtype``/``Normalize`` (and wrappers),
+    ``post_fused`` is coordl's version of it, for a PIL image."""
+    n = len(tail)
+    while n > 0 and _deterministic(tail[n - 1]):
+        n -= 1
+    rest, post = tail[:n], tail[n:]
+    post_fused = post_type = None
+    if post:
+        st = _State()
+        if all(_step(t, st) for t in post) and not st.geo and st.to_tensor is not None:
+            post_fused, post_type = T.Compose([st.to_tensor] + st.post), st.image_type
+    return rest, post, post_fused, post_type
+
+
+def translate(transform: Any, draft: bool = False) -> tuple[Any, tuple[str, ...], tuple[str, ...]]:
     """``(coordl transform, fused names, as-written names)`` for a torchvision
     transform (or any callable, or None): the longest prefix coordl can fuse,
-    then the rest as written."""
+    then the rest as written.  ``draft``: let the fused decode start at a
+    reduced JPEG DCT scale where the first fused step is a filtered resize
+    (``draft=True`` on it; the loader's ``jpeg_draft``)."""
+    return translate_steps(_flatten(transform), draft) if transform is not None else (None, (), ())
+
+
+def describe_translation(transform: Any, out: Any, fused: tuple, as_written: tuple, through: list) -> str:
+    """The words ``path_reason`` gives for a translated transform."""
     if transform is None:
-        return None, (), ()
-    steps = _flatten(transform)
+        return "no transform"
+    what = (f"read through {', '.join(through)}; " if through else "") + f"fused {', '.join(fused) or 'nothing'}"
+    if as_written:
+        what += f"; as written: {', '.join(as_written)}"
+        post = getattr(out, "post", ())
+        if post:
+            how = (" (as coordl's conversion when they get a PIL image)"
+                   if getattr(out, "post_fused", None) is not None else "")
+            what += f" (of which {', '.join(_name(t) for t in post)} without a generator of their own{how})"
+    return what
+
+
+def translate_steps(steps: list, draft: bool = False) -> tuple[Any, tuple[str, ...], tuple[str, ...]]:
+    """:func:`translate` of a flat list of steps."""
     st = _State()
     n = 0
     while n < len(steps) and _step(steps[n], st):
@@ -356,36 +599,62 @@ def translate(transform: Any) -> tuple[Any, tuple[str, ...], tuple[str, ...]]:
     tail_names = tuple(_name(t) for t in tail)
     if not st.geo and st.to_tensor is None:
         # nothing to fuse before the first step coordl cannot express: the user's pipeline as it is
-        return TorchvisionPipeline(None, False, None, steps), (), tuple(_name(t) for t in steps)
+        return TorchvisionPipeline(None, False, None, *_split_post(steps)), (), tuple(_name(t) for t in steps)
+    if draft and st.geo and isinstance(st.geo[0], (T.RandomResizedCrop, T.Resize)) and T._filtered(
+            st.geo[0].interpolation, st.geo[0].antialias):
+        st.geo[0].draft = True
     if st.to_tensor is None:
         fused = T.Compose(st.geo + [T.PILToTensor()])
-        return TorchvisionPipeline(fused, True, None, tail), fused_names, tail_names
+        return TorchvisionPipeline(fused, True, None, *_split_post(tail)), fused_names, tail_names
     fused = T.Compose(st.geo + [st.to_tensor] + st.post)
     if not tail:
         return fused, fused_names, tail_names
-    return TorchvisionPipeline(fused, False, st.image_type, tail), fused_names, tail_names
+    return TorchvisionPipeline(fused, False, st.image_type, *_split_post(tail)), fused_names, tail_names
 
 
-def adapt(dataset: Any) -> tuple[Any, Decision | None]:
+def draft_note(transform: Any) -> str | None:
+    """What ``loader.stats().path_reason`` says of the reduced-scale JPEG
+    decode for a (translated or coordl) transform, or None when it is off."""
+    fused = transform.fused if isinstance(transform, TorchvisionPipeline) else transform
+    steps = getattr(fused, "transforms", None) if type(fused) is T.Compose else None
+    first = steps[0] if steps and T._fusable(steps) else None
+    if first is None or not T._drafts(first):
+        return None
+    return (f"reduced-scale JPEG decode before {type(first).__name__} (draft): images at least twice "
+            "the output size are decoded at 1/2, 1/4 or 1/8 scale, so pixels differ from torchvision's")
+
+
+def adapt(dataset: Any, jpeg_draft: bool = False) -> tuple[Any, Decision | None]:
     """``(dataset the loader runs, decision)``: ``decision`` is None for
-    datasets that do not come from torchvision (returned as they are)."""
+    datasets that do not come from torchvision (returned as they are).
+    ``jpeg_draft``: the loader's option of that name (see :func:`translate`)."""
     if not from_torchvision(dataset):
+        if jpeg_draft:
+            warnings.warn("jpeg_draft=True applies to torchvision's ImageFolder/DatasetFolder only and has no "
+                          f"effect on {_name(dataset)}: with coordl's transforms pass draft=True to their Resize "
+                          "or RandomResizedCrop", stacklevel=3)
         return dataset, None
     why = _why_not(dataset)
     if why is None and getattr(dataset, "samples", None) is None:
         why = "it has no samples"
     if why is not None:
         return dataset, Decision("torch", why)
-    transform, fused, as_written = translate(dataset.transform)
+    through: list = []
+    if dataset.transform is None:
+        transform, fused, as_written = None, (), ()
+    else:
+        transform, fused, as_written = translate_steps(_flatten(dataset.transform, through), jpeg_draft)
     try:
         adapted = TorchvisionFolder(dataset, transform)
     except (TypeError, ValueError) as e:  # a subclass's make_dataset gave other kinds of samples
         return dataset, Decision("torch", f"its samples are not (path, class index) pairs ({e})")
-    if dataset.transform is None:
-        what = "no transform"
-    else:
-        what = (f"fused {', '.join(fused) or 'nothing'}"
-                + (f"; as written: {', '.join(as_written)}" if as_written else ""))
+    what = describe_translation(dataset.transform, transform, fused, as_written, through)
+    note = draft_note(transform)
+    if note is not None:
+        what += f"; {note}"
+    elif jpeg_draft:
+        what += ("; jpeg_draft=True has no effect: the first fused step is no antialiased bilinear or bicubic "
+                 "Resize/RandomResizedCrop, so every image is decoded at full size")
     reason = f"torchvision's {_name(dataset)} read as raw file bytes, decoded by coordl; {what}"
     return adapted, Decision("coordl", reason, fused, as_written)
 
@@ -408,8 +677,50 @@ def describe_path(loader: Any, decision: Decision | None) -> tuple[str, str]:
     if decision is not None and decision.path == "torch":
         return "torch", decision.reason
     if on_pipeline:
-        return "coordl", decision.reason if decision is not None else "two-stage dataset in epoch-plan order"
+        if getattr(mode, "from_sampler", False):
+            order = "in the order of the loader's sampler (read once per pass, as torch reads it)"
+            return "coordl", f"{decision.reason}; {order}" if decision is not None else f"two-stage dataset {order}"
+        if decision is not None:
+            return "coordl", decision.reason
+        note = draft_note(getattr(loader.dataset, "transform", None))
+        return "coordl", "two-stage dataset in epoch-plan order" + (f"; {note}" if note else "")
     if decision is not None:
         return "torch", (decision.reason + f"; but the passes run on torch's machinery ({mode.name} mode: "
-                         "a user sampler, or a collate/option coordl's pipeline does not take)")
-    return "torch", f"{mode.name} mode"
+                         "a sampler without a length, or an option coordl's pipeline does not take)")
+    return "torch", _torch_reason(loader)
+
+
+def _torch_reason(loader: Any) -> str:
+    """Why a dataset that is not a torchvision folder runs on torch's
+    machinery, in words (and, for a wrapper of torchvision folders, what
+    keeps coordl's pipeline)."""
+    from torch.utils.data import ConcatDataset, IterableDataset, Subset
+
+    ds, mode = loader.dataset, loader._mode
+    name = type(ds).__name__
+    if mode.name == "tensor-batch":
+        return (f"an unmodified {name} with default collation: torch's machinery runs it, one gather per "
+                "tensor per batch instead of a __getitem__ per sample (nothing to read ahead or cache)")
+    if mode.name == "two-stage-torch":
+        if callable(getattr(ds, "raw", None)):
+            return (f"{name} is two-stage (raw/prep), but its order comes from a sampler coordl cannot "
+                    "read an epoch of ahead (no len()), so torch's machinery runs raw then prep per sample")
+        return (f'on_error="skip" over {name}, which has no raw/prep: torch\'s machinery runs '
+                "dataset[i] per sample, so that a bad sample can be dropped")
+    if isinstance(ds, IterableDataset):
+        return f"{name} is an IterableDataset: its own iterator gives the samples, so torch's machinery runs it"
+    why = (f"{name} has no raw/prep (it is not a two-stage dataset), so torch's machinery runs "
+           "dataset[i] as written")
+    parts = ([ds.dataset] if isinstance(ds, Subset) else list(ds.datasets) if isinstance(ds, ConcatDataset)
+             else [])
+    folders = [_name(d) for d in parts if from_torchvision(d) and _base(type(d), _FOLDER_MODULE, "DatasetFolder")]
+    if folders and isinstance(ds, Subset):
+        why += (f". It is a Subset of torchvision's {folders[0]}, which coordl reads as raw file bytes "
+                "only when it is the loader's dataset itself: pass the folder with "
+                "sampler=SubsetRandomSampler(indices) (shuffled) or sampler=indices (in order) to read "
+                "those samples on coordl's pipeline")
+    elif folders:
+        why += (f". It is a ConcatDataset of torchvision's {', '.join(folders)}; coordl reads a "
+                "torchvision folder as raw file bytes only when it is the loader's dataset itself "
+                "(one folder whose root holds them all, or coordl.ImageFolder, reads on coordl's pipeline)")
+    return why

@@ -234,6 +234,41 @@ def test_verdict_names_the_stall_whose_removal_helps_most():
     assert v["largest"] == "fetch" and now["bound"] == "fetch"
 
 
+def test_no_verdict_past_a_model_error_it_cannot_stand_behind():
+    """A busy machine: the model missed its own check passes by 84.5% and
+    the measured stalls were 0.0%; the report named a stall all the same."""
+    from coordl.analyze import MODEL_ERROR_VERDICT
+    from coordl.analyze.report import verdict_text
+
+    def P(t, bound="x"):
+        return {"throughput": t, "bound": bound}
+    quiet = {"fetch": 0.0, "prep": 0.0, "total": 0.0, "noise": 0.0}
+    v = model.verdict(P(100), P(110), P(150), model_error=0.845, measured=quiet)
+    assert v["largest"] is None and v["conclusive"] is False
+    assert "84%" in v["why"] and f"{MODEL_ERROR_VERDICT:.0%}" in v["why"], v["why"]
+    text = verdict_text(v, quiet)
+    assert text.startswith("verdict: cannot conclude") and "84%" in text and "largest stall" not in text, text
+    # within the error it stands behind, but the measured stalls say no stall: no verdict either
+    v = model.verdict(P(100), P(110), P(150), model_error=0.10, measured=quiet)
+    assert v["largest"] is None and v["conclusive"] is False
+    assert "prep" in v["why"] and "measured" in v["why"], v["why"]
+    # the measured stalls say fetch, the model prep: the verdict does not take sides
+    v = model.verdict(P(100), P(110), P(150), model_error=0.10,
+                      measured={"fetch": 0.4, "prep": 0.1, "total": 0.5, "noise": 0.0})
+    assert v["largest"] is None and v["conclusive"] is False
+    # agreement: the verdict stands
+    v = model.verdict(P(100), P(110), P(150), model_error=0.10,
+                      measured={"fetch": 0.05, "prep": 0.3, "total": 0.35, "noise": 0.0})
+    assert v["largest"] == "prep" and v["conclusive"] is True
+    assert verdict_text(v, {"fetch": 0.05, "prep": 0.3}).startswith("verdict: the largest stall is prep (CPU)")
+
+
+def test_step_kind_in_words():
+    from coordl.analyze.report import step_words
+
+    assert step_words("cpu") == "a CPU step" and step_words("accelerator") == "an accelerator step"
+
+
 def test_model_error_comes_from_the_held_out_passes_with_a_floor():
     from coordl import analyze as A
 
@@ -383,6 +418,40 @@ def test_slow_prep_is_attributed_to_prep():
     assert all(row["bound"] in ("workers", "cpu") for row in r["what_if"]["cache"]), r["what_if"]["cache"]
     # the verdict agrees with the table: removing prep helps most
     assert r["verdict"]["largest"] == "prep", r["verdict"]
+    # with a GPU, the report says to decode there (this dataset has no transform: it says why not)
+    import torch
+
+    from coordl.analyze import format_report, recommend
+
+    assert r["recommendations"] == recommend(r["verdict"], None, gpu=torch.cuda.is_available())
+    [rec] = recommend(r["verdict"], None, gpu=True)
+    assert not rec["applies"] and "has no transform" in rec["why"]
+    text = format_report({**r, "recommendations": [rec]})
+    assert "not applicable: decode='device': prep (decode and augmentation on the CPU) is the largest" in text
+
+
+def test_a_prep_stall_with_a_gpu_recommends_decoding_on_it(tmp_path, monkeypatch):
+    import torch
+
+    import coordl
+    from coordl import transforms as T
+    from coordl.analyze import format_report, recommend
+    from coordl.analyze.measure import Subset, make_transform
+    from coordl.synth import make_image_folder
+
+    root = make_image_folder(str(tmp_path / "d"), num_images=4, num_classes=2, image_size=(40, 30))
+    ds = Subset(coordl.ImageFolder(root, transform=make_transform("rrc224")), 2)   # as the analyzer reads it
+    prep = {"largest": "prep"}
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    [rec] = recommend(prep, ds)
+    assert rec["applies"] and rec["option"] == "decode='device'"
+    assert "device='cuda', decode='device'" in rec["why"] and "RandomResizedCrop + RandomHorizontalFlip" in rec["why"]
+    assert recommend({"largest": "fetch"}, ds) == [] and recommend({"largest": None}, ds) == []
+    ds.dataset.transform = T.Compose([T.RandomResizedCrop(8), lambda x: x, T.ToTensor()])
+    [rec] = recommend(prep, ds)
+    assert not rec["applies"] and "step 1 is <function" in rec["why"]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert recommend(prep, ds) == []
 
 
 def test_step_from_a_script_sets_the_ingestion_rate(tmp_path):

@@ -246,8 +246,7 @@ def test_storage_reads_drop_their_pages_on_the_reads_own_descriptor(tmp_path):
 def test_no_room_advice_fits_what_the_cache_directory_is(tmp_path, monkeypatch):
     """A COORDL_SHM_DIR that is a plain folder on a disk: no remount advice,
     but that it is not in memory and how to put the cache in memory.  A
-    full tmpfs: remount it bigger (Docker's --shm-size only for /dev/shm)
-    (issue 21, 14)."""
+    full tmpfs: remount it bigger (Docker's --shm-size only for /dev/shm)."""
     disk = tmp_path / "plain"
     disk.mkdir()
     on_disk = subprocess.run(["stat", "-f", "-c", "%T", str(disk)], capture_output=True, text=True)
@@ -272,8 +271,7 @@ def test_no_room_advice_fits_what_the_cache_directory_is(tmp_path, monkeypatch):
 
 
 def test_cache_help_names_the_directory_in_effect(tmp_path, monkeypatch, capsys):
-    """``coordl cache --help`` showed /dev/shm whatever COORDL_SHM_DIR said
-    (issue 21, 14)."""
+    """``coordl cache --help`` showed /dev/shm whatever COORDL_SHM_DIR said."""
     from coordl import cli
 
     monkeypatch.setenv("COORDL_SHM_DIR", str(tmp_path))

@@ -1,4 +1,4 @@
-"""Node cache lifetime (issue 7 items 1-6): held by flocks, never by pid
+"""Node cache lifetime: held by flocks, never by pid
 tables or clocks; names acted on only while they name the inode held."""
 import gc
 import os

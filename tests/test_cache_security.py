@@ -1,4 +1,4 @@
-"""Node cache against another local user (issue 7 item 7) and dataset
+"""Node cache against another local user and dataset
 identity (item 8).  The attacker really runs as another uid (nobody)."""
 import os
 import shutil

@@ -54,27 +54,9 @@ def _jpeg(w, h, mode="RGB", seed=0, quality=90, **save):
     return buf.getvalue()
 
 
-def _today(pipe, raw):
-    """The fused RandomResizedCrop path as it was before the window decode:
-    decode_rgb at the DCT scale, scaled box, slice, torch resize, then the rest."""
-    rrc, rest = pipe.transforms[0], pipe.transforms[1:]
-    H, W = _decode.jpeg_size(raw)
-    top, left, h, w = rrc.get_params((W, H), rrc.scale, rrc.ratio)
-    oh, ow = rrc.size
-    arr = _decode.decode_rgb(raw, min_hw=(H * oh / h, W * ow / w))
-    H2, W2 = arr.shape[:2]
-    if (H2, W2) != (H, W):
-        top, left, h, w = _decode.scaled_box(top, left, h, w, H2 / H, W2 / W, H2, W2)
-    x = T._resize_tensor(torch.from_numpy(arr).permute(2, 0, 1)[:, top:top + h, left:left + w],
-                         oh, ow, rrc.interpolation, rrc.antialias)
-    for t in rest:
-        if type(t) is T.PILToTensor:
-            x = x.contiguous()
-        elif type(t) is T.ToTensor:
-            x = x.to(torch.get_default_dtype()).div_(255).contiguous()
-        else:
-            x = t(x)
-    return x
+def _on_pil(pipe, raw):
+    """The pipeline on PIL's decode of ``raw`` (the unfused path: torchvision's pixels)."""
+    return pipe(_decode.pil_rgb(raw))
 
 
 def _both(pipe, raw, key, monkeypatch):
@@ -89,21 +71,30 @@ def _both(pipe, raw, key, monkeypatch):
     return out
 
 
-def _whole_window(raw, box, min_hw=None):
-    """The box of today's whole decode (at its DCT scale), as an int array."""
-    arr = _decode.decode_rgb(raw, min_hw=min_hw)
-    size = _decode.jpeg_size(raw)
+def _cover(arr, box):
+    """The pixels of ``arr`` that ``box`` (top, left, h, w; fractions at a
+    reduced scale) touches, as an int array."""
     t, l, h, w = box
-    if arr.shape[:2] != size:
-        H2, W2 = arr.shape[:2]
-        t, l, h, w = _decode.scaled_box(t, l, h, w, H2 / size[0], W2 / size[1], H2, W2)
-    return arr[t:t + h, l:l + w].astype(int)
+    t0, l0 = int(t), int(l)
+    t1, l1 = min(arr.shape[0], -int(-(t + h) // 1)), min(arr.shape[1], -int(-(l + w) // 1))
+    return arr[t0:t1, l0:l1].astype(int)
 
 
-def _crop_window(raw, box, min_hw=None):
-    arr, (t, l, h, w) = _decode.decode_rgb_crop(raw, box, min_hw=min_hw)
+def _whole_window(raw, box, scale=1):
+    """The pixels of the whole decode (at the DCT scale) that ``box`` touches."""
+    arr = _decode.decode_rgb(raw, scale=scale)
+    t, l, h, w = box
+    if scale > 1:
+        t, l, h, w = t / scale, l / scale, h / scale, w / scale
+    return _cover(arr, (t, l, h, w))
+
+
+def _crop_window(raw, box, scale=1):
+    arr, (t, l, h, w) = _decode.decode_rgb_crop(raw, box, scale=scale)
     assert 0 <= t and 0 <= l and t + h <= arr.shape[0] and l + w <= arr.shape[1]
-    return arr, arr[t:t + h, l:l + w].astype(int)
+    if scale == 1:
+        assert all(isinstance(v, int) for v in (t, l, h, w))
+    return arr, _cover(arr, (t, l, h, w))
 
 
 # --------------------------------------------------------------------------
@@ -192,7 +183,9 @@ def test_same_draws_and_pixels_as_whole_decode(wh, monkeypatch):
         assert (a.int() - b.int()).abs().max() <= TOL_MAX
 
 
-def test_disabled_gives_exactly_todays_pixels(monkeypatch):
+def test_disabled_gives_exactly_the_whole_decodes_pixels(monkeypatch):
+    """Without the window decoder the fused path decodes the whole image;
+    its result is then the pipeline's on PIL's decode, bit for bit."""
     monkeypatch.setattr(_decode, "_crop", None)
     raw = _jpeg(800, 600, seed=3)
     pipe = T.Compose([T.RandomResizedCrop(96, scale=(0.02, 1.0)), T.RandomHorizontalFlip(),
@@ -201,7 +194,7 @@ def test_disabled_gives_exactly_todays_pixels(monkeypatch):
         with _rng.sample_rng(2, 0, k):
             got = pipe.from_bytes(raw)
         with _rng.sample_rng(2, 0, k):
-            ref = _today(pipe, raw)
+            ref = _on_pil(pipe, raw)
         assert torch.equal(got, ref)
 
 
@@ -209,19 +202,19 @@ def test_disabled_gives_exactly_todays_pixels(monkeypatch):
 def test_every_dct_scale(d, monkeypatch):
     raw = _jpeg(1200, 900, seed=d)
     H, W = 900, 1200
-    min_hw = (H / d * 0.9, W / d * 0.9)  # 1/d still covers it, 1/(2d) does not
-    assert _decode._pow2_scale((H, W), min_hw) == d
+    assert _decode.draft_scale((H, W), (H / d * 0.9, W / d * 0.9)) == d  # 1/d still covers it, 1/(2d) not
     rng = random.Random(d)
     for _ in range(8):
         h, w = rng.randint(1, H), rng.randint(1, W)
         box = (rng.randint(0, H - h), rng.randint(0, W - w), h, w)
-        arr, win = _crop_window(raw, box, min_hw)
-        ref = _whole_window(raw, box, min_hw)
+        arr, win = _crop_window(raw, box, d)
+        ref = _whole_window(raw, box, d)
         assert win.shape == ref.shape
         assert np.abs(win - ref).max() <= TOL_MAX
         assert arr.shape[0] <= -(-H // d) and arr.shape[1] <= -(-W // d)
-    # and through the pipeline: an output small enough for 1/d
-    pipe = T.Compose([T.RandomResizedCrop(max(1, 900 // (2 * d) - 8), scale=(0.9, 1.0)), T.PILToTensor()])
+    # and through the pipeline (draft=True): an output small enough for 1/d
+    pipe = T.Compose([T.RandomResizedCrop(max(1, 900 // (2 * d) - 8), scale=(0.9, 1.0), draft=True),
+                      T.PILToTensor()])
     for k in range(3):
         (a, sa), (b, sb) = _both(pipe, raw, (0, 0, k), monkeypatch)
         assert sa == sb and (a.int() - b.int()).abs().max() <= TOL_MAX
@@ -233,9 +226,9 @@ def test_boxes_at_the_image_edges():
     boxes = [(0, 0, H, W), (0, 0, 1, 1), (H - 1, W - 1, 1, 1), (0, W - 17, 40, 17), (H - 9, 0, 9, 100),
              (0, 0, H, 1), (0, W - 1, H, 1), (0, 0, 1, W), (H - 1, 0, 1, W), (100, 160, 51, 13)]
     for box in boxes:
-        for min_hw in (None, (40, 40)):
-            _, win = _crop_window(raw, box, min_hw)
-            ref = _whole_window(raw, box, min_hw)
+        for scale in (1, 4):
+            _, win = _crop_window(raw, box, scale)
+            ref = _whole_window(raw, box, scale)
             assert win.shape == ref.shape and np.abs(win - ref).max() <= TOL_MAX, box
 
 

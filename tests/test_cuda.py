@@ -359,3 +359,150 @@ def test_share_true_on_the_device(photos, tmp_path, monkeypatch):
         """)
     finally:
         assert not stop_daemon()
+
+
+# ---------------------------------------------------------------- decode="device"
+# docs/api.md, "Decoding on the device": the bound against the CPU path (mean
+# and max absolute difference per channel value, in uint8 levels)
+DECODE_MEAN, DECODE_MAX = 6.0, 96
+# the GPU decoder's own arithmetic against the CPU stand-in CI runs (same
+# chroma upsampling, same geometry): mean per channel value
+STAND_IN_MEAN = 1.0
+
+
+@pytest.fixture(scope="module")
+def mixed_jpegs(tmp_path_factory):
+    """ImageNet-like JPEGs (synth's size mix) and, in class "odd", a CMYK
+    JPEG, a grayscale JPEG, a PNG, a progressive JPEG and one with corrupt
+    data (header and end marker intact)."""
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    from coordl.synth import make_image_folder
+
+    root = tmp_path_factory.mktemp("gpudecode") / "data"
+    make_image_folder(str(root), num_images=20, num_classes=2, seed=9)
+    odd = root / "odd"
+    odd.mkdir()
+    rng = np.random.default_rng(2)
+
+    def photo(h, w):
+        y, x = np.mgrid[0:h, 0:w]
+        base = np.stack([x * 255 // w, y * 255 // h, (x + y) * 127 // (h + w)], -1)
+        return Image.fromarray(np.clip(base + rng.normal(0, 12, base.shape), 0, 255).astype(np.uint8))
+
+    photo(300, 400).convert("CMYK").save(odd / "cmyk.jpg", quality=90)
+    photo(280, 350).convert("L").save(odd / "gray.jpg", quality=90)
+    photo(290, 310).save(odd / "png.jpg", format="PNG")
+    photo(333, 377).save(odd / "progressive.jpg", quality=85, progressive=True)
+    buf = io.BytesIO()
+    photo(256, 256).save(buf, "JPEG", quality=90)
+    raw = buf.getvalue()
+    (odd / "corrupt.jpg").write_bytes(raw[:raw.find(b"\xff\xda") + 3000] + b"\xff\xd9")
+    return str(root)
+
+
+def _decode_pipeline(kind):
+    if kind == "train":
+        return T.Compose([T.RandomResizedCrop(224), T.RandomHorizontalFlip(), T.ToTensor(), NORM])
+    return T.Compose([T.Resize(256), T.CenterCrop(224), T.PILToTensor()])
+
+
+def _levels(a, b):
+    if a.dtype == torch.uint8:
+        return (a.int() - b.int()).abs().float()
+    return (a - b).abs() * torch.tensor(NORM.std).view(1, 3, 1, 1) * 255
+
+
+@needs_cuda
+@pytest.mark.parametrize("decoder", ["torchvision", "nvimgcodec"])
+@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("kind", ["train", "eval"])
+def test_decode_on_the_gpu_is_the_cpu_path_within_the_documented_bound(mixed_jpegs, monkeypatch, decoder, workers,
+                                                                        kind):
+    """The real GPU decoder, its batched call and the stage on CUDA: images
+    within docs/api.md's bound of the CPU path, and within the decoder's own
+    arithmetic of the CPU stand-in CI runs (same geometry, same resize);
+    labels equal; CMYK and PNG prepared by the CPU path in the workers (its
+    very pixels); counts in stats()."""
+    from coordl.device import decode as DD
+
+    if decoder == "nvimgcodec":
+        pytest.importorskip("nvidia.nvimgcodec")
+    monkeypatch.setenv("COORDL_DEVICE_DECODER", decoder)
+    ds = coordl.ImageFolder(mixed_jpegs, _decode_pipeline(kind))
+    names = [os.path.basename(p) for p, _ in ds.samples]
+    kw = dict(batch_size=6, seed=8, shuffle=False, num_workers=workers)
+    cpu = list(coordl.DataLoader(ds, **kw))
+    L = coordl.DataLoader(ds, device="cuda", decode="device", **kw)
+    got = list(L)
+    torch.cuda.synchronize()
+    monkeypatch.setattr(D, "CPU_TEST_DEVICE", True)
+    monkeypatch.setattr(DD, "decoder_for", lambda dev: DD.HostDecoder(dev, fancy_upsampling=decoder == "nvimgcodec"))
+    stand_in = list(coordl.DataLoader(ds, device="cpu", decode="device", **kw))
+    assert len(got) == len(cpu) == len(stand_in)
+    row = 0
+    for (a, y), (b, y2), (c, y3) in zip(cpu, got, stand_in):
+        assert b.is_cuda and y2.is_cuda and b.dtype == a.dtype and b.shape == a.shape
+        assert torch.equal(y, y2.cpu()) and torch.equal(y, y3)
+        b = b.cpu()
+        for k in range(len(y)):
+            name = names[row + k]
+            d = _levels(a[k:k + 1], b[k:k + 1])
+            if name in ("cmyk.jpg", "png.jpg"):
+                assert float(d.max()) == 0, name
+            elif name != "corrupt.jpg":
+                assert float(d.mean()) <= DECODE_MEAN and float(d.max()) <= DECODE_MAX, (name, float(d.mean()),
+                                                                                         float(d.max()))
+                assert float(_levels(c[k:k + 1], b[k:k + 1]).mean()) <= STAND_IN_MEAN, name
+        row += len(y)
+    st = L.stats()
+    assert st.device_decode.startswith(("torchvision" if decoder == "torchvision" else "nvImageCodec"))
+    assert 2 <= st.device_decode_cpu_images <= 3 and st.device_decode_images + st.device_decode_cpu_images == len(ds)
+
+
+@needs_cuda
+def test_decode_on_the_gpu_resumes_exactly_and_skips_what_no_decoder_reads(mixed_jpegs, monkeypatch):
+    """Mid-epoch resume gives the rest of the epoch's batches exactly; a
+    stream the GPU decoder rejects and the CPU cannot read either is
+    skipped under on_error="skip" (counted, warned), the other rows of its
+    batch delivered."""
+    from coordl.decode import jpeg
+    from coordl.device import decode as DD
+
+    ds = coordl.ImageFolder(mixed_jpegs, _decode_pipeline("train"))
+    kw = dict(batch_size=5, seed=3, shuffle=True, num_workers=2, device="cuda", decode="device")
+    whole = list(coordl.DataLoader(ds, **kw))
+    L = coordl.DataLoader(ds, **kw)
+    it = iter(L)
+    first = [next(it) for _ in range(2)]
+    state = L.state_dict()
+    del it
+    R = coordl.DataLoader(ds, **kw)
+    R.load_state_dict(state)
+    for (a, y), (b, y2) in zip(first + list(R), whole):
+        assert torch.equal(a, b) and torch.equal(y, y2)
+    bad = next(i for i, (p, _) in enumerate(ds.samples) if p.endswith("progressive.jpg"))
+    head = ds.raw(bad)[:64]
+    real_host, real_for = jpeg.decode_rgb, DD.decoder_for
+
+    class Refusing:
+        def __init__(self, inner):
+            self.inner, self.name = inner, inner.name
+
+        def decode(self, streams):
+            return [RuntimeError("rejected") if bytes(s[:64].numpy()) == head else x
+                    for s, x in zip(streams, self.inner.decode(streams))]
+
+        def finish(self):
+            self.inner.finish()
+
+    monkeypatch.setattr(jpeg, "decode_rgb", lambda raw, scale=1: (_ for _ in ()).throw(OSError("unreadable"))
+                        if bytes(raw[:64]) == head else real_host(raw, scale))
+    monkeypatch.setattr(DD, "decoder_for", lambda dev: Refusing(real_for(dev)))
+    S = coordl.DataLoader(ds, on_error="skip", **kw)
+    with pytest.warns(coordl.SkippedSampleWarning, match="progressive.jpg"):
+        got = list(S)
+    assert sum(len(y) for _, y in got) == len(ds) - 1 and S.stats().skipped == 1

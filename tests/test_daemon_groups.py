@@ -160,17 +160,20 @@ def test_pinned_items_survive_a_detach_until_released():
     g.add(a)
     g.begin_pass(1, 0, 0, 64)
     acts = g.step(1, 0, want=[0, 1, 2, 3], need=4, pin=[0, 4])
-    assert ("pinned", a, [0, 4]) in acts
+    assert ("pinned", a, [0, 4], []) in acts
     for _ in range(4):
         _, task = g.next_task()
-        g.done(task[0], True, info=["storage", 1, 0.0, 0.0])
-    assert a.pinned == {0, 1, 2, 3} and not a.claims
+        acts = g.done(task[0], True, info=["storage", 1, 0.0, 0.0])
+        assert acts == [("deliver", a, [task[0]], [True])]     # each delivery says it pinned
+    assert a.pinned == {0: 1, 1: 1, 2: 1, 3: 1} and not a.claims
     slots = sorted(g.items[x].slot for x in range(4))
     assert slots == list(range(slots[0], slots[0] + 4))     # consecutive positions, consecutive slots
     g.detach(a)
     g.end_pass(1)
     assert set(g.items) == {0, 1, 2, 3} and len(g.free) == 12   # still staged for its views
     g.release(1, [0, 1])
+    assert set(g.items) == {0, 1, 2, 3}     # a release gives back claims, not pins
+    g.release(1, unpin=[0, 1])
     assert set(g.items) == {2, 3}
     g.remove(1)                       # its connection closed
     assert not g.items and len(g.free) == 16
@@ -260,3 +263,44 @@ def test_a_report_of_several_samples_is_one_delivery_per_member_with_what_each_w
     assert sorted(delivered(acts, a)) == [0, 1, 2, 3] and sorted(delivered(acts, b)) == [0, 2]
     assert a.short == 0 and b.short == 0 and not a.want and not b.want
     assert g.prepared == 3 and g.items[3].state == "failed"
+
+
+def test_pins_are_counted_so_a_position_given_twice_stays_until_both_are_given_back():
+    """A member given a position it still pins (it runs the epoch again, or
+    rolls back, while it holds a view of it) holds two pins of it: giving
+    one back (the second view died, or its copy was made) keeps the slot
+    for the first view; a pin it was not given is not taken off."""
+    g = Group(1, "k", nslots=16, samples_per_epoch=8)
+    a = Member(1, 10, "a")
+    g.add(a)
+    for rnd in range(2):              # epoch 0, then epoch 0 again (set_epoch(0))
+        g.begin_pass(1, 0, 0, 8)
+        acts = g.step(1, 0, want=range(4), need=4, pin=[0, 4]) + run_worker(g)
+        assert sorted(delivered(acts, a)) == [0, 1, 2, 3]
+        g.end_pass(1)
+    assert a.pinned == {0: 2, 1: 2, 2: 2, 3: 2}
+    slots = {x: g.items[x].slot for x in range(4)}
+    g.release(1, unpin=[0, 1, 2, 3, 0])     # the second view's pins (and one of 0 twice: the first view's)
+    assert a.pinned == {1: 1, 2: 1, 3: 1} and set(g.items) == {1, 2, 3}
+    assert {x: g.items[x].slot for x in (1, 2, 3)} == {x: slots[x] for x in (1, 2, 3)}
+    g.release(1, unpin=[0, 5])              # pins it does not hold: nothing happens
+    assert a.pinned == {1: 1, 2: 1, 3: 1}
+    g.release(1, unpin=[1, 2, 3])
+    assert not a.pinned and not g.items
+
+
+def test_claims_in_a_pin_range_become_pins_and_the_answer_names_them():
+    g = Group(1, "k", nslots=64, samples_per_epoch=64)
+    a = Member(1, 10, "a")
+    g.add(a)
+    g.begin_pass(1, 0, 0, 64)
+    acts = g.step(1, 0, want=range(8), need=2, pin=[0, 2]) + run_worker(g)
+    flags = {x: p for act in acts if act[0] == "deliver" for x, p in zip(act[2], act[3])}
+    assert flags == {x: x < 2 for x in range(8)}            # the read-ahead beyond the range is claimed
+    assert a.claims == set(range(2, 8))
+    acts = g.step(1, 2, release=[], want=[], need=4, pin=[2, 6], unpin=[0, 1])
+    assert ("pinned", a, [2, 6], [2, 3, 4, 5]) in acts
+    assert a.pinned == {2: 1, 3: 1, 4: 1, 5: 1} and a.claims == {6, 7}
+    # pinned already: counted once against the bound (a quarter of 64 = 16 slots)
+    assert any(x[0] == "pinned" for x in g.step(1, 2, need=4, pin=[2, 14]))
+    assert not any(x[0] == "pinned" for x in g.step(1, 2, need=4, pin=[2, 20]))

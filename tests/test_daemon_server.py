@@ -37,6 +37,16 @@ def _gone(pid, timeout=15):
     return True
 
 
+def test_asking_for_a_daemon_creates_no_run_directory(rundir):
+    """status() and stop() where no daemon ever ran leave no directory
+    behind (a test's run directory under /tmp stayed, empty, after every
+    run of the suite)."""
+    d, _ = rundir
+    assert S.status() is None
+    assert S.stop(timeout=5) is False
+    assert not d.exists()
+
+
 def test_start_status_stop(rundir):
     d, pids = rundir
     assert S.status() is None

@@ -60,12 +60,13 @@ def test_fused_same_draws_as_pil_path():
 
 
 def test_power_of_two_dct_scale_only():
-    assert _decode._pow2_scale((800, 600), (100, 100)) == 4
-    assert _decode._pow2_scale((800, 600), (300, 300)) == 2
-    assert _decode._pow2_scale((800, 600), (500, 100)) == 1
-    raw = _jpeg(800, 600)
-    assert _decode.decode_rgb(raw, min_hw=(100, 100)).shape == (150, 200, 3)
-    assert _decode.decode_rgb(raw).shape == (600, 800, 3)
+    assert _decode.draft_scale((600, 800), (100, 100)) == 4
+    assert _decode.draft_scale((600, 800), (300, 300)) == 2
+    assert _decode.draft_scale((600, 800), (100, 500)) == 1
+    assert _decode.draft_scale((6000, 8000), (10, 10)) == 8
+    raw = _jpeg(801, 603)
+    assert _decode.decode_rgb(raw, scale=4).shape == (151, 201, 3)  # ceil: the last pixel is part padding
+    assert _decode.decode_rgb(raw).shape == (603, 801, 3)
 
 
 def test_grayscale_jpeg_gives_three_channels():
@@ -121,7 +122,7 @@ def _every_decode_path():
     from coordl.datasets import pil_decode
 
     paths = [("simplejpeg", _decode.decode_rgb),
-             ("simplejpeg-dct-scaled", lambda raw: _decode.decode_rgb(raw, min_hw=(16, 16))),
+             ("simplejpeg-dct-scaled", lambda raw: _decode.decode_rgb(raw, scale=8)),
              ("pil_rgb", _decode.pil_rgb), ("pil_decode", pil_decode)]
     for name, pipe in FUSED.items():
         paths.append((f"fused-{name}", lambda raw, pipe=pipe: _rng_call(pipe.from_bytes, raw)))

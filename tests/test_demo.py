@@ -65,3 +65,57 @@ def test_demo_reuses_a_root_it_made_and_says_so(tmp_path, capsys):
     empty.mkdir()
     _prepare_root(str(empty), 4)  # an empty directory is filled
     assert "generated 4 photo-like JPEGs" in capsys.readouterr().out
+
+
+def _recording(monkeypatch):
+    """Record the arguments of every loader the demo builds, per class."""
+    import torch
+
+    import coordl
+
+    calls = {"torch": [], "coordl": []}
+
+    class TorchRec(torch.utils.data.DataLoader):
+        def __init__(self, *a, **kw):
+            calls["torch"].append((a, kw))
+            super().__init__(*a, **kw)
+
+    class CoordlRec(coordl.DataLoader):
+        def __init__(self, *a, **kw):
+            calls["coordl"].append((a, kw))
+            super().__init__(*a, **kw)
+
+    monkeypatch.setattr(torch.utils.data, "DataLoader", TorchRec)
+    monkeypatch.setattr(coordl, "DataLoader", CoordlRec)
+    return calls
+
+
+def test_the_timed_loaders_differ_only_in_the_import_when_the_demo_says_so(monkeypatch, capsys):
+    import pytest
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from _torchvision import import_torchvision
+
+    from coordl import demo
+
+    if import_torchvision() is None or demo._torchvision() is None:
+        pytest.skip("torchvision is not installed (pip install coordl[test])")
+    calls = _recording(monkeypatch)
+    demo.run_demo(images=12, epochs=1, workers=0, batch_size=4)
+    out = capsys.readouterr().out
+    (ta, tk), (ca, ck) = calls["torch"][0], calls["coordl"][0]   # the timed runs
+    assert "only the DataLoader import differs" in out, out
+    assert ta[0] is ca[0] and ta[1:] == ca[1:] and tk == ck, (calls["torch"][0], calls["coordl"][0])
+    assert "from the node cache" in out
+
+
+def test_without_torchvision_the_demo_does_not_claim_only_the_import_differs(monkeypatch, capsys):
+    from coordl import demo
+
+    monkeypatch.setattr(demo, "_torchvision", lambda: None)
+    calls = _recording(monkeypatch)
+    demo.run_demo(images=12, epochs=1, workers=0, batch_size=4)
+    out = capsys.readouterr().out
+    assert "hand-written" in out and "only the DataLoader import differs" not in out, out
+    (_, tk), (_, ck) = calls["torch"][0], calls["coordl"][0]
+    assert tk == ck

@@ -1,4 +1,4 @@
-"""The device split (issue 21, items 1-6), on a machine without an
+"""The device split, on a machine without an
 accelerator: the CPU stands in for the device (``CPU_TEST_DEVICE``), so the
 whole path runs (split, marks, ring, tail) and its batches are compared with
 the plain CPU path, bit for bit."""

@@ -1,4 +1,4 @@
-"""Drop-in gaps found with torch's own DataLoader tests (issue 7 item 18):
+"""Drop-in gaps found with torch's own DataLoader tests:
 generic subscription, torch's iterator attributes, nested-tensor batches."""
 from typing import List
 

@@ -1,4 +1,4 @@
-"""A bad sample's error keeps its own type (issue 7 item 16a).
+"""A bad sample's error keeps its own type.
 
 torch re-raises a failing sample's exception type, so a user's ``except
 OSError:`` works; coordl adds its context (stage, index, path, remedy) and
@@ -14,6 +14,7 @@ import torch
 
 from coordl import DataLoader, SampleError
 from coordl.errors import sample_error_type
+from toydata import Unsized
 
 
 class UserError(Exception):
@@ -84,14 +85,16 @@ class ErrDataset(torch.utils.data.Dataset):
         return self.prep(self.raw(i), i)
 
 
-# (num_workers, user sampler?) -> coordl pipeline in-process, coordl's workers,
-# torch's single-process iterator, torch's worker processes
-PATHS = [(0, False), (2, False), (0, True), (2, True)]
-IDS = ["inline", "coordl-workers", "torch-inline", "torch-workers"]
+# (num_workers, sampler) -> coordl pipeline in-process, coordl's workers (in the plan's
+# order, in a sampler's), torch's single-process iterator, torch's worker processes
+# (a sampler without a length)
+PATHS = [(0, None), (2, None), (2, "sized"), (0, "unsized"), (2, "unsized")]
+IDS = ["inline", "coordl-workers", "coordl-sampler", "torch-inline", "torch-workers"]
 
 
 def _first_error(ds, num_workers, user_sampler, **kw):
-    sampler = torch.utils.data.SequentialSampler(range(len(ds))) if user_sampler else None
+    sampler = None if user_sampler is None else torch.utils.data.SequentialSampler(range(len(ds))) \
+        if user_sampler == "sized" else Unsized(len(ds))
     L = DataLoader(ds, batch_size=2, num_workers=num_workers, seed=0, sampler=sampler,
                    timeout=60 if num_workers else 0, **kw)
     try:

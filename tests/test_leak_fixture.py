@@ -209,7 +209,7 @@ def test_only_coordls_and_this_trees_shm_entries_are_blamed():
     """Another program's entries appearing in /dev/shm during a test (any
     name of its own; torch's ``torch_<pid>_...`` of a process outside this
     tree) are not this test's leaks; coordl's entries and torch entries of
-    this process or its children are (issue 21, 11)."""
+    this process or its children are."""
     before_pids, before_shm = _snapshot()
     tag = uuid.uuid4().hex[:8]
     outsider = os.getppid()  # alive, and not in this process' tree

@@ -251,6 +251,51 @@ def test_other_dataset_length_and_garbage_state_refused():
         DataLoader(Plain(10), batch_size=2).load_state_dict(a.state_dict())
 
 
+def _folder(root, seed, n=12):
+    from coordl.synth import make_image_folder
+
+    make_image_folder(str(root), num_images=n, num_classes=2, image_size=(40, 30), seed=seed)
+    return coordl.ImageFolder(str(root), transform=coordl.transforms.PILToTensor())
+
+
+def test_mid_epoch_state_of_another_dataset_of_the_same_length_refused(tmp_path):
+    """Two folders of 12 images each: a mid-epoch state of one must not
+    resume on the other (it would deliver the rest of an epoch of the wrong
+    samples); the same folder copied elsewhere resumes."""
+    import shutil
+
+    a = DataLoader(_folder(tmp_path / "a", seed=1), batch_size=2, seed=4)
+    it = iter(a)
+    next(it)
+    state = pickle.loads(pickle.dumps(a.state_dict()))
+    other = DataLoader(_folder(tmp_path / "b", seed=2), batch_size=2, seed=4)
+    with pytest.raises(StateError, match="another dataset.*same dataset"):
+        other.load_state_dict(state)
+    shutil.copytree(tmp_path / "a", tmp_path / "a_copy")
+    moved = DataLoader(coordl.ImageFolder(str(tmp_path / "a_copy"), transform=coordl.transforms.PILToTensor()),
+                       batch_size=2, seed=4)
+    moved.load_state_dict(state)
+    assert len(list(moved)) == len(moved) - 1
+    del it
+
+
+def test_set_epoch_to_another_epoch_after_a_mid_epoch_load_warns():
+    ds = TwoStageToy(20)
+    a = DataLoader(ds, batch_size=4, shuffle=True, seed=1)
+    it = iter(a)
+    next(it)
+    b = DataLoader(ds, batch_size=4, shuffle=True, seed=1)
+    b.load_state_dict(a.state_dict())
+    with pytest.warns(UserWarning, match=r"set_epoch\(1\) drops the position load_state_dict restored "
+                                         r"\(epoch 0, 1 of 5 batches delivered\)"):
+        b.set_epoch(1)
+    assert b.epoch == 1 and len(list(b)) == 5
+    b.load_state_dict(a.state_dict())   # the same epoch: nothing dropped, nothing said
+    b.set_epoch(0)
+    assert len(list(b)) == 4
+    del it
+
+
 # ----------------------------------------------------------------- stats
 @pytest.mark.parametrize("num_workers", [0, 2])
 def test_stats_two_stage(num_workers):
@@ -401,3 +446,12 @@ def test_two_stage_with_user_sampler_runs_on_torch_machinery(num_workers):
     assert out[0][0][0, 1].item() == int(derive(4, 0, 3).random() * 2**30)
     st = L.stats()
     assert st.samples == 4 and st.bytes_from_storage == 4 * 32
+
+
+def test_an_unpicklable_dataset_under_spawn_names_the_remedy():
+    ds = TwoStageToy(8)
+    ds.f = lambda x: x   # noqa: E731
+    L = DataLoader(ds, batch_size=2, seed=0, num_workers=1, multiprocessing_context="spawn")
+    with pytest.raises(Exception, match="pickle") as ei:
+        list(L)
+    assert "with def at module level (or as a class with __call__)" in "\n".join(ei.value.__notes__)

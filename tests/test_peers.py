@@ -241,7 +241,7 @@ def _fails_with(c, text, timeout=90):
 
 
 def test_a_loader_built_on_rank_0_only_without_cache_is_not_collective(tmp_path, data):
-    """Issue 19, defect 1: an evaluation loader built on rank 0 only (peers
+    """An evaluation loader built on rank 0 only (peers
     "auto", no cache_size) must not call a collective: it paired with the
     other ranks' training loader (a wrong warning, then a hang)."""
     c = Cluster(tmp_path, data, world=2, per_node=1, epochs=2, peers="auto", rank_opts={0: {"extra": "nocache"}})
@@ -252,7 +252,7 @@ def test_a_loader_built_on_rank_0_only_without_cache_is_not_collective(tmp_path,
 
 
 def test_a_loader_one_node_by_the_launcher_is_not_collective(tmp_path, data):
-    """Issue 19, defect 1: torchrun's environment says one node
+    """Torchrun's environment says one node
     (LOCAL_WORLD_SIZE == WORLD_SIZE): peers "auto" stay off without any
     collective, so a loader with a cache built on rank 0 only goes through."""
     c = Cluster(tmp_path, data, world=2, per_node=2, epochs=1, node_ids=False, barrier=0, peers="auto",
@@ -263,7 +263,7 @@ def test_a_loader_one_node_by_the_launcher_is_not_collective(tmp_path, data):
 
 
 def test_a_rank_building_one_loader_more_is_an_error_on_every_rank(tmp_path, data):
-    """Issue 19, defect 1: rank 0 builds one cached loader more than rank 1
+    """Rank 0 builds one cached loader more than rank 1
     (peers on): every rank raises a clear error naming the mismatch, instead
     of pairing rank 0's extra loader with rank 1's training loader."""
     c = Cluster(tmp_path, data, world=2, per_node=1, epochs=1, rank_opts={0: {"extra": "cache"}},
@@ -273,7 +273,7 @@ def test_a_rank_building_one_loader_more_is_an_error_on_every_rank(tmp_path, dat
 
 @pytest.mark.parametrize("first", ["eval", "resume"])
 def test_ownership_follows_what_caches_hold_after_any_first_pass(tmp_path, data, first):
-    """Issue 19, defect 2: an evaluation pass (shuffle=False) first, or a
+    """An evaluation pass (shuffle=False) first, or a
     mid-epoch resume with fresh caches, left ownership computed from a plan
     the caches never followed: a share of every later epoch came from
     storage for good.  Asked from what caches hold, the cluster reads
@@ -289,7 +289,7 @@ def test_ownership_follows_what_caches_hold_after_any_first_pass(tmp_path, data,
 
 
 def test_uneven_ranks_per_node_cost_no_storage_reads_after_the_first_epoch(tmp_path, data):
-    """Issue 19, defect 2: node n0 runs 2 ranks, n1 one; n0 reads 2/3 of the
+    """Node n0 runs 2 ranks, n1 one; n0 reads 2/3 of the
     dataset in the first epoch and caches only half: what overflows is
     handed to n1, which has room, so from epoch 1 on nothing comes from
     storage (the plan-based ownership read the overflow every epoch)."""
@@ -302,7 +302,7 @@ def test_uneven_ranks_per_node_cost_no_storage_reads_after_the_first_epoch(tmp_p
 
 
 def test_bad_peer_environment_is_refused_on_every_rank_naming_the_variable(tmp_path, data):
-    """Issue 19, defect 7: COORDL_PEER_PORT=70000 raised OverflowError on one
+    """COORDL_PEER_PORT=70000 raised OverflowError on one
     rank and a gloo error on the others; now every rank refuses it, before
     any collective, naming the variable."""
     c = Cluster(tmp_path, data, world=2, per_node=1, epochs=1, env={"COORDL_PEER_PORT": "70000"})
@@ -310,7 +310,7 @@ def test_bad_peer_environment_is_refused_on_every_rank_naming_the_variable(tmp_p
 
 
 def test_a_node_daemon_killed_serves_again_within_one_timeout(tmp_path, data):
-    """Issue 19, defect 6: after n1's daemon (its peer server) is SIGKILLed,
+    """After n1's daemon (its peer server) is SIGKILLed,
     n1 serves again within about one timeout, in the very next epoch (it was
     read from storage for that whole epoch)."""
     env = {"COORDL_RUN_DIR": str(tmp_path / "run")}
@@ -330,7 +330,7 @@ def test_a_node_daemon_killed_serves_again_within_one_timeout(tmp_path, data):
 
 # ---------------------------------------------------------------- no processes
 def test_a_rank_with_many_descriptors_keeps_its_daemon_hosted_server():
-    """Issue 19, defect 4: in a rank holding 1,100 open files, the check
+    """In a rank holding 1,100 open files, the check
     that the node daemon still serves (select() on its connection) failed
     with ValueError, read as "the daemon died", and the server was torn down
     and rebuilt every pass; the worker's and the daemon's loops had the
@@ -361,7 +361,7 @@ print("dead", not h.alive(), _readable([a.fileno()], 0) == [a.fileno()])
 
 
 def test_peers_environment_takes_the_share_convention(monkeypatch):
-    """Issue 19, defect 7: COORDL_PEERS accepts 0/1/true/false/yes/no like
+    """COORDL_PEERS accepts 0/1/true/false/yes/no like
     COORDL_SHARE; a bad value's error names the variable, not a peers=
     argument nobody passed."""
     for v, want in (("0", "off"), ("false", "off"), ("no", "off"), ("1", "on"), ("true", "on"), ("YES", "on"),
@@ -397,7 +397,7 @@ def test_peers_env_values_build_a_loader_in_one_process(monkeypatch, data):
 
 @pytest.mark.parametrize("addr", ["0", "::0", "0:0:0:0:0:0:0:0", "0.0.0.0", "::", "0.0", "[::]"])
 def test_every_spelling_of_the_wildcard_is_refused(monkeypatch, addr):
-    """Issue 19, defect 8: the guard compared strings, so "0", "::0" or
+    """The guard compared strings, so "0", "::0" or
     "0:0:0:0:0:0:0:0" bound every interface."""
     from coordl.peers.server import PeerServer
 
@@ -412,7 +412,7 @@ def test_every_spelling_of_the_wildcard_is_refused(monkeypatch, addr):
 
 
 def test_ownership_comes_from_membership_not_from_plans(monkeypatch):
-    """Issue 19, defect 5 (and 2): who holds what is the peers' membership,
+    """Who holds what is the peers' membership,
     asked once per process per epoch; owners() draws no permutation (it drew
     one per rank: 5.5 s at world 256 for 1.28M samples, in every worker)."""
     import importlib

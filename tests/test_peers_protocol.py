@@ -1,4 +1,4 @@
-"""The peer protocol under attack and under failure (issue 9, requirement 4).
+"""The peer protocol under attack and under failure.
 
 Everything here drives the real :class:`coordl.peers.PeerServer` over a real
 :class:`coordl.cache.NodeCache` on 127.0.0.1, and the real client
@@ -546,7 +546,7 @@ def test_replayed_handshake_is_refused(server, cache):
 
 def test_wrong_cache_id_is_refused(server, cache):
     """A client asking for another dataset's cache is refused (PeerDown), even
-    with the right secret, and before any challenge (issue 19, defect 9: as
+    with the right secret, and before any challenge (as
     docs/architecture.md says): the server computes no MAC over an id it does
     not serve; the cache it serves gets a challenge."""
     for cid, want in ((P.cache_id("another dataset"), []), (P.cache_id(cache.name), [P.CHALLENGE])):
@@ -589,7 +589,7 @@ def rx_threads() -> list[threading.Thread]:
 def test_absent_samples_are_never_asked_and_the_peer_stays_up(server, cache):
     """Ownership is what the peer's cache holds (its membership, asked once
     per epoch): a sample it does not hold is read from storage without
-    asking (issue 19, defect 2); one it holds is served."""
+    asking; one it holds is served."""
     client = two_node_client(server, cache)
     try:
         assert owned_by_peer(client) == HERE_IDX
@@ -765,7 +765,7 @@ def test_client_facing_a_broken_peer_falls_back_within_a_timeout(cache, behave):
 def test_a_peer_that_stalled_rejoins_within_one_timeout(cache):
     """A stalled peer is marked down; its successor on the same address (a
     restarted node daemon) serves again one timeout later, within the same
-    epoch (issue 19, defect 6: it was down for the whole epoch)."""
+    epoch (it was down for the whole epoch)."""
     cid = cid_of(cache)
     fake = FakeServer(lambda conn: fake_stalls_after_handshake(conn, cid))
     port = fake.address[1]
@@ -961,7 +961,7 @@ print("cpu", spent)
 
 
 def test_server_serves_many_connections_with_fixed_threads_and_idle_sockets_cannot_starve_it():
-    """Issue 19, defect 3: every fetching process keeps a connection to every
+    """Every fetching process keeps a connection to every
     peer (64 nodes x 8 ranks x 8 workers: ~4,000 per server).  Here 1,200
     authenticated connections stay open while 400 idle unauthenticated
     sockets sit on the server: every connection is served, the server's
@@ -1068,7 +1068,7 @@ def test_a_sample_asked_twice_in_one_fetch_is_served(server, cache):
 
 
 def test_bytes_failing_their_checksum_are_read_from_storage_not_spread(cache):
-    """Issue 19 ("Also"): a peer's bytes carry the CRC32 of what its cache
+    """A peer's bytes carry the CRC32 of what its cache
     verified; bytes that do not match (corrupted on the wire or a bad
     entry) are dropped, so they are neither used nor admitted here, and the
     peer stays up for the samples it sends intact."""

@@ -24,9 +24,8 @@ def _child(body: str, timeout: float = 90, prelude: str = ""):
 # ---------------------------------------------------------------- item 10
 _COLLECT = """
 import torch
-from torch.utils.data import SequentialSampler
 from coordl import DataLoader
-from toydata import TwoStageToy
+from toydata import TwoStageToy, Unsized
 
 def collect(L, epochs):
     out, errors = [], []
@@ -46,21 +45,22 @@ def collect(L, epochs):
 """
 
 
-@pytest.mark.parametrize("placement", ["inline", "workers", "persistent", "torch-inline", "torch-workers"])
+@pytest.mark.parametrize("placement", ["inline", "workers", "persistent", "sampler", "torch-inline",
+                                       "torch-workers"])
 def test_after_a_sample_error_the_pass_goes_on_like_torch(placement):
     """One bad sample in the middle: torch raises for its batch, then yields
     the following batches.  coordl must deliver the same batches and raise the
     same number of times, on every placement (and the next epoch is whole)."""
     nw = 0 if placement in ("inline", "torch-inline") else 2
     pw = placement == "persistent"
-    extra = ", sampler=SequentialSampler(ds)" if placement.startswith("torch") else ", seed=0"
+    extra = (", sampler=Unsized(len(ds))" if placement.startswith("torch") else
+             ", sampler=torch.utils.data.SequentialSampler(ds)" if placement == "sampler" else ", seed=0")
     out = _child(f"""
         ds = TwoStageToy(40, bad={{13, 30}})
         ref = collect(torch.utils.data.DataLoader(ds, batch_size=4, num_workers={nw},
                                                   persistent_workers={pw}), 2)
         L = DataLoader(ds, batch_size=4, num_workers={nw}, persistent_workers={pw}{extra})
-        if {placement!r} != "torch-inline" and {placement!r} != "torch-workers":
-            assert L._mode.runs_pipeline
+        assert L._mode.runs_pipeline == {not placement.startswith("torch")}
         mine = collect(L, 2)
         print("REF", ref)
         print("MINE", mine)
@@ -259,7 +259,8 @@ _PLACEMENTS = {
     "inline": "num_workers=0, seed=0",
     "workers": "num_workers=2, seed=0",
     "persistent": "num_workers=2, seed=0, persistent_workers=True",
-    "torch-machinery": "num_workers=2, sampler=torch.utils.data.SequentialSampler(ds)",
+    "sampler": "num_workers=2, sampler=torch.utils.data.SequentialSampler(ds)",
+    "torch-machinery": "num_workers=2, sampler=Unsized(len(ds))",
 }
 
 
@@ -270,7 +271,7 @@ def test_raw_returning_a_non_bytes_is_that_samples_error(placement):
     out = _child(f"""
         import torch
         from coordl import DataLoader
-        from toydata import TwoStageToy
+        from toydata import TwoStageToy, Unsized
 
         class IntRaw(TwoStageToy):
             def raw(self, i):

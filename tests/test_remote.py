@@ -1,4 +1,4 @@
-"""Remote reads against servers that do not keep up (issue 21, item 12): the
+"""Remote reads against servers that do not keep up: the
 concurrent requests to a host adapt, transient failures are retried with
 backoff, and what cannot be read says why and what to change.  Every test
 runs on both read paths (obstore and fsspec)."""

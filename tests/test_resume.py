@@ -1,4 +1,4 @@
-"""Exact resume (issue 7 items 14, 15): out-of-order delivery, whole-batch
+"""Exact resume: out-of-order delivery, whole-batch
 skips, and state saved after breaking out of a pass."""
 import gc
 import pickle

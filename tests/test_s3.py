@@ -1,6 +1,6 @@
 """S3 URL datasets against a real S3 API server (moto's server mode, in a
 child process on 127.0.0.1), on both read paths: obstore and fsspec (s3fs).
-Issue 21, item 13: listing, whole and ranged reads, credentials, and the
+Listing, whole and ranged reads, credentials, and the
 errors for a missing bucket, a missing key and refused credentials.
 
 The endpoint reaches both clients the way a user sets it: ``AWS_ENDPOINT_URL``

@@ -531,3 +531,15 @@ print("RESULT", json.dumps(r))
     assert r["views"] >= 3 and r["shared"] > 200, r   # the batches handed over were views of staging
     assert r["changed"] == 0, r
     assert r["private_maps"] == 0, r
+
+
+def test_an_unpicklable_transform_warns_with_the_remedy(photos, daemon_env):
+    """A lambda in the transform cannot reach the daemon: the warning says
+    so and what to write instead; the loader prepares in the job."""
+    ds = coordl.ImageFolder(photos, transform=T.Compose([T.RandomResizedCrop(16), T.PILToTensor(),
+                                                          lambda x: x.flip(-1)]))
+    ld = coordl.DataLoader(ds, batch_size=8, seed=7, share=True)
+    with pytest.warns(UserWarning, match=r"cannot be pickled.*<lambda>.*define .* with def at module level "
+                                         r"\(or as a class with __call__\)"):
+        got = list(ld)
+    assert len(got) == 6 and ld.stats().samples_shared == 0

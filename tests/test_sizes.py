@@ -1,4 +1,4 @@
-"""Sizes (cache_size, read_ahead) are whole numbers of bytes (issue 7 item 16c).
+"""Sizes (cache_size, read_ahead) are whole numbers of bytes.
 
 A float ``cache_size=1.5`` used to be truncated to 1 byte without a word.
 """

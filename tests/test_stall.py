@@ -1,4 +1,4 @@
-"""Live stall metrics (issue 10, req. 2): per-epoch wait in next() over the
+"""Live stall metrics: per-epoch wait in next() over the
 wall time between batches, and stage busy times, on synthetic datasets with
 known delays.  Bounds are wide: they tell a loader-bound epoch from a
 step-bound one and a slow read from a slow decode, not how fast this
@@ -75,7 +75,7 @@ def _bar_lines(text: str) -> list[str]:
 
 def test_progress_bar_stays_after_each_epoch_and_its_rates_agree(monkeypatch):
     """The bar of each epoch stays on screen when the epoch ends, and its
-    samples/s is its batches/s times the batch size (issue 21, 14): both
+    samples/s is its batches/s times the batch size: both
     over the same time, whatever the pace of the steps."""
     import re
 
@@ -101,7 +101,7 @@ def test_progress_bar_stays_after_each_epoch_and_its_rates_agree(monkeypatch):
 def test_an_epoch_run_again_is_the_latest_record():
     """``set_epoch(0)`` after epochs 0 and 1: the re-run is ``epochs[-1]``,
     a record of its own; a pass that resumes it mid-way (load_state_dict)
-    adds to that record (issue 21, 14)."""
+    adds to that record."""
     L = coordl.DataLoader(TwoStageToy(16), batch_size=4, seed=0)
     for _ in range(2):
         _epoch(L)

@@ -232,3 +232,42 @@ def test_spawned_and_forkserver_workers_get_no_device_state(photos, tmp_path):
                 for batch in L:
                     garbage_of_a_training_step(batch)
     """)
+
+
+_DECODE = '''
+from coordl.device import decode as DD
+
+real_run = DD.DecodeStage.run
+
+
+def run(self, batch, stats, step=None):
+    batch, images = real_run(self, batch, stats, step)
+    for t in images.values():
+        probe(t, "image decoded on the device")
+    return batch, images
+
+
+DD.DecodeStage.run = run
+'''
+
+
+@pytest.mark.parametrize("kind", ["tuple", "dict"])
+def test_decode_on_the_device_never_reaches_a_worker(photos, tmp_path, kind):
+    """decode="device": the images the main process decodes, the stage's
+    decoder and the tail's constants stay there, through interleaved
+    loaders, early exits, persistent workers and the workers' arguments."""
+    cls = {"tuple": "coordl.ImageFolder", "dict": "DictFolder"}[kind]
+    _run(photos, tmp_path, setup=_DECODE + _RECEIVED, body=f"""
+        gc.disable()
+        for persistent in (False, True):
+            train = loader({cls}, TRAIN, shuffle=True, persistent_workers=persistent, decode="device")
+            val = loader({cls}, VAL, persistent_workers=persistent, decode="device")
+            for epoch in range(2):
+                for k, batch in enumerate(train):
+                    garbage_of_a_training_step(batch)
+                    if epoch == 0 and k == 2:
+                        break
+                for batch in val:
+                    garbage_of_a_training_step(batch)
+            assert train.stats().device_decode_images > 0
+    """)

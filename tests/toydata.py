@@ -60,3 +60,15 @@ class Plain(torch.utils.data.Dataset):
 
     def __getitem__(self, i: int):
         return torch.tensor([i, i * i])
+
+
+class Unsized(torch.utils.data.Sampler):
+    """Indices 0..n-1 from a sampler without ``__len__``: a two-stage
+    dataset with it stays on torch's machinery (coordl reads a sampler's
+    whole epoch only when it has a length)."""
+
+    def __init__(self, n: int):
+        self.n = n
+
+    def __iter__(self):
+        return iter(range(self.n))

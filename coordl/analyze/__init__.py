@@ -37,11 +37,12 @@ from typing import Any, Callable, Sequence
 
 from . import model
 from .inputs import MODEL_ERROR_CAP, MODEL_ERROR_FLOOR, _model_error, _model_inputs  # noqa: F401 (public here)
+from .model import MODEL_ERROR_VERDICT  # noqa: F401 (public here)
 from .measure import TRANSFORMS
-from .report import format_report, write_json, write_plot
+from .report import format_report, recommend, step_words, write_json, write_plot
 
 __all__ = ["analyze", "measure_prep", "format_report", "write_json", "write_plot", "model", "TRANSFORMS",
-           "predict", "STEP_KINDS", "MODEL_ERROR_FLOOR", "MODEL_ERROR_CAP"]
+           "predict", "recommend", "STEP_KINDS", "MODEL_ERROR_FLOOR", "MODEL_ERROR_CAP", "MODEL_ERROR_VERDICT"]
 
 _MiB = 2 ** 20
 
@@ -187,7 +188,7 @@ def analyze(root: str | os.PathLike | None = None, *, dataset: Any = None, trans
         k_step = model.Est.exact(0.0, "given: a rate= step sleeps (no CPU)")
     kind = step_kind if step_kind != "auto" else ("cpu" if share >= 0.5 else "accelerator")
     say(f"  step alone: {G.value:.1f} samples/s, {c_step.value * 1e3:.3f} CPU-ms/sample "
-        f"({share:.2f} cores busy: a{'' if kind == 'accelerator' else ' CPU'} {kind} step)")
+        f"({share:.2f} cores busy: {step_words(kind)})")
     del batch
     timed_step = step_fn
     sync = M.cuda_sync()
@@ -216,8 +217,10 @@ def analyze(root: str | os.PathLike | None = None, *, dataset: Any = None, trans
     rc, rf = passes["cached"]["rate"], passes["cold"]["rate"]
     now = model.predict(inp, 0.0, workers)
     cached_p = model.predict(inp, 1.0, workers)
+    measured_stalls = model.stalls(G.value, rc, rf)
     vd = model.verdict(now, model.predict(inp, 0.0, workers, no_fetch=True),
-                       model.predict(inp, 0.0, workers, no_prep=True))
+                       model.predict(inp, 0.0, workers, no_prep=True),
+                       model_error=inp.model_error.value, measured=measured_stalls)
     per_sample = dbytes / n
     cold_dev = passes["fetch_cold"]["device_bytes"]
     measured_names = sorted(k for k, v in inp.__dict__.items() if isinstance(v, model.Est)
@@ -248,7 +251,7 @@ def analyze(root: str | os.PathLike | None = None, *, dataset: Any = None, trans
                                    "no block device behind the dataset (or not a local file dataset)",
             "mean_sample_bytes": per_sample,
         },
-        "stalls": model.stalls(G.value, rc, rf),
+        "stalls": measured_stalls,
         "model": {
             "inputs": inp.as_dict(),
             "measured": measured_names,
@@ -258,6 +261,7 @@ def analyze(root: str | os.PathLike | None = None, *, dataset: Any = None, trans
             "description": model.__doc__.split("\n\n")[1].replace("\n", " "),
         },
         "verdict": vd,
+        "recommendations": recommend(vd, ds),
         "what_if": {
             "cache": model.what_if_cache(inp, workers, fractions),
             "workers_cold": model.what_if_workers(inp, 0.0, wlist, prep),

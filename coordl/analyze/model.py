@@ -54,7 +54,7 @@ from dataclasses import dataclass, field, asdict
 from typing import Iterable, Mapping, Sequence
 
 __all__ = ["Est", "est_from_samples", "stalls", "fetch_rate", "amdahl", "fit_amdahl", "Inputs", "bounds",
-           "predict", "verdict", "what_if_cache", "what_if_workers", "what_if_grid", "predict_from_report",
+           "predict", "verdict", "MODEL_ERROR_VERDICT", "what_if_cache", "what_if_workers", "what_if_grid", "predict_from_report",
            "inputs_from_dict"]
 
 
@@ -398,23 +398,54 @@ def predict(inp: Inputs, cached_fraction: float, workers: int, **kw) -> dict:
             "model_error": e, "bound": name, "bounds": bs}
 
 
-def verdict(now: Mapping, no_fetch: Mapping, no_prep: Mapping, threshold: float = 0.05) -> dict:
+#: The largest model error a verdict is given under: the model's error on its own check passes (or the
+#: error stated with ``model_error=``).  The speed-ups a verdict compares (removing the fetch stall vs the
+#: prep stall) are typically x1.1 to x2; past 30% either is inside the model's own error.
+MODEL_ERROR_VERDICT = 0.30
+
+
+def verdict(now: Mapping, no_fetch: Mapping, no_prep: Mapping, threshold: float = 0.05, *,
+            model_error: float | None = None, measured: Mapping | None = None) -> dict:
     """Which stall is largest, by the what-if: the one whose removal helps
     most.  ``now``, ``no_fetch``, ``no_prep``: :func:`predict` results (the
     cold run, the same with every sample in memory, the same with free
     prep).  A stall is the share of the current time per sample that
     removing it saves, ``1 - now/without``.  Neither above ``threshold``:
-    the step is not waiting for data (``"largest": None``)."""
+    the step is not waiting for data (``"largest": None``).
+
+    No conclusion (``"conclusive": False``, ``"largest": None`` and
+    ``"why"`` saying why) when the model's error (``model_error``) is past
+    :data:`MODEL_ERROR_VERDICT`, or when the measured stalls
+    (``measured``: :func:`stalls`) say otherwise: the model names a stall
+    the measurement puts under ``threshold`` or more than ``threshold``
+    below the other, or names none while the measurement has one."""
     t = now["throughput"]
     fetch = max(0.0, 1 - t / no_fetch["throughput"])
     prep = max(0.0, 1 - t / no_prep["throughput"])
     largest = None
     if max(fetch, prep) >= threshold:
         largest = "fetch" if fetch >= prep else "prep"
-    return {"largest": largest, "fetch_stall": fetch, "prep_stall": prep,
+    why = None
+    if model_error is not None and model_error > MODEL_ERROR_VERDICT:
+        why = (f"the model missed its own check passes by {model_error:.0%}, more than the "
+               f"{MODEL_ERROR_VERDICT:.0%} a verdict needs (a busy machine, or a pipeline the model does not "
+               f"describe): run again on a quiet machine")
+    elif measured is not None:
+        m = {"fetch": float(measured["fetch"]), "prep": float(measured["prep"])}
+        said = (f"the measured stalls are fetch {m['fetch']:.1%}, prep {m['prep']:.1%}")
+        if largest is None and max(m.values()) >= threshold:
+            why = f"the model says the step is not waiting for data, but {said}"
+        elif largest is not None:
+            other = "prep" if largest == "fetch" else "fetch"
+            if m[largest] < threshold or m[other] > m[largest] + threshold:
+                why = f"the model says removing the {largest} stall helps most, but {said}"
+    return {"largest": None if why else largest, "conclusive": why is None, "why": why,
+            "model_largest": largest, "fetch_stall": fetch, "prep_stall": prep,
             "speedup_without_fetch": no_fetch["throughput"] / t, "speedup_without_prep": no_prep["throughput"] / t,
             "bound_now": now["bound"], "rule": "the stall whose removal the model says raises throughput most; "
-                                               f"none when neither saves {threshold:.0%}"}
+                                               f"none when neither saves {threshold:.0%}; no conclusion past a "
+                                               f"model error of {MODEL_ERROR_VERDICT:.0%} or against the measured "
+                                               "stalls"}
 
 
 def _row(p: dict, **extra) -> dict:

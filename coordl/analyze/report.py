@@ -1,18 +1,36 @@
 """The analyzer's report as people read it: the text table
-(:func:`format_report`), the JSON file (:func:`write_json`) and the plot
-(:func:`write_plot`, where matplotlib is installed)."""
+(:func:`format_report`), the JSON file (:func:`write_json`), the plot
+(:func:`write_plot`, where matplotlib is installed) and what to change
+(:func:`recommend`)."""
 from __future__ import annotations
 
 import json
 import os
+from typing import Any
 
-__all__ = ["format_report", "write_json", "write_plot"]
+__all__ = ["format_report", "write_json", "write_plot", "recommend", "verdict_text", "step_words"]
 
 _MiB = 2 ** 20
 
 
 def _iv(v: float, lo: float, hi: float, width: int = 10) -> str:
     return f"{v:>{width}.1f} [{lo:.1f}, {hi:.1f}]"
+
+
+def step_words(kind: str) -> str:
+    """``"a CPU step"`` / ``"an accelerator step"``."""
+    return "a CPU step" if kind == "cpu" else f"an {kind} step" if kind[:1] in "aeiou" else f"a {kind} step"
+
+
+def verdict_text(v: dict, stalls: dict) -> str:
+    """The verdict line: the largest stall, none, or why there is no conclusion."""
+    if v.get("conclusive", True) is False:
+        return f"verdict: cannot conclude: {v['why']}"
+    if v["largest"] is None:
+        return "verdict: the step is not waiting for data (neither removal saves 5%)"
+    return (f"verdict: the largest stall is {v['largest']} ({'storage' if v['largest'] == 'fetch' else 'CPU'}): "
+            f"removing it helps most (x{v['speedup_without_' + v['largest']]:.2f}; measured "
+            f"{stalls[v['largest']]:.1%} of the cold epoch)")
 
 
 def format_report(r: dict) -> str:
@@ -29,7 +47,7 @@ def format_report(r: dict) -> str:
              f"{s['repeats']}x (value = median, interval = range)")
     L.append("")
     L.append("measured passes (samples/s):")
-    L.append(f"  {'step alone':<30}{rt['ingest']:>10.1f}  ({rt['ingest_source']}; a {s['step_kind']} step)")
+    L.append(f"  {'step alone':<30}{rt['ingest']:>10.1f}  ({rt['ingest_source']}; {step_words(s['step_kind'])})")
     L.append(f"  {'loader + step, cached':<30}{rt['cached']:>10.1f}")
     L.append(f"  {'loader + step, cold':<30}{rt['cold']:>10.1f}")
     for w, v in rt["prep"].items():
@@ -63,11 +81,10 @@ def format_report(r: dict) -> str:
     L.append(f"model: removing the fetch stall (all data in memory) -> x{v['speedup_without_fetch']:.2f}; "
              f"removing the prep stall (free prep) -> x{v['speedup_without_prep']:.2f}; cold run bound by "
              f"{v['bound_now']}")
-    if v["largest"] is None:
-        L.append("verdict: the step is not waiting for data (neither removal saves 5%)")
-    else:
-        L.append(f"verdict: the largest stall is {v['largest']} ({'storage' if v['largest'] == 'fetch' else 'CPU'}): "
-                 f"removing it helps most (x{v['speedup_without_' + v['largest']]:.2f})")
+    L.append(verdict_text(v, st))
+    for rec in r.get("recommendations", []):
+        L.append(f"{'recommendation' if rec.get('applies', True) else 'not applicable'}: {rec['option']}: "
+                 f"{rec['why']}")
     L.append(f"storage bandwidth {bw['storage'] / 1e6:9.1f} MB/s  ({bw['storage_source']})")
     if bw["storage_device_bytes"] is not None:
         L.append(f"  device /dev/{bw['storage_device']} read {bw['storage_device_bytes'] / _MiB:.1f} MiB in that "
@@ -146,7 +163,44 @@ def write_plot(report: dict, path: str | os.PathLike) -> str | None:
         b.set_xlabel("CPU workers")
         b.set_title("workers (samples/s)")
         b.legend(fontsize=8)
+    v = report.get("verdict", {})
+    if v.get("conclusive", True) is False:   # the tables are the model's: say it cannot stand behind them
+        fig.suptitle(f"no verdict: {v['why']}", fontsize=8, wrap=True, color="firebrick")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return None
+
+
+def recommend(verdict: dict, dataset: Any, gpu: bool | None = None) -> list[dict]:
+    """What to change, from the verdict: ``[{"option", "applies", "why"}, ...]``.
+
+    When prep is the largest stall and a GPU is there (``gpu``; None: ask
+    ``torch.cuda.is_available()``), decoding on it: ``DataLoader(...,
+    device="cuda", decode="device")`` when the dataset's transform is one
+    the device stage runs, else why it is not.  (The what-if tables give
+    the worker counts and cache sizes.)"""
+    if verdict.get("largest") != "prep":
+        return []
+    if gpu is None:
+        import torch
+
+        gpu = torch.cuda.is_available()
+    if not gpu:
+        return []
+    from ..device.encoded import plan_for
+
+    tf = getattr(dataset, "transform", None)
+    if tf is None and hasattr(dataset, "dataset"):      # a Subset of the analyzer's
+        tf = getattr(dataset.dataset, "transform", None)
+    try:
+        plan = plan_for(tf)
+    except ValueError as e:
+        return [{"option": "decode='device'", "applies": False,
+                 "why": f"prep (decode and augmentation on the CPU) is the largest stall and a GPU is present, "
+                        f"but {e}"}]
+    return [{"option": "decode='device'", "applies": True,
+             "why": "prep (decode and augmentation on the CPU) is the largest stall and a GPU is present: "
+                    "coordl.DataLoader(..., device='cuda', decode='device') decodes the JPEGs on the GPU in one call "
+                    f"per batch and runs {plan.describe()} there; the workers only read bytes and JPEG headers "
+                    "(docs/api.md, \"Decoding on the device\")"}]

@@ -33,6 +33,16 @@ for them again).  If every slot is claimed and the asker needs the sample
 now (it is in the batch it assembles), the largest other holder is
 detached (a slow or stalled member), or the asker itself when nobody else
 holds anything: no wait in the daemon can become a deadlock.
+
+Pins.  A member that hands out views of staging (zero-copy batches) asks
+that what it is given of a range of positions be *pinned*: kept in its slot
+whatever happens (a detach, the end of its pass) until the member gives the
+pin back or its connection closes.  Pins are counted per member and
+position: a member given the same position twice while it still views it
+(it runs an epoch again, or rolls back with ``load_state_dict``, while
+holding a batch of it) holds two pins, and the slot stays until both are
+given back.  Each delivery says whether it pinned, and the member gives
+back exactly the pins it was told of.
 """
 from __future__ import annotations
 
@@ -66,16 +76,20 @@ class Member:
     self_prepared: int = 0     # samples it reports it prepared itself
     need: int = 0              # end of the batch it is assembling now (it waits for what is below)
     short: int = 0             # of ``want``, how many are in [pos, need): what it still waits for now
-    pinned: set = field(default_factory=set)   # delivered and never revoked: it may view their slots
+    pinned: dict = field(default_factory=dict)  # G -> pins: deliveries never revoked until unpinned, counted
     pin: tuple = (0, 0)        # positions [lo, hi) that are pinned as they are delivered to it
+    pass_id: int = 0           # the job's number for its current pass (the server tags what it sends with it)
 
 
 def _may_pin(pin, m: Member, nslots: int) -> bool:
-    """Whether ``m`` may pin ``pin``: at most a quarter of staging pinned per
-    member (views included), so a member that stops reading leaves the
-    others room."""
+    """Whether ``m`` may pin ``pin``: at most a quarter of staging's slots
+    pinned per member (views included, a position it pins already counted
+    once), so a member that stops reading leaves the others room."""
     lo, hi = pin
-    return lo <= hi and len(m.pinned) + (hi - lo) <= nslots // 4
+    if not 0 <= hi - lo <= nslots // 4:
+        return False
+    pinned = m.pinned
+    return len(pinned) + sum(1 for g in range(lo, hi) if g not in pinned) <= nslots // 4
 
 
 class _FreeSlots:
@@ -184,54 +198,87 @@ class Group:
         self.gc()
         return []
 
-    def release(self, mid: int, gs) -> None:
-        """Member ``mid`` no longer uses (or views) ``gs``."""
+    def release(self, mid: int, gs=(), unpin=()) -> None:
+        """Member ``mid`` no longer uses its claims of ``gs``, and gives back
+        one pin of each of ``unpin`` (a position twice: two pins)."""
         m = self.members[mid]
-        gs = [g for g in gs if g in m.claims or g in m.pinned]
+        gs = [g for g in gs if g in m.claims]
         for g in gs:
             m.claims.discard(g)
-            m.pinned.discard(g)
-        self.gc(gs)
+        self.gc(gs + self._unpin(m, unpin))
 
-    def step(self, mid: int, pos: int, release=(), want=(), need: int | None = None, pin=None) -> list:
-        """Member ``mid`` is at ``pos``, is done with ``release`` and asks for
+    def unpin(self, mid: int, gs) -> None:
+        """One pin of each of ``gs`` given back (by member ``mid``, or for it:
+        pins it was never told of)."""
+        m = self.members.get(mid)
+        if m is not None:
+            self.gc(self._unpin(m, gs))
+
+    @staticmethod
+    def _unpin(m: Member, gs) -> list:
+        """Take one pin of each of ``gs`` off ``m``'s counts; the positions it
+        no longer pins.  A position it holds no pin of is passed over (pins
+        are counted: one given back too many would free the slot of a view
+        the job still holds)."""
+        pinned, gone = m.pinned, []
+        for g in gs:
+            c = pinned.get(g)
+            if c is None:
+                continue
+            if c > 1:
+                pinned[g] = c - 1
+            else:
+                del pinned[g]
+                gone.append(g)
+        return gone
+
+    def step(self, mid: int, pos: int, release=(), want=(), need: int | None = None, pin=None,
+             unpin=()) -> list:
+        """Member ``mid`` is at ``pos``, is done with its claims of
+        ``release``, gives back a pin of each of ``unpin``, and asks for
         ``want`` (ascending).  Ready items are delivered at once; the others
         are queued for a worker.
 
         ``pin`` ``[lo, hi)``: what it has been given of those positions, and
         what it will be given, is *pinned*: never revoked (not by a detach
-        either) until it releases it or its connection closes, so it may
-        hand out views of those slots (zero-copy batches).  Answered with a
-        ``("pinned", m, [lo, hi])`` action, unless it is detached."""
+        either) until it gives the pin back or its connection closes, so it
+        may hand out views of those slots (zero-copy batches).  Pins are
+        counted per position: a member given a position twice (it runs an
+        epoch again while it still holds a view of it) holds two pins, and
+        gives back each on its own.  A delivery says whether it pinned
+        (``("deliver", m, [G, ...], [pinned, ...])``); the claims it had in
+        the range become pins, answered with ``("pinned", m, [lo, hi],
+        [G, ...])`` (those positions), unless it is detached."""
         m = self.members[mid]
         old = m.pos
         m.pos = max(m.pos, pos)
         m.need = max(m.pos, need if need is not None else pos + 1)
         for g in release:
             m.claims.discard(g)
-            m.pinned.discard(g)
         # only what it released or moved past may be free now
         if m.pos - old <= len(self.items):
             passed = {h for h in range(old, m.pos) if h in self.items}
         else:
             passed = {h for h in self.items if old <= h < m.pos}
         maybe = set(release) | passed
+        maybe.update(self._unpin(m, unpin))
         out = []
         if m.attached:
             if pin is not None and _may_pin(pin, m, self.nslots):
                 lo, hi = pin
                 m.pin = (lo, hi)
-                for g in [g for g in m.claims if lo <= g < hi]:
+                made = sorted(g for g in m.claims if lo <= g < hi)
+                for g in made:
                     m.claims.discard(g)
-                    m.pinned.add(g)
-                out.append(("pinned", m, [lo, hi]))
-            now = []
+                    m.pinned[g] = m.pinned.get(g, 0) + 1
+                out.append(("pinned", m, [lo, hi], made))
+            now, pins = [], []
             for g in want:
                 if not m.pos <= g < m.end:
                     continue                 # outside its pass: nobody will prepare that for it
                 it = self.items.get(g)
                 if it is not None and it.state != "prep":
-                    self._give(m, g)
+                    pins.append(self._give(m, g))
                     now.append(g)
                 else:
                     m.want.add(g)
@@ -239,7 +286,7 @@ class Group:
                         heapq.heappush(self._queue, g)
                         self._queued.add(g)
             if now:
-                out.append(("deliver", m, now))
+                out.append(("deliver", m, now, pins))
         m.short = sum(1 for w in m.want if m.pos <= w < m.need)
         self.gc(maybe)
         return out
@@ -378,7 +425,8 @@ class Group:
     def done_many(self, results) -> list:
         """Workers finished ``results`` (``(g, ok, why, info)`` each): one
         ``deliver`` action per member that waits for any of them, with all
-        of those it waits for (a worker reports several samples at once)."""
+        of those it waits for (a worker reports several samples at once),
+        and whether each pinned."""
         out: dict[int, tuple] = {}
         members = self.members.values()
         for g, ok, why, info in results:
@@ -395,24 +443,27 @@ class Group:
                     m.want.discard(g)
                     if m.pos <= g < m.need:
                         m.short -= 1
-                    self._give(m, g)
+                    pinned = self._give(m, g)
                     a = out.get(m.mid)
                     if a is None:
-                        out[m.mid] = ("deliver", m, [g])
+                        out[m.mid] = ("deliver", m, [g], [pinned])
                     else:
                         a[2].append(g)
+                        a[3].append(pinned)
             if not self._needed(g, it):      # nothing else changed: only this one may be free now
                 self.free.add(self.items.pop(g).slot)
         return list(out.values())
 
     # ---------------------------------------------------------------- policy
     @staticmethod
-    def _give(m: Member, g: int) -> None:
-        """``g`` is delivered to ``m``: claimed, or pinned if in its pin range."""
+    def _give(m: Member, g: int) -> bool:
+        """``g`` is delivered to ``m``: claimed, or pinned (one more pin) if in
+        its pin range; whether it pinned."""
         if m.pin[0] <= g < m.pin[1]:
-            m.pinned.add(g)
-        else:
-            m.claims.add(g)
+            m.pinned[g] = m.pinned.get(g, 0) + 1
+            return True
+        m.claims.add(g)
+        return False
 
     def _needed(self, g: int, it: Item) -> bool:
         if it.state == "prep":
@@ -500,5 +551,6 @@ class Group:
                 "pid": m.pid, "name": m.name, "attached": m.attached, "epoch": m.epoch,
                 "position": m.pos - max(m.epoch, 0) * self.n, "lag": max(0, lead - m.pos) if m.attached else None,
                 "shared": m.shared, "self": m.self_prepared, "num_workers": m.num_workers,
+                "pinned": len(m.pinned), "pins": sum(m.pinned.values()),
             } for m in self.members.values()],
         }

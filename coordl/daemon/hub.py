@@ -9,16 +9,25 @@ Members (jobs with ``share=True``) speak JSON frames (:mod:`ipc`)::
     join  {key, name, num_workers, seed, plan, sys_path, cache, stride,
            digest, samples_per_epoch}  + [pickled dataset memfd]
           -> {op: joined, gid, slots, stride} + [staging memfd]
-    pass  {epoch, start, end}          a pass over global positions [start, end)
-    step  {pos, need, release, want, shared, self, pin?: [lo, hi]}
-          -> {op: ready, items: [[G, slot, ok, info|why], ...], pinned?: [lo, hi]}  (as they are prepared)
-          -> {op: detach, why}          (fell behind the staging bound, or the group broke)
-    end   {complete, release}           the pass is over
-    release {release}                   views of staging the job no longer holds
+    pass  {pass, epoch, start, end}    pass number ``pass`` over global positions [start, end)
+    step  {pass, pos, need, release, unpin, want, shared, self, pin?: [lo, hi]}
+          -> {op: ready, pass, items: [[G, slot, ok, info|why, pinned], ...], pins?: [[G, slot], ...]}
+             (as they are prepared)
+          -> {op: detach, pass, why}    (fell behind the staging bound, or the group broke)
+    end   {pass, complete, release, unpin}   the pass is over
+    release {pass, release, unpin}      claims and pins the job no longer uses
 
 ``pin`` asks that what the member is given of positions [lo, hi) is never
-revoked until it releases it (or its connection closes): it hands out
-batches that are views of those slots (zero-copy); ``pinned`` confirms.
+revoked until it gives the pin back (or its connection closes): it hands
+out batches that are views of those slots (zero-copy).  Pins are counted
+(groups.py): each item delivered says whether it pinned, ``pins`` lists the
+claims of the range that became pins, and ``unpin`` gives back one pin per
+position listed.  ``release`` gives back claims (of the member's current
+pass only; the others ended with it).  Everything sent for a pass is tagged
+with the job's number for it: when a pass ends (or the next begins), what
+was gathered for it and not sent yet is dropped and its pins given back
+here, since the job will never hear of them; whatever the job reads for a
+pass that is over, it gives back.
 
 A group is keyed by what decides a prepared sample: the dataset's
 fingerprint and pickled identity (transforms included), the seed, shuffle
@@ -134,7 +143,7 @@ class Hub(WorkerPools):
         self._conn_by_mid: dict[int, ipc.Conn] = {}
         self._outbox: dict[int, tuple] = {}   # conn fd -> (conn, [ready items]) until flush()
         self._stirred: set[int] = set()        # conn fds whose member's wait may have ended since flush()
-        self._pins: dict[int, list] = {}      # conn fd -> [lo, hi] pinned for it, to tell it at flush()
+        self._pins: dict[int, list] = {}      # conn fd -> [[G, slot], ...] claims pinned, to tell it at flush()
         self._waits: dict[tuple, tuple] = {}  # (gid, mid) -> ((need, short), since when) of a waiting member
         self.peer_servers: dict[int, tuple] = {}   # conn fd -> (PeerServer, NodeCache, job pid)
         self.worker_stall = _env_seconds("COORDL_DAEMON_WORKER_STALL", 30.0)
@@ -171,15 +180,20 @@ class Hub(WorkerPools):
         if res is None:
             return
         g = res.group
+        pid = msg.get("pass")
+        ours = pid is None or _pos(pid, "pass") == m.pass_id   # of its current pass (else one that is over)
         if op == "pass":
-            if res.broken and res.permanent:
-                self._send(conn, {"op": "detach", "why": res.broken, "permanent": True})
-                return
             epoch, start, end = _pos(msg["epoch"], "epoch"), _pos(msg["start"], "start"), _pos(msg["end"], "end")
             if end < start:
                 raise ValueError(f"end should be >= start, but got start={start}, end={end}")
+            self._drop_unsent(conn, m, g)     # of its last pass
+            m.pass_id = pid if pid is not None else m.pass_id + 1
+            if res.broken and res.permanent:
+                self._send(conn, {"op": "detach", "pass": m.pass_id, "why": res.broken, "permanent": True})
+                return
             if res.broken and epoch <= res.broken_at:   # not in the epoch it failed in
-                self._send(conn, {"op": "detach", "why": res.broken, "permanent": False, "warn": True})
+                self._send(conn, {"op": "detach", "pass": m.pass_id, "why": res.broken, "permanent": False,
+                                  "warn": True})
                 return
             if res.broken or res.failures >= 2:   # a failed group is retried at its members' next epoch
                 self.log(f"group {g.gid}: trying again (it failed: {res.broken or 'a worker setup'})")
@@ -199,14 +213,22 @@ class Hub(WorkerPools):
                 pin = _positions(pin, "pin")
                 if len(pin) != 2:
                     raise ValueError(f"pin should be [lo, hi], but got {pin!r}")
+            unpin = _positions(msg.get("unpin"), "unpin")
             m.shared, m.self_prepared = int(msg.get("shared", m.shared)), int(msg.get("self", m.self_prepared))
-            self._act(res, g.step(m.mid, pos, release, want, need, pin))
+            if ours:
+                self._act(res, g.step(m.mid, pos, release, want, need, pin, unpin))
+            else:
+                g.unpin(m.mid, unpin)
         elif op == "end":
             m.shared, m.self_prepared = int(msg.get("shared", m.shared)), int(msg.get("self", m.self_prepared))
-            g.release(m.mid, _positions(msg.get("release"), "release"))
-            self._act(res, g.end_pass(m.mid, complete=bool(msg.get("complete"))))
-        elif op == "release":    # views of staging the job no longer holds (after its pass)
-            g.release(m.mid, _positions(msg.get("release"), "release"))
+            g.release(m.mid, _positions(msg.get("release"), "release") if ours else (),
+                      _positions(msg.get("unpin"), "unpin"))
+            if ours:
+                self._drop_unsent(conn, m, g)
+                self._act(res, g.end_pass(m.mid, complete=bool(msg.get("complete"))))
+        elif op == "release":    # claims and pins it no longer uses (views gone, a pass left)
+            g.release(m.mid, _positions(msg.get("release"), "release") if ours else (),
+                      _positions(msg.get("unpin"), "unpin"))
         else:
             self._send(conn, {"op": "error", "why": f"unknown op {op!r}"})
 
@@ -361,22 +383,21 @@ class Hub(WorkerPools):
             if a[0] == "deliver":
                 items = self._outbox.setdefault(fd, (conn, []))[1]
                 self._stirred.add(fd)
-                for g in a[2]:
+                for g, pinned in zip(a[2], a[3]):
                     it = staged[g]
                     if it.state == "ready":
-                        items.append([g, it.slot, True, it.info])
+                        items.append([g, it.slot, True, it.info, pinned])
                     else:
-                        items.append([g, it.slot, False, it.why])
+                        items.append([g, it.slot, False, it.why, pinned])
             elif a[0] == "pinned":   # told with its next delivery (alone if it waits for none)
-                self._outbox.setdefault(fd, (conn, []))
-                self._pins[fd] = a[2]
+                if a[3]:
+                    self._outbox.setdefault(fd, (conn, []))
+                    self._pins.setdefault(fd, []).extend([g, staged[g].slot] for g in a[3])
             elif a[0] == "detach":
-                self._outbox.pop(fd, None)   # its claims are revoked (not its pinned items)
-                self._pins.pop(fd, None)
-                if res.broken:
-                    self._send(conn, {"op": "detach", "why": res.broken, "permanent": res.permanent, "warn": True})
-                else:
-                    self._send(conn, {"op": "detach", "why": "fell further behind the group than its staging holds"})
+                self._drop_unsent(conn, m, res.group)   # its claims are revoked (not its pins)
+                why = res.broken or "fell further behind the group than its staging holds"
+                self._send(conn, {"op": "detach", "pass": m.pass_id, "why": why,
+                                  **({"permanent": res.permanent, "warn": True} if res.broken else {})})
 
     def flush(self) -> None:
         """Send gathered deliveries, one message per member: when the batch
@@ -400,9 +421,9 @@ class Hub(WorkerPools):
             # answer goes with that message, alone only to a member that waits for nothing
             ready = m is None or (any(it[0] < m.need for it in items) and not m.short)
             if len(items) >= _DELIVER_BATCH or ready or (pin is not None and not m.short):
-                msg = {"op": "ready", "items": items}
+                msg = {"op": "ready", "pass": m.pass_id if m is not None else 0, "items": items}
                 if pin is not None:
-                    msg["pinned"] = pin
+                    msg["pins"] = pin
                 self._send(conn, msg)
             else:
                 keep[fd] = (conn, items)
@@ -413,6 +434,17 @@ class Hub(WorkerPools):
     def _conn_of(self, m: Member):
         return self._conn_by_mid.get(m.mid)
 
+    def _drop_unsent(self, conn: ipc.Conn, m: Member, g: Group) -> None:
+        """What was gathered for ``m``'s pass and not sent is dropped (its pass
+        is over, or it was detached): the pins among it are given back here,
+        since the job will never hear of them."""
+        fd = conn.fileno()
+        entry = self._outbox.pop(fd, None)
+        unsent = [it[0] for it in entry[1] if it[4]] if entry is not None else []
+        unsent += [x[0] for x in self._pins.pop(fd, ())]
+        if unsent:
+            g.unpin(m.mid, unsent)
+
     # ------------------------------------------------------------------ broken groups, pump, stop
     def _break(self, res: _GroupRes, why: str, permanent: bool) -> None:
         """Every member of ``res`` leaves the stream (``permanent``: for good)
@@ -422,9 +454,10 @@ class Hub(WorkerPools):
         res.broken_at = max([m.epoch for m in res.group.members.values()] + [-1])
         for conn, m, gid in list(self.members.values()):
             if gid == res.group.gid:
-                self._outbox.pop(conn.fileno(), None)
+                self._drop_unsent(conn, m, res.group)
                 res.group.end_pass(m.mid)
-                self._send(conn, {"op": "detach", "why": why, "permanent": permanent, "warn": True})
+                self._send(conn, {"op": "detach", "pass": m.pass_id, "why": why, "permanent": permanent,
+                                  "warn": True})
 
     def _variable_shapes(self, res: _GroupRes, detail: str) -> None:
         """Staging holds samples of one layout: a dataset whose samples differ

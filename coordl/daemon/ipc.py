@@ -28,7 +28,7 @@ import stat
 import struct
 import time
 
-__all__ = ["run_dir", "listen", "connect", "accept", "Conn", "ProtocolError", "PeerRefused",
+__all__ = ["run_dir", "run_dir_path", "listen", "connect", "accept", "Conn", "ProtocolError", "PeerRefused",
            "MAX_BODY", "MAX_FDS"]
 
 MAGIC = b"CD"
@@ -47,12 +47,19 @@ class PeerRefused(PermissionError):
     """The other end of a connection belongs to another user."""
 
 
-def run_dir(create: bool = True) -> str:
-    """This user's private directory for coordl's sockets (checked)."""
+def run_dir_path() -> str:
+    """Where :func:`run_dir` is, neither made nor checked (for messages)."""
     path = os.environ.get("COORDL_RUN_DIR")
     if not path:
         xdg = os.environ.get("XDG_RUNTIME_DIR")
         path = os.path.join(xdg, "coordl") if xdg else f"/tmp/coordl-{os.geteuid()}"
+    return path
+
+
+def run_dir(create: bool = True) -> str:
+    """This user's private directory for coordl's sockets (checked); with
+    ``create=False`` a missing one raises ``FileNotFoundError``."""
+    path = run_dir_path()
     if create:
         try:
             os.mkdir(path, 0o700)

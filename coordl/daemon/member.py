@@ -101,15 +101,31 @@ class ShareMode(PipelineMode):
         self._first: tuple | None = None  # (G, sample) prepared here to learn the layout
         self.told: set[str] = set()       # reasons of the daemon's temporary failures already warned about
         self._hung: tuple | None = None   # (socket id, when) of a daemon that did not answer
+        self._last_box: list | None = None   # the latest SharedIter's pass (its _PassState, in a box)
 
     def start_pass(self, loader, epoch: int, start: int, skip: frozenset):
         self._stop_pin_thread()
+        self._end_last_pass()
         it = None
         if self.off is None:
             it = self._shared_iter(loader, epoch, start, skip)
         if it is None:
             return super().start_pass(loader, epoch, start, skip)
         return self._pin(loader, it)
+
+    def _end_last_pass(self) -> None:
+        """A new pass begins while the last one was left unfinished (its
+        iterator still referenced): that one ends now, giving back what the
+        daemon pinned for its read-ahead (the batches it handed out keep
+        theirs), and takes nothing more from the stream."""
+        box, self._last_box = self._last_box, None
+        st = box[0] if box is not None else None
+        if st is None or st.ended:
+            return
+        try:
+            st.end()
+        except (OSError, ValueError):
+            self.drop_link()     # the daemon does not read: the next pass connects again
 
     def adopt_seed(self, loader, seed: int) -> None:
         super().adopt_seed(loader, seed)
@@ -196,7 +212,9 @@ class ShareMode(PipelineMode):
         try:
             blob = pickle.dumps(ds, protocol=pickle.HIGHEST_PROTOCOL)
         except Exception as e:
-            self.off = f"the dataset cannot be pickled for the daemon ({type(e).__name__}: {e})"
+            self.off = (f"the dataset cannot be pickled for the daemon ({type(e).__name__}: {e}): define "
+                        "every function it holds (its transform's steps included) with def at module level "
+                        "(or as a class with __call__), not as a lambda or inside another function")
             warnings.warn(f"coordl: share=True: {self.off}; this loader prepares in the job", stacklevel=5)
             return False
         try:   # the code the dataset and its transforms run: a group runs one code

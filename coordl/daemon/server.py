@@ -50,8 +50,17 @@ def _stem() -> str:
     return "daemon-" + re.sub(r"[^0-9A-Za-z_.-]", "_", node)[:64]
 
 
-def socket_path() -> str:
-    return os.path.join(ipc.run_dir(), _stem() + ".sock")
+def socket_path(create: bool = True) -> str:
+    """The daemon's socket; ``create=False`` (asking for a daemon, not
+    starting one): a missing run directory raises ``FileNotFoundError``
+    instead of being made."""
+    return os.path.join(ipc.run_dir(create), _stem() + ".sock")
+
+
+def socket_name() -> str:
+    """Where the daemon's socket is or would be (for messages: nothing is
+    made or checked)."""
+    return os.path.join(ipc.run_dir_path(), _stem() + ".sock")
 
 
 def _lock_path() -> str:
@@ -81,7 +90,7 @@ def _answer(c: ipc.Conn, msg: dict, timeout: float) -> dict:
     ``ask`` reads that answer even when the send broke)."""
     reply = c.ask(msg, timeout=timeout)[0]
     if reply.get("op") == "refused":
-        raise Refused(f"the coordl daemon at {socket_path()} runs but refused this client: {reply.get('why')}")
+        raise Refused(f"the coordl daemon at {socket_name()} runs but refused this client: {reply.get('why')}")
     return reply
 
 
@@ -90,10 +99,10 @@ def _probe(timeout: float) -> dict | None:
     holds the socket but does not answer within ``timeout``; ``Refused`` if
     it runs but refuses new clients."""
     try:
-        with ipc.connect(socket_path(), timeout=timeout) as c:
+        with ipc.connect(socket_path(create=False), timeout=timeout) as c:
             return _answer(c, {"op": "status"}, timeout)
     except TimeoutError:
-        raise TimeoutError(f"the coordl daemon at {socket_path()} does not answer within {timeout:g} s "
+        raise TimeoutError(f"the coordl daemon at {socket_name()} does not answer within {timeout:g} s "
                            "(stopped or hung; `coordl daemon status`, or kill it and the next job starts "
                            "a new one)") from None
     except (FileNotFoundError, ConnectionError):
@@ -112,7 +121,7 @@ def socket_id() -> tuple[int, int, int] | None:
     gives a freed inode number to the next file it makes (the socket of a
     daemon started right after one was SIGKILLed often has the same one)."""
     try:
-        st = os.stat(socket_path())
+        st = os.stat(socket_path(create=False))
     except OSError:
         return None
     return st.st_dev, st.st_ino, st.st_ctime_ns
@@ -167,7 +176,7 @@ def start(timeout: float = 30.0, answer: float | None = None) -> int:
 def stop(timeout: float = 30.0) -> bool:
     """Ask the running daemon to stop and wait until it has (False: none ran)."""
     try:
-        with ipc.connect(socket_path(), timeout=timeout) as c:
+        with ipc.connect(socket_path(create=False), timeout=timeout) as c:
             _answer(c, {"op": "stop"}, timeout)
     except (FileNotFoundError, ConnectionRefusedError):
         return False

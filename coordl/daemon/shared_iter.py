@@ -3,8 +3,10 @@ it asks for this job's positions, takes the samples the daemon prepared
 into the group's staging memory and assembles this job's own batches from
 them: a batch whose samples sit in consecutive slots, pinned for this job,
 is a view of staging through a private copy-on-write mapping (no copy;
-:meth:`SharedIter._view`, released when the batch's tensors die), any
-other one gets one copy per sample into the batch.  Samples the stream
+:meth:`SharedIter._view`, its pins given back when the batch's tensors
+die; pins are counted, see :class:`_Link`), any other one gets one copy
+per sample into the batch.  A pass gives back what it was given and did
+not use when it ends, however it ends (:class:`_PassState`).  Samples the stream
 cannot give are prepared here, exactly as the pipeline would; detaches,
 a lost or hung daemon and its restart are handled at the exact sample
 where the stream stopped (see :mod:`coordl.daemon.member`, which opens
@@ -12,7 +14,7 @@ the stream).
 """
 from __future__ import annotations
 
-import collections
+import functools
 import mmap
 import os
 import selectors
@@ -63,65 +65,262 @@ def verify_count() -> int:
 class _Link:
     """One loader's connection to the daemon and the group's staging memory.
 
-    Batches handed out as views of staging (zero-copy) pin their slots at
-    the daemon until they are released; the daemon also drops every pin of
-    a connection when it closes.  So while views live the connection stays
-    open (:meth:`close` defers to the last view): a slot a batch views is
-    never reused under it."""
+    Pins.  A batch handed out as a view of staging (zero-copy) needs its
+    slots pinned at the daemon until its tensors die; the daemon also drops
+    every pin of a connection when it closes, so while views live the
+    connection stays open (:meth:`close` defers to the last view).  The
+    link mirrors the daemon's pins for this connection, counted per
+    (position, slot): ``pins``, what the daemon said it pinned and was not
+    given back yet, and ``held``, how many of those live views use.  A view
+    takes one spare pin of each of its positions (:meth:`take_view`) and
+    gives it back when it dies (:meth:`view_gone`); a pass done with a
+    position it did not view gives back the pin it was given of it, if any
+    (:meth:`_PassState.done`, :meth:`finish`: a spare one, never one a live
+    view uses).  So a position viewed a second time while a first
+    view of it lives (the job runs an epoch again, or rolls back, holding a
+    batch of it) holds two pins, and its slot stays until both views are
+    gone; a pass that ends early gives back every pin of its read-ahead,
+    and never one a live view uses.  Pins given back go out with the
+    running pass's next message, or at once (:meth:`post`, which never
+    waits) when a view dies while no pass runs, or a pass is left.
+
+    Reading.  What the daemon sends is read without blocking
+    (:meth:`pump`: the frames that are complete; a partial one waits in the
+    connection, so a daemon that stops mid-frame cannot hold the job) and
+    routed by the pass it is tagged with: the current pass's deliveries go
+    to its ``got``; what comes for a pass that is over is given back at
+    once.  Only the process that connected talks on the connection: a
+    forked child inherits it but never reads, writes or gives back pins."""
+
+    _CARRY = ("step", "end", "release")   # messages that carry pins given back
 
     def __init__(self, conn: ipc.Conn, mm: mmap.mmap, stride: int, gid: int, nslots: int, bases,
                  fd: int) -> None:
         self.conn, self.mm, self.stride, self.gid = conn, mm, stride, gid
+        conn.sock.setblocking(False)           # reads and writes never wait in the socket (pump, send)
         self.nslots, self.bases = nslots, bases
         self.fd = fd                           # the staging memfd: batches map their runs of it privately
         self.alive = True
         self.closing = False
         self.views = 0                         # batches that view staging, alive
         self.viewed = 0                        # slots they view
-        self.freed: collections.deque = collections.deque()   # positions of views gone, to release
-        self._lock = threading.Lock()
+        self.pins: dict = {}                   # (G, slot) -> pins the daemon holds for this connection
+        self.held: dict = {}                   # (G, slot) -> of those, pins live views use
+        self.unpin: list = []                  # positions whose pin was given back, to tell the daemon
+        self.passes = 0                        # pass numbers given out
+        self.current: _PassState | None = None   # the pass whose deliveries are read into its ``got``
+        self.pid = os.getpid()
+        self._lock = threading.Lock()          # the pins, the views and the current pass
+        self._wlock = threading.Lock()         # one writer of frames at a time
+        self._rlock = threading.Lock()         # one reader
         from . import server
 
         self.sid = server.socket_id()   # the daemon's socket file: a daemon started in its place has another
 
-    def viewing(self, n: int) -> None:
+    # ------------------------------------------------------------ pins
+    def told(self, keys) -> None:
+        """The daemon pinned ``keys`` ((G, slot) each, once per pin)."""
         with self._lock:
-            self.views += 1
-            self.viewed += n
+            pins = self.pins
+            for k in keys:
+                pins[k] = pins.get(k, 0) + 1
 
-    def view_gone(self, gs: list) -> None:
+    def finish(self, keys) -> None:
+        """A pass is done with ``keys`` without viewing them: a spare pin of
+        each (one no live view uses), if there is one, is given back."""
+        with self._lock:
+            pins, held = self.pins, self.held
+            for k in keys:
+                c = pins.get(k, 0)
+                if c > held.get(k, 0):
+                    _less(pins, k, c)
+                    self.unpin.append(k[0])
+
+    def take_view(self, keys) -> bool:
+        """A view of ``keys`` takes one spare pin of each; False (nothing
+        taken) when one of them has none: not pinned for this job, or its
+        pins back other live views."""
+        with self._lock:
+            pins, held = self.pins, self.held
+            if any(pins.get(k, 0) <= held.get(k, 0) for k in keys):
+                return False
+            for k in keys:
+                held[k] = held.get(k, 0) + 1
+            self.views += 1
+            self.viewed += len(keys)
+            return True
+
+    def untake(self, keys) -> None:
+        """A view taken with :meth:`take_view` was not made after all."""
+        with self._lock:
+            for k in keys:
+                _less(self.held, k, self.held[k])
+            self.views -= 1
+            self.viewed -= len(keys)
+
+    def view_gone(self, keys: list) -> None:
         """A batch viewing staging was collected (run by the reaper thread):
-        its slots are released with the next message, or by closing."""
+        its pins are given back with the running pass's next message, at
+        once when no pass runs, or by closing."""
+        if os.getpid() != self.pid:
+            return       # a forked child's copy of the batch: the pins are the parent's
         with self._lock:
             self.views -= 1
-            self.viewed -= len(gs)
+            self.viewed -= len(keys)
+            for k in keys:
+                _less(self.held, k, self.held[k])
+                _less(self.pins, k, self.pins[k])
+                self.unpin.append(k[0])
             last = self.views == 0 and self.closing
-            if not last:
-                self.freed.extend(gs)
+            idle = self.current is None
         if last:
             self._close_now()
+        elif idle:
+            self.post()
 
-    def take_freed(self) -> list:
-        out = []
-        while True:
+    def _take_unpin(self) -> list:
+        with self._lock:
+            out, self.unpin = self.unpin, []
+        return out
+
+    # ------------------------------------------------------------ passes
+    def begin(self) -> "_PassState":
+        """A new pass: its number, and what the daemon sends for it (from
+        here on its thread reads the connection: :meth:`pump`)."""
+        with self._rlock, self._lock:
+            self.passes += 1
+            st = self.current = _PassState(self, self.passes)
+        return st
+
+    # ------------------------------------------------------------ writing
+    def send(self, msg: dict, timeout: float) -> None:
+        """Send ``msg`` (with the pins given back so far, if it carries
+        them) from the pass's thread; wait until it is out.  ``TimeoutError``
+        when the daemon does not take it in ``timeout`` seconds (the
+        connection is then not used again)."""
+        if os.getpid() != self.pid:
+            raise ConnectionError("coordl: the connection to the node daemon belongs to the parent process")
+        with self._wlock:
+            if msg.get("op") in self._CARRY:
+                msg["unpin"] = msg.get("unpin", []) + self._take_unpin()
+            self.conn.queue(msg)
+            deadline = time.monotonic() + timeout
+            poller = None
             try:
-                out.append(self.freed.popleft())
-            except IndexError:
-                return out
+                while not self.conn.write_ready():
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        self.alive = False
+                        raise TimeoutError(f"coordl: the node daemon (pid {self.conn.peer_pid}) took no message "
+                                           f"for {timeout:g} s")
+                    if poller is None:
+                        poller = selectors.DefaultSelector()
+                        poller.register(self.conn.sock, selectors.EVENT_WRITE)
+                    poller.select(min(left, 1.0))
+            finally:
+                if poller is not None:
+                    poller.close()
 
+    def post(self, msg: dict | None = None) -> None:
+        """Send ``msg`` (or else a ``release``) with the pins given back so
+        far, without waiting, from any thread: what the socket does not take
+        now goes out, in order, before the next message.  Nothing when the
+        connection is closed or belongs to the parent process."""
+        if os.getpid() != self.pid or not self._wlock.acquire(timeout=1.0):
+            return   # (a write of the pass's thread that waits: these go out with its next message)
+        try:
+            if self.conn.fileno() < 0:
+                return
+            if msg is None:
+                msg = {"op": "release"}
+            msg["unpin"] = msg.get("unpin", []) + self._take_unpin()
+            if msg["op"] != "release" or msg["unpin"]:
+                self.conn.queue(msg)
+            self.conn.write_ready()
+        except (OSError, ValueError):
+            pass     # the connection broke: the pass that uses it finds out
+        finally:
+            self._wlock.release()
+
+    # ------------------------------------------------------------ reading
+    def pump(self, wait: bool = True, idle: bool = False) -> int:
+        """Read and route what the daemon sent, without waiting for more;
+        the number of frames read (0 without reading when ``wait`` is False
+        and another thread reads, or when ``idle`` and a pass runs: its
+        thread reads, and a frame taken from under its wait would delay
+        it).  ``ConnectionError`` on EOF or a bad frame."""
+        if os.getpid() != self.pid or not self._rlock.acquire(blocking=wait):
+            return 0
+        try:
+            if idle and self.current is not None:
+                return 0
+            n = 0
+            while True:
+                frames = self.conn.read_ready(limit=256)
+                n += len(frames)
+                for msg, fds in frames:
+                    for fd in fds:
+                        os.close(fd)
+                    self._route(msg)
+                if len(frames) < 256:
+                    return n
+        finally:
+            self._rlock.release()
+
+    def _route(self, msg: dict) -> None:
+        op = msg.get("op")
+        st = self.current
+        if st is not None and msg.get("pass") != st.pid:
+            st = None                  # for a pass that is over
+        if op == "ready":
+            items = msg.get("items") or []
+            pinned = [(int(it[0]), int(it[1])) for it in items if len(it) > 4 and it[4]]
+            made = [(int(x[0]), int(x[1])) for x in msg.get("pins") or ()]
+            self.told(pinned + made)
+            if st is None:
+                self.finish(pinned + made)    # nobody takes these any more
+                return
+            got, late = st.got, []
+            for it in items:
+                g = int(it[0])
+                if g in got:               # (never asked twice in a pass; given back if it were)
+                    if len(it) > 4 and it[4]:
+                        late.append((g, int(it[1])))
+                else:
+                    got[g] = it
+                    if len(it) > 4 and it[4]:
+                        st.pinned.add((g, int(it[1])))
+            for k in made:                 # a claim that became a pin after the pass was done with it
+                it = got.get(k[0])
+                if it is None or int(it[1]) != k[1]:
+                    late.append(k)
+                else:
+                    st.pinned.add(k)
+            if late:
+                self.finish(late)
+            st.heard += 1
+        elif op == "detach":
+            if st is not None:
+                st.detach = msg
+
+    # ------------------------------------------------------------ closing
     def close(self) -> None:
         self.alive = False
         with self._lock:
+            st, self.current = self.current, None
+            if st is not None:
+                st.ended = True
             if self.views:   # batches still view staging: closing would free their slots at the daemon
                 self.closing = True
                 return
         self._close_now()
 
     def _close_now(self) -> None:
-        try:
-            self.conn.close()
-        except OSError:
-            pass
+        with self._wlock:
+            try:
+                self.conn.close()
+            except OSError:
+                pass
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
@@ -129,6 +328,83 @@ class _Link:
             self.mm.close()
         except BufferError:
             pass  # a batch still views it; the mapping goes with the last view
+
+
+def _less(counts: dict, k, c: int) -> None:
+    if c > 1:
+        counts[k] = c - 1
+    else:
+        del counts[k]
+
+
+class _PassState:
+    """What the daemon sent for one pass of a loader (``got``: deliveries
+    not used yet; ``detach``: a detach not acted on yet), and its end,
+    which comes once, from the pass's thread or (a pass left and
+    collected) the reaper's."""
+
+    def __init__(self, link: _Link, pid: int) -> None:
+        self.link, self.pid = link, pid
+        self.got: dict[int, list] = {}
+        self.pinned: set = set()       # (G, slot) of ``got`` delivered pinned (or pinned since)
+        self.release: list[int] = []   # claims it used, to give back with its next message
+        self.detach: dict | None = None
+        self.heard = 0                 # messages of deliveries read for it
+        self.ended = False
+
+    def end(self, complete: bool = False, extra: dict | None = None, wait: bool = True) -> None:
+        """Tell the daemon this pass is over (``complete``: it ran to its end,
+        and the next epoch will likely follow), giving back the claims and
+        the spare pins of what it was given and did not use; the batches it
+        handed out keep theirs.  ``wait``: from the pass's thread (waits
+        until the message is out; ``OSError`` if it cannot be); else from
+        any thread, never waiting."""
+        link = self.link
+        if os.getpid() != link.pid:
+            return       # a forked child's copy: the pass is the parent's
+        with link._lock:
+            if self.ended:
+                return
+            self.ended = True
+            if link.current is self:
+                link.current = None
+        try:   # deliveries already on their way for it: read now, and given back with the rest
+            link.pump(wait=wait, idle=not wait)
+        except (OSError, ValueError):
+            pass
+        got, self.got = self.got, {}
+        self.done([(g, int(it[1])) for g, it in got.items()])
+        msg = {"op": "end", "pass": self.pid, "complete": complete, "release": self.release + list(got)}
+        self.release = []
+        if extra:
+            msg.update(extra)
+        if wait:
+            link.send(msg, timeout=10.0)
+        else:
+            link.post(msg)
+
+    def done(self, keys) -> None:
+        """This pass is done with ``keys`` ((G, slot) of its deliveries),
+        without viewing them: the pins it was given of them go back (a spare
+        one of each: one a live view uses never does)."""
+        mine = [k for k in keys if k in self.pinned]
+        self.pinned.difference_update(mine)
+        if mine:
+            self.link.finish(mine)
+
+    def drop(self) -> None:
+        """The connection is gone: nothing more to tell."""
+        self.ended = True
+        self.got.clear()
+        self.pinned.clear()
+        self.release = []
+
+
+def _abandon(box: list) -> None:
+    """A pass left and collected (run by the reaper): its end, never waiting."""
+    st = box[0]
+    if st is not None:
+        st.end(wait=False)
 
 
 def _write_all(fd: int, data: bytes) -> None:
@@ -156,10 +432,7 @@ class SharedIter:
         self.idx = 0          # next step (index into steps)
         self.cursor = 0       # index into flat of the next batch's first position
         self.asked = 0        # flat[:asked] were asked for
-        self.got: dict[int, list] = {}
-        self.release: list[int] = []
-        self.pins: list = []      # [lo, hi) ranges the daemon pinned for this job (latest last)
-        self._viewed: list = []   # positions the batch just built views (released when it dies)
+        self._viewed: list = []   # positions the batch just built views (their pins go when it dies)
         self.local = None     # the job's own pipeline, after a detach
         self._lost_sid = None  # the socket (device, inode) of a daemon this pass lost
         self._looked = 0.0     # when it last looked for a daemon started in that one's place
@@ -170,8 +443,29 @@ class SharedIter:
         self.layout1 = mode.layout1
         self.in_place = _collate.is_default_collate(loader.collate_fn) and bs is not None
         self.verify = self._verify_positions(verify_count())
-        self._send({"op": "pass", "epoch": epoch, "start": self.flat[0], "end": self.base + self.n})
-        self.attached = True
+        # this pass's end, once, however it ends: run out (``_leave``), left for a new pass
+        # (``ShareMode.start_pass``), or left and collected (the reaper, through this box)
+        self._box: list = [None]
+        weakref.finalize(self, _reaper.later, functools.partial(_abandon, self._box))
+        mode._last_box = self._box
+        self._begin(link)
+
+    def _begin(self, link: _Link) -> None:
+        """Start this pass (from the cursor) in ``link``'s stream."""
+        st = self._box[0] = link.begin()
+        self.got = st.got
+        self._send({"op": "pass", "pass": st.pid, "epoch": self.epoch, "start": self.flat[self.cursor],
+                    "end": self.base + self.n})
+
+    @property
+    def state(self) -> "_PassState | None":
+        return self._box[0]
+
+    @property
+    def attached(self) -> bool:
+        """Whether this pass takes samples from the daemon's stream."""
+        st = self._box[0]
+        return st is not None and not st.ended
 
     def _verify_positions(self, nv: int) -> set:
         """Positions whose staged samples this pass checks against its own
@@ -202,12 +496,19 @@ class SharedIter:
     def _send(self, msg: dict) -> None:
         link = self.mode.link
         if link is None or not link.alive:
-            self.attached = False
+            self._quit()
             return
         try:
-            link.conn.send(msg, timeout=10.0)
-        except (OSError, ValueError):
-            self._lost("the node daemon closed the connection")
+            link.send(msg, timeout=10.0)
+        except (OSError, ValueError) as e:
+            self._lost(f"the node daemon closed the connection or took nothing ({e})",
+                       hung=isinstance(e, TimeoutError))
+
+    def _quit(self) -> None:
+        """The stream is gone for this pass (no link): nothing more to tell."""
+        st = self._box[0]
+        if st is not None:
+            st.drop()
 
     def _lost(self, why: str, hung: bool = False) -> None:
         from . import server
@@ -222,93 +523,84 @@ class SharedIter:
                           "(nothing lost or repeated) and reconnects at its next epoch, or as soon as "
                           "a new daemon runs", stacklevel=4)
             self.mode.drop_link()
-        self.attached = False
+        self._quit()
 
     def _leave(self, complete: bool = False) -> None:
         """Tell the daemon this pass is over (``complete``: it ran to its end,
-        and the next epoch will likely follow)."""
-        if self.attached:
-            self._send({"op": "end", "complete": complete, "shared": self.mode.shared,
-                        "self": self.mode.self_prepared, "release": self._unused()})
-            self.attached = False
-
-    def _unused(self) -> list:
-        """What to release when the pass stops taking from the stream: what
-        was released already, what views gave back, and what it was given
-        and will not use (pinned items stay pinned until released)."""
-        link = self.mode.link
-        out = self.release + list(self.got) + (link.take_freed() if link is not None else [])
-        self.release = []
-        self.got.clear()
-        return out
+        and the next epoch will likely follow); what it was given and did not
+        use is given back (:meth:`_PassState.end`)."""
+        st = self._box[0]
+        if st is None or st.ended:
+            return
+        try:
+            st.end(complete, {"shared": self.mode.shared, "self": self.mode.self_prepared})
+        except (OSError, ValueError) as e:
+            self._lost(f"the node daemon closed the connection or took nothing ({e})",
+                       hung=isinstance(e, TimeoutError))
 
     def _receive(self, block: bool) -> None:
-        """Take in what the daemon sent; wait (with liveness checks) when ``block``."""
+        """Take in everything the daemon sent that can be read now (never
+        waiting for a frame to complete); when ``block``, wait, with
+        liveness checks, until something came for this pass."""
         link = self.mode.link
-        if link is None:
-            self.attached = False
+        st = self._box[0]
+        if link is None or st is None or st.ended:
+            self._quit()
             return
         t = _timeout()
         ping_every = max(0.05, t / 4)
         start = heard = pinged = time.monotonic()
-        poller = selectors.DefaultSelector()
-        poller.register(link.conn.sock, selectors.EVENT_READ)
+        seen = st.heard
+        poller = None
         try:
             while True:
-                r = poller.select(min(ping_every, 1.0) if block else 0)
-                now = time.monotonic()
-                if not r:
-                    if not block:
-                        return
-                    if now - heard >= t:     # it did not even answer a ping: stopped or hung
-                        self._lost(f"the node daemon (pid {link.conn.peer_pid}) did not answer for {t:g} s "
-                                   "(COORDL_DAEMON_TIMEOUT)", hung=True)
-                        return
-                    if now - start >= _STALL:  # it answers, but our samples do not come
-                        self._lost(f"the node daemon (pid {link.conn.peer_pid}) delivered nothing for "
-                                   f"{_STALL:g} s")
-                        return
-                    if now - max(heard, pinged) >= ping_every:
-                        pinged = now          # liveness by progress: are you there, busy with others?
-                        self._send({"op": "ping"})
-                        if not self.attached:
-                            return
-                    continue
                 try:
-                    msg, fds = link.conn.recv(timeout=t)
-                except (ConnectionError, TimeoutError, OSError) as e:
-                    self._lost(f"lost the node daemon (pid {link.conn.peer_pid}): {e}",
-                               hung=isinstance(e, TimeoutError))
+                    n = link.pump()
+                except (OSError, ValueError) as e:
+                    self._lost(f"lost the node daemon (pid {link.conn.peer_pid}): {e}")
                     return
-                heard = time.monotonic()
-                for fd in fds:
-                    os.close(fd)
-                op = msg.get("op")
-                if op == "pong":
-                    continue
-                break
+                now = time.monotonic()
+                if n:
+                    heard = now
+                if st.detach is not None:
+                    self._detached(st.detach)
+                    return
+                if not block or st.heard != seen or st.ended:
+                    return
+                if now - heard >= t:     # it did not even answer a ping: stopped or hung
+                    self._lost(f"the node daemon (pid {link.conn.peer_pid}) did not answer for {t:g} s "
+                               "(COORDL_DAEMON_TIMEOUT)", hung=True)
+                    return
+                if now - start >= _STALL:  # it answers, but our samples do not come
+                    self._lost(f"the node daemon (pid {link.conn.peer_pid}) delivered nothing for "
+                               f"{_STALL:g} s")
+                    return
+                if now - max(heard, pinged) >= ping_every:
+                    pinged = now          # liveness by progress: are you there, busy with others?
+                    self._send({"op": "ping"})
+                    if not self.attached:
+                        return
+                if poller is None:
+                    poller = selectors.DefaultSelector()
+                    poller.register(link.conn.sock, selectors.EVENT_READ)
+                poller.select(min(ping_every, 1.0))
         finally:
-            poller.close()
-        if op == "ready":
-            for item in msg["items"]:
-                self.got[int(item[0])] = item
-            if msg.get("pinned"):
-                self.pins = self.pins[-3:] + [(int(msg["pinned"][0]), int(msg["pinned"][1]))]
-        elif op == "detach":
-            why = msg.get("why", "")
-            self._send({"op": "end", "shared": self.mode.shared, "self": self.mode.self_prepared,
-                        "release": self._unused()})
-            self.attached = False
-            if msg.get("permanent"):   # a detach for being slow is normal: stats() counts it
-                self.mode.off = why
-                self.mode.drop_link()
-                warnings.warn(f"coordl: share=True: {why}; this loader prepares its own samples from here "
-                              "on (nothing lost or repeated)", stacklevel=4)
-            elif msg.get("warn") and why not in self.mode.told:   # the group failed for now: once per cause
-                self.mode.told.add(why)
-                warnings.warn(f"coordl: share=True: {why} (nothing lost or repeated)", stacklevel=4)
-            return
-        return
+            if poller is not None:
+                poller.close()
+
+    def _detached(self, msg: dict) -> None:
+        """The daemon detached this pass: the rest of it is prepared here."""
+        self._box[0].detach = None
+        why = msg.get("why", "")
+        self._leave()
+        if msg.get("permanent"):   # a detach for being slow is normal: stats() counts it
+            self.mode.off = why
+            self.mode.drop_link()
+            warnings.warn(f"coordl: share=True: {why}; this loader prepares its own samples from here "
+                          "on (nothing lost or repeated)", stacklevel=5)
+        elif msg.get("warn") and why not in self.mode.told:   # the group failed for now: once per cause
+            self.mode.told.add(why)
+            warnings.warn(f"coordl: share=True: {why} (nothing lost or repeated)", stacklevel=5)
 
     # ------------------------------------------------------------ batches
     def __next__(self) -> Envelope:
@@ -322,15 +614,17 @@ class SharedIter:
         k, rows = self.steps[self.idx], self.rows[self.idx]
         want_g = [self.base + p for p in rows]
         first = self.mode._first[0] if self.mode._first is not None else None
+        st = self._box[0]
         if self.attached:
             end = min(len(self.flat), self.cursor + len(rows) + self.window)
             want = [g for g in self.flat[self.asked:end] if g != first]  # that one was prepared here
             self.asked = max(self.asked, end)
             nxt = self.rows[self.idx + 1] if self.idx + 1 < len(self.rows) else rows
             link = self.mode.link
-            msg = {"op": "step", "pos": want_g[0], "need": want_g[-1] + 1,
-                   "release": self.release + (link.take_freed() if link is not None else []),
-                   "want": want, "shared": self.mode.shared, "self": self.mode.self_prepared}
+            msg = {"op": "step", "pass": st.pid, "pos": want_g[0], "need": want_g[-1] + 1,
+                   "release": st.release, "want": want, "shared": self.mode.shared,
+                   "self": self.mode.self_prepared}
+            st.release = []
             if self.in_place and link is not None:   # this batch and the next may be views of staging
                 room = link.nslots // 8
                 hi = self.base + nxt[-1] + 1
@@ -339,7 +633,10 @@ class SharedIter:
                 if hi - want_g[0] <= room:
                     msg["pin"] = [want_g[0], hi]
             self._send(msg)
-            self.release = []
+            # what is on the socket already: the pins of this batch were asked with the last one, and
+            # their answer may have come after the samples (a job whose samples were staged before it
+            # asked waits for nothing); read before deciding to copy
+            self._receive(block=False)
             while self.attached and any(g not in self.got and g != first for g in want_g):
                 self._receive(block=True)
         self.idx += 1
@@ -349,9 +646,16 @@ class SharedIter:
             env = self._assemble(k, rows, want_g)
         finally:
             viewed = set(self._viewed)
+            done = []
             for g in want_g:
-                if self.got.pop(g, None) is not None and g not in viewed:
-                    self.release.append(g)
+                item = self.got.pop(g, None)
+                if item is not None and g not in viewed:
+                    done.append((g, int(item[1])))
+            st = self._box[0]
+            if done and st is not None:
+                if not st.ended:
+                    st.release.extend(g for g, _ in done)
+                st.done(done)
         if not self.attached and self.idx < len(self.steps) and self.local is None:
             self._go_local()
         return env
@@ -386,19 +690,15 @@ class SharedIter:
         self._lost_sid = None
         link = mode.link
         self.window = min(self.window, max(4, link.mm.size() // link.stride // 4))
-        self.got.clear()
-        self.release = []
-        self.pins = []
         self.cursor = self.asked = sum(len(r) for r in self.rows[:self.idx])
-        self.attached = True
-        self._send({"op": "pass", "epoch": self.epoch, "start": self.flat[self.cursor], "end": self.base + self.n})
+        mode._last_box = self._box
+        self._begin(link)
         return self.attached
 
     def _go_local(self) -> None:
         """The rest of the pass on this job's own pipeline, from the next step."""
         self._leave()
         self.got.clear()
-        self.pins = []
         done = frozenset(range(self.plan.num_batches)) - frozenset(self.steps[self.idx:])
         self.local = PipelineMode._pipeline_iter(self.mode, self.loader, self.epoch, self.steps[self.idx], done)
 
@@ -555,23 +855,22 @@ class SharedIter:
         self._leave()
         self.got.clear()
         self.mode.drop_link()
-        self.attached = False
+        self._quit()
         warnings.warn(f"coordl: share=True: {why}; this loader prepares its own samples from here on (no "
                       "batch found wrong was handed out)", stacklevel=5)
 
     def _view(self, k: int, gs: list[int]):
         """Batch ``k`` as a view of staging, no copy, when its samples are all
         staged, complete, pinned for this job and in consecutive slots (the
-        daemon puts position G in the slot after G - 1's when it can): each leaf of the batch is
-        then one contiguous run of staging.  The slots stay pinned until the
-        batch's tensors are all gone (a finalizer on the array they view;
-        then released with the next message, or by the connection's close).
-        None: build it by copying."""
+        daemon puts position G in the slot after G - 1's when it can): each
+        leaf of the batch is then one contiguous run of staging.  The view
+        takes a pin of each of its slots that no other live view uses
+        (:meth:`_Link.take_view`) and keeps it until the batch's tensors are
+        all gone (a finalizer on the arrays they view; then given back at
+        once, or by the connection's close).  None: build it by copying."""
         link = self.mode.link
         n = len(gs)
         if link is None or not n or gs[-1] - gs[0] != n - 1:
-            return None
-        if not any(lo <= gs[0] and gs[-1] < hi for lo, hi in self.pins):
             return None
         if link.viewed + n > view_room(link.nslots, max(n, self.plan.batch_size or 0)):
             return None
@@ -581,18 +880,24 @@ class SharedIter:
         s0 = int(items[0][1])
         if s0 < 0 or s0 + n > link.nslots or any(int(it[1]) != s0 + j for j, it in enumerate(items)):
             return None
-        if not self._still_run(s0, gs):
+        keys = [(g, s0 + j) for j, g in enumerate(gs)]
+        if not link.take_view(keys):
             return None
         try:
+            if not self._still_run(s0, gs):
+                raise ValueError("not staged complete")
             leaves, bufs = _private_views(self.layout1, link, s0, n)
         except (OSError, ValueError):
+            link.untake(keys)
             return None
-        link.viewing(n)
-        gone = _Gone(link, list(gs), len(bufs))
+        gone = _Gone(link, keys, len(bufs))
         for buf in bufs:
             weakref.finalize(buf, _reaper.later, gone)
         del bufs
         self._viewed = list(gs)
+        ps = self._box[0]
+        if ps is not None:
+            ps.pinned.difference_update(keys)   # its pins are the view's now
         st = BatchStats()
         for it in items:
             source, nbytes, fetch_s, prep_s = it[3]
@@ -600,6 +905,7 @@ class SharedIter:
             st.fetch_s += float(fetch_s)
             st.prep_s += float(prep_s)
         st.samples = st.shared = n
+        st.zero_copy = 1
         self.mode.count(st)
         return Envelope(_collate.build(self.layout1.template, leaves), self.epoch, st, k)
 
@@ -714,17 +1020,17 @@ def _private_views(layout1, link: _Link, s0: int, n: int) -> tuple[list, list]:
 
 class _Gone:
     """Counts a zero-copy batch's mappings down (in the reaper thread); the
-    last one gone releases its slots."""
+    last one gone gives back the pins of its slots."""
 
-    def __init__(self, link: _Link, gs: list, left: int) -> None:
-        self.link, self.gs, self.left = link, gs, left
+    def __init__(self, link: _Link, keys: list, left: int) -> None:
+        self.link, self.keys, self.left = link, keys, left
         if not left:
-            link.view_gone(gs)
+            link.view_gone(keys)
 
     def __call__(self) -> None:
         self.left -= 1
         if self.left == 0:
-            self.link.view_gone(self.gs)
+            self.link.view_gone(self.keys)
 
 
 _SLOTS = LocalSlots()   # a fresh buffer per batch: the user may keep a batch as long as it likes

@@ -1,12 +1,16 @@
 """Image decode: the JPEG fast path the fused transforms use (private).
 
 - ``jpeg``: libjpeg-turbo decode through simplejpeg with PIL's limits
-  (truncated files, decompression bombs), and crop-window decode for
-  RandomResizedCrop;
+  (truncated files, decompression bombs), crop-window decode for
+  RandomResizedCrop, and the reduced-scale decode of the ``draft`` option;
 - ``_jpegcrop``: the optional C extension (``_jpegcrop.c``, built by
   ``setup.py``) that decodes only a crop window; the leading underscore is
   Python's convention for a compiled helper behind a pure-Python front
   (``jpeg``); without it RandomResizedCrop decodes whole images.
+- ``resample`` and the optional C extension ``_resample`` (``_resample.c``):
+  PIL's resampling arithmetic on numpy arrays, bit for bit, which the fused
+  decode runs for a resize torchvision would run on a PIL image (PIL itself
+  where the extension is missing or does not reproduce the installed PIL);
 - ``ops``: the image operations the transforms and the fused decode run
   (resize, crop, RandomResizedCrop's box draw, HWC -> CHW, the resampling
   filters) and their argument checks;

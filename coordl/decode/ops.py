@@ -157,20 +157,14 @@ def _draw_box(height: int, width: int, scale: Sequence[float], ratio: Sequence[f
 
 def resized_crop(img: Any, top: int, left: int, height: int, width: int, size: Sequence[int],
                  interpolation: Any = InterpolationMode.BILINEAR, antialias: bool | None = True) -> Any:
-    """Crop the in-bounds box (top, left, height, width) and resize it to ``size`` (h, w).
-
-    On PIL images this is one ``Image.resize(..., box=...)`` call, with no intermediate
-    crop.  PIL's filters then read real pixels just outside the box, so the outer 1-2
-    output pixels can differ from torchvision's crop-then-resize (which clamps at the
-    crop edge); all other pixels are identical.
-    """
+    """Crop the in-bounds box (top, left, height, width), then resize it to ``size`` (h, w):
+    torchvision's ``resized_crop``, the same pixels (the filter stops at the crop's edge)."""
     (out_h, out_w), mode = _check_size(size), _check_interp(interpolation)
     if isinstance(img, torch.Tensor):
         return _resize_tensor(img[..., top:top + height, left:left + width], out_h, out_w, mode, antialias)
     box = (left, top, left + width, top + height)
-    if (width, height) == (out_w, out_h):
-        return img if box == (0, 0, *img.size) else img.crop(box)
-    return img.resize((out_w, out_h), _PIL_FILTERS[mode], box=box)
+    crop = img if box == (0, 0, *img.size) else img.crop(box)
+    return crop if (width, height) == (out_w, out_h) else crop.resize((out_w, out_h), _PIL_FILTERS[mode])
 
 
 def _crop(img: Any, top: int, left: int, h: int, w: int) -> Any:

@@ -8,14 +8,19 @@ The modules (private):
 - ``split``: the transform split (uint8 leaves prepared on the CPU, marked)
   and the device tail (float conversion and Normalize on the device);
 - ``pin``: the pin thread (with worker processes) and inline pinning
-  (``num_workers=0``) for ``pin_memory=True``.
+  (``num_workers=0``) for ``pin_memory=True``;
+- ``encoded``, ``decode``: ``decode="device"``, the prep side (which
+  transforms the device runs, the records and compressed bytes a sample
+  carries) and the main process's stage (batched GPU decode, crop,
+  resize, flip, the tail, the fallbacks; a CPU decoder standing in for
+  tests).
 
 Public names (``from coordl.device import ...``, the names ``coordl.device``
 had as one module): :class:`DeviceDelivery`, :class:`Staged`, :func:`walk`,
 :class:`DeviceTail`, :class:`CudaStreams`, :class:`HostStreams`,
 :func:`split_for_device`, :class:`SplitPrep`, :class:`Split`,
 :func:`streams_for`.  Users reach all of this through
-``DataLoader(device=...)``.
+``DataLoader(device=..., decode=...)``.
 """
 from .delivery import (  # noqa: F401
     CudaStreams, DeviceDelivery, HostStreams, Staged, map_tensors, streams_for, walk, warn_pin_without_accelerator,

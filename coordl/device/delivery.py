@@ -49,7 +49,7 @@ from typing import Any, Callable
 
 import torch
 
-from .split import DeviceTail, Split, SplitPrep, split_for_device  # noqa: F401  (re-exported)
+from .split import DeviceTail, Split, SplitPrep, _replace_at, split_for_device  # noqa: F401  (re-exported)
 
 #: Test seam: ``device="cpu"`` runs the whole device path (ring, streams,
 #: tail) with :class:`HostStreams` instead of being a no-op.
@@ -301,16 +301,22 @@ class DeviceDelivery:
             event.record(copy_stream)
         return Staged(dev, event)
 
-    def stage(self, batch, paths=()) -> Staged:
+    def stage(self, batch, paths=(), replace=None) -> Staged:
         """Start ``batch``'s copy to the device through the pinned ring (any
         thread: the pin thread does this one batch ahead of the training
-        loop); the tail converts the images at ``paths`` there."""
+        loop); the tail converts the images at ``paths`` there.
+        ``replace``: ``{path: tensor}`` already on the device, made on the
+        copy stream, that take the places of the leaves at those paths
+        (``decode="device"``: the images in place of their records)."""
         slot = self.slots[self.k % len(self.slots)]
         self.k += 1
         if slot.event is not None and not slot.event.query():
             self.waits += 1
             slot.event.synchronize()     # its last copy still reads the pinned buffers
         staged = self._start_copy(self._stage(slot, batch), paths)
+        for path, image in (replace or {}).items():
+            # made on the copy stream before this copy: the staged batch's event covers them too
+            staged.batch = _replace_at(staged.batch, path, lambda _record, image=image: image)
         slot.event = staged.event
         return staged
 

@@ -26,7 +26,7 @@ import weakref
 import torch
 from torch.utils.data._utils.pin_memory import pin_memory as _torch_pin
 
-__all__ = ["pin_batch", "PinThread", "PinInline", "accelerator_available"]
+__all__ = ["pin_batch", "PinThread", "PinInline", "StageInline", "accelerator_available"]
 
 _POLL = 1.0
 _STOP_WAIT = 10.0  # longest wait for the pin thread to leave the pool on shutdown
@@ -90,6 +90,33 @@ class PinInline:
     def __next__(self):
         env = next(self._inner)
         return _pin_envelope(env, _note(env))
+
+    def worker_processes(self) -> list:
+        return self._inner.worker_processes()
+
+    def shutdown_workers(self) -> None:
+        self._inner.shutdown_workers()
+
+
+class StageInline:
+    """Runs ``stage(envelope, note)`` on each envelope of ``inner`` in the
+    calling thread (``num_workers=0`` with ``decode="device"``): the batch
+    is decoded and its copy started before the loop counts it, so samples
+    the stage skips are counted as skipped."""
+
+    def __init__(self, inner, stage) -> None:
+        self._inner = inner
+        self._stage = stage
+
+    def __iter__(self):
+        return self
+
+    def __len__(self) -> int:
+        return len(self._inner)
+
+    def __next__(self):
+        env = next(self._inner)
+        return self._stage(env, _note(env))
 
     def worker_processes(self) -> list:
         return self._inner.worker_processes()

@@ -319,13 +319,15 @@ class SplitPrep:
 
 class Split:
     """The device split of one pass: ``dataset`` is what the pipeline
-    prepares (a :class:`SplitPrep`, or the user's dataset), ``tail`` the
-    device tail (None: nothing split) and ``note`` what stats() says."""
+    prepares (a :class:`SplitPrep`, a ``DecodePrep``, or the user's
+    dataset), ``tail`` the device tail (None: nothing split), ``note`` what
+    stats() says and ``decode`` the ``DecodePlan`` with ``decode="device"``."""
 
-    __slots__ = ("dataset", "tail", "note")
+    __slots__ = ("dataset", "tail", "note", "decode")
 
-    def __init__(self, dataset, tail, note: str) -> None:
+    def __init__(self, dataset, tail, note: str, decode=None) -> None:
         self.dataset, self.tail, self.note = dataset, tail, note
+        self.decode = decode    # decode="device": the coordl.device.encoded.DecodePlan the pass runs
 
 
 def split_for_device(dataset, device=None) -> Split:

@@ -38,7 +38,7 @@ from . import collate as _collate
 from .prep import SKIP, prep_sample
 from .readahead import Fetched, Fetcher, FetcherDied
 from ..errors import Failure, SampleError
-from ..plan import EpochPlan
+from ..plan import EpochPlan, IndexOrder
 from ..protocol import describe
 from ..stats import BatchStats
 
@@ -49,7 +49,7 @@ class _Builder:
     """One batch being assembled, rows in plan order, samples in any order."""
 
     __slots__ = ("k", "indices", "n", "done", "layout", "slot", "targets", "dests", "samples",
-                 "ok", "stats", "copy", "failed", "marks")
+                 "ok", "stats", "copy", "failed", "marks", "payloads")
 
     def __init__(self, k: int, indices: list[int], copy: bool) -> None:
         self.k = k
@@ -66,12 +66,15 @@ class _Builder:
         self.copy = copy
         self.failed = False             # an error was emitted for this batch
         self.marks = None               # per row: paths of its device-split images (coordl.device)
+        self.payloads = None            # decode="device": per row, what travels with its records
 
 
 class Engine:
     """Fetches and prepares the batches of one worker.
 
-    ``emit(kind, *payload)`` hands results out: ``("batch", k, slot, layout,
+    ``batch_size``: None (no batching: a step is one sample, converted by
+    ``collate_fn``), else batches are collated (0: of any size, from a batch
+    sampler).  ``emit(kind, *payload)`` hands results out: ``("batch", k, slot, layout,
     rows, stats)``, ``("obj", k, batch, stats)``, ``("empty", k, stats)`` or
     ``("error", k, failure)`` (an :class:`coordl.errors.Failure`).  ``slots`` provides batch buffers:
     ``acquire(nbytes) -> (slot_id, uint8 ndarray)``.
@@ -97,6 +100,8 @@ class Engine:
         self._read, self._read_many = _make_reader(dataset, cache, peers)
         # device split (coordl.device.SplitPrep): where each sample's uint8 images are
         self._take_marks = getattr(dataset, "take_device_marks", None)
+        # decode="device" (coordl.device.DecodePrep): the bytes (or CPU images) beside each record
+        self._take_payloads = getattr(dataset, "take_device_payloads", None)
         sizes = getattr(dataset, "sizes", None)
         self._size_of = (lambda i: int(sizes[i])) if isinstance(sizes, np.ndarray) else None
         self.pass_id = None
@@ -104,7 +109,7 @@ class Engine:
         self.at: tuple = ("idle", None, None)  # (stage, batch, sample): names a failure
 
     # ------------------------------------------------------------------ passes
-    def begin_pass(self, pass_id, plan: EpochPlan, epoch: int, start: int,
+    def begin_pass(self, pass_id, plan: EpochPlan | IndexOrder, epoch: int, start: int,
                    num_workers: int, worker_id: int, skip=()) -> None:
         """Start batches ``start, start+1, ...`` of ``epoch`` except those in
         ``skip`` (delivered before a resume); this worker takes every
@@ -114,13 +119,12 @@ class Engine:
             self.peers.new_epoch()      # peers that failed last epoch get another chance
         self.pass_id = pass_id
         self.epoch = epoch
-        idx = plan.indices(epoch)
-        bs = plan.batch_size
         ks = pass_steps(plan.num_batches, start, skip)[worker_id::num_workers]
-        if bs is None:
-            self.my = [(k, [int(idx[k])]) for k in ks]
-        else:
-            self.my = [(k, idx[k * bs:(k + 1) * bs].tolist()) for k in ks]
+        # an EpochPlan, or an IndexOrder (the steps a user's sampler yielded for this pass)
+        self.my = plan.steps(epoch, ks)
+        for k, ind in self.my:
+            if not ind:     # an empty step of a batch sampler: collated as torch would, at once
+                self._empty_step(k)
         self.first = 0                  # position of the first unconsumed batch
         self.consumed: set[int] = set()
         self.builders: dict[int, _Builder] = {}
@@ -130,6 +134,17 @@ class Engine:
         self.fetcher = Fetcher(self._read, order, self.q, threads=self.fetch_threads,
                                budget_bytes=self.budget, size_of=self._size_of,
                                name=f"coordl-fetch-w{self.worker_id}", read_many=self._read_many)
+
+    def _empty_step(self, k: int) -> None:
+        """Step ``k`` has no samples (a batch sampler yielded ``[]``): its
+        batch is ``collate_fn([])``, or that call's error, as under torch."""
+        try:
+            batch = (self.collate_fn or torch.utils.data.default_collate)([])
+        except Exception as e:
+            self.emit("error", k, Failure(f"Caught {type(e).__name__} in DataLoader worker process "
+                                          f"{self.worker_id}.\nOriginal {traceback.format_exc()}", type(e)))
+            return
+        self.emit("obj", k, batch, BatchStats())
 
     def end_pass(self) -> None:
         if self.fetcher is not None:
@@ -203,6 +218,8 @@ class Engine:
                             if b.marks is None:
                                 b.marks = [()] * b.n
                             b.marks[j] = paths
+                            if self._take_payloads is not None:
+                                self._encoded_row(b, j, i, paths)
                         t0 = clock()
                         self._place(b, j, sample)
                         st.prep_s += clock() - t0
@@ -217,6 +234,25 @@ class Engine:
                 self.at = ("collating", k, None)
                 self._finish(b)
         self.at = ("idle", None, None)
+
+    def _encoded_row(self, b: _Builder, j: int, i: int, paths: tuple) -> None:
+        """decode="device": keep row ``j``'s payloads; every row of a batch
+        must put its records at the same places (a collated leaf cannot mix
+        records and images).  Either failure is the dataset's code, not a
+        sample's: the pass stops with the message."""
+        payloads = self._take_payloads()
+        if b.payloads is None:
+            b.payloads = [None] * b.n
+        for r, other in enumerate(b.payloads):
+            if other is not None and b.marks[r] != paths:
+                raise RuntimeError(
+                    f"decode='device': sample {i} ({describe(self.dataset, i)}) has its images at "
+                    f"{list(paths) or 'no place'} but sample {b.indices[r]} of the same batch at "
+                    f"{list(b.marks[r]) or 'no place'}; the images of one batch must sit at the same places "
+                    "in every sample (or use decode='cpu')")
+            if other is not None:
+                break
+        b.payloads[j] = payloads
 
     def doing(self) -> str:
         """What the engine was doing, for the message of an unexpected failure."""
@@ -307,7 +343,9 @@ def finish(b: _Builder, collate_fn, batch_size, slots, finish_on_cpu=None) -> tu
         if b.slot is not None:
             slots.release(b.slot)
         return ("empty",)
-    if b.marks is not None:
+    if b.payloads is not None:
+        b.stats.device_marks = b.marks[rows[0]]     # the rows agree (Engine._encoded_row)
+    elif b.marks is not None:
         marks = {b.marks[r] for r in rows}
         if len(marks) == 1 and b.marks[rows[0]]:
             b.stats.device_marks = b.marks[rows[0]]
@@ -326,11 +364,37 @@ def finish(b: _Builder, collate_fn, batch_size, slots, finish_on_cpu=None) -> tu
         batch = collate_fn(samples[0]) if batch_size is None else \
             (collate_fn or torch.utils.data.default_collate)(samples)
         b.stats.prep_s += time.perf_counter() - t0
-        return ("obj", batch)
-    if len(rows) < b.n:  # skipped samples: close the gaps, keep plan order
-        for t in b.targets:
-            t[: len(rows)] = t[rows].clone()
-    return ("batch", len(rows))
+        out = ("obj", batch)
+    else:
+        if len(rows) < b.n:  # skipped samples: close the gaps, keep plan order
+            for t in b.targets:
+                t[: len(rows)] = t[rows].clone()
+        out = ("batch", len(rows))
+    if b.payloads is not None and b.stats.device_marks:
+        pack_payloads(b, rows, slots)
+    return out
+
+
+def pack_payloads(b: _Builder, rows: list, slots) -> None:
+    """decode="device": the payloads of ``rows`` (JPEG bytes, or uint8
+    images the CPU path made), one after the other in a buffer from
+    ``slots`` (a shared-memory slot in a worker), in the batch's row order
+    and, within a row, its records' order: ``BatchStats.device_blob`` =
+    (slot, total bytes, int64 [(offset, length), ...]).  The main process
+    decodes from there (coordl.device.decode)."""
+    items = [p for r in rows for p in b.payloads[r]]
+    views = [np.frombuffer(p.numpy() if isinstance(p, torch.Tensor) else p, dtype=np.uint8) for p in items]
+    total = sum(v.size for v in views)
+    slot, buf = slots.acquire(max(total, 1))
+    offsets = np.empty((len(views), 2), dtype=np.int64)
+    o = 0
+    for k, v in enumerate(views):
+        buf[o:o + v.size] = v
+        offsets[k] = (o, v.size)
+        o += v.size
+    b.stats.decoded_cpu += sum(isinstance(p, torch.Tensor) for p in items)
+    b.stats.device_blob = (slot, total, offsets)
+    b.payloads = None
 
 
 def _make_reader(dataset, cache, peers=None):

@@ -6,9 +6,10 @@ in one place (:func:`choose_mode`), as torch picks its iterator class in
 mode                   chosen when                                 runs a pass with
 =====================  ==========================================  ==========================
 ``PipelineMode``       two-stage dataset, order from the epoch     coordl's pipeline
-                       plan (no user sampler)                      (``workers.py``)
-``TwoStageTorchMode``  two-stage dataset with a user sampler, or    torch's iterators over
-                       any map-style dataset with                  ``TwoStageFetch``
+                       plan, or from a user sampler/batch sampler  (``workers.py``)
+                       with a length (read once per pass)
+``TwoStageTorchMode``  two-stage dataset with a sampler without    torch's iterators over
+                       a length, or any map-style dataset with     ``TwoStageFetch``
                        ``on_error="skip"``
 ``TensorBatchMode``    an unmodified ``TensorDataset``, default    torch's iterators over
                        collation, no user sampler                  ``TensorBatchFetch``
@@ -31,7 +32,7 @@ from torch.utils.data import TensorDataset
 from ..device import pin as _pin
 from .torch_path import CollateEnvelope, TensorBatchFetch, TwoStageFetch, passthrough_collate
 
-__all__ = ["choose_mode", "PipelineMode", "TwoStageTorchMode", "TensorBatchMode", "TorchMode"]
+__all__ = ["choose_mode", "sampler_order", "PipelineMode", "TwoStageTorchMode", "TensorBatchMode", "TorchMode"]
 
 
 class TorchMode:
@@ -86,7 +87,7 @@ class _WrappedTorchMode(TorchMode):
 
 class TwoStageTorchMode(_WrappedTorchMode):
     """raw -> prep per sample (``TwoStageFetch``) under torch's machinery:
-    a two-stage dataset whose order comes from a user sampler, or a generic
+    a two-stage dataset whose order comes from a sampler without a length, or a generic
     map-style dataset with ``on_error="skip"`` (``dataset[i]`` per sample, so
     one bad sample can be dropped)."""
 
@@ -116,7 +117,12 @@ class TensorBatchMode(_WrappedTorchMode):
 
 
 class PipelineMode:
-    """coordl's own pipeline for a two-stage dataset in plan order.
+    """coordl's own pipeline for a two-stage dataset, in plan order or, with
+    ``from_sampler``, in the order the user's sampler (or batch sampler)
+    yields for the pass: read once in the main process when the pass
+    starts (as torch's iterator reads it, after the same draw of its base
+    seed), so the same torch seed gives the same indices as torch's
+    DataLoader (:meth:`sampler_order`).
 
     Holds across passes: with ``persistent_workers`` the ``WorkerPool``
     (stopped by ``adopt_seed`` or when the loader is collected, through the
@@ -132,7 +138,8 @@ class PipelineMode:
     runs_pipeline = True
     tag_tasks = True
 
-    def __init__(self) -> None:
+    def __init__(self, from_sampler: bool = False) -> None:
+        self.from_sampler = from_sampler
         self.pool = None
         self.pool_split = None  # the device split the persistent pool prepares (coordl.device)
         self._pin_prev = None  # (stop event, thread) of the last pass's pin thread
@@ -169,6 +176,8 @@ class PipelineMode:
         its own thread): with workers in a pin thread, else inline."""
         if loader._device is not None:
             if loader.num_workers == 0:
+                if loader._decode == "device":   # decoded before the loop counts the batch
+                    return _pin.StageInline(inner, loader._stage_envelope)
                 return inner     # staged and handed over in next() (DataLoader._deliver)
             # the copy to the device starts one batch ahead, in the pin thread
             pinner = _pin.PinThread(inner, depth=loader.prefetch_factor or 2, stage=loader._stage_envelope)
@@ -193,7 +202,9 @@ class PipelineMode:
         W = loader.num_workers
         cfg = dict(
             seed=loader.seed, on_error=loader.on_error, collate_fn=loader.collate_fn,
-            batch_size=loader.batch_size, prefetch=loader.prefetch_factor or 2,
+            # None: no batching; 0: batches of a batch sampler, of any size
+            batch_size=loader.batch_size if loader.batch_size is not None or not loader._auto_collation else 0,
+            prefetch=loader.prefetch_factor or 2,
             fetch_threads=loader._fetch_threads,
             budget=max(1 << 20, loader._read_ahead // max(1, W)),
             worker_init_fn=loader.worker_init_fn, cache=loader._cache, peers=loader._peers,
@@ -202,7 +213,9 @@ class PipelineMode:
             loader._peers.start(epoch)   # the run's first epoch: who read what (before workers copy it)
         if W == 0:
             ds = loader._split_for_pass().dataset   # the transform as it is now (coordl.device)
-            return InlineIter(ds, cfg, loader.plan, epoch, start, skip=skip)
+            if self.from_sampler:   # torch's iterator draws its base seed before the sampler's first draw
+                torch.empty((), dtype=torch.int64).random_(generator=loader.generator)
+            return InlineIter(ds, cfg, self._order(loader), epoch, start, skip=skip)
         pool = self.pool
         if pool is not None and not pool.closed:
             loader._split_for_pass(self.pool_split)  # persistent workers prepare as when they started
@@ -216,16 +229,60 @@ class PipelineMode:
             pool = WorkerPool(split.dataset, cfg, W, ctx, timeout=loader.timeout)
             if loader.persistent_workers:
                 self.pool, self.pool_split = pool, split
-        return PipelineIter(pool, loader.plan, epoch, start, loader.in_order,
+        try:
+            order = self._order(loader)
+        except BaseException:
+            if not loader.persistent_workers:
+                pool.shutdown()
+            raise
+        return PipelineIter(pool, order, epoch, start, loader.in_order,
                             owns_pool=not loader.persistent_workers, skip=skip)
+
+    def _order(self, loader):
+        """This pass's order: the epoch plan, or the sampler's (:meth:`sampler_order`)."""
+        if not self.from_sampler:
+            return loader.plan
+        return sampler_order(loader)
+
+
+def sampler_order(loader):
+    """The steps the loader's index sampler (its ``batch_sampler``, or its
+    ``sampler`` in batches of ``batch_size``) yields for the pass now
+    starting, as an :class:`coordl.plan.IndexOrder`, iterated once here as
+    torch's iterator iterates it.  The RNG states it draws from are
+    recorded for the loader's state (``_Pass.rng``; on resume they are set
+    back first, see ``passes._torch_steps``).  On resume the state's own
+    record of the epoch's order is what the pass runs: when the sampler
+    now yields another order (randomness coordl does not save, e.g.
+    Python's ``random``), a warning says so."""
+    from torch.utils.data import DataLoader as _Torch
+
+    from ..plan import IndexOrder
+    from .passes import _torch_steps
+
+    p = loader._pass
+    steps = _torch_steps(_Torch._index_sampler.fget(loader), loader._rng_generators(), p, 0)
+    order = IndexOrder.from_steps(steps, loader._auto_collation, len(loader.dataset))
+    saved, p.order_restore = p.order_restore, None
+    if saved is not None and not order.same_as(saved):
+        warnings.warn(
+            f"coordl: the sampler yields another order for epoch {p.epoch} than the one the loaded state "
+            "recorded (its randomness does not come from the torch generators a state saves: the loader's "
+            "generator, the sampler's, torch's global one); the rest of this epoch follows the recorded "
+            "order, exactly, and later epochs the sampler's", stacklevel=5)
+        order = saved
+    p.order = order
+    return order
 
 
 def choose_mode(dataset, *, two_stage: bool, plan_order: bool, user_sampler: bool, iterable: bool,
                 on_error: str, seed: int | None, collate_fn, user_collate: bool,
-                batch_size: int | None):
+                batch_size: int | None, sized_sampler: bool = False):
     """The one place a loader's mode is picked (see the table above)."""
     if two_stage and plan_order:
         return PipelineMode()
+    if two_stage and user_sampler and sized_sampler:
+        return PipelineMode(from_sampler=True)
     if two_stage or (on_error == "skip" and not iterable):
         return TwoStageTorchMode(dataset, seed, on_error, collate_fn, two_stage)
     if (type(dataset) is TensorDataset and not user_collate and batch_size is not None

@@ -13,18 +13,17 @@ import itertools
 import time
 import warnings
 import weakref
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
+# the loader a pass belongs to is given to it (a coordl.DataLoader, typed as torch's base
+# class): this module never imports the layer above it
 from torch.utils.data import DataLoader as _TorchDataLoader
 from torch.utils.data.dataloader import _DatasetKind
 
 from ..device import pin as _pin
 from ..errors import SkippedSampleWarning
 from .torch_path import Envelope, Task
-
-if TYPE_CHECKING:
-    from ..loader import DataLoader
 
 __all__ = ["_Pass", "_PassSampler", "_LoaderIter", "_first_tensor"]
 
@@ -53,6 +52,8 @@ class _Pass:
         self.exact = True  # False: torch hands batches over out of order, steps unknown
         self.rng: list | None = None  # torch-sampler RNG states at pass start
         self.rng_restore: list | None = None
+        self.order = None  # the pass's IndexOrder when a user sampler gives the order on coordl's pipeline
+        self.order_restore = None  # the order a loaded state recorded for the pass about to start
         self.owner = None  # weakref to the _LoaderIter of the current pass
 
     def live(self) -> bool:
@@ -82,7 +83,7 @@ class _PassSampler:
     it again each epoch; each ``iter()`` reads the pass the loader is on.
     """
 
-    def __init__(self, loader: "DataLoader") -> None:
+    def __init__(self, loader: _TorchDataLoader) -> None:
         # weak: a loader <-> sampler cycle would keep a dead loader's worker
         # iterator alive until a gc run, possibly inside a forked worker.
         self._loader_ref = weakref.ref(loader)
@@ -166,7 +167,7 @@ class _LoaderIter:
     ``_pin_memory`` and the other settings.
     """
 
-    def __init__(self, loader: "DataLoader", inner, epoch: int, fast_forward: int,
+    def __init__(self, loader: _TorchDataLoader, inner, epoch: int, fast_forward: int,
                  start: int = 0, skip: frozenset = frozenset(), bucket: dict | None = None) -> None:
         self._loader = loader
         self._inner = inner

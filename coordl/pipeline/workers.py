@@ -103,8 +103,13 @@ class WorkerPool:
         try:
             with starting_workers():    # a forked worker never collects what it inherited
                 self._start(dataset, cfg, num_workers, ctx, parent)
-        except BaseException:
+        except BaseException as e:
             _shutdown(self.procs, self.ctrl, self.res, parent)
+            if "pickle" in str(e).lower():   # spawn/forkserver send the dataset to each worker
+                e.add_note("coordl: the dataset goes to each worker pickled (multiprocessing_context="
+                           f"{getattr(ctx, '_name', ctx)!r}): define every function it holds (its transform's "
+                           "steps included) with def at module level (or as a class with __call__), not as a "
+                           "lambda or inside another function")
             raise
         # Stopping workers joins and may kill: not something to do inside
         # whatever allocation triggers the gc that drops this pool.  The
@@ -151,8 +156,7 @@ class WorkerPool:
         # batches of the previous pass that arrived but were never delivered:
         # their slots go back to the workers (else each abandoned pass leaks them)
         for w, msg in self.pending.values():
-            if msg[0] == "batch":
-                self._frees.append((w,) + tuple(msg[3]))
+            self._frees.extend(_slots_of(w, msg))
         self.pending.clear()
         skip = tuple(sorted(skip))
         for w in range(self.num_workers):
@@ -257,8 +261,7 @@ class WorkerPool:
             self.shutdown()
             raise RuntimeError(msg[3])
         if msg[1] != self.pass_id:  # a batch of an abandoned pass
-            if kind == "batch":
-                self._frees.append((w,) + tuple(msg[3]))
+            self._frees.extend(_slots_of(w, msg))
             return
         self.pending[msg[2]] = (w, msg)
 
@@ -298,10 +301,41 @@ class WorkerPool:
             with _forks.lock:   # seen by a fork's hook, or made after the fork
                 self._lent[(w, sid, gen)] = f
             batch = _collate.build(layout.template, _collate.views(layout, owner, rows))
-            return batch, stats
+            return batch, self._map_blob(w, stats)
         if kind == "obj":
-            return msg[3], msg[4]
+            return msg[3], self._map_blob(w, msg[4])
         return None, msg[3]  # "empty": every sample skipped
+
+    def _map_blob(self, w: int, stats):
+        """decode="device": the batch's packed JPEG bytes as a view of their
+        slot, which goes back to the worker once the view is garbage (after
+        the device stage has decoded them, coordl.device.decode)."""
+        blob = getattr(stats, "device_blob", None)
+        if blob is not None and type(blob[0]) is tuple:
+            (sid, gen), total, offsets = blob
+            mgen, mm = self.maps[(w, sid)]
+            assert mgen == gen, "slot generation mismatch"
+            owner = np.frombuffer(mm, dtype=np.uint8, count=total)
+            f = weakref.finalize(owner, self._frees.append, (w, sid, gen))
+            f.atexit = False
+            stats.device_blob = (owner, total, offsets)
+        return stats
+
+
+def _slots_of(w: int, msg) -> list:
+    """The slots a result message of worker ``w`` holds, as ``(w, sid, gen)``:
+    a batch's own, and the slot of its packed JPEG bytes (decode="device")."""
+    kind = msg[0]
+    if kind == "batch":
+        out, stats = [(w,) + tuple(msg[3])], msg[6]
+    elif kind == "obj":
+        out, stats = [], msg[4]
+    else:
+        return []
+    blob = getattr(stats, "device_blob", None)
+    if blob is not None and type(blob[0]) is tuple:
+        out.append((w,) + tuple(blob[0]))
+    return out
 
 
 _pools: weakref.WeakSet = weakref.WeakSet()   # this process's pools, for the fork hook

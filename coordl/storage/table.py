@@ -109,6 +109,7 @@ class SampleTable:
                 h.update(b)
             self._versions = h.digest()
         self._fingerprint = None
+        self._sample_digest = None
 
     def _set_samples(self, samples: Iterable[tuple[Any, int]], root: str | None) -> None:
         paths, targets = [], []
@@ -167,6 +168,7 @@ class SampleTable:
         if t.shape != self._targets.shape:
             raise ValueError(f"targets should have {len(self._targets)} entries, but got {len(t)}")
         self._targets = t
+        self._sample_digest = None
 
     @property
     def sizes(self) -> np.ndarray:
@@ -206,6 +208,24 @@ class SampleTable:
             h.update(self._mtimes.astype("<i8").tobytes())
             self._fingerprint = h.hexdigest()
         return self._fingerprint
+
+    def sample_digest(self) -> str:
+        """Hex digest of what the samples are, wherever the folder lives:
+        their paths relative to the root, class indices and file sizes (no
+        location, no mtimes).  A loader's state carries it, so a mid-epoch
+        state resumes on a copy of the dataset in another place, and never
+        on another dataset of the same length."""
+        d = getattr(self, "_sample_digest", None)
+        if d is None:
+            h = hashlib.blake2b(digest_size=16)
+            h.update(b"coordl.samples/1\0")
+            h.update(np.int64(len(self._sizes)).astype("<i8").tobytes())
+            h.update(self._offsets.astype("<i8").tobytes())
+            h.update(self._paths.tobytes())
+            h.update(self._targets.astype("<i8").tobytes())
+            h.update(self._sizes.astype("<i8").tobytes())
+            d = self._sample_digest = h.hexdigest()
+        return d
 
     def _where(self) -> bytes:
         """The samples' location for the fingerprint: the URL of a remote

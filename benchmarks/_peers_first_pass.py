@@ -1,4 +1,4 @@
-"""Issue 19 targets for benchmarks/peers.py (``first-pass`` and ``connections``).
+"""The first-pass and connection targets of benchmarks/peers.py (``first-pass`` and ``connections``).
 
 ``first-pass``: N "nodes" as plain processes on loopback (gloo,
 ``COORDL_NODE_ID`` per node), node caches of ``--cache-fraction`` of the

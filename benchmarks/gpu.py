@@ -1,0 +1,877 @@
+"""Loaders feeding a GPU, side by side in one run: delivery, a ResNet-50
+training step, and four training jobs sharing the GPU.
+
+Data: photo-like JPEGs of ImageNet's sizes (~110 KB, ``coordl.synth``),
+generated into a temporary folder by a process pool: ``--unique`` images are
+rendered and hard-linked under ``--images`` names (the decode cost of a name
+is that of its image; the page cache holds each image once).  Every loader
+runs RandomResizedCrop(224) + RandomHorizontalFlip + ToTensor + Normalize.
+
+Loader variants (``VARIANTS``; a later variant is one more entry there, and
+one more row in ``JOB_ROWS`` for part (c)):
+
+* ``torch``: ``torch.utils.data.DataLoader`` over torchvision's
+  ``ImageFolder`` and transforms, ``pin_memory=True``, and
+  ``.cuda(non_blocking=True)`` in the loop, as a user's script does;
+* ``coordl-import``: the same script with only the import changed
+  (``coordl.DataLoader``);
+* ``coordl-device``: ``coordl.DataLoader(coordl.ImageFolder(...),
+  device="cuda")`` with coordl's transforms;
+* ``dali``: NVIDIA DALI's GPU pipeline (``fn.readers.file`` ->
+  ``fn.decoders.image_random_crop(device="mixed")`` -> ``fn.resize`` ->
+  ``fn.crop_mirror_normalize`` on the GPU), ``num_threads`` = the worker
+  count, when ``nvidia.dali`` imports (part (d)); otherwise a line says why
+  it was skipped.
+
+Parts:
+
+(a) images/s delivered on the GPU at 1, 4, 8 and 15 workers, batch 128,
+    and the machine's busy CPU time per image over the same window;
+(b) a ResNet-50 training step (torchvision's ``resnet50``, bf16 autocast,
+    channels_last, SGD, batch 256): images/s on synthetic data already on
+    the GPU (the ceiling) and fed by each loader at 15 workers, as a
+    fraction of the ceiling;
+(c) four ResNet-18 jobs training on the one GPU from the same folder,
+    separate processes started together (3 workers each, batch 128):
+    torch, coordl ``share=False``, coordl ``share=True``; images/s of each
+    job against one job alone.  Each job warms up, waits until all are
+    ready, then skips what its loader prefetched meanwhile (2 x workers + 1
+    batches) before its window;
+(d) whether DALI ran (its rows are in (a) and (b)).
+
+Each measurement is time-boxed: one epoch, a warm-up of ``workers + 2``
+batches (every worker has delivered), then a window of a few seconds
+(``--seconds``, ``--train-seconds``, ``--job-seconds``) that closes early at
+the end of the epoch (an epoch boundary's restart is not measured); the
+device is synchronized at both ends of the window.  A
+variant that raises prints its error and the run goes on; the JSON
+(``--out``) is rewritten after every measurement, with the machine's facts
+(GPU, CPUs, versions, date).
+
+    python benchmarks/gpu.py --out gpu.json            # ~5 minutes on an H100 with 16 vCPUs
+    python benchmarks/gpu.py --parts a,b --workers 1,15 --seconds 2
+    python benchmarks/gpu.py --smoke --out smoke.json  # tiny sizes; CPU when there is no CUDA
+
+torchvision's PyPI wheel does not import beside a CPU build of torch; this
+script then loads it the way the test suite does (tests/_torchvision.py).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import datetime
+import gc
+import json
+import os
+import platform
+import queue
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import traceback
+from concurrent.futures import ProcessPoolExecutor
+from typing import Any, Callable, Iterator
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HERE)
+sys.path.insert(0, os.path.join(REPO, "tests"))
+
+import psutil  # noqa: E402
+import torch  # noqa: E402
+
+MEAN, STD = [0.485, 0.456, 0.406], [0.229, 0.224, 0.225]
+
+
+# ---------------------------------------------------------------- settings
+
+@dataclasses.dataclass
+class Ctx:
+    """What every loader and measurement of a run shares."""
+    root: str
+    device: torch.device
+    size: int = 224            # crop size
+    batch_timeout: float = 120.0  # DataLoader(timeout=) with workers: a stuck loader raises
+
+    @property
+    def cuda(self) -> bool:
+        return self.device.type == "cuda"
+
+
+def _torchvision():
+    from _torchvision import import_torchvision
+
+    tv = import_torchvision()
+    if tv is None:
+        raise RuntimeError("torchvision is not installed: pip install torchvision (or coordl[test])")
+    import torchvision.datasets  # noqa: F401
+    import torchvision.models  # noqa: F401
+    import torchvision.transforms  # noqa: F401
+    return tv
+
+
+def tv_pipeline(size: int):
+    T = _torchvision().transforms
+    return T.Compose([T.RandomResizedCrop(size), T.RandomHorizontalFlip(), T.ToTensor(), T.Normalize(MEAN, STD)])
+
+
+def coordl_pipeline(size: int):
+    from coordl import transforms as T
+
+    return T.Compose([T.RandomResizedCrop(size), T.RandomHorizontalFlip(), T.ToTensor(), T.Normalize(MEAN, STD)])
+
+
+# ---------------------------------------------------------------- loader variants
+
+class Source:
+    """One loader under test: ``epoch()`` yields ``(images, labels)`` on the
+    device for one epoch; ``close()`` drops the loader (workers end)."""
+
+    def __init__(self, loader: Any, device: torch.device | None = None):
+        self.loader = loader
+        self.device = device  # set: the loop moves each batch (`.cuda(non_blocking=True)`)
+
+    def epoch(self) -> Iterator:
+        if self.device is None:
+            yield from self.loader
+            return
+        dev = self.device
+        for images, labels in self.loader:
+            yield images.to(dev, non_blocking=True), labels.to(dev, non_blocking=True)
+
+    def close(self) -> None:
+        self.loader = None
+
+
+def _dl_kwargs(ctx: Ctx, workers: int) -> dict:
+    return {"num_workers": workers, "shuffle": True, "drop_last": True,
+            "timeout": ctx.batch_timeout if workers > 0 else 0}
+
+
+def make_torch(ctx: Ctx, workers: int, batch_size: int, **extra) -> Source:
+    tv = _torchvision()
+    ds = tv.datasets.ImageFolder(ctx.root, transform=tv_pipeline(ctx.size))
+    loader = torch.utils.data.DataLoader(ds, batch_size=batch_size, pin_memory=ctx.cuda,
+                                         **_dl_kwargs(ctx, workers), **extra)
+    return Source(loader, ctx.device)
+
+
+def make_coordl_import(ctx: Ctx, workers: int, batch_size: int, **extra) -> Source:
+    import coordl
+
+    tv = _torchvision()
+    ds = tv.datasets.ImageFolder(ctx.root, transform=tv_pipeline(ctx.size))
+    loader = coordl.DataLoader(ds, batch_size=batch_size, pin_memory=ctx.cuda, **_dl_kwargs(ctx, workers), **extra)
+    return Source(loader, ctx.device)
+
+
+def make_coordl_device(ctx: Ctx, workers: int, batch_size: int, **extra) -> Source:
+    import coordl
+
+    ds = coordl.ImageFolder(ctx.root, transform=coordl_pipeline(ctx.size))
+    kw = {"seed": 0, "share": False, **extra}
+    loader = coordl.DataLoader(ds, batch_size=batch_size, device=ctx.device, **_dl_kwargs(ctx, workers), **kw)
+    return Source(loader)
+
+
+class DaliSource(Source):
+    def __init__(self, pipe, it):
+        super().__init__(it)
+        self.pipe = pipe
+
+    def epoch(self) -> Iterator:
+        for out in self.loader:
+            yield out[0]["images"], out[0]["labels"].view(-1)
+
+    def close(self) -> None:
+        self.loader = self.pipe = None
+
+
+def make_dali(ctx: Ctx, workers: int, batch_size: int, **extra) -> Source:
+    from nvidia.dali import fn, pipeline_def, types
+    from nvidia.dali.plugin.pytorch import DALIGenericIterator, LastBatchPolicy
+
+    @pipeline_def(batch_size=batch_size, num_threads=max(1, workers), device_id=ctx.device.index or 0,
+                  seed=1, prefetch_queue_depth=2)
+    def pipe():
+        jpegs, labels = fn.readers.file(file_root=ctx.root, random_shuffle=True, name="reader")
+        images = fn.decoders.image_random_crop(jpegs, device="mixed", output_type=types.RGB,
+                                               random_area=[0.08, 1.0], random_aspect_ratio=[3 / 4, 4 / 3])
+        images = fn.resize(images, resize_x=ctx.size, resize_y=ctx.size)
+        images = fn.crop_mirror_normalize(images, dtype=types.FLOAT, output_layout="CHW",
+                                          mean=[m * 255 for m in MEAN], std=[s * 255 for s in STD],
+                                          mirror=fn.random.coin_flip(probability=0.5))
+        return images, labels.gpu()
+
+    p = pipe(**extra)
+    p.build()
+    it = DALIGenericIterator([p], ["images", "labels"], reader_name="reader",
+                             last_batch_policy=LastBatchPolicy.DROP, auto_reset=True)
+    return DaliSource(p, it)
+
+
+def dali_unavailable(ctx: Ctx) -> str | None:
+    """Why DALI's GPU pipeline cannot run here, or None."""
+    if not ctx.cuda:
+        return f"DALI's GPU pipeline needs a CUDA device (device is {ctx.device})"
+    try:
+        import nvidia.dali  # noqa: F401
+        import nvidia.dali.plugin.pytorch  # noqa: F401
+    except Exception as e:  # noqa: BLE001 - any failure to import means: not here
+        return f"nvidia.dali does not import: {type(e).__name__}: {e}"
+    return None
+
+
+@dataclasses.dataclass
+class Variant:
+    """A row of parts (a) and (b).  ``make(ctx, workers, batch_size, **extra)``
+    returns a :class:`Source`; ``unavailable(ctx)`` says why it cannot run
+    here (the row is skipped with that line), or None."""
+    name: str
+    make: Callable[..., Source]
+    describe: str
+    unavailable: Callable[[Ctx], str | None] = lambda ctx: None
+    max_workers_b: int | None = None     # part (b) runs it with at most this many workers
+
+
+def device_decode_unavailable(ctx: Ctx) -> str | None:
+    """decode="device" needs a CUDA device (the CPU stand-in is the tests')."""
+    return None if ctx.cuda else f'decode="device" needs a CUDA device (device is {ctx.device})'
+
+
+# Rows of parts (a) and (b), in order.  A coordl option is one more entry
+# (make_coordl_device passes keyword arguments on to coordl.DataLoader).
+VARIANTS: list[Variant] = [
+    Variant("torch", make_torch, "torch DataLoader, pin_memory=True, .cuda(non_blocking=True)"),
+    Variant("coordl-import", make_coordl_import, "coordl, only the import changed"),
+    Variant("coordl-device", make_coordl_device, 'coordl.ImageFolder, device="cuda"'),
+    Variant("coordl-decode-device", functools.partial(make_coordl_device, decode="device"),
+            'coordl.ImageFolder, device="cuda", decode="device" (JPEG decode on the GPU)',
+            device_decode_unavailable, max_workers_b=4),
+    Variant("dali", make_dali, "DALI GPU pipeline (mixed decode)", dali_unavailable),
+]
+
+# Part (c): (row label, variant name, extra keyword arguments of its make()).
+JOB_ROWS: list[tuple[str, str, dict]] = [
+    ("torch", "torch", {}),
+    ("coordl", "coordl-device", {"share": False}),
+    ("coordl share=True", "coordl-device", {"share": True}),
+]
+
+
+def variant(name: str) -> Variant:
+    for v in VARIANTS:
+        if v.name == name:
+            return v
+    raise ValueError(f"variant should be one of {[v.name for v in VARIANTS]}, but got {name!r}")
+
+
+# ---------------------------------------------------------------- measuring
+
+def _sync(ctx: Ctx) -> None:
+    if ctx.cuda:
+        torch.cuda.synchronize(ctx.device)
+
+
+def _busy(t) -> float:
+    return t.user + t.nice + t.system + getattr(t, "irq", 0.0) + getattr(t, "softirq", 0.0) + getattr(t, "steal", 0.0)
+
+
+def measure(ctx: Ctx, batches: Iterator, warmup: int, seconds: float, step: Callable | None = None,
+            on_ready: Callable[[], int] | None = None) -> dict:
+    """Images/s over a window of ``seconds`` after ``warmup`` batches, within
+    the epoch ``batches`` yields (the window closes early at its end).
+    ``step(images, labels)`` runs on each batch (a training step), or
+    nothing.  ``on_ready()`` (jobs of part (c)) is called after the warm-up,
+    blocks until every job is ready, and returns further batches to skip."""
+    t_start = time.perf_counter()
+    first = None
+
+    def pull():
+        x, y = next(batches)
+        if step is not None:
+            step(x, y)
+        return x
+
+    try:
+        for i in range(warmup):
+            pull()
+            if first is None:
+                first = time.perf_counter() - t_start
+        if on_ready is not None:
+            _sync(ctx)
+            for _ in range(on_ready()):
+                pull()
+    except StopIteration:
+        raise RuntimeError(f"the epoch ended within the {warmup}-batch warm-up: use more --images") from None
+    _sync(ctx)
+    me = psutil.Process()
+    cpu0, me0, t0 = psutil.cpu_times(), me.cpu_times(), time.perf_counter()
+    images = n_batches = 0
+    cut = False
+    while time.perf_counter() - t0 < seconds:
+        try:
+            x = pull()
+        except StopIteration:
+            cut = True
+            break
+        images += int(x.shape[0])
+        n_batches += 1
+    _sync(ctx)
+    t1 = time.perf_counter()
+    cpu1, me1 = psutil.cpu_times(), me.cpu_times()
+    win = t1 - t0
+    busy = _busy(cpu1) - _busy(cpu0)
+    return {"images_per_s": round(images / win, 1) if win > 0 else 0.0, "images": images, "batches": n_batches,
+            "window_s": round(win, 3), "cut_at_epoch_end": cut, "first_batch_s": round(first or 0.0, 3),
+            "cpu_ms_per_image": round(1000 * busy / images, 3) if images else None,
+            "main_process_cpu": round(((me1.user + me1.system) - (me0.user + me0.system)) / win, 3) if win else None}
+
+
+def run_variant(ctx: Ctx, v: Variant, workers: int, batch_size: int, warmup: int, seconds: float,
+                step: Callable | None = None) -> dict:
+    """One measurement of one variant; an error is printed and returned as
+    ``{"error": ...}`` so that the other figures are kept."""
+    why = v.unavailable(ctx)
+    if why:
+        return {"skipped": why}
+    src = gen = None
+    try:
+        src = v.make(ctx, workers, batch_size)
+        gen = src.epoch()
+        return measure(ctx, gen, warmup, seconds, step)
+    except Exception as e:  # noqa: BLE001 - one failing loader must not lose the other figures
+        print(f"  {v.name} at {workers} worker(s) failed:\n" + _indent(traceback.format_exc()), flush=True)
+        return {"error": f"{type(e).__name__}: {e}"[:2000]}
+    finally:
+        if gen is not None:
+            gen.close()
+        if src is not None:
+            src.close()
+        del gen, src
+        gc.collect()
+        if ctx.cuda:
+            torch.cuda.empty_cache()
+
+
+def _indent(s: str) -> str:
+    return "".join("    " + line for line in s.splitlines(True))
+
+
+# ---------------------------------------------------------------- models
+
+class Tiny(torch.nn.Module):
+    """Stands in for a ResNet where there is no GPU (--smoke on a CPU)."""
+
+    def __init__(self, classes: int = 1000):
+        super().__init__()
+        self.body = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, stride=2, padding=1), torch.nn.ReLU(),
+                                        torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(), torch.nn.Linear(8, classes))
+
+    def forward(self, x):
+        return self.body(x)
+
+
+def make_step(ctx: Ctx, model_name: str) -> Callable:
+    """One SGD step of ``model_name`` (a torchvision model, or ``tiny``)
+    under bf16 autocast, channels_last."""
+    model = Tiny() if model_name == "tiny" else getattr(_torchvision().models, model_name)()
+    model = model.to(ctx.device, memory_format=torch.channels_last).train()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    loss_fn = torch.nn.CrossEntropyLoss()
+
+    def step(x, y):
+        x = x.contiguous(memory_format=torch.channels_last)
+        with torch.autocast(ctx.device.type, dtype=torch.bfloat16):
+            loss = loss_fn(model(x), y.long().view(-1))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+
+    return step
+
+
+def synthetic(ctx: Ctx, batch_size: int) -> Iterator:
+    x = torch.randn(batch_size, 3, ctx.size, ctx.size, device=ctx.device)
+    y = torch.randint(0, 1000, (batch_size,), device=ctx.device)
+    while True:
+        yield x, y
+
+
+# ---------------------------------------------------------------- data
+
+def _render_calibration(args: tuple) -> Any:
+    from coordl import synth
+
+    seed, k, size = args
+    return synth.render_image(seed, k, *synth.image_spec(seed, k, size))
+
+
+def _write_unique(args: tuple) -> int:
+    from coordl import synth
+
+    seed, k, size, quality, path = args
+    data = synth._encode(synth.render_image(seed, k, *synth.image_spec(seed, k, size)), quality)
+    with open(path, "wb") as f:
+        f.write(data)
+    return len(data)
+
+
+def make_dataset(root: str, images: int, unique: int, classes: int, mean_kb: float,
+                 size: tuple[int, int] | None, procs: int, seed: int = 0) -> dict:
+    """An ImageFolder of ``images`` names over ``unique`` rendered JPEGs
+    (name ``k`` is a hard link to image ``k % unique``), JPEG quality
+    calibrated as ``coordl.synth.make_image_folder`` does.  Uses fork (no
+    CUDA state exists yet)."""
+    import multiprocessing as mp
+
+    from coordl import synth
+
+    t0 = time.perf_counter()
+    unique = max(1, min(unique, images))
+    store = os.path.join(os.path.dirname(root), os.path.basename(root) + "-unique")
+    os.makedirs(store, exist_ok=True)
+    with ProcessPoolExecutor(max_workers=procs, mp_context=mp.get_context("fork")) as pool:
+        cal = list(pool.map(_render_calibration, [(seed, k, size) for k in range(min(unique, 48))]))
+        mean_pixels = sum(w * h for w, h, _ in (synth.image_spec(seed, k, size) for k in range(unique))) / unique
+        calibrate = getattr(synth, "_calibrate", None)
+        quality = calibrate(cal, mean_pixels, mean_kb) if calibrate else 90
+        paths = [os.path.join(store, f"u{k:06d}.jpg") for k in range(unique)]
+        sizes = list(pool.map(_write_unique, [(seed, k, size, quality, p) for k, p in enumerate(paths)],
+                              chunksize=8))
+    width = max(2, len(str(classes - 1)))
+    dirs = [os.path.join(root, f"class_{c:0{width}d}") for c in range(classes)]
+    for d in dirs:
+        os.makedirs(d, exist_ok=True)
+    for k in range(images):
+        dst = os.path.join(dirs[k % classes], f"img_{k:06d}.jpg")
+        try:
+            os.link(paths[k % unique], dst)
+        except OSError:
+            shutil.copyfile(paths[k % unique], dst)
+    return {"images": images, "unique": unique, "classes": classes, "quality": quality,
+            "mean_kb": round(sum(sizes) / len(sizes) / 1024, 1), "unique_mb": round(sum(sizes) / 2**20, 1),
+            "seconds": round(time.perf_counter() - t0, 1)}
+
+
+# ---------------------------------------------------------------- parts
+
+def _cell(r: dict | None, key: str = "images_per_s", fmt: str = "{:,.0f}") -> str:
+    if not r:
+        return "-"
+    if "error" in r:
+        return "error"
+    if "skipped" in r:
+        return "skipped"
+    v = r.get(key)
+    return "-" if v is None else fmt.format(v)
+
+
+def print_table(title: str, header: list[str], rows: list[list[str]]) -> None:
+    widths = [max(len(str(c)) for c in col) for col in zip(header, *rows)]
+    print(f"\n{title}")
+    for i, row in enumerate([header] + rows):
+        print("  " + "  ".join(str(c).ljust(w) if j == 0 else str(c).rjust(w) for j, (c, w) in
+                               enumerate(zip(row, widths))))
+        if i == 0:
+            print("  " + "  ".join("-" * w for w in widths))
+    sys.stdout.flush()
+
+
+def part_a(args, ctx: Ctx, res: dict, save: Callable) -> None:
+    part = res["parts"]["a"] = {"batch_size": args.batch_size, "workers": args.workers, "seconds": args.seconds,
+                                "rows": {}}
+    print(f"\n(a) images/s delivered on {ctx.device}, batch {args.batch_size}, workers {args.workers}", flush=True)
+    for w in args.workers:
+        for v in VARIANTS:
+            r = run_variant(ctx, v, w, args.batch_size, args.warmup or w + 2, args.seconds)
+            part["rows"].setdefault(v.name, {})[str(w)] = r
+            why = r.get("error") or r.get("skipped")
+            print(f"  {v.name:<16} {w:>2} workers  " + (why.splitlines()[0] if why else
+                  f"{_cell(r):>8} images/s  {_cell(r, 'cpu_ms_per_image', '{:.2f}'):>6} CPU ms/image  "
+                  f"(window {r['window_s']:.1f} s)"), flush=True)
+            save()
+    hdr = ["loader"] + [str(w) for w in args.workers]
+    print_table(f"(a) images/s on {ctx.device}, batch {args.batch_size}", hdr,
+                [[n] + [_cell(rs.get(str(w))) for w in args.workers] for n, rs in part["rows"].items()])
+    print_table("(a) machine CPU ms per image (all processes)", hdr,
+                [[n] + [_cell(rs.get(str(w)), "cpu_ms_per_image", "{:.2f}") for w in args.workers]
+                 for n, rs in part["rows"].items()])
+
+
+def part_b(args, ctx: Ctx, res: dict, save: Callable) -> None:
+    w = args.train_workers
+    part = res["parts"]["b"] = {"model": args.model_b, "batch_size": args.train_batch_size, "workers": w,
+                                "seconds": args.train_seconds, "rows": {}}
+    print(f"\n(b) {args.model_b} training step, bf16 autocast, channels_last, batch {args.train_batch_size}, "
+          f"{w} workers", flush=True)
+    if ctx.cuda:
+        torch.backends.cudnn.benchmark = True
+    try:
+        step = make_step(ctx, args.model_b)
+        ceiling = measure(ctx, synthetic(ctx, args.train_batch_size), args.warmup or 10, args.train_seconds, step)
+    except Exception as e:  # noqa: BLE001
+        print("  the synthetic ceiling failed:\n" + _indent(traceback.format_exc()), flush=True)
+        part["ceiling"] = {"error": f"{type(e).__name__}: {e}"[:2000]}
+        save()
+        return
+    part["ceiling"] = ceiling
+    print(f"  synthetic (ceiling)  {ceiling['images_per_s']:,.0f} images/s", flush=True)
+    save()
+    for v in VARIANTS:
+        wv = min(w, v.max_workers_b) if v.max_workers_b else w
+        r = run_variant(ctx, v, wv, args.train_batch_size, args.warmup or wv + 2, args.train_seconds, step)
+        r["workers"] = wv
+        if "images_per_s" in r and ceiling["images_per_s"] > 0:
+            r["of_ceiling"] = round(r["images_per_s"] / ceiling["images_per_s"], 3)
+        part["rows"][v.name] = r
+        why = r.get("error") or r.get("skipped")
+        print(f"  {v.name:<16} " + (why.splitlines()[0] if why else
+              f"{_cell(r):>8} images/s  {_cell(r, 'of_ceiling', '{:.0%}'):>5} of the ceiling"), flush=True)
+        save()
+    print_table(f"(b) {args.model_b}, batch {args.train_batch_size}, {w} workers", ["source", "images/s", "of ceiling"],
+                [["synthetic (ceiling)", _cell(ceiling), "100%"]]
+                + [[f"{n} ({r.get('workers', w)} workers)", _cell(r), _cell(r, "of_ceiling", "{:.0%}")]
+                   for n, r in part["rows"].items()])
+
+
+def _pipe_lines(p: subprocess.Popen, q: queue.Queue, tag: int) -> None:
+    for line in p.stdout:
+        q.put((tag, line.rstrip("\n")))
+    q.put((tag, None))
+
+
+def run_jobs(args, label: str, vname: str, extra: dict, k: int, logdir: str) -> dict:
+    """``k`` job processes started together; each warms up, says ``ready``,
+    waits for ``go`` and prints its images/s as ``result {json}``."""
+    env = _child_env()
+    jobs, logs = [], []
+    q: queue.Queue = queue.Queue()
+    deadline = time.monotonic() + args.job_timeout
+    try:
+        for i in range(k):
+            log = open(os.path.join(logdir, f"job-{vname}-{'share' if extra.get('share') else 'noshare'}-{k}-{i}.log"),
+                       "w+")
+            logs.append(log)
+            cmd = [sys.executable, os.path.abspath(__file__), "--job", "--root", args.root, "--variant", vname,
+                   "--extra", json.dumps(extra), "--job-workers", str(args.job_workers),
+                   "--job-batch-size", str(args.job_batch_size), "--job-seconds", str(args.job_seconds),
+                   "--size", str(args.size), "--model", args.model_c, "--device", str(args.device)]
+            p = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True, env=env,
+                                 cwd=logdir, start_new_session=True)
+            jobs.append(p)
+            threading.Thread(target=_pipe_lines, args=(p, q, i), daemon=True).start()
+        ready, results, ended = set(), {}, set()
+        while len(results) + len(ended - set(results)) < k:
+            try:
+                i, line = q.get(timeout=max(0.1, deadline - time.monotonic()))
+            except queue.Empty:
+                raise TimeoutError(f"{k} {label} job(s) not done within {args.job_timeout:g} s (--job-timeout)")
+            if line is None:
+                ended.add(i)
+                if i not in results:
+                    jobs[i].wait(timeout=10)
+                    logs[i].seek(0)
+                    raise RuntimeError(f"job {i} exited with status {jobs[i].returncode} before its result:\n"
+                                       + logs[i].read()[-3000:])
+            elif line == "ready":
+                ready.add(i)
+                if len(ready) == k:
+                    for p in jobs:
+                        p.stdin.write("go\n")
+                        p.stdin.flush()
+            elif line.startswith("result "):
+                results[i] = json.loads(line[len("result "):])
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{k} {label} job(s) not done within {args.job_timeout:g} s (--job-timeout)")
+        for p in jobs:
+            p.wait(timeout=max(1.0, deadline - time.monotonic()))
+        return {"per_job": [results[i] for i in range(k)]}
+    finally:
+        for p in jobs:
+            if p.poll() is None:
+                try:
+                    os.killpg(p.pid, signal.SIGKILL)  # the job and its workers (its own process group)
+                except ProcessLookupError:
+                    pass
+                p.wait()
+        for log in logs:
+            log.close()
+        if extra.get("share"):
+            from coordl.daemon import server
+            try:
+                server.stop(timeout=30)
+            except Exception as e:  # noqa: BLE001 - reported, the run goes on
+                print(f"  stopping the node daemon failed: {e!r}", flush=True)
+
+
+def part_c(args, ctx: Ctx, res: dict, save: Callable) -> None:
+    part = res["parts"]["c"] = {"model": args.model_c, "jobs": args.jobs, "workers_per_job": args.job_workers,
+                                "batch_size": args.job_batch_size, "seconds": args.job_seconds, "rows": {}}
+    print(f"\n(c) {args.jobs} {args.model_c} jobs on one {ctx.device}, {args.job_workers} workers each, "
+          f"batch {args.job_batch_size}, against one job alone", flush=True)
+    logdir = tempfile.mkdtemp(prefix="jobs-", dir=args.tmp)
+    for label, vname, extra in JOB_ROWS:
+        row = part["rows"][label] = {"variant": vname, "extra": extra}
+        try:
+            why = variant(vname).unavailable(ctx)
+            if why:
+                row["skipped"] = why
+                print(f"  {label:<18} skipped: {why}", flush=True)
+                continue
+            alone = run_jobs(args, label, vname, extra, 1, logdir)["per_job"][0]
+            row["alone"] = alone["images_per_s"]
+            save()
+            together = run_jobs(args, label, vname, extra, args.jobs, logdir)["per_job"]
+            rates = [j["images_per_s"] for j in together]
+            row.update({"per_job": rates, "mean": round(sum(rates) / len(rates), 1), "min": min(rates),
+                        "total": round(sum(rates), 1),
+                        "mean_over_alone": round(sum(rates) / len(rates) / alone["images_per_s"], 3)
+                        if alone["images_per_s"] else None,
+                        "shared_samples": [j.get("samples_shared") for j in together]})
+            print(f"  {label:<18} alone {alone['images_per_s']:>8,.0f}  {args.jobs} jobs: "
+                  + " / ".join(f"{x:,.0f}" for x in rates) + f" images/s each, mean {row['mean_over_alone']:.2f}x alone",
+                  flush=True)
+        except Exception as e:  # noqa: BLE001 - one failing loader must not lose the other figures
+            print(f"  {label} failed:\n" + _indent(traceback.format_exc()), flush=True)
+            row["error"] = f"{type(e).__name__}: {e}"[:3000]
+        save()
+    print_table(f"(c) {args.jobs} {args.model_c} jobs, {args.job_workers} workers each, batch {args.job_batch_size}",
+                ["loader", "alone", "per job (mean)", "min", "mean / alone"],
+                [[n, _cell(r, "alone"), _cell(r, "mean"), _cell(r, "min"), _cell(r, "mean_over_alone", "{:.2f}")]
+                 for n, r in part["rows"].items()])
+
+
+def part_d(args, ctx: Ctx, res: dict, save: Callable) -> None:
+    why = dali_unavailable(ctx)
+    if why:
+        res["parts"]["d"] = {"ran": False, "skipped": why}
+        print(f"\n(d) DALI: skipped: {why}", flush=True)
+    else:
+        import nvidia.dali
+
+        res["parts"]["d"] = {"ran": True, "version": nvidia.dali.__version__,
+                             "rows": "the 'dali' rows of parts (a) and (b)"}
+        print(f"\n(d) DALI {nvidia.dali.__version__}: its GPU pipeline runs as the 'dali' rows of (a) and (b)",
+              flush=True)
+    save()
+
+
+# ---------------------------------------------------------------- one job of part (c)
+
+def job_main(args) -> int:
+    ctx = Ctx(root=args.root, device=torch.device(args.device), size=args.size)
+    if ctx.cuda:
+        torch.cuda.set_device(ctx.device)
+        torch.backends.cudnn.benchmark = True
+    step = make_step(ctx, args.model)
+    workers = args.job_workers
+    src = variant(args.variant).make(ctx, workers, args.job_batch_size, **json.loads(args.extra))
+
+    def on_ready() -> int:
+        print("ready", flush=True)
+        if sys.stdin.readline().strip() != "go":
+            raise SystemExit("no 'go' from the benchmark")
+        return 2 * workers + 1  # what the loader prefetched while waiting is not measured
+
+    gen = src.epoch()
+    r = measure(ctx, gen, workers + 2, args.job_seconds, step, on_ready)
+    stats = getattr(src.loader, "stats", None)
+    if callable(stats):
+        r["samples_shared"] = getattr(stats(), "samples_shared", None)
+    print("result " + json.dumps(r), flush=True)
+    gen.close()
+    src.close()
+    return 0
+
+
+def _child_env() -> dict:
+    """The jobs import the coordl this script imported."""
+    import coordl
+
+    env = dict(os.environ)
+    env.pop("COORDL_SHARE", None)
+    env["PYTHONUNBUFFERED"] = "1"
+    top = os.path.dirname(os.path.dirname(os.path.abspath(coordl.__file__)))
+    env["PYTHONPATH"] = os.pathsep.join([top] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+    return env
+
+
+# ---------------------------------------------------------------- machine facts
+
+def _version(module: str) -> str | None:
+    try:
+        from importlib.metadata import version
+
+        return version(module)
+    except Exception:  # noqa: BLE001
+        return None
+
+
+def machine_facts(ctx: Ctx) -> dict:
+    import coordl
+
+    facts: dict[str, Any] = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "platform": platform.platform(), "python": platform.python_version(),
+        "torch": torch.__version__, "torch_cuda": torch.version.cuda, "coordl": coordl.__version__,
+        "torchvision": None, "numpy": _version("numpy"), "pillow": _version("pillow"),
+        "simplejpeg": _version("simplejpeg"), "nvidia-dali": None,
+        "cpu_count": os.cpu_count(), "cpus_usable": len(os.sched_getaffinity(0)),
+        "memory_gib": round(psutil.virtual_memory().total / 2**30, 1), "device": str(ctx.device),
+        "gpu": None, "gpu_memory_gib": None, "driver": None, "git_commit": None, "cpu_model": None}
+    try:
+        facts["torchvision"] = _torchvision().__version__
+    except Exception as e:  # noqa: BLE001
+        facts["torchvision"] = f"not importable: {e}"
+    try:
+        import nvidia.dali
+
+        facts["nvidia-dali"] = nvidia.dali.__version__
+    except Exception:  # noqa: BLE001
+        pass
+    try:
+        with open("/proc/cpuinfo") as f:
+            facts["cpu_model"] = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), None)
+    except OSError:
+        pass
+    if ctx.cuda:
+        p = torch.cuda.get_device_properties(ctx.device)
+        facts["gpu"], facts["gpu_memory_gib"] = p.name, round(p.total_memory / 2**30, 1)
+        try:
+            facts["driver"] = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                                             capture_output=True, text=True, timeout=20).stdout.strip() or None
+        except (OSError, subprocess.SubprocessError):
+            pass
+    try:
+        r = subprocess.run(["git", "-C", REPO, "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10)
+        facts["git_commit"] = r.stdout.strip() or None if r.returncode == 0 else None
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return facts
+
+
+# ---------------------------------------------------------------- main
+
+def _ints(s: str) -> list[int]:
+    return [int(x) for x in s.split(",") if x.strip()]
+
+
+def parse(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default="bench_out/gpu.json", help="JSON of every figure and the machine's facts")
+    ap.add_argument("--parts", default="a,b,c,d", help="which parts to run (default a,b,c,d)")
+    ap.add_argument("--device", default=None, help="default: cuda (cpu with --smoke where CUDA is absent)")
+    ap.add_argument("--root", default=None, help="an ImageFolder to read instead of generating one")
+    ap.add_argument("--images", type=int, default=24000, help="file names in the generated folder")
+    ap.add_argument("--unique", type=int, default=3000, help="distinct images rendered (names are hard links)")
+    ap.add_argument("--classes", type=int, default=10)
+    ap.add_argument("--mean-kb", type=float, default=110.0)
+    ap.add_argument("--size", type=int, default=224, help="crop size")
+    ap.add_argument("--workers", type=_ints, default=[1, 4, 8, 15], help="part (a): worker counts")
+    ap.add_argument("--batch-size", type=int, default=128, help="part (a)")
+    ap.add_argument("--seconds", type=float, default=3.0, help="part (a): window of each measurement")
+    ap.add_argument("--warmup", type=int, default=None, help="batches before the window (default workers + 2)")
+    ap.add_argument("--model-b", default="resnet50", help="part (b): a torchvision model (tiny: a small conv net)")
+    ap.add_argument("--train-workers", type=int, default=15, help="part (b)")
+    ap.add_argument("--train-batch-size", type=int, default=256, help="part (b)")
+    ap.add_argument("--train-seconds", type=float, default=5.0, help="part (b)")
+    ap.add_argument("--model-c", default="resnet18", help="part (c)")
+    ap.add_argument("--jobs", type=int, default=4, help="part (c): jobs started together")
+    ap.add_argument("--job-workers", type=int, default=3, help="part (c): workers per job")
+    ap.add_argument("--job-batch-size", type=int, default=128, help="part (c)")
+    ap.add_argument("--job-seconds", type=float, default=5.0, help="part (c)")
+    ap.add_argument("--job-timeout", type=float, default=150.0, help="part (c): limit of one configuration")
+    ap.add_argument("--tmp", default=None, help="where the data goes (default: the system's temporary folder)")
+    ap.add_argument("--smoke", action="store_true", help="tiny sizes, a few seconds a part: checks the script")
+    # internal: one job of part (c)
+    ap.add_argument("--job", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--variant", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--extra", default="{}", help=argparse.SUPPRESS)
+    ap.add_argument("--model", default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    cuda = torch.cuda.is_available()
+    if args.smoke:
+        args.images, args.unique, args.classes, args.mean_kb, args.size = 96, 16, 4, 6.0, 32
+        args.workers, args.batch_size, args.seconds = [1, 2], 8, 0.3
+        args.train_workers, args.train_batch_size, args.train_seconds = 2, 8, 0.3
+        args.jobs, args.job_workers, args.job_batch_size, args.job_seconds = 2, 1, 8, 0.3
+        args.job_timeout = 120.0
+        if not cuda:
+            args.model_b = args.model_c = "tiny"
+    if args.device is None:
+        args.device = "cuda" if cuda or not args.smoke else "cpu"
+    args.parts = [p.strip() for p in args.parts.split(",") if p.strip()]
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse(argv)
+    if args.job:
+        return job_main(args)
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        print("CUDA is not available here: this benchmark needs a GPU (or --smoke, which falls back to the CPU)",
+              file=sys.stderr)
+        return 2
+    tmp = tempfile.mkdtemp(prefix="coordl-gpu-", dir=args.tmp)
+    args.tmp = tmp
+    # a node daemon of this run only (share=True): another one of this user is neither used nor stopped
+    os.environ["COORDL_RUN_DIR"] = os.path.join(tmp, "run")
+    os.mkdir(os.environ["COORDL_RUN_DIR"], 0o700)
+    os.environ.pop("COORDL_SHARE", None)
+    res: dict[str, Any] = {"settings": {k: v for k, v in vars(args).items() if k not in ("job", "variant", "extra",
+                                                                                         "model")},
+                           "variants": {v.name: v.describe for v in VARIANTS}, "parts": {}}
+
+    def save() -> None:
+        d = os.path.dirname(os.path.abspath(args.out))
+        os.makedirs(d, exist_ok=True)
+        with open(args.out + ".tmp", "w") as f:
+            json.dump(res, f, indent=1)
+        os.replace(args.out + ".tmp", args.out)
+
+    try:
+        t0 = time.perf_counter()
+        if args.root is None:
+            args.root = os.path.join(tmp, "photos")
+            size = (96, 72) if args.smoke else None
+            res["data"] = make_dataset(args.root, args.images, args.unique, args.classes, args.mean_kb, size,
+                                       procs=min(32, os.cpu_count() or 1))
+            print(f"data: {res['data']['images']} names over {res['data']['unique']} JPEGs "
+                  f"(mean {res['data']['mean_kb']} KB, quality {res['data']['quality']}) "
+                  f"in {res['data']['seconds']} s", flush=True)
+        else:
+            res["data"] = {"root": args.root}
+        ctx = Ctx(root=args.root, device=device, size=args.size)
+        if ctx.cuda:
+            torch.cuda.set_device(device)
+        res["machine"] = machine_facts(ctx)
+        print("machine: " + ", ".join(f"{k} {v}" for k, v in res["machine"].items()), flush=True)
+        save()
+        for name, fn in (("a", part_a), ("b", part_b), ("c", part_c), ("d", part_d)):
+            if name not in args.parts:
+                continue
+            tp = time.perf_counter()
+            try:
+                fn(args, ctx, res, save)
+            except Exception as e:  # noqa: BLE001 - a part's failure must not lose the others
+                print(f"part ({name}) failed:\n" + _indent(traceback.format_exc()), flush=True)
+                res["parts"][name] = {**res["parts"].get(name, {}), "error": f"{type(e).__name__}: {e}"[:3000]}
+            res["parts"][name]["part_seconds"] = round(time.perf_counter() - tp, 1)
+            print(f"part ({name}): {res['parts'][name]['part_seconds']:.0f} s", flush=True)
+            save()
+        res["seconds"] = round(time.perf_counter() - t0, 1)
+        save()
+        print(f"\n{res['seconds']:.0f} s; figures in {args.out}", flush=True)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,190 @@
+#!/usr/bin/env bash
+# The prepared GPU check: run from a fresh checkout on a machine with a GPU
+# (Python 3.12, a CUDA build of torch, torchvision, numpy, pillow, psutil,
+# pytest, gcc, libjpeg headers; no package registry needed).  In under 8
+# minutes it writes one report (all output, then the benchmark's JSON):
+#
+#   benchmarks/gpu_check.sh [REPORT]          # default gpu_report.txt
+#
+# 1. installs the wheels in WHEELS (default .whl/, made by
+#    benchmarks/gpu_wheels.sh) into SITE (default /tmp/site);
+# 2. when DALI_DIR (default .dali/) holds the parts gpu_wheels.sh --dali
+#    made, all of them and each matching DALI_DIR/SHA256SUMS: joins them,
+#    checks the whole tar's sha256, installs DALI and its requirements
+#    into SITE (once per machine); missing parts are named and DALI is
+#    skipped;
+# 3. builds the crop extension in place;
+# 4. prints nvidia-smi and the versions;
+# 5. runs the CUDA test modules (CUDA_TESTS), going on when they fail;
+# 6. measures decode="device" against the CPU path (device_decode_fidelity.py --device cuda);
+# 7. runs benchmarks/gpu.py (BENCH_ARGS), its JSON beside the report
+#    (REPORT with .json) and appended to it.
+#
+# Exit status: 1 when a CUDA test failed or the tests did not run, 3 when
+# only the benchmark failed, 0 otherwise.
+set -uo pipefail
+cd "$(dirname "$0")/.." || exit 1
+
+REPORT=$(realpath -m "${1:-gpu_report.txt}")
+JSON=${REPORT%.txt}.json
+[ "$JSON" = "$REPORT" ] && JSON=$REPORT.json
+WHEELS=${WHEELS:-.whl}
+DALI_DIR=${DALI_DIR:-.dali}
+SITE=${SITE:-/tmp/site}
+CUDA_TESTS=${CUDA_TESTS:-"tests/test_cuda.py tests/test_device.py tests/test_device_split.py tests/test_pin.py tests/test_device_decode.py"}
+PYTEST_ARGS=${PYTEST_ARGS:-"-n 4"}
+TEST_TIMEOUT=${TEST_TIMEOUT:-150}
+BENCH_TIMEOUT=${BENCH_TIMEOUT:-300}
+BENCH_ARGS=${BENCH_ARGS:-}
+export PYTHONUNBUFFERED=1
+
+step() { printf '\n==== %s  (%(%H:%M:%S)T)\n' "$*" -1; }
+
+install_dali() {
+  local sums=$DALI_DIR/SHA256SUMS work stamp
+  if [ ! -f "$sums" ]; then
+    if compgen -G "$DALI_DIR/dali-wheels.tar.part-*" > /dev/null; then
+      echo "DALI: parts in $DALI_DIR but no $sums (carry it with each part): skipped"
+    else
+      echo "DALI: no parts in $DALI_DIR (benchmarks/gpu_wheels.sh --dali makes them): skipped"
+    fi
+    return 0
+  fi
+  stamp=$SITE/.dali-tar-sha256
+  want=$(awk '$2 == "dali-wheels.tar" { print $1 }' "$sums")
+  if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
+    echo "DALI: already installed in $SITE from this tar (sha256 $want)"
+    return 0
+  fi
+  local missing=() bad=() name sum
+  while read -r sum name; do
+    [ "$name" = "dali-wheels.tar" ] && continue
+    if [ ! -f "$DALI_DIR/$name" ]; then
+      missing+=("$name")
+    elif [ "$(sha256sum < "$DALI_DIR/$name" | cut -d' ' -f1)" != "$sum" ]; then
+      bad+=("$name")
+    fi
+  done < "$sums"
+  if [ ${#missing[@]} -gt 0 ] || [ ${#bad[@]} -gt 0 ]; then
+    echo "DALI: skipped: parts missing: ${missing[*]:-none}; parts whose sha256 differs from $sums: ${bad[*]:-none}" \
+         "(carry each part in a call of its own, in a row on the same machine)"
+    return 0
+  fi
+  work=$(mktemp -d)
+  # shellcheck disable=SC2046
+  cat $(awk '$2 != "dali-wheels.tar" { print "'"$DALI_DIR"'/" $2 }' "$sums" | sort) > "$work/dali-wheels.tar"
+  if [ "$(sha256sum < "$work/dali-wheels.tar" | cut -d' ' -f1)" != "$want" ]; then
+    echo "DALI: skipped: the joined tar's sha256 is not the recorded $want"
+    rm -rf "$work"
+    return 0
+  fi
+  mkdir -p "$work/wheels" && tar -C "$work/wheels" -xf "$work/dali-wheels.tar" && rm -f "$work/dali-wheels.tar"
+  if python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" \
+       "$work"/wheels/*.whl; then
+    # Some of these wheels ship nvidia/__init__.py: make SITE's nvidia package
+    # take in the nvidia/ folders of the other sys.path entries (torch's CUDA libraries).
+    [ -d "$SITE/nvidia" ] &&
+      printf '__path__ = __import__("pkgutil").extend_path(__path__, __name__)\n' > "$SITE/nvidia/__init__.py"
+    echo "$want" > "$stamp"
+    echo "DALI: installed $(ls "$work/wheels" | tr '\n' ' ')"
+  else
+    echo "DALI: pip install failed: skipped"
+  fi
+  rm -rf "$work"
+}
+
+main() {
+  local t0=$SECONDS tests_rc=1 bench_rc=1
+  step "coordl GPU check: $(pwd)"
+  echo "date: $(date -u +%Y-%m-%dT%H:%M:%SZ)  host: $(uname -srm)  cpus: $(nproc)  report: $REPORT"
+  git rev-parse HEAD 2>/dev/null | sed 's/^/commit: /'
+
+  step "wheels ($WHEELS -> $SITE)"
+  mkdir -p "$SITE"
+  if compgen -G "$WHEELS/*.whl" > /dev/null; then
+    ls -l "$WHEELS"
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" \
+      "$WHEELS"/*.whl || echo "pip install of $WHEELS failed"
+  else
+    echo "no wheels in $WHEELS (benchmarks/gpu_wheels.sh makes them); simplejpeg must be installed already"
+  fi
+  export PYTHONPATH=$SITE:$PWD${PYTHONPATH:+:$PYTHONPATH}
+
+  step "DALI ($DALI_DIR)"
+  install_dali
+  for d in "$SITE"/nvidia/cu13/lib "$SITE"/nvidia/libnvcomp/lib64 "$SITE"/nvidia/nvimgcodec; do
+    [ -d "$d" ] && export LD_LIBRARY_PATH=$d${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+  done
+
+  step "build the crop extension"
+  python3 setup.py build_ext --inplace -q 2>&1 | tail -20 || true
+  ls coordl/decode/_jpegcrop*.so 2>/dev/null || echo "the crop extension did not build"
+
+  step "machine and versions"
+  nvidia-smi || echo "nvidia-smi failed"
+  python3 - <<'PY'
+import importlib.metadata as md, os, platform, sys
+print("python", platform.python_version(), sys.executable)
+for n in ("torch", "torchvision", "numpy", "pillow", "psutil", "simplejpeg", "pytest", "pytest-xdist",
+          "pytest-timeout", "nvidia-dali-cuda130"):
+    try:
+        print(f"{n} {md.version(n)}")
+    except md.PackageNotFoundError:
+        print(f"{n} not installed")
+import torch
+print("cuda available:", torch.cuda.is_available(), "| torch cuda", torch.version.cuda,
+      "| device:", torch.cuda.get_device_name() if torch.cuda.is_available() else None)
+import coordl
+print("coordl", coordl.__version__, "from", os.path.dirname(coordl.__file__))
+try:
+    import nvidia.dali
+    print("nvidia.dali", nvidia.dali.__version__, "imports")
+except Exception as e:
+    print("nvidia.dali does not import:", type(e).__name__, e)
+PY
+
+  step "CUDA tests: $CUDA_TESTS"
+  # shellcheck disable=SC2086
+  timeout -s INT -k 30 "$TEST_TIMEOUT" python3 -m pytest -q $PYTEST_ARGS -rfEs --junitxml=/tmp/gpu-check-junit.xml \
+    $CUDA_TESTS
+  tests_rc=$?
+  python3 - "$tests_rc" <<'PY'
+import sys, xml.etree.ElementTree as ET
+rc = int(sys.argv[1])
+try:
+    root = ET.parse("/tmp/gpu-check-junit.xml").getroot()
+    suites = [root] if root.tag == "testsuite" else list(root)
+    n = {k: sum(int(s.get(k, 0)) for s in suites) for k in ("tests", "failures", "errors", "skipped")}
+    passed = n["tests"] - n["failures"] - n["errors"] - n["skipped"]
+    print(f"CUDA tests: {passed} passed, {n['failures']} failed, {n['errors']} errors, {n['skipped']} skipped "
+          f"(pytest exit status {rc})")
+except (OSError, ET.ParseError) as e:
+    print(f"CUDA tests: no results ({e}); pytest exit status {rc}")
+PY
+  rm -f /tmp/gpu-check-junit.xml
+
+  step "decode on the device against the CPU path (limit 60 s)"
+  if python3 -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
+    timeout -s INT -k 10 60 python3 benchmarks/device_decode_fidelity.py --images 24 --device cuda
+  else
+    echo "no CUDA device: skipped"
+  fi
+
+  step "benchmarks/gpu.py (limit ${BENCH_TIMEOUT} s)"
+  # shellcheck disable=SC2086
+  timeout -s INT -k 30 "$BENCH_TIMEOUT" python3 benchmarks/gpu.py --out "$JSON" $BENCH_ARGS
+  bench_rc=$?
+
+  step "figures ($JSON)"
+  cat "$JSON" 2>/dev/null || echo "no JSON was written"
+  echo
+  step "summary"
+  echo "CUDA tests exit status $tests_rc; benchmarks/gpu.py exit status $bench_rc; $((SECONDS - t0)) s in all"
+  if [ "$tests_rc" != 0 ]; then return 1; fi
+  if [ "$bench_rc" != 0 ]; then return 3; fi
+  return 0
+}
+
+mkdir -p "$(dirname "$REPORT")"
+main 2>&1 | tee "$REPORT"
+exit "${PIPESTATUS[0]}"

@@ -1,0 +1,284 @@
+"""The recipes people run, with only the DataLoader import changed: torch's
+DataLoader vs coordl's, side by side, same call, same workers.
+
+Recipes (``--recipes``, comma-separated; default all):
+
+``train_v1``, ``train_v2``, ``train_v1_ra``, ``train_v2_ra``, ``train_v1_ta``,
+``train_v2_ta``, ``train_v1_augmix``, ``train_v2_augmix``
+    torchvision's references/classification/train.py training loader as
+    written: ``ImageFolder(root, ClassificationPresetTrain(crop_size=224,
+    auto_augment_policy=..., use_v2=...))`` and
+    ``DataLoader(ds, batch_size, sampler=RandomSampler(ds), num_workers,
+    pin_memory=True, collate_fn=default_collate)``.
+``eval_v1``, ``eval_v2``
+    its validation loader: ``ClassificationPresetEval(crop_size=224,
+    resize_size=256)``, ``sampler=SequentialSampler(ds)``, ``pin_memory=True``.
+``timm_train``, ``timm_eval``
+    ``timm.data.create_transform(224, is_training=...)`` (timm's defaults)
+    on ``ImageFolder``, ``shuffle=True`` / ``False``.
+
+The preset classes come from ``--presets PATH``, a copy of torchvision's
+``references/classification/presets.py`` (not shipped with coordl: fetch
+it from the torchvision repository), when given; a copy without ``use_v2``
+(older torchvision) serves the v1 rows, and the v2 rows then use the
+equivalent classes below.  Without ``--presets`` every row uses those
+classes: written here with the reference presets' structure (a Compose
+built in ``__init__``, ``__call__`` returning ``self.transforms(img)``).
+
+Each round runs every recipe with both loaders, alternating which goes
+first; a loader runs ``--epochs`` epochs from its construction (worker
+start-up included, as a user sees it).  The ratio is the median over
+rounds of coordl's images/s over torch's.  Beside it, the CPU each side
+spent per image (this process and its reaped children, the workers:
+``getrusage``), whose ratio other processes on a shared machine move much
+less than they move wall time.  Checked: every epoch delivers
+every sample once with the dataset's targets (torch's RandomSampler and
+coordl's read of it give the same indices for the same torch seed).
+
+    python -m coordl.synth bench_data/photos --images 400
+    python benchmarks/recipes.py --root bench_data/photos --presets /tmp/presets.py
+    python benchmarks/recipes.py --quick          # tiny smoke run
+
+Writes bench_out/recipes.json.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import importlib.util
+import inspect
+import json
+import os
+import resource
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+import warnings
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
+
+import torch  # noqa: E402
+
+MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
+POLICIES = {"": None, "_ra": "ra", "_ta": "ta_wide", "_augmix": "augmix"}
+RECIPES = ([f"train_{v}{p}" for p in POLICIES for v in ("v1", "v2")] + ["eval_v1", "eval_v2"]
+           + ["timm_train", "timm_eval"])
+
+
+def _cpu() -> float:
+    """CPU seconds of this process and of its reaped children (the workers)."""
+    me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
+
+
+def _torchvision():
+    from _torchvision import import_torchvision
+
+    if import_torchvision() is None:
+        raise SystemExit("torchvision is not installed: pip install 'coordl[test]'")
+    import torchvision  # noqa: F401
+
+    return torchvision
+
+
+class PresetTrain:
+    """The reference training preset's structure (see the module docstring)."""
+
+    def __init__(self, *, crop_size, auto_augment_policy=None, use_v2=False):
+        _torchvision()
+        if use_v2:
+            from torchvision.transforms import v2 as M
+        else:
+            from torchvision import transforms as M
+        steps = [M.RandomResizedCrop(crop_size, antialias=True), M.RandomHorizontalFlip(0.5)]
+        if auto_augment_policy == "ra":
+            steps.append(M.RandAugment())
+        elif auto_augment_policy == "ta_wide":
+            steps.append(M.TrivialAugmentWide())
+        elif auto_augment_policy == "augmix":
+            steps.append(M.AugMix())
+        steps.append(M.PILToTensor())
+        steps.append(M.ToDtype(torch.float, scale=True) if use_v2 else M.ConvertImageDtype(torch.float))
+        steps.append(M.Normalize(mean=MEAN, std=STD))
+        if use_v2:
+            steps.append(M.ToPureTensor())
+        self.transforms = M.Compose(steps)
+
+    def __call__(self, img):
+        return self.transforms(img)
+
+
+class PresetEval:
+    """The reference evaluation preset's structure."""
+
+    def __init__(self, *, crop_size, resize_size=256, use_v2=False):
+        _torchvision()
+        if use_v2:
+            from torchvision.transforms import v2 as M
+        else:
+            from torchvision import transforms as M
+        steps = [M.Resize(resize_size, antialias=True), M.CenterCrop(crop_size), M.PILToTensor(),
+                 M.ToDtype(torch.float, scale=True) if use_v2 else M.ConvertImageDtype(torch.float),
+                 M.Normalize(mean=MEAN, std=STD)]
+        if use_v2:
+            steps.append(M.ToPureTensor())
+        self.transforms = M.Compose(steps)
+
+    def __call__(self, img):
+        return self.transforms(img)
+
+
+def _load_presets(path: str | None):
+    """(train class, eval class, takes use_v2, where from)."""
+    if path is None:
+        return PresetTrain, PresetEval, True, "the benchmark's own preset classes"
+    _torchvision()
+    spec = importlib.util.spec_from_file_location("presets", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    v2 = "use_v2" in inspect.signature(mod.ClassificationPresetTrain).parameters
+    return mod.ClassificationPresetTrain, mod.ClassificationPresetEval, v2, path
+
+
+def build(recipe: str, root: str, size: int, presets, cls, batch_size: int, workers: int):
+    """The dataset and loader of ``recipe``, built with ``cls`` (the only difference)."""
+    tv = _torchvision()
+    from torch.utils.data import RandomSampler, SequentialSampler, default_collate
+
+    train_cls, eval_cls, has_v2, _ = presets
+    if recipe.startswith("timm"):
+        from timm.data import create_transform
+
+        ds = tv.datasets.ImageFolder(root, transform=create_transform(size, is_training=recipe == "timm_train"))
+        return ds, cls(ds, batch_size=batch_size, shuffle=recipe == "timm_train", num_workers=workers)
+    use_v2 = "_v2" in recipe
+    kw = {"use_v2": True} if use_v2 else {}
+    if recipe.startswith("train"):
+        policy = POLICIES["_" + recipe.split("_", 2)[2] if recipe.count("_") == 2 else ""]
+        make = train_cls if (has_v2 or not use_v2) else PresetTrain
+        ds = tv.datasets.ImageFolder(root, make(crop_size=size, auto_augment_policy=policy, **kw))
+        return ds, cls(ds, batch_size=batch_size, sampler=RandomSampler(ds), num_workers=workers, pin_memory=True,
+                       collate_fn=default_collate)
+    make = eval_cls if (has_v2 or not use_v2) else PresetEval
+    ds = tv.datasets.ImageFolder(root, make(crop_size=size, resize_size=size * 256 // 224, **kw))
+    return ds, cls(ds, batch_size=batch_size, sampler=SequentialSampler(ds), num_workers=workers, pin_memory=True)
+
+
+def run(args) -> dict:
+    import coordl
+
+    root = args.root
+    if root is None:
+        from coordl.synth import make_image_folder
+
+        args.tmp = tempfile.mkdtemp(prefix="recipes-")
+        root = os.path.join(args.tmp, "photos")
+        make_image_folder(root, num_images=args.images, num_classes=10, seed=0,
+                          **({"image_size": (96, 128), "mean_kb": 6} if args.quick else {}))
+    for dirpath, _, files in os.walk(root):  # warm page cache, the same for both
+        for f in files:
+            with open(os.path.join(dirpath, f), "rb") as fh:
+                fh.read()
+    presets = _load_presets(args.presets)
+    loaders = {"torch": torch.utils.data.DataLoader, "coordl": coordl.DataLoader}
+    rows = []
+    for rnd in range(args.rounds):
+        for recipe in args.recipes:
+            order = ["torch", "coordl"] if rnd % 2 == 0 else ["coordl", "torch"]
+            seen = {}
+            for name in order:
+                torch.manual_seed(rnd)
+                c0 = _cpu()
+                t0 = time.perf_counter()
+                ds, loader = build(recipe, root, args.size, presets, loaders[name], args.batch_size, args.workers)
+                n, once, labels = 0, True, []
+                for _epoch in range(args.epochs):
+                    epoch_labels = []
+                    for images, targets in loader:
+                        n += images.shape[0]
+                        epoch_labels.append(targets)
+                    lab = torch.cat(epoch_labels)
+                    labels.append(lab)
+                    once = once and len(lab) == len(ds) and sorted(lab.tolist()) == sorted(ds.targets)
+                sec = time.perf_counter() - t0
+                path = (lambda s: f"{s.path}: {s.path_reason}")(loader.stats()) if name == "coordl" else "torch"
+                del loader
+                gc.collect()
+                time.sleep(0.5)     # the workers exit and are reaped: their CPU is then counted
+                cpu = _cpu() - c0
+                seen[name] = labels
+                rows.append({"round": rnd, "recipe": recipe, "loader": name, "images": n, "seconds": round(sec, 3),
+                             "images_per_s": round(n / sec, 1), "cpu_ms_per_image": round(1e3 * cpu / n, 2),
+                             "every_sample_once": once, "path": path})
+                print(f"round {rnd} {recipe:<16} {name:<6} {n:>6} images {sec:>8.2f}s {n / sec:>8.1f} images/s "
+                      f"{1e3 * cpu / n:>7.2f} CPU-ms/image once={once}" + (f"\n    {path}" if name == "coordl" else ""),
+                      flush=True)
+            same = all(torch.equal(a, b) for a, b in zip(seen["torch"], seen["coordl"]))
+            rows[-1]["same_labels_as_torch"] = rows[-2]["same_labels_as_torch"] = same
+    summary = {}
+    for recipe in args.recipes:
+        ratios, cpu = [], []
+        for rnd in range(args.rounds):
+            r = {x["loader"]: x for x in rows if x["round"] == rnd and x["recipe"] == recipe}
+            ratios.append(r["coordl"]["images_per_s"] / r["torch"]["images_per_s"])
+            cpu.append(r["torch"]["cpu_ms_per_image"] / r["coordl"]["cpu_ms_per_image"])
+        mine = [x for x in rows if x["recipe"] == recipe]
+        summary[recipe] = {"coordl_over_torch": round(statistics.median(ratios), 3),
+                           "ratios": [round(r, 3) for r in ratios],
+                           "torch_cpu_over_coordl_cpu": round(statistics.median(cpu), 3),
+                           "every_sample_once": all(x["every_sample_once"] for x in mine),
+                           "same_labels_as_torch": all(x["same_labels_as_torch"] for x in mine),
+                           "path": next(x["path"] for x in mine if x["loader"] == "coordl")}
+        print(f"{recipe:<16} coordl / torch {summary[recipe]['coordl_over_torch']:.2f}x "
+              f"(rounds {summary[recipe]['ratios']}; CPU per image, torch / coordl "
+              f"{summary[recipe]['torch_cpu_over_coordl_cpu']:.2f}x), every sample once: "
+              f"{summary[recipe]['every_sample_once']}, "
+              f"same labels in the same order as torch: {summary[recipe]['same_labels_as_torch']}")
+    return {"rows": rows, "summary": summary,
+            "settings": {"root": root, "batch_size": args.batch_size, "workers": args.workers, "epochs": args.epochs,
+                         "rounds": args.rounds, "size": args.size, "presets": presets[3],
+                         "cpus": os.cpu_count(), "torch": torch.__version__}}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--root", default=None, help="ImageFolder root (default: generate one)")
+    ap.add_argument("--images", type=int, default=400, help="images to generate when --root is not given")
+    ap.add_argument("--presets", default=None, help="a copy of torchvision's references/classification/presets.py")
+    ap.add_argument("--recipes", default=",".join(RECIPES))
+    ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--batch-size", type=int, default=32)
+    ap.add_argument("--epochs", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--size", type=int, default=224)
+    ap.add_argument("--out", default="bench_out")
+    ap.add_argument("--quick", action="store_true", help="tiny sizes: a smoke test")
+    args = ap.parse_args(argv)
+    args.recipes = args.recipes.split(",")
+    unknown = sorted(set(args.recipes) - set(RECIPES))
+    if unknown:
+        ap.error(f"--recipes should name recipes among {', '.join(RECIPES)}, but got {', '.join(unknown)}")
+    if any(r.startswith("timm") for r in args.recipes) and importlib.util.find_spec("timm") is None:
+        print("timm is not installed (pip install timm): its recipes are left out", file=sys.stderr)
+        args.recipes = [r for r in args.recipes if not r.startswith("timm")]
+    if args.quick:
+        args.images, args.epochs, args.rounds, args.size, args.batch_size = 48, 1, 1, 32, 16
+    args.tmp = None
+    warnings.filterwarnings("ignore", message=".*'pin_memory' argument is set as true but no accelerator.*")
+    try:
+        res = run(args)
+    finally:
+        if args.tmp is not None:
+            shutil.rmtree(args.tmp, ignore_errors=True)
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "recipes.json"), "w") as f:
+        json.dump(res, f, indent=1)
+    ok = all(s["every_sample_once"] for s in res["summary"].values())
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

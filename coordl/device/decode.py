@@ -1,0 +1,377 @@
+"""``decode="device"``, the main process's side: the stage that turns a
+batch of records and compressed bytes (:mod:`.encoded`) into the images the
+CPU path would have delivered, on the device.
+
+For each batch (in the pin thread with workers, else in ``next()``), on
+the delivery's copy stream:
+
+1. the JPEGs of the batch go to the decoder in one call per chunk (chunks
+   of at most ``BUDGET`` decoded bytes, so a batch of large photos does not
+   hold them all at once); a stream the decoder rejects is decoded on the
+   CPU here (``coordl.decode.jpeg.decode_rgb``: libjpeg-turbo, then PIL
+   with PIL's errors); if that fails too, it is the sample's error, raised
+   (``SampleError``, the batch fails) or skipped under ``on_error="skip"``
+   as on the CPU path;
+2. per image: crop (``T1..W1``), resize to (``RH``, ``RW``) with the
+   plan's filter on float32 (``antialias`` as the transform says: PIL's
+   filters, as torch's uint8 kernels on the CPU path), crop with zero
+   padding (``T2..W2``), mirror (``FLIP``); images the workers prepared on
+   the CPU (``ON_CPU``) are copied as they are;
+3. the batch is stacked, rounded half to even and clamped to uint8 (what
+   torch's float resize of a uint8 image gives on the CPU path), and
+   :class:`~.split.DeviceTail` runs ``ToTensor``'s scaling and the
+   ``Normalize``s: after the resize, the CPU path's operations;
+4. the rest of the batch goes through the pinned ring as any batch does
+   (:meth:`~.delivery.DeviceDelivery.stage` with ``replace``), and the
+   images take the records' places.
+
+Decoders (``COORDL_DEVICE_DECODER``): ``torchvision`` (default where it
+imports: ``torchvision.io.decode_jpeg`` on a list, nvJPEG, batched, the
+hardware decoder of A100/H100 where present), ``nvimgcodec`` (NVIDIA
+nvImageCodec, ``nvidia-nvimgcodec-cu12``/``-cu13``; used by default only
+where torchvision's is missing); on the CPU test device, :class:`HostDecoder`
+stands in (libjpeg-turbo with nvJPEG's plain chroma upsampling), so the
+same stage, inputs and parameters run in CI.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from collections import abc
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from .encoded import (CHANNELS, FLIP, INDEX, KIND, ON_CPU, ON_DEVICE, RH, RW, SRC_H, SRC_W, T1, T2, W1, W2,
+                      DecodePlan)
+from .split import DeviceTail
+
+__all__ = ["DecodeStage", "HostDecoder", "TorchvisionDecoder", "NvImageCodecDecoder", "decoder_for", "BUDGET"]
+
+log = logging.getLogger("coordl.device")
+
+#: decoded bytes per decoder call (a batch is decoded in chunks of at most this)
+BUDGET = 256 << 20
+
+_ENV = "COORDL_DEVICE_DECODER"
+
+
+# ---------------------------------------------------------------- decoders
+class HostDecoder:
+    """The CPU standing in for the device decoder (tests, CI): libjpeg-turbo
+    through simplejpeg, full size, with plain ("fast") chroma upsampling, as
+    nvJPEG upsamples by default (DALI's ``jpeg_fancy_upsampling`` and
+    nvImageCodec's ``fancy_upsampling`` options exist to make the GPU do
+    libjpeg's interpolation instead).  Same inputs, same outputs as a device
+    decoder: (3, H, W) uint8 per stream, or the exception for it."""
+
+    name = "CPU stand-in (libjpeg-turbo, plain chroma upsampling)"
+
+    def __init__(self, device: torch.device | None = None, fancy_upsampling: bool = False) -> None:
+        import simplejpeg
+
+        self.device = device if device is not None else torch.device("cpu")
+        self._sj = simplejpeg
+        self._fast = not fancy_upsampling
+
+    def decode(self, streams: list) -> list:
+        out = []
+        for s in streams:
+            try:
+                arr = self._sj.decode_jpeg(s.numpy(), colorspace="RGB", fastupsample=self._fast)
+            except Exception as e:  # noqa: BLE001 - the stage decides (the CPU path's decoder, then the error)
+                out.append(e)
+                continue
+            out.append(torch.from_numpy(arr).permute(2, 0, 1).to(self.device))
+        return out
+
+    def finish(self) -> None:
+        pass
+
+
+class TorchvisionDecoder:
+    """``torchvision.io.decode_jpeg(list, mode=RGB, device=...)``: one
+    batched nvJPEG call (torchvision decodes on a stream of its own, waits
+    for it, and makes the caller's current stream wait too).  A call that
+    fails for one stream fails for all: the streams are then decoded one by
+    one, so only the bad one falls back."""
+
+    name = "torchvision.io.decode_jpeg (nvJPEG)"
+
+    def __init__(self, device: torch.device) -> None:
+        from torchvision.io import ImageReadMode, decode_jpeg
+
+        self.device = device
+        self._decode = decode_jpeg
+        self._mode = ImageReadMode.RGB
+
+    def decode(self, streams: list) -> list:
+        try:
+            return list(self._decode(streams, mode=self._mode, device=self.device))
+        except RuntimeError as e:
+            if len(streams) == 1:
+                return [e]
+        out = []
+        for s in streams:
+            try:
+                out.append(self._decode([s], mode=self._mode, device=self.device)[0])
+            except RuntimeError as e:
+                out.append(e)
+        return out
+
+    def finish(self) -> None:
+        pass
+
+
+class NvImageCodecDecoder:
+    """NVIDIA nvImageCodec's batched decode (``nvidia.nvimgcodec``): RGB,
+    8 bits, no EXIF rotation (PIL's decode does not rotate either),
+    libjpeg's interpolated chroma upsampling; a stream it cannot decode
+    comes back as None.  Its images own device memory of their own: the
+    stage's work on them is queued on the current stream, which is waited
+    for (:meth:`finish`) before they are released."""
+
+    name = "nvImageCodec"
+
+    def __init__(self, device: torch.device) -> None:
+        from nvidia import nvimgcodec
+
+        self.device = device
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        self._dec = nvimgcodec.Decoder(device_id=index, options=":fancy_upsampling=1")
+        self._params = nvimgcodec.DecodeParams(apply_exif_orientation=False, color_spec=nvimgcodec.ColorSpec.RGB,
+                                               allow_any_depth=False)
+        self._held: list = []
+
+    def decode(self, streams: list) -> list:
+        stream = torch.cuda.current_stream(self.device).cuda_stream
+        images = self._dec.decode([s.numpy() for s in streams], params=self._params, cuda_stream=stream)
+        self._held.extend(images)
+        out = []
+        for img in images:
+            if img is None:
+                out.append(RuntimeError("nvImageCodec could not decode this image"))
+            else:
+                out.append(torch.as_tensor(img, device=self.device).permute(2, 0, 1))
+        return out
+
+    def finish(self) -> None:
+        if self._held:
+            torch.cuda.current_stream(self.device).synchronize()
+            self._held = []
+
+
+def decoder_for(device: torch.device):
+    """The decoder for ``device``: :class:`HostDecoder` for the CPU (the
+    test device); for CUDA, ``COORDL_DEVICE_DECODER`` (``torchvision``,
+    ``nvimgcodec``; unset or ``auto``: torchvision's where it imports, else
+    nvImageCodec's).  ValueError saying what to install when none is there."""
+    if device.type != "cuda":
+        return HostDecoder(device)
+    want = os.environ.get(_ENV, "auto").strip().lower() or "auto"
+    if want not in ("auto", "torchvision", "nvimgcodec"):
+        raise ValueError(f'{_ENV} should be "auto", "torchvision" or "nvimgcodec", but got {_ENV}={want!r}')
+    errors = []
+    for name, cls in (("torchvision", TorchvisionDecoder), ("nvimgcodec", NvImageCodecDecoder)):
+        if want not in ("auto", name):
+            continue
+        try:
+            return cls(device)
+        except Exception as e:  # noqa: BLE001 - ImportError, or a library that cannot start here
+            errors.append(f"{name}: {type(e).__name__}: {e}")
+    raise ValueError(
+        "decode='device' needs a JPEG decoder for the GPU: torchvision's (a CUDA build of torchvision, "
+        "torchvision.io.decode_jpeg with device='cuda') or NVIDIA nvImageCodec (pip install "
+        f"nvidia-nvimgcodec-cu12, or -cu13); none could be used ({'; '.join(errors)}). Install one, or "
+        "use decode='cpu'")
+
+
+# ---------------------------------------------------------------- the stage
+class DecodeStage:
+    """Decodes, crops, resizes, flips and converts the images of a batch of
+    records on ``device`` (see the module doc).  ``describe(i)`` names sample
+    ``i`` in errors; ``on_error`` is the loader's."""
+
+    def __init__(self, device: torch.device, plan: DecodePlan, decoder, on_error: str, describe) -> None:
+        self.device = device
+        self.plan = plan
+        self.decoder = decoder
+        self.on_error = on_error
+        self.describe = describe
+        self.tail = DeviceTail(plan.normalizes) if plan.to_float else None
+
+    def note(self) -> str:
+        return f"{self.decoder.name} on {self.device}: {self.plan.describe()}"
+
+    def stage(self, delivery, env):
+        """Decode ``env``'s batch on the delivery's copy stream, then start
+        the copy of the rest through the ring: a ``Staged`` batch, or None
+        when every sample of it was skipped."""
+        st = delivery.streams
+        with st.use(st.copy_stream()):
+            batch, images = self.run(env.batch, env.stats, env.step)
+        if batch is None:
+            return None
+        return delivery.stage(batch, (), replace=images)
+
+    def run(self, batch, stats, step=None):
+        """``(batch, {path: images})``: the batch with the rows of skipped
+        samples removed (None when none is left), and the images that take
+        the records' places (on the device, converted).  Counts into
+        ``stats``; a sample that cannot be decoded raises its
+        ``SampleError`` (tagged with ``step``) or is skipped."""
+        blob, _, offsets = stats.device_blob
+        stats.device_blob = None       # the slot goes back to its worker once the stage lets go of it
+        paths = tuple(stats.device_marks)
+        records = [_get(batch, p).tolist() for p in paths]    # per path, per row: the RECORD fields
+        n, m = len(records[0]), len(paths)
+        out = [[None] * n for _ in range(m)]
+        errors: dict = {}
+        on_device = on_cpu = 0
+        todo = [(r, k) for r in range(n) for k in range(m) if records[k][r][KIND] == ON_DEVICE]
+        for chunk in _chunks(todo, records):
+            streams = [_bytes(blob, offsets[r * m + k]) for r, k in chunk]
+            got = self.decoder.decode(streams)
+            for (r, k), img, data in zip(chunk, got, streams):
+                if isinstance(img, BaseException):
+                    log.debug("device decode of sample %d failed (%s: %s): decoding it on the CPU",
+                              records[k][r][INDEX], type(img).__name__, img)
+                    try:
+                        img = self._on_host(data)
+                    except Exception as e:  # noqa: BLE001 - the sample's own error, as the CPU path's
+                        errors.setdefault(r, e)
+                        continue
+                    on_cpu += 1
+                else:
+                    on_device += 1
+                out[k][r] = self._geometry(img, records[k][r])
+            self.decoder.finish()
+        oh, ow = self.plan.size
+        for r in range(n):
+            for k in range(m):
+                if records[k][r][KIND] == ON_CPU:   # prepared by the CPU path in the worker (counted there)
+                    x = _bytes(blob, offsets[r * m + k]).view(records[k][r][CHANNELS], oh, ow)
+                    out[k][r] = x.to(self.device).to(torch.float32)
+        del blob
+        keep = self._errors(errors, records[0], stats, step) if errors else list(range(n))
+        stats.decoded_device += on_device
+        stats.decoded_cpu += on_cpu
+        if not keep:
+            return None, {}
+        images = {}
+        for k, path in enumerate(paths):
+            y = torch.stack([out[k][r] for r in keep]).round_().clamp_(0, 255).to(torch.uint8)
+            images[path] = self.tail(y) if self.tail is not None else y
+        if len(keep) < n:
+            batch = _rows(batch, keep, n)
+        return batch, images
+
+    def _on_host(self, data: torch.Tensor) -> torch.Tensor:
+        """A stream the device decoder rejected, decoded as the CPU path
+        decodes a whole image (libjpeg-turbo, else PIL and its errors)."""
+        from ..decode.jpeg import decode_rgb
+
+        arr = decode_rgb(data.numpy().tobytes())
+        return torch.from_numpy(arr).permute(2, 0, 1).to(self.device)
+
+    def _geometry(self, img: torch.Tensor, rec: list) -> torch.Tensor:
+        """One decoded (3, H, W) uint8 image through the record's crop,
+        resize, padded crop and mirror: float32 (3, h, w), not yet rounded."""
+        if tuple(img.shape[-2:]) != (rec[SRC_H], rec[SRC_W]):
+            raise RuntimeError(f"the decoder gave a {tuple(img.shape)} image for a JPEG whose header says "
+                               f"{rec[SRC_H]}x{rec[SRC_W]}")
+        t, l, h, w = rec[T1:W1 + 1]
+        x = img[:, t:t + h, l:l + w]
+        rh, rw = rec[RH], rec[RW]
+        if rh and (rh, rw) != (h, w):
+            mode = self.plan.mode.value
+            kw = {"align_corners": False, "antialias": self.plan.antialias} if mode in ("bilinear", "bicubic") else {}
+            x = F.interpolate(x.unsqueeze(0).to(torch.float32), size=(rh, rw), mode=mode, **kw)[0]
+        else:
+            x = x.to(torch.float32)
+        t, l, h, w = rec[T2:W2 + 1]
+        x = _padded_crop(x, t, l, h, w)
+        return x.flip(-1) if rec[FLIP] else x
+
+    def _errors(self, errors: dict, records, stats, step) -> list:
+        """Raise the first failed sample's error, or skip the failed samples:
+        the rows that stay."""
+        from ..errors import sample_error
+
+        n = len(records)
+        for r in sorted(errors):
+            i = records[r][INDEX]
+            err, where = errors[r], self.describe(i)
+            if self.on_error == "raise" or not isinstance(err, Exception):
+                e = sample_error("preparing", i, where, err)
+                e.coordl_step = step   # the batch is used up, as a failed batch of the pipeline
+                raise e from err
+            stats.skips.append((i, where, f"preparing: {type(err).__name__}: {err}"))
+            stats.samples -= 1
+        return [r for r in range(n) if r not in errors]
+
+
+def _chunks(todo: list, records: list):
+    """``todo`` in runs whose decoded images take at most ``BUDGET`` bytes
+    (at least one image each)."""
+    chunk, size = [], 0
+    for r, k in todo:
+        nbytes = 3 * records[k][r][SRC_H] * records[k][r][SRC_W]
+        if chunk and size + nbytes > BUDGET:
+            yield chunk
+            chunk, size = [], 0
+        chunk.append((r, k))
+        size += nbytes
+    if chunk:
+        yield chunk
+
+
+def _bytes(blob: np.ndarray, entry) -> torch.Tensor:
+    o, n = int(entry[0]), int(entry[1])
+    return torch.from_numpy(blob[o:o + n])
+
+
+def _padded_crop(x: torch.Tensor, top: int, left: int, h: int, w: int) -> torch.Tensor:
+    """``x[..., top:top+h, left:left+w]``, zero where the box leaves ``x``
+    (``CenterCrop`` larger than the image pads, as on the CPU path)."""
+    H, W = x.shape[-2:]
+    if top >= 0 and left >= 0 and top + h <= H and left + w <= W:
+        return x[..., top:top + h, left:left + w]
+    out = x.new_zeros((*x.shape[:-2], h, w))
+    t0, l0, t1, l1 = max(top, 0), max(left, 0), min(top + h, H), min(left + w, W)
+    if t1 > t0 and l1 > l0:
+        out[..., t0 - top:t1 - top, l0 - left:l1 - left] = x[..., t0:t1, l0:l1]
+    return out
+
+
+def _get(batch, path: tuple):
+    for key in path:
+        batch = batch[key]
+    return batch
+
+
+def _rows(x, keep: list, n: int):
+    """The batch ``x`` with only rows ``keep`` of ``n``: every tensor whose
+    first dimension is the batch's, and every list of ``n`` plain values
+    (default collation's strings), in containers as default collation
+    builds them."""
+    if isinstance(x, torch.Tensor):
+        if x.dim() > 0 and x.shape[0] == n:
+            return x[torch.tensor(keep, dtype=torch.long, device=x.device)]
+        return x
+    if isinstance(x, (str, bytes)):
+        return x
+    if isinstance(x, abc.Mapping):
+        d = {k: _rows(v, keep, n) for k, v in x.items()}
+        try:
+            return type(x)(d)
+        except TypeError:
+            return d
+    if isinstance(x, tuple) and hasattr(x, "_fields"):
+        return type(x)(*(_rows(v, keep, n) for v in x))
+    if isinstance(x, (list, tuple)):
+        if len(x) == n and not any(isinstance(v, (torch.Tensor, abc.Mapping, list, tuple, np.ndarray)) for v in x):
+            return type(x)(x[r] for r in keep)
+        return type(x)(_rows(v, keep, n) for v in x)
+    return x

@@ -1,0 +1,357 @@
+"""``decode="device"``, the prep side (workers, or the main process with
+``num_workers=0``): what a sample carries when its image is decoded on the
+device after the pipeline.
+
+A transform the device stage can run (:func:`plan_for`) becomes a
+:class:`DecodePlan`.  Each pass prepares a :class:`DecodePrep`, a view of
+the dataset whose transform is an :class:`EncodedCompose`: where the CPU
+path decodes, crops, resizes, flips and converts, ``from_bytes(raw)`` reads
+the JPEG header, applies PIL's pixel limit, draws the sample's geometry
+from its own generator with the CPU path's draws in the CPU path's order
+(:meth:`DecodePlan.draw`), and returns an int64 *record* of ``RECORD``
+fields in place of the image; the compressed bytes travel beside the batch
+(the engine packs them into a shared-memory slot, ``BatchStats.device_blob``).
+A sample the device decoder cannot take (not a JPEG, a header that does not
+parse, CMYK/YCCK, no end-of-image marker) is prepared here on the CPU path
+(the fused decode, same draws) up to the uint8 image ``ToTensor`` would
+scale, and its record says so (``ON_CPU``); so is an image the dataset's
+prep decoded itself (``transform(img)`` rather than ``from_bytes``).  A bad
+file raises here exactly as on the CPU path.
+
+Records are found in the sample as the device split finds its uint8 images
+(:mod:`.split`: marked tensors, their paths), so any structure default
+collation accepts works.  Nothing here holds device state.
+"""
+from __future__ import annotations
+
+import copy
+import threading
+
+import torch
+
+from .split import _Marked, _unmark
+
+__all__ = ["RECORD", "ON_DEVICE", "ON_CPU", "DecodePlan", "plan_for", "DecodePrep", "EncodedCompose"]
+
+# the record: one int64 row per image
+RECORD = 16
+(KIND, SRC_H, SRC_W, T1, L1, H1, W1, RH, RW, T2, L2, H2, W2, FLIP, INDEX, CHANNELS) = range(RECORD)
+ON_DEVICE, ON_CPU = 0, 1
+
+_local = threading.local()
+
+
+class DecodePlan:
+    """The geometry and conversion the device stage runs for one transform
+    (made by :func:`plan_for`; picklable, no device state).
+
+    ``steps``: coordl's geometric transforms in order; ``resize``: the
+    ``RandomResizedCrop`` or ``Resize`` among them (None: no resize);
+    ``size``: the output (h, w); ``mode``/``antialias``: the resize's;
+    ``to_float``: ``ToTensor`` (else ``PILToTensor``: uint8 out);
+    ``normalizes``: the ``Normalize`` steps after ``ToTensor``."""
+
+    def __init__(self, steps: list, resize, size: tuple, to_float: bool, normalizes: list, spec) -> None:
+        from .. import transforms as T
+
+        self.steps = list(steps)
+        self.resize = resize
+        self.size = tuple(size)
+        self.mode = resize.interpolation if resize is not None else T.InterpolationMode.BILINEAR
+        self.antialias = bool(resize.antialias) if resize is not None else True
+        self.to_float = to_float
+        self.normalizes = list(normalizes)
+        self.spec = spec
+        # the CPU path up to the uint8 image ToTensor scales (samples the device decoder cannot take)
+        self.prefix = self.steps + [T.PILToTensor()]
+
+    def draw(self, height: int, width: int, rng) -> list:
+        """The record fields T1..FLIP for a ``height`` x ``width`` image:
+        the draws of ``coordl.transforms.decode_and_apply`` (and of the
+        transforms called one by one), in its order, from ``rng``.
+
+        The CPU path mirrors the image where a flip stands before the next
+        crop (a flip does not commute with a crop); here the crops are
+        mapped onto the unmirrored image instead and one flip, the parity of
+        both, is applied at the end: the same pixels, one mirror."""
+        from ..decode.ops import _draw_box
+        from .. import transforms as T
+
+        h, w = height, width                 # the image as the CPU path holds it now
+        box1 = (0, 0, height, width)          # crop of the decoded image
+        rh = rw = 0                           # then resize to (rh, rw)
+        box2 = None                           # then crop (zero outside) of the resized image
+        mirrored = False                      # the CPU path's image is the mirror of ours
+        flip = False                          # a drawn flip not yet applied (decode_and_apply's)
+        for t in self.steps:
+            tt = type(t)
+            if tt is T.RandomHorizontalFlip:
+                if rng.random() < t.p:
+                    flip = not flip
+                continue
+            if flip:
+                mirrored, flip = not mirrored, False
+            if tt is T.RandomResizedCrop:
+                top, left, bh, bw = _draw_box(h, w, t.scale, t.ratio, rng)
+                box1 = (top, w - left - bw if mirrored else left, bh, bw)
+                h, w = rh, rw = t.size
+            elif tt is T.Resize:
+                h, w = rh, rw = t.output_size(h, w)
+            else:                             # CenterCrop, RandomCrop
+                ch, cw = t.size
+                if tt is T.CenterCrop:
+                    top = -((ch - h) // 2) if ch > h else int(round((h - ch) / 2.0))
+                    left = -((cw - w) // 2) if cw > w else int(round((w - cw) / 2.0))
+                else:
+                    if h < ch or w < cw:
+                        raise ValueError(f"Required crop size {(ch, cw)} is larger than input image size {(h, w)}")
+                    top, left = rng.randint(0, h - ch), rng.randint(0, w - cw)
+                box2 = (top, w - left - cw if mirrored else left, ch, cw)
+                h, w = ch, cw
+        if box2 is None:
+            box2 = (0, 0, h, w)
+        return [*box1, rh, rw, *box2, int(mirrored != flip)]
+
+    def describe(self) -> str:
+        names = " + ".join(type(t).__name__ for t in self.steps)
+        conv = "ToTensor" + "".join(" + Normalize" for _ in self.normalizes) if self.to_float else "PILToTensor"
+        return f"{names} -> {self.size[0]}x{self.size[1]} ({self.mode.value}), {conv}"
+
+    def __repr__(self) -> str:
+        return f"DecodePlan({self.describe()})"
+
+
+_HOW = ("decode='device' runs [RandomResizedCrop | Resize] [CenterCrop | RandomCrop], with RandomHorizontalFlip "
+        "anywhere among them, then ToTensor() [+ Normalize(...)s] or PILToTensor()")
+
+
+def _refuse(why: str, fix: str = "") -> ValueError:
+    fix = f"{fix}, or use decode='cpu'" if fix else "use decode='cpu' for this transform"
+    return ValueError(f"decode='device' cannot run the dataset's transform: {why}. {_HOW}; {fix}")
+
+
+def plan_for(transform) -> DecodePlan:
+    """The :class:`DecodePlan` for ``transform`` (a coordl ``Compose``, as a
+    torchvision pipeline is translated by coordl.tvcompat), or ValueError
+    naming the step the device stage cannot run and what to do."""
+    from .. import transforms as T
+    from ..decode.ops import _TENSOR_MODES
+
+    if transform is None:
+        raise _refuse("the dataset has no transform (its samples would be PIL images)",
+                      "give it a transform ending in ToTensor()")
+    if type(transform) is not T.Compose:
+        as_written = getattr(transform, "tail", None)
+        if type(transform).__name__ == "TorchvisionPipeline" and as_written:
+            names = ", ".join(type(t).__name__ for t in as_written)
+            raise _refuse(f"the torchvision steps {names} run as written (coordl has no equivalent of them, or "
+                          "they follow one)", "remove them from the transform")
+        raise _refuse(f"it is a {type(transform).__module__}.{type(transform).__qualname__}, not a "
+                      "coordl.transforms.Compose (or a torchvision Compose of the supported steps)")
+    ts = list(transform.transforms)
+    geometric = (T.RandomResizedCrop, T.Resize, T.CenterCrop, T.RandomCrop, T.RandomHorizontalFlip)
+    steps, resize, crop = [], None, None
+    i = 0
+    while i < len(ts) and type(ts[i]) in geometric:
+        t, tt = ts[i], type(ts[i])
+        if tt in (T.RandomResizedCrop, T.Resize):
+            if resize is not None or crop is not None:
+                raise _refuse(f"step {i} ({t!r}) comes after {(resize or crop)!r}: the device stage crops, resizes "
+                              "once, then crops")
+            if t.interpolation.value not in _TENSOR_MODES:
+                raise _refuse(f"step {i} ({t!r}) resamples with {t.interpolation.value!r}, which torch's tensor "
+                              f"kernels do not have (they have {', '.join(_TENSOR_MODES)})",
+                              "use bilinear or bicubic")
+            resize = t
+        elif tt in (T.CenterCrop, T.RandomCrop):
+            if crop is not None:
+                raise _refuse(f"step {i} ({t!r}) is a second crop after {crop!r}")
+            crop = t
+        steps.append(t)
+        i += 1
+    if i == len(ts) or type(ts[i]) not in (T.ToTensor, T.PILToTensor):
+        what = "the transform ends there" if i == len(ts) else f"step {i} is {ts[i]!r}"
+        raise _refuse(f"{what}: after the geometric steps the device stage needs ToTensor() or PILToTensor()")
+    to_float = type(ts[i]) is T.ToTensor
+    normalizes = ts[i + 1:]
+    for k, t in enumerate(normalizes, i + 1):
+        if type(t) is not T.Normalize or not to_float:
+            raise _refuse(f"step {k} ({t!r}) follows {ts[i]!r}: only Normalize(...)s may follow ToTensor()")
+    if to_float and torch.get_default_dtype() != torch.float32:
+        raise _refuse(f"torch's default dtype is {torch.get_default_dtype()}, not float32 (ToTensor's result "
+                      "on the device is float32)", "set torch.set_default_dtype(torch.float32)")
+    for n in normalizes:
+        std = torch.tensor(n.std, dtype=torch.float32)
+        if (std == 0).any():
+            raise _refuse(f"{n!r} has a std that is zero in float32")
+    if crop is not None:
+        size = crop.size
+    elif type(resize) is T.RandomResizedCrop or (type(resize) is T.Resize and isinstance(resize.size, tuple)):
+        size = resize.size
+    else:
+        raise _refuse(f"{'no geometric step' if resize is None else repr(resize)} gives every image the same size, "
+                      "so the images of a batch could not be stacked",
+                      "add CenterCrop(size) or RandomResizedCrop(size), or give Resize an (h, w) size")
+    return DecodePlan(steps, resize, size, to_float, normalizes, transform.spec())
+
+
+# ---------------------------------------------------------------- the prep side
+class EncodedCompose:
+    """The transform of :class:`DecodePrep`'s dataset copy.  Inside
+    ``DecodePrep.prep``: ``from_bytes(raw)`` returns the image's record (and
+    captures the bytes), ``__call__(img)`` (a dataset that decoded the image
+    itself) prepares it on the CPU up to uint8 and returns its record.
+    Outside it: the user's whole transform."""
+
+    def __init__(self, full, plan: DecodePlan) -> None:
+        self.full = full
+        self.plan = plan
+        self.transforms = full.transforms
+
+    def __call__(self, img):
+        cap = getattr(_local, "capture", None)
+        if cap is None:
+            return self.full(img)
+        from ..transforms import ToTensor
+
+        for t in self.plan.steps:
+            img = t(img)
+        return self._on_cpu(ToTensor.unscaled(img), cap)
+
+    def from_bytes(self, raw):
+        cap = getattr(_local, "capture", None)
+        if cap is None:
+            return self.full.from_bytes(raw)
+        from .. import _rng
+        from ..decode import jpeg
+        from ..transforms import decode_and_apply
+
+        hdr = jpeg._header(raw)
+        if hdr is None or hdr[2] not in jpeg._FAST_COLORSPACES or not jpeg._ends_with_eoi(raw):
+            # not for the device decoder: the CPU path, its draws and its errors (PIL's)
+            return self._on_cpu(decode_and_apply(self.plan.prefix, raw), cap)
+        height, width = int(hdr[0]), int(hdr[1])
+        jpeg.check_pixels((height, width))        # PIL's limit, before any pixel exists, as the CPU path
+        geometry = self.plan.draw(height, width, _rng.current())
+        return _capture([ON_DEVICE, height, width, *geometry], raw, cap)
+
+    def _on_cpu(self, x, cap):
+        oh, ow = self.plan.size
+        if not isinstance(x, torch.Tensor) or x.dtype != torch.uint8 or tuple(x.shape) != (3, oh, ow):
+            got = f"{x.dtype} {tuple(x.shape)}" if isinstance(x, torch.Tensor) else type(x).__name__
+            raise ValueError(f"decode='device': the CPU path made a {got} image where a uint8 (3, {oh}, {ow}) RGB "
+                             "image was expected (a grayscale or RGBA image the dataset decoded itself?); "
+                             "convert it to RGB, or use decode='cpu'")
+        return _capture([ON_CPU, oh, ow] + [0] * (FLIP - SRC_W), x.contiguous(), cap)
+
+    def spec(self):
+        return self.full.spec()
+
+    def __repr__(self) -> str:
+        return f"encoded({self.full!r})"
+
+
+def _capture(fields: list, payload, cap) -> torch.Tensor:
+    """The record (``fields`` KIND..FLIP, then the sample's index and 3
+    channels) as a marked tensor, captured with what travels beside it."""
+    records, index = cap
+    m = torch.tensor(fields + [index, 3], dtype=torch.int64).as_subclass(_Marked)
+    records.append((m, payload))
+    return m
+
+
+def _find(sample, records: list):
+    """``[(path, payload)]`` of the records in ``sample`` (in the order
+    default collation walks it), or None when one was touched or is not a
+    leaf there."""
+    from collections import abc
+
+    if any(m.__dict__.get("_coordl_touched") for m, _ in records):
+        return None
+    by_id = {id(m): p for m, p in records}
+    out: list = []
+
+    def go(x, path):
+        if isinstance(x, torch.Tensor):
+            if id(x) in by_id:
+                out.append((path, by_id.pop(id(x))))
+            return
+        if isinstance(x, (str, bytes)):
+            return
+        if isinstance(x, abc.Mapping):
+            for k, v in x.items():
+                go(v, path + (k,))
+        elif isinstance(x, abc.Sequence):
+            for i, v in enumerate(x):
+                go(v, path + (i,))
+
+    go(sample, ())
+    return out if not by_id else None
+
+
+class DecodePrep:
+    """What the pipeline prepares with ``decode="device"``: the dataset's
+    own ``prep`` over a shallow copy whose transform is an
+    :class:`EncodedCompose`; :meth:`take_device_marks` and
+    :meth:`take_device_payloads` say where the records sit in the last
+    sample and what travels with them.  The user's dataset is never modified."""
+
+    def __init__(self, dataset, plan: DecodePlan) -> None:
+        self._dataset = dataset
+        mine = copy.copy(dataset)
+        mine.transform = EncodedCompose(dataset.transform, plan)
+        self._split_ds = mine
+        self.plan = plan
+        self._last: tuple = ((), [], None)
+
+    def __getattr__(self, name: str):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        try:
+            target = self.__dict__["_split_ds"]
+        except KeyError:
+            raise AttributeError(name) from None
+        return getattr(target, name)
+
+    def __len__(self) -> int:
+        return len(self._split_ds)
+
+    def describe(self, index: int) -> str:
+        fn = getattr(self._dataset, "describe", None)
+        return str(fn(index)) if callable(fn) else f"{type(self._dataset).__name__}[{index}]"
+
+    def prep(self, raw, index: int):
+        records: list = []
+        self._last = ((), [], None)
+        _local.capture = (records, index)
+        try:
+            sample = self._split_ds.prep(raw, index)
+        finally:
+            _local.capture = None
+        found = _find(sample, records)
+        for m, _ in records:
+            _unmark(m)
+        if found is None:
+            self._last = ((), [], index)
+        else:
+            self._last = (tuple(p for p, _ in found), [x for _, x in found], None)
+        return sample
+
+    def take_device_marks(self) -> tuple:
+        """(paths of the records in the last sample, False)."""
+        return self._last[0], False
+
+    def take_device_payloads(self) -> list:
+        """What travels with each record of the last sample, in the order of
+        its paths: the JPEG's bytes, or the uint8 image the CPU path made.
+        RuntimeError when the dataset's prep did more with a record than
+        place it in the sample (not a sample's fault: the pass stops)."""
+        paths, payloads, bad = self._last
+        self._last = ((), [], None)
+        if bad is not None:
+            raise RuntimeError(
+                f"decode='device': the dataset's prep did more with the image of sample {bad} "
+                f"({self.describe(bad)}) than place it in the sample (it computed from it, or put it inside "
+                "another object), but the image exists only after the batch is decoded on the device; "
+                "have prep return transform.from_bytes(raw) as it is, or use decode='cpu'")
+        return payloads

@@ -1,0 +1,598 @@
+"""decode="device" on a machine without an accelerator: the CPU stands in
+for the device (``CPU_TEST_DEVICE``) and a CPU JPEG decoder for the GPU's
+(``coordl.device.decode.HostDecoder``), so the same stage runs on the same
+inputs with the same parameters: the records and bytes the workers ship,
+the decode, crop, resize, flip and conversion, the fallbacks, the errors,
+resume and the statistics.  tests/test_cuda.py runs the real decoders."""
+import collections
+import io
+import os
+import random
+import warnings
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+import coordl
+from coordl import _rng
+from coordl import transforms as T
+from coordl.decode import jpeg
+from coordl.device import decode as DD
+from coordl.device import delivery as D
+from coordl.device import encoded as E
+
+NORM = T.Normalize([0.485, 0.456, 0.406], [0.229, 0.224, 0.225])
+# docs/api.md, "Decoding on the device": the bound against the CPU path (uint8 levels per channel value)
+DECODE_MEAN, DECODE_MAX = 6.0, 96
+STD255 = torch.tensor(NORM.std).view(1, 3, 1, 1) * 255
+Pair = collections.namedtuple("Pair", "image label")
+
+
+def _rrc(size=24, **kw):
+    return T.Compose([T.RandomResizedCrop(size, **kw), T.RandomHorizontalFlip(), T.ToTensor(), NORM])
+
+
+def _eval(resize=40, crop=32):
+    return T.Compose([T.Resize(resize), T.CenterCrop(crop), T.ToTensor(), NORM])
+
+
+@pytest.fixture(scope="module")
+def photos(tmp_path_factory):
+    from coordl.synth import make_image_folder
+
+    root = tmp_path_factory.mktemp("decode") / "photos"
+    make_image_folder(str(root), num_images=20, num_classes=2, mean_kb=6, image_size=(96, 72), seed=4)
+    return str(root)
+
+
+@pytest.fixture
+def cpu_device(monkeypatch):
+    monkeypatch.setattr(D, "CPU_TEST_DEVICE", True)
+
+
+@pytest.fixture
+def exact(monkeypatch):
+    """The stand-in with libjpeg's interpolated chroma upsampling (the CPU
+    path decodes at full size): both decode the same pixels, so what remains
+    is the resize's float-vs-uint8 rounding (at most 1 level): any other
+    difference is a wrong crop, size or flip."""
+    orig = DD.decoder_for
+    monkeypatch.setattr(DD, "decoder_for", lambda dev: DD.HostDecoder(dev, fancy_upsampling=True)
+                        if dev.type == "cpu" else orig(dev))
+
+
+def _levels(a, b):
+    """|a - b| in uint8 levels of the image before Normalize."""
+    return (a - b).abs() * STD255
+
+
+def _pairs(ds, workers=0, **kw):
+    kw = {"batch_size": 4, "seed": 7, "shuffle": True, "num_workers": workers, **kw}
+    cpu = coordl.DataLoader(ds, **kw)
+    dev = coordl.DataLoader(ds, device="cpu", decode="device", **kw)
+    return list(cpu), list(dev), dev
+
+
+def _files(root):
+    return sorted(os.path.join(d, f) for d, _, fs in os.walk(root) for f in fs)
+
+
+# ---------------------------------------------------------------- geometry
+@pytest.mark.parametrize("seed,epoch", [(0, 0), (7, 3), (2 ** 40 + 5, 11)])
+def test_records_carry_the_cpu_paths_crop_and_flip_for_seed_epoch_index(photos, seed, epoch):
+    """The crop box and the flip each record carries are torchvision's
+    draws (RandomResizedCrop.get_params, then Bernoulli(p)) from the
+    sample's own generator, (seed, epoch, index): the CPU path's."""
+    tf = _rrc(24, scale=(0.2, 1.0))
+    ds = coordl.ImageFolder(photos, tf)
+    prep = E.DecodePrep(ds, E.plan_for(tf))
+    flips = set()
+    for i in range(len(ds)):
+        raw = ds.raw(i)
+        with _rng.sample_rng(seed, epoch, i):
+            (rec, target) = prep.prep(raw, i)
+        (paths, _), payloads = prep.take_device_marks(), prep.take_device_payloads()
+        assert paths == ((0,),) and payloads == [raw]
+        H, W = jpeg.jpeg_size(raw)
+        g = _rng.derive(seed, epoch, i)
+        top, left, h, w = T.RandomResizedCrop.get_params((W, H), (0.2, 1.0), (3 / 4, 4 / 3), g)
+        flip = g.random() < 0.5
+        flips.add(flip)
+        assert rec.tolist()[E.KIND:E.FLIP + 1] == [E.ON_DEVICE, H, W, top, left, h, w, 24, 24, 0, 0, 24, 24, flip]
+        assert rec[E.INDEX] == i and type(rec) is torch.Tensor and target == ds.targets[i]
+    assert flips == {True, False}
+
+
+@pytest.mark.parametrize("name,tf", [
+    ("rrc+flip", _rrc(24)),
+    ("flip+rrc", T.Compose([T.RandomHorizontalFlip(), T.RandomResizedCrop(20, scale=(0.3, 0.9)), T.ToTensor(), NORM])),
+    ("resize+centercrop", _eval()),
+    ("resize+flip+centercrop+flip", T.Compose([T.Resize(37), T.RandomHorizontalFlip(), T.CenterCrop(30),
+                                               T.RandomHorizontalFlip(0.7), T.ToTensor(), NORM])),
+    ("centercrop larger than the image (padding)", T.Compose([T.Resize(30), T.CenterCrop((33, 41)), T.ToTensor()])),
+    ("resize (h, w)", T.Compose([T.Resize((21, 34), interpolation=T.InterpolationMode.BICUBIC), T.ToTensor(), NORM])),
+    ("resize+randomcrop", T.Compose([T.Resize(45), T.RandomHorizontalFlip(), T.RandomCrop(31), T.ToTensor(), NORM])),
+    ("centercrop only, uint8", T.Compose([T.CenterCrop(50), T.RandomHorizontalFlip(), T.PILToTensor()])),
+    ("rrc nearest", T.Compose([T.RandomResizedCrop(28, interpolation=T.InterpolationMode.NEAREST), T.ToTensor()])),
+])
+@pytest.mark.parametrize("workers", [0, 2])
+def test_the_stage_gives_the_cpu_paths_images_up_to_resize_rounding(photos, cpu_device, exact, name, tf, workers):
+    """Same decoded pixels on both sides (see ``exact``): every supported
+    pipeline's crops, resizes, padding and flips, in every order, are the
+    CPU path's to the resize's rounding (1 level; 3 for bicubic, whose
+    uint8 kernel rounds and clamps between its two passes, where its
+    negative lobes overshoot); labels are equal."""
+    ds = coordl.ImageFolder(photos, tf)
+    cpu, dev, L = _pairs(ds, workers)
+    assert len(cpu) == len(dev) == 5
+    for (a, y), (b, y2) in zip(cpu, dev):
+        assert torch.equal(y, y2) and a.dtype == b.dtype and a.shape == b.shape
+        d = (a.float() - b.float()).abs() if a.dtype == torch.uint8 else _levels(a, b)
+        if name == "rrc nearest":
+            assert float(d.max()) == 0, name       # nearest picks the same pixels: nothing to round
+        assert float(d.max()) <= (3 if "(h, w)" in name else 1) + 1e-3, (name, float(d.max()))
+    st = L.stats()
+    assert st.device_decode_images == len(ds) and st.device_decode_cpu_images == 0
+    assert st.device_decode.startswith("CPU stand-in") and st.device_split.startswith("not split (decode='device'")
+
+
+def test_the_default_stand_in_is_within_the_documented_tolerance(photos, cpu_device):
+    """The CPU path decodes a reduced-size DCT when the crop allows it and
+    interpolates chroma; the device decodes full size with plain chroma
+    upsampling: the difference stays within docs/api.md's bound."""
+    for tf in (_rrc(24), _eval()):
+        cpu, dev, _ = _pairs(coordl.ImageFolder(photos, tf))
+        d = torch.cat([_levels(a, b).flatten() for (a, _), (b, _) in zip(cpu, dev)])
+        assert float(d.mean()) <= DECODE_MEAN and float(d.max()) <= DECODE_MAX, (float(d.mean()), float(d.max()))
+
+
+# ---------------------------------------------------------------- structure
+class Structured(torch.utils.data.Dataset):
+    """A two-stage dataset of its own that hands the bytes to its transform."""
+
+    def __init__(self, root, transform, kind):
+        self.base = coordl.ImageFolder(root)
+        self.transform = transform
+        self.kind = kind
+
+    def __len__(self):
+        return len(self.base)
+
+    def raw(self, i):
+        return self.base.raw(i)
+
+    def prep(self, raw, i):
+        tf, k = self.transform, self.kind
+        if k == "dict":
+            return {"label": i % 3, "image": tf.from_bytes(raw), "name": f"s{i}"}
+        if k == "namedtuple":
+            return Pair(tf.from_bytes(raw), i)
+        if k == "two_views":
+            return tf.from_bytes(raw), tf.from_bytes(raw), i
+        if k == "decodes_itself":           # a PIL image: prepared on the CPU up to uint8
+            return tf(Image.open(io.BytesIO(raw)).convert("RGB")), i
+        if k == "touches":
+            return tf.from_bytes(raw).float(), i
+        if k == "disagree":
+            return (tf.from_bytes(raw), i) if i % 4 else (i, tf.from_bytes(raw))
+        raise AssertionError(k)
+
+
+@pytest.mark.parametrize("kind", ["dict", "namedtuple", "two_views"])
+@pytest.mark.parametrize("workers", [0, 2])
+def test_images_anywhere_in_the_sample(photos, cpu_device, exact, kind, workers):
+    ds = Structured(photos, _rrc(16), kind)
+    cpu, dev, L = _pairs(ds, workers)
+    assert len(cpu) == len(dev) == 5
+    for a, b in zip(cpu, dev):
+        assert type(a) is type(b)
+        if kind == "dict":
+            assert list(a) == list(b) and a["name"] == b["name"] and torch.equal(a["label"], b["label"])
+            a, b = [a["image"]], [b["image"]]
+        elif kind == "namedtuple":
+            assert torch.equal(a.label, b.label)
+            a, b = [a.image], [b.image]
+        else:
+            assert torch.equal(a[2], b[2])
+            a, b = a[:2], b[:2]
+        for x, y in zip(a, b):
+            assert x.shape == y.shape and float(_levels(x, y).max()) <= 1.0 + 1e-3
+    per_sample = 2 if kind == "two_views" else 1
+    assert L.stats().device_decode_images == per_sample * len(ds)
+
+
+def test_a_dataset_that_decodes_itself_is_prepared_on_the_cpu_exactly(photos, cpu_device):
+    ds = Structured(photos, _rrc(16), "decodes_itself")
+    cpu, dev, L = _pairs(ds)
+    for (a, y), (b, y2) in zip(cpu, dev):
+        assert torch.equal(a, b) and torch.equal(y, y2)       # the CPU path's own pixels, bit for bit
+    st = L.stats()
+    assert st.device_decode_cpu_images == len(ds) and st.device_decode_images == 0
+
+
+@pytest.mark.parametrize("kind,msg", [("touches", "did more with the image of sample"),
+                                      ("disagree", "must sit at the same places")])
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_prep_the_stage_cannot_follow_stops_the_pass_saying_why(photos, cpu_device, kind, msg, workers):
+    ds = Structured(photos, _rrc(16), kind)
+    L = coordl.DataLoader(ds, batch_size=4, seed=7, num_workers=workers, device="cpu", decode="device")
+    with pytest.raises(RuntimeError, match=msg) as e:
+        list(L)
+    assert "decode='cpu'" in str(e.value)
+
+
+# ---------------------------------------------------------------- fallbacks
+@pytest.fixture(scope="module")
+def odd_files(tmp_path_factory):
+    """A folder of JPEGs with, in class "odd": a CMYK JPEG, a grayscale
+    JPEG, a PNG, a progressive JPEG and a JPEG with corrupt data (header and
+    end marker intact: libjpeg-turbo refuses it, PIL decodes what it can)."""
+    root = tmp_path_factory.mktemp("odd") / "data"
+    rng = np.random.default_rng(1)
+    (root / "a").mkdir(parents=True)
+    (root / "odd").mkdir()
+
+    def photo(h, w):
+        y, x = np.mgrid[0:h, 0:w]
+        base = np.stack([x * 255 // w, y * 255 // h, (x + y) * 127 // (h + w)], -1)
+        return Image.fromarray(np.clip(base + rng.normal(0, 12, base.shape), 0, 255).astype(np.uint8))
+
+    for k in range(7):
+        photo(60 + 3 * k, 80 - 2 * k).save(root / "a" / f"{k}.jpg", quality=90)
+    photo(64, 70).convert("CMYK").save(root / "odd" / "cmyk.jpg", quality=90)
+    photo(50, 66).convert("L").save(root / "odd" / "gray.jpg", quality=90)
+    photo(58, 62).save(root / "odd" / "png.jpg", format="PNG")
+    photo(61, 77).save(root / "odd" / "progressive.jpg", quality=85, progressive=True)
+    buf = io.BytesIO()
+    photo(64, 64).save(buf, "JPEG", quality=90)
+    raw = buf.getvalue()
+    sos = raw.find(b"\xff\xda")
+    (root / "odd" / "corrupt.jpg").write_bytes(raw[:sos + 300] + b"\xff\xd9")
+    return str(root)
+
+
+def test_what_the_device_decoder_cannot_take_is_decoded_on_the_cpu(odd_files, cpu_device):
+    """CMYK and PNG: prepared by the CPU path in the worker (its very
+    pixels); grayscale and progressive JPEGs go to the device decoder; a
+    stream it rejects is decoded on the CPU in the main process as the CPU
+    path decodes it (PIL's decode of corrupt data); all counted."""
+    ds = coordl.ImageFolder(odd_files, _rrc(24))
+    names = [os.path.basename(p) for p, _ in ds.samples]
+    cpu, dev, L = _pairs(ds, batch_size=len(ds), shuffle=False)
+    (a, y), (b, y2) = cpu[0], dev[0]
+    assert torch.equal(y, y2)
+    for k, name in enumerate(names):
+        d = _levels(a[k], b[k])
+        if name in ("cmyk.jpg", "png.jpg"):
+            assert float(d.max()) == 0, name                   # the CPU path, bit for bit
+        else:
+            assert float(d.mean()) <= DECODE_MEAN and float(d.max()) <= DECODE_MAX, (name, float(d.mean()))
+    st = L.stats()
+    assert st.device_decode_cpu_images == 3                     # cmyk, png, corrupt
+    assert st.device_decode_images == len(ds) - 3
+
+
+class _Refusing:
+    """A device decoder that rejects some streams (by their first bytes)."""
+
+    name = "refusing"
+
+    def __init__(self, inner, bad):
+        self.inner, self.bad, self.calls = inner, bad, []
+
+    def decode(self, streams):
+        self.calls.append(len(streams))
+        return [RuntimeError("rejected") if bytes(s[:64].numpy()) in self.bad else self.inner.decode([s])[0]
+                for s in streams]
+
+    def finish(self):
+        pass
+
+
+@pytest.mark.parametrize("on_error", ["raise", "skip"])
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_sample_neither_decoder_can_read_is_the_cpu_paths_error(odd_files, cpu_device, monkeypatch, on_error,
+                                                                   workers):
+    """A stream the device decoder rejects and the CPU cannot decode either
+    raises the sample's SampleError for its batch (the pass goes on, the
+    step is used up) or is skipped, counted and warned about."""
+    ds = coordl.ImageFolder(odd_files, _rrc(16))
+    bad_index = next(i for i, (p, _) in enumerate(ds.samples) if p.endswith("progressive.jpg"))
+    bad = {ds.raw(bad_index)[:64]}
+    real = jpeg.decode_rgb
+
+    def host(raw, scale=1):
+        if bytes(raw[:64]) in bad:
+            raise OSError("broken data stream when reading image file")
+        return real(raw, scale)
+
+    monkeypatch.setattr(jpeg, "decode_rgb", host)
+    monkeypatch.setattr(DD, "decoder_for", lambda dev: _Refusing(DD.HostDecoder(dev), bad))
+    L = coordl.DataLoader(ds, batch_size=4, seed=3, shuffle=False, num_workers=workers, device="cpu",
+                          decode="device", on_error=on_error)
+    plan = L.plan
+    step_of_bad = [k for k in range(plan.num_batches) if bad_index in plan.indices(0)[k * 4:(k + 1) * 4]][0]
+    it = iter(L)
+    got = []
+    if on_error == "raise":
+        for k in range(plan.num_batches):
+            if k == step_of_bad:
+                with pytest.raises(coordl.SampleError) as e:
+                    next(it)
+                assert isinstance(e.value, OSError) and "progressive.jpg" in str(e.value)
+                assert f"sample {bad_index}" in str(e.value)
+            else:
+                got.append(next(it))
+        with pytest.raises(StopIteration):
+            next(it)
+        state = L.state_dict()          # the failed step counts as used up
+        assert state["epoch"] == 1 and state["batches"] == 0
+        assert sum(len(y) for _, y in got) == len(ds) - 4
+    else:
+        with pytest.warns(coordl.SkippedSampleWarning, match="progressive.jpg"):
+            got = list(it)
+        assert sum(len(y) for _, y in got) == len(ds) - 1
+        assert all(x.shape[0] == y.shape[0] for x, y in got)
+        st = L.stats()
+        assert st.skipped == 1 and st.samples == len(ds) - 1
+        labels = torch.cat([y for _, y in got]).tolist()
+        want = [t for i, t in enumerate(ds.targets) if i != bad_index]
+        assert labels == want
+
+
+@pytest.mark.parametrize("on_error", ["raise", "skip"])
+def test_a_corrupt_file_gets_the_error_it_gets_on_the_cpu_path(tmp_path, cpu_device, on_error):
+    """Not an image at all, and a JPEG cut short (no end marker): the worker
+    hands both to the CPU path, whose error (PIL's) they get."""
+    from coordl.synth import make_image_folder
+
+    root = make_image_folder(str(tmp_path / "d"), num_images=8, num_classes=1, image_size=(40, 30), seed=1)
+    files = _files(root)
+    with open(files[2], "wb") as f:
+        f.write(b"this is not an image" * 10)
+    with open(files[5], "rb") as f:
+        data = f.read()
+    with open(files[5], "wb") as f:
+        f.write(data[:len(data) // 2])
+    kw = dict(batch_size=2, seed=1, shuffle=False, on_error=on_error)
+    ds = coordl.ImageFolder(root, _rrc(16))
+    for L in (coordl.DataLoader(ds, **kw), coordl.DataLoader(ds, device="cpu", decode="device", **kw)):
+        it = iter(L)
+        outcome = []
+        for _ in range(4):
+            try:
+                with warnings.catch_warnings(record=True) as seen:
+                    warnings.simplefilter("always")
+                    x, y = next(it)
+                outcome.append(len(y))
+                assert all(w.category is coordl.SkippedSampleWarning for w in seen)
+                assert len(seen) == 2 - len(y)
+            except coordl.SampleError as e:
+                outcome.append(type(e).__mro__[1].__name__)
+        if on_error == "raise":
+            assert outcome == [2, "UnidentifiedImageError", "OSError", 2], outcome
+        else:
+            assert outcome == [2, 1, 1, 2], outcome
+            assert L.stats().skipped == 2
+
+
+# ---------------------------------------------------------------- resume, stats
+@pytest.mark.parametrize("workers", [0, 2])
+def test_exact_mid_epoch_resume(photos, cpu_device, workers):
+    ds = coordl.ImageFolder(photos, _rrc(16))
+    kw = dict(batch_size=3, seed=11, shuffle=True, num_workers=workers, device="cpu", decode="device")
+    whole = coordl.DataLoader(ds, **kw)
+    whole.set_epoch(2)
+    want = list(whole)
+    L = coordl.DataLoader(ds, **kw)
+    L.set_epoch(2)
+    it = iter(L)
+    first = [next(it) for _ in range(3)]
+    state = L.state_dict()
+    del it
+    R = coordl.DataLoader(ds, **kw)
+    R.load_state_dict(state)
+    rest = list(R)
+    got = first + rest
+    assert len(got) == len(want) == 7
+    for (a, y), (b, y2) in zip(got, want):
+        assert torch.equal(a, b) and torch.equal(y, y2)
+    assert R.stats().device_decode_images == len(ds) - 9
+
+
+def test_the_node_cache_and_peers_path_are_unchanged(photos, cpu_device):
+    """Bytes come from the node cache as before: epoch 1 reads them from it."""
+    ds = coordl.ImageFolder(photos, _rrc(16))
+    L = coordl.DataLoader(ds, batch_size=4, seed=2, device="cpu", decode="device", cache_size="8MiB")
+    first, second = list(L), list(L)
+    assert len(first) == len(second) == 5
+    e0, e1 = L.stats().epochs
+    assert e0.samples_from_storage == len(ds) and e1.samples_from_cache == len(ds)
+    assert L.stats().device_decode_images == 2 * len(ds)
+
+
+def test_stats_and_repr_say_which_path(photos, cpu_device):
+    ds = coordl.ImageFolder(photos, _eval())
+    L = coordl.DataLoader(ds, batch_size=4, device="cpu", decode="device")
+    assert L.decode == "device"
+    list(L)
+    st = L.stats()
+    assert st.device_decode == ("CPU stand-in (libjpeg-turbo, plain chroma upsampling) on cpu: Resize + CenterCrop "
+                                "-> 32x32 (bilinear), ToTensor + Normalize")
+    assert (st.device_decode_images, st.device_decode_cpu_images) == (len(ds), 0)
+    plain = coordl.DataLoader(ds, batch_size=4, device="cpu")
+    list(plain)
+    assert plain.decode == "cpu" and plain.stats().device_decode == "" and plain.stats().device_decode_images == 0
+
+
+@pytest.mark.parametrize("workers,persistent", [(0, False), (2, True)])
+def test_a_transform_assigned_later_takes_effect_at_the_next_pass(photos, cpu_device, workers, persistent):
+    ds = coordl.ImageFolder(photos, _rrc(16))
+    L = coordl.DataLoader(ds, batch_size=4, seed=1, num_workers=workers, persistent_workers=persistent,
+                          device="cpu", decode="device")
+    assert next(iter(L))[0].shape[-1] == 16
+    ds.transform = _eval(30, 20)
+    assert next(iter(L))[0].shape[-1] == (16 if persistent else 20)
+    ds.transform = T.Compose([T.RandomResizedCrop(8), lambda x: x, T.ToTensor()])
+    if not persistent:
+        with pytest.raises(ValueError, match=r"step 1 is <function"):
+            iter(L)
+
+
+# ---------------------------------------------------------------- refusals
+def test_arguments_are_checked_with_the_remedy(photos, cpu_device, monkeypatch):
+    ds = coordl.ImageFolder(photos, _rrc())
+    with pytest.raises(ValueError, match=r'decode should be "cpu" or "device", but got decode=\'gpu\''):
+        coordl.DataLoader(ds, device="cpu", decode="gpu")
+    monkeypatch.setattr(D, "CPU_TEST_DEVICE", False)
+    with pytest.raises(ValueError, match=r"decode='device' should come with device= .* but got device=None"):
+        coordl.DataLoader(ds, decode="device")
+    with pytest.raises(ValueError, match=r"but got device='cpu'"):
+        coordl.DataLoader(ds, decode="device", device="cpu")
+
+
+@pytest.mark.parametrize("tf,msg", [
+    (T.Compose([T.RandomResizedCrop(8), lambda x: x, T.ToTensor()]), r"step 1 is <function .*ToTensor\(\) or PIL"),
+    (T.Compose([T.RandomResizedCrop(8), T.ToTensor(), T.ToDtype(torch.float64)]), r"step 2 \(ToDtype"),
+    (T.Compose([T.Resize(20), T.ToTensor()]), r"Resize\(size=20.* same size"),
+    (T.Compose([T.CenterCrop(20), T.Resize(8), T.ToTensor()]), r"step 1 \(Resize.*comes after CenterCrop"),
+    (T.Compose([T.RandomResizedCrop(8, interpolation=T.InterpolationMode.LANCZOS), T.ToTensor()]), r"lanczos"),
+    (T.Compose([T.CenterCrop(8), T.CenterCrop(4), T.ToTensor()]), r"second crop"),
+    (T.Compose([T.RandomResizedCrop(8), T.PILToTensor(), NORM]), r"only Normalize\(...\)s may follow ToTensor"),
+    (T.Compose([T.RandomResizedCrop(8)]), r"the transform ends there"),
+    (None, r"has no transform"),
+    (lambda img: img, r"not a coordl.transforms.Compose"),
+])
+def test_a_transform_the_device_cannot_run_is_refused_naming_the_step(photos, cpu_device, tf, msg):
+    ds = coordl.ImageFolder(photos, tf)
+    with pytest.raises(ValueError, match=msg) as e:
+        coordl.DataLoader(ds, batch_size=2, device="cpu", decode="device")
+    assert "decode='device' cannot run the dataset's transform" in str(e.value)
+    assert "decode='cpu'" in str(e.value) or "give it a transform" in str(e.value)
+
+
+def test_combinations_the_stage_cannot_serve_are_refused(photos, cpu_device, monkeypatch):
+    ds = coordl.ImageFolder(photos, _rrc())
+    kw = dict(batch_size=2, device="cpu", decode="device")
+    with pytest.raises(ValueError, match=r"cannot run with sharing \(share=True\).*share=False"):
+        coordl.DataLoader(ds, share=True, **kw)
+    monkeypatch.setenv("COORDL_SHARE", "1")
+    with pytest.raises(ValueError, match=r"COORDL_SHARE=1 in the environment"):
+        coordl.DataLoader(ds, **kw)
+    monkeypatch.delenv("COORDL_SHARE")
+
+
+    class Unsized(torch.utils.data.Sampler):      # no length: torch's machinery reads it
+        def __iter__(self):
+            return iter(range(len(ds)))
+
+    with pytest.raises(ValueError, match=r"has a sampler or batch_sampler of its own"):
+        coordl.DataLoader(ds, sampler=Unsized(), **kw)
+    # a sampler with a length runs on coordl's pipeline, in its order: the stage serves it
+    by_sampler = list(coordl.DataLoader(ds, sampler=list(range(len(ds))), seed=1, **kw))
+    in_order = list(coordl.DataLoader(ds, shuffle=False, seed=1, **kw))
+    assert len(by_sampler) == len(in_order) and all(torch.equal(a[0], b[0]) for a, b in zip(by_sampler, in_order))
+    with pytest.raises(ValueError, match=r"has no raw/prep"):
+        coordl.DataLoader(torch.utils.data.TensorDataset(torch.zeros(4, 3)), **kw)
+    with pytest.raises(ValueError, match=r"default collation with a batch_size"):
+        coordl.DataLoader(ds, collate_fn=lambda b: b, **kw)
+    with pytest.raises(ValueError, match=r"default collation with a batch_size"):
+        coordl.DataLoader(ds, device="cpu", decode="device", batch_size=None)
+
+
+def test_the_cuda_decoder_is_named_when_missing(monkeypatch):
+    import builtins
+
+    real = builtins.__import__
+
+    def no_gpu_decoders(name, *a, **kw):
+        if name.startswith(("torchvision", "nvidia")):
+            raise ImportError(f"No module named {name!r}")
+        return real(name, *a, **kw)
+
+    monkeypatch.setattr(builtins, "__import__", no_gpu_decoders)
+    with pytest.raises(ValueError, match=r"needs a JPEG decoder for the GPU.*nvidia-nvimgcodec-cu12.*decode='cpu'"):
+        DD.decoder_for(torch.device("cuda"))
+    monkeypatch.setenv("COORDL_DEVICE_DECODER", "pillow")
+    with pytest.raises(ValueError, match=r'COORDL_DEVICE_DECODER should be "auto", "torchvision" or "nvimgcodec"'):
+        DD.decoder_for(torch.device("cuda"))
+
+
+# ---------------------------------------------------------------- torchvision
+@pytest.fixture(scope="module")
+def tv():
+    import sys
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from _torchvision import import_torchvision
+
+    return import_torchvision()
+
+
+@pytest.mark.parametrize("version", ["v1", "v2"])
+def test_torchvision_users_change_only_the_import_and_the_option(photos, cpu_device, exact, tv, version):
+    from torchvision import datasets
+
+    if version == "v1":
+        from torchvision import transforms as V
+        tf = V.Compose([V.RandomResizedCrop(20), V.RandomHorizontalFlip(), V.ToTensor(),
+                        V.Normalize(NORM.mean, NORM.std)])
+    else:
+        from torchvision.transforms import v2 as V
+        tf = V.Compose([V.RandomResizedCrop(20), V.RandomHorizontalFlip(), V.ToImage(),
+                        V.ToDtype(torch.float32, scale=True), V.Normalize(NORM.mean, NORM.std)])
+    ds = datasets.ImageFolder(photos, transform=tf)
+    cpu, dev, L = _pairs(ds, 2)
+    for (a, y), (b, y2) in zip(cpu, dev):
+        assert torch.equal(y, y2) and float(_levels(a, b).max()) <= 1.0 + 1e-3
+    assert L.stats().path == "coordl" and L.stats().device_decode_images == len(ds)
+    tf2 = V.Compose([V.RandomResizedCrop(20), V.ColorJitter(0.2), V.ToTensor() if version == "v1" else V.ToImage()])
+    with pytest.raises(ValueError, match=r"torchvision steps ColorJitter.* run as written"):
+        coordl.DataLoader(datasets.ImageFolder(photos, transform=tf2), batch_size=2, device="cpu", decode="device")
+
+
+# ---------------------------------------------------------------- the stage itself
+def test_chunks_bound_the_decoded_bytes_of_one_call(photos, cpu_device, monkeypatch):
+    """A batch is decoded in calls of at most BUDGET decoded bytes (never
+    fewer than one image per call), in row order."""
+    ds = coordl.ImageFolder(photos, _rrc(16))
+    calls = []
+
+    class Counting(DD.HostDecoder):
+        def decode(self, streams):
+            calls.append(len(streams))
+            return super().decode(streams)
+
+    monkeypatch.setattr(DD, "decoder_for", lambda dev: Counting(dev))
+    monkeypatch.setattr(DD, "BUDGET", 3 * 96 * 72 * 3)       # three of these images
+    L = coordl.DataLoader(ds, batch_size=8, device="cpu", decode="device", drop_last=True)
+    list(L)
+    assert calls == [3, 3, 2, 3, 3, 2]
+    monkeypatch.setattr(DD, "BUDGET", 1)
+    calls.clear()
+    list(L)
+    assert calls == [1] * 16
+
+
+def test_the_plan_draws_exactly_what_decode_and_apply_draws():
+    """Random pipelines, random sizes: after the plan's draws, the sample's
+    generator is where the CPU path leaves it (what target_transform or a
+    later sample of the same prep would draw next is the same)."""
+    r = random.Random(5)
+    steps = [lambda: T.RandomResizedCrop(r.randint(4, 40)), lambda: T.RandomHorizontalFlip(r.random())]
+    for trial in range(200):
+        head = [steps[0]()] if r.random() < 0.7 else [T.Resize(r.randint(5, 50))]
+        tf = T.Compose([T.RandomHorizontalFlip(r.random()), *head, T.RandomHorizontalFlip(r.random()),
+                        T.CenterCrop(r.randint(3, 30)), T.ToTensor()])
+        plan = E.plan_for(tf)
+        H, W = r.randint(8, 300), r.randint(8, 300)
+        g1, g2 = random.Random(trial), random.Random(trial)
+        plan.draw(H, W, g1)
+        with _rng.sample_rng(0, 0, 0):
+            _rng._local.rng = g2
+            img = torch.zeros(3, H, W, dtype=torch.uint8)
+            for t in tf.transforms[:-1]:
+                img = t(img)
+        assert g1.random() == g2.random(), (trial, tf)

@@ -1,0 +1,152 @@
+"""timm's transforms (``timm.data.create_transform``) on coordl's pipeline:
+recognized where coordl's transforms compute the same thing, the rest run
+as written; coordl never imports timm itself."""
+import math
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from _torchvision import import_torchvision  # noqa: E402
+
+if import_torchvision() is None:
+    pytest.skip("torchvision is not installed (pip install coordl[test])", allow_module_level=True)
+timm = pytest.importorskip("timm", reason="timm is not installed (pip install timm)")
+
+from timm.data import create_transform  # noqa: E402
+from timm.data import transforms as TT  # noqa: E402
+from torchvision import datasets as D  # noqa: E402
+
+import coordl  # noqa: E402
+from coordl import _rng  # noqa: E402
+from coordl import transforms as T  # noqa: E402
+from coordl.tvcompat import TorchvisionPipeline, translate  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def photos(tmp_path_factory):
+    from coordl.synth import make_image_folder
+
+    root = tmp_path_factory.mktemp("timm") / "photos"
+    make_image_folder(str(root), num_images=24, num_classes=3, mean_kb=3, image_size=(64, 48), seed=5)
+    return str(root)
+
+
+def test_timm_default_train_fuses_the_crop_and_flip():
+    out, fused, rest = translate(create_transform(224, is_training=True))
+    assert fused == ("RandomResizedCropAndInterpolation", "RandomHorizontalFlip")
+    assert rest == ("ColorJitter", "MaybeToTensor", "Normalize")
+    assert isinstance(out, TorchvisionPipeline) and out.to_pil
+    rrc = out.fused.transforms[0]
+    assert type(rrc) is T.RandomResizedCrop and rrc.size == (224, 224) and rrc.scale == (0.08, 1.0)
+    assert rrc.ratio == pytest.approx((3 / 4, 4 / 3)) and rrc.interpolation.value == "bilinear"
+    assert [type(t).__name__ for t in out.tail] == ["ColorJitter"]
+    assert [type(t).__name__ for t in out.post] == ["MaybeToTensor", "Normalize"]
+    assert [type(t) for t in out.post_fused.transforms] == [T.ToTensor, T.Normalize]
+
+
+@pytest.mark.parametrize("kw", [{}, {"interpolation": "bicubic", "crop_pct": 0.95}])
+def test_timm_eval_fuses_whole(kw):
+    out, fused, rest = translate(create_transform(224, is_training=False, **kw))
+    assert fused == ("Resize", "CenterCrop", "MaybeToTensor", "Normalize") and rest == ()
+    assert [type(t) for t in out.transforms] == [T.Resize, T.CenterCrop, T.ToTensor, T.Normalize]
+
+
+def test_what_timm_draws_or_computes_differently_runs_as_written():
+    out, fused, rest = translate(TT.RandomResizedCropAndInterpolation(32, interpolation="random"))
+    assert fused == () and rest == ("RandomResizedCropAndInterpolation",)
+    assert translate(TT.CenterCropOrPad(32, fill=(1, 2, 3)))[1] == ()
+    assert translate(TT.ResizeKeepRatio(32))[1] == ()
+    assert translate(TT.ToNumpy())[1] == ()
+    out, fused, _ = translate(TT.ToTensor(torch.float64))
+    assert fused == ("ToTensor",) and [type(t) for t in out.transforms] == [T.PILToTensor, T.ToDtype]
+    assert out.transforms[1].dtype == torch.float64 and out.transforms[1].scale is False
+
+
+@pytest.mark.parametrize("H, W, scale, ratio", [(375, 500, (0.08, 1.0), (3 / 4, 4 / 3)),
+                                                (60, 400, (0.5, 1.0), (0.9, 1.1))])  # often the fallback
+def test_timm_crop_draws_follow_timms_distributions(H, W, scale, ratio):
+    import random
+
+    t = TT.RandomResizedCropAndInterpolation(32, scale=scale, ratio=ratio)
+    from PIL import Image
+
+    img = Image.new("RGB", (W, H))
+    random.seed(0)
+    theirs = np.array([t.get_params(img, t.scale, t.ratio) for _ in range(3000)], dtype=float)
+    rrc = translate(t)[0].fused.transforms[0]
+    ours = []
+    for i in range(3000):
+        with _rng.sample_rng(5, 0, i) as g:
+            ours.append(T.RandomResizedCrop.get_params((W, H), rrc.scale, rrc.ratio, rng=g))
+    ours = np.array(ours, dtype=float)
+
+    def ks(a, b):
+        a, b = np.sort(a), np.sort(b)
+        grid = np.concatenate([a, b])
+        return float(np.max(np.abs(np.searchsorted(a, grid, "right") / len(a)
+                                   - np.searchsorted(b, grid, "right") / len(b))))
+
+    for f in (lambda p: p[:, 2] * p[:, 3], lambda p: np.log(p[:, 3] / p[:, 2]),
+              lambda p: p[:, 0] / np.maximum(H - p[:, 2], 1), lambda p: p[:, 1] / np.maximum(W - p[:, 3], 1)):
+        assert ks(f(ours), f(theirs)) < 1.95 * math.sqrt(2 / 3000)
+
+
+def test_center_crop_or_pad_is_torchvisions_center_crop():
+    from PIL import Image
+
+    for size in ((20, 30), (50, 70), (40, 10)):
+        img = Image.fromarray(np.random.default_rng(1).integers(0, 256, (33, 41, 3), dtype=np.uint8))
+        want = TT.MaybePILToTensor()(TT.CenterCropOrPad(size)(img))
+        out, fused, _ = translate(_compose(TT.CenterCropOrPad(size), TT.MaybePILToTensor()))
+        assert fused == ("CenterCropOrPad", "MaybePILToTensor")
+        got = out(img)
+        assert torch.equal(got, want), size
+
+
+def _compose(*ts):
+    from torchvision import transforms as V1
+
+    return V1.Compose(list(ts))
+
+
+@pytest.mark.parametrize("training", [True, False])
+def test_timm_pipelines_on_the_loader(photos, training):
+    tf = create_transform(32, is_training=training)
+    ds = D.ImageFolder(photos, transform=tf)
+    L = coordl.DataLoader(ds, batch_size=8, shuffle=True, seed=3, num_workers=2)
+    s = L.stats()
+    want = ("fused RandomResizedCropAndInterpolation, RandomHorizontalFlip" if training else
+            "fused Resize, CenterCrop, MaybeToTensor, Normalize")
+    assert s.path == "coordl" and want in s.path_reason, s.path_reason
+    xs = [x for x, _ in L]
+    again = [x for x, _ in coordl.DataLoader(ds, batch_size=8, shuffle=True, seed=3)]
+    assert all(torch.equal(a, b) for a, b in zip(xs, again))   # every placement draws the same
+    assert xs[0].shape == (8, 3, 32, 32) and xs[0].dtype == torch.float32
+    if not training:
+        ref = torch.utils.data.DataLoader(ds, batch_size=24)
+        (rx, _), = list(ref)
+        (x, _), = list(coordl.DataLoader(ds, batch_size=24))
+        # fused Resize + CenterCrop vs timm's PIL run (pixels: see test_torchvision)
+        assert (x - rx).abs().mean() < 0.1
+
+
+def test_coordl_never_imports_timm():
+    code = ("import sys; sys.path.insert(0, %r)\n"
+            "from _torchvision import import_torchvision; import_torchvision()\n"
+            "from torchvision import datasets, transforms as V\n"
+            "import coordl, coordl.tvcompat\n"
+            "from coordl.synth import make_image_folder\n"
+            "import tempfile; d = tempfile.mkdtemp()\n"
+            "make_image_folder(d, num_images=4, num_classes=2, image_size=(32, 24))\n"
+            "ds = datasets.ImageFolder(d, transform=V.Compose([V.RandomResizedCrop(8), V.ToTensor()]))\n"
+            "list(coordl.DataLoader(ds, batch_size=2))\n"
+            "print('timm' in sys.modules)\n" % HERE)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "False"

@@ -1,0 +1,375 @@
+"""coordl's pixels against torchvision's (PIL backend), value by value.
+
+With only the DataLoader import changed, a torchvision pipeline must give
+torchvision's output within the tolerance docs/api.md states for each fused
+step (at most 1 uint8 level; the PIL-image resizes are exact), on small,
+ImageNet-sized and large images whose sides are not multiples of 8: the eval
+presets (Resize + CenterCrop, bilinear and bicubic, timm's crop_pct), and
+training crops (RandomResizedCrop: the same draws give the same pixels).
+The reduced-scale JPEG decode is an explicit option (``jpeg_draft``, or
+``draft=True`` on coordl's transforms), never for nearest or unfiltered
+resizes, with the geometry of the full-size image, and named in
+``path_reason``.  torchvision is loaded through tests/_torchvision.py."""
+import io
+import math
+import os
+import sys
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from _torchvision import import_torchvision  # noqa: E402
+
+tv = import_torchvision()
+if tv is None:
+    pytest.skip("torchvision is not installed (pip install coordl[test])", allow_module_level=True)
+
+from torchvision import datasets as D  # noqa: E402
+from torchvision import transforms as V1  # noqa: E402
+from torchvision.transforms import functional as F1  # noqa: E402
+from torchvision.transforms import v2 as V2  # noqa: E402
+from torchvision.transforms.v2 import functional as F2  # noqa: E402
+
+import coordl  # noqa: E402
+import coordl.decode.jpeg  # noqa: E402
+from coordl import _rng  # noqa: E402
+from coordl import transforms as T  # noqa: E402
+from coordl.decode import resample as R  # noqa: E402
+from coordl.decode.ops import _draw_box  # noqa: E402
+from coordl.synth import render_image  # noqa: E402
+from coordl.tvcompat import translate  # noqa: E402
+
+MEAN, STD = [0.485, 0.456, 0.406], [0.229, 0.224, 0.225]
+IM = V1.InterpolationMode
+# (width, height): small, ImageNet-sized landscape and portrait, large; no side a multiple of 8
+SIZES = [(67, 45), (499, 373), (373, 499), (2001, 1499)]
+
+
+def _jpeg(w, h, k, quality=90):
+    buf = io.BytesIO()
+    render_image(7, k, w, h, 1.5).save(buf, "JPEG", quality=quality)
+    return buf.getvalue()
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    """An ImageFolder of one image per size (two classes)."""
+    root = tmp_path_factory.mktemp("pixels") / "photos"
+    for k, (w, h) in enumerate(SIZES):
+        d = root / f"class_{k % 2}"
+        d.mkdir(parents=True, exist_ok=True)
+        (d / f"img_{k}_{w}x{h}.jpg").write_bytes(_jpeg(w, h, k))
+    return str(root)
+
+
+def _read(path):
+    with open(path, "rb") as f:
+        return f.read()
+
+
+def _pil(path):
+    with Image.open(path) as img:
+        return img.convert("RGB")
+
+
+@pytest.fixture(scope="module")
+def images(folder):
+    return [D.ImageFolder(folder).samples[i][0] for i in range(len(SIZES))]
+
+
+def _levels(a: torch.Tensor, b: torch.Tensor, normalized: bool) -> float:
+    """The largest difference between two images in uint8 levels."""
+    assert a.shape == b.shape, (a.shape, b.shape)
+    d = (a.double() - b.double()).abs()
+    if normalized:  # Normalize divided by std after ToTensor's 1/255
+        d = d * torch.tensor(STD, dtype=torch.float64).view(-1, 1, 1) * 255
+    elif a.is_floating_point():
+        d = d * 255
+    return float(d.max())
+
+
+def _timm_eval(crop_pct, interpolation):
+    """timm's eval transform for a 224 input (create_transform, is_training=False):
+    Resize(floor(224 / crop_pct)), CenterCrop(224), ToTensor, Normalize."""
+    return V1.Compose([V1.Resize(math.floor(224 / crop_pct), interpolation=interpolation), V1.CenterCrop(224),
+                       V1.ToTensor(), V1.Normalize(MEAN, STD)])
+
+
+EVAL = {
+    "resize256-crop224-bilinear": V1.Compose([V1.Resize(256), V1.CenterCrop(224), V1.ToTensor(),
+                                              V1.Normalize(MEAN, STD)]),
+    "resize256-crop224-bicubic": V1.Compose([V1.Resize(256, interpolation=IM.BICUBIC), V1.CenterCrop(224),
+                                             V1.ToTensor(), V1.Normalize(MEAN, STD)]),
+    "timm-bilinear-0.875": _timm_eval(0.875, IM.BILINEAR),
+    "timm-bicubic-0.95": _timm_eval(0.95, IM.BICUBIC),
+    "v2-resize256-crop224-bicubic": V2.Compose([V2.Resize(256, interpolation=IM.BICUBIC), V2.CenterCrop(224),
+                                                V2.ToImage(), V2.ToDtype(torch.float32, scale=True),
+                                                V2.Normalize(MEAN, STD)]),
+    # on a uint8 tensor (v2 as its docs write it): torch's kernels, as torchvision runs them
+    "v2-tensor-resize256-crop224": V2.Compose([V2.ToImage(), V2.Resize(256), V2.CenterCrop(224),
+                                               V2.ToDtype(torch.float32, scale=True), V2.Normalize(MEAN, STD)]),
+    "v2-tensor-bicubic": V2.Compose([V2.ToImage(), V2.Resize(256, interpolation=IM.BICUBIC), V2.CenterCrop(224),
+                                     V2.ToDtype(torch.uint8)]),
+    "v2-tensor-bicubic-no-antialias": V2.Compose([V2.ToImage(), V2.Resize(256, interpolation=IM.BICUBIC,
+                                                                          antialias=False),
+                                                  V2.CenterCrop(224), V2.ToDtype(torch.uint8)]),
+    "v1-tensor-bilinear": V1.Compose([V1.PILToTensor(), V1.Resize(256), V1.CenterCrop(224)]),
+    # no filtering asked for: never a reduced-scale decode
+    "v2-tensor-nearest": V2.Compose([V2.ToImage(), V2.Resize(256, interpolation=IM.NEAREST), V2.CenterCrop(224),
+                                     V2.ToDtype(torch.uint8)]),
+    "v2-tensor-nearest-exact": V2.Compose([V2.ToImage(), V2.Resize(256, interpolation=IM.NEAREST_EXACT),
+                                           V2.CenterCrop(224), V2.ToDtype(torch.uint8)]),
+    "v1-tensor-no-antialias": V1.Compose([V1.PILToTensor(), V1.Resize(256, antialias=False), V1.CenterCrop(224)]),
+}
+
+
+@pytest.mark.parametrize("name", list(EVAL))
+def test_eval_pipelines_give_torchvisions_pixels(folder, name):
+    """The loader's batches against torchvision's own ``dataset[i]``, value
+    by value, on every image size."""
+    ds = D.ImageFolder(folder, transform=EVAL[name])
+    L = coordl.DataLoader(ds, batch_size=1, shuffle=False)
+    assert L.stats().path == "coordl" and "reduced-scale" not in L.stats().path_reason
+    normalized = "Normalize" in repr(EVAL[name])
+    worst = {}
+    for i, (x, y) in enumerate(L):
+        ref, ry = ds[i]
+        assert int(y) == ry
+        worst[os.path.basename(ds.samples[i][0])] = _levels(x[0], ref, normalized)
+    assert max(worst.values()) <= 1 + 1e-3, worst
+
+
+def _rrc_reference(pil, box, flip, interpolation, kind):
+    """torchvision's RandomResizedCrop + flip + conversion with the given draws."""
+    if kind == "v1":
+        x = F1.resized_crop(pil, *box, [224, 224], interpolation)
+        x = F1.hflip(x) if flip else x
+        return F1.normalize(F1.to_tensor(x), MEAN, STD)
+    x = F2.to_image(pil)  # v2 as its docs write it: the crop on the uint8 tensor
+    x = F2.resized_crop(x, *box, [224, 224], interpolation, antialias=True)
+    x = F2.horizontal_flip(x) if flip else x
+    return F2.normalize(F2.to_dtype(x, torch.float32, scale=True), MEAN, STD)
+
+
+@pytest.mark.parametrize("kind", ["v1", "v2"])
+@pytest.mark.parametrize("interpolation", [IM.BILINEAR, IM.BICUBIC], ids=["bilinear", "bicubic"])
+def test_training_crops_same_draws_same_pixels(images, interpolation, kind):
+    """RandomResizedCrop + flip + ToTensor + Normalize: coordl's fused decode
+    of sample k draws its box and flip from the sample's generator; torchvision
+    given the same box and flip gives the same pixels within 1 level."""
+    if kind == "v1":
+        tf = V1.Compose([V1.RandomResizedCrop(224, interpolation=interpolation), V1.RandomHorizontalFlip(),
+                         V1.ToTensor(), V1.Normalize(MEAN, STD)])
+    else:
+        tf = V2.Compose([V2.ToImage(), V2.RandomResizedCrop(224, interpolation=interpolation),
+                         V2.RandomHorizontalFlip(), V2.ToDtype(torch.float32, scale=True),
+                         V2.Normalize(MEAN, STD)])
+    fused, names, rest = translate(tf)
+    assert rest == (), rest
+    rrc = fused.transforms[0]
+    worst = 0.0
+    for path in images:
+        raw = _read(path)
+        pil = _pil(path)
+        n = 4 if pil.width > 1000 else 10
+        for k in range(n):
+            with _rng.sample_rng(11, 0, k):
+                got = fused.from_bytes(raw)
+            g = _rng.derive(11, 0, k)
+            box = _draw_box(pil.height, pil.width, rrc.scale, rrc.ratio, g)
+            flip = g.random() < 0.5
+            ref = _rrc_reference(pil, box, flip, interpolation, kind)
+            worst = max(worst, _levels(got, ref, normalized=True))
+            assert worst <= 1 + 1e-3, (path, k, box, flip, worst)
+
+
+def test_coordl_transforms_fused_are_their_own_pil_result(images):
+    """coordl's own Resize/RandomResizedCrop (bilinear and bicubic): the fused
+    decode gives what the same transforms give on PIL's decode, which is
+    torchvision's result (crop, then resize)."""
+    for mode in ("bilinear", "bicubic"):
+        pipes = [T.Compose([T.Resize(256, mode), T.CenterCrop(224), T.PILToTensor()]),
+                 T.Compose([T.RandomResizedCrop(224, interpolation=mode), T.RandomHorizontalFlip(),
+                            T.PILToTensor()])]
+        for path in images:
+            raw = _read(path)
+            pil = _pil(path)
+            for pipe in pipes:
+                for k in range(3):
+                    with _rng.sample_rng(2, 1, k):
+                        got = pipe.from_bytes(raw)
+                    with _rng.sample_rng(2, 1, k):
+                        ref = pipe(pil)
+                    assert torch.equal(got, ref), (path, pipe, k, _levels(got, ref, False))
+        g = _rng.derive(0, 0, 0)
+        box = _draw_box(pil.height, pil.width, (0.08, 1.0), (3 / 4, 4 / 3), g)
+        want = F1.pil_to_tensor(F1.resized_crop(pil, *box, [224, 224], IM(mode)))
+        assert torch.equal(F1.pil_to_tensor(T.resized_crop(pil, *box, (224, 224), mode)), want)
+
+
+# ---------------------------------------------------------------- the kernel
+def test_resampling_is_pils_bit_for_bit():
+    """pil_resize against PIL's own resize: both filters, up and down,
+    either pass first, slices of a larger image, fractional boxes, 1 and 3
+    channels."""
+    rng = np.random.default_rng(5)
+    for it in range(250):
+        h, w = (int(v) for v in rng.integers(1, 160, 2))
+        oh, ow = (int(v) for v in rng.integers(1, 160, 2))
+        c = 1 if it % 5 == 0 else 3
+        base = rng.integers(0, 256, (h + 9, w + 7, c), dtype=np.uint8)
+        a = base[4:4 + h, 3:3 + w]  # a view, as the fused path hands it over
+        img = Image.fromarray(np.ascontiguousarray(a[..., 0] if c == 1 else a))
+        for mode, pil_filter in (("bilinear", Image.BILINEAR), ("bicubic", Image.BICUBIC)):
+            ref = np.asarray(img.resize((ow, oh), pil_filter))
+            got = R.pil_resize(a, (oh, ow), mode)
+            assert got.shape == (oh, ow, c)
+            assert np.array_equal(got[..., 0] if c == 1 else got, ref), (h, w, oh, ow, mode)
+            if h > 2 and w > 2:
+                box = tuple(float(np.float32(v)) for v in (
+                    rng.uniform(0, w / 2), rng.uniform(0, h / 2), rng.uniform(w / 2 + 1, w), rng.uniform(h / 2 + 1, h)))
+                ref = np.asarray(img.resize((ow, oh), pil_filter, box=box))
+                got = R.pil_resize(a, (oh, ow), mode, box=box)
+                assert np.array_equal(got[..., 0] if c == 1 else got, ref), (h, w, oh, ow, mode, box)
+
+
+def test_the_extension_reproduces_this_pil():
+    """The probe found the pass-order rule of the installed PIL (so the fast
+    kernel is the one in use where the extension is built)."""
+    if R._ext is None:
+        pytest.skip("coordl.decode._resample is not built here")
+    assert R.exact_kernel() is not None
+
+
+def test_without_the_extension_pil_resizes(monkeypatch):
+    monkeypatch.setattr(R, "_rule", [None])
+    a = np.random.default_rng(1).integers(0, 256, (90, 70, 3), dtype=np.uint8)
+    for mode, f in (("bilinear", Image.BILINEAR), ("bicubic", Image.BICUBIC)):
+        assert np.array_equal(R.pil_resize(a, (40, 50), mode), np.asarray(Image.fromarray(a).resize((50, 40), f)))
+
+
+# ---------------------------------------------------------- the draft option
+def test_draft_is_an_explicit_option_named_in_path_reason(folder):
+    tf = EVAL["resize256-crop224-bilinear"]
+    ds = D.ImageFolder(folder, transform=tf)
+    plain = coordl.DataLoader(ds, batch_size=1)
+    draft = coordl.DataLoader(ds, batch_size=1, jpeg_draft=True)
+    assert "reduced-scale" not in plain.stats().path_reason
+    assert "reduced-scale JPEG decode before Resize" in draft.stats().path_reason, draft.stats().path_reason
+    a, b = [x for x, _ in plain], [x for x, _ in draft]
+    sizes = [_pil(p).size for p, _ in ds.samples]
+    for (w, h), x, y in zip(sizes, a, b):
+        if min(w, h) >= 512:  # at least twice the 256 of Resize: decoded at a reduced scale
+            assert _levels(x[0], y[0], normalized=True) > 2
+        else:  # decoded at full size either way
+            assert torch.equal(x, y)
+    # coordl's own transforms: the same option, and the same note
+    ours = coordl.ImageFolder(folder, transform=T.Compose([T.Resize(256, draft=True), T.CenterCrop(224),
+                                                           T.ToTensor()]))
+    assert "reduced-scale JPEG decode before Resize" in coordl.DataLoader(ours, batch_size=1).stats().path_reason
+
+
+@pytest.mark.parametrize("tf", [
+    V2.Compose([V2.ToImage(), V2.Resize(256, interpolation=IM.NEAREST), V2.CenterCrop(224),
+                V2.ToDtype(torch.uint8)]),
+    V1.Compose([V1.PILToTensor(), V1.Resize(256, antialias=False), V1.CenterCrop(224)]),
+], ids=["nearest", "no-antialias"])
+def test_draft_never_for_unfiltered_resizes(folder, tf):
+    ds = D.ImageFolder(folder, transform=tf)
+    L = coordl.DataLoader(ds, batch_size=1, jpeg_draft=True)
+    assert "jpeg_draft=True has no effect" in L.stats().path_reason, L.stats().path_reason
+    for i, (x, _) in enumerate(L):
+        assert _levels(x[0], ds[i][0], normalized=False) <= 1
+    for kw in (dict(interpolation="nearest"), dict(interpolation="nearest-exact"), dict(antialias=False),
+               dict(antialias=None)):
+        with pytest.raises(ValueError, match="draft should be False"):
+            T.Resize(64, draft=True, **kw)
+        with pytest.raises(ValueError, match="draft should be False"):
+            T.RandomResizedCrop(64, draft=True, **kw)
+    with pytest.raises(TypeError, match="jpeg_draft should be a bool"):
+        coordl.DataLoader(ds, jpeg_draft="yes")
+
+
+def _edge_jpeg(w, h, x_edge, y_edge):
+    """Black, with white right of column ``x_edge`` and below row ``y_edge``
+    (a 4:4:4 JPEG of high quality: the edges stay where they are)."""
+    a = np.zeros((h, w, 3), np.uint8)
+    a[:, x_edge:] = 255
+    a[y_edge:, :] = 255
+    buf = io.BytesIO()
+    Image.fromarray(a).save(buf, "JPEG", quality=98, subsampling=0)
+    return buf.getvalue()
+
+
+def _crossing(profile: np.ndarray) -> float:
+    """Where a rising edge profile crosses half its height (linear between samples)."""
+    lo, hi = profile.min(), profile.max()
+    mid = (lo + hi) / 2
+    i = int(np.argmax(profile >= mid))
+    return i - 1 + (mid - profile[i - 1]) / (profile[i] - profile[i - 1])
+
+
+@pytest.mark.parametrize("pipe", ["resize", "random-resized-crop"])
+def test_draft_keeps_the_full_size_geometry(pipe):
+    """An image whose sides are not multiples of the DCT scale (1001 x 745),
+    decoded at 1/8: edges near the right and
+    bottom come out where torchvision puts them (the scaled image is not
+    stretched over its padding pixels)."""
+    W, H, xe, ye = 1001, 745, 930, 700
+    raw = _edge_jpeg(W, H, xe, ye)
+    pil = Image.open(io.BytesIO(raw)).convert("RGB")
+    if pipe == "resize":
+        ours = T.Compose([T.Resize((93, 124), draft=True), T.PILToTensor()])
+        assert coordl.decode.jpeg.draft_scale((H, W), (93, 124)) == 8
+        got = ours.from_bytes(raw)
+        ref = F1.pil_to_tensor(F1.resize(pil, [93, 124]))
+    else:
+        rrc = T.RandomResizedCrop((36, 36), scale=(0.5, 0.5), ratio=(1.0, 1.0), draft=True)
+        ours = T.Compose([rrc, T.PILToTensor()])
+        k = next(k for k in range(200) if (lambda b: b[0] + b[2] > ye + 20 and b[1] + b[3] > xe + 20)(
+            _draw_box(H, W, rrc.scale, rrc.ratio, _rng.derive(0, 0, k))))
+        box = _draw_box(H, W, rrc.scale, rrc.ratio, _rng.derive(0, 0, k))
+        assert coordl.decode.jpeg.draft_scale(box[2:], (36, 36)) == 8
+        with _rng.sample_rng(0, 0, k):
+            got = ours.from_bytes(raw)
+        ref = F1.pil_to_tensor(F1.resized_crop(pil, *box, [36, 36]))
+    g, r = got[0].double().numpy(), ref[0].double().numpy()
+    # along a row above the bottom edge and a column left of the right one
+    for a, b in ((g[2, :], r[2, :]), (g[:, 2], r[:, 2])):
+        assert abs(_crossing(a) - _crossing(b)) < 0.15, (_crossing(a), _crossing(b))
+
+
+# ------------------------------------------------------ the decoders' checks
+def test_a_window_decoder_that_differs_from_pil_is_not_used(monkeypatch, caplog):
+    """The window decoder runs the system libjpeg, not PIL's: checked against
+    PIL's decode when coordl is imported, and not used where it differs."""
+    from coordl.decode import jpeg as J
+
+    if J._ext is None:
+        pytest.skip("coordl.decode._jpegcrop is not built here")
+    assert J._load_crop() is J._ext  # it agrees here
+    real = J._ext
+
+    class OffByOne:
+        def decode(self, *a):
+            buf, *rest = real.decode(*a)
+            buf = bytearray(buf)
+            buf[len(buf) // 2] ^= 1
+            return (buf, *rest)
+
+    monkeypatch.setattr(J, "_ext", OffByOne())
+    with caplog.at_level("WARNING", logger=J.__name__):
+        assert J._load_crop() is None
+    assert "does not decode as PIL does" in caplog.text
+    assert J._fast_agrees()  # and simplejpeg gives PIL's pixels here
+
+
+def test_jpeg_draft_on_another_dataset_warns(folder):
+    ds = coordl.ImageFolder(folder, transform=T.Compose([T.Resize(64), T.PILToTensor()]))
+    with pytest.warns(UserWarning, match="jpeg_draft=True applies to torchvision's"):
+        L = coordl.DataLoader(ds, batch_size=1, jpeg_draft=True)
+    assert "reduced-scale" not in L.stats().path_reason
