@@ -40,7 +40,6 @@ dead or hung one is replaced) are in :mod:`pool`: ``Hub`` is a
 """
 from __future__ import annotations
 
-import mmap
 import os
 import subprocess
 import sys
@@ -50,6 +49,7 @@ from ..base.units import env_seconds as _env_seconds
 from . import ipc
 from .groups import Group, Member
 from .pool import WorkerPools, _Pool, _pool_key, _Worker
+from .staging import GroupRes
 
 __all__ = ["Hub", "DEFAULT_STAGING"]
 
@@ -95,44 +95,11 @@ def _positions(xs, what: str) -> list[int]:
     return [_pos(x, what) for x in xs]
 
 
-class _GroupRes:
-    """The kernel objects of one group: the dataset pickle and the staging memfd."""
-
-    def __init__(self, group: Group, join: dict, dataset_fd: int, stride: int) -> None:
-        self.group = group
-        self.join = join
-        self.dataset_fd = dataset_fd
-        self.stride = stride
-        self.staging_fd = os.memfd_create(f"coordl-staging-{group.gid}", os.MFD_CLOEXEC)
-        try:
-            os.fchmod(self.staging_fd, 0o600)
-            size = group.nslots * stride
-            os.ftruncate(self.staging_fd, size)
-            self.mm = mmap.mmap(self.staging_fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-        except BaseException:   # a join that fails here leaves nothing behind (the caller closes dataset_fd)
-            os.close(self.staging_fd)
-            raise
-        self.pool: _Pool | None = None
-        self.broken: str | None = None
-        self.permanent = False       # broken for good (code or sample shapes), else retried at the next pass
-        self.ready: set = set()      # workers that set the group up
-        self.pending: set = set()    # workers it was sent to, not answered yet
-        self.failures = 0            # setup failures since the group last worked (or was retried)
-        self.broken_at = -1          # the latest epoch of a member when it broke: retried after it
-        self.retries: dict[int, int] = {}    # G -> times a worker died or hung with it
-        self.lost_at: float | None = None    # when its last ready worker went (none ready since)
-
-    def close(self) -> None:
-        self.mm.close()
-        os.close(self.staging_fd)
-        os.close(self.dataset_fd)
-
-
 class Hub(WorkerPools):
     def __init__(self, staging_bytes: int = DEFAULT_STAGING, log=None) -> None:
         self.staging_bytes = staging_bytes
         self.log = log or (lambda s: print(f"coordl daemon: {s}", file=sys.stderr, flush=True))
-        self.groups: dict[int, _GroupRes] = {}
+        self.groups: dict[int, GroupRes] = {}
         self.by_key: dict[str, int] = {}
         self.members: dict[int, tuple[ipc.Conn, Member, int | None]] = {}   # conn fd -> ...
         self.workers: list[_Worker] = []      # every pool's (the serve loop waits on them)
@@ -256,7 +223,7 @@ class Hub(WorkerPools):
             nslots = max(16, min(1 << 16, self.staging_bytes // max(stride, 1)))
             group = Group(gid, key, nslots, n, compact=max(256, _COMPACT_BYTES // stride))
             try:
-                res = _GroupRes(group, msg, dataset_fd, stride)
+                res = GroupRes(group, msg, dataset_fd, stride)
             except BaseException:
                 os.close(dataset_fd)
                 raise
@@ -337,7 +304,7 @@ class Hub(WorkerPools):
             self._drop(res)
         self._resize()    # what it brought leaves with it
 
-    def _drop(self, res: _GroupRes) -> None:
+    def _drop(self, res: GroupRes) -> None:
         g = res.group
         del self.groups[g.gid]
         self.by_key.pop(g.key, None)
@@ -372,7 +339,7 @@ class Hub(WorkerPools):
         m = entry[1]
         return {"member": True, "attached": m.attached, "waiting": len(m.want)}
 
-    def _act(self, res: _GroupRes, actions) -> None:
+    def _act(self, res: GroupRes, actions) -> None:
         staged = res.group.items
         for a in actions:
             m = a[1]
@@ -446,7 +413,7 @@ class Hub(WorkerPools):
             g.unpin(m.mid, unsent)
 
     # ------------------------------------------------------------------ broken groups, pump, stop
-    def _break(self, res: _GroupRes, why: str, permanent: bool) -> None:
+    def _break(self, res: GroupRes, why: str, permanent: bool) -> None:
         """Every member of ``res`` leaves the stream (``permanent``: for good)
         and prepares for itself, told ``why``."""
         self.log(f"group {res.group.gid}: {why}")
@@ -459,7 +426,7 @@ class Hub(WorkerPools):
                 self._send(conn, {"op": "detach", "pass": m.pass_id, "why": why, "permanent": permanent,
                                   "warn": True})
 
-    def _variable_shapes(self, res: _GroupRes, detail: str) -> None:
+    def _variable_shapes(self, res: GroupRes, detail: str) -> None:
         """Staging holds samples of one layout: a dataset whose samples differ
         in shape cannot be shared, so the daemon stops preparing them."""
         self._break(res, f"this dataset's samples differ in shape, dtype or structure ({detail}), so the daemon "

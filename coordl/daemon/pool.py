@@ -51,13 +51,11 @@ import socket
 import subprocess
 import sys
 import time
-from typing import TYPE_CHECKING
 
 from . import ipc
+from .staging import GroupRes
 from .worker import HEADER, LAYOUT
 
-if TYPE_CHECKING:
-    from .hub import _GroupRes
 
 _IN_FLIGHT = 16               # samples handed to one worker at a time (it reads ahead on them)
 
@@ -225,7 +223,7 @@ class WorkerPools:
             pass
         self._forget(w, why)
 
-    def _setup(self, w: _Worker, res: _GroupRes) -> None:
+    def _setup(self, w: _Worker, res: GroupRes) -> None:
         j = res.join
         res.pending.add(w)
         w.setting_up += 1
@@ -284,7 +282,7 @@ class WorkerPools:
         if w.retiring:
             self._reap_retiring()
 
-    def _setup_failed(self, w: _Worker, res: _GroupRes, why: str, code: bool) -> None:
+    def _setup_failed(self, w: _Worker, res: GroupRes, why: str, code: bool) -> None:
         """A worker could not set a group up.  Other code than the members'
         is final for the group; anything else is the worker's: it is replaced
         (its imports may be half done), and after a second failure in a row
@@ -410,7 +408,7 @@ class WorkerPools:
             if pool.gids and not pool.workers:
                 self._resize()
 
-    def _overdue(self, res: _GroupRes, m, now: float) -> None:
+    def _overdue(self, res: GroupRes, m, now: float) -> None:
         """Member ``m`` waited ``worker_wait`` seconds and none of its batch
         came: a worker holding some of it that made no progress as long and
         is hung (:meth:`_Worker.hung`) is replaced; what ``m`` still waits
@@ -429,12 +427,12 @@ class WorkerPools:
                          f"the daemon made no progress on it for {self.worker_wait:g} s")
 
     @staticmethod
-    def _waiting(res: _GroupRes) -> list[int]:
+    def _waiting(res: GroupRes) -> list[int]:
         """What ``res``'s members wait for now."""
         return sorted({g for m in res.group.members.values() if m.attached and m.short
                        for g in m.want if m.pos <= g < m.need})
 
-    def _excuse(self, res: _GroupRes, gs, why: str) -> None:
+    def _excuse(self, res: GroupRes, gs, why: str) -> None:
         """The members waiting for ``gs`` prepare them themselves: each gets
         them as failed items (``[G, slot or -1, False, why]``).  A worker
         that has one keeps its slot and finishes it for whoever wants it
