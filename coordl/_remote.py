@@ -1,4 +1,4 @@
-"""Kept for the name docs/api.md gives: ``coordl._remote.RemoteStatusError``.
+"""The name ``coordl._remote.RemoteStatusError`` (docs/guide/storage.md gives it).
 The remote-read policy lives in :mod:`coordl.storage.remote`."""
 from .storage.remote import RemoteStatusError  # noqa: F401
 

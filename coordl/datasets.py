@@ -266,7 +266,7 @@ class DatasetFolder(_FolderBase):
             loader (see the module docstring).
         storage_options: for a URL root, fsspec's options for its filesystem
             (e.g. ``{"endpoint_url": ..., "key": ..., "secret": ...}`` for
-            s3://); the obstore reader takes the same (docs/api.md, Storage).
+            s3://); the obstore reader takes the same (:doc:`/guide/storage`).
 
     ``samples``/``imgs`` (``(path, class_index)`` tuples), ``targets``,
     ``sizes`` and ``fingerprint()`` are backed by numpy arrays.

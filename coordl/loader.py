@@ -52,28 +52,61 @@ class DataLoader(_TorchDataLoader[_T_co]):
     """A drop-in ``torch.utils.data.DataLoader`` that stops training waiting for data.
 
     Every positional and keyword parameter of torch's DataLoader is accepted
-    with the same default and validated by torch itself.  Keyword-only extras:
+    with the same default and validated by torch itself (same messages).  For
+    a dataset that is not two-stage and without ``seed=``, batches, order,
+    errors and worker semantics are torch's.  A two-stage dataset (``raw`` and
+    ``prep``, see :class:`coordl.TwoStageDataset`) runs on coordl's pipeline:
+    the epoch plan, read-ahead, the node cache, zero-copy batches, exact
+    resume.  ``stats().path_reason`` says which machinery runs the passes and
+    why.  The user guide (:doc:`/guide/quickstart`) explains each feature.
+
+    Keyword-only extras:
 
     seed
         Seed of the epoch plan and of per-sample augmentation generators.  For
         a two-stage dataset, ``None`` draws one from ``generator`` (or torch's
-        global RNG, so ``torch.manual_seed`` controls it).  For any other
-        map-style dataset, giving a seed opts into coordl's epoch plan (order a
-        pure function of seed and epoch, exact resume); ``None`` keeps torch's
+        global RNG, so ``torch.manual_seed`` controls it); under
+        ``torch.distributed``, when the plan spans the ranks, every rank takes
+        rank 0's, passed over the process group's key-value store (rank 0
+        never waits; another rank waits for rank 0's loader up to
+        ``COORDL_PEER_RENDEZVOUS_TIMEOUT``, default 300 s, then raises).  With
+        a ``sampler``/``batch_sampler`` it is taken from a copy of
+        ``generator``, which is left where it was.  For any other map-style
+        dataset, giving a seed opts into coordl's epoch plan (order a pure
+        function of seed and epoch, exact resume); ``None`` keeps torch's
         samplers.
     cache_size
-        Node cache budget: bytes, ``"20GiB"``, ``"512MB"`` or ``"50%"`` of
-        available memory; ``0``/``None`` disables it.  Reserved in full in
-        ``/dev/shm/coordl-<uid>/`` when the loader is created (a full
-        ``/dev/shm`` raises ``MemoryError`` here); see docs/api.md.
-    cache_checksum, cache_keep_warm
-        Raise on a hit whose CRC32 does not match; seconds the cache
-        outlives its last user (see docs/api.md, "Node cache").
+        Node cache of raw sample bytes (MinIO: fill, never evict) in POSIX
+        shared memory, shared by every process of the user on the node that
+        reads the same files: bytes (an ``int``, or a whole float like
+        ``2e9``), ``"20GiB"``, ``"512MB"`` or ``"50%"`` of available memory (a
+        size that is not a whole number of bytes is refused; with a unit a
+        fraction rounds down).  ``0``/``None`` (the default) disables it.  The
+        whole budget is reserved in ``/dev/shm/coordl-<uid>/``
+        (``$COORDL_SHM_DIR``) when the loader is created, charged to this
+        job's memory cgroup: a ``/dev/shm`` too small for it raises
+        ``MemoryError`` here, naming the remedy.  Needs a two-stage dataset
+        with ``fingerprint()`` on coordl's pipeline; elsewhere it warns that
+        it has no effect.  See :doc:`/guide/cache`.
+    cache_checksum
+        Verify every hit's CRC32 and raise on a mismatch (corruption).
+        Entries always carry a CRC32 and are always checked for length; on
+        CPUs other than x86 every hit is checked anyway (a mismatch there is
+        a miss).
+    cache_keep_warm
+        Seconds the cache outlives its last user, so that a back-to-back job
+        starts warm; the longest value any user of the cache asked for
+        applies.  Removed after that by the next coordl start on the node,
+        or at once by ``coordl cache clear``.
     device
-        Deliver batches on this device (``"cuda"``, ``"cuda:1"``, ``"cpu"``);
-        with CUDA, batches are pinned and copied with ``non_blocking=True``
-        on a side stream, and a coordl ``Compose`` ending in ``ToTensor`` and
-        ``Normalize`` is split so uint8 images travel (docs/api.md).
+        Deliver batches on this device (``"cuda"``, ``"cuda:1"``, a
+        ``torch.device``).  With CUDA, batches are staged into pinned
+        buffers and copied with ``non_blocking=True`` on a side stream, and a
+        coordl ``Compose`` ending in ``ToTensor`` and ``Normalize`` is split
+        so that uint8 images travel and the scaling runs on the device (bit
+        for bit the CPU path's values).  ``"cpu"``/``None``: batches stay
+        where they are.  A CUDA device on a machine without CUDA is refused
+        here.  See :doc:`/guide/gpu`.
     decode
         ``"cpu"`` (default): images are decoded and transformed in the
         workers.  ``"device"`` (with a CUDA ``device``): the workers read
@@ -81,31 +114,40 @@ class DataLoader(_TorchDataLoader[_T_co]):
         (seed, epoch, index) as on the CPU) and the main process decodes
         the batch on the device in one call, then crops, resizes, flips
         and normalizes there; for when the CPU cannot keep up with the
-        GPU.  Supported transforms, the tolerance against the CPU path and
-        the fallbacks: docs/api.md, "Decoding on the device".
+        GPU.  Refused with ``share=True``, a ``collate_fn``,
+        ``batch_size=None`` and datasets torch's machinery reads.  Supported
+        transforms, the tolerance against the CPU path and the fallbacks:
+        :doc:`/guide/gpu`.
     on_error
         ``"raise"`` (default): a bad sample raises ``SampleError`` naming its
         index and path, which is also an instance of the sample's own error
-        type (``except OSError`` works, as under torch).  ``"skip"``: drop it, warn once
-        (``SkippedSampleWarning``) and count it in ``stats().skipped``.
+        type (``except OSError`` works, as under torch), for its batch; as
+        under torch, the next ``next()`` goes on with the following batch,
+        and the failed batch counts as used up in ``state_dict()``.
+        ``"skip"``: drop the sample, emit one ``SkippedSampleWarning`` per
+        sample in the main process and count it in ``stats().skipped``; a
+        batch whose samples are all bad is dropped.  Works for any map-style
+        dataset; refused for an ``IterableDataset``.
     rank, world_size
         The epoch plan's partition; default from ``torch.distributed`` when it
         is initialized, else 0 and 1.
     read_ahead
-        Byte budget of the fetch stage's read-ahead (all workers together;
-        default ``"64MiB"``).
+        Byte budget of the fetch stage's read-ahead, all workers together
+        (a size as for ``cache_size``; default ``"64MiB"``).
     fetch_threads
         Fetch threads per worker; default 8 for local files, 16 for URLs
         read through fsspec (each reads batches of up to 8 objects), 64 for
         URLs read through obstore (one object each).  Reads per second ~
-        reads in flight / storage latency.
+        reads in flight / storage latency; for URLs, the requests in flight
+        to one host adapt to what the server sustains
+        (:doc:`/guide/storage`).
     share
         Prepare samples once for every job on the node that reads the same
         dataset with the same transforms, seed, shuffle and partition,
         through the node daemon (``coordl daemon``; started detached if none
         runs).  Batches are bit-identical to ``share=False``.  ``None``
         (default): ``True`` when the environment has ``COORDL_SHARE=1``.
-        See docs/api.md, "Sharing prep across jobs".
+        Needs the epoch plan (no sampler).  See :doc:`/guide/sharing`.
     peers
         Partitioned caching across nodes under torch.distributed: a sample
         missing from this node's cache is read from the node whose cache
@@ -116,20 +158,45 @@ class DataLoader(_TorchDataLoader[_T_co]):
         collective only when every rank can tell alone that peers may be on
         (a node cache, a process group, no launcher saying one node); then
         every rank must build it, and a rank that does not, or builds
-        another loader, is an error on every rank.  See docs/api.md,
-        "Across nodes".
+        another loader, is an error on every rank.  See
+        :doc:`/guide/multinode`.
     progress
-        Show a progress bar per epoch (tqdm) with samples/s and the data
-        stall (the share of the time the training loop waited in
-        ``next()``).
+        A tqdm progress bar per pass, kept on screen when the pass ends, with
+        batches/s, samples/s (over the same time, so samples/s = batches/s x
+        samples per batch) and the data stall of the pass (the share of the
+        time the training loop waited in ``next()``).  Needs tqdm (``pip
+        install tqdm`` or ``coordl[progress]``); without it, one warning and
+        no bar.
     jpeg_draft
         torchvision ``ImageFolder``/``DatasetFolder`` only: let the fused
         decode start at a reduced JPEG DCT scale (1/2, 1/4, 1/8) when the
         pipeline's first step is an antialiased bilinear or bicubic
         ``Resize``/``RandomResizedCrop`` and the image (or crop) is at least
         twice the output size: faster on large images, pixels no longer
-        torchvision's (docs/api.md, "torchvision datasets and transforms").
-        Off by default.  coordl's own transforms take ``draft=True``.
+        torchvision's (:doc:`/guide/torchvision`).  ``stats().path_reason``
+        says when it is in play, or that it has no effect (nearest,
+        ``antialias=False``).  Off by default; on another dataset it warns
+        and does nothing.  coordl's own transforms take ``draft=True``.
+
+    A ``sampler`` or ``batch_sampler`` with a length over a two-stage
+    dataset runs on coordl's pipeline in the sampler's order, iterated once
+    per pass in the main process when the pass starts, after the same draw
+    of the iterator's base seed as torch's: the same indices and batches as
+    torch's DataLoader for the same torch seed.  A sampler without a length
+    stays on torch's machinery (:doc:`/guide/datasets`).
+
+    ``iter(loader)`` returns an object with the attributes of torch's
+    iterator that tests and libraries read, on every placement:
+    ``_workers`` (the worker processes; empty with ``num_workers=0``),
+    ``_num_yielded``, ``_shutdown_workers()`` (stops the workers; the pass
+    then ends and the next ``iter(loader)`` starts new ones), ``_dataset``,
+    ``_collate_fn`` (the user's, never coordl's wrappers),
+    ``_index_sampler``, ``_num_workers``, ``_prefetch_factor``,
+    ``_persistent_workers``, ``_in_order``, ``_timeout``, ``_pin_memory``,
+    ``_drop_last``, ``_auto_collation``, ``_dataset_kind``, ``_base_seed``,
+    ``_world_size``, ``_rank``.  ``coordl.DataLoader[T]`` subscripts like
+    torch's.  Requires torch 2.6 or newer (``in_order``,
+    ``torch.accelerator``).
     """
 
     def __init__(

@@ -10,7 +10,7 @@ A map-style dataset is *two-stage* when it exposes
 ``prep(raw, i) -> sample``
     Decode and augment ``raw`` into what ``__getitem__(i)`` would return.  CPU
     only, no I/O.  Random augmentations must draw from
-    ``coordl.transforms``' generators (or ``coordl.rng.current()``) so that a
+    ``coordl.transforms``' generators (or ``coordl._rng.current()``) so that a
     sample's augmentation is a pure function of (seed, epoch, index).
 
 and optionally

@@ -1,7 +1,7 @@
 """Loader statistics: mutable counters inside, frozen records outside.
 
 ``DataLoader.stats()`` returns a :class:`LoaderStats`; fields are documented
-on the class and in docs/api.md.  Counters that come from worker processes
+on the class; docs/guide/quickstart.md shows them in use.  Counters that come from worker processes
 travel back with each batch (a :class:`BatchStats` in its ``Envelope``) and are added in
 the main process, so the record never needs a lock or shared memory.
 """
@@ -163,7 +163,7 @@ class LoaderStats:
         Which machinery runs the loader's passes, ``"coordl"`` (its own
         pipeline) or ``"torch"`` (torch's DataLoader iterators), and why, in
         words (for a torchvision dataset: how it was read and which of its
-        transforms were fused; see docs/api.md).
+        transforms were fused; see :doc:`/guide/torchvision`).
     device_split
         With ``device=``: whether the latest pass split the transform (uint8
         images travel, ``ToTensor``'s scaling and ``Normalize`` run on the
@@ -171,11 +171,11 @@ class LoaderStats:
     device_split_cpu_samples
         Samples of split passes whose images were converted on the CPU all
         the same (the dataset's prep used the image in a way the split
-        cannot carry, or the rows of a batch disagreed; see docs/api.md).
+        cannot carry, or the rows of a batch disagreed; see :doc:`/guide/gpu`).
     samples_verified
         With ``share=True``: samples this job prepared itself to check, bit
         for bit, that the node daemon's are its own (``COORDL_SHARE_VERIFY``
-        per pass, default 2; see docs/api.md, "Sharing prep across jobs").
+        per pass, default 2; see :doc:`/guide/sharing`).
     device_decode
         With ``decode="device"``: the decoder, the device and the pipeline
         the latest pass runs there; ``""`` otherwise.
@@ -183,7 +183,7 @@ class LoaderStats:
         With ``decode="device"``: images decoded on the device, and images
         decoded on the CPU instead (a file the device decoder cannot take:
         not a JPEG, CMYK, a header it cannot read, a stream it rejected; see
-        docs/api.md).  One image per sample for the usual ``(image, label)``.
+        :doc:`/guide/gpu`).  One image per sample for the usual ``(image, label)``.
     """
 
     samples: int = 0

@@ -200,8 +200,8 @@ class RandomResizedCrop(_Resampling):
     runs this step first on a JPEG whose crop is at least twice ``size``
     on both axes, decode the JPEG at a reduced DCT scale (1/2, 1/4 or 1/8)
     that still covers ``size``, then resize from there: faster on large
-    images, but not torchvision's pixels (blurrier; docs/api.md,
-    "Transforms", gives the measured difference).  Bilinear or bicubic
+    images, but not torchvision's pixels (blurrier; :doc:`/guide/torchvision`
+    gives the measured difference).  Bilinear or bicubic
     with ``antialias=True`` only.  It changes nothing else: an image already
     decoded is cropped and resized as with ``draft=False``."""
 

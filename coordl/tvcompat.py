@@ -14,13 +14,13 @@ name of their class, and torchvision's functions and classes are looked up in
 ``sys.modules`` (the user's objects come from there, so it is imported).
 torchvision is never modified.
 
-The rules (docs/api.md, "torchvision datasets and transforms"):
+The rules (docs/guide/torchvision.md gives them with the measured tolerances):
 
 * A transform is translated only when coordl's version draws from the same
   distributions (RandomResizedCrop: 10 tries of a uniform area fraction and a
   log-uniform aspect ratio, then the central fallback; RandomCrop: uniform
   offsets; flips: Bernoulli(p)) and computes what torchvision computes, to
-  the tolerance docs/api.md states per step.  A resize of the PIL image
+  the tolerance docs/guide/torchvision.md states per step.  A resize of the PIL image
   (bilinear or bicubic; PIL always antialiases) is computed with PIL's
   arithmetic on the full-size decode: the same pixels.  A resize of a uint8
   tensor (after ``ToImage``/``PILToTensor``) keeps its own ``antialias`` and

@@ -246,24 +246,6 @@ def test_console_script_names_a_module_it_cannot_find(tmp_path):
     assert "no module named 'nosuchmodel'" in r.stderr and str(work) in r.stderr, r.stderr
 
 
-def test_api_options_table_lists_every_coordl_parameter():
-    """docs/api.md's table of the DataLoader's own parameters names each of
-    them (share, peers and progress were missing: issue 21, 14)."""
-    import inspect
-
-    import torch
-
-    import coordl
-
-    ours = set(inspect.signature(coordl.DataLoader.__init__).parameters)
-    extra = ours - set(inspect.signature(torch.utils.data.DataLoader.__init__).parameters)
-    api = (README.parent / "docs" / "api.md").read_text()
-    table = api.split("Keyword-only extras:", 1)[1].split("\n\n", 2)[1]
-    rows = {name for line in table.splitlines() if line.startswith("| `")
-            for name in re.findall(r"`(\w+)`", line.split("|")[1])}
-    assert extra and extra <= rows, sorted(extra - rows)
-
-
 def test_readme_says_what_optional_features_need():
     text = README.read_text()
     plot = text[text.index("--plot"):]

@@ -16,8 +16,7 @@ The differential method of CoorDL's DS-Analyzer, run on a real
 6. **cold**: loader + step after evicting again: ``R_f``.
 
 From them: fetch and prep stall (``coordl.analyze.model.stalls``) and
-what-if tables (``coordl.analyze.model``).  See docs/api.md
-("coordl analyze").
+what-if tables (``coordl.analyze.model``).  See docs/guide/analyze.md.
 
 Modules: ``sources`` (what the passes read), ``measure`` (timed passes,
 eviction, counters), ``inputs`` (the model's inputs and its own error from
@@ -497,5 +496,8 @@ def measure_prep(root: str | os.PathLike | None = None, *, dataset: Any = None, 
 def predict(report: dict, cached_fraction: float, workers: int) -> dict:
     """The report's model at a point it may not have measured: a fraction
     ``cached_fraction`` of the dataset in the node cache and ``workers``
-    workers.  Returns ``{"throughput", "lo", "hi", "bound", "bounds"}``."""
+    workers.  Returns ``{"throughput", "lo", "hi", "lo_inputs", "hi_inputs",
+    "model_error", "bound", "bounds"}``: ``lo``/``hi`` is the interval with
+    the model's own error, ``lo_inputs``/``hi_inputs`` the inputs' spread
+    alone.  Works on a report read back from the JSON."""
     return model.predict_from_report(report, cached_fraction, workers)

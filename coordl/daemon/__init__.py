@@ -7,10 +7,16 @@ into shared memory, and every member job assembles its own batches from it.
   private directory, the peer's uid checked on both ends, bounded JSON
   frames that may carry file descriptors);
 * :mod:`coordl.daemon.server`: the daemon process and its serve loop;
-* :mod:`coordl.daemon.hub` and :mod:`coordl.daemon.groups`: groups of jobs
-  and their staging memory (protocol and policy);
-* :mod:`coordl.daemon.pool`: the hub's worker pools (start, set up, feed,
-  watch and replace the daemon's worker processes);
+* :mod:`coordl.daemon.groups`: a group's staging and schedule as plain
+  data (the policy: what to keep, whom to detach, what to prepare next);
+* :mod:`coordl.daemon.staging`: what a group holds in the kernel (the
+  pickled dataset's fd, the staging memfd), below the hub and the pools;
+* :mod:`coordl.daemon.pool`: the worker pools (start, set up, feed, watch
+  and replace the daemon's worker processes);
+* :mod:`coordl.daemon.hub`: groups of jobs and the messages that move
+  samples between members, staging and workers (the protocol);
+* :mod:`coordl.daemon.codeid`: the code a dataset runs, as one digest (a
+  group runs one code);
 * :mod:`coordl.daemon.worker`: the prep worker processes;
 * :mod:`coordl.daemon.member`: the job's side of sharing (joining, the share mode);
 * :mod:`coordl.daemon.shared_iter`: a job's pass over the staged samples
