@@ -1,4 +1,4 @@
-"""Every command in the README runs as written (issue 21, item 10).
+"""Every command in the README runs as written.
 
 The README is parsed when the tests are collected, so a changed or added
 command is tested as it then reads.  Each shell block runs in a fresh
@@ -248,7 +248,7 @@ def test_console_script_names_a_module_it_cannot_find(tmp_path):
 
 def test_api_options_table_lists_every_coordl_parameter():
     """docs/api.md's table of the DataLoader's own parameters names each of
-    them (share, peers and progress were missing: issue 21, 14)."""
+    them (share, peers and progress were once missing)."""
     import inspect
 
     import torch
