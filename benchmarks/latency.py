@@ -9,7 +9,7 @@ interface of a network namespace this script creates and removes):
 * nginx inside the namespace serves the dataset's parent directory on
   127.0.0.1 with autoindex (fsspec lists folders from it), and holds every
   request ``<ms>`` before its first byte (``echo_sleep``, from Debian's
-  libnginx-mod-http-echo).  The issue asked for ``tc netem delay``, but this
+  libnginx-mod-http-echo).  ``tc netem delay`` would be the usual way, but this
   kernel is built without ``CONFIG_NET_SCH_NETEM`` ("Specified qdisc kind is
   unknown"); a per-request delay in the server is the same first-byte
   latency a remote object store adds, and costs no CPU in a proxy;

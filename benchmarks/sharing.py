@@ -1,4 +1,4 @@
-"""Coordinated prep (issue 8): K independent training jobs on one node, each a
+"""Coordinated prep: K independent training jobs on one node, each a
 separate process, with and without ``share=True``, measured side by side.
 
 Each job is its own ``python benchmarks/sharing.py --job ...`` process (not a
@@ -48,7 +48,7 @@ Measured per configuration:
   /proc, the CPU split into the jobs' main processes, their workers, the
   daemon and its workers: where the CPU goes when the target is missed.
 
-Targets (issue 8): sharing at K=4 each job >= 0.85x solo (without: ~1/K);
+Targets: sharing at K=4 each job >= 0.85x solo (without: ~1/K);
 CPU per epoch at K=4 sharing <= 1.15x solo; storage per epoch at K=4 sharing
 = solo; with a slow member, the fast members keep >= 0.9x of their speed.
 
@@ -292,12 +292,12 @@ class CpuByRole:
 
 # ======================================================================== job
 STEPS = {
-    # the issue's "mean over the batch": converts every pixel to float, ~0.5 ms
+    # the mean over the batch: converts every pixel to float, ~0.5 ms
     # of CPU per 224x224 image here, a quarter of what preparing it costs
     "mean": lambda images: images.float().mean(),
-    # issue 18's CPU step (the same work, its result taken to Python)
+    # the CPU step (the same work, its result taken to Python)
     "cpu": lambda images: float(images.float().mean()),
-    # issue 18's stand-in for the accelerator: 10 ms per batch of 64, CPU left to the loader
+    # the stand-in for an accelerator: 10 ms per batch of 64, CPU left to the loader
     "sleep": lambda images: time.sleep(0.010 * int(images.shape[0]) / 64),
     # one pixel row per image: the loader alone is measured
     "light": lambda images: images[:, :, 0].float().mean(),
@@ -548,7 +548,7 @@ def run_config(args, name: str, specs: list[dict], share: bool, ctx: dict) -> di
 
 
 def run_idle(args, ctx: dict) -> tuple[float, float]:
-    """Issue 18: a job that warms the daemon (its workers, the node cache),
+    """A job that warms the daemon (its workers, the node cache),
     a new job at once (warm start), the daemon idle ``--idle`` seconds, then
     a new job: each new job's seconds from "go" to its first batch."""
     env = _child_env()
@@ -766,7 +766,7 @@ def report(rows: list[dict], job_rows: list[dict], args, share_ok: bool) -> None
             return by[a][key] / by[b][key]
         return None
 
-    print("\ntargets (issue 8):")
+    print("\ntargets:")
     if not share_ok:
         print("  sharing: not run: this coordl.DataLoader has no share= parameter")
     lines = []
@@ -795,16 +795,16 @@ def report(rows: list[dict], job_rows: list[dict], args, share_ok: bool) -> None
     x = ratio("shared-fast3+slow", "shared-fast3", "mean_fast_images_per_s")
     if x is not None:
         lines.append(("fast members with a 1/3-speed member / without it >= 0.9", x, x >= 0.9))
-    # issue 18: the slowest job vs solo, the CPU bound, bit-identity, idle start
+    # the slowest job vs solo, the CPU bound, bit-identity, idle start
     if "shared-K4" in by:
         x = by["shared-K4"]["min_ratio_vs_solo"]
         if args.step == "sleep":    # the target's step; with another step it is a report
-            lines.append(("issue 18: slowest of K=4 sharing / solo >= 0.9 (step sleep)", x, x >= 0.9))
+            lines.append(("slowest of K=4 sharing / solo >= 0.9 (step sleep)", x, x >= 0.9))
         else:
-            lines.append((f"issue 18: slowest of K=4 sharing / solo (step {args.step}; report)", x, None))
+            lines.append((f"slowest of K=4 sharing / solo (step {args.step}; report)", x, None))
     if "shared-mixed" in by:
         x = by["shared-mixed"]["min_ratio_vs_solo"]
-        lines.append(("issue 18: slowest of mixed batch sizes sharing / solo >= 0.9", x, x >= 0.9))
+        lines.append(("slowest of mixed batch sizes sharing / solo >= 0.9", x, x >= 0.9))
     if "solo" in by and "shared-K4" in by:
         so = by["solo"]
         secs = 1.0 / so["mean_images_per_s"]          # solo seconds per image
@@ -816,15 +816,15 @@ def report(rows: list[dict], job_rows: list[dict], args, share_ok: bool) -> None
             # (prep + K * step) / cores seconds; solo took images * secs
             images = so["images_per_epoch"]
             bound = min(1.0, images * secs * cores / (prep_per_epoch + 4 * step_per_img))
-            lines.append((f"issue 18: K=4 CPU-seconds bound on {cores} cores vs solo (report)", bound, None))
+            lines.append((f"K=4 CPU-seconds bound on {cores} cores vs solo (report)", bound, None))
             x = by["shared-K4"]["min_ratio_vs_solo"]
-            lines.append((f"issue 18: slowest of K=4 sharing / that bound (step {args.step}; report)",
+            lines.append((f"slowest of K=4 sharing / that bound (step {args.step}; report)",
                           x / bound, None))
     if "solo" in by:
         ref = by["solo"]["epoch_crcs"]
         same = all(r["epoch_crcs"] == ref for r in med if r.get("epoch_crcs") and "," not in r["epoch_crcs"])
         one = all("," not in r.get("epoch_crcs", "") for r in med)
-        lines.append(("issue 18: every job's batches bit-identical to solo (1 = yes)",
+        lines.append(("every job's batches bit-identical to solo (1 = yes)",
                       float(same and one), same and one))
     idle_line(args, lines)
     if args.check != "all":
@@ -850,14 +850,14 @@ def report(rows: list[dict], job_rows: list[dict], args, share_ok: bool) -> None
 
 
 def idle_line(args, lines: list) -> None:
-    """Issue 18's idle target: first batch after the daemon idled / warm start."""
+    """The idle target: first batch after the daemon idled / warm start."""
     got = getattr(args, "idle_results", None)
     if not got:
         return
     warm = statistics.median(w for w, _ in got)
     idle = statistics.median(i for _, i in got)
     x = idle / warm if warm > 0 else float("nan")
-    lines.append((f"issue 18: first batch after {args.idle:g} s idle / warm start <= 2 "
+    lines.append((f"first batch after {args.idle:g} s idle / warm start <= 2 "
                   f"({idle:.2f} s / {warm:.2f} s)", x, x <= 2))
 
 

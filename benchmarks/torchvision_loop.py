@@ -1,6 +1,6 @@
 """The ordinary torchvision training loop, with only the DataLoader import
 changed: torch's DataLoader vs coordl's, side by side in one run, for the
-transforms v1 and v2 pipelines (issue 20).
+transforms v1 and v2 pipelines.
 
     ImageFolder(root, transform=Compose([RandomResizedCrop(224),
         RandomHorizontalFlip(), ToTensor(), Normalize(mean, std)]))

@@ -692,7 +692,7 @@ def test_repeated_passes_report_the_median_not_the_fastest():
 def test_validation_pairs_the_dropped_points_so_each_step_keeps_both_fractions_and_counts():
     """benchmarks/analyze_validate.py --grid paired (the default): the slow dropped-page-cache points pair each
     cache fraction with one worker count, rotated between the steps; each step keeps two fractions and two
-    counts (issue 22, requirement 5), the two steps together cover every pair, warm points at every count."""
+    counts, the two steps together cover every pair, warm points at every count."""
     import importlib.util
 
     path = os.path.join(os.path.dirname(HERE), "benchmarks", "analyze_validate.py")

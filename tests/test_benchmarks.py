@@ -130,11 +130,11 @@ def test_sharing_quick(tmp_path):
         assert all(int(j["images"]) == 48 for j in mine)
     for name in ("shared-K2", "shared-mixed"):   # jobs started together did share samples
         assert sum(int(j["samples_shared"] or 0) for j in jobs if j["config"] == name) > 0
-    assert "targets (issue 8)" in out
-    # issue 18: the slowest job vs solo, bit-identity by CRC, first batch after idling
-    assert "issue 18: slowest of mixed batch sizes sharing / solo" in out
-    assert "bit-identical to solo (1 = yes)   1.00  met" in out, out
-    assert "issue 18: first batch after 2 s idle / warm start" in out, out
+    assert "\ntargets:\n" in out
+    # the slowest job vs solo, bit-identity by CRC, first batch after idling
+    assert "  slowest of mixed batch sizes sharing / solo" in out
+    assert re.search(r"every job's batches bit-identical to solo \(1 = yes\) +1\.00  met", out), out
+    assert "  first batch after 2 s idle / warm start" in out, out
     m = re.search(r"groups (coordl-sharing-\d+-)\*", out)
     if m:   # the run's own groups are gone (another run's may exist beside it)
         for c in ("cpuacct", "blkio"):
@@ -151,7 +151,7 @@ def test_sharing_held_quick():
 
 def test_peers_quick(tmp_path):
     # three "nodes" as processes on loopback (--quick: no namespaces, cgroups or root);
-    # the namespace + cgroup set-up runs in the benchmark itself (docs/_bench_peers.md)
+    # the namespace + cgroup set-up runs in the benchmark itself (docs/benchmarks.md)
     out = _script("peers.py", "--quick", "--out", str(tmp_path), timeout=300)
     with open(tmp_path / "peers.csv") as f:
         rows = list(csv.DictReader(f))

@@ -39,7 +39,7 @@ def _no_caches_left():
     assert not left, f"caches left behind: {left}"
 
 
-# ---------------------------------------------------------------- item 1
+# -------------------- loaders made, dropped and collected while the cache lives
 
 @pytest.mark.parametrize("num_workers", [0, 2])
 def test_loader_recreated_every_epoch_keeps_working_and_stays_warm(data, num_workers):
@@ -103,7 +103,7 @@ def test_loader_collected_inside_another_attach_does_not_wait_for_itself(data, m
     settle()
 
 
-# ---------------------------------------------------------------- item 2
+# ----------------------------- clear(force=True) and re-creation while jobs run
 
 @pytest.mark.parametrize("ctx", ["fork", "spawn"])
 def test_clear_force_and_recreate_while_jobs_run_never_mixes_samples(data, ctx):
@@ -144,7 +144,7 @@ def test_clear_force_and_recreate_while_jobs_run_never_mixes_samples(data, ctx):
     settle()
 
 
-# ---------------------------------------------------------------- item 3
+# ---------------------------------------- clock steps and the holders' liveness
 
 def test_clock_step_does_not_make_live_holders_look_dead(data, monkeypatch):
     """Another job's attach, the sweep and `coordl cache clear` after the
@@ -190,7 +190,7 @@ def test_clock_step_does_not_make_live_holders_look_dead(data, monkeypatch):
             p.wait()
 
 
-# ---------------------------------------------------------------- item 5
+# -------------------------------- killed and exiting jobs, signals, torn writes
 
 def _job(root, body, keep_warm=0, fp_root=None):
     return textwrap.dedent(f"""
@@ -433,7 +433,7 @@ def test_forked_worker_outlives_its_parent_killed_at_every_step_of_put():
     assert r.returncode == 0 and "steps" in r.stdout, r.stdout + r.stderr
 
 
-# ---------------------------------------------------------------- item 6
+# ----------------------------------------------- entries published out of order
 
 def test_entry_published_out_of_order_is_a_miss_not_wrong_data(monkeypatch):
     """What a reader on a weakly ordered CPU can see: READY before the
@@ -457,7 +457,7 @@ def test_entry_published_out_of_order_is_a_miss_not_wrong_data(monkeypatch):
         c.close()
 
 
-# ---------------------------------------------------------------- item 4
+# ------------------------------------------ a full /dev/shm, racing directories
 
 _RACER = """
 import sys

@@ -1,5 +1,5 @@
-"""Node cache against another local user and dataset
-identity (item 8).  The attacker really runs as another uid (nobody)."""
+"""Node cache against another local user, and dataset identity.  The
+attacker really runs as another uid (nobody)."""
 import os
 import shutil
 import subprocess
@@ -155,7 +155,7 @@ def test_user_directory_is_private_and_segments_are_0600(base, data):
     assert list_caches() == []
 
 
-# ---------------------------------------------------------------- item 8
+# ----------------------------- dataset identity: one cache per copy and version
 
 def test_two_copies_of_a_dataset_get_different_caches(tmp_path):
     a = make_folder(tmp_path / "a", n=16, seed=1)

@@ -290,7 +290,7 @@ def test_corrupt_data_below_the_window_fails_as_the_whole_decode():
     """A stray marker (an SOI) late in the entropy-coded data: PIL's whole
     decode fails on it ("broken data stream").  The window decode of rows
     above it must fail too (it reads the file to its end), not hand back an
-    image of a file torchvision's loader rejects (issue 21, 8)."""
+    image of a file torchvision's loader rejects."""
     raw = _jpeg(64, 64, seed=3)
     sos = raw.find(b"\xff\xda")
     at = sos + (len(raw) - sos) * 4 // 5

@@ -1,4 +1,4 @@
-"""A node daemon you can leave running (issue 18, defects 2, 3, 4, 6, 7):
+"""A node daemon you can leave running:
 no client, member or worker can crash or block it, an idle daemon keeps its
 workers, a stalled member does not hold another back, a hung worker or a
 hung daemon costs a job one short deadline, not a minute.
@@ -146,7 +146,7 @@ def _alive_and_serving(pid, photos):
     assert ld.stats().samples_shared > 0
 
 
-# ------------------------------------------------------------------ defect 2
+# ------------------------------------------ members closing or pausing mid-step
 def test_member_closing_right_after_a_step_does_not_crash_the_daemon(photos, daemon_env):
     """The daemon answers a step with samples already staged, and the member
     is gone by then: the send fails in the middle of the daemon's pump."""
@@ -192,7 +192,7 @@ def test_daemon_paused_past_the_members_deadline_survives_its_resume(photos, dae
     _alive_and_serving(pid, photos)
 
 
-# ------------------------------------------------------------------ defect 3
+# ----------------------------------------------- receive timeouts, idle workers
 def test_recv_without_timeout_waits_past_the_previous_send_timeout():
     a, b = socket.socketpair()
     ca, cb = ipc.Conn(a, 0), ipc.Conn(b, 0)
@@ -227,7 +227,7 @@ def test_idle_daemon_keeps_its_workers(photos, daemon_env):
     assert all(psutil.Process(w).status() != psutil.STATUS_ZOMBIE for w in workers)
 
 
-# ------------------------------------------------------------------ defect 4
+# ------------------------------------------------------------- a stalled member
 def test_a_stalled_member_does_not_block_another_and_is_detached(photos, daemon_env, monkeypatch):
     monkeypatch.setenv("COORDL_STAGING", "40KiB")    # a few slots: batch + window fill staging
     ref = _digests(photos, epochs=2)
@@ -277,7 +277,7 @@ def test_group_serves_an_urgent_request_past_a_stalled_window():
     assert any(a[0] == "detach" and a[1] is stalled for a in acts)
 
 
-# ------------------------------------------------------------------ defect 6
+# -------------------------------------------------- failed joins, client limits
 def test_failed_joins_leak_no_descriptors(photos, daemon_env):
     pid = S.start()
     proc = psutil.Process(pid)
@@ -378,7 +378,7 @@ def test_status_stop_and_start_past_the_limit_say_the_daemon_runs_and_why_it_ref
     assert S.status()["pid"] == pid
 
 
-# ------------------------------------------------------------------ defect 7
+# ----------------------------------- hung workers and daemons, malformed frames
 def test_a_hung_daemon_worker_is_replaced_and_its_samples_redone(photos, daemon_env):
     ref = _digests(photos)
     pid = S.start()

@@ -102,7 +102,7 @@ def test_image_folder_uses_fused_path_and_getitem_agrees(tmp_path):
     assert ds2[0][0].dtype == torch.float32 and ds2[0][0].shape == (3, 32, 32)
 
 
-# ------------------------------------------------ PIL's switches (issue 7 16b, 17)
+# ------------------------------------------------------------------- PIL's switches
 def _flat_jpeg(w, h, fmt="JPEG"):
     """A flat-colour image: a few hundred KiB on disk for tens of megapixels."""
     buf = io.BytesIO()
@@ -224,7 +224,7 @@ def test_image_folder_bomb_skipped_or_raised(num_workers, tmp_path, monkeypatch,
         assert f"sample {bad[0]}" in str(info.value) and "zz_bomb.jpg" in str(info.value)
 
 
-# ---------------------------------------- what the fast path can't read goes to PIL (issue 21, 8-9)
+# ---------------------------------------- what the fast path can't read goes to PIL
 # A 4:4:1 JPEG (chroma sampled 1x4: luma h1v4), 24x40, made with libjpeg-turbo's
 # `cjpeg -sample 1x4 -quality 75 -optimize` (PIL cannot write this layout).
 # simplejpeg's header read has no name for it and raised KeyError: 6.

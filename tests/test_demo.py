@@ -30,7 +30,7 @@ def test_demo_exits_nonzero_when_its_resume_check_fails(monkeypatch, capsys):
 
 def test_demo_refuses_a_root_it_did_not_make(tmp_path, capsys):
     """``coordl demo --root <existing folder> --images 100`` used to run on
-    whatever the folder held, silently (issue 21, 14).  A folder the demo did
+    whatever the folder held, silently.  A folder the demo did
     not make is refused, untouched, with what to do instead."""
     from coordl import cli
     from coordl.synth import make_image_folder

@@ -128,7 +128,7 @@ def _both(ds, **kw):
     return plain, list(L), L
 
 
-# ---------------------------------------------------------------- item 1
+# ------------------------------------------- where the images sit in the sample
 @pytest.mark.parametrize("kind", ["bare", "dict", "label_first", "two_views", "nested", "namedtuple", "mapping",
                                   "mixed"])
 @pytest.mark.parametrize("workers", [0, 2])
@@ -169,7 +169,7 @@ def test_stats_say_when_the_transform_is_not_split(photos, cpu_device):
     assert coordl.DataLoader(ds, batch_size=4, seed=5).stats().device_split == ""
 
 
-# ---------------------------------------------------------------- item 2
+# --------------------------------------------------- a transform assigned later
 @pytest.mark.parametrize("workers,persistent", [(0, False), (2, False), (2, True)])
 def test_a_transform_assigned_later_takes_effect_at_the_next_pass(photos, cpu_device, workers, persistent):
     """As without device=: at the next pass; persistent workers keep the
@@ -187,7 +187,7 @@ def test_a_transform_assigned_later_takes_effect_at_the_next_pass(photos, cpu_de
     assert all(_same(a, b) for a, b in zip(got, want)) and len(got) == len(want)
 
 
-# ---------------------------------------------------------------- item 3
+# ---------------------------------------------------- numpy and non-uint8 input
 @pytest.mark.parametrize("kind", ["numpy", "float_numpy"])
 def test_numpy_and_non_uint8_input_are_what_the_cpu_path_gives(photos, cpu_device, kind):
     ds = Structured(photos, T.Compose([T.ToTensor(), NORM]), kind)
@@ -199,7 +199,7 @@ def test_numpy_and_non_uint8_input_are_what_the_cpu_path_gives(photos, cpu_devic
         assert L.stats().device_split_cpu_samples == len(ds)
 
 
-# ---------------------------------------------------------------- items 4, 5
+# ------------------------------------------ the tail's arithmetic on the device
 class _Calls(torch.overrides.TorchFunctionMode):
     def __init__(self):
         super().__init__()
@@ -248,7 +248,7 @@ def test_a_zero_std_is_not_split_and_fails_as_on_the_cpu(photos, cpu_device):
     assert L.stats().device_split.startswith("not split (std evaluated to zero")
 
 
-# ---------------------------------------------------------------- item 6
+# --------------------- batches of torch's machinery, containers, custom batches
 class Plain(torch.utils.data.Dataset):
     def __len__(self):
         return 8

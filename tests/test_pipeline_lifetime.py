@@ -21,7 +21,7 @@ def _child(body: str, timeout: float = 90, prelude: str = ""):
     return r.stdout
 
 
-# ---------------------------------------------------------------- item 10
+# ---------------------------------------------------- a sample's error mid-pass
 _COLLECT = """
 import torch
 from coordl import DataLoader
@@ -69,7 +69,7 @@ def test_after_a_sample_error_the_pass_goes_on_like_torch(placement):
     assert "SAME True 4" in out, out
 
 
-# ---------------------------------------------------------------- item 9
+# ------------------------------- a batch freed by gc inside the pool's own send
 def test_batch_freed_by_gc_inside_the_pools_own_send_does_not_deadlock():
     """A batch kept alive only by a reference cycle dies when the cyclic gc
     runs, and gc can run inside any allocation, including inside the pool's
@@ -107,7 +107,7 @@ def test_batch_freed_by_gc_inside_the_pools_own_send_does_not_deadlock():
     assert "DONE 20 True" in out, out
 
 
-# ---------------------------------------------------------------- item 11
+# ------------------------- iterators that outlive their thread, process or fork
 @pytest.mark.parametrize("persistent", [False, True])
 def test_iterator_created_in_a_thread_that_exits(persistent):
     """iter(loader) in a setup thread that then exits, batches consumed in the
@@ -191,7 +191,7 @@ def test_forked_child_dropping_its_copy_of_the_iterator_leaves_the_workers_alone
     assert "N 20" in out, out
 
 
-# ---------------------------------------------------------------- item 12
+# ------------------------------------------------------------- abandoned passes
 def test_abandoned_passes_with_persistent_workers_do_not_leak_slots():
     """Break out of many passes after one batch: batches the main process had
     received but not delivered must give their slots back."""
@@ -254,7 +254,7 @@ def test_abandoned_inline_passes_do_not_leak_fetch_threads():
     assert len(fetch_threads()) == base, [t.name for t in fetch_threads()]
 
 
-# ---------------------------------------------------------------- item 13
+# -------------------------- dead threads and workers, reported with their cause
 _PLACEMENTS = {
     "inline": "num_workers=0, seed=0",
     "workers": "num_workers=2, seed=0",

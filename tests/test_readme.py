@@ -1,4 +1,4 @@
-"""Every command in the README runs as written (issue 21, item 10).
+"""Every command in the README runs as written.
 
 The README is parsed when the tests are collected, so a changed or added
 command is tested as it then reads.  Each shell block runs in a fresh

@@ -158,7 +158,7 @@ def test_version_1_state_still_loads():
     assert [_key(x) for x in got] == [_key(x) for x in full]
 
 
-# ------------------------------------------------------------ item 15: break
+# ------------------------------------------------------ the state after a break
 STEPS, EPOCHS = 3, 4
 
 

@@ -1,4 +1,4 @@
-"""Coordinated prep through the node daemon (issue 8): jobs with
+"""Coordinated prep through the node daemon: jobs with
 ``share=True`` get bit-identical batches to ``share=False`` whatever
 happens to the other jobs or the daemon."""
 import itertools

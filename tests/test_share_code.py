@@ -1,4 +1,4 @@
-"""Sharing through the node daemon (issue 18, defects 1, 5, 8, 9): a group
+"""Sharing through the node daemon: a group
 runs one code (its members' modules and library versions), in the job's
 cache directory; variable-shape samples are not prepared for nothing; a
 worker's setup failure is retried, never blamed on the dataset for good.

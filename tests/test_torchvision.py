@@ -1,4 +1,4 @@
-"""torchvision's ImageFolder and transforms on coordl's pipeline (issue 20):
+"""torchvision's ImageFolder and transforms on coordl's pipeline:
 recognized, translated with the same parameters and draw distributions,
 the rest run as written, fallbacks on torch's path, and the loader's other
 features on such datasets.  torchvision is loaded through

@@ -17,9 +17,9 @@ from . import model
 
 
 #: The model error every interval carries at least (``analyze(model_error=None)``).  Its source: the
-#: analyzer's inputs moved by about 10% between runs on the same idle 2-core VM (docs/benchmarks.md 8.4: two
-#: analyzer runs 10 minutes apart measured P(1) = 615 and 691 samples/s and 1.54 and 1.39 prep CPU-ms a
-#: sample; 8.2: a prep-only pass and a loader epoch 30 s apart, ratios 0.93-1.17), more than the spread of
+#: analyzer's inputs moved by about 10% between runs on the same idle 2-core VM (two analyzer runs 10 minutes
+#: apart measured P(1) = 615 and 691 samples/s and 1.54 and 1.39 prep CPU-ms a sample; a prep-only pass and a
+#: loader epoch 30 s apart, ratios 0.93-1.17: docs/benchmarks.md's history), more than the spread of
 #: back-to-back repeats, which is all an input's own interval holds.
 MODEL_ERROR_FLOOR = 0.10
 # the largest model error an interval carries (hi = hi_inputs / (1 - e)); past it the warning says why

@@ -3,7 +3,7 @@ straight into a numpy array, at full size, or, when the caller asks for it
 (the ``draft`` option of the fused transforms), at a reduced DCT scale of
 1/2, 1/4 or 1/8; anything else through PIL.
 
-Measured on this machine while building the path (docs/benchmarks.md): simplejpeg
+Measured on the development machine while building the path: simplejpeg
 decodes a ~500x375 JPEG ~12% faster than PIL and hands back a writable array
 without PIL's extra copy.
 

@@ -163,7 +163,7 @@ class Fetcher:
         One thread, not all, and only with room: waking every fetch thread
         on each admission, completion and release (notify_all) cost the
         worker's prep thread ~25% of its time in wake-ups and the GIL
-        hand-offs that follow (docs/benchmarks.md, section 9).  A woken
+        hand-offs that follow (py-spy, ``benchmarks/profile_worker.py``).  A woken
         thread that admits a read calls this again, so a freed budget is
         taken up by as many threads as it fits.  Waiting for a read's worth
         of room, rather than any room, batches the wake-ups when samples
