@@ -489,8 +489,8 @@ class DataLoader(_TorchDataLoader[_T_co]):
                     f"set_epoch({epoch}) drops the position load_state_dict restored (epoch {r['epoch']}, "
                     f"{r['batches'] + len(r['done'])}{of} batches delivered): the next pass is all of epoch "
                     f"{epoch}. To finish the interrupted epoch, start the loop at the loaded epoch "
-                    f"(loader.epoch, {r['epoch']}) and call set_epoch with it (see docs/api.md, "
-                    "\"Resumable state\")", stacklevel=2)
+                    f"(loader.epoch, {r['epoch']}) and call set_epoch with it (see docs/guide/resume.md, "
+                    "\"The resume loop\")", stacklevel=2)
             p.resume = None
         for s in (self.sampler, self.batch_sampler, getattr(self.batch_sampler, "sampler", None)):
             fn = getattr(s, "set_epoch", None)

@@ -362,7 +362,7 @@ def test_share_true_on_the_device(photos, tmp_path, monkeypatch):
 
 
 # ---------------------------------------------------------------- decode="device"
-# docs/api.md, "Decoding on the device": the bound against the CPU path (mean
+# docs/guide/gpu.md, "Same semantics as the CPU path, and the tolerance": the bound against the CPU path (mean
 # and max absolute difference per channel value, in uint8 levels)
 DECODE_MEAN, DECODE_MAX = 6.0, 96
 # the GPU decoder's own arithmetic against the CPU stand-in CI runs (same
@@ -423,7 +423,7 @@ def _levels(a, b):
 def test_decode_on_the_gpu_is_the_cpu_path_within_the_documented_bound(mixed_jpegs, monkeypatch, decoder, workers,
                                                                         kind):
     """The real GPU decoder, its batched call and the stage on CUDA: images
-    within docs/api.md's bound of the CPU path, and within the decoder's own
+    within docs/guide/gpu.md's bound of the CPU path, and within the decoder's own
     arithmetic of the CPU stand-in CI runs (same geometry, same resize);
     labels equal; CMYK and PNG prepared by the CPU path in the workers (its
     very pixels); counts in stats()."""

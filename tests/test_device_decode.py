@@ -24,7 +24,7 @@ from coordl.device import delivery as D
 from coordl.device import encoded as E
 
 NORM = T.Normalize([0.485, 0.456, 0.406], [0.229, 0.224, 0.225])
-# docs/api.md, "Decoding on the device": the bound against the CPU path (uint8 levels per channel value)
+# docs/guide/gpu.md, "Same semantics as the CPU path, and the tolerance": the bound against the CPU path (uint8 levels per channel value)
 DECODE_MEAN, DECODE_MAX = 6.0, 96
 STD255 = torch.tensor(NORM.std).view(1, 3, 1, 1) * 255
 Pair = collections.namedtuple("Pair", "image label")
@@ -141,7 +141,7 @@ def test_the_stage_gives_the_cpu_paths_images_up_to_resize_rounding(photos, cpu_
 def test_the_default_stand_in_is_within_the_documented_tolerance(photos, cpu_device):
     """The CPU path decodes a reduced-size DCT when the crop allows it and
     interpolates chroma; the device decodes full size with plain chroma
-    upsampling: the difference stays within docs/api.md's bound."""
+    upsampling: the difference stays within docs/guide/gpu.md's bound."""
     for tf in (_rrc(24), _eval()):
         cpu, dev, _ = _pairs(coordl.ImageFolder(photos, tf))
         d = torch.cat([_levels(a, b).flatten() for (a, _), (b, _) in zip(cpu, dev)])

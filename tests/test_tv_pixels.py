@@ -1,7 +1,7 @@
 """coordl's pixels against torchvision's (PIL backend), value by value.
 
 With only the DataLoader import changed, a torchvision pipeline must give
-torchvision's output within the tolerance docs/api.md states for each fused
+torchvision's output within the tolerance docs/guide/torchvision.md states for each fused
 step (at most 1 uint8 level; the PIL-image resizes are exact), on small,
 ImageNet-sized and large images whose sides are not multiples of 8: the eval
 presets (Resize + CenterCrop, bilinear and bicubic, timm's crop_pct), and

@@ -203,4 +203,4 @@ def recommend(verdict: dict, dataset: Any, gpu: bool | None = None) -> list[dict
              "why": "prep (decode and augmentation on the CPU) is the largest stall and a GPU is present: "
                     "coordl.DataLoader(..., device='cuda', decode='device') decodes the JPEGs on the GPU in one call "
                     f"per batch and runs {plan.describe()} there; the workers only read bytes and JPEG headers "
-                    "(docs/api.md, \"Decoding on the device\")"}]
+                    "(docs/guide/gpu.md, \"Decoding on the device\")"}]

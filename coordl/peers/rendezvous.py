@@ -296,7 +296,8 @@ def setup(mode, cache, fingerprint: str | None, plan_kwargs: dict, rank: int, wo
     if launcher_nodes(world_size) == 1:
         if mode == "on":
             raise ValueError('peers="on" cannot work: the launcher runs every rank on one node (set '
-                             "COORDL_NODE_ID per simulated node to run several on one machine; see docs/api.md)")
+                             "COORDL_NODE_ID per simulated node to run several on one machine; see docs/guide/multinode.md, "
+                             '"Several nodes on one machine")')
         return None, None
     # ---- collective from here on, and checked first (see the module doc)
     _meet(next(_SEQ), _tag(fingerprint, plan_kwargs, world_size), rank, world_size, env["rendezvous_timeout"])
