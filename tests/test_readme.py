@@ -11,7 +11,7 @@ fragments: ``model``, ``step`` and the like are the reader's).
 What is not run as written, and why (the only changes made):
 
 * ``pip install ...`` is skipped (no network, and the package is installed),
-  and with it ``python -m pytest -n 2``: that is this suite.
+  and with it ``python -m pytest -n 3``: that is this suite.
 * ``/data/imagenet/train`` is replaced by ``data/train``: a small ImageFolder
   generated in the directory (``coordl.synth.make_image_folder``, 24
   images of 96x72), which every ``train.py`` reads too.
