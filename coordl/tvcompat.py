@@ -47,8 +47,10 @@ The rules (docs/guide/torchvision.md gives them with the measured tolerances):
 from __future__ import annotations
 
 import logging
+import math
 import random
 import sys
+import threading
 import warnings
 from dataclasses import dataclass
 from typing import Any
@@ -98,7 +100,7 @@ def _base(cls: type, module: str, name: str) -> type | None:
 
 
 def _name(obj: Any) -> str:
-    return type(obj).__name__
+    return type(obj.user if isinstance(obj, ColorJitterOnPlanes) else obj).__name__
 
 
 # ------------------------------------------------------------------ dataset
@@ -180,23 +182,41 @@ class TorchvisionPipeline:
         return self._rest(self.fused(img) if self.fused is not None else img)
 
     def _rest(self, x: Any) -> Any:
+        planes = False
         if self.fused is not None:
             if self.to_pil:
-                x = _to_pil(x)
+                # the PIL image the user's next step expects, held as the fused result's planes until
+                # a step needs the PIL object itself (steps with a kernel of coordl's take the planes)
+                planes = x.ndim == 3 and x.shape[0] in (1, 3)
+                if not planes:
+                    x = _to_pil(x)
             elif self.image_type is not None:
                 x = x.as_subclass(self.image_type)
         if self.tail:
-            x = self._run_tail(x)
+            x, planes = self._run_tail(x, planes)
+        if planes:
+            if self.post and self.post_fused is not None:
+                x = T._convert(x, self.post_fused.transforms, False, _ext())
+                return x.as_subclass(self.post_type) if self.post_type is not None else x
+            x = _to_pil(x)
         if self.post:
             x = self._run_post(x)
         return x
 
-    def _run_tail(self, x: Any) -> Any:
+    def _run_steps(self, x: Any, planes: bool) -> tuple[Any, bool]:
+        for t in self.tail:
+            if planes and isinstance(t, ColorJitterOnPlanes) and t.exact():
+                x = t.on_planes(x)
+                continue
+            if planes:
+                x, planes = _to_pil(x), False
+            x = t(x)
+        return x, planes
+
+    def _run_tail(self, x: Any, planes: bool = False) -> tuple[Any, bool]:
         g = _rng.current()
         if not isinstance(g, random.Random):  # outside a coordl prep stage: torch's RNG, as torchvision
-            for t in self.tail:
-                x = t(x)
-            return x
+            return self._run_steps(x, planes)
         # inside one: the as-written part draws from torch's CPU generator and Python's, seeded from
         # the sample's own generator and restored afterwards (only the CPU generator: torch.manual_seed
         # would also seed every accelerator's, ~1 ms a call, and prep never draws on a device)
@@ -207,9 +227,7 @@ class TorchvisionPipeline:
         cpu.manual_seed(torch_seed)
         random.seed(py_seed)
         try:
-            for t in self.tail:
-                x = t(x)
-            return x
+            return self._run_steps(x, planes)
         finally:
             random.setstate(py_state)
             cpu.set_state(cpu_state)
@@ -270,6 +288,123 @@ def _pil_through(img: Image.Image, steps: list) -> torch.Tensor:
             to_float(arr.transpose(2, 0, 1), lut.numpy(), out.numpy(), False)
             return out
     return T._convert(T._to_chw(img), steps, False, ext)
+
+
+class ColorJitterOnPlanes:
+    """torchvision's ``ColorJitter`` (v1 or v2), where it gets the PIL image
+    that the fused path's planes stand for: the user's object draws the
+    parameters (its own ``get_params``/``make_params``: the same torch draws in
+    the same order), and ``coordl.decode.color`` computes what PIL computes
+    for them (brightness, contrast, saturation and hue in the drawn order, bit
+    for bit) on the uint8 planes, with no PIL image in between.  Given
+    anything else (a PIL image, a tensor) it runs the user's object as
+    written, and so it does everywhere when :meth:`exact` is False."""
+
+    def __init__(self, user: Any, v2: bool):
+        self.user, self.v2 = user, v2
+
+    def __call__(self, img: Any) -> Any:
+        return self.user(img)
+
+    def exact(self) -> bool:
+        """Whether the planes give the user's own result in this process:
+        coordl's kernel reproduces the installed PIL, and this class's draws
+        and order those of torchvision's (both checked once per process)."""
+        from .decode import color
+
+        return color.exact_kernel() and _jitter_agrees(type(self.user), self.v2)
+
+    def draw(self) -> list[tuple[int, float]]:
+        """The operations of one call, drawn as the user's object draws them,
+        in ``coordl.decode.color.jitter``'s terms."""
+        from .decode import color
+
+        t = self.user
+        if self.v2:
+            p = t.make_params([])
+            order, b, c, s, h = (p["fn_idx"], p["brightness_factor"], p["contrast_factor"],
+                                 p["saturation_factor"], p["hue_factor"])
+        else:
+            order, b, c, s, h = t.get_params(t.brightness, t.contrast, t.saturation, t.hue)
+        ops = []
+        for k in order.tolist():
+            if k == 0 and b is not None:
+                ops.append((color.BRIGHTNESS, b))
+            elif k == 1 and c is not None:
+                ops.append((color.CONTRAST, c))
+            elif k == 2 and s is not None:
+                ops.append((color.SATURATION, s))
+            elif k == 3 and h is not None:
+                if not -0.5 <= h <= 0.5:
+                    raise ValueError(f"hue_factor ({h}) is not in [-0.5, 0.5].")
+                # torchvision's shift of the 8-bit hue: truncated to int32, then wrapped to uint8
+                ops.append((color.HUE, int(np.int32(h * 255).astype(np.uint8))))
+        return ops
+
+    def on_planes(self, x: torch.Tensor) -> torch.Tensor:
+        """``x``: the uint8 (C, H, W) planes (C 1 or 3) of the PIL image the
+        user's object would get; the planes of the image it would return."""
+        from .decode import color
+
+        return torch.from_numpy(color.jitter(x.numpy(), self.draw()))
+
+    def spec(self) -> tuple:
+        return ("coordl.tvcompat.ColorJitterOnPlanes", T.spec_of(self.user))
+
+    def __repr__(self) -> str:
+        return f"{self.user!r} (on the planes: PIL's arithmetic)"
+
+
+_agree_lock = threading.Lock()
+_agree: dict = {}
+
+
+def _jitter_agrees(cls: type, v2: bool) -> bool:
+    """Whether :class:`ColorJitterOnPlanes` over ``cls`` gives what ``cls``
+    gives on PIL images, with the same draws left behind on torch's
+    generator: checked once per process and class on probe images (mode RGB
+    and L, factors at and inside their ends, hue included), the process's
+    generator state restored after."""
+    ok = _agree.get(cls)
+    if ok is not None:
+        return ok
+    with _agree_lock:
+        if cls not in _agree:
+            _agree[cls] = _check_jitter(cls, v2)
+    return _agree[cls]
+
+
+def _check_jitter(cls: type, v2: bool) -> bool:
+    cpu = torch.default_generator
+    state = cpu.get_state()
+    rnd = random.Random(5)
+    rgb = np.frombuffer(rnd.randbytes(3 * 17 * 23), np.uint8).reshape(17, 23, 3)
+    images = [Image.fromarray(rgb), Image.fromarray(np.ascontiguousarray(rgb[:9, :7, 1]))]
+    try:
+        for kw in ({"brightness": 0.4, "contrast": 0.4, "saturation": 0.4, "hue": 0.1},
+                   {"brightness": (0.0, 2.5), "saturation": (0.0, 0.0), "hue": (-0.5, 0.5)},
+                   {"contrast": (0.2, 3.0), "hue": (0.5, 0.5)}):
+            t = cls(**kw)
+            mine = ColorJitterOnPlanes(t, v2)
+            for img in images:
+                for seed in range(3):
+                    cpu.manual_seed(seed)
+                    want = np.asarray(t(img))
+                    after = cpu.get_state()
+                    cpu.manual_seed(seed)
+                    got = mine.on_planes(T._to_chw(img)).numpy()
+                    got = got[0] if img.mode == "L" else got.transpose(1, 2, 0)
+                    if not (np.array_equal(got, want) and torch.equal(cpu.get_state(), after)):
+                        log.warning("coordl's ColorJitter on the planes differs from %s.%s here: it runs as "
+                                    "written", cls.__module__, cls.__name__)
+                        return False
+        return True
+    except Exception as e:  # noqa: BLE001 (another torchvision's API): run it as written
+        log.warning("coordl's ColorJitter on the planes cannot run %s.%s here (%s: %s): it runs as written",
+                    cls.__module__, cls.__name__, type(e).__name__, e)
+        return False
+    finally:
+        cpu.set_state(state)
 
 
 # --------------------------------------------------------------- transforms
@@ -564,6 +699,26 @@ def _split_post(tail: list) -> tuple[list, list, Any, Any]:
     return rest, post, post_fused, post_type
 
 
+def _on_planes(t: Any) -> Any:
+    """``t``, or :class:`ColorJitterOnPlanes` over it when it is
+    torchvision's ``ColorJitter`` with ranges as its constructor makes them."""
+    kind = _kind(t)
+    if kind is None or kind[0] not in ("v1", "v2") or kind[1] != "ColorJitter":
+        return t
+    try:
+        for name in ("brightness", "contrast", "saturation", "hue"):
+            r = getattr(t, name)
+            if r is None:
+                continue
+            lo, hi = (float(v) for v in r)
+            bounds = (-0.5, 0.5) if name == "hue" else (0.0, math.inf)
+            if not (bounds[0] <= lo <= hi <= bounds[1] and math.isfinite(hi)):
+                return t
+    except (TypeError, ValueError):
+        return t
+    return ColorJitterOnPlanes(t, kind[0] == "v2")
+
+
 def translate(transform: Any, draft: bool = False) -> tuple[Any, tuple[str, ...], tuple[str, ...]]:
     """``(coordl transform, fused names, as-written names)`` for a torchvision
     transform (or any callable, or None): the longest prefix coordl can fuse,
@@ -580,11 +735,18 @@ def describe_translation(transform: Any, out: Any, fused: tuple, as_written: tup
     what = (f"read through {', '.join(through)}; " if through else "") + f"fused {', '.join(fused) or 'nothing'}"
     if as_written:
         what += f"; as written: {', '.join(as_written)}"
+        notes = []
+        planes = [_name(t) for t in getattr(out, "tail", ()) if isinstance(t, ColorJitterOnPlanes)]
+        if planes:
+            notes.append(f"{', '.join(planes)} with its own draws and PIL's arithmetic, computed by coordl on "
+                         "the decoded planes")
         post = getattr(out, "post", ())
         if post:
             how = (" (as coordl's conversion when they get a PIL image)"
                    if getattr(out, "post_fused", None) is not None else "")
-            what += f" (of which {', '.join(_name(t) for t in post)} without a generator of their own{how})"
+            notes.append(f"{', '.join(_name(t) for t in post)} without a generator of their own{how}")
+        if notes:
+            what += f" (of which {'; '.join(notes)})"
     return what
 
 
@@ -605,6 +767,7 @@ def translate_steps(steps: list, draft: bool = False) -> tuple[Any, tuple[str, .
         st.geo[0].draft = True
     if st.to_tensor is None:
         fused = T.Compose(st.geo + [T.PILToTensor()])
+        tail = [_on_planes(t) for t in tail]
         return TorchvisionPipeline(fused, True, None, *_split_post(tail)), fused_names, tail_names
     fused = T.Compose(st.geo + [st.to_tensor] + st.post)
     if not tail:

@@ -25,7 +25,7 @@ from torchvision import datasets as D  # noqa: E402
 import coordl  # noqa: E402
 from coordl import _rng  # noqa: E402
 from coordl import transforms as T  # noqa: E402
-from coordl.tvcompat import TorchvisionPipeline, translate  # noqa: E402
+from coordl.tvcompat import ColorJitterOnPlanes, TorchvisionPipeline, translate  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +45,8 @@ def test_timm_default_train_fuses_the_crop_and_flip():
     rrc = out.fused.transforms[0]
     assert type(rrc) is T.RandomResizedCrop and rrc.size == (224, 224) and rrc.scale == (0.08, 1.0)
     assert rrc.ratio == pytest.approx((3 / 4, 4 / 3)) and rrc.interpolation.value == "bilinear"
-    assert [type(t).__name__ for t in out.tail] == ["ColorJitter"]
+    # the user's ColorJitter draws; coordl computes PIL's pixels on the planes (test_color_jitter.py)
+    assert [type(t) for t in out.tail] == [ColorJitterOnPlanes] and type(out.tail[0].user).__name__ == "ColorJitter"
     assert [type(t).__name__ for t in out.post] == ["MaybeToTensor", "Normalize"]
     assert [type(t) for t in out.post_fused.transforms] == [T.ToTensor, T.Normalize]
 
