@@ -56,37 +56,67 @@ static inline int luma(int r, int g, int b) {
     return (r * 19595 + g * 38470 + b * 7471 + 0x8000) >> 16;
 }
 
-/* out[i] = tab[src[i]] for n values */
-TARGETS static void apply_table(uint8_t *restrict out, const uint8_t *src, Py_ssize_t n, const uint8_t *tab) {
+/* out[i] = tab[src[i]] for n values, src and out apart */
+TARGETS static void table_apart(uint8_t *restrict out, const uint8_t *restrict src, Py_ssize_t n,
+                                const uint8_t *restrict tab) {
     for (Py_ssize_t i = 0; i < n; i++)
         out[i] = tab[src[i]];
 }
 
-/* the table of blend(a, v, alpha) over v */
+/* p[i] = tab[p[i]] for n values */
+TARGETS static void table_in_place(uint8_t *restrict p, Py_ssize_t n, const uint8_t *restrict tab) {
+    for (Py_ssize_t i = 0; i < n; i++)
+        p[i] = tab[p[i]];
+}
+
+static void apply_table(uint8_t *out, const uint8_t *src, Py_ssize_t n, const uint8_t *tab) {
+    if (out == src)
+        table_in_place(out, n, tab);
+    else
+        table_apart(out, src, n, tab);
+}
+
+/* the table of blend(a, v, alpha) over v: a blend with a constant image is a function of the value */
 static void blend_table(uint8_t *tab, int a, float alpha) {
     for (int v = 0; v < 256; v++)
         tab[v] = blend_value(a, v, alpha);
 }
 
+/* sums in blocks of 2**16 values or fewer, each of which fits 32 bits */
+#define BLOCK 65536
+
 TARGETS static int64_t luma_sum(const uint8_t *r, const uint8_t *g, const uint8_t *b, Py_ssize_t n) {
     int64_t sum = 0;
-    for (Py_ssize_t i = 0; i < n; i++)
-        sum += luma(r[i], g[i], b[i]);
+    for (Py_ssize_t i0 = 0; i0 < n; i0 += BLOCK) {
+        Py_ssize_t i1 = n - i0 < BLOCK ? n : i0 + BLOCK;
+        uint32_t part = 0;
+        for (Py_ssize_t i = i0; i < i1; i++)
+            part += (uint32_t)luma(r[i], g[i], b[i]);
+        sum += part;
+    }
     return sum;
 }
 
-static int64_t plane_sum(const uint8_t *p, Py_ssize_t n) {
+TARGETS static int64_t plane_sum(const uint8_t *p, Py_ssize_t n) {
     int64_t sum = 0;
-    for (Py_ssize_t i = 0; i < n; i++)
-        sum += p[i];
+    for (Py_ssize_t i0 = 0; i0 < n; i0 += BLOCK) {
+        Py_ssize_t i1 = n - i0 < BLOCK ? n : i0 + BLOCK;
+        uint32_t part = 0;
+        for (Py_ssize_t i = i0; i < i1; i++)
+            part += p[i];
+        sum += part;
+    }
     return sum;
 }
 
-/* saturation of RGB planes: each value blended with its pixel's luma */
-TARGETS static void saturate(uint8_t *restrict o0, uint8_t *restrict o1, uint8_t *restrict o2,
-                             const uint8_t *s0, const uint8_t *s1, const uint8_t *s2, Py_ssize_t n,
-                             float alpha) {
-    for (Py_ssize_t i = 0; i < n; i++) {
+/* saturation of up to CHUNK pixels of RGB planes into separate buffers: each
+ * value blended with its pixel's luma */
+#define CHUNK 2048
+
+TARGETS static void saturate_chunk(uint8_t *restrict o0, uint8_t *restrict o1, uint8_t *restrict o2,
+                                   const uint8_t *restrict s0, const uint8_t *restrict s1,
+                                   const uint8_t *restrict s2, int n, float alpha) {
+    for (int i = 0; i < n; i++) {
         int r = s0[i], g = s1[i], b = s2[i];
         int l = luma(r, g, b);
         float fl = (float)l;
@@ -102,6 +132,19 @@ TARGETS static void saturate(uint8_t *restrict o0, uint8_t *restrict o1, uint8_t
         o0[i] = (uint8_t)(int)tr;
         o1[i] = (uint8_t)(int)tg;
         o2[i] = (uint8_t)(int)tb;
+    }
+}
+
+/* the same over n pixels; the outputs may be the inputs (through a chunk buffer) */
+static void saturate(uint8_t *o0, uint8_t *o1, uint8_t *o2, const uint8_t *s0, const uint8_t *s1,
+                     const uint8_t *s2, Py_ssize_t n, float alpha) {
+    uint8_t buf[3][CHUNK];
+    for (Py_ssize_t i0 = 0; i0 < n; i0 += CHUNK) {
+        int m = n - i0 < CHUNK ? (int)(n - i0) : CHUNK;
+        saturate_chunk(buf[0], buf[1], buf[2], s0 + i0, s1 + i0, s2 + i0, m, alpha);
+        memcpy(o0 + i0, buf[0], (size_t)m);
+        memcpy(o1 + i0, buf[1], (size_t)m);
+        memcpy(o2 + i0, buf[2], (size_t)m);
     }
 }
 
