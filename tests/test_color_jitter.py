@@ -220,6 +220,7 @@ def test_what_the_planes_do_not_stand_for_runs_as_written(tv):
     assert not isinstance(_on_planes(V2.RandomPhotometricDistort()), ColorJitterOnPlanes)
 
 
+@needs_ext
 def test_where_the_user_pipeline_has_a_tensor_colorjitter_runs_as_written(tv):
     from coordl.tvcompat import ColorJitterOnPlanes, translate
 
@@ -261,3 +262,25 @@ def test_a_pipeline_with_colorjitter_gives_its_as_written_result(tv, version, tm
                 b = as_written.from_bytes(raw)
             assert type(a) is torch.Tensor and a.dtype == (torch.float32 if version == "v1" else torch.uint8)
             assert torch.equal(a, b), (w, h, i)
+
+
+def test_where_the_kernel_is_not_exact_colorjitter_runs_as_written(tv, monkeypatch, tmp_path):
+    """No extension, or one that does not reproduce this PIL: the user's
+    ColorJitter stays in the pipeline as written, and path_reason says so."""
+    import coordl
+    from coordl.synth import make_image_folder
+    from coordl.tvcompat import ColorJitterOnPlanes, translate
+
+    V1 = tv[0]
+    monkeypatch.setattr(C, "_checked", [False])
+    tf = V1.Compose([V1.RandomResizedCrop(16), V1.ColorJitter(0.4, 0.4, 0.4), V1.ToTensor()])
+    out = translate(tf)[0]
+    assert type(out.tail[0]) is V1.ColorJitter
+    root = make_image_folder(str(tmp_path / "p"), num_images=4, num_classes=2, image_size=(24, 20), mean_kb=2)
+    from torchvision import datasets as D
+
+    L = coordl.DataLoader(D.ImageFolder(root, transform=tf), batch_size=4)
+    reason = L.stats().path_reason
+    assert "as written: ColorJitter, ToTensor" in reason and "PIL's arithmetic" not in reason, reason
+    assert next(iter(L))[0].shape == (4, 3, 16, 16)
+    assert not any(isinstance(t, ColorJitterOnPlanes) for t in out.tail)

@@ -47,7 +47,11 @@ def test_timm_default_train_fuses_the_crop_and_flip():
     assert type(rrc) is T.RandomResizedCrop and rrc.size == (224, 224) and rrc.scale == (0.08, 1.0)
     assert rrc.ratio == pytest.approx((3 / 4, 4 / 3)) and rrc.interpolation.value == "bilinear"
     # the user's ColorJitter draws; coordl computes PIL's pixels on the planes (test_color_jitter.py)
-    assert [type(t) for t in out.tail] == [ColorJitterOnPlanes] and type(out.tail[0].user).__name__ == "ColorJitter"
+    if C._ext is not None:
+        assert [type(t) for t in out.tail] == [ColorJitterOnPlanes]
+        assert type(out.tail[0].user).__name__ == "ColorJitter"
+    else:
+        assert [type(t).__name__ for t in out.tail] == ["ColorJitter"]
     assert [type(t).__name__ for t in out.post] == ["MaybeToTensor", "Normalize"]
     assert [type(t) for t in out.post_fused.transforms] == [T.ToTensor, T.Normalize]
 
@@ -187,7 +191,8 @@ def test_timm_train_through_the_loader_is_timms_own_result_for_the_same_draws(od
     assert type(cj).__name__ == "ColorJitter" and (cj.hue is None) == (jitter == 0.4)
     ds = D.ImageFolder(odd_photos, transform=tf)
     L = coordl.DataLoader(ds, batch_size=len(ds), shuffle=False, seed=7, num_workers=num_workers)
-    assert "ColorJitter with its own draws and PIL's arithmetic" in L.stats().path_reason, L.stats().path_reason
+    if C._ext is not None:
+        assert "ColorJitter with its own draws and PIL's arithmetic" in L.stats().path_reason, L.stats().path_reason
     out = translate(tf)[0]
     ours = out.fused.transforms[0]   # coordl's RandomResizedCrop: its scale and ratio
     if C._ext is not None:   # ColorJitter runs on coordl's kernel here, not as written

@@ -84,12 +84,12 @@ def _check() -> bool:
     def noise(*shape):
         return np.frombuffer(rng.randbytes(int(np.prod(shape))), np.uint8).reshape(shape)
 
-    rgb = Image.fromarray(noise(96, 128, 3))
-    dark = Image.fromarray(noise(33, 47, 3) // 4)
-    gray = Image.fromarray(noise(31, 29))
-    factors = (0.0, 0.25, 0.6, 0.8537, 1.0, 1.1, 1.4, 2.75)
+    rgb = Image.fromarray(noise(48, 64, 3))
+    dark = Image.fromarray(noise(17, 19, 3) // 4)
+    gray = Image.fromarray(noise(13, 11))
+    factors = (0.0, 0.6, 0.8537, 1.4, 2.75)
     cases = [[(code, f)] for code in (BRIGHTNESS, CONTRAST, SATURATION) for f in factors]
-    cases += [[(HUE, s)] for s in (0, 1, 37, 128, 201, 255)]
+    cases += [[(HUE, s)] for s in (1, 128, 201)]
     cases += [[(SATURATION, 1.3), (BRIGHTNESS, 0.7), (HUE, 250), (CONTRAST, 1.25)]]
     for img in (rgb, dark, gray):
         planes = _planes(img)
