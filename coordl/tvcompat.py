@@ -100,7 +100,7 @@ def _base(cls: type, module: str, name: str) -> type | None:
 
 
 def _name(obj: Any) -> str:
-    return type(obj.user if isinstance(obj, ColorJitterOnPlanes) else obj).__name__
+    return type(obj.user if isinstance(obj, OnPlanes) else obj).__name__
 
 
 # ------------------------------------------------------------------ dataset
@@ -205,7 +205,7 @@ class TorchvisionPipeline:
 
     def _run_steps(self, x: Any, planes: bool) -> tuple[Any, bool]:
         for t in self.tail:
-            if planes and isinstance(t, ColorJitterOnPlanes) and t.exact():
+            if planes and isinstance(t, OnPlanes) and t.exact():
                 x = t.on_planes(x)
                 continue
             if planes:
@@ -290,15 +290,22 @@ def _pil_through(img: Image.Image, steps: list) -> torch.Tensor:
     return T._convert(T._to_chw(img), steps, False, ext)
 
 
-class ColorJitterOnPlanes:
-    """torchvision's ``ColorJitter`` (v1 or v2), where it gets the PIL image
-    that the fused path's planes stand for: the user's object draws the
-    parameters (its own ``get_params``/``make_params``: the same torch draws in
-    the same order), and ``coordl.decode.color`` computes what PIL computes
-    for them (brightness, contrast, saturation and hue in the drawn order, bit
-    for bit) on the uint8 planes, with no PIL image in between.  Given
-    anything else (a PIL image, a tensor) it runs the user's object as
-    written, and so it does everywhere when :meth:`exact` is False."""
+class OnPlanes:
+    """A user's torchvision step where it gets the PIL image that the fused
+    path's planes (a uint8 (C, H, W) tensor, C 1 or 3, standing for a mode L
+    or RGB image) stand for, run on the planes themselves: its result is the
+    planes of the image the user's object would return, from the same torch
+    draws in the same order.  Given anything else (a PIL image, a tensor) it
+    runs the user's object as written, and so it does everywhere when
+    :meth:`exact` is False.  Subclasses: :class:`ColorJitterOnPlanes`,
+    :class:`AugMixOnPlanes`."""
+
+    # what path_reason says of it
+    how = ""
+    # the constructor arguments of the probes :meth:`exact` checks the class with, and the seeds of
+    # torch's generator it runs them under on an RGB and an L image
+    probes: tuple = ({},)
+    seeds: tuple = ((0,), (0,))
 
     def __init__(self, user: Any, v2: bool):
         self.user, self.v2 = user, v2
@@ -306,13 +313,38 @@ class ColorJitterOnPlanes:
     def __call__(self, img: Any) -> Any:
         return self.user(img)
 
+    def on_planes(self, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
     def exact(self) -> bool:
-        """Whether the planes give the user's own result in this process:
-        coordl's kernel reproduces the installed PIL, and this class's draws
-        and order those of torchvision's (both checked once per process)."""
+        """Whether the planes give the user's own result in this process
+        (checked once per process and class on probe images: the same bytes,
+        and the same state of torch's generator after)."""
+        return _agrees(type(self), type(self.user), self.v2)
+
+    def spec(self) -> tuple:
+        return (f"coordl.tvcompat.{type(self).__name__}", T.spec_of(self.user))
+
+    def __repr__(self) -> str:
+        return f"{self.user!r} (on the planes: {self.how})"
+
+
+class ColorJitterOnPlanes(OnPlanes):
+    """torchvision's ``ColorJitter`` (v1 or v2) on the planes: the user's
+    object draws the parameters (its own ``get_params``/``make_params``), and
+    ``coordl.decode.color`` computes what PIL computes for them (brightness,
+    contrast, saturation and hue in the drawn order, bit for bit), with no
+    PIL image in between."""
+
+    how = "with its own draws and PIL's arithmetic, computed by coordl on the decoded planes"
+    probes = ({"brightness": 0.4, "contrast": 0.4, "saturation": 0.4, "hue": 0.1},
+              {"brightness": (0.0, 2.5), "saturation": (0.0, 0.0), "hue": (-0.5, 0.5)})
+    seeds = ((0, 1), (0,))
+
+    def exact(self) -> bool:
         from .decode import color
 
-        return color.exact_kernel() and _jitter_agrees(type(self.user), self.v2)
+        return color.exact_kernel() and super().exact()
 
     def draw(self) -> list[tuple[int, float]]:
         """The operations of one call, drawn as the user's object draws them,
@@ -342,50 +374,60 @@ class ColorJitterOnPlanes:
         return ops
 
     def on_planes(self, x: torch.Tensor) -> torch.Tensor:
-        """``x``: the uint8 (C, H, W) planes (C 1 or 3) of the PIL image the
-        user's object would get; the planes of the image it would return."""
         from .decode import color
 
         return torch.from_numpy(color.jitter(x.numpy(), self.draw()))
 
-    def spec(self) -> tuple:
-        return ("coordl.tvcompat.ColorJitterOnPlanes", T.spec_of(self.user))
 
-    def __repr__(self) -> str:
-        return f"{self.user!r} (on the planes: PIL's arithmetic)"
+class AugMixOnPlanes(OnPlanes):
+    """torchvision's ``AugMix`` (v1 or v2, ``fill=None``) on the planes.  On a
+    PIL image it makes a uint8 tensor of it (``pil_to_tensor``: the (C, H, W)
+    view of the image's (H, W, C) bytes), augments and mixes that, and makes a
+    PIL image of the result; here it is given that very tensor (the same
+    values in the same memory layout), and its result is the planes, without
+    the two conversions."""
+
+    how = ("given the decoded planes as the uint8 tensor it makes of the PIL image (the same layout; no "
+           "conversion to PIL and back)")
+
+    def on_planes(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.user(x.permute(1, 2, 0).contiguous().permute(2, 0, 1))
+        if not (isinstance(out, torch.Tensor) and out.dtype == torch.uint8 and out.shape == x.shape):
+            raise TypeError(f"AugMix gave {type(out).__name__} {getattr(out, 'dtype', '')} for planes of shape "
+                            f"{tuple(x.shape)}, not uint8 planes of that shape")
+        return out.as_subclass(torch.Tensor)
 
 
 _agree_lock = threading.Lock()
 _agree: dict = {}
 
 
-def _jitter_agrees(cls: type, v2: bool) -> bool:
-    """Whether :class:`ColorJitterOnPlanes` over ``cls`` gives what ``cls``
-    gives on PIL images, with the same draws left behind on torch's
-    generator: checked once per process and class on probe images (mode RGB
-    and L, factors at and inside their ends, hue included), the process's
-    generator state restored after."""
-    ok = _agree.get(cls)
+def _agrees(kind: type, cls: type, v2: bool) -> bool:
+    """Whether ``kind`` (an :class:`OnPlanes` class) over the user's class
+    ``cls`` gives what ``cls`` gives on PIL images, with the same draws left
+    behind on torch's generator: checked once per process on probe images
+    (mode RGB and L) for each of ``kind.probes``, the process's generator
+    state restored after."""
+    ok = _agree.get((kind, cls))
     if ok is not None:
         return ok
     with _agree_lock:
-        if cls not in _agree:
-            _agree[cls] = _check_jitter(cls, v2)
-    return _agree[cls]
+        if (kind, cls) not in _agree:
+            _agree[(kind, cls)] = _check_agreement(kind, cls, v2)
+    return _agree[(kind, cls)]
 
 
-def _check_jitter(cls: type, v2: bool) -> bool:
+def _check_agreement(kind: type, cls: type, v2: bool) -> bool:
     cpu = torch.default_generator
     state = cpu.get_state()
     rnd = random.Random(5)
     rgb = np.frombuffer(rnd.randbytes(3 * 17 * 23), np.uint8).reshape(17, 23, 3)
     images = [Image.fromarray(rgb), Image.fromarray(np.ascontiguousarray(rgb[:9, :7, 1]))]
     try:
-        for kw in ({"brightness": 0.4, "contrast": 0.4, "saturation": 0.4, "hue": 0.1},
-                   {"brightness": (0.0, 2.5), "saturation": (0.0, 0.0), "hue": (-0.5, 0.5)}):
+        for kw in kind.probes:
             t = cls(**kw)
-            mine = ColorJitterOnPlanes(t, v2)
-            for img, seeds in zip(images, (range(2), range(1))):
+            mine = kind(t, v2)
+            for img, seeds in zip(images, kind.seeds):
                 for seed in seeds:
                     cpu.manual_seed(seed)
                     want = np.asarray(t(img))
@@ -394,12 +436,12 @@ def _check_jitter(cls: type, v2: bool) -> bool:
                     got = mine.on_planes(T._to_chw(img)).numpy()
                     got = got[0] if img.mode == "L" else got.transpose(1, 2, 0)
                     if not (np.array_equal(got, want) and torch.equal(cpu.get_state(), after)):
-                        log.warning("coordl's ColorJitter on the planes differs from %s.%s here: it runs as "
-                                    "written", cls.__module__, cls.__name__)
+                        log.warning("coordl's %s differs from %s.%s here: it runs as written", kind.__name__,
+                                    cls.__module__, cls.__name__)
                         return False
         return True
     except Exception as e:  # noqa: BLE001 (another torchvision's API): run it as written
-        log.warning("coordl's ColorJitter on the planes cannot run %s.%s here (%s: %s): it runs as written",
+        log.warning("coordl's %s cannot run %s.%s here (%s: %s): it runs as written", kind.__name__,
                     cls.__module__, cls.__name__, type(e).__name__, e)
         return False
     finally:
@@ -699,25 +741,35 @@ def _split_post(tail: list) -> tuple[list, list, Any, Any]:
 
 
 def _on_planes(t: Any) -> Any:
-    """``t``, or :class:`ColorJitterOnPlanes` over it when it is
-    torchvision's ``ColorJitter`` with ranges as its constructor makes them
-    and the planes give its result here (checked now, once per process, so
-    that workers forked later inherit the answer)."""
+    """``t``, or an :class:`OnPlanes` over it when it is torchvision's
+    ``ColorJitter`` with ranges as its constructor makes them, or its
+    ``AugMix`` with ``fill=None``, and the planes give its result here
+    (checked now, once per process, so that workers forked later inherit the
+    answer)."""
     kind = _kind(t)
-    if kind is None or kind[0] not in ("v1", "v2") or kind[1] != "ColorJitter":
+    if kind is None or kind[0] not in ("v1", "v2"):
         return t
+    v2 = kind[0] == "v2"
     try:
-        for name in ("brightness", "contrast", "saturation", "hue"):
-            r = getattr(t, name)
-            if r is None:
-                continue
-            lo, hi = (float(v) for v in r)
-            bounds = (-0.5, 0.5) if name == "hue" else (0.0, math.inf)
-            if not (bounds[0] <= lo <= hi <= bounds[1] and math.isfinite(hi)):
+        if kind[1] == "ColorJitter":
+            for name in ("brightness", "contrast", "saturation", "hue"):
+                r = getattr(t, name)
+                if r is None:
+                    continue
+                lo, hi = (float(v) for v in r)
+                bounds = (-0.5, 0.5) if name == "hue" else (0.0, math.inf)
+                if not (bounds[0] <= lo <= hi <= bounds[1] and math.isfinite(hi)):
+                    return t
+            mine = ColorJitterOnPlanes(t, v2)
+        elif kind[1] == "AugMix":
+            # a fill is applied by type (v2: a dict of types), and v1 makes floats of it for a tensor only
+            if t.fill is not None or (v2 and getattr(t, "_fill", {"others": None}) != {"others": None}):
                 return t
-    except (TypeError, ValueError):
+            mine = AugMixOnPlanes(t, v2)
+        else:
+            return t
+    except (TypeError, ValueError, AttributeError):
         return t
-    mine = ColorJitterOnPlanes(t, kind[0] == "v2")
     return mine if mine.exact() else t
 
 
@@ -738,10 +790,7 @@ def describe_translation(transform: Any, out: Any, fused: tuple, as_written: tup
     if as_written:
         what += f"; as written: {', '.join(as_written)}"
         notes = []
-        planes = [_name(t) for t in getattr(out, "tail", ()) if isinstance(t, ColorJitterOnPlanes)]
-        if planes:
-            notes.append(f"{', '.join(planes)} with its own draws and PIL's arithmetic, computed by coordl on "
-                         "the decoded planes")
+        notes += [f"{_name(t)} {t.how}" for t in getattr(out, "tail", ()) if isinstance(t, OnPlanes)]
         post = getattr(out, "post", ())
         if post:
             how = (" (as coordl's conversion when they get a PIL image)"

@@ -1,9 +1,11 @@
-"""torchvision's ColorJitter on the fused path's planes: coordl's kernel
-(coordl.decode.color) computes PIL's brightness, contrast, saturation and
-hue bytes exactly, and ColorJitterOnPlanes gives what torchvision's own
-ColorJitter (v1 and v2) gives on the PIL image for the same torch generator
-state, leaving the generator where torchvision leaves it.  Every comparison
-is value for value: a kernel one level off anywhere fails."""
+"""torchvision steps on the fused path's planes (the uint8 tensor the PIL
+image they expect stands for): ColorJitter, whose pixels coordl's kernel
+(coordl.decode.color) computes with PIL's brightness, contrast, saturation
+and hue arithmetic, and AugMix, given the tensor it makes of the PIL image.
+Each gives what torchvision's own step (v1 and v2) gives on the PIL image for
+the same torch generator state, leaving the generator where torchvision
+leaves it.  Every comparison is value for value: a kernel one level off
+anywhere fails."""
 import os
 import random
 import sys
@@ -284,3 +286,76 @@ def test_where_the_kernel_is_not_exact_colorjitter_runs_as_written(tv, monkeypat
     assert "as written: ColorJitter, ToTensor" in reason and "PIL's arithmetic" not in reason, reason
     assert next(iter(L))[0].shape == (4, 3, 16, 16)
     assert not any(isinstance(t, ColorJitterOnPlanes) for t in out.tail)
+
+
+# ---------------------------------------------------------------------- AugMix
+@pytest.mark.parametrize("version", ["v1", "v2"])
+@pytest.mark.parametrize("params", [{}, {"severity": 10, "mixture_width": 2, "chain_depth": 3, "alpha": 0.5},
+                                    {"all_ops": False}], ids=["default", "strong", "partial"])
+def test_augmix_on_planes_is_torchvisions_for_the_same_generator(tv, version, params):
+    from coordl.tvcompat import AugMixOnPlanes, _on_planes
+
+    M = tv[0] if version == "v1" else tv[1]
+    t = M.AugMix(**params)
+    mine = _on_planes(t)
+    assert isinstance(mine, AugMixOnPlanes) and mine.user is t and mine.exact()
+    rnd = random.Random(7)
+    sizes = [(1, 29), (31, 1), (2, 3), (17, 23), (64, 80)]
+    for seed in range(10):
+        h, w = sizes[seed % len(sizes)]
+        img = _image(rnd, h, w, "RGB" if seed % 3 else "L")
+        torch.manual_seed(seed)
+        want = t(img)
+        after = torch.get_rng_state()
+        torch.manual_seed(seed)
+        got = mine.on_planes(torch.from_numpy(_planes(img)))
+        assert torch.equal(torch.get_rng_state(), after), seed
+        assert type(got) is torch.Tensor and got.dtype == torch.uint8
+        assert np.array_equal(got.numpy(), _planes(want)), (seed, h, w, img.mode)
+
+
+def test_augmix_with_a_fill_runs_as_written(tv):
+    from coordl.tvcompat import _on_planes
+
+    for M in tv:
+        for fill in (0, 128, [1, 2, 3]):
+            t = M.AugMix(fill=fill)
+            assert _on_planes(t) is t
+
+
+@pytest.mark.parametrize("version", ["v1", "v2"])
+def test_a_pipeline_with_augmix_gives_its_as_written_result(tv, version):
+    import io
+
+    from coordl import _rng
+    from coordl.synth import render_image
+    from coordl.tvcompat import AugMixOnPlanes, TorchvisionPipeline, translate
+
+    M = tv[0] if version == "v1" else tv[1]
+    steps = [M.RandomResizedCrop(40), M.RandomHorizontalFlip(), M.AugMix(), M.PILToTensor()]
+    if version == "v1":
+        steps += [M.ConvertImageDtype(torch.float32), M.Normalize((0.485, 0.456, 0.406), (0.229, 0.224, 0.225))]
+    out = translate(M.Compose(steps))[0]
+    assert [type(t) for t in out.tail] == [AugMixOnPlanes]
+    as_written = TorchvisionPipeline(out.fused, out.to_pil, out.image_type, [t.user for t in out.tail] + out.post)
+    for k, (w, h) in enumerate([(67, 45), (1, 40), (301, 199)]):
+        buf = io.BytesIO()
+        render_image(6, k, w, h, 1.5).save(buf, "JPEG", quality=90)
+        raw = buf.getvalue()
+        for i in range(3):
+            with _rng.sample_rng(2, 0, i):
+                a = out.from_bytes(raw)
+            with _rng.sample_rng(2, 0, i):
+                b = as_written.from_bytes(raw)
+            assert type(a) is torch.Tensor and torch.equal(a, b), (w, h, i)
+
+
+def test_messages_name_the_users_steps(tv):
+    from coordl.device.encoded import plan_for
+    from coordl.tvcompat import translate
+
+    V1 = tv[0]
+    out = translate(V1.Compose([V1.RandomResizedCrop(16), V1.ColorJitter(0.4), V1.AugMix(), V1.ToTensor()]))[0]
+    with pytest.raises(ValueError, match=r"the torchvision steps ColorJitter, AugMix run as written") as e:
+        plan_for(out)
+    assert "OnPlanes" not in str(e.value) and "OnPlanes" not in repr(out).split("(on the planes")[0]
