@@ -359,3 +359,20 @@ def test_messages_name_the_users_steps(tv):
     with pytest.raises(ValueError, match=r"the torchvision steps ColorJitter, AugMix run as written") as e:
         plan_for(out)
     assert "OnPlanes" not in str(e.value) and "OnPlanes" not in repr(out).split("(on the planes")[0]
+
+
+@needs_ext
+def test_the_first_use_checks_leave_the_generators_as_they_were(tv, monkeypatch):
+    import coordl.tvcompat as tc
+
+    V1, V2 = tv
+    monkeypatch.setattr(tc, "_agree", {})
+    monkeypatch.setattr(C, "_checked", [])
+    torch.manual_seed(11)
+    random.seed(11)
+    before = torch.get_rng_state(), random.getstate()
+    out = tc.translate(V2.Compose([V2.RandomResizedCrop(16), V2.ColorJitter(0.4, 0.4, 0.4, 0.2), V2.AugMix(),
+                                   V2.PILToTensor()]))[0]
+    assert [type(t) for t in out.tail] == [tc.ColorJitterOnPlanes, tc.AugMixOnPlanes]
+    assert len(tc._agree) == 2 and C._checked == [True]   # the checks ran, here
+    assert torch.equal(torch.get_rng_state(), before[0]) and random.getstate() == before[1]
