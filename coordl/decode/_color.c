@@ -150,63 +150,84 @@ static void saturate(uint8_t *o0, uint8_t *o1, uint8_t *o2, const uint8_t *s0, c
 
 static inline int clip8(int v) { return v <= 0 ? 0 : v < 256 ? v : 255; }
 
-/* PIL's RGB -> HSV of one pixel (colorsys' formulas, PIL's precisions) */
-static inline void to_hsv(int r, int g, int b, int *ph, int *ps, int *pv) {
-    int mx = r > g ? (r > b ? r : b) : (g > b ? g : b);
-    int mn = r < g ? (r < b ? r : b) : (g < b ? g : b);
-    *pv = mx;
-    if (mx == mn) {
-        *ph = 0;
-        *ps = 0;
-        return;
-    }
-    float span = (float)(mx - mn);
-    float s = span / (float)mx;
-    float rc = (float)(mx - r) / span;
-    float gc = (float)(mx - g) / span;
-    float bc = (float)(mx - b) / span;
-    float h;
-    if (r == mx)
-        h = bc - gc;
-    else if (g == mx)
-        h = (float)(2.0 + rc - bc);
-    else
-        h = (float)(4.0 + gc - rc);
-    h = (float)fmod(h / 6.0 + 1.0, 1.0);
-    *ph = clip8((int)(h * 255.0));
-    *ps = clip8((int)(s * 255.0));
+/* fmod(x, 1.0), floor(x) and round(x) for 0 <= x < 2**31, inline and exact:
+ * x minus its integer part is exact in binary floating point */
+static inline double frac_pos(double x) { return x - (double)(int)x; }
+static inline int floor_pos(double x) { return (int)x; }
+static inline int round_pos(double x) {
+    int i = (int)x;
+    return x - (double)i >= 0.5 ? i + 1 : i;  /* halves away from zero, as round() */
 }
 
-/* PIL's HSV -> RGB of one pixel */
-static inline void from_hsv(int h, int s, int v, uint8_t *r, uint8_t *g, uint8_t *b) {
-    if (s == 0) {
-        *r = *g = *b = (uint8_t)v;
-        return;
-    }
-    int sector = (int)floor((float)h * 6.0 / 255.0);
-    float f = (float)((float)h * 6.0 / 255.0 - (float)sector);
-    float fs = (float)((float)s / 255.0);
-    float fsf = fs * f;
-    uint8_t p = (uint8_t)clip8((int)round((float)v * (1.0 - fs)));
-    uint8_t q = (uint8_t)clip8((int)round((float)v * (1.0 - fsf)));
-    uint8_t t = (uint8_t)clip8((int)round((float)v * (1.0 - fs * (1.0 - f))));
-    uint8_t V = (uint8_t)v;
-    switch (sector % 6) {
-    case 0: *r = V; *g = t; *b = p; break;
-    case 1: *r = q; *g = V; *b = p; break;
-    case 2: *r = p; *g = V; *b = t; break;
-    case 3: *r = p; *g = q; *b = V; break;
-    case 4: *r = t; *g = p; *b = V; break;
-    default: *r = V; *g = p; *b = q; break;
+/* PIL's RGB -> HSV (colorsys' formulas, PIL's precisions) of m pixels.
+ * Written without branches so that it vectorizes: every lane computes every
+ * candidate (a grey pixel with a stand-in span of 1), then selects; the
+ * values selected are those of PIL's branches. */
+TARGETS static void to_hsv(uint8_t *restrict H, uint8_t *restrict S, uint8_t *restrict V,
+                           const uint8_t *restrict s0, const uint8_t *restrict s1,
+                           const uint8_t *restrict s2, int m) {
+    for (int i = 0; i < m; i++) {
+        int r = s0[i], g = s1[i], b = s2[i];
+        int mx = r > g ? r : g;
+        mx = mx > b ? mx : b;
+        int mn = r < g ? r : g;
+        mn = mn < b ? mn : b;
+        int grey = mx == mn;
+        float span = (float)(grey ? 1 : mx - mn);
+        float s = span / (float)(grey ? 1 : mx);
+        float rc = (float)(mx - r) / span;
+        float gc = (float)(mx - g) / span;
+        float bc = (float)(mx - b) / span;
+        float h1 = bc - gc;
+        float h2 = (float)(2.0 + rc - bc);
+        float h3 = (float)(4.0 + gc - rc);
+        float h = r == mx ? h1 : (g == mx ? h2 : h3);
+        h = (float)frac_pos(h / 6.0 + 1.0);  /* fmod(, 1.0) of a value in (0.8, 1.9) */
+        int hh = clip8((int)(h * 255.0));
+        int ss = clip8((int)(s * 255.0));
+        H[i] = (uint8_t)(grey ? 0 : hh);
+        S[i] = (uint8_t)(grey ? 0 : ss);
+        V[i] = (uint8_t)mx;
     }
 }
 
+/* PIL's HSV -> RGB of m pixels, the hue turned by `shift` first; branch-free
+ * as to_hsv */
+TARGETS static void from_hsv(uint8_t *restrict o0, uint8_t *restrict o1, uint8_t *restrict o2,
+                             const uint8_t *restrict H, const uint8_t *restrict S,
+                             const uint8_t *restrict V, int m, int shift) {
+    for (int i = 0; i < m; i++) {
+        int h = (H[i] + shift) & 255, s = S[i], v = V[i];
+        double hd = (float)h * 6.0 / 255.0;
+        int sector = floor_pos(hd);  /* 0..6 */
+        float f = (float)(hd - (float)sector);
+        float fs = (float)((float)s / 255.0);
+        float fsf = fs * f;
+        int p = clip8(round_pos((float)v * (1.0 - fs)));  /* all three in [0, 255] */
+        int q = clip8(round_pos((float)v * (1.0 - fsf)));
+        int t = clip8(round_pos((float)v * (1.0 - fs * (1.0 - f))));
+        int k = sector == 6 ? 0 : sector;
+        /* sectors 0..5: (v,t,p) (q,v,p) (p,v,t) (p,q,v) (t,p,v) (v,p,q) */
+        int r = (k == 0 || k == 5) ? v : k == 1 ? q : k == 4 ? t : p;
+        int g = (k == 1 || k == 2) ? v : k == 0 ? t : k == 3 ? q : p;
+        int b = (k == 3 || k == 4) ? v : k == 2 ? t : k == 5 ? q : p;
+        o0[i] = (uint8_t)(s == 0 ? v : r);
+        o1[i] = (uint8_t)(s == 0 ? v : g);
+        o2[i] = (uint8_t)(s == 0 ? v : b);
+    }
+}
+
+/* the hue rotation over n pixels, a chunk at a time (the outputs may be the inputs) */
 static void rotate_hue(uint8_t *o0, uint8_t *o1, uint8_t *o2, const uint8_t *s0, const uint8_t *s1,
                        const uint8_t *s2, Py_ssize_t n, int shift) {
-    for (Py_ssize_t i = 0; i < n; i++) {
-        int h, s, v;
-        to_hsv(s0[i], s1[i], s2[i], &h, &s, &v);
-        from_hsv((h + shift) & 255, s, v, &o0[i], &o1[i], &o2[i]);
+    uint8_t hsv[3][CHUNK], rgb[3][CHUNK];
+    for (Py_ssize_t i0 = 0; i0 < n; i0 += CHUNK) {
+        int m = n - i0 < CHUNK ? (int)(n - i0) : CHUNK;
+        to_hsv(hsv[0], hsv[1], hsv[2], s0 + i0, s1 + i0, s2 + i0, m);
+        from_hsv(rgb[0], rgb[1], rgb[2], hsv[0], hsv[1], hsv[2], m, shift);
+        memcpy(o0 + i0, rgb[0], (size_t)m);
+        memcpy(o1 + i0, rgb[1], (size_t)m);
+        memcpy(o2 + i0, rgb[2], (size_t)m);
     }
 }
 
