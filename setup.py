@@ -9,6 +9,10 @@ simplejpeg as before.
 ``coordl.decode._resample`` resamples uint8 images with PIL's arithmetic (the
 fused path's Resize and RandomResizedCrop).  It needs only a C compiler;
 without it the fused path has PIL resample instead (the same pixels, slower).
+
+``coordl.decode._color`` computes PIL's brightness, contrast, saturation and
+hue adjustments (torchvision's ``ColorJitter`` on a PIL image) on the fused
+path's planes.  It needs only a C compiler; without it they run through PIL.
 """
 from setuptools import Extension, setup
 
@@ -17,5 +21,8 @@ setup(ext_modules=[
               extra_compile_args=["-O2", "-std=c99"]),
     # -ffp-contract=off: the weights are computed as written (no fused multiply-add), as PIL computes them
     Extension("coordl.decode._resample", ["coordl/decode/_resample.c"], optional=True,
+              extra_compile_args=["-O3", "-std=c99", "-ffp-contract=off"]),
+    # -ffp-contract=off: PIL's blend and HSV expressions round after each operation
+    Extension("coordl.decode._color", ["coordl/decode/_color.c"], optional=True,
               extra_compile_args=["-O3", "-std=c99", "-ffp-contract=off"]),
 ])

@@ -47,8 +47,10 @@ The rules (docs/guide/torchvision.md gives them with the measured tolerances):
 from __future__ import annotations
 
 import logging
+import math
 import random
 import sys
+import threading
 import warnings
 from dataclasses import dataclass
 from typing import Any
@@ -98,7 +100,7 @@ def _base(cls: type, module: str, name: str) -> type | None:
 
 
 def _name(obj: Any) -> str:
-    return type(obj).__name__
+    return type(obj.user if isinstance(obj, OnPlanes) else obj).__name__
 
 
 # ------------------------------------------------------------------ dataset
@@ -180,23 +182,41 @@ class TorchvisionPipeline:
         return self._rest(self.fused(img) if self.fused is not None else img)
 
     def _rest(self, x: Any) -> Any:
+        planes = False
         if self.fused is not None:
             if self.to_pil:
-                x = _to_pil(x)
+                # the PIL image the user's next step expects, held as the fused result's planes until
+                # a step needs the PIL object itself (steps with a kernel of coordl's take the planes)
+                planes = x.ndim == 3 and x.shape[0] in (1, 3)
+                if not planes:
+                    x = _to_pil(x)
             elif self.image_type is not None:
                 x = x.as_subclass(self.image_type)
         if self.tail:
-            x = self._run_tail(x)
+            x, planes = self._run_tail(x, planes)
+        if planes:
+            if self.post and self.post_fused is not None:
+                x = T._convert(x, self.post_fused.transforms, False, _ext())
+                return x.as_subclass(self.post_type) if self.post_type is not None else x
+            x = _to_pil(x)
         if self.post:
             x = self._run_post(x)
         return x
 
-    def _run_tail(self, x: Any) -> Any:
+    def _run_steps(self, x: Any, planes: bool) -> tuple[Any, bool]:
+        for t in self.tail:
+            if planes and isinstance(t, OnPlanes) and t.exact():
+                x = t.on_planes(x)
+                continue
+            if planes:
+                x, planes = _to_pil(x), False
+            x = t(x)
+        return x, planes
+
+    def _run_tail(self, x: Any, planes: bool = False) -> tuple[Any, bool]:
         g = _rng.current()
         if not isinstance(g, random.Random):  # outside a coordl prep stage: torch's RNG, as torchvision
-            for t in self.tail:
-                x = t(x)
-            return x
+            return self._run_steps(x, planes)
         # inside one: the as-written part draws from torch's CPU generator and Python's, seeded from
         # the sample's own generator and restored afterwards (only the CPU generator: torch.manual_seed
         # would also seed every accelerator's, ~1 ms a call, and prep never draws on a device)
@@ -207,9 +227,7 @@ class TorchvisionPipeline:
         cpu.manual_seed(torch_seed)
         random.seed(py_seed)
         try:
-            for t in self.tail:
-                x = t(x)
-            return x
+            return self._run_steps(x, planes)
         finally:
             random.setstate(py_state)
             cpu.set_state(cpu_state)
@@ -270,6 +288,164 @@ def _pil_through(img: Image.Image, steps: list) -> torch.Tensor:
             to_float(arr.transpose(2, 0, 1), lut.numpy(), out.numpy(), False)
             return out
     return T._convert(T._to_chw(img), steps, False, ext)
+
+
+class OnPlanes:
+    """A user's torchvision step where it gets the PIL image that the fused
+    path's planes (a uint8 (C, H, W) tensor, C 1 or 3, standing for a mode L
+    or RGB image) stand for, run on the planes themselves: its result is the
+    planes of the image the user's object would return, from the same torch
+    draws in the same order.  Given anything else (a PIL image, a tensor) it
+    runs the user's object as written, and so it does everywhere when
+    :meth:`exact` is False.  Subclasses: :class:`ColorJitterOnPlanes`,
+    :class:`AugMixOnPlanes`."""
+
+    # what path_reason says of it
+    how = ""
+    # the constructor arguments of the probes :meth:`exact` checks the class with, and the seeds of
+    # torch's generator it runs them under on an RGB and an L image
+    probes: tuple = ({},)
+    seeds: tuple = ((0,), (0,))
+
+    def __init__(self, user: Any, v2: bool):
+        self.user, self.v2 = user, v2
+
+    def __call__(self, img: Any) -> Any:
+        return self.user(img)
+
+    def on_planes(self, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def exact(self) -> bool:
+        """Whether the planes give the user's own result in this process
+        (checked once per process and class on probe images: the same bytes,
+        and the same state of torch's generator after)."""
+        return _agrees(type(self), type(self.user), self.v2)
+
+    def spec(self) -> tuple:
+        return (f"coordl.tvcompat.{type(self).__name__}", T.spec_of(self.user))
+
+    def __repr__(self) -> str:
+        return f"{self.user!r} (on the planes: {self.how})"
+
+
+class ColorJitterOnPlanes(OnPlanes):
+    """torchvision's ``ColorJitter`` (v1 or v2) on the planes: the user's
+    object draws the parameters (its own ``get_params``/``make_params``), and
+    ``coordl.decode.color`` computes what PIL computes for them (brightness,
+    contrast, saturation and hue in the drawn order, bit for bit), with no
+    PIL image in between."""
+
+    how = "with its own draws and PIL's arithmetic, computed by coordl on the decoded planes"
+    probes = ({"brightness": 0.4, "contrast": 0.4, "saturation": 0.4, "hue": 0.1},
+              {"brightness": (0.0, 2.5), "saturation": (0.0, 0.0), "hue": (-0.5, 0.5)})
+    seeds = ((0, 1), (0,))
+
+    def exact(self) -> bool:
+        from .decode import color
+
+        return color.exact_kernel() and super().exact()
+
+    def draw(self) -> list[tuple[int, float]]:
+        """The operations of one call, drawn as the user's object draws them,
+        in ``coordl.decode.color.jitter``'s terms."""
+        from .decode import color
+
+        t = self.user
+        if self.v2:
+            p = t.make_params([])
+            order, b, c, s, h = (p["fn_idx"], p["brightness_factor"], p["contrast_factor"],
+                                 p["saturation_factor"], p["hue_factor"])
+        else:
+            order, b, c, s, h = t.get_params(t.brightness, t.contrast, t.saturation, t.hue)
+        ops = []
+        for k in order.tolist():
+            if k == 0 and b is not None:
+                ops.append((color.BRIGHTNESS, b))
+            elif k == 1 and c is not None:
+                ops.append((color.CONTRAST, c))
+            elif k == 2 and s is not None:
+                ops.append((color.SATURATION, s))
+            elif k == 3 and h is not None:
+                if not -0.5 <= h <= 0.5:
+                    raise ValueError(f"hue_factor ({h}) is not in [-0.5, 0.5].")
+                # torchvision's shift of the 8-bit hue: truncated to int32, then wrapped to uint8
+                ops.append((color.HUE, int(np.int32(h * 255).astype(np.uint8))))
+        return ops
+
+    def on_planes(self, x: torch.Tensor) -> torch.Tensor:
+        from .decode import color
+
+        return torch.from_numpy(color.jitter(x.numpy(), self.draw()))
+
+
+class AugMixOnPlanes(OnPlanes):
+    """torchvision's ``AugMix`` (v1 or v2, ``fill=None``) on the planes.  On a
+    PIL image it makes a uint8 tensor of it (``pil_to_tensor``: the (C, H, W)
+    view of the image's (H, W, C) bytes), augments and mixes that, and makes a
+    PIL image of the result; here it is given that very tensor (the same
+    values in the same memory layout), and its result is the planes, without
+    the two conversions."""
+
+    how = ("given the decoded planes as the uint8 tensor it makes of the PIL image (the same layout; no "
+           "conversion to PIL and back)")
+
+    def on_planes(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.user(x.permute(1, 2, 0).contiguous().permute(2, 0, 1))
+        if not (isinstance(out, torch.Tensor) and out.dtype == torch.uint8 and out.shape == x.shape):
+            raise TypeError(f"AugMix gave {type(out).__name__} {getattr(out, 'dtype', '')} for planes of shape "
+                            f"{tuple(x.shape)}, not uint8 planes of that shape")
+        return out.as_subclass(torch.Tensor)
+
+
+_agree_lock = threading.Lock()
+_agree: dict = {}
+
+
+def _agrees(kind: type, cls: type, v2: bool) -> bool:
+    """Whether ``kind`` (an :class:`OnPlanes` class) over the user's class
+    ``cls`` gives what ``cls`` gives on PIL images, with the same draws left
+    behind on torch's generator: checked once per process on probe images
+    (mode RGB and L) for each of ``kind.probes``, the process's generator
+    state restored after."""
+    ok = _agree.get((kind, cls))
+    if ok is not None:
+        return ok
+    with _agree_lock:
+        if (kind, cls) not in _agree:
+            _agree[(kind, cls)] = _check_agreement(kind, cls, v2)
+    return _agree[(kind, cls)]
+
+
+def _check_agreement(kind: type, cls: type, v2: bool) -> bool:
+    cpu = torch.default_generator
+    state = cpu.get_state()
+    rnd = random.Random(5)
+    rgb = np.frombuffer(rnd.randbytes(3 * 17 * 23), np.uint8).reshape(17, 23, 3)
+    images = [Image.fromarray(rgb), Image.fromarray(np.ascontiguousarray(rgb[:9, :7, 1]))]
+    try:
+        for kw in kind.probes:
+            t = cls(**kw)
+            mine = kind(t, v2)
+            for img, seeds in zip(images, kind.seeds):
+                for seed in seeds:
+                    cpu.manual_seed(seed)
+                    want = np.asarray(t(img))
+                    after = cpu.get_state()
+                    cpu.manual_seed(seed)
+                    got = mine.on_planes(T._to_chw(img)).numpy()
+                    got = got[0] if img.mode == "L" else got.transpose(1, 2, 0)
+                    if not (np.array_equal(got, want) and torch.equal(cpu.get_state(), after)):
+                        log.warning("coordl's %s differs from %s.%s here: it runs as written", kind.__name__,
+                                    cls.__module__, cls.__name__)
+                        return False
+        return True
+    except Exception as e:  # noqa: BLE001 (another torchvision's API): run it as written
+        log.warning("coordl's %s cannot run %s.%s here (%s: %s): it runs as written", kind.__name__,
+                    cls.__module__, cls.__name__, type(e).__name__, e)
+        return False
+    finally:
+        cpu.set_state(state)
 
 
 # --------------------------------------------------------------- transforms
@@ -564,6 +740,39 @@ def _split_post(tail: list) -> tuple[list, list, Any, Any]:
     return rest, post, post_fused, post_type
 
 
+def _on_planes(t: Any) -> Any:
+    """``t``, or an :class:`OnPlanes` over it when it is torchvision's
+    ``ColorJitter`` with ranges as its constructor makes them, or its
+    ``AugMix`` with ``fill=None``, and the planes give its result here
+    (checked now, once per process, so that workers forked later inherit the
+    answer)."""
+    kind = _kind(t)
+    if kind is None or kind[0] not in ("v1", "v2"):
+        return t
+    v2 = kind[0] == "v2"
+    try:
+        if kind[1] == "ColorJitter":
+            for name in ("brightness", "contrast", "saturation", "hue"):
+                r = getattr(t, name)
+                if r is None:
+                    continue
+                lo, hi = (float(v) for v in r)
+                bounds = (-0.5, 0.5) if name == "hue" else (0.0, math.inf)
+                if not (bounds[0] <= lo <= hi <= bounds[1] and math.isfinite(hi)):
+                    return t
+            mine = ColorJitterOnPlanes(t, v2)
+        elif kind[1] == "AugMix":
+            # a fill is applied by type (v2: a dict of types), and v1 makes floats of it for a tensor only
+            if t.fill is not None or (v2 and getattr(t, "_fill", {"others": None}) != {"others": None}):
+                return t
+            mine = AugMixOnPlanes(t, v2)
+        else:
+            return t
+    except (TypeError, ValueError, AttributeError):
+        return t
+    return mine if mine.exact() else t
+
+
 def translate(transform: Any, draft: bool = False) -> tuple[Any, tuple[str, ...], tuple[str, ...]]:
     """``(coordl transform, fused names, as-written names)`` for a torchvision
     transform (or any callable, or None): the longest prefix coordl can fuse,
@@ -580,11 +789,15 @@ def describe_translation(transform: Any, out: Any, fused: tuple, as_written: tup
     what = (f"read through {', '.join(through)}; " if through else "") + f"fused {', '.join(fused) or 'nothing'}"
     if as_written:
         what += f"; as written: {', '.join(as_written)}"
+        notes = []
+        notes += [f"{_name(t)} {t.how}" for t in getattr(out, "tail", ()) if isinstance(t, OnPlanes)]
         post = getattr(out, "post", ())
         if post:
             how = (" (as coordl's conversion when they get a PIL image)"
                    if getattr(out, "post_fused", None) is not None else "")
-            what += f" (of which {', '.join(_name(t) for t in post)} without a generator of their own{how})"
+            notes.append(f"{', '.join(_name(t) for t in post)} without a generator of their own{how}")
+        if notes:
+            what += f" (of which {'; '.join(notes)})"
     return what
 
 
@@ -605,6 +818,7 @@ def translate_steps(steps: list, draft: bool = False) -> tuple[Any, tuple[str, .
         st.geo[0].draft = True
     if st.to_tensor is None:
         fused = T.Compose(st.geo + [T.PILToTensor()])
+        tail = [_on_planes(t) for t in tail]
         return TorchvisionPipeline(fused, True, None, *_split_post(tail)), fused_names, tail_names
     fused = T.Compose(st.geo + [st.to_tensor] + st.post)
     if not tail:

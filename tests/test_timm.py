@@ -24,8 +24,9 @@ from torchvision import datasets as D  # noqa: E402
 
 import coordl  # noqa: E402
 from coordl import _rng  # noqa: E402
+from coordl.decode import color as C  # noqa: E402
 from coordl import transforms as T  # noqa: E402
-from coordl.tvcompat import TorchvisionPipeline, translate  # noqa: E402
+from coordl.tvcompat import ColorJitterOnPlanes, TorchvisionPipeline, translate  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +46,12 @@ def test_timm_default_train_fuses_the_crop_and_flip():
     rrc = out.fused.transforms[0]
     assert type(rrc) is T.RandomResizedCrop and rrc.size == (224, 224) and rrc.scale == (0.08, 1.0)
     assert rrc.ratio == pytest.approx((3 / 4, 4 / 3)) and rrc.interpolation.value == "bilinear"
-    assert [type(t).__name__ for t in out.tail] == ["ColorJitter"]
+    # the user's ColorJitter draws; coordl computes PIL's pixels on the planes (test_color_jitter.py)
+    if C._ext is not None:
+        assert [type(t) for t in out.tail] == [ColorJitterOnPlanes]
+        assert type(out.tail[0].user).__name__ == "ColorJitter"
+    else:
+        assert [type(t).__name__ for t in out.tail] == ["ColorJitter"]
     assert [type(t).__name__ for t in out.post] == ["MaybeToTensor", "Normalize"]
     assert [type(t) for t in out.post_fused.transforms] == [T.ToTensor, T.Normalize]
 
@@ -150,3 +156,58 @@ def test_coordl_never_imports_timm():
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "False"
+
+
+# (width, height): odd sides, a single row and a single column
+ODD_SIZES = [(67, 45), (1, 40), (40, 1), (3, 5), (301, 199)]
+
+
+@pytest.fixture(scope="module")
+def odd_photos(tmp_path_factory):
+    from coordl.synth import render_image
+
+    root = tmp_path_factory.mktemp("timm_odd") / "photos"
+    for k, (w, h) in enumerate(ODD_SIZES * 2):
+        d = root / f"class_{k % 2}"
+        d.mkdir(parents=True, exist_ok=True)
+        render_image(9, k, w, h, 1.5).save(d / f"img_{k}_{w}x{h}.jpg", "JPEG", quality=90)
+    return str(root)
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+@pytest.mark.parametrize("jitter", [0.4, (0.4, 0.4, 0.4, 0.1)], ids=["default", "hue"])
+def test_timm_train_through_the_loader_is_timms_own_result_for_the_same_draws(odd_photos, num_workers, jitter):
+    """timm's default train transform on coordl.DataLoader: each sample is,
+    tensor for tensor, what timm's and torchvision's own transforms give on
+    PIL's decode for the draws coordl's sample generator makes (crop box and
+    flip, then the seed of torch's generator under which ColorJitter draws)."""
+    from torchvision.datasets.folder import pil_loader
+    from torchvision.transforms import functional as F
+
+    from coordl.decode.ops import _draw_box
+
+    tf = create_transform(40, is_training=True, color_jitter=jitter)
+    rrc, flip, cj, to_tensor, norm = tf.transforms
+    assert type(cj).__name__ == "ColorJitter" and (cj.hue is None) == (jitter == 0.4)
+    ds = D.ImageFolder(odd_photos, transform=tf)
+    L = coordl.DataLoader(ds, batch_size=len(ds), shuffle=False, seed=7, num_workers=num_workers)
+    if C._ext is not None:
+        assert "ColorJitter with its own draws and PIL's arithmetic" in L.stats().path_reason, L.stats().path_reason
+    out = translate(tf)[0]
+    ours = out.fused.transforms[0]   # coordl's RandomResizedCrop: its scale and ratio
+    if C._ext is not None:   # ColorJitter runs on coordl's kernel here, not as written
+        assert isinstance(out.tail[0], ColorJitterOnPlanes) and out.tail[0].exact()
+    for epoch in range(2):
+        (x, y), = list(L)
+        assert x.shape == (len(ds), 3, 40, 40) and x.dtype == torch.float32
+        for i, (path, target) in enumerate(ds.samples):
+            g = _rng.derive(7, epoch, i)
+            pil = pil_loader(path)
+            box = _draw_box(pil.height, pil.width, ours.scale, ours.ratio, g)
+            img = F.resized_crop(pil, *box, list(rrc.size), rrc.interpolation)
+            if g.random() < flip.p:
+                img = F.hflip(img)
+            torch.manual_seed(g.getrandbits(63))   # the seed coordl gives the steps after the fused ones
+            want = norm(to_tensor(cj(img)))
+            assert torch.equal(x[i], want), (epoch, path, float((x[i] - want).abs().max()))
+            assert y[i] == target

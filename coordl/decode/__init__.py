@@ -11,6 +11,11 @@
   PIL's resampling arithmetic on numpy arrays, bit for bit, which the fused
   decode runs for a resize torchvision would run on a PIL image (PIL itself
   where the extension is missing or does not reproduce the installed PIL);
+- ``color`` and the optional C extension ``_color`` (``_color.c``): PIL's
+  brightness, contrast, saturation and hue arithmetic on uint8 planes, bit
+  for bit (torchvision's ``ColorJitter`` on the fused path's planes; PIL
+  itself where the extension is missing or does not reproduce the installed
+  PIL);
 - ``ops``: the image operations the transforms and the fused decode run
   (resize, crop, RandomResizedCrop's box draw, HWC -> CHW, the resampling
   filters) and their argument checks;

@@ -143,7 +143,7 @@ def plan_for(transform) -> DecodePlan:
     if type(transform) is not T.Compose:
         as_written = getattr(transform, "tail", None)
         if type(transform).__name__ == "TorchvisionPipeline" and as_written:
-            names = ", ".join(type(t).__name__ for t in as_written)
+            names = ", ".join(type(getattr(t, "user", t)).__name__ for t in as_written)   # the user's steps
             raise _refuse(f"the torchvision steps {names} run as written (coordl has no equivalent of them, or "
                           "they follow one)", "remove them from the transform")
         raise _refuse(f"it is a {type(transform).__module__}.{type(transform).__qualname__}, not a "

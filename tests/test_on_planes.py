@@ -1,0 +1,378 @@
+"""torchvision steps on the fused path's planes (the uint8 tensor the PIL
+image they expect stands for): ColorJitter, whose pixels coordl's kernel
+(coordl.decode.color) computes with PIL's brightness, contrast, saturation
+and hue arithmetic, and AugMix, given the tensor it makes of the PIL image.
+Each gives what torchvision's own step (v1 and v2) gives on the PIL image for
+the same torch generator state, leaving the generator where torchvision
+leaves it.  Every comparison is value for value: a kernel one level off
+anywhere fails."""
+import os
+import random
+import sys
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image, ImageEnhance
+
+from coordl.decode import color as C
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from _torchvision import import_torchvision  # noqa: E402
+
+needs_ext = pytest.mark.skipif(C._ext is None, reason="coordl.decode._color is not built here")
+
+
+def _planes(img):
+    a = np.asarray(img)
+    return np.ascontiguousarray(a[None] if a.ndim == 2 else a.transpose(2, 0, 1)).copy()
+
+
+def _all_colours():
+    """An RGB image holding each of the 2**24 colours once."""
+    v = np.arange(1 << 24, dtype=np.uint32)
+    rgb = np.stack([(v >> 16) & 255, (v >> 8) & 255, v & 255], -1).astype(np.uint8)
+    return rgb.reshape(4096, 4096, 3)
+
+
+def _f32(x):
+    """x as torchvision hands a drawn factor to PIL: a float32 value as a Python float."""
+    return float(np.float32(x))
+
+
+@pytest.fixture(scope="module")
+def all_colours():
+    rgb = _all_colours()
+    return Image.fromarray(rgb), np.ascontiguousarray(rgb.transpose(2, 0, 1))
+
+
+# ------------------------------------------------------------------ the kernel
+@needs_ext
+def test_the_kernel_reproduces_this_pil():
+    assert C.exact_kernel()
+
+
+@needs_ext
+@pytest.mark.parametrize("factor", [0.0, 0.6, _f32(0.7074914), 1.0, _f32(1.3999999), 1.4, 2.75])
+def test_saturation_is_pils_on_every_colour(all_colours, factor):
+    img, planes = all_colours
+    want = _planes(ImageEnhance.Color(img).enhance(factor))
+    assert np.array_equal(C.jitter(planes, [(C.SATURATION, factor)]), want)
+
+
+@needs_ext
+@pytest.mark.parametrize("shift", [1, 128, 255])
+def test_hue_is_pils_hsv_round_trip_on_every_colour(all_colours, shift):
+    img, planes = all_colours
+    want = _planes(C.pil_jitter(img, [(C.HUE, shift)]))
+    assert np.array_equal(C.jitter(planes, [(C.HUE, shift)]), want)
+
+
+@needs_ext
+def test_brightness_and_contrast_are_pils_on_every_value_and_mean():
+    rnd = random.Random(3)
+    for k in range(40):
+        # images whose mean luma spans 0..255, each holding every value 0..255 in each channel
+        lo = rnd.randrange(0, 256)
+        base = np.full((16, 64, 3), lo, np.uint8)
+        ramp = np.arange(256, dtype=np.uint8).reshape(4, 64)
+        for c in range(3):
+            base[c * 4:(c + 1) * 4, :, c] = np.roll(ramp, rnd.randrange(256))
+        img = Image.fromarray(base)
+        for factor in (0.0, _f32(rnd.uniform(0.6, 1.4)), 1.0, _f32(rnd.uniform(0.0, 3.0)), 5.0):
+            for code, enh in ((C.BRIGHTNESS, ImageEnhance.Brightness), (C.CONTRAST, ImageEnhance.Contrast)):
+                got = C.jitter(_planes(img), [(code, factor)])
+                assert np.array_equal(got, _planes(enh(img).enhance(factor))), (k, code, factor)
+
+
+@needs_ext
+@pytest.mark.parametrize("hw", [(1, 1), (1, 37), (37, 1), (5, 3), (223, 225)])
+@pytest.mark.parametrize("mode", ["RGB", "L"])
+def test_any_sequence_on_any_size(hw, mode):
+    rnd = random.Random(hash((hw, mode)) & 0xFFFF)
+    shape = hw + ((3,) if mode == "RGB" else ())
+    img = Image.fromarray(np.frombuffer(rnd.randbytes(int(np.prod(shape))), np.uint8).reshape(shape), mode)
+    for _ in range(6):
+        ops = [(code, _f32(rnd.uniform(0.0, 2.0))) for code in (C.BRIGHTNESS, C.CONTRAST, C.SATURATION)]
+        ops.append((C.HUE, rnd.randrange(256)))
+        rnd.shuffle(ops)
+        got = C.jitter(_planes(img), ops)
+        assert got.shape == _planes(img).shape and got.dtype == np.uint8
+        assert np.array_equal(got, _planes(C.pil_jitter(img, ops))), ops
+
+
+@needs_ext
+def test_the_kernel_takes_only_what_it_computes():
+    x = np.zeros((3, 4, 5), np.uint8)
+    with pytest.raises(ValueError, match="C 1 or 3"):
+        C._ext.jitter(np.zeros((4, 4, 5), np.uint8), np.zeros((4, 4, 5), np.uint8), [])
+    with pytest.raises(ValueError, match="src's shape"):
+        C._ext.jitter(x, np.zeros((3, 5, 4), np.uint8), [])
+    with pytest.raises(ValueError, match="code 0..3"):
+        C._ext.jitter(x, np.empty_like(x), [(4, 1.0)])
+    with pytest.raises(ValueError, match="finite"):
+        C._ext.jitter(x, np.empty_like(x), [(0, float("nan"))])
+    base = np.zeros(61, np.uint8)
+    with pytest.raises(ValueError, match="not overlap"):
+        C._ext.jitter(base[:60].reshape(3, 4, 5), base[1:].reshape(3, 4, 5), [])
+    y = np.full((3, 4, 5), 100, np.uint8)
+    C._ext.jitter(y, y, [(C.BRIGHTNESS, 0.5)])  # in place
+    assert (y == 50).all()
+
+
+@needs_ext
+def test_a_kernel_one_level_off_is_not_used(monkeypatch, caplog):
+    """The first use checks the kernel against the installed PIL: one value
+    one level off anywhere in a probe and colour adjustments run through PIL."""
+    real = C._ext
+
+    class OffByOne:
+        def jitter(self, src, out, ops):
+            real.jitter(src, out, ops)
+            if any(code == C.SATURATION for code, _ in ops):
+                flat = out.reshape(-1)
+                flat[len(flat) // 2] ^= 1
+
+    monkeypatch.setattr(C, "_ext", OffByOne())
+    monkeypatch.setattr(C, "_checked", [])
+    with caplog.at_level("WARNING", logger=C.__name__):
+        assert not C.exact_kernel()
+    assert "does not reproduce this PIL" in caplog.text
+
+
+# ------------------------------------------------- against torchvision's own
+@pytest.fixture(scope="module")
+def tv():
+    if import_torchvision() is None:
+        pytest.skip("torchvision is not installed (pip install coordl[test])")
+    from torchvision import transforms as V1
+    from torchvision.transforms import v2 as V2
+
+    return V1, V2
+
+
+PARAMS = [
+    {"brightness": 0.4, "contrast": 0.4, "saturation": 0.4},           # timm's default
+    {"brightness": 0.4, "contrast": 0.4, "saturation": 0.4, "hue": 0.1},
+    {"brightness": (0.0, 0.0), "contrast": (0.0, 0.0), "saturation": (0.0, 0.0), "hue": (-0.5, -0.5)},
+    {"brightness": (5.0, 5.0), "contrast": (3.0, 7.0), "saturation": (4.0, 4.0), "hue": (0.5, 0.5)},
+    {"brightness": 1.0, "hue": 0.5},
+    {"contrast": (0.0, 2.0)},
+    {"saturation": 0.9, "hue": (-0.01, 0.01)},
+    {},
+]
+
+
+def _image(rnd, h, w, mode):
+    shape = (h, w, 3) if mode == "RGB" else (h, w)
+    a = np.frombuffer(rnd.randbytes(h * w * (3 if mode == "RGB" else 1)), np.uint8).reshape(shape)
+    if rnd.random() < 0.5:   # a smooth image too: large runs of similar colours, means away from 127
+        yy, xx = np.mgrid[0:h, 0:w]
+        smooth = (yy * 7 + xx * 3 + rnd.randrange(256)) % 256
+        a = np.stack([smooth, smooth // 2 + 60, 255 - smooth], -1)[..., :a.shape[-1] if a.ndim == 3 else 1]
+        a = (a if mode == "RGB" else a[..., 0]).astype(np.uint8)
+    return Image.fromarray(np.ascontiguousarray(a), mode)
+
+
+@needs_ext
+@pytest.mark.parametrize("version", ["v1", "v2"])
+@pytest.mark.parametrize("params", PARAMS, ids=[str(i) for i in range(len(PARAMS))])
+def test_on_planes_is_torchvisions_colorjitter_for_the_same_generator(tv, version, params):
+    from coordl.tvcompat import ColorJitterOnPlanes, _on_planes
+
+    M = tv[0] if version == "v1" else tv[1]
+    t = M.ColorJitter(**params)
+    mine = _on_planes(t)
+    assert isinstance(mine, ColorJitterOnPlanes) and mine.user is t and mine.exact()
+    rnd = random.Random(len(str(params)))
+    sizes = [(1, 1), (1, 29), (31, 1), (2, 3), (17, 23), (224, 224), (225, 131)]
+    for seed in range(40):
+        h, w = sizes[seed % len(sizes)]
+        img = _image(rnd, h, w, "RGB" if seed % 3 else "L")
+        torch.manual_seed(seed)
+        want = t(img)
+        after = torch.get_rng_state()
+        torch.manual_seed(seed)
+        got = mine.on_planes(torch.from_numpy(_planes(img)))
+        assert torch.equal(torch.get_rng_state(), after), seed     # the same draws, no more, no less
+        assert want.mode == img.mode and got.dtype == torch.uint8
+        assert np.array_equal(got.numpy(), _planes(want)), (seed, h, w, img.mode)
+
+
+def test_what_the_planes_do_not_stand_for_runs_as_written(tv):
+    from coordl.tvcompat import ColorJitterOnPlanes, _on_planes
+
+    V1, V2 = tv
+    t = V1.ColorJitter(0.4, 0.4, 0.4, 0.1)
+    rgba = Image.fromarray(np.random.default_rng(0).integers(0, 256, (9, 11, 4), dtype=np.uint8), "RGBA")
+    for img in (rgba, torch.rand(3, 9, 11)):
+        torch.manual_seed(1)
+        want = t(img)
+        torch.manual_seed(1)
+        got = _on_planes(t)(img)   # a PIL image or a tensor: the user's object runs
+        assert np.array_equal(np.asarray(got), np.asarray(want))
+    # ranges that are not as the constructor makes them: not taken over
+    odd = V1.ColorJitter(0.4)
+    odd.brightness = 0.4
+    assert _on_planes(odd) is odd
+    wide = V2.ColorJitter(hue=0.2)
+    wide.hue = (-0.7, 0.2)
+    assert _on_planes(wide) is wide
+    assert not isinstance(_on_planes(V2.RandomPhotometricDistort()), ColorJitterOnPlanes)
+
+
+@needs_ext
+def test_where_the_user_pipeline_has_a_tensor_colorjitter_runs_as_written(tv):
+    from coordl.tvcompat import ColorJitterOnPlanes, translate
+
+    V1, V2 = tv
+    out, fused, rest = translate(V1.Compose([V1.RandomResizedCrop(32), V1.ToTensor(), V1.ColorJitter(0.4)]))
+    assert rest == ("ColorJitter",) and not any(isinstance(t, ColorJitterOnPlanes) for t in out.tail)
+    out, fused, rest = translate(V1.Compose([V1.RandomResizedCrop(32), V1.ColorJitter(0.4), V1.ToTensor()]))
+    assert rest == ("ColorJitter", "ToTensor") and isinstance(out.tail[0], ColorJitterOnPlanes)
+
+
+@needs_ext
+@pytest.mark.parametrize("version", ["v1", "v2"])
+def test_a_pipeline_with_colorjitter_gives_its_as_written_result(tv, version, tmp_path):
+    """Through the fused decode: the translated pipeline (ColorJitter on the
+    planes, then the conversion) against the same pipeline with the user's
+    ColorJitter and conversion run as written, for the same sample draws."""
+    import io
+
+    from coordl import _rng
+    from coordl.synth import render_image
+    from coordl.tvcompat import ColorJitterOnPlanes, TorchvisionPipeline, translate
+
+    M = tv[0] if version == "v1" else tv[1]
+    steps = [M.RandomResizedCrop(48), M.RandomHorizontalFlip(), M.ColorJitter(0.4, 0.4, 0.4, 0.1),
+             M.ColorJitter(brightness=(0.2, 0.3)), M.PILToTensor()]
+    if version == "v1":   # (v2's ToDtype scales by a product, coordl's conversion divides: float rounding apart)
+        steps += [M.ConvertImageDtype(torch.float32), M.Normalize((0.485, 0.456, 0.406), (0.229, 0.224, 0.225))]
+    out = translate(M.Compose(steps))[0]
+    assert [type(t) for t in out.tail] == [ColorJitterOnPlanes, ColorJitterOnPlanes]
+    as_written = TorchvisionPipeline(out.fused, out.to_pil, out.image_type, [t.user for t in out.tail] + out.post)
+    for k, (w, h) in enumerate([(67, 45), (1, 40), (40, 1), (301, 199)]):
+        buf = io.BytesIO()
+        render_image(4, k, w, h, 1.5).save(buf, "JPEG", quality=90)
+        raw = buf.getvalue()
+        for i in range(6):
+            with _rng.sample_rng(8, 0, i):
+                a = out.from_bytes(raw)
+            with _rng.sample_rng(8, 0, i):
+                b = as_written.from_bytes(raw)
+            assert type(a) is torch.Tensor and a.dtype == (torch.float32 if version == "v1" else torch.uint8)
+            assert torch.equal(a, b), (w, h, i)
+
+
+def test_where_the_kernel_is_not_exact_colorjitter_runs_as_written(tv, monkeypatch, tmp_path):
+    """No extension, or one that does not reproduce this PIL: the user's
+    ColorJitter stays in the pipeline as written, and path_reason says so."""
+    import coordl
+    from coordl.synth import make_image_folder
+    from coordl.tvcompat import ColorJitterOnPlanes, translate
+
+    V1 = tv[0]
+    monkeypatch.setattr(C, "_checked", [False])
+    tf = V1.Compose([V1.RandomResizedCrop(16), V1.ColorJitter(0.4, 0.4, 0.4), V1.ToTensor()])
+    out = translate(tf)[0]
+    assert type(out.tail[0]) is V1.ColorJitter
+    root = make_image_folder(str(tmp_path / "p"), num_images=4, num_classes=2, image_size=(24, 20), mean_kb=2)
+    from torchvision import datasets as D
+
+    L = coordl.DataLoader(D.ImageFolder(root, transform=tf), batch_size=4)
+    reason = L.stats().path_reason
+    assert "as written: ColorJitter, ToTensor" in reason and "PIL's arithmetic" not in reason, reason
+    assert next(iter(L))[0].shape == (4, 3, 16, 16)
+    assert not any(isinstance(t, ColorJitterOnPlanes) for t in out.tail)
+
+
+# ---------------------------------------------------------------------- AugMix
+@pytest.mark.parametrize("version", ["v1", "v2"])
+@pytest.mark.parametrize("params", [{}, {"severity": 10, "mixture_width": 2, "chain_depth": 3, "alpha": 0.5},
+                                    {"all_ops": False}], ids=["default", "strong", "partial"])
+def test_augmix_on_planes_is_torchvisions_for_the_same_generator(tv, version, params):
+    from coordl.tvcompat import AugMixOnPlanes, _on_planes
+
+    M = tv[0] if version == "v1" else tv[1]
+    t = M.AugMix(**params)
+    mine = _on_planes(t)
+    assert isinstance(mine, AugMixOnPlanes) and mine.user is t and mine.exact()
+    rnd = random.Random(7)
+    sizes = [(1, 29), (31, 1), (2, 3), (17, 23), (64, 80)]
+    for seed in range(10):
+        h, w = sizes[seed % len(sizes)]
+        img = _image(rnd, h, w, "RGB" if seed % 3 else "L")
+        torch.manual_seed(seed)
+        want = t(img)
+        after = torch.get_rng_state()
+        torch.manual_seed(seed)
+        got = mine.on_planes(torch.from_numpy(_planes(img)))
+        assert torch.equal(torch.get_rng_state(), after), seed
+        assert type(got) is torch.Tensor and got.dtype == torch.uint8
+        assert np.array_equal(got.numpy(), _planes(want)), (seed, h, w, img.mode)
+
+
+def test_augmix_with_a_fill_runs_as_written(tv):
+    from coordl.tvcompat import _on_planes
+
+    for M in tv:
+        for fill in (0, 128, [1, 2, 3]):
+            t = M.AugMix(fill=fill)
+            assert _on_planes(t) is t
+
+
+@pytest.mark.parametrize("version", ["v1", "v2"])
+def test_a_pipeline_with_augmix_gives_its_as_written_result(tv, version):
+    import io
+
+    from coordl import _rng
+    from coordl.synth import render_image
+    from coordl.tvcompat import AugMixOnPlanes, TorchvisionPipeline, translate
+
+    M = tv[0] if version == "v1" else tv[1]
+    steps = [M.RandomResizedCrop(40), M.RandomHorizontalFlip(), M.AugMix(), M.PILToTensor()]
+    if version == "v1":
+        steps += [M.ConvertImageDtype(torch.float32), M.Normalize((0.485, 0.456, 0.406), (0.229, 0.224, 0.225))]
+    out = translate(M.Compose(steps))[0]
+    assert [type(t) for t in out.tail] == [AugMixOnPlanes]
+    as_written = TorchvisionPipeline(out.fused, out.to_pil, out.image_type, [t.user for t in out.tail] + out.post)
+    for k, (w, h) in enumerate([(67, 45), (1, 40), (301, 199)]):
+        buf = io.BytesIO()
+        render_image(6, k, w, h, 1.5).save(buf, "JPEG", quality=90)
+        raw = buf.getvalue()
+        for i in range(3):
+            with _rng.sample_rng(2, 0, i):
+                a = out.from_bytes(raw)
+            with _rng.sample_rng(2, 0, i):
+                b = as_written.from_bytes(raw)
+            assert type(a) is torch.Tensor and torch.equal(a, b), (w, h, i)
+
+
+def test_messages_name_the_users_steps(tv):
+    from coordl.device.encoded import plan_for
+    from coordl.tvcompat import translate
+
+    V1 = tv[0]
+    out = translate(V1.Compose([V1.RandomResizedCrop(16), V1.ColorJitter(0.4), V1.AugMix(), V1.ToTensor()]))[0]
+    with pytest.raises(ValueError, match=r"the torchvision steps ColorJitter, AugMix run as written") as e:
+        plan_for(out)
+    assert "OnPlanes" not in str(e.value) and "OnPlanes" not in repr(out).split("(on the planes")[0]
+
+
+@needs_ext
+def test_the_first_use_checks_leave_the_generators_as_they_were(tv, monkeypatch):
+    import coordl.tvcompat as tc
+
+    V1, V2 = tv
+    monkeypatch.setattr(tc, "_agree", {})
+    monkeypatch.setattr(C, "_checked", [])
+    torch.manual_seed(11)
+    random.seed(11)
+    before = torch.get_rng_state(), random.getstate()
+    out = tc.translate(V2.Compose([V2.RandomResizedCrop(16), V2.ColorJitter(0.4, 0.4, 0.4, 0.2), V2.AugMix(),
+                                   V2.PILToTensor()]))[0]
+    assert [type(t) for t in out.tail] == [tc.ColorJitterOnPlanes, tc.AugMixOnPlanes]
+    assert len(tc._agree) == 2 and C._checked == [True]   # the checks ran, here
+    assert torch.equal(torch.get_rng_state(), before[0]) and random.getstate() == before[1]
