@@ -49,6 +49,21 @@ def _leaks(before_pids, before_shm, grace):
     return procs, {e for e in shm if not _SESSION_SHM_RE.fullmatch(os.path.basename(e))}
 
 
+def _remove_dead_sessions_dirs(shm: str = "/dev/shm") -> None:
+    """A session killed before its end (a timeout, SIGKILL) cannot remove
+    its ``coordl-test-<pid>`` directory: remove every one whose session
+    process is gone (a live process of that pid keeps it)."""
+    for name in os.listdir(shm):
+        if not _SESSION_SHM_RE.fullmatch(name):
+            continue
+        try:
+            os.kill(int(name.rsplit("-", 1)[1]), 0)
+        except ProcessLookupError:
+            shutil.rmtree(os.path.join(shm, name), ignore_errors=True)
+        except PermissionError:   # another user's live process
+            pass
+
+
 def pytest_configure(config):
     global _SESSION_SHM, _SESSION_RUN
     # pytest-xdist's workers inherit the controller's environment: each
@@ -57,6 +72,7 @@ def pytest_configure(config):
     worker = os.environ.get("PYTEST_XDIST_WORKER")
     ours = os.environ.get("COORDL_TEST_SESSION_DIRS") == "1"
     if ("COORDL_SHM_DIR" not in os.environ or (worker and ours)) and os.path.isdir("/dev/shm"):
+        _remove_dead_sessions_dirs()
         _SESSION_SHM = f"/dev/shm/coordl-test-{os.getpid()}"
         os.makedirs(_SESSION_SHM, exist_ok=True)
         os.chmod(_SESSION_SHM, 0o1777)

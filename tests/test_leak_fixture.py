@@ -4,6 +4,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 import shutil
+import re
 import subprocess
 import sys
 import textwrap
@@ -374,3 +375,29 @@ def test_autouse_fixture_fails_leaking_tests_and_kills_leaked_processes(tmp_path
     # The fixture killed the leaked process itself; run_in_child found nothing left.
     assert res.stragglers == []
     assert _gone(leaked_pid)
+
+
+@needs_shm
+def test_a_killed_test_session_leaves_no_session_directory_behind(tmp_path: Path):
+    """A pytest session makes /dev/shm/coordl-test-<its pid> for the caches
+    its tests create and removes it when it ends; a session killed before its
+    end (a timeout, SIGKILL) cannot.  The next session removes the directory
+    of every session whose process is gone, so none pile up in /dev/shm."""
+    inner = tmp_path / "inner"
+    inner.mkdir()
+    shutil.copy(Path(__file__).with_name("conftest.py"), inner / "conftest.py")
+    (inner / "test_inner.py").write_text(
+        "import os, signal\n"
+        "def test_killed():\n"
+        "    print('dir', os.environ['COORDL_SHM_DIR'], flush=True)\n"
+        "    os.kill(os.getpid(), signal.SIGKILL)\n")
+    (inner / "pytest.ini").write_text("[pytest]\n")
+    env = {k: v for k, v in os.environ.items() if k not in ("COORDL_SHM_DIR", "COORDL_TEST_SESSION_DIRS")}
+    args = ["-q", "-s", "-p", "no:cacheprovider", "-c", str(inner / "pytest.ini"), "--rootdir", str(inner)]
+    killed = run_in_child(f"import sys, pytest\nsys.exit(pytest.main({args + [str(inner)]!r}))", timeout=120, env=env)
+    left = re.search(r"dir (\S+)", killed.stdout).group(1)
+    assert os.path.basename(left).startswith("coordl-test-") and os.path.isdir(left), killed.stdout
+    (inner / "test_inner.py").write_text("def test_nothing():\n    pass\n")
+    after = run_in_child(f"import sys, pytest\nsys.exit(pytest.main({args + [str(inner)]!r}))", timeout=120, env=env)
+    assert after.returncode == 0, after.stdout + after.stderr
+    assert not os.path.exists(left), f"{left} is still in /dev/shm after the next session"
