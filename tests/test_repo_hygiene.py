@@ -63,7 +63,7 @@ def test_the_tracker_check_finds_references_and_leaves_plain_words(tmp_path):
     bad = [f"see {word} 8", f"({word} #18)", f"{word.title()} 21, item 10", f"{word}s 18-22",
            f"{word}_19", f"de{'fect'} 7: a hung worker"]
     good = [f"an {word} with the cache", f"{word}s of memory", f"the {word} is 3 workers",
-            f"{word}d 8 requests", "tissue 8"]
+            f"{word}d 8 requests", f"t{word} 8"]
     for i, line in enumerate(bad + good):
         (tmp_path / f"f{i}.py").write_text(f"x = 1\n# {line}\n")
     (tmp_path / "blob.bin").write_bytes(b"\xff\xfe" + f"{word} 1".encode("utf-16-le"))
