@@ -395,3 +395,48 @@ def test_a_file_pil_cannot_identify_is_named_by_path_when_indexed(tmp_path):
     for load in (default_loader, pil_loader):
         with pytest.raises(UnidentifiedImageError, match=f"cannot identify image file '{bad}'"):
             load(str(bad))
+
+
+def test_an_extension_not_built_is_none_and_the_log_says_what_runs_instead(caplog):
+    """The optional C extensions load through one helper: one that is not
+    there is None (its front module runs PIL), logged with what runs
+    instead; a built one is the very module its front module uses."""
+    import logging
+
+    from coordl.decode import color, extensions, jpeg, resample
+
+    log = logging.getLogger("coordl.decode.loading-test")
+    with caplog.at_level("DEBUG", logger=log.name):
+        assert extensions.load("_not_built", log, "PIL runs instead") is None
+    assert "coordl.decode._not_built is not available (" in caplog.text, caplog.text
+    assert caplog.text.rstrip().endswith("): PIL runs instead"), caplog.text
+    for front, name in ((jpeg, "_jpegcrop"), (resample, "_resample"), (color, "_color")):
+        assert extensions.load(name, log, "-") is front._ext, name
+
+
+def test_a_check_against_pil_runs_once_whichever_threads_ask():
+    """:func:`extensions.once` runs the check in the first caller only (the
+    others wait for its result), and again once its list is emptied."""
+    import threading
+    import time
+
+    from coordl.decode import extensions
+
+    calls, results = [], []
+
+    def check():
+        calls.append(threading.get_ident())
+        time.sleep(0.05)  # the other threads arrive meanwhile
+        return "rule"
+
+    memo, lock = [], threading.Lock()
+    threads = [threading.Thread(target=lambda: results.append(extensions.once(memo, lock, check)))
+               for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert not any(t.is_alive() for t in threads)
+    assert len(calls) == 1 and results == ["rule"] * 8 and memo == ["rule"]
+    memo.clear()
+    assert extensions.once(memo, lock, check) == "rule" and len(calls) == 2

@@ -21,6 +21,9 @@
   filters) and their argument checks;
 - ``loaders``: the folder datasets' path loaders and byte decoder
   (``read_bytes``, ``pil_decode``, ``pil_loader``, ``default_loader``).
+- ``extensions``: what the three fronts share about their optional
+  extension: loading it (None where it was not built) and running the
+  check against the installed PIL once per process.
 
 Users reach this through :mod:`coordl.transforms` and :mod:`coordl.datasets`.
 """

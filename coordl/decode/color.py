@@ -22,6 +22,8 @@ import threading
 import numpy as np
 from PIL import Image, ImageEnhance
 
+from . import extensions
+
 __all__ = ["BRIGHTNESS", "CONTRAST", "SATURATION", "HUE", "jitter", "pil_jitter", "exact_kernel"]
 
 log = logging.getLogger(__name__)
@@ -30,16 +32,7 @@ log = logging.getLogger(__name__)
 BRIGHTNESS, CONTRAST, SATURATION, HUE = 0, 1, 2, 3
 
 
-def _load_ext():
-    try:
-        from . import _color
-    except ImportError as e:  # not built here (no C compiler at install)
-        log.debug("coordl.decode._color is not available (%s): colour adjustments run through PIL", e)
-        return None
-    return _color
-
-
-_ext = _load_ext()
+_ext = extensions.load("_color", log, "colour adjustments run through PIL")
 
 
 def jitter(x: np.ndarray, ops) -> np.ndarray:
@@ -107,8 +100,4 @@ _checked: list = []  # [] until checked, then [bool]
 
 def exact_kernel() -> bool:
     """Whether :func:`jitter` reproduces the installed PIL (checked once per process)."""
-    if not _checked:
-        with _lock:
-            if not _checked:
-                _checked.append(_check())
-    return _checked[0]
+    return extensions.once(_checked, _lock, _check)

@@ -44,24 +44,17 @@ import warnings
 import numpy as np
 from PIL import Image
 
+from . import extensions
+
 try:  # a hard dependency in setup.cfg; PIL remains the fallback
     import simplejpeg as _sj
 except ImportError:  # pragma: no cover
     _sj = None
 
-
-def _load_ext():
-    try:
-        from . import _jpegcrop
-    except ImportError as e:  # not built here (no compiler or libjpeg headers at install)
-        logging.getLogger(__name__).debug(
-            "coordl.decode._jpegcrop is not available (%s): RandomResizedCrop decodes whole JPEGs", e)
-        return None
-    return _jpegcrop
-
+log = logging.getLogger(__name__)
 
 # coordl.decode._jpegcrop as built, or None: its to_float (the fused path's uint8 -> float table pass)
-_ext = _load_ext()
+_ext = extensions.load("_jpegcrop", log, "RandomResizedCrop decodes whole JPEGs")
 
 
 # rows/columns decoded beyond each side of a crop window: libjpeg's fancy
@@ -119,8 +112,7 @@ def _load_crop():
                 if not np.array_equal(got, ref[t:t + h, l:l + w]):
                     raise ValueError(f"window ({t}, {l}, {h}, {w}) differs from PIL's decode")
     except ValueError as e:
-        logging.getLogger(__name__).warning(
-            "coordl.decode._jpegcrop does not decode as PIL does here (%s): JPEGs are decoded whole", e)
+        log.warning("coordl.decode._jpegcrop does not decode as PIL does here (%s): JPEGs are decoded whole", e)
         return None
     return _ext
 

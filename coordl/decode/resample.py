@@ -28,6 +28,8 @@ from typing import Callable
 import numpy as np
 from PIL import Image
 
+from . import extensions
+
 __all__ = ["FILTERS", "pil_resize", "exact_kernel"]
 
 log = logging.getLogger(__name__)
@@ -36,16 +38,7 @@ log = logging.getLogger(__name__)
 FILTERS = {"bilinear": (0, Image.Resampling.BILINEAR), "bicubic": (1, Image.Resampling.BICUBIC)}
 
 
-def _load_ext():
-    try:
-        from . import _resample
-    except ImportError as e:  # not built here (no C compiler at install)
-        log.debug("coordl.decode._resample is not available (%s): the fused path resizes through PIL", e)
-        return None
-    return _resample
-
-
-_ext = _load_ext()
+_ext = extensions.load("_resample", log, "the fused path resizes through PIL")
 
 
 def _horizontal_first(h: int, w: int, oh: int, ow: int) -> bool:
@@ -106,11 +99,7 @@ def _check() -> Callable | None:
 def exact_kernel() -> Callable | None:
     """The installed PIL's pass-order rule when the extension reproduces it
     (checked once per process), else None."""
-    if not _rule:
-        with _lock:
-            if not _rule:
-                _rule.append(_check())
-    return _rule[0]
+    return extensions.once(_rule, _lock, _check)
 
 
 def pil_resize(a: np.ndarray, out_hw: tuple[int, int], mode: str,
