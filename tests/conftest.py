@@ -13,6 +13,10 @@ leaked pids, command lines and shm names.
 ``COORDL_LEAK_GRACE`` (seconds, default 5) sets how long teardown waits for
 stragglers to exit before calling them leaked.
 
+Tests of the node daemon take ``daemon_env``: a daemon of their own, stopped
+afterwards (a module sets its deadlines or staging size by overriding
+``daemon_settings``).
+
 Node cache segments go to a directory of this session's own
 (``COORDL_SHM_DIR``, mode 1777 like /dev/shm, removed at the end; child
 processes inherit it), so test runs sharing a machine and a uid never see,
@@ -24,8 +28,10 @@ import gc
 import os
 import re
 import shutil
+import signal
 import tempfile
 
+import psutil
 import pytest
 
 from coordl.testing import (
@@ -33,6 +39,7 @@ from coordl.testing import (
     kill_processes,
     live_children,
     shm_entries,
+    stop_daemon,
     wait_no_leaks,
 )
 
@@ -134,3 +141,66 @@ def no_accelerator(monkeypatch):
 
     monkeypatch.setattr(torch.accelerator, "is_available", lambda: False)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+
+
+def _processes(pids) -> list[psutil.Process]:
+    out = []
+    for pid in pids:
+        try:
+            out.append(psutil.Process(pid))
+        except psutil.NoSuchProcess:
+            pass
+    return out
+
+
+# the sharing knobs of the shell that runs the suite that a daemon test must not inherit
+_DAEMON_KNOBS = ("COORDL_STAGING", "COORDL_SHARE", "COORDL_DAEMON_MAX_CLIENTS", "COORDL_DAEMON_WORKER_STALL",
+                 "COORDL_DAEMON_WORKER_WAIT", "COORDL_DAEMON_MAX_WORKERS")
+
+
+@pytest.fixture
+def daemon_settings() -> dict:
+    """The environment ``daemon_env`` sets for the test's daemon and jobs;
+    a module overrides this fixture (shorter deadlines, a staging size)."""
+    return {}
+
+
+@pytest.fixture
+def daemon_env(tmp_path, monkeypatch, daemon_settings):
+    """A private run directory (each test has its own node daemon), none of
+    the shell's sharing knobs but ``daemon_settings``, and the daemon and its
+    workers gone afterwards.
+
+    Yields a list for what the test must not leave behind: the jobs it
+    started (``Popen``: killed) and the pids it stopped with SIGSTOP
+    (continued, then waited for; killed after 10 s).  A daemon process still
+    there 15 s after the daemon was stopped is killed and fails the test."""
+    monkeypatch.setenv("COORDL_RUN_DIR", str(tmp_path / "run"))
+    for k in _DAEMON_KNOBS:
+        monkeypatch.delenv(k, raising=False)
+    for k, v in daemon_settings.items():
+        monkeypatch.setenv(k, v)
+    procs = []
+    yield procs
+    stopped = [p for p in procs if isinstance(p, int)]
+    for p in procs:
+        if isinstance(p, int):
+            try:
+                os.kill(p, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+        else:
+            p.kill()
+            p.communicate()
+    left = stop_daemon()
+    for pid in stopped:
+        try:
+            p = psutil.Process(pid)
+            try:
+                p.wait(10)
+            except psutil.TimeoutExpired:
+                p.kill()
+        except psutil.NoSuchProcess:
+            pass
+    kill_processes(_processes(left))
+    assert not left, f"daemon processes left behind (killed now): {left}"

@@ -34,35 +34,9 @@ def photos(tmp_path_factory):
 
 
 @pytest.fixture
-def daemon_env(tmp_path, monkeypatch):
-    monkeypatch.setenv("COORDL_RUN_DIR", str(tmp_path / "run"))
-    monkeypatch.setenv("COORDL_DAEMON_TIMEOUT", "2")
-    for k in ("COORDL_STAGING", "COORDL_SHARE", "COORDL_DAEMON_MAX_CLIENTS", "COORDL_DAEMON_WORKER_STALL",
-              "COORDL_DAEMON_WORKER_WAIT", "COORDL_DAEMON_MAX_WORKERS"):
-        monkeypatch.delenv(k, raising=False)
-    procs = []        # jobs started, and worker pids stopped, by the test
-    yield procs
-    for p in procs:
-        if isinstance(p, int):
-            try:
-                os.kill(p, signal.SIGCONT)
-            except ProcessLookupError:
-                pass
-        else:
-            p.kill()
-            p.communicate()
-    st = S.status()
-    pids = [st["pid"]] + st.get("worker_pids", []) if st else []
-    S.stop(timeout=20)
-    for pid in pids + [p for p in procs if isinstance(p, int)]:
-        try:
-            p = psutil.Process(pid)
-            try:
-                p.wait(10)
-            except psutil.TimeoutExpired:
-                p.kill()
-        except psutil.NoSuchProcess:
-            pass
+def daemon_settings():
+    """For conftest's ``daemon_env``: a job gives up on a silent daemon in 2 s."""
+    return {"COORDL_DAEMON_TIMEOUT": "2"}
 
 
 def _job(root, *extra):

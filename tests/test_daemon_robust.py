@@ -36,31 +36,9 @@ def photos(tmp_path_factory):
 
 
 @pytest.fixture
-def daemon_env(tmp_path, monkeypatch):
-    monkeypatch.setenv("COORDL_RUN_DIR", str(tmp_path / "run"))
-    for k, v in FAST.items():
-        monkeypatch.setenv(k, v)
-    for k in ("COORDL_STAGING", "COORDL_SHARE", "COORDL_DAEMON_MAX_CLIENTS"):
-        monkeypatch.delenv(k, raising=False)
-    stopped = []
-    yield stopped
-    for pid in stopped:          # a test that failed half-way may leave one stopped
-        try:
-            os.kill(pid, signal.SIGCONT)
-        except ProcessLookupError:
-            pass
-    st = S.status()
-    pids = [st["pid"]] + st.get("worker_pids", []) if st else []
-    S.stop(timeout=20)
-    for pid in pids + stopped:
-        try:
-            p = psutil.Process(pid)
-            try:
-                p.wait(10)
-            except psutil.TimeoutExpired:
-                p.kill()
-        except psutil.NoSuchProcess:
-            pass
+def daemon_settings():
+    """For conftest's ``daemon_env``: the deadlines lowered."""
+    return FAST
 
 
 def _job(root, *extra, env=None):

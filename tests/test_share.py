@@ -16,7 +16,6 @@ import torch
 import coordl
 from coordl import transforms as T
 from coordl.daemon import server as S
-from coordl.testing import stop_daemon
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 JOB = os.path.join(HERE, "_share_job.py")
@@ -29,18 +28,6 @@ def photos(tmp_path_factory):
     root = tmp_path_factory.mktemp("share") / "photos"
     make_image_folder(root, num_images=48, num_classes=4, image_size=(64, 48), mean_kb=4)
     return str(root)
-
-
-@pytest.fixture
-def daemon_env(tmp_path, monkeypatch):
-    """A private run directory (so each test has its own daemon), and the
-    daemon and its workers gone afterwards."""
-    monkeypatch.setenv("COORDL_RUN_DIR", str(tmp_path / "run"))
-    monkeypatch.delenv("COORDL_STAGING", raising=False)
-    monkeypatch.delenv("COORDL_SHARE", raising=False)
-    yield tmp_path / "run"
-    left = stop_daemon()
-    assert not left, f"daemon processes left behind: {left}"
 
 
 def dataset(root, size=32, flip=True):

@@ -16,7 +16,6 @@ import torch
 
 import coordl
 from coordl.daemon import server as S
-from coordl.testing import stop_daemon
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 CODE_JOB = os.path.join(HERE, "_code_job.py")
@@ -34,14 +33,9 @@ def photos(tmp_path_factory):
 
 
 @pytest.fixture
-def daemon_env(tmp_path, monkeypatch):
-    monkeypatch.setenv("COORDL_RUN_DIR", str(tmp_path / "run"))
-    monkeypatch.setenv("PYTHONDONTWRITEBYTECODE", "1")   # an edited module is read from its source
-    monkeypatch.delenv("COORDL_STAGING", raising=False)
-    monkeypatch.delenv("COORDL_SHARE", raising=False)
-    yield tmp_path / "run"
-    left = stop_daemon()
-    assert not left, f"daemon processes left behind: {left}"
+def daemon_settings():
+    """For conftest's ``daemon_env``: an edited module is read from its source."""
+    return {"PYTHONDONTWRITEBYTECODE": "1"}
 
 
 MYAUG = """\

@@ -15,7 +15,6 @@ import coordl
 from coordl import transforms as T
 from coordl.base import reaper as _reaper
 from coordl.daemon import server as S
-from coordl.testing import stop_daemon
 
 
 @pytest.fixture(scope="module")
@@ -28,16 +27,10 @@ def photos(tmp_path_factory):
 
 
 @pytest.fixture
-def daemon_env(tmp_path, monkeypatch):
-    """A private run directory (each test has its own daemon), 128 slots of
-    staging (six epochs of 48 samples go round it twice), and the daemon
-    gone afterwards."""
-    monkeypatch.setenv("COORDL_RUN_DIR", str(tmp_path / "run"))
-    monkeypatch.setenv("COORDL_STAGING", "408KiB")
-    monkeypatch.delenv("COORDL_SHARE", raising=False)
-    yield tmp_path / "run"
-    left = stop_daemon()
-    assert not left, f"daemon processes left behind: {left}"
+def daemon_settings():
+    """For conftest's ``daemon_env``: 128 slots of staging (six epochs of 48
+    samples go round it twice)."""
+    return {"COORDL_STAGING": "408KiB"}
 
 
 def dataset(root):

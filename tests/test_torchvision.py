@@ -420,26 +420,18 @@ def test_adapter_pickles_without_torchvision_when_fully_translated(photos):
     assert r.stdout.split()[-1] == str(ds.targets[0])
 
 
-def test_share_prepares_once_for_two_jobs(photos, tmp_path, monkeypatch):
-    from coordl.daemon import server as S
-
-    monkeypatch.setenv("COORDL_RUN_DIR", str(tmp_path / "run"))
-    monkeypatch.delenv("COORDL_STAGING", raising=False)
-    monkeypatch.delenv("COORDL_SHARE", raising=False)
-    try:
-        ref = batches(coordl.DataLoader(D.ImageFolder(photos, transform=v1_pipeline(16)), batch_size=6, seed=7))
-        a = coordl.DataLoader(D.ImageFolder(photos, transform=v1_pipeline(16)), batch_size=6, seed=7, share=True)
-        b = coordl.DataLoader(D.ImageFolder(photos, transform=v1_pipeline(16)), batch_size=6, seed=7, share=True)
-        got_a, got_b = [], []
-        for x, y in zip(a, b):
-            got_a.append(x)
-            got_b.append(y)
-        for got in (got_a, got_b):
-            assert all(torch.equal(p[0], q[0]) and torch.equal(p[1], q[1]) for p, q in zip(got, ref))
-        assert a.stats().samples_shared > 0 and b.stats().samples_shared > 0
-        del a, b
-    finally:
-        S.stop(timeout=20)
+def test_share_prepares_once_for_two_jobs(photos, daemon_env):
+    ref = batches(coordl.DataLoader(D.ImageFolder(photos, transform=v1_pipeline(16)), batch_size=6, seed=7))
+    a = coordl.DataLoader(D.ImageFolder(photos, transform=v1_pipeline(16)), batch_size=6, seed=7, share=True)
+    b = coordl.DataLoader(D.ImageFolder(photos, transform=v1_pipeline(16)), batch_size=6, seed=7, share=True)
+    got_a, got_b = [], []
+    for x, y in zip(a, b):
+        got_a.append(x)
+        got_b.append(y)
+    for got in (got_a, got_b):
+        assert all(torch.equal(p[0], q[0]) and torch.equal(p[1], q[1]) for p, q in zip(got, ref))
+    assert a.stats().samples_shared > 0 and b.stats().samples_shared > 0
+    del a, b
 
 
 def test_analyze_reads_a_torchvision_dataset(photos, tmp_path):
