@@ -13,10 +13,20 @@ built over the same files with the same pipeline and the same parallelism.
   (uint8 CHW, random mirror), ``num_threads`` = workers.
 * coordl: ``coordl.DataLoader(coordl.ImageFolder(...))`` with
   ``coordl.transforms``, ``num_workers`` = workers.
+
+And what the side-by-side scripts (recipes.py, torchvision_loop.py) share:
+torchvision loaded as the tests load it, the generated folder in the page
+cache, one epoch's images, seconds and labels with the every-sample-once
+check, the ratios of two sides round by round, and the --quick sizes and
+the JSON written at the end.
 """
 from __future__ import annotations
 
+import json
 import os
+import shutil
+import sys
+import tempfile
 import time
 
 import numpy as np
@@ -27,7 +37,10 @@ import coordl
 from coordl import transforms as T
 
 __all__ = ["TorchStyleFolder", "make_loader", "LOADERS", "dali_available", "time_epochs",
-           "single_core_rate", "warm_page_cache"]
+           "single_core_rate", "warm_page_cache", "torchvision", "image_folder", "epoch", "every_sample_once",
+           "round_ratios", "QUICK", "run_and_save"]
+
+TESTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests")
 
 
 class TorchStyleFolder(torch.utils.data.Dataset):
@@ -177,3 +190,84 @@ def warm_page_cache(root: str) -> int:
                 total += len(fh.read())
     return total
 
+
+
+def torchvision():
+    """torchvision, imported as the test suite imports it (tests/_torchvision.py:
+    its PyPI wheel does not import as it is beside a CPU build of torch), or
+    SystemExit saying how to install it."""
+    if TESTS not in sys.path:
+        sys.path.insert(0, TESTS)
+    from _torchvision import import_torchvision
+
+    tv = import_torchvision()
+    if tv is None:
+        raise SystemExit("torchvision is not installed: pip install 'coordl[test]'")
+    return tv
+
+
+def image_folder(args, prefix: str, **make) -> str:
+    """``args.root``, or else a folder of ``args.images`` generated images
+    (10 classes, seed 0, ``make``: :func:`coordl.synth.make_image_folder`'s
+    sizes) in a temporary directory, ``args.tmp`` (:func:`run_and_save`
+    removes it); its files read once, so that every side finds them in the
+    page cache."""
+    root = args.root
+    if root is None:
+        from coordl.synth import make_image_folder
+
+        args.tmp = tempfile.mkdtemp(prefix=prefix)
+        root = os.path.join(args.tmp, "photos")
+        make_image_folder(root, num_images=args.images, num_classes=10, seed=0, **make)
+    warm_page_cache(root)
+    return root
+
+
+def epoch(loader, per_batch=None) -> tuple[int, float, torch.Tensor]:
+    """One pass over ``loader`` (batches of images and targets): (images,
+    seconds, the targets in the order delivered); ``per_batch(images)`` runs
+    on each batch, inside the timing."""
+    n, labels = 0, []
+    t0 = time.perf_counter()
+    for images, targets in loader:
+        n += images.shape[0]
+        labels.append(targets)
+        if per_batch is not None:
+            per_batch(images)
+    return n, time.perf_counter() - t0, torch.cat(labels)
+
+
+def every_sample_once(ds, labels: torch.Tensor) -> bool:
+    """An epoch's ``labels`` are the dataset's targets, each sample once (in any order)."""
+    return len(labels) == len(ds) and sorted(labels.tolist()) == sorted(ds.targets)
+
+
+def round_ratios(rows: list[dict], key: str, case: str, num: str, den: str,
+                 field: str = "images_per_s") -> list[float]:
+    """Round by round, ``field`` of the side (``loader``) ``num`` over that
+    of ``den``, in the rows whose ``key`` is ``case``."""
+    by_round: dict = {}
+    for x in rows:
+        if x[key] == case:
+            by_round.setdefault(x["round"], {})[x["loader"]] = x
+    return [r[num][field] / r[den][field] for _, r in sorted(by_round.items())]
+
+
+# --quick: tiny sizes, a smoke run
+QUICK = {"images": 48, "epochs": 1, "rounds": 1, "size": 32, "batch_size": 16}
+
+
+def run_and_save(run, args, name: str) -> dict:
+    """``run(args)``, the folder it generated (``args.tmp``) removed
+    afterwards whatever happens, and its result written to
+    ``args.out``/``name``.json."""
+    args.tmp = None
+    try:
+        res = run(args)
+    finally:
+        if args.tmp is not None:
+            shutil.rmtree(args.tmp, ignore_errors=True)
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, f"{name}.json"), "w") as f:
+        json.dump(res, f, indent=1)
+    return res

@@ -47,20 +47,18 @@ import argparse
 import gc
 import importlib.util
 import inspect
-import json
 import os
 import resource
-import shutil
 import statistics
 import sys
-import tempfile
 import time
 import warnings
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
+
+import common  # noqa: E402
 
 MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 POLICIES = {"": None, "_ra": "ra", "_ta": "ta_wide", "_augmix": "augmix"}
@@ -74,21 +72,11 @@ def _cpu() -> float:
     return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
 
 
-def _torchvision():
-    from _torchvision import import_torchvision
-
-    if import_torchvision() is None:
-        raise SystemExit("torchvision is not installed: pip install 'coordl[test]'")
-    import torchvision  # noqa: F401
-
-    return torchvision
-
-
 class PresetTrain:
     """The reference training preset's structure (see the module docstring)."""
 
     def __init__(self, *, crop_size, auto_augment_policy=None, use_v2=False):
-        _torchvision()
+        common.torchvision()
         if use_v2:
             from torchvision.transforms import v2 as M
         else:
@@ -115,7 +103,7 @@ class PresetEval:
     """The reference evaluation preset's structure."""
 
     def __init__(self, *, crop_size, resize_size=256, use_v2=False):
-        _torchvision()
+        common.torchvision()
         if use_v2:
             from torchvision.transforms import v2 as M
         else:
@@ -135,7 +123,7 @@ def _load_presets(path: str | None):
     """(train class, eval class, takes use_v2, where from)."""
     if path is None:
         return PresetTrain, PresetEval, True, "the benchmark's own preset classes"
-    _torchvision()
+    common.torchvision()
     spec = importlib.util.spec_from_file_location("presets", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
@@ -145,7 +133,7 @@ def _load_presets(path: str | None):
 
 def build(recipe: str, root: str, size: int, presets, cls, batch_size: int, workers: int):
     """The dataset and loader of ``recipe``, built with ``cls`` (the only difference)."""
-    tv = _torchvision()
+    tv = common.torchvision()
     from torch.utils.data import RandomSampler, SequentialSampler, default_collate
 
     train_cls, eval_cls, has_v2, _ = presets
@@ -170,18 +158,7 @@ def build(recipe: str, root: str, size: int, presets, cls, batch_size: int, work
 def run(args) -> dict:
     import coordl
 
-    root = args.root
-    if root is None:
-        from coordl.synth import make_image_folder
-
-        args.tmp = tempfile.mkdtemp(prefix="recipes-")
-        root = os.path.join(args.tmp, "photos")
-        make_image_folder(root, num_images=args.images, num_classes=10, seed=0,
-                          **({"image_size": (96, 128), "mean_kb": 6} if args.quick else {}))
-    for dirpath, _, files in os.walk(root):  # warm page cache, the same for both
-        for f in files:
-            with open(os.path.join(dirpath, f), "rb") as fh:
-                fh.read()
+    root = common.image_folder(args, "recipes-", **({"image_size": (96, 128), "mean_kb": 6} if args.quick else {}))
     presets = _load_presets(args.presets)
     loaders = {"torch": torch.utils.data.DataLoader, "coordl": coordl.DataLoader}
     rows = []
@@ -196,13 +173,10 @@ def run(args) -> dict:
                 ds, loader = build(recipe, root, args.size, presets, loaders[name], args.batch_size, args.workers)
                 n, once, labels = 0, True, []
                 for _epoch in range(args.epochs):
-                    epoch_labels = []
-                    for images, targets in loader:
-                        n += images.shape[0]
-                        epoch_labels.append(targets)
-                    lab = torch.cat(epoch_labels)
+                    count, _sec, lab = common.epoch(loader)
+                    n += count
                     labels.append(lab)
-                    once = once and len(lab) == len(ds) and sorted(lab.tolist()) == sorted(ds.targets)
+                    once = once and common.every_sample_once(ds, lab)
                 sec = time.perf_counter() - t0
                 path = (lambda s: f"{s.path}: {s.path_reason}")(loader.stats()) if name == "coordl" else "torch"
                 del loader
@@ -220,11 +194,8 @@ def run(args) -> dict:
             rows[-1]["same_labels_as_torch"] = rows[-2]["same_labels_as_torch"] = same
     summary = {}
     for recipe in args.recipes:
-        ratios, cpu = [], []
-        for rnd in range(args.rounds):
-            r = {x["loader"]: x for x in rows if x["round"] == rnd and x["recipe"] == recipe}
-            ratios.append(r["coordl"]["images_per_s"] / r["torch"]["images_per_s"])
-            cpu.append(r["torch"]["cpu_ms_per_image"] / r["coordl"]["cpu_ms_per_image"])
+        ratios = common.round_ratios(rows, "recipe", recipe, "coordl", "torch")
+        cpu = common.round_ratios(rows, "recipe", recipe, "torch", "coordl", "cpu_ms_per_image")
         mine = [x for x in rows if x["recipe"] == recipe]
         summary[recipe] = {"coordl_over_torch": round(statistics.median(ratios), 3),
                            "ratios": [round(r, 3) for r in ratios],
@@ -265,17 +236,9 @@ def main(argv=None) -> int:
         print("timm is not installed (pip install timm): its recipes are left out", file=sys.stderr)
         args.recipes = [r for r in args.recipes if not r.startswith("timm")]
     if args.quick:
-        args.images, args.epochs, args.rounds, args.size, args.batch_size = 48, 1, 1, 32, 16
-    args.tmp = None
+        vars(args).update(common.QUICK)
     warnings.filterwarnings("ignore", message=".*'pin_memory' argument is set as true but no accelerator.*")
-    try:
-        res = run(args)
-    finally:
-        if args.tmp is not None:
-            shutil.rmtree(args.tmp, ignore_errors=True)
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "recipes.json"), "w") as f:
-        json.dump(res, f, indent=1)
+    res = common.run_and_save(run, args, "recipes")
     ok = all(s["every_sample_once"] for s in res["summary"].values())
     return 0 if ok else 1
 

@@ -52,25 +52,21 @@ import argparse
 import csv
 import json
 import os
-import shutil
 import statistics
 import sys
-import tempfile
-import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
+sys.path.insert(0, HERE)
 
 import torch  # noqa: E402
+
+import common  # noqa: E402
 
 MEAN, STD = [0.485, 0.456, 0.406], [0.229, 0.224, 0.225]
 
 
 def _torchvision():
-    from _torchvision import import_torchvision
-
-    if import_torchvision() is None:
-        raise SystemExit("torchvision is not installed: pip install 'coordl[test]'")
+    common.torchvision()
     from torchvision import datasets, transforms
     from torchvision.transforms import v2
 
@@ -116,21 +112,17 @@ def image_stats(images: torch.Tensor, how: str = "sums") -> tuple[torch.Tensor, 
 
 def training_loop(DataLoader, dataset, epochs: int, batch_size: int, workers: int, stats: str = "sums"):
     """What a user runs; only ``DataLoader`` differs.  Returns per-epoch
-    (images, seconds, labels), each image's per-channel mean and std (the
+    (images, seconds, labels) (:func:`common.epoch`), each image's per-channel mean and std (the
     benchmark's check, :func:`image_stats`), and the loader."""
     loader = DataLoader(dataset, batch_size=batch_size, shuffle=True, num_workers=workers)
-    out, means, stds = [], [], []
-    for _epoch in range(epochs):
-        labels = []
-        n = 0
-        t0 = time.perf_counter()
-        for images, targets in loader:
-            n += images.shape[0]
-            labels.append(targets)
-            m, sd = image_stats(images, stats)
-            means.append(m)
-            stds.append(sd)
-        out.append((n, time.perf_counter() - t0, torch.cat(labels)))
+    means, stds = [], []
+
+    def check(images):
+        m, sd = image_stats(images, stats)
+        means.append(m)
+        stds.append(sd)
+
+    out = [common.epoch(loader, check) for _epoch in range(epochs)]
     return out, torch.cat(means), torch.cat(stds), loader
 
 
@@ -190,21 +182,11 @@ def run(args) -> dict:
     import coordl
 
     datasets, _, _ = _torchvision()
-    root = args.root
-    if root is None:
-        from coordl.synth import make_image_folder
-
-        args.tmp = tempfile.mkdtemp(prefix="tvloop-")
-        root = os.path.join(args.tmp, "photos")
-        size = {"image_size": (96, 128), "mean_kb": 6} if args.quick else {}
-        if args.image_size is not None:
-            w, h = args.image_size
-            size = {"image_size": (w, h), "mean_kb": 110 * w * h / (500 * 375)}
-        make_image_folder(root, num_images=args.images, num_classes=10, seed=0, **size)
-    for dirpath, _, files in os.walk(root):  # warm page cache, the same for both
-        for f in files:
-            with open(os.path.join(dirpath, f), "rb") as fh:
-                fh.read()
+    size = {"image_size": (96, 128), "mean_kb": 6} if args.quick else {}
+    if args.image_size is not None:
+        w, h = args.image_size
+        size = {"image_size": (w, h), "mean_kb": 110 * w * h / (500 * 375)}
+    root = common.image_folder(args, "tvloop-", **size)
     loaders = {"torch": torch.utils.data.DataLoader, "coordl": coordl.DataLoader}
     if args.draft:
         loaders["coordl-draft"] = functools.partial(coordl.DataLoader, jpeg_draft=True)
@@ -227,8 +209,7 @@ def run(args) -> dict:
                     epochs, means, stds, loader = training_loop(loaders[name], ds, args.epochs, args.batch_size,
                                                               args.workers, args.stats)
                     if name == "torch":
-                        once = all(len(lab) == len(ds) and sorted(lab.tolist()) == sorted(ds.targets)
-                                   for _n, _s, lab in epochs)
+                        once = all(common.every_sample_once(ds, lab) for _n, _s, lab in epochs)
                         path = "torch"
                     else:
                         st = loader.stats()
@@ -264,11 +245,8 @@ def run(args) -> dict:
     for kind in args.pipelines:
         summary[kind] = {}
         for name in sides[1:]:
-            ratios, steady = [], []
-            for rnd in range(args.rounds):
-                r = {x["loader"]: x for x in rows if x["round"] == rnd and x["pipeline"] == kind}
-                ratios.append(r[name]["images_per_s"] / r["torch"]["images_per_s"])
-                steady.append(r[name]["images_per_s_after_first_epoch"] / r["torch"]["images_per_s_after_first_epoch"])
+            ratios = common.round_ratios(rows, "pipeline", kind, name, "torch")
+            steady = common.round_ratios(rows, "pipeline", kind, name, "torch", "images_per_s_after_first_epoch")
             key = "" if name == "coordl" else f"{name}_"
             summary[kind].update({
                 f"{key}coordl_over_torch" if key else "coordl_over_torch": round(statistics.median(ratios), 3),
@@ -278,10 +256,7 @@ def run(args) -> dict:
             print(f"{kind}: {name} / torch throughput {statistics.median(ratios):.2f}x "
                   f"(rounds {[round(r, 3) for r in ratios]}; after the first epoch {statistics.median(steady):.2f}x)")
         for name in sides[2:]:  # the default against each other coordl side, round by round
-            rel = []
-            for rnd in range(args.rounds):
-                r = {x["loader"]: x for x in rows if x["round"] == rnd and x["pipeline"] == kind}
-                rel.append(r["coordl"]["images_per_s"] / r[name]["images_per_s"])
+            rel = common.round_ratios(rows, "pipeline", kind, "coordl", name)
             summary[kind][f"coordl_over_{name.replace('-', '_')}"] = round(statistics.median(rel), 3)
             print(f"{kind}: coordl (default) / {name} throughput {statistics.median(rel):.3f}x "
                   f"(rounds {[round(r, 3) for r in rel]})")
@@ -326,16 +301,8 @@ def main(argv=None) -> int:
         except (ValueError, AssertionError):
             ap.error(f"--image-size should be WxH, two positive ints, but got --image-size={args.image_size}")
     if args.quick:
-        args.images, args.epochs, args.rounds, args.size, args.batch_size = 48, 1, 1, 32, 16
-    args.tmp = None
-    try:
-        res = run(args)
-    finally:
-        if args.tmp is not None:
-            shutil.rmtree(args.tmp, ignore_errors=True)
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "torchvision_loop.json"), "w") as f:
-        json.dump(res, f, indent=1)
+        vars(args).update(common.QUICK)
+    res = common.run_and_save(run, args, "torchvision_loop")
     with open(os.path.join(args.out, "torchvision_loop.csv"), "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=["round", "pipeline", "loader", "images", "seconds", "images_per_s",
                                           "images_per_s_after_first_epoch", "every_sample_once"])
