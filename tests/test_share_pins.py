@@ -196,8 +196,12 @@ def test_a_job_whose_samples_are_staged_already_gets_its_batches_as_views(photos
             time.sleep(0.01)                          # the training step
         del x
     views = [e.batches_zero_copy for e in slow.stats().epochs]
-    # 12 batches an epoch; batch 0 of the first pass holds the sample it prepared itself
-    assert views[0] >= 10 and views[1] >= 11, f"batches of 12 the slower job got as views: {views}"
+    # 12 batches an epoch (batch 0 of the first pass holds the sample it prepared itself). A job
+    # that reads one message at a time gets about 2 of 12 as views; one that reads what is on
+    # its socket gets 11-12 on an idle machine. The job never waits for a pin's answer, so under
+    # a heavily loaded machine a late answer costs a view now and then (9 of 12 seen): the bound
+    # tells the two apart without depending on the machine's load
+    assert sum(views) >= 16, f"batches of 2 x 12 the slower job got as views: {views}"
 
 
 # --------------------------------------------------------------------------- the job's count of its pins
