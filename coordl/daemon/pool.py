@@ -57,7 +57,8 @@ from .staging import GroupRes
 from .worker import HEADER, LAYOUT
 
 
-_IN_FLIGHT = 16               # samples handed to one worker at a time (it reads ahead on them)
+_IN_FLIGHT = 32               # samples handed to one worker at a time (it reads ahead on them; it reports
+                              # them _DONE_BATCH at a time: a message per 16 samples each way)
 
 
 class _Pool:

@@ -910,15 +910,6 @@ class SharedIter:
         return Envelope(_collate.build(self.layout1.template, leaves), self.epoch, st, k)
 
 
-def _leaf_bytes(x, leaf) -> np.ndarray:
-    """A sample's leaf as the bytes staging holds for it (uint8)."""
-    if isinstance(x, torch.Tensor):
-        return x.detach().contiguous().view(-1).view(torch.uint8).numpy() if x.numel() else np.empty(0, np.uint8)
-    if isinstance(x, np.ndarray):
-        return np.ascontiguousarray(x).reshape(-1).view(np.uint8)
-    return np.asarray([x], dtype={"int": np.int64, "float": np.float64, "bool": np.bool_}[leaf.kind]).view(np.uint8)
-
-
 def _differs(layout1, sample, staged: list) -> str | None:
     """None when ``sample`` (this job's) is what ``staged`` (the leaves'
     bytes in a slot) holds; else what differs, in words."""
@@ -932,7 +923,7 @@ def _differs(layout1, sample, staged: list) -> str | None:
     for k, (x, leaf, a) in enumerate(zip(leaves, layout1.leaves, staged)):
         if not _collate._same(x, leaf):
             return f"leaf {k} has another dtype or shape"
-        mine = _leaf_bytes(x, leaf)
+        mine = _collate.leaf_bytes(x, leaf)
         if mine.nbytes != a.nbytes:
             return f"leaf {k} has another size"
         if np.array_equal(mine, a):

@@ -53,10 +53,11 @@ import traceback
 from concurrent.futures import ThreadPoolExecutor
 
 __all__ = ["HEADER", "HDR", "MARK", "LAYOUT", "CodeMismatch", "describe_layout", "layout_digest", "main",
-           "slot_stride", "staging_bases", "leaf_views"]
+           "slot_stride", "staging_bases"]
 
 HEADER = 64
-_DONE_BATCH = 8   # finished samples reported in one message (fewer wake-ups of the daemon)
+_DONE_BATCH = 16  # finished samples reported in one message (fewer wake-ups of the daemon); half of what
+                  # it is handed at a time (pool._IN_FLIGHT), so it has work while the daemon answers
 _DONE_WAIT = 0.5  # seconds a finished sample waits for others before it is reported: the daemon's
                   # clock of progress (pool.py) sees every finished sample within this
 HDR = struct.Struct("<qqqq")   # epoch, global position, index, marker
@@ -92,26 +93,6 @@ def staging_bases(layout, nslots: int, size: int) -> list[int]:
         off += nslots * leaf.nbytes
     if off > size:
         raise ValueError(f"staging of {size} bytes cannot hold {nslots} samples of {off // max(nslots, 1)} bytes")
-    return out
-
-
-def leaf_views(layout, bases: list[int], mm, slot: int, rows: int = 1, whole=None) -> list:
-    """One tensor per leaf over staging: slots ``slot .. slot + rows - 1``,
-    shape ``(rows, *leaf.shape)`` (``whole``: a uint8 numpy array over all of
-    ``mm``, so the views keep it alive)."""
-    import numpy as np
-    import torch
-
-    if whole is None:
-        whole = np.frombuffer(mm, dtype=np.uint8)
-    out = []
-    for leaf, b0 in zip(layout.leaves, bases):
-        per = leaf.nbytes
-        if per:
-            region = whole[b0 + slot * per:b0 + (slot + rows) * per]
-            out.append(torch.from_numpy(region).view(leaf.dtype).view((rows,) + tuple(leaf.shape)))
-        else:
-            out.append(torch.empty((rows,) + tuple(leaf.shape), dtype=leaf.dtype))
     return out
 
 
@@ -174,6 +155,7 @@ class _Group:
                 self.peers = None   # unusable: storage it is
         self.read, _ = _make_reader(self.dataset, self.cache, self.peers)
         self.layout = None
+        self.rows = None    # per leaf, its staging region by slot (numpy, over mm), from the first sample
         from ..plan import EpochPlan
 
         p = msg["plan"]
@@ -194,6 +176,7 @@ class _Group:
         return epoch, int(self._order[1][pos])
 
     def close(self) -> None:
+        self.rows = None    # (they view mm)
         try:
             self.mm.close()
         except BufferError:
@@ -256,12 +239,14 @@ def _write(grp: _Group, slot: int, sample, epoch: int, g: int, i: int) -> str | 
     leaves = layout.leaves_of(sample)
     if leaves is None:
         return LAYOUT + f"sample {i}: {_describe(_collate.layout_of(sample, 1))}; the first: {_describe(layout)}"
-    whole, targets = np.frombuffer(grp.mm, dtype=np.uint8), None
-    try:
-        targets = leaf_views(layout, grp.bases, grp.mm, slot, whole=whole)
-        _collate.write_row(_collate.row_targets(layout, targets), 0, leaves)
-    finally:
-        del whole, targets
+    if grp.rows is None:   # per leaf, its region of staging as (slots, bytes per sample): a row per slot
+        whole = np.frombuffer(grp.mm, dtype=np.uint8)
+        grp.rows = [whole[b0:b0 + grp.nslots * leaf.nbytes].reshape(grp.nslots, leaf.nbytes)
+                    for leaf, b0 in zip(layout.leaves, grp.bases)]
+        del whole
+    for rows, leaf, x in zip(grp.rows, layout.leaves, leaves):
+        if leaf.nbytes:
+            rows[slot] = _collate.leaf_bytes(x, leaf)   # one memcpy, no tensor made per sample
     HDR.pack_into(grp.mm, slot * HEADER, epoch, g, i, MARK)
     return None
 

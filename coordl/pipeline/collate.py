@@ -164,6 +164,17 @@ def row_targets(layout: Layout, targets: list[torch.Tensor]) -> list:
             for leaf, t in zip(layout.leaves, targets)]
 
 
+def leaf_bytes(x, leaf: _Leaf) -> np.ndarray:
+    """A sample's leaf (from :meth:`Layout.leaves_of`, so of ``leaf``'s dtype
+    and shape) as the bytes a row of it holds: a uint8 view where it is
+    contiguous already (any dtype, bfloat16 too), else one copy."""
+    if isinstance(x, torch.Tensor):
+        return x.detach().contiguous().view(-1).view(torch.uint8).numpy() if x.numel() else np.empty(0, np.uint8)
+    if isinstance(x, np.ndarray):
+        return np.ascontiguousarray(x).reshape(-1).view(np.uint8)
+    return np.asarray([x], dtype={"int": np.int64, "float": np.float64, "bool": np.bool_}[leaf.kind]).view(np.uint8)
+
+
 def write_row(targets: list, row: int, leaves: list) -> None:
     """Copy a sample's leaves (from :meth:`Layout.leaves_of`) into row ``row``
     of ``targets`` (from :func:`views` or :func:`row_targets`)."""
