@@ -196,8 +196,10 @@ def run(args) -> dict:
     rows, checks = [], []
     for rnd in range(args.rounds):
         for kind in args.pipelines:
+            # each side first in turn; every other cycle reversed, so the neighbours change too
+            # (reversing every odd round undid the rotation of two sides: torch always ran first)
             order = sides[rnd % len(sides):] + sides[:rnd % len(sides)]
-            if rnd % 2 == 1:
+            if (rnd // len(sides)) % 2 == 1:
                 order.reverse()
             stats = {}
             for name in order:
