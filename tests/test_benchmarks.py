@@ -346,7 +346,7 @@ def test_gpu_smoke(tmp_path):
         assert "error" not in r and r["images_per_s"] > 0
         assert r["of_ceiling"] == pytest.approx(r["images_per_s"] / b["ceiling"]["images_per_s"], abs=1e-3)
     c = res["parts"]["c"]
-    assert list(c["rows"]) == ["torch", "coordl share=True"], c   # --smoke leaves out the plain coordl row
+    assert list(c["rows"]) == ["coordl share=True"], c   # --smoke runs the shared row alone
     for label, r in c["rows"].items():
         assert "error" not in r, r
         assert r["alone"] > 0 and len(r["per_job"]) == c["jobs"] and min(r["per_job"]) > 0, r
