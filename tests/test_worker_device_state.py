@@ -224,10 +224,11 @@ def test_nothing_a_worker_receives_reaches_device_state(photos, tmp_path, cls):
 
 
 def test_spawned_and_forkserver_workers_get_no_device_state(photos, tmp_path):
+    # one worker: each is a fresh interpreter (seconds of imports) that gets what the other would
     _run(photos, tmp_path, """
         for ctx in ("spawn", "forkserver"):
             L = coordl.DataLoader(coordl.ImageFolder(ROOT, transform=TRAIN), batch_size=4, seed=1, device="cpu",
-                                  num_workers=2, multiprocessing_context=ctx, worker_init_fn=gc.collect)
+                                  num_workers=1, multiprocessing_context=ctx, worker_init_fn=gc.collect)
             for epoch in range(2):
                 for batch in L:
                     garbage_of_a_training_step(batch)
