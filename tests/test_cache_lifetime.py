@@ -116,7 +116,8 @@ def test_clear_force_and_recreate_while_jobs_run_never_mixes_samples(data, ctx):
     root, ds, expected = data
     kw = dict(batch_size=8, cache_size=BIG)
     a = coordl.DataLoader(folder(root), num_workers=0, **kw)            # admits in this process
-    b = coordl.DataLoader(folder(root), num_workers=2, multiprocessing_context=ctx, **kw)  # new workers each pass
+    # new workers each pass; a spawned one is a fresh interpreter (seconds of imports): one is enough there
+    b = coordl.DataLoader(folder(root), num_workers=2 if ctx == "fork" else 1, multiprocessing_context=ctx, **kw)
     it = iter(a)
     next(it)  # a has admitted (and locked) through its own description
     del it
