@@ -113,13 +113,14 @@ def test_cache_benchmark_tiny(tmp_path):
 
 def test_sharing_quick(tmp_path):
     # a few configurations keep the suite short; the full list runs in the benchmark itself
-    out = _script("sharing.py", "--quick", "--configs", "solo,shared-K2,shared-mixed,shared-idle", "--step", "sleep",
+    # (shared-mixed: several jobs sharing, of different batch sizes; shared-K2 would run the same code)
+    out = _script("sharing.py", "--quick", "--configs", "solo,shared-mixed,shared-idle", "--step", "sleep",
                   "--out", str(tmp_path), timeout=600)
     with open(tmp_path / "sharing.csv") as f:
         rows = {r["config"]: r for r in csv.DictReader(f)}
     with open(tmp_path / "sharing_jobs.csv") as f:
         jobs = list(csv.DictReader(f))
-    assert list(rows) == ["solo", "shared-K2", "shared-mixed"], out
+    assert list(rows) == ["solo", "shared-mixed"], out
     for name, r in rows.items():
         k = int(r["K"])
         assert len(r["job_images_per_s"].split("/")) == k
@@ -128,8 +129,8 @@ def test_sharing_quick(tmp_path):
         mine = [j for j in jobs if j["config"] == name]
         assert sorted((int(j["job"]), int(j["epoch"])) for j in mine) == [(i, e) for i in range(k) for e in (0, 1)]
         assert all(int(j["images"]) == 48 for j in mine)
-    for name in ("shared-K2", "shared-mixed"):   # jobs started together did share samples
-        assert sum(int(j["samples_shared"] or 0) for j in jobs if j["config"] == name) > 0
+    # jobs started together did share samples
+    assert sum(int(j["samples_shared"] or 0) for j in jobs if j["config"] == "shared-mixed") > 0
     assert "\ntargets:\n" in out
     # the slowest job vs solo, bit-identity by CRC, first batch after idling
     assert "  slowest of mixed batch sizes sharing / solo" in out
