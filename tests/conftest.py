@@ -31,10 +31,17 @@ import shutil
 import signal
 import tempfile
 
-import psutil
-import pytest
+# torch's intra-op threads (libgomp) spin for a while after each parallel
+# region before they sleep: with three pytest workers and their children on
+# a few cores, that spinning takes CPU the tests need (about half of the CPU
+# of tests/test_tv_pixels.py's small ops).  Set before torch loads here, and
+# inherited by every child: the same threads, asleep when idle.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-from coordl.testing import (
+import psutil  # noqa: E402
+import pytest  # noqa: E402
+
+from coordl.testing import (  # noqa: E402
     describe_processes,
     kill_processes,
     live_children,
