@@ -225,7 +225,8 @@ torch.set_num_threads(1)
 import coordl
 assert coordl.__file__.startswith({tree!r}), coordl.__file__
 import pixels
-print("RESULT " + json.dumps(pixels.prep_times({files!r}, {size!r}, {repeat!r}, draft={draft!r})))
+print("RESULT " + json.dumps({{label: pixels.prep_times(files, {size!r}, {repeat!r}, draft={draft!r})
+                              for label, files in {sets!r}.items()}}))
 """
 
 
@@ -268,32 +269,32 @@ def prep_times(paths, size, repeat, draft=False):
 
 
 def timing(sets, size, repeat, rounds, old):
-    """Each side in a child process of its own, the sides alternating over
-    ``rounds`` (order rotated), the fastest pass of all counting: what the
-    machine's other load leaves alone."""
+    """Each side in a child process of its own (one per side and round, timing
+    every set of images), the sides alternating over ``rounds`` (order
+    rotated), the fastest pass of all counting: what the machine's other load
+    leaves alone."""
     tree = os.path.dirname(HERE)
     sides = {"default": (tree, False), "jpeg_draft": (tree, True)}
     if old:
         sides["old"] = (os.path.abspath(old), False)
     names = list(sides)
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    rows = {}
-    for label, paths in sets.items():
-        best: dict = {}
-        for rnd in range(rounds):
-            for side in names[rnd % len(names):] + names[:rnd % len(names)]:
-                t, draft = sides[side]
-                code = _TIMING_CHILD.format(tree=t, here=HERE, files=list(paths), size=size, repeat=repeat,
-                                            draft=draft)
-                res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
-                                     timeout=3600)
-                line = next((x for x in res.stdout.splitlines() if x.startswith("RESULT ")), None)
-                if res.returncode != 0 or line is None:
-                    raise SystemExit(f"the timing of {side} ({t}) failed:\n{res.stderr[-3000:]}")
-                for name, ms in json.loads(line[len("RESULT "):]).items():
-                    best.setdefault(name, {})
-                    best[name][side] = min(ms, best[name].get(side, float("inf")))
-        rows[label] = best
+    rows: dict = {label: {} for label in sets}
+    for rnd in range(rounds):
+        for side in names[rnd % len(names):] + names[:rnd % len(names)]:
+            t, draft = sides[side]
+            code = _TIMING_CHILD.format(tree=t, here=HERE, sets={k: list(v) for k, v in sets.items()}, size=size,
+                                        repeat=repeat, draft=draft)
+            res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                                 timeout=3600)
+            line = next((x for x in res.stdout.splitlines() if x.startswith("RESULT ")), None)
+            if res.returncode != 0 or line is None:
+                raise SystemExit(f"the timing of {side} ({t}) failed:\n{res.stderr[-3000:]}")
+            for label, per_pipeline in json.loads(line[len("RESULT "):]).items():
+                for name, ms in per_pipeline.items():
+                    best = rows[label].setdefault(name, {})
+                    best[side] = min(ms, best.get(side, float("inf")))
+    for label, best in rows.items():
         for name, v in best.items():
             extra = ""
             if "old" in v:

@@ -31,10 +31,17 @@ import shutil
 import signal
 import tempfile
 
-import psutil
-import pytest
+# torch's intra-op threads (libgomp) spin for a while after each parallel
+# region before they sleep: with three pytest workers and their children on
+# a few cores, that spinning takes CPU the tests need (about half of the CPU
+# of tests/test_tv_pixels.py's small ops).  Set before torch loads here, and
+# inherited by every child: the same threads, asleep when idle.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-from coordl.testing import (
+import psutil  # noqa: E402
+import pytest  # noqa: E402
+
+from coordl.testing import (  # noqa: E402
     describe_processes,
     kill_processes,
     live_children,
@@ -92,6 +99,24 @@ def pytest_configure(config):
         "markers",
         "allow_leaks: skip the per-test check for leaked processes and /dev/shm entries",
     )
+
+
+# The modules that take longest, longest first (minutes of one worker in a
+# loaded `-n 3` run on 2 cores).  Under `--dist loadfile` a module runs on one
+# worker from start to end and the suite lasts as long as its busiest worker:
+# these go first and the many short modules fill in around them (setup.cfg
+# turns off xdist's own order, by number of tests, which put them last).
+LONG_MODULES = [
+    "test_share.py", "test_benchmarks.py", "test_benchmarks_sharing.py", "test_daemon_robust.py",
+    "test_share_code.py", "test_pipeline_lifetime.py", "test_peers.py", "test_cache_lifetime.py",
+    "test_daemon_pool.py", "test_readme.py", "test_share_pins.py", "test_seed_agreement.py", "test_resume.py",
+    "test_sampler.py", "test_peers_protocol.py", "test_analyze.py", "test_conformance.py",
+]
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = {name: k for k, name in enumerate(LONG_MODULES)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))   # stable: each module's order kept
 
 
 def pytest_unconfigure(config):

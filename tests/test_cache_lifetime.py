@@ -116,7 +116,8 @@ def test_clear_force_and_recreate_while_jobs_run_never_mixes_samples(data, ctx):
     root, ds, expected = data
     kw = dict(batch_size=8, cache_size=BIG)
     a = coordl.DataLoader(folder(root), num_workers=0, **kw)            # admits in this process
-    b = coordl.DataLoader(folder(root), num_workers=2, multiprocessing_context=ctx, **kw)  # new workers each pass
+    # new workers each pass; a spawned one is a fresh interpreter (seconds of imports): one is enough there
+    b = coordl.DataLoader(folder(root), num_workers=2 if ctx == "fork" else 1, multiprocessing_context=ctx, **kw)
     it = iter(a)
     next(it)  # a has admitted (and locked) through its own description
     del it
@@ -558,38 +559,48 @@ def test_nothing_of_coordl_left_in_shm_once_no_cache_exists(data, tmp_path, monk
 
 
 _CHURN = """
-import os, sys
+import os, sys, traceback
 from coordl.cache import NodeCache
-who, rounds = int(sys.argv[1]), int(sys.argv[2])
-for r in range(rounds):
-    c = NodeCache.attach("feedc4u4", 8, 10_000)
-    for i in range(8):
-        c.put(i, bytes([i]) * (100 + i))
-    for i in range(8):
-        got = c.get(i)
-        assert got in (None, bytes([i]) * (100 + i)), (who, r, i, got[:8])
-    c.close()  # often the last one out: the directory goes, and the next attach re-creates it
-print("ok", who)
+
+
+def churn(who, rounds):
+    for r in range(rounds):
+        c = NodeCache.attach("feedc4u4", 8, 10_000)
+        for i in range(8):
+            c.put(i, bytes([i]) * (100 + i))
+        for i in range(8):
+            got = c.get(i)
+            assert got in (None, bytes([i]) * (100 + i)), (who, r, i, got[:8])
+        c.close()  # often the last one out: the directory goes, and the next attach re-creates it
+
+
+pids = []
+for who in range(3):   # forked after the imports: the three start their loops together
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            churn(who, 40)
+            code = 0
+        except BaseException:
+            traceback.print_exc()
+        finally:
+            sys.stderr.flush()
+            os._exit(code)
+    pids.append(pid)
+print("exit codes", [os.waitstatus_to_exitcode(os.waitpid(p, 0)[1]) for p in pids])
 """
 
 
 def test_directory_created_and_removed_concurrently_keeps_the_lock_exclusive(tmp_path, monkeypatch):
     """Processes attaching and leaving in a loop make and remove the user
     directory and its lock file over and over: every attach must find a
-    directory to work in, and no entry may ever hold another's bytes."""
-    import subprocess
+    directory to work in, and no entry may ever hold another's bytes.  (The
+    three processes are forked from one interpreter: separate processes with
+    descriptors and locks of their own, one interpreter's start.)"""
     shm = tmp_path / "shm"
     shm.mkdir()
     monkeypatch.setenv("COORDL_SHM_DIR", str(shm))
-    procs = [subprocess.Popen([sys.executable, "-c", _CHURN, str(k), "40"], stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for k in range(3)]
-    try:
-        outs = [p.communicate(timeout=120) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    for p, (out, err) in zip(procs, outs):
-        assert p.returncode == 0 and out.startswith("ok"), err[-2000:]
+    r = run_in_child(_CHURN, timeout=120)
+    assert r.returncode == 0 and "exit codes [0, 0, 0]" in r.stdout, r.stdout + r.stderr[-3000:]
     assert os.listdir(shm) == []

@@ -100,6 +100,23 @@ class Cluster:
         return {x["epoch"]: x for x in self.lines(r) if "epoch" in x}
 
 
+def _stop_node_daemons(env, monkeypatch, nodes=("n0", "n1")):
+    """Stop each node's daemon (``COORDL_NODE_ID``) of the run directory in
+    ``env`` from this process (a ``coordl daemon stop`` each would import
+    torch again) and wait for it and its workers."""
+    from coordl.testing import kill_processes, stop_daemon
+
+    left = []
+    with monkeypatch.context() as m:
+        for k, v in env.items():
+            m.setenv(k, v)
+        for node in nodes:
+            m.setenv("COORDL_NODE_ID", node)
+            left += stop_daemon()
+    kill_processes([psutil.Process(p) for p in left if psutil.pid_exists(p)])
+    assert not left, f"daemon processes left behind (killed now): {left}"
+
+
 def _expected(r, world, epoch):
     plan = EpochPlan(num_samples=N, seed=3, batch_size=4, shuffle=True, rank=r, world_size=world)
     return sorted(int(i) for i in plan.indices(epoch))
@@ -172,16 +189,14 @@ def test_a_stalled_peer_costs_one_timeout_and_serves_again_next_epoch(tmp_path, 
     assert e2["stats"]["samples_from_peers"] > 0         # it is asked again at the next epoch
 
 
-def test_with_share_the_node_daemons_workers_read_through_peers(tmp_path, data):
+def test_with_share_the_node_daemons_workers_read_through_peers(tmp_path, data, monkeypatch):
     env = {"COORDL_RUN_DIR": str(tmp_path / "run")}
     os.makedirs(env["COORDL_RUN_DIR"], mode=0o700)
     c = Cluster(tmp_path, data, world=2, per_node=1, epochs=3, share=1, env=env)
     try:
         c.finish()
     finally:
-        for node in ("n0", "n1"):     # each node has its own daemon (COORDL_NODE_ID)
-            subprocess.run([sys.executable, "-m", "coordl", "daemon", "stop"], timeout=60,
-                           env={**os.environ, **env, "COORDL_NODE_ID": node}, capture_output=True)
+        _stop_node_daemons(env, monkeypatch)      # each node has its own daemon (COORDL_NODE_ID)
     assert [c.lines(r)[0]["in_daemon"] for r in range(2)] == [True, True]   # each node's server: its daemon
     for epoch in range(3):
         assert sorted(c.epochs(0)[epoch]["got"] + c.epochs(1)[epoch]["got"]) == list(range(N))
@@ -190,24 +205,6 @@ def test_with_share_the_node_daemons_workers_read_through_peers(tmp_path, data):
         assert sum(s["samples_shared"] for s in st) == N            # the daemons prepared everything...
         assert sum(s["samples_from_storage"] for s in st) == 0      # ...reading nothing from storage
         assert sum(s["samples_from_peers"] for s in st) > 0
-
-
-def test_a_node_daemon_killed_serves_again_from_the_same_address_next_epoch(tmp_path, data):
-    env = {"COORDL_RUN_DIR": str(tmp_path / "run")}
-    os.makedirs(env["COORDL_RUN_DIR"], mode=0o700)
-    c = Cluster(tmp_path, data, world=2, per_node=1, epochs=4, share=1, env=env,
-                rank_opts={1: {"kill_daemon_after": 0}})
-    try:
-        c.finish()
-    finally:
-        for node in ("n0", "n1"):
-            subprocess.run([sys.executable, "-m", "coordl", "daemon", "stop"], timeout=60,
-                           env={**os.environ, **env, "COORDL_NODE_ID": node}, capture_output=True)
-    for epoch in range(4):
-        assert sorted(c.epochs(0)[epoch]["got"] + c.epochs(1)[epoch]["got"]) == list(range(N))
-    # n1 served again (a new daemon, the same port) from its next pass on
-    assert c.epochs(0)[3]["stats"]["samples_from_peers"] > 0
-    assert c.epochs(0)[3]["stats"]["samples_from_storage"] == 0
 
 
 def test_one_node_keeps_peers_off_and_on_is_refused(tmp_path, data):
@@ -309,23 +306,26 @@ def test_bad_peer_environment_is_refused_on_every_rank_naming_the_variable(tmp_p
     _fails_with(c, "COORDL_PEER_PORT should be")
 
 
-def test_a_node_daemon_killed_serves_again_within_one_timeout(tmp_path, data):
-    """After n1's daemon (its peer server) is SIGKILLed,
-    n1 serves again within about one timeout, in the very next epoch (it was
-    read from storage for that whole epoch)."""
+def test_a_node_daemon_killed_serves_again_within_one_timeout_from_the_same_address(tmp_path, data, monkeypatch):
+    """After n1's daemon (its peer server) is SIGKILLed, n1 serves again
+    within about one timeout, in the very next epoch (it was read from
+    storage for that whole epoch), and from its next pass on a new daemon
+    serves everything from the same address (one run checks both: each
+    run costs two ranks, two daemons and their workers)."""
     env = {"COORDL_RUN_DIR": str(tmp_path / "run")}
     os.makedirs(env["COORDL_RUN_DIR"], mode=0o700)
-    c = Cluster(tmp_path, data, world=2, per_node=1, epochs=3, share=1, env=env, sleep=0.4,
+    c = Cluster(tmp_path, data, world=2, per_node=1, epochs=4, share=1, env=env, sleep=0.4,
                 rank_opts={1: {"kill_daemon_after": 0}})
     try:
         c.finish()
     finally:
-        for node in ("n0", "n1"):
-            subprocess.run([sys.executable, "-m", "coordl", "daemon", "stop"], timeout=60,
-                           env={**os.environ, **env, "COORDL_NODE_ID": node}, capture_output=True)
-    for epoch in range(3):
+        _stop_node_daemons(env, monkeypatch)
+    for epoch in range(4):
         assert sorted(c.epochs(0)[epoch]["got"] + c.epochs(1)[epoch]["got"]) == list(range(N))
     assert c.epochs(0)[1]["stats"]["samples_from_peers"] > 0, "n1 not served again within epoch 1"
+    # n1 served again (a new daemon, the same port) from its next pass on
+    assert c.epochs(0)[3]["stats"]["samples_from_peers"] > 0
+    assert c.epochs(0)[3]["stats"]["samples_from_storage"] == 0
 
 
 # ---------------------------------------------------------------- no processes

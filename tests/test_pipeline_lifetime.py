@@ -5,6 +5,7 @@ Anything that could hang on a regression runs in a child process with a hard
 timeout (``run_in_child``), so a hang fails the test instead of the run.
 """
 import json
+import sys
 import textwrap
 
 import pytest
@@ -12,6 +13,8 @@ import pytest
 from coordl.testing import run_in_child
 
 HERE = __file__.rsplit("/", 1)[0]
+sys.path.insert(0, HERE)
+from _one_child import run_cases  # noqa: E402
 
 
 def _child(body: str, timeout: float = 90, prelude: str = ""):
@@ -19,6 +22,21 @@ def _child(body: str, timeout: float = 90, prelude: str = ""):
     r = run_in_child(code, timeout=timeout)
     assert r.returncode == 0, f"child failed (rc {r.returncode})\n{r.stdout}\n{r.stderr}"
     return r.stdout
+
+
+@pytest.fixture(scope="module")
+def cases_in_one_child():
+    """``get(test, cases, timeout, prelude)``: the output of this test's case,
+    from one child that ran all of ``cases`` (tests/_one_child.py), run once
+    per module: the cases of a parametrized test share the child's start."""
+    runs = {}
+
+    def get(test: str, case: str, cases: dict, timeout: float, prelude: str = "") -> str:
+        if test not in runs:
+            runs[test] = run_cases(cases, timeout, f"import sys; sys.path.insert(0, {HERE!r})\n" + prelude)
+        return runs[test][case]
+
+    return get
 
 
 # ---------------------------------------------------- a sample's error mid-pass
@@ -45,17 +63,15 @@ def collect(L, epochs):
 """
 
 
-@pytest.mark.parametrize("placement", ["inline", "workers", "persistent", "sampler", "torch-inline",
-                                       "torch-workers"])
-def test_after_a_sample_error_the_pass_goes_on_like_torch(placement):
-    """One bad sample in the middle: torch raises for its batch, then yields
-    the following batches.  coordl must deliver the same batches and raise the
-    same number of times, on every placement (and the next epoch is whole)."""
+_ERROR_PLACEMENTS = ["inline", "workers", "persistent", "sampler", "torch-inline", "torch-workers"]
+
+
+def _sample_error_case(placement: str) -> str:
     nw = 0 if placement in ("inline", "torch-inline") else 2
     pw = placement == "persistent"
     extra = (", sampler=Unsized(len(ds))" if placement.startswith("torch") else
              ", sampler=torch.utils.data.SequentialSampler(ds)" if placement == "sampler" else ", seed=0")
-    out = _child(f"""
+    return f"""
         ds = TwoStageToy(40, bad={{13, 30}})
         ref = collect(torch.utils.data.DataLoader(ds, batch_size=4, num_workers={nw},
                                                   persistent_workers={pw}), 2)
@@ -65,7 +81,16 @@ def test_after_a_sample_error_the_pass_goes_on_like_torch(placement):
         print("REF", ref)
         print("MINE", mine)
         print("SAME", mine == ref, ref[1])
-    """, timeout=40, prelude=_COLLECT)
+    """
+
+
+@pytest.mark.parametrize("placement", _ERROR_PLACEMENTS)
+def test_after_a_sample_error_the_pass_goes_on_like_torch(placement, cases_in_one_child):
+    """One bad sample in the middle: torch raises for its batch, then yields
+    the following batches.  coordl must deliver the same batches and raise the
+    same number of times, on every placement (and the next epoch is whole)."""
+    out = cases_in_one_child("sample error", placement, {p: _sample_error_case(p) for p in _ERROR_PLACEMENTS},
+                             timeout=120, prelude=_COLLECT)
     assert "SAME True 4" in out, out
 
 
@@ -108,11 +133,8 @@ def test_batch_freed_by_gc_inside_the_pools_own_send_does_not_deadlock():
 
 
 # ------------------------- iterators that outlive their thread, process or fork
-@pytest.mark.parametrize("persistent", [False, True])
-def test_iterator_created_in_a_thread_that_exits(persistent):
-    """iter(loader) in a setup thread that then exits, batches consumed in the
-    main thread: the workers belong to the process, not to that thread."""
-    out = _child(f"""
+def _iterator_in_a_thread_case(persistent: bool) -> str:
+    return f"""
         import threading
         from coordl import DataLoader
         from coordl.plan import plan
@@ -128,7 +150,15 @@ def test_iterator_created_in_a_thread_that_exits(persistent):
         print("EXACT", got == plan(120, 1, 0).tolist())
         got = [i for x, _ in L for i in x[:, 0].tolist()]
         print("NEXT", got == plan(120, 1, 1).tolist())
-    """, timeout=60)
+    """
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+def test_iterator_created_in_a_thread_that_exits(persistent, cases_in_one_child):
+    """iter(loader) in a setup thread that then exits, batches consumed in the
+    main thread: the workers belong to the process, not to that thread."""
+    out = cases_in_one_child("iterator in a thread", str(persistent),
+                             {str(p): _iterator_in_a_thread_case(p) for p in (False, True)}, timeout=90)
     assert "EXACT True" in out and "NEXT True" in out, out
 
 
@@ -264,11 +294,8 @@ _PLACEMENTS = {
 }
 
 
-@pytest.mark.parametrize("placement", list(_PLACEMENTS))
-def test_raw_returning_a_non_bytes_is_that_samples_error(placement):
-    """raw() returning an int used to kill the fetch thread (len() of it) and
-    hang the pass; it is that sample's error, naming it, and the pass goes on."""
-    out = _child(f"""
+def _raw_non_bytes_case(placement: str) -> str:
+    return f"""
         import torch
         from coordl import DataLoader
         from toydata import TwoStageToy, Unsized
@@ -291,19 +318,22 @@ def test_raw_returning_a_non_bytes_is_that_samples_error(placement):
             got += x[:, 0].tolist()
         print("GOT", got == [i for i in range(24) if not 4 <= i < 8], len(errors))
         print("MSG", errors[0])
-    """, timeout=40)
+    """
+
+
+@pytest.mark.parametrize("placement", list(_PLACEMENTS))
+def test_raw_returning_a_non_bytes_is_that_samples_error(placement, cases_in_one_child):
+    """raw() returning an int used to kill the fetch thread (len() of it) and
+    hang the pass; it is that sample's error, naming it, and the pass goes on."""
+    out = cases_in_one_child("raw non-bytes", placement, {p: _raw_non_bytes_case(p) for p in _PLACEMENTS},
+                             timeout=120)
     assert "GOT True 1" in out, out
     msg = out.split("MSG", 1)[1]
     assert "sample 5" in msg and "/toy/sample_5.bin" in msg and "reading" in msg and "int" in msg, msg
 
 
-@pytest.mark.parametrize("placement", ["inline", "workers", "persistent"])
-def test_dead_fetch_thread_fails_the_pass_naming_the_sample(placement):
-    """An exception escaping a fetch thread's loop (here: the dataset's sizes
-    array is too short, so admitting sample 10 raises) is reported to the
-    consumer with the sample, its path and the stage; nothing hangs, and the
-    next pass starts cleanly."""
-    out = _child(f"""
+def _dead_fetch_thread_case(placement: str) -> str:
+    return f"""
         import numpy as np
         import torch
         from coordl import DataLoader
@@ -320,7 +350,18 @@ def test_dead_fetch_thread_fails_the_pass_naming_the_sample(placement):
                 print("RAISED", str(e).replace("\\n", " | "))
             else:
                 print("NO ERROR", n)
-    """, timeout=40)
+    """
+
+
+@pytest.mark.parametrize("placement", ["inline", "workers", "persistent"])
+def test_dead_fetch_thread_fails_the_pass_naming_the_sample(placement, cases_in_one_child):
+    """An exception escaping a fetch thread's loop (here: the dataset's sizes
+    array is too short, so admitting sample 10 raises) is reported to the
+    consumer with the sample, its path and the stage; nothing hangs, and the
+    next pass starts cleanly."""
+    out = cases_in_one_child("dead fetch thread", placement,
+                             {p: _dead_fetch_thread_case(p) for p in ("inline", "workers", "persistent")},
+                             timeout=90)
     lines = [ln for ln in out.splitlines() if ln.startswith(("RAISED", "NO ERROR"))]
     assert len(lines) == 2 and all(ln.startswith("RAISED") for ln in lines), out
     for ln in lines:

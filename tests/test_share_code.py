@@ -270,13 +270,15 @@ if sys.argv[3] != "default":
 warnings.simplefilter("always")
 ds = coordl.ImageFolder(sys.argv[2], transform=T.Compose([T.RandomResizedCrop(16), T.PILToTensor(),
                                                              shiftaug.Shift()]))
-loader = coordl.DataLoader(ds, batch_size=8, seed=7, share=sys.argv[4] == "1")
-for epoch in range(2):
-    for x, y in loader:
-        print(json.dumps({"digest": hashlib.sha1(x.numpy().tobytes() + y.numpy().tobytes()).hexdigest()}),
-              flush=True)
-st = loader.stats()
-print(json.dumps({"shared": st.samples_shared, "verified": st.samples_verified}), flush=True)
+for share in sys.argv[4].split(","):   # share=False's batches first, where asked: one process for both
+    loader = coordl.DataLoader(ds, batch_size=8, seed=7, share=share == "1")
+    for epoch in range(2):
+        for x, y in loader:
+            print(json.dumps({"share": share, "digest": hashlib.sha1(x.numpy().tobytes()
+                                                                     + y.numpy().tobytes()).hexdigest()}), flush=True)
+    st = loader.stats()
+    print(json.dumps({"share": share, "shared": st.samples_shared, "verified": st.samples_verified}), flush=True)
+    del loader
 """
 
 _SHIFTAUG = """\
@@ -306,6 +308,19 @@ def _cfg_job(project, root, amount, share):
     return [x["digest"] for x in lines if "digest" in x], lines[-1], r.stderr
 
 
+def _cfg_job_against_its_own(project, root, amount):
+    """The job's batches with share=False, then (in the same process: one
+    interpreter's start) with share=True: (want, got, share=True's last
+    line, stderr)."""
+    r = subprocess.run([sys.executable, "-c", _CFG_JOB, project, root, str(amount), "0,1"],
+                       capture_output=True, text=True, timeout=200)
+    assert r.returncode == 0, r.stderr[-3000:]
+    lines = [json.loads(x) for x in r.stdout.splitlines() if x.startswith("{")]
+    want = [x["digest"] for x in lines if "digest" in x and x["share"] == "0"]
+    got = [x["digest"] for x in lines if "digest" in x and x["share"] == "1"]
+    return want, got, lines[-1], r.stderr
+
+
 def test_a_value_set_at_run_time_that_the_daemon_cannot_see_is_caught_and_never_delivered(photos, tmp_path,
                                                                                          daemon_env):
     """The job sets ``shiftcfg.amount = 140`` before building its loader; the
@@ -314,8 +329,7 @@ def test_a_value_set_at_run_time_that_the_daemon_cannot_see_is_caught_and_never_
     against its own finds the difference before its first batch, warns
     naming it, and every batch is the one share=False makes."""
     project = _cfg_project(tmp_path / "proj")
-    want, _, _ = _cfg_job(project, photos, 140, share=False)
-    got, last, err = _cfg_job(project, photos, 140, share=True)
+    want, got, last, err = _cfg_job_against_its_own(project, photos, 140)
     assert got == want
     assert "differs from this job's own" in err and "values differ, by up to 130" in err, err[-3000:]
     assert last["verified"] >= 1
@@ -323,8 +337,7 @@ def test_a_value_set_at_run_time_that_the_daemon_cannot_see_is_caught_and_never_
 
 def test_the_check_costs_a_few_samples_per_pass_and_passes_when_the_code_agrees(photos, tmp_path, daemon_env):
     project = _cfg_project(tmp_path / "proj2")
-    want, _, _ = _cfg_job(project, photos, "default", share=False)
-    got, last, err = _cfg_job(project, photos, "default", share=True)
+    want, got, last, err = _cfg_job_against_its_own(project, photos, "default")
     assert got == want
     assert "differs" not in err, err[-3000:]
     assert last["shared"] > 0 and 1 <= last["verified"] <= 2 * 2      # two per pass, two passes
@@ -344,7 +357,6 @@ def test_a_data_file_read_at_import_and_changed_since_is_caught(photos, tmp_path
     assert "differs" not in err
     with open(os.path.join(project, "amount.json"), "w") as f:
         f.write("140\n")
-    want, _, _ = _cfg_job(project, photos, "default", share=False)
-    got, last, err = _cfg_job(project, photos, "default", share=True)
+    want, got, last, err = _cfg_job_against_its_own(project, photos, "default")
     assert got == want
     assert "differs from this job's own" in err, err[-3000:]

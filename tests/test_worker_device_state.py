@@ -10,11 +10,16 @@ below are the ordinary ones (a training and a validation loader interleaved,
 three loaders, several epochs, early exits, garbage cycles of the training
 step), with a ``worker_init_fn`` that runs the cyclic collector in each
 worker, as any allocation there may: no probe may fire in a worker."""
+import os
+import sys
 import textwrap
 
 import pytest
 
 from coordl.testing import run_in_child
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _one_child import run_cases  # noqa: E402
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -121,19 +126,40 @@ def _run(photos, tmp_path, body: str, setup: str = ""):
     code = f"ROOT, LOG = {photos!r}, {log!r}\n" + _PRELUDE + setup + textwrap.dedent(body) + "\nreport()\n"
     res = run_in_child(code, timeout=200)
     assert res.returncode == 0, res.stdout + res.stderr
-    line = [x for x in res.stdout.splitlines() if x.startswith("FIRED:")]
-    assert line, res.stdout + res.stderr
+    _none_fired(res.stdout, res.stderr)
+
+
+def _none_fired(out: str, err: str = "") -> None:
+    line = [x for x in out.splitlines() if x.startswith("FIRED:")]
+    assert line, out + err
     fired = line[-1][len("FIRED:"):].strip("'").split("\\n")
     assert line[-1] == "FIRED:''", (f"device state destroyed in a worker process ({len(fired) - 1} objects), "
-                                    f"first: {fired[:5]}\n{res.stderr[-3000:]}")
+                                    f"first: {fired[:5]}\n{err[-3000:]}")
 
 
-@pytest.mark.parametrize("persistent", [False, True])
-@pytest.mark.parametrize("kind", ["tuple", "dict", "namedtuple"])
-def test_training_and_validation_loaders_interleaved_never_free_device_state_in_a_worker(
-        photos, tmp_path, kind, persistent):
+@pytest.fixture(scope="module")
+def cases_in_one_child(photos, tmp_path_factory):
+    """``get(test, case, bodies, setup)``: the output of one case of a
+    parametrized test, from one child that ran every body in ``bodies``
+    (tests/_one_child.py: one child's start instead of one per case), each
+    with a probe log of its own and its report; run once per module."""
+    runs = {}
+
+    def get(test: str, case: str, bodies: dict, setup: str = "") -> str:
+        if test not in runs:
+            logs = tmp_path_factory.mktemp("fired")
+            cases = {c: f"LOG = {str(logs / f'{n}.log')!r}\n" + textwrap.dedent(b) + "\nreport()\n"
+                     for n, (c, b) in enumerate(bodies.items())}
+            runs[test] = run_cases(cases, timeout=200 + 60 * len(cases),
+                                   prelude=f"ROOT, LOG = {photos!r}, None\n" + _PRELUDE + setup)
+        return runs[test][case]
+
+    return get
+
+
+def _interleaved_case(kind: str, persistent: bool) -> str:
     cls = {"tuple": "coordl.ImageFolder", "dict": "DictFolder", "namedtuple": "PairFolder"}[kind]
-    _run(photos, tmp_path, f"""
+    return f"""
         gc.disable()          # the main process has not collected its garbage yet when workers start
         train = loader({cls}, TRAIN, shuffle=True, persistent_workers={persistent})
         val = loader({cls}, VAL, persistent_workers={persistent})
@@ -152,7 +178,18 @@ def test_training_and_validation_loaders_interleaved_never_free_device_state_in_
         del train, val, third
         for batch in loader({cls}, TRAIN):
             pass
-    """)
+    """
+
+
+_KINDS = ["tuple", "dict", "namedtuple"]
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+@pytest.mark.parametrize("kind", _KINDS)
+def test_training_and_validation_loaders_interleaved_never_free_device_state_in_a_worker(
+        cases_in_one_child, kind, persistent):
+    _none_fired(cases_in_one_child("interleaved", f"{kind}-{persistent}",
+                                   {f"{k}-{p}": _interleaved_case(k, p) for k in _KINDS for p in (False, True)}))
 
 
 _RECEIVED = '''
@@ -205,12 +242,8 @@ class Plain(torch.utils.data.Dataset):
 '''
 
 
-@pytest.mark.parametrize("cls", ["coordl.ImageFolder", "Plain"])
-def test_nothing_a_worker_receives_reaches_device_state(photos, tmp_path, cls):
-    """Each worker's arguments are walked in the worker: no tensor the device
-    path made in the main process is reachable from them, at any epoch, with
-    persistent workers or without."""
-    _run(photos, tmp_path, setup=_RECEIVED, body=f"""
+def _received_case(cls: str) -> str:
+    return f"""
         for persistent in (False, True):
             train = loader({cls}, TRAIN, shuffle=True, persistent_workers=persistent)
             val = loader({cls}, VAL, persistent_workers=persistent)
@@ -220,14 +253,24 @@ def test_nothing_a_worker_receives_reaches_device_state(photos, tmp_path, cls):
                 keep += [b for b in val][:1]
             train.load_state_dict(train.state_dict())
             keep += [next(iter(train))]
-    """)
+    """
+
+
+@pytest.mark.parametrize("cls", ["coordl.ImageFolder", "Plain"])
+def test_nothing_a_worker_receives_reaches_device_state(cases_in_one_child, cls):
+    """Each worker's arguments are walked in the worker: no tensor the device
+    path made in the main process is reachable from them, at any epoch, with
+    persistent workers or without."""
+    _none_fired(cases_in_one_child("received", cls, {c: _received_case(c) for c in ("coordl.ImageFolder", "Plain")},
+                                   setup=_RECEIVED))
 
 
 def test_spawned_and_forkserver_workers_get_no_device_state(photos, tmp_path):
+    # one worker: each is a fresh interpreter (seconds of imports) that gets what the other would
     _run(photos, tmp_path, """
         for ctx in ("spawn", "forkserver"):
             L = coordl.DataLoader(coordl.ImageFolder(ROOT, transform=TRAIN), batch_size=4, seed=1, device="cpu",
-                                  num_workers=2, multiprocessing_context=ctx, worker_init_fn=gc.collect)
+                                  num_workers=1, multiprocessing_context=ctx, worker_init_fn=gc.collect)
             for epoch in range(2):
                 for batch in L:
                     garbage_of_a_training_step(batch)
@@ -251,13 +294,9 @@ DD.DecodeStage.run = run
 '''
 
 
-@pytest.mark.parametrize("kind", ["tuple", "dict"])
-def test_decode_on_the_device_never_reaches_a_worker(photos, tmp_path, kind):
-    """decode="device": the images the main process decodes, the stage's
-    decoder and the tail's constants stay there, through interleaved
-    loaders, early exits, persistent workers and the workers' arguments."""
+def _decode_case(kind: str) -> str:
     cls = {"tuple": "coordl.ImageFolder", "dict": "DictFolder"}[kind]
-    _run(photos, tmp_path, setup=_DECODE + _RECEIVED, body=f"""
+    return f"""
         gc.disable()
         for persistent in (False, True):
             train = loader({cls}, TRAIN, shuffle=True, persistent_workers=persistent, decode="device")
@@ -270,4 +309,13 @@ def test_decode_on_the_device_never_reaches_a_worker(photos, tmp_path, kind):
                 for batch in val:
                     garbage_of_a_training_step(batch)
             assert train.stats().device_decode_images > 0
-    """)
+    """
+
+
+@pytest.mark.parametrize("kind", ["tuple", "dict"])
+def test_decode_on_the_device_never_reaches_a_worker(cases_in_one_child, kind):
+    """decode="device": the images the main process decodes, the stage's
+    decoder and the tail's constants stay there, through interleaved
+    loaders, early exits, persistent workers and the workers' arguments."""
+    _none_fired(cases_in_one_child("decode", kind, {k: _decode_case(k) for k in ("tuple", "dict")},
+                                   setup=_DECODE + _RECEIVED))

@@ -1,0 +1,148 @@
+"""The benchmark scripts of sharing across jobs and nodes at tiny sizes, so
+they cannot rot (no timing asserted): sharing.py, peers.py and gpu.py (whose
+part (c) shares prep between jobs).  The others are in test_benchmarks.py."""
+import csv
+import json
+import os
+import re
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _bench_helpers import _script  # noqa: E402
+
+
+def test_sharing_quick(tmp_path):
+    # a few configurations keep the suite short; the full list runs in the benchmark itself
+    # (shared-mixed: several jobs sharing, of different batch sizes; shared-K2 would run the same code)
+    out = _script("sharing.py", "--quick", "--configs", "solo,shared-mixed,shared-idle", "--step", "sleep",
+                  "--out", str(tmp_path), timeout=600)
+    with open(tmp_path / "sharing.csv") as f:
+        rows = {r["config"]: r for r in csv.DictReader(f)}
+    with open(tmp_path / "sharing_jobs.csv") as f:
+        jobs = list(csv.DictReader(f))
+    assert list(rows) == ["solo", "shared-mixed"], out
+    for name, r in rows.items():
+        k = int(r["K"])
+        assert len(r["job_images_per_s"].split("/")) == k
+        assert all(float(x) > 0 for x in r["job_images_per_s"].split("/"))
+        # every job of every configuration ran both epochs over all 48 images
+        mine = [j for j in jobs if j["config"] == name]
+        assert sorted((int(j["job"]), int(j["epoch"])) for j in mine) == [(i, e) for i in range(k) for e in (0, 1)]
+        assert all(int(j["images"]) == 48 for j in mine)
+    # jobs started together did share samples
+    assert sum(int(j["samples_shared"] or 0) for j in jobs if j["config"] == "shared-mixed") > 0
+    assert "\ntargets:\n" in out
+    # the slowest job vs solo, bit-identity by CRC, first batch after idling
+    assert "  slowest of mixed batch sizes sharing / solo" in out
+    assert re.search(r"every job's batches bit-identical to solo \(1 = yes\) +1\.00  met", out), out
+    assert "  first batch after 2 s idle / warm start" in out, out
+    m = re.search(r"groups (coordl-sharing-\d+-)\*", out)
+    if m:   # the run's own groups are gone (another run's may exist beside it)
+        for c in ("cpuacct", "blkio"):
+            d = f"/sys/fs/cgroup/{c}"
+            assert not (os.path.isdir(d) and [x for x in os.listdir(d) if x.startswith(m.group(1))])
+
+
+def test_sharing_held_quick():
+    """``sharing.py --held``: kept batches of every epoch while the epochs run twice over a staging
+    that wraps; no row of a kept batch may change, every epoch is share=False's."""
+    out = _script("sharing.py", "--held", "--quick", timeout=300)
+    assert "held batches: 0 changed rows" in out and "epochs differing from share=False: 0" in out, out
+
+
+def test_peers_quick(tmp_path):
+    # three "nodes" as processes on loopback (--quick: no namespaces, cgroups or root);
+    # the namespace + cgroup set-up runs in the benchmark itself (docs/benchmarks.md)
+    out = _script("peers.py", "--quick", "--out", str(tmp_path), timeout=300)
+    with open(tmp_path / "peers.csv") as f:
+        rows = list(csv.DictReader(f))
+    with open(tmp_path / "peers_summary.csv") as f:
+        summary = {r["config"]: r for r in csv.DictReader(f)}
+    assert list(summary) == ["peers", "off", "local"], out
+    for name in summary:
+        mine = [r for r in rows if r["config"] == name]
+        assert sorted((int(r["node"]), int(r["epoch"])) for r in mine) == [(n, e) for n in range(3) for e in range(3)]
+        # every epoch delivered the 60 images once across the three nodes
+        assert all(sum(int(r["images"]) for r in mine if int(r["epoch"]) == e) == 60 for e in range(3))
+    later = [r for r in rows if int(r["epoch"]) >= 1]
+    peer = [r for r in later if r["config"] == "peers"]
+    # with peers, a later epoch's misses come from the other nodes, not storage
+    assert all(int(r["peer_bytes"]) > 0 and int(r["storage_bytes"]) == 0 for r in peer), peer
+    assert all(int(r["peer_bytes"]) == 0 for r in rows if r["config"] != "peers")
+    assert sum(int(r["storage_bytes"]) for r in later if r["config"] == "off") > 0
+    assert all(int(r["storage_bytes"]) == 0 and int(r["peer_bytes"]) == 0
+               for r in rows if r["config"] == "local")
+    assert "targets:" in out
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return
+    assert (tmp_path / "peers.png").exists()
+
+
+def test_peers_first_pass_and_connection_targets_tiny(tmp_path):
+    """benchmarks/peers.py first-pass and connections at a tiny size."""
+    out = _script("peers.py", "first-pass", "--images", "60", "--nodes", "2", "--epochs", "3", "--workers", "0",
+                  "--batch-size", "8", "--cache-fraction", "0.55", "--scenarios", "eval,resume", "--out", str(tmp_path), timeout=300)
+    assert "eval " in out and "resume " in out and "MISSED" not in out, out
+    import json
+
+    res = json.loads((tmp_path / "peers_first_pass.json").read_text())["results"]
+    assert res["eval"]["met"] and res["resume"]["met"]
+    out = _script("peers.py", "connections", "--nodes", "5", "--ranks", "2", "--workers", "3", "--procs", "2",
+                  "--idle", "20", "--out", str(tmp_path), timeout=120)
+    c = json.loads((tmp_path / "peers_connections.json").read_text())
+    assert c["served"] == c["requests"] == 4 * 2 * 3 * 4 and c["server_threads"] == 3, out
+
+
+@pytest.mark.timeout(600)
+def test_gpu_smoke(tmp_path):
+    """benchmarks/gpu.py --smoke: every part at tiny sizes (the CPU stands in
+    for the GPU where there is none), so the script is right before a GPU
+    run; no timing asserted."""
+    out, work = tmp_path / "gpu.json", tmp_path / "work"
+    work.mkdir()
+    text = _script("gpu.py", "--smoke", "--out", str(out), "--tmp", str(work), timeout=540)
+    res = json.loads(out.read_text())
+    assert set(res["parts"]) == {"a", "b", "c", "d"}, text
+    m = res["machine"]
+    assert m["cpu_count"] >= 1 and m["python"] and m["torch"] and m["coordl"] and m["date"], m
+    dali = res["parts"]["d"]
+    assert dali["ran"] or dali["skipped"], dali
+    if not dali["ran"]:
+        assert "(d) DALI: skipped: " in text
+    a = res["parts"]["a"]
+    names = ["torch", "coordl-import", "coordl-device", "coordl-decode-device", "dali"]
+    cuda = "cuda" in res["machine"]["device"]
+    assert list(a["rows"]) == names, a
+    for name, by_workers in a["rows"].items():
+        assert list(by_workers) == [str(w) for w in a["workers"]], by_workers
+        for r in by_workers.values():
+            if name == "dali" and not dali["ran"]:
+                assert r == {"skipped": dali["skipped"]}
+                continue
+            if name == "coordl-decode-device" and not cuda:
+                assert "CUDA" in r["skipped"], r
+                continue
+            assert "error" not in r and r["images_per_s"] > 0 and r["images"] > 0 and r["cpu_ms_per_image"] > 0, r
+    b = res["parts"]["b"]
+    assert b["ceiling"]["images_per_s"] > 0, b
+    assert list(b["rows"]) == names, b
+    assert b["rows"]["coordl-decode-device"]["workers"] <= 4
+    for name, r in b["rows"].items():
+        if (name == "dali" and not dali["ran"]) or (name == "coordl-decode-device" and not cuda):
+            continue
+        assert "error" not in r and r["images_per_s"] > 0
+        assert r["of_ceiling"] == pytest.approx(r["images_per_s"] / b["ceiling"]["images_per_s"], abs=1e-3)
+    c = res["parts"]["c"]
+    assert list(c["rows"]) == ["coordl share=True"], c   # --smoke runs the shared row alone
+    for label, r in c["rows"].items():
+        assert "error" not in r, r
+        assert r["alone"] > 0 and len(r["per_job"]) == c["jobs"] and min(r["per_job"]) > 0, r
+    # jobs started together on the same folder did share prep through the node daemon
+    assert sum(c["rows"]["coordl share=True"]["shared_samples"]) > 0, c
+    for title in ("(a) images/s on", "(b) ", "(c) "):
+        assert title in text, text
+    assert os.listdir(work) == [], "the run's temporary folder was left behind"
