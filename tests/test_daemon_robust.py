@@ -388,14 +388,16 @@ def test_a_restarted_daemon_is_found_within_one_timeout(photos, daemon_env):
     its stream again within one timeout (2 s here), not at its next epoch."""
     ref = _digests(photos, epochs=1, bs=2)
     pid = S.start()
-    job = _job(photos, "--sleep", "1.0", "--epochs", "1", "--batch-size", "2")
+    # 2 s per step: the new daemon's start (imports, seconds of CPU) on a loaded machine must not
+    # outlast the job's epoch, or there is no pass left to rejoin
+    job = _job(photos, "--sleep", "2.0", "--epochs", "1", "--batch-size", "2")
     first = _until_step(job, 1)
     os.kill(pid, signal.SIGKILL)
     psutil.Process(pid).wait(10)
     time.sleep(0.5)
     new = S.start()
     seen = False
-    # its only epoch still has ~10 s to run: rejoining while it runs is rejoining mid-pass
+    # its only epoch still has ~20 s to run: rejoining while it runs is rejoining mid-pass
     # (a deadline of the job's own end, not of the clock, so a loaded machine does not fail it)
     deadline = time.monotonic() + 60.0
     while time.monotonic() < deadline and not seen and job.poll() is None:
