@@ -53,9 +53,12 @@ def test_sharing_held_quick():
 
 
 def test_peers_quick(tmp_path):
-    # three "nodes" as processes on loopback (--quick: no namespaces, cgroups or root);
-    # the namespace + cgroup set-up runs in the benchmark itself (docs/benchmarks.md)
-    out = _script("peers.py", "--quick", "--out", str(tmp_path), timeout=300)
+    # two "nodes" as processes on loopback (--quick: no namespaces, cgroups or root), each caching 60%
+    # of the dataset (together all of it, as the benchmark's three of 36%: a rank process per node and
+    # configuration costs seconds of imports); the namespace + cgroup set-up runs in the benchmark itself
+    # (docs/benchmarks.md)
+    out = _script("peers.py", "--quick", "--nodes", "2", "--cache-fraction", "0.6", "--out", str(tmp_path),
+                  timeout=300)
     with open(tmp_path / "peers.csv") as f:
         rows = list(csv.DictReader(f))
     with open(tmp_path / "peers_summary.csv") as f:
@@ -63,8 +66,8 @@ def test_peers_quick(tmp_path):
     assert list(summary) == ["peers", "off", "local"], out
     for name in summary:
         mine = [r for r in rows if r["config"] == name]
-        assert sorted((int(r["node"]), int(r["epoch"])) for r in mine) == [(n, e) for n in range(3) for e in range(3)]
-        # every epoch delivered the 60 images once across the three nodes
+        assert sorted((int(r["node"]), int(r["epoch"])) for r in mine) == [(n, e) for n in range(2) for e in range(3)]
+        # every epoch delivered the 60 images once across the two nodes
         assert all(sum(int(r["images"]) for r in mine if int(r["epoch"]) == e) == 60 for e in range(3))
     later = [r for r in rows if int(r["epoch"]) >= 1]
     peer = [r for r in later if r["config"] == "peers"]
