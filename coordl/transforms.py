@@ -480,6 +480,9 @@ def decode_and_apply(transforms: list, raw) -> Any:
         # only the rows and columns near the crop are decoded, where coordl.decode._jpegcrop is built
         arr, abox = _decode.decode_rgb_crop(raw, box, scale=d, size=hw)
         x = _resample(arr, abox, first.size, first)
+    elif type(first) is Resize and hw is not None and rest and type(rest[0]) is CenterCrop and (
+            x := _resize_center(first, rest[0], hw, raw)) is not None:
+        rest = rest[1:]
     elif type(first) is Resize and hw is not None:
         out = first.output_size(*hw)
         d = _decode.draft_scale(hw, out) if _drafts(first) else 1
@@ -509,6 +512,35 @@ def decode_and_apply(transforms: list, raw) -> Any:
         else:
             x = t(x)
     raise AssertionError("a fusable pipeline has a tensor conversion")  # pragma: no cover
+
+
+def _resize_center(resize: Resize, crop: "CenterCrop", hw: tuple[int, int], raw) -> torch.Tensor | None:
+    """``crop(resize(image))`` for a Resize that resamples as PIL does and a
+    CenterCrop inside its output: only the cropped pixels are resampled, from
+    only the rows and columns of the image they depend on (decoded alone
+    where ``coordl.decode._jpegcrop`` is built), the same pixels as the
+    whole resize then the crop.  None where that does not apply (a reduced
+    decode, a resize on the tensor, a crop that pads, no extension)."""
+    from .decode import jpeg as _decode
+    from .decode import resample as _rs
+
+    if resize._on_tensor or not _filtered(resize.interpolation, resize.antialias) or _drafts(resize):
+        return None
+    window = _rs.window_kernel()
+    if window is None:
+        return None
+    oh, ow = resize.output_size(*hw)
+    ch, cw = crop.size
+    if ch > oh or cw > ow:
+        return None
+    top, left = int(round((oh - ch) / 2.0)), int(round((ow - cw) / 2.0))   # CenterCrop's own offsets
+
+    def read(box):
+        arr, abox = _decode.decode_rgb_crop(raw, box, scale=1, size=hw)
+        return arr, box[0] - abox[0], box[1] - abox[1]
+
+    y = window(hw, (oh, ow), (top, left, ch, cw), resize.interpolation.value, read)
+    return torch.from_numpy(y).permute(2, 0, 1)
 
 
 def _drafts(t: Any) -> bool:

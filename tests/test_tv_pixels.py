@@ -252,6 +252,76 @@ def test_without_the_extension_pil_resizes(monkeypatch):
         assert np.array_equal(R.pil_resize(a, (40, 50), mode), np.asarray(Image.fromarray(a).resize((50, 40), f)))
 
 
+def test_a_window_of_a_resize_is_the_whole_resizes_pixels_there():
+    """The extension's windows (what Resize + CenterCrop resamples): any
+    window of any resize (boxes with fractions, up and down, either pass
+    first, a pass skipped), computed from a part of the image holding what
+    ``span`` says it needs (plus a margin), equals that window of the whole
+    resize; a part without those pixels is refused, never read past."""
+    if R._ext is None or not hasattr(R._ext, "resample_window"):
+        pytest.skip("coordl.decode._resample (with windows) is not built here")
+    ext = R._ext
+    rng = np.random.default_rng(11)
+    for it in range(600):
+        h, w = (int(v) for v in rng.integers(1, 70, 2))
+        oh, ow = (h, w) if it % 7 == 0 else tuple(int(v) for v in rng.integers(1, 80, 2))
+        c = 1 if it % 5 == 0 else 3
+        a = rng.integers(0, 256, (h, w, c), dtype=np.uint8)
+        if it % 2 or h < 2 or w < 2:
+            box = (0.0, 0.0, float(w), float(h))
+        else:
+            x0, y0 = rng.uniform(0, w - 1), rng.uniform(0, h - 1)
+            box = tuple(float(np.float32(v)) for v in (x0, y0, rng.uniform(x0 + 0.5, w), rng.uniform(y0 + 0.5, h)))
+        f, vfirst = int(rng.integers(0, 2)), int(rng.integers(0, 2))
+        whole = np.empty((oh, ow, c), np.uint8)
+        ext.resample(a, whole, *box, f, vfirst)
+        wh, ww = int(rng.integers(1, oh + 1)), int(rng.integers(1, ow + 1))
+        wy, wx = int(rng.integers(0, oh - wh + 1)), int(rng.integers(0, ow - ww + 1))
+        skip_x = (ow, box[0], box[2]) == (w, 0.0, float(w))
+        skip_y = (oh, box[1], box[3]) == (h, 0.0, float(h))
+        xs = (wx, wx + ww) if skip_x else ext.span(w, box[0], box[2], ow, f, wx, wx + ww)
+        ys = (wy, wy + wh) if skip_y else ext.span(h, box[1], box[3], oh, f, wy, wy + wh)
+        m = int(rng.integers(0, 3))
+        y0, x0 = max(0, ys[0] - m), max(0, xs[0] - m)
+        part = a[y0:min(h, ys[1] + m), x0:min(w, xs[1] + m)]
+        out = np.empty((wh, ww, c), np.uint8)
+        ext.resample_window(part, out, *box, f, vfirst, (h, w), (y0, x0), (oh, ow), (wy, wx))
+        assert np.array_equal(out, whole[wy:wy + wh, wx:wx + ww]), (h, w, oh, ow, box, f, vfirst, wy, wx, wh, ww)
+    a = rng.integers(0, 256, (50, 50, 3), dtype=np.uint8)
+    with pytest.raises(ValueError, match="outside src"):
+        ext.resample_window(a[10:20, 10:20], np.empty((5, 5, 3), np.uint8), 0.0, 0.0, 50.0, 50.0, 0, 0,
+                            (50, 50), (10, 10), (30, 30), (0, 0))
+
+
+@pytest.mark.parametrize("interpolation", [IM.BILINEAR, IM.BICUBIC], ids=["bilinear", "bicubic"])
+def test_resize_then_center_crop_resamples_and_decodes_only_the_crop(images, monkeypatch, interpolation):
+    """Resize + CenterCrop decodes only the rows and columns the crop
+    depends on and resamples only the crop, with the pixels of the whole
+    resize then the crop (the same as with windows turned off, and PIL's)."""
+    if R.window_kernel() is None:
+        pytest.skip("coordl.decode._resample (with windows) is not built here")
+    steps = [T.Resize(256, interpolation=interpolation.value), T.CenterCrop(224), T.PILToTensor()]
+    boxes = []
+    real = coordl.decode.jpeg.decode_rgb_crop
+    monkeypatch.setattr(coordl.decode.jpeg, "decode_rgb_crop", lambda raw, box, **kw: (boxes.append(box), real(raw, box, **kw))[1])
+    for path in images:
+        raw = _read(path)
+        boxes.clear()
+        got = T.decode_and_apply(steps, raw)
+        with _pil(path) as img:
+            oh, ow = steps[0].output_size(img.height, img.width)
+            ref = np.asarray(img.resize((ow, oh), getattr(Image, interpolation.name)))
+            top, left = int(round((oh - 224) / 2.0)), int(round((ow - 224) / 2.0))
+            ref = torch.from_numpy(ref[top:top + 224, left:left + 224].copy()).permute(2, 0, 1)
+            H, W = img.height, img.width
+        assert torch.equal(got, ref), path
+        if (oh, ow) != (224, 224):   # a crop smaller than the resize: part of the image is not read
+            assert len(boxes) == 1 and boxes[0][2] * boxes[0][3] < H * W, (path, boxes)
+        with monkeypatch.context() as m:
+            m.setattr(R, "window_kernel", lambda: None)
+            assert torch.equal(T.decode_and_apply(steps, raw), got)
+
+
 # ---------------------------------------------------------- the draft option
 def test_draft_is_an_explicit_option_named_in_path_reason(folder):
     tf = EVAL["resize256-crop224-bilinear"]

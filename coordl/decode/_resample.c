@@ -223,18 +223,39 @@ TARGETS static void pass_cols(uint8_t *restrict dst, const uint8_t *restrict src
 typedef struct {
     const uint8_t *src;
     Py_ssize_t sstride;
-    int H, W, C;
+    int H, W, C;    /* the whole image's size: the weights and their clamping are its */
+    int sy, sx;     /* where src's first row and column lie in the whole image */
+    int sh, sw;     /* src's rows and columns */
     float box[4];   /* x0, y0, x1, y1 */
-    int out_h, out_w;
+    int out_h, out_w;   /* the whole output's size */
+    int oy, ox, oh, ow; /* the window of it written to `out` (oh x ow pixels) */
     kernel_fn f;
     double support;
     int vfirst;
     uint8_t *out;
 } job_t;
 
-/* 0, or -1 when out of memory */
+/* Move the weights of outputs [o0, o0 + n) of `all` into `view`, their
+ * windows in src's coordinates (`origin` subtracted); 0, or -1 when one
+ * reaches outside src's `n_src` pixels. */
+static int weights_window(weights *view, const weights *all, int o0, int n, int origin, int n_src) {
+    view->taps = all->taps;
+    view->start = all->start + o0;
+    view->count = all->count + o0;
+    view->w = all->w + (size_t)o0 * all->taps;
+    for (int o = 0; o < n; o++) {
+        view->start[o] -= origin;
+        if (view->count[o] > 0 && (view->start[o] < 0 || view->start[o] + view->count[o] > n_src))
+            return -1;
+        if (view->count[o] <= 0)
+            view->start[o] = 0;
+    }
+    return 0;
+}
+
+/* 0; -1 when out of memory; -2 when the window needs pixels outside src */
 static int run(job_t *j) {
-    weights wx = {0}, wy = {0};
+    weights wx = {0}, wy = {0}, vx, vy;
     uint8_t *tmp = NULL, *strip = NULL, *outs = NULL;
     int32_t *acc = NULL;
     int rc = -1;
@@ -244,56 +265,66 @@ static int run(job_t *j) {
     if (weights_make(&wx, j->W, j->box[0], j->box[2], j->out_w, j->f, j->support) < 0 ||
         weights_make(&wy, j->H, j->box[1], j->box[3], j->out_h, j->f, j->support) < 0)
         goto done;
+    rc = -2;
+    /* a skipped pass maps output pixel o to input pixel o */
+    if ((need_x && weights_window(&vx, &wx, j->ox, j->ow, j->sx, j->sw) < 0) ||
+        (need_y && weights_window(&vy, &wy, j->oy, j->oh, j->sy, j->sh) < 0) ||
+        (!need_x && (j->ox < j->sx || j->ox + j->ow > j->sx + j->sw)) ||
+        (!need_y && (j->oy < j->sy || j->oy + j->oh > j->sy + j->sh)))
+        goto done;
+    rc = -1;
+    int ix = j->ox - j->sx, iy = j->oy - j->sy;  /* src's first pixel of a skipped pass's window */
     if (need_x) {
-        strip = PyMem_RawCalloc((size_t)j->W * (STRIP * C + 4), 1);
-        outs = PyMem_RawCalloc((size_t)j->out_w * (STRIP * C + 4), 1);
+        strip = PyMem_RawCalloc((size_t)j->sw * (STRIP * C + 4), 1);
+        outs = PyMem_RawCalloc((size_t)j->ow * (STRIP * C + 4), 1);
         if (strip == NULL || outs == NULL)
             goto done;
     }
     if (!need_x && !need_y) {
-        for (int r = 0; r < j->H; r++)
-            memcpy(j->out + (size_t)r * j->W * C, j->src + (Py_ssize_t)r * j->sstride, (size_t)j->W * C);
+        for (int r = 0; r < j->oh; r++)
+            memcpy(j->out + (size_t)r * j->ow * C, j->src + (Py_ssize_t)(iy + r) * j->sstride + (Py_ssize_t)ix * C,
+                   (size_t)j->ow * C);
         rc = 0;
         goto done;
     }
     if (need_x && need_y && !j->vfirst) {
         /* rows first, only those the column pass reads */
-        int r0 = wy.start[0];
-        int r1 = wy.start[j->out_h - 1] + wy.count[j->out_h - 1];
+        int r0 = vy.start[0];
+        int r1 = vy.start[j->oh - 1] + vy.count[j->oh - 1];
         if (r1 < r0)
             r1 = r0;
-        int len = j->out_w * C;
+        int len = j->ow * C;
         tmp = PyMem_RawMalloc((size_t)(r1 - r0) * len + 1);
         acc = PyMem_RawMalloc(sizeof(int32_t) * (size_t)len + 1);
         if (tmp == NULL || acc == NULL)
             goto done;
-        pass_rows(tmp, j->src, j->sstride, r0, r1 - r0, C, &wx, j->out_w, strip, outs);
-        for (int y = 0; y < j->out_h; y++)
-            wy.start[y] -= r0;
-        pass_cols(j->out, tmp, len, 0, len, &wy, j->out_h, acc);
+        pass_rows(tmp, j->src, j->sstride, r0, r1 - r0, C, &vx, j->ow, strip, outs);
+        for (int y = 0; y < j->oh; y++)
+            vy.start[y] -= r0;
+        pass_cols(j->out, tmp, len, 0, len, &vy, j->oh, acc);
     } else if (need_x && need_y) {
         /* columns first, over the columns the row pass reads */
-        int c0 = wx.start[0];
-        int c1 = wx.start[j->out_w - 1] + wx.count[j->out_w - 1];
+        int c0 = vx.start[0];
+        int c1 = vx.start[j->ow - 1] + vx.count[j->ow - 1];
         if (c1 < c0)
             c1 = c0;
         int len = (c1 - c0) * C;
-        tmp = PyMem_RawMalloc((size_t)j->out_h * len + 1);
+        tmp = PyMem_RawMalloc((size_t)j->oh * len + 1);
         acc = PyMem_RawMalloc(sizeof(int32_t) * (size_t)len + 1);
         if (tmp == NULL || acc == NULL)
             goto done;
-        pass_cols(tmp, j->src, j->sstride, (Py_ssize_t)c0 * C, len, &wy, j->out_h, acc);
-        for (int x = 0; x < j->out_w; x++)
-            wx.start[x] -= c0;
-        pass_rows(j->out, tmp, len, 0, j->out_h, C, &wx, j->out_w, strip, outs);
+        pass_cols(tmp, j->src, j->sstride, (Py_ssize_t)c0 * C, len, &vy, j->oh, acc);
+        for (int x = 0; x < j->ow; x++)
+            vx.start[x] -= c0;
+        pass_rows(j->out, tmp, len, 0, j->oh, C, &vx, j->ow, strip, outs);
     } else if (need_x) {
-        pass_rows(j->out, j->src, j->sstride, 0, j->H, C, &wx, j->out_w, strip, outs);
+        pass_rows(j->out, j->src, j->sstride, iy, j->oh, C, &vx, j->ow, strip, outs);
     } else {
-        int len = j->W * C;
+        int len = j->ow * C;
         acc = PyMem_RawMalloc(sizeof(int32_t) * (size_t)len + 1);
         if (acc == NULL)
             goto done;
-        pass_cols(j->out, j->src, j->sstride, 0, len, &wy, j->out_h, acc);
+        pass_cols(j->out, j->src, j->sstride, (Py_ssize_t)ix * C, len, &vy, j->oh, acc);
     }
     rc = 0;
 done:
@@ -306,6 +337,75 @@ done:
     return rc;
 }
 
+/* Checks shared by resample() and resample_window(): NULL, or why not. */
+static const char *check_buffers(const Py_buffer *src, const Py_buffer *out, int filter) {
+    if (src->ndim != 3 || src->itemsize != 1 || (src->format != NULL && strcmp(src->format, "B") != 0))
+        return "src should be a uint8 array of shape (H, W, C)";
+    if (src->shape[2] < 1 || src->shape[2] > 4 || src->strides[2] != 1 || src->strides[1] != src->shape[2] ||
+        src->strides[0] < src->shape[1] * src->shape[2] || src->shape[0] < 1 || src->shape[1] < 1 ||
+        src->shape[0] > INT_MAX / 4 || src->shape[1] > INT_MAX / 4)
+        return "src should hold 1 to 4 channels of pixels side by side in each row (strides (any, C, 1))";
+    if (out->ndim != 3 || out->itemsize != 1 || out->shape[2] != src->shape[2] || out->shape[0] < 1 ||
+        out->shape[1] < 1 || out->shape[0] > INT_MAX / 4 || out->shape[1] > INT_MAX / 4 ||
+        out->shape[1] * out->shape[2] > INT_MAX / 4)
+        return "out should be a C-contiguous uint8 array (out_h, out_w, C) with src's C";
+    if (filter != 0 && filter != 1)
+        return "filter should be 0 (bilinear) or 1 (bicubic)";
+    return NULL;
+}
+
+static PyObject *finish(job_t *j, Py_buffer *src, Py_buffer *out, const char *why) {
+    int rc = 0;
+    if (why == NULL) {
+        Py_BEGIN_ALLOW_THREADS
+        rc = run(j);
+        Py_END_ALLOW_THREADS
+    }
+    PyBuffer_Release(src);
+    PyBuffer_Release(out);
+    if (why != NULL) {
+        PyErr_SetString(PyExc_ValueError, why);
+        return NULL;
+    }
+    if (rc == -2) {
+        PyErr_SetString(PyExc_ValueError, "the output window needs pixels outside src");
+        return NULL;
+    }
+    if (rc < 0)
+        return PyErr_NoMemory();
+    Py_RETURN_NONE;
+}
+
+static void job_fill(job_t *j, const Py_buffer *src, Py_buffer *out, double x0, double y0, double x1, double y1,
+                     int filter, int vfirst) {
+    memset(j, 0, sizeof *j);
+    j->src = (const uint8_t *)src->buf;
+    j->sstride = src->strides[0];
+    j->H = j->sh = (int)src->shape[0];
+    j->W = j->sw = (int)src->shape[1];
+    j->C = (int)src->shape[2];
+    j->box[0] = (float)x0;
+    j->box[1] = (float)y0;
+    j->box[2] = (float)x1;
+    j->box[3] = (float)y1;
+    j->out_h = j->oh = (int)out->shape[0];
+    j->out_w = j->ow = (int)out->shape[1];
+    j->f = filter == 0 ? triangle : keys_cubic;
+    j->support = filter == 0 ? 1.0 : 2.0;
+    j->vfirst = vfirst;
+    j->out = (uint8_t *)out->buf;
+}
+
+static int get_buffers(PyObject *src_obj, PyObject *out_obj, Py_buffer *src, Py_buffer *out) {
+    if (PyObject_GetBuffer(src_obj, src, PyBUF_STRIDES | PyBUF_FORMAT) < 0)
+        return -1;
+    if (PyObject_GetBuffer(out_obj, out, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE | PyBUF_FORMAT) < 0) {
+        PyBuffer_Release(src);
+        return -1;
+    }
+    return 0;
+}
+
 static PyObject *py_resample(PyObject *self, PyObject *args) {
     PyObject *src_obj, *out_obj;
     double x0, y0, x1, y1;
@@ -315,60 +415,84 @@ static PyObject *py_resample(PyObject *self, PyObject *args) {
     if (!PyArg_ParseTuple(args, "OOddddip:resample", &src_obj, &out_obj, &x0, &y0, &x1, &y1, &filter,
                           &vfirst))
         return NULL;
-    if (PyObject_GetBuffer(src_obj, &src, PyBUF_STRIDES | PyBUF_FORMAT) < 0)
+    if (get_buffers(src_obj, out_obj, &src, &out) < 0)
         return NULL;
-    if (PyObject_GetBuffer(out_obj, &out, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE | PyBUF_FORMAT) < 0) {
-        PyBuffer_Release(&src);
-        return NULL;
-    }
-    const char *why = NULL;
-    job_t j;
-    memset(&j, 0, sizeof j);
-    if (src.ndim != 3 || src.itemsize != 1 || (src.format != NULL && strcmp(src.format, "B") != 0))
-        why = "src should be a uint8 array of shape (H, W, C)";
-    else if (src.shape[2] < 1 || src.shape[2] > 4 || src.strides[2] != 1 || src.strides[1] != src.shape[2] ||
-             src.strides[0] < src.shape[1] * src.shape[2] || src.shape[0] < 1 || src.shape[1] < 1 ||
-             src.shape[0] > INT_MAX / 4 || src.shape[1] > INT_MAX / 4)
-        why = "src should hold 1 to 4 channels of pixels side by side in each row (strides (any, C, 1))";
-    else if (out.ndim != 3 || out.itemsize != 1 || out.shape[2] != src.shape[2] || out.shape[0] < 1 ||
-             out.shape[1] < 1 || out.shape[0] > INT_MAX / 4 || out.shape[1] > INT_MAX / 4 ||
-             out.shape[1] * out.shape[2] > INT_MAX / 4)
-        why = "out should be a C-contiguous uint8 array (out_h, out_w, C) with src's C";
-    else if (filter != 0 && filter != 1)
-        why = "filter should be 0 (bilinear) or 1 (bicubic)";
-    else if (!(x0 >= 0 && y0 >= 0 && x1 > x0 && y1 > y0 && x1 <= (double)src.shape[1] &&
-               y1 <= (double)src.shape[0]))
+    const char *why = check_buffers(&src, &out, filter);
+    if (why == NULL && !(x0 >= 0 && y0 >= 0 && x1 > x0 && y1 > y0 && x1 <= (double)src.shape[1] &&
+                         y1 <= (double)src.shape[0]))
         why = "the box (x0, y0, x1, y1) should lie inside src, with x1 > x0 and y1 > y0";
-    if (why != NULL) {
-        PyErr_SetString(PyExc_ValueError, why);
-        PyBuffer_Release(&src);
-        PyBuffer_Release(&out);
+    job_t j;
+    if (why == NULL)
+        job_fill(&j, &src, &out, x0, y0, x1, y1, filter, vfirst);
+    return finish(&j, &src, &out, why);
+}
+
+static PyObject *py_resample_window(PyObject *self, PyObject *args) {
+    PyObject *src_obj, *out_obj;
+    double x0, y0, x1, y1;
+    int filter, vfirst, full_h, full_w, src_y, src_x, out_h, out_w, win_y, win_x;
+    Py_buffer src, out;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "OOddddip(ii)(ii)(ii)(ii):resample_window", &src_obj, &out_obj, &x0, &y0, &x1,
+                          &y1, &filter, &vfirst, &full_h, &full_w, &src_y, &src_x, &out_h, &out_w, &win_y, &win_x))
+        return NULL;
+    if (get_buffers(src_obj, out_obj, &src, &out) < 0)
+        return NULL;
+    const char *why = check_buffers(&src, &out, filter);
+    if (why == NULL && !(full_h >= 1 && full_w >= 1 && full_h <= INT_MAX / 4 && full_w <= INT_MAX / 4 &&
+                         src_y >= 0 && src_x >= 0 && src_y + src.shape[0] <= full_h &&
+                         src_x + src.shape[1] <= full_w))
+        why = "src should be a part of the whole image: 0 <= (src_y, src_x) and src inside (full_h, full_w)";
+    else if (why == NULL && !(x0 >= 0 && y0 >= 0 && x1 > x0 && y1 > y0 && x1 <= (double)full_w &&
+                              y1 <= (double)full_h))
+        why = "the box (x0, y0, x1, y1) should lie inside the whole image, with x1 > x0 and y1 > y0";
+    else if (why == NULL && !(out_h >= 1 && out_w >= 1 && out_h <= INT_MAX / 4 && out_w <= INT_MAX / 4 &&
+                              win_y >= 0 && win_x >= 0 && win_y + out.shape[0] <= out_h &&
+                              win_x + out.shape[1] <= out_w))
+        why = "out should be a window of the whole output: 0 <= (win_y, win_x) and out inside (out_h, out_w)";
+    job_t j;
+    if (why == NULL) {
+        job_fill(&j, &src, &out, x0, y0, x1, y1, filter, vfirst);
+        j.H = full_h;
+        j.W = full_w;
+        j.sy = src_y;
+        j.sx = src_x;
+        j.out_h = out_h;
+        j.out_w = out_w;
+        j.oy = win_y;
+        j.ox = win_x;
+    }
+    return finish(&j, &src, &out, why);
+}
+
+static PyObject *py_span(PyObject *self, PyObject *args) {
+    int n_in, n_out, filter, o0, o1;
+    double lo, hi;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "iddiiii:span", &n_in, &lo, &hi, &n_out, &filter, &o0, &o1))
+        return NULL;
+    if (!(n_in >= 1 && n_out >= 1 && n_in <= INT_MAX / 4 && n_out <= INT_MAX / 4 && lo >= 0 && hi > lo &&
+          hi <= (double)n_in && 0 <= o0 && o0 < o1 && o1 <= n_out && (filter == 0 || filter == 1))) {
+        PyErr_SetString(PyExc_ValueError, "span: 0 <= lo < hi <= n_in, 0 <= o0 < o1 <= n_out, filter 0 or 1");
         return NULL;
     }
-    j.src = (const uint8_t *)src.buf;
-    j.sstride = src.strides[0];
-    j.H = (int)src.shape[0];
-    j.W = (int)src.shape[1];
-    j.C = (int)src.shape[2];
-    j.box[0] = (float)x0;
-    j.box[1] = (float)y0;
-    j.box[2] = (float)x1;
-    j.box[3] = (float)y1;
-    j.out_h = (int)out.shape[0];
-    j.out_w = (int)out.shape[1];
-    j.f = filter == 0 ? triangle : keys_cubic;
-    j.support = filter == 0 ? 1.0 : 2.0;
-    j.vfirst = vfirst;
-    j.out = (uint8_t *)out.buf;
-    int rc;
-    Py_BEGIN_ALLOW_THREADS
-    rc = run(&j);
-    Py_END_ALLOW_THREADS
-    PyBuffer_Release(&src);
-    PyBuffer_Release(&out);
-    if (rc < 0)
+    weights wt = {0};
+    if (weights_make(&wt, n_in, (float)lo, (float)hi, n_out, filter == 0 ? triangle : keys_cubic,
+                     filter == 0 ? 1.0 : 2.0) < 0)
         return PyErr_NoMemory();
-    Py_RETURN_NONE;
+    int first = n_in, end = 0;
+    for (int o = o0; o < o1; o++) {
+        if (wt.count[o] <= 0)
+            continue;
+        if (wt.start[o] < first)
+            first = wt.start[o];
+        if (wt.start[o] + wt.count[o] > end)
+            end = wt.start[o] + wt.count[o];
+    }
+    weights_free(&wt);
+    if (end < first)
+        first = end = 0;
+    return Py_BuildValue("(ii)", first, end);
 }
 
 static PyMethodDef resample_methods[] = {
@@ -379,6 +503,20 @@ static PyMethodDef resample_methods[] = {
      "of src, a uint8 (H, W, C) array with strides (any, C, 1), into out, a\n"
      "C-contiguous uint8 (out_h, out_w, C) array, the vertical pass first when\n"
      "vertical_first.  ValueError on other shapes, types or boxes."},
+    {"resample_window", py_resample_window, METH_VARARGS,
+     "resample_window(src, out, x0, y0, x1, y1, filter, vertical_first, (full_h, full_w), (src_y, src_x),\n"
+     "                (out_h, out_w), (win_y, win_x)) -> None\n"
+     "\n"
+     "A window of resample(): the whole image is (full_h, full_w), of which src\n"
+     "holds the part from (src_y, src_x); its box (x0, y0, x1, y1), in the whole\n"
+     "image's pixels, resampled to (out_h, out_w), of which out receives the\n"
+     "window from (win_y, win_x), the pixels the whole resample gives there.\n"
+     "ValueError when the window needs pixels src does not hold (see span())."},
+    {"span", py_span, METH_VARARGS,
+     "span(n_in, lo, hi, n_out, filter, o0, o1) -> (first, end)\n"
+     "\n"
+     "The input pixels [first, end) that outputs [o0, o1) of resampling\n"
+     "[lo, hi) of an axis of n_in pixels to n_out read."},
     {NULL, NULL, 0, NULL}};
 
 static struct PyModuleDef resample_module = {PyModuleDef_HEAD_INIT, "coordl.decode._resample",

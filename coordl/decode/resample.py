@@ -30,7 +30,7 @@ from PIL import Image
 
 from . import extensions
 
-__all__ = ["FILTERS", "pil_resize", "exact_kernel"]
+__all__ = ["FILTERS", "pil_resize", "exact_kernel", "window_kernel"]
 
 log = logging.getLogger(__name__)
 
@@ -118,3 +118,36 @@ def pil_resize(a: np.ndarray, out_hw: tuple[int, int], mode: str,
         return _pil(a, out_hw, pil_filter, box)
     # PIL decides the order from the image's size, whatever the box
     return _run_ext(a, out_hw, code, box, rule(H, W, *out_hw))
+
+
+def window_kernel() -> Callable | None:
+    """``resize_window`` when the extension reproduces the installed PIL and
+    has windows (a build older than them has not), else None."""
+    if _ext is None or not hasattr(_ext, "resample_window") or exact_kernel() is None:
+        return None
+    return resize_window
+
+
+def resize_window(full_hw: tuple[int, int], out_hw: tuple[int, int], window: tuple[int, int, int, int],
+                  mode: str, read: Callable[[tuple[int, int, int, int]], tuple[np.ndarray, int, int]]) -> np.ndarray:
+    """The ``window`` = (top, left, h, w) of an image of ``full_hw`` (H, W)
+    resized as PIL resizes it (the whole image) to ``out_hw``, with
+    ``mode`` (``"bilinear"`` or ``"bicubic"``): PIL's pixels there, computed
+    from only the input pixels they depend on.  ``read(box)`` gives the
+    image's pixels of ``box`` = (top, left, h, w) (at least): ``(array,
+    its first row, its first column)`` in the whole image.  Only with
+    :func:`window_kernel` (not None)."""
+    code = FILTERS[mode][0]
+    H, W = full_hw
+    oh, ow = out_hw
+    top, left, h, w = window
+    if (oh, ow) == (H, W):   # no pass runs: the window's own pixels
+        ys, xs = (top, top + h), (left, left + w)
+    else:
+        ys = _ext.span(H, 0.0, float(H), oh, code, top, top + h) if oh != H else (top, top + h)
+        xs = _ext.span(W, 0.0, float(W), ow, code, left, left + w) if ow != W else (left, left + w)
+    arr, y0, x0 = read((ys[0], xs[0], max(1, ys[1] - ys[0]), max(1, xs[1] - xs[0])))
+    out = np.empty((h, w, arr.shape[2]), np.uint8)
+    _ext.resample_window(arr, out, 0.0, 0.0, float(W), float(H), code, exact_kernel()(H, W, oh, ow),
+                         (H, W), (y0, x0), (oh, ow), (top, left))
+    return out
