@@ -171,3 +171,25 @@ def test_the_checks_see_an_upward_import_and_a_cycle(tmp_path):
                              "coordl.loader (layer 'loader') imports coordl.cli (layer 'tools') at line 4"]
     assert sorted(map(sorted, cycles(graph))) == [["coordl.cache.node", "coordl.cli", "coordl.loader"],
                                                   ["coordl.daemon.hub", "coordl.daemon.pool"]]
+
+
+def test_the_daemons_hub_and_the_command_line_never_import_torch():
+    """``import coordl`` imports its public names on first use, so the
+    daemon's hub process and ``coordl`` commands start without torch (seconds
+    of CPU and hundreds of MB each); the names are all there when used, and
+    ``coordl.plan`` stays the function whatever imports the module of that name."""
+    import subprocess
+    import sys
+
+    code = ("import sys, coordl, coordl.cli, coordl.daemon.server\n"
+            "assert 'torch' not in sys.modules, sorted(m for m in sys.modules if m.startswith('torch'))[:5]\n"
+            "from coordl import *\n"
+            "import coordl.plan, coordl.loader\n"
+            "from coordl.plan import EpochPlan as E\n"
+            "assert callable(coordl.plan) and coordl.plan.__module__ == 'coordl.plan', coordl.plan\n"
+            "assert plan is coordl.plan and E is coordl.EpochPlan and DataLoader is coordl.loader.DataLoader\n"
+            "assert set(coordl.__all__) <= set(dir(coordl))\n"
+            "assert all(getattr(coordl, n) is not None for n in coordl.__all__)\n"
+            "try:\n    coordl.no_such_name\nexcept AttributeError:\n    pass\nelse:\n    raise AssertionError\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
