@@ -143,6 +143,7 @@ class PipelineMode:
         self.pool = None
         self.pool_split = None  # the device split the persistent pool prepares (coordl.device)
         self._pin_prev = None  # (stop event, thread) of the last pass's pin thread
+        self._stash = None     # slots kept between the pools of passes (workers not persistent)
 
     def exact_steps(self, loader) -> bool:
         return True  # every envelope carries its step
@@ -226,7 +227,11 @@ class PipelineMode:
             if ctx is None:
                 import multiprocessing
                 ctx = multiprocessing.get_context()
-            pool = WorkerPool(split.dataset, cfg, W, ctx, timeout=loader.timeout)
+            if self._stash is None and not loader.persistent_workers:
+                from .slots import SlotStash
+                self._stash = SlotStash()
+            pool = WorkerPool(split.dataset, cfg, W, ctx, timeout=loader.timeout,
+                              stash=None if loader.persistent_workers else self._stash)
             if loader.persistent_workers:
                 self.pool, self.pool_split = pool, split
         try:

@@ -22,23 +22,31 @@ from __future__ import annotations
 
 import mmap
 import os
+import weakref
 
 import numpy as np
 
-__all__ = ["WorkerSlots", "LocalSlots", "map_slot"]
+from ..base import forks as _forks
+
+__all__ = ["WorkerSlots", "LocalSlots", "SlotStash", "map_slot"]
 
 _GRAIN = 1 << 20
 
 
 class WorkerSlots:
     """Slots of one worker.  ``announce(slot_id, gen, size, fd)`` sends a new
-    slot to the main process (before any batch that uses it)."""
+    slot to the main process (before any batch that uses it).  ``spares``:
+    slots of an earlier pool's workers that main kept (:class:`SlotStash`),
+    mapped here through the fork; one taken is announced with
+    ``announce_spare(slot_id, gen, index in spares)``."""
 
-    def __init__(self, announce) -> None:
+    def __init__(self, announce, spares=(), announce_spare=None) -> None:
         self._announce = announce
         self._slots: dict[int, tuple[int, int, mmap.mmap, np.ndarray]] = {}
         self._free: list[int] = []
         self._next_id = 0
+        self._spares = list(enumerate(spares)) if announce_spare is not None else []
+        self._announce_spare = announce_spare
 
     def acquire(self, nbytes: int):
         fits = [s for s in self._free if self._slots[s][1] >= nbytes]
@@ -46,6 +54,18 @@ class WorkerSlots:
             sid = min(fits, key=lambda s: self._slots[s][1])
             self._free.remove(sid)
             gen, _, _, arr = self._slots[sid]
+            return (sid, gen), arr
+        spare = min((x for x in self._spares if nbytes <= len(x[1]) <= 2 * nbytes + _GRAIN),
+                    key=lambda x: len(x[1]), default=None)
+        if spare is not None:   # pages allocated already: mapped here in one call, not faulted in
+            self._spares.remove(spare)
+            i, mm = spare
+            sid, gen = self._next_id, 0
+            self._next_id += 1
+            _populate(mm)
+            self._announce_spare(sid, gen, i)
+            arr = np.frombuffer(mm, dtype=np.uint8)
+            self._slots[sid] = (gen, len(mm), mm, arr)
             return (sid, gen), arr
         if self._free:  # grow a free slot that is too small
             sid = self._free.pop()
@@ -105,6 +125,80 @@ class LocalSlots:
 
     def release(self, slot) -> None:
         pass
+
+
+# madvise(MADV_POPULATE_WRITE), Linux 5.14: every page of a mapping mapped writable in one call
+_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
+
+
+def _populate(mm: mmap.mmap) -> None:
+    """Map a kept slot's pages (present in its memfd already) at once, not
+    one page fault each as a batch is written; where the kernel lacks it
+    (EINVAL), they fault in as written."""
+    try:
+        mm.madvise(_POPULATE_WRITE)
+    except (OSError, ValueError, AttributeError):
+        pass
+
+
+class SlotStash:
+    """Slots a loader keeps between the pools of its passes (workers not
+    persistent: a pool per pass).  A new slot's pages are allocated and
+    cleared by the kernel one page fault at a time as its first batch is
+    written (~4,700 for a batch of 32 float images), in every worker of
+    every pass; a kept slot's pages stay in its memfd, and a worker forked
+    for the next pass maps them through the fork (:class:`WorkerSlots`).
+
+    A slot goes in once its pool's workers have exited and no child was
+    forked while a batch viewed it (``WorkerPool.shutdown``), with the
+    finalizer of the batch that may still view it; it is handed out only
+    once that batch is gone, and dropped for good if this process forks
+    while it lives (the child may keep the batch).  It holds at most what
+    the last pool used; the rest, and everything when the loader goes, is
+    unmapped (the kernel frees the pages).  Main process; under
+    ``base.forks.lock``, which the fork hook holds."""
+
+    def __init__(self) -> None:
+        self._kept: list = []   # (mmap, finalizer of the batch that viewed it last, or None)
+        with _forks.lock:
+            _stashes.add(self)
+
+    def take(self, parts: int) -> list[list]:
+        """The slots no batch views any more, dealt to ``parts`` workers (largest first, in turn)."""
+        with _forks.lock:
+            free = [mm for mm, f in self._kept if f is None or not f.alive]
+            self._kept = [(mm, f) for mm, f in self._kept if f is not None and f.alive]
+        free.sort(key=len, reverse=True)
+        return [free[i::parts] for i in range(parts)]
+
+    def put(self, entries: list, cap: int) -> None:
+        """Keep ``entries`` ((mmap, finalizer or None)) with what is kept,
+        those no batch views first, up to ``cap`` bytes."""
+        with _forks.lock:
+            every = sorted(self._kept + list(entries), key=lambda e: (e[1] is not None and e[1].alive, -len(e[0])))
+            self._kept, total = [], 0
+            for mm, f in every:
+                if total + len(mm) <= cap:
+                    self._kept.append((mm, f))
+                    total += len(mm)
+
+    def _forked_now(self) -> None:
+        self._kept = [(mm, f) for mm, f in self._kept if f is None or not f.alive]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(len(mm) for mm, _ in self._kept)
+
+
+_stashes: weakref.WeakSet = weakref.WeakSet()
+
+
+def _forking() -> None:
+    for st in list(_stashes):
+        st._forked_now()
+
+
+_forks.on_fork(_forking)
 
 
 def map_slot(fd: int, size: int) -> mmap.mmap:

@@ -78,7 +78,7 @@ def _seed_worker(base_seed: int, w: int, dataset, num_workers: int) -> None:
     tw._worker_info = tw.WorkerInfo(id=w, num_workers=num_workers, seed=seed, dataset=dataset)
 
 
-def _worker_main(w: int, num_workers: int, dataset, cfg: dict, ctrl, res, parent_pid: int) -> None:
+def _worker_main(w: int, num_workers: int, dataset, cfg: dict, ctrl, res, parent_pid: int, spares=()) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the main process handles Ctrl-C
     pidfd = _watch_parent(parent_pid)
     torch.set_num_threads(1)
@@ -93,7 +93,11 @@ def _worker_main(w: int, num_workers: int, dataset, cfg: dict, ctrl, res, parent
             res.send(("slot", sid, gen, size))
             reduction.send_handle(res, fd, parent_pid)
 
-    slots = WorkerSlots(announce)
+    def announce_spare(sid, gen, i) -> None:
+        with lock:
+            res.send(("spare", sid, gen, i))
+
+    slots = WorkerSlots(announce, spares, announce_spare)
     engine = Engine(dataset, seed=cfg["seed"], on_error=cfg["on_error"], collate_fn=cfg["collate_fn"],
                     batch_size=cfg["batch_size"], prefetch=cfg["prefetch"],
                     fetch_threads=cfg["fetch_threads"], budget_bytes=cfg["budget"], slots=slots,

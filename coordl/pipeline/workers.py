@@ -76,8 +76,12 @@ def _exit_hint(code) -> str:
 class WorkerPool:
     """``num_workers`` worker processes running :class:`Engine`."""
 
-    def __init__(self, dataset, cfg: dict, num_workers: int, ctx, timeout: float = 0) -> None:
+    def __init__(self, dataset, cfg: dict, num_workers: int, ctx, timeout: float = 0, stash=None) -> None:
         self.num_workers = num_workers
+        # slots kept from the loader's last pool (SlotStash): mapped here, inherited by forked workers
+        self._stash = stash if stash is not None and _forks_workers(ctx) else None
+        self._given = self._stash.take(num_workers) if self._stash is not None else [[]] * num_workers
+        self._taken: set[tuple[int, int]] = set()   # (w, index in _given[w]) a worker took
         self.timeout = timeout
         self.base_seed = cfg.get("base_seed")
         self.procs, self.ctrl, self.res = [], [], []
@@ -125,7 +129,8 @@ class WorkerPool:
             ctrl_r, ctrl_w = ctx.Pipe(duplex=False)
             res_main, res_child = ctx.Pipe(duplex=True)
             p = ctx.Process(target=_worker_main, name=f"coordl-worker-{w}",
-                            args=(w, num_workers, dataset, cfg, ctrl_r, res_child, parent), daemon=True)
+                            args=(w, num_workers, dataset, cfg, ctrl_r, res_child, parent, self._given[w]),
+                            daemon=True)
             p.start()
             ctrl_r.close()
             res_child.close()
@@ -201,12 +206,26 @@ class WorkerPool:
                 self._forked.add(key)
 
     def shutdown(self) -> None:
-        """Stop the workers now (in the calling thread)."""
+        """Stop the workers now (in the calling thread); with a stash, keep
+        the slots nothing can write or view any more for the next pool."""
         if not self.closed:
             self.closed = True
             if self._final.detach() is not None:
                 self._stop()
+            self._keep_slots()
             self.maps.clear()
+            self._given = []
+
+    def _keep_slots(self) -> None:
+        if self._stash is None or any(p.exitcode is None for p in self.procs):
+            return   # a worker still running could still write its slots
+        with _forks.lock:   # _lent and _forked as a fork's hook leaves them
+            kept = [(mm, self._lent.get((w, sid, gen))) for (w, sid), (gen, mm) in self.maps.items()
+                    if (w, sid, gen) not in self._forked]
+        unused = [(mm, None) for w, given in enumerate(self._given) for i, mm in enumerate(given)
+                  if (w, i) not in self._taken]
+        used = sum(len(mm) for _, mm in self.maps.values())
+        self._stash.put(kept + unused, cap=max(used, sum(len(mm) for mm, _ in unused)))
 
     # -------------------------------------------------------------- results
     def _check_alive(self) -> None:
@@ -256,6 +275,11 @@ class WorkerPool:
             _, sid, gen, size = msg
             fd = reduction.recv_handle(conn)
             self.maps[(w, sid)] = (gen, map_slot(fd, size))
+            return
+        if kind == "spare":   # a slot of the stash, mapped here already
+            _, sid, gen, i = msg
+            self._taken.add((w, i))
+            self.maps[(w, sid)] = (gen, self._given[w][i])
             return
         if kind == "fatal":  # the worker stops after this: so does the pool
             self.shutdown()
@@ -318,8 +342,18 @@ class WorkerPool:
             owner = np.frombuffer(mm, dtype=np.uint8, count=total)
             f = weakref.finalize(owner, self._frees.append, (w, sid, gen))
             f.atexit = False
+            with _forks.lock:
+                self._lent[(w, sid, gen)] = f
             stats.device_blob = (owner, total, offsets)
         return stats
+
+
+def _forks_workers(ctx) -> bool:
+    """Workers of ``ctx`` are forked from this process (and so map what it maps)."""
+    try:
+        return ctx.get_start_method() == "fork"
+    except (AttributeError, ValueError):
+        return False
 
 
 def _slots_of(w: int, msg) -> list:
