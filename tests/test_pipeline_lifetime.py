@@ -536,6 +536,13 @@ def test_passes_without_persistent_workers_reuse_the_last_pools_free_slots():
             r["kept_changed"].append(not all(torch.equal(t, c) for t, c in zip(kept, copy)))
             r["new_slots"].append(len(now - seen))
             seen |= now
+        import os
+        os.environ["COORDL_KEEP_SLOTS"] = "0"   # turned off: a pass's slots go with its workers
+        L2 = DataLoader(TwoStageToy(96), batch_size=8, seed=0, num_workers=2)
+        for b in L2:
+            pass
+        del b
+        r["off"] = [L2._mode._stash is None, L._mode._stash is not None]
         print("RESULT", json.dumps(r))
     """, timeout=120)
     r = json.loads(out.split("RESULT ", 1)[1])
@@ -544,3 +551,4 @@ def test_passes_without_persistent_workers_reuse_the_last_pools_free_slots():
     # the first pass made its slots; the later ones took them from the loader (none is viewed: the
     # kept batch's slot stays out), so they made none
     assert r["new_slots"][0] > 0 and r["new_slots"][2:] == [0, 0], r
+    assert r["off"] == [True, True], r

@@ -23,6 +23,8 @@ invariants, in its docstring); the loader only calls ``start_pass``,
 """
 from __future__ import annotations
 
+import os
+
 import warnings
 
 import torch
@@ -227,7 +229,7 @@ class PipelineMode:
             if ctx is None:
                 import multiprocessing
                 ctx = multiprocessing.get_context()
-            if self._stash is None and not loader.persistent_workers:
+            if self._stash is None and not loader.persistent_workers and _keep_slots():
                 from .slots import SlotStash
                 self._stash = SlotStash()
             pool = WorkerPool(split.dataset, cfg, W, ctx, timeout=loader.timeout,
@@ -248,6 +250,13 @@ class PipelineMode:
         if not self.from_sampler:
             return loader.plan
         return sampler_order(loader)
+
+
+def _keep_slots() -> bool:
+    """``COORDL_KEEP_SLOTS`` (default on): a loader without persistent
+    workers keeps its last pass's free batch slots for the next pass
+    (``pipeline.slots.SlotStash``); off, they are freed when the pass ends."""
+    return os.environ.get("COORDL_KEEP_SLOTS", "1").strip().lower() not in ("0", "false", "no", "off")
 
 
 def sampler_order(loader):
