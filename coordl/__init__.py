@@ -44,10 +44,9 @@ if TYPE_CHECKING:  # what static tools see; at run time each is imported where f
 def __getattr__(name: str) -> object:
     where = _WHERE.get(name)
     if where is not None:
-        value = getattr(_importlib.import_module("." + where, __name__), name)
-        if name != "plan":   # (see _Package)
-            globals()[name] = value   # once: later lookups are plain attribute reads
-        return value
+        # not cached in the package's namespace: what it holds stays the same in every process, whatever
+        # each used (the daemon's code identity reads it: coordl.daemon.codeid)
+        return getattr(_importlib.import_module("." + where, __name__), name)
     if not name.startswith("_") and _util.find_spec(f"{__name__}.{name}") is not None:
         return _importlib.import_module("." + name, __name__)   # a submodule, as when __init__ imported it
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

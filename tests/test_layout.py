@@ -173,16 +173,22 @@ def test_the_checks_see_an_upward_import_and_a_cycle(tmp_path):
                                                   ["coordl.daemon.hub", "coordl.daemon.pool"]]
 
 
-def test_the_daemons_hub_and_the_command_line_never_import_torch():
+def test_the_daemons_hub_and_the_command_line_never_import_torch(tmp_path):
     """``import coordl`` imports its public names on first use, so the
     daemon's hub process and ``coordl`` commands start without torch (seconds
     of CPU and hundreds of MB each); the names are all there when used, and
-    ``coordl.plan`` stays the function whatever imports the module of that name."""
+    ``coordl.plan`` stays the function whatever imports the module of that name;
+    a dataset's code identity does not depend on which names a process used
+    (a job uses some, the daemon's workers none)."""
     import subprocess
     import sys
 
     code = ("import sys, coordl, coordl.cli, coordl.daemon.server\n"
             "assert 'torch' not in sys.modules, sorted(m for m in sys.modules if m.startswith('torch'))[:5]\n"
+            f"sys.path.insert(0, {str(tmp_path)!r})\n"
+            "from coordl.daemon.codeid import code_identity\n"
+            "import userds\n"
+            "before = code_identity(userds.D())\n"
             "from coordl import *\n"
             "import coordl.plan, coordl.loader\n"
             "from coordl.plan import EpochPlan as E\n"
@@ -190,6 +196,8 @@ def test_the_daemons_hub_and_the_command_line_never_import_torch():
             "assert plan is coordl.plan and E is coordl.EpochPlan and DataLoader is coordl.loader.DataLoader\n"
             "assert set(coordl.__all__) <= set(dir(coordl))\n"
             "assert all(getattr(coordl, n) is not None for n in coordl.__all__)\n"
+            "assert code_identity(userds.D()) == before  # (a daemon worker uses none of them)\n"
             "try:\n    coordl.no_such_name\nexcept AttributeError:\n    pass\nelse:\n    raise AssertionError\n")
+    (tmp_path / "userds.py").write_text("import coordl\n\n\nclass D:\n    def f(self):\n        return coordl\n")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
