@@ -320,11 +320,17 @@ class CenterCrop(Transform):
     def __init__(self, size: Any):
         self.size = _check_size(size)
 
-    def __call__(self, img: Any) -> Any:
-        (H, W), (h, w) = _hw(img), self.size
+    def offsets(self, H: int, W: int) -> tuple[int, int]:
+        """(top, left) of the crop in an H x W image, torchvision's rounding
+        (negative where the crop pads)."""
+        h, w = self.size
         top = -((h - H) // 2) if h > H else int(round((H - h) / 2.0))
         left = -((w - W) // 2) if w > W else int(round((W - w) / 2.0))
-        return _crop(img, top, left, h, w)
+        return top, left
+
+    def __call__(self, img: Any) -> Any:
+        top, left = self.offsets(*_hw(img))
+        return _crop(img, top, left, *self.size)
 
     def _params(self) -> dict[str, Any]:
         return {"size": self.size}
@@ -533,7 +539,7 @@ def _resize_center(resize: Resize, crop: "CenterCrop", hw: tuple[int, int], raw)
     ch, cw = crop.size
     if ch > oh or cw > ow:
         return None
-    top, left = int(round((oh - ch) / 2.0)), int(round((ow - cw) / 2.0))   # CenterCrop's own offsets
+    top, left = crop.offsets(oh, ow)
 
     def read(box):
         arr, abox = _decode.decode_rgb_crop(raw, box, scale=1, size=hw)

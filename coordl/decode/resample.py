@@ -141,11 +141,9 @@ def resize_window(full_hw: tuple[int, int], out_hw: tuple[int, int], window: tup
     H, W = full_hw
     oh, ow = out_hw
     top, left, h, w = window
-    if (oh, ow) == (H, W):   # no pass runs: the window's own pixels
-        ys, xs = (top, top + h), (left, left + w)
-    else:
-        ys = _ext.span(H, 0.0, float(H), oh, code, top, top + h) if oh != H else (top, top + h)
-        xs = _ext.span(W, 0.0, float(W), ow, code, left, left + w) if ow != W else (left, left + w)
+    # an axis that keeps its size has no pass (PIL skips it): the window's own rows or columns
+    ys = _ext.span(H, 0.0, float(H), oh, code, top, top + h) if oh != H else (top, top + h)
+    xs = _ext.span(W, 0.0, float(W), ow, code, left, left + w) if ow != W else (left, left + w)
     arr, y0, x0 = read((ys[0], xs[0], max(1, ys[1] - ys[0]), max(1, xs[1] - xs[0])))
     out = np.empty((h, w, arr.shape[2]), np.uint8)
     _ext.resample_window(arr, out, 0.0, 0.0, float(W), float(H), code, exact_kernel()(H, W, oh, ow),

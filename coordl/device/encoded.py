@@ -100,8 +100,7 @@ class DecodePlan:
             else:                             # CenterCrop, RandomCrop
                 ch, cw = t.size
                 if tt is T.CenterCrop:
-                    top = -((ch - h) // 2) if ch > h else int(round((h - ch) / 2.0))
-                    left = -((cw - w) // 2) if cw > w else int(round((w - cw) / 2.0))
+                    top, left = t.offsets(h, w)
                 else:
                     if h < ch or w < cw:
                         raise ValueError(f"Required crop size {(ch, cw)} is larger than input image size {(h, w)}")

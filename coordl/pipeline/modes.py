@@ -24,7 +24,6 @@ invariants, in its docstring); the loader only calls ``start_pass``,
 from __future__ import annotations
 
 import os
-
 import warnings
 
 import torch

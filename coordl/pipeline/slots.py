@@ -154,8 +154,9 @@ class SlotStash:
     finalizer of the batch that may still view it; it is handed out only
     once that batch is gone, and dropped for good if this process forks
     while it lives (the child may keep the batch).  It holds at most what
-    the last pool used; the rest, and everything when the loader goes, is
-    unmapped (the kernel frees the pages).  Main process; under
+    the last pool used, or what it was given and left untouched if that is
+    more; the rest, and everything when the loader goes, is unmapped (the
+    kernel frees the pages).  Main process; under
     ``base.forks.lock``, which the fork hook holds."""
 
     def __init__(self) -> None:
@@ -184,10 +185,6 @@ class SlotStash:
 
     def _forked_now(self) -> None:
         self._kept = [(mm, f) for mm, f in self._kept if f is None or not f.alive]
-
-    @property
-    def nbytes(self) -> int:
-        return sum(len(mm) for mm, _ in self._kept)
 
 
 _stashes: weakref.WeakSet = weakref.WeakSet()
