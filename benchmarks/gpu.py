@@ -281,6 +281,20 @@ def _busy(t) -> float:
     return t.user + t.nice + t.system + getattr(t, "irq", 0.0) + getattr(t, "softirq", 0.0) + getattr(t, "steal", 0.0)
 
 
+def _children(me) -> dict:
+    """pid -> (CPU seconds, voluntary, involuntary context switches) of the
+    processes below this one (the loader's workers)."""
+    out = {}
+    for p in me.children(recursive=True):
+        try:
+            with p.oneshot():
+                t, c = p.cpu_times(), p.num_ctx_switches()
+            out[p.pid] = (t.user + t.system, c.voluntary, c.involuntary)
+        except psutil.Error:
+            pass
+    return out
+
+
 def measure(ctx: Ctx, batches: Iterator, warmup: int, seconds: float, step: Callable | None = None,
             on_ready: Callable[[], int] | None = None) -> dict:
     """Images/s over a window of ``seconds`` after ``warmup`` batches, within
@@ -310,6 +324,7 @@ def measure(ctx: Ctx, batches: Iterator, warmup: int, seconds: float, step: Call
         raise RuntimeError(f"the epoch ended within the {warmup}-batch warm-up: use more --images") from None
     _sync(ctx)
     me = psutil.Process()
+    kids0 = _children(me)
     cpu0, me0, t0 = psutil.cpu_times(), me.cpu_times(), time.perf_counter()
     images = n_batches = 0
     cut = False
@@ -324,12 +339,22 @@ def measure(ctx: Ctx, batches: Iterator, warmup: int, seconds: float, step: Call
     _sync(ctx)
     t1 = time.perf_counter()
     cpu1, me1 = psutil.cpu_times(), me.cpu_times()
+    kids1 = _children(me)
     win = t1 - t0
     busy = _busy(cpu1) - _busy(cpu0)
+    # a window cut at the epoch's end may have lost workers that exited: their share is unknown
+    both = kids0.keys() & kids1.keys() if not cut else set()
+    kid = [sum(kids1[p][i] - kids0[p][i] for p in both) for i in range(3)]
+    per = (lambda v, scale=1.0: round(scale * v / images, 3)) if images and both else (lambda v, scale=1.0: None)
     return {"images_per_s": round(images / win, 1) if win > 0 else 0.0, "images": images, "batches": n_batches,
             "window_s": round(win, 3), "cut_at_epoch_end": cut, "first_batch_s": round(first or 0.0, 3),
             "cpu_ms_per_image": round(1000 * busy / images, 3) if images else None,
-            "main_process_cpu": round(((me1.user + me1.system) - (me0.user + me0.system)) / win, 3) if win else None}
+            "main_process_cpu": round(((me1.user + me1.system) - (me0.user + me0.system)) / win, 3) if win else None,
+            # where the machine's CPU went (the bound on scaling workers): busy vCPUs over the
+            # window, the worker processes' CPU per image, their context switches per image
+            "cores_busy": round(busy / win, 2) if win else None,
+            "worker_processes": len(both), "workers_cpu_ms_per_image": per(kid[0], 1000.0),
+            "workers_switches_per_image": {"voluntary": per(kid[1]), "involuntary": per(kid[2])}}
 
 
 def run_variant(ctx: Ctx, v: Variant, workers: int, batch_size: int, warmup: int, seconds: float,
@@ -501,6 +526,18 @@ def part_a(args, ctx: Ctx, res: dict, save: Callable) -> None:
     print_table("(a) machine CPU ms per image (all processes)", hdr,
                 [[n] + [_cell(rs.get(str(w)), "cpu_ms_per_image", "{:.2f}") for w in args.workers]
                  for n, rs in part["rows"].items()])
+    print_table("(a) where the CPU goes: busy vCPUs / main process's cores / workers' CPU ms per image / "
+                "workers' involuntary switches per image", hdr,
+                [[n] + [_split(rs.get(str(w))) for w in args.workers] for n, rs in part["rows"].items()])
+
+
+def _split(r: dict | None) -> str:
+    if not r or r.get("cores_busy") is None:
+        return "-"
+    wc = r.get("workers_cpu_ms_per_image")
+    sw = (r.get("workers_switches_per_image") or {}).get("involuntary")
+    return (f"{r['cores_busy']:.1f}/{r['main_process_cpu']:.2f}/"
+            f"{'-' if wc is None else f'{wc:.2f}'}/{'-' if sw is None else f'{sw:.2f}'}")
 
 
 def part_b(args, ctx: Ctx, res: dict, save: Callable) -> None:
@@ -800,7 +837,7 @@ def parse(argv=None):
     args = ap.parse_args(argv)
     cuda = torch.cuda.is_available()
     if args.smoke:
-        args.images, args.unique, args.classes, args.mean_kb, args.size = 96, 16, 4, 6.0, 32
+        args.images, args.unique, args.classes, args.mean_kb, args.size = 2400, 16, 4, 6.0, 32
         args.workers, args.batch_size, args.seconds = [1, 2], 8, 0.3
         args.train_workers, args.train_batch_size, args.train_seconds = 2, 8, 0.3
         args.jobs, args.job_workers, args.job_batch_size, args.job_seconds = 2, 1, 8, 0.3

@@ -17,7 +17,9 @@
 # 4. prints nvidia-smi and the versions;
 # 5. runs the CUDA test modules (CUDA_TESTS), going on when they fail;
 # 6. measures decode="device" against the CPU path (device_decode_fidelity.py --device cuda);
-# 7. runs benchmarks/gpu.py (BENCH_ARGS), its JSON beside the report
+# 7. compares fetch threads added on demand with a fixed count at 15
+#    workers on every core (worker_scaling.py, 1,500 synthetic JPEGs);
+# 8. runs benchmarks/gpu.py (BENCH_ARGS), its JSON beside the report
 #    (REPORT with .json) and appended to it.
 #
 # Exit status: 1 when a CUDA test failed or the tests did not run, 3 when
@@ -36,6 +38,8 @@ PYTEST_ARGS=${PYTEST_ARGS:-"-n 4"}
 TEST_TIMEOUT=${TEST_TIMEOUT:-150}
 BENCH_TIMEOUT=${BENCH_TIMEOUT:-300}
 BENCH_ARGS=${BENCH_ARGS:-}
+SCALING_TIMEOUT=${SCALING_TIMEOUT:-50}
+SCALING_WORKERS=${SCALING_WORKERS:-$(( $(nproc) > 2 ? $(nproc) - 1 : 2 ))}
 export PYTHONUNBUFFERED=1
 
 step() { printf '\n==== %s  (%(%H:%M:%S)T)\n' "$*" -1; }
@@ -168,6 +172,18 @@ PY
     timeout -s INT -k 10 60 python3 benchmarks/device_decode_fidelity.py --images 24 --device cuda
   else
     echo "no CUDA device: skipped"
+  fi
+
+  step "workers on every core: fetch threads on demand against 8 fixed (limit ${SCALING_TIMEOUT} s)"
+  if [ "$SCALING_TIMEOUT" -gt 0 ]; then
+    local synth
+    synth=$(mktemp -d)
+    timeout -s INT -k 10 "$SCALING_TIMEOUT" bash -c "
+      python3 -m coordl.synth '$synth/photos' --images 1500 > /dev/null &&
+      python3 benchmarks/worker_scaling.py --root '$synth/photos' --workers $SCALING_WORKERS --rounds 1 --epochs 2"
+    rm -rf "$synth"
+  else
+    echo "skipped (SCALING_TIMEOUT=0)"
   fi
 
   step "benchmarks/gpu.py (limit ${BENCH_TIMEOUT} s)"

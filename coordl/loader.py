@@ -135,12 +135,14 @@ class DataLoader(_TorchDataLoader[_T_co]):
         Byte budget of the fetch stage's read-ahead, all workers together
         (a size as for ``cache_size``; default ``"64MiB"``).
     fetch_threads
-        Fetch threads per worker; default 8 for local files, 16 for URLs
-        read through fsspec (each reads batches of up to 8 objects), 64 for
-        URLs read through obstore (one object each).  Reads per second ~
-        reads in flight / storage latency; for URLs, the requests in flight
-        to one host adapt to what the server sustains
-        (:doc:`/guide/storage`).
+        The most fetch threads per worker; default 8 for local files, 16
+        for URLs read through fsspec (each reads batches of up to 8
+        objects), 64 for URLs read through obstore (one object each).  A
+        worker starts one and adds one each time its prep waits on a read,
+        up to this (a persistent worker keeps the count for its next
+        epoch).  Reads per second ~ reads in flight / storage latency; for
+        URLs, the requests in flight to one host adapt to what the server
+        sustains (:doc:`/guide/storage`).
     share
         Prepare samples once for every job on the node that reads the same
         dataset with the same transforms, seed, shuffle and partition,

@@ -46,6 +46,22 @@ def test_throughput_quick(tmp_path):
     assert "vs torch" in out
 
 
+def test_worker_scaling_tiny(tmp_path):
+    """worker_scaling.py: both modes run and report; ``fixed`` starts every
+    fetch thread, on demand never more."""
+    from coordl import synth
+
+    root = tmp_path / "photos"
+    assert synth.main([str(root), "--images", "160", "--classes", "2", "--size", "96x72"]) == 0
+    out = _script("worker_scaling.py", "--root", str(root), "--workers", "1", "--rounds", "1", "--epochs", "1",
+                  "--fetch-threads", "3", "--batch-size", "8", "--out", str(tmp_path / "ws.json"))
+    runs = json.loads((tmp_path / "ws.json").read_text())["runs"]
+    assert set(runs) == {"adaptive 1", "fixed 1"}, out
+    (a,), (f,) = runs["adaptive 1"], runs["fixed 1"]
+    assert f["fetch_threads"] == 3 and 1 <= a["fetch_threads"] <= 3, out
+    assert a["images_per_s"] > 0 and f["total_ms"] > 0 and f["workers_ms"] > 0, out
+
+
 def test_device_decode_fidelity_quick(tmp_path):
     out = _script("device_decode_fidelity.py", "--quick", "--out", str(tmp_path / "fid.md"))
     text = (tmp_path / "fid.md").read_text()

@@ -130,6 +130,11 @@ def test_gpu_smoke(tmp_path):
                 assert "CUDA" in r["skipped"], r
                 continue
             assert "error" not in r and r["images_per_s"] > 0 and r["images"] > 0 and r["cpu_ms_per_image"] > 0, r
+            # where the CPU went: the workers' share is counted (a loader with workers has them)
+            assert r["cores_busy"] > 0, r
+            if not r["cut_at_epoch_end"]:
+                assert r["worker_processes"] >= (name != "dali"), r
+                assert r["workers_cpu_ms_per_image"] > 0 or name == "dali", r
     b = res["parts"]["b"]
     assert b["ceiling"]["images_per_s"] > 0, b
     assert list(b["rows"]) == names, b
@@ -146,6 +151,6 @@ def test_gpu_smoke(tmp_path):
         assert r["alone"] > 0 and len(r["per_job"]) == c["jobs"] and min(r["per_job"]) > 0, r
     # jobs started together on the same folder did share prep through the node daemon
     assert sum(c["rows"]["coordl share=True"]["shared_samples"]) > 0, c
-    for title in ("(a) images/s on", "(b) ", "(c) "):
+    for title in ("(a) images/s on", "(a) where the CPU goes", "(b) ", "(c) "):
         assert title in text, text
     assert os.listdir(work) == [], "the run's temporary folder was left behind"

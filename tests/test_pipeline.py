@@ -379,6 +379,99 @@ def test_fetcher_does_not_wake_every_thread_per_sample(monkeypatch):
     assert wakeups[0] <= n, f"{wakeups[0]} fetch-thread wake-ups for {n} samples"
 
 
+def test_fetcher_starts_with_start_threads_and_grows_one_per_completed_read():
+    """A fetcher starts ``start_threads`` threads; grow() adds one only after
+    a read completed since the last one was added (the first read of a pass
+    is waited for whatever the count) and never past ``threads``."""
+    import queue
+
+    tokens = threading.Semaphore(0)   # each read waits for one
+
+    def read(i):
+        assert tokens.acquire(timeout=10)
+        return b"r" * 10, "storage"
+
+    def named():
+        return sum(t.name.startswith("grow-test-") and t.is_alive() for t in threading.enumerate())
+
+    q = queue.Queue()
+    f = Fetcher(read, ((None, i) for i in range(40)), q, threads=3, budget_bytes=10**6,
+                name="grow-test", start_threads=1)
+    try:
+        assert f.threads == 1 and named() == 1
+        assert not f.grow()                      # nothing read yet
+        tokens.release()
+        assert q.get(timeout=10).index == 0
+        assert f.grow() and f.threads == 2 and named() == 2
+        assert not f.grow()                      # no read completed since
+        tokens.release()
+        q.get(timeout=10)
+        assert f.grow() and f.threads == 3
+        tokens.release()
+        q.get(timeout=10)
+        assert not f.grow() and f.threads == 3   # at its limit
+        got = 3
+        for _ in range(37):
+            tokens.release()
+        while got < 40:
+            q.get(timeout=10)
+            got += 1
+        assert not f.grow()                      # every read started
+    finally:
+        f.close()
+        for _ in range(8):
+            tokens.release()
+        f.join()
+
+
+class _Sized(TwoStageToy):
+    """64 KiB samples: an epoch is more than the read-ahead budget, so the
+    fetch threads are still there mid-epoch."""
+
+    def raw(self, i):
+        return super().raw(i) + bytes(1 << 16)
+
+
+class _PrepSleeps(_Sized):
+    """Reads from memory; prep takes a while (a decode without the GIL)."""
+
+    def prep(self, raw, i):
+        time.sleep(0.003)
+        return super().prep(raw, i)
+
+
+def _fetch_thread_count(L, num_workers):
+    if num_workers == 0:
+        return sum(t.name.startswith("coordl-fetch") for t in threading.enumerate())
+    return max(sum(n.startswith("coordl-fetch") for n in s["threads"]) for s in L._mode.pool.worker_stats())
+
+
+@pytest.mark.parametrize("num_workers", [0, 1])
+def test_fetch_threads_grow_when_prep_waits_on_reads_and_stay_few_when_reads_keep_up(num_workers):
+    """Fetch threads are added while the prep thread waits on reads (slow
+    storage: up to ``fetch_threads``), and not when reads keep up (a fast
+    read and a slow prep: one thread, which also holds the GIL less)."""
+    kw = dict(batch_size=8, seed=0, num_workers=num_workers, fetch_threads=6, read_ahead="1MiB",
+              persistent_workers=num_workers > 0)
+    slow = DataLoader(_Sized(96, delay=0.01), **kw)
+    fast = DataLoader(_PrepSleeps(96), **kw)
+    counts = {}
+    for name, L in (("slow", slow), ("fast", fast)):
+        it = iter(L)
+        got = [i for x, _ in (next(it) for _ in range(8)) for i in x[:, 0].tolist()]
+        counts[name] = _fetch_thread_count(L, num_workers)
+        got += [i for x, _ in it for i in x[:, 0].tolist()]
+        assert got == list(range(96))
+        del it
+    assert counts["slow"] >= 4, counts
+    assert counts["fast"] == 1, counts
+    if num_workers:   # a persistent worker's next pass starts with what the last one grew to
+        it = iter(slow)
+        next(it)
+        assert _fetch_thread_count(slow, num_workers) >= counts["slow"]
+        del it
+
+
 def test_place_into_a_slot_the_caller_laid_out():
     """The node daemon's member lays out a batch's slot itself (layout and
     targets, as _Builder fields) and then places samples with the engine's

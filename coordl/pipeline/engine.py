@@ -91,6 +91,7 @@ class Engine:
         self.batch_size = batch_size
         self.prefetch = max(1, prefetch)
         self.fetch_threads = fetch_threads
+        self.fetch_start = 1            # threads a pass's fetcher starts with: what the last one grew to
         self.budget = budget_bytes
         self.slots = slots
         self.emit = emit
@@ -129,10 +130,12 @@ class Engine:
         self.consumed: set[int] = set()
         self.builders: dict[int, _Builder] = {}
         self.ready: list = []           # heap of (pos, j, Fetched)
+        self.delivered = 0              # reads of this pass handed to on_fetched
+        self.upto = np.cumsum([0] + [len(ind) for _, ind in self.my]).tolist()  # samples before pos
         order = ((( pass_id, pos, j), i) for pos, (_, ind) in enumerate(self.my)
                  for j, i in enumerate(ind))
         self.fetcher = Fetcher(self._read, order, self.q, threads=self.fetch_threads,
-                               budget_bytes=self.budget, size_of=self._size_of,
+                               start_threads=self.fetch_start, budget_bytes=self.budget, size_of=self._size_of,
                                name=f"coordl-fetch-w{self.worker_id}", read_many=self._read_many)
 
     def _empty_step(self, k: int) -> None:
@@ -148,6 +151,7 @@ class Engine:
 
     def end_pass(self) -> None:
         if self.fetcher is not None:
+            self.fetch_start = self.fetcher.threads
             self.fetcher.close()
             # threads finish their current read; their results are dropped on arrival
             self.fetcher = None
@@ -168,7 +172,25 @@ class Engine:
         pass_id, pos, j = f.key
         if pass_id != self.pass_id or self.fetcher is None:
             return  # stale read of an abandoned pass
+        self.delivered += 1
         heapq.heappush(self.ready, (pos, j, f))
+
+    def next_event(self):
+        """The next event of ``q``, waiting for it.  Before waiting: when a
+        sample inside the window is still being read (fewer reads delivered
+        than the samples up to the window's end), the prep thread is about
+        to wait on storage, so the fetcher gets one more thread
+        (:meth:`Fetcher.grow`, up to ``fetch_threads``)."""
+        try:
+            return self.q.get_nowait()
+        except queue.Empty:
+            pass
+        f = self.fetcher
+        if f is not None:
+            end = min(self.first + self.prefetch, len(self.my))
+            if self.delivered < self.upto[end] and not (self.ready and self.ready[0][0] < end):
+                f.grow()
+        return self.q.get()
 
     def on_consumed(self, k: int) -> None:
         self.consumed.add(k)

@@ -146,7 +146,7 @@ def _worker_main(w: int, num_workers: int, dataset, cfg: dict, ctrl, res, parent
     threading.Thread(target=read_control, name="coordl-control", daemon=True).start()
     try:
         while True:
-            ev = q.get()
+            ev = engine.next_event()
             while True:
                 if type(ev) is tuple:
                     msg = ev[1]
@@ -199,4 +199,5 @@ def _worker_stats(slots, engine) -> dict:
     f = engine.fetcher
     return {"slots": slots.count, "slot_bytes": slots.nbytes, "free_slots": len(slots._free),
             "read_ahead_bytes": f.held_bytes if f is not None else 0,
+            "fetch_threads": f.threads if f is not None else 0,   # started this pass
             "threads": sorted(t.name for t in threading.enumerate())}

@@ -529,7 +529,7 @@ class InlineIter:
                 eng.pump()
                 if k in self._out:
                     break
-                eng.on_fetched(eng.q.get())
+                eng.on_fetched(eng.next_event())
                 while not eng.q.empty():
                     eng.on_fetched(eng.q.get_nowait())
         except BaseException as e:  # not a bad sample (those are emitted): the pass is over
