@@ -139,8 +139,8 @@ class DataLoader(_TorchDataLoader[_T_co]):
         for URLs read through fsspec (each reads batches of up to 8
         objects), 64 for URLs read through obstore (one object each).  A
         worker starts one and adds one each time its prep waits on a read,
-        up to this (a persistent worker keeps the count for its next
-        epoch).  Reads per second ~ reads in flight / storage latency; for
+        up to this (a persistent worker starts its next epoch with half
+        the count).  Reads per second ~ reads in flight / storage latency; for
         URLs, the requests in flight to one host adapt to what the server
         sustains (:doc:`/guide/storage`).
     share

@@ -91,7 +91,7 @@ class Engine:
         self.batch_size = batch_size
         self.prefetch = max(1, prefetch)
         self.fetch_threads = fetch_threads
-        self.fetch_start = 1            # threads a pass's fetcher starts with: what the last one grew to
+        self.fetch_start = 1            # threads a pass's fetcher starts with: half what the last one grew to
         self.budget = budget_bytes
         self.slots = slots
         self.emit = emit
@@ -151,7 +151,9 @@ class Engine:
 
     def end_pass(self) -> None:
         if self.fetcher is not None:
-            self.fetch_start = self.fetcher.threads
+            # half: storage that needed them regrows them within a few reads; a pass that
+            # no longer needs them (a cold first epoch, then the page cache) sheds them
+            self.fetch_start = max(1, self.fetcher.threads // 2)
             self.fetcher.close()
             # threads finish their current read; their results are dropped on arrival
             self.fetcher = None

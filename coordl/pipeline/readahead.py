@@ -15,8 +15,8 @@ Two bounds keep it honest:
 * ``threads``: reads in flight at once, at most: enough to hide storage
   latency (``threads / latency`` reads per second).  A fetcher starts with
   ``start_threads`` and the consumer adds one with :meth:`grow` when it
-  waits on a read it needs; a grown count carries over to the next pass's
-  fetcher (``Engine``).  Threads it does not need cost the prep thread:
+  waits on a read it needs; the next pass's fetcher starts with half the
+  grown count (``Engine``).  Threads it does not need cost the prep thread:
   each one takes the GIL for every read and queue hand-off, and on a
   machine whose cores all run workers a fetch thread preempted while it
   holds the GIL stops its worker's prep thread until it runs again.  With
