@@ -17,6 +17,11 @@ one more row in ``JOB_ROWS`` for part (c)):
   (``coordl.DataLoader``);
 * ``coordl-device``: ``coordl.DataLoader(coordl.ImageFolder(...),
   device="cuda")`` with coordl's transforms;
+* ``coordl-decode-device``: the same with ``decode="device"`` (JPEG decode
+  on the GPU, the default decoder: torchvision's nvJPEG);
+* ``coordl-decode-nvimgcodec``: the same with NVIDIA nvImageCodec decoding
+  (``COORDL_DEVICE_DECODER=nvimgcodec``), at most 4 workers, where
+  ``nvidia.nvimgcodec`` imports (``benchmarks/gpu_wheels.sh --nvimgcodec``);
 * ``dali``: NVIDIA DALI's GPU pipeline (``fn.readers.file`` ->
   ``fn.decoders.image_random_crop(device="mixed")`` -> ``fn.resize`` ->
   ``fn.crop_mirror_normalize`` on the GPU), ``num_threads`` = the worker
@@ -178,6 +183,38 @@ def make_coordl_device(ctx: Ctx, workers: int, batch_size: int, **extra) -> Sour
     return Source(loader)
 
 
+class EnvSource(Source):
+    """A source that runs with ``env`` set (restored at close)."""
+
+    def __init__(self, src: Source, env: dict) -> None:
+        self.src, self.env = src, env
+        super().__init__(src.loader, src.device)
+
+    def epoch(self) -> Iterator:
+        return self.src.epoch()
+
+    def close(self) -> None:
+        try:
+            self.src.close()
+        finally:
+            for k, v in self.env.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+
+
+def make_coordl_nvimgcodec(ctx: Ctx, workers: int, batch_size: int, **extra) -> Source:
+    """decode="device" with NVIDIA nvImageCodec as the GPU's decoder."""
+    saved = {"COORDL_DEVICE_DECODER": os.environ.get("COORDL_DEVICE_DECODER")}
+    os.environ["COORDL_DEVICE_DECODER"] = "nvimgcodec"
+    try:
+        return EnvSource(make_coordl_device(ctx, workers, batch_size, decode="device", **extra), saved)
+    except BaseException:
+        EnvSource(Source(None), saved).close()
+        raise
+
+
 class DaliSource(Source):
     def __init__(self, pipe, it):
         super().__init__(it)
@@ -236,11 +273,25 @@ class Variant:
     describe: str
     unavailable: Callable[[Ctx], str | None] = lambda ctx: None
     max_workers_b: int | None = None     # part (b) runs it with at most this many workers
+    max_workers_a: int | None = None     # part (a) runs it only at worker counts up to this
 
 
 def device_decode_unavailable(ctx: Ctx) -> str | None:
     """decode="device" needs a CUDA device (the CPU stand-in is the tests')."""
     return None if ctx.cuda else f'decode="device" needs a CUDA device (device is {ctx.device})'
+
+
+def nvimgcodec_unavailable(ctx: Ctx) -> str | None:
+    """nvImageCodec's row: a CUDA device and ``nvidia.nvimgcodec`` importable."""
+    why = device_decode_unavailable(ctx)
+    if why:
+        return why
+    try:
+        from nvidia import nvimgcodec  # noqa: F401
+    except Exception as e:  # noqa: BLE001 - absent, or present without its libraries
+        return (f"nvidia.nvimgcodec does not import ({type(e).__name__}: {e}); benchmarks/gpu_wheels.sh "
+                "--nvimgcodec carries it")
+    return None
 
 
 # Rows of parts (a) and (b), in order.  A coordl option is one more entry
@@ -252,6 +303,9 @@ VARIANTS: list[Variant] = [
     Variant("coordl-decode-device", functools.partial(make_coordl_device, decode="device"),
             'coordl.ImageFolder, device="cuda", decode="device" (JPEG decode on the GPU)',
             device_decode_unavailable, max_workers_b=4),
+    Variant("coordl-decode-nvimgcodec", make_coordl_nvimgcodec,
+            'the same, NVIDIA nvImageCodec decoding (COORDL_DEVICE_DECODER=nvimgcodec)',
+            nvimgcodec_unavailable, max_workers_b=4, max_workers_a=4),
     Variant("dali", make_dali, "DALI GPU pipeline (mixed decode)", dali_unavailable),
 ]
 
@@ -513,7 +567,10 @@ def part_a(args, ctx: Ctx, res: dict, save: Callable) -> None:
     print(f"\n(a) images/s delivered on {ctx.device}, batch {args.batch_size}, workers {args.workers}", flush=True)
     for w in args.workers:
         for v in VARIANTS:
-            r = run_variant(ctx, v, w, args.batch_size, args.warmup or w + 2, args.seconds)
+            if v.max_workers_a and w > v.max_workers_a and not v.unavailable(ctx):
+                r = {"skipped": f"measured at up to {v.max_workers_a} workers"}
+            else:
+                r = run_variant(ctx, v, w, args.batch_size, args.warmup or w + 2, args.seconds)
             part["rows"].setdefault(v.name, {})[str(w)] = r
             why = r.get("error") or r.get("skipped")
             print(f"  {v.name:<16} {w:>2} workers  " + (why.splitlines()[0] if why else

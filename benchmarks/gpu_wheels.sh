@@ -4,12 +4,19 @@
 #
 #   benchmarks/gpu_wheels.sh            # .whl/: coordl's requirements missing there (simplejpeg)
 #   benchmarks/gpu_wheels.sh --dali     # also .dali/: NVIDIA DALI and its requirements, in parts
+#   benchmarks/gpu_wheels.sh --nvimgcodec  # also NVIDIA nvImageCodec and nvJPEG into .whl/ (~29 MiB)
 #
 # The GPU machine has Python 3.12, torch (CUDA 13), torchvision, numpy,
 # pillow, psutil and pytest; every other name in setup.cfg's
 # install_requires is downloaded as a cp312 manylinux x86_64 wheel into
 # WHEELS (default .whl/; an older wheel of the same package there is removed
 # first: two versions of one package stop the install there).
+#
+# --nvimgcodec: nvImageCodec's CUDA 13 wheel and nvJPEG's (the libraries its
+# JPEG decoder loads) into WHEELS, so that a run without the DALI parts
+# (which hold both) also measures decode="device" with nvImageCodec, the
+# GPU's hardware JPEG decoder where it has one.  Not with --dali: the last
+# call carries WHEELS beside a DALI part, and both must fit in 64 MiB.
 #
 # --dali: DALI's CUDA 13 wheel (~190 MiB) and the requirements the machine
 # lacks (~67 MiB) go into one tar, split into parts of PART_MIB (default 56)
@@ -34,14 +41,22 @@ DALI_REQUIRES="nvidia-libnvcomp-cu13==5.3.0.16 nvidia-nvimgcodec-cu13==0.9.0.20 
   nvidia-nvjpeg2k-cu13==0.11.0.51 nvidia-nvtiff-cu13==0.8.0.82 astunparse==1.6.3 gast==0.7.0 libcst==1.9.0
   makefun==1.16.0 nvtx==0.2.17 optree==0.20.0"
 
+NVIMGCODEC="nvidia-nvimgcodec-cu13==0.9.0.20 nvidia-nvjpeg==13.3.2.43"
+
 with_dali=0
+with_nvimgcodec=0
 for a in "$@"; do
   case "$a" in
     --dali) with_dali=1 ;;
+    --nvimgcodec) with_nvimgcodec=1 ;;
     -h|--help) awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0"; exit 0 ;;
-    *) echo "gpu_wheels.sh: unknown argument $a (expected --dali)" >&2; exit 2 ;;
+    *) echo "gpu_wheels.sh: unknown argument $a (expected --dali or --nvimgcodec)" >&2; exit 2 ;;
   esac
 done
+if [ "$with_dali" = 1 ] && [ "$with_nvimgcodec" = 1 ]; then
+  echo "gpu_wheels.sh: --nvimgcodec is for a run without DALI (its parts hold nvImageCodec already)" >&2
+  exit 2
+fi
 
 download() {  # DIR SPEC...
   local dir=$1; shift
@@ -63,6 +78,10 @@ for line in cfg["options"]["install_requires"].splitlines():
         print(line)
 PY
 )
+if [ "$with_nvimgcodec" = 1 ]; then
+  # shellcheck disable=SC2206
+  needed+=($NVIMGCODEC)
+fi
 mkdir -p "$WHEELS"
 # an older wheel of the same package would make two versions there
 python3 - "$WHEELS" "${needed[@]}" <<'PY'

@@ -117,7 +117,7 @@ def test_gpu_smoke(tmp_path):
     if not dali["ran"]:
         assert "(d) DALI: skipped: " in text
     a = res["parts"]["a"]
-    names = ["torch", "coordl-import", "coordl-device", "coordl-decode-device", "dali"]
+    names = ["torch", "coordl-import", "coordl-device", "coordl-decode-device", "coordl-decode-nvimgcodec", "dali"]
     cuda = "cuda" in res["machine"]["device"]
     assert list(a["rows"]) == names, a
     for name, by_workers in a["rows"].items():
@@ -126,7 +126,7 @@ def test_gpu_smoke(tmp_path):
             if name == "dali" and not dali["ran"]:
                 assert r == {"skipped": dali["skipped"]}
                 continue
-            if name == "coordl-decode-device" and not cuda:
+            if name.startswith("coordl-decode-") and not cuda:
                 assert "CUDA" in r["skipped"], r
                 continue
             assert "error" not in r and r["images_per_s"] > 0 and r["images"] > 0 and r["cpu_ms_per_image"] > 0, r
@@ -138,9 +138,9 @@ def test_gpu_smoke(tmp_path):
     b = res["parts"]["b"]
     assert b["ceiling"]["images_per_s"] > 0, b
     assert list(b["rows"]) == names, b
-    assert b["rows"]["coordl-decode-device"]["workers"] <= 4
+    assert b["rows"]["coordl-decode-device"]["workers"] <= 4 and b["rows"]["coordl-decode-nvimgcodec"]["workers"] <= 4
     for name, r in b["rows"].items():
-        if (name == "dali" and not dali["ran"]) or (name == "coordl-decode-device" and not cuda):
+        if (name == "dali" and not dali["ran"]) or (name.startswith("coordl-decode-") and not cuda):
             continue
         assert "error" not in r and r["images_per_s"] > 0
         assert r["of_ceiling"] == pytest.approx(r["images_per_s"] / b["ceiling"]["images_per_s"], abs=1e-3)
