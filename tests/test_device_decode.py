@@ -520,6 +520,49 @@ def test_the_cuda_decoder_is_named_when_missing(monkeypatch):
         DD.decoder_for(torch.device("cuda"))
 
 
+def _nvimgcodec():
+    try:
+        from nvidia import nvimgcodec  # noqa: F401
+    except Exception as e:  # noqa: BLE001 - absent, or present without its libraries
+        pytest.skip(f"nvidia.nvimgcodec does not import here ({type(e).__name__})")
+
+
+def test_nvimgcodecs_calls_decode_what_libjpeg_decodes(photos):
+    """nvImageCodec's decoder through the calls the GPU makes (its CPU
+    backend stands in where nvImageCodec is installed without a GPU):
+    interleaved RGB in (3, H, W) with libjpeg's interpolated chroma, as the
+    stand-in with ``fancy_upsampling``; a stream it cannot read is an error
+    in its place, the others decode."""
+    _nvimgcodec()
+    dev = torch.device("cpu")
+    nv, host = DD.NvImageCodecDecoder(dev), DD.HostDecoder(dev, fancy_upsampling=True)
+    streams = [torch.from_numpy(np.fromfile(f, dtype=np.uint8)) for f in _files(photos)[:6]]
+    streams.insert(2, torch.frombuffer(bytearray(b"not a jpeg" * 20), dtype=torch.uint8))
+    got, want = nv.decode(streams), host.decode(streams)
+    nv.finish()
+    assert isinstance(got[2], Exception) and isinstance(want[2], Exception)
+    for i, (a, b) in enumerate(zip(got, want)):
+        if i == 2:
+            continue
+        assert a.dtype == torch.uint8 and a.shape == b.shape and a.shape[0] == 3, (i, a.shape, b.shape)
+        assert int((a.int() - b.int()).abs().max()) <= 1, i
+
+
+def test_the_stage_with_nvimgcodec_gives_the_cpu_paths_images(photos, cpu_device, monkeypatch):
+    """The whole decode="device" stage with nvImageCodec as its decoder
+    (its CPU backend here): the CPU path's images to the resize's rounding."""
+    _nvimgcodec()
+    monkeypatch.setattr(DD, "decoder_for", lambda dev: DD.NvImageCodecDecoder(dev))
+    ds = coordl.ImageFolder(photos, T.Compose([T.RandomResizedCrop(20), T.RandomHorizontalFlip(), T.ToTensor(), NORM]))
+    cpu, dev, L = _pairs(ds)
+    assert len(cpu) == len(dev) == 5
+    for (a, y), (b, y2) in zip(cpu, dev):
+        assert torch.equal(y, y2) and a.shape == b.shape
+        assert float(_levels(a, b).max()) <= 1 + 1e-3
+    st = L.stats()
+    assert st.device_decode.startswith("nvImageCodec") and st.device_decode_images == len(ds)
+
+
 # ---------------------------------------------------------------- torchvision
 @pytest.fixture(scope="module")
 def tv():

@@ -125,12 +125,14 @@ class TorchvisionDecoder:
 
 
 class NvImageCodecDecoder:
-    """NVIDIA nvImageCodec's batched decode (``nvidia.nvimgcodec``): RGB,
-    8 bits, no EXIF rotation (PIL's decode does not rotate either),
-    libjpeg's interpolated chroma upsampling; a stream it cannot decode
-    comes back as None.  Its images own device memory of their own: the
-    stage's work on them is queued on the current stream, which is waited
-    for (:meth:`finish`) before they are released."""
+    """NVIDIA nvImageCodec's batched decode (``nvidia.nvimgcodec``): sRGB,
+    interleaved RGB, 8 bits, no EXIF rotation (PIL's decode does not rotate
+    either), libjpeg's interpolated chroma upsampling; a stream it cannot
+    decode comes back as None.  Its images own device memory of their own:
+    the stage's work on them is queued on the current stream, which is
+    waited for (:meth:`finish`) before they are released.  On a CPU device
+    it runs nvImageCodec's CPU backend (libjpeg-turbo): the same calls,
+    so that they are checked where nvImageCodec is installed without a GPU."""
 
     name = "nvImageCodec"
 
@@ -138,28 +140,48 @@ class NvImageCodecDecoder:
         from nvidia import nvimgcodec
 
         self.device = device
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        self._dec = nvimgcodec.Decoder(device_id=index, options=":fancy_upsampling=1")
-        self._params = nvimgcodec.DecodeParams(apply_exif_orientation=False, color_spec=nvimgcodec.ColorSpec.RGB,
-                                               allow_any_depth=False)
+        self._cuda = device.type == "cuda"
+        if self._cuda:
+            index = device.index if device.index is not None else torch.cuda.current_device()
+            self._dec = nvimgcodec.Decoder(device_id=index, options=":fancy_upsampling=1")
+        else:
+            self._dec = nvimgcodec.Decoder(device_id=nvimgcodec.NVIMGCODEC_DEVICE_CPU_ONLY,
+                                           backends=[nvimgcodec.Backend(nvimgcodec.BackendKind.CPU_ONLY)],
+                                           options=":fancy_upsampling=1")
+        self._params = _rgb_params(nvimgcodec)
         self._held: list = []
 
     def decode(self, streams: list) -> list:
-        stream = torch.cuda.current_stream(self.device).cuda_stream
-        images = self._dec.decode([s.numpy() for s in streams], params=self._params, cuda_stream=stream)
+        kw = {"cuda_stream": torch.cuda.current_stream(self.device).cuda_stream} if self._cuda else {}
+        images = self._dec.decode([s.numpy() for s in streams], params=self._params, **kw)
         self._held.extend(images)
         out = []
         for img in images:
             if img is None:
                 out.append(RuntimeError("nvImageCodec could not decode this image"))
-            else:
+            elif self._cuda:
                 out.append(torch.as_tensor(img, device=self.device).permute(2, 0, 1))
+            else:
+                out.append(torch.from_numpy(np.asarray(img)).permute(2, 0, 1))
         return out
 
     def finish(self) -> None:
         if self._held:
-            torch.cuda.current_stream(self.device).synchronize()
+            if self._cuda:
+                torch.cuda.current_stream(self.device).synchronize()
             self._held = []
+
+
+def _rgb_params(nvimgcodec):
+    """DecodeParams for interleaved 8-bit RGB without EXIF rotation.  The
+    0.5+ API names the colour space sRGB and the layout apart
+    (``sample_format=I_RGB``); older releases had ``ColorSpec.RGB``."""
+    srgb = getattr(nvimgcodec.ColorSpec, "SRGB", None)
+    if srgb is not None and hasattr(nvimgcodec, "SampleFormat"):
+        return nvimgcodec.DecodeParams(apply_exif_orientation=False, color_spec=srgb, allow_any_depth=False,
+                                       sample_format=nvimgcodec.SampleFormat.I_RGB)
+    return nvimgcodec.DecodeParams(apply_exif_orientation=False, color_spec=nvimgcodec.ColorSpec.RGB,
+                                   allow_any_depth=False)
 
 
 def decoder_for(device: torch.device):
