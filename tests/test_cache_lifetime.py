@@ -604,3 +604,33 @@ def test_directory_created_and_removed_concurrently_keeps_the_lock_exclusive(tmp
     r = run_in_child(_CHURN, timeout=120)
     assert r.returncode == 0 and "exit codes [0, 0, 0]" in r.stdout, r.stdout + r.stderr[-3000:]
     assert os.listdir(shm) == []
+
+
+def test_a_child_forked_while_the_directory_lock_is_held_does_not_keep_it():
+    """A worker forked by the main thread while another thread (the reaper
+    detaching a cache) held the directory lock, before the fork hook knew
+    its descriptor, inherited the lock's open file description; the holder
+    released the lock by closing its descriptor, which leaves the lock held
+    while the child lives: every attach and detach on the node then waited
+    on it (a job hung at exit for minutes).  The lock is released
+    explicitly, so the child's copy holds nothing."""
+    out = run_in_child(textwrap.dedent("""
+        import fcntl, os, time
+        from coordl.cache import directory as d
+
+        with d._DirLock() as dfd:
+            held, d._dir_fd = d._dir_fd, -1     # the fork hook does not know it yet
+            pid = os.fork()
+            if pid == 0:
+                time.sleep(10)                  # a worker that keeps running
+                os._exit(0)
+            d._dir_fd = held
+            fd = os.open(os.path.join(d.user_dir(), d.LOCK_NAME), os.O_RDWR)   # a description of our own
+        try:
+            print("FREE", d._try_flock(fd, fcntl.LOCK_EX))
+        finally:
+            os.close(fd)
+            os.kill(pid, 9)
+            os.waitpid(pid, 0)
+    """), timeout=60)
+    assert "FREE True" in out.stdout, out.stdout + out.stderr

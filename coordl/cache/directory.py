@@ -160,7 +160,7 @@ class _DirLock:
                 if _still_current(dfd, fd):
                     _dir_fd = fd
                     break
-                os.close(fd)
+                _unlock_and_close(fd)
                 os.close(dfd)
             else:
                 raise RuntimeError(f"coordl node cache: {user_dir()} keeps being removed and re-created")
@@ -180,7 +180,7 @@ class _DirLock:
                 try:
                     _remove_if_empty(self.dfd, fd)
                 finally:
-                    os.close(fd)  # releases the flock
+                    _unlock_and_close(fd)
         finally:
             os.close(self.dfd)
             _DIR_RLOCK.release()
@@ -225,6 +225,18 @@ def _remove_if_empty(dfd: int, lock_fd: int) -> None:
 _DIR_RLOCK = threading.RLock()
 _dir_depth = 0
 _dir_fd = -1
+
+
+def _unlock_and_close(fd: int) -> None:
+    """Release a flock, then close its descriptor.  Closing alone releases
+    it only once every descriptor of its open file description is closed:
+    a child forked by another thread while this one held the lock (before
+    the fork hook could know the descriptor) would keep it for as long as
+    it lives, and every other process would wait on it."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+    finally:
+        os.close(fd)
 
 
 def _try_flock(fd: int, kind: int) -> bool:

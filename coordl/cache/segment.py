@@ -40,7 +40,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from .directory import (
-    _check_stat, _fix_hint, _try_flock, _unlink_if_same, CacheSecurityError, shm_free_bytes, shm_root,
+    _check_stat, _fix_hint, _try_flock, _unlock_and_close, _unlink_if_same, CacheSecurityError, shm_free_bytes,
+    shm_root,
     user_dir,
 )
 
@@ -116,7 +117,7 @@ def _idle(fd: int) -> bool:
     try:
         return _try_flock(t, fcntl.LOCK_EX)
     finally:
-        os.close(t)
+        _unlock_and_close(t)   # never left held by a child forked meanwhile
 
 
 def _header(mm) -> np.ndarray:
