@@ -183,36 +183,18 @@ def make_coordl_device(ctx: Ctx, workers: int, batch_size: int, **extra) -> Sour
     return Source(loader)
 
 
-class EnvSource(Source):
-    """A source that runs with ``env`` set (restored at close)."""
-
-    def __init__(self, src: Source, env: dict) -> None:
-        self.src, self.env = src, env
-        super().__init__(src.loader, src.device)
-
-    def epoch(self) -> Iterator:
-        return self.src.epoch()
-
-    def close(self) -> None:
-        try:
-            self.src.close()
-        finally:
-            for k, v in self.env.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
-
-
 def make_coordl_nvimgcodec(ctx: Ctx, workers: int, batch_size: int, **extra) -> Source:
-    """decode="device" with NVIDIA nvImageCodec as the GPU's decoder."""
-    saved = {"COORDL_DEVICE_DECODER": os.environ.get("COORDL_DEVICE_DECODER")}
+    """decode="device" with NVIDIA nvImageCodec as the GPU's decoder (a
+    loader picks its decoder from COORDL_DEVICE_DECODER when it is made)."""
+    saved = os.environ.get("COORDL_DEVICE_DECODER")
     os.environ["COORDL_DEVICE_DECODER"] = "nvimgcodec"
     try:
-        return EnvSource(make_coordl_device(ctx, workers, batch_size, decode="device", **extra), saved)
-    except BaseException:
-        EnvSource(Source(None), saved).close()
-        raise
+        return make_coordl_device(ctx, workers, batch_size, decode="device", **extra)
+    finally:
+        if saved is None:
+            os.environ.pop("COORDL_DEVICE_DECODER", None)
+        else:
+            os.environ["COORDL_DEVICE_DECODER"] = saved
 
 
 class DaliSource(Source):
