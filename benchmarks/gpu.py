@@ -746,7 +746,7 @@ def part_d(args, ctx: Ctx, res: dict, save: Callable) -> None:
 def job_main(args) -> int:
     ctx = Ctx(root=args.root, device=torch.device(args.device), size=args.size)
     if ctx.cuda:
-        torch.cuda.set_device(ctx.device)
+        torch.cuda.set_device(cuda_index(ctx.device))
         torch.backends.cudnn.benchmark = True
     step = make_step(ctx, args.model)
     workers = args.job_workers
@@ -790,6 +790,12 @@ def _version(module: str) -> str | None:
         return version(module)
     except Exception:  # noqa: BLE001
         return None
+
+
+def cuda_index(device: torch.device) -> int:
+    """The index `torch.cuda.set_device` needs: it refuses a device without
+    one ("cuda"), which means the first device here."""
+    return 0 if device.index is None else device.index
 
 
 def machine_facts(ctx: Ctx) -> dict:
@@ -929,7 +935,7 @@ def main(argv=None) -> int:
             res["data"] = {"root": args.root}
         ctx = Ctx(root=args.root, device=device, size=args.size)
         if ctx.cuda:
-            torch.cuda.set_device(device)
+            torch.cuda.set_device(cuda_index(device))
         res["machine"] = machine_facts(ctx)
         print("machine: " + ", ".join(f"{k} {v}" for k, v in res["machine"].items()), flush=True)
         save()

@@ -154,3 +154,23 @@ def test_gpu_smoke(tmp_path):
     for title in ("(a) images/s on", "(a) where the CPU goes", "(b) ", "(c) "):
         assert title in text, text
     assert os.listdir(work) == [], "the run's temporary folder was left behind"
+
+
+def test_gpu_script_gives_set_device_an_index():
+    """`torch.cuda.set_device` refuses torch.device("cuda") (no index), which
+    gpu.py's main process and its part (c) jobs both passed it on a GPU."""
+    import importlib.util
+    import torch
+    spec = importlib.util.spec_from_file_location(
+        "_gpu_bench", os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "gpu.py"))
+    gpu = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = gpu  # its dataclasses look their module up
+    try:
+        spec.loader.exec_module(gpu)
+    finally:
+        del sys.modules[spec.name]
+    assert gpu.cuda_index(torch.device("cuda")) == 0
+    assert gpu.cuda_index(torch.device("cuda", 1)) == 1
+    with open(spec.origin) as f:
+        src = f.read()
+    assert "set_device(device)" not in src and "set_device(ctx.device)" not in src
