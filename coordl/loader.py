@@ -744,14 +744,37 @@ class DataLoader(_TorchDataLoader[_T_co]):
             self._counters.device_decode = stage.note()
         return split
 
-    def _stage_envelope(self, env, note: str):
-        """In the pin thread: start the copy of ``env``'s batch to the device
-        (with ``decode="device"``, decode its images there first)."""
+    def _decode_envelope(self, env, note: str):
+        """With workers and ``decode="device"``, in the decode thread (one
+        batch ahead of the pin thread): decode ``env``'s images on the
+        device; the pin thread's :meth:`_stage_envelope` finishes them."""
         if env.batch is not None and getattr(env.stats, "device_blob", None) is not None:
             from .errors import SampleError
 
+            st = self._device_delivery().streams
             try:
-                env.batch = self._decode_stage.stage(self._device_delivery(), env)
+                with st.use(st.copy_stream()):
+                    env.batch = self._decode_stage.decode(env.batch, env.stats, env.step)
+            except SampleError:
+                raise           # a sample's error: that batch fails, the pass goes on (tagged with its step)
+            except Exception as e:
+                raise RuntimeError(f"decoding {note} on {self._device} failed ({type(e).__name__}: {e})") from e
+        return env
+
+    def _stage_envelope(self, env, note: str):
+        """In the pin thread: start the copy of ``env``'s batch to the device
+        (with ``decode="device"``, decode its images there first, or finish
+        those the decode thread decoded)."""
+        stats = env.stats
+        if getattr(stats, "device_pending", None) is not None or (
+                env.batch is not None and getattr(stats, "device_blob", None) is not None):
+            from .errors import SampleError
+
+            try:
+                if stats.device_pending is not None:
+                    env.batch = self._decode_stage.stage_decoded(self._device_delivery(), env)
+                else:
+                    env.batch = self._decode_stage.stage(self._device_delivery(), env)
             except SampleError:
                 raise           # a sample's error: that batch fails, the pass goes on (tagged with its step)
             except Exception as e:

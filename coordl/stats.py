@@ -24,7 +24,7 @@ class BatchStats:
 
     __slots__ = ("samples", "bytes_storage", "from_cache", "bytes_cache", "fetch_s", "prep_s", "skips",
                  "shared", "from_peers", "bytes_peers", "device_marks", "device_cpu", "decoded_device",
-                 "decoded_cpu", "device_blob", "zero_copy")
+                 "decoded_cpu", "device_blob", "zero_copy", "device_pending")
 
     def __init__(self) -> None:
         self.samples = 0            # samples prepared into the batch
@@ -43,6 +43,7 @@ class BatchStats:
         self.decoded_cpu = 0        # ... decoded on the CPU (a worker's CPU path, or the main process's fallback)
         self.device_blob = None     # ... (slot, total bytes, offsets) of the bytes the device decodes (not summed)
         self.zero_copy = 0          # 1: the batch is a view of the node daemon's staging (share=True), no copy
+        self.device_pending = None  # decode="device": the decoded images awaiting their geometry (main process only)
 
     def record_read(self, source: str, nbytes: int) -> None:
         if source == "cache":
@@ -62,7 +63,8 @@ class BatchStats:
         self.skips += other.skips
 
     def __getstate__(self):
-        return tuple(getattr(self, k) for k in self.__slots__)
+        # (device_pending holds device tensors of the main process: never sent)
+        return tuple(None if k == "device_pending" else getattr(self, k) for k in self.__slots__)
 
     def __setstate__(self, st) -> None:
         self.__init__()             # fields a sender of another version did not have keep their defaults

@@ -609,14 +609,23 @@ def test_chunks_bound_the_decoded_bytes_of_one_call(photos, cpu_device, monkeypa
             return super().decode(streams)
 
     monkeypatch.setattr(DD, "decoder_for", lambda dev: Counting(dev))
+
+    def epoch():
+        return list(coordl.DataLoader(ds, batch_size=8, seed=2, device="cpu", decode="device", drop_last=True))
+
+    whole = epoch()
+    assert calls == [8, 8]
+    calls.clear()
     monkeypatch.setattr(DD, "BUDGET", 3 * 96 * 72 * 3)       # three of these images
-    L = coordl.DataLoader(ds, batch_size=8, device="cpu", decode="device", drop_last=True)
-    list(L)
+    got = epoch()
     assert calls == [3, 3, 2, 3, 3, 2]
     monkeypatch.setattr(DD, "BUDGET", 1)
     calls.clear()
-    list(L)
+    got1 = epoch()
     assert calls == [1] * 16
+    # the same images whether the geometry ran chunk by chunk or after the last chunk
+    for (a, y), (b, y2), (c, y3) in zip(whole, got, got1):
+        assert torch.equal(a, b) and torch.equal(a, c) and torch.equal(y, y2) and torch.equal(y, y3)
 
 
 def test_the_plan_draws_exactly_what_decode_and_apply_draws():
@@ -639,3 +648,69 @@ def test_the_plan_draws_exactly_what_decode_and_apply_draws():
             for t in tf.transforms[:-1]:
                 img = t(img)
         assert g1.random() == g2.random(), (trial, tf)
+
+
+def test_the_next_batch_is_decoded_while_this_ones_images_are_finished(photos, cpu_device, monkeypatch):
+    """With workers, the decode of batch k+1 (the decoder waits for the GPU
+    without the GIL) runs in a thread of its own while the pin thread
+    finishes batch k (geometry, conversion, copy): the decoder is called for
+    the next batch while the first batch's finish is held back.  The batches
+    are those of the loader without workers, in order."""
+    import threading
+
+    ds = coordl.ImageFolder(photos, _rrc(16))
+    kw = dict(batch_size=4, seed=5, shuffle=True, device="cpu", decode="device")
+    want = list(coordl.DataLoader(ds, **kw))
+    decoded, waiting = threading.Event(), threading.Event()
+    where = {"decode": set(), "finish": set()}
+    overlapped = []
+    real_finish = DD.DecodeStage.finish
+
+    class Watching(DD.HostDecoder):
+        def decode(self, streams):
+            where["decode"].add(threading.current_thread().name)
+            if waiting.is_set():         # the first batch's finish is waiting: this is a later batch
+                decoded.set()
+            return super().decode(streams)
+
+    def finish(self, pending):
+        where["finish"].add(threading.current_thread().name)
+        if not waiting.is_set():
+            waiting.set()
+            overlapped.append(decoded.wait(30))
+        return real_finish(self, pending)
+
+    monkeypatch.setattr(DD, "decoder_for", lambda dev: Watching(dev))
+    monkeypatch.setattr(DD.DecodeStage, "finish", finish)
+    got = list(coordl.DataLoader(ds, num_workers=2, **kw))
+    assert overlapped == [True]
+    assert where == {"decode": {"coordl-device-decode"}, "finish": {"coordl-pin-memory"}}
+    assert len(got) == len(want)
+    for (a, y), (b, y2) in zip(got, want):
+        assert torch.equal(a, b) and torch.equal(y, y2)
+
+
+def test_what_a_decoders_images_hold_is_kept_until_the_work_on_them_ran():
+    """nvImageCodec's images own device memory outside torch's allocator:
+    the stage keeps what the decoder hands over until the staged batch's
+    event completes, and lets go of it then (no host wait)."""
+    stage = DD.DecodeStage.__new__(DD.DecodeStage)
+    stage._retired = collections.deque()
+    streams = D.HostStreams(auto=False)
+    first, second = streams.event(), streams.event()
+    first.record()
+    second.record()
+    a, b = ["images of batch 1"], ["images of batch 2"]
+    stage._retire(first, a)
+    stage._retire(second, b)
+    assert [h for _, h in stage._retired] == [a, b]
+    first.complete()
+    third = streams.event()
+    third.record()
+    c = ["images of batch 3"]
+    stage._retire(third, c)
+    assert [h for _, h in stage._retired] == [b, c]
+    second.complete()
+    third.complete()
+    stage._retire(third, [])
+    assert list(stage._retired) == []

@@ -280,17 +280,17 @@ def test_spawned_and_forkserver_workers_get_no_device_state(photos, tmp_path):
 _DECODE = '''
 from coordl.device import decode as DD
 
-real_run = DD.DecodeStage.run
+real_finish = DD.DecodeStage.finish
 
 
-def run(self, batch, stats, step=None):
-    batch, images = real_run(self, batch, stats, step)
+def finish(self, pending):
+    images = real_finish(self, pending)
     for t in images.values():
         probe(t, "image decoded on the device")
-    return batch, images
+    return images
 
 
-DD.DecodeStage.run = run
+DD.DecodeStage.finish = finish
 '''
 
 

@@ -35,6 +35,7 @@ same stage, inputs and parameters run in CI.
 """
 from __future__ import annotations
 
+import collections
 import logging
 import os
 from collections import abc
@@ -89,6 +90,9 @@ class HostDecoder:
     def finish(self) -> None:
         pass
 
+    def release(self) -> list:
+        return []     # its images are torch's: the caching allocator orders their reuse
+
 
 class TorchvisionDecoder:
     """``torchvision.io.decode_jpeg(list, mode=RGB, device=...)``: one
@@ -122,6 +126,9 @@ class TorchvisionDecoder:
 
     def finish(self) -> None:
         pass
+
+    def release(self) -> list:
+        return []     # torch's tensors, made on the caller's stream: their reuse is stream-ordered
 
 
 class NvImageCodecDecoder:
@@ -166,10 +173,22 @@ class NvImageCodecDecoder:
         return out
 
     def finish(self) -> None:
+        """Wait for the work queued on the current stream, then let go of
+        the images decoded since the last call."""
         if self._held:
-            if self._cuda:
-                torch.cuda.current_stream(self.device).synchronize()
+            self.finish_held(self._held)
             self._held = []
+
+    def release(self) -> list:
+        """Hand over the images decoded since the last call, without
+        waiting: the caller keeps them until the work queued on them has run
+        (:meth:`DecodeStage.stage_decoded`, or :meth:`finish_held`)."""
+        held, self._held = self._held, []
+        return held
+
+    def finish_held(self, held: list) -> None:
+        if held and self._cuda:
+            torch.cuda.current_stream(self.device).synchronize()
 
 
 def _rgb_params(nvimgcodec):
@@ -222,27 +241,29 @@ class DecodeStage:
         self.on_error = on_error
         self.describe = describe
         self.tail = DeviceTail(plan.normalizes) if plan.to_float else None
+        self._retired: collections.deque = collections.deque()   # (event, what the decoder's images hold)
 
     def note(self) -> str:
         return f"{self.decoder.name} on {self.device}: {self.plan.describe()}"
 
     def stage(self, delivery, env):
-        """Decode ``env``'s batch on the delivery's copy stream, then start
-        the copy of the rest through the ring: a ``Staged`` batch, or None
-        when every sample of it was skipped."""
+        """Both halves in the calling thread (``num_workers=0``): decode
+        ``env``'s batch, then :meth:`stage_decoded`."""
         st = delivery.streams
         with st.use(st.copy_stream()):
-            batch, images = self.run(env.batch, env.stats, env.step)
-        if batch is None:
-            return None
-        return delivery.stage(batch, (), replace=images)
+            env.batch = self.decode(env.batch, env.stats, env.step)
+        return self.stage_decoded(delivery, env)
 
-    def run(self, batch, stats, step=None):
-        """``(batch, {path: images})``: the batch with the rows of skipped
-        samples removed (None when none is left), and the images that take
-        the records' places (on the device, converted).  Counts into
-        ``stats``; a sample that cannot be decoded raises its
-        ``SampleError`` (tagged with ``step``) or is skipped."""
+    def decode(self, batch, stats, step=None):
+        """The first half (the decode thread with workers), on the current
+        stream (the delivery's copy stream): decode the batch's JPEGs, fall
+        back to the CPU for those the decoder rejects, resolve the samples
+        neither can read (raise or skip), copy the rows the workers prepared.
+        Returns the batch (skipped rows removed; None when none is left) and
+        leaves the decoded images in ``stats.device_pending`` for
+        :meth:`stage_decoded`.  A batch of several chunks (``BUDGET``) has
+        the geometry of all but its last chunk done here, so that no more
+        than one chunk of full-size images waits."""
         blob, _, offsets = stats.device_blob
         stats.device_blob = None       # the slot goes back to its worker once the stage lets go of it
         paths = tuple(stats.device_marks)
@@ -252,7 +273,14 @@ class DecodeStage:
         errors: dict = {}
         on_device = on_cpu = 0
         todo = [(r, k) for r in range(n) for k in range(m) if records[k][r][KIND] == ON_DEVICE]
-        for chunk in _chunks(todo, records):
+        chunks = list(_chunks(todo, records))
+        # the last chunk's geometry waits for the second half when the
+        # decoder can hand over what its images hold (see _Pending)
+        release = getattr(self.decoder, "release", None)
+        raw: list = []
+        held: list = []
+        for c, chunk in enumerate(chunks):
+            defer = release is not None and c == len(chunks) - 1
             streams = [_bytes(blob, offsets[r * m + k]) for r, k in chunk]
             got = self.decoder.decode(streams)
             for (r, k), img, data in zip(chunk, got, streams):
@@ -267,8 +295,15 @@ class DecodeStage:
                     on_cpu += 1
                 else:
                     on_device += 1
-                out[k][r] = self._geometry(img, records[k][r])
-            self.decoder.finish()
+                self._check(img, records[k][r])
+                if defer:
+                    raw.append((k, r, img))
+                else:
+                    out[k][r] = self._geometry(img, records[k][r])
+            if defer:
+                held = release()
+            else:
+                self.decoder.finish()
         oh, ow = self.plan.size
         for r in range(n):
             for k in range(m):
@@ -280,14 +315,62 @@ class DecodeStage:
         stats.decoded_device += on_device
         stats.decoded_cpu += on_cpu
         if not keep:
-            return None, {}
+            return None
+        stats.device_pending = _Pending(paths, records, out, raw, held, keep)
+        return _rows(batch, keep, n) if len(keep) < n else batch
+
+    def finish(self, pending: "_Pending") -> dict:
+        """The second half's device work, on the current stream (the copy
+        stream): the geometry of the images the first half left, then each
+        path's images stacked, rounded and converted: ``{path: images}``."""
+        out, records = pending.out, pending.records
+        for k, r, img in pending.raw:
+            out[k][r] = self._geometry(img, records[k][r])
         images = {}
-        for k, path in enumerate(paths):
-            y = torch.stack([out[k][r] for r in keep]).round_().clamp_(0, 255).to(torch.uint8)
+        for k, path in enumerate(pending.paths):
+            y = torch.stack([out[k][r] for r in pending.keep]).round_().clamp_(0, 255).to(torch.uint8)
             images[path] = self.tail(y) if self.tail is not None else y
-        if len(keep) < n:
-            batch = _rows(batch, keep, n)
+        return images
+
+    def stage_decoded(self, delivery, env):
+        """The second half (the pin thread with workers): finish the images
+        the first half decoded, on the delivery's copy stream, then start
+        the copy of the rest through the ring: a ``Staged`` batch, or None
+        when every sample of it was skipped.  What the decoder's images hold
+        (nvImageCodec's own device memory) is kept until the staged batch's
+        event says the work on them has run."""
+        pending, env.stats.device_pending = env.stats.device_pending, None
+        if env.batch is None or pending is None:
+            return None
+        st = delivery.streams
+        with st.use(st.copy_stream()):
+            images = self.finish(pending)
+        staged = delivery.stage(env.batch, (), replace=images)
+        if pending.held:
+            self._retire(staged.event, pending.held)
+        return staged
+
+    def run(self, batch, stats, step=None):
+        """Both halves' device work in the calling thread, on the current
+        stream: ``(batch, {path: images})``, the batch with the rows of
+        skipped samples removed (None when none is left).  Counts into
+        ``stats``; a sample that cannot be decoded raises its
+        ``SampleError`` (tagged with ``step``) or is skipped."""
+        batch = self.decode(batch, stats, step)
+        pending, stats.device_pending = stats.device_pending, None
+        if batch is None:
+            return None, {}
+        images = self.finish(pending)
+        if pending.held:
+            self.decoder.finish_held(pending.held)
         return batch, images
+
+    def _retire(self, event, held: list) -> None:
+        """Keep ``held`` until ``event`` completes; let go of what earlier
+        events have covered (the ring bounds how many can be pending)."""
+        self._retired.append((event, held))
+        while self._retired and self._retired[0][0].query():
+            self._retired.popleft()
 
     def _on_host(self, data: torch.Tensor) -> torch.Tensor:
         """A stream the device decoder rejected, decoded as the CPU path
@@ -297,12 +380,15 @@ class DecodeStage:
         arr = decode_rgb(data.numpy().tobytes())
         return torch.from_numpy(arr).permute(2, 0, 1).to(self.device)
 
-    def _geometry(self, img: torch.Tensor, rec: list) -> torch.Tensor:
-        """One decoded (3, H, W) uint8 image through the record's crop,
-        resize, padded crop and mirror: float32 (3, h, w), not yet rounded."""
+    @staticmethod
+    def _check(img: torch.Tensor, rec: list) -> None:
         if tuple(img.shape[-2:]) != (rec[SRC_H], rec[SRC_W]):
             raise RuntimeError(f"the decoder gave a {tuple(img.shape)} image for a JPEG whose header says "
                                f"{rec[SRC_H]}x{rec[SRC_W]}")
+
+    def _geometry(self, img: torch.Tensor, rec: list) -> torch.Tensor:
+        """One decoded (3, H, W) uint8 image through the record's crop,
+        resize, padded crop and mirror: float32 (3, h, w), not yet rounded."""
         t, l, h, w = rec[T1:W1 + 1]
         x = img[:, t:t + h, l:l + w]
         rh, rw = rec[RH], rec[RW]
@@ -332,6 +418,18 @@ class DecodeStage:
             stats.skips.append((i, where, f"preparing: {type(err).__name__}: {err}"))
             stats.samples -= 1
         return [r for r in range(n) if r not in errors]
+
+
+class _Pending:
+    """A batch between the two halves: the decoded images whose geometry
+    is still to run (``raw``: (path number, row, image)), the images done
+    (``out[path][row]``), the rows kept, and what the decoder's images
+    hold (``held``)."""
+
+    __slots__ = ("paths", "records", "out", "raw", "held", "keep")
+
+    def __init__(self, paths, records, out, raw, held, keep) -> None:
+        self.paths, self.records, self.out, self.raw, self.held, self.keep = paths, records, out, raw, held, keep
 
 
 def _chunks(todo: list, records: list):

@@ -157,10 +157,12 @@ class PinThread:
     """Runs ``inner`` (a pass of coordl's pipeline) in a pin thread; yields
     its envelopes with pinned batches, at most ``depth`` ahead."""
 
-    def __init__(self, inner, depth: int, stage=None) -> None:
+    def __init__(self, inner, depth: int, stage=None, name: str = "coordl-pin-memory") -> None:
         """``stage(envelope, note) -> envelope``: what the thread does to each
         batch (default: pin it; with a device: start its copy, see
-        coordl.device)."""
+        coordl.device).  ``inner`` may be another PinThread (a stage one
+        batch ahead of this one): shutting this one down shuts that one
+        down after it."""
         self._inner = inner
         self._q: queue.Queue = queue.Queue(maxsize=max(1, depth))
         self._stop = threading.Event()
@@ -170,7 +172,7 @@ class PinThread:
             index = current_device_index()
         self._thread = threading.Thread(target=_pin_loop,
                                         args=(inner, self._q, self._stop, index, stage or _pin_envelope),
-                                        name="coordl-pin-memory", daemon=True)
+                                        name=name, daemon=True)
         self._thread.start()
         # the finalizer only sets a flag; the pin thread acts on it
         self._final = weakref.finalize(self, self._stop.set)

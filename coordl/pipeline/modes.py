@@ -143,7 +143,7 @@ class PipelineMode:
         self.from_sampler = from_sampler
         self.pool = None
         self.pool_split = None  # the device split the persistent pool prepares (coordl.device)
-        self._pin_prev = None  # (stop event, thread) of the last pass's pin thread
+        self._pin_prev = None  # [(stop event, thread)] of the last pass's pin (and decode) threads
         self._stash = None     # slots kept between the pools of passes (workers not persistent)
 
     def exact_steps(self, loader) -> bool:
@@ -167,9 +167,9 @@ class PipelineMode:
         be waiting in the pool for a batch of its abandoned pass) must be gone
         before the next pass begins, or it could take that pass's batches."""
         prev, self._pin_prev = self._pin_prev, None
-        if prev is not None:
-            stop, thread = prev
+        for stop, _ in prev or ():
             stop.set()
+        for _, thread in prev or ():
             while thread.is_alive():
                 thread.join(_pin._POLL)
 
@@ -181,9 +181,17 @@ class PipelineMode:
                 if loader._decode == "device":   # decoded before the loop counts the batch
                     return _pin.StageInline(inner, loader._stage_envelope)
                 return inner     # staged and handed over in next() (DataLoader._deliver)
+            if loader._decode == "device":
+                # the device decode of the next batch (the decoder waits for
+                # the GPU, without the GIL) overlaps the geometry and copy of
+                # this one: a decode thread one batch ahead of the pin thread
+                decoding = _pin.PinThread(inner, depth=1, stage=loader._decode_envelope, name="coordl-device-decode")
+                pinner = _pin.PinThread(decoding, depth=loader.prefetch_factor or 2, stage=loader._stage_envelope)
+                self._pin_prev = [(pinner._stop, pinner._thread), (decoding._stop, decoding._thread)]
+                return pinner
             # the copy to the device starts one batch ahead, in the pin thread
             pinner = _pin.PinThread(inner, depth=loader.prefetch_factor or 2, stage=loader._stage_envelope)
-            self._pin_prev = (pinner._stop, pinner._thread)
+            self._pin_prev = [(pinner._stop, pinner._thread)]
             return pinner
         if not loader.pin_memory:
             return inner
@@ -195,7 +203,7 @@ class PipelineMode:
         if loader.num_workers == 0:
             return _pin.PinInline(inner)
         pinner = _pin.PinThread(inner, depth=loader.prefetch_factor or 2)
-        self._pin_prev = (pinner._stop, pinner._thread)
+        self._pin_prev = [(pinner._stop, pinner._thread)]
         return pinner
 
     def _pipeline_iter(self, loader, epoch: int, start: int, skip: frozenset):
