@@ -543,12 +543,22 @@ def print_table(title: str, header: list[str], rows: list[list[str]]) -> None:
     sys.stdout.flush()
 
 
+def chosen(args) -> list:
+    """The variants ``--loaders`` names (all without it), in VARIANTS' order."""
+    if not getattr(args, "loaders", None):
+        return list(VARIANTS)
+    names = [n.strip() for n in args.loaders.split(",") if n.strip()]
+    for n in names:
+        variant(n)      # an unknown name fails here, naming the known ones
+    return [v for v in VARIANTS if v.name in names]
+
+
 def part_a(args, ctx: Ctx, res: dict, save: Callable) -> None:
     part = res["parts"]["a"] = {"batch_size": args.batch_size, "workers": args.workers, "seconds": args.seconds,
                                 "rows": {}}
     print(f"\n(a) images/s delivered on {ctx.device}, batch {args.batch_size}, workers {args.workers}", flush=True)
     for w in args.workers:
-        for v in VARIANTS:
+        for v in chosen(args):
             if v.max_workers_a and w > v.max_workers_a and not v.unavailable(ctx):
                 r = {"skipped": f"measured at up to {v.max_workers_a} workers"}
             else:
@@ -598,7 +608,7 @@ def part_b(args, ctx: Ctx, res: dict, save: Callable) -> None:
     part["ceiling"] = ceiling
     print(f"  synthetic (ceiling)  {ceiling['images_per_s']:,.0f} images/s", flush=True)
     save()
-    for v in VARIANTS:
+    for v in chosen(args):
         wv = min(w, v.max_workers_b) if v.max_workers_b else w
         r = run_variant(ctx, v, wv, args.train_batch_size, args.warmup or wv + 2, args.train_seconds, step)
         r["workers"] = wv
@@ -859,6 +869,8 @@ def parse(argv=None):
     ap.add_argument("--mean-kb", type=float, default=110.0)
     ap.add_argument("--size", type=int, default=224, help="crop size")
     ap.add_argument("--workers", type=_ints, default=[1, 4, 8, 15], help="part (a): worker counts")
+    ap.add_argument("--loaders", default=None,
+                    help="parts (a) and (b): the loader variants to run, comma-separated (default: all)")
     ap.add_argument("--batch-size", type=int, default=128, help="part (a)")
     ap.add_argument("--seconds", type=float, default=3.0, help="part (a): window of each measurement")
     ap.add_argument("--warmup", type=int, default=None, help="batches before the window (default workers + 2)")
