@@ -815,6 +815,7 @@ def machine_facts(ctx: Ctx) -> dict:
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "platform": platform.platform(), "python": platform.python_version(),
         "torch": torch.__version__, "torch_cuda": torch.version.cuda, "coordl": coordl.__version__,
+        "coordl_from": os.path.dirname(coordl.__file__),
         "torchvision": None, "numpy": _version("numpy"), "pillow": _version("pillow"),
         "simplejpeg": _version("simplejpeg"), "nvidia-dali": None,
         "cpu_count": os.cpu_count(), "cpus_usable": len(os.sched_getaffinity(0)),
