@@ -714,3 +714,19 @@ def test_what_a_decoders_images_hold_is_kept_until_the_work_on_them_ran():
     third.complete()
     stage._retire(third, [])
     assert list(stage._retired) == []
+
+
+@pytest.mark.parametrize("mode,antialias", [("bilinear", True), ("bicubic", True), ("bilinear", False),
+                                            ("nearest", False)])
+def test_the_stages_resize_is_f_interpolates(mode, antialias):
+    """The stage resizes each image with the operator F.interpolate calls
+    (without its per-call checks) where that gives F.interpolate's values:
+    the same values on sizes the probe did not use, up and down."""
+    import torch.nn.functional as F
+
+    resize = DD._resizer(mode, antialias)
+    g = torch.Generator().manual_seed(3)
+    kw = {"align_corners": False, "antialias": antialias} if mode != "nearest" else {}
+    for shape, size in [((1, 3, 37, 52), (24, 24)), ((1, 3, 20, 15), (33, 41)), ((1, 3, 300, 200), (7, 224))]:
+        x = torch.rand(shape, generator=g) * 255
+        assert torch.equal(resize(x, size), F.interpolate(x, size=size, mode=mode, **kw)), (mode, shape, size)

@@ -242,6 +242,7 @@ class DecodeStage:
         self.describe = describe
         self.tail = DeviceTail(plan.normalizes) if plan.to_float else None
         self._retired: collections.deque = collections.deque()   # (event, what the decoder's images hold)
+        self._resize = _resizer(plan.mode.value, plan.antialias)
 
     def note(self) -> str:
         return f"{self.decoder.name} on {self.device}: {self.plan.describe()}"
@@ -323,12 +324,18 @@ class DecodeStage:
         """The second half's device work, on the current stream (the copy
         stream): the geometry of the images the first half left, then each
         path's images stacked, rounded and converted: ``{path: images}``."""
-        out, records = pending.out, pending.records
+        out, records, keep = pending.out, pending.records, pending.keep
         for k, r, img in pending.raw:
             out[k][r] = self._geometry(img, records[k][r])
         images = {}
         for k, path in enumerate(pending.paths):
-            y = torch.stack([out[k][r] for r in pending.keep]).round_().clamp_(0, 255).to(torch.uint8)
+            y = torch.stack([out[k][r] for r in keep]).round_().clamp_(0, 255).to(torch.uint8)
+            flips = [bool(records[k][r][FLIP]) for r in keep]
+            if all(flips):
+                y = y.flip(-1)
+            elif any(flips):     # one mirror for the batch: a few launches, not one per image
+                mask = torch.tensor(flips).to(y.device, non_blocking=True).view(-1, 1, 1, 1)
+                y = torch.where(mask, y.flip(-1), y)
             images[path] = self.tail(y) if self.tail is not None else y
         return images
 
@@ -388,19 +395,15 @@ class DecodeStage:
 
     def _geometry(self, img: torch.Tensor, rec: list) -> torch.Tensor:
         """One decoded (3, H, W) uint8 image through the record's crop,
-        resize, padded crop and mirror: float32 (3, h, w), not yet rounded."""
+        resize and padded crop: float32 (3, h, w), not yet rounded nor
+        mirrored (:meth:`finish` mirrors the batch's flipped rows at once)."""
         t, l, h, w = rec[T1:W1 + 1]
-        x = img[:, t:t + h, l:l + w]
+        x = img[None, :, t:t + h, l:l + w].to(torch.float32)
         rh, rw = rec[RH], rec[RW]
         if rh and (rh, rw) != (h, w):
-            mode = self.plan.mode.value
-            kw = {"align_corners": False, "antialias": self.plan.antialias} if mode in ("bilinear", "bicubic") else {}
-            x = F.interpolate(x.unsqueeze(0).to(torch.float32), size=(rh, rw), mode=mode, **kw)[0]
-        else:
-            x = x.to(torch.float32)
+            x = self._resize(x, (rh, rw))
         t, l, h, w = rec[T2:W2 + 1]
-        x = _padded_crop(x, t, l, h, w)
-        return x.flip(-1) if rec[FLIP] else x
+        return _padded_crop(x[0], t, l, h, w)
 
     def _errors(self, errors: dict, records, stats, step) -> list:
         """Raise the first failed sample's error, or skip the failed samples:
@@ -418,6 +421,30 @@ class DecodeStage:
             stats.skips.append((i, where, f"preparing: {type(err).__name__}: {err}"))
             stats.samples -= 1
         return [r for r in range(n) if r not in errors]
+
+
+def _resizer(mode: str, antialias: bool):
+    """``f(x, (h, w))``: ``F.interpolate(x, size=(h, w), mode=mode, ...)`` for
+    a float (1, C, H, W) batch.  For the antialiased bilinear and bicubic
+    filters, the operator ``F.interpolate`` itself calls, without its
+    argument checks (called once per image), where this torch has it and it
+    gives ``F.interpolate``'s result on a probe; else ``F.interpolate``."""
+    kw = {"align_corners": False, "antialias": antialias} if mode in ("bilinear", "bicubic") else {}
+
+    def interpolate(x, size):
+        return F.interpolate(x, size=size, mode=mode, **kw)
+
+    op = getattr(torch._C._nn, f"_upsample_{mode}2d_aa", None) if antialias and mode in ("bilinear", "bicubic") else None
+    if op is None:
+        return interpolate
+    probe = torch.arange(2 * 13 * 11, dtype=torch.float32).view(1, 2, 13, 11).sin_().mul_(100)
+    try:
+        same = all(torch.equal(op(probe, size, False, None), interpolate(probe, size)) for size in ((5, 4), (17, 9)))
+    except Exception:  # noqa: BLE001 - another signature: the public call
+        same = False
+    if not same:
+        return interpolate
+    return lambda x, size: op(x, size, False, None)
 
 
 class _Pending:
