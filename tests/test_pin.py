@@ -174,3 +174,17 @@ def test_a_sample_error_through_the_pin_thread_does_not_keep_the_pass_alive(fake
         assert gone() is None, "the pinned pass outlived its iterator: a reference cycle through the error"
     finally:
         gc.enable()
+
+
+@pytest.mark.parametrize("name,hint", [("coordl-pin-memory", True), ("coordl-device-decode", False)])
+def test_a_thread_that_ends_without_finishing_the_pass_is_named(monkeypatch, name, hint):
+    """The consumer of a PinThread (the training loop, or the pin thread
+    above a decode thread) gets an error naming the thread that died, with
+    the pin_memory remedy only where it is the pin thread."""
+    from coordl.device import pin as P
+
+    monkeypatch.setattr(P, "_pin_loop", lambda *a, **k: None)      # the thread ends at once
+    t = P.PinThread(iter([]), depth=1, name=name)
+    with pytest.raises(RuntimeError, match=f"thread {name} exited without finishing the pass") as e:
+        next(t)
+    assert ("pin_memory=False" in str(e.value)) == hint

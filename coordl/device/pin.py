@@ -193,10 +193,12 @@ class PinThread:
             except queue.Empty:
                 if not self._thread.is_alive() and self._q.empty():
                     self._ended = True
+                    name = self._thread.name
+                    hint = ("; pass pin_memory=False to deliver unpinned batches" if name == "coordl-pin-memory"
+                            else "")
                     raise RuntimeError(
-                        "coordl's pin-memory thread exited without finishing the pass (see its "
-                        "traceback above); pass pin_memory=False to deliver unpinned batches"
-                    ) from None
+                        f"coordl's thread {name} exited without finishing the pass (see its traceback "
+                        f"above){hint}") from None
         if kind == "data":
             return value
         if kind == "end":
