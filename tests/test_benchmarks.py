@@ -237,3 +237,22 @@ def test_small_server_tiny():
     assert [r[1:3] for r in rows[1:]] == [["native", "default"], ["native", "fetch_threads=8"]], out
     assert all(r[-1] == "0/1" for r in rows), out        # every configuration ran, none failed
     assert all(float(r[-5]) > 0 for r in rows), out     # images/s
+
+
+def test_gpu_check_stages_dali_parts_across_calls(tmp_path):
+    """The device tool replaces a carried folder at each call: `gpu_check.sh
+    --stage`, run once per call with one DALI part, keeps every part (and the
+    sums) in DALI_STAGE, where the check then finds them all."""
+    import subprocess
+
+    stage = tmp_path / "stage"
+    for k in range(3):
+        carried = tmp_path / f"call{k}"        # what one call carries: the sums and one part
+        carried.mkdir()
+        (carried / "SHA256SUMS").write_text("sums\n")
+        (carried / f"dali-wheels.tar.part-{k:02d}").write_bytes(bytes([k]) * 10)
+        r = subprocess.run(["bash", os.path.join(BENCH, "gpu_check.sh"), "--stage"], capture_output=True, text=True,
+                           timeout=60, env={**os.environ, "DALI_DIR": str(carried), "DALI_STAGE": str(stage)})
+        assert r.returncode == 0, r.stderr
+    assert sorted(os.listdir(stage)) == ["SHA256SUMS"] + [f"dali-wheels.tar.part-{k:02d}" for k in range(3)]
+    assert (stage / "dali-wheels.tar.part-01").read_bytes() == b"\x01" * 10
