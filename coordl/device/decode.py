@@ -2,8 +2,9 @@
 batch of records and compressed bytes (:mod:`.encoded`) into the images the
 CPU path would have delivered, on the device.
 
-For each batch (in the pin thread with workers, else in ``next()``), on
-the delivery's copy stream:
+For each batch, on the delivery's copy stream (with workers, step 1 in a
+decode thread one batch ahead of the pin thread, which runs steps 2-4;
+without, all in ``next()``):
 
 1. the JPEGs of the batch go to the decoder in one call per chunk (chunks
    of at most ``BUDGET`` decoded bytes, so a batch of large photos does not
@@ -15,10 +16,11 @@ the delivery's copy stream:
 2. per image: crop (``T1..W1``), resize to (``RH``, ``RW``) with the
    plan's filter on float32 (``antialias`` as the transform says: PIL's
    filters, as torch's uint8 kernels on the CPU path), crop with zero
-   padding (``T2..W2``), mirror (``FLIP``); images the workers prepared on
-   the CPU (``ON_CPU``) are copied as they are;
+   padding (``T2..W2``); images the workers prepared on the CPU
+   (``ON_CPU``) are copied as they are;
 3. the batch is stacked, rounded half to even and clamped to uint8 (what
-   torch's float resize of a uint8 image gives on the CPU path), and
+   torch's float resize of a uint8 image gives on the CPU path), its rows
+   with ``FLIP`` mirrored (one operation for the batch), and
    :class:`~.split.DeviceTail` runs ``ToTensor``'s scaling and the
    ``Normalize``s: after the resize, the CPU path's operations;
 4. the rest of the batch goes through the pinned ring as any batch does
@@ -176,19 +178,16 @@ class NvImageCodecDecoder:
         """Wait for the work queued on the current stream, then let go of
         the images decoded since the last call."""
         if self._held:
-            self.finish_held(self._held)
+            if self._cuda:
+                torch.cuda.current_stream(self.device).synchronize()
             self._held = []
 
     def release(self) -> list:
         """Hand over the images decoded since the last call, without
         waiting: the caller keeps them until the work queued on them has run
-        (:meth:`DecodeStage.stage_decoded`, or :meth:`finish_held`)."""
+        (:meth:`DecodeStage.stage_decoded`)."""
         held, self._held = self._held, []
         return held
-
-    def finish_held(self, held: list) -> None:
-        if held and self._cuda:
-            torch.cuda.current_stream(self.device).synchronize()
 
 
 def _rgb_params(nvimgcodec):
@@ -356,21 +355,6 @@ class DecodeStage:
         if pending.held:
             self._retire(staged.event, pending.held)
         return staged
-
-    def run(self, batch, stats, step=None):
-        """Both halves' device work in the calling thread, on the current
-        stream: ``(batch, {path: images})``, the batch with the rows of
-        skipped samples removed (None when none is left).  Counts into
-        ``stats``; a sample that cannot be decoded raises its
-        ``SampleError`` (tagged with ``step``) or is skipped."""
-        batch = self.decode(batch, stats, step)
-        pending, stats.device_pending = stats.device_pending, None
-        if batch is None:
-            return None, {}
-        images = self.finish(pending)
-        if pending.held:
-            self.decoder.finish_held(pending.held)
-        return batch, images
 
     def _retire(self, event, held: list) -> None:
         """Keep ``held`` until ``event`` completes; let go of what earlier
