@@ -341,8 +341,12 @@ def measure(ctx: Ctx, batches: Iterator, warmup: int, seconds: float, step: Call
     t_start = time.perf_counter()
     first = None
 
+    waited = [0.0]
+
     def pull():
+        w0 = time.perf_counter()
         x, y = next(batches)
+        waited[0] += time.perf_counter() - w0
         if step is not None:
             step(x, y)
         return x
@@ -361,7 +365,9 @@ def measure(ctx: Ctx, batches: Iterator, warmup: int, seconds: float, step: Call
     _sync(ctx)
     me = psutil.Process()
     kids0 = _children(me)
+    threads0 = _thread_cpu(me)
     cpu0, me0, t0 = psutil.cpu_times(), me.cpu_times(), time.perf_counter()
+    waited[0] = 0.0
     images = n_batches = 0
     cut = False
     while time.perf_counter() - t0 < seconds:
@@ -375,6 +381,7 @@ def measure(ctx: Ctx, batches: Iterator, warmup: int, seconds: float, step: Call
     _sync(ctx)
     t1 = time.perf_counter()
     cpu1, me1 = psutil.cpu_times(), me.cpu_times()
+    threads1 = _thread_cpu(me)
     kids1 = _children(me)
     win = t1 - t0
     busy = _busy(cpu1) - _busy(cpu0)
@@ -390,7 +397,31 @@ def measure(ctx: Ctx, batches: Iterator, warmup: int, seconds: float, step: Call
             # window, the worker processes' CPU per image, their context switches per image
             "cores_busy": round(busy / win, 2) if win else None,
             "worker_processes": len(both), "workers_cpu_ms_per_image": per(kid[0], 1000.0),
-            "workers_switches_per_image": {"voluntary": per(kid[1]), "involuntary": per(kid[2])}}
+            "workers_switches_per_image": {"voluntary": per(kid[1]), "involuntary": per(kid[2])},
+            # the loop's share of the window spent waiting in next() (the loader behind), and
+            # the main process's threads by name, in cores (which of its threads is the bound)
+            "data_wait_share": round(waited[0] / win, 3) if win else None,
+            "main_threads_cores": {k: round((threads1.get(k, 0.0) - v) / win, 3)
+                                   for k, v in threads0.items() if win and threads1.get(k, 0.0) - v > 0.01 * win}}
+
+
+def _threads(r: dict) -> str:
+    t = r.get("main_threads_cores") or {}
+    return ", ".join(f"{k} {v:.2f}" for k, v in sorted(t.items(), key=lambda kv: -kv[1])) or "-"
+
+
+def _thread_cpu(proc) -> dict:
+    """CPU seconds of this process's threads, summed by thread name
+    (threads Python does not know, such as torch's, as "other")."""
+    names = {t.native_id: t.name for t in threading.enumerate()}
+    out: dict = {}
+    try:
+        for t in proc.threads():
+            k = names.get(t.id, "other")
+            out[k] = out.get(k, 0.0) + t.user_time + t.system_time
+    except psutil.Error:
+        pass
+    return out
 
 
 def run_variant(ctx: Ctx, v: Variant, workers: int, batch_size: int, warmup: int, seconds: float,
@@ -617,7 +648,9 @@ def part_b(args, ctx: Ctx, res: dict, save: Callable) -> None:
         part["rows"][v.name] = r
         why = r.get("error") or r.get("skipped")
         print(f"  {v.name:<16} " + (why.splitlines()[0] if why else
-              f"{_cell(r):>8} images/s  {_cell(r, 'of_ceiling', '{:.0%}'):>5} of the ceiling"), flush=True)
+              f"{_cell(r):>8} images/s  {_cell(r, 'of_ceiling', '{:.0%}'):>5} of the ceiling  "
+              f"(waiting for batches {_cell(r, 'data_wait_share', '{:.0%}')} of the window; main process's "
+              f"threads, cores: {_threads(r)})"), flush=True)
         save()
     print_table(f"(b) {args.model_b}, batch {args.train_batch_size}, {w} workers", ["source", "images/s", "of ceiling"],
                 [["synthetic (ceiling)", _cell(ceiling), "100%"]]
