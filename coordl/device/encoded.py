@@ -27,6 +27,7 @@ from __future__ import annotations
 import copy
 import threading
 
+import numpy as np
 import torch
 
 from .split import _Marked, _unmark
@@ -221,10 +222,7 @@ class EncodedCompose:
         cap = getattr(_local, "capture", None)
         if cap is None:
             return self.full.from_bytes(raw)
-        from .. import _rng
-        from ..decode import jpeg
-        from ..transforms import decode_and_apply
-
+        _rng, jpeg, decode_and_apply = _lazy()
         hdr = jpeg._header(raw)
         if hdr is None or hdr[2] not in jpeg._FAST_COLORSPACES or not jpeg._ends_with_eoi(raw):
             # not for the device decoder: the CPU path, its draws and its errors (PIL's)
@@ -250,11 +248,29 @@ class EncodedCompose:
         return f"encoded({self.full!r})"
 
 
+_LAZY: tuple = ()
+
+
+def _lazy() -> tuple:
+    """(coordl._rng, coordl.decode.jpeg, decode_and_apply): imported at the
+    first sample rather than with this module (which coordl.device imports
+    early), then kept: a ``from`` import costs microseconds per sample."""
+    global _LAZY
+    if not _LAZY:
+        from .. import _rng
+        from ..decode import jpeg
+        from ..transforms import decode_and_apply
+
+        _LAZY = (_rng, jpeg, decode_and_apply)
+    return _LAZY
+
+
 def _capture(fields: list, payload, cap) -> torch.Tensor:
     """The record (``fields`` KIND..FLIP, then the sample's index and 3
-    channels) as a marked tensor, captured with what travels beside it."""
+    channels) as a marked tensor, captured with what travels beside it
+    (through numpy: a third of what ``torch.tensor`` of a list costs)."""
     records, index = cap
-    m = torch.tensor(fields + [index, 3], dtype=torch.int64).as_subclass(_Marked)
+    m = torch.from_numpy(np.array(fields + [index, 3], dtype=np.int64)).as_subclass(_Marked)
     records.append((m, payload))
     return m
 
