@@ -175,6 +175,10 @@ class Structured(torch.utils.data.Dataset):
             return tf(Image.open(io.BytesIO(raw)).convert("RGB")), i
         if k == "touches":
             return tf.from_bytes(raw).float(), i
+        if k == "reads":                    # computes from the image, then places it as it is
+            x = tf.from_bytes(raw)
+            self.seen = float(x.sum())
+            return x, i
         if k == "disagree":
             return (tf.from_bytes(raw), i) if i % 4 else (i, tf.from_bytes(raw))
         raise AssertionError(k)
@@ -213,6 +217,7 @@ def test_a_dataset_that_decodes_itself_is_prepared_on_the_cpu_exactly(photos, cp
 
 
 @pytest.mark.parametrize("kind,msg", [("touches", "did more with the image of sample"),
+                                      ("reads", "did more with the image of sample"),
                                       ("disagree", "must sit at the same places")])
 @pytest.mark.parametrize("workers", [0, 2])
 def test_a_prep_the_stage_cannot_follow_stops_the_pass_saying_why(photos, cpu_device, kind, msg, workers):

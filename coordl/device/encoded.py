@@ -343,7 +343,11 @@ class DecodePrep:
             sample = self._split_ds.prep(raw, index)
         finally:
             _local.capture = None
-        found = _find(sample, records)
+        if (len(records) == 1 and type(sample) is tuple and len(sample) == 2 and sample[0] is records[0][0]
+                and type(sample[1]) is int and not records[0][0].__dict__.get("_coordl_touched")):
+            found = [((0,), records[0][1])]    # (image, label), as ImageFolder's: what _find would find
+        else:
+            found = _find(sample, records)
         for m, _ in records:
             _unmark(m)
         if found is None:
