@@ -744,41 +744,37 @@ class DataLoader(_TorchDataLoader[_T_co]):
             self._counters.device_decode = stage.note()
         return split
 
+    def _decoding(self, half, env, note: str):
+        """``half(delivery, env)`` of the decode stage; a sample's error
+        passes as it is (that batch fails, the pass goes on, tagged with its
+        step), any other names the batch and the device."""
+        from .errors import SampleError
+
+        try:
+            return half(self._device_delivery(), env)
+        except SampleError:
+            raise
+        except Exception as e:
+            raise RuntimeError(f"decoding {note} on {self._device} failed ({type(e).__name__}: {e})") from e
+
     def _decode_envelope(self, env, note: str):
         """With workers and ``decode="device"``, in the decode thread (one
         batch ahead of the pin thread): decode ``env``'s images on the
         device; the pin thread's :meth:`_stage_envelope` finishes them."""
         if env.batch is not None and getattr(env.stats, "device_blob", None) is not None:
-            from .errors import SampleError
-
-            st = self._device_delivery().streams
-            try:
-                with st.use(st.copy_stream()):
-                    env.batch = self._decode_stage.decode(env.batch, env.stats, env.step)
-            except SampleError:
-                raise           # a sample's error: that batch fails, the pass goes on (tagged with its step)
-            except Exception as e:
-                raise RuntimeError(f"decoding {note} on {self._device} failed ({type(e).__name__}: {e})") from e
+            self._decoding(self._decode_stage.decode_envelope, env, note)
         return env
 
     def _stage_envelope(self, env, note: str):
         """In the pin thread: start the copy of ``env``'s batch to the device
-        (with ``decode="device"``, decode its images there first, or finish
-        those the decode thread decoded)."""
+        (with ``decode="device"``, finish the images the decode thread
+        decoded, or decode them first without workers)."""
         stats = env.stats
-        if getattr(stats, "device_pending", None) is not None or (
-                env.batch is not None and getattr(stats, "device_blob", None) is not None):
-            from .errors import SampleError
-
-            try:
-                if stats.device_pending is not None:
-                    env.batch = self._decode_stage.stage_decoded(self._device_delivery(), env)
-                else:
-                    env.batch = self._decode_stage.stage(self._device_delivery(), env)
-            except SampleError:
-                raise           # a sample's error: that batch fails, the pass goes on (tagged with its step)
-            except Exception as e:
-                raise RuntimeError(f"decoding {note} on {self._device} failed ({type(e).__name__}: {e})") from e
+        if getattr(stats, "device_pending", None) is not None:
+            env.batch = self._decoding(self._decode_stage.stage_decoded, env, note)
+            return env
+        if env.batch is not None and getattr(stats, "device_blob", None) is not None:
+            env.batch = self._decoding(self._decode_stage.stage, env, note)
             return env
         if env.batch is not None:
             try:

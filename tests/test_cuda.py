@@ -499,6 +499,9 @@ def test_decode_on_the_gpu_resumes_exactly_and_skips_what_no_decoder_reads(mixed
         def finish(self):
             self.inner.finish()
 
+        def release(self):
+            return self.inner.release()
+
     monkeypatch.setattr(jpeg, "decode_rgb", lambda raw, scale=1: (_ for _ in ()).throw(OSError("unreadable"))
                         if bytes(raw[:64]) == head else real_host(raw, scale))
     monkeypatch.setattr(DD, "decoder_for", lambda dev: Refusing(real_for(dev)))

@@ -295,6 +295,9 @@ class _Refusing:
     def finish(self):
         pass
 
+    def release(self):
+        return []
+
 
 @pytest.mark.parametrize("on_error", ["raise", "skip"])
 @pytest.mark.parametrize("workers", [0, 2])

@@ -247,12 +247,18 @@ class DecodeStage:
         return f"{self.decoder.name} on {self.device}: {self.plan.describe()}"
 
     def stage(self, delivery, env):
-        """Both halves in the calling thread (``num_workers=0``): decode
-        ``env``'s batch, then :meth:`stage_decoded`."""
+        """Both halves in the calling thread (``num_workers=0``):
+        :meth:`decode_envelope`, then :meth:`stage_decoded`."""
+        self.decode_envelope(delivery, env)
+        return self.stage_decoded(delivery, env)
+
+    def decode_envelope(self, delivery, env):
+        """The first half on ``env``'s batch, on the delivery's copy stream
+        (the decode thread with workers): :meth:`decode`."""
         st = delivery.streams
         with st.use(st.copy_stream()):
             env.batch = self.decode(env.batch, env.stats, env.step)
-        return self.stage_decoded(delivery, env)
+        return env
 
     def decode(self, batch, stats, step=None):
         """The first half (the decode thread with workers), on the current
@@ -274,13 +280,12 @@ class DecodeStage:
         on_device = on_cpu = 0
         todo = [(r, k) for r in range(n) for k in range(m) if records[k][r][KIND] == ON_DEVICE]
         chunks = list(_chunks(todo, records))
-        # the last chunk's geometry waits for the second half when the
-        # decoder can hand over what its images hold (see _Pending)
-        release = getattr(self.decoder, "release", None)
+        # the last chunk's geometry waits for the second half, with what the
+        # decoder's images hold (see _Pending)
         raw: list = []
         held: list = []
         for c, chunk in enumerate(chunks):
-            defer = release is not None and c == len(chunks) - 1
+            defer = c == len(chunks) - 1
             streams = [_bytes(blob, offsets[r * m + k]) for r, k in chunk]
             got = self.decoder.decode(streams)
             for (r, k), img, data in zip(chunk, got, streams):
@@ -301,7 +306,7 @@ class DecodeStage:
                 else:
                     out[k][r] = self._geometry(img, records[k][r])
             if defer:
-                held = release()
+                held = self.decoder.release()
             else:
                 self.decoder.finish()
         oh, ow = self.plan.size

@@ -283,6 +283,9 @@ def _find(sample, records: list):
 
     if any(m.__dict__.get("_coordl_touched") for m, _ in records):
         return None
+    if len(records) == 1 and type(sample) is tuple and len(sample) == 2 and sample[0] is records[0][0] \
+            and type(sample[1]) is int:
+        return [((0,), records[0][1])]      # (image, label), as ImageFolder's: no walk needed
     by_id = {id(m): p for m, p in records}
     out: list = []
 
@@ -343,11 +346,7 @@ class DecodePrep:
             sample = self._split_ds.prep(raw, index)
         finally:
             _local.capture = None
-        if (len(records) == 1 and type(sample) is tuple and len(sample) == 2 and sample[0] is records[0][0]
-                and type(sample[1]) is int and not records[0][0].__dict__.get("_coordl_touched")):
-            found = [((0,), records[0][1])]    # (image, label), as ImageFolder's: what _find would find
-        else:
-            found = _find(sample, records)
+        found = _find(sample, records)
         for m, _ in records:
             _unmark(m)
         if found is None:
