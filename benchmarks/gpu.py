@@ -332,12 +332,15 @@ def _children(me) -> dict:
 
 
 def measure(ctx: Ctx, batches: Iterator, warmup: int, seconds: float, step: Callable | None = None,
-            on_ready: Callable[[], int] | None = None) -> dict:
+            on_ready: Callable[[], int] | None = None, loader_stats: Callable | None = None) -> dict:
     """Images/s over a window of ``seconds`` after ``warmup`` batches, within
     the epoch ``batches`` yields (the window closes early at its end).
     ``step(images, labels)`` runs on each batch (a training step), or
     nothing.  ``on_ready()`` (jobs of part (c)) is called after the warm-up,
-    blocks until every job is ready, and returns further batches to skip."""
+    blocks until every job is ready, and returns further batches to skip.
+    ``loader_stats()`` (a coordl loader's ``stats``) adds, for
+    ``decode="device"``, the shares of the window its decoder's calls and
+    the geometry after them took."""
     t_start = time.perf_counter()
     first = None
 
@@ -364,6 +367,7 @@ def measure(ctx: Ctx, batches: Iterator, warmup: int, seconds: float, step: Call
         raise RuntimeError(f"the epoch ended within the {warmup}-batch warm-up: use more --images") from None
     _sync(ctx)
     me = psutil.Process()
+    dec0 = _decode_seconds(loader_stats)
     kids0 = _children(me)
     threads0 = _thread_cpu(me)
     cpu0, me0, t0 = psutil.cpu_times(), me.cpu_times(), time.perf_counter()
@@ -383,6 +387,7 @@ def measure(ctx: Ctx, batches: Iterator, warmup: int, seconds: float, step: Call
     cpu1, me1 = psutil.cpu_times(), me.cpu_times()
     threads1 = _thread_cpu(me)
     kids1 = _children(me)
+    dec1 = _decode_seconds(loader_stats)
     win = t1 - t0
     busy = _busy(cpu1) - _busy(cpu0)
     # a window cut at the epoch's end may have lost workers that exited: their share is unknown
@@ -402,12 +407,37 @@ def measure(ctx: Ctx, batches: Iterator, warmup: int, seconds: float, step: Call
             # the main process's threads by name, in cores (which of its threads is the bound)
             "data_wait_share": round(waited[0] / win, 3) if win else None,
             "main_threads_cores": {k: round((threads1.get(k, 0.0) - v) / win, 3)
-                                   for k, v in threads0.items() if win and threads1.get(k, 0.0) - v > 0.01 * win}}
+                                   for k, v in threads0.items() if win and threads1.get(k, 0.0) - v > 0.01 * win},
+            # decode="device": the window's share spent in the decoder's calls (the decode thread)
+            # and in the geometry after them (the pin thread); near 1: that thread is the bound
+            "decode_call_share": round((dec1[0] - dec0[0]) / win, 3) if win and dec0[0] is not None else None,
+            "geometry_share": round((dec1[1] - dec0[1]) / win, 3) if win and dec0[1] is not None else None}
+
+
+def _decode_seconds(loader_stats: Callable | None) -> tuple:
+    """(device_decode_seconds, device_geometry_seconds) of a coordl loader
+    with decode="device", else (None, None)."""
+    try:
+        st = loader_stats() if loader_stats is not None else None
+    except Exception:  # noqa: BLE001 - figures only
+        st = None
+    if st is None or not getattr(st, "device_decode", ""):
+        return None, None
+    return st.device_decode_seconds, st.device_geometry_seconds
 
 
 def _threads(r: dict) -> str:
     t = r.get("main_threads_cores") or {}
     return ", ".join(f"{k} {v:.2f}" for k, v in sorted(t.items(), key=lambda kv: -kv[1])) or "-"
+
+
+def _where(r: dict) -> str:
+    """decode="device": the main process's threads and the window's shares
+    in the decoder's calls and in the geometry (empty for other loaders)."""
+    if r.get("decode_call_share") is None:
+        return ""
+    return (f"\n{'':22}decoder calls {r['decode_call_share']:.0%} of the window, geometry "
+            f"{r['geometry_share']:.0%}; main process's threads, cores: {_threads(r)}")
 
 
 def _thread_cpu(proc) -> dict:
@@ -435,7 +465,8 @@ def run_variant(ctx: Ctx, v: Variant, workers: int, batch_size: int, warmup: int
     try:
         src = v.make(ctx, workers, batch_size)
         gen = src.epoch()
-        return measure(ctx, gen, warmup, seconds, step)
+        stats = getattr(src.loader, "stats", None)
+        return measure(ctx, gen, warmup, seconds, step, loader_stats=stats if callable(stats) else None)
     except Exception as e:  # noqa: BLE001 - one failing loader must not lose the other figures
         print(f"  {v.name} at {workers} worker(s) failed:\n" + _indent(traceback.format_exc()), flush=True)
         return {"error": f"{type(e).__name__}: {e}"[:2000]}
@@ -598,7 +629,7 @@ def part_a(args, ctx: Ctx, res: dict, save: Callable) -> None:
             why = r.get("error") or r.get("skipped")
             print(f"  {v.name:<16} {w:>2} workers  " + (why.splitlines()[0] if why else
                   f"{_cell(r):>8} images/s  {_cell(r, 'cpu_ms_per_image', '{:.2f}'):>6} CPU ms/image  "
-                  f"(window {r['window_s']:.1f} s)"), flush=True)
+                  f"(window {r['window_s']:.1f} s){_where(r)}"), flush=True)
             save()
     hdr = ["loader"] + [str(w) for w in args.workers]
     print_table(f"(a) images/s on {ctx.device}, batch {args.batch_size}", hdr,
@@ -650,7 +681,7 @@ def part_b(args, ctx: Ctx, res: dict, save: Callable) -> None:
         print(f"  {v.name:<16} " + (why.splitlines()[0] if why else
               f"{_cell(r):>8} images/s  {_cell(r, 'of_ceiling', '{:.0%}'):>5} of the ceiling  "
               f"(waiting for batches {_cell(r, 'data_wait_share', '{:.0%}')} of the window; main process's "
-              f"threads, cores: {_threads(r)})"), flush=True)
+              f"threads, cores: {_threads(r)}){_where(r)}"), flush=True)
         save()
     print_table(f"(b) {args.model_b}, batch {args.train_batch_size}, {w} workers", ["source", "images/s", "of ceiling"],
                 [["synthetic (ceiling)", _cell(ceiling), "100%"]]

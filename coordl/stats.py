@@ -24,7 +24,7 @@ class BatchStats:
 
     __slots__ = ("samples", "bytes_storage", "from_cache", "bytes_cache", "fetch_s", "prep_s", "skips",
                  "shared", "from_peers", "bytes_peers", "device_marks", "device_cpu", "decoded_device",
-                 "decoded_cpu", "device_blob", "zero_copy", "device_pending")
+                 "decoded_cpu", "device_blob", "zero_copy", "device_pending", "decode_s", "geometry_s")
 
     def __init__(self) -> None:
         self.samples = 0            # samples prepared into the batch
@@ -44,6 +44,8 @@ class BatchStats:
         self.device_blob = None     # ... (slot, total bytes, offsets) of the bytes the device decodes (not summed)
         self.zero_copy = 0          # 1: the batch is a view of the node daemon's staging (share=True), no copy
         self.device_pending = None  # decode="device": the decoded images awaiting their geometry (main process only)
+        self.decode_s = 0.0         # decode="device": wall time in the device decoder's calls (main process)
+        self.geometry_s = 0.0       # ... in the crops, resizes and conversion after them (main process)
 
     def record_read(self, source: str, nbytes: int) -> None:
         if source == "cache":
@@ -58,7 +60,8 @@ class BatchStats:
     def add(self, other: "BatchStats") -> None:
         """Count ``other``'s samples, reads and time in this record too."""
         for k in ("samples", "bytes_storage", "from_cache", "bytes_cache", "fetch_s", "prep_s", "shared",
-                  "from_peers", "bytes_peers", "device_cpu", "decoded_device", "decoded_cpu"):
+                  "from_peers", "bytes_peers", "device_cpu", "decoded_device", "decoded_cpu", "decode_s",
+                  "geometry_s"):
             setattr(self, k, getattr(self, k) + getattr(other, k))
         self.skips += other.skips
 
@@ -186,6 +189,13 @@ class LoaderStats:
         decoded on the CPU instead (a file the device decoder cannot take:
         not a JPEG, CMYK, a header it cannot read, a stream it rejected; see
         :doc:`/guide/gpu`).  One image per sample for the usual ``(image, label)``.
+    device_decode_seconds, device_geometry_seconds
+        With ``decode="device"``: main-process wall time in the device
+        decoder's calls (nvJPEG's batched call returns once the GPU has
+        decoded), and in the launches of the crops, resizes, mirror and
+        conversion that follow.  With workers they run in two threads of
+        their own, each a batch ahead of the next ``next()``: a thread whose
+        seconds come near the pass's wall time is what bounds it.
     """
 
     samples: int = 0
@@ -214,6 +224,8 @@ class LoaderStats:
     device_decode: str = ""
     device_decode_images: int = 0
     device_decode_cpu_images: int = 0
+    device_decode_seconds: float = 0.0
+    device_geometry_seconds: float = 0.0
 
 
 _EPOCH_FIELDS = tuple(f.name for f in fields(EpochStats) if f.name not in ("epoch", "stall_fraction"))
@@ -242,6 +254,8 @@ class Counters:
         self.device_decode = ""
         self.device_decode_images = 0
         self.device_decode_cpu_images = 0
+        self.device_decode_seconds = 0.0
+        self.device_geometry_seconds = 0.0
         self.epoch = 0
         self.path = self.path_reason = ""   # set once by the loader (coordl.tvcompat.record_path)
         self._records: list[tuple[int, dict[str, int]]] = []   # (epoch, counters), oldest first
@@ -299,6 +313,8 @@ class Counters:
         self.device_split_cpu_samples += getattr(stats, "device_cpu", 0)
         self.device_decode_images += getattr(stats, "decoded_device", 0)
         self.device_decode_cpu_images += getattr(stats, "decoded_cpu", 0)
+        self.device_decode_seconds += getattr(stats, "decode_s", 0.0)
+        self.device_geometry_seconds += getattr(stats, "geometry_s", 0.0)
         return b
 
     def snapshot(self) -> LoaderStats:
@@ -320,6 +336,8 @@ class Counters:
             device_decode=self.device_decode,
             device_decode_images=self.device_decode_images,
             device_decode_cpu_images=self.device_decode_cpu_images,
+            device_decode_seconds=self.device_decode_seconds,
+            device_geometry_seconds=self.device_geometry_seconds,
             epoch=self.epoch,
             epochs=per_epoch,
             path=self.path,

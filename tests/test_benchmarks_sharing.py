@@ -130,6 +130,8 @@ def test_gpu_smoke(tmp_path):
                 assert "CUDA" in r["skipped"], r
                 continue
             assert "error" not in r and r["images_per_s"] > 0 and r["images"] > 0 and r["cpu_ms_per_image"] > 0, r
+            # where a decode="device" pass spends its time: for those loaders only
+            assert (r["decode_call_share"] is not None) == name.startswith("coordl-decode-"), r
             # where the CPU went: the workers' share is counted (a loader with workers has them)
             assert r["cores_busy"] > 0, r
             if not r["cut_at_epoch_end"]:
@@ -156,11 +158,8 @@ def test_gpu_smoke(tmp_path):
     assert os.listdir(work) == [], "the run's temporary folder was left behind"
 
 
-def test_gpu_script_gives_set_device_an_index():
-    """`torch.cuda.set_device` refuses torch.device("cuda") (no index), which
-    gpu.py's main process and its part (c) jobs both passed it on a GPU."""
+def _gpu_module():
     import importlib.util
-    import torch
     spec = importlib.util.spec_from_file_location(
         "_gpu_bench", os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "gpu.py"))
     gpu = importlib.util.module_from_spec(spec)
@@ -169,8 +168,38 @@ def test_gpu_script_gives_set_device_an_index():
         spec.loader.exec_module(gpu)
     finally:
         del sys.modules[spec.name]
+    return gpu, spec
+
+
+def test_gpu_script_gives_set_device_an_index():
+    """`torch.cuda.set_device` refuses torch.device("cuda") (no index), which
+    gpu.py's main process and its part (c) jobs both passed it on a GPU."""
+    import torch
+    gpu, spec = _gpu_module()
     assert gpu.cuda_index(torch.device("cuda")) == 0
     assert gpu.cuda_index(torch.device("cuda", 1)) == 1
     with open(spec.origin) as f:
         src = f.read()
     assert "set_device(device)" not in src and "set_device(ctx.device)" not in src
+
+
+def test_gpu_script_reads_where_a_device_decode_pass_spends_its_time(tmp_path, monkeypatch):
+    """gpu.py's decode="device" figures: the decoder's and the geometry's
+    seconds from the loader's stats (the CPU stand-in here), none for a
+    loader that does not decode on the device."""
+    import coordl
+    from coordl import transforms as T
+    from coordl.device import delivery as D
+    from coordl.synth import make_image_folder
+    monkeypatch.setattr(D, "CPU_TEST_DEVICE", True)
+    gpu, _ = _gpu_module()
+    root = str(tmp_path / "photos")
+    make_image_folder(root, num_images=12, num_classes=2, mean_kb=4, image_size=(64, 48), seed=1)
+    ds = coordl.ImageFolder(root, T.Compose([T.RandomResizedCrop(16), T.ToTensor()]))
+    dec = coordl.DataLoader(ds, batch_size=4, device="cpu", decode="device")
+    list(dec)
+    d, g = gpu._decode_seconds(dec.stats)
+    assert d > 0 and g > 0
+    plain = coordl.DataLoader(ds, batch_size=4, device="cpu")
+    list(plain)
+    assert gpu._decode_seconds(plain.stats) == (None, None) == gpu._decode_seconds(None)

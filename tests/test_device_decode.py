@@ -136,6 +136,8 @@ def test_the_stage_gives_the_cpu_paths_images_up_to_resize_rounding(photos, cpu_
     st = L.stats()
     assert st.device_decode_images == len(ds) and st.device_decode_cpu_images == 0
     assert st.device_decode.startswith("CPU stand-in") and st.device_split.startswith("not split (decode='device'")
+    # the decoder's calls and the geometry after them are timed, in the threads that ran them
+    assert 0 < st.device_decode_seconds and 0 < st.device_geometry_seconds
 
 
 def test_the_default_stand_in_is_within_the_documented_tolerance(photos, cpu_device):
@@ -433,6 +435,7 @@ def test_stats_and_repr_say_which_path(photos, cpu_device):
     plain = coordl.DataLoader(ds, batch_size=4, device="cpu")
     list(plain)
     assert plain.decode == "cpu" and plain.stats().device_decode == "" and plain.stats().device_decode_images == 0
+    assert plain.stats().device_decode_seconds == 0 == plain.stats().device_geometry_seconds
 
 
 @pytest.mark.parametrize("workers,persistent", [(0, False), (2, True)])

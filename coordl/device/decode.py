@@ -40,6 +40,7 @@ from __future__ import annotations
 import collections
 import logging
 import os
+import time
 from collections import abc
 
 import numpy as np
@@ -287,7 +288,9 @@ class DecodeStage:
         for c, chunk in enumerate(chunks):
             defer = c == len(chunks) - 1
             streams = [_bytes(blob, offsets[r * m + k]) for r, k in chunk]
+            t0 = time.perf_counter()
             got = self.decoder.decode(streams)
+            stats.decode_s += time.perf_counter() - t0
             for (r, k), img, data in zip(chunk, got, streams):
                 if isinstance(img, BaseException):
                     log.debug("device decode of sample %d failed (%s: %s): decoding it on the CPU",
@@ -304,7 +307,9 @@ class DecodeStage:
                 if defer:
                     raw.append((k, r, img))
                 else:
+                    t0 = time.perf_counter()
                     out[k][r] = self._geometry(img, records[k][r])
+                    stats.geometry_s += time.perf_counter() - t0
             if defer:
                 held = self.decoder.release()
             else:
@@ -354,8 +359,10 @@ class DecodeStage:
         if env.batch is None or pending is None:
             return None
         st = delivery.streams
+        t0 = time.perf_counter()
         with st.use(st.copy_stream()):
             images = self.finish(pending)
+        env.stats.geometry_s += time.perf_counter() - t0
         staged = delivery.stage(env.batch, (), replace=images)
         if pending.held:
             self._retire(staged.event, pending.held)
