@@ -509,3 +509,24 @@ def test_decode_on_the_gpu_resumes_exactly_and_skips_what_no_decoder_reads(mixed
     with pytest.warns(coordl.SkippedSampleWarning, match="progressive.jpg"):
         got = list(S)
     assert sum(len(y) for _, y in got) == len(ds) - 1 and S.stats().skipped == 1
+
+
+@needs_cuda
+@pytest.mark.parametrize("mode,antialias", [("bilinear", True), ("bicubic", True), ("bilinear", False)])
+def test_the_stages_resize_on_cuda_is_f_interpolates_also_into_a_row(mode, antialias):
+    """On the GPU, the stage's resize (the operator F.interpolate calls,
+    writing a row of the batch itself where the probe allows) gives
+    F.interpolate's values there, and writes that row only."""
+    import torch.nn.functional as F
+    from coordl.device import decode as DD
+
+    dev = torch.device("cuda")
+    resize = DD._resizer(mode, antialias, dev)
+    g = torch.Generator().manual_seed(5)
+    for shape, size in [((1, 3, 375, 500), (224, 224)), ((1, 3, 20, 15), (33, 41))]:
+        x = (torch.rand(shape, generator=g) * 255).to(dev)
+        want = F.interpolate(x, size=size, mode=mode, align_corners=False, antialias=antialias)
+        assert torch.equal(resize(x, size), want)
+        batch = torch.full((3, 3, *size), -7.0, device=dev)
+        resize(x, size, batch[1:2])
+        assert torch.equal(batch[1:2], want) and bool((batch[0] == -7).all() and (batch[2] == -7).all())

@@ -732,7 +732,8 @@ def test_what_a_decoders_images_hold_is_kept_until_the_work_on_them_ran():
 def test_the_stages_resize_is_f_interpolates(mode, antialias):
     """The stage resizes each image with the operator F.interpolate calls
     (without its per-call checks) where that gives F.interpolate's values:
-    the same values on sizes the probe did not use, up and down."""
+    the same values on sizes the probe did not use, up and down, also when
+    written straight into a row of the batch."""
     import torch.nn.functional as F
 
     resize = DD._resizer(mode, antialias)
@@ -740,4 +741,9 @@ def test_the_stages_resize_is_f_interpolates(mode, antialias):
     kw = {"align_corners": False, "antialias": antialias} if mode != "nearest" else {}
     for shape, size in [((1, 3, 37, 52), (24, 24)), ((1, 3, 20, 15), (33, 41)), ((1, 3, 300, 200), (7, 224))]:
         x = torch.rand(shape, generator=g) * 255
-        assert torch.equal(resize(x, size), F.interpolate(x, size=size, mode=mode, **kw)), (mode, shape, size)
+        want = F.interpolate(x, size=size, mode=mode, **kw)
+        assert torch.equal(resize(x, size), want), (mode, shape, size)
+        # written into one row of a batch: that row only, the same values
+        batch = torch.full((3, 3, *size), -7.0)
+        resize(x, size, batch[1:2])
+        assert torch.equal(batch[1:2], want) and bool((batch[0] == -7).all() and (batch[2] == -7).all())

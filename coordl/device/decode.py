@@ -18,9 +18,11 @@ without, all in ``next()``):
    filters, as torch's uint8 kernels on the CPU path), crop with zero
    padding (``T2..W2``); images the workers prepared on the CPU
    (``ON_CPU``) are copied as they are;
-3. the batch is stacked, rounded half to even and clamped to uint8 (what
-   torch's float resize of a uint8 image gives on the CPU path), its rows
-   with ``FLIP`` mirrored (one operation for the batch), and
+3. each image lands in its row of the batch (the resize writes it there
+   itself where nothing is cropped after it), the batch is rounded half to
+   even and clamped to uint8 (what torch's float resize of a uint8 image
+   gives on the CPU path), its rows with ``FLIP`` mirrored (one operation
+   for the batch), and
    :class:`~.split.DeviceTail` runs ``ToTensor``'s scaling and the
    ``Normalize``s: after the resize, the CPU path's operations;
 4. the rest of the batch goes through the pinned ring as any batch does
@@ -242,7 +244,7 @@ class DecodeStage:
         self.describe = describe
         self.tail = DeviceTail(plan.normalizes) if plan.to_float else None
         self._retired: collections.deque = collections.deque()   # (event, what the decoder's images hold)
-        self._resize = _resizer(plan.mode.value, plan.antialias)
+        self._resize = _resizer(plan.mode.value, plan.antialias, device)
 
     def note(self) -> str:
         return f"{self.decoder.name} on {self.device}: {self.plan.describe()}"
@@ -331,14 +333,25 @@ class DecodeStage:
 
     def finish(self, pending: "_Pending") -> dict:
         """The second half's device work, on the current stream (the copy
-        stream): the geometry of the images the first half left, then each
-        path's images stacked, rounded and converted: ``{path: images}``."""
+        stream): the geometry of the images the first half left, each
+        written straight into its row of the path's batch, then each path's
+        batch rounded and converted: ``{path: images}``."""
         out, records, keep = pending.out, pending.records, pending.keep
-        for k, r, img in pending.raw:
-            out[k][r] = self._geometry(img, records[k][r])
+        left = {(k, r): img for k, r, img in pending.raw}
         images = {}
         for k, path in enumerate(pending.paths):
-            y = torch.stack([out[k][r] for r in keep]).round_().clamp_(0, 255).to(torch.uint8)
+            y = None
+            for j, r in enumerate(keep):
+                img = left.pop((k, r), None)
+                x = out[k][r]
+                if y is None:
+                    c = (img if img is not None else x).shape[0]
+                    y = torch.empty((len(keep), c, *self.plan.size), dtype=torch.float32, device=self.device)
+                if img is not None:
+                    self._geometry(img, records[k][r], into=y[j:j + 1])
+                else:
+                    y[j].copy_(x)
+            y = y.round_().clamp_(0, 255).to(torch.uint8)
             flips = [bool(records[k][r][FLIP]) for r in keep]
             if all(flips):
                 y = y.flip(-1)
@@ -389,17 +402,26 @@ class DecodeStage:
             raise RuntimeError(f"the decoder gave a {tuple(img.shape)} image for a JPEG whose header says "
                                f"{rec[SRC_H]}x{rec[SRC_W]}")
 
-    def _geometry(self, img: torch.Tensor, rec: list) -> torch.Tensor:
+    def _geometry(self, img: torch.Tensor, rec: list, into: torch.Tensor | None = None) -> torch.Tensor:
         """One decoded (3, H, W) uint8 image through the record's crop,
         resize and padded crop: float32 (3, h, w), not yet rounded nor
-        mirrored (:meth:`finish` mirrors the batch's flipped rows at once)."""
+        mirrored (:meth:`finish` mirrors the batch's flipped rows at once).
+        With ``into`` (a (1, 3, h, w) row of the batch), written there: by
+        the resize itself when nothing is cropped after it (the usual
+        ``RandomResizedCrop``), else copied."""
         t, l, h, w = rec[T1:W1 + 1]
         x = img[None, :, t:t + h, l:l + w].to(torch.float32)
         rh, rw = rec[RH], rec[RW]
+        t2, l2, h2, w2 = rec[T2:W2 + 1]
         if rh and (rh, rw) != (h, w):
+            if into is not None and t2 == 0 and l2 == 0 and (h2, w2) == (rh, rw):
+                self._resize(x, (rh, rw), into)
+                return into[0]
             x = self._resize(x, (rh, rw))
-        t, l, h, w = rec[T2:W2 + 1]
-        return _padded_crop(x[0], t, l, h, w)
+        x = _padded_crop(x[0], t2, l2, h2, w2)
+        if into is not None:
+            into[0].copy_(x)
+        return x
 
     def _errors(self, errors: dict, records, stats, step) -> list:
         """Raise the first failed sample's error, or skip the failed samples:
@@ -419,28 +441,38 @@ class DecodeStage:
         return [r for r in range(n) if r not in errors]
 
 
-def _resizer(mode: str, antialias: bool):
-    """``f(x, (h, w))``: ``F.interpolate(x, size=(h, w), mode=mode, ...)`` for
-    a float (1, C, H, W) batch.  For the antialiased bilinear and bicubic
-    filters, the operator ``F.interpolate`` itself calls, without its
-    argument checks (called once per image), where this torch has it and it
-    gives ``F.interpolate``'s result on a probe; else ``F.interpolate``."""
+def _resizer(mode: str, antialias: bool, device: torch.device | None = None):
+    """``f(x, (h, w), out=None)``: ``F.interpolate(x, size=(h, w), mode=mode,
+    ...)`` for a float (1, C, H, W) batch, written into ``out`` (a
+    contiguous (1, C, h, w) tensor) when given.  For the antialiased
+    bilinear and bicubic filters, the operator ``F.interpolate`` itself
+    calls, without its argument checks (called once per image) and writing
+    ``out`` itself, where this torch has it and it gives ``F.interpolate``'s
+    result on a probe on ``device``, both ways; else ``F.interpolate``."""
     kw = {"align_corners": False, "antialias": antialias} if mode in ("bilinear", "bicubic") else {}
 
-    def interpolate(x, size):
-        return F.interpolate(x, size=size, mode=mode, **kw)
+    def interpolate(x, size, out=None):
+        y = F.interpolate(x, size=size, mode=mode, **kw)
+        return y if out is None else out.copy_(y)
 
     op = getattr(torch._C._nn, f"_upsample_{mode}2d_aa", None) if antialias and mode in ("bilinear", "bicubic") else None
     if op is None:
         return interpolate
-    probe = torch.arange(2 * 13 * 11, dtype=torch.float32).view(1, 2, 13, 11).sin_().mul_(100)
+
+    def direct(x, size, out=None):
+        return op(x, size, False, None) if out is None else op(x, size, False, None, None, out=out)
+
+    probe = torch.arange(2 * 13 * 11, dtype=torch.float32, device=device).view(1, 2, 13, 11).sin_().mul_(100)
     try:
-        same = all(torch.equal(op(probe, size, False, None), interpolate(probe, size)) for size in ((5, 4), (17, 9)))
+        same = True
+        for size in ((5, 4), (17, 9)):
+            want = interpolate(probe, size)
+            into = torch.full((3, 2, *size), -1.0, device=device)
+            same = same and torch.equal(direct(probe, size), want) and \
+                torch.equal(direct(probe, size, into[1:2]), want) and bool((into[0] == -1).all() and (into[2] == -1).all())
     except Exception:  # noqa: BLE001 - another signature: the public call
         same = False
-    if not same:
-        return interpolate
-    return lambda x, size: op(x, size, False, None)
+    return direct if same else interpolate
 
 
 class _Pending:
