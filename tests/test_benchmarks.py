@@ -73,6 +73,18 @@ def test_device_decode_fidelity_quick(tmp_path):
             assert int(mx) <= 1, (size, pipe)
 
 
+def test_device_stage_quick(tmp_path):
+    """device_stage.py: the stage's per-image figures on the CPU stand-in,
+    from the batches a real pass gave it (no timing asserted)."""
+    import json
+    out = _script("device_stage.py", "--quick", "--json", str(tmp_path / "stage.json"))
+    res = json.loads((tmp_path / "stage.json").read_text())
+    assert res["facts"]["device"] == "cpu" and list(res["rows"]) == ["16"], out
+    r = res["rows"]["16"]
+    assert r["images"] > 0 and r["finish_us"] > 0 and r["decode_bookkeeping_us"] > 0 and r["decoder_us"] > 0, r
+    assert "finish" in out and "decode bookkeeping" in out
+
+
 def test_latency_inner_against_local_http_server(tmp_path):
     pytest.importorskip("aiohttp")
     from coordl.synth import make_image_folder

@@ -1,0 +1,192 @@
+"""The main process's cost per image in ``decode="device"``'s stage.
+
+With workers, ``decode="device"`` runs two threads in the main process: the
+decode thread (the decoder's batched call, then the stage's bookkeeping)
+and the pin thread (each image's crop and resize, the batch's rounding,
+mirror and ``ToTensor``/``Normalize``: ``DecodeStage.finish``).  On a GPU
+either can bound delivery (docs/benchmarks.md section 8); this measures
+each apart, on the batches a real pass hands the stage:
+
+* ``finish``: ``DecodeStage.finish`` per image (the pin thread's geometry),
+  on the decoded images of the pass;
+* ``decode bookkeeping``: ``DecodeStage.decode`` per image with a decoder
+  that returns at once (what the decode thread spends outside the
+  decoder's call);
+* ``decoder``: the decoder's batched call per image (``--device cuda``:
+  the GPU's decoder, synchronized; on the CPU, the stand-in, which decodes
+  on the CPU and so says nothing of a GPU).
+
+Every figure is the best of ``--repeats`` runs over all captured batches,
+the GPU synchronized at both ends of each.  Run it on two checkouts in turn
+to compare code (``--json`` keeps the figures).
+
+    python benchmarks/device_stage.py                          # CPU stand-in, outputs 16, 32, 64, 224
+    python benchmarks/device_stage.py --device cuda --sizes 224
+    python benchmarks/device_stage.py --quick                  # tiny smoke run (tests use it)
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+import coordl  # noqa: E402
+from coordl import transforms as T  # noqa: E402
+from coordl.device import decode as DD  # noqa: E402
+from coordl.device import delivery as D  # noqa: E402
+from coordl.stats import BatchStats  # noqa: E402
+
+NORM = T.Normalize([0.485, 0.456, 0.406], [0.229, 0.224, 0.225])
+
+
+class _Instant:
+    """A decoder that returns each stream's decoded image at once (the
+    stage's own work, without a decoder's): images by the address of the
+    stream's bytes in the batch's buffer."""
+
+    name = "instant"
+
+    def __init__(self, images: dict) -> None:
+        self._images = images
+
+    def decode(self, streams: list) -> list:
+        return [self._images[s.data_ptr()] for s in streams]
+
+    def finish(self) -> None:
+        pass
+
+    def release(self) -> list:
+        return []
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def capture(root: str, size: int, batch: int, device: torch.device, batches: int) -> tuple:
+    """Run a ``decode="device"`` pass over ``root`` with RandomResizedCrop
+    (``size``) + flip + ToTensor + Normalize and keep, per batch, what the
+    stage was given: (stage, [(batch, blob, marks, pending)])."""
+    tf = T.Compose([T.RandomResizedCrop(size), T.RandomHorizontalFlip(), T.ToTensor(), NORM])
+    ds = coordl.ImageFolder(root, tf)
+    got: list = []
+    real_decode, real_finish = DD.DecodeStage.decode, DD.DecodeStage.finish
+
+    def decode(self, b, stats, step=None):
+        seen = (b, stats.device_blob, stats.device_marks)
+        out = real_decode(self, b, stats, step)
+        got.append([self, seen, stats.device_pending])
+        return out
+
+    DD.DecodeStage.decode = decode
+    try:
+        L = coordl.DataLoader(ds, batch_size=batch, seed=1, shuffle=True, device=device, decode="device")
+        for k, _ in enumerate(L):
+            if k + 1 >= batches:
+                break
+        _sync(device)
+    finally:
+        DD.DecodeStage.decode, DD.DecodeStage.finish = real_decode, real_finish
+    got = [g for g in got if g[2] is not None]
+    if not got:
+        raise SystemExit("no batch reached the stage")
+    return got[0][0], [(seen, pending) for _, seen, pending in got]
+
+
+def _pending_copy(p):
+    return DD._Pending(p.paths, p.records, [list(o) for o in p.out], list(p.raw), [], p.keep)
+
+
+def _streams(blob, pending) -> list:
+    """The batch's JPEG streams the decoder was given, with (path, row)."""
+    buf, _, offsets = blob
+    m = len(pending.paths)
+    return [((k, r), DD._bytes(buf, offsets[r * m + k])) for k, r, _ in pending.raw]
+
+
+def measure(stage, captured: list, device: torch.device, repeats: int) -> dict:
+    images = sum(len(p.keep) for _, p in captured)
+    best = {"finish_us": float("inf"), "decode_bookkeeping_us": float("inf"), "decoder_us": float("inf")}
+    decoded = {}
+    for (_, blob, _), p in captured:
+        imgs = {(k, r): img for k, r, img in p.raw}
+        for kr, s in _streams(blob, p):
+            decoded[s.data_ptr()] = imgs[kr]
+    instant = DD.DecodeStage(stage.device, stage.plan, _Instant(decoded), stage.on_error, stage.describe)
+    for _ in range(repeats):
+        _sync(device)
+        t = time.perf_counter()
+        for _, p in captured:
+            stage.finish(_pending_copy(p))
+        _sync(device)
+        best["finish_us"] = min(best["finish_us"], (time.perf_counter() - t) / images * 1e6)
+        t = time.perf_counter()
+        for (b, blob, marks), _ in captured:
+            st = BatchStats()
+            st.device_blob, st.device_marks = blob, marks
+            instant.decode(b, st)
+        _sync(device)
+        best["decode_bookkeeping_us"] = min(best["decode_bookkeeping_us"], (time.perf_counter() - t) / images * 1e6)
+        t = time.perf_counter()
+        for (_, blob, _), p in captured:
+            stage.decoder.decode([s for _, s in _streams(blob, p)])
+            stage.decoder.finish()
+        _sync(device)
+        best["decoder_us"] = min(best["decoder_us"], (time.perf_counter() - t) / images * 1e6)
+    return {k: round(v, 2) for k, v in best.items()} | {"images": images}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--root", default=None, help="an ImageFolder of JPEGs (default: generated, ImageNet-like)")
+    ap.add_argument("--images", type=int, default=512, help="generated images")
+    ap.add_argument("--sizes", default="16,32,64,224", help="output sizes (RandomResizedCrop)")
+    ap.add_argument("--batch-size", type=int, default=128)
+    ap.add_argument("--batches", type=int, default=4, help="batches captured per size")
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--device", default="cpu", help="cpu (the stand-in) or cuda")
+    ap.add_argument("--json", default=None, help="write the figures there")
+    ap.add_argument("--quick", action="store_true", help="tiny sizes: checks the script")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.images, args.sizes, args.batch_size, args.batches, args.repeats = 24, "16", 8, 2, 2
+    device = torch.device(args.device)
+    if device.type == "cpu":
+        D.CPU_TEST_DEVICE = True
+        torch.set_num_threads(1)    # one thread's work, as in the pin thread; not torch's pool on tiny images
+    elif device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: no CUDA device here")
+    with tempfile.TemporaryDirectory() as tmp:
+        root = args.root
+        if root is None:
+            from coordl.synth import make_image_folder
+
+            root = os.path.join(tmp, "photos")
+            kw = {"image_size": (96, 72), "mean_kb": 4} if args.quick else {}
+            make_image_folder(root, num_images=args.images, num_classes=2, seed=3, **kw)
+        rows = {}
+        for size in (int(s) for s in args.sizes.split(",")):
+            stage, captured = capture(root, size, args.batch_size, device, args.batches)
+            rows[size] = measure(stage, captured, device, args.repeats)
+            r = rows[size]
+            print(f"{size:>4}x{size:<4} {stage.decoder.name}: finish {r['finish_us']:8.1f} us/image, decode "
+                  f"bookkeeping {r['decode_bookkeeping_us']:6.1f}, decoder {r['decoder_us']:8.1f} "
+                  f"({r['images']} images, best of {args.repeats})", flush=True)
+    facts = {"device": str(device), "torch": torch.__version__, "cpus": os.cpu_count(),
+             "batch_size": args.batch_size, "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"facts": facts, "rows": rows}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
