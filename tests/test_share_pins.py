@@ -258,3 +258,73 @@ def test_the_jobs_count_of_its_pins_gives_each_back_once_and_never_one_a_view_us
     finally:
         link.close()
         daemon.close()
+
+
+# --------------------------------------------------------------------------- pins given back while idle
+def _idle_link():
+    """A link over a socket pair (the far end stands in for the daemon, not
+    reading until told), with one pin of position 5 a live view uses."""
+    import mmap
+    import socket
+
+    from coordl.daemon import ipc
+    from coordl.daemon.shared_iter import _Link
+
+    _reaper.start()
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    link = _Link(ipc.Conn(a, 0), mmap.mmap(-1, 4096), 64, 1, 1, [0], -1)
+    link.told([(5, 0)])
+    assert link.take_view([(5, 0)])
+    b.setblocking(False)
+    return link, ipc.Conn(b, 0)
+
+
+def _released(daemon, timeout: float = 10.0) -> list:
+    """What the stand-in daemon reads until a message gives position 5 back
+    (or the timeout): the unpins it saw."""
+    deadline, seen = time.monotonic() + timeout, []
+    while time.monotonic() < deadline:
+        for msg, _ in daemon.read_ready():
+            seen += msg.get("unpin", [])
+        if 5 in seen:
+            break
+        time.sleep(0.02)
+    return seen
+
+
+def test_a_view_that_dies_while_the_socket_is_full_still_gives_its_pin_back():
+    """No pass runs and the daemon reads late (the socket is full when the
+    view dies): the release that does not fit goes out once the daemon
+    reads, without waiting for the job's next message (a job between
+    passes may send none for a long time, and the slot stays pinned)."""
+    link, daemon = _idle_link()
+    try:
+        while True:                               # the daemon has not read: the socket fills
+            link.conn.queue({"op": "noise", "pad": "x" * 65536})
+            if not link.conn.write_ready():
+                break
+        link.view_gone([(5, 0)])
+        _reaper.flush()
+        assert 5 in _released(daemon)
+    finally:
+        link._close_now()
+        daemon.close()
+
+
+def test_a_view_that_dies_while_a_write_holds_the_connection_still_gives_its_pin_back():
+    """No pass runs; a write in another thread holds the connection for
+    longer than the give-back waits for it (the daemon was slow to take the
+    pass's last message): the pin still goes back afterwards, without
+    waiting for a next message."""
+    import threading
+
+    link, daemon = _idle_link()
+    link._wlock.acquire()
+    try:
+        threading.Timer(1.5, link._wlock.release).start()
+        link.view_gone([(5, 0)])
+        _reaper.flush()
+        assert 5 in _released(daemon)
+    finally:
+        link._close_now()
+        daemon.close()

@@ -22,7 +22,7 @@ import queue
 import threading
 import traceback
 
-__all__ = ["start", "later", "flush"]
+__all__ = ["start", "later", "flush", "running"]
 
 _q: queue.SimpleQueue = queue.SimpleQueue()
 _thread: list = []   # [thread, pid] of this process's reaper
@@ -46,6 +46,13 @@ def _loop() -> None:
             fn()
         except Exception:  # a failed clean-up must not end the reaper; say what happened
             traceback.print_exc()
+
+
+def running() -> bool:
+    """Whether :func:`later` enqueues (this process's reaper runs and the
+    interpreter is not exiting) rather than running the clean-up at once."""
+    return bool(threading.main_thread().is_alive() and _thread and _thread[1] == os.getpid()
+                and _thread[0].is_alive())
 
 
 def later(fn) -> None:

@@ -81,8 +81,9 @@ class _Link:
     batch of it) holds two pins, and its slot stays until both views are
     gone; a pass that ends early gives back every pin of its read-ahead,
     and never one a live view uses.  Pins given back go out with the
-    running pass's next message, or at once (:meth:`post`, which never
-    waits) when a view dies while no pass runs, or a pass is left.
+    running pass's next message, or at once (:meth:`post`; what the socket
+    does not take then, the reaper thread sends as it does) when a view
+    dies while no pass runs, or a pass is left.
 
     Reading.  What the daemon sends is read without blocking
     (:meth:`pump`: the frames that are complete; a partial one waits in the
@@ -221,13 +222,28 @@ class _Link:
                 if poller is not None:
                     poller.close()
 
+    #: how long the reaper keeps retrying what :meth:`post` could not send at once
+    POST_RETRY_S = 60.0
+
     def post(self, msg: dict | None = None) -> None:
         """Send ``msg`` (or else a ``release``) with the pins given back so
-        far, without waiting, from any thread: what the socket does not take
-        now goes out, in order, before the next message.  Nothing when the
-        connection is closed or belongs to the parent process."""
-        if os.getpid() != self.pid or not self._wlock.acquire(timeout=1.0):
-            return   # (a write of the pass's thread that waits: these go out with its next message)
+        far, from any thread, waiting at most a second for the connection.
+        What the socket does not take now (the daemon reads late), or all of
+        it when another thread's write holds the connection past that second
+        (a pass's thread waiting on a slow daemon), the reaper thread sends
+        as the socket takes it, trying again every few tens of milliseconds
+        for :attr:`POST_RETRY_S` (then it goes out before the next message):
+        a job between passes may send nothing for long, and its pins would
+        stay.  Nothing when the connection is closed or belongs to the
+        parent process."""
+        self._post(msg, time.monotonic() + self.POST_RETRY_S, 1.0)
+
+    def _post(self, msg: dict | None, until: float, lock_wait: float) -> None:
+        if os.getpid() != self.pid:
+            return
+        if not self._wlock.acquire(timeout=lock_wait):
+            self._again(msg, until)     # (unpins taken by the pass's next message go with it instead)
+            return
         try:
             if self.conn.fileno() < 0:
                 return
@@ -236,11 +252,31 @@ class _Link:
             msg["unpin"] = msg.get("unpin", []) + self._take_unpin()
             if msg["op"] != "release" or msg["unpin"]:
                 self.conn.queue(msg)
-            self.conn.write_ready()
+            if self.conn.write_ready():
+                return
         except (OSError, ValueError):
-            pass     # the connection broke: the pass that uses it finds out
+            return   # the connection broke: the pass that uses it finds out
         finally:
             self._wlock.release()
+        self._again(None, until)        # the rest waits in the connection: send it as the socket takes it
+
+    def _again(self, msg: dict | None, until: float) -> None:
+        """:meth:`_post` again later, in the reaper thread (not where it
+        would run at once: interpreter exit, a forked child)."""
+        if time.monotonic() < until and self.conn.fileno() >= 0 and _reaper.running():
+            _reaper.later(functools.partial(self._retry, msg, until))
+
+    def _retry(self, msg: dict | None, until: float) -> None:
+        """In the reaper: wait up to 50 ms for the socket to take more
+        (the lock, in :meth:`_post`), then post again."""
+        if msg is None and self.conn.pending_out:
+            try:
+                with selectors.DefaultSelector() as sel:
+                    sel.register(self.conn.sock, selectors.EVENT_WRITE)
+                    sel.select(0.05)
+            except (OSError, ValueError):
+                return   # closed meanwhile
+        self._post(msg, until, 0.05)
 
     # ------------------------------------------------------------ reading
     def pump(self, wait: bool = True, idle: bool = False) -> int:
