@@ -29,7 +29,9 @@
 #    fixed count at 15 workers on every core (worker_scaling.py, 1,500
 #    synthetic JPEGs; part (a) of gpu.py splits the CPU by process anyway);
 # 8. runs benchmarks/gpu.py (BENCH_ARGS), its JSON beside the report
-#    (REPORT with .json) and appended to it.
+#    (REPORT with .json) and appended to it;
+# 9. with at least 30 s of TOTAL_LIMIT left, the decode stage's per-image
+#    cost in the main process (device_stage.py --device cuda, 224x224).
 #
 # Exit status: 1 when a CUDA test failed or the tests did not run, 3 when
 # only the benchmark failed, 0 otherwise.
@@ -245,6 +247,15 @@ PY
   step "figures ($JSON)"
   cat "$JSON" 2>/dev/null || echo "no JSON was written"
   echo
+
+  left=$(( TOTAL_LIMIT - (SECONDS - t0) ))
+  step "decode=\"device\" stage, per image in the main process (limit $(( left > 30 ? left - 5 : 0 )) s)"
+  if [ "$left" -ge 30 ] && python3 -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
+    timeout -s INT -k 5 $(( left - 5 )) python3 benchmarks/device_stage.py --device cuda --sizes 224 \
+      --images 256 --batches 2 --repeats 3 || echo "device_stage.py did not finish"
+  else
+    echo "skipped (${left} s left of ${TOTAL_LIMIT}, or no CUDA device)"
+  fi
   step "summary"
   echo "CUDA tests exit status $tests_rc; benchmarks/gpu.py exit status $bench_rc; $((SECONDS - t0)) s in all"
   if [ "$tests_rc" != 0 ]; then return 1; fi
