@@ -74,11 +74,11 @@ def _sync(device: torch.device) -> None:
 def capture(root: str, size: int, batch: int, device: torch.device, batches: int) -> tuple:
     """Run a ``decode="device"`` pass over ``root`` with RandomResizedCrop
     (``size``) + flip + ToTensor + Normalize and keep, per batch, what the
-    stage was given: (stage, [(batch, blob, marks, pending)])."""
+    stage was given: (stage, [((batch, blob, marks), pending)])."""
     tf = T.Compose([T.RandomResizedCrop(size), T.RandomHorizontalFlip(), T.ToTensor(), NORM])
     ds = coordl.ImageFolder(root, tf)
     got: list = []
-    real_decode, real_finish = DD.DecodeStage.decode, DD.DecodeStage.finish
+    real_decode = DD.DecodeStage.decode
 
     def decode(self, b, stats, step=None):
         seen = (b, stats.device_blob, stats.device_marks)
@@ -94,7 +94,7 @@ def capture(root: str, size: int, batch: int, device: torch.device, batches: int
                 break
         _sync(device)
     finally:
-        DD.DecodeStage.decode, DD.DecodeStage.finish = real_decode, real_finish
+        DD.DecodeStage.decode = real_decode
     got = [g for g in got if g[2] is not None]
     if not got:
         raise SystemExit("no batch reached the stage")

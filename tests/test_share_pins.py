@@ -292,23 +292,29 @@ def _released(daemon, timeout: float = 10.0) -> list:
     return seen
 
 
-def test_a_view_that_dies_while_the_socket_is_full_still_gives_its_pin_back():
-    """No pass runs and the daemon reads late (the socket is full when the
-    view dies): the release that does not fit goes out once the daemon
-    reads, without waiting for the job's next message (a job between
-    passes may send none for a long time, and the slot stays pinned)."""
-    link, daemon = _idle_link()
+def _dies_and_goes_back(link, daemon) -> None:
+    """The view of position 5 dies while no pass runs: the daemon reads its
+    pin given back (without a further message from the job)."""
     try:
-        while True:                               # the daemon has not read: the socket fills
-            link.conn.queue({"op": "noise", "pad": "x" * 65536})
-            if not link.conn.write_ready():
-                break
         link.view_gone([(5, 0)])
         _reaper.flush()
         assert 5 in _released(daemon)
     finally:
         link._close_now()
         daemon.close()
+
+
+def test_a_view_that_dies_while_the_socket_is_full_still_gives_its_pin_back():
+    """No pass runs and the daemon reads late (the socket is full when the
+    view dies): the release that does not fit goes out once the daemon
+    reads, without waiting for the job's next message (a job between
+    passes may send none for a long time, and the slot stays pinned)."""
+    link, daemon = _idle_link()
+    while True:                               # the daemon has not read: the socket fills
+        link.conn.queue({"op": "noise", "pad": "x" * 65536})
+        if not link.conn.write_ready():
+            break
+    _dies_and_goes_back(link, daemon)
 
 
 def test_a_view_that_dies_while_a_write_holds_the_connection_still_gives_its_pin_back():
@@ -320,11 +326,5 @@ def test_a_view_that_dies_while_a_write_holds_the_connection_still_gives_its_pin
 
     link, daemon = _idle_link()
     link._wlock.acquire()
-    try:
-        threading.Timer(1.5, link._wlock.release).start()
-        link.view_gone([(5, 0)])
-        _reaper.flush()
-        assert 5 in _released(daemon)
-    finally:
-        link._close_now()
-        daemon.close()
+    threading.Timer(1.5, link._wlock.release).start()
+    _dies_and_goes_back(link, daemon)

@@ -340,17 +340,14 @@ class DecodeStage:
         left = {(k, r): img for k, r, img in pending.raw}
         images = {}
         for k, path in enumerate(pending.paths):
-            y = None
+            y = torch.empty((len(keep), records[k][keep[0]][CHANNELS], *self.plan.size), dtype=torch.float32,
+                            device=self.device)
             for j, r in enumerate(keep):
                 img = left.pop((k, r), None)
-                x = out[k][r]
-                if y is None:
-                    c = (img if img is not None else x).shape[0]
-                    y = torch.empty((len(keep), c, *self.plan.size), dtype=torch.float32, device=self.device)
                 if img is not None:
                     self._geometry(img, records[k][r], into=y[j:j + 1])
                 else:
-                    y[j].copy_(x)
+                    y[j].copy_(out[k][r])
             y = y.round_().clamp_(0, 255).to(torch.uint8)
             flips = [bool(records[k][r][FLIP]) for r in keep]
             if all(flips):
