@@ -105,7 +105,11 @@ def analyze(root: str | os.PathLike | None = None, *, dataset: Any = None, trans
             (``lo / (1 + e)``, ``hi / (1 - e)``).  ``None``: the larger of
             ``MODEL_ERROR_FLOOR`` and the model's error on the
             analyzer's own loader + step passes (cold and cached), which
-            no input is fitted to.
+            no input is fitted to.  When that error is past
+            ``MODEL_ERROR_VERDICT`` (a pass disturbed by other work on the
+            machine), everything is measured once more and the report is
+            the look with the smaller error; ``report["looks"]`` lists each
+            look's error and verdict.
         log: progress messages go here (``None``: silent).
     """
     from . import measure as M
@@ -152,166 +156,188 @@ def analyze(root: str | os.PathLike | None = None, *, dataset: Any = None, trans
     _check_pos_int(max_workers, "max_workers")
     loader = _loader_factory(batch_size, fetch_threads, device)
 
-    say(f"coordl analyze: {n} samples, {dbytes / _MiB:.1f} MiB ({source}), batch {batch_size}, "
-        f"{workers} workers, {cpus} CPUs, in-memory passes from the {cache} cache, {repeats} repeats")
-    passes: dict[str, dict] = {}
-    t_all = time.perf_counter()
+    def look() -> dict:
+        """One measurement of every pass, the model fitted to it, the report."""
+        say(f"coordl analyze: {n} samples, {dbytes / _MiB:.1f} MiB ({source}), batch {batch_size}, "
+            f"{workers} workers, {cpus} CPUs, in-memory passes from the {cache} cache, {repeats} repeats")
+        passes: dict[str, dict] = {}
+        t_all = time.perf_counter()
 
-    # 1-2: fetch only, cold then warm (same loader: with the node cache the first pass fills it)
-    eviction = M.evict(files, evict)
-    F = loader(M.FetchOnly(ds), workers, cache_size)
-    passes["fetch_cold"] = M.run_pass(F, device=disk)
-    say(f"  fetch only, cold ({eviction}): {passes['fetch_cold']['rate']:.1f} samples/s")
-    passes["fetch_warm"] = _typical(M, F, None, repeats)
-    say(f"  fetch only, warm: {passes['fetch_warm']['rate']:.1f} samples/s")
-    # 3: prep only at each worker count (F keeps the node cache alive)
-    prep, prep_passes, batch = _prep_passes(loader, ds, scaling + ([0] if workers == 0 else []), cache_size,
-                                            repeats, say, keep_batch=True)
-    passes.update(prep_passes)
-    # 4: the step alone, device synchronized when CUDA is in use
-    if step is not None:
-        ing = M.ingest_rate(step_fn, batch, seconds=ingest_seconds)
-        passes["ingest"] = ing
-        G = model.est_from_samples(ing["rates"], "measured: the step alone on one batch in memory"
-                                   + (", device synchronized" if ing["synchronized"] else ""))
-        c_step = model.est_from_samples(ing["cpu_per_sample_runs"], "measured: process CPU during the step alone")
-        share = ing["cpu_share"]
-        k_step = model.est_from_samples(ing.get("cpu_share_runs") or [share],
-                                        "measured: cores the step kept busy alone (CPU-seconds per second it was "
-                                        "not waiting for a core)")
-        k_step = model.Est(share, min(k_step.lo, share), max(k_step.hi, share), k_step.source)
-    else:
-        G = model.Est.exact(rate, "given (rate=)")
-        c_step = model.Est.exact(0.0, "given: a rate= step sleeps (no CPU)")
-        share = 0.0
-        k_step = model.Est.exact(0.0, "given: a rate= step sleeps (no CPU)")
-    kind = step_kind if step_kind != "auto" else ("cpu" if share >= 0.5 else "accelerator")
-    say(f"  step alone: {G.value:.1f} samples/s, {c_step.value * 1e3:.3f} CPU-ms/sample "
-        f"({share:.2f} cores busy: {step_words(kind)})")
-    del batch
-    timed_step = step_fn
-    sync = M.cuda_sync()
-    if sync is not None and step is not None:
-        timed_step = M.SyncStep(step_fn, sync)
-    # 5: cached
-    L = loader(ds, workers, cache_size)
-    passes["cached"] = _typical(M, L, timed_step, repeats)
-    say(f"  loader + step, cached: {passes['cached']['rate']:.1f} samples/s")
-    del L, F
-    M.collect()
-    # 6: cold
-    eviction2 = M.evict(files, evict)
-    L = loader(ds, workers, 0)
-    passes["cold"] = M.run_pass(L, timed_step, device=disk)
-    say(f"  loader + step, cold ({eviction2}): {passes['cold']['rate']:.1f} samples/s")
-    del L
-    M.collect()
+        # 1-2: fetch only, cold then warm (same loader: with the node cache the first pass fills it)
+        eviction = M.evict(files, evict)
+        F = loader(M.FetchOnly(ds), workers, cache_size)
+        passes["fetch_cold"] = M.run_pass(F, device=disk)
+        say(f"  fetch only, cold ({eviction}): {passes['fetch_cold']['rate']:.1f} samples/s")
+        passes["fetch_warm"] = _typical(M, F, None, repeats)
+        say(f"  fetch only, warm: {passes['fetch_warm']['rate']:.1f} samples/s")
+        # 3: prep only at each worker count (F keeps the node cache alive)
+        prep, prep_passes, batch = _prep_passes(loader, ds, scaling + ([0] if workers == 0 else []), cache_size,
+                                                repeats, say, keep_batch=True)
+        passes.update(prep_passes)
+        # 4: the step alone, device synchronized when CUDA is in use
+        if step is not None:
+            ing = M.ingest_rate(step_fn, batch, seconds=ingest_seconds)
+            passes["ingest"] = ing
+            G = model.est_from_samples(ing["rates"], "measured: the step alone on one batch in memory"
+                                       + (", device synchronized" if ing["synchronized"] else ""))
+            c_step = model.est_from_samples(ing["cpu_per_sample_runs"], "measured: process CPU during the step alone")
+            share = ing["cpu_share"]
+            k_step = model.est_from_samples(ing.get("cpu_share_runs") or [share],
+                                            "measured: cores the step kept busy alone (CPU-seconds per second it was "
+                                            "not waiting for a core)")
+            k_step = model.Est(share, min(k_step.lo, share), max(k_step.hi, share), k_step.source)
+        else:
+            G = model.Est.exact(rate, "given (rate=)")
+            c_step = model.Est.exact(0.0, "given: a rate= step sleeps (no CPU)")
+            share = 0.0
+            k_step = model.Est.exact(0.0, "given: a rate= step sleeps (no CPU)")
+        kind = step_kind if step_kind != "auto" else ("cpu" if share >= 0.5 else "accelerator")
+        say(f"  step alone: {G.value:.1f} samples/s, {c_step.value * 1e3:.3f} CPU-ms/sample "
+            f"({share:.2f} cores busy: {step_words(kind)})")
+        del batch
+        timed_step = step_fn
+        sync = M.cuda_sync()
+        if sync is not None and step is not None:
+            timed_step = M.SyncStep(step_fn, sync)
+        # 5: cached
+        L = loader(ds, workers, cache_size)
+        passes["cached"] = _typical(M, L, timed_step, repeats)
+        say(f"  loader + step, cached: {passes['cached']['rate']:.1f} samples/s")
+        del L, F
+        M.collect()
+        # 6: cold
+        eviction2 = M.evict(files, evict)
+        L = loader(ds, workers, 0)
+        passes["cold"] = M.run_pass(L, timed_step, device=disk)
+        say(f"  loader + step, cold ({eviction2}): {passes['cold']['rate']:.1f} samples/s")
+        del L
+        M.collect()
 
-    # ---------------------------------------------------------------- model
-    inp, notes = _model_inputs(passes, n, dbytes, cpus, G, c_step, kind, workers, cache)
-    inp.step_cores = k_step
-    inp.model_error, held_out = _model_error(inp, passes, workers, model_error)
-    fractions = [i / 10 for i in range(11)]
-    wlist = list(range(1, max_workers + 1))
-    rc, rf = passes["cached"]["rate"], passes["cold"]["rate"]
-    now = model.predict(inp, 0.0, workers)
-    cached_p = model.predict(inp, 1.0, workers)
-    measured_stalls = model.stalls(G.value, rc, rf)
-    vd = model.verdict(now, model.predict(inp, 0.0, workers, no_fetch=True),
-                       model.predict(inp, 0.0, workers, no_prep=True),
-                       model_error=inp.model_error.value, measured=measured_stalls)
-    per_sample = dbytes / n
-    cold_dev = passes["fetch_cold"]["device_bytes"]
-    measured_names = sorted(k for k, v in inp.__dict__.items() if isinstance(v, model.Est)
-                            and v.source.startswith("measured"))
-    report = {
-        "version": 2,
-        "dataset": {"source": source, "samples": n, "bytes": dbytes, "bytes_source": bytes_source,
-                    "files": len(files), "transform": tf_desc},
-        "settings": {"batch_size": batch_size, "workers": workers, "cache": cache, "cache_size": cache_size,
-                     "fetch_threads": fetch_threads, "cpus": cpus, "max_workers": max_workers,
-                     "scaling_workers": scaling, "step": step if isinstance(step, str) else
-                     (getattr(step, "__qualname__", repr(step)) if step is not None else None),
-                     "rate": rate, "repeats": repeats, "step_kind": kind, "step_kind_given": step_kind,
-                     "device": None if device is None else str(device)},
-        "eviction": {"cold_fetch_pass": eviction, "cold_pass": eviction2},
-        "rates": {"ingest": G.value, "ingest_source": G.source, "cached": rc, "cold": rf,
-                  "prep": {str(k): v for k, v in prep.items()}, "fetch_cold": passes["fetch_cold"]["rate"],
-                  "fetch_warm": passes["fetch_warm"]["rate"]},
-        "bandwidth": {
-            "storage": inp.storage_bw.value, "cache": inp.cache_bw.value,
-            "storage_source": "fetch-only cold pass: samples/s x mean sample bytes (dataset bytes / samples)",
-            "cache_source": f"fetch-only warm pass from the {cache} cache, same formula",
-            "storage_loader_bytes": passes["fetch_cold"]["bytes_storage"],
-            "storage_device": disk.disk,
-            "storage_device_bytes": cold_dev,
-            "storage_device_note": ("sectors read on /sys/block/%s/stat during the cold fetch pass (all readers "
-                                    "of that disk count)" % disk.disk) if disk.disk else
-                                   "no block device behind the dataset (or not a local file dataset)",
-            "mean_sample_bytes": per_sample,
-        },
-        "stalls": measured_stalls,
-        "model": {
-            "inputs": inp.as_dict(),
-            "measured": measured_names,
-            "modelled": sorted(k for k, v in inp.__dict__.items() if isinstance(v, model.Est)
-                               and k not in measured_names),
-            "notes": notes,
-            "description": model.__doc__.split("\n\n")[1].replace("\n", " "),
-        },
-        "verdict": vd,
-        "recommendations": recommend(vd, ds),
-        "what_if": {
-            "cache": model.what_if_cache(inp, workers, fractions),
-            "workers_cold": model.what_if_workers(inp, 0.0, wlist, prep),
-            "workers_cached": model.what_if_workers(inp, 1.0, wlist, prep),
-            "grid": model.what_if_grid(inp, fractions, wlist),
-            "serial_fraction": inp.amdahl_s.as_dict(),
-        },
-        "check": {"cold_predicted": now["throughput"], "cold_lo": now["lo"], "cold_hi": now["hi"],
-                  "cold_bound": now["bound"], "cold_measured": rf,
-                  "cached_predicted": cached_p["throughput"], "cached_lo": cached_p["lo"],
-                  "cached_hi": cached_p["hi"], "cached_bound": cached_p["bound"], "cached_measured": rc},
-        "passes": passes,
-        "seconds": time.perf_counter() - t_all,
-    }
-    report["check"].update({"cold_lo_inputs": now["lo_inputs"], "cold_hi_inputs": now["hi_inputs"],
-                            "cached_lo_inputs": cached_p["lo_inputs"], "cached_hi_inputs": cached_p["hi_inputs"],
-                            "model_error": inp.model_error.value, "model_error_source": inp.model_error.source,
-                            "held_out_errors": held_out})
-    for k in ("cold", "cached"):
-        c = report["check"]
-        c[f"{k}_error"] = c[f"{k}_predicted"] / c[f"{k}_measured"] - 1
-        c[f"{k}_in_interval"] = c[f"{k}_lo"] <= c[f"{k}_measured"] <= c[f"{k}_hi"]
-        c[f"{k}_in_inputs_interval"] = c[f"{k}_lo_inputs"] <= c[f"{k}_measured"] <= c[f"{k}_hi_inputs"]
-    short = [k for k, p in passes.items() if p.get("short")]
-    report["warnings"] = []
-    if short:
-        report["warnings"].append(f"passes {', '.join(short)} had no more batches than workers: timed from "
-                                  f"iter(), start-up included; use more samples for steady-state rates")
-    if cache == "node" and passes["fetch_warm"]["bytes_cache"] < 0.95 * dbytes:
-        report["warnings"].append(
-            f"the node cache held only {passes['fetch_warm']['bytes_cache'] / max(dbytes, 1):.0%} of the dataset in "
-            f"the warm pass (/dev/shm too small?): cached rates are partly from storage")
-    if not files:
-        report["warnings"].append("no local files behind the dataset: nothing was evicted, the cold passes read "
-                                  "whatever raw() reads")
-    lost = [k for k, p in passes.items() if p.get("cpu_children_lost")]
-    if lost:
-        report["warnings"].append(f"worker processes exited inside the timed window of {', '.join(lost)}: their "
-                                  f"CPU is undercounted")
-    for k in ("cold", "cached"):
-        c = report["check"]
-        if not c[f"{k}_in_interval"]:
+        # ---------------------------------------------------------------- model
+        inp, notes = _model_inputs(passes, n, dbytes, cpus, G, c_step, kind, workers, cache)
+        inp.step_cores = k_step
+        inp.model_error, held_out = _model_error(inp, passes, workers, model_error)
+        fractions = [i / 10 for i in range(11)]
+        wlist = list(range(1, max_workers + 1))
+        rc, rf = passes["cached"]["rate"], passes["cold"]["rate"]
+        now = model.predict(inp, 0.0, workers)
+        cached_p = model.predict(inp, 1.0, workers)
+        measured_stalls = model.stalls(G.value, rc, rf)
+        vd = model.verdict(now, model.predict(inp, 0.0, workers, no_fetch=True),
+                           model.predict(inp, 0.0, workers, no_prep=True),
+                           model_error=inp.model_error.value, measured=measured_stalls)
+        per_sample = dbytes / n
+        cold_dev = passes["fetch_cold"]["device_bytes"]
+        measured_names = sorted(k for k, v in inp.__dict__.items() if isinstance(v, model.Est)
+                                and v.source.startswith("measured"))
+        report = {
+            "version": 2,
+            "dataset": {"source": source, "samples": n, "bytes": dbytes, "bytes_source": bytes_source,
+                        "files": len(files), "transform": tf_desc},
+            "settings": {"batch_size": batch_size, "workers": workers, "cache": cache, "cache_size": cache_size,
+                         "fetch_threads": fetch_threads, "cpus": cpus, "max_workers": max_workers,
+                         "scaling_workers": scaling, "step": step if isinstance(step, str) else
+                         (getattr(step, "__qualname__", repr(step)) if step is not None else None),
+                         "rate": rate, "repeats": repeats, "step_kind": kind, "step_kind_given": step_kind,
+                         "device": None if device is None else str(device)},
+            "eviction": {"cold_fetch_pass": eviction, "cold_pass": eviction2},
+            "rates": {"ingest": G.value, "ingest_source": G.source, "cached": rc, "cold": rf,
+                      "prep": {str(k): v for k, v in prep.items()}, "fetch_cold": passes["fetch_cold"]["rate"],
+                      "fetch_warm": passes["fetch_warm"]["rate"]},
+            "bandwidth": {
+                "storage": inp.storage_bw.value, "cache": inp.cache_bw.value,
+                "storage_source": "fetch-only cold pass: samples/s x mean sample bytes (dataset bytes / samples)",
+                "cache_source": f"fetch-only warm pass from the {cache} cache, same formula",
+                "storage_loader_bytes": passes["fetch_cold"]["bytes_storage"],
+                "storage_device": disk.disk,
+                "storage_device_bytes": cold_dev,
+                "storage_device_note": ("sectors read on /sys/block/%s/stat during the cold fetch pass (all readers "
+                                        "of that disk count)" % disk.disk) if disk.disk else
+                                       "no block device behind the dataset (or not a local file dataset)",
+                "mean_sample_bytes": per_sample,
+            },
+            "stalls": measured_stalls,
+            "model": {
+                "inputs": inp.as_dict(),
+                "measured": measured_names,
+                "modelled": sorted(k for k, v in inp.__dict__.items() if isinstance(v, model.Est)
+                                   and k not in measured_names),
+                "notes": notes,
+                "description": model.__doc__.split("\n\n")[1].replace("\n", " "),
+            },
+            "verdict": vd,
+            "recommendations": recommend(vd, ds),
+            "what_if": {
+                "cache": model.what_if_cache(inp, workers, fractions),
+                "workers_cold": model.what_if_workers(inp, 0.0, wlist, prep),
+                "workers_cached": model.what_if_workers(inp, 1.0, wlist, prep),
+                "grid": model.what_if_grid(inp, fractions, wlist),
+                "serial_fraction": inp.amdahl_s.as_dict(),
+            },
+            "check": {"cold_predicted": now["throughput"], "cold_lo": now["lo"], "cold_hi": now["hi"],
+                      "cold_bound": now["bound"], "cold_measured": rf,
+                      "cached_predicted": cached_p["throughput"], "cached_lo": cached_p["lo"],
+                      "cached_hi": cached_p["hi"], "cached_bound": cached_p["bound"], "cached_measured": rc},
+            "passes": passes,
+            "seconds": time.perf_counter() - t_all,
+        }
+        report["check"].update({"cold_lo_inputs": now["lo_inputs"], "cold_hi_inputs": now["hi_inputs"],
+                                "cached_lo_inputs": cached_p["lo_inputs"], "cached_hi_inputs": cached_p["hi_inputs"],
+                                "model_error": inp.model_error.value, "model_error_source": inp.model_error.source,
+                                "held_out_errors": held_out})
+        for k in ("cold", "cached"):
+            c = report["check"]
+            c[f"{k}_error"] = c[f"{k}_predicted"] / c[f"{k}_measured"] - 1
+            c[f"{k}_in_interval"] = c[f"{k}_lo"] <= c[f"{k}_measured"] <= c[f"{k}_hi"]
+            c[f"{k}_in_inputs_interval"] = c[f"{k}_lo_inputs"] <= c[f"{k}_measured"] <= c[f"{k}_hi_inputs"]
+        short = [k for k, p in passes.items() if p.get("short")]
+        report["warnings"] = []
+        if short:
+            report["warnings"].append(f"passes {', '.join(short)} had no more batches than workers: timed from "
+                                      f"iter(), start-up included; use more samples for steady-state rates")
+        if cache == "node" and passes["fetch_warm"]["bytes_cache"] < 0.95 * dbytes:
             report["warnings"].append(
-                f"the model's {k} prediction {c[f'{k}_predicted']:.1f} [{c[f'{k}_lo']:.1f}, {c[f'{k}_hi']:.1f}] does "
-                f"not hold the measured {c[f'{k}_measured']:.1f}: treat the what-if tables with care (a busy "
-                f"machine, or a pipeline the model does not describe)")
-    if model_error is None and inp.model_error.value > MODEL_ERROR_FLOOR:
+                f"the node cache held only {passes['fetch_warm']['bytes_cache'] / max(dbytes, 1):.0%} of the dataset in "
+                f"the warm pass (/dev/shm too small?): cached rates are partly from storage")
+        if not files:
+            report["warnings"].append("no local files behind the dataset: nothing was evicted, the cold passes read "
+                                      "whatever raw() reads")
+        lost = [k for k, p in passes.items() if p.get("cpu_children_lost")]
+        if lost:
+            report["warnings"].append(f"worker processes exited inside the timed window of {', '.join(lost)}: their "
+                                      f"CPU is undercounted")
+        for k in ("cold", "cached"):
+            c = report["check"]
+            if not c[f"{k}_in_interval"]:
+                report["warnings"].append(
+                    f"the model's {k} prediction {c[f'{k}_predicted']:.1f} [{c[f'{k}_lo']:.1f}, {c[f'{k}_hi']:.1f}] does "
+                    f"not hold the measured {c[f'{k}_measured']:.1f}: treat the what-if tables with care (a busy "
+                    f"machine, or a pipeline the model does not describe)")
+        if model_error is None and inp.model_error.value > MODEL_ERROR_FLOOR:
+            report["warnings"].append(
+                f"the model missed its own check passes by up to {inp.model_error.value:.0%} (more than the "
+                f"{MODEL_ERROR_FLOOR:.0%} it is expected to hold): every interval is widened by that; treat the what-if "
+                f"tables with care (a busy machine, or a pipeline the model does not describe)")
+        return report
+    report = look()
+    if model_error is None and report["check"]["model_error"] > MODEL_ERROR_VERDICT:
+        # A pass disturbed by other work on the machine: one second look, and the look whose own check
+        # passes the model described better is the report (each look is self-consistent).
+        first = report
+        say(f"  the model missed its own check passes by {first['check']['model_error']:.0%} (a busy machine?): "
+            f"measuring once more")
+        second = look()
+        report = min((first, second), key=lambda r: r["check"]["model_error"])
+        report["looks"] = [{"model_error": r["check"]["model_error"], "verdict": r["verdict"]["largest"],
+                            "conclusive": r["verdict"]["conclusive"], "seconds": r["seconds"]}
+                           for r in (first, second)]
         report["warnings"].append(
-            f"the model missed its own check passes by up to {inp.model_error.value:.0%} (more than the "
-            f"{MODEL_ERROR_FLOOR:.0%} it is expected to hold): every interval is widened by that; treat the what-if "
-            f"tables with care (a busy machine, or a pipeline the model does not describe)")
+            f"the first look's model error was {first['check']['model_error']:.0%}, past the "
+            f"{MODEL_ERROR_VERDICT:.0%} a verdict needs: everything was measured once more and this report is "
+            f"the look with the smaller error ({report['check']['model_error']:.0%})")
+    else:
+        report["looks"] = [{"model_error": report["check"]["model_error"], "verdict": report["verdict"]["largest"],
+                            "conclusive": report["verdict"]["conclusive"], "seconds": report["seconds"]}]
     return report
 
 
