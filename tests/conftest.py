@@ -101,16 +101,18 @@ def pytest_configure(config):
     )
 
 
-# The modules that take longest, longest first (minutes of one worker in a
-# loaded `-n 3` run on 2 cores).  Under `--dist loadfile` a module runs on one
+# The modules that take longest, longest first (seconds of one worker in a
+# loaded `-n 3` run on 2 cores, from --durations=0; those over 15 s).  Under `--dist loadfile` a module runs on one
 # worker from start to end and the suite lasts as long as its busiest worker:
 # these go first and the many short modules fill in around them (setup.cfg
 # turns off xdist's own order, by number of tests, which put them last).
 LONG_MODULES = [
-    "test_share.py", "test_benchmarks.py", "test_benchmarks_sharing.py", "test_daemon_robust.py",
-    "test_share_code.py", "test_pipeline_lifetime.py", "test_peers.py", "test_cache_lifetime.py",
-    "test_daemon_pool.py", "test_readme.py", "test_share_pins.py", "test_seed_agreement.py", "test_resume.py",
-    "test_sampler.py", "test_peers_protocol.py", "test_analyze.py", "test_conformance.py",
+    "test_benchmarks.py", "test_share.py", "test_benchmarks_sharing.py", "test_daemon_robust.py", "test_peers.py",
+    "test_share_code.py", "test_daemon_pool.py", "test_cache_lifetime.py", "test_pipeline_lifetime.py",
+    "test_analyze.py", "test_resume.py", "test_readme.py", "test_torchvision.py", "test_conformance.py",
+    "test_worker_device_state.py", "test_share_pins.py", "test_seed_agreement.py", "test_native_store.py",
+    "test_peers_protocol.py", "test_remote.py", "test_crash.py", "test_docs.py", "test_loader.py", "test_sampler.py",
+    "test_leak_fixture.py", "test_s3.py", "test_errors.py", "test_on_planes.py", "test_codeid.py", "test_cache.py",
 ]
 
 

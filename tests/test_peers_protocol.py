@@ -1108,3 +1108,32 @@ def test_bytes_failing_their_checksum_are_read_from_storage_not_spread(cache):
         assert srv.absent == 1
     finally:
         srv.close()
+
+
+def test_a_refused_connection_is_tried_again_one_timeout_later_every_time(monkeypatch):
+    """Nothing listening (a node daemon being restarted) refuses at once and
+    costs nothing: such a peer is tried again one timeout later each time,
+    so it serves within about one timeout of coming back, however long the
+    restart took.  A failure that cost a timeout (a stalled peer) still
+    backs off 1, 2, 4, ... timeouts."""
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    addr = s.getsockname()
+    s.close()                                   # a port nobody listens on: connect() is refused
+    c = PeerClient([("a", "127.0.0.1", 0), ("b", *addr)], 0, [0, 1], SECRET, "ds", PLAN, timeout=2.0)
+    now = [1000.0]
+    monkeypatch.setattr(time, "monotonic", lambda: now[0])
+    for _ in range(4):
+        assert c._link(1) is None
+        _why, retry, _k = c._down[1]
+        assert retry == now[0] + 2.0, (retry - now[0])
+        now[0] = retry
+    # a peer that stalled (the failure cost a timeout) backs off as before
+    from coordl.peers.client import PeerDown
+
+    c._down.clear()
+    waits = []
+    for _ in range(3):
+        c._mark_down(1, PeerDown("peer b did not answer within 2 s"))
+        waits.append(c._down[1][1] - now[0])
+    assert waits == [2.0, 4.0, 8.0]

@@ -31,9 +31,11 @@ Failures: a peer that refuses, breaks the protocol or does not answer
 within ``timeout`` is marked down (every request waiting on it fails at
 once, and later ones go straight to storage), so it costs at most one
 timeout; it is tried again one ``timeout`` later (then 2, 4, ... up to a
-minute while it keeps failing), and at every :meth:`new_epoch`, so a peer
-whose server came back (a restarted node daemon) serves again within about
-one timeout.
+minute while it keeps failing at that cost), and at every
+:meth:`new_epoch`.  A connection refused at once (nothing listening: a node
+daemon being restarted) costs nothing and is tried again every
+``timeout``, so a peer whose server came back serves again within about
+one timeout of its return, however long the restart took.
 """
 from __future__ import annotations
 
@@ -54,7 +56,11 @@ DEFAULT_TIMEOUT = 5.0
 
 
 class PeerDown(ConnectionError):
-    """A peer could not answer (down, stalled, or not one of ours)."""
+    """A peer could not answer (down, stalled, or not one of ours).
+    ``refused``: nothing listened at its address (connect() refused at
+    once: a node daemon being restarted), a failure that cost no time."""
+
+    refused = False
 
 
 class _Request:
@@ -84,7 +90,9 @@ class _Link:
         try:
             sock = socket.create_connection(addr, timeout=timeout)
         except OSError as e:
-            raise PeerDown(f"peer {name} at {addr[0]}:{addr[1]}: {e}") from None
+            down = PeerDown(f"peer {name} at {addr[0]}:{addr[1]}: {e}")
+            down.refused = isinstance(e, ConnectionRefusedError)
+            raise down from None
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             P.client_handshake(sock, secret, cid, timeout)
@@ -504,8 +512,14 @@ class PeerClient:
     def _mark_down(self, node: int, e: BaseException) -> None:
         with self._lock:
             _why, _t, k = self._down.get(node, ("", 0.0, 0))
-            wait = min(self.MAX_BACKOFF, self.timeout * (2 ** k))
-            self._down[node] = (str(e), time.monotonic() + wait, k + 1)
+            if getattr(e, "refused", False):
+                # nothing listening: trying again costs nothing, so every timeout (a restarted
+                # server is used within one timeout of coming back, however long it took)
+                wait = self.timeout
+            else:
+                wait = min(self.MAX_BACKOFF, self.timeout * (2 ** k))
+                k += 1
+            self._down[node] = (str(e), time.monotonic() + wait, k)
             link = self._links.pop(node, None)
         if link is not None:
             link.fail(e)
