@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The prepared GPU check: run from a fresh checkout on a machine with a GPU
 # (Python 3.12, a CUDA build of torch, torchvision, numpy, pillow, psutil,
-# pytest, gcc, libjpeg headers; no package registry needed).  In under 8
+# pytest, gcc, libjpeg headers; no package registry needed).  In under 9
 # minutes it writes one report (all output, then the benchmark's JSON):
 #
 #   benchmarks/gpu_check.sh [REPORT]          # default gpu_report.txt
@@ -23,7 +23,9 @@
 # 3. builds the crop extension in place;
 # 4. prints nvidia-smi and the versions;
 # 5. runs the CUDA test modules (CUDA_TESTS), going on when they fail;
-# 6. measures decode="device" against the CPU path (device_decode_fidelity.py --device cuda);
+# 6. measures decode="device" against the CPU path (device_decode_fidelity.py --device cuda),
+#    then every JPEG decoder and backend at hand: images/s, CPU per image, pixels against the
+#    CPU decodes (device_decoders.py, at most DECODERS_TIMEOUT s; JSON beside the report);
 # 7. with SCALING_TIMEOUT above 0 (default 0: it does not fit the 8
 #    minutes beside the rest), compares fetch threads added on demand with a
 #    fixed count at 15 workers on every core (worker_scaling.py, 1,500
@@ -65,13 +67,15 @@ CUDA_TESTS=${CUDA_TESTS:-"tests/test_cuda.py tests/test_device.py tests/test_dev
 # them: --durations names them); the benchmark needs ~280 s of what is left.
 PYTEST_ARGS=${PYTEST_ARGS:-"-n $(( $(nproc) >= 12 ? 8 : 4 )) --durations=12"}
 TEST_TIMEOUT=${TEST_TIMEOUT:-150}
-# The whole check stays under 8 minutes: the benchmark, last, gets what the
+# The whole check stays under 9 minutes: the benchmark, last, gets what the
 # steps before it left of TOTAL_LIMIT seconds (at most BENCH_TIMEOUT); its
 # JSON is rewritten after every measurement, so a cut run keeps its figures.
 # On an H200 with 16 vCPUs (DALI carried in): 17 s to the tests, 108 s of tests, 26 s of
 # fidelity, then gpu.py: 13 s of data and facts, (a) 87 s at 2 s windows, (b) 66 s, (c) 134 s
 # at 4 s windows (three loaders, each alone and then four jobs, every job a new process).
-TOTAL_LIMIT=${TOTAL_LIMIT:-465}
+# device_decoders.py: 11 decoder variants, 1 and 2 threads, 1 s windows: about 40 s.
+TOTAL_LIMIT=${TOTAL_LIMIT:-525}
+DECODERS_TIMEOUT=${DECODERS_TIMEOUT:-60}
 BENCH_TIMEOUT=${BENCH_TIMEOUT:-400}
 # windows of 1.5 s (a), 4 s (b), 3 s (c): thousands of images each on a GPU
 BENCH_ARGS=${BENCH_ARGS:---seconds 1.5 --train-seconds 4 --job-seconds 3}
@@ -222,6 +226,14 @@ PY
     timeout -s INT -k 10 50 python3 benchmarks/device_decode_fidelity.py --images 24 --device cuda
   else
     echo "no CUDA device: skipped"
+  fi
+
+  step "JPEG decoders and backends for decode=\"device\" (limit ${DECODERS_TIMEOUT} s)"
+  if [ "$DECODERS_TIMEOUT" -gt 0 ] && python3 -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
+    timeout -s INT -k 10 "$DECODERS_TIMEOUT" python3 benchmarks/device_decoders.py --device cuda \
+      --json "${REPORT%.txt}_decoders.json" || echo "device_decoders.py did not finish"
+  else
+    echo "skipped (DECODERS_TIMEOUT=${DECODERS_TIMEOUT}, or no CUDA device)"
   fi
 
   step "workers on every core: fetch threads on demand against 8 fixed (limit ${SCALING_TIMEOUT} s)"

@@ -85,6 +85,25 @@ def test_device_stage_quick(tmp_path):
     assert "finish" in out and "decode bookkeeping" in out
 
 
+def test_device_decoders_quick(tmp_path):
+    """device_decoders.py on the CPU: the reference decoders run and agree
+    with themselves, the GPU variants say why they were skipped."""
+    import json
+    out = _script("device_decoders.py", "--quick", "--json", str(tmp_path / "d.json"))
+    res = json.loads((tmp_path / "d.json").read_text())
+    rows = res["rows"]
+    pil, sj = rows["PIL (CPU path's decode)"], rows["simplejpeg, plain upsampling (CPU stand-in)"]
+    assert pil["pixels"]["libjpeg fancy (PIL)"]["max"] == 0 and sj["pixels"]["libjpeg plain"]["max"] == 0, out
+    # the two upsamplings differ on these 4:2:0 files: the comparison can tell them apart
+    assert pil["pixels"]["libjpeg plain"]["max"] > 0 and pil["pixels"]["undecoded"] == 0
+    for r in (pil, sj):
+        assert all(r[f"{t} threads"]["images_per_s"] > 0 and r[f"{t} threads"]["cpu_ms_per_image"] > 0
+                   for t in (1, 2)), r
+    tv = rows["torchvision.io.decode_jpeg batched (nvJPEG)"]
+    assert "CUDA" in tv["skipped"], tv
+    assert all("skipped" in r or "pixels" in r for r in rows.values()), rows
+
+
 def test_latency_inner_against_local_http_server(tmp_path):
     pytest.importorskip("aiohttp")
     from coordl.synth import make_image_folder

@@ -1,0 +1,278 @@
+"""Which JPEG decoder for ``decode="device"``: images/s, CPU per image and
+distance from the CPU path's pixels, for every decoder and backend at hand.
+
+``decode="device"`` is bound, on a GPU, by its decode thread: torchvision's
+batched nvJPEG call keeps about one core busy (its Huffman decoding runs on
+the CPU) and holds a process-wide lock (docs/benchmarks.md section 8).
+nvImageCodec can choose its backend: the A100/H100/H200 hardware JPEG
+decoder (``HW_GPU_ONLY``), CUDA decoding (``GPU_ONLY``), the hybrid one, the
+CPU; with or without libjpeg's interpolated ("fancy") chroma upsampling;
+from several threads, each with a decoder of its own.  This measures each
+variant on the same files in the same process:
+
+* images/s: batches of ``--batch`` decoded for ``--seconds`` seconds
+  (device synchronized at both ends), with 1 and 2 threads (``--threads``);
+* CPU ms per image: the process's CPU time over the same window (every
+  thread, the decoder's own included);
+* pixels: max and mean absolute difference per channel value over the
+  first ``--check`` images, against libjpeg-turbo's full decode with fancy
+  upsampling (PIL: what the CPU path decodes) and with plain upsampling
+  (simplejpeg ``fastupsample``); images the variant could not decode are
+  counted.
+
+With no GPU (CI), the CPU variants run (PIL, simplejpeg, nvImageCodec's CPU
+backend where installed) and the rest say why they were skipped.
+
+    python benchmarks/device_decoders.py --device cuda --json decoders.json
+    python benchmarks/device_decoders.py --quick            # tiny smoke run (tests use it)
+"""
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import os
+import sys
+import tempfile
+import threading
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+
+# ---------------------------------------------------------------- variants
+class _PIL:
+    name = "PIL (CPU path's decode)"
+    device = "cpu"
+
+    def __init__(self, device):
+        from PIL import Image
+        self._img = Image
+
+    def decode(self, blobs):
+        return [np.asarray(self._img.open(io.BytesIO(b)).convert("RGB")) for b in blobs]
+
+
+class _SimpleJpeg:
+    name = "simplejpeg, plain upsampling (CPU stand-in)"
+    device = "cpu"
+
+    def __init__(self, device):
+        import simplejpeg
+        self._sj = simplejpeg
+
+    def decode(self, blobs):
+        return [self._sj.decode_jpeg(b, colorspace="RGB", fastupsample=True) for b in blobs]
+
+
+class _Torchvision:
+    name = "torchvision.io.decode_jpeg batched (nvJPEG)"
+
+    def __init__(self, device):
+        if device.type != "cuda":
+            raise RuntimeError("needs a CUDA device")
+        from torchvision.io import ImageReadMode, decode_jpeg
+        self.device, self._decode, self._mode = device, decode_jpeg, ImageReadMode.RGB
+
+    def decode(self, blobs):
+        data = [torch.frombuffer(bytearray(b), dtype=torch.uint8) for b in blobs]
+        return list(self._decode(data, mode=self._mode, device=self.device))
+
+
+def _nvimgcodec(label: str, kind: str | None, fancy: bool, cpu_threads: int = 0):
+    """An nvImageCodec variant: backend ``kind`` (a BackendKind name; None:
+    every backend, the library's choice), fancy upsampling or not."""
+
+    class _Nv:
+        name = f"nvImageCodec {label}" + (", fancy upsampling" if fancy else "") + \
+            (f", {cpu_threads} CPU threads" if cpu_threads else "")
+
+        def __init__(self, device):
+            from nvidia import nvimgcodec as nv
+            cpu = kind == "CPU_ONLY"
+            if device.type != "cuda" and not cpu:
+                raise RuntimeError("needs a CUDA device")
+            if cpu and device.type == "cuda":
+                raise RuntimeError("measured on --device cpu")
+            self.device, self._cpu, self._nv = device, cpu, nv
+            kw = {"options": ":fancy_upsampling=1" if fancy else ""}
+            if kind is not None:
+                kw["backends"] = [nv.Backend(getattr(nv.BackendKind, kind))]
+            if cpu_threads:
+                kw["max_num_cpu_threads"] = cpu_threads
+            dev = nv.NVIMGCODEC_DEVICE_CPU_ONLY if cpu else (device.index or 0)
+            self._dec = nv.Decoder(device_id=dev, **kw)
+            from coordl.device.decode import _rgb_params
+            self._params = _rgb_params(nv)
+
+        def decode(self, blobs):
+            kw = {} if self._cpu else {"cuda_stream": torch.cuda.current_stream(self.device).cuda_stream}
+            images = self._dec.decode([np.frombuffer(b, dtype=np.uint8) for b in blobs], params=self._params, **kw)
+            out = []
+            for img in images:
+                if img is None:
+                    out.append(None)
+                elif self._cpu:
+                    out.append(np.asarray(img))
+                else:
+                    out.append(torch.as_tensor(img, device=self.device))
+            return out
+
+    return _Nv
+
+
+VARIANTS = [
+    _PIL, _SimpleJpeg, _Torchvision,
+    _nvimgcodec("CPU backend", "CPU_ONLY", True),
+    _nvimgcodec("(its own choice)", None, True),
+    _nvimgcodec("(its own choice)", None, False),
+    _nvimgcodec("hardware decoder", "HW_GPU_ONLY", True),
+    _nvimgcodec("hardware decoder", "HW_GPU_ONLY", False),
+    _nvimgcodec("CUDA decoder", "GPU_ONLY", True),
+    _nvimgcodec("hybrid decoder", "HYBRID_CPU_GPU", True),
+    _nvimgcodec("(its own choice)", None, True, cpu_threads=2),
+]
+
+
+# ---------------------------------------------------------------- measuring
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _host(img) -> np.ndarray | None:
+    if img is None:
+        return None
+    if isinstance(img, torch.Tensor):
+        return img.cpu().numpy()
+    return np.asarray(img)
+
+
+def throughput(cls, device, blobs: list, batch: int, seconds: float, threads: int) -> dict:
+    """Images/s and process CPU ms per image, ``threads`` threads each with
+    a decoder of its own decoding whole batches for ``seconds``."""
+    decoders = [cls(device) for _ in range(threads)]
+    batches = [blobs[k:k + batch] for k in range(0, len(blobs), batch)] or [blobs]
+    for d in decoders:                       # warm-up: first-call allocations, handles
+        d.decode(batches[0])
+    _sync(device)
+    counts = [0] * threads
+    stop = time.perf_counter() + seconds
+    errors: list = []
+
+    def run(t):
+        try:
+            k = t
+            while time.perf_counter() < stop:
+                counts[t] += len(decoders[t].decode(batches[k % len(batches)]))
+                k += 1
+            _sync(device)
+        except BaseException as e:  # noqa: BLE001 - reported in the row
+            errors.append(f"{type(e).__name__}: {e}")
+
+    c0, t0 = time.process_time(), time.perf_counter()
+    ts = [threading.Thread(target=run, args=(t,)) for t in range(threads)]
+    for th in ts:
+        th.start()
+    for th in ts:
+        th.join()
+    _sync(device)
+    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+    n = sum(counts)
+    if errors:
+        return {"error": errors[0][:500]}
+    return {"images_per_s": round(n / wall, 1), "cpu_ms_per_image": round(cpu / max(n, 1) * 1e3, 4),
+            "cores_busy": round(cpu / wall, 2), "images": n}
+
+
+def fidelity(cls, device, blobs: list, refs: dict) -> dict:
+    """Per reference: max and mean absolute difference per channel value;
+    images it could not decode, or decoded to another shape."""
+    got = [_host(x) for x in cls(device).decode(blobs)]
+    _sync(device)
+    out = {"undecoded": sum(g is None for g in got)}
+    for rname, ref in refs.items():
+        mx, tot, cnt, shape = 0, 0.0, 0, 0
+        for g, r in zip(got, ref):
+            if g is None:
+                continue
+            if g.shape != r.shape:
+                shape += 1
+                continue
+            d = np.abs(g.astype(np.int16) - r.astype(np.int16))
+            mx, tot, cnt = max(mx, int(d.max())), tot + float(d.sum()), cnt + d.size
+        out[rname] = {"max": mx, "mean": round(tot / max(cnt, 1), 4), "other_shape": shape}
+    return out
+
+
+def make_files(n: int, size, tmp: str) -> list:
+    from coordl.synth import make_image_folder
+    root = make_image_folder(os.path.join(tmp, "photos"), num_images=n, num_classes=4, image_size=size,
+                             seed=11, workers=4)
+    files = sorted(os.path.join(d, f) for d, _, fs in os.walk(root) for f in fs if f.endswith(".jpg"))
+    return [open(f, "rb").read() for f in files]
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--device", default=None, help="default: cuda where available, else cpu")
+    ap.add_argument("--images", type=int, default=512, help="synthetic ImageNet-like JPEGs (~110 KB, ~400x350)")
+    ap.add_argument("--batch", type=int, default=128)
+    ap.add_argument("--seconds", type=float, default=1.0)
+    ap.add_argument("--threads", default="1,2")
+    ap.add_argument("--check", type=int, default=64, help="images compared with the CPU decodes")
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--quick", action="store_true", help="tiny sizes (a smoke run)")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.images, args.batch, args.seconds, args.check = 12, 4, 0.1, 4
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    threads = [int(t) for t in args.threads.split(",") if t.strip()]
+    with tempfile.TemporaryDirectory(prefix="coordl-decoders-") as tmp:
+        blobs = make_files(args.images, (64, 48) if args.quick else None, tmp)
+    print(f"{len(blobs)} JPEGs, {sum(map(len, blobs)) / len(blobs) / 1024:.1f} KB mean; batch {args.batch}; "
+          f"{args.seconds:g} s windows; device {device}"
+          + (f" ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else "")
+          + f"; {os.cpu_count()} CPUs; torch {torch.__version__}", flush=True)
+    import simplejpeg
+    from PIL import Image
+    check = blobs[:args.check]
+    refs = {"libjpeg fancy (PIL)": [np.asarray(Image.open(io.BytesIO(b)).convert("RGB")) for b in check],
+            "libjpeg plain": [simplejpeg.decode_jpeg(b, colorspace="RGB", fastupsample=True) for b in check]}
+    rows = {}
+    for cls in VARIANTS:
+        row = rows[cls.name] = {}
+        try:
+            cls(device)
+        except Exception as e:  # noqa: BLE001 - not here: said, the others go on
+            row["skipped"] = f"{type(e).__name__}: {e}"[:300]
+            print(f"  {cls.name}: skipped: {row['skipped']}", flush=True)
+            continue
+        try:
+            row["pixels"] = fidelity(cls, device, check, refs)
+            for t in threads:
+                row[f"{t} threads"] = throughput(cls, device, blobs, args.batch, args.seconds, t)
+        except Exception as e:  # noqa: BLE001 - one variant failing must not lose the others
+            row["error"] = f"{type(e).__name__}: {e}"[:500]
+        cells = []
+        for t in threads:
+            r = row.get(f"{t} threads", {})
+            cells.append(f"{t} thr: {r['images_per_s']:>9,.0f} img/s {r['cpu_ms_per_image']:.3f} CPU ms/img"
+                         if "images_per_s" in r else f"{t} thr: {r.get('error', row.get('error', '-'))[:80]}")
+        px = row.get("pixels", {})
+        fid = " | ".join(f"vs {k}: max {v['max']} mean {v['mean']:.3f}" for k, v in px.items() if isinstance(v, dict))
+        print(f"  {cls.name}\n      " + "; ".join(cells) + f"\n      {fid}; undecoded {px.get('undecoded', '-')}",
+              flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"device": str(device), "images": len(blobs), "batch": args.batch, "seconds": args.seconds,
+                       "threads": threads, "rows": rows}, f, indent=1)
+        print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
