@@ -36,6 +36,7 @@ def main() -> None:
     p.add_argument("--workers", type=int, default=0)
     p.add_argument("--share", type=int, default=1)
     p.add_argument("--sleep", type=float, default=0.0)
+    p.add_argument("--sleep-until", default=None, help="stop sleeping once this file exists")
     p.add_argument("--cache-size", default=None)
     a = p.parse_args()
     loader = coordl.DataLoader(dataset(a.root, a.size), batch_size=a.batch_size, num_workers=a.workers,
@@ -50,7 +51,7 @@ def main() -> None:
             wait = time.monotonic() - t0   # how long this batch kept the job waiting
             print(json.dumps({"epoch": epoch, "step": k, "digest": digest(batch), "wait": wait}), flush=True)
             k += 1
-            if a.sleep:
+            if a.sleep and not (a.sleep_until and os.path.exists(a.sleep_until)):
                 time.sleep(a.sleep)
         del it, batch
     st = loader.stats()

@@ -383,14 +383,16 @@ def test_a_hung_daemon_costs_a_job_one_short_deadline(photos, daemon_env):
     os.kill(pid, signal.SIGCONT)
 
 
-def test_a_restarted_daemon_is_found_within_one_timeout(photos, daemon_env):
+def test_a_restarted_daemon_is_found_within_one_timeout(photos, daemon_env, tmp_path):
     """Mid-pass: the daemon is SIGKILLed, a new one starts; the job takes
     its stream again within one timeout (2 s here), not at its next epoch."""
     ref = _digests(photos, epochs=1, bs=2)
     pid = S.start()
     # 2 s per step: the new daemon's start (imports, seconds of CPU) on a loaded machine must not
-    # outlast the job's epoch, or there is no pass left to rejoin
-    job = _job(photos, "--sleep", "2.0", "--epochs", "1", "--batch-size", "2")
+    # outlast the job's epoch, or there is no pass left to rejoin; once it rejoined, the rest of the
+    # pass runs without sleeping
+    fast = tmp_path / "rejoined"
+    job = _job(photos, "--sleep", "2.0", "--sleep-until", str(fast), "--epochs", "1", "--batch-size", "2")
     first = _until_step(job, 1)
     os.kill(pid, signal.SIGKILL)
     psutil.Process(pid).wait(10)
@@ -404,6 +406,7 @@ def test_a_restarted_daemon_is_found_within_one_timeout(photos, daemon_env):
         st = S.status() or {}
         seen = any(m["pid"] == job.pid for g in st.get("groups", []) for m in g["members"])
         time.sleep(0.2)
+    fast.touch()
     lines, err = _lines(job, 60)
     _check(first + lines, ref)
     assert new != pid and seen, err
