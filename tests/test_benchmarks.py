@@ -104,6 +104,21 @@ def test_device_decoders_quick(tmp_path):
     assert all("skipped" in r or "pixels" in r for r in rows.values()), rows
 
 
+def test_device_workers_quick(tmp_path):
+    """device_workers.py: the workers' CPU per image in decode="device" from
+    files, the node cache and memory; each setting read from where it says
+    (no timing asserted)."""
+    import json
+    out = _script("device_workers.py", "--quick", "--json", str(tmp_path / "w.json"))
+    rows = json.loads((tmp_path / "w.json").read_text())["rows"]
+    assert list(rows) == ["files", "node cache", "in memory"], out
+    for name, r in rows.items():
+        [run] = r["runs"]
+        assert run["images"] >= 96 and run["us_per_image"] > 0, (name, run)
+    assert rows["node cache"]["runs"][0]["from_cache"] > 0 and rows["node cache"]["runs"][0]["from_storage"] == 0
+    assert rows["files"]["runs"][0]["from_cache"] == 0
+
+
 def test_latency_inner_against_local_http_server(tmp_path):
     pytest.importorskip("aiohttp")
     from coordl.synth import make_image_folder

@@ -1,0 +1,156 @@
+"""The workers' CPU per image in ``decode="device"``, by where the bytes come from.
+
+With ``decode="device"`` a worker reads each sample's bytes, parses its
+JPEG header, draws its crop and flip, and copies the bytes into the batch's
+shared slot; the main process decodes.  On a GPU those workers are part of
+what the 2-core target counts.  This measures them apart from any decoder:
+the main process's decoder and geometry are replaced by ones that return at
+once (on the CPU device, ``coordl.device.delivery.CPU_TEST_DEVICE``), so
+the figures are the workers' own path, per image, in three settings:
+
+* ``files``: read from the files (warm page cache), no node cache: what
+  ``gpu.py``'s rows do (only the import changed);
+* ``node cache``: ``cache_size`` given, after an epoch that filled it;
+* ``in memory``: ``raw()`` returns bytes held in a list (the floor: no
+  read at all).
+
+Each: one worker, ``persistent_workers``, an epoch to warm up, then the
+workers' CPU (their processes' user + system time) over ``--images``
+images.  ``--repeats`` interleaved rounds; the median.
+
+    python -m coordl.synth bench_data/photos --images 2000
+    python benchmarks/device_workers.py --root bench_data/photos
+    python benchmarks/device_workers.py --quick        # tiny smoke run (tests use it)
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+SETTINGS = ("files", "node cache", "in memory")
+
+_CHILD = r"""
+import json, sys, time
+sys.path.insert(0, {repo!r})
+import psutil, torch
+import coordl
+from coordl import transforms as T
+from coordl.device import decode as DD, delivery as D
+
+D.CPU_TEST_DEVICE = True
+
+
+class Instant:   # the main process's decoder: returns at once
+    name = "instant"
+
+    def __init__(self, device):
+        self.device = device
+
+    def decode(self, streams):
+        return [torch.zeros(3, 1, 1, dtype=torch.uint8)] * len(streams)
+
+    def finish(self):
+        pass
+
+    def release(self):
+        return []
+
+
+DD.decoder_for = lambda device: Instant(device)
+DD.DecodeStage._check = staticmethod(lambda img, rec: None)
+DD.DecodeStage.finish = lambda self, p: {{path: torch.zeros(len(p.keep), 3, 2, 2) for path in p.paths}}
+tf = T.Compose([T.RandomResizedCrop(224), T.RandomHorizontalFlip(), T.ToTensor(),
+                T.Normalize([0.485, 0.456, 0.406], [0.229, 0.224, 0.225])])
+ds = coordl.ImageFolder({root!r}, tf)
+setting, images, batch = {setting!r}, {images}, {batch}
+if setting == "in memory":
+    raws = [ds.raw(i) for i in range(len(ds))]
+
+    class InMemory(type(ds)):
+        raw_uncached = None
+
+        def raw(self, i):
+            return raws[i]
+    ds.__class__ = InMemory
+L = coordl.DataLoader(ds, batch_size=batch, seed=1, shuffle=True, num_workers=1, device="cpu", decode="device",
+                      persistent_workers=True, cache_size="4GiB" if setting == "node cache" else 0)
+for _ in L:      # an epoch: the worker warm, the node cache filled
+    pass
+me = psutil.Process()
+
+
+def workers_cpu():
+    return sum(sum(p.cpu_times()[:2]) for p in me.children(recursive=True))
+
+
+it = iter(L)
+next(it)
+k0, t0, n = workers_cpu(), time.perf_counter(), 0
+for b in it:
+    n += len(b[1])
+    if n >= images:
+        break
+k1, t1 = workers_cpu(), time.perf_counter()
+st = L.stats().epochs[-1]
+print("RESULT", json.dumps({{"us_per_image": (k1 - k0) / n * 1e6, "images_per_s": n / (t1 - t0), "images": n,
+                            "from_cache": st.samples_from_cache, "from_storage": st.samples_from_storage}}))
+"""
+
+
+def measure(root: str, setting: str, images: int, batch: int) -> dict:
+    code = _CHILD.format(repo=os.path.dirname(HERE), root=root, setting=setting, images=images, batch=batch)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    line = next((x for x in r.stdout.splitlines() if x.startswith("RESULT ")), None)
+    if r.returncode != 0 or line is None:
+        raise RuntimeError(f"{setting}: exit {r.returncode}\n{r.stderr[-3000:]}")
+    return json.loads(line[len("RESULT "):])
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--root", default=None, help="an ImageFolder of JPEGs (default: 2,000 synthetic ones)")
+    ap.add_argument("--images", type=int, default=1536, help="images measured after the warm-up epoch")
+    ap.add_argument("--batch", type=int, default=128)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--quick", action="store_true", help="tiny sizes (a smoke run)")
+    args = ap.parse_args(argv)
+    tmp = None
+    if args.quick:
+        args.images, args.batch, args.repeats = 96, 4, 1
+    if args.root is None:
+        sys.path.insert(0, os.path.dirname(HERE))
+        from coordl.synth import make_image_folder
+        tmp = tempfile.TemporaryDirectory(prefix="coordl-device-workers-")
+        args.root = make_image_folder(os.path.join(tmp.name, "photos"), num_images=160 if args.quick else 2000,
+                                      image_size=(64, 48) if args.quick else None, workers=2)
+    runs: dict = {s: [] for s in SETTINGS}
+    try:
+        for _ in range(args.repeats):           # interleaved: the machine's drift falls on every setting
+            for s in SETTINGS:
+                runs[s].append(measure(args.root, s, args.images, args.batch))
+    finally:
+        if tmp is not None:
+            tmp.cleanup()
+    print(f"decode=\"device\", one worker, batch {args.batch}, {args.images} images after a warm-up epoch, "
+          f"median of {args.repeats}: the worker's CPU per image (the main process's decoder returns at once)")
+    rows = {}
+    for s in SETTINGS:
+        us = statistics.median(r["us_per_image"] for r in runs[s])
+        rows[s] = {"us_per_image": round(us, 1), "runs": runs[s]}
+        print(f"  {s:<11} {us:7.1f} us per image   (runs: "
+              + ", ".join(f"{r['us_per_image']:.0f}" for r in runs[s]) + ")")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"batch": args.batch, "images": args.images, "repeats": args.repeats, "rows": rows}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
