@@ -328,3 +328,22 @@ def test_a_view_that_dies_while_a_write_holds_the_connection_still_gives_its_pin
     link._wlock.acquire()
     threading.Timer(1.5, link._wlock.release).start()
     _dies_and_goes_back(link, daemon)
+
+
+def test_a_clean_up_whose_reaper_has_ended_runs_at_once(monkeypatch):
+    """``reaper.later`` enqueues only while this process's reaper runs: with
+    its thread ended (here a stand-in that is not alive) the clean-up runs
+    in the caller, never waits in a queue nothing reads."""
+    import os
+    import threading
+
+    from coordl.base import reaper
+
+    dead = threading.Thread(target=lambda: None)
+    dead.start()
+    dead.join()
+    monkeypatch.setattr(reaper, "_thread", [dead, os.getpid()])
+    ran = []
+    reaper.later(lambda: ran.append(threading.current_thread().name))
+    assert ran == [threading.current_thread().name]
+    assert not reaper.running()

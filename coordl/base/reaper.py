@@ -58,8 +58,8 @@ def running() -> bool:
 def later(fn) -> None:
     """Run ``fn()`` in the reaper thread (what a finalizer calls).  At
     interpreter exit, or in a process whose reaper was never started here
-    (a forked child), run it now."""
-    if threading.main_thread().is_alive() and _thread and _thread[1] == os.getpid():
+    (a forked child) or has ended, run it now (:func:`running` decides)."""
+    if running():
         _q.put(fn)
     else:
         fn()
