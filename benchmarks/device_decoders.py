@@ -166,9 +166,11 @@ def throughput(cls, device, blobs: list, batch: int, seconds: float, threads: in
     def run(t):
         try:
             k = t
-            while time.perf_counter() < stop:
+            while True:          # at least one batch, however late the thread starts
                 counts[t] += len(decoders[t].decode(batches[k % len(batches)]))
                 k += 1
+                if time.perf_counter() >= stop:
+                    break
             _sync(device)
         except BaseException as e:  # noqa: BLE001 - reported in the row
             errors.append(f"{type(e).__name__}: {e}")

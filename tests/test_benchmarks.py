@@ -114,7 +114,7 @@ def test_device_workers_quick(tmp_path):
     assert list(rows) == ["files", "node cache", "in memory"], out
     for name, r in rows.items():
         [run] = r["runs"]
-        assert run["images"] >= 96 and run["us_per_image"] > 0, (name, run)
+        assert run["images"] >= 288 and run["us_per_image"] > 0, (name, run)
     assert rows["node cache"]["runs"][0]["from_cache"] > 0 and rows["node cache"]["runs"][0]["from_storage"] == 0
     assert rows["files"]["runs"][0]["from_cache"] == 0
 
