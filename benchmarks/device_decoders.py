@@ -48,6 +48,11 @@ class _PIL:
     name = "PIL (CPU path's decode)"
     device = "cpu"
 
+    @staticmethod
+    def inputs(blobs):
+        """The files in the form the decoder takes, made once, outside the timed window."""
+        return blobs
+
     def __init__(self, device):
         from PIL import Image
         self._img = Image
@@ -59,6 +64,7 @@ class _PIL:
 class _SimpleJpeg:
     name = "simplejpeg, plain upsampling (CPU stand-in)"
     device = "cpu"
+    inputs = _PIL.inputs
 
     def __init__(self, device):
         import simplejpeg
@@ -77,8 +83,11 @@ class _Torchvision:
         from torchvision.io import ImageReadMode, decode_jpeg
         self.device, self._decode, self._mode = device, decode_jpeg, ImageReadMode.RGB
 
-    def decode(self, blobs):
-        data = [torch.frombuffer(bytearray(b), dtype=torch.uint8) for b in blobs]
+    @staticmethod
+    def inputs(blobs):
+        return [torch.frombuffer(bytearray(b), dtype=torch.uint8) for b in blobs]
+
+    def decode(self, data):
         return list(self._decode(data, mode=self._mode, device=self.device))
 
 
@@ -108,9 +117,13 @@ def _nvimgcodec(label: str, kind: str | None, fancy: bool, cpu_threads: int = 0)
             from coordl.device.decode import _rgb_params
             self._params = _rgb_params(nv)
 
-        def decode(self, blobs):
+        @staticmethod
+        def inputs(blobs):
+            return [np.frombuffer(b, dtype=np.uint8) for b in blobs]
+
+        def decode(self, arrays):
             kw = {} if self._cpu else {"cuda_stream": torch.cuda.current_stream(self.device).cuda_stream}
-            images = self._dec.decode([np.frombuffer(b, dtype=np.uint8) for b in blobs], params=self._params, **kw)
+            images = self._dec.decode(arrays, params=self._params, **kw)
             out = []
             for img in images:
                 if img is None:
@@ -155,7 +168,8 @@ def throughput(cls, device, blobs: list, batch: int, seconds: float, threads: in
     """Images/s and process CPU ms per image, ``threads`` threads each with
     a decoder of its own decoding whole batches for ``seconds``."""
     decoders = [cls(device) for _ in range(threads)]
-    batches = [blobs[k:k + batch] for k in range(0, len(blobs), batch)] or [blobs]
+    data = cls.inputs(blobs)
+    batches = [data[k:k + batch] for k in range(0, len(data), batch)] or [data]
     for d in decoders:                       # warm-up: first-call allocations, handles
         d.decode(batches[0])
     _sync(device)
@@ -193,7 +207,7 @@ def throughput(cls, device, blobs: list, batch: int, seconds: float, threads: in
 def fidelity(cls, device, blobs: list, refs: dict) -> dict:
     """Per reference: max and mean absolute difference per channel value;
     images it could not decode, or decoded to another shape."""
-    got = [_host(x) for x in cls(device).decode(blobs)]
+    got = [_host(x) for x in cls(device).decode(cls.inputs(blobs))]
     _sync(device)
     out = {"undecoded": sum(g is None for g in got)}
     for rname, ref in refs.items():

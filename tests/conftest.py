@@ -102,8 +102,9 @@ def pytest_configure(config):
 
 
 # The modules that take longest, longest first (seconds of one worker in a
-# loaded `-n 3` run on 2 cores, from --durations=0; those over 15 s).  Under `--dist loadfile` a module runs on one
-# worker from start to end and the suite lasts as long as its busiest worker:
+# loaded `-n 3` run on 2 cores, from --durations=0; those over 15 s).  Under
+# `--dist loadfile` a module runs on one worker from start to end and the
+# suite lasts as long as its busiest worker:
 # these go first and the many short modules fill in around them (setup.cfg
 # turns off xdist's own order, by number of tests, which put them last).
 LONG_MODULES = [

@@ -319,25 +319,21 @@ def analyze(root: str | os.PathLike | None = None, *, dataset: Any = None, trans
                 f"{MODEL_ERROR_FLOOR:.0%} it is expected to hold): every interval is widened by that; treat the what-if "
                 f"tables with care (a busy machine, or a pipeline the model does not describe)")
         return report
-    report = look()
-    if model_error is None and report["check"]["model_error"] > MODEL_ERROR_VERDICT:
+    looks = [look()]
+    if model_error is None and looks[0]["check"]["model_error"] > MODEL_ERROR_VERDICT:
         # A pass disturbed by other work on the machine: one second look, and the look whose own check
         # passes the model described better is the report (each look is self-consistent).
-        first = report
-        say(f"  the model missed its own check passes by {first['check']['model_error']:.0%} (a busy machine?): "
+        say(f"  the model missed its own check passes by {looks[0]['check']['model_error']:.0%} (a busy machine?): "
             f"measuring once more")
-        second = look()
-        report = min((first, second), key=lambda r: r["check"]["model_error"])
-        report["looks"] = [{"model_error": r["check"]["model_error"], "verdict": r["verdict"]["largest"],
-                            "conclusive": r["verdict"]["conclusive"], "seconds": r["seconds"]}
-                           for r in (first, second)]
+        looks.append(look())
+    report = min(looks, key=lambda r: r["check"]["model_error"])
+    report["looks"] = [{"model_error": r["check"]["model_error"], "verdict": r["verdict"]["largest"],
+                        "conclusive": r["verdict"]["conclusive"], "seconds": r["seconds"]} for r in looks]
+    if len(looks) > 1:
         report["warnings"].append(
-            f"the first look's model error was {first['check']['model_error']:.0%}, past the "
+            f"the first look's model error was {looks[0]['check']['model_error']:.0%}, past the "
             f"{MODEL_ERROR_VERDICT:.0%} a verdict needs: everything was measured once more and this report is "
             f"the look with the smaller error ({report['check']['model_error']:.0%})")
-    else:
-        report["looks"] = [{"model_error": report["check"]["model_error"], "verdict": report["verdict"]["largest"],
-                            "conclusive": report["verdict"]["conclusive"], "seconds": report["seconds"]}]
     return report
 
 
