@@ -100,3 +100,25 @@ def test_sigterm_stops_the_daemon_cleanly(rundir):
     assert _gone(pid)
     assert not os.path.exists(S.socket_path())  # removed on the way out
     assert S.status() is None
+
+
+def test_a_start_beside_a_daemon_not_yet_answering_waits_for_it(rundir):
+    """The lock is held by a daemon that does not answer yet (between taking
+    it and listening): a start then must not report pid 0.  It waits; when
+    the holder goes without ever answering, it becomes the daemon itself."""
+    import fcntl
+
+    _, pids = rundir
+    fd = os.open(S._lock_path(), os.O_RDWR | os.O_CREAT, 0o600)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    got = []
+    t = threading.Thread(target=lambda: got.append(S.start(timeout=60)))
+    t.start()
+    try:
+        t.join(2.0)
+        assert not got, f"start() returned {got} while the lock's holder had not answered"
+    finally:
+        os.close(fd)          # the holder goes without answering
+    t.join(60)
+    pids.extend(got)
+    assert got and got[0] > 0 and S.status()["pid"] == got[0], got

@@ -219,14 +219,25 @@ def serve(ready_fd: int | None = None, staging_bytes: int | None = None) -> int:
     (:meth:`Hub.check_workers`).  Clients past :func:`_max_clients` are told
     why and refused."""
     lock = os.open(_lock_path(), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-    try:
-        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:  # another daemon runs: say so, and who
-        os.close(lock)
-        st = status()
-        if ready_fd is not None:
-            os.write(ready_fd, f"running {st['pid'] if st else 0}\n".encode())
-        return 0
+    # Another daemon holds the lock: say so, and who, once it answers (it may have taken the lock and
+    # not listen yet: a concurrent start).  If it goes without answering, the lock is ours.
+    deadline = time.monotonic() + answer_timeout()
+    while True:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            break
+        except BlockingIOError:
+            st = status()
+            if st is not None or time.monotonic() > deadline:
+                os.close(lock)
+                if st is None:
+                    print(f"coordl daemon: another process holds {_lock_path()} and did not answer in "
+                          f"{answer_timeout():g} s", file=sys.stderr, flush=True)
+                    return 1   # start() says it failed, with this log line
+                if ready_fd is not None:
+                    os.write(ready_fd, f"running {st['pid']}\n".encode())
+                return 0
+            time.sleep(0.05)
     stopping = []
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stopping.append(True))  # only a flag; the loop acts
