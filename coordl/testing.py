@@ -36,6 +36,9 @@ __all__ = [
     "INFRASTRUCTURE_MARKERS",
     "SHM_DIR",
     "stop_daemon",
+    "start_warm_children",
+    "stop_warm_children",
+    "WarmChildren",
 ]
 
 SHM_DIR = "/dev/shm"
@@ -117,13 +120,22 @@ def run_in_child(
     SIGKILLed and :class:`AssertionError` is raised with the output so far.
     """
     args = [sys.executable, "-c", code]
+    full_env = _child_env(env)
+    warm = _warm
+    if warm is not None and warm.serves(full_env) and warm.lock.acquire(blocking=False):
+        try:
+            return warm.run(code, timeout, full_env)
+        except _WarmUnavailable:
+            pass
+        finally:
+            warm.lock.release()
     proc = subprocess.Popen(
         args,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         stdin=subprocess.DEVNULL,
         text=True,
-        env=_child_env(env),
+        env=full_env,
         start_new_session=True,  # new session => new process group, pgid == pid
     )
     pgid = proc.pid
@@ -175,6 +187,245 @@ def run_in_child(
     result = subprocess.CompletedProcess(args, proc.returncode, out, err)
     result.stragglers = [p.pid for p in stragglers]  # type: ignore[attr-defined]
     return result
+
+
+# --------------------------------------------------------------------------
+# Warm children: forked from a template that has torch imported
+# --------------------------------------------------------------------------
+
+# The template: imports what nearly every child imports first (torch alone is
+# ~3 s of CPU on a small machine), then forks a child per request.  The child
+# takes the request's stdin/stdout/stderr, session, working directory and
+# environment, drops out of the loop and runs the code as ``python -c`` would:
+# in a fresh ``__main__``, then the interpreter's own exit (atexit, joins of
+# non-daemon threads, finalizers).  The template reaps it and reports the
+# exit code.  Requests are framed ``<u64 length><json>``, the three
+# descriptors riding on the length.
+_TEMPLATE = r"""
+import json, os, socket, struct, sys
+import numpy, PIL.Image, psutil, torch
+
+
+def _serve(fd):
+    s = socket.socket(fileno=fd)
+
+    def exact(n):
+        buf = b""
+        while len(buf) < n:
+            got = s.recv(n - len(buf))
+            if not got:
+                os._exit(0)
+            buf += got
+        return buf
+
+    while True:
+        head, fds, _, _ = socket.recv_fds(s, 8, 3)
+        if len(head) < 8:
+            os._exit(0)
+        head += b"" if len(head) == 8 else exact(8 - len(head))
+        req = json.loads(exact(struct.unpack("<Q", head)[0]))
+        pid = os.fork()
+        if pid == 0:
+            s.close()
+            os.setsid()
+            for target, f in enumerate(fds):
+                os.dup2(f, target)
+                os.close(f)
+            os.chdir(req["cwd"])
+            os.environ.clear()
+            os.environ.update(req["env"])
+            return req["code"]
+        for f in fds:
+            os.close(f)
+        s.sendall(struct.pack("<q", pid))
+        status = os.waitpid(pid, 0)[1]
+        s.sendall(struct.pack("<q", os.waitstatus_to_exitcode(status)))
+
+
+_code = _serve(int(sys.argv[1]))
+import builtins, types
+sys.argv[:] = ["-c"]
+_main = types.ModuleType("__main__")
+_main.__builtins__ = builtins
+sys.modules["__main__"] = _main
+numpy.random.seed()      # a fresh interpreter's global numpy generator is seeded from the OS
+try:
+    exec(compile(_code, "<string>", "exec"), _main.__dict__)
+except SystemExit:
+    raise
+except BaseException as e:
+    import traceback
+    traceback.print_exception(type(e), e, e.__traceback__.tb_next)   # the code's frames, as python -c prints
+    sys.exit(1)
+"""
+
+# A warm child's environment may differ from the template's only in these
+# (read when used, never while the template imports torch, numpy, PIL).
+_WARM_ENV_FREE = ("COORDL_", "PYTEST_")
+
+
+class WarmChildren:
+    """What :func:`run_in_child` forks its children from, once
+    :func:`start_warm_children` started it: a template process with torch,
+    numpy, PIL and psutil imported, so a child skips seconds of imports.  A
+    call whose environment differs from the template's in anything but
+    ``COORDL_*``/``PYTEST_*`` variables, or that comes while another call
+    uses the template, starts a fresh interpreter instead."""
+
+    def __init__(self) -> None:
+        import socket
+        import threading
+
+        self.env = _child_env(None)
+        mine, theirs = socket.socketpair()
+        try:
+            self.proc = subprocess.Popen([sys.executable, "-c", _TEMPLATE, str(theirs.fileno())],
+                                         pass_fds=(theirs.fileno(),), env=self.env, stdin=subprocess.DEVNULL,
+                                         stdout=subprocess.DEVNULL)
+        finally:
+            theirs.close()
+        self.sock = mine
+        self.lock = threading.Lock()
+        self.broken = False
+
+    def serves(self, env: Mapping[str, str]) -> bool:
+        if self.broken or self.proc.poll() is not None:
+            return False
+        keys = set(env) | set(self.env)
+        return all(env.get(k) == self.env.get(k) for k in keys if not k.startswith(_WARM_ENV_FREE))
+
+    def close(self) -> None:
+        self.broken = True
+        try:
+            self.sock.close()
+        finally:
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+    def _status(self, timeout: float) -> int:
+        import struct
+
+        self.sock.settimeout(timeout)
+        try:
+            buf = b""
+            while len(buf) < 8:
+                got = self.sock.recv(8 - len(buf))
+                if not got:
+                    raise ConnectionError("the warm-child template exited")
+                buf += got
+            return struct.unpack("<q", buf)[0]
+        except BaseException:
+            self.broken = True     # out of step with the template: no more warm children
+            raise
+        finally:
+            self.sock.settimeout(None)
+
+    def run(self, code: str, timeout: float, env: Mapping[str, str]) -> subprocess.CompletedProcess:
+        """:func:`run_in_child`'s contract, the child forked from the template."""
+        import json
+        import socket
+        import struct
+        import threading
+
+        args = [sys.executable, "-c", code]
+        body = json.dumps({"code": code, "cwd": os.getcwd(), "env": dict(env)}).encode()
+        out_r, out_w = os.pipe()
+        err_r, err_w = os.pipe()
+        nul = os.open(os.devnull, os.O_RDONLY)
+        try:
+            socket.send_fds(self.sock, [struct.pack("<Q", len(body))], [nul, out_w, err_w])
+            self.sock.sendall(body)
+            pid = self._status(30)
+        except BaseException as e:
+            self.broken = True
+            os.close(out_r)
+            os.close(err_r)
+            raise _WarmUnavailable(str(e)) from e
+        finally:
+            for f in (nul, out_w, err_w):
+                os.close(f)
+        chunks: dict[int, list[bytes]] = {out_r: [], err_r: []}
+
+        def drain(fd: int) -> None:
+            try:
+                while True:
+                    b = os.read(fd, 1 << 16)
+                    if not b:
+                        return
+                    chunks[fd].append(b)
+            finally:
+                os.close(fd)
+
+        readers = [threading.Thread(target=drain, args=(fd,), daemon=True) for fd in (out_r, err_r)]
+        for r in readers:
+            r.start()
+
+        def text(fd: int) -> str:
+            return b"".join(chunks[fd]).decode("utf-8", "replace").replace("\r\n", "\n").replace("\r", "\n")
+
+        deadline = time.monotonic() + timeout
+        try:
+            for r in readers:
+                r.join(max(0.0, deadline - time.monotonic()))
+            if any(r.is_alive() for r in readers):
+                try:
+                    tree = psutil.Process(pid).children(recursive=True)
+                except psutil.Error:
+                    tree = []
+                running = psutil.pid_exists(pid)
+                tree_desc = describe_processes(tree)
+                _kill_group(pid, tree)
+                for r in readers:
+                    r.join(10)
+                self._status(30)
+                state = ("was still running" if running else
+                         "had exited but its output was held open by descendants")
+                raise AssertionError(
+                    f"child process timed out after {timeout} s ({state}); the process "
+                    f"group was killed.\nprocess tree at timeout:\n{tree_desc or '  (none)'}"
+                    f"\n--- child stdout so far ---\n{text(out_r)}\n--- child stderr so far ---\n{text(err_r)}"
+                ) from None
+            rc = self._status(max(30.0, deadline - time.monotonic() + 30))
+        except AssertionError:
+            raise
+        except BaseException:
+            self.broken = True      # its exit code is still to come: out of step with the template
+            _kill_group(pid)
+            raise
+        stragglers = _group_members(pid)
+        if stragglers:
+            _kill_group(pid, stragglers)
+            _wait_dead(stragglers, 5)
+        result = subprocess.CompletedProcess(args, rc, text(out_r), text(err_r))
+        result.stragglers = [p.pid for p in stragglers]  # type: ignore[attr-defined]
+        return result
+
+
+class _WarmUnavailable(Exception):
+    """The template did not take the request (it exited): a fresh interpreter runs it."""
+
+
+_warm: WarmChildren | None = None
+
+
+def start_warm_children() -> WarmChildren:
+    """Have :func:`run_in_child` fork its children from a template with torch
+    imported (see :class:`WarmChildren`), until :func:`stop_warm_children`.
+    For a test session: the template lives as long as the session."""
+    global _warm
+    if _warm is None:
+        _warm = WarmChildren()
+    return _warm
+
+
+def stop_warm_children() -> None:
+    global _warm
+    warm, _warm = _warm, None
+    if warm is not None:
+        warm.close()
 
 
 # --------------------------------------------------------------------------

@@ -148,6 +148,23 @@ def pytest_unconfigure(config):
         os.environ.pop("COORDL_RUN_DIR", None)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _warm_children():
+    """``run_in_child`` forks its children from a template with torch
+    imported (coordl.testing.WarmChildren): a hundred children a run each
+    skip ~3 s of CPU of imports.  Started before any test, so the template is
+    no test's leak.  ``COORDL_TEST_FRESH_CHILDREN=1``: every child a fresh
+    interpreter."""
+    from coordl import testing
+
+    if os.environ.get("COORDL_TEST_FRESH_CHILDREN") == "1":
+        yield
+        return
+    testing.start_warm_children()
+    yield
+    testing.stop_warm_children()
+
+
 @pytest.fixture(autouse=True)
 def _no_leaked_processes_or_shm(request):
     if request.node.get_closest_marker("allow_leaks"):
