@@ -6,7 +6,11 @@ Two concerns live here:
   own process group, under a hard timeout.  Tests of multiprocess behaviour and
   of crashes go through it, so a hang or a runaway worker can never hang or
   poison the test runner: on timeout the whole group is SIGKILLed and the test
-  fails with whatever the child had printed so far.
+  fails with whatever the child had printed so far.  After
+  :func:`start_warm_children` (the test suite starts it once per test
+  process) the child is forked from a template that has torch imported,
+  which saves each child seconds of imports; it still runs the snippet as
+  ``python -c`` would (see :class:`WarmChildren`).
 
 * :func:`live_children`, :func:`shm_entries` and :func:`wait_no_leaks` detect
   worker processes and ``/dev/shm`` entries that outlive the code that created
@@ -101,6 +105,13 @@ def _as_text(data) -> str:
     return data
 
 
+def _timed_out(timeout: float, state: str, tree_desc: str, out: str, err: str) -> AssertionError:
+    return AssertionError(
+        f"child process timed out after {timeout} s ({state}); the process "
+        f"group was killed.\nprocess tree at timeout:\n{tree_desc or '  (none)'}"
+        f"\n--- child stdout so far ---\n{out}\n--- child stderr so far ---\n{err}")
+
+
 def run_in_child(
     code: str, timeout: float = 60, env: Mapping[str, str] | None = None
 ) -> subprocess.CompletedProcess:
@@ -170,11 +181,7 @@ def run_in_child(
             else f"had exited with code {child_rc} but its output was held open "
             "by descendants"
         )
-        raise AssertionError(
-            f"child process timed out after {timeout} s ({state}); the process "
-            f"group was killed.\nprocess tree at timeout:\n{tree_desc or '  (none)'}"
-            f"\n--- child stdout so far ---\n{out}\n--- child stderr so far ---\n{err}"
-        ) from None
+        raise _timed_out(timeout, state, tree_desc, out, err) from None
     except BaseException:
         _kill_group(pgid)
         proc.wait()
@@ -289,12 +296,16 @@ class WarmChildren:
         self.broken = False
 
     def serves(self, env: Mapping[str, str]) -> bool:
+        """Whether a child with environment ``env`` may be forked from the
+        template (it is running, and ``env`` differs from its own only in
+        ``COORDL_*``/``PYTEST_*`` variables)."""
         if self.broken or self.proc.poll() is not None:
             return False
         keys = set(env) | set(self.env)
         return all(env.get(k) == self.env.get(k) for k in keys if not k.startswith(_WARM_ENV_FREE))
 
     def close(self) -> None:
+        """Stop the template (it exits when its socket closes) and reap it."""
         self.broken = True
         try:
             self.sock.close()
@@ -383,11 +394,7 @@ class WarmChildren:
                 self._status(30)
                 state = ("was still running" if running else
                          "had exited but its output was held open by descendants")
-                raise AssertionError(
-                    f"child process timed out after {timeout} s ({state}); the process "
-                    f"group was killed.\nprocess tree at timeout:\n{tree_desc or '  (none)'}"
-                    f"\n--- child stdout so far ---\n{text(out_r)}\n--- child stderr so far ---\n{text(err_r)}"
-                ) from None
+                raise _timed_out(timeout, state, tree_desc, text(out_r), text(err_r)) from None
             rc = self._status(max(30.0, deadline - time.monotonic() + 30))
         except AssertionError:
             raise
@@ -422,6 +429,8 @@ def start_warm_children() -> WarmChildren:
 
 
 def stop_warm_children() -> None:
+    """Stop the template of :func:`start_warm_children`: children are fresh
+    interpreters again."""
     global _warm
     warm, _warm = _warm, None
     if warm is not None:

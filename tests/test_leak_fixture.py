@@ -301,6 +301,47 @@ def test_run_in_child_kills_stragglers_left_in_its_group():
     assert _gone(pid)
 
 
+PROBE = (
+    "import os, sys\n"
+    "print(__name__, sys.argv, 'torch' in sys.modules, os.getpgid(0) == os.getpid(), os.getcwd())\n"
+    "print(os.environ.get('COORDL_PROBE'), os.environ.get('OTHER_PROBE'))\n"
+)
+
+
+def _run_probe(tmp_path, monkeypatch, **env):
+    monkeypatch.chdir(tmp_path)
+    res = run_in_child(PROBE, env={**os.environ, **env}, timeout=60)
+    assert res.returncode == 0, res.stderr
+    head, probes = res.stdout.splitlines()
+    return head, probes
+
+
+def test_a_warm_child_runs_the_code_as_python_c_would(tmp_path, monkeypatch):
+    """Forked from the session's template (torch already imported there),
+    the child has python -c's __main__ and argv, a session of its own, the
+    caller's cwd and the call's COORDL_ variables; an uncaught exception
+    prints the code's frames only and exits 1."""
+    from coordl import testing
+
+    if testing._warm is None:
+        pytest.skip("COORDL_TEST_FRESH_CHILDREN=1: no template")
+    head, probes = _run_probe(tmp_path, monkeypatch, COORDL_PROBE="warm")
+    assert head == f"__main__ ['-c'] True True {tmp_path}"      # torch imported: forked from the template
+    assert probes == "warm None"
+    res = run_in_child("def f():\n    raise ValueError('boom')\nf()\n", timeout=60)
+    assert res.returncode == 1
+    assert res.stderr == ('Traceback (most recent call last):\n  File "<string>", line 3, in <module>\n'
+                          '  File "<string>", line 2, in f\nValueError: boom\n')
+
+
+def test_a_child_with_other_variables_is_a_fresh_interpreter(tmp_path, monkeypatch):
+    """A variable torch or Python may read at start-up differs from the
+    template's: the child must be a fresh interpreter (nothing imported)."""
+    head, probes = _run_probe(tmp_path, monkeypatch, OTHER_PROBE="fresh")
+    assert head == f"__main__ ['-c'] False True {tmp_path}"
+    assert probes == "None fresh"
+
+
 # -- the autouse fixture itself, exercised in an inner pytest run -------------
 
 INNER_TESTS = '''
