@@ -43,6 +43,7 @@ __all__ = [
     "start_warm_children",
     "stop_warm_children",
     "WarmChildren",
+    "popen",
 ]
 
 SHM_DIR = "/dev/shm"
@@ -133,13 +134,11 @@ def run_in_child(
     args = [sys.executable, "-c", code]
     full_env = _child_env(env)
     warm = _warm
-    if warm is not None and warm.serves(full_env) and warm.lock.acquire(blocking=False):
+    if warm is not None and warm.serves(full_env):
         try:
             return warm.run(code, timeout, full_env)
         except _WarmUnavailable:
             pass
-        finally:
-            warm.lock.release()
     proc = subprocess.Popen(
         args,
         stdout=subprocess.PIPE,
@@ -201,20 +200,24 @@ def run_in_child(
 # --------------------------------------------------------------------------
 
 # The template: imports what nearly every child imports first (torch alone is
-# ~3 s of CPU on a small machine), then forks a child per request.  The child
-# takes the request's stdin/stdout/stderr, session, working directory and
-# environment, drops out of the loop and runs the code as ``python -c`` would:
-# in a fresh ``__main__``, then the interpreter's own exit (atexit, joins of
-# non-daemon threads, finalizers).  The template reaps it and reports the
-# exit code.  Requests are framed ``<u64 length><json>``, the three
-# descriptors riding on the length.
+# ~3 s of CPU on a small machine), then, per request, forks a waiter that
+# forks the child and reports on a status pipe the child's pid, then its raw
+# wait status.  The template never waits itself (its waiters are reaped by
+# the kernel), so children may run side by side.  The child takes the
+# request's stdin/stdout/stderr, a session of its own, the working directory
+# and environment, drops out of the loop and runs as ``python -c code`` or
+# ``python script args`` would: a fresh ``__main__``, then the interpreter's
+# own exit (atexit, joins of non-daemon threads, finalizers).  Requests are
+# framed ``<u64 length><json>``, the four descriptors (stdin, stdout,
+# stderr, the status pipe's write end) riding on the length.
 _TEMPLATE = r"""
-import json, os, socket, struct, sys
+import json, os, signal, socket, struct, sys
 import numpy, PIL.Image, psutil, torch
 
 
 def _serve(fd):
     s = socket.socket(fileno=fd)
+    signal.signal(signal.SIGCHLD, signal.SIG_IGN)
 
     def exact(n):
         buf = b""
@@ -226,43 +229,65 @@ def _serve(fd):
         return buf
 
     while True:
-        head, fds, _, _ = socket.recv_fds(s, 8, 3)
-        if len(head) < 8:
+        head, fds, _, _ = socket.recv_fds(s, 8, 4)
+        if not head:
             os._exit(0)
-        head += b"" if len(head) == 8 else exact(8 - len(head))
+        if len(head) < 8:
+            head += exact(8 - len(head))
         req = json.loads(exact(struct.unpack("<Q", head)[0]))
+        if os.fork() != 0:
+            for f in fds:
+                os.close(f)
+            continue
+        # the waiter
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        s.close()
+        *std, status = fds
         pid = os.fork()
         if pid == 0:
-            s.close()
+            os.close(status)
             os.setsid()
-            for target, f in enumerate(fds):
+            for target, f in enumerate(std):
                 os.dup2(f, target)
                 os.close(f)
             os.chdir(req["cwd"])
             os.environ.clear()
             os.environ.update(req["env"])
-            return req["code"]
-        for f in fds:
+            return req
+        for f in std:
             os.close(f)
-        s.sendall(struct.pack("<q", pid))
-        status = os.waitpid(pid, 0)[1]
-        s.sendall(struct.pack("<q", os.waitstatus_to_exitcode(status)))
+        try:
+            os.write(status, struct.pack("<q", pid))
+            os.write(status, struct.pack("<q", os.waitpid(pid, 0)[1]))
+        except OSError:
+            pass
+        os._exit(0)
 
 
-_code = _serve(int(sys.argv[1]))
+_req = _serve(int(sys.argv[1]))
 import builtins, types
-sys.argv[:] = ["-c"]
 _main = types.ModuleType("__main__")
 _main.__builtins__ = builtins
 sys.modules["__main__"] = _main
 numpy.random.seed()      # a fresh interpreter's global numpy generator is seeded from the OS
+if "script" in _req:     # python script args: sys.path starts with the script's directory
+    _path = _req["script"]
+    sys.argv[:] = _req["argv"]
+    sys.path[0] = os.path.dirname(os.path.realpath(_path))
+    _main.__file__ = _path
+    with open(_path, "rb") as _f:
+        _code = compile(_f.read(), _path, "exec")
+else:
+    sys.argv[:] = ["-c"]
+    _code = compile(_req["code"], "<string>", "exec")
+del _req
 try:
-    exec(compile(_code, "<string>", "exec"), _main.__dict__)
+    exec(_code, _main.__dict__)
 except SystemExit:
     raise
 except BaseException as e:
     import traceback
-    traceback.print_exception(type(e), e, e.__traceback__.tb_next)   # the code's frames, as python -c prints
+    traceback.print_exception(type(e), e, e.__traceback__.tb_next)   # the code's frames, as python prints
     sys.exit(1)
 """
 
@@ -271,13 +296,65 @@ except BaseException as e:
 _WARM_ENV_FREE = ("COORDL_", "PYTEST_")
 
 
+class _WarmUnavailable(Exception):
+    """The template did not take the request (it exited): a fresh interpreter runs it."""
+
+
+class _Status:
+    """The read end of a waiter's status pipe: the child's pid, then its raw
+    wait status (as ``os.waitpid`` gives it)."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        self.buf = b""
+        self.eof = False
+
+    def _fill(self, want: int, block: bool, deadline: float | None = None) -> bool:
+        os.set_blocking(self.fd, block and deadline is None)
+        while len(self.buf) < want and not self.eof:
+            try:
+                got = os.read(self.fd, want - len(self.buf))
+            except BlockingIOError:
+                if not block or (deadline is not None and time.monotonic() > deadline):
+                    return False
+                time.sleep(0.002)
+                continue
+            if not got:
+                self.eof = True
+            self.buf += got
+        return len(self.buf) >= want
+
+    def pid(self, timeout: float) -> int:
+        if not self._fill(8, True, time.monotonic() + timeout):
+            raise TimeoutError("the warm-child template did not fork")
+        return _unpack(self.buf[:8])
+
+    def status(self, block: bool) -> int | None:
+        """The raw wait status, or None (not yet, with ``block`` False).  A
+        waiter gone without one (killed): SIGKILL's."""
+        if not self._fill(16, block):
+            return None
+        return _unpack(self.buf[8:16]) if len(self.buf) >= 16 else signal.SIGKILL
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+def _unpack(b: bytes) -> int:
+    import struct
+
+    return struct.unpack("<q", b)[0]
+
+
 class WarmChildren:
-    """What :func:`run_in_child` forks its children from, once
-    :func:`start_warm_children` started it: a template process with torch,
-    numpy, PIL and psutil imported, so a child skips seconds of imports.  A
-    call whose environment differs from the template's in anything but
-    ``COORDL_*``/``PYTEST_*`` variables, or that comes while another call
-    uses the template, starts a fresh interpreter instead."""
+    """What :func:`run_in_child` and :func:`popen` fork their children
+    from, once :func:`start_warm_children` started it: a template process
+    with torch, numpy, PIL and psutil imported, so a child skips seconds of
+    imports.  A call whose environment differs from the template's in
+    anything but ``COORDL_*``/``PYTEST_*`` variables starts a fresh
+    interpreter instead."""
 
     def __init__(self) -> None:
         import socket
@@ -292,7 +369,7 @@ class WarmChildren:
         finally:
             theirs.close()
         self.sock = mine
-        self.lock = threading.Lock()
+        self.lock = threading.Lock()     # one request on the socket at a time
         self.broken = False
 
     def serves(self, env: Mapping[str, str]) -> bool:
@@ -316,45 +393,48 @@ class WarmChildren:
                 self.proc.kill()
                 self.proc.wait()
 
-    def _status(self, timeout: float) -> int:
-        import struct
-
-        self.sock.settimeout(timeout)
-        try:
-            buf = b""
-            while len(buf) < 8:
-                got = self.sock.recv(8 - len(buf))
-                if not got:
-                    raise ConnectionError("the warm-child template exited")
-                buf += got
-            return struct.unpack("<q", buf)[0]
-        except BaseException:
-            self.broken = True     # out of step with the template: no more warm children
-            raise
-        finally:
-            self.sock.settimeout(None)
-
-    def run(self, code: str, timeout: float, env: Mapping[str, str]) -> subprocess.CompletedProcess:
-        """:func:`run_in_child`'s contract, the child forked from the template."""
+    def start(self, req: dict, std: list[int]) -> tuple[int, _Status]:
+        """Fork a child for ``req`` with ``std`` as its stdin, stdout and
+        stderr (this process keeps its own copies): (its pid, its status).
+        :class:`_WarmUnavailable` when the template does not answer."""
         import json
         import socket
         import struct
+
+        body = json.dumps(req).encode()
+        status_r, status_w = os.pipe()
+        try:
+            with self.lock:
+                socket.send_fds(self.sock, [struct.pack("<Q", len(body))], [*std, status_w])
+                self.sock.sendall(body)
+        except OSError as e:
+            self.broken = True
+            os.close(status_r)
+            raise _WarmUnavailable(str(e)) from e
+        finally:
+            os.close(status_w)
+        st = _Status(status_r)
+        try:
+            return st.pid(30), st
+        except BaseException as e:
+            self.broken = True
+            st.close()
+            raise _WarmUnavailable(str(e)) from e
+
+    def run(self, code: str, timeout: float, env: Mapping[str, str]) -> subprocess.CompletedProcess:
+        """:func:`run_in_child`'s contract, the child forked from the template."""
         import threading
 
         args = [sys.executable, "-c", code]
-        body = json.dumps({"code": code, "cwd": os.getcwd(), "env": dict(env)}).encode()
         out_r, out_w = os.pipe()
         err_r, err_w = os.pipe()
         nul = os.open(os.devnull, os.O_RDONLY)
         try:
-            socket.send_fds(self.sock, [struct.pack("<Q", len(body))], [nul, out_w, err_w])
-            self.sock.sendall(body)
-            pid = self._status(30)
-        except BaseException as e:
-            self.broken = True
+            pid, st = self.start({"code": code, "cwd": os.getcwd(), "env": dict(env)}, [nul, out_w, err_w])
+        except BaseException:
             os.close(out_r)
             os.close(err_r)
-            raise _WarmUnavailable(str(e)) from e
+            raise
         finally:
             for f in (nul, out_w, err_w):
                 os.close(f)
@@ -386,22 +466,22 @@ class WarmChildren:
                     tree = psutil.Process(pid).children(recursive=True)
                 except psutil.Error:
                     tree = []
-                running = psutil.pid_exists(pid)
+                running = st.status(block=False) is None
                 tree_desc = describe_processes(tree)
                 _kill_group(pid, tree)
                 for r in readers:
                     r.join(10)
-                self._status(30)
                 state = ("was still running" if running else
                          "had exited but its output was held open by descendants")
                 raise _timed_out(timeout, state, tree_desc, text(out_r), text(err_r)) from None
-            rc = self._status(max(30.0, deadline - time.monotonic() + 30))
+            rc = os.waitstatus_to_exitcode(st.status(block=True))
         except AssertionError:
             raise
         except BaseException:
-            self.broken = True      # its exit code is still to come: out of step with the template
             _kill_group(pid)
             raise
+        finally:
+            st.close()
         stragglers = _group_members(pid)
         if stragglers:
             _kill_group(pid, stragglers)
@@ -411,8 +491,60 @@ class WarmChildren:
         return result
 
 
-class _WarmUnavailable(Exception):
-    """The template did not take the request (it exited): a fresh interpreter runs it."""
+class _WarmPopen(subprocess.Popen):
+    """A :class:`subprocess.Popen` of ``python script args`` whose process is
+    forked from the warm-child template: it is not this process' child, so
+    its end comes from its waiter's status pipe instead of ``waitpid``."""
+
+    def __init__(self, warm: WarmChildren, args, **kw) -> None:
+        self._warm = warm
+        self._st: _Status | None = None
+        super().__init__(args, **kw)
+
+    def _execute_child(self, args, executable, preexec_fn, close_fds, pass_fds, cwd, env, startupinfo,
+                       creationflags, shell, p2cread, p2cwrite, c2pread, c2pwrite, errread, errwrite, *rest):
+        std = [p2cread if p2cread != -1 else 0, c2pwrite if c2pwrite != -1 else 1,
+               errwrite if errwrite != -1 else 2]
+        req = {"script": args[1], "argv": list(args[1:]), "cwd": os.fspath(cwd) if cwd else os.getcwd(),
+               "env": dict(env)}
+        try:
+            self.pid, self._st = self._warm.start(req, std)
+        finally:
+            self._close_pipe_fds(p2cread, p2cwrite, c2pread, c2pwrite, errread, errwrite)
+
+    def _waitpid(self, pid, flags):
+        sts = self._st.status(block=not flags & os.WNOHANG)
+        return (0, 0) if sts is None else (self.pid, sts)
+
+    def _try_wait(self, wait_flags):
+        return self._waitpid(self.pid, wait_flags)
+
+    def _internal_poll(self, _deadstate=None, **_kw):
+        return super()._internal_poll(_deadstate, _waitpid=self._waitpid)
+
+    def __del__(self, *a, **kw):
+        super().__del__(*a, **kw)
+        if self.returncode is not None and self._st is not None:
+            self._st.close()
+
+
+def popen(args, **kw) -> subprocess.Popen:
+    """``subprocess.Popen(args, **kw)``; for ``[sys.executable, script.py,
+    *args]`` with only pipes, ``env``, ``cwd`` and ``start_new_session``,
+    once :func:`start_warm_children` started the template, the process is
+    forked from it (always in a session of its own).  The same object
+    otherwise: ``poll``, ``wait``, ``communicate``, ``kill``, ``pid``."""
+    warm = _warm
+    simple = set(kw) <= {"stdin", "stdout", "stderr", "text", "env", "cwd", "start_new_session", "bufsize"}
+    if (warm is not None and simple and isinstance(args, (list, tuple)) and len(args) >= 2
+            and args[0] == sys.executable and str(args[1]).endswith(".py")):
+        env = _child_env(kw.get("env"))
+        if warm.serves(env):
+            try:
+                return _WarmPopen(warm, [str(a) for a in args], **{**kw, "env": env})
+            except _WarmUnavailable:
+                pass
+    return subprocess.Popen(args, **kw)
 
 
 _warm: WarmChildren | None = None

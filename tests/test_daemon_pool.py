@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from coordl.daemon import server as S
+from coordl.testing import popen
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 JOB = os.path.join(HERE, "_share_job.py")
@@ -40,7 +41,7 @@ def daemon_settings():
 
 
 def _job(root, *extra):
-    return subprocess.Popen([sys.executable, JOB, "--root", root, *extra], stdout=subprocess.PIPE,
+    return popen([sys.executable, JOB, "--root", root, *extra], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
 
 

@@ -20,6 +20,7 @@ import pytest
 
 from coordl.daemon import ipc
 from coordl.daemon import server as S
+from coordl.testing import popen
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 JOB = os.path.join(HERE, "_share_job.py")
@@ -42,7 +43,7 @@ def daemon_settings():
 
 
 def _job(root, *extra, env=None):
-    return subprocess.Popen([sys.executable, JOB, "--root", root, *extra], stdout=subprocess.PIPE,
+    return popen([sys.executable, JOB, "--root", root, *extra], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env={**os.environ, **(env or {})})
 
 

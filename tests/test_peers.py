@@ -16,6 +16,7 @@ import pytest
 from coordl.peers import rendezvous
 from coordl.peers.client import PeerClient
 from coordl.plan import EpochPlan
+from coordl.testing import popen
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 JOB = os.path.join(HERE, "_peers_job.py")
@@ -53,7 +54,7 @@ class Cluster:
                     "--out", self.outs[r]]
             for k, v in {**opts, **(rank_opts or {}).get(r, {})}.items():
                 args += [f"--{k.replace('_', '-')}", str(v)]
-            self.procs.append(subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            self.procs.append(popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                                env=env, start_new_session=True))
 
     def lines(self, r):

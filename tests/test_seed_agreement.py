@@ -15,6 +15,7 @@ import textwrap
 import pytest
 
 from coordl.synth import make_image_folder
+from coordl.testing import popen
 
 JOB = textwrap.dedent("""
     import json, os, sys
@@ -71,7 +72,7 @@ def _run(tmp_path, folder, case, env_extra=None, timeout=90):
     for rank in range(2):
         env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                    **(env_extra or {}))
-        procs.append(subprocess.Popen([sys.executable, str(script), folder, case], env=env,
+        procs.append(popen([sys.executable, str(script), folder, case], env=env,
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     outs = []
     try:

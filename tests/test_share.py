@@ -16,6 +16,7 @@ import torch
 import coordl
 from coordl import transforms as T
 from coordl.daemon import server as S
+from coordl.testing import popen
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 JOB = os.path.join(HERE, "_share_job.py")
@@ -197,7 +198,7 @@ def test_dataset_the_daemon_cannot_load_falls_back(daemon_env):
 
 
 def _job(root, *extra, env=None):
-    return subprocess.Popen([sys.executable, JOB, "--root", root, *extra], stdout=subprocess.PIPE,
+    return popen([sys.executable, JOB, "--root", root, *extra], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
 
 

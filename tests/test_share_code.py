@@ -16,6 +16,7 @@ import torch
 
 import coordl
 from coordl.daemon import server as S
+from coordl.testing import popen
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 CODE_JOB = os.path.join(HERE, "_code_job.py")
@@ -91,7 +92,7 @@ def _stop_and_check(p, first, project, root, most=4):
 
 
 def _job(project, root, *extra):
-    return subprocess.Popen([sys.executable, CODE_JOB, "--project", project, "--root", root, *extra],
+    return popen([sys.executable, CODE_JOB, "--project", project, "--root", root, *extra],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
 
 

@@ -30,7 +30,7 @@ from torchvision.transforms import v2 as V2  # noqa: E402
 import coordl  # noqa: E402
 from coordl import _rng  # noqa: E402
 from coordl import transforms as T  # noqa: E402
-from coordl.testing import run_in_child  # noqa: E402
+from coordl.testing import popen, run_in_child  # noqa: E402
 from coordl.tvcompat import TorchvisionFolder, adapt, translate  # noqa: E402
 
 MEAN, STD = [0.485, 0.456, 0.406], [0.229, 0.224, 0.225]
@@ -468,7 +468,7 @@ def test_peers_serve_what_the_other_node_cached(photos, tmp_path):
         port = str(s.getsockname()[1])
     total = sum(os.path.getsize(p) for p, _ in D.ImageFolder(photos).samples)
     job = os.path.join(HERE, "_tv_peers_job.py")
-    procs = [subprocess.Popen([sys.executable, job, photos, str(r), "2", port, str(total + 65536)],
+    procs = [popen([sys.executable, job, photos, str(r), "2", port, str(total + 65536)],
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
              for r in range(2)]
     outs = []
