@@ -396,7 +396,7 @@ class WarmChildren:
     def start(self, req: dict, std: list[int]) -> tuple[int, _Status]:
         """Fork a child for ``req`` with ``std`` as its stdin, stdout and
         stderr (this process keeps its own copies): (its pid, its status).
-        :class:`_WarmUnavailable` when the template does not answer."""
+        ``_WarmUnavailable`` when the template does not answer."""
         import json
         import socket
         import struct

@@ -334,6 +334,40 @@ def test_a_warm_child_runs_the_code_as_python_c_would(tmp_path, monkeypatch):
                           '  File "<string>", line 2, in f\nValueError: boom\n')
 
 
+def test_a_warm_popen_gives_exit_codes_and_signals_as_popen_does(tmp_path):
+    """``coordl.testing.popen`` of ``python script.py``: forked from the
+    template, run side by side, with Popen's returncode, poll, wait and
+    communicate (the ends come from each child's waiter, not waitpid)."""
+    import signal
+
+    from coordl import testing
+
+    if testing._warm is None:
+        pytest.skip("COORDL_TEST_FRESH_CHILDREN=1: no template")
+    script = tmp_path / "job.py"
+    script.write_text("import sys, time\nprint(sys.argv[1:], __name__, __file__ == sys.argv[0], flush=True)\n"
+                      "if sys.argv[1] == 'sleep':\n    time.sleep(120)\n"
+                      "sys.exit(int(sys.argv[1]))\n")
+    ps = [testing.popen([sys.executable, str(script), k], stdout=subprocess.PIPE, text=True) for k in ("0", "3")]
+    assert all(type(p).__name__ == "_WarmPopen" for p in ps)
+    outs = [p.communicate(timeout=60)[0] for p in ps]
+    assert [p.returncode for p in ps] == [0, 3]
+    assert outs == ["['0'] __main__ True\n", "['3'] __main__ True\n"]
+    p = testing.popen([sys.executable, str(script), "sleep"], stdout=subprocess.PIPE, text=True,
+                      start_new_session=True)
+    try:
+        assert p.stdout.readline() == "['sleep'] __main__ True\n"
+        assert p.poll() is None
+        with pytest.raises(subprocess.TimeoutExpired):
+            p.wait(0.2)
+        os.killpg(p.pid, signal.SIGKILL)
+        assert p.wait(30) == -signal.SIGKILL
+    finally:
+        p.kill()
+        p.wait(30)
+        p.stdout.close()
+
+
 def test_a_child_with_other_variables_is_a_fresh_interpreter(tmp_path, monkeypatch):
     """A variable torch or Python may read at start-up differs from the
     template's: the child must be a fresh interpreter (nothing imported)."""
