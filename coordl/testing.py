@@ -18,12 +18,16 @@ Two concerns live here:
 """
 from __future__ import annotations
 
+import json
 import multiprocessing
 import os
 import re
 import signal
+import socket
+import struct
 import subprocess
 import sys
+import threading
 import time
 from typing import Iterable, Mapping
 
@@ -106,13 +110,6 @@ def _as_text(data) -> str:
     return data
 
 
-def _timed_out(timeout: float, state: str, tree_desc: str, out: str, err: str) -> AssertionError:
-    return AssertionError(
-        f"child process timed out after {timeout} s ({state}); the process "
-        f"group was killed.\nprocess tree at timeout:\n{tree_desc or '  (none)'}"
-        f"\n--- child stdout so far ---\n{out}\n--- child stderr so far ---\n{err}")
-
-
 def run_in_child(
     code: str, timeout: float = 60, env: Mapping[str, str] | None = None
 ) -> subprocess.CompletedProcess:
@@ -132,20 +129,13 @@ def run_in_child(
     SIGKILLed and :class:`AssertionError` is raised with the output so far.
     """
     args = [sys.executable, "-c", code]
-    full_env = _child_env(env)
-    warm = _warm
-    if warm is not None and warm.serves(full_env):
-        try:
-            return warm.run(code, timeout, full_env)
-        except _WarmUnavailable:
-            pass
-    proc = subprocess.Popen(
+    proc = popen(   # forked from the warm-child template where one runs
         args,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         stdin=subprocess.DEVNULL,
         text=True,
-        env=full_env,
+        env=_child_env(env),
         start_new_session=True,  # new session => new process group, pgid == pid
     )
     pgid = proc.pid
@@ -180,7 +170,11 @@ def run_in_child(
             else f"had exited with code {child_rc} but its output was held open "
             "by descendants"
         )
-        raise _timed_out(timeout, state, tree_desc, out, err) from None
+        raise AssertionError(
+            f"child process timed out after {timeout} s ({state}); the process "
+            f"group was killed.\nprocess tree at timeout:\n{tree_desc or '  (none)'}"
+            f"\n--- child stdout so far ---\n{out}\n--- child stderr so far ---\n{err}"
+        ) from None
     except BaseException:
         _kill_group(pgid)
         proc.wait()
@@ -278,7 +272,7 @@ if "script" in _req:     # python script args: sys.path starts with the script's
     with open(_path, "rb") as _f:
         _code = compile(_f.read(), _path, "exec")
 else:
-    sys.argv[:] = ["-c"]
+    sys.argv[:] = _req["argv"]
     _code = compile(_req["code"], "<string>", "exec")
 del _req
 try:
@@ -343,8 +337,6 @@ class _Status:
 
 
 def _unpack(b: bytes) -> int:
-    import struct
-
     return struct.unpack("<q", b)[0]
 
 
@@ -357,9 +349,6 @@ class WarmChildren:
     interpreter instead."""
 
     def __init__(self) -> None:
-        import socket
-        import threading
-
         self.env = _child_env(None)
         mine, theirs = socket.socketpair()
         try:
@@ -397,10 +386,6 @@ class WarmChildren:
         """Fork a child for ``req`` with ``std`` as its stdin, stdout and
         stderr (this process keeps its own copies): (its pid, its status).
         ``_WarmUnavailable`` when the template does not answer."""
-        import json
-        import socket
-        import struct
-
         body = json.dumps(req).encode()
         status_r, status_w = os.pipe()
         try:
@@ -421,80 +406,12 @@ class WarmChildren:
             st.close()
             raise _WarmUnavailable(str(e)) from e
 
-    def run(self, code: str, timeout: float, env: Mapping[str, str]) -> subprocess.CompletedProcess:
-        """:func:`run_in_child`'s contract, the child forked from the template."""
-        import threading
-
-        args = [sys.executable, "-c", code]
-        out_r, out_w = os.pipe()
-        err_r, err_w = os.pipe()
-        nul = os.open(os.devnull, os.O_RDONLY)
-        try:
-            pid, st = self.start({"code": code, "cwd": os.getcwd(), "env": dict(env)}, [nul, out_w, err_w])
-        except BaseException:
-            os.close(out_r)
-            os.close(err_r)
-            raise
-        finally:
-            for f in (nul, out_w, err_w):
-                os.close(f)
-        chunks: dict[int, list[bytes]] = {out_r: [], err_r: []}
-
-        def drain(fd: int) -> None:
-            try:
-                while True:
-                    b = os.read(fd, 1 << 16)
-                    if not b:
-                        return
-                    chunks[fd].append(b)
-            finally:
-                os.close(fd)
-
-        readers = [threading.Thread(target=drain, args=(fd,), daemon=True) for fd in (out_r, err_r)]
-        for r in readers:
-            r.start()
-
-        def text(fd: int) -> str:
-            return b"".join(chunks[fd]).decode("utf-8", "replace").replace("\r\n", "\n").replace("\r", "\n")
-
-        deadline = time.monotonic() + timeout
-        try:
-            for r in readers:
-                r.join(max(0.0, deadline - time.monotonic()))
-            if any(r.is_alive() for r in readers):
-                try:
-                    tree = psutil.Process(pid).children(recursive=True)
-                except psutil.Error:
-                    tree = []
-                running = st.status(block=False) is None
-                tree_desc = describe_processes(tree)
-                _kill_group(pid, tree)
-                for r in readers:
-                    r.join(10)
-                state = ("was still running" if running else
-                         "had exited but its output was held open by descendants")
-                raise _timed_out(timeout, state, tree_desc, text(out_r), text(err_r)) from None
-            rc = os.waitstatus_to_exitcode(st.status(block=True))
-        except AssertionError:
-            raise
-        except BaseException:
-            _kill_group(pid)
-            raise
-        finally:
-            st.close()
-        stragglers = _group_members(pid)
-        if stragglers:
-            _kill_group(pid, stragglers)
-            _wait_dead(stragglers, 5)
-        result = subprocess.CompletedProcess(args, rc, text(out_r), text(err_r))
-        result.stragglers = [p.pid for p in stragglers]  # type: ignore[attr-defined]
-        return result
-
 
 class _WarmPopen(subprocess.Popen):
-    """A :class:`subprocess.Popen` of ``python script args`` whose process is
-    forked from the warm-child template: it is not this process' child, so
-    its end comes from its waiter's status pipe instead of ``waitpid``."""
+    """A :class:`subprocess.Popen` of ``python script args`` or ``python -c
+    code args`` whose process is forked from the warm-child template: it is
+    not this process' child, so its end comes from its waiter's status pipe
+    instead of ``waitpid``."""
 
     def __init__(self, warm: WarmChildren, args, **kw) -> None:
         self._warm = warm
@@ -505,8 +422,9 @@ class _WarmPopen(subprocess.Popen):
                        creationflags, shell, p2cread, p2cwrite, c2pread, c2pwrite, errread, errwrite, *rest):
         std = [p2cread if p2cread != -1 else 0, c2pwrite if c2pwrite != -1 else 1,
                errwrite if errwrite != -1 else 2]
-        req = {"script": args[1], "argv": list(args[1:]), "cwd": os.fspath(cwd) if cwd else os.getcwd(),
-               "env": dict(env)}
+        req = {"code": args[2], "argv": ["-c", *args[3:]]} if args[1] == "-c" else \
+            {"script": args[1], "argv": list(args[1:])}
+        req.update(cwd=os.fspath(cwd) if cwd else os.getcwd(), env=dict(env))
         try:
             self.pid, self._st = self._warm.start(req, std)
         finally:
@@ -530,14 +448,16 @@ class _WarmPopen(subprocess.Popen):
 
 def popen(args, **kw) -> subprocess.Popen:
     """``subprocess.Popen(args, **kw)``; for ``[sys.executable, script.py,
-    *args]`` with only pipes, ``env``, ``cwd`` and ``start_new_session``,
-    once :func:`start_warm_children` started the template, the process is
-    forked from it (always in a session of its own).  The same object
-    otherwise: ``poll``, ``wait``, ``communicate``, ``kill``, ``pid``."""
+    *args]`` or ``[sys.executable, "-c", code, *args]`` with only pipes,
+    ``env``, ``cwd`` and ``start_new_session``, once
+    :func:`start_warm_children` started the template, the process is forked
+    from it (always in a session of its own).  The same object otherwise:
+    ``poll``, ``wait``, ``communicate``, ``kill``, ``pid``."""
     warm = _warm
     simple = set(kw) <= {"stdin", "stdout", "stderr", "text", "env", "cwd", "start_new_session", "bufsize"}
     if (warm is not None and simple and isinstance(args, (list, tuple)) and len(args) >= 2
-            and args[0] == sys.executable and str(args[1]).endswith(".py")):
+            and args[0] == sys.executable
+            and (str(args[1]).endswith(".py") or (args[1] == "-c" and len(args) >= 3))):
         env = _child_env(kw.get("env"))
         if warm.serves(env):
             try:
