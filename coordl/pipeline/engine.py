@@ -99,6 +99,10 @@ class Engine:
         self.q: queue.Queue = queue.Queue()
         self.peers = peers
         self._read, self._read_many = _make_reader(dataset, cache, peers)
+        # decode="device" over a plain folder: whole batches at once (coordl.device.batch_reads)
+        from ..device.batch_reads import batch_reads_for
+        self._batches = batch_reads_for(dataset, cache=cache, peers=peers, in_place=self.in_place,
+                                        batch_size=batch_size)
         # device split (coordl.device.SplitPrep): where each sample's uint8 images are
         self._take_marks = getattr(dataset, "take_device_marks", None)
         # decode="device" (coordl.device.DecodePrep): the bytes (or CPU images) beside each record
@@ -132,6 +136,9 @@ class Engine:
         self.ready: list = []           # heap of (pos, j, Fetched)
         self.delivered = 0              # reads of this pass handed to on_fetched
         self.upto = np.cumsum([0] + [len(ind) for _, ind in self.my]).tolist()  # samples before pos
+        self.built = 0                  # batch reads: the positions before it are built
+        if self._batches is not None:
+            return
         order = ((( pass_id, pos, j), i) for pos, (_, ind) in enumerate(self.my)
                  for j, i in enumerate(ind))
         self.fetcher = Fetcher(self._read, order, self.q, threads=self.fetch_threads,
@@ -202,7 +209,19 @@ class Engine:
 
     def pump(self, interrupt: Callable[[], bool] | None = None) -> None:
         """Prepare ready samples inside the window until none is left (or
-        ``interrupt()`` says events are waiting)."""
+        ``interrupt()`` says events are waiting).  With batch reads: build
+        the batches inside the window not built yet, one after another."""
+        if self._batches is not None:
+            while self.pass_id is not None and self.built < min(self.first + self.prefetch, len(self.my)):
+                pos = self.built
+                self.built += 1
+                k, indices = self.my[pos]
+                if indices:
+                    self._batches.build(self, _Builder(k, indices, copy=False))
+                    self.at = ("idle", None, None)
+                if interrupt is not None and interrupt():
+                    return
+            return
         while self.ready:
             pos = self.ready[0][0]
             if pos >= self.first + self.prefetch:

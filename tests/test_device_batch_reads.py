@@ -1,0 +1,218 @@
+"""decode="device" over a plain image folder: the workers read and record a
+batch at a time (coordl.device.batch_reads).  What reaches the main process
+must be what the per-sample path sends: every test runs both (the module's
+ENABLED switch) on the same inputs and compares the batches delivered (the
+CPU stand-in decodes the records and bytes, so a wrong record, label or
+byte shows) and the statistics, on the cases the batch path hands back to
+the per-sample path."""
+import os
+import warnings
+
+import pytest
+import torch
+from PIL import Image
+
+import coordl
+from coordl import transforms as T
+from coordl.device import batch_reads as BR
+from coordl.device import delivery as D
+
+NORM = T.Normalize([0.485, 0.456, 0.406], [0.229, 0.224, 0.225])
+
+
+def _rrc(size=16):
+    return T.Compose([T.RandomResizedCrop(size), T.RandomHorizontalFlip(), T.ToTensor(), NORM])
+
+
+@pytest.fixture(autouse=True)
+def cpu_device(monkeypatch):
+    monkeypatch.setattr(D, "CPU_TEST_DEVICE", True)
+
+
+@pytest.fixture(scope="module")
+def photos(tmp_path_factory):
+    from coordl.synth import make_image_folder
+
+    root = tmp_path_factory.mktemp("batchreads") / "photos"
+    make_image_folder(str(root), num_images=22, num_classes=3, mean_kb=5, image_size=(80, 60), seed=9)
+    return str(root)
+
+
+def _odd(root):
+    """``root``: JPEGs, plus what the batch path hands back: a CMYK JPEG, a
+    PNG named .jpg, a JPEG cut short (no end marker)."""
+    import io
+
+    import numpy as np
+
+    rng = np.random.default_rng(3)
+    for c in ("a", "b"):
+        os.makedirs(os.path.join(root, c), exist_ok=True)
+
+    def photo(h, w):
+        return Image.fromarray(rng.integers(0, 255, (h, w, 3), dtype=np.uint8))
+
+    for k in range(9):
+        photo(40 + k, 50 - k).save(os.path.join(root, "a", f"{k}.jpg"), quality=85)
+    photo(44, 52).convert("CMYK").save(os.path.join(root, "b", "cmyk.jpg"), quality=85)
+    photo(41, 47).save(os.path.join(root, "b", "png.jpg"), format="PNG")
+    buf = io.BytesIO()
+    photo(48, 48).save(buf, "JPEG", quality=85)
+    with open(os.path.join(root, "b", "short.jpg"), "wb") as f:
+        f.write(buf.getvalue()[:-200])
+    return root
+
+
+def _run(ds, batch_reads, epochs=1, **kw):
+    """The batches of ``epochs`` passes and what the statistics say, with
+    the batch path on or off."""
+    old = BR.ENABLED
+    BR.ENABLED = batch_reads
+    try:
+        kw = {"batch_size": 4, "seed": 5, "shuffle": True, "device": "cpu", "decode": "device", **kw}
+        L = coordl.DataLoader(ds, **kw)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")   # on_error="skip" warns about what it skipped, both ways
+            batches = [list(L) for _ in range(epochs)]
+        if kw.get("num_workers", 0) and kw.get("persistent_workers"):
+            used = {s["batch_reads"] for s in L._mode.pool.worker_stats()}
+        else:
+            used = None
+        st = L.stats()
+        facts = [(e.samples_from_storage, e.samples_from_cache, e.skipped) for e in st.epochs]
+        return batches, (facts, st.device_decode_images, st.device_decode_cpu_images), used
+    finally:
+        BR.ENABLED = old
+
+
+def _same(a, b):
+    assert len(a) == len(b)
+    for ea, eb in zip(a, b):
+        assert len(ea) == len(eb)
+        for (x, y), (x2, y2) in zip(ea, eb):
+            assert torch.equal(y, y2)
+            assert torch.equal(x, x2)
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_batches_and_stats_are_the_per_sample_paths(photos, workers):
+    ds = coordl.ImageFolder(photos, _rrc())
+    kw = dict(num_workers=workers, persistent_workers=bool(workers), epochs=2)
+    got, facts, used = _run(ds, True, **kw)
+    want, want_facts, unused = _run(ds, False, **kw)
+    _same(got, want)
+    assert facts == want_facts and facts[1] == 2 * len(ds)
+    if workers:
+        assert used == {True} and unused == {False}
+
+
+def test_an_evaluation_transform_and_torchvisions_dataset(photos):
+    """Resize + CenterCrop, and torchvision's ImageFolder recognized."""
+    import sys
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from _torchvision import import_torchvision
+
+    import_torchvision()
+    from torchvision import datasets, transforms as tvT
+
+    ds = coordl.ImageFolder(photos, T.Compose([T.Resize(30), T.CenterCrop(24), T.ToTensor(), NORM]))
+    got, facts, _ = _run(ds, True, shuffle=False)
+    want, want_facts, _ = _run(ds, False, shuffle=False)
+    _same(got, want)
+    assert facts == want_facts
+    tv = datasets.ImageFolder(photos, transform=tvT.Compose([tvT.RandomResizedCrop(20), tvT.RandomHorizontalFlip(),
+                                                              tvT.ToTensor()]))
+    got, facts, _ = _run(tv, True, num_workers=1, persistent_workers=True)
+    want, want_facts, _ = _run(tv, False, num_workers=1, persistent_workers=True)
+    _same(got, want)
+    assert facts == want_facts
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_the_node_cache_serves_and_admits_as_before(photos, tmp_path, workers):
+    """Each path over its own copy of the folder: a node cache is the
+    node's, found again by the next loader over the same files."""
+    import shutil
+
+    kw = dict(num_workers=workers, persistent_workers=bool(workers), epochs=2, cache_size="8MiB")
+    mine, other = shutil.copytree(photos, tmp_path / "a"), shutil.copytree(photos, tmp_path / "b")
+    ds = coordl.ImageFolder(str(mine), _rrc())
+    got, facts, used = _run(ds, True, **kw)
+    want, want_facts, _ = _run(coordl.ImageFolder(str(other), _rrc()), False, **kw)
+    _same(got, want)
+    assert facts == want_facts
+    assert facts[0][0][:2] == (len(ds), 0) and facts[0][1][:2] == (0, len(ds))   # epoch 1 from the cache
+    if workers:
+        assert used == {True}
+
+
+@pytest.mark.parametrize("on_error", ["skip", "raise"])
+@pytest.mark.parametrize("workers", [0, 2])
+def test_files_the_batch_path_hands_back(tmp_path, workers, on_error):
+    """CMYK and PNG (prepared on the CPU in the worker), a JPEG cut short,
+    a file gone since the scan, a file whose size changed since: the
+    per-sample path's samples, errors and counts."""
+    root = _odd(str(tmp_path / "odd"))
+    ds = coordl.ImageFolder(root, _rrc())
+    paths = [p for p, _ in ds.samples]
+    os.remove(paths[2])
+    with open(paths[5], "ab") as f:
+        f.write(b"\0" * 10)      # a JPEG with bytes after its end marker: another size than the table's
+    kw = dict(num_workers=workers, shuffle=False, on_error=on_error)
+
+    def run(flag):
+        if on_error == "skip":
+            return _run(ds, flag, **kw)
+        L_batches = []
+        old = BR.ENABLED
+        BR.ENABLED = flag
+        try:
+            L = coordl.DataLoader(ds, batch_size=4, seed=5, device="cpu", decode="device", **kw)
+            it = iter(L)
+            for _ in range(L.plan.num_batches):
+                try:
+                    x, y = next(it)
+                    L_batches.append(("batch", x, y))
+                except coordl.SampleError as e:
+                    L_batches.append(("error", type(e).__name__, str(e).split("\n")[0]))
+            return L_batches, None, None
+        finally:
+            BR.ENABLED = old
+
+    got, facts, _ = run(True)
+    want, want_facts, _ = run(False)
+    if on_error == "skip":
+        _same(got, want)
+        assert facts == want_facts
+        assert facts[0][0][2] >= 1 and facts[2] >= 2          # the missing file skipped; CMYK, PNG on the CPU
+    else:
+        assert [g[0] for g in got] == [w[0] for w in want] and "error" in [g[0] for g in got]
+        for g, w in zip(got, want):
+            if g[0] == "error":
+                assert g == w
+            else:
+                assert torch.equal(g[1], w[1]) and torch.equal(g[2], w[2])
+
+
+def test_which_datasets_take_it(photos):
+    """Only what it can prove: coordl's and torchvision's folders with the
+    stock raw and prep, local files, no target_transform; a subclass that
+    reads its own way, a target_transform or peers keep the per-sample path."""
+    from coordl.device.encoded import DecodePrep, plan_for
+
+    def takes(ds, **kw):
+        prep = DecodePrep(ds, plan_for(ds.transform))
+        return BR.batch_reads_for(prep, cache=None, peers=kw.get("peers"), in_place=True, batch_size=4) is not None
+
+    assert takes(coordl.ImageFolder(photos, _rrc()))
+
+    class OwnRead(coordl.ImageFolder):
+        def _raw(self, index):
+            return super()._raw(index)
+
+    assert not takes(OwnRead(photos, _rrc()))
+    assert not takes(coordl.ImageFolder(photos, _rrc(), target_transform=lambda t: t + 1))
+    assert not takes(coordl.ImageFolder(photos, _rrc()), peers=object())
+    prep = DecodePrep(coordl.ImageFolder(photos, _rrc()), plan_for(_rrc()))
+    assert BR.batch_reads_for(prep, cache=None, peers=None, in_place=False, batch_size=4) is None
