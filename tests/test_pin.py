@@ -188,3 +188,30 @@ def test_a_thread_that_ends_without_finishing_the_pass_is_named(monkeypatch, nam
     with pytest.raises(RuntimeError, match=f"thread {name} exited without finishing the pass") as e:
         next(t)
     assert ("pin_memory=False" in str(e.value)) == hint
+
+
+def test_worker_stats_beside_the_pin_thread_read_whole_messages(tmp_path):
+    """The pin thread receives the workers' results while another thread
+    asks them for their statistics (``pool.worker_stats``): both read the
+    same pipes, one message at a time, never the middle of another's."""
+    from coordl.synth import make_image_folder
+    from coordl.testing import run_in_child
+
+    root = make_image_folder(str(tmp_path / "photos"), num_images=40, num_classes=2, mean_kb=2,
+                             image_size=(32, 24), seed=1)
+    code = f"""
+import coordl
+from coordl import transforms as T
+from coordl.device import delivery as D
+D.CPU_TEST_DEVICE = True
+ds = coordl.ImageFolder({root!r}, T.Compose([T.RandomResizedCrop(8), T.ToTensor()]))
+L = coordl.DataLoader(ds, batch_size=1, num_workers=2, persistent_workers=True, device="cpu", prefetch_factor=4)
+n = 0
+for e in range(20):
+    for b in L:
+        assert len(L._mode.pool.worker_stats()) == 2
+        n += 1
+print("OK", n)
+"""
+    r = run_in_child(code, timeout=120)
+    assert r.returncode == 0 and "OK 800" in r.stdout, r.stderr[-3000:]

@@ -86,6 +86,9 @@ class WorkerPool:
         self.base_seed = cfg.get("base_seed")
         self.procs, self.ctrl, self.res = [], [], []
         self._locks = [threading.Lock() for _ in range(num_workers)]
+        # one reader of the result pipes at a time: the pin thread takes results while another
+        # thread may ask for statistics (worker_stats); two readers would split a message
+        self._rlock = threading.RLock()
         self.maps: dict[tuple[int, int], tuple[int, object]] = {}
         self.pending: dict[int, tuple[int, tuple]] = {}
         # Slots whose last batch tensor died: (w, sid, gen).  Filled by
@@ -235,6 +238,10 @@ class WorkerPool:
                                    + _exit_hint(p.exitcode))
 
     def _receive(self, timeout: float) -> None:
+        with self._rlock:
+            self._receive_locked(timeout)
+
+    def _receive_locked(self, timeout: float) -> None:
         sentinels = {p.sentinel: p for p in self.procs}
         ready = mpc.wait(self.res + list(sentinels), timeout)
         conns = [c for c in ready if c not in sentinels]
