@@ -1,18 +1,23 @@
 """The workers' CPU per image in ``decode="device"``, by where the bytes come from.
 
 With ``decode="device"`` a worker reads each sample's bytes, parses its
-JPEG header, draws its crop and flip, and copies the bytes into the batch's
+JPEG header, draws its crop and flip, and places the bytes in the batch's
 shared slot; the main process decodes.  On a GPU those workers are part of
 what the 2-core target counts.  This measures them apart from any decoder:
 the main process's decoder and geometry are replaced by ones that return at
 once (on the CPU device, ``coordl.device.delivery.CPU_TEST_DEVICE``), so
-the figures are the workers' own path, per image, in three settings:
+the figures are the workers' own path, per image, in these settings:
 
 * ``files``: read from the files (warm page cache), no node cache: what
   ``gpu.py``'s rows do (only the import changed);
 * ``node cache``: ``cache_size`` given, after an epoch that filled it;
-* ``in memory``: ``raw()`` returns bytes held in a list (the floor: no
-  read at all).
+* ``in memory``: ``raw()`` returns bytes held in a list (no read; a
+  dataset with its own ``raw`` takes the per-sample path).
+
+``files`` and ``node cache`` run twice: with the batch path (a plain
+folder's batch read and recorded at once, ``coordl.device.batch_reads``,
+what such a dataset gets) and with the per-sample path (the same engine
+with the batch path off), side by side.
 
 Each: one worker, ``persistent_workers``, an epoch to warm up, then the
 workers' CPU (their processes' user + system time) over ``--images``
@@ -33,7 +38,7 @@ import sys
 import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-SETTINGS = ("files", "node cache", "in memory")
+SETTINGS = ("files", "files, per sample", "node cache", "node cache, per sample", "in memory")
 
 _CHILD = r"""
 import json, sys, time
@@ -41,9 +46,10 @@ sys.path.insert(0, {repo!r})
 import psutil, torch
 import coordl
 from coordl import transforms as T
-from coordl.device import decode as DD, delivery as D
+from coordl.device import batch_reads as BR, decode as DD, delivery as D
 
 D.CPU_TEST_DEVICE = True
+BR.ENABLED = {batch_reads!r}
 
 
 class Instant:   # the main process's decoder: returns at once
@@ -68,7 +74,7 @@ DD.DecodeStage.finish = lambda self, p: {{path: torch.zeros(len(p.keep), 3, 2, 2
 tf = T.Compose([T.RandomResizedCrop(224), T.RandomHorizontalFlip(), T.ToTensor(),
                 T.Normalize([0.485, 0.456, 0.406], [0.229, 0.224, 0.225])])
 ds = coordl.ImageFolder({root!r}, tf)
-setting, images, batch = {setting!r}, {images}, {batch}
+setting, images, batch = {where!r}, {images}, {batch}
 if setting == "in memory":
     raws = [ds.raw(i) for i in range(len(ds))]
 
@@ -99,12 +105,15 @@ for b in it:
 k1, t1 = workers_cpu(), time.perf_counter()
 st = L.stats().epochs[-1]
 print("RESULT", json.dumps({{"us_per_image": (k1 - k0) / n * 1e6, "images_per_s": n / (t1 - t0), "images": n,
-                            "from_cache": st.samples_from_cache, "from_storage": st.samples_from_storage}}))
+                            "from_cache": st.samples_from_cache, "from_storage": st.samples_from_storage,
+                            "batch_reads": L._mode.pool.worker_stats()[0]["batch_reads"]}}))
 """
 
 
 def measure(root: str, setting: str, images: int, batch: int) -> dict:
-    code = _CHILD.format(repo=os.path.dirname(HERE), root=root, setting=setting, images=images, batch=batch)
+    where, _, per_sample = setting.partition(", ")
+    code = _CHILD.format(repo=os.path.dirname(HERE), root=root, where=where, batch_reads=not per_sample,
+                         images=images, batch=batch)
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
     line = next((x for x in r.stdout.splitlines() if x.startswith("RESULT ")), None)
     if r.returncode != 0 or line is None:
@@ -144,7 +153,7 @@ def main(argv=None) -> int:
     for s in SETTINGS:
         us = statistics.median(r["us_per_image"] for r in runs[s])
         rows[s] = {"us_per_image": round(us, 1), "runs": runs[s]}
-        print(f"  {s:<11} {us:7.1f} us per image   (runs: "
+        print(f"  {s:<22} {us:7.1f} us per image   (runs: "
               + ", ".join(f"{r['us_per_image']:.0f}" for r in runs[s]) + ")")
     if args.json:
         with open(args.json, "w") as f:

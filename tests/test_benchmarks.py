@@ -106,17 +106,21 @@ def test_device_decoders_quick(tmp_path):
 
 def test_device_workers_quick(tmp_path):
     """device_workers.py: the workers' CPU per image in decode="device" from
-    files, the node cache and memory; each setting read from where it says
-    (no timing asserted)."""
+    files, the node cache and memory, with the batch path and the per-sample
+    path; each setting read from where it says, by the path it names (no
+    timing asserted)."""
     import json
     out = _script("device_workers.py", "--quick", "--json", str(tmp_path / "w.json"))
     rows = json.loads((tmp_path / "w.json").read_text())["rows"]
-    assert list(rows) == ["files", "node cache", "in memory"], out
+    assert list(rows) == ["files", "files, per sample", "node cache", "node cache, per sample", "in memory"], out
     for name, r in rows.items():
         [run] = r["runs"]
         assert run["images"] >= 288 and run["us_per_image"] > 0, (name, run)
-    assert rows["node cache"]["runs"][0]["from_cache"] > 0 and rows["node cache"]["runs"][0]["from_storage"] == 0
-    assert rows["files"]["runs"][0]["from_cache"] == 0
+        assert run["batch_reads"] == (name in ("files", "node cache")), (name, run)
+        if name.startswith("node cache"):
+            assert run["from_cache"] > 0 and run["from_storage"] == 0, (name, run)
+        else:
+            assert run["from_cache"] == 0, (name, run)
 
 
 def test_latency_inner_against_local_http_server(tmp_path):
