@@ -130,6 +130,31 @@ def test_checksum_mode_detects_corruption():
     del L, cache
 
 
+def test_get_into_is_get_with_one_copy():
+    """``get_into`` copies an entry into the caller's array: a hit gives
+    ``get``'s bytes; a miss, another length or (with checksums) a corrupt
+    entry is what ``get`` makes of it, and the hit and miss counters agree."""
+    import numpy as np
+
+    from coordl.cache import node as C
+
+    ds = Fingerprinted(10, tag="g")
+    L = coordl.DataLoader(ds, batch_size=5, seed=0, cache_size=10_000, cache_checksum=True)
+    _epochs(L, 1)
+    cache = L._cache
+    want = cache.get(3)
+    out = np.zeros(len(want), dtype=np.uint8)
+    hits, misses = int(cache._hdr[C.HITS]), int(cache._hdr[C.MISSES])
+    assert cache.get_into(3, out) and out.tobytes() == want
+    assert not cache.get_into(3, np.zeros(len(want) + 1, dtype=np.uint8))     # another length
+    assert (int(cache._hdr[C.HITS]), int(cache._hdr[C.MISSES])) == (hits + 1, misses + 1)
+    off = int(cache._index[4, 0])
+    cache._arena[off] ^= 0xFF
+    with pytest.raises(RuntimeError, match="checksum mismatch for sample 4"):
+        cache.get_into(4, np.zeros(int(cache._index[4, 1]), dtype=np.uint8))
+    del L, cache
+
+
 def test_concurrent_admission_from_many_processes():
     """Three processes of four threads each admit the same 20,000 small
     samples at once: every sample is admitted exactly once (the arena's fill

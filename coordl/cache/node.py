@@ -248,16 +248,29 @@ class NodeCache:
         ``count=False``: not a hit or miss of this node (a peer's request).
         ``verify=True``: check the entry's CRC32 whatever ``checksum`` says
         (what a peer server sends must not spread a corrupt entry)."""
+        return self._copy(i, None, count, verify)
+
+    def get_into(self, i: int, out: np.ndarray) -> bool:
+        """:meth:`get` into ``out`` (a uint8 array of the entry's length,
+        e.g. a batch's slot): one copy, not two.  False (``out`` unspecified)
+        when ``get`` would return None or the entry has another length."""
+        return self._copy(i, out, True, False) is not None
+
+    def _copy(self, i: int, out, count: bool, verify: bool):
         e = self._index[i]
         hdr = self._hdr if count else _NOCOUNT
         if e[2] != READY:
             hdr[MISSES] += 1  # racy counter: statistics only
             return None
         off, length, crc = int(e[0]), int(e[1]), int(e[3])
-        if off < 0 or length < 0 or off + length > self.capacity:
+        if off < 0 or length < 0 or off + length > self.capacity or (out is not None and out.size != length):
             hdr[MISSES] += 1
             return None
-        data = self._arena[off:off + length].tobytes()
+        if out is None:
+            data = self._arena[off:off + length].tobytes()
+        else:
+            out[:] = self._arena[off:off + length]
+            data = out
         if (VALIDATE_READS or self.checksum or verify) and _entry_crc(i, off, length, data) != crc:
             if self.checksum and not verify:
                 self._check_corrupt(i)
