@@ -123,10 +123,10 @@ def test_an_evaluation_transform_and_torchvisions_dataset(photos):
     assert facts == want_facts
     tv = datasets.ImageFolder(photos, transform=tvT.Compose([tvT.RandomResizedCrop(20), tvT.RandomHorizontalFlip(),
                                                               tvT.ToTensor()]))
-    got, facts, _ = _run(tv, True, num_workers=1, persistent_workers=True)
+    got, facts, used = _run(tv, True, num_workers=1, persistent_workers=True)
     want, want_facts, _ = _run(tv, False, num_workers=1, persistent_workers=True)
     _same(got, want)
-    assert facts == want_facts
+    assert facts == want_facts and used == {True}
 
 
 @pytest.mark.parametrize("workers", [0, 2])

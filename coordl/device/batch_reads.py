@@ -51,7 +51,8 @@ class _Fallback(Exception):
 def batch_reads_for(dataset, *, cache, peers, in_place: bool, batch_size) -> "BatchReads | None":
     """A :class:`BatchReads` for the engine of ``dataset``, or None where
     the per-sample path must run (see the module docstring)."""
-    if not ENABLED or peers is not None or not in_place or batch_size is None or type(dataset) is not DecodePrep:
+    if not ENABLED or peers is not None or not in_place or batch_size is None or type(dataset) is not DecodePrep \
+            or not hasattr(os, "preadv"):
         return None
     from ..datasets import _FolderBase
     from ..decode.loaders import pil_decode
