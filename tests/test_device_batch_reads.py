@@ -216,3 +216,74 @@ def test_which_datasets_take_it(photos):
     assert not takes(coordl.ImageFolder(photos, _rrc()), peers=object())
     prep = DecodePrep(coordl.ImageFolder(photos, _rrc()), plan_for(_rrc()))
     assert BR.batch_reads_for(prep, cache=None, peers=None, in_place=False, batch_size=4) is None
+
+
+# ---------------------------------------------------------------- the draws' extension
+def test_the_extensions_generator_is_pythons():
+    """coordl.decode._draws seeds and runs the sample's generator as
+    ``random.Random(key)`` does, past its first 624 outputs (where the
+    state is twisted again)."""
+    import numpy as np
+
+    from coordl import _rng
+
+    draws = pytest.importorskip("coordl.decode._draws")
+    for seed, epoch, index in [(0, 0, 0), (1, 2, 3), (2 ** 64 - 1, 2 ** 64 - 1, 2 ** 63 - 1), (5, 0, 2 ** 40)]:
+        g = _rng.derive(seed, epoch, index)
+        assert np.frombuffer(draws.words(seed, epoch, index, 1500), np.uint32).tolist() == \
+            [g.getrandbits(32) for _ in range(1500)]
+
+
+@pytest.mark.parametrize("tf", [
+    T.Compose([T.RandomResizedCrop(16), T.RandomHorizontalFlip(), T.ToTensor()]),
+    T.Compose([T.RandomResizedCrop((9, 31), scale=(0.001, 0.002), ratio=(0.2, 5.0)), T.RandomHorizontalFlip(0.3),
+               T.ToTensor()]),
+    T.Compose([T.RandomResizedCrop(12, scale=(1, 1), ratio=(1, 1)), T.ToTensor()]),
+])
+def test_native_draws_are_the_plans_draws(tf):
+    """Many keys and image sizes (the first attempt, many attempts, both
+    fallbacks, one-pixel sides): the extension's (box, flip) is what
+    ``DecodePlan.draw`` draws from the same generator."""
+    import random
+
+    from coordl import _rng
+    from coordl.device.encoded import plan_for
+
+    pytest.importorskip("coordl.decode._draws")
+    plan = plan_for(tf)
+    draws = BR.native_draws(plan)
+    assert draws is not None
+    rnd = random.Random(4)
+    for _ in range(20):
+        seed, epoch = rnd.choice([0, 2 ** 64 - 1, rnd.getrandbits(64)]), rnd.choice([0, 9, rnd.getrandbits(64)])
+        idx = [rnd.choice([0, 2 ** 63 - 1, rnd.getrandbits(63)]) for _ in range(30)]
+        hs = [rnd.choice([1, 2, 375, 5000, rnd.randint(1, 3000)]) for _ in range(30)]
+        ws = [rnd.choice([1, 3, 500, 4000, rnd.randint(1, 3000)]) for _ in range(30)]
+        got = draws(idx, hs, ws, seed, epoch).tolist()
+        for i, h, w, row in zip(idx, hs, ws, got):
+            want = plan.draw(h, w, _rng.derive(seed, epoch, i))
+            assert row == [*want[:4], want[-1]], (seed, epoch, i, h, w)
+
+
+def test_other_plans_and_an_extension_that_disagrees_draw_in_python(photos, monkeypatch):
+    """A flip before the crop, or a resize and a crop: Python's draws.  An
+    extension whose draws differ from this Python's is not used, and the
+    batches are still the per-sample path's."""
+    import types
+
+    from coordl.decode import extensions
+    from coordl.device.encoded import plan_for
+
+    flip_first = T.Compose([T.RandomHorizontalFlip(), T.RandomResizedCrop(16), T.ToTensor()])
+    assert BR.native_draws(plan_for(flip_first)) is None
+    assert BR.native_draws(plan_for(T.Compose([T.Resize(20), T.RandomCrop(16), T.ToTensor()]))) is None
+    ds = coordl.ImageFolder(photos, flip_first)
+    _same(_run(ds, True)[0], _run(ds, False)[0])
+
+    def wrong(*args):
+        args[-1][:] = 0
+    monkeypatch.setattr(BR, "_CHECKED", {})
+    monkeypatch.setattr(extensions, "load", lambda name, log, without: types.SimpleNamespace(rrc=wrong))
+    assert BR.native_draws(plan_for(_rrc())) is None
+    ds = coordl.ImageFolder(photos, _rrc())
+    _same(_run(ds, True)[0], _run(ds, False)[0])

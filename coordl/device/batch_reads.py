@@ -33,9 +33,9 @@ import time
 import numpy as np
 import torch
 
-from .encoded import CHANNELS, ON_DEVICE, RECORD, DecodePrep, EncodedCompose, _lazy
+from .encoded import CHANNELS, FLIP, H2, ON_DEVICE, RECORD, RH, RW, SRC_W, T1, W1, DecodePrep, EncodedCompose, _lazy
 
-__all__ = ["BatchReads", "batch_reads_for"]
+__all__ = ["BatchReads", "batch_reads_for", "native_draws"]
 
 # False: every batch takes the per-sample path (the tests compare the two)
 ENABLED = True
@@ -46,6 +46,80 @@ _DONTNEED = getattr(os, "POSIX_FADV_DONTNEED", None)
 
 class _Fallback(Exception):
     """This sample takes the per-sample path."""
+
+
+_CHECKED: dict = {}    # the draws' parameters -> whether the extension's draws are this Python's
+
+
+def native_draws(plan):
+    """``f(indices, heights, widths, seed, epoch) -> int64 (n, 5)`` array of
+    (top, left, h, w, flip): ``plan``'s draws made by the extension
+    ``coordl.decode._draws``, for a plan of ``RandomResizedCrop`` and
+    optionally a ``RandomHorizontalFlip`` after it; None for other plans,
+    where the extension is not built, or where its draws differ from what
+    ``plan.draw`` makes on this Python (checked once per process and
+    parameters, on sizes and keys chosen to reach every branch)."""
+    import logging
+    import math
+
+    from .. import transforms as T
+    from ..decode.extensions import load
+
+    steps = plan.steps
+    kinds = [type(t) for t in steps]
+    if kinds == [T.RandomResizedCrop]:
+        flip_p = -1.0
+    elif kinds == [T.RandomResizedCrop, T.RandomHorizontalFlip]:
+        flip_p = float(steps[1].p)
+        if not 0 <= flip_p <= 1:
+            return None
+    else:
+        return None
+    mod = load("_draws", logging.getLogger(__name__), "the draws are made in Python")
+    if mod is None:
+        return None
+    rrc = steps[0]
+    scale, ratio = rrc.scale, rrc.ratio
+    if min(ratio) <= 0:
+        return None
+    args = (float(min(scale)), float(max(scale)), math.log(min(ratio)), math.log(max(ratio)),
+            float(min(ratio)), float(max(ratio)), flip_p)
+
+    def draws(indices, heights, widths, seed, epoch):
+        out = np.empty((len(indices), 5), dtype=np.int64)
+        mod.rrc(np.ascontiguousarray(indices, dtype=np.int64), np.ascontiguousarray(heights, dtype=np.int64),
+                np.ascontiguousarray(widths, dtype=np.int64), seed & _MASK64, epoch & _MASK64, *args, out)
+        return out
+
+    key = (tuple(scale), tuple(ratio), flip_p, rrc.size)
+    ok = _CHECKED.get(key)
+    if ok is None:
+        ok = _CHECKED[key] = _agrees(plan, draws)
+        if not ok:
+            logging.getLogger(__name__).debug("coordl.decode._draws differs from Python's draws for %r: "
+                                              "the draws are made in Python", plan)
+    return draws if ok else None
+
+
+_MASK64 = (1 << 64) - 1
+
+
+def _agrees(plan, draws) -> bool:
+    """The extension's draws are ``plan.draw``'s on this Python: sizes that
+    take the first attempt, many attempts, the fallback of either ratio
+    bound, a 1-pixel side; keys of one to six 32-bit words."""
+    from .. import _rng
+
+    sizes = [(375, 500), (500, 375), (1, 1), (1, 1000), (1000, 1), (3, 2), (224, 224), (3000, 4000), (17, 401)]
+    keys = [(0, 0, 0), (1, 0, 5), (7, 3, 2 ** 31 + 7), (2 ** 40 + 5, 11, 2 ** 63 - 1), (2 ** 64 - 1, 2 ** 64 - 1, 9)]
+    for seed, epoch, index in keys:
+        idx = [index + k for k in range(len(sizes))] if index < 2 ** 62 else [index - k for k in range(len(sizes))]
+        got = draws(idx, [h for h, _ in sizes], [w for _, w in sizes], seed, epoch)
+        for (h, w), i, row in zip(sizes, idx, got.tolist()):
+            want = plan.draw(h, w, _rng.derive(seed, epoch, i))
+            if row != [*want[:4], want[-1]]:
+                return False
+    return True
 
 
 def batch_reads_for(dataset, *, cache, peers, in_place: bool, batch_size) -> "BatchReads | None":
@@ -88,6 +162,7 @@ class BatchReads:
         self.sizes = ds.sizes
         self.targets = ds._targets
         self._layouts: dict = {}
+        self._draws = native_draws(self.plan)
         # a node cache copies a hit straight into the slot; another cache (a test's) through get
         self._into = getattr(cache, "get_into", None) or self._get_into
 
@@ -157,6 +232,8 @@ class BatchReads:
         rec, lab = rec_t.numpy(), lab_t.numpy()
         ok = [False] * n
         extra: dict = {}          # row -> a payload outside the blob (the per-sample path's)
+        native = self._draws
+        later: list = []          # rows whose draws the extension makes, after the loop
         for j, i in enumerate(indices):
             eng.at = ("preparing", b.k, i)
             size, o = int(sizes[j]), starts[j]
@@ -180,7 +257,11 @@ class BatchReads:
                     if hdr is not None and hdr[2] in fast and eoi(raw):
                         h, w = int(hdr[0]), int(hdr[1])
                         check_pixels((h, w))
-                        rec[j, :CHANNELS - 1] = [ON_DEVICE, h, w, *draw(h, w, derive(seed, epoch, i))]
+                        if native is None:
+                            rec[j, :CHANNELS - 1] = [ON_DEVICE, h, w, *draw(h, w, derive(seed, epoch, i))]
+                        else:
+                            rec[j, :SRC_W + 1] = (ON_DEVICE, h, w)
+                            later.append(j)
                         rec[j, CHANNELS - 1:] = (i, 3)
                         lab[j] = self.targets[i]
                         st.prep_s += clock() - t1
@@ -212,6 +293,13 @@ class BatchReads:
             extra[j] = payloads[0]
             ok[j] = True
         eng.at = ("collating", b.k, None)
+        if later:                 # RandomResizedCrop [+ flip]: box1, the resize, box2 = the whole resized image
+            got = native(rec[later, CHANNELS - 1], rec[later, 1], rec[later, SRC_W], seed, epoch)
+            rh, rw = self.plan.size
+            rec[later, T1:W1 + 1] = got[:, :4]
+            rec[later, RH:H2] = (rh, rw, 0, 0)
+            rec[later, H2:FLIP] = (rh, rw)
+            rec[later, FLIP] = got[:, 4]
         rows = [j for j in range(n) if ok[j]]
         if not rows:
             slots.release(slot)
