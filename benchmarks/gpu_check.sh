@@ -62,7 +62,7 @@ JSON=${REPORT%.txt}.json
 [ "$JSON" = "$REPORT" ] && JSON=$REPORT.json
 WHEELS=${WHEELS:-.whl}
 SITE=${SITE:-/tmp/site}
-CUDA_TESTS=${CUDA_TESTS:-"tests/test_cuda.py tests/test_device.py tests/test_device_split.py tests/test_pin.py tests/test_device_decode.py"}
+CUDA_TESTS=${CUDA_TESTS:-"tests/test_cuda.py tests/test_device.py tests/test_device_split.py tests/test_pin.py tests/test_device_decode.py tests/test_device_batch_reads.py"}
 # The CUDA modules took 115 s at -n 4 and 108 s at -n 8 on 16 vCPUs (the slowest tests bound
 # them: --durations names them); the benchmark needs ~280 s of what is left.
 PYTEST_ARGS=${PYTEST_ARGS:-"-n $(( $(nproc) >= 12 ? 8 : 4 )) --durations=12"}
@@ -169,9 +169,16 @@ main() {
     [ -d "$d" ] && export LD_LIBRARY_PATH=$d${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
   done
 
-  step "build the crop extension"
+  step "build the extensions"
   python3 setup.py build_ext --inplace -q 2>&1 | tail -20 || true
   ls coordl/decode/_jpegcrop*.so 2>/dev/null || echo "the crop extension did not build"
+  python3 - <<'PY' || true
+from coordl import transforms as T
+from coordl.device.batch_reads import native_draws
+from coordl.device.encoded import plan_for
+plan = plan_for(T.Compose([T.RandomResizedCrop(224), T.RandomHorizontalFlip(), T.ToTensor()]))
+print("decode='device' draws:", "the _draws extension (agrees with this Python)" if native_draws(plan) else "Python's")
+PY
 
   step "machine and versions"
   nvidia-smi || echo "nvidia-smi failed"
