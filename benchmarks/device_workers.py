@@ -15,7 +15,7 @@ the figures are the workers' own path, per image, in these settings:
   dataset with its own ``raw`` takes the per-sample path).
 
 ``files`` and ``node cache`` run twice: with the batch path (a plain
-folder's batch read and recorded at once, ``coordl.device.batch_reads``,
+folder's batch read and recorded at once, ``coordl.pipeline.device_batches``,
 what such a dataset gets) and with the per-sample path (the same engine
 with the batch path off), side by side.
 
@@ -46,7 +46,8 @@ sys.path.insert(0, {repo!r})
 import psutil, torch
 import coordl
 from coordl import transforms as T
-from coordl.device import batch_reads as BR, decode as DD, delivery as D
+from coordl.device import decode as DD, delivery as D
+from coordl.pipeline import device_batches as BR
 
 D.CPU_TEST_DEVICE = True
 BR.ENABLED = {batch_reads!r}

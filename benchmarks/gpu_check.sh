@@ -174,7 +174,7 @@ main() {
   ls coordl/decode/_jpegcrop*.so 2>/dev/null || echo "the crop extension did not build"
   python3 - <<'PY' || true
 from coordl import transforms as T
-from coordl.device.batch_reads import native_draws
+from coordl.pipeline.device_batches import native_draws
 from coordl.device.encoded import plan_for
 plan = plan_for(T.Compose([T.RandomResizedCrop(224), T.RandomHorizontalFlip(), T.ToTensor()]))
 print("decode='device' draws:", "the _draws extension (agrees with this Python)" if native_draws(plan) else "Python's")

@@ -1,5 +1,5 @@
 """decode="device" over a plain image folder: the workers read and record a
-batch at a time (coordl.device.batch_reads).  What reaches the main process
+batch at a time (coordl.pipeline.device_batches).  What reaches the main process
 must be what the per-sample path sends: every test runs both (the module's
 ENABLED switch) on the same inputs and compares the batches delivered (the
 CPU stand-in decodes the records and bytes, so a wrong record, label or
@@ -14,7 +14,7 @@ from PIL import Image
 
 import coordl
 from coordl import transforms as T
-from coordl.device import batch_reads as BR
+from coordl.pipeline import device_batches as BR
 from coordl.device import delivery as D
 
 NORM = T.Normalize([0.485, 0.456, 0.406], [0.229, 0.224, 0.225])

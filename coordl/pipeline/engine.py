@@ -99,8 +99,8 @@ class Engine:
         self.q: queue.Queue = queue.Queue()
         self.peers = peers
         self._read, self._read_many = _make_reader(dataset, cache, peers)
-        # decode="device" over a plain folder: whole batches at once (coordl.device.batch_reads)
-        from ..device.batch_reads import batch_reads_for
+        # decode="device" over a plain folder: whole batches at once (coordl.pipeline.device_batches)
+        from .device_batches import batch_reads_for
         self._batches = batch_reads_for(dataset, cache=cache, peers=peers, in_place=self.in_place,
                                         batch_size=batch_size)
         # device split (coordl.device.SplitPrep): where each sample's uint8 images are

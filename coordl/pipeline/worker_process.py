@@ -200,5 +200,5 @@ def _worker_stats(slots, engine) -> dict:
     return {"slots": slots.count, "slot_bytes": slots.nbytes, "free_slots": len(slots._free),
             "read_ahead_bytes": f.held_bytes if f is not None else 0,
             "fetch_threads": f.threads if f is not None else 0,   # started this pass
-            "batch_reads": engine._batches is not None,           # coordl.device.batch_reads
+            "batch_reads": engine._batches is not None,           # coordl.pipeline.device_batches
             "threads": sorted(t.name for t in threading.enumerate())}

@@ -33,7 +33,7 @@ import time
 import numpy as np
 import torch
 
-from .encoded import CHANNELS, FLIP, H2, ON_DEVICE, RECORD, RH, RW, SRC_W, T1, W1, DecodePrep, EncodedCompose, _lazy
+from ..device.encoded import CHANNELS, FLIP, H2, ON_DEVICE, RECORD, RH, RW, SRC_W, T1, W1, DecodePrep, EncodedCompose, _lazy
 
 __all__ = ["BatchReads", "batch_reads_for", "native_draws"]
 
@@ -174,7 +174,7 @@ class BatchReads:
         return True
 
     def _layout(self, n: int):
-        from ..pipeline import collate as _collate
+        from . import collate as _collate
 
         lay = self._layouts.get(n)
         if lay is None:   # what the per-sample path derives from its first (record, label) sample
@@ -208,8 +208,8 @@ class BatchReads:
         """Read and record batch ``b`` (an engine ``_Builder``, no row done
         yet), then emit it as the engine's finish would."""
         from ..errors import Failure, SampleError
-        from ..pipeline.prep import SKIP, prep_sample
-        from ..pipeline import collate as _collate
+        from .prep import SKIP, prep_sample
+        from . import collate as _collate
         import traceback
 
         _rng, jpeg, _ = _lazy()
