@@ -287,3 +287,63 @@ def test_other_plans_and_an_extension_that_disagrees_draw_in_python(photos, monk
     assert BR.native_draws(plan_for(_rrc())) is None
     ds = coordl.ImageFolder(photos, _rrc())
     _same(_run(ds, True)[0], _run(ds, False)[0])
+
+
+# ---------------------------------------------------------------- slow storage
+@pytest.mark.parametrize("on_error", ["skip", "raise"])
+@pytest.mark.parametrize("workers", [0, 2])
+def test_slow_reads_go_to_threads_and_give_the_same_batches(tmp_path, monkeypatch, workers, on_error):
+    """Reads slower than memory serves them (a network file system): after
+    the first batch, a batch's reads are in flight at once in read threads;
+    the batches, errors and statistics are still the per-sample path's,
+    and a batch that fails gives its slot back only after its reads ended."""
+    import threading
+    import time
+
+    root = _odd(str(tmp_path / "odd"))
+    ds = coordl.ImageFolder(root, _rrc())
+    os.remove([p for p, _ in ds.samples][6])
+    names = set()
+    real = BR.BatchReads._read_into
+
+    def slow(self, i, dest, size):
+        names.add(threading.current_thread().name)
+        time.sleep(0.002)
+        return real(self, i, dest, size)
+
+    monkeypatch.setattr(BR.BatchReads, "_read_into", slow)
+    kw = dict(num_workers=workers, shuffle=True, on_error=on_error, epochs=2, persistent_workers=bool(workers))
+
+    def run(flag):
+        old, BR.ENABLED = BR.ENABLED, flag
+        try:
+            if on_error == "skip":
+                return _run(ds, flag, **kw)[:2]
+            L = coordl.DataLoader(ds, batch_size=3, seed=5, device="cpu", decode="device", num_workers=workers,
+                                  shuffle=True, on_error=on_error)
+            out = []
+            for _ in range(2):
+                it = iter(L)
+                for _ in range(L.plan.num_batches):
+                    try:
+                        out.append(next(it))
+                    except coordl.SampleError as e:
+                        out.append(str(e).split("\n")[0])
+            return out, None
+        finally:
+            BR.ENABLED = old
+
+    got, want = run(True), run(False)
+    if on_error == "skip":
+        _same(got[0], want[0])
+        assert got[1] == want[1]
+    else:
+        assert len(got[0]) == len(want[0])
+        for g, w in zip(got[0], want[0]):
+            assert type(g) is type(w)
+            if isinstance(g, str):
+                assert g == w
+            else:
+                assert torch.equal(g[0], w[0]) and torch.equal(g[1], w[1])
+    if workers == 0:
+        assert any(n.startswith("coordl-fetch") for n in names), names

@@ -33,7 +33,7 @@ import time
 import numpy as np
 import torch
 
-from ..device.encoded import CHANNELS, FLIP, H2, ON_DEVICE, RECORD, RH, RW, SRC_W, T1, W1, DecodePrep, EncodedCompose, _lazy
+from ..device.encoded import CHANNELS, FLIP, H2, ON_DEVICE, RECORD, RH, SRC_W, T1, W1, DecodePrep, EncodedCompose, _lazy
 
 __all__ = ["BatchReads", "batch_reads_for", "native_draws"]
 
@@ -42,6 +42,11 @@ ENABLED = True
 
 _O_FLAGS = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0)
 _DONTNEED = getattr(os, "POSIX_FADV_DONTNEED", None)
+# A read slower than this (wall seconds, a batch's mean) is not served from memory (the page
+# cache or the node cache: 20-40 us for 110 KB): the next batch's reads go to threads, up to the
+# loader's fetch_threads, as the per-sample path's fetch threads would keep them in flight; a
+# batch read through threads whose reads each took under half of it goes back to the prep thread.
+SLOW_READ_S = 300e-6
 
 
 class _Fallback(Exception):
@@ -150,6 +155,16 @@ def batch_reads_for(dataset, *, cache, peers, in_place: bool, batch_size) -> "Ba
     return BatchReads(dataset, ds, cache)
 
 
+def _settle(futures) -> None:
+    """Cancel the reads not started, wait for those running."""
+    if futures:
+        from concurrent.futures import wait
+
+        for f in futures:
+            f.cancel()
+        wait(futures)
+
+
 class BatchReads:
     """Builds an engine's batches of a :class:`DecodePrep` over a plain
     folder (:func:`batch_reads_for`), one call per batch."""
@@ -165,6 +180,35 @@ class BatchReads:
         self._draws = native_draws(self.plan)
         # a node cache copies a hit straight into the slot; another cache (a test's) through get
         self._into = getattr(cache, "get_into", None) or self._get_into
+        self._pool = None             # reads of slow storage: a ThreadPoolExecutor (close())
+        self._slow = False            # the last batch's reads were slow: read this one through the pool
+
+    def close(self) -> None:
+        """Let the read threads go (the pass ended); a later batch starts them again where needed."""
+        pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=False, cancel_futures=True)
+
+    def _timed_read(self, i: int, dest: np.ndarray, size: int):
+        """(source or the _Fallback, wall seconds) of :meth:`_read_into` (in a read thread)."""
+        t0 = time.perf_counter()
+        try:
+            source = self._read_into(i, dest, size)
+        except _Fallback as e:
+            source = e
+        return source, time.perf_counter() - t0
+
+    def _reads(self, eng, indices: list, blob: np.ndarray, starts: list, sizes) -> list | None:
+        """For slow storage, every read of the batch in flight at once, in
+        threads: a future per row; None where the prep thread reads."""
+        if not self._slow or eng.fetch_threads <= 1:
+            return None
+        if self._pool is None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            self._pool = ThreadPoolExecutor(eng.fetch_threads, thread_name_prefix=f"coordl-fetch-w{eng.worker_id}")
+        read = self._timed_read
+        return [self._pool.submit(read, i, blob[o:o + int(n)], int(n)) for i, o, n in zip(indices, starts, sizes)]
 
     def _get_into(self, i: int, dest: np.ndarray) -> bool:
         data = self.cache.get(i)
@@ -207,9 +251,28 @@ class BatchReads:
     def build(self, eng, b) -> None:
         """Read and record batch ``b`` (an engine ``_Builder``, no row done
         yet), then emit it as the engine's finish would."""
+        n, indices, slots = b.n, b.indices, eng.slots
+        sizes = self.sizes[indices]
+        if (sizes < 0).any():
+            sizes = np.maximum(sizes, 0)
+        ends = np.cumsum(sizes)
+        total = int(ends[-1]) if n else 0
+        starts = (ends - sizes).tolist()
+        slot, buf = slots.acquire(self._layout(n).nbytes)
+        blob_slot, blob = slots.acquire(max(total, 1))
+        futures = self._reads(eng, indices, blob, starts, sizes)
+        try:
+            self._rows(eng, b, slot, buf, blob_slot, blob, starts, sizes, total, futures)
+        except BaseException:
+            _settle(futures)
+            raise
+
+    def _rows(self, eng, b, slot, buf, blob_slot, blob, starts, sizes, total, futures) -> None:
+        """:meth:`build`'s rows: each read (or its future's result), parsed
+        and drawn, or prepared by the per-sample path; then the batch out."""
         from ..errors import Failure, SampleError
-        from .prep import SKIP, prep_sample
         from . import collate as _collate
+        from .prep import SKIP, prep_sample
         import traceback
 
         _rng, jpeg, _ = _lazy()
@@ -219,30 +282,30 @@ class BatchReads:
         seed, epoch = eng.seed, eng.epoch
         n, indices, st, slots = b.n, b.indices, b.stats, eng.slots
         clock = time.perf_counter
-        sizes = self.sizes[indices]
-        if (sizes < 0).any():
-            sizes = np.maximum(sizes, 0)
-        ends = np.cumsum(sizes)
-        total = int(ends[-1]) if n else 0
-        starts = (ends - sizes).tolist()
         layout = self._layout(n)
-        slot, buf = slots.acquire(layout.nbytes)
-        blob_slot, blob = slots.acquire(max(total, 1))
         rec_t, lab_t = _collate.views(layout, buf)
         rec, lab = rec_t.numpy(), lab_t.numpy()
         ok = [False] * n
         extra: dict = {}          # row -> a payload outside the blob (the per-sample path's)
         native = self._draws
         later: list = []          # rows whose draws the extension makes, after the loop
+        read_s = 0.0              # the reads' own wall time
         for j, i in enumerate(indices):
             eng.at = ("preparing", b.k, i)
             size, o = int(sizes[j]), starts[j]
             raw = blob[o:o + size]
             data = err = None
             t0 = clock()
-            try:
-                source = self._read_into(i, raw, size)
-            except _Fallback:      # the per-sample path reads it: the engine's reader, its errors
+            if futures is None:
+                try:
+                    source = self._read_into(i, raw, size)
+                except _Fallback as e:
+                    source = e
+                read_s += clock() - t0
+            else:
+                source, seconds = futures[j].result()
+                read_s += seconds
+            if type(source) is _Fallback:   # the per-sample path reads it: the engine's reader, its errors
                 try:
                     data, source = eng._read(i)
                 except Exception as e:  # noqa: BLE001 - the read's failure, as the per-sample path has it
@@ -275,6 +338,7 @@ class BatchReads:
             try:
                 sample = prep_sample(self.prep, seed, epoch, i, data, err, st, eng.on_error)
             except SampleError as e:
+                _settle(futures)    # no read thread writes into the slot once it is given back
                 slots.release(slot)
                 slots.release(blob_slot)
                 b.failed = True
@@ -293,6 +357,8 @@ class BatchReads:
             extra[j] = payloads[0]
             ok[j] = True
         eng.at = ("collating", b.k, None)
+        mean = read_s / n
+        self._slow = mean > SLOW_READ_S if futures is None else mean > SLOW_READ_S / 2
         if later:                 # RandomResizedCrop [+ flip]: box1, the resize, box2 = the whole resized image
             got = native(rec[later, CHANNELS - 1], rec[later, 1], rec[later, SRC_W], seed, epoch)
             rh, rw = self.plan.size

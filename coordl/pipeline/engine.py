@@ -157,6 +157,8 @@ class Engine:
         self.emit("obj", k, batch, BatchStats())
 
     def end_pass(self) -> None:
+        if self._batches is not None:
+            self._batches.close()
         if self.fetcher is not None:
             # half: storage that needed them regrows them within a few reads; a pass that
             # no longer needs them (a cold first epoch, then the page cache) sheds them
