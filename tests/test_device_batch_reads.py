@@ -347,3 +347,31 @@ def test_slow_reads_go_to_threads_and_give_the_same_batches(tmp_path, monkeypatc
                 assert torch.equal(g[0], w[0]) and torch.equal(g[1], w[1])
     if workers == 0:
         assert any(n.startswith("coordl-fetch") for n in names), names
+
+
+def test_samplers_drop_last_and_resume_are_the_per_sample_paths(photos):
+    """A user's sampler (indices repeated, out of order), drop_last, and a
+    pass resumed from the middle: the batch path takes the same steps."""
+    ds = coordl.ImageFolder(photos, _rrc())
+    order = [5, 1, 1, 20, 3, 7, 0, 19, 2, 2, 8]
+    for kw in (dict(sampler=order, shuffle=False), dict(drop_last=True), dict(num_workers=2)):
+        got, facts, _ = _run(ds, True, batch_size=3, **kw)
+        want, want_facts, _ = _run(ds, False, batch_size=3, **kw)
+        _same(got, want)
+        assert facts == want_facts
+
+    def resumed(flag):
+        old, BR.ENABLED = BR.ENABLED, flag
+        try:
+            L = coordl.DataLoader(ds, batch_size=3, seed=5, shuffle=True, device="cpu", decode="device", num_workers=2)
+            it = iter(L)
+            head = [next(it) for _ in range(3)]
+            R = coordl.DataLoader(ds, batch_size=3, seed=5, shuffle=True, device="cpu", decode="device",
+                                  num_workers=2)
+            R.load_state_dict(L.state_dict())
+            del it
+            return head + list(R)
+        finally:
+            BR.ENABLED = old
+
+    _same([resumed(True)], [resumed(False)])
