@@ -212,6 +212,9 @@ def test_which_datasets_take_it(photos):
             return super()._raw(index)
 
     assert not takes(OwnRead(photos, _rrc()))
+    patched = coordl.ImageFolder(photos, _rrc())
+    patched._raw = lambda index: b"not the file"
+    assert not takes(patched)
     assert not takes(coordl.ImageFolder(photos, _rrc(), target_transform=lambda t: t + 1))
     assert not takes(coordl.ImageFolder(photos, _rrc()), peers=object())
     prep = DecodePrep(coordl.ImageFolder(photos, _rrc()), plan_for(_rrc()))

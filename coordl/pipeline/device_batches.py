@@ -144,8 +144,8 @@ def batch_reads_for(dataset, *, cache, peers, in_place: bool, batch_size) -> "Ba
     stock = [(_FolderBase, n) for n in ("__getitem__", "prep", "raw", "raw_uncached", "_prep", "_raw", "_read",
                                         "_raw_uncached", "_finish")]
     stock += [(SampleTable, n) for n in ("_path", "_check_index", "sizes")]
-    if any(getattr(cls, n) is not getattr(base, n) for base, n in stock):
-        return None
+    if any(getattr(cls, n) is not getattr(base, n) or n in vars(ds) for base, n in stock):
+        return None     # a subclass's, or an instance's own, method
     if ds._store is not None or ds._decode is not pil_decode or ds.target_transform is not None \
             or not ds._two_stage_ok():
         return None
