@@ -378,3 +378,24 @@ def test_samplers_drop_last_and_resume_are_the_per_sample_paths(photos):
             BR.ENABLED = old
 
     _same([resumed(True)], [resumed(False)])
+
+
+def test_without_workers_next_builds_only_the_batch_it_returns(photos, monkeypatch):
+    """num_workers=0: the batches are built in next() itself, so building
+    one ahead would only delay the one asked for."""
+    ds = coordl.ImageFolder(photos, _rrc())
+    built = []
+    real = BR.BatchReads.build
+
+    def build(self, eng, b):
+        built.append(b.k)
+        return real(self, eng, b)
+
+    monkeypatch.setattr(BR.BatchReads, "build", build)
+    L = coordl.DataLoader(ds, batch_size=4, device="cpu", decode="device")
+    it = iter(L)
+    next(it)
+    assert built == [0]
+    next(it)
+    assert built == [0, 1]
+    assert len(list(it)) == L.plan.num_batches - 2

@@ -531,9 +531,11 @@ class InlineIter:
                                "start a new pass with iter(loader)")
         k = self._todo[self._pos]
         eng = self._engine
+        # batch reads build whole batches in this thread: none ahead of the one asked for
+        done = (lambda: k in self._out) if eng._batches is not None else None
         try:
             while k not in self._out:
-                eng.pump()
+                eng.pump(done)
                 if k in self._out:
                     break
                 eng.on_fetched(eng.next_event())
