@@ -186,7 +186,7 @@ PY
 import importlib.metadata as md, os, platform, sys
 print("python", platform.python_version(), sys.executable)
 for n in ("torch", "torchvision", "numpy", "pillow", "psutil", "simplejpeg", "pytest", "pytest-xdist",
-          "pytest-timeout", "nvidia-dali-cuda130", "nvidia-nvimgcodec-cu13", "nvidia-nvjpeg"):
+          "pytest-timeout", "nvidia-dali-cuda130", "nvidia-nvimgcodec-cu13", "nvidia-nvjpeg", "triton"):
     try:
         print(f"{n} {md.version(n)}")
     except md.PackageNotFoundError:
@@ -206,6 +206,13 @@ try:
     print("nvidia.nvimgcodec", getattr(nvimgcodec, "__version__", "?"), "imports")
 except Exception as e:
     print("nvidia.nvimgcodec does not import:", type(e).__name__, e)
+try:    # a batched crop-and-resize kernel would be written in Triton: is it there?
+    import triton
+    print("triton", triton.__version__, "imports")
+except Exception as e:
+    print("triton does not import:", type(e).__name__, e)
+import shutil
+print("nvcc:", shutil.which("nvcc") or "not found")
 PY
 
   step "CUDA tests: $CUDA_TESTS"
