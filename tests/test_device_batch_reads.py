@@ -151,14 +151,15 @@ def test_the_node_cache_serves_and_admits_as_before(photos, tmp_path, workers):
 @pytest.mark.parametrize("workers", [0, 2])
 def test_files_the_batch_path_hands_back(tmp_path, workers, on_error):
     """CMYK and PNG (prepared on the CPU in the worker), a JPEG cut short,
-    a file gone since the scan, a file whose size changed since: the
-    per-sample path's samples, errors and counts."""
+    a file gone since the scan, files grown and cut since: the per-sample
+    path's samples, errors and counts."""
     root = _odd(str(tmp_path / "odd"))
     ds = coordl.ImageFolder(root, _rrc())
     paths = [p for p, _ in ds.samples]
     os.remove(paths[2])
     with open(paths[5], "ab") as f:
         f.write(b"\0" * 10)      # a JPEG with bytes after its end marker: another size than the table's
+    os.truncate(paths[7], os.path.getsize(paths[7]) - 5)    # shorter than the table says
     kw = dict(num_workers=workers, shuffle=False, on_error=on_error)
 
     def run(flag):

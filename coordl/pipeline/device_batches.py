@@ -47,6 +47,7 @@ _DONTNEED = getattr(os, "POSIX_FADV_DONTNEED", None)
 # loader's fetch_threads, as the per-sample path's fetch threads would keep them in flight; a
 # batch read through threads whose reads each took under half of it goes back to the prep thread.
 SLOW_READ_S = 300e-6
+_SPARE = bytearray(1)     # where a read past the table's size lands (its content is never looked at)
 
 
 class _Fallback(Exception):
@@ -236,7 +237,8 @@ class BatchReads:
         except OSError:
             raise _Fallback from None
         try:
-            if os.fstat(fd).st_size != size or os.preadv(fd, [dest], 0) != size:
+            # one byte more than the table's size: a file of another size reads another count
+            if os.preadv(fd, [dest, _SPARE], 0) != size:
                 raise _Fallback
             if cache is not None:
                 if _DONTNEED is not None:
