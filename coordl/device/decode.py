@@ -17,7 +17,10 @@ without, all in ``next()``):
    plan's filter on float32 (``antialias`` as the transform says: PIL's
    filters, as torch's uint8 kernels on the CPU path), crop with zero
    padding (``T2..W2``); images the workers prepared on the CPU
-   (``ON_CPU``) are copied as they are;
+   (``ON_CPU``) are copied as they are.  For a bilinear antialiased plan
+   on a GPU with Triton, one kernel launch does this for the whole batch
+   (:mod:`.geometry_kernel`, checked against the per-image path on the
+   pass's first batch; ``COORDL_DEVICE_GEOMETRY=per-image`` turns it off);
 3. each image lands in its row of the batch (the resize writes it there
    itself where nothing is cropped after it), the batch is rounded half to
    even and clamped to uint8 (what torch's float resize of a uint8 image
@@ -245,6 +248,9 @@ class DecodeStage:
         self.tail = DeviceTail(plan.normalizes) if plan.to_float else None
         self._retired: collections.deque = collections.deque()   # (event, what the decoder's images hold)
         self._resize = _resizer(plan.mode.value, plan.antialias, device)
+        # the geometry of a batch in one kernel launch (coordl.device.geometry_kernel): None until the
+        # first batch decides (then the kernel, or False: one launch per image)
+        self.batch_geometry = None if _batch_geometry_wanted(device, plan) else False
 
     def note(self) -> str:
         return f"{self.decoder.name} on {self.device}: {self.plan.describe()}"
@@ -342,12 +348,18 @@ class DecodeStage:
         for k, path in enumerate(pending.paths):
             y = torch.empty((len(keep), records[k][keep[0]][CHANNELS], *self.plan.size), dtype=torch.float32,
                             device=self.device)
+            batched = []
+            geo = self._batched(left, records) if y.shape[1] == 3 else False
             for j, r in enumerate(keep):
                 img = left.pop((k, r), None)
-                if img is not None:
-                    self._geometry(img, records[k][r], into=y[j:j + 1])
-                else:
+                if img is None:
                     y[j].copy_(out[k][r])
+                elif geo:
+                    batched.append((j, img, records[k][r]))
+                else:
+                    self._geometry(img, records[k][r], into=y[j:j + 1])
+            if batched:
+                geo.run(batched, y)
             y = y.round_().clamp_(0, 255).to(torch.uint8)
             flips = [bool(records[k][r][FLIP]) for r in keep]
             if all(flips):
@@ -399,6 +411,25 @@ class DecodeStage:
             raise RuntimeError(f"the decoder gave a {tuple(img.shape)} image for a JPEG whose header says "
                                f"{rec[SRC_H]}x{rec[SRC_W]}")
 
+    def _batched(self, left: dict, records: list):
+        """The batch-geometry kernel, or False (one launch per image).  The
+        first batch decides: the kernel's rows for a few of its images
+        against :meth:`_geometry`'s (:func:`~.geometry_kernel.agrees`)."""
+        if self.batch_geometry is None:
+            from . import geometry_kernel as GK
+
+            probe = [(img, records[k][r]) for (k, r), img in list(left.items())[:8]]
+            if not probe:
+                return False
+            try:
+                ok, what = GK.agrees(self, [i for i, _ in probe], [r for _, r in probe])
+            except Exception as e:  # noqa: BLE001 - a Triton that cannot compile or launch here
+                ok, what = False, f"{type(e).__name__}: {e}"
+            log.info("decode='device': the batch-geometry kernel %s against one launch per image (%s)",
+                     "agrees" if ok else "is not used: it differs", what)
+            self.batch_geometry = GK.BatchGeometry(self.plan.size) if ok else False
+        return self.batch_geometry
+
     def _geometry(self, img: torch.Tensor, rec: list, into: torch.Tensor | None = None) -> torch.Tensor:
         """One decoded (3, H, W) uint8 image through the record's crop,
         resize and padded crop: float32 (3, h, w), not yet rounded nor
@@ -436,6 +467,28 @@ class DecodeStage:
             stats.skips.append((i, where, f"preparing: {type(err).__name__}: {err}"))
             stats.samples -= 1
         return [r for r in range(n) if r not in errors]
+
+
+#: the tests run the batch-geometry kernel on the CPU (Triton's interpreter): True
+BATCH_GEOMETRY_ON_CPU = False
+_GEOMETRY_ENV = "COORDL_DEVICE_GEOMETRY"
+
+
+def _batch_geometry_wanted(device: torch.device, plan) -> bool:
+    """The batch-geometry kernel may run for ``plan`` on ``device``: the
+    bilinear antialiased resize (or none), a CUDA device (the CPU only for
+    the tests), Triton importable, and ``COORDL_DEVICE_GEOMETRY`` not
+    ``per-image``."""
+    want = os.environ.get(_GEOMETRY_ENV, "auto").strip().lower() or "auto"
+    if want not in ("auto", "per-image"):
+        raise ValueError(f'{_GEOMETRY_ENV} should be "auto" or "per-image", but got {_GEOMETRY_ENV}={want!r}')
+    if want == "per-image" or (device.type != "cuda" and not BATCH_GEOMETRY_ON_CPU):
+        return False
+    if plan.resize is not None and (plan.mode.value != "bilinear" or not plan.antialias):
+        return False
+    from . import geometry_kernel as GK
+
+    return GK.available()
 
 
 def _resizer(mode: str, antialias: bool, device: torch.device | None = None):

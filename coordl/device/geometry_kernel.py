@@ -1,0 +1,201 @@
+"""``decode="device"``'s geometry for a whole batch in one kernel launch
+(Triton), where the stage otherwise launches a conversion and a resize per
+image (:meth:`coordl.device.decode.DecodeStage._geometry`).
+
+For each decoded (3, H, W) uint8 image and its record: the crop (``T1..W1``),
+the antialiased bilinear resize to (``RH``, ``RW``) (none: the crop as it
+is) and the zero-padded crop (``T2..W2``) of the batch's output size, written
+as float32 into its row of the batch, not yet rounded nor mirrored: what
+``_geometry`` writes there.  The resize follows torch's antialiased
+bilinear filter (``F.interpolate(..., antialias=True)``): per output pixel
+the span and the normalized triangle weights of each axis, a sum along the
+row for each source row of the span, then a sum of those down the column.
+
+The images are gathered into one flat buffer first (one ``torch.cat``:
+each image's bytes with its strides); the scales, their inverses and the
+supports are computed on the host in float32, as torch computes them.
+
+Only where Triton imports (a CUDA build of torch brings it), for the
+bilinear, antialiased plans, and only after :func:`agrees` found its rows
+equal to ``_geometry``'s on the device, within :data:`TOLERANCE` after
+rounding (:meth:`DecodeStage` checks once); ``TRITON_INTERPRET=1`` runs it
+on the CPU (the tests).  Nothing here runs in a worker.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+__all__ = ["available", "BatchGeometry", "agrees", "TOLERANCE"]
+
+#: the most the kernel's rounded rows may differ from ``_geometry``'s, in uint8 levels
+#: (float sums in another order or fused: a value at a rounding boundary may land one level over)
+TOLERANCE = 1
+
+_KERNEL: list = []
+
+
+def available() -> bool:
+    """Triton imports here."""
+    return _kernel() is not None
+
+
+def _kernel():
+    if _KERNEL:
+        return _KERNEL[0]
+    try:
+        import triton
+        import triton.language as tl
+    except Exception:  # noqa: BLE001 - not installed, or a build that cannot start here
+        _KERNEL.append(None)
+        return None
+
+    @triton.jit
+    def crop_resize(src, ints, floats, out, oh, ow, BLOCK: tl.constexpr):
+        b = tl.program_id(0)
+        blk = tl.program_id(1)
+        ip = ints + b * 14
+        row = tl.load(ip + 0)
+        base = tl.load(ip + 1)
+        sc = tl.load(ip + 2)
+        sy = tl.load(ip + 3)
+        sx = tl.load(ip + 4)
+        t1 = tl.load(ip + 5)
+        l1 = tl.load(ip + 6)
+        h = tl.load(ip + 7)
+        w = tl.load(ip + 8)
+        rh = tl.load(ip + 9)
+        rw = tl.load(ip + 10)
+        t2 = tl.load(ip + 11)
+        l2 = tl.load(ip + 12)
+        kmax = tl.load(ip + 13)
+        fp = floats + b * 6
+        scale_y = tl.load(fp + 0)
+        scale_x = tl.load(fp + 1)
+        inv_y = tl.load(fp + 2)
+        inv_x = tl.load(fp + 3)
+        sup_y = tl.load(fp + 4)
+        sup_x = tl.load(fp + 5)
+
+        offs = blk * BLOCK + tl.arange(0, BLOCK)
+        live = offs < oh * ow
+        i = offs // ow
+        j = offs % ow
+        ii = i + t2                          # in the resized image
+        jj = j + l2
+        inside = live & (ii >= 0) & (ii < rh) & (jj >= 0) & (jj < rw)
+        # the spans: center = scale * (i + 0.5); [int(center - support + 0.5), int(center + support + 0.5))
+        cy = scale_y * (ii.to(tl.float32) + 0.5)
+        cx = scale_x * (jj.to(tl.float32) + 0.5)
+        ymin = tl.maximum((cy - sup_y + 0.5).to(tl.int32), 0)
+        ysize = tl.minimum((cy + sup_y + 0.5).to(tl.int32), h) - ymin
+        xmin = tl.maximum((cx - sup_x + 0.5).to(tl.int32), 0)
+        xsize = tl.minimum((cx + sup_x + 0.5).to(tl.int32), w) - xmin
+        ym = ymin.to(tl.float32) - cy
+        xm = xmin.to(tl.float32) - cx
+        # the weights' sums (each weight is divided by its axis's sum)
+        tot_y = tl.zeros((BLOCK,), dtype=tl.float32)
+        tot_x = tl.zeros((BLOCK,), dtype=tl.float32)
+        for k in range(0, kmax):
+            vy = tl.abs((k + ym + 0.5) * inv_y)
+            vx = tl.abs((k + xm + 0.5) * inv_x)
+            tot_y += tl.where((k < ysize) & (vy < 1.0), 1.0 - vy, 0.0)
+            tot_x += tl.where((k < xsize) & (vx < 1.0), 1.0 - vx, 0.0)
+        tot_y = tl.where(tot_y != 0.0, tot_y, 1.0)
+        tot_x = tl.where(tot_x != 0.0, tot_x, 1.0)
+        o_row = out + row * (3 * oh * ow)
+        for c in range(0, 3):
+            acc = tl.zeros((BLOCK,), dtype=tl.float32)
+            for ky in range(0, kmax):
+                vy = tl.abs((ky + ym + 0.5) * inv_y)
+                wy = tl.where((ky < ysize) & (vy < 1.0), 1.0 - vy, 0.0)
+                wy = tl.math.div_rn(wy, tot_y)
+                py = src + base + c * sc + (t1 + ymin + ky) * sy + l1 * sx
+                t = tl.zeros((BLOCK,), dtype=tl.float32)
+                for kx in range(0, kmax):
+                    vx = tl.abs((kx + xm + 0.5) * inv_x)
+                    wx = tl.where((kx < xsize) & (vx < 1.0), 1.0 - vx, 0.0)
+                    wx = tl.math.div_rn(wx, tot_x)
+                    ok = inside & (ky < ysize) & (kx < xsize)
+                    v = tl.load(py + (xmin + kx) * sx, mask=ok, other=0).to(tl.float32)
+                    t += tl.where(kx < xsize, wx * v, 0.0)
+                acc += tl.where(ky < ysize, wy * t, 0.0)
+            acc = tl.where(inside, acc, 0.0)
+            tl.store(o_row + c * (oh * ow) + offs, acc, mask=live)
+
+    _KERNEL.append(crop_resize)
+    return crop_resize
+
+
+def _axis(n_in: int, n_out: int) -> tuple:
+    """(scale, 1/scale or 1, support) of one axis, float32 as torch computes them (bilinear: size 2)."""
+    scale = np.float32(n_in) / np.float32(n_out)
+    if scale >= 1:
+        return scale, np.float32(1) / scale, scale
+    return scale, np.float32(1), np.float32(1)
+
+
+class BatchGeometry:
+    """One launch per batch of what ``_geometry`` does image by image."""
+
+    BLOCK = 128
+
+    def __init__(self, size: tuple) -> None:
+        self.oh, self.ow = size
+        self.kernel = _kernel()
+
+    def run(self, items: list, y: torch.Tensor) -> None:
+        """``items``: ``[(row, image, record), ...]``; each (3, H, W) uint8
+        image's geometry written, float32, into ``y[row]`` (``y``: a
+        contiguous (n, 3, oh, ow) float32 batch)."""
+        from .encoded import H1, L1, RH, RW, T1, T2, L2, W1
+
+        if not items:
+            return
+        flats, ints, floats, at, kmax = [], [], [], 0, 1
+        for row, img, rec in items:
+            if img.is_contiguous():
+                flat, strides = img.view(-1), img.stride()
+            else:                   # (H, W, 3) memory seen as (3, H, W): nvImageCodec's
+                hwc = img.permute(1, 2, 0)
+                if not hwc.is_contiguous():
+                    hwc = hwc.contiguous()
+                flat, strides = hwc.view(-1), (1, hwc.stride(0), hwc.stride(1))
+            t, l, h, w = rec[T1], rec[L1], rec[H1], rec[W1]
+            rh, rw = (rec[RH], rec[RW]) if rec[RH] else (h, w)
+            sy, iy, py = _axis(h, rh)
+            sx, ix, px = _axis(w, rw)
+            kmax = max(kmax, int(np.ceil(py)) * 2 + 1, int(np.ceil(px)) * 2 + 1)
+            ints.append((row, at, *strides, t, l, h, w, rh, rw, rec[T2], rec[L2], 0))
+            floats.append((sy, sx, iy, ix, py, px))
+            flats.append(flat)
+            at += flat.numel()
+        ints = np.asarray(ints, dtype=np.int64)
+        ints[:, 13] = kmax
+        dev = y.device
+        src = torch.cat(flats) if len(flats) > 1 else flats[0]
+        ints_t = torch.from_numpy(ints).to(dev, non_blocking=False)
+        floats_t = torch.from_numpy(np.asarray(floats, dtype=np.float32)).to(dev, non_blocking=False)
+        grid = (len(items), -(-self.oh * self.ow // self.BLOCK))
+        if dev.type == "cuda":      # Triton launches on the current device, on its current stream
+            with torch.cuda.device(dev):
+                self.kernel[grid](src, ints_t, floats_t, y, self.oh, self.ow, BLOCK=self.BLOCK)
+        else:
+            self.kernel[grid](src, ints_t, floats_t, y, self.oh, self.ow, BLOCK=self.BLOCK)
+
+
+def agrees(stage, images: list, records: list) -> tuple[bool, str]:
+    """Whether the kernel's rows, rounded, are ``stage._geometry``'s within
+    :data:`TOLERANCE`: (ok, what was found)."""
+    oh, ow = stage.plan.size
+    n = len(images)
+    want = torch.empty((n, 3, oh, ow), dtype=torch.float32, device=stage.device)
+    got = torch.full_like(want, -7.0)
+    for j, (img, rec) in enumerate(zip(images, records)):
+        stage._geometry(img, rec, into=want[j:j + 1])
+    BatchGeometry((oh, ow)).run([(j, img, rec) for j, (img, rec) in enumerate(zip(images, records))], got)
+    a = want.round().clamp_(0, 255)
+    b = got.round().clamp_(0, 255)
+    d = (a - b).abs()
+    worst, share = float(d.max()), float((d > 0).float().mean())
+    return worst <= TOLERANCE, f"max {worst:.0f} level(s), {share:.2%} of values differ"

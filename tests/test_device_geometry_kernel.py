@@ -1,0 +1,133 @@
+"""decode="device"'s geometry in one kernel per batch (Triton), run on the
+CPU by Triton's interpreter: the same kernel, the same arguments as on a
+GPU.  Its rows against the stage's one launch per image
+(``DecodeStage._geometry``): the crop, the antialiased resize up and
+down, the padded second crop, an image laid out (H, W, 3); then whole
+passes of the loader with the kernel and without, batch by batch."""
+import importlib.util
+import textwrap
+
+import pytest
+
+from coordl.testing import run_in_child
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+
+_ENV = {"TRITON_INTERPRET": "1"}
+
+
+def _child(body: str, timeout: float = 240):
+    import os
+
+    env = dict(os.environ, **_ENV)
+    r = run_in_child(textwrap.dedent(body), timeout=timeout, env=env)
+    assert r.returncode == 0, r.stderr[-4000:]
+    return r.stdout
+
+
+def test_the_kernels_rows_are_the_per_image_geometrys():
+    out = _child("""
+        import numpy as np, torch
+        from coordl import transforms as T
+        from coordl.device import decode as DD
+        from coordl.device import geometry_kernel as GK
+        from coordl.device.encoded import plan_for
+
+        rng = np.random.default_rng(3)
+
+        def rows(plan, make, n=10, hwc=False):
+            stage = DD.DecodeStage(torch.device("cpu"), plan, DD.HostDecoder(), "raise", str)
+            oh, ow = plan.size
+            imgs, recs = [], []
+            for k in range(n):
+                H, W = int(rng.integers(6, 110)), int(rng.integers(6, 110))
+                if hwc and k % 2:
+                    img = torch.from_numpy(rng.integers(0, 256, (H, W, 3), dtype=np.uint8)).permute(2, 0, 1)
+                else:
+                    img = torch.from_numpy(rng.integers(0, 256, (3, H, W), dtype=np.uint8))
+                imgs.append(img)
+                recs.append(make(H, W, k))
+            want = torch.empty((n, 3, oh, ow))
+            got = torch.full_like(want, -7.0)
+            for j, (img, rec) in enumerate(zip(imgs, recs)):
+                stage._geometry(img, rec, into=want[j:j + 1])
+            GK.BatchGeometry((oh, ow)).run([(j, a, r) for j, (a, r) in enumerate(zip(imgs, recs))], got)
+            d = (want - got).abs()
+            r = (want.round().clamp(0, 255) - got.round().clamp(0, 255)).abs()
+            print("ROW", float(d.max()), float(r.max()), float((r > 0).float().mean()))
+
+        def rrc(H, W, k):      # down and up
+            h, w = int(rng.integers(1, H + 1)), int(rng.integers(1, W + 1))
+            t, l = int(rng.integers(0, H - h + 1)), int(rng.integers(0, W - w + 1))
+            return [0, H, W, t, l, h, w, 24, 20, 0, 0, 24, 20, 0, k, 3]
+
+        def resize_crop(H, W, k):    # then a second crop, reaching outside where the image is small
+            rh, rw = int(rng.integers(8, 50)), int(rng.integers(8, 50))
+            return [0, H, W, 0, 0, H, W, rh, rw, (rh - 16) // 2, (rw - 16) // 2, 16, 16, 0, k, 3]
+
+        def crop_only(H, W, k):
+            return [0, H, W, 0, 0, H, W, 0, 0, int(rng.integers(-4, 4)), int(rng.integers(-4, 4)), 16, 16, 0, k, 3]
+
+        rows(plan_for(T.Compose([T.RandomResizedCrop((24, 20)), T.ToTensor()])), rrc, n=8, hwc=True)
+        rows(plan_for(T.Compose([T.Resize((30, 30)), T.CenterCrop(16), T.ToTensor()])), resize_crop, n=6)
+        rows(plan_for(T.Compose([T.CenterCrop(16), T.ToTensor()])), crop_only, n=4)
+    """)
+    rows = [tuple(map(float, line.split()[1:])) for line in out.splitlines() if line.startswith("ROW ")]
+    assert len(rows) == 3, out
+    for float_diff, levels, share in rows:
+        assert float_diff < 1e-3 and levels <= 1 and share < 0.01, rows
+    assert rows[2][0] == 0          # no resize: the crop's own values
+
+
+def test_passes_with_the_kernel_are_within_a_level_of_one_launch_per_image(tmp_path):
+    from coordl.synth import make_image_folder
+
+    root = make_image_folder(str(tmp_path / "p"), num_images=12, num_classes=2, mean_kb=4, image_size=(60, 44),
+                             seed=2)
+    out = _child(f"""
+        import os, torch
+        import coordl
+        from coordl import transforms as T
+        from coordl.device import decode as DD, delivery as D
+
+        from coordl.device import geometry_kernel as GK
+
+        D.CPU_TEST_DEVICE = True
+        DD.BATCH_GEOMETRY_ON_CPU = True
+        launches = []
+        real = GK.BatchGeometry.run
+
+        def run_counted(self, items, y):
+            launches.append(len(items))
+            return real(self, items, y)
+
+        GK.BatchGeometry.run = run_counted
+        tf = T.Compose([T.RandomResizedCrop(20), T.RandomHorizontalFlip(), T.ToTensor(),
+                        T.Normalize([0.5, 0.4, 0.3], [0.2, 0.25, 0.3])])
+        ds = coordl.ImageFolder({root!r}, tf)
+
+        def run(mode):
+            os.environ["COORDL_DEVICE_GEOMETRY"] = mode
+            L = coordl.DataLoader(ds, batch_size=5, seed=4, shuffle=True, device="cpu", decode="device",
+                                  num_workers=1)
+            del launches[:]
+            got = list(L)
+            return got, list(launches)
+
+        kern, used = run("auto")
+        per, unused = run("per-image")
+        # the first batch's probe runs the kernel once more (its few images), then every batch is one launch
+        print("LAUNCHES", sum(used), len(used), len(unused))
+        std = torch.tensor([0.2, 0.25, 0.3]).view(1, 3, 1, 1) * 255
+        worst = 0.0
+        for (a, y), (b, y2) in zip(kern, per):
+            assert torch.equal(y, y2)
+            worst = max(worst, float(((a - b).abs() * std).max()))
+        print("WORST", worst, len(kern))
+    """)
+    line = [x for x in out.splitlines() if x.startswith("WORST ")]
+    assert line, out
+    worst, n = float(line[0].split()[1]), int(line[0].split()[2])
+    assert n == 3 and worst <= 1.001, out
+    images, calls, per_image_calls = map(int, [x for x in out.splitlines() if x.startswith("LAUNCHES ")][0].split()[1:])
+    assert calls == 4 and images > 12 and per_image_calls == 0, out
