@@ -530,3 +530,41 @@ def test_the_stages_resize_on_cuda_is_f_interpolates_also_into_a_row(mode, antia
         batch = torch.full((3, 3, *size), -7.0, device=dev)
         resize(x, size, batch[1:2])
         assert torch.equal(batch[1:2], want) and bool((batch[0] == -7).all() and (batch[2] == -7).all())
+
+
+@needs_cuda
+def test_the_batch_geometry_kernel_on_cuda_is_the_per_image_path_within_a_level():
+    """Where Triton imports: the kernel's rows on the GPU against the
+    per-image path's on the same device (crops down and up, a second crop
+    reaching outside, no resize, an (H, W, 3) image), the float values
+    close and the rounded ones within a level; and ImageNet-sized crops to
+    224, as a training batch has them."""
+    import numpy as np
+    from coordl.device import decode as DD
+    from coordl.device import geometry_kernel as GK
+    from coordl.device.encoded import plan_for
+
+    if not GK.available():
+        pytest.skip("triton does not import here")
+    dev = torch.device("cuda")
+    rng = np.random.default_rng(11)
+    for tf, make in [
+        (T.Compose([T.RandomResizedCrop(224), T.ToTensor()]),
+         lambda H, W, k: (lambda h, w: [0, H, W, int(rng.integers(0, H - h + 1)), int(rng.integers(0, W - w + 1)),
+                                        h, w, 224, 224, 0, 0, 224, 224, 0, k, 3])(int(rng.integers(1, H + 1)),
+                                                                                   int(rng.integers(1, W + 1)))),
+        (T.Compose([T.Resize((60, 60)), T.CenterCrop(48), T.ToTensor()]),
+         lambda H, W, k: [0, H, W, 0, 0, H, W, 40 + k, 70 - k, (40 + k - 48) // 2, (70 - k - 48) // 2, 48, 48, 0, k, 3]),
+        (T.Compose([T.CenterCrop(48), T.ToTensor()]),
+         lambda H, W, k: [0, H, W, 0, 0, H, W, 0, 0, (H - 48) // 2, (W - 48) // 2, 48, 48, 0, k, 3]),
+    ]:
+        plan = plan_for(tf)
+        stage = DD.DecodeStage(dev, plan, DD.HostDecoder(dev), "raise", str)
+        imgs, recs = [], []
+        for k in range(12):
+            H, W = int(rng.integers(30, 600)), int(rng.integers(30, 600))
+            x = torch.from_numpy(rng.integers(0, 256, (H, W, 3), dtype=np.uint8)).to(dev)
+            imgs.append(x.permute(2, 0, 1) if k % 3 == 0 else x.permute(2, 0, 1).contiguous())
+            recs.append(make(H, W, k))
+        ok, what = GK.agrees(stage, imgs, recs)
+        assert ok, what
