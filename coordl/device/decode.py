@@ -421,12 +421,16 @@ class DecodeStage:
             probe = [(img, records[k][r]) for (k, r), img in list(left.items())[:8]]
             if not probe:
                 return False
+            imgs, recs = [i for i, _ in probe], [r for _, r in probe]
             try:
-                ok, what = GK.agrees(self, [i for i, _ in probe], [r for _, r in probe])
+                ok, what = GK.agrees(self, imgs, recs)
+                if ok and self.device.type == "cuda":
+                    ok, speed = GK.faster(self, imgs, recs)
+                    what += "; " + speed
             except Exception as e:  # noqa: BLE001 - a Triton that cannot compile or launch here
                 ok, what = False, f"{type(e).__name__}: {e}"
-            log.info("decode='device': the batch-geometry kernel %s against one launch per image (%s)",
-                     "agrees" if ok else "is not used: it differs", what)
+            log.info("decode='device': the batch-geometry kernel %s one launch per image (%s)",
+                     "is used in place of" if ok else "is not used: it differs from or is slower than", what)
             self.batch_geometry = GK.BatchGeometry(self.plan.size) if ok else False
         return self.batch_geometry
 
