@@ -126,12 +126,13 @@ def _kernel():
     return crop_resize
 
 
-def _axis(n_in: int, n_out: int) -> tuple:
-    """(scale, 1/scale or 1, support) of one axis, float32 as torch computes them (bilinear: size 2)."""
-    scale = np.float32(n_in) / np.float32(n_out)
-    if scale >= 1:
-        return scale, np.float32(1) / scale, scale
-    return scale, np.float32(1), np.float32(1)
+def _axes(n_in: np.ndarray, n_out: np.ndarray) -> tuple:
+    """(scale, 1/scale or 1, support) of one axis of each image, float32 as
+    torch computes them (the bilinear filter's size is 2)."""
+    scale = n_in.astype(np.float32) / n_out.astype(np.float32)
+    down = scale >= 1
+    one = np.float32(1)
+    return scale, np.where(down, one / scale, one), np.where(down, scale, one)
 
 
 class BatchGeometry:
@@ -147,11 +148,11 @@ class BatchGeometry:
         """``items``: ``[(row, image, record), ...]``; each (3, H, W) uint8
         image's geometry written, float32, into ``y[row]`` (``y``: a
         contiguous (n, 3, oh, ow) float32 batch)."""
-        from .encoded import H1, L1, RH, RW, T1, T2, L2, W1
+        from .encoded import H1, L1, L2, RH, RW, T1, T2, W1
 
         if not items:
             return
-        flats, ints, floats, at, kmax = [], [], [], 0, 1
+        flats, ints, at = [], [], 0
         for row, img, rec in items:
             if img.is_contiguous():
                 flat, strides = img.view(-1), img.stride()
@@ -160,21 +161,21 @@ class BatchGeometry:
                 if not hwc.is_contiguous():
                     hwc = hwc.contiguous()
                 flat, strides = hwc.view(-1), (1, hwc.stride(0), hwc.stride(1))
-            t, l, h, w = rec[T1], rec[L1], rec[H1], rec[W1]
+            h, w = rec[H1], rec[W1]
             rh, rw = (rec[RH], rec[RW]) if rec[RH] else (h, w)
-            sy, iy, py = _axis(h, rh)
-            sx, ix, px = _axis(w, rw)
-            kmax = max(kmax, int(np.ceil(py)) * 2 + 1, int(np.ceil(px)) * 2 + 1)
-            ints.append((row, at, *strides, t, l, h, w, rh, rw, rec[T2], rec[L2], 0))
-            floats.append((sy, sx, iy, ix, py, px))
+            ints.append((row, at, *strides, rec[T1], rec[L1], h, w, rh, rw, rec[T2], rec[L2], 0))
             flats.append(flat)
             at += flat.numel()
         ints = np.asarray(ints, dtype=np.int64)
+        sy, iy, py = _axes(ints[:, 7], ints[:, 9])
+        sx, ix, px = _axes(ints[:, 8], ints[:, 10])
+        floats = np.stack([sy, sx, iy, ix, py, px], axis=1).astype(np.float32)
+        kmax = int(np.ceil(np.maximum(py, px)).max()) * 2 + 1      # the widest span, torch's interp size
         ints[:, 13] = kmax
         dev = y.device
         src = torch.cat(flats) if len(flats) > 1 else flats[0]
         ints_t = torch.from_numpy(ints).to(dev, non_blocking=False)
-        floats_t = torch.from_numpy(np.asarray(floats, dtype=np.float32)).to(dev, non_blocking=False)
+        floats_t = torch.from_numpy(floats).to(dev, non_blocking=False)
         kp = 4                       # the spans' largest, as a power of two (one compiled kernel each)
         while kp < kmax:
             kp *= 2
