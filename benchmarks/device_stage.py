@@ -113,6 +113,16 @@ def _streams(blob, pending) -> list:
     return [((k, r), DD._bytes(buf, offsets[r * m + k])) for k, r, _ in pending.raw]
 
 
+def _finish_us(stage, captured: list, device: torch.device, images: int) -> float:
+    """``DecodeStage.finish`` over every captured batch, per image, the device synchronized at both ends."""
+    _sync(device)
+    t = time.perf_counter()
+    for _, p in captured:
+        stage.finish(_pending_copy(p))
+    _sync(device)
+    return (time.perf_counter() - t) / images * 1e6
+
+
 def measure(stage, captured: list, device: torch.device, repeats: int) -> dict:
     images = sum(len(p.keep) for _, p in captured)
     best = {"finish_us": float("inf"), "decode_bookkeeping_us": float("inf"), "decoder_us": float("inf")}
@@ -123,12 +133,7 @@ def measure(stage, captured: list, device: torch.device, repeats: int) -> dict:
             decoded[s.data_ptr()] = imgs[kr]
     instant = DD.DecodeStage(stage.device, stage.plan, _Instant(decoded), stage.on_error, stage.describe)
     for _ in range(repeats):
-        _sync(device)
-        t = time.perf_counter()
-        for _, p in captured:
-            stage.finish(_pending_copy(p))
-        _sync(device)
-        best["finish_us"] = min(best["finish_us"], (time.perf_counter() - t) / images * 1e6)
+        best["finish_us"] = min(best["finish_us"], _finish_us(stage, captured, device, images))
         t = time.perf_counter()
         for (b, blob, marks), _ in captured:
             st = BatchStats()
@@ -148,13 +153,8 @@ def measure(stage, captured: list, device: torch.device, repeats: int) -> dict:
         best["finish_per_image_us"] = float("inf")
         try:
             for _ in range(repeats):
-                _sync(device)
-                t = time.perf_counter()
-                for _, p in captured:
-                    stage.finish(_pending_copy(p))
-                _sync(device)
                 best["finish_per_image_us"] = min(best["finish_per_image_us"],
-                                                  (time.perf_counter() - t) / images * 1e6)
+                                                  _finish_us(stage, captured, device, images))
         finally:
             stage.batch_geometry = kept
     return {k: round(v, 2) for k, v in best.items()} | {"images": images, "geometry_kernel": kernel}
