@@ -747,3 +747,14 @@ def test_the_stages_resize_is_f_interpolates(mode, antialias):
         batch = torch.full((3, 3, *size), -7.0)
         resize(x, size, batch[1:2])
         assert torch.equal(batch[1:2], want) and bool((batch[0] == -7).all() and (batch[2] == -7).all())
+
+
+def test_the_geometry_setting_is_checked_and_the_cpu_keeps_one_launch_per_image(photos, cpu_device, monkeypatch):
+    """COORDL_DEVICE_GEOMETRY takes auto or per-image, and says so; on the
+    CPU device (outside the kernel's own tests) the stage launches per image."""
+    plan = E.plan_for(_rrc())
+    monkeypatch.setenv("COORDL_DEVICE_GEOMETRY", "fast")
+    with pytest.raises(ValueError, match='COORDL_DEVICE_GEOMETRY should be "auto" or "per-image"'):
+        DD.DecodeStage(torch.device("cpu"), plan, DD.HostDecoder(), "raise", str)
+    monkeypatch.setenv("COORDL_DEVICE_GEOMETRY", "auto")
+    assert DD.DecodeStage(torch.device("cpu"), plan, DD.HostDecoder(), "raise", str).batch_geometry is False

@@ -20,7 +20,7 @@ without, all in ``next()``):
    (``ON_CPU``) are copied as they are.  For a bilinear antialiased plan
    on a GPU with Triton, one kernel launch does this for the whole batch
    (:mod:`.geometry_kernel`, checked against the per-image path on the
-   pass's first batch; ``COORDL_DEVICE_GEOMETRY=per-image`` turns it off);
+   stage's first batch; ``COORDL_DEVICE_GEOMETRY=per-image`` turns it off);
 3. each image lands in its row of the batch (the resize writes it there
    itself where nothing is cropped after it), the batch is rounded half to
    even and clamped to uint8 (what torch's float resize of a uint8 image
