@@ -400,3 +400,16 @@ def test_without_workers_next_builds_only_the_batch_it_returns(photos, monkeypat
     next(it)
     assert built == [0, 1]
     assert len(list(it)) == L.plan.num_batches - 2
+
+
+def test_a_plan_that_draws_nothing_makes_no_generator(photos, monkeypatch):
+    """Resize + CenterCrop: the geometry depends on the image's size alone,
+    so the batch path makes no per-sample generator (the batches are still
+    the per-sample path's: test_an_evaluation_transform_and_torchvisions_dataset)."""
+    from coordl import _rng
+
+    made = []
+    real = _rng.derive
+    monkeypatch.setattr(_rng, "derive", lambda *a: made.append(a) or real(*a))
+    ds = coordl.ImageFolder(photos, T.Compose([T.Resize(30), T.CenterCrop(24), T.ToTensor(), NORM]))
+    assert len(_run(ds, True)[0][0]) == 6 and made == []

@@ -128,6 +128,13 @@ def _agrees(plan, draws) -> bool:
     return True
 
 
+def _draws_anything(plan) -> bool:
+    """``plan.draw`` takes something from the generator (a random step)."""
+    from .. import transforms as T
+
+    return any(type(t) in (T.RandomResizedCrop, T.RandomCrop, T.RandomHorizontalFlip) for t in plan.steps)
+
+
 def batch_reads_for(dataset, *, cache, peers, in_place: bool, batch_size) -> "BatchReads | None":
     """A :class:`BatchReads` for the engine of ``dataset``, or None where
     the per-sample path must run (see the module docstring)."""
@@ -179,6 +186,8 @@ class BatchReads:
         self.targets = ds._targets
         self._layouts: dict = {}
         self._draws = native_draws(self.plan)
+        # Resize, CenterCrop: no draw, so no generator to make; the geometry depends on the size alone
+        self._fixed = None if _draws_anything(self.plan) else {}
         # a node cache copies a hit straight into the slot; another cache (a test's) through get
         self._into = getattr(cache, "get_into", None) or self._get_into
         self._pool = None             # reads of slow storage: a ThreadPoolExecutor (close())
@@ -290,6 +299,7 @@ class BatchReads:
         ok = [False] * n
         extra: dict = {}          # row -> a payload outside the blob (the per-sample path's)
         native = self._draws
+        fixed = self._fixed       # a plan that draws nothing: geometry by image size
         later: list = []          # rows whose draws the extension makes, after the loop
         read_s = 0.0              # the reads' own wall time
         for j, i in enumerate(indices):
@@ -322,7 +332,14 @@ class BatchReads:
                     if hdr is not None and hdr[2] in fast and eoi(raw):
                         h, w = int(hdr[0]), int(hdr[1])
                         check_pixels((h, w))
-                        if native is None:
+                        if fixed is not None:      # nothing random: the geometry is the size's
+                            geo = fixed.get((h, w))
+                            if geo is None:
+                                if len(fixed) >= 4096:    # a few thousand sizes at most are kept
+                                    fixed.clear()
+                                geo = fixed[(h, w)] = [ON_DEVICE, h, w, *draw(h, w, None)]
+                            rec[j, :CHANNELS - 1] = geo
+                        elif native is None:
                             rec[j, :CHANNELS - 1] = [ON_DEVICE, h, w, *draw(h, w, derive(seed, epoch, i))]
                         else:
                             rec[j, :SRC_W + 1] = (ON_DEVICE, h, w)
