@@ -10,8 +10,12 @@ several times that.  For a dataset whose every step is known, coordl's own
 folder datasets (and torchvision's, recognized) with their stock ``prep``
 and ``raw``, local files and no ``target_transform``, the engine hands each
 batch here instead: the files are read straight into the blob slot (one
-``preadv`` each, the GIL released), the header is parsed there, the draws
-are :meth:`DecodePlan.draw`'s from the sample's own generator, and the
+``preadv`` each, the GIL released; from slow storage, a batch's reads in
+flight at once in read threads), the header is parsed there, the draws
+are :meth:`DecodePlan.draw`'s from the sample's own generator
+(``RandomResizedCrop``'s and a flip's made for the whole batch by the
+``coordl.decode._draws`` extension where its draws are this Python's:
+:func:`native_draws`; none made for a plan that draws nothing), and the
 records and labels are written into the batch's slot as two arrays.
 
 What reaches the main process is what the per-sample path sends, the same
