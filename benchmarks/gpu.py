@@ -436,7 +436,8 @@ def _where(r: dict) -> str:
     in the decoder's calls and in the geometry (empty for other loaders)."""
     if r.get("decode_call_share") is None:
         return ""
-    return (f"\n{'':22}decoder calls {r['decode_call_share']:.0%} of the window, geometry "
+    kernel = {True: " (one kernel per batch)", False: " (one launch per image)"}.get(r.get("geometry_kernel"), "")
+    return (f"\n{'':22}decoder calls {r['decode_call_share']:.0%} of the window, geometry{kernel} "
             f"{r['geometry_share']:.0%}; main process's threads, cores: {_threads(r)}")
 
 
@@ -466,7 +467,11 @@ def run_variant(ctx: Ctx, v: Variant, workers: int, batch_size: int, warmup: int
         src = v.make(ctx, workers, batch_size)
         gen = src.epoch()
         stats = getattr(src.loader, "stats", None)
-        return measure(ctx, gen, warmup, seconds, step, loader_stats=stats if callable(stats) else None)
+        row = measure(ctx, gen, warmup, seconds, step, loader_stats=stats if callable(stats) else None)
+        stage = getattr(src.loader, "_decode_stage", None)
+        if stage is not None:   # decode="device": whether the batch's geometry ran as one kernel launch
+            row["geometry_kernel"] = bool(stage.batch_geometry)
+        return row
     except Exception as e:  # noqa: BLE001 - one failing loader must not lose the other figures
         print(f"  {v.name} at {workers} worker(s) failed:\n" + _indent(traceback.format_exc()), flush=True)
         return {"error": f"{type(e).__name__}: {e}"[:2000]}
