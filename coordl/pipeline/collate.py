@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["Layout", "layout_of", "row_targets", "write_row", "build"]
+__all__ = ["Layout", "layout_of", "row_targets", "write_row", "build", "pack_payloads"]
 
 _ALIGN = 64
 
@@ -232,3 +232,24 @@ def is_default_collate(fn) -> bool:
 
     return fn is None or fn is dc or fn is torch.utils.data.default_collate
 
+
+def pack_payloads(b, rows: list, slots) -> None:
+    """decode="device": the payloads of ``rows`` of batch ``b`` (an engine's
+    builder: JPEG bytes, or uint8 images the CPU path made), one after the
+    other in a buffer from ``slots`` (a shared-memory slot in a worker), in
+    the batch's row order and, within a row, its records' order: ``BatchStats.device_blob`` =
+    (slot, total bytes, int64 [(offset, length), ...]).  The main process
+    decodes from there (coordl.device.decode)."""
+    items = [p for r in rows for p in b.payloads[r]]
+    views = [np.frombuffer(p.numpy() if isinstance(p, torch.Tensor) else p, dtype=np.uint8) for p in items]
+    total = sum(v.size for v in views)
+    slot, buf = slots.acquire(max(total, 1))
+    offsets = np.empty((len(views), 2), dtype=np.int64)
+    o = 0
+    for k, v in enumerate(views):
+        buf[o:o + v.size] = v
+        offsets[k] = (o, v.size)
+        o += v.size
+    b.stats.decoded_cpu += sum(isinstance(p, torch.Tensor) for p in items)
+    b.stats.device_blob = (slot, total, offsets)
+    b.payloads = None

@@ -192,8 +192,6 @@ class BatchReads:
         self._draws = native_draws(self.plan)
         # Resize, CenterCrop: no draw, so no generator to make; the geometry depends on the size alone
         self._fixed = None if _draws_anything(self.plan) else {}
-        # a node cache copies a hit straight into the slot; another cache (a test's) through get
-        self._into = getattr(cache, "get_into", None) or self._get_into
         self._pool = None             # reads of slow storage: a ThreadPoolExecutor (close())
         self._slow = False            # the last batch's reads were slow: read this one through the pool
 
@@ -204,7 +202,7 @@ class BatchReads:
             pool.shutdown(wait=False, cancel_futures=True)
 
     def _timed_read(self, i: int, dest: np.ndarray, size: int):
-        """(source or the _Fallback, wall seconds) of :meth:`_read_into` (in a read thread)."""
+        """(source or the _Fallback, wall seconds) of :meth:`_read_into` (in the prep thread or a read thread)."""
         t0 = time.perf_counter()
         try:
             source = self._read_into(i, dest, size)
@@ -224,13 +222,6 @@ class BatchReads:
         read = self._timed_read
         return [self._pool.submit(read, i, blob[o:o + int(n)], int(n)) for i, o, n in zip(indices, starts, sizes)]
 
-    def _get_into(self, i: int, dest: np.ndarray) -> bool:
-        data = self.cache.get(i)
-        if data is None or len(data) != dest.size:
-            return False
-        dest[:] = np.frombuffer(data, dtype=np.uint8)
-        return True
-
     def _layout(self, n: int):
         from . import collate as _collate
 
@@ -243,7 +234,7 @@ class BatchReads:
         """Sample ``i``'s bytes into ``dest`` (``size`` of them, the table's
         size): its source, or :class:`_Fallback`."""
         cache = self.cache
-        if cache is not None and self._into(i, dest):
+        if cache is not None and cache.get_into(i, dest):    # a hit: one copy, cache to slot
             return "cache"
         try:
             fd = os.open(self.ds._path(i), _O_FLAGS)
@@ -285,10 +276,9 @@ class BatchReads:
     def _rows(self, eng, b, slot, buf, blob_slot, blob, starts, sizes, total, futures) -> None:
         """:meth:`build`'s rows: each read (or its future's result), parsed
         and drawn, or prepared by the per-sample path; then the batch out."""
-        from ..errors import Failure, SampleError
+        from ..errors import SampleError
         from . import collate as _collate
         from .prep import SKIP, prep_sample
-        import traceback
 
         _rng, jpeg, _ = _lazy()
         header, eoi, fast, check_pixels, derive = jpeg._header, jpeg._ends_with_eoi, jpeg._FAST_COLORSPACES, \
@@ -312,15 +302,8 @@ class BatchReads:
             raw = blob[o:o + size]
             data = err = None
             t0 = clock()
-            if futures is None:
-                try:
-                    source = self._read_into(i, raw, size)
-                except _Fallback as e:
-                    source = e
-                read_s += clock() - t0
-            else:
-                source, seconds = futures[j].result()
-                read_s += seconds
+            source, seconds = self._timed_read(i, raw, size) if futures is None else futures[j].result()
+            read_s += seconds
             if type(source) is _Fallback:   # the per-sample path reads it: the engine's reader, its errors
                 try:
                     data, source = eng._read(i)
@@ -365,9 +348,7 @@ class BatchReads:
                 slots.release(slot)
                 slots.release(blob_slot)
                 b.failed = True
-                eng.emit("error", b.k, Failure(f"Caught {type(e).__name__} in DataLoader worker process "
-                                               f"{eng.worker_id}.\nOriginal {traceback.format_exc()}",
-                                               type(e.__cause__) if e.__cause__ is not None else None, e))
+                eng.sample_failed(b.k, e)
                 return
             if sample is SKIP:
                 continue
@@ -398,24 +379,16 @@ class BatchReads:
         if len(rows) < n:      # skipped samples: close the gaps, keep plan order
             rec[:len(rows)] = rec[rows].copy()
             lab[:len(rows)] = lab[rows].copy()
-        offsets = np.empty((len(rows), 2), dtype=np.int64)
-        if extra:              # repack: the blob and the per-sample path's payloads, one after the other
-            views = [np.frombuffer(extra[j].numpy() if isinstance(extra[j], torch.Tensor) else extra[j],
-                                   dtype=np.uint8) if j in extra else blob[starts[j]:starts[j] + int(sizes[j])]
-                     for j in rows]
-            total = sum(v.size for v in views)
-            new_slot, new = slots.acquire(max(total, 1))
-            o = 0
-            for r, v in enumerate(views):
-                new[o:o + v.size] = v
-                offsets[r] = (o, v.size)
-                o += v.size
+        if extra:              # repack: the blob's bytes and the per-sample path's payloads, as that path packs them
+            b.payloads = [None] * n
+            for j in rows:
+                b.payloads[j] = [extra[j] if j in extra else blob[starts[j]:starts[j] + int(sizes[j])]]
+            _collate.pack_payloads(b, rows, slots)
             slots.release(blob_slot)
-            blob_slot = new_slot
-            st.decoded_cpu += sum(isinstance(extra[j], torch.Tensor) for j in extra if ok[j])
         else:
+            offsets = np.empty((len(rows), 2), dtype=np.int64)
             offsets[:, 0] = [starts[j] for j in rows]
             offsets[:, 1] = sizes[rows]
+            st.device_blob = (blob_slot, total, offsets)
         st.device_marks = ((0,),)
-        st.device_blob = (blob_slot, total, offsets)
         eng.emit("batch", b.k, slot, layout, len(rows), st)

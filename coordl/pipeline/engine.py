@@ -253,9 +253,7 @@ class Engine:
                                          st, self.on_error)
                 except SampleError as e:
                     self._fail(b)
-                    self.emit("error", k, Failure(f"Caught {type(e).__name__} in DataLoader worker process "
-                                                  f"{self.worker_id}.\nOriginal {traceback.format_exc()}",
-                                                  type(e.__cause__) if e.__cause__ is not None else None, e))
+                    self.sample_failed(k, e)
                 else:
                     if sample is not SKIP:
                         if self._take_marks is not None:
@@ -308,6 +306,13 @@ class Engine:
         if i is not None:
             s += f", sample {i} ({describe(self.dataset, i)})"
         return s
+
+    def sample_failed(self, k: int, e: SampleError) -> None:
+        """Batch ``k`` fails with the sample's error ``e`` (raised inside
+        an ``except`` of it: the traceback is its)."""
+        self.emit("error", k, Failure(f"Caught {type(e).__name__} in DataLoader worker process "
+                                      f"{self.worker_id}.\nOriginal {traceback.format_exc()}",
+                                      type(e.__cause__) if e.__cause__ is not None else None, e))
 
     def _fail(self, b: _Builder) -> None:
         """Batch ``b`` fails (its error is emitted by the caller): give its
@@ -416,30 +421,8 @@ def finish(b: _Builder, collate_fn, batch_size, slots, finish_on_cpu=None) -> tu
                 t[: len(rows)] = t[rows].clone()
         out = ("batch", len(rows))
     if b.payloads is not None and b.stats.device_marks:
-        pack_payloads(b, rows, slots)
+        _collate.pack_payloads(b, rows, slots)
     return out
-
-
-def pack_payloads(b: _Builder, rows: list, slots) -> None:
-    """decode="device": the payloads of ``rows`` (JPEG bytes, or uint8
-    images the CPU path made), one after the other in a buffer from
-    ``slots`` (a shared-memory slot in a worker), in the batch's row order
-    and, within a row, its records' order: ``BatchStats.device_blob`` =
-    (slot, total bytes, int64 [(offset, length), ...]).  The main process
-    decodes from there (coordl.device.decode)."""
-    items = [p for r in rows for p in b.payloads[r]]
-    views = [np.frombuffer(p.numpy() if isinstance(p, torch.Tensor) else p, dtype=np.uint8) for p in items]
-    total = sum(v.size for v in views)
-    slot, buf = slots.acquire(max(total, 1))
-    offsets = np.empty((len(views), 2), dtype=np.int64)
-    o = 0
-    for k, v in enumerate(views):
-        buf[o:o + v.size] = v
-        offsets[k] = (o, v.size)
-        o += v.size
-    b.stats.decoded_cpu += sum(isinstance(p, torch.Tensor) for p in items)
-    b.stats.device_blob = (slot, total, offsets)
-    b.payloads = None
 
 
 def _make_reader(dataset, cache, peers=None):
