@@ -91,9 +91,10 @@ class _Torchvision:
         return list(self._decode(data, mode=self._mode, device=self.device))
 
 
-def _nvimgcodec(label: str, kind: str | None, fancy: bool, cpu_threads: int = 0):
-    """An nvImageCodec variant: backend ``kind`` (a BackendKind name; None:
-    every backend, the library's choice), fancy upsampling or not."""
+def _nvimgcodec(label: str, kind, fancy: bool, cpu_threads: int = 0):
+    """An nvImageCodec variant: backend ``kind`` (a BackendKind name, or a
+    tuple of them in order; None: every backend, the library's choice),
+    fancy upsampling or not."""
 
     class _Nv:
         name = f"nvImageCodec {label}" + (", fancy upsampling" if fancy else "") + \
@@ -109,7 +110,8 @@ def _nvimgcodec(label: str, kind: str | None, fancy: bool, cpu_threads: int = 0)
             self.device, self._cpu, self._nv = device, cpu, nv
             kw = {"options": ":fancy_upsampling=1" if fancy else ""}
             if kind is not None:
-                kw["backends"] = [nv.Backend(getattr(nv.BackendKind, kind))]
+                kinds = (kind,) if isinstance(kind, str) else kind
+                kw["backends"] = [nv.Backend(getattr(nv.BackendKind, k)) for k in kinds]
             if cpu_threads:
                 kw["max_num_cpu_threads"] = cpu_threads
             dev = nv.NVIMGCODEC_DEVICE_CPU_ONLY if cpu else (device.index or 0)
@@ -144,6 +146,8 @@ VARIANTS = [
     _nvimgcodec("(its own choice)", None, False),
     _nvimgcodec("hardware decoder", "HW_GPU_ONLY", True),
     _nvimgcodec("hardware decoder", "HW_GPU_ONLY", False),
+    _nvimgcodec("hardware decoder first, then CUDA and hybrid (nvimgcodec-hw)",
+                ("HW_GPU_ONLY", "GPU_ONLY", "HYBRID_CPU_GPU"), False),
     _nvimgcodec("CUDA decoder", "GPU_ONLY", True),
     _nvimgcodec("hybrid decoder", "HYBRID_CPU_GPU", True),
     _nvimgcodec("(its own choice)", None, True, cpu_threads=2),

@@ -22,6 +22,12 @@ one more row in ``JOB_ROWS`` for part (c)):
 * ``coordl-decode-nvimgcodec``: the same with NVIDIA nvImageCodec decoding
   (``COORDL_DEVICE_DECODER=nvimgcodec``), at most 4 workers, where
   ``nvidia.nvimgcodec`` imports (``benchmarks/gpu_wheels.sh --nvimgcodec``);
+* ``coordl-decode-hw``: the same with nvImageCodec's hardware JPEG decoder
+  first (``COORDL_DEVICE_DECODER=nvimgcodec-hw``), at most 4 workers;
+* ``coordl-decode-split``: each batch shared by torchvision's nvJPEG and
+  nvImageCodec's hardware decoder, half each, in two threads
+  (``COORDL_DEVICE_DECODER=torchvision+nvimgcodec-hw``), where
+  ``nvidia.nvimgcodec`` imports;
 * ``dali``: NVIDIA DALI's GPU pipeline (``fn.readers.file`` ->
   ``fn.decoders.image_random_crop(device="mixed")`` -> ``fn.resize`` ->
   ``fn.crop_mirror_normalize`` on the GPU), ``num_threads`` = the worker
@@ -48,7 +54,9 @@ Each measurement is time-boxed: one epoch, a warm-up of ``workers + 2``
 batches (every worker has delivered), then a window of a few seconds
 (``--seconds``, ``--train-seconds``, ``--job-seconds``) that closes early at
 the end of the epoch (an epoch boundary's restart is not measured); the
-device is synchronized at both ends of the window.  A
+device is synchronized at both ends of the window.  With ``--budget``, a
+measurement that would not end within that many seconds of the start is
+skipped, its row saying so (the GPU check runs it so that it ends in time).  A
 variant that raises prints its error and the run goes on; the JSON
 (``--out``) is rewritten after every measurement, with the machine's facts
 (GPU, CPUs, versions, date).
@@ -183,20 +191,6 @@ def make_coordl_device(ctx: Ctx, workers: int, batch_size: int, **extra) -> Sour
     return Source(loader)
 
 
-def make_coordl_nvimgcodec(ctx: Ctx, workers: int, batch_size: int, **extra) -> Source:
-    """decode="device" with NVIDIA nvImageCodec as the GPU's decoder (a
-    loader picks its decoder from COORDL_DEVICE_DECODER when it is made)."""
-    saved = os.environ.get("COORDL_DEVICE_DECODER")
-    os.environ["COORDL_DEVICE_DECODER"] = "nvimgcodec"
-    try:
-        return make_coordl_device(ctx, workers, batch_size, decode="device", **extra)
-    finally:
-        if saved is None:
-            os.environ.pop("COORDL_DEVICE_DECODER", None)
-        else:
-            os.environ["COORDL_DEVICE_DECODER"] = saved
-
-
 class DaliSource(Source):
     def __init__(self, pipe, it):
         super().__init__(it)
@@ -256,11 +250,30 @@ class Variant:
     unavailable: Callable[[Ctx], str | None] = lambda ctx: None
     max_workers_b: int | None = None     # part (b) runs it with at most this many workers
     max_workers_a: int | None = None     # part (a) runs it only at worker counts up to this
+    in_b: bool = True                    # part (b) runs it
 
 
 def device_decode_unavailable(ctx: Ctx) -> str | None:
     """decode="device" needs a CUDA device (the CPU stand-in is the tests')."""
     return None if ctx.cuda else f'decode="device" needs a CUDA device (device is {ctx.device})'
+
+
+def make_coordl_decoder(spec: str) -> Callable[..., Source]:
+    """decode="device" with ``COORDL_DEVICE_DECODER=spec`` (a loader picks
+    its decoder from the environment when it is made)."""
+
+    def make(ctx: Ctx, workers: int, batch_size: int, **extra) -> Source:
+        saved = os.environ.get("COORDL_DEVICE_DECODER")
+        os.environ["COORDL_DEVICE_DECODER"] = spec
+        try:
+            return make_coordl_device(ctx, workers, batch_size, decode="device", **extra)
+        finally:
+            if saved is None:
+                os.environ.pop("COORDL_DEVICE_DECODER", None)
+            else:
+                os.environ["COORDL_DEVICE_DECODER"] = saved
+
+    return make
 
 
 def nvimgcodec_unavailable(ctx: Ctx) -> str | None:
@@ -276,6 +289,10 @@ def nvimgcodec_unavailable(ctx: Ctx) -> str | None:
     return None
 
 
+#: the decoders of the coordl-decode-split row: torchvision's nvJPEG (its Huffman decoding on the
+#: CPU, one thread) beside the hardware decoder, half of each batch each
+SPLIT = "torchvision+nvimgcodec-hw"
+
 # Rows of parts (a) and (b), in order.  A coordl option is one more entry
 # (make_coordl_device passes keyword arguments on to coordl.DataLoader).
 VARIANTS: list[Variant] = [
@@ -285,9 +302,17 @@ VARIANTS: list[Variant] = [
     Variant("coordl-decode-device", functools.partial(make_coordl_device, decode="device"),
             'coordl.ImageFolder, device="cuda", decode="device" (JPEG decode on the GPU)',
             device_decode_unavailable, max_workers_b=4),
-    Variant("coordl-decode-nvimgcodec", make_coordl_nvimgcodec,
+    Variant("coordl-decode-nvimgcodec", make_coordl_decoder("nvimgcodec"),
             'the same, NVIDIA nvImageCodec decoding (COORDL_DEVICE_DECODER=nvimgcodec)',
-            nvimgcodec_unavailable, max_workers_b=4, max_workers_a=4),
+            nvimgcodec_unavailable, max_workers_a=4, in_b=False),
+    Variant("coordl-decode-hw", make_coordl_decoder("nvimgcodec-hw"),
+            "the same, nvImageCodec with the GPU's hardware JPEG decoder first "
+            "(COORDL_DEVICE_DECODER=nvimgcodec-hw)",
+            nvimgcodec_unavailable, max_workers_a=4, in_b=False),
+    Variant("coordl-decode-split", make_coordl_decoder(SPLIT),
+            f"the same, each batch shared by torchvision's nvJPEG and nvImageCodec's hardware decoder, each in "
+            f"a thread of its own (COORDL_DEVICE_DECODER={SPLIT})",
+            nvimgcodec_unavailable, max_workers_b=4),
     Variant("dali", make_dali, "DALI GPU pipeline (mixed decode)", dali_unavailable),
 ]
 
@@ -610,6 +635,17 @@ def print_table(title: str, header: list[str], rows: list[list[str]]) -> None:
     sys.stdout.flush()
 
 
+OUT_OF_TIME = "not enough of the run's time left (--budget)"
+
+
+def out_of_time(args, need: float) -> bool:
+    """Whether a measurement of about ``need`` seconds would pass the end of
+    ``--budget`` (a run that must finish in time skips what does not fit,
+    saying so in its row, instead of being cut)."""
+    end = getattr(args, "deadline", None)
+    return end is not None and time.monotonic() + need > end
+
+
 def chosen(args) -> list:
     """The variants ``--loaders`` names (all without it), in VARIANTS' order."""
     if not getattr(args, "loaders", None):
@@ -628,6 +664,8 @@ def part_a(args, ctx: Ctx, res: dict, save: Callable) -> None:
         for v in chosen(args):
             if v.max_workers_a and w > v.max_workers_a and not v.unavailable(ctx):
                 r = {"skipped": f"measured at up to {v.max_workers_a} workers"}
+            elif out_of_time(args, args.seconds + 8):
+                r = {"skipped": OUT_OF_TIME}
             else:
                 r = run_variant(ctx, v, w, args.batch_size, args.warmup or w + 2, args.seconds)
             part["rows"].setdefault(v.name, {})[str(w)] = r
@@ -676,8 +714,13 @@ def part_b(args, ctx: Ctx, res: dict, save: Callable) -> None:
     print(f"  synthetic (ceiling)  {ceiling['images_per_s']:,.0f} images/s", flush=True)
     save()
     for v in chosen(args):
+        if not v.in_b:
+            continue
         wv = min(w, v.max_workers_b) if v.max_workers_b else w
-        r = run_variant(ctx, v, wv, args.train_batch_size, args.warmup or wv + 2, args.train_seconds, step)
+        if out_of_time(args, args.train_seconds + 12):
+            r = {"skipped": OUT_OF_TIME}
+        else:
+            r = run_variant(ctx, v, wv, args.train_batch_size, args.warmup or wv + 2, args.train_seconds, step)
         r["workers"] = wv
         if "images_per_s" in r and ceiling["images_per_s"] > 0:
             r["of_ceiling"] = round(r["images_per_s"] / ceiling["images_per_s"], 3)
@@ -778,6 +821,8 @@ def part_c(args, ctx: Ctx, res: dict, save: Callable) -> None:
         row = part["rows"][label] = {"variant": vname, "extra": extra}
         try:
             why = variant(vname).unavailable(ctx)
+            if not why and out_of_time(args, 12 * args.job_seconds + 25):
+                why = OUT_OF_TIME
             if why:
                 row["skipped"] = why
                 print(f"  {label:<18} skipped: {why}", flush=True)
@@ -954,6 +999,8 @@ def parse(argv=None):
     ap.add_argument("--job-batch-size", type=int, default=128, help="part (c)")
     ap.add_argument("--job-seconds", type=float, default=5.0, help="part (c)")
     ap.add_argument("--job-timeout", type=float, default=150.0, help="part (c): limit of one configuration")
+    ap.add_argument("--budget", type=float, default=None,
+                    help="seconds the whole run may take: a measurement that would not fit is skipped, saying so")
     ap.add_argument("--tmp", default=None, help="where the data goes (default: the system's temporary folder)")
     ap.add_argument("--smoke", action="store_true", help="tiny sizes, a few seconds a part: checks the script")
     # internal: one job of part (c)
@@ -974,6 +1021,7 @@ def parse(argv=None):
     if args.device is None:
         args.device = "cuda" if cuda or not args.smoke else "cpu"
     args.parts = [p.strip() for p in args.parts.split(",") if p.strip()]
+    args.deadline = time.monotonic() + args.budget if args.budget else None
     return args
 
 
@@ -992,7 +1040,7 @@ def main(argv=None) -> int:
     os.environ["COORDL_RUN_DIR"] = os.path.join(tmp, "run")
     os.mkdir(os.environ["COORDL_RUN_DIR"], 0o700)
     os.environ.pop("COORDL_SHARE", None)
-    res: dict[str, Any] = {"settings": {k: v for k, v in vars(args).items() if k not in ("job", "variant", "extra",
+    res: dict[str, Any] = {"settings": {k: v for k, v in vars(args).items() if k not in ("job", "variant", "extra", "deadline",
                                                                                          "model")},
                            "variants": {v.name: v.describe for v in VARIANTS}, "parts": {}}
 

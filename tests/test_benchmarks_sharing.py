@@ -117,7 +117,9 @@ def test_gpu_smoke(tmp_path):
     if not dali["ran"]:
         assert "(d) DALI: skipped: " in text
     a = res["parts"]["a"]
-    names = ["torch", "coordl-import", "coordl-device", "coordl-decode-device", "coordl-decode-nvimgcodec", "dali"]
+    names = ["torch", "coordl-import", "coordl-device", "coordl-decode-device", "coordl-decode-nvimgcodec",
+             "coordl-decode-hw", "coordl-decode-split", "dali"]
+    names_b = [n for n in names if n not in ("coordl-decode-nvimgcodec", "coordl-decode-hw")]
     cuda = "cuda" in res["machine"]["device"]
     assert list(a["rows"]) == names, a
     for name, by_workers in a["rows"].items():
@@ -139,8 +141,8 @@ def test_gpu_smoke(tmp_path):
                 assert r["workers_cpu_ms_per_image"] > 0 or name == "dali", r
     b = res["parts"]["b"]
     assert b["ceiling"]["images_per_s"] > 0, b
-    assert list(b["rows"]) == names, b
-    assert b["rows"]["coordl-decode-device"]["workers"] <= 4 and b["rows"]["coordl-decode-nvimgcodec"]["workers"] <= 4
+    assert list(b["rows"]) == names_b, b
+    assert b["rows"]["coordl-decode-device"]["workers"] <= 4 and b["rows"]["coordl-decode-split"]["workers"] <= 4
     for name, r in b["rows"].items():
         if (name == "dali" and not dali["ran"]) or (name.startswith("coordl-decode-") and not cuda):
             continue
@@ -169,6 +171,36 @@ def _gpu_module():
     finally:
         del sys.modules[spec.name]
     return gpu, spec
+
+
+def test_gpu_script_skips_what_does_not_fit_its_budget_saying_so(monkeypatch):
+    """--budget: a measurement that would end past the run's budget is not
+    started; its row says why (the GPU check must end in time, not be cut)."""
+    import argparse
+    import time
+
+    import torch
+
+    gpu, _ = _gpu_module()
+    assert not gpu.out_of_time(argparse.Namespace(deadline=None), 1e9)
+    assert gpu.parse(["--budget", "100"]).deadline > time.monotonic() + 90
+    assert gpu.parse([]).deadline is None
+    args = gpu.parse(["--parts", "a", "--workers", "1,4", "--loaders", "torch,coordl-import", "--seconds", "2"])
+    args.deadline = time.monotonic() + 11     # room for one window of 2 s and its start (8 s), not two
+    ran = []
+
+    def run_variant(ctx, v, w, *a, **kw):
+        ran.append((v.name, w))
+        time.sleep(1.5)
+        return {"images_per_s": 1.0, "cpu_ms_per_image": 1.0, "window_s": 2.0}
+
+    monkeypatch.setattr(gpu, "run_variant", run_variant)
+    ctx = gpu.Ctx(root="/nonexistent", device=torch.device("cpu"), size=32)
+    res = {"parts": {}}
+    gpu.part_a(args, ctx, res, lambda: None)
+    rows = res["parts"]["a"]["rows"]
+    assert ran == [("torch", 1)], ran
+    assert rows["coordl-import"]["1"] == rows["torch"]["4"] == {"skipped": gpu.OUT_OF_TIME}
 
 
 def test_gpu_script_gives_set_device_an_index():

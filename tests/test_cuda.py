@@ -417,7 +417,7 @@ def _levels(a, b):
 
 
 @needs_cuda
-@pytest.mark.parametrize("decoder", ["torchvision", "nvimgcodec"])
+@pytest.mark.parametrize("decoder", ["torchvision", "nvimgcodec", "nvimgcodec-hw", "torchvision+nvimgcodec-hw:2"])
 @pytest.mark.parametrize("workers", [0, 2])
 @pytest.mark.parametrize("kind", ["train", "eval"])
 def test_decode_on_the_gpu_is_the_cpu_path_within_the_documented_bound(mixed_jpegs, monkeypatch, decoder, workers,
@@ -429,7 +429,7 @@ def test_decode_on_the_gpu_is_the_cpu_path_within_the_documented_bound(mixed_jpe
     very pixels); counts in stats()."""
     from coordl.device import decode as DD
 
-    if decoder == "nvimgcodec":
+    if "nvimgcodec" in decoder:
         pytest.importorskip("nvidia.nvimgcodec")
     monkeypatch.setenv("COORDL_DEVICE_DECODER", decoder)
     ds = coordl.ImageFolder(mixed_jpegs, _decode_pipeline(kind))
@@ -459,8 +459,31 @@ def test_decode_on_the_gpu_is_the_cpu_path_within_the_documented_bound(mixed_jpe
                 assert float(_levels(c[k:k + 1], b[k:k + 1]).mean()) <= STAND_IN_MEAN, name
         row += len(y)
     st = L.stats()
-    assert st.device_decode.startswith(("torchvision" if decoder == "torchvision" else "nvImageCodec"))
+    assert st.device_decode.startswith(("torchvision" if decoder.startswith("torchvision") else "nvImageCodec"))
+    assert ("hardware decoder first" in st.device_decode) == ("-hw" in decoder)
     assert 2 <= st.device_decode_cpu_images <= 3 and st.device_decode_images + st.device_decode_cpu_images == len(ds)
+
+
+@needs_cuda
+@pytest.mark.parametrize("workers", [0, 2])
+def test_decoders_sharing_a_batch_on_their_own_streams_give_one_decoders_batches(mixed_jpegs, monkeypatch, workers):
+    """Three torchvision decoders sharing each batch, two of them in
+    threads of their own on streams of their own: the very batches one
+    decoder gives (the caller's stream waits for each share's), over two
+    passes; each share decoded its rows."""
+    ds = coordl.ImageFolder(mixed_jpegs, _decode_pipeline("train"))
+    kw = dict(batch_size=6, seed=8, shuffle=True, num_workers=workers, device="cuda", decode="device")
+    monkeypatch.setenv("COORDL_DEVICE_DECODER", "torchvision")
+    one = coordl.DataLoader(ds, **kw)
+    want = [[(x.cpu(), y.cpu()) for x, y in one] for _ in range(2)]
+    monkeypatch.setenv("COORDL_DEVICE_DECODER", "torchvision+torchvision:2+torchvision")
+    L = coordl.DataLoader(ds, **kw)
+    for e in range(2):
+        got = [(x.cpu(), y.cpu()) for x, y in L]
+        assert len(got) == len(want[e])
+        for (a, y), (b, y2) in zip(want[e], got):
+            assert torch.equal(a, b) and torch.equal(y, y2)
+    assert all(n > 0 for n in L._decoder.images), L._decoder.images
 
 
 @needs_cuda

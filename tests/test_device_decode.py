@@ -527,7 +527,8 @@ def test_the_cuda_decoder_is_named_when_missing(monkeypatch):
     with pytest.raises(ValueError, match=r"needs a JPEG decoder for the GPU.*nvidia-nvimgcodec-cu12.*decode='cpu'"):
         DD.decoder_for(torch.device("cuda"))
     monkeypatch.setenv("COORDL_DEVICE_DECODER", "pillow")
-    with pytest.raises(ValueError, match=r'COORDL_DEVICE_DECODER should be "auto", "torchvision" or "nvimgcodec"'):
+    with pytest.raises(ValueError, match=r'COORDL_DEVICE_DECODER should be one of "auto", "torchvision", '
+                                         r'"nvimgcodec" or "nvimgcodec-hw"'):
         DD.decoder_for(torch.device("cuda"))
 
 

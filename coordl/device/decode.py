@@ -33,12 +33,15 @@ without, all in ``next()``):
    images take the records' places.
 
 Decoders (``COORDL_DEVICE_DECODER``): ``torchvision`` (default where it
-imports: ``torchvision.io.decode_jpeg`` on a list, nvJPEG, batched, the
-hardware decoder of A100/H100 where present), ``nvimgcodec`` (NVIDIA
-nvImageCodec, ``nvidia-nvimgcodec-cu12``/``-cu13``; used by default only
-where torchvision's is missing); on the CPU test device, :class:`HostDecoder`
-stands in (libjpeg-turbo with nvJPEG's plain chroma upsampling), so the
-same stage, inputs and parameters run in CI.
+imports: ``torchvision.io.decode_jpeg`` on a list, nvJPEG, batched; its
+Huffman decoding runs on the CPU), ``nvimgcodec`` (NVIDIA nvImageCodec,
+``nvidia-nvimgcodec-cu12``/``-cu13``, libjpeg's chroma upsampling; used by
+default only where torchvision's is missing), ``nvimgcodec-hw``
+(nvImageCodec with the GPU's hardware JPEG decoder first); several joined
+by ``+`` share each batch by weight, each in a thread of its own
+(:class:`DecoderSplit`).  On the CPU test device, :class:`HostDecoder`
+stands in for each (libjpeg-turbo with nvJPEG's plain chroma upsampling),
+so the same stage, inputs and parameters run in CI.
 """
 from __future__ import annotations
 
@@ -56,7 +59,8 @@ from .encoded import (CHANNELS, FLIP, INDEX, KIND, ON_CPU, ON_DEVICE, RH, RW, SR
                       DecodePlan)
 from .split import DeviceTail
 
-__all__ = ["DecodeStage", "HostDecoder", "TorchvisionDecoder", "NvImageCodecDecoder", "decoder_for", "BUDGET"]
+__all__ = ["DecodeStage", "HostDecoder", "TorchvisionDecoder", "NvImageCodecDecoder", "DecoderSplit", "decoder_for",
+           "decoder_spec", "BUDGET"]
 
 log = logging.getLogger("coordl.device")
 
@@ -151,14 +155,25 @@ class NvImageCodecDecoder:
 
     name = "nvImageCodec"
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, hardware: bool = False) -> None:
+        """``hardware``: the GPU's hardware JPEG decoder first (A100, H100,
+        H200: ``HW_GPU_ONLY``), then CUDA decoding and the hybrid decoder for
+        the streams it does not take (progressive JPEGs...), with nvJPEG's
+        plain chroma upsampling, as DALI's ``mixed`` decoder configures it."""
         from nvidia import nvimgcodec
 
         self.device = device
         self._cuda = device.type == "cuda"
         if self._cuda:
             index = device.index if device.index is not None else torch.cuda.current_device()
-            self._dec = nvimgcodec.Decoder(device_id=index, options=":fancy_upsampling=1")
+            if hardware:
+                kinds = ("HW_GPU_ONLY", "GPU_ONLY", "HYBRID_CPU_GPU")
+                self.name = "nvImageCodec (hardware decoder first)"
+                self._dec = nvimgcodec.Decoder(
+                    device_id=index, options="",
+                    backends=[nvimgcodec.Backend(getattr(nvimgcodec.BackendKind, k)) for k in kinds])
+            else:
+                self._dec = nvimgcodec.Decoder(device_id=index, options=":fancy_upsampling=1")
         else:
             self._dec = nvimgcodec.Decoder(device_id=nvimgcodec.NVIMGCODEC_DEVICE_CPU_ONLY,
                                            backends=[nvimgcodec.Backend(nvimgcodec.BackendKind.CPU_ONLY)],
@@ -208,22 +223,58 @@ def _rgb_params(nvimgcodec):
                                    allow_any_depth=False)
 
 
+#: the decoders COORDL_DEVICE_DECODER names (``auto``: torchvision's where it imports, else nvImageCodec's)
+DECODERS = ("auto", "torchvision", "nvimgcodec", "nvimgcodec-hw")
+
+
+def decoder_spec(text: str | None = None) -> list:
+    """``COORDL_DEVICE_DECODER`` (or ``text``) read as ``[(name, weight)]``:
+    one decoder, or several joined by ``+``, each with an optional
+    ``:weight`` (its share of each batch; default 1), e.g.
+    ``torchvision+nvimgcodec-hw:2``.  ValueError naming the grammar."""
+    raw = os.environ.get(_ENV, "auto") if text is None else text
+    raw = raw.strip().lower() or "auto"
+    parts = []
+    for item in raw.split("+"):
+        name, _, weight = item.strip().partition(":")
+        name = name.strip()
+        try:
+            w = float(weight) if weight.strip() else 1.0
+        except ValueError:
+            w = -1.0
+        if name not in DECODERS or not (0 < w < float("inf")):
+            raise ValueError(
+                f'{_ENV} should be one of "auto", "torchvision", "nvimgcodec" or "nvimgcodec-hw", or several '
+                f'of them joined by "+", each with an optional ":weight" above 0 (its share of each batch, '
+                f'decoded in a thread of its own), e.g. "torchvision+nvimgcodec-hw:2"; but got {_ENV}={raw!r}')
+        parts.append((name, w))
+    return parts
+
+
 def decoder_for(device: torch.device):
-    """The decoder for ``device``: :class:`HostDecoder` for the CPU (the
-    test device); for CUDA, ``COORDL_DEVICE_DECODER`` (``torchvision``,
-    ``nvimgcodec``; unset or ``auto``: torchvision's where it imports, else
-    nvImageCodec's).  ValueError saying what to install when none is there."""
+    """The decoder for ``device``, as ``COORDL_DEVICE_DECODER`` names it
+    (:func:`decoder_spec`): for CUDA, ``torchvision``, ``nvimgcodec``,
+    ``nvimgcodec-hw`` (nvImageCodec with the hardware decoder first) or
+    ``auto`` (torchvision's where it imports, else nvImageCodec's); several
+    make a :class:`DecoderSplit`.  On the CPU (the test device) each named
+    decoder is a :class:`HostDecoder`, so that a split runs the same path
+    in CI.  ValueError saying what to install when one cannot be made."""
+    spec = decoder_spec()
     if device.type != "cuda":
-        return HostDecoder(device)
-    want = os.environ.get(_ENV, "auto").strip().lower() or "auto"
-    if want not in ("auto", "torchvision", "nvimgcodec"):
-        raise ValueError(f'{_ENV} should be "auto", "torchvision" or "nvimgcodec", but got {_ENV}={want!r}')
+        parts = [(HostDecoder(device), w) for _, w in spec]
+    else:
+        parts = [(_one_decoder(name, device), w) for name, w in spec]
+    return parts[0][0] if len(parts) == 1 else DecoderSplit(parts, device)
+
+
+def _one_decoder(want: str, device: torch.device):
     errors = []
-    for name, cls in (("torchvision", TorchvisionDecoder), ("nvimgcodec", NvImageCodecDecoder)):
-        if want not in ("auto", name):
+    for name, make in (("torchvision", TorchvisionDecoder), ("nvimgcodec", NvImageCodecDecoder),
+                       ("nvimgcodec-hw", lambda dev: NvImageCodecDecoder(dev, hardware=True))):
+        if want != name and not (want == "auto" and name != "nvimgcodec-hw"):
             continue
         try:
-            return cls(device)
+            return make(device)
         except Exception as e:  # noqa: BLE001 - ImportError, or a library that cannot start here
             errors.append(f"{name}: {type(e).__name__}: {e}")
     raise ValueError(
@@ -231,6 +282,94 @@ def decoder_for(device: torch.device):
         "torchvision.io.decode_jpeg with device='cuda') or NVIDIA nvImageCodec (pip install "
         f"nvidia-nvimgcodec-cu12, or -cu13); none could be used ({'; '.join(errors)}). Install one, or "
         "use decode='cpu'")
+
+
+class DecoderSplit:
+    """Several decoders sharing each call: the streams are cut into
+    contiguous shares by weight (the same rows of a batch always go to the
+    same decoder, so a sample's pixels do not depend on timing), the first
+    share decoded in the calling thread and each other in a thread of its
+    own (``coordl-device-decode-partJ``), at the same time.  On CUDA each
+    other share runs on a stream of its own; the caller's stream waits for
+    it, and the tensors it made are recorded on the caller's stream.  This
+    is how the CPU-bound part of one decoder (torchvision's nvJPEG decodes
+    Huffman codes on the CPU, under a process-wide lock) runs beside
+    another's (the GPU's hardware decoder), as DALI splits a batch between
+    them.  Same interface as one decoder."""
+
+    def __init__(self, parts: list, device: torch.device) -> None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        self.parts = [d for d, _ in parts]
+        self.weights = [float(w) for _, w in parts]
+        self.device = device
+        self.name = " + ".join(f"{d.name} ({w:g})" for d, w in parts)
+        self._cuda = device.type == "cuda"
+        self._streams = [None] + [torch.cuda.Stream(device) if self._cuda else None for _ in parts[1:]]
+        # one thread per share: a decoder is always called from the same thread, and shares never queue
+        # behind each other
+        self._threads = [None] + [ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"coordl-device-decode-part{j}")
+                                  for j in range(1, len(parts))]
+        self.images = [0] * len(parts)      # streams handed to each decoder
+
+    def shares(self, n: int) -> list:
+        """The (start, stop) of each decoder's share of ``n`` streams."""
+        total, acc, bounds, start = sum(self.weights), 0.0, [], 0
+        for w in self.weights:
+            acc += w
+            stop = int(round(n * acc / total))
+            bounds.append((start, stop))
+            start = stop
+        return bounds
+
+    def decode(self, streams: list) -> list:
+        bounds = self.shares(len(streams))
+        cur = torch.cuda.current_stream(self.device) if self._cuda else None
+        futures = [(j, self._threads[j].submit(self._side, j, streams[a:b]))
+                   for j, (a, b) in enumerate(bounds) if j and b > a]
+        results: dict = {}
+        try:
+            a, b = bounds[0]
+            results[0] = self.parts[0].decode(streams[a:b]) if b > a else []
+        finally:    # every share is waited for, even when one failed: no thread outlives the call's inputs
+            for j, f in futures:
+                try:
+                    results[j] = f.result()
+                except BaseException as e:  # noqa: BLE001 - raised below, after every share has returned
+                    results[j] = e
+        out = []
+        for j, (a, b) in enumerate(bounds):
+            got = results.get(j, [])
+            if isinstance(got, BaseException):
+                raise got
+            if j and self._cuda and b > a:
+                got, event = got
+                cur.wait_event(event)
+                for img in got:
+                    if isinstance(img, torch.Tensor):   # freed later on the caller's stream, not the share's
+                        img.record_stream(cur)
+            if len(got) != b - a:
+                raise RuntimeError(f"{self.parts[j].name} returned {len(got)} images for {b - a} streams")
+            self.images[j] += b - a
+            out.extend(got)
+        return out
+
+    def _side(self, j: int, streams: list):
+        if not self._cuda:
+            return self.parts[j].decode(streams)
+        s = self._streams[j]
+        with torch.cuda.stream(s):
+            got = self.parts[j].decode(streams)
+            event = torch.cuda.Event()
+            event.record(s)
+        return got, event
+
+    def finish(self) -> None:
+        for d in self.parts:
+            d.finish()
+
+    def release(self) -> list:
+        return [x for d in self.parts for x in d.release()]
 
 
 # ---------------------------------------------------------------- the stage

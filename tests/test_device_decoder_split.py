@@ -1,0 +1,183 @@
+"""Several decoders sharing each batch of ``decode="device"``
+(``COORDL_DEVICE_DECODER="a+b:2"``, :class:`coordl.device.decode.DecoderSplit`),
+on the CPU: the stand-in decoder takes each named decoder's place, so the
+split, its threads, its order and its errors run here as on a GPU
+(tests/test_cuda.py runs it with the real decoders)."""
+import os
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+import coordl
+from coordl import transforms as T
+from coordl.device import decode as DD
+from coordl.device import delivery as D
+
+NORM = T.Normalize([0.485, 0.456, 0.406], [0.229, 0.224, 0.225])
+
+
+@pytest.fixture(scope="module")
+def photos(tmp_path_factory):
+    from coordl.synth import make_image_folder
+
+    root = tmp_path_factory.mktemp("split") / "photos"
+    make_image_folder(str(root), num_images=24, num_classes=3, mean_kb=6, image_size=(96, 72), seed=9)
+    return str(root)
+
+
+def _streams(root, n=10):
+    files = sorted(os.path.join(d, f) for d, _, fs in os.walk(root) for f in fs)[:n]
+    return [torch.from_numpy(np.fromfile(f, dtype=np.uint8)) for f in files]
+
+
+class _Watching(DD.HostDecoder):
+    """The stand-in, noting the thread and the streams of each call."""
+
+    def __init__(self, tag, calls, fail=False):
+        super().__init__()
+        self.tag, self.calls, self.fail = tag, calls, fail
+        self.finished = self.released = 0
+
+    def decode(self, streams):
+        self.calls.append((self.tag, threading.current_thread().name, len(streams)))
+        if self.fail:
+            raise MemoryError(f"decoder {self.tag} is out of memory")
+        return super().decode(streams)
+
+    def finish(self):
+        self.finished += 1
+
+    def release(self):
+        self.released += 1
+        return [self.tag]
+
+
+@pytest.mark.parametrize("text,want", [
+    (None, [("auto", 1.0)]),
+    ("", [("auto", 1.0)]),
+    ("torchvision", [("torchvision", 1.0)]),
+    (" NVIMGCODEC-HW : 2 + torchvision ", [("nvimgcodec-hw", 2.0), ("torchvision", 1.0)]),
+    ("auto+auto:0.5+nvimgcodec", [("auto", 1.0), ("auto", 0.5), ("nvimgcodec", 1.0)]),
+])
+def test_the_decoder_setting_is_read_as_names_and_weights(monkeypatch, text, want):
+    monkeypatch.delenv("COORDL_DEVICE_DECODER", raising=False)
+    if text is not None:
+        monkeypatch.setenv("COORDL_DEVICE_DECODER", text)
+    assert DD.decoder_spec() == want
+
+
+@pytest.mark.parametrize("text", ["pillow", "torchvision+", "torchvision:0", "nvimgcodec:-1", "auto:x", "auto:inf"])
+def test_a_wrong_decoder_setting_names_the_grammar(monkeypatch, text):
+    monkeypatch.setenv("COORDL_DEVICE_DECODER", text)
+    with pytest.raises(ValueError, match=r'COORDL_DEVICE_DECODER should be one of "auto", "torchvision", '
+                                         r'"nvimgcodec" or "nvimgcodec-hw", or several of them joined by "\+"'):
+        DD.decoder_for(torch.device("cpu"))
+
+
+def test_one_name_is_one_decoder_and_several_are_a_split(monkeypatch):
+    monkeypatch.setenv("COORDL_DEVICE_DECODER", "auto")
+    assert type(DD.decoder_for(torch.device("cpu"))) is DD.HostDecoder
+    monkeypatch.setenv("COORDL_DEVICE_DECODER", "torchvision:3+nvimgcodec-hw")
+    split = DD.decoder_for(torch.device("cpu"))
+    assert type(split) is DD.DecoderSplit and split.weights == [3.0, 1.0]
+    assert all(type(d) is DD.HostDecoder for d in split.parts) and " + " in split.name
+
+
+@pytest.mark.parametrize("weights,n,want", [
+    ([1, 1], 10, [(0, 5), (5, 10)]),
+    ([1, 2], 9, [(0, 3), (3, 9)]),
+    ([2, 1, 1], 128, [(0, 64), (64, 96), (96, 128)]),
+    ([1, 1], 1, [(0, 0), (0, 1)]),
+    ([1, 3], 0, [(0, 0), (0, 0)]),
+])
+def test_shares_are_contiguous_and_by_weight(weights, n, want):
+    split = DD.DecoderSplit([(DD.HostDecoder(), w) for w in weights], torch.device("cpu"))
+    assert split.shares(n) == want
+
+
+@pytest.mark.parametrize("bad_at", [None, 0, 4, 9])
+def test_a_split_decodes_what_one_decoder_decodes_in_order(photos, bad_at):
+    """Every image in its stream's place, equal to one decoder's; a stream
+    no decoder can read is an error in its own place in whichever share;
+    the shares after the first run in threads of their own."""
+    streams = _streams(photos)
+    if bad_at is not None:
+        streams[bad_at] = torch.frombuffer(bytearray(b"not a jpeg" * 30), dtype=torch.uint8)
+    calls = []
+    parts = [(_Watching("a", calls), 1), (_Watching("b", calls), 2), (_Watching("c", calls), 1)]
+    split = DD.DecoderSplit(parts, torch.device("cpu"))
+    got, want = split.decode(streams), DD.HostDecoder().decode(streams)
+    assert len(got) == len(want) == 10
+    for i, (a, b) in enumerate(zip(got, want)):
+        if i == bad_at:
+            assert isinstance(a, Exception) and isinstance(b, Exception)
+        else:
+            assert torch.equal(a, b), i
+    assert sorted((tag, n) for tag, _, n in calls) == [("a", 2), ("b", 6), ("c", 2)]
+    names = {tag: thread for tag, thread, _ in calls}
+    assert names["a"] == threading.current_thread().name
+    assert names["b"].startswith("coordl-device-decode-part") and names["c"].startswith("coordl-device-decode-part")
+    assert names["b"] != names["c"]
+    assert split.images == [2, 6, 2]
+    split.finish()
+    assert [d.finished for d, _ in parts] == [1, 1, 1]
+    assert split.release() == ["a", "b", "c"]
+
+
+@pytest.mark.parametrize("failing", [0, 1])
+def test_a_decoder_that_fails_fails_the_call_after_every_share_returned(photos, failing):
+    calls = []
+    parts = [(_Watching("a", calls, fail=failing == 0), 1), (_Watching("b", calls, fail=failing == 1), 1)]
+    split = DD.DecoderSplit(parts, torch.device("cpu"))
+    with pytest.raises(MemoryError, match=f"decoder {'ab'[failing]} is out of memory"):
+        split.decode(_streams(photos, 6))
+    assert sorted(tag for tag, _, _ in calls) == ["a", "b"]
+    # the split is still usable once the decoder recovers
+    parts[failing][0].fail = False
+    assert len(split.decode(_streams(photos, 6))) == 6
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_loader_with_a_split_delivers_one_decoders_batches(photos, monkeypatch, workers):
+    """The whole path, CPU device: the same batches, labels and counts with
+    three decoders sharing each batch as with one; the split is named."""
+    monkeypatch.setattr(D, "CPU_TEST_DEVICE", True)
+    tf = T.Compose([T.RandomResizedCrop(24), T.RandomHorizontalFlip(), T.ToTensor(), NORM])
+    ds = coordl.ImageFolder(photos, tf)
+    kw = dict(batch_size=5, seed=3, shuffle=True, num_workers=workers, device="cpu", decode="device")
+    monkeypatch.setenv("COORDL_DEVICE_DECODER", "auto")
+    one = coordl.DataLoader(ds, **kw)
+    want = [list(one) for _ in range(2)]
+    monkeypatch.setenv("COORDL_DEVICE_DECODER", "torchvision+nvimgcodec:2+auto")
+    L = coordl.DataLoader(ds, **kw)
+    got = [list(L) for _ in range(2)]
+    for e in range(2):
+        assert len(got[e]) == len(want[e]) == 5
+        for (a, y), (b, y2) in zip(want[e], got[e]):
+            assert torch.equal(a, b) and torch.equal(y, y2)
+    st = L.stats()
+    assert st.device_decode_images == 2 * len(ds) and st.device_decode_cpu_images == 0
+    assert st.device_decode.count("CPU stand-in") == 3
+    # weights 1, 2, 1: a batch of 5 is cut 1 + 3 + 1, the last batch of 4, 1 + 2 + 1; two passes
+    assert L._decoder.images == [2 * 5, 2 * 14, 2 * 5]
+
+
+def test_a_split_resumes_mid_epoch_exactly(photos, monkeypatch):
+    monkeypatch.setattr(D, "CPU_TEST_DEVICE", True)
+    monkeypatch.setenv("COORDL_DEVICE_DECODER", "auto+auto")
+    tf = T.Compose([T.RandomResizedCrop(24), T.RandomHorizontalFlip(), T.ToTensor(), NORM])
+    ds = coordl.ImageFolder(photos, tf)
+    kw = dict(batch_size=4, seed=5, shuffle=True, num_workers=2, device="cpu", decode="device")
+    L = coordl.DataLoader(ds, **kw)
+    it = iter(L)
+    first = [next(it) for _ in range(2)]
+    state = L.state_dict()
+    rest = list(it)
+    R = coordl.DataLoader(ds, **kw)
+    R.load_state_dict(state)
+    again = list(R)
+    assert len(first) + len(rest) == 6 and len(again) == len(rest)
+    for (a, y), (b, y2) in zip(rest, again):
+        assert torch.equal(a, b) and torch.equal(y, y2)
