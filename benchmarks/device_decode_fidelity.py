@@ -19,8 +19,9 @@ Decoders compared:
   both sides decode the same pixels, so this is the resize's arithmetic
   alone (the device's float antialiased resize against PIL's), the floor
   of the comparison;
-* ``cuda torchvision``/``cuda nvimgcodec`` (``--device cuda``): the real
-  decoders;
+* ``cuda torchvision``/``cuda nvimgcodec``/``cuda nvimgcodec-hw``
+  (``--device cuda``): the real decoders (the last: nvImageCodec with the
+  GPU's hardware decoder first);
 * ``CPU path vs PIL`` and ``stand-in vs PIL``: each against what
   torchvision's ``ImageFolder`` gives (PIL decodes the whole image, PIL
   resizes), same draws: which of the two is nearer the reference.
@@ -95,6 +96,7 @@ def main(argv=None) -> int:
         try:
             DD.NvImageCodecDecoder(dev)
             variants.append((f"{dev} nvimgcodec", str(dev), lambda: DD.NvImageCodecDecoder(dev)))
+            variants.append((f"{dev} nvimgcodec-hw", str(dev), lambda: DD.NvImageCodecDecoder(dev, hardware=True)))
         except Exception as e:  # noqa: BLE001 - not installed
             print(f"(nvImageCodec not measured: {type(e).__name__}: {e})")
     rows = ["| images | pipeline | decoder | max | mean | > 8 levels |", "| --- | --- | --- | ---: | ---: | ---: |"]
