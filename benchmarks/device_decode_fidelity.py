@@ -19,9 +19,10 @@ Decoders compared:
   both sides decode the same pixels, so this is the resize's arithmetic
   alone (the device's float antialiased resize against PIL's), the floor
   of the comparison;
-* ``cuda torchvision``/``cuda nvimgcodec``/``cuda nvimgcodec-hw``
-  (``--device cuda``): the real decoders (the last: nvImageCodec with the
-  GPU's hardware decoder first);
+* ``cuda torchvision``/``cuda nvimgcodec``/``cuda nvimgcodec-hw``/``cuda
+  nvimgcodec-hybrid`` (``--device cuda``): the real decoders (the last two:
+  nvImageCodec with the GPU's hardware decoder first, and its hybrid
+  decoder);
 * ``CPU path vs PIL`` and ``stand-in vs PIL``: each against what
   torchvision's ``ImageFolder`` gives (PIL decodes the whole image, PIL
   resizes), same draws: which of the two is nearer the reference.
@@ -96,7 +97,8 @@ def main(argv=None) -> int:
         try:
             DD.NvImageCodecDecoder(dev)
             variants.append((f"{dev} nvimgcodec", str(dev), lambda: DD.NvImageCodecDecoder(dev)))
-            variants.append((f"{dev} nvimgcodec-hw", str(dev), lambda: DD.NvImageCodecDecoder(dev, hardware=True)))
+            for v in ("nvimgcodec-hw", "nvimgcodec-hybrid"):
+                variants.append((f"{dev} {v}", str(dev), lambda v=v: DD.NvImageCodecDecoder(dev, variant=v)))
         except Exception as e:  # noqa: BLE001 - not installed
             print(f"(nvImageCodec not measured: {type(e).__name__}: {e})")
     rows = ["| images | pipeline | decoder | max | mean | > 8 levels |", "| --- | --- | --- | ---: | ---: | ---: |"]

@@ -2,9 +2,10 @@
 distance from the CPU path's pixels, for every decoder and backend at hand.
 
 ``decode="device"`` is bound, on a GPU, by its decode thread: torchvision's
-batched nvJPEG call keeps about one core busy (its Huffman decoding runs on
-the CPU) and holds a process-wide lock (docs/benchmarks.md section 8).
-nvImageCodec can choose its backend: the A100/H100/H200 hardware JPEG
+batched nvJPEG call (the hardware JPEG decoder for baseline JPEGs where the
+GPU has one) keeps about one core busy, most of it, under CUDA's default
+scheduling, spinning in the stream synchronize that ends each call, and
+holds a process-wide lock (docs/benchmarks.md section 8).  nvImageCodec can choose its backend: the A100/H100/H200 hardware JPEG
 decoder (``HW_GPU_ONLY``), CUDA decoding (``GPU_ONLY``), the hybrid one, the
 CPU; with or without libjpeg's interpolated ("fancy") chroma upsampling;
 from several threads, each with a decoder of its own.  This measures each
@@ -13,7 +14,9 @@ variant on the same files in the same process:
 * images/s: batches of ``--batch`` decoded for ``--seconds`` seconds
   (device synchronized at both ends), with 1 and 2 threads (``--threads``);
 * CPU ms per image: the process's CPU time over the same window (every
-  thread, the decoder's own included);
+  thread, the decoder's own included; a thread waiting for the GPU spins
+  under CUDA's default scheduling: the ``blocking waits`` variants measure
+  the same decoder with ``COORDL_CUDA_WAIT=block``'s setting);
 * pixels: max and mean absolute difference per channel value over the
   first ``--check`` images, against libjpeg-turbo's full decode with fancy
   upsampling (PIL: what the CPU path decodes) and with plain upsampling
@@ -91,6 +94,18 @@ class _Torchvision:
         return list(self._decode(data, mode=self._mode, device=self.device))
 
 
+def _blocking(cls):
+    """``cls`` measured with the device's host waits set to blocking
+    synchronization (``COORDL_CUDA_WAIT=block``; set before the variant and
+    restored after it): the CPU its waits cost when they do not spin."""
+
+    class _Blocking(cls):
+        name = cls.name + ", blocking waits"
+        wait = "block"
+
+    return _Blocking
+
+
 def _nvimgcodec(label: str, kind, fancy: bool, cpu_threads: int = 0):
     """An nvImageCodec variant: backend ``kind`` (a BackendKind name, or a
     tuple of them in order; None: every backend, the library's choice),
@@ -139,18 +154,22 @@ def _nvimgcodec(label: str, kind, fancy: bool, cpu_threads: int = 0):
     return _Nv
 
 
+HW_FIRST = ("HW_GPU_ONLY", "GPU_ONLY", "HYBRID_CPU_GPU")
+
+# the most telling first: the check gives this script a time limit, and what is cut is the tail
 VARIANTS = [
     _PIL, _SimpleJpeg, _Torchvision,
-    _nvimgcodec("CPU backend", "CPU_ONLY", True),
+    _blocking(_Torchvision),
+    _nvimgcodec("hardware decoder first, then CUDA and hybrid (nvimgcodec-hw)", HW_FIRST, False),
+    _blocking(_nvimgcodec("hardware decoder first, then CUDA and hybrid (nvimgcodec-hw)", HW_FIRST, False)),
+    _nvimgcodec("hybrid, then CUDA (nvimgcodec-hybrid)", ("HYBRID_CPU_GPU", "GPU_ONLY"), False),
     _nvimgcodec("(its own choice)", None, True),
     _nvimgcodec("(its own choice)", None, False),
     _nvimgcodec("hardware decoder", "HW_GPU_ONLY", True),
     _nvimgcodec("hardware decoder", "HW_GPU_ONLY", False),
-    _nvimgcodec("hardware decoder first, then CUDA and hybrid (nvimgcodec-hw)",
-                ("HW_GPU_ONLY", "GPU_ONLY", "HYBRID_CPU_GPU"), False),
     _nvimgcodec("CUDA decoder", "GPU_ONLY", True),
-    _nvimgcodec("hybrid decoder", "HYBRID_CPU_GPU", True),
     _nvimgcodec("(its own choice)", None, True, cpu_threads=2),
+    _nvimgcodec("CPU backend", "CPU_ONLY", True),
 ]
 
 
@@ -228,6 +247,15 @@ def fidelity(cls, device, blobs: list, refs: dict) -> dict:
     return out
 
 
+def _scheduling(device) -> str:
+    try:
+        from coordl.device import waits
+        torch.zeros(1, device=device)          # the primary context exists: its flags are the ones in use
+        return waits.scheduling(device.index or 0)
+    except Exception as e:  # noqa: BLE001 - reported, not needed
+        return f"unknown ({type(e).__name__}: {e})"
+
+
 def make_files(n: int, size, tmp: str) -> list:
     from coordl.synth import make_image_folder
     root = make_image_folder(os.path.join(tmp, "photos"), num_images=n, num_classes=4, image_size=size,
@@ -256,7 +284,8 @@ def main(argv=None) -> int:
     print(f"{len(blobs)} JPEGs, {sum(map(len, blobs)) / len(blobs) / 1024:.1f} KB mean; batch {args.batch}; "
           f"{args.seconds:g} s windows; device {device}"
           + (f" ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else "")
-          + f"; {os.cpu_count()} CPUs; torch {torch.__version__}", flush=True)
+          + f"; {os.cpu_count()} CPUs; torch {torch.__version__}"
+          + (f"; the device's host waits: {_scheduling(device)}" if device.type == "cuda" else ""), flush=True)
     import simplejpeg
     from PIL import Image
     check = blobs[:args.check]
@@ -271,12 +300,20 @@ def main(argv=None) -> int:
             row["skipped"] = f"{type(e).__name__}: {e}"[:300]
             print(f"  {cls.name}: skipped: {row['skipped']}", flush=True)
             continue
+        wait, before = getattr(cls, "wait", None), None
         try:
+            if wait:
+                from coordl.device import waits
+                before = waits.set_scheduling(device.index or 0, wait)
+                row["waits"] = f"{wait} (were {before})"
             row["pixels"] = fidelity(cls, device, check, refs)
             for t in threads:
                 row[f"{t} threads"] = throughput(cls, device, blobs, args.batch, args.seconds, t)
         except Exception as e:  # noqa: BLE001 - one variant failing must not lose the others
             row["error"] = f"{type(e).__name__}: {e}"[:500]
+        finally:
+            if before is not None:
+                waits.set_scheduling(device.index or 0, before)
         cells = []
         for t in threads:
             r = row.get(f"{t} threads", {})

@@ -22,11 +22,15 @@ one more row in ``JOB_ROWS`` for part (c)):
 * ``coordl-decode-nvimgcodec``: the same with NVIDIA nvImageCodec decoding
   (``COORDL_DEVICE_DECODER=nvimgcodec``), at most 4 workers, where
   ``nvidia.nvimgcodec`` imports (``benchmarks/gpu_wheels.sh --nvimgcodec``);
+* ``coordl-decode-block``: ``coordl-decode-device`` with the device's
+  host waits blocking (``COORDL_CUDA_WAIT=block``: torchvision's call
+  waits for the GPU asleep, not spinning), put back after the row;
 * ``coordl-decode-hw``: the same with nvImageCodec's hardware JPEG decoder
   first (``COORDL_DEVICE_DECODER=nvimgcodec-hw``), at most 4 workers;
-* ``coordl-decode-split``: each batch shared by torchvision's nvJPEG and
-  nvImageCodec's hardware decoder, half each, in two threads
-  (``COORDL_DEVICE_DECODER=torchvision+nvimgcodec-hw``), where
+* ``coordl-decode-split``: each batch shared by torchvision's nvJPEG (the
+  hardware decoder) and nvImageCodec's hybrid decoder (Huffman decoding in
+  its CPU threads), three fifths and two fifths, in two threads
+  (``COORDL_DEVICE_DECODER=torchvision:3+nvimgcodec-hybrid:2``), where
   ``nvidia.nvimgcodec`` imports;
 * ``dali``: NVIDIA DALI's GPU pipeline (``fn.readers.file`` ->
   ``fn.decoders.image_random_crop(device="mixed")`` -> ``fn.resize`` ->
@@ -258,20 +262,45 @@ def device_decode_unavailable(ctx: Ctx) -> str | None:
     return None if ctx.cuda else f'decode="device" needs a CUDA device (device is {ctx.device})'
 
 
-def make_coordl_decoder(spec: str) -> Callable[..., Source]:
+class _RestoreWaits(Source):
+    """A source whose loader set the device's host waits
+    (``COORDL_CUDA_WAIT``): ``close()`` puts back the scheduling it found, so
+    that the rows after it run with CUDA's own."""
+
+    def __init__(self, inner: Source, ordinal: int, before: str):
+        super().__init__(inner.loader, inner.device)
+        self.ordinal, self.before = ordinal, before
+
+    def close(self) -> None:
+        super().close()
+        from coordl.device import waits
+        waits.set_scheduling(self.ordinal, self.before)
+
+
+def make_coordl_decoder(spec: str, wait: str | None = None) -> Callable[..., Source]:
     """decode="device" with ``COORDL_DEVICE_DECODER=spec`` (a loader picks
-    its decoder from the environment when it is made)."""
+    its decoder from the environment when it is made) and, with ``wait``,
+    ``COORDL_CUDA_WAIT=wait`` (set by the loader's first pass, undone when
+    the source closes)."""
 
     def make(ctx: Ctx, workers: int, batch_size: int, **extra) -> Source:
-        saved = os.environ.get("COORDL_DEVICE_DECODER")
-        os.environ["COORDL_DEVICE_DECODER"] = spec
+        env = {"COORDL_DEVICE_DECODER": spec, **({"COORDL_CUDA_WAIT": wait} if wait else {})}
+        saved = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)
         try:
-            return make_coordl_device(ctx, workers, batch_size, decode="device", **extra)
+            before = None
+            if wait and ctx.cuda:
+                from coordl.device import waits
+                torch.zeros(1, device=ctx.device)     # the context whose flags the loader will change
+                before = waits.scheduling(cuda_index(ctx.device))
+            src = make_coordl_device(ctx, workers, batch_size, decode="device", **extra)
+            return _RestoreWaits(src, cuda_index(ctx.device), before) if before is not None else src
         finally:
-            if saved is None:
-                os.environ.pop("COORDL_DEVICE_DECODER", None)
-            else:
-                os.environ["COORDL_DEVICE_DECODER"] = saved
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
 
     return make
 
@@ -289,9 +318,10 @@ def nvimgcodec_unavailable(ctx: Ctx) -> str | None:
     return None
 
 
-#: the decoders of the coordl-decode-split row: torchvision's nvJPEG (its Huffman decoding on the
-#: CPU, one thread) beside the hardware decoder, half of each batch each
-SPLIT = "torchvision+nvimgcodec-hw"
+#: the decoders of the coordl-decode-split row: torchvision's nvJPEG (the hardware decoder, one call
+#: at a time) beside nvImageCodec's hybrid decoder (Huffman decoding in its CPU threads), three fifths
+#: and two fifths of each batch
+SPLIT = "torchvision:3+nvimgcodec-hybrid:2"
 
 # Rows of parts (a) and (b), in order.  A coordl option is one more entry
 # (make_coordl_device passes keyword arguments on to coordl.DataLoader).
@@ -302,6 +332,9 @@ VARIANTS: list[Variant] = [
     Variant("coordl-decode-device", functools.partial(make_coordl_device, decode="device"),
             'coordl.ImageFolder, device="cuda", decode="device" (JPEG decode on the GPU)',
             device_decode_unavailable, max_workers_b=4),
+    Variant("coordl-decode-block", make_coordl_decoder("torchvision", wait="block"),
+            'the same as coordl-decode-device, the host waits blocking (COORDL_CUDA_WAIT=block)',
+            device_decode_unavailable, max_workers_b=4),
     Variant("coordl-decode-nvimgcodec", make_coordl_decoder("nvimgcodec"),
             'the same, NVIDIA nvImageCodec decoding (COORDL_DEVICE_DECODER=nvimgcodec)',
             nvimgcodec_unavailable, max_workers_a=4, in_b=False),
@@ -310,8 +343,8 @@ VARIANTS: list[Variant] = [
             "(COORDL_DEVICE_DECODER=nvimgcodec-hw)",
             nvimgcodec_unavailable, max_workers_a=4, in_b=False),
     Variant("coordl-decode-split", make_coordl_decoder(SPLIT),
-            f"the same, each batch shared by torchvision's nvJPEG and nvImageCodec's hardware decoder, each in "
-            f"a thread of its own (COORDL_DEVICE_DECODER={SPLIT})",
+            f"the same, each batch shared by torchvision's nvJPEG (the hardware decoder) and nvImageCodec's "
+            f"hybrid decoder, each in a thread of its own (COORDL_DEVICE_DECODER={SPLIT})",
             nvimgcodec_unavailable, max_workers_b=4),
     Variant("dali", make_dali, "DALI GPU pipeline (mixed decode)", dali_unavailable),
 ]

@@ -308,6 +308,10 @@ class DataLoader(_TorchDataLoader[_T_co]):
             raise ValueError(
                 "decode='device' should come with device= the CUDA device the images are decoded and delivered "
                 f"on (device=\"cuda\"), but got device={device!r}")
+        if self._device is not None:
+            from .device import waits
+
+            waits.wanted()      # a wrong COORDL_CUDA_WAIT fails here, naming its values
         self._delivery = None
         self._device_tail = None
         self._on_error = on_error
@@ -689,6 +693,9 @@ class DataLoader(_TorchDataLoader[_T_co]):
         if d is None:
             from .device import DeviceDelivery
 
+            from .device import waits
+
+            waits.apply(self._device)     # COORDL_CUDA_WAIT, where it is set
             d = self._delivery = DeviceDelivery(self._device, tail=self._device_tail)
         return d
 

@@ -117,7 +117,8 @@ def test_gpu_smoke(tmp_path):
     if not dali["ran"]:
         assert "(d) DALI: skipped: " in text
     a = res["parts"]["a"]
-    names = ["torch", "coordl-import", "coordl-device", "coordl-decode-device", "coordl-decode-nvimgcodec",
+    names = ["torch", "coordl-import", "coordl-device", "coordl-decode-device", "coordl-decode-block",
+             "coordl-decode-nvimgcodec",
              "coordl-decode-hw", "coordl-decode-split", "dali"]
     names_b = [n for n in names if n not in ("coordl-decode-nvimgcodec", "coordl-decode-hw")]
     cuda = "cuda" in res["machine"]["device"]

@@ -417,7 +417,8 @@ def _levels(a, b):
 
 
 @needs_cuda
-@pytest.mark.parametrize("decoder", ["torchvision", "nvimgcodec", "nvimgcodec-hw", "torchvision+nvimgcodec-hw:2"])
+@pytest.mark.parametrize("decoder", ["torchvision", "nvimgcodec", "nvimgcodec-hw", "nvimgcodec-hybrid",
+                                     "torchvision:3+nvimgcodec-hybrid:2"])
 @pytest.mark.parametrize("workers", [0, 2])
 @pytest.mark.parametrize("kind", ["train", "eval"])
 def test_decode_on_the_gpu_is_the_cpu_path_within_the_documented_bound(mixed_jpegs, monkeypatch, decoder, workers,
@@ -461,6 +462,7 @@ def test_decode_on_the_gpu_is_the_cpu_path_within_the_documented_bound(mixed_jpe
     st = L.stats()
     assert st.device_decode.startswith(("torchvision" if decoder.startswith("torchvision") else "nvImageCodec"))
     assert ("hardware decoder first" in st.device_decode) == ("-hw" in decoder)
+    assert ("hybrid" in st.device_decode) == ("-hybrid" in decoder)
     assert 2 <= st.device_decode_cpu_images <= 3 and st.device_decode_images + st.device_decode_cpu_images == len(ds)
 
 
@@ -591,3 +593,28 @@ def test_the_batch_geometry_kernel_on_cuda_is_the_per_image_path_within_a_level(
             recs.append(make(H, W, k))
         ok, what = GK.agrees(stage, imgs, recs)
         assert ok, what
+
+
+@needs_cuda
+def test_the_wait_setting_sets_the_devices_scheduling_and_changes_no_batch(mixed_jpegs, monkeypatch):
+    """COORDL_CUDA_WAIT=block through the real driver: the device's
+    scheduling flag reads back as blocking after the loader's first pass,
+    the batches are those of CUDA's own choice; the flag is restored."""
+    from coordl.device import waits
+
+    ordinal = torch.cuda.current_device()
+    before = waits.scheduling(ordinal)
+    ds = coordl.ImageFolder(mixed_jpegs, _decode_pipeline("train"))
+    kw = dict(batch_size=6, seed=8, shuffle=False, num_workers=2, device="cuda", decode="device")
+    monkeypatch.delenv("COORDL_CUDA_WAIT", raising=False)
+    want = [(x.cpu(), y.cpu()) for x, y in coordl.DataLoader(ds, **kw)]
+    monkeypatch.setenv("COORDL_CUDA_WAIT", "block")
+    try:
+        got = [(x.cpu(), y.cpu()) for x, y in coordl.DataLoader(ds, **kw)]
+        assert waits.scheduling(ordinal) == "block"
+    finally:
+        waits.set_scheduling(ordinal, before)
+    assert waits.scheduling(ordinal) == before
+    assert len(got) == len(want)
+    for (a, y), (b, y2) in zip(want, got):
+        assert torch.equal(a, b) and torch.equal(y, y2)

@@ -60,6 +60,7 @@ class _Watching(DD.HostDecoder):
     ("torchvision", [("torchvision", 1.0)]),
     (" NVIMGCODEC-HW : 2 + torchvision ", [("nvimgcodec-hw", 2.0), ("torchvision", 1.0)]),
     ("auto+auto:0.5+nvimgcodec", [("auto", 1.0), ("auto", 0.5), ("nvimgcodec", 1.0)]),
+    ("torchvision:3+nvimgcodec-hybrid:2", [("torchvision", 3.0), ("nvimgcodec-hybrid", 2.0)]),
 ])
 def test_the_decoder_setting_is_read_as_names_and_weights(monkeypatch, text, want):
     monkeypatch.delenv("COORDL_DEVICE_DECODER", raising=False)
@@ -72,7 +73,8 @@ def test_the_decoder_setting_is_read_as_names_and_weights(monkeypatch, text, wan
 def test_a_wrong_decoder_setting_names_the_grammar(monkeypatch, text):
     monkeypatch.setenv("COORDL_DEVICE_DECODER", text)
     with pytest.raises(ValueError, match=r'COORDL_DEVICE_DECODER should be one of "auto", "torchvision", '
-                                         r'"nvimgcodec" or "nvimgcodec-hw", or several of them joined by "\+"'):
+                                         r'"nvimgcodec", "nvimgcodec-hw" or "nvimgcodec-hybrid", or several of '
+                                         r'them joined by "\+"'):
         DD.decoder_for(torch.device("cpu"))
 
 

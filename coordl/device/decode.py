@@ -33,19 +33,23 @@ without, all in ``next()``):
    images take the records' places.
 
 Decoders (``COORDL_DEVICE_DECODER``): ``torchvision`` (default where it
-imports: ``torchvision.io.decode_jpeg`` on a list, nvJPEG, batched; its
-Huffman decoding runs on the CPU), ``nvimgcodec`` (NVIDIA nvImageCodec,
-``nvidia-nvimgcodec-cu12``/``-cu13``, libjpeg's chroma upsampling; used by
-default only where torchvision's is missing), ``nvimgcodec-hw``
-(nvImageCodec with the GPU's hardware JPEG decoder first); several joined
-by ``+`` share each batch by weight, each in a thread of its own
-(:class:`DecoderSplit`).  On the CPU test device, :class:`HostDecoder`
+imports: ``torchvision.io.decode_jpeg`` on a list, nvJPEG, batched: on
+the GPU's hardware JPEG decoder where it has one (A100, H100, H200) for
+baseline JPEGs, the others one by one with their Huffman decoding on the
+CPU; one call at a time in the process, each waiting for its stream),
+``nvimgcodec`` (NVIDIA nvImageCodec, ``nvidia-nvimgcodec-cu12``/``-cu13``,
+libjpeg's chroma upsampling; used by default only where torchvision's is
+missing), ``nvimgcodec-hw`` (nvImageCodec, the hardware decoder first),
+``nvimgcodec-hybrid`` (nvImageCodec's hybrid decoder: Huffman decoding in
+its CPU threads, the rest on the GPU); several joined by ``+`` share each
+batch by weight, each in a thread of its own (:class:`DecoderSplit`).  On the CPU test device, :class:`HostDecoder`
 stands in for each (libjpeg-turbo with nvJPEG's plain chroma upsampling),
 so the same stage, inputs and parameters run in CI.
 """
 from __future__ import annotations
 
 import collections
+import functools
 import logging
 import os
 import time
@@ -155,20 +159,29 @@ class NvImageCodecDecoder:
 
     name = "nvImageCodec"
 
-    def __init__(self, device: torch.device, hardware: bool = False) -> None:
-        """``hardware``: the GPU's hardware JPEG decoder first (A100, H100,
-        H200: ``HW_GPU_ONLY``), then CUDA decoding and the hybrid decoder for
-        the streams it does not take (progressive JPEGs...), with nvJPEG's
-        plain chroma upsampling, as DALI's ``mixed`` decoder configures it."""
+    #: ``COORDL_DEVICE_DECODER`` names of nvImageCodec's configurations: (backends in order, or None for
+    #: the library's choice with libjpeg's interpolated chroma; label).  The others upsample chroma
+    #: plainly, as nvJPEG and DALI's ``mixed`` decoder do.
+    VARIANTS = {
+        "nvimgcodec": (None, ""),
+        # the GPU's hardware JPEG decoder (A100, H100, H200), CUDA and hybrid decoding for what it does not take
+        "nvimgcodec-hw": (("HW_GPU_ONLY", "GPU_ONLY", "HYBRID_CPU_GPU"), " (hardware decoder first)"),
+        # Huffman decoding in nvImageCodec's CPU threads, the rest on the GPU: beside the hardware decoder,
+        # the capacity the hardware decoder does not have (DALI's split)
+        "nvimgcodec-hybrid": (("HYBRID_CPU_GPU", "GPU_ONLY"), " (hybrid: Huffman in its CPU threads)"),
+    }
+
+    def __init__(self, device: torch.device, variant: str = "nvimgcodec") -> None:
+        """``variant``: a key of :attr:`VARIANTS` (the backends, in order)."""
         from nvidia import nvimgcodec
 
+        kinds, label = self.VARIANTS[variant]
         self.device = device
         self._cuda = device.type == "cuda"
         if self._cuda:
             index = device.index if device.index is not None else torch.cuda.current_device()
-            if hardware:
-                kinds = ("HW_GPU_ONLY", "GPU_ONLY", "HYBRID_CPU_GPU")
-                self.name = "nvImageCodec (hardware decoder first)"
+            if kinds:
+                self.name = "nvImageCodec" + label
                 self._dec = nvimgcodec.Decoder(
                     device_id=index, options="",
                     backends=[nvimgcodec.Backend(getattr(nvimgcodec.BackendKind, k)) for k in kinds])
@@ -199,8 +212,10 @@ class NvImageCodecDecoder:
         """Wait for the work queued on the current stream, then let go of
         the images decoded since the last call."""
         if self._held:
-            if self._cuda:
-                torch.cuda.current_stream(self.device).synchronize()
+            if self._cuda:    # a blocking event: the thread sleeps until the GPU is done, it does not poll
+                done = torch.cuda.Event(blocking=True)
+                done.record(torch.cuda.current_stream(self.device))
+                done.synchronize()
             self._held = []
 
     def release(self) -> list:
@@ -224,14 +239,14 @@ def _rgb_params(nvimgcodec):
 
 
 #: the decoders COORDL_DEVICE_DECODER names (``auto``: torchvision's where it imports, else nvImageCodec's)
-DECODERS = ("auto", "torchvision", "nvimgcodec", "nvimgcodec-hw")
+DECODERS = ("auto", "torchvision", "nvimgcodec", "nvimgcodec-hw", "nvimgcodec-hybrid")
 
 
 def decoder_spec(text: str | None = None) -> list:
     """``COORDL_DEVICE_DECODER`` (or ``text``) read as ``[(name, weight)]``:
     one decoder, or several joined by ``+``, each with an optional
     ``:weight`` (its share of each batch; default 1), e.g.
-    ``torchvision+nvimgcodec-hw:2``.  ValueError naming the grammar."""
+    ``torchvision:3+nvimgcodec-hybrid:2``.  ValueError naming the grammar."""
     raw = os.environ.get(_ENV, "auto") if text is None else text
     raw = raw.strip().lower() or "auto"
     parts = []
@@ -244,9 +259,10 @@ def decoder_spec(text: str | None = None) -> list:
             w = -1.0
         if name not in DECODERS or not (0 < w < float("inf")):
             raise ValueError(
-                f'{_ENV} should be one of "auto", "torchvision", "nvimgcodec" or "nvimgcodec-hw", or several '
-                f'of them joined by "+", each with an optional ":weight" above 0 (its share of each batch, '
-                f'decoded in a thread of its own), e.g. "torchvision+nvimgcodec-hw:2"; but got {_ENV}={raw!r}')
+                f'{_ENV} should be one of "auto", "torchvision", "nvimgcodec", "nvimgcodec-hw" or '
+                f'"nvimgcodec-hybrid", or several of them joined by "+", each with an optional ":weight" above 0 '
+                f'(its share of each batch, decoded in a thread of its own), e.g. '
+                f'"torchvision:3+nvimgcodec-hybrid:2"; but got {_ENV}={raw!r}')
         parts.append((name, w))
     return parts
 
@@ -254,8 +270,10 @@ def decoder_spec(text: str | None = None) -> list:
 def decoder_for(device: torch.device):
     """The decoder for ``device``, as ``COORDL_DEVICE_DECODER`` names it
     (:func:`decoder_spec`): for CUDA, ``torchvision``, ``nvimgcodec``,
-    ``nvimgcodec-hw`` (nvImageCodec with the hardware decoder first) or
-    ``auto`` (torchvision's where it imports, else nvImageCodec's); several
+    ``nvimgcodec-hw`` (nvImageCodec with the hardware decoder first),
+    ``nvimgcodec-hybrid`` (nvImageCodec's hybrid decoder: Huffman codes in
+    its CPU threads) or ``auto`` (torchvision's where it imports, else
+    nvImageCodec's); several
     make a :class:`DecoderSplit`.  On the CPU (the test device) each named
     decoder is a :class:`HostDecoder`, so that a split runs the same path
     in CI.  ValueError saying what to install when one cannot be made."""
@@ -269,9 +287,10 @@ def decoder_for(device: torch.device):
 
 def _one_decoder(want: str, device: torch.device):
     errors = []
-    for name, make in (("torchvision", TorchvisionDecoder), ("nvimgcodec", NvImageCodecDecoder),
-                       ("nvimgcodec-hw", lambda dev: NvImageCodecDecoder(dev, hardware=True))):
-        if want != name and not (want == "auto" and name != "nvimgcodec-hw"):
+    makers = [("torchvision", TorchvisionDecoder)] + [
+        (name, functools.partial(NvImageCodecDecoder, variant=name)) for name in NvImageCodecDecoder.VARIANTS]
+    for name, make in makers:
+        if want != name and not (want == "auto" and name in ("torchvision", "nvimgcodec")):
             continue
         try:
             return make(device)
@@ -292,10 +311,10 @@ class DecoderSplit:
     own (``coordl-device-decode-partJ``), at the same time.  On CUDA each
     other share runs on a stream of its own; the caller's stream waits for
     it, and the tensors it made are recorded on the caller's stream.  This
-    is how the CPU-bound part of one decoder (torchvision's nvJPEG decodes
-    Huffman codes on the CPU, under a process-wide lock) runs beside
-    another's (the GPU's hardware decoder), as DALI splits a batch between
-    them.  Same interface as one decoder."""
+    is how the GPU's hardware JPEG decoder (torchvision's call, one at a
+    time in the process) and Huffman decoding in CPU threads
+    (``nvimgcodec-hybrid``) work on one batch at once, as DALI splits a
+    batch between them.  Same interface as one decoder."""
 
     def __init__(self, parts: list, device: torch.device) -> None:
         from concurrent.futures import ThreadPoolExecutor

@@ -79,7 +79,9 @@ class CudaStreams:
         return torch.cuda.stream(stream)
 
     def event(self):
-        return torch.cuda.Event()
+        # blocking: a host wait on it (a ring slot whose copy still runs) sleeps until the GPU is done,
+        # instead of keeping a core busy polling (coordl.device.waits)
+        return torch.cuda.Event(blocking=True)
 
 
 class _HostEvent:

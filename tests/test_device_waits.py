@@ -1,0 +1,88 @@
+"""``COORDL_CUDA_WAIT``: the device's host-wait scheduling, set through the
+CUDA driver's primary-context flags (a recording driver stands in here;
+tests/test_cuda.py sets the real one)."""
+import warnings
+
+import pytest
+import torch
+
+import coordl
+from coordl.device import delivery as D
+from coordl.device import waits as W
+
+
+class _Driver:
+    """Primary-context flags per device, as the driver keeps them."""
+
+    def __init__(self, flags=0x08, obey=True, fail=False):
+        self.state = {0: flags, 1: flags}
+        self.obey, self.fail, self.calls = obey, fail, []
+
+    def flags(self, ordinal):
+        return self.state[ordinal]
+
+    def set_flags(self, ordinal, flags):
+        self.calls.append((ordinal, flags))
+        if self.fail:
+            raise RuntimeError("the CUDA driver's cuDevicePrimaryCtxSetFlags failed (CUresult 708)")
+        if self.obey:
+            self.state[ordinal] = flags
+
+
+@pytest.mark.parametrize("value,want", [(None, None), ("", None), ("default", None), ("block", "block"),
+                                        (" Spin ", "spin"), ("yield", "yield"), ("auto", "auto")])
+def test_the_setting_is_read(monkeypatch, value, want):
+    monkeypatch.delenv("COORDL_CUDA_WAIT", raising=False)
+    if value is not None:
+        monkeypatch.setenv("COORDL_CUDA_WAIT", value)
+    assert W.wanted() == want
+
+
+def test_a_wrong_setting_fails_when_a_device_loader_is_made(monkeypatch):
+    monkeypatch.setattr(D, "CPU_TEST_DEVICE", True)
+    monkeypatch.setenv("COORDL_CUDA_WAIT", "sleep")
+    ds = torch.utils.data.TensorDataset(torch.arange(8.0))
+    with pytest.raises(ValueError, match=r'COORDL_CUDA_WAIT should be "block", "spin", "yield", "auto" or '
+                                         r'"default".*but got COORDL_CUDA_WAIT=\'sleep\''):
+        coordl.DataLoader(ds, batch_size=2, device="cpu")
+    coordl.DataLoader(ds, batch_size=2)      # no device: the setting is not read
+
+
+def test_only_the_scheduling_bits_change_and_the_old_one_is_returned():
+    d = _Driver(flags=0x08 | 0x01)           # another flag set, and spin
+    assert W.scheduling(1, d) == "spin"
+    assert W.set_scheduling(1, "block", d) == "spin"
+    assert d.state[1] == 0x08 | 0x04 and d.state[0] == 0x09 and d.calls == [(1, 0x0C)]
+    assert W.scheduling(1, d) == "block"
+    assert W.set_scheduling(1, "auto", d) == "block" and d.state[1] == 0x08
+
+
+def test_a_driver_that_keeps_its_flag_is_an_error():
+    with pytest.raises(RuntimeError, match=r"kept scheduling flag 0x0 after it was asked for 'block'"):
+        W.set_scheduling(0, "block", _Driver(flags=0, obey=False))
+
+
+def test_apply_sets_it_on_cuda_only_and_warns_when_the_driver_refuses(monkeypatch):
+    monkeypatch.setenv("COORDL_CUDA_WAIT", "block")
+    d = _Driver(flags=0)
+    assert W.apply(torch.device("cpu"), d) is None and d.calls == []
+    note = W.apply(torch.device("cuda", 1), d)
+    assert d.state[1] == 0x04 and "cuda:1's host waits are now 'block' (were 'auto')" in note
+    with pytest.warns(UserWarning, match=r"COORDL_CUDA_WAIT=block: the device's wait could not be set .*CUresult 708"):
+        assert W.apply(torch.device("cuda", 0), _Driver(fail=True)) is None
+    monkeypatch.delenv("COORDL_CUDA_WAIT")
+    d = _Driver(flags=0)
+    assert W.apply(torch.device("cuda", 0), d) is None and d.calls == []
+
+
+def test_a_loader_applies_it_once_at_its_first_pass(monkeypatch):
+    monkeypatch.setattr(D, "CPU_TEST_DEVICE", True)
+    seen = []
+    monkeypatch.setattr(W, "apply", lambda device, driver=None: seen.append(device))
+    L = coordl.DataLoader(torch.utils.data.TensorDataset(torch.arange(8.0)), batch_size=2, device="cpu")
+    assert seen == []                         # nothing at construction
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for _ in range(2):
+            assert len(list(L)) == 4
+    assert seen == [torch.device("cpu")]
