@@ -5,10 +5,11 @@ distance from the CPU path's pixels, for every decoder and backend at hand.
 batched nvJPEG call (the hardware JPEG decoder for baseline JPEGs where the
 GPU has one) keeps about one core busy, most of it, under CUDA's default
 scheduling, spinning in the stream synchronize that ends each call, and
-holds a process-wide lock (docs/benchmarks.md section 8).  nvImageCodec can choose its backend: the A100/H100/H200 hardware JPEG
-decoder (``HW_GPU_ONLY``), CUDA decoding (``GPU_ONLY``), the hybrid one, the
-CPU; with or without libjpeg's interpolated ("fancy") chroma upsampling;
-from several threads, each with a decoder of its own.  This measures each
+holds a process-wide lock (docs/benchmarks.md section 8).  nvImageCodec
+can choose its backend: the A100/H100/H200 hardware JPEG decoder
+(``HW_GPU_ONLY``), CUDA decoding (``GPU_ONLY``), the hybrid one, the CPU;
+with or without libjpeg's interpolated ("fancy") chroma upsampling; from
+several threads, each with a decoder of its own.  This measures each
 variant on the same files in the same process:
 
 * images/s: batches of ``--batch`` decoded for ``--seconds`` seconds

@@ -1073,8 +1073,8 @@ def main(argv=None) -> int:
     os.environ["COORDL_RUN_DIR"] = os.path.join(tmp, "run")
     os.mkdir(os.environ["COORDL_RUN_DIR"], 0o700)
     os.environ.pop("COORDL_SHARE", None)
-    res: dict[str, Any] = {"settings": {k: v for k, v in vars(args).items() if k not in ("job", "variant", "extra", "deadline",
-                                                                                         "model")},
+    hidden = ("job", "variant", "extra", "deadline", "model")
+    res: dict[str, Any] = {"settings": {k: v for k, v in vars(args).items() if k not in hidden},
                            "variants": {v.name: v.describe for v in VARIANTS}, "parts": {}}
 
     def save() -> None:

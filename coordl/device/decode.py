@@ -42,9 +42,10 @@ libjpeg's chroma upsampling; used by default only where torchvision's is
 missing), ``nvimgcodec-hw`` (nvImageCodec, the hardware decoder first),
 ``nvimgcodec-hybrid`` (nvImageCodec's hybrid decoder: Huffman decoding in
 its CPU threads, the rest on the GPU); several joined by ``+`` share each
-batch by weight, each in a thread of its own (:class:`DecoderSplit`).  On the CPU test device, :class:`HostDecoder`
-stands in for each (libjpeg-turbo with nvJPEG's plain chroma upsampling),
-so the same stage, inputs and parameters run in CI.
+batch by weight, each in a thread of its own (:class:`DecoderSplit`).  On
+the CPU test device, :class:`HostDecoder` stands in for each
+(libjpeg-turbo with nvJPEG's plain chroma upsampling), so the same stage,
+inputs and parameters run in CI.
 """
 from __future__ import annotations
 
@@ -273,10 +274,10 @@ def decoder_for(device: torch.device):
     ``nvimgcodec-hw`` (nvImageCodec with the hardware decoder first),
     ``nvimgcodec-hybrid`` (nvImageCodec's hybrid decoder: Huffman codes in
     its CPU threads) or ``auto`` (torchvision's where it imports, else
-    nvImageCodec's); several
-    make a :class:`DecoderSplit`.  On the CPU (the test device) each named
-    decoder is a :class:`HostDecoder`, so that a split runs the same path
-    in CI.  ValueError saying what to install when one cannot be made."""
+    nvImageCodec's); several make a :class:`DecoderSplit`.  On the CPU (the
+    test device) each named decoder is a :class:`HostDecoder`, so that a
+    split runs the same path in CI.  ValueError saying what to install when
+    one cannot be made."""
     spec = decoder_spec()
     if device.type != "cuda":
         parts = [(HostDecoder(device), w) for _, w in spec]
