@@ -26,14 +26,16 @@
 # 6. measures decode="device" against the CPU path (device_decode_fidelity.py --device cuda),
 #    then every JPEG decoder and backend at hand: images/s, CPU per image, pixels against the
 #    CPU decodes (device_decoders.py, at most DECODERS_TIMEOUT s; JSON beside the report);
-# 7. with SCALING_TIMEOUT above 0 (default 0: it does not fit the 8
+# 7. the decode stage's per-image cost in the main process (device_stage.py
+#    --device cuda, 224x224: the geometry with the batch kernel and with one
+#    launch per image; at most STAGE_TIMEOUT s);
+# 8. with SCALING_TIMEOUT above 0 (default 0: it does not fit the 8
 #    minutes beside the rest), compares fetch threads added on demand with a
 #    fixed count at 15 workers on every core (worker_scaling.py, 1,500
 #    synthetic JPEGs; part (a) of gpu.py splits the CPU by process anyway);
-# 8. runs benchmarks/gpu.py (BENCH_ARGS), its JSON beside the report
-#    (REPORT with .json) and appended to it;
-# 9. with at least 30 s of TOTAL_LIMIT left, the decode stage's per-image
-#    cost in the main process (device_stage.py --device cuda, 224x224).
+# 9. runs benchmarks/gpu.py (BENCH_ARGS) with what is left of TOTAL_LIMIT as
+#    its --budget (a measurement that would not fit is skipped, saying so),
+#    its JSON beside the report (REPORT with .json) and appended to it.
 #
 # Exit status: 1 when a CUDA test failed or the tests did not run, 3 when
 # only the benchmark failed, 0 otherwise.
@@ -76,6 +78,7 @@ TEST_TIMEOUT=${TEST_TIMEOUT:-150}
 # device_decoders.py: 14 decoder variants (12 on a GPU), 1 and 2 threads, 1 s windows: about 50 s.
 TOTAL_LIMIT=${TOTAL_LIMIT:-525}
 DECODERS_TIMEOUT=${DECODERS_TIMEOUT:-75}
+STAGE_TIMEOUT=${STAGE_TIMEOUT:-45}
 BENCH_TIMEOUT=${BENCH_TIMEOUT:-400}
 # windows of 1.5 s (a), 4 s (b), 3 s (c): thousands of images each on a GPU
 BENCH_ARGS=${BENCH_ARGS:---seconds 1.5 --train-seconds 4 --job-seconds 3}
@@ -250,6 +253,14 @@ PY
     echo "skipped (DECODERS_TIMEOUT=${DECODERS_TIMEOUT}, or no CUDA device)"
   fi
 
+  step "decode=\"device\" stage, per image in the main process (limit ${STAGE_TIMEOUT} s)"
+  if [ "$STAGE_TIMEOUT" -gt 0 ] && python3 -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
+    timeout -s INT -k 5 "$STAGE_TIMEOUT" python3 benchmarks/device_stage.py --device cuda --sizes 224 \
+      --images 256 --batches 2 --repeats 3 || echo "device_stage.py did not finish"
+  else
+    echo "skipped (STAGE_TIMEOUT=${STAGE_TIMEOUT}, or no CUDA device)"
+  fi
+
   step "workers on every core: fetch threads on demand against 8 fixed (limit ${SCALING_TIMEOUT} s)"
   if [ "$SCALING_TIMEOUT" -gt 0 ]; then
     local synth
@@ -266,8 +277,8 @@ PY
   bench_limit=$(( BENCH_TIMEOUT < left ? BENCH_TIMEOUT : left ))
   [ "$bench_limit" -lt 60 ] && bench_limit=60
   step "benchmarks/gpu.py $BENCH_ARGS (limit ${bench_limit} s)"
-  # shellcheck disable=SC2086
   # --budget: gpu.py skips (saying so) a measurement that would not end before the limit
+  # shellcheck disable=SC2086
   timeout -s INT -k 15 "$bench_limit" python3 benchmarks/gpu.py --out "$JSON" --budget $(( bench_limit - 20 )) $BENCH_ARGS
   bench_rc=$?
 
@@ -275,14 +286,6 @@ PY
   cat "$JSON" 2>/dev/null || echo "no JSON was written"
   echo
 
-  left=$(( TOTAL_LIMIT - (SECONDS - t0) ))
-  step "decode=\"device\" stage, per image in the main process (limit $(( left > 30 ? left - 5 : 0 )) s)"
-  if [ "$left" -ge 30 ] && python3 -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
-    timeout -s INT -k 5 $(( left - 5 )) python3 benchmarks/device_stage.py --device cuda --sizes 224 \
-      --images 256 --batches 2 --repeats 3 || echo "device_stage.py did not finish"
-  else
-    echo "skipped (${left} s left of ${TOTAL_LIMIT}, or no CUDA device)"
-  fi
   step "summary"
   echo "CUDA tests exit status $tests_rc; benchmarks/gpu.py exit status $bench_rc; $((SECONDS - t0)) s in all"
   if [ "$tests_rc" != 0 ]; then return 1; fi
