@@ -62,6 +62,7 @@ import torch.nn.functional as F
 
 from .encoded import (CHANNELS, FLIP, INDEX, KIND, ON_CPU, ON_DEVICE, RH, RW, SRC_H, SRC_W, T1, T2, W1, W2,
                       DecodePlan)
+from .geometry_kernel import upload
 from .split import DeviceTail
 
 __all__ = ["DecodeStage", "HostDecoder", "TorchvisionDecoder", "NvImageCodecDecoder", "DecoderSplit", "decoder_for",
@@ -524,7 +525,7 @@ class DecodeStage:
             if all(flips):
                 y = y.flip(-1)
             elif any(flips):     # one mirror for the batch: a few launches, not one per image
-                mask = torch.tensor(flips).to(y.device, non_blocking=True).view(-1, 1, 1, 1)
+                mask = upload(np.asarray(flips), y.device).view(-1, 1, 1, 1)
                 y = torch.where(mask, y.flip(-1), y)
             images[path] = self.tail(y) if self.tail is not None else y
         return images

@@ -26,7 +26,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-__all__ = ["available", "BatchGeometry", "agrees", "faster", "TOLERANCE"]
+__all__ = ["available", "BatchGeometry", "agrees", "faster", "upload", "TOLERANCE"]
 
 #: the most the kernel's rounded rows may differ from ``_geometry``'s, in uint8 levels
 #: (float sums in another order or fused: a value at a rounding boundary may land one level over)
@@ -174,8 +174,7 @@ class BatchGeometry:
         ints[:, 13] = kmax
         dev = y.device
         src = torch.cat(flats) if len(flats) > 1 else flats[0]
-        ints_t = torch.from_numpy(ints).to(dev, non_blocking=False)
-        floats_t = torch.from_numpy(floats).to(dev, non_blocking=False)
+        ints_t, floats_t = upload(ints, dev), upload(floats, dev)
         kp = 4                       # the spans' largest, as a power of two (one compiled kernel each)
         while kp < kmax:
             kp *= 2
@@ -186,6 +185,19 @@ class BatchGeometry:
                 self.kernel[grid](src, ints_t, floats_t, y, self.oh, self.ow, BLOCK=block, KMAX=kp)
         else:
             self.kernel[grid](src, ints_t, floats_t, y, self.oh, self.ow, BLOCK=block, KMAX=kp)
+
+
+def upload(arr: np.ndarray, dev: torch.device) -> torch.Tensor:
+    """A small host array on ``dev``, in order on its current stream,
+    without waiting for that stream: a copy from pageable memory with
+    ``non_blocking=False`` synchronizes the stream (the pin thread would
+    wait there for the previous batch's work on the GPU, spinning); from
+    page-locked memory of torch's caching host allocator it is queued, and
+    the allocator keeps the buffer until the copy has run."""
+    t = torch.from_numpy(arr)
+    if dev.type != "cuda":
+        return t
+    return t.pin_memory().to(dev, non_blocking=True)
 
 
 def agrees(stage, images: list, records: list) -> tuple[bool, str]:
