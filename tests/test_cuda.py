@@ -91,6 +91,8 @@ def test_ring_streams_events_pinned_buffers_and_record_stream(monkeypatch):
         assert slot.buffers and all(b.is_pinned() for b in slot.buffers)
         assert isinstance(slot.event, torch.cuda.Event)
     assert dd.streams.copy_stream() != torch.cuda.current_stream()
+    # the loader's work on the GPU runs ahead of the training stream's kernels when both wait
+    assert dd.streams.copy_stream().priority < torch.cuda.current_stream().priority
     # every delivered tensor was recorded on the training (current) stream
     assert len(recorded) == 2 * len(src) and all(s == torch.cuda.current_stream() for _, s in recorded)
     tail = D.DeviceTail([NORM])

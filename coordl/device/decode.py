@@ -326,7 +326,7 @@ class DecoderSplit:
         self.device = device
         self.name = " + ".join(f"{d.name} ({w:g})" for d, w in parts)
         self._cuda = device.type == "cuda"
-        self._streams = [None] + [torch.cuda.Stream(device) if self._cuda else None for _ in parts[1:]]
+        self._streams = [None] + [torch.cuda.Stream(device, priority=-1) if self._cuda else None for _ in parts[1:]]
         # one thread per share: a decoder is always called from the same thread, and shares never queue
         # behind each other
         self._threads = [None] + [ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"coordl-device-decode-part{j}")

@@ -65,9 +65,14 @@ class CudaStreams:
 
     pin = True
 
+    #: the copy stream's priority (lower is higher; torch maps it into the device's range): the
+    #: loader's copies, geometry and conversion are few, short and on the training step's critical
+    #: path, so the GPU schedules them ahead of the training kernels that fill it
+    PRIORITY = -1
+
     def __init__(self, device: torch.device) -> None:
         self.device = device
-        self._copy = torch.cuda.Stream(device=device)
+        self._copy = torch.cuda.Stream(device=device, priority=self.PRIORITY)
 
     def copy_stream(self):
         return self._copy
