@@ -495,8 +495,9 @@ def _where(r: dict) -> str:
     if r.get("decode_call_share") is None:
         return ""
     kernel = {True: " (one kernel per batch)", False: " (one launch per image)"}.get(r.get("geometry_kernel"), "")
+    waits = f"; waits {r['waits']}" if r.get("waits") else ""
     return (f"\n{'':22}decoder calls {r['decode_call_share']:.0%} of the window, geometry{kernel} "
-            f"{r['geometry_share']:.0%}; main process's threads, cores: {_threads(r)}")
+            f"{r['geometry_share']:.0%}; main process's threads, cores: {_threads(r)}{waits}")
 
 
 def _thread_cpu(proc) -> dict:
@@ -529,6 +530,9 @@ def run_variant(ctx: Ctx, v: Variant, workers: int, batch_size: int, warmup: int
         stage = getattr(src.loader, "_decode_stage", None)
         if stage is not None:   # decode="device": whether the batch's geometry ran as one kernel launch
             row["geometry_kernel"] = bool(stage.batch_geometry)
+        if isinstance(src, _RestoreWaits):   # the waits the row ran with (a driver may refuse to change them)
+            from coordl.device import waits
+            row["waits"] = waits.scheduling(src.ordinal)
         return row
     except Exception as e:  # noqa: BLE001 - one failing loader must not lose the other figures
         print(f"  {v.name} at {workers} worker(s) failed:\n" + _indent(traceback.format_exc()), flush=True)
