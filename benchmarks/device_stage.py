@@ -10,6 +10,9 @@ each apart, on the batches a real pass hands the stage:
 * ``finish``: ``DecodeStage.finish`` per image (the pin thread's geometry),
   on the decoded images of the pass; where the batch-geometry kernel runs
   (a GPU with Triton), also with one launch per image, on the same batches;
+  for a plan the kernel serves, also with the kernel's launch a no-op (the
+  host's own work on its path: gathering the images, the parameters, the
+  rounding, mirror and tail; on the CPU those run on the CPU too);
 * ``decode bookkeeping``: ``DecodeStage.decode`` per image with a decoder
   that returns at once (what the decode thread spends outside the
   decoder's call);
@@ -65,6 +68,13 @@ class _Instant:
 
     def release(self) -> list:
         return []
+
+
+class _NoLaunch:
+    """Stands in for the compiled kernel: ``kernel[grid](...)`` launches nothing."""
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: None
 
 
 def _sync(device: torch.device) -> None:
@@ -147,6 +157,20 @@ def measure(stage, captured: list, device: torch.device, repeats: int) -> dict:
             stage.decoder.finish()
         _sync(device)
         best["decoder_us"] = min(best["decoder_us"], (time.perf_counter() - t) / images * 1e6)
+    if stage.plan.resize is None or (stage.plan.mode.value == "bilinear" and stage.plan.antialias):
+        # the batch-geometry kernel's path with its launch a no-op: the host's own work per image
+        # (gathering the images, the parameters, their upload; the rounding, mirror and tail)
+        from coordl.device import geometry_kernel as GK
+        no_launch = GK.BatchGeometry(stage.plan.size)
+        no_launch.kernel = _NoLaunch()
+        kept, stage.batch_geometry = stage.batch_geometry, no_launch
+        best["finish_no_launch_us"] = float("inf")
+        try:
+            for _ in range(repeats):
+                best["finish_no_launch_us"] = min(best["finish_no_launch_us"],
+                                                  _finish_us(stage, captured, device, images))
+        finally:
+            stage.batch_geometry = kept
     kernel = bool(stage.batch_geometry)
     if kernel:      # the same batches with one launch per image, for the comparison
         kept, stage.batch_geometry = stage.batch_geometry, False
@@ -195,9 +219,11 @@ def main(argv=None) -> int:
             r = rows[size]
             per_image = (f" (one launch per image: {r['finish_per_image_us']:.1f})" if r["geometry_kernel"]
                          else " (one launch per image)")
-            print(f"{size:>4}x{size:<4} {stage.decoder.name}: finish {r['finish_us']:8.1f} us/image{per_image}, "
-                  f"decode bookkeeping {r['decode_bookkeeping_us']:6.1f}, decoder {r['decoder_us']:8.1f} "
-                  f"({r['images']} images, best of {args.repeats})", flush=True)
+            no_launch = (f", with the batch kernel's launch a no-op {r['finish_no_launch_us']:.1f}"
+                         if "finish_no_launch_us" in r else "")
+            print(f"{size:>4}x{size:<4} {stage.decoder.name}: finish {r['finish_us']:8.1f} us/image{per_image}"
+                  f"{no_launch}, decode bookkeeping {r['decode_bookkeeping_us']:6.1f}, decoder "
+                  f"{r['decoder_us']:8.1f} ({r['images']} images, best of {args.repeats})", flush=True)
     facts = {"device": str(device), "torch": torch.__version__, "cpus": os.cpu_count(),
              "batch_size": args.batch_size, "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     if args.json:
