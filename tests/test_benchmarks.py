@@ -82,6 +82,7 @@ def test_device_stage_quick(tmp_path):
     assert res["facts"]["device"] == "cpu" and list(res["rows"]) == ["16"], out
     r = res["rows"]["16"]
     assert r["images"] > 0 and r["finish_us"] > 0 and r["decode_bookkeeping_us"] > 0 and r["decoder_us"] > 0, r
+    assert r["finish_no_launch_us"] > 0 and "the batch kernel's launch a no-op" in out, r   # RandomResizedCrop: bilinear
     assert "finish" in out and "decode bookkeeping" in out
 
 
