@@ -183,3 +183,28 @@ def test_a_split_resumes_mid_epoch_exactly(photos, monkeypatch):
     assert len(first) + len(rest) == 6 and len(again) == len(rest)
     for (a, y), (b, y2) in zip(rest, again):
         assert torch.equal(a, b) and torch.equal(y, y2)
+
+
+def test_a_dropped_loader_leaves_no_decode_threads(photos, monkeypatch):
+    """The split's threads end with the loader that made them."""
+    import gc
+    import time
+
+    def parts():
+        return {t for t in threading.enumerate() if t.name.startswith("coordl-device-decode-part")}
+
+    gc.collect()
+    before = parts()          # another test's, if any is still being collected
+    monkeypatch.setattr(D, "CPU_TEST_DEVICE", True)
+    monkeypatch.setenv("COORDL_DEVICE_DECODER", "auto+auto+auto")
+    ds = coordl.ImageFolder(photos, T.Compose([T.RandomResizedCrop(16), T.ToTensor()]))
+    L = coordl.DataLoader(ds, batch_size=6, num_workers=0, device="cpu", decode="device")
+    assert len(list(L)) == 4
+    ours = parts() - before
+    assert len(ours) == 2
+    del L
+    gc.collect()
+    deadline = time.monotonic() + 10
+    while ours & parts() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not ours & parts()
