@@ -17,26 +17,30 @@ one more row in ``JOB_ROWS`` for part (c)):
   (``coordl.DataLoader``);
 * ``coordl-device``: ``coordl.DataLoader(coordl.ImageFolder(...),
   device="cuda")`` with coordl's transforms;
-* ``coordl-decode-device``: the same with ``decode="device"`` (JPEG decode
-  on the GPU, the default decoder: torchvision's nvJPEG);
-* ``coordl-decode-nvimgcodec``: the same with NVIDIA nvImageCodec decoding
-  (``COORDL_DEVICE_DECODER=nvimgcodec``), at most 4 workers, where
-  ``nvidia.nvimgcodec`` imports (``benchmarks/gpu_wheels.sh --nvimgcodec``);
+* ``dali``: NVIDIA DALI's GPU pipeline (``fn.readers.file`` ->
+  ``fn.decoders.image_random_crop(device="mixed")`` -> ``fn.resize`` ->
+  ``fn.crop_mirror_normalize`` on the GPU), ``num_threads`` = the worker
+  count, when ``nvidia.dali`` imports (part (d)); otherwise a line says why
+  it was skipped;
+* ``coordl-decode-device``: ``coordl-device`` with ``decode="device"``
+  (JPEG decode on the GPU, the default decoder: torchvision's nvJPEG);
 * ``coordl-decode-block``: ``coordl-decode-device`` with the device's
   host waits blocking (``COORDL_CUDA_WAIT=block``: torchvision's call
   waits for the GPU asleep, not spinning), put back after the row;
-* ``coordl-decode-hw``: the same with nvImageCodec's hardware JPEG decoder
-  first (``COORDL_DEVICE_DECODER=nvimgcodec-hw``), at most 4 workers;
+* ``coordl-decode-nvimgcodec`` (only when ``--loaders`` names it): the same
+  with NVIDIA nvImageCodec decoding (``COORDL_DEVICE_DECODER=nvimgcodec``),
+  at most 4 workers, where ``nvidia.nvimgcodec`` imports
+  (``benchmarks/gpu_wheels.sh --nvimgcodec``);
 * ``coordl-decode-split``: each batch shared by torchvision's nvJPEG (the
   hardware decoder) and nvImageCodec's hybrid decoder (Huffman decoding in
   its CPU threads), three fifths and two fifths, in two threads
   (``COORDL_DEVICE_DECODER=torchvision:3+nvimgcodec-hybrid:2``), where
   ``nvidia.nvimgcodec`` imports;
-* ``dali``: NVIDIA DALI's GPU pipeline (``fn.readers.file`` ->
-  ``fn.decoders.image_random_crop(device="mixed")`` -> ``fn.resize`` ->
-  ``fn.crop_mirror_normalize`` on the GPU), ``num_threads`` = the worker
-  count, when ``nvidia.dali`` imports (part (d)); otherwise a line says why
-  it was skipped.
+* ``coordl-decode-hw``: the same with nvImageCodec's hardware JPEG decoder
+  first (``COORDL_DEVICE_DECODER=nvimgcodec-hw``), at most 4 workers.
+
+The rows run in this order, the least telling last: ``--budget`` skips
+from the end.
 
 Parts:
 
@@ -255,6 +259,7 @@ class Variant:
     max_workers_b: int | None = None     # part (b) runs it with at most this many workers
     max_workers_a: int | None = None     # part (a) runs it only at worker counts up to this
     in_b: bool = True                    # part (b) runs it
+    default: bool = True                 # runs without --loaders (else only when named there)
 
 
 def device_decode_unavailable(ctx: Ctx) -> str | None:
@@ -323,12 +328,13 @@ def nvimgcodec_unavailable(ctx: Ctx) -> str | None:
 #: and two fifths of each batch
 SPLIT = "torchvision:3+nvimgcodec-hybrid:2"
 
-# Rows of parts (a) and (b), in order.  A coordl option is one more entry
-# (make_coordl_device passes keyword arguments on to coordl.DataLoader).
+# Rows of parts (a) and (b), in order: the least telling last, as --budget skips from the end.  A coordl
+# option is one more entry (make_coordl_device passes keyword arguments on to coordl.DataLoader).
 VARIANTS: list[Variant] = [
     Variant("torch", make_torch, "torch DataLoader, pin_memory=True, .cuda(non_blocking=True)"),
     Variant("coordl-import", make_coordl_import, "coordl, only the import changed"),
     Variant("coordl-device", make_coordl_device, 'coordl.ImageFolder, device="cuda"'),
+    Variant("dali", make_dali, "DALI GPU pipeline (mixed decode)", dali_unavailable),
     Variant("coordl-decode-device", functools.partial(make_coordl_device, decode="device"),
             'coordl.ImageFolder, device="cuda", decode="device" (JPEG decode on the GPU)',
             device_decode_unavailable, max_workers_b=4),
@@ -337,16 +343,15 @@ VARIANTS: list[Variant] = [
             device_decode_unavailable, max_workers_b=4),
     Variant("coordl-decode-nvimgcodec", make_coordl_decoder("nvimgcodec"),
             'the same, NVIDIA nvImageCodec decoding (COORDL_DEVICE_DECODER=nvimgcodec)',
-            nvimgcodec_unavailable, max_workers_a=4, in_b=False),
-    Variant("coordl-decode-hw", make_coordl_decoder("nvimgcodec-hw"),
-            "the same, nvImageCodec with the GPU's hardware JPEG decoder first "
-            "(COORDL_DEVICE_DECODER=nvimgcodec-hw)",
-            nvimgcodec_unavailable, max_workers_a=4, in_b=False),
+            nvimgcodec_unavailable, max_workers_a=4, in_b=False, default=False),
     Variant("coordl-decode-split", make_coordl_decoder(SPLIT),
             f"the same, each batch shared by torchvision's nvJPEG (the hardware decoder) and nvImageCodec's "
             f"hybrid decoder, each in a thread of its own (COORDL_DEVICE_DECODER={SPLIT})",
             nvimgcodec_unavailable, max_workers_b=4),
-    Variant("dali", make_dali, "DALI GPU pipeline (mixed decode)", dali_unavailable),
+    Variant("coordl-decode-hw", make_coordl_decoder("nvimgcodec-hw"),
+            "the same, nvImageCodec with the GPU's hardware JPEG decoder first "
+            "(COORDL_DEVICE_DECODER=nvimgcodec-hw)",
+            nvimgcodec_unavailable, max_workers_a=4, in_b=False),
 ]
 
 # Part (c): (row label, variant name, extra keyword arguments of its make()).
@@ -686,7 +691,7 @@ def out_of_time(args, need: float) -> bool:
 def chosen(args) -> list:
     """The variants ``--loaders`` names (all without it), in VARIANTS' order."""
     if not getattr(args, "loaders", None):
-        return list(VARIANTS)
+        return [v for v in VARIANTS if v.default]
     names = [n.strip() for n in args.loaders.split(",") if n.strip()]
     for n in names:
         variant(n)      # an unknown name fails here, naming the known ones
@@ -1079,7 +1084,7 @@ def main(argv=None) -> int:
     os.environ.pop("COORDL_SHARE", None)
     hidden = ("job", "variant", "extra", "deadline", "model")
     res: dict[str, Any] = {"settings": {k: v for k, v in vars(args).items() if k not in hidden},
-                           "variants": {v.name: v.describe for v in VARIANTS}, "parts": {}}
+                           "variants": {v.name: v.describe for v in chosen(args)}, "parts": {}}
 
     def save() -> None:
         d = os.path.dirname(os.path.abspath(args.out))

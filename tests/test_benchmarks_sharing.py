@@ -117,10 +117,9 @@ def test_gpu_smoke(tmp_path):
     if not dali["ran"]:
         assert "(d) DALI: skipped: " in text
     a = res["parts"]["a"]
-    names = ["torch", "coordl-import", "coordl-device", "coordl-decode-device", "coordl-decode-block",
-             "coordl-decode-nvimgcodec",
-             "coordl-decode-hw", "coordl-decode-split", "dali"]
-    names_b = [n for n in names if n not in ("coordl-decode-nvimgcodec", "coordl-decode-hw")]
+    names = ["torch", "coordl-import", "coordl-device", "dali", "coordl-decode-device", "coordl-decode-block",
+             "coordl-decode-split", "coordl-decode-hw"]
+    names_b = [n for n in names if n != "coordl-decode-hw"]
     cuda = "cuda" in res["machine"]["device"]
     assert list(a["rows"]) == names, a
     for name, by_workers in a["rows"].items():
