@@ -475,6 +475,8 @@ def test_decoders_sharing_a_batch_on_their_own_streams_give_one_decoders_batches
     threads of their own on streams of their own: the very batches one
     decoder gives (the caller's stream waits for each share's), over two
     passes; each share decoded its rows."""
+    # each loader's stage picks the batch kernel or not by timing on its first batch: one path for both
+    monkeypatch.setenv("COORDL_DEVICE_GEOMETRY", "per-image")
     ds = coordl.ImageFolder(mixed_jpegs, _decode_pipeline("train"))
     kw = dict(batch_size=6, seed=8, shuffle=True, num_workers=workers, device="cuda", decode="device")
     monkeypatch.setenv("COORDL_DEVICE_DECODER", "torchvision")
@@ -612,6 +614,7 @@ def test_the_wait_setting_sets_the_devices_scheduling_and_changes_no_batch(mixed
     except RuntimeError as e:
         pytest.skip(f"this driver does not change an active context's scheduling: {e}")
     waits.set_scheduling(ordinal, before)
+    monkeypatch.setenv("COORDL_DEVICE_GEOMETRY", "per-image")    # one geometry path for both loaders
     ds = coordl.ImageFolder(mixed_jpegs, _decode_pipeline("train"))
     kw = dict(batch_size=6, seed=8, shuffle=False, num_workers=2, device="cuda", decode="device")
     monkeypatch.delenv("COORDL_CUDA_WAIT", raising=False)

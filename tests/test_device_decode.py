@@ -759,3 +759,38 @@ def test_the_geometry_setting_is_checked_and_the_cpu_keeps_one_launch_per_image(
         DD.DecodeStage(torch.device("cpu"), plan, DD.HostDecoder(), "raise", str)
     monkeypatch.setenv("COORDL_DEVICE_GEOMETRY", "auto")
     assert DD.DecodeStage(torch.device("cpu"), plan, DD.HostDecoder(), "raise", str).batch_geometry is False
+
+
+def test_the_geometry_path_never_depends_on_timing(photos, monkeypatch, caplog):
+    """The first batch's check decides between the batch kernel and one
+    launch per image by the pixels alone: a kernel slower there than the
+    launches it replaces is still used (a warning says so, and how to turn
+    it off), so two loaders, or a run and its resume, take the same path
+    and give the same pixels."""
+    import logging
+
+    from coordl.device import geometry_kernel as GK
+
+    pytest.importorskip("triton")
+    plan = E.plan_for(_rrc())
+    monkeypatch.setattr(GK, "agrees", lambda stage, imgs, recs: (True, "max 0 level(s)"))
+    monkeypatch.setattr(GK, "faster", lambda stage, imgs, recs: (False, "2.00 ms against 1.00 ms for 64 images"))
+    monkeypatch.setattr(DD, "BATCH_GEOMETRY_ON_CPU", True)
+
+    def on_a_gpu():      # made on the CPU, deciding as on a GPU (where the speed is measured)
+        stage = DD.DecodeStage(torch.device("cpu"), plan, DD.HostDecoder(), "raise", str)
+        stage.device = torch.device("cuda")
+        return stage
+
+    stage = on_a_gpu()
+    assert stage.batch_geometry is None            # undecided until the first batch
+    img = torch.zeros((3, 40, 30), dtype=torch.uint8)
+    rec = [0] * (E.FLIP + 1)
+    with caplog.at_level(logging.INFO, logger="coordl.device"):
+        geo = stage._batched({(0, 0): img}, [[rec]])
+    assert isinstance(geo, GK.BatchGeometry) and stage.batch_geometry is geo
+    warned = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert warned and "COORDL_DEVICE_GEOMETRY=per-image" in warned[0].getMessage(), caplog.text
+    monkeypatch.setattr(GK, "agrees", lambda stage, imgs, recs: (False, "max 3 level(s)"))
+    other = on_a_gpu()
+    assert other._batched({(0, 0): img}, [[rec]]) is False

@@ -573,8 +573,13 @@ class DecodeStage:
 
     def _batched(self, left: dict, records: list):
         """The batch-geometry kernel, or False (one launch per image).  The
-        first batch decides: the kernel's rows for a few of its images
-        against :meth:`_geometry`'s (:func:`~.geometry_kernel.agrees`)."""
+        first batch decides, by the pixels alone: the kernel's rows for a
+        few of its images against :meth:`_geometry`'s
+        (:func:`~.geometry_kernel.agrees`).  Never by timing, which differs
+        between runs: two loaders, or a run and its resume, take the same
+        path and give the same pixels.  On a GPU the two are also timed;
+        a kernel slower than the launches it replaces is a warning naming
+        ``COORDL_DEVICE_GEOMETRY=per-image``."""
         if self.batch_geometry is None:
             from . import geometry_kernel as GK
 
@@ -585,12 +590,16 @@ class DecodeStage:
             try:
                 ok, what = GK.agrees(self, imgs, recs)
                 if ok and self.device.type == "cuda":
-                    ok, speed = GK.faster(self, imgs, recs)
+                    quicker, speed = GK.faster(self, imgs, recs)
                     what += "; " + speed
+                    if not quicker:
+                        log.warning("decode='device': the batch-geometry kernel took longer than one launch per "
+                                    "image on this GPU (%s); %s=per-image makes the stage launch per image (its "
+                                    "pixels within %d level of the kernel's)", speed, _GEOMETRY_ENV, GK.TOLERANCE)
             except Exception as e:  # noqa: BLE001 - a Triton that cannot compile or launch here
                 ok, what = False, f"{type(e).__name__}: {e}"
             log.info("decode='device': the batch-geometry kernel %s one launch per image (%s)",
-                     "is used in place of" if ok else "is not used: it differs from or is slower than", what)
+                     "is used in place of" if ok else "is not used: its pixels differ from", what)
             self.batch_geometry = GK.BatchGeometry(self.plan.size) if ok else False
         return self.batch_geometry
 
