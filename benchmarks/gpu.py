@@ -892,6 +892,62 @@ def part_c(args, ctx: Ctx, res: dict, save: Callable) -> None:
                  for n, r in part["rows"].items()])
 
 
+#: issue targets read from parts (a) and (b): decode="device" against DALI at the same thread count,
+#: images/s on at most this many busy vCPUs, and the share of the ResNet-50 ceiling with at most 4 workers
+TARGET_DALI_RATIO, TARGET_RATE, TARGET_CORES, TARGET_CEILING, TARGET_CEILING_WORKERS = 1.2, 8000.0, 2.0, 0.95, 4
+
+
+def targets(res: dict) -> dict:
+    """The targets of ``decode="device"`` read from the run's figures: for
+    each ``coordl-decode-*`` row, its images/s over DALI's at each worker
+    count both ran, whether it delivered ``TARGET_RATE`` images/s with at
+    most ``TARGET_CORES`` busy vCPUs (at which worker counts), and its
+    share of part (b)'s ceiling with at most 4 workers; each with whether
+    it is met."""
+    out: dict = {}
+    a = (res.get("parts", {}).get("a") or {}).get("rows", {})
+    b = (res.get("parts", {}).get("b") or {}).get("rows", {})
+    dali = a.get("dali", {})
+    for name, by_w in a.items():
+        if not name.startswith("coordl-decode-"):
+            continue
+        row: dict = {"vs_dali": {}, "rate_on_few_cores": []}
+        for w, r in by_w.items():
+            rate = r.get("images_per_s")
+            d = (dali.get(w) or {}).get("images_per_s")
+            if rate and d:
+                row["vs_dali"][w] = round(rate / d, 3)
+            if rate and rate >= TARGET_RATE and (r.get("cores_busy") or 1e9) <= TARGET_CORES:
+                row["rate_on_few_cores"].append(w)
+        rb = b.get(name) or {}
+        if rb.get("of_ceiling") is not None and rb.get("workers", 1e9) <= TARGET_CEILING_WORKERS:
+            row["of_ceiling"] = rb["of_ceiling"]
+        row["met"] = {
+            "vs_dali_at_8_and_15": all(row["vs_dali"].get(w, 0) >= TARGET_DALI_RATIO for w in ("8", "15"))
+            if {"8", "15"} <= row["vs_dali"].keys() else None,
+            "rate_on_few_cores": bool(row["rate_on_few_cores"]),
+            "of_ceiling": row["of_ceiling"] >= TARGET_CEILING if "of_ceiling" in row else None,
+        }
+        out[name] = row
+    return out
+
+
+def print_targets(found: dict) -> None:
+    if not found:
+        return
+    print(f"\ntargets: >= {TARGET_DALI_RATIO}x DALI at 8 and 15 workers/threads; >= {TARGET_RATE:,.0f} images/s "
+          f"on <= {TARGET_CORES:g} busy vCPUs; >= {TARGET_CEILING:.0%} of the ResNet-50 ceiling with <= "
+          f"{TARGET_CEILING_WORKERS} workers")
+    for name, r in found.items():
+        ratios = ", ".join(f"{w}: {x:.2f}x" for w, x in r["vs_dali"].items()) or "-"
+        few = ", ".join(r["rate_on_few_cores"]) or "none"
+        ceil = f"{r['of_ceiling']:.0%}" if "of_ceiling" in r else "-"
+        print(f"  {name:<22} vs DALI {ratios}; {TARGET_RATE:,.0f}/s on <= {TARGET_CORES:g} vCPUs at workers: "
+              f"{few}; ResNet-50 {ceil}; met: "
+              + ", ".join(f"{k} {'-' if v is None else ('yes' if v else 'no')}" for k, v in r["met"].items()),
+              flush=True)
+
+
 def part_d(args, ctx: Ctx, res: dict, save: Callable) -> None:
     why = dali_unavailable(ctx)
     if why:
@@ -1123,6 +1179,8 @@ def main(argv=None) -> int:
             res["parts"][name]["part_seconds"] = round(time.perf_counter() - tp, 1)
             print(f"part ({name}): {res['parts'][name]['part_seconds']:.0f} s", flush=True)
             save()
+        res["targets"] = targets(res)
+        print_targets(res["targets"])
         res["seconds"] = round(time.perf_counter() - t0, 1)
         save()
         print(f"\n{res['seconds']:.0f} s; figures in {args.out}", flush=True)

@@ -157,6 +157,7 @@ def test_gpu_smoke(tmp_path):
     assert sum(c["rows"]["coordl share=True"]["shared_samples"]) > 0, c
     for title in ("(a) images/s on", "(a) where the CPU goes", "(b) ", "(c) "):
         assert title in text, text
+    assert set(res["targets"]) == {n for n in names if n.startswith("coordl-decode-")}, res["targets"]
     assert os.listdir(work) == [], "the run's temporary folder was left behind"
 
 
@@ -201,6 +202,35 @@ def test_gpu_script_skips_what_does_not_fit_its_budget_saying_so(monkeypatch):
     rows = res["parts"]["a"]["rows"]
     assert ran == [("torch", 1)], ran
     assert rows["coordl-import"]["1"] == rows["torch"]["4"] == {"skipped": gpu.OUT_OF_TIME}
+
+
+def test_gpu_script_reads_the_targets_from_its_figures():
+    """The run's summary of the decode="device" targets: the ratio to DALI
+    at each worker count both ran, the worker counts at which a row gave
+    8,000 images/s on at most 2 busy vCPUs, the ResNet-50 share with at
+    most 4 workers, each met or not (None: not measured)."""
+    gpu, _ = _gpu_module()
+    res = {"parts": {
+        "a": {"rows": {
+            "dali": {"1": {"images_per_s": 1000.0}, "8": {"images_per_s": 10000.0},
+                     "15": {"images_per_s": 12000.0}},
+            "coordl-decode-split": {"1": {"images_per_s": 3000.0, "cores_busy": 1.0},
+                                    "8": {"images_per_s": 12500.0, "cores_busy": 3.0},
+                                    "15": {"images_per_s": 14000.0, "cores_busy": 4.0}},
+            "coordl-decode-block": {"1": {"images_per_s": 8100.0, "cores_busy": 1.9},
+                                    "8": {"images_per_s": 9000.0, "cores_busy": 2.1},
+                                    "15": {"skipped": "not enough of the run's time left (--budget)"}},
+            "coordl-device": {"1": {"images_per_s": 400.0, "cores_busy": 1.0}}}},
+        "b": {"rows": {"coordl-decode-split": {"of_ceiling": 0.96, "workers": 4},
+                       "coordl-decode-block": {"of_ceiling": 0.99, "workers": 15}}}}}
+    t = gpu.targets(res)
+    assert set(t) == {"coordl-decode-split", "coordl-decode-block"}
+    split, block = t["coordl-decode-split"], t["coordl-decode-block"]
+    assert split["vs_dali"] == {"1": 3.0, "8": 1.25, "15": round(14000 / 12000, 3)}
+    assert split["met"] == {"vs_dali_at_8_and_15": False, "rate_on_few_cores": False, "of_ceiling": True}
+    assert block["rate_on_few_cores"] == ["1"] and block["met"]["rate_on_few_cores"] is True
+    assert block["met"]["vs_dali_at_8_and_15"] is None      # not measured at 15
+    assert "of_ceiling" not in block and block["met"]["of_ceiling"] is None   # 15 workers: not the target's
 
 
 def test_gpu_script_gives_set_device_an_index():
