@@ -231,6 +231,9 @@ def test_gpu_script_reads_the_targets_from_its_figures():
     assert block["rate_on_few_cores"] == ["1"] and block["met"]["rate_on_few_cores"] is True
     assert block["met"]["vs_dali_at_8_and_15"] is None      # not measured at 15
     assert "of_ceiling" not in block and block["met"]["of_ceiling"] is None   # 15 workers: not the target's
+    res["parts"]["a"]["rows"]["coordl-decode-hw"] = {"1": {"skipped": "needs CUDA"}}
+    assert gpu.targets(res)["coordl-decode-hw"]["met"] == {"vs_dali_at_8_and_15": None, "rate_on_few_cores": None,
+                                                          "of_ceiling": None}
 
 
 def test_gpu_script_gives_set_device_an_index():
