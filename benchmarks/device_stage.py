@@ -157,30 +157,24 @@ def measure(stage, captured: list, device: torch.device, repeats: int) -> dict:
             stage.decoder.finish()
         _sync(device)
         best["decoder_us"] = min(best["decoder_us"], (time.perf_counter() - t) / images * 1e6)
+    def finish_with(geometry) -> float:
+        """The best ``finish`` per image with ``geometry`` in the stage's place (put back after)."""
+        kept, stage.batch_geometry = stage.batch_geometry, geometry
+        try:
+            return min(_finish_us(stage, captured, device, images) for _ in range(repeats))
+        finally:
+            stage.batch_geometry = kept
+
     if stage.plan.resize is None or (stage.plan.mode.value == "bilinear" and stage.plan.antialias):
         # the batch-geometry kernel's path with its launch a no-op: the host's own work per image
         # (gathering the images, the parameters, their upload; the rounding, mirror and tail)
         from coordl.device import geometry_kernel as GK
         no_launch = GK.BatchGeometry(stage.plan.size)
         no_launch.kernel = _NoLaunch()
-        kept, stage.batch_geometry = stage.batch_geometry, no_launch
-        best["finish_no_launch_us"] = float("inf")
-        try:
-            for _ in range(repeats):
-                best["finish_no_launch_us"] = min(best["finish_no_launch_us"],
-                                                  _finish_us(stage, captured, device, images))
-        finally:
-            stage.batch_geometry = kept
+        best["finish_no_launch_us"] = finish_with(no_launch)
     kernel = bool(stage.batch_geometry)
     if kernel:      # the same batches with one launch per image, for the comparison
-        kept, stage.batch_geometry = stage.batch_geometry, False
-        best["finish_per_image_us"] = float("inf")
-        try:
-            for _ in range(repeats):
-                best["finish_per_image_us"] = min(best["finish_per_image_us"],
-                                                  _finish_us(stage, captured, device, images))
-        finally:
-            stage.batch_geometry = kept
+        best["finish_per_image_us"] = finish_with(False)
     return {k: round(v, 2) for k, v in best.items()} | {"images": images, "geometry_kernel": kernel}
 
 
