@@ -691,9 +691,7 @@ class DataLoader(_TorchDataLoader[_T_co]):
     def _device_delivery(self):
         d = self._delivery
         if d is None:
-            from .device import DeviceDelivery
-
-            from .device import waits
+            from .device import DeviceDelivery, waits
 
             waits.apply(self._device)     # COORDL_CUDA_WAIT, where it is set
             d = self._delivery = DeviceDelivery(self._device, tail=self._device_tail)

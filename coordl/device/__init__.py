@@ -13,7 +13,10 @@ The modules (private):
   transforms the device runs, the records and compressed bytes a sample
   carries) and the main process's stage (batched GPU decode, crop,
   resize, flip, the tail, the fallbacks; a CPU decoder standing in for
-  tests).
+  tests; several decoders sharing a batch); ``geometry_kernel``: a
+  batch's crop and resize in one Triton launch;
+- ``waits``: how the process's threads wait for the GPU
+  (``COORDL_CUDA_WAIT``: the device's scheduling flag, through the driver).
 
 Public names (``from coordl.device import ...``, the names ``coordl.device``
 had as one module): :class:`DeviceDelivery`, :class:`Staged`, :func:`walk`,
