@@ -132,7 +132,7 @@ def _nvimgcodec(label: str, kind, fancy: bool, cpu_threads: int = 0):
                 kw["max_num_cpu_threads"] = cpu_threads
             dev = nv.NVIMGCODEC_DEVICE_CPU_ONLY if cpu else (device.index or 0)
             self._dec = nv.Decoder(device_id=dev, **kw)
-            from coordl.device.decode import _rgb_params
+            from coordl.device.decoders import _rgb_params
             self._params = _rgb_params(nv)
 
         @staticmethod

@@ -1,5 +1,5 @@
 """Several decoders sharing each batch of ``decode="device"``
-(``COORDL_DEVICE_DECODER="a+b:2"``, :class:`coordl.device.decode.DecoderSplit`),
+(``COORDL_DEVICE_DECODER="a+b:2"``, :class:`coordl.device.decoders.DecoderSplit`),
 on the CPU: the stand-in decoder takes each named decoder's place, so the
 split, its threads, its order and its errors run here as on a GPU
 (tests/test_cuda.py runs it with the real decoders)."""
@@ -12,7 +12,7 @@ import torch
 
 import coordl
 from coordl import transforms as T
-from coordl.device import decode as DD
+from coordl.device import decoders as DD
 from coordl.device import delivery as D
 
 NORM = T.Normalize([0.485, 0.456, 0.406], [0.229, 0.224, 0.225])

@@ -12,8 +12,9 @@ The modules (private):
 - ``encoded``, ``decode``: ``decode="device"``, the prep side (which
   transforms the device runs, the records and compressed bytes a sample
   carries) and the main process's stage (batched GPU decode, crop,
-  resize, flip, the tail, the fallbacks; a CPU decoder standing in for
-  tests; several decoders sharing a batch); ``geometry_kernel``: a
+  resize, flip, the tail, the fallbacks); ``decoders``: the JPEG
+  decoders it calls (torchvision's, nvImageCodec's, several sharing a
+  batch, a CPU decoder standing in for tests); ``geometry_kernel``: a
   batch's crop and resize in one Triton launch;
 - ``waits``: how the process's threads wait for the GPU
   (``COORDL_CUDA_WAIT``: the device's scheduling flag, through the driver).
