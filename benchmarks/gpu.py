@@ -36,6 +36,10 @@ one more row in ``JOB_ROWS`` for part (c)):
   its CPU threads), three fifths and two fifths, in two threads
   (``COORDL_DEVICE_DECODER=torchvision:3+nvimgcodec-hybrid:2``), where
   ``nvidia.nvimgcodec`` imports;
+* ``coordl-decode-split-nv``: the same split with nvImageCodec's hardware
+  decoder in torchvision's place
+  (``COORDL_DEVICE_DECODER=nvimgcodec-hw:3+nvimgcodec-hybrid:2``), part (a)
+  only;
 * ``coordl-decode-hw``: the same with nvImageCodec's hardware JPEG decoder
   first (``COORDL_DEVICE_DECODER=nvimgcodec-hw``), at most 4 workers.
 
@@ -327,6 +331,9 @@ def nvimgcodec_unavailable(ctx: Ctx) -> str | None:
 #: at a time) beside nvImageCodec's hybrid decoder (Huffman decoding in its CPU threads), three fifths
 #: and two fifths of each batch
 SPLIT = "torchvision:3+nvimgcodec-hybrid:2"
+#: the same split with nvImageCodec's hardware decoder in torchvision's place: no process-wide lock, and
+#: its work on the loader's own (higher-priority) stream
+SPLIT_NV = "nvimgcodec-hw:3+nvimgcodec-hybrid:2"
 
 # Rows of parts (a) and (b), in order: the least telling last, as --budget skips from the end.  A coordl
 # option is one more entry (make_coordl_device passes keyword arguments on to coordl.DataLoader).
@@ -348,6 +355,10 @@ VARIANTS: list[Variant] = [
             f"the same, each batch shared by torchvision's nvJPEG (the hardware decoder) and nvImageCodec's "
             f"hybrid decoder, each in a thread of its own (COORDL_DEVICE_DECODER={SPLIT})",
             nvimgcodec_unavailable, max_workers_b=4),
+    Variant("coordl-decode-split-nv", make_coordl_decoder(SPLIT_NV),
+            f"the same, each batch shared by nvImageCodec's hardware decoder and its hybrid decoder, each in a "
+            f"thread of its own (COORDL_DEVICE_DECODER={SPLIT_NV})",
+            nvimgcodec_unavailable, in_b=False),
     Variant("coordl-decode-hw", make_coordl_decoder("nvimgcodec-hw"),
             "the same, nvImageCodec with the GPU's hardware JPEG decoder first "
             "(COORDL_DEVICE_DECODER=nvimgcodec-hw)",

@@ -118,8 +118,8 @@ def test_gpu_smoke(tmp_path):
         assert "(d) DALI: skipped: " in text
     a = res["parts"]["a"]
     names = ["torch", "coordl-import", "coordl-device", "dali", "coordl-decode-device", "coordl-decode-block",
-             "coordl-decode-split", "coordl-decode-hw"]
-    names_b = [n for n in names if n != "coordl-decode-hw"]
+             "coordl-decode-split", "coordl-decode-split-nv", "coordl-decode-hw"]
+    names_b = [n for n in names if n not in ("coordl-decode-split-nv", "coordl-decode-hw")]
     cuda = "cuda" in res["machine"]["device"]
     assert list(a["rows"]) == names, a
     for name, by_workers in a["rows"].items():
