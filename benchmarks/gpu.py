@@ -1076,6 +1076,40 @@ def machine_facts(ctx: Ctx) -> dict:
     return facts
 
 
+def wait_probe(ctx: Ctx, cycles: int = 100_000_000) -> dict:
+    """What a host wait for the GPU costs the waiting thread: the thread's
+    CPU ms against the wall ms of one ``torch.cuda.synchronize()`` behind a
+    GPU sleep of ``cycles`` clocks, under CUDA's own choice and under
+    ``COORDL_CUDA_WAIT=block`` (set on the live context, then put back).
+    Says whether the blocking setting takes on this driver: the
+    ``coordl-decode-block`` row's figures mean something only if it does."""
+    from coordl.device import waits
+
+    ordinal = cuda_index(ctx.device)
+    out: dict = {}
+
+    def once() -> dict:
+        torch.cuda.synchronize()
+        w0, c0 = time.perf_counter(), time.thread_time()
+        torch.cuda._sleep(cycles)
+        torch.cuda.synchronize()
+        wall, cpu = (time.perf_counter() - w0) * 1e3, (time.thread_time() - c0) * 1e3
+        return {"wall_ms": round(wall, 1), "cpu_ms": round(cpu, 1), "cpu_share": round(cpu / wall, 2) if wall else None}
+
+    try:
+        before = waits.scheduling(ordinal)
+        once()                                      # the sleep kernel loaded
+        out[f"default ({before})"] = once()
+        try:
+            waits.set_scheduling(ordinal, "block")
+            out["block"] = once()
+        finally:
+            waits.set_scheduling(ordinal, before)
+    except Exception as e:  # noqa: BLE001 - a probe: its failure is a fact, not the run's end
+        out["error"] = f"{type(e).__name__}: {e}"[:500]
+    return out
+
+
 # ---------------------------------------------------------------- main
 
 def _ints(s: str) -> list[int]:
@@ -1178,6 +1212,10 @@ def main(argv=None) -> int:
             torch.cuda.set_device(cuda_index(device))
         res["machine"] = machine_facts(ctx)
         print("machine: " + ", ".join(f"{k} {v}" for k, v in res["machine"].items()), flush=True)
+        if ctx.cuda:
+            res["machine"]["host_waits"] = wait_probe(ctx)
+            print("host waits (the waiting thread's CPU ms / wall ms of one synchronize behind a GPU sleep): " +
+                  "; ".join(f"{k} {v}" for k, v in res["machine"]["host_waits"].items()), flush=True)
         save()
         for name, fn in (("a", part_a), ("b", part_b), ("c", part_c), ("d", part_d)):
             if name not in args.parts:

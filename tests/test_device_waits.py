@@ -86,3 +86,88 @@ def test_a_loader_applies_it_once_at_its_first_pass(monkeypatch):
         for _ in range(2):
             assert len(list(L)) == 4
     assert seen == [torch.device("cpu")]
+
+
+class _Lib:
+    """libcuda's entry points that :class:`waits.Driver` calls, over one
+    device: its primary context (flags, active, retain count), and the
+    context current in the calling thread (its own flags)."""
+
+    PRIMARY, OTHER = 0x1000, 0x2000
+
+    def __init__(self, current=PRIMARY, active=True, ctx_set_flags=True):
+        self.primary_flags, self.active, self.retained = 0x08, active, 0
+        self.current, self.ctx_flags = current, {self.PRIMARY: 0x08 | 0x10, self.OTHER: 0x01}
+        if not ctx_set_flags:
+            self.cuCtxSetFlags = None
+
+    @staticmethod
+    def _out(ref, value):
+        ref._obj.value = value
+        return 0
+
+    def cuInit(self, flags):
+        return 0
+
+    def cuDeviceGet(self, ref, ordinal):
+        return self._out(ref, ordinal.value)
+
+    def cuDevicePrimaryCtxGetState(self, dev, flags, active):
+        self._out(active, int(self.active))
+        return self._out(flags, self.primary_flags)
+
+    def cuDevicePrimaryCtxSetFlags_v2(self, dev, flags):
+        self.primary_flags = flags.value
+        return 0
+
+    def cuCtxGetCurrent(self, ref):
+        return self._out(ref, self.current)
+
+    def cuDevicePrimaryCtxRetain(self, ref, dev):
+        self.retained += 1
+        self.active = True
+        return self._out(ref, self.PRIMARY)
+
+    def cuDevicePrimaryCtxRelease_v2(self, dev):
+        self.retained -= 1
+        return 0
+
+    def cuCtxGetFlags(self, ref):
+        return self._out(ref, self.ctx_flags[self.current])
+
+    def cuCtxSetFlags(self, flags):
+        self.ctx_flags[self.current] = flags.value
+        return 0
+
+
+def _driver(lib):
+    d = W.Driver.__new__(W.Driver)
+    d._lib, d._set = lib, lib.cuDevicePrimaryCtxSetFlags_v2
+    return d
+
+
+def test_the_live_primary_context_gets_the_scheduling_too():
+    """The primary context's flags, and the live context current in this
+    thread when it is that primary one (its other flags kept), with the
+    retain the check takes given back."""
+    lib = _Lib()
+    assert W.set_scheduling(0, "block", _driver(lib)) == "auto"
+    assert lib.primary_flags == 0x08 | 0x04
+    assert lib.ctx_flags[lib.PRIMARY] == 0x10 | 0x08 | 0x04 and lib.retained == 0
+    assert W.set_scheduling(0, "auto", _driver(lib)) == "block"
+    assert lib.ctx_flags[lib.PRIMARY] == 0x18 and lib.retained == 0
+
+
+@pytest.mark.parametrize("case", ["no context current", "the user's own context current",
+                                  "the primary context inactive", "a driver before cuCtxSetFlags"])
+def test_no_other_context_is_touched_and_none_is_created(case):
+    lib = {"no context current": lambda: _Lib(current=0),
+           "the user's own context current": lambda: _Lib(current=_Lib.OTHER),
+           "the primary context inactive": lambda: _Lib(current=_Lib.OTHER, active=False),
+           "a driver before cuCtxSetFlags": lambda: _Lib(ctx_set_flags=False)}[case]()
+    before = dict(lib.ctx_flags)
+    assert W.set_scheduling(0, "block", _driver(lib)) == "auto"
+    assert lib.primary_flags == 0x0C                    # what the primary context will be (or is) given
+    assert lib.ctx_flags == before and lib.retained == 0
+    if case == "the primary context inactive":
+        assert not lib.active                           # the check did not create it

@@ -66,14 +66,48 @@ class Driver:
         self._check(self._lib.cuDeviceGet(ctypes.byref(dev), ctypes.c_int(ordinal)), "cuDeviceGet")
         return dev
 
-    def flags(self, ordinal: int) -> int:
+    def _state(self, dev: ctypes.c_int) -> tuple:
+        """(the primary context's flags, whether it is active)."""
         flags, active = ctypes.c_uint(), ctypes.c_int()
-        self._check(self._lib.cuDevicePrimaryCtxGetState(self._device(ordinal), ctypes.byref(flags),
-                                                         ctypes.byref(active)), "cuDevicePrimaryCtxGetState")
-        return flags.value
+        self._check(self._lib.cuDevicePrimaryCtxGetState(dev, ctypes.byref(flags), ctypes.byref(active)),
+                    "cuDevicePrimaryCtxGetState")
+        return flags.value, bool(active.value)
+
+    def flags(self, ordinal: int) -> int:
+        return self._state(self._device(ordinal))[0]
 
     def set_flags(self, ordinal: int, flags: int) -> None:
-        self._check(self._set(self._device(ordinal), ctypes.c_uint(flags)), "cuDevicePrimaryCtxSetFlags")
+        dev = self._device(ordinal)
+        self._check(self._set(dev, ctypes.c_uint(flags)), "cuDevicePrimaryCtxSetFlags")
+        self._set_current(dev, flags)
+
+    def _set_current(self, dev: ctypes.c_int, flags: int) -> None:
+        """The same scheduling bits on the calling thread's current context
+        where it is ``dev``'s primary context (the one torch uses) and the
+        driver has ``cuCtxSetFlags`` (CUDA 12.1+): the primary context's
+        flags are what the driver gives the context, and this sets them on
+        the live one as well, whatever the driver does with an active
+        primary context's flags.  Another context current in this thread
+        is the user's: left alone."""
+        set_ctx = getattr(self._lib, "cuCtxSetFlags", None)
+        if set_ctx is None:
+            return
+        cur = ctypes.c_void_p()
+        if self._lib.cuCtxGetCurrent(ctypes.byref(cur)) != 0 or not cur.value or not self._state(dev)[1]:
+            return
+        primary = ctypes.c_void_p()     # active already: retaining it here does not create it
+        self._check(self._lib.cuDevicePrimaryCtxRetain(ctypes.byref(primary), dev), "cuDevicePrimaryCtxRetain")
+        try:
+            if primary.value != cur.value:
+                return
+            have = ctypes.c_uint()
+            self._check(self._lib.cuCtxGetFlags(ctypes.byref(have)), "cuCtxGetFlags")
+            want = (have.value & ~_SCHED_MASK) | (flags & _SCHED_MASK)
+            if want != have.value:
+                self._check(set_ctx(ctypes.c_uint(want)), "cuCtxSetFlags")
+        finally:
+            release = getattr(self._lib, "cuDevicePrimaryCtxRelease_v2", None) or self._lib.cuDevicePrimaryCtxRelease
+            release(dev)
 
 
 def scheduling(ordinal: int, driver=None) -> str:
