@@ -33,7 +33,9 @@ one more row in ``JOB_ROWS`` for part (c)):
   (``benchmarks/gpu_wheels.sh --nvimgcodec``);
 * ``coordl-decode-split``: each batch shared by torchvision's nvJPEG (the
   hardware decoder) and nvImageCodec's hybrid decoder (Huffman decoding in
-  its CPU threads), three fifths and two fifths, in two threads
+  its CPU threads, as many as the row's workers unless
+  ``COORDL_DEVICE_DECODER_THREADS`` says), three fifths and two fifths, in
+  two threads
   (``COORDL_DEVICE_DECODER=torchvision:3+nvimgcodec-hybrid:2``), where
   ``nvidia.nvimgcodec`` imports;
 * ``coordl-decode-split-nv``: the same split with nvImageCodec's hardware

@@ -384,6 +384,7 @@ class DataLoader(_TorchDataLoader[_T_co]):
         if self._decode != "device":
             return
         from .device.decode import decoder_for
+        from .device.decoders import decoder_threads
         from .device.encoded import plan_for
         from .pipeline.collate import is_default_collate
 
@@ -409,7 +410,8 @@ class DataLoader(_TorchDataLoader[_T_co]):
                 f"the images of a batch), but got collate_fn={self.collate_fn!r}, batch_size={self.batch_size!r}; "
                 "use decode='cpu' with a collate_fn of your own")
         plan_for(getattr(dataset, "transform", None))
-        self._decoder = decoder_for(self._device)
+        # nvImageCodec's CPU threads: as many as the loader's workers unless COORDL_DEVICE_DECODER_THREADS says
+        self._decoder = decoder_for(self._device, cpu_threads=decoder_threads(self.num_workers))
 
     def _open_node_cache(self, dataset, cache_size, user_sampler: bool) -> None:
         """Attach the node cache (reserved in full now) when this loader's mode reads through it."""

@@ -443,7 +443,7 @@ def test_decode_on_the_gpu_is_the_cpu_path_within_the_documented_bound(mixed_jpe
     got = list(L)
     torch.cuda.synchronize()
     monkeypatch.setattr(D, "CPU_TEST_DEVICE", True)
-    monkeypatch.setattr(DD, "decoder_for", lambda dev: DD.HostDecoder(dev, fancy_upsampling=decoder == "nvimgcodec"))
+    monkeypatch.setattr(DD, "decoder_for", lambda dev, **kw: DD.HostDecoder(dev, fancy_upsampling=decoder == "nvimgcodec"))
     stand_in = list(coordl.DataLoader(ds, device="cpu", decode="device", **kw))
     assert len(got) == len(cpu) == len(stand_in)
     row = 0
@@ -537,7 +537,7 @@ def test_decode_on_the_gpu_resumes_exactly_and_skips_what_no_decoder_reads(mixed
 
     monkeypatch.setattr(jpeg, "decode_rgb", lambda raw, scale=1: (_ for _ in ()).throw(OSError("unreadable"))
                         if bytes(raw[:64]) == head else real_host(raw, scale))
-    monkeypatch.setattr(DD, "decoder_for", lambda dev: Refusing(real_for(dev)))
+    monkeypatch.setattr(DD, "decoder_for", lambda dev, **kw: Refusing(real_for(dev)))
     S = coordl.DataLoader(ds, on_error="skip", **kw)
     with pytest.warns(coordl.SkippedSampleWarning, match="progressive.jpg"):
         got = list(S)

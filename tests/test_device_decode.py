@@ -59,7 +59,7 @@ def exact(monkeypatch):
     is the resize's float-vs-uint8 rounding (at most 1 level): any other
     difference is a wrong crop, size or flip."""
     orig = DD.decoder_for
-    monkeypatch.setattr(DD, "decoder_for", lambda dev: DD.HostDecoder(dev, fancy_upsampling=True)
+    monkeypatch.setattr(DD, "decoder_for", lambda dev, **kw: DD.HostDecoder(dev, fancy_upsampling=True)
                         if dev.type == "cpu" else orig(dev))
 
 
@@ -319,7 +319,7 @@ def test_a_sample_neither_decoder_can_read_is_the_cpu_paths_error(odd_files, cpu
         return real(raw, scale)
 
     monkeypatch.setattr(jpeg, "decode_rgb", host)
-    monkeypatch.setattr(DD, "decoder_for", lambda dev: _Refusing(DD.HostDecoder(dev), bad))
+    monkeypatch.setattr(DD, "decoder_for", lambda dev, **kw: _Refusing(DD.HostDecoder(dev), bad))
     L = coordl.DataLoader(ds, batch_size=4, seed=3, shuffle=False, num_workers=workers, device="cpu",
                           decode="device", on_error=on_error)
     plan = L.plan
@@ -564,7 +564,7 @@ def test_the_stage_with_nvimgcodec_gives_the_cpu_paths_images(photos, cpu_device
     """The whole decode="device" stage with nvImageCodec as its decoder
     (its CPU backend here): the CPU path's images to the resize's rounding."""
     _nvimgcodec()
-    monkeypatch.setattr(DD, "decoder_for", lambda dev: DD.NvImageCodecDecoder(dev))
+    monkeypatch.setattr(DD, "decoder_for", lambda dev, **kw: DD.NvImageCodecDecoder(dev))
     ds = coordl.ImageFolder(photos, T.Compose([T.RandomResizedCrop(20), T.RandomHorizontalFlip(), T.ToTensor(), NORM]))
     cpu, dev, L = _pairs(ds)
     assert len(cpu) == len(dev) == 5
@@ -620,7 +620,7 @@ def test_chunks_bound_the_decoded_bytes_of_one_call(photos, cpu_device, monkeypa
             calls.append(len(streams))
             return super().decode(streams)
 
-    monkeypatch.setattr(DD, "decoder_for", lambda dev: Counting(dev))
+    monkeypatch.setattr(DD, "decoder_for", lambda dev, **kw: Counting(dev))
 
     def epoch():
         return list(coordl.DataLoader(ds, batch_size=8, seed=2, device="cpu", decode="device", drop_last=True))
@@ -692,7 +692,7 @@ def test_the_next_batch_is_decoded_while_this_ones_images_are_finished(photos, c
             overlapped.append(decoded.wait(30))
         return real_finish(self, pending)
 
-    monkeypatch.setattr(DD, "decoder_for", lambda dev: Watching(dev))
+    monkeypatch.setattr(DD, "decoder_for", lambda dev, **kw: Watching(dev))
     monkeypatch.setattr(DD.DecodeStage, "finish", finish)
     got = list(coordl.DataLoader(ds, num_workers=2, **kw))
     assert overlapped == [True]

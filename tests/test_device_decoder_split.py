@@ -208,3 +208,86 @@ def test_a_dropped_loader_leaves_no_decode_threads(photos, monkeypatch):
     while ours & parts() and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not ours & parts()
+
+
+# ---------------------------------------------------------------- nvImageCodec's CPU threads
+@pytest.mark.parametrize("value,workers,want", [(None, 0, 1), (None, 1, 1), (None, 8, 8), ("", 15, 15),
+                                                ("0", 8, 0), (" 6 ", 2, 6)])
+def test_nvimgcodecs_threads_are_the_workers_unless_set(monkeypatch, value, workers, want):
+    monkeypatch.delenv("COORDL_DEVICE_DECODER_THREADS", raising=False)
+    if value is not None:
+        monkeypatch.setenv("COORDL_DEVICE_DECODER_THREADS", value)
+    assert DD.decoder_threads(workers) == want
+
+
+@pytest.mark.parametrize("value", ["-1", "many", "2.5"])
+def test_a_wrong_thread_count_fails_when_the_loader_is_made(monkeypatch, photos, value):
+    monkeypatch.setattr(D, "CPU_TEST_DEVICE", True)
+    monkeypatch.setenv("COORDL_DEVICE_DECODER_THREADS", value)
+    ds = coordl.ImageFolder(photos, T.Compose([T.RandomResizedCrop(16), T.ToTensor()]))
+    with pytest.raises(ValueError, match=r"COORDL_DEVICE_DECODER_THREADS should be a whole number of CPU threads "
+                                         r"for nvImageCodec's decoding, or 0 for one per core; but got "):
+        coordl.DataLoader(ds, batch_size=6, device="cpu", decode="device")
+
+
+@pytest.mark.parametrize("workers,value,want", [(2, None, 2), (0, None, 1), (1, "0", 0), (2, "12", 12)])
+def test_the_loader_gives_its_decoders_its_worker_count(monkeypatch, photos, workers, value, want):
+    """A loader's nvImageCodec decoding uses as many CPU threads as it has
+    workers (as DALI's num_threads), not one per core in each of a node's
+    loaders."""
+    from coordl.device import decode as DE
+
+    monkeypatch.setattr(D, "CPU_TEST_DEVICE", True)
+    monkeypatch.delenv("COORDL_DEVICE_DECODER_THREADS", raising=False)
+    if value is not None:
+        monkeypatch.setenv("COORDL_DEVICE_DECODER_THREADS", value)
+    seen = []
+    real = DE.decoder_for
+    monkeypatch.setattr(DE, "decoder_for", lambda dev, **kw: seen.append(kw) or real(dev, **kw))
+    ds = coordl.ImageFolder(photos, T.Compose([T.RandomResizedCrop(16), T.ToTensor()]))
+    coordl.DataLoader(ds, batch_size=6, num_workers=workers, device="cpu", decode="device")
+    assert seen == [{"cpu_threads": want}]
+
+
+class _FakeNvImageCodec:
+    """``nvidia.nvimgcodec``'s names the decoder uses, recording how its
+    Decoder is made."""
+
+    NVIMGCODEC_DEVICE_CPU_ONLY = -99
+
+    def __init__(self):
+        self.made = []
+        fake = self
+
+        class Decoder:
+            def __init__(self, **kw):
+                fake.made.append(kw)
+
+        class Backend:
+            def __init__(self, kind):
+                self.kind = kind
+
+        class Kinds:
+            HW_GPU_ONLY, GPU_ONLY, HYBRID_CPU_GPU, CPU_ONLY = "hw", "gpu", "hybrid", "cpu"
+
+        class ColorSpec:
+            RGB = "rgb"
+
+        self.Decoder, self.Backend, self.BackendKind, self.ColorSpec = Decoder, Backend, Kinds, ColorSpec
+        self.DecodeParams = lambda **kw: kw
+
+
+@pytest.mark.parametrize("threads", [0, 1, 6])
+def test_nvimgcodec_is_made_with_the_thread_bound(monkeypatch, threads):
+    import sys
+    import types
+
+    fake = _FakeNvImageCodec()
+    pkg = types.ModuleType("nvidia")
+    pkg.nvimgcodec = fake
+    monkeypatch.setitem(sys.modules, "nvidia", pkg)
+    monkeypatch.setitem(sys.modules, "nvidia.nvimgcodec", fake)
+    dec = DD.NvImageCodecDecoder(torch.device("cpu"), cpu_threads=threads)
+    assert len(fake.made) == 1
+    assert fake.made[0].get("max_num_cpu_threads") == (threads or None)
+    assert dec.name == "nvImageCodec" + (f", {threads} CPU threads" if threads else "")

@@ -31,9 +31,10 @@ import numpy as np
 import torch
 
 __all__ = ["HostDecoder", "TorchvisionDecoder", "NvImageCodecDecoder", "DecoderSplit", "decoder_for",
-           "decoder_spec", "DECODERS"]
+           "decoder_spec", "decoder_threads", "DECODERS"]
 
 _ENV = "COORDL_DEVICE_DECODER"
+_THREADS_ENV = "COORDL_DEVICE_DECODER_THREADS"
 
 
 class HostDecoder:
@@ -132,26 +133,31 @@ class NvImageCodecDecoder:
         "nvimgcodec-hybrid": (("HYBRID_CPU_GPU", "GPU_ONLY"), " (hybrid: Huffman in its CPU threads)"),
     }
 
-    def __init__(self, device: torch.device, variant: str = "nvimgcodec") -> None:
-        """``variant``: a key of :attr:`VARIANTS` (the backends, in order)."""
+    def __init__(self, device: torch.device, variant: str = "nvimgcodec", cpu_threads: int = 0) -> None:
+        """``variant``: a key of :attr:`VARIANTS` (the backends, in order);
+        ``cpu_threads``: the most CPU threads nvImageCodec's decoding may
+        use (its ``max_num_cpu_threads``; 0: its own choice, one per
+        core)."""
         from nvidia import nvimgcodec
 
         kinds, label = self.VARIANTS[variant]
         self.device = device
         self._cuda = device.type == "cuda"
+        threads = {"max_num_cpu_threads": int(cpu_threads)} if cpu_threads else {}
+        self.name = "nvImageCodec" + (label if self._cuda else "") + \
+            (f", {int(cpu_threads)} CPU threads" if cpu_threads else "")
         if self._cuda:
             index = device.index if device.index is not None else torch.cuda.current_device()
             if kinds:
-                self.name = "nvImageCodec" + label
                 self._dec = nvimgcodec.Decoder(
                     device_id=index, options="",
-                    backends=[nvimgcodec.Backend(getattr(nvimgcodec.BackendKind, k)) for k in kinds])
+                    backends=[nvimgcodec.Backend(getattr(nvimgcodec.BackendKind, k)) for k in kinds], **threads)
             else:
-                self._dec = nvimgcodec.Decoder(device_id=index, options=":fancy_upsampling=1")
+                self._dec = nvimgcodec.Decoder(device_id=index, options=":fancy_upsampling=1", **threads)
         else:
             self._dec = nvimgcodec.Decoder(device_id=nvimgcodec.NVIMGCODEC_DEVICE_CPU_ONLY,
                                            backends=[nvimgcodec.Backend(nvimgcodec.BackendKind.CPU_ONLY)],
-                                           options=":fancy_upsampling=1")
+                                           options=":fancy_upsampling=1", **threads)
         self._params = _rgb_params(nvimgcodec)
         self._held: list = []
 
@@ -228,28 +234,50 @@ def decoder_spec(text: str | None = None) -> list:
     return parts
 
 
-def decoder_for(device: torch.device):
+def decoder_threads(num_workers: int) -> int:
+    """The most CPU threads each nvImageCodec decoder of a loader may use:
+    ``COORDL_DEVICE_DECODER_THREADS`` where it is set (0: nvImageCodec's own
+    choice, one per core), else the loader's ``num_workers`` (at least 1),
+    so that a loader's CPU is what its ``num_workers`` says, as DALI's
+    ``num_threads``, and the loaders of a node's GPUs do not each start a
+    thread per core.  ValueError naming the setting."""
+    raw = os.environ.get(_THREADS_ENV, "").strip()
+    if not raw:
+        return max(1, int(num_workers))
+    try:
+        n = int(raw)
+    except ValueError:
+        n = -1
+    if n < 0:
+        raise ValueError(f"{_THREADS_ENV} should be a whole number of CPU threads for nvImageCodec's decoding, "
+                         f"or 0 for one per core; but got {_THREADS_ENV}={raw!r}")
+    return n
+
+
+def decoder_for(device: torch.device, cpu_threads: int = 0):
     """The decoder for ``device``, as ``COORDL_DEVICE_DECODER`` names it
     (:func:`decoder_spec`): for CUDA, ``torchvision``, ``nvimgcodec``,
     ``nvimgcodec-hw`` (nvImageCodec with the hardware decoder first),
     ``nvimgcodec-hybrid`` (nvImageCodec's hybrid decoder: Huffman codes in
     its CPU threads) or ``auto`` (torchvision's where it imports, else
-    nvImageCodec's); several make a :class:`DecoderSplit`.  On the CPU (the
-    test device) each named decoder is a :class:`HostDecoder`, so that a
-    split runs the same path in CI.  ValueError saying what to install when
-    one cannot be made."""
+    nvImageCodec's); several make a :class:`DecoderSplit`.  nvImageCodec's
+    decoders use at most ``cpu_threads`` CPU threads each (0: one per
+    core; :func:`decoder_threads`).  On the CPU (the test device) each named
+    decoder is a :class:`HostDecoder`, so that a split runs the same path in
+    CI.  ValueError saying what to install when one cannot be made."""
     spec = decoder_spec()
     if device.type != "cuda":
         parts = [(HostDecoder(device), w) for _, w in spec]
     else:
-        parts = [(_one_decoder(name, device), w) for name, w in spec]
+        parts = [(_one_decoder(name, device, cpu_threads), w) for name, w in spec]
     return parts[0][0] if len(parts) == 1 else DecoderSplit(parts, device)
 
 
-def _one_decoder(want: str, device: torch.device):
+def _one_decoder(want: str, device: torch.device, cpu_threads: int = 0):
     errors = []
     makers = [("torchvision", TorchvisionDecoder)] + [
-        (name, functools.partial(NvImageCodecDecoder, variant=name)) for name in NvImageCodecDecoder.VARIANTS]
+        (name, functools.partial(NvImageCodecDecoder, variant=name, cpu_threads=cpu_threads))
+        for name in NvImageCodecDecoder.VARIANTS]
     for name, make in makers:
         if want != name and not (want == "auto" and name in ("torchvision", "nvimgcodec")):
             continue
