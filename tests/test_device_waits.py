@@ -171,3 +171,12 @@ def test_no_other_context_is_touched_and_none_is_created(case):
     assert lib.ctx_flags == before and lib.retained == 0
     if case == "the primary context inactive":
         assert not lib.active                           # the check did not create it
+
+
+def test_a_live_context_that_refuses_still_has_its_primary_flags_set(caplog):
+    lib = _Lib()
+    lib.cuCtxSetFlags = lambda flags: 1        # CUDA_ERROR_INVALID_VALUE
+    with caplog.at_level("INFO", logger="coordl.device"):
+        assert W.set_scheduling(0, "block", _driver(lib)) == "auto"
+    assert lib.primary_flags == 0x0C and lib.retained == 0
+    assert "cuCtxSetFlags(0x1c) on the live context failed (CUresult 1)" in caplog.text

@@ -104,7 +104,10 @@ class Driver:
             self._check(self._lib.cuCtxGetFlags(ctypes.byref(have)), "cuCtxGetFlags")
             want = (have.value & ~_SCHED_MASK) | (flags & _SCHED_MASK)
             if want != have.value:
-                self._check(set_ctx(ctypes.c_uint(want)), "cuCtxSetFlags")
+                rc = set_ctx(ctypes.c_uint(want))
+                if rc != 0:     # the primary context's flags are set all the same: what the driver does with them
+                    log.info("the CUDA driver's cuCtxSetFlags(%#x) on the live context failed (CUresult %d); "
+                             "its primary context's flags are set", want, rc)
         finally:
             release = getattr(self._lib, "cuDevicePrimaryCtxRelease_v2", None) or self._lib.cuDevicePrimaryCtxRelease
             release(dev)
