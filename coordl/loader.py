@@ -115,7 +115,10 @@ class DataLoader(_TorchDataLoader[_T_co]):
         the batch on the device in one call, then crops, resizes, flips
         and normalizes there; for when the CPU cannot keep up with the
         GPU.  Refused with ``share=True``, a ``collate_fn``,
-        ``batch_size=None`` and datasets torch's machinery reads.  Supported
+        ``batch_size=None`` and datasets torch's machinery reads.  With
+        ``device="cpu"``, the same path on the CPU, a CPU decoder standing
+        in for the GPU's (to test a GPU script's loader where there is no
+        GPU; ``decode="cpu"`` is the fast way on a CPU).  Supported
         transforms, the tolerance against the CPU path and the fallbacks:
         :doc:`/guide/gpu`.
     on_error
@@ -303,11 +306,12 @@ class DataLoader(_TorchDataLoader[_T_co]):
                               "no progress bar is shown", stacklevel=3)
                 progress = False
         self._progress = progress
-        self._device = _parse_device(device)
+        self._device = _parse_device(device, decode)
         if decode == "device" and self._device is None:
             raise ValueError(
                 "decode='device' should come with device= the CUDA device the images are decoded and delivered "
-                f"on (device=\"cuda\"), but got device={device!r}")
+                f"on (device=\"cuda\"; device=\"cpu\" runs the CPU stand-in for the GPU's decoder), but got "
+                f"device={device!r}")
         if self._device is not None:
             from .device import waits
 
@@ -950,7 +954,10 @@ def _peek_seed(generator) -> int:
     return (v ^ (v >> 31)) & ((1 << 63) - 1)
 
 
-def _parse_device(device) -> torch.device | None:
+def _parse_device(device, decode: str = "cpu") -> torch.device | None:
+    """The delivery device, or None where batches stay where they are
+    (``device="cpu"``, except with ``decode="device"``: the device path runs
+    on the CPU, a CPU decoder standing in for the GPU's, as in CI)."""
     if device is None:
         return None
     try:
@@ -968,8 +975,8 @@ def _parse_device(device) -> torch.device | None:
     if dev.type == "cpu":
         from .device import delivery as _dev
 
-        # batches are already on the CPU (the test seam runs the device path on it)
-        return dev if _dev.CPU_TEST_DEVICE else None
+        # batches are already on the CPU; decode="device" (and the test seam) run the device path on it
+        return dev if _dev.CPU_TEST_DEVICE or decode == "device" else None
     return dev
 
 

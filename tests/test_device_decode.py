@@ -458,10 +458,30 @@ def test_arguments_are_checked_with_the_remedy(photos, cpu_device, monkeypatch):
     with pytest.raises(ValueError, match=r'decode should be "cpu" or "device", but got decode=\'gpu\''):
         coordl.DataLoader(ds, device="cpu", decode="gpu")
     monkeypatch.setattr(D, "CPU_TEST_DEVICE", False)
-    with pytest.raises(ValueError, match=r"decode='device' should come with device= .* but got device=None"):
+    with pytest.raises(ValueError, match=r"decode='device' should come with device= the CUDA device .*"
+                                         r"device=\"cpu\" runs the CPU stand-in.* but got device=None"):
         coordl.DataLoader(ds, decode="device")
-    with pytest.raises(ValueError, match=r"but got device='cpu'"):
-        coordl.DataLoader(ds, decode="device", device="cpu")
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_the_cpu_stand_in_is_public_as_device_cpu(photos, monkeypatch, workers):
+    """decode="device" with device="cpu" runs the device path with the CPU
+    decoder standing in for the GPU's, without the test seam: a user's own
+    CI covers the stage, its fallbacks and its stats as this project's
+    does.  device="cpu" alone stays a no-op, as before."""
+    ds = coordl.ImageFolder(photos, _rrc())
+    kw = dict(batch_size=4, seed=7, shuffle=True, num_workers=workers, device="cpu", decode="device")
+    monkeypatch.setattr(D, "CPU_TEST_DEVICE", True)
+    want = list(coordl.DataLoader(ds, **kw))
+    monkeypatch.setattr(D, "CPU_TEST_DEVICE", False)
+    L = coordl.DataLoader(ds, **kw)
+    got = list(L)
+    assert len(got) == len(want) == 5
+    for (a, y), (b, y2) in zip(want, got):
+        assert torch.equal(a, b) and torch.equal(y, y2)
+    st = L.stats()
+    assert st.device_decode.startswith("CPU stand-in") and st.device_decode_images == len(ds)
+    assert coordl.DataLoader(ds, batch_size=4, device="cpu")._device is None
 
 
 @pytest.mark.parametrize("tf,msg", [
