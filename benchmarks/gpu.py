@@ -38,6 +38,11 @@ one more row in ``JOB_ROWS`` for part (c)):
   two threads
   (``COORDL_DEVICE_DECODER=torchvision:3+nvimgcodec-hybrid:2``), where
   ``nvidia.nvimgcodec`` imports;
+* ``coordl-decode-workers``: ``coordl-decode-device`` with the workers
+  decoding a share of the samples on the CPU path beside the GPU's decoder,
+  each worker weighing 1 against its 28
+  (``COORDL_DEVICE_DECODER=torchvision:28+workers:1``: 15/43 of the samples
+  at 15 workers, 4/32 at 4);
 * ``coordl-decode-split-nv``: the same split with nvImageCodec's hardware
   decoder in torchvision's place
   (``COORDL_DEVICE_DECODER=nvimgcodec-hw:3+nvimgcodec-hybrid:2``), part (a)
@@ -337,6 +342,11 @@ SPLIT = "torchvision:3+nvimgcodec-hybrid:2"
 #: its work on the loader's own (higher-priority) stream
 SPLIT_NV = "nvimgcodec-hw:3+nvimgcodec-hybrid:2"
 
+#: torchvision's nvJPEG beside the loader's workers decoding a share on the CPU path, each worker
+#: weighing 1 against the GPU decoder's 28 (about one worker's CPU-path images/s against the decode
+#: thread's, from the H200 runs): 15/43 of the samples at 15 workers, 4/32 at 4
+WORKERS_SPLIT = "torchvision:28+workers:1"
+
 # Rows of parts (a) and (b), in order: the least telling last, as --budget skips from the end.  A coordl
 # option is one more entry (make_coordl_device passes keyword arguments on to coordl.DataLoader).
 VARIANTS: list[Variant] = [
@@ -357,6 +367,10 @@ VARIANTS: list[Variant] = [
             f"the same, each batch shared by torchvision's nvJPEG (the hardware decoder) and nvImageCodec's "
             f"hybrid decoder, each in a thread of its own (COORDL_DEVICE_DECODER={SPLIT})",
             nvimgcodec_unavailable, max_workers_b=4),
+    Variant("coordl-decode-workers", make_coordl_decoder(WORKERS_SPLIT),
+            f"the same as coordl-decode-device, the workers decoding a share of the samples on the CPU path, "
+            f"which grows with them (COORDL_DEVICE_DECODER={WORKERS_SPLIT})",
+            device_decode_unavailable, max_workers_b=4),
     Variant("coordl-decode-split-nv", make_coordl_decoder(SPLIT_NV),
             f"the same, each batch shared by nvImageCodec's hardware decoder and its hybrid decoder, each in a "
             f"thread of its own (COORDL_DEVICE_DECODER={SPLIT_NV})",

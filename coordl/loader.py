@@ -285,6 +285,7 @@ class DataLoader(_TorchDataLoader[_T_co]):
             raise ValueError(f'decode should be "cpu" or "device", but got decode={decode!r}')
         self._decode = decode
         self._decoder = self._decode_stage = None
+        self._cpu_share = 0.0
         if on_error not in ("raise", "skip"):
             raise ValueError(f'on_error should be "raise" or "skip", but got on_error={on_error!r}')
         if seed is not None:
@@ -388,7 +389,7 @@ class DataLoader(_TorchDataLoader[_T_co]):
         if self._decode != "device":
             return
         from .device.decode import decoder_for
-        from .device.decoders import decoder_threads
+        from .device.decoders import cpu_share, decoder_threads
         from .device.encoded import plan_for
         from .pipeline.collate import is_default_collate
 
@@ -416,6 +417,7 @@ class DataLoader(_TorchDataLoader[_T_co]):
         plan_for(getattr(dataset, "transform", None))
         # nvImageCodec's CPU threads: as many as the loader's workers unless COORDL_DEVICE_DECODER_THREADS says
         self._decoder = decoder_for(self._device, cpu_threads=decoder_threads(self.num_workers))
+        self._cpu_share = cpu_share(self.num_workers)     # COORDL_DEVICE_DECODER's "workers", read with the decoder
 
     def _open_node_cache(self, dataset, cache_size, user_sampler: bool) -> None:
         """Attach the node cache (reserved in full now) when this loader's mode reads through it."""
@@ -729,6 +731,7 @@ class DataLoader(_TorchDataLoader[_T_co]):
                 from .device.encoded import DecodePrep, plan_for
 
                 plan = plan_for(getattr(self.dataset, "transform", None))   # as it is now: may have changed
+                plan.cpu_share = self._cpu_share
                 split = _dev.Split(DecodePrep(self.dataset, plan), None,
                                    "not split (decode='device': images are decoded, transformed and converted "
                                    "on the device)", decode=plan)

@@ -291,3 +291,96 @@ def test_nvimgcodec_is_made_with_the_thread_bound(monkeypatch, threads):
     assert len(fake.made) == 1
     assert fake.made[0].get("max_num_cpu_threads") == (threads or None)
     assert dec.name == "nvImageCodec" + (f", {threads} CPU threads" if threads else "")
+
+
+# ---------------------------------------------------------------- the workers' share
+def test_workers_is_a_share_beside_a_device_decoder(monkeypatch):
+    assert DD.decoder_spec("torchvision:28+workers:1") == [("torchvision", 28.0), ("workers", 1.0)]
+    for text in ("workers", "workers:2", "auto+workers+workers"):
+        with pytest.raises(ValueError, match=r'"workers" \(the loader\'s workers decoding a share of the samples on '
+                                             r'the CPU\) comes once, beside a device decoder.*use decode="cpu"'):
+            DD.decoder_spec(text)
+    monkeypatch.setenv("COORDL_DEVICE_DECODER", "auto:2+workers:1+auto")
+    split = DD.decoder_for(torch.device("cpu"))      # the workers never reach the stage's decoders
+    assert type(split) is DD.DecoderSplit and split.weights == [2.0, 1.0]
+
+
+@pytest.mark.parametrize("text,workers,want", [
+    ("torchvision:28+workers:1", 15, 15 / 43), ("torchvision:28+workers:1", 4, 4 / 32),
+    ("torchvision:28+workers:1", 0, 0.0), ("auto:2+workers:0.5+auto:2", 2, 1 / 5), ("torchvision", 8, 0.0)])
+def test_the_workers_share_grows_with_the_workers(text, workers, want):
+    assert DD.cpu_share(workers, DD.decoder_spec(text)) == pytest.approx(want)
+
+
+@pytest.mark.parametrize("share", [0.1, 0.25, 15 / 43, 0.5])
+def test_the_workers_samples_are_spread_by_index(share):
+    """Any run of consecutive indices holds the share, to within two
+    samples; a function of the index alone."""
+    from coordl.device.encoded import plan_for
+
+    plan = plan_for(T.Compose([T.RandomResizedCrop(8), T.ToTensor()]))
+    plan.cpu_share = share
+    on = [plan.on_cpu(i) for i in range(20000)]
+    for start in (0, 1, 777, 12345):
+        for n in (16, 128, 1000):
+            assert abs(sum(on[start:start + n]) - share * n) <= 2, (start, n)
+    assert on == [plan.on_cpu(i) for i in range(20000)]
+    plan.cpu_share = 0.0
+    assert not any(plan.on_cpu(i) for i in range(1000))
+
+
+def _share_loaders(photos, monkeypatch, workers, **kw):
+    monkeypatch.setenv("COORDL_DEVICE_DECODER", "auto:4+workers:1")
+    ds = coordl.ImageFolder(photos, T.Compose([T.RandomResizedCrop(16), T.RandomHorizontalFlip(), T.ToTensor(),
+                                               NORM]))
+    kw = dict(batch_size=5, seed=3, shuffle=False, num_workers=workers, **kw)
+    return ds, coordl.DataLoader(ds, device="cpu", decode="device", **kw), coordl.DataLoader(ds, **kw)
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("batch_path", [True, False])
+def test_the_workers_share_is_the_cpu_paths_pixels(photos, monkeypatch, workers, batch_path):
+    """Each sample the share gives the workers is the CPU path's, bit for
+    bit (decoded, cropped, resized and flipped there; converted on the
+    device as a split batch is); the others are the device decoder's; the
+    statistics count them; whether a worker reads batches or samples does
+    not change a pixel."""
+    from coordl.device.encoded import plan_for
+    from coordl.pipeline import device_batches
+
+    monkeypatch.setattr(device_batches, "ENABLED", batch_path)
+    ds, L, C = _share_loaders(photos, monkeypatch, workers)
+    plan = plan_for(ds.transform)
+    plan.cpu_share = DD.cpu_share(workers)
+    got, want = list(L), list(C)
+    cpu_rows = on_cpu = 0
+    for b, ((x, y), (x2, y2)) in enumerate(zip(got, want)):
+        assert torch.equal(y, y2)
+        for j in range(x.shape[0]):
+            if plan.on_cpu(b * 5 + j):
+                on_cpu += 1
+                assert torch.equal(x[j], x2[j]), (b, j)
+            cpu_rows += int(torch.equal(x[j], x2[j]))
+    st = L.stats()
+    assert st.device_decode_cpu_images == on_cpu and st.device_decode_images == len(ds) - on_cpu
+    if workers:
+        assert 0 < on_cpu < len(ds) and "the workers decode 33% of the samples on the CPU path" in st.device_decode
+    else:           # without workers the main process's time is the device stage's: no share
+        assert on_cpu == 0 and "workers decode" not in st.device_decode
+    assert cpu_rows >= on_cpu
+
+
+def test_the_workers_share_resumes_mid_epoch_exactly(photos, monkeypatch):
+    ds, L, _ = _share_loaders(photos, monkeypatch, 2)
+    L2 = coordl.DataLoader(ds, device="cpu", decode="device", batch_size=4, seed=5, shuffle=True, num_workers=2)
+    it = iter(L2)
+    first = [next(it) for _ in range(2)]
+    state = L2.state_dict()
+    rest = list(it)
+    R = coordl.DataLoader(ds, device="cpu", decode="device", batch_size=4, seed=5, shuffle=True, num_workers=2)
+    R.load_state_dict(state)
+    again = list(R)
+    assert len(first) + len(rest) == 6 and len(again) == len(rest)
+    for (a, y), (b, y2) in zip(rest, again):
+        assert torch.equal(a, b) and torch.equal(y, y2)
+    assert R.stats().device_decode_cpu_images > 0

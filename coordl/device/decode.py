@@ -85,7 +85,9 @@ class DecodeStage:
         self.batch_geometry = None if _batch_geometry_wanted(device, plan) else False
 
     def note(self) -> str:
-        return f"{self.decoder.name} on {self.device}: {self.plan.describe()}"
+        share = f" (the workers decode {self.plan.cpu_share:.0%} of the samples on the CPU path)" \
+            if self.plan.cpu_share else ""
+        return f"{self.decoder.name} on {self.device}{share}: {self.plan.describe()}"
 
     def stage(self, delivery, env):
         """Both halves in the calling thread (``num_workers=0``):
@@ -155,11 +157,14 @@ class DecodeStage:
             else:
                 self.decoder.finish()
         oh, ow = self.plan.size
-        for r in range(n):
-            for k in range(m):
-                if records[k][r][KIND] == ON_CPU:   # prepared by the CPU path in the worker (counted there)
-                    x = _bytes(blob, offsets[r * m + k]).view(records[k][r][CHANNELS], oh, ow)
-                    out[k][r] = x.to(self.device).to(torch.float32)
+        # prepared by the CPU path in the worker (counted there): to the device in one copy, not one per image
+        ready = [(k, r) for r in range(n) for k in range(m) if records[k][r][KIND] == ON_CPU]
+        if ready:
+            host = [_bytes(blob, offsets[r * m + k]).view(records[k][r][CHANNELS], oh, ow) for k, r in ready]
+            same = len({x.shape for x in host}) == 1
+            moved = torch.stack(host).to(self.device) if same else [x.to(self.device) for x in host]
+            for (k, r), x in zip(ready, moved):
+                out[k][r] = x       # uint8: its row's copy in finish() converts it
         del blob
         keep = self._errors(errors, records[0], stats, step) if errors else list(range(n))
         stats.decoded_device += on_device

@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 __all__ = ["HostDecoder", "TorchvisionDecoder", "NvImageCodecDecoder", "DecoderSplit", "decoder_for",
-           "decoder_spec", "decoder_threads", "DECODERS"]
+           "decoder_spec", "decoder_threads", "cpu_share", "DECODERS", "WORKERS"]
 
 _ENV = "COORDL_DEVICE_DECODER"
 _THREADS_ENV = "COORDL_DEVICE_DECODER_THREADS"
@@ -205,15 +205,19 @@ def _rgb_params(nvimgcodec):
                                    allow_any_depth=False)
 
 
-#: the decoders COORDL_DEVICE_DECODER names (``auto``: torchvision's where it imports, else nvImageCodec's)
-DECODERS = ("auto", "torchvision", "nvimgcodec", "nvimgcodec-hw", "nvimgcodec-hybrid")
+#: the decoders COORDL_DEVICE_DECODER names (``auto``: torchvision's where it imports, else nvImageCodec's;
+#: ``workers``: the loader's worker processes, on the CPU path, beside a device decoder)
+WORKERS = "workers"
+DECODERS = ("auto", "torchvision", "nvimgcodec", "nvimgcodec-hw", "nvimgcodec-hybrid", WORKERS)
 
 
 def decoder_spec(text: str | None = None) -> list:
     """``COORDL_DEVICE_DECODER`` (or ``text``) read as ``[(name, weight)]``:
     one decoder, or several joined by ``+``, each with an optional
     ``:weight`` (its share of each batch; default 1), e.g.
-    ``torchvision:3+nvimgcodec-hybrid:2``.  ValueError naming the grammar."""
+    ``torchvision:3+nvimgcodec-hybrid:2``; ``workers`` (at most once,
+    beside a device decoder) weighs each of the loader's workers
+    (:func:`cpu_share`).  ValueError naming the grammar."""
     raw = os.environ.get(_ENV, "auto") if text is None else text
     raw = raw.strip().lower() or "auto"
     parts = []
@@ -229,9 +233,31 @@ def decoder_spec(text: str | None = None) -> list:
                 f'{_ENV} should be one of "auto", "torchvision", "nvimgcodec", "nvimgcodec-hw" or '
                 f'"nvimgcodec-hybrid", or several of them joined by "+", each with an optional ":weight" above 0 '
                 f'(its share of each batch, decoded in a thread of its own), e.g. '
-                f'"torchvision:3+nvimgcodec-hybrid:2"; but got {_ENV}={raw!r}')
+                f'"torchvision:3+nvimgcodec-hybrid:2", and "workers:weight" (each worker\'s weight) beside them '
+                f'for the workers to decode a share on the CPU; but got {_ENV}={raw!r}')
         parts.append((name, w))
+    named = [n for n, _ in parts]
+    if WORKERS in named and (named.count(WORKERS) > 1 or len(named) == 1):
+        raise ValueError(
+            f'{_ENV}: "workers" (the loader\'s workers decoding a share of the samples on the CPU) comes once, '
+            f'beside a device decoder, e.g. "torchvision:28+workers:1"; for the workers to decode every sample '
+            f'use decode="cpu"; but got {_ENV}={raw!r}')
     return parts
+
+
+def cpu_share(num_workers: int, spec: list | None = None) -> float:
+    """The share of the samples the loader's workers decode on the CPU path
+    (``COORDL_DEVICE_DECODER``'s ``workers:w``): each worker weighs ``w``
+    against the device decoders' weights, so that the share grows with the
+    workers, as the CPU's capacity does: ``torchvision:28+workers:1`` gives
+    15 workers 15/43 of the samples and 4 workers 4/32.  0 without
+    ``workers`` or without workers (``num_workers=0``: the main process's
+    time is the device stage's)."""
+    spec = decoder_spec() if spec is None else spec
+    per_worker = sum(w for n, w in spec if n == WORKERS)
+    device = sum(w for n, w in spec if n != WORKERS)
+    cpu = max(0, int(num_workers)) * per_worker
+    return cpu / (cpu + device) if cpu else 0.0
 
 
 def decoder_threads(num_workers: int) -> int:
@@ -265,7 +291,7 @@ def decoder_for(device: torch.device, cpu_threads: int = 0):
     core; :func:`decoder_threads`).  On the CPU (the test device) each named
     decoder is a :class:`HostDecoder`, so that a split runs the same path in
     CI.  ValueError saying what to install when one cannot be made."""
-    spec = decoder_spec()
+    spec = [(n, w) for n, w in decoder_spec() if n != WORKERS]    # the workers' share never reaches the stage
     if device.type != "cuda":
         parts = [(HostDecoder(device), w) for _, w in spec]
     else:

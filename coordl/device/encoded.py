@@ -15,8 +15,10 @@ A sample the device decoder cannot take (not a JPEG, a header that does not
 parse, CMYK/YCCK, no end-of-image marker) is prepared here on the CPU path
 (the fused decode, same draws) up to the uint8 image ``ToTensor`` would
 scale, and its record says so (``ON_CPU``); so is an image the dataset's
-prep decoded itself (``transform(img)`` rather than ``from_bytes``).  A bad
-file raises here exactly as on the CPU path.
+prep decoded itself (``transform(img)`` rather than ``from_bytes``), and
+so is every sample of the workers' share (``COORDL_DEVICE_DECODER``'s
+``workers``: :attr:`DecodePlan.cpu_share`, a function of the index).  A
+bad file raises here exactly as on the CPU path.
 
 Records are found in the sample as the device split finds its uint8 images
 (:mod:`.split`: marked tensors, their paths), so any structure default
@@ -40,6 +42,7 @@ RECORD = 16
 ON_DEVICE, ON_CPU = 0, 1
 
 _local = threading.local()
+_GOLDEN, _MASK64, _TWO64 = 0x9E3779B97F4A7C15, (1 << 64) - 1, float(1 << 64)
 
 
 class DecodePlan:
@@ -65,6 +68,18 @@ class DecodePlan:
         self.spec = spec
         # the CPU path up to the uint8 image ToTensor scales (samples the device decoder cannot take)
         self.prefix = self.steps + [T.PILToTensor()]
+        # the share of the samples the workers decode on the CPU path beside the device's decoder
+        # (COORDL_DEVICE_DECODER's "workers", coordl.device.decoders.cpu_share); set by the loader
+        self.cpu_share = 0.0
+
+    def on_cpu(self, index: int) -> bool:
+        """Sample ``index`` is one the workers decode on the CPU path
+        (:attr:`cpu_share`): a function of the index and the share alone,
+        so a sample's pixels never depend on the batch, the worker or the
+        timing, and resume gives the same.  The indices are spread by a
+        Weyl sequence (index times the golden ratio, modulo 1): any run of
+        consecutive indices, and a shuffled batch on average, has the share."""
+        return self.cpu_share > 0 and ((index * _GOLDEN) & _MASK64) < self.cpu_share * _TWO64
 
     def draw(self, height: int, width: int, rng) -> list:
         """The record fields T1..FLIP for a ``height`` x ``width`` image:
@@ -223,6 +238,8 @@ class EncodedCompose:
         if cap is None:
             return self.full.from_bytes(raw)
         _rng, jpeg, decode_and_apply = _lazy()
+        if self.plan.cpu_share and self.plan.on_cpu(cap[1]):     # the workers' share: the CPU path
+            return self._on_cpu(decode_and_apply(self.plan.prefix, raw), cap)
         hdr = jpeg._header(raw)
         if hdr is None or hdr[2] not in jpeg._FAST_COLORSPACES or not jpeg._ends_with_eoi(raw):
             # not for the device decoder: the CPU path, its draws and its errors (PIL's)
