@@ -479,8 +479,7 @@ def test_decoders_sharing_a_batch_on_their_own_streams_give_one_decoders_batches
     threads of their own on streams of their own: the very batches one
     decoder gives (the caller's stream waits for each share's), over two
     passes; each share decoded its rows."""
-    # each loader's stage picks the batch kernel or not by timing on its first batch: one path for both
-    monkeypatch.setenv("COORDL_DEVICE_GEOMETRY", "per-image")
+    monkeypatch.setenv("COORDL_DEVICE_GEOMETRY", "per-image")    # one geometry path for both, whatever the GPU
     ds = coordl.ImageFolder(mixed_jpegs, _decode_pipeline("train"))
     kw = dict(batch_size=6, seed=8, shuffle=True, num_workers=workers, device="cuda", decode="device")
     monkeypatch.setenv("COORDL_DEVICE_DECODER", "torchvision")
@@ -494,6 +493,42 @@ def test_decoders_sharing_a_batch_on_their_own_streams_give_one_decoders_batches
         for (a, y), (b, y2) in zip(want[e], got):
             assert torch.equal(a, b) and torch.equal(y, y2)
     assert all(n > 0 for n in L._decoder.images), L._decoder.images
+
+
+@needs_cuda
+def test_the_workers_share_on_the_gpu_is_the_cpu_paths_pixels(mixed_jpegs, monkeypatch):
+    """torchvision's decoder beside the workers' share: the share's samples
+    (by index) are the CPU path's bit for bit on CUDA (the tail's
+    conversion is), the rest within the decoder's bound; counted."""
+    from coordl.device import decoders as DDS
+    from coordl.device.encoded import plan_for
+
+    monkeypatch.setenv("COORDL_DEVICE_DECODER", "torchvision:4+workers:1")
+    ds = coordl.ImageFolder(mixed_jpegs, _decode_pipeline("train"))
+    names = [os.path.basename(p) for p, _ in ds.samples]
+    kw = dict(batch_size=6, seed=8, shuffle=False, num_workers=2)
+    cpu = list(coordl.DataLoader(ds, **kw))
+    L = coordl.DataLoader(ds, device="cuda", decode="device", **kw)
+    got = [(x.cpu(), y.cpu()) for x, y in L]
+    plan = plan_for(ds.transform)
+    plan.cpu_share = DDS.cpu_share(2)
+    assert plan.cpu_share == pytest.approx(1 / 3)
+    shared, row = 0, 0
+    for (a, y), (b, y2) in zip(cpu, got):
+        assert torch.equal(y, y2)
+        for k in range(len(y)):
+            i, name = row + k, names[row + k]
+            if plan.on_cpu(i):
+                shared += 1
+                assert torch.equal(a[k], b[k]), name
+            elif name not in ("corrupt.jpg", "cmyk.jpg", "png.jpg"):
+                d = _levels(a[k:k + 1], b[k:k + 1])
+                assert float(d.mean()) <= DECODE_MEAN and float(d.max()) <= DECODE_MAX, name
+        row += len(y)
+    st = L.stats()
+    assert 0 < shared < len(ds) and "the workers decode 33% of the samples" in st.device_decode
+    assert st.device_decode_images + st.device_decode_cpu_images == len(ds)
+    assert st.device_decode_cpu_images >= shared
 
 
 @needs_cuda
