@@ -325,6 +325,8 @@ def test_the_workers_samples_are_spread_by_index(share):
         for n in (16, 128, 1000):
             assert abs(sum(on[start:start + n]) - share * n) <= 2, (start, n)
     assert on == [plan.on_cpu(i) for i in range(20000)]
+    assert [plan.on_cpu(np.int64(i)) for i in range(2 ** 40, 2 ** 40 + 64)] == \
+        [plan.on_cpu(i) for i in range(2 ** 40, 2 ** 40 + 64)]       # a sampler's numpy index, a large one
     plan.cpu_share = 0.0
     assert not any(plan.on_cpu(i) for i in range(1000))
 

@@ -79,7 +79,7 @@ class DecodePlan:
         timing, and resume gives the same.  The indices are spread by a
         Weyl sequence (index times the golden ratio, modulo 1): any run of
         consecutive indices, and a shuffled batch on average, has the share."""
-        return self.cpu_share > 0 and ((index * _GOLDEN) & _MASK64) < self.cpu_share * _TWO64
+        return self.cpu_share > 0 and ((int(index) * _GOLDEN) & _MASK64) < self.cpu_share * _TWO64
 
     def draw(self, height: int, width: int, rng) -> list:
         """The record fields T1..FLIP for a ``height`` x ``width`` image:
