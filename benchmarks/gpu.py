@@ -43,6 +43,11 @@ one more row in ``JOB_ROWS`` for part (c)):
   each worker weighing 1 against its 28
   (``COORDL_DEVICE_DECODER=torchvision:28+workers:1``: 15/43 of the samples
   at 15 workers, 4/32 at 4);
+* ``coordl-decode-deep`` (part (b) only): ``coordl-decode-device`` with
+  ``prefetch_factor=4``, four batches staged ahead of the training loop in
+  place of two: whether the loop's waits in ``next()`` are the loader's
+  bursts (its decoder calls slowed by the training kernels) rather than
+  its rate;
 * ``coordl-decode-split-nv``: the same split with nvImageCodec's hardware
   decoder in torchvision's place
   (``COORDL_DEVICE_DECODER=nvimgcodec-hw:3+nvimgcodec-hybrid:2``), part (a)
@@ -274,6 +279,7 @@ class Variant:
     max_workers_b: int | None = None     # part (b) runs it with at most this many workers
     max_workers_a: int | None = None     # part (a) runs it only at worker counts up to this
     in_b: bool = True                    # part (b) runs it
+    in_a: bool = True                    # part (a) runs it
     default: bool = True                 # runs without --loaders (else only when named there)
 
 
@@ -377,6 +383,10 @@ VARIANTS: list[Variant] = [
             f"the same as coordl-decode-device, the workers decoding a share of the samples on the CPU path, "
             f"which grows with them (COORDL_DEVICE_DECODER={WORKERS_SPLIT})",
             device_decode_unavailable, max_workers_b=4),
+    Variant("coordl-decode-deep", functools.partial(make_coordl_device, decode="device", prefetch_factor=4),
+            "the same as coordl-decode-device with prefetch_factor=4: four batches staged ahead of the training "
+            "loop in place of two (whether the loop's waits are the loader's bursts)",
+            device_decode_unavailable, max_workers_b=4, in_a=False),
     Variant("coordl-decode-split-nv", make_coordl_decoder(SPLIT_NV),
             f"the same, each batch shared by nvImageCodec's hardware decoder and its hybrid decoder, each in a "
             f"thread of its own (COORDL_DEVICE_DECODER={SPLIT_NV})",
@@ -737,6 +747,8 @@ def part_a(args, ctx: Ctx, res: dict, save: Callable) -> None:
     print(f"\n(a) images/s delivered on {ctx.device}, batch {args.batch_size}, workers {args.workers}", flush=True)
     for w in args.workers:
         for v in chosen(args):
+            if not v.in_a:
+                continue
             if v.max_workers_a and w > v.max_workers_a and not v.unavailable(ctx):
                 r = {"skipped": f"measured at up to {v.max_workers_a} workers"}
             elif out_of_time(args, args.seconds + 8):

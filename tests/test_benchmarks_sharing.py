@@ -125,6 +125,7 @@ def test_gpu_smoke(tmp_path):
     names = ["torch", "coordl-import", "coordl-device", "dali", "coordl-decode-device", "coordl-decode-block",
              "coordl-decode-split", "coordl-decode-workers", "coordl-decode-split-nv", "coordl-decode-hw"]
     names_b = [n for n in names if n not in ("coordl-decode-split-nv", "coordl-decode-hw")]
+    names_b.insert(names_b.index("coordl-decode-workers") + 1, "coordl-decode-deep")     # part (b) only
     assert list(a["rows"]) == names, a
     for name, by_workers in a["rows"].items():
         assert list(by_workers) == [str(w) for w in a["workers"]], by_workers
@@ -147,7 +148,7 @@ def test_gpu_smoke(tmp_path):
     assert b["ceiling"]["images_per_s"] > 0, b
     assert list(b["rows"]) == names_b, b
     assert all(b["rows"][n]["workers"] <= 4 for n in ("coordl-decode-device", "coordl-decode-split",
-                                                       "coordl-decode-workers"))
+                                                       "coordl-decode-workers", "coordl-decode-deep"))
     for name, r in b["rows"].items():
         if (name == "dali" and not dali["ran"]) or (name in NEEDS_NVIMGCODEC and "skipped" in r):
             continue
