@@ -723,12 +723,49 @@ def print_table(title: str, header: list[str], rows: list[list[str]]) -> None:
 OUT_OF_TIME = "not enough of the run's time left (--budget)"
 
 
-def out_of_time(args, need: float) -> bool:
-    """Whether a measurement of about ``need`` seconds would pass the end of
-    ``--budget`` (a run that must finish in time skips what does not fit,
-    saying so in its row, instead of being cut)."""
-    end = getattr(args, "deadline", None)
+def out_of_time(args, need: float, end: float | None = None) -> bool:
+    """Whether a measurement of about ``need`` seconds would pass ``end``
+    (default: the end of ``--budget``; a run that must finish in time skips
+    what does not fit, saying so in its row, instead of being cut)."""
+    end = getattr(args, "deadline", None) if end is None else end
     return end is not None and time.monotonic() + need > end
+
+
+def _cost_a(seconds: float, workers: int) -> float:
+    """About how long one part (a) measurement takes: its window, the
+    loader's start and warm-up, growing with its workers (the H200 runs:
+    3.6 s on average at 2 s windows over 1-15 workers)."""
+    return seconds + 1.0 + 0.12 * workers
+
+
+def _cost_b(args) -> float:
+    """About how long part (b) takes: the ceiling and each of its rows (the
+    H200 runs: 66 s for seven at 4 s windows)."""
+    rows = sum(1 for v in chosen(args) if v.in_b)
+    return (rows + 1) * (args.train_seconds + 6) + 10
+
+
+def plan_a(args, rows: list, start: float) -> tuple:
+    """Part (a)'s end, leaving part (b) its time, and the measurements it
+    leaves out so that it ends there: the least telling first (the rows'
+    order, all of a row's worker counts together), so that a short budget
+    drops whole rows at the end of the list rather than every row's
+    largest worker count, which the targets read."""
+    end = getattr(args, "deadline", None)
+    if end is None:
+        return None, set()
+    if "b" in args.parts:
+        end -= _cost_b(args)
+    left, keep, skip = end - start, True, set()
+    for v in rows:
+        for w in args.workers:
+            if v.max_workers_a and w > v.max_workers_a:
+                continue
+            left -= _cost_a(args.seconds, w)
+            keep = keep and left >= 0
+            if not keep:
+                skip.add((v.name, w))
+    return end, skip
 
 
 def chosen(args) -> list:
@@ -745,13 +782,19 @@ def part_a(args, ctx: Ctx, res: dict, save: Callable) -> None:
     part = res["parts"]["a"] = {"batch_size": args.batch_size, "workers": args.workers, "seconds": args.seconds,
                                 "rows": {}}
     print(f"\n(a) images/s delivered on {ctx.device}, batch {args.batch_size}, workers {args.workers}", flush=True)
+    rows = [v for v in chosen(args) if v.in_a]
+    end, planned = plan_a(args, [v for v in rows if not v.unavailable(ctx)], time.monotonic())
+    # the plan's costs are estimates: a part (a) that runs long may take a third of part (b)'s time, whose
+    # rows are then skipped from its end (the least telling), not the largest worker counts here
+    slack_end = None if end is None else end + (_cost_b(args) / 3 if "b" in args.parts else 0)
+    if planned:
+        part["left_out"] = sorted(f"{n} at {w}" for n, w in planned)
+        print(f"  left out to fit the budget, part (b) keeping its time: {', '.join(part['left_out'])}", flush=True)
     for w in args.workers:
-        for v in chosen(args):
-            if not v.in_a:
-                continue
+        for v in rows:
             if v.max_workers_a and w > v.max_workers_a and not v.unavailable(ctx):
                 r = {"skipped": f"measured at up to {v.max_workers_a} workers"}
-            elif out_of_time(args, args.seconds + 8):
+            elif (v.name, w) in planned or out_of_time(args, args.seconds + 8, slack_end):
                 r = {"skipped": OUT_OF_TIME}
             else:
                 r = run_variant(ctx, v, w, args.batch_size, args.warmup or w + 2, args.seconds)

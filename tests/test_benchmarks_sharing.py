@@ -274,3 +274,34 @@ def test_gpu_script_reads_where_a_device_decode_pass_spends_its_time(tmp_path, m
     plain = coordl.DataLoader(ds, batch_size=4, device="cpu")
     list(plain)
     assert gpu._decode_seconds(plain.stats) == (None, None) == gpu._decode_seconds(None)
+
+
+def test_gpu_script_keeps_part_b_its_time_and_drops_whole_rows_last_first():
+    """With --budget, part (a) ends where part (b) still has its time, and
+    what (a) leaves out is whole rows from the end of the list (the least
+    telling), never the largest worker counts of the rows before them,
+    which the targets read (vs DALI at 8 and 15)."""
+    import time
+    import types
+
+    gpu, _ = _gpu_module()
+    rows = [v for v in gpu.VARIANTS if v.default and v.in_a]
+    args = types.SimpleNamespace(parts=["a", "b"], train_seconds=4, seconds=1.5, workers=[1, 4, 8, 15],
+                                 loaders=None)
+    now = time.monotonic()
+    args.deadline = now + 10_000
+    end, skip = gpu.plan_a(args, rows, now)
+    assert skip == set() and end == pytest.approx(args.deadline - gpu._cost_b(args))
+    full = sum(gpu._cost_a(1.5, w) for v in rows for w in args.workers
+               if not (v.max_workers_a and w > v.max_workers_a))
+    args.deadline = now + gpu._cost_b(args) + full * 0.7
+    end, skip = gpu.plan_a(args, rows, now)
+    names = [v.name for v in rows]
+    dropped = {n for n, _ in skip}
+    assert skip and "dali" not in dropped and "coordl-decode-device" not in dropped
+    first = min(names.index(n) for n in dropped)
+    assert all(names.index(n) >= first for n in dropped)
+    for v in rows[first + 1:]:       # every row after the first one cut is dropped whole
+        assert all((v.name, w) in skip for w in args.workers if not (v.max_workers_a and w > v.max_workers_a))
+    args.deadline = None
+    assert gpu.plan_a(args, rows, now) == (None, set())
