@@ -31,6 +31,11 @@ one more row in ``JOB_ROWS`` for part (c)):
   with NVIDIA nvImageCodec decoding (``COORDL_DEVICE_DECODER=nvimgcodec``),
   at most 4 workers, where ``nvidia.nvimgcodec`` imports
   (``benchmarks/gpu_wheels.sh --nvimgcodec``);
+* ``coordl-decode-workers``: ``coordl-decode-device`` with the workers
+  decoding a share of the samples on the CPU path beside the GPU's decoder,
+  each worker weighing 1 against its 28
+  (``COORDL_DEVICE_DECODER=torchvision:28+workers:1``: 15/43 of the samples
+  at 15 workers, 4/32 at 4);
 * ``coordl-decode-split``: each batch shared by torchvision's nvJPEG (the
   hardware decoder) and nvImageCodec's hybrid decoder (Huffman decoding in
   its CPU threads, as many as the row's workers unless
@@ -38,11 +43,6 @@ one more row in ``JOB_ROWS`` for part (c)):
   two threads
   (``COORDL_DEVICE_DECODER=torchvision:3+nvimgcodec-hybrid:2``), where
   ``nvidia.nvimgcodec`` imports;
-* ``coordl-decode-workers``: ``coordl-decode-device`` with the workers
-  decoding a share of the samples on the CPU path beside the GPU's decoder,
-  each worker weighing 1 against its 28
-  (``COORDL_DEVICE_DECODER=torchvision:28+workers:1``: 15/43 of the samples
-  at 15 workers, 4/32 at 4);
 * ``coordl-decode-deep`` (part (b) only): ``coordl-decode-device`` with
   ``prefetch_factor=4``, four batches staged ahead of the training loop in
   place of two: whether the loop's waits in ``next()`` are the loader's
@@ -278,6 +278,7 @@ class Variant:
     unavailable: Callable[[Ctx], str | None] = lambda ctx: None
     max_workers_b: int | None = None     # part (b) runs it with at most this many workers
     max_workers_a: int | None = None     # part (a) runs it only at worker counts up to this
+    min_workers_a: int | None = None     # ... and from this (a split's CPU share at one worker tells little)
     in_b: bool = True                    # part (b) runs it
     in_a: bool = True                    # part (a) runs it
     default: bool = True                 # runs without --loaders (else only when named there)
@@ -375,14 +376,14 @@ VARIANTS: list[Variant] = [
     Variant("coordl-decode-nvimgcodec", make_coordl_decoder("nvimgcodec"),
             'the same, NVIDIA nvImageCodec decoding (COORDL_DEVICE_DECODER=nvimgcodec)',
             nvimgcodec_unavailable, max_workers_a=4, in_b=False, default=False),
-    Variant("coordl-decode-split", make_coordl_decoder(SPLIT),
-            f"the same, each batch shared by torchvision's nvJPEG (the hardware decoder) and nvImageCodec's "
-            f"hybrid decoder, each in a thread of its own (COORDL_DEVICE_DECODER={SPLIT})",
-            nvimgcodec_unavailable, max_workers_b=4),
     Variant("coordl-decode-workers", make_coordl_decoder(WORKERS_SPLIT),
             f"the same as coordl-decode-device, the workers decoding a share of the samples on the CPU path, "
             f"which grows with them (COORDL_DEVICE_DECODER={WORKERS_SPLIT})",
-            device_decode_unavailable, max_workers_b=4),
+            device_decode_unavailable, max_workers_b=4, min_workers_a=4),
+    Variant("coordl-decode-split", make_coordl_decoder(SPLIT),
+            f"the same, each batch shared by torchvision's nvJPEG (the hardware decoder) and nvImageCodec's "
+            f"hybrid decoder, each in a thread of its own (COORDL_DEVICE_DECODER={SPLIT})",
+            nvimgcodec_unavailable, max_workers_b=4, min_workers_a=4),
     Variant("coordl-decode-deep", functools.partial(make_coordl_device, decode="device", prefetch_factor=4),
             "the same as coordl-decode-device with prefetch_factor=4: four batches staged ahead of the training "
             "loop in place of two (whether the loop's waits are the loader's bursts)",
@@ -390,7 +391,7 @@ VARIANTS: list[Variant] = [
     Variant("coordl-decode-split-nv", make_coordl_decoder(SPLIT_NV),
             f"the same, each batch shared by nvImageCodec's hardware decoder and its hybrid decoder, each in a "
             f"thread of its own (COORDL_DEVICE_DECODER={SPLIT_NV})",
-            nvimgcodec_unavailable, in_b=False),
+            nvimgcodec_unavailable, in_b=False, min_workers_a=4),
     Variant("coordl-decode-hw", make_coordl_decoder("nvimgcodec-hw"),
             "the same, nvImageCodec with the GPU's hardware JPEG decoder first "
             "(COORDL_DEVICE_DECODER=nvimgcodec-hw)",
@@ -731,6 +732,11 @@ def out_of_time(args, need: float, end: float | None = None) -> bool:
     return end is not None and time.monotonic() + need > end
 
 
+def _in_range(v: "Variant", workers: int) -> bool:
+    """Whether part (a) measures row ``v`` at ``workers``."""
+    return not ((v.max_workers_a and workers > v.max_workers_a) or (v.min_workers_a and workers < v.min_workers_a))
+
+
 def _cost_a(seconds: float, workers: int) -> float:
     """About how long one part (a) measurement takes: its window, the
     loader's start and warm-up, growing with its workers (the H200 runs:
@@ -742,7 +748,7 @@ def _cost_b(args) -> float:
     """About how long part (b) takes: the ceiling and each of its rows (the
     H200 runs: 66 s for seven at 4 s windows)."""
     rows = sum(1 for v in chosen(args) if v.in_b)
-    return (rows + 1) * (args.train_seconds + 6) + 10
+    return (rows + 1) * (args.train_seconds + 5.5) + 5
 
 
 def plan_a(args, rows: list, start: float) -> tuple:
@@ -759,7 +765,7 @@ def plan_a(args, rows: list, start: float) -> tuple:
     left, keep, skip = end - start, True, set()
     for v in rows:
         for w in args.workers:
-            if v.max_workers_a and w > v.max_workers_a:
+            if not _in_range(v, w):
                 continue
             left -= _cost_a(args.seconds, w)
             keep = keep and left >= 0
@@ -792,8 +798,8 @@ def part_a(args, ctx: Ctx, res: dict, save: Callable) -> None:
         print(f"  left out to fit the budget, part (b) keeping its time: {', '.join(part['left_out'])}", flush=True)
     for w in args.workers:
         for v in rows:
-            if v.max_workers_a and w > v.max_workers_a and not v.unavailable(ctx):
-                r = {"skipped": f"measured at up to {v.max_workers_a} workers"}
+            if not _in_range(v, w) and not v.unavailable(ctx):
+                r = {"skipped": f"measured at {v.min_workers_a or 1} to {v.max_workers_a or 'any number of'} workers"}
             elif (v.name, w) in planned or out_of_time(args, args.seconds + 8, slack_end):
                 r = {"skipped": OUT_OF_TIME}
             else:
