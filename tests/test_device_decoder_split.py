@@ -331,17 +331,18 @@ def test_the_workers_samples_are_spread_by_index(share):
     assert not any(plan.on_cpu(i) for i in range(1000))
 
 
-def _share_loaders(photos, monkeypatch, workers, **kw):
-    monkeypatch.setenv("COORDL_DEVICE_DECODER", "auto:4+workers:1")
+def _share_loaders(photos, monkeypatch, workers, spec="auto:4+workers:1", **kw):
+    monkeypatch.setenv("COORDL_DEVICE_DECODER", spec)
     ds = coordl.ImageFolder(photos, T.Compose([T.RandomResizedCrop(16), T.RandomHorizontalFlip(), T.ToTensor(),
                                                NORM]))
     kw = dict(batch_size=5, seed=3, shuffle=False, num_workers=workers, **kw)
     return ds, coordl.DataLoader(ds, device="cpu", decode="device", **kw), coordl.DataLoader(ds, **kw)
 
 
-@pytest.mark.parametrize("workers", [0, 2])
-@pytest.mark.parametrize("batch_path", [True, False])
-def test_the_workers_share_is_the_cpu_paths_pixels(photos, monkeypatch, workers, batch_path):
+@pytest.mark.parametrize("workers,batch_path,spec", [(0, True, "auto:4+workers:1"), (2, True, "auto:4+workers:1"),
+                                                     (2, False, "auto:4+workers:1"),
+                                                     (2, True, "auto:2+workers:1+auto:2")])   # beside a split
+def test_the_workers_share_is_the_cpu_paths_pixels(photos, monkeypatch, workers, batch_path, spec):
     """Each sample the share gives the workers is the CPU path's, bit for
     bit (decoded, cropped, resized and flipped there; converted on the
     device as a split batch is); the others are the device decoder's; the
@@ -351,7 +352,8 @@ def test_the_workers_share_is_the_cpu_paths_pixels(photos, monkeypatch, workers,
     from coordl.pipeline import device_batches
 
     monkeypatch.setattr(device_batches, "ENABLED", batch_path)
-    ds, L, C = _share_loaders(photos, monkeypatch, workers)
+    ds, L, C = _share_loaders(photos, monkeypatch, workers, spec)
+    assert (type(L._decoder) is DD.DecoderSplit) == (spec.count("auto") == 2)
     plan = plan_for(ds.transform)
     plan.cpu_share = DD.cpu_share(workers)
     got, want = list(L), list(C)
