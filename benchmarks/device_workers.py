@@ -12,7 +12,12 @@ the figures are the workers' own path, per image, in these settings:
   ``gpu.py``'s rows do (only the import changed);
 * ``node cache``: ``cache_size`` given, after an epoch that filled it;
 * ``in memory``: ``raw()`` returns bytes held in a list (no read; a
-  dataset with its own ``raw`` takes the per-sample path).
+  dataset with its own ``raw`` takes the per-sample path);
+* ``workers' share``: from the files, every sample the workers' share
+  (``COORDL_DEVICE_DECODER``'s ``workers``), prepared whole on the CPU
+  path, against ``the CPU path``: the same loader with ``decode="cpu"``:
+  what a sample of the share costs a worker beside what it costs with the
+  CPU path.
 
 ``files`` and ``node cache`` run twice: with the batch path (a plain
 folder's batch read and recorded at once, ``coordl.pipeline.device_batches``,
@@ -38,7 +43,8 @@ import sys
 import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-SETTINGS = ("files", "files, per sample", "node cache", "node cache, per sample", "in memory")
+SETTINGS = ("files", "files, per sample", "node cache", "node cache, per sample", "in memory", "workers' share",
+            "the CPU path")
 
 _CHILD = r"""
 import json, sys, time
@@ -85,8 +91,12 @@ if setting == "in memory":
         def raw(self, i):
             return raws[i]
     ds.__class__ = InMemory
-L = coordl.DataLoader(ds, batch_size=batch, seed=1, shuffle=True, num_workers=1, device="cpu", decode="device",
-                      persistent_workers=True, cache_size="4GiB" if setting == "node cache" else 0)
+if setting == "workers' share":        # (nearly) every sample the workers': prepared whole on the CPU path
+    import os
+    os.environ["COORDL_DEVICE_DECODER"] = "auto:0.000001+workers:1"
+on_device = dict(device="cpu", decode="device") if setting != "the CPU path" else {{}}
+L = coordl.DataLoader(ds, batch_size=batch, seed=1, shuffle=True, num_workers=1, persistent_workers=True,
+                      cache_size="4GiB" if setting == "node cache" else 0, **on_device)
 for _ in L:      # an epoch: the worker warm, the node cache filled
     pass
 me = psutil.Process()
@@ -107,7 +117,8 @@ k1, t1 = workers_cpu(), time.perf_counter()
 st = L.stats().epochs[-1]
 print("RESULT", json.dumps({{"us_per_image": (k1 - k0) / n * 1e6, "images_per_s": n / (t1 - t0), "images": n,
                             "from_cache": st.samples_from_cache, "from_storage": st.samples_from_storage,
-                            "batch_reads": L._mode.pool.worker_stats()[0]["batch_reads"]}}))
+                            "batch_reads": L._mode.pool.worker_stats()[0].get("batch_reads", 0),
+                            "on_cpu": L.stats().device_decode_cpu_images}}))
 """
 
 
