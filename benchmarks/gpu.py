@@ -545,8 +545,9 @@ def _where(r: dict) -> str:
         return ""
     kernel = {True: " (one kernel per batch)", False: " (one launch per image)"}.get(r.get("geometry_kernel"), "")
     waits = f"; waits {r['waits']}" if r.get("waits") else ""
+    cpu = f"; prepared on the CPU path {r['on_cpu_share']:.0%}" if r.get("on_cpu_share") else ""
     return (f"\n{'':22}decoder calls {r['decode_call_share']:.0%} of the window, geometry{kernel} "
-            f"{r['geometry_share']:.0%}; main process's threads, cores: {_threads(r)}{waits}")
+            f"{r['geometry_share']:.0%}; main process's threads, cores: {_threads(r)}{waits}{cpu}")
 
 
 def _thread_cpu(proc) -> dict:
@@ -579,6 +580,9 @@ def run_variant(ctx: Ctx, v: Variant, workers: int, batch_size: int, warmup: int
         stage = getattr(src.loader, "_decode_stage", None)
         if stage is not None:   # decode="device": whether the batch's geometry ran as one kernel launch
             row["geometry_kernel"] = bool(stage.batch_geometry)
+            st = src.loader.stats()     # and the share of its images the workers prepared on the CPU path
+            done = st.device_decode_images + st.device_decode_cpu_images
+            row["on_cpu_share"] = round(st.device_decode_cpu_images / done, 3) if done else None
         if isinstance(src, _RestoreWaits):   # the waits the row ran with (a driver may refuse to change them)
             from coordl.device import waits
             row["waits"] = waits.scheduling(src.ordinal)

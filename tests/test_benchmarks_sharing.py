@@ -152,6 +152,9 @@ def test_gpu_smoke(tmp_path):
     assert list(b["rows"]) == names_b, b
     assert all(b["rows"][n]["workers"] <= 4 for n in ("coordl-decode-device", "coordl-decode-split",
                                                        "coordl-decode-workers", "coordl-decode-deep"))
+    share = b["rows"]["coordl-decode-workers"]          # 2 workers at 28:1: 2/30 of the samples, by index
+    assert 0 < share["on_cpu_share"] < 0.25, share
+    assert b["rows"]["coordl-decode-device"]["on_cpu_share"] == 0.0, b["rows"]["coordl-decode-device"]
     for name, r in b["rows"].items():
         if (name == "dali" and not dali["ran"]) or (name in NEEDS_NVIMGCODEC and "skipped" in r):
             continue
