@@ -24,8 +24,8 @@
 # sha256 of every part and of the whole tar.  The device tool uploads at
 # most 64 MiB a call, the checkout included: carry one part (and SHA256SUMS)
 # per call; gpu_check.sh joins the parts once all are there, checks the
-# sums, and installs.  Both folders must be git-ignored (.git/info/exclude:
-# /.whl/ and /.dali/).
+# sums, and installs.  Both folders are git-ignored (.gitignore: /.whl/ and
+# /.dali/), so that the device tool sends them only when carried.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
