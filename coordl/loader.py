@@ -418,6 +418,10 @@ class DataLoader(_TorchDataLoader[_T_co]):
         # nvImageCodec's CPU threads: as many as the loader's workers unless COORDL_DEVICE_DECODER_THREADS says
         self._decoder = decoder_for(self._device, cpu_threads=decoder_threads(self.num_workers))
         self._cpu_share = cpu_share(self.num_workers)     # COORDL_DEVICE_DECODER's "workers", read with the decoder
+        if not self._cpu_share and cpu_share(1):
+            warnings.warn('COORDL_DEVICE_DECODER names "workers", but this loader has num_workers=0: no sample '
+                          "is prepared on the CPU path (the main process's time is the device stage's); give it "
+                          "workers for their share", stacklevel=3)
 
     def _open_node_cache(self, dataset, cache_size, user_sampler: bool) -> None:
         """Attach the node cache (reserved in full now) when this loader's mode reads through it."""

@@ -352,7 +352,12 @@ def test_the_workers_share_is_the_cpu_paths_pixels(photos, monkeypatch, workers,
     from coordl.pipeline import device_batches
 
     monkeypatch.setattr(device_batches, "ENABLED", batch_path)
-    ds, L, C = _share_loaders(photos, monkeypatch, workers, spec)
+    if workers:
+        ds, L, C = _share_loaders(photos, monkeypatch, workers, spec)
+    else:
+        with pytest.warns(UserWarning, match=r'names "workers", but this loader has num_workers=0: no sample is '
+                                             r"prepared on the CPU path"):
+            ds, L, C = _share_loaders(photos, monkeypatch, workers, spec)
     assert (type(L._decoder) is DD.DecoderSplit) == (spec.count("auto") == 2)
     plan = plan_for(ds.transform)
     plan.cpu_share = DD.cpu_share(workers)
