@@ -393,3 +393,29 @@ def test_the_workers_share_resumes_mid_epoch_exactly(photos, monkeypatch):
     for (a, y), (b, y2) in zip(rest, again):
         assert torch.equal(a, b) and torch.equal(y, y2)
     assert R.stats().device_decode_cpu_images > 0
+
+
+def test_the_workers_share_lands_beside_the_files_bytes_without_packing_the_batch_again(photos, monkeypatch):
+    """The batch path keeps room after a batch's file bytes for the images
+    its share prepares on the CPU path: they are written there, and the
+    batch is not packed again (a copy of every file's bytes per batch);
+    the batches are the per-sample path's."""
+    from coordl.pipeline import collate, device_batches
+
+    monkeypatch.setattr(D, "CPU_TEST_DEVICE", True)
+    monkeypatch.setattr(DD, "cpu_share", lambda workers, spec=None: 0.5)   # a share without workers' processes
+    packed = []
+    real = collate.pack_payloads
+    monkeypatch.setattr(collate, "pack_payloads", lambda b, rows, slots: packed.append(len(rows)) or real(b, rows, slots))
+    ds = coordl.ImageFolder(photos, T.Compose([T.RandomResizedCrop(16), T.RandomHorizontalFlip(), T.ToTensor(),
+                                               NORM]))
+    kw = dict(batch_size=5, seed=3, shuffle=True, device="cpu", decode="device")
+    L = coordl.DataLoader(ds, **kw)
+    got = list(L)
+    assert packed == [] and L.stats().device_decode_cpu_images > 0
+    monkeypatch.setattr(device_batches, "ENABLED", False)
+    want = list(coordl.DataLoader(ds, **kw))
+    assert packed                                   # the per-sample path packs every batch
+    assert len(got) == len(want)
+    for (a, y), (b, y2) in zip(got, want):
+        assert torch.equal(a, b) and torch.equal(y, y2)

@@ -167,6 +167,28 @@ def batch_reads_for(dataset, *, cache, peers, in_place: bool, batch_size) -> "Ba
     return BatchReads(dataset, ds, cache)
 
 
+def _place(extra: dict, rows: list, blob: np.ndarray, starts, sizes, total: int, limit: int):
+    """The per-sample path's payloads (``extra``: row -> bytes or a uint8
+    image) written one after the other from ``total`` up to ``limit`` in
+    ``blob``, the other rows' bytes left where they were read: (int64
+    [(offset, length)] in ``rows``' order, the end), or None when they do
+    not fit (the caller packs the batch again)."""
+    offsets = np.empty((len(rows), 2), dtype=np.int64)
+    o = total
+    for r, j in enumerate(rows):
+        p = extra.get(j)
+        if p is None:
+            offsets[r] = (starts[j], sizes[j])
+            continue
+        v = np.frombuffer(p.numpy() if isinstance(p, torch.Tensor) else p, dtype=np.uint8)
+        if o + v.size > limit:
+            return None
+        blob[o:o + v.size] = v
+        offsets[r] = (o, v.size)
+        o += v.size
+    return offsets, o
+
+
 def _settle(futures) -> None:
     """Cancel the reads not started, wait for those running."""
     if futures:
@@ -264,18 +286,25 @@ class BatchReads:
         ends = np.cumsum(sizes)
         total = int(ends[-1]) if n else 0
         starts = (ends - sizes).tolist()
+        # room after the files' bytes for the images the workers' share prepares on the CPU path, so
+        # that they land beside the bytes instead of the whole batch being packed again
+        plan = self.plan
+        share = sum(1 for i in indices if plan.on_cpu(i)) if plan.cpu_share else 0
+        room = share * 3 * plan.size[0] * plan.size[1]
         slot, buf = slots.acquire(self._layout(n).nbytes)
-        blob_slot, blob = slots.acquire(max(total, 1))
+        blob_slot, blob = slots.acquire(max(total + room, 1))
         futures = self._reads(eng, indices, blob, starts, sizes)
         try:
-            self._rows(eng, b, slot, buf, blob_slot, blob, starts, sizes, total, futures)
+            self._rows(eng, b, slot, buf, blob_slot, blob, starts, sizes, total, futures, room)
         except BaseException:
             _settle(futures)
             raise
 
-    def _rows(self, eng, b, slot, buf, blob_slot, blob, starts, sizes, total, futures) -> None:
+    def _rows(self, eng, b, slot, buf, blob_slot, blob, starts, sizes, total, futures, room=0) -> None:
         """:meth:`build`'s rows: each read (or its future's result), parsed
-        and drawn, or prepared by the per-sample path; then the batch out."""
+        and drawn, or prepared by the per-sample path; then the batch out.
+        ``room``: bytes after the files' ``total`` in ``blob`` for the
+        per-sample path's payloads."""
         from ..errors import SampleError
         from . import collate as _collate
         from .prep import SKIP, prep_sample
@@ -381,7 +410,12 @@ class BatchReads:
         if len(rows) < n:      # skipped samples: close the gaps, keep plan order
             rec[:len(rows)] = rec[rows].copy()
             lab[:len(rows)] = lab[rows].copy()
-        if extra:              # repack: the blob's bytes and the per-sample path's payloads, as that path packs them
+        placed = _place(extra, rows, blob, starts, sizes, total, total + room) if extra else None
+        if placed is not None:  # the per-sample path's payloads in the room after the files' bytes
+            offsets, end = placed
+            st.decoded_cpu += sum(isinstance(extra[j], torch.Tensor) for j in rows if j in extra)
+            st.device_blob = (blob_slot, end, offsets)
+        elif extra:             # no room for them: the blob's bytes and the payloads packed again, as that path packs
             b.payloads = [None] * n
             for j in rows:
                 b.payloads[j] = [extra[j] if j in extra else blob[starts[j]:starts[j] + int(sizes[j])]]
