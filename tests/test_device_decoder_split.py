@@ -87,6 +87,34 @@ def test_one_name_is_one_decoder_and_several_are_a_split(monkeypatch):
     assert all(type(d) is DD.HostDecoder for d in split.parts) and " + " in split.name
 
 
+@pytest.mark.parametrize("text,fancy", [
+    ("auto", [False]), ("torchvision", [False]), ("nvimgcodec", [True]), ("nvimgcodec-hw", [True]),
+    ("torchvision:3+nvimgcodec-hybrid:2", [False, True]),
+])
+def test_the_stand_in_upsamples_chroma_as_the_decoder_it_stands_for(monkeypatch, text, fancy):
+    """nvImageCodec interpolates chroma (every variant, measured on a GPU),
+    torchvision's nvJPEG call does not: each named decoder's stand-in does
+    as it does, so a stand-in run gives that decoder's pixels."""
+    monkeypatch.setenv("COORDL_DEVICE_DECODER", text)
+    got = DD.decoder_for(torch.device("cpu"))
+    parts = got.parts if isinstance(got, DD.DecoderSplit) else [got]
+    assert [not d._fast for d in parts] == fancy
+    assert [("interpolated" in d.name) for d in parts] == fancy
+    from PIL import Image
+    import io
+
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    buf = io.BytesIO()
+    Image.fromarray(rng.integers(0, 255, (32, 48, 3), dtype=np.uint8)).save(buf, "JPEG", quality=90)
+    data = torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
+    want = np.asarray(Image.open(io.BytesIO(buf.getvalue())).convert("RGB"))   # libjpeg, interpolated chroma
+    for d, f in zip(parts, fancy):
+        img = d.decode([data])[0].permute(1, 2, 0).numpy()
+        assert np.array_equal(img, want) == f
+
+
 @pytest.mark.parametrize("weights,n,want", [
     ([1, 1], 10, [(0, 5), (5, 10)]),
     ([1, 2], 9, [(0, 3), (3, 9)]),

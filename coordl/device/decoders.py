@@ -42,10 +42,10 @@ class HostDecoder:
     through simplejpeg, full size, with plain ("fast") chroma upsampling, as
     nvJPEG upsamples by default (DALI's ``jpeg_fancy_upsampling`` and
     nvImageCodec's ``fancy_upsampling`` options exist to make the GPU do
-    libjpeg's interpolation instead).  Same inputs, same outputs as a device
-    decoder: (3, H, W) uint8 per stream, or the exception for it."""
-
-    name = "CPU stand-in (libjpeg-turbo, plain chroma upsampling)"
+    libjpeg's interpolation instead), or with libjpeg's interpolation where
+    it stands in for nvImageCodec (``fancy_upsampling``).  Same inputs, same
+    outputs as a device decoder: (3, H, W) uint8 per stream, or the
+    exception for it."""
 
     def __init__(self, device: torch.device | None = None, fancy_upsampling: bool = False) -> None:
         import simplejpeg
@@ -53,6 +53,7 @@ class HostDecoder:
         self.device = device if device is not None else torch.device("cpu")
         self._sj = simplejpeg
         self._fast = not fancy_upsampling
+        self.name = f"CPU stand-in (libjpeg-turbo, {'plain' if self._fast else 'interpolated'} chroma upsampling)"
 
     def decode(self, streams: list) -> list:
         out = []
@@ -122,8 +123,9 @@ class NvImageCodecDecoder:
     name = "nvImageCodec"
 
     #: ``COORDL_DEVICE_DECODER`` names of nvImageCodec's configurations: (backends in order, or None for
-    #: the library's choice with libjpeg's interpolated chroma; label).  The others upsample chroma
-    #: plainly, as nvJPEG and DALI's ``mixed`` decoder do.
+    #: the library's choice; label).  All of them interpolate chroma as libjpeg's "fancy" upsampling
+    #: does (measured on nvImageCodec 0.9 with an H200's hardware decoder: within 1 level of libjpeg's),
+    #: where torchvision's nvJPEG call upsamples plainly.
     VARIANTS = {
         "nvimgcodec": (None, ""),
         # the GPU's hardware JPEG decoder (A100, H100, H200), CUDA and hybrid decoding for what it does not take
@@ -293,10 +295,20 @@ def decoder_for(device: torch.device, cpu_threads: int = 0):
     CI.  ValueError saying what to install when one cannot be made."""
     spec = [(n, w) for n, w in decoder_spec() if n != WORKERS]    # the workers' share never reaches the stage
     if device.type != "cuda":
-        parts = [(HostDecoder(device), w) for _, w in spec]
+        parts = [(HostDecoder(device, fancy_upsampling=upsamples_fancy(name)), w) for name, w in spec]
     else:
         parts = [(_one_decoder(name, device, cpu_threads), w) for name, w in spec]
     return parts[0][0] if len(parts) == 1 else DecoderSplit(parts, device)
+
+
+def upsamples_fancy(name: str) -> bool:
+    """Whether the decoder ``COORDL_DEVICE_DECODER`` names interpolates
+    chroma as libjpeg's "fancy" upsampling (nvImageCodec's, every variant)
+    rather than plainly (torchvision's nvJPEG call, and ``auto``, which is
+    torchvision's wherever a CUDA build of torchvision is): what the CPU
+    stand-in does in its place, so that a stand-in run gives the decoder's
+    pixels up to its arithmetic."""
+    return name.startswith("nvimgcodec")
 
 
 def _one_decoder(want: str, device: torch.device, cpu_threads: int = 0):
