@@ -286,6 +286,7 @@ class DataLoader(_TorchDataLoader[_T_co]):
         self._decode = decode
         self._decoder = self._decode_stage = None
         self._cpu_share = 0.0
+        self._check_data = False
         if on_error not in ("raise", "skip"):
             raise ValueError(f'on_error should be "raise" or "skip", but got on_error={on_error!r}')
         if seed is not None:
@@ -389,7 +390,7 @@ class DataLoader(_TorchDataLoader[_T_co]):
         if self._decode != "device":
             return
         from .device.decode import decoder_for
-        from .device.decoders import cpu_share, decoder_threads
+        from .device.decoders import check_data, cpu_share, decoder_threads
         from .device.encoded import plan_for
         from .pipeline.collate import is_default_collate
 
@@ -418,6 +419,7 @@ class DataLoader(_TorchDataLoader[_T_co]):
         # nvImageCodec's CPU threads: as many as the loader's workers unless COORDL_DEVICE_DECODER_THREADS says
         self._decoder = decoder_for(self._device, cpu_threads=decoder_threads(self.num_workers))
         self._cpu_share = cpu_share(self.num_workers)     # COORDL_DEVICE_DECODER's "workers", read with the decoder
+        self._check_data = check_data()                   # COORDL_DEVICE_CHECK_DATA
         if not self._cpu_share and cpu_share(1):
             warnings.warn('COORDL_DEVICE_DECODER names "workers", but this loader has num_workers=0: no sample '
                           "is prepared on the CPU path (the main process's time is the device stage's); give it "
@@ -736,6 +738,7 @@ class DataLoader(_TorchDataLoader[_T_co]):
 
                 plan = plan_for(getattr(self.dataset, "transform", None))   # as it is now: may have changed
                 plan.cpu_share = self._cpu_share
+                plan.check_data = self._check_data
                 split = _dev.Split(DecodePrep(self.dataset, plan), None,
                                    "not split (decode='device': images are decoded, transformed and converted "
                                    "on the device)", decode=plan)

@@ -472,13 +472,41 @@ def test_decode_on_the_gpu_is_the_cpu_path_within_the_documented_bound(mixed_jpe
 
 
 @needs_cuda
+@pytest.mark.parametrize("decoder", ["torchvision", "nvimgcodec-hw"])
+def test_checked_data_gives_a_corrupt_jpeg_the_cpu_paths_pixels_on_the_gpu(mixed_jpegs, monkeypatch, decoder):
+    """COORDL_DEVICE_CHECK_DATA=1 on CUDA: the JPEG whose data ends early
+    is the CPU path's, bit for bit, and a second loader gives the same batch."""
+    if "nvimgcodec" in decoder:
+        pytest.importorskip("nvidia.nvimgcodec")
+    monkeypatch.setenv("COORDL_DEVICE_DECODER", decoder)
+    monkeypatch.setenv("COORDL_DEVICE_CHECK_DATA", "1")
+    ds = coordl.ImageFolder(mixed_jpegs, _decode_pipeline("train"))
+    names = [os.path.basename(p) for p, _ in ds.samples]
+    k = names.index("corrupt.jpg")
+    kw = dict(batch_size=len(ds), seed=8, shuffle=False, num_workers=2)
+    cpu = list(coordl.DataLoader(ds, **kw))[0][0]
+    L = coordl.DataLoader(ds, device="cuda", decode="device", **kw)
+    first = list(L)[0][0].cpu()
+    assert torch.equal(first[k], cpu[k])
+    torch.cuda.empty_cache()
+    junk = torch.full((64 << 20,), 77, dtype=torch.uint8, device="cuda")     # memory the decoder may get next
+    del junk
+    again = coordl.DataLoader(ds, device="cuda", decode="device", **kw)         # the same epoch, anew
+    assert torch.equal(list(again)[0][0].cpu(), first)
+
+
+@needs_cuda
 @pytest.mark.parametrize("workers", [0, 2])
 def test_decoders_sharing_a_batch_on_their_own_streams_give_one_decoders_batches(mixed_jpegs, monkeypatch, workers):
     """Three torchvision decoders sharing each batch, two of them in
     threads of their own on streams of their own: the very batches one
     decoder gives (the caller's stream waits for each share's), over two
-    passes; each share decoded its rows."""
+    passes; each share decoded its rows.  The JPEG whose data ends early
+    is checked out to the CPU path (COORDL_DEVICE_CHECK_DATA): nvJPEG
+    decodes it in part, the rest of its pixels what the memory held, which
+    differs between two loaders (seen on an H200)."""
     monkeypatch.setenv("COORDL_DEVICE_GEOMETRY", "per-image")    # one geometry path for both, whatever the GPU
+    monkeypatch.setenv("COORDL_DEVICE_CHECK_DATA", "1")
     ds = coordl.ImageFolder(mixed_jpegs, _decode_pipeline("train"))
     kw = dict(batch_size=6, seed=8, shuffle=True, num_workers=workers, device="cuda", decode="device")
     monkeypatch.setenv("COORDL_DEVICE_DECODER", "torchvision")

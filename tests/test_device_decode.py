@@ -281,6 +281,53 @@ def test_what_the_device_decoder_cannot_take_is_decoded_on_the_cpu(odd_files, cp
     assert st.device_decode_images == len(ds) - 3
 
 
+class _Partial(DD.HostDecoder):
+    """As a GPU decoder given data that ends early: no error, and the
+    pixels it could not decode are what the memory held (77 here)."""
+
+    def decode(self, streams):
+        from coordl.decode import jpeg
+
+        out = []
+        for s, img in zip(streams, super().decode(streams)):
+            if isinstance(img, BaseException):
+                h, w = jpeg._header(bytes(s.numpy()))[:2]
+                img = torch.full((3, h, w), 77, dtype=torch.uint8)
+            out.append(img)
+        return out
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_checked_data_sends_a_corrupt_jpeg_to_the_cpu_path(odd_files, cpu_device, monkeypatch, workers):
+    """COORDL_DEVICE_CHECK_DATA=1: the JPEG whose data ends early (header
+    and end marker intact), which a GPU decoder decodes in part without an
+    error, is prepared on the CPU path in the worker (its very pixels);
+    every other sample is as without the check."""
+    ds = coordl.ImageFolder(odd_files, _rrc(24))
+    names = [os.path.basename(p) for p, _ in ds.samples]
+    k = names.index("corrupt.jpg")
+    others = [i for i in range(len(ds)) if i != k]
+    monkeypatch.setattr(DD, "decoder_for", lambda dev, **kw: _Partial(dev, fancy_upsampling=True))
+    kw = dict(batch_size=len(ds), shuffle=False, num_workers=workers, seed=7)
+    cpu = list(coordl.DataLoader(ds, **kw))[0][0]
+    x = list(coordl.DataLoader(ds, device="cpu", decode="device", **kw))[0][0]
+    assert float(_levels(cpu[k], x[k]).max()) > 10        # unchecked: the decoder's undefined pixels
+    monkeypatch.setenv("COORDL_DEVICE_CHECK_DATA", "1")
+    L = coordl.DataLoader(ds, device="cpu", decode="device", **kw)
+    y = list(L)[0][0]
+    assert torch.equal(y[k], cpu[k])
+    assert torch.equal(y[others], x[others])
+    st = L.stats()
+    assert st.device_decode_cpu_images == 3 and st.device_decode_images == len(ds) - 3    # cmyk, png, corrupt
+
+
+def test_the_data_check_setting_is_checked_at_construction(photos, cpu_device, monkeypatch):
+    monkeypatch.setenv("COORDL_DEVICE_CHECK_DATA", "maybe")
+    with pytest.raises(ValueError, match=r"COORDL_DEVICE_CHECK_DATA should be 1 .* but got "
+                                         r"COORDL_DEVICE_CHECK_DATA='maybe'"):
+        coordl.DataLoader(coordl.ImageFolder(photos, _rrc(24)), batch_size=4, device="cpu", decode="device")
+
+
 class _Refusing:
     """A device decoder that rejects some streams (by their first bytes)."""
 

@@ -180,7 +180,7 @@ def test_a_loader_with_a_split_delivers_one_decoders_batches(photos, monkeypatch
     monkeypatch.setenv("COORDL_DEVICE_DECODER", "auto")
     one = coordl.DataLoader(ds, **kw)
     want = [list(one) for _ in range(2)]
-    monkeypatch.setenv("COORDL_DEVICE_DECODER", "torchvision+nvimgcodec:2+auto")
+    monkeypatch.setenv("COORDL_DEVICE_DECODER", "torchvision+torchvision:2+auto")
     L = coordl.DataLoader(ds, **kw)
     got = [list(L) for _ in range(2)]
     for e in range(2):

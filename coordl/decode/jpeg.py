@@ -245,6 +245,32 @@ def _ends_with_eoi(raw) -> bool:
     return len(raw) >= 4 and raw[-2] == 0xFF and raw[-1] == 0xD9
 
 
+def entropy_data_complete(raw, height: int, width: int) -> bool:
+    """libjpeg-turbo reads the whole of the file's entropy-coded data
+    without an error or a corrupt-data warning (data that ends early, a bad
+    Huffman code, a stray marker).  It makes no pixels but one row at 1/8
+    scale: the rows above are skipped (Huffman decoding alone, about 70% of
+    a whole decode's CPU).  False also for what libjpeg-turbo's window
+    decoder does not take (CMYK, unusual sampling): the CPU path then
+    decides.  A GPU decoder given such data leaves the pixels it could not
+    decode as they were in memory, where libjpeg fills them gray."""
+    if _ext is not None:
+        rows = -(-int(height) // 8)
+        try:
+            _ext.decode(raw, 8, rows - 1, 0, 1, 1)
+        except ValueError:
+            return False
+        return True
+    if _sj is not None:
+        try:
+            _sj.decode_jpeg(raw, colorspace="RGB", min_height=-(-int(height) // 8),
+                            min_width=-(-int(width) // 8))
+        except Exception:  # noqa: BLE001 - simplejpeg raises on libjpeg's corrupt-data warnings too
+            return False
+        return True
+    return False
+
+
 def decode_rgb_crop(raw, box: tuple[int, int, int, int], scale: int = 1,
                     size: tuple[int, int] | None = None) -> tuple[np.ndarray, tuple]:
     """Decode what is needed of ``box`` = (top, left, h, w), a box of the full-size

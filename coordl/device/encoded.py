@@ -12,7 +12,8 @@ from its own generator with the CPU path's draws in the CPU path's order
 fields in place of the image; the compressed bytes travel beside the batch
 (the engine packs them into a shared-memory slot, ``BatchStats.device_blob``).
 A sample the device decoder cannot take (not a JPEG, a header that does not
-parse, CMYK/YCCK, no end-of-image marker) is prepared here on the CPU path
+parse, CMYK/YCCK, no end-of-image marker; with ``COORDL_DEVICE_CHECK_DATA``,
+entropy-coded data libjpeg-turbo finds short or corrupt) is prepared here on the CPU path
 (the fused decode, same draws) up to the uint8 image ``ToTensor`` would
 scale, and its record says so (``ON_CPU``); so is an image the dataset's
 prep decoded itself (``transform(img)`` rather than ``from_bytes``), and
@@ -71,6 +72,9 @@ class DecodePlan:
         # the share of the samples the workers decode on the CPU path beside the device's decoder
         # (COORDL_DEVICE_DECODER's "workers", coordl.device.decoders.cpu_share); set by the loader
         self.cpu_share = 0.0
+        # COORDL_DEVICE_CHECK_DATA (coordl.device.decoders.check_data): each JPEG's entropy-coded data read
+        # through libjpeg-turbo first; set by the loader
+        self.check_data = False
 
     def on_cpu(self, index: int) -> bool:
         """Sample ``index`` is one the workers decode on the CPU path
@@ -246,6 +250,9 @@ class EncodedCompose:
             return self._on_cpu(decode_and_apply(self.plan.prefix, raw), cap)
         height, width = int(hdr[0]), int(hdr[1])
         jpeg.check_pixels((height, width))        # PIL's limit, before any pixel exists, as the CPU path
+        if self.plan.check_data and not jpeg.entropy_data_complete(raw, height, width):
+            # data that ends early or is corrupt: the GPU would leave part of the image undefined
+            return self._on_cpu(decode_and_apply(self.plan.prefix, raw), cap)
         geometry = self.plan.draw(height, width, _rng.current())
         return _capture([ON_DEVICE, height, width, *geometry], raw, cap)
 

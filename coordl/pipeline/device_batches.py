@@ -314,6 +314,7 @@ class BatchReads:
             jpeg.check_pixels, _rng.derive
         draw = self.plan.draw
         cpu_share, on_cpu = self.plan.cpu_share, self.plan.on_cpu
+        checked, complete = self.plan.check_data, jpeg.entropy_data_complete
         seed, epoch = eng.seed, eng.epoch
         n, indices, st, slots = b.n, b.indices, b.stats, eng.slots
         clock = time.perf_counter
@@ -350,24 +351,25 @@ class BatchReads:
                         if hdr is not None and hdr[2] in fast and eoi(raw):
                             h, w = int(hdr[0]), int(hdr[1])
                             check_pixels((h, w))
-                            if fixed is not None:      # nothing random: the geometry is the size's
-                                geo = fixed.get((h, w))
-                                if geo is None:
-                                    if len(fixed) >= 4096:    # a few thousand sizes at most are kept
-                                        fixed.clear()
-                                    geo = fixed[(h, w)] = [ON_DEVICE, h, w, *draw(h, w, None)]
-                                rec[j, :CHANNELS - 1] = geo
-                            elif native is None:
-                                rec[j, :CHANNELS - 1] = [ON_DEVICE, h, w, *draw(h, w, derive(seed, epoch, i))]
-                            else:
-                                rec[j, :SRC_W + 1] = (ON_DEVICE, h, w)
-                                later.append(j)
-                            rec[j, CHANNELS - 1:] = (i, 3)
-                            lab[j] = self.targets[i]
-                            st.prep_s += clock() - t1
-                            st.samples += 1
-                            ok[j] = True
-                            continue
+                            if not checked or complete(raw, h, w):   # COORDL_DEVICE_CHECK_DATA
+                                if fixed is not None:      # nothing random: the geometry is the size's
+                                    geo = fixed.get((h, w))
+                                    if geo is None:
+                                        if len(fixed) >= 4096:    # a few thousand sizes at most are kept
+                                            fixed.clear()
+                                        geo = fixed[(h, w)] = [ON_DEVICE, h, w, *draw(h, w, None)]
+                                    rec[j, :CHANNELS - 1] = geo
+                                elif native is None:
+                                    rec[j, :CHANNELS - 1] = [ON_DEVICE, h, w, *draw(h, w, derive(seed, epoch, i))]
+                                else:
+                                    rec[j, :SRC_W + 1] = (ON_DEVICE, h, w)
+                                    later.append(j)
+                                rec[j, CHANNELS - 1:] = (i, 3)
+                                lab[j] = self.targets[i]
+                                st.prep_s += clock() - t1
+                                st.samples += 1
+                                ok[j] = True
+                                continue
                     except Exception:  # noqa: BLE001 - the per-sample path raises or handles it as it would
                         pass
                 data = raw.tobytes()
