@@ -17,7 +17,10 @@ the figures are the workers' own path, per image, in these settings:
   (``COORDL_DEVICE_DECODER``'s ``workers``), prepared whole on the CPU
   path, against ``the CPU path``: the same loader with ``decode="cpu"``:
   what a sample of the share costs a worker beside what it costs with the
-  CPU path.
+  CPU path;
+* ``data checked``: ``files`` with ``COORDL_DEVICE_CHECK_DATA=1``: each
+  JPEG's entropy-coded data read through libjpeg-turbo before it goes to
+  the device (what the check costs a worker).
 
 ``files`` and ``node cache`` run twice: with the batch path (a plain
 folder's batch read and recorded at once, ``coordl.pipeline.device_batches``,
@@ -44,7 +47,7 @@ import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SETTINGS = ("files", "files, per sample", "node cache", "node cache, per sample", "in memory", "workers' share",
-            "the CPU path")
+            "the CPU path", "data checked")
 
 _CHILD = r"""
 import json, sys, time
@@ -94,6 +97,9 @@ if setting == "in memory":
 if setting == "workers' share":        # (nearly) every sample the workers': prepared whole on the CPU path
     import os
     os.environ["COORDL_DEVICE_DECODER"] = "auto:0.000001+workers:1"
+if setting == "data checked":         # COORDL_DEVICE_CHECK_DATA: the entropy-coded data read first
+    import os
+    os.environ["COORDL_DEVICE_CHECK_DATA"] = "1"
 on_device = dict(device="cpu", decode="device") if setting != "the CPU path" else {{}}
 L = coordl.DataLoader(ds, batch_size=batch, seed=1, shuffle=True, num_workers=1, persistent_workers=True,
                       cache_size="4GiB" if setting == "node cache" else 0, **on_device)

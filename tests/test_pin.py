@@ -215,3 +215,36 @@ print("OK", n)
 """
     r = run_in_child(code, timeout=120)
     assert r.returncode == 0 and "OK 800" in r.stdout, r.stderr[-3000:]
+
+
+@pytest.mark.parametrize("decode", ["device", "cpu"])
+def test_a_script_that_leaves_a_pass_mid_epoch_exits_cleanly(tmp_path, decode):
+    """A training script that breaks out of the loop and ends, the pass
+    still running: the interpreter's exit must not abort.  A daemon thread
+    still inside a torch call when the interpreter finalizes (the pin
+    thread's resize, the decode thread's decoder) ends the process with
+    "terminate called without an active exception" (exit 134) when it
+    takes the GIL back; coordl stops its threads before that."""
+    from coordl.synth import make_image_folder
+    from coordl.testing import run_in_child
+
+    root = make_image_folder(str(tmp_path / "photos"), num_images=192, num_classes=2, mean_kb=30,
+                             image_size=(320, 240), seed=2)
+    code = f"""
+import coordl
+from coordl import transforms as T
+from coordl.device import delivery as D
+D.CPU_TEST_DEVICE = True
+tf = T.Compose([T.RandomResizedCrop(224), T.RandomHorizontalFlip(), T.ToTensor(), T.Normalize([0.5] * 3, [0.25] * 3)])
+ds = coordl.ImageFolder({root!r}, tf)
+L = coordl.DataLoader(ds, batch_size=16, num_workers=1, persistent_workers=True, device="cpu", decode={decode!r},
+                      prefetch_factor=4)
+for k, b in enumerate(L):
+    if k == 3:
+        break
+print("OK")
+"""
+    for _ in range(3):
+        r = run_in_child(code, timeout=120)
+        assert r.returncode == 0 and "OK" in r.stdout and "terminate called" not in r.stderr, \
+            (r.returncode, r.stderr[-3000:])

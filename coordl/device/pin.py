@@ -19,8 +19,10 @@ single-process iterator does.
 """
 from __future__ import annotations
 
+import atexit
 import queue
 import threading
+import time
 import weakref
 
 import torch
@@ -30,6 +32,40 @@ __all__ = ["pin_batch", "PinThread", "PinInline", "StageInline", "accelerator_av
 
 _POLL = 1.0
 _STOP_WAIT = 10.0  # longest wait for the pin thread to leave the pool on shutdown
+_EXIT_WAIT = 2.0 * _POLL  # longest wait, at the interpreter's exit, for the running threads to stop
+
+# the pin and decode threads running now, each with its stop flag (added before it starts, removed as it ends)
+_running: dict = {}
+_running_lock = threading.Lock()
+
+
+def _stop_running_threads() -> None:
+    """At the interpreter's exit, before it finalizes: stop every pin and
+    decode thread still running a pass (a script that left its loop
+    mid-epoch) and wait for each to leave the call it is in.  A daemon
+    thread inside a torch call that released the GIL (a resize, a copy,
+    a decoder) would otherwise take the GIL back during finalization, be
+    ended there by Python, and the unwinding through torch's C++ frames
+    aborts the process ("terminate called without an active exception",
+    exit status 134).  A thread waiting on a queue or a pipe in Python is
+    harmless and may be left waiting past the bounded wait."""
+    with _running_lock:
+        running = list(_running.items())
+    for _, stop in running:
+        stop.set()
+    deadline = time.monotonic() + _EXIT_WAIT
+    for t, _ in running:
+        if t is not threading.current_thread():
+            t.join(max(0.0, deadline - time.monotonic()))
+
+
+# threading's exit hooks run before the interpreter joins its threads and before atexit's; atexit where
+# this Python lacks them
+_register = getattr(threading, "_register_atexit", None)
+if _register is not None:
+    _register(_stop_running_threads)
+else:  # pragma: no cover - CPython 3.9+ has threading._register_atexit
+    atexit.register(_stop_running_threads)
 
 
 def accelerator_available() -> bool:
@@ -126,6 +162,14 @@ class StageInline:
 
 
 def _pin_loop(inner, q: queue.Queue, stop: threading.Event, device_index, stage=_pin_envelope) -> None:
+    try:
+        _pin_batches(inner, q, stop, device_index, stage)
+    finally:
+        with _running_lock:
+            _running.pop(threading.current_thread(), None)
+
+
+def _pin_batches(inner, q: queue.Queue, stop: threading.Event, device_index, stage) -> None:
     if device_index is not None:  # pin for the device the consumer had selected
         set_device_index(device_index)
     while not stop.is_set():
@@ -136,6 +180,8 @@ def _pin_loop(inner, q: queue.Queue, stop: threading.Event, device_index, stage=
         except BaseException as e:  # forwarded in order; the pass decides what comes next
             item = ("error", e)
         else:
+            if stop.is_set():   # stopped while it waited: no new device or torch work (see _stop_running_threads)
+                return
             try:
                 item = ("data", stage(env, _note(env)))
             except BaseException as e:
@@ -173,6 +219,8 @@ class PinThread:
         self._thread = threading.Thread(target=_pin_loop,
                                         args=(inner, self._q, self._stop, index, stage or _pin_envelope),
                                         name=name, daemon=True)
+        with _running_lock:
+            _running[self._thread] = self._stop
         self._thread.start()
         # the finalizer only sets a flag; the pin thread acts on it
         self._final = weakref.finalize(self, self._stop.set)
