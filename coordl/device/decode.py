@@ -161,8 +161,15 @@ class DecodeStage:
         ready = [(k, r) for r in range(n) for k in range(m) if records[k][r][KIND] == ON_CPU]
         if ready:
             host = [_bytes(blob, offsets[r * m + k]).view(records[k][r][CHANNELS], oh, ow) for k, r in ready]
-            same = len({x.shape for x in host}) == 1
-            moved = torch.stack(host).to(self.device) if same else [x.to(self.device) for x in host]
+            if len({x.shape for x in host}) == 1:
+                # one copy: gathered into page-locked memory (torch's caching host allocator keeps the
+                # block until the copy ran), then moved asynchronously on this stream, so that the decode
+                # thread does not wait for a pageable transfer
+                pinned = self.device.type == "cuda"
+                gathered = torch.empty((len(host), *host[0].shape), dtype=torch.uint8, pin_memory=pinned)
+                moved = torch.stack(host, out=gathered).to(self.device, non_blocking=pinned)
+            else:
+                moved = [x.to(self.device) for x in host]
             for (k, r), x in zip(ready, moved):
                 out[k][r] = x       # uint8: its row's copy in finish() converts it
         del blob
