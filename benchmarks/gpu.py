@@ -31,7 +31,7 @@ one more row in ``JOB_ROWS`` for part (c)):
   with NVIDIA nvImageCodec decoding (``COORDL_DEVICE_DECODER=nvimgcodec``),
   at most 4 workers, where ``nvidia.nvimgcodec`` imports
   (``benchmarks/gpu_wheels.sh --nvimgcodec``);
-* ``coordl-decode-workers``: ``coordl-decode-device`` with the workers
+* ``coordl-decode-workers``: ``coordl-decode-block`` with the workers
   decoding a share of the samples on the CPU path beside the GPU's decoder,
   each worker weighing 1 against its 28
   (``COORDL_DEVICE_DECODER=torchvision:28+workers:1``: 15/43 of the samples
@@ -43,12 +43,16 @@ one more row in ``JOB_ROWS`` for part (c)):
   two threads
   (``COORDL_DEVICE_DECODER=torchvision:3+nvimgcodec-hybrid:2``), where
   ``nvidia.nvimgcodec`` imports;
-* ``coordl-decode-deep`` (part (b) only): ``coordl-decode-device`` with
+* ``coordl-decode-deep`` (part (b) only, when ``--loaders`` names it: the
+  third H200 run measured no gain, 89% of the ceiling against 90%):
+  ``coordl-decode-device`` with
   ``prefetch_factor=4``, four batches staged ahead of the training loop in
   place of two: whether the loop's waits in ``next()`` are the loader's
   bursts (its decoder calls slowed by the training kernels) rather than
   its rate;
-* ``coordl-decode-split-nv``: the same split with nvImageCodec's hardware
+* ``coordl-decode-split-nv`` (when ``--loaders`` names it, as the next
+  row: both were slower than nvJPEG alone at every worker count in the
+  third H200 run): the same split with nvImageCodec's hardware
   decoder in torchvision's place
   (``COORDL_DEVICE_DECODER=nvimgcodec-hw:3+nvimgcodec-hybrid:2``), part (a)
   only;
@@ -376,8 +380,8 @@ VARIANTS: list[Variant] = [
     Variant("coordl-decode-nvimgcodec", make_coordl_decoder("nvimgcodec"),
             'the same, NVIDIA nvImageCodec decoding (COORDL_DEVICE_DECODER=nvimgcodec)',
             nvimgcodec_unavailable, max_workers_a=4, in_b=False, default=False),
-    Variant("coordl-decode-workers", make_coordl_decoder(WORKERS_SPLIT),
-            f"the same as coordl-decode-device, the workers decoding a share of the samples on the CPU path, "
+    Variant("coordl-decode-workers", make_coordl_decoder(WORKERS_SPLIT, wait="block"),
+            f"the same as coordl-decode-block, the workers decoding a share of the samples on the CPU path, "
             f"which grows with them (COORDL_DEVICE_DECODER={WORKERS_SPLIT})",
             device_decode_unavailable, max_workers_b=4, min_workers_a=4),
     Variant("coordl-decode-split", make_coordl_decoder(SPLIT),
@@ -387,15 +391,15 @@ VARIANTS: list[Variant] = [
     Variant("coordl-decode-deep", functools.partial(make_coordl_device, decode="device", prefetch_factor=4),
             "the same as coordl-decode-device with prefetch_factor=4: four batches staged ahead of the training "
             "loop in place of two (whether the loop's waits are the loader's bursts)",
-            device_decode_unavailable, max_workers_b=4, in_a=False),
+            device_decode_unavailable, max_workers_b=4, in_a=False, default=False),
     Variant("coordl-decode-split-nv", make_coordl_decoder(SPLIT_NV),
             f"the same, each batch shared by nvImageCodec's hardware decoder and its hybrid decoder, each in a "
             f"thread of its own (COORDL_DEVICE_DECODER={SPLIT_NV})",
-            nvimgcodec_unavailable, in_b=False, min_workers_a=4),
+            nvimgcodec_unavailable, in_b=False, min_workers_a=4, default=False),
     Variant("coordl-decode-hw", make_coordl_decoder("nvimgcodec-hw"),
             "the same, nvImageCodec with the GPU's hardware JPEG decoder first "
             "(COORDL_DEVICE_DECODER=nvimgcodec-hw)",
-            nvimgcodec_unavailable, max_workers_a=4, in_b=False),
+            nvimgcodec_unavailable, max_workers_a=4, in_b=False, default=False),
 ]
 
 # Part (c): (row label, variant name, extra keyword arguments of its make()).

@@ -122,10 +122,10 @@ def test_gpu_smoke(tmp_path):
     if not dali["ran"]:
         assert "(d) DALI: skipped: " in text
     a = res["parts"]["a"]
+    # the rows run without --loaders (coordl-decode-deep, -split-nv and -hw only when named)
     names = ["torch", "coordl-import", "coordl-device", "dali", "coordl-decode-device", "coordl-decode-block",
-             "coordl-decode-workers", "coordl-decode-split", "coordl-decode-split-nv", "coordl-decode-hw"]
-    names_b = [n for n in names if n not in ("coordl-decode-split-nv", "coordl-decode-hw")]
-    names_b.insert(names_b.index("coordl-decode-split") + 1, "coordl-decode-deep")     # part (b) only
+             "coordl-decode-workers", "coordl-decode-split"]
+    names_b = list(names)
     assert list(a["rows"]) == names, a
     for name, by_workers in a["rows"].items():
         assert list(by_workers) == [str(w) for w in a["workers"]], by_workers
@@ -151,7 +151,7 @@ def test_gpu_smoke(tmp_path):
     assert b["ceiling"]["images_per_s"] > 0, b
     assert list(b["rows"]) == names_b, b
     assert all(b["rows"][n]["workers"] <= 4 for n in ("coordl-decode-device", "coordl-decode-split",
-                                                       "coordl-decode-workers", "coordl-decode-deep"))
+                                                       "coordl-decode-workers"))
     share = b["rows"]["coordl-decode-workers"]          # 2 workers at 28:1: 2/30 of the samples, by index
     assert 0 < share["on_cpu_share"] < 0.25, share
     assert b["rows"]["coordl-decode-device"]["on_cpu_share"] == 0.0, b["rows"]["coordl-decode-device"]
