@@ -36,6 +36,11 @@ one more row in ``JOB_ROWS`` for part (c)):
   each worker weighing 1 against its 28
   (``COORDL_DEVICE_DECODER=torchvision:28+workers:1``: 15/43 of the samples
   at 15 workers, 4/32 at 4);
+* ``coordl-decode-split-hw``: ``coordl-decode-block`` with each batch
+  shared by torchvision's nvJPEG and nvImageCodec's hardware decoder, half
+  each, in two threads (``COORDL_DEVICE_DECODER=torchvision:1+nvimgcodec-hw:1``),
+  where ``nvidia.nvimgcodec`` imports: whether two decoders feed the GPU's
+  JPEG engines beyond torchvision's call alone;
 * ``coordl-decode-split``: each batch shared by torchvision's nvJPEG (the
   hardware decoder) and nvImageCodec's hybrid decoder (Huffman decoding in
   its CPU threads, as many as the row's workers unless
@@ -359,6 +364,10 @@ SPLIT = "torchvision:3+nvimgcodec-hybrid:2"
 #: its work on the loader's own (higher-priority) stream
 SPLIT_NV = "nvimgcodec-hw:3+nvimgcodec-hybrid:2"
 
+#: torchvision's nvJPEG beside nvImageCodec's hardware decoder, half each: two decoders feeding the GPU's
+#: JPEG engines at once (torchvision's call, one at a time in the process, alone delivered 15,800
+#: images/s on the H200, under the 18,400-21,700 that 1.2x DALI at 8-15 threads asks)
+SPLIT_HW = "torchvision:1+nvimgcodec-hw:1"
 #: torchvision's nvJPEG beside the loader's workers decoding a share on the CPU path, each worker
 #: weighing 1 against the GPU decoder's 28 (about one worker's CPU-path images/s against the decode
 #: thread's, from the H200 runs): 15/43 of the samples at 15 workers, 4/32 at 4
@@ -384,6 +393,10 @@ VARIANTS: list[Variant] = [
             f"the same as coordl-decode-block, the workers decoding a share of the samples on the CPU path, "
             f"which grows with them (COORDL_DEVICE_DECODER={WORKERS_SPLIT})",
             device_decode_unavailable, max_workers_b=4, min_workers_a=4),
+    Variant("coordl-decode-split-hw", make_coordl_decoder(SPLIT_HW, wait="block"),
+            f"the same as coordl-decode-block, each batch shared by torchvision's nvJPEG and nvImageCodec's "
+            f"hardware decoder, each in a thread of its own (COORDL_DEVICE_DECODER={SPLIT_HW})",
+            nvimgcodec_unavailable, max_workers_b=4, min_workers_a=4),
     Variant("coordl-decode-split", make_coordl_decoder(SPLIT),
             f"the same, each batch shared by torchvision's nvJPEG (the hardware decoder) and nvImageCodec's "
             f"hybrid decoder, each in a thread of its own (COORDL_DEVICE_DECODER={SPLIT})",
