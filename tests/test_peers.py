@@ -312,10 +312,13 @@ def test_a_node_daemon_killed_serves_again_within_one_timeout_from_the_same_addr
     within about one timeout, in the very next epoch (it was read from
     storage for that whole epoch), and from its next pass on a new daemon
     serves everything from the same address (one run checks both: each
-    run costs two ranks, two daemons and their workers)."""
+    run costs two ranks, two daemons and their workers).  An epoch lasts
+    about twice the peer timeout (8 batches, 0.6 s each), so that the
+    recovery has room on a loaded machine (at 0.4 s it missed epoch 1
+    once in a full parallel run on 2 vCPUs)."""
     env = {"COORDL_RUN_DIR": str(tmp_path / "run")}
     os.makedirs(env["COORDL_RUN_DIR"], mode=0o700)
-    c = Cluster(tmp_path, data, world=2, per_node=1, epochs=4, share=1, env=env, sleep=0.4,
+    c = Cluster(tmp_path, data, world=2, per_node=1, epochs=4, share=1, env=env, sleep=0.6,
                 rank_opts={1: {"kill_daemon_after": 0}})
     try:
         c.finish()
