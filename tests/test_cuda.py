@@ -496,6 +496,38 @@ def test_checked_data_gives_a_corrupt_jpeg_the_cpu_paths_pixels_on_the_gpu(mixed
 
 
 @needs_cuda
+@pytest.mark.parametrize("decoder", ["torchvision", "torchvision+torchvision:2"])
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_lagging_copy_stream_never_reads_the_next_images(mixed_jpegs, monkeypatch, decoder, workers):
+    """Each image's geometry queued behind GPU work on the copy stream (as
+    behind a training step's kernels), each image a chunk of its own
+    (BUDGET), the decode thread a batch ahead: the decoder's next images
+    must never land in memory whose geometry has not run yet.  torchvision
+    allocates on the current stream and writes on a stream of its own, so
+    a block freed with its geometry still queued could be handed to it."""
+    from coordl.device import decode as DD
+
+    monkeypatch.setenv("COORDL_DEVICE_GEOMETRY", "per-image")
+    monkeypatch.setenv("COORDL_DEVICE_CHECK_DATA", "1")
+    monkeypatch.setenv("COORDL_DEVICE_DECODER", decoder)
+    ds = coordl.ImageFolder(mixed_jpegs, _decode_pipeline("train"))
+    kw = dict(batch_size=6, seed=8, shuffle=True, num_workers=workers, device="cuda", decode="device")
+    want = [(x.cpu(), y.cpu()) for x, y in coordl.DataLoader(ds, **kw)]
+    orig = DD.DecodeStage._geometry
+
+    def lagging(self, img, rec, into=None):
+        torch.cuda._sleep(20_000_000)       # some milliseconds of GPU time ahead of this image's geometry
+        return orig(self, img, rec, into=into)
+
+    monkeypatch.setattr(DD.DecodeStage, "_geometry", lagging)
+    monkeypatch.setattr(DD, "BUDGET", 1)     # one image per decoder call: the next call comes at once
+    got = [(x.cpu(), y.cpu()) for x, y in coordl.DataLoader(ds, **kw)]
+    assert len(got) == len(want)
+    for k, ((a, y), (b, y2)) in enumerate(zip(want, got)):
+        assert torch.equal(y, y2) and torch.equal(a, b), f"batch {k}"
+
+
+@needs_cuda
 @pytest.mark.parametrize("workers", [0, 2])
 def test_decoders_sharing_a_batch_on_their_own_streams_give_one_decoders_batches(mixed_jpegs, monkeypatch, workers):
     """Three torchvision decoders sharing each batch, two of them in

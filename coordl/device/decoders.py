@@ -89,8 +89,34 @@ class TorchvisionDecoder:
         self.device = device
         self._decode = decode_jpeg
         self._mode = ImageReadMode.RGB
+        self._stream = None     # made at the first call on CUDA (nothing initializes CUDA at construction)
 
     def decode(self, streams: list) -> list:
+        """The images of ``streams`` (or the exception for one), usable on
+        the caller's current stream.  torchvision allocates its images on
+        the current stream and writes them on a stream of its own, without
+        waiting for the current stream's queued work: a block freed there
+        by images whose geometry is still queued (the stage runs a batch
+        ahead; a training step can hold the copy stream's kernels back)
+        could be handed to the decoder and overwritten under them.  So the
+        call runs with a stream of this decoder's own current, which only
+        the decoder allocates from; the caller's stream waits for it, and
+        each image is recorded on the caller's stream, so that its block
+        is reused only after the caller's work on it ran."""
+        if self.device.type != "cuda":
+            return self._decode_all(streams)
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(self.device)
+        cur = torch.cuda.current_stream(self.device)
+        with torch.cuda.stream(self._stream):
+            out = self._decode_all(streams)
+        cur.wait_stream(self._stream)
+        for img in out:
+            if isinstance(img, torch.Tensor):
+                img.record_stream(cur)
+        return out
+
+    def _decode_all(self, streams: list) -> list:
         try:
             return list(self._decode(streams, mode=self._mode, device=self.device))
         except RuntimeError as e:
@@ -108,7 +134,7 @@ class TorchvisionDecoder:
         pass
 
     def release(self) -> list:
-        return []     # torch's tensors, made on the caller's stream: their reuse is stream-ordered
+        return []     # torch's tensors, recorded on the caller's stream: reused after the work on them ran
 
 
 class NvImageCodecDecoder:
