@@ -248,3 +248,36 @@ print("OK")
         r = run_in_child(code, timeout=120)
         assert r.returncode == 0 and "OK" in r.stdout and "terminate called" not in r.stderr, \
             (r.returncode, r.stderr[-3000:])
+
+
+def test_a_loader_in_a_thread_that_outlives_the_main_one_is_not_stopped(tmp_path):
+    """The stop at the interpreter's exit runs after Python has joined the
+    non-daemon threads: a training thread still iterating when the main
+    thread returns keeps its loader to the end of the pass."""
+    from coordl.synth import make_image_folder
+    from coordl.testing import run_in_child
+
+    root = make_image_folder(str(tmp_path / "photos"), num_images=64, num_classes=2, mean_kb=4,
+                             image_size=(64, 48), seed=3)
+    code = f"""
+import threading, time
+import coordl
+from coordl import transforms as T
+from coordl.device import delivery as D
+D.CPU_TEST_DEVICE = True
+ds = coordl.ImageFolder({root!r}, T.Compose([T.RandomResizedCrop(32), T.ToTensor()]))
+L = coordl.DataLoader(ds, batch_size=8, num_workers=1, device="cpu", decode="device")
+seen = []
+
+def train():
+    for b in L:
+        seen.append(len(b[1]))
+        time.sleep(0.2)
+    print("BATCHES", len(seen), flush=True)
+
+t = threading.Thread(target=train)
+t.start()
+time.sleep(0.3)      # the pass is running; the main thread returns now
+"""
+    r = run_in_child(code, timeout=120)
+    assert r.returncode == 0 and "BATCHES 8" in r.stdout, (r.returncode, r.stdout[-500:], r.stderr[-3000:])

@@ -59,12 +59,22 @@ def _stop_running_threads() -> None:
             t.join(max(0.0, deadline - time.monotonic()))
 
 
-# threading's exit hooks run before the interpreter joins its threads and before atexit's; atexit where
-# this Python lacks them
-_register = getattr(threading, "_register_atexit", None)
-if _register is not None:
-    _register(_stop_running_threads)
-else:  # pragma: no cover - CPython 3.9+ has threading._register_atexit
+_exit_hook = False
+
+
+def _ensure_exit_hook() -> None:
+    """Register :func:`_stop_running_threads` with ``atexit`` once, when the
+    first pin or decode thread starts.  atexit's handlers run after the
+    interpreter has joined the non-daemon threads (a training thread that
+    outlives the main one keeps its loader to the end) and before it
+    finalizes; and last-registered first, so this one runs before the
+    handlers coordl's modules registered at import (the node cache's), with
+    its threads stopped before what they read is torn down."""
+    global _exit_hook
+    with _running_lock:
+        if _exit_hook:
+            return
+        _exit_hook = True
     atexit.register(_stop_running_threads)
 
 
@@ -219,6 +229,7 @@ class PinThread:
         self._thread = threading.Thread(target=_pin_loop,
                                         args=(inner, self._q, self._stop, index, stage or _pin_envelope),
                                         name=name, daemon=True)
+        _ensure_exit_hook()
         with _running_lock:
             _running[self._thread] = self._stop
         self._thread.start()
