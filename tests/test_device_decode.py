@@ -321,6 +321,30 @@ def test_checked_data_sends_a_corrupt_jpeg_to_the_cpu_path(odd_files, cpu_device
     assert st.device_decode_cpu_images == 3 and st.device_decode_images == len(ds) - 3    # cmyk, png, corrupt
 
 
+@pytest.mark.parametrize("reader", ["extension", "simplejpeg"])
+def test_the_data_check_finds_data_that_ends_early(odd_files, monkeypatch, reader):
+    """entropy_data_complete: True for every whole JPEG of the folder
+    (baseline, grayscale, progressive), False for data cut short with its
+    end marker put back, through the crop extension or, without it,
+    simplejpeg."""
+    from coordl.decode import jpeg
+
+    if reader == "simplejpeg":
+        monkeypatch.setattr(jpeg, "_ext", None)
+    elif jpeg._ext is None:
+        pytest.skip("the crop extension is not built")
+    for path in _files(odd_files):
+        with open(path, "rb") as f:
+            raw = f.read()
+        hdr = jpeg._header(raw)
+        if hdr is None or hdr[2] not in jpeg._FAST_COLORSPACES:
+            continue                                    # the PNG and the CMYK JPEG never reach the check
+        want = not path.endswith("corrupt.jpg")
+        assert jpeg.entropy_data_complete(raw, hdr[0], hdr[1]) == want, path
+        if want:                                        # the same file cut in its data, the marker put back
+            assert not jpeg.entropy_data_complete(raw[:len(raw) // 2] + b"\xff\xd9", hdr[0], hdr[1]), path
+
+
 def test_the_data_check_setting_is_checked_at_construction(photos, cpu_device, monkeypatch):
     monkeypatch.setenv("COORDL_DEVICE_CHECK_DATA", "maybe")
     with pytest.raises(ValueError, match=r"COORDL_DEVICE_CHECK_DATA should be 1 .* but got "
