@@ -1,4 +1,5 @@
-"""``coordl`` command line: ``coordl demo``, ``coordl cache``, ``coordl daemon``, ``coordl analyze``, ``coordl version``."""
+"""``coordl`` command line: ``coordl demo``, ``coordl cache``, ``coordl daemon``, ``coordl analyze``,
+``coordl verify``, ``coordl version``."""
 from __future__ import annotations
 
 import argparse
@@ -142,6 +143,17 @@ def _cmd_version(args) -> int:
     return 0
 
 
+def _cmd_verify(args) -> int:
+    from .decode.verify import damaged_jpegs
+
+    found = 0
+    for path, why in damaged_jpegs(args.paths, threads=args.threads):
+        print(f"{path}: {why}")
+        found += 1
+    print(f"coordl verify: {found} damaged JPEG file{'s' if found != 1 else ''}", file=sys.stderr)
+    return 1 if found else 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="coordl", description="coordl data loader tools")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -186,6 +198,15 @@ def main(argv: list[str] | None = None) -> int:
     from .analyze.cli import add_parser as add_analyze_parser
 
     add_analyze_parser(sub)
+
+    vf = sub.add_parser("verify", help="list the JPEG files whose data ends early or is corrupt (a GPU decoder "
+                                       "would decode them only in part); exit status 1 when there are any",
+                        description="Reads every JPEG's entropy-coded data through libjpeg-turbo, as "
+                                    "COORDL_DEVICE_CHECK_DATA=1 has a decode='device' loader's workers do at every "
+                                    "epoch, once, and lists the damaged files.")
+    vf.add_argument("paths", nargs="+", help="folders (walked) or files")
+    vf.add_argument("--threads", type=int, default=None, help="threads reading (default: one per CPU)")
+    vf.set_defaults(func=_cmd_verify)
 
     v = sub.add_parser("version", help="print coordl's version")
     v.set_defaults(func=_cmd_version)

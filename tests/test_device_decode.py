@@ -345,6 +345,29 @@ def test_the_data_check_finds_data_that_ends_early(odd_files, monkeypatch, reade
             assert not jpeg.entropy_data_complete(raw[:len(raw) // 2] + b"\xff\xd9", hdr[0], hdr[1]), path
 
 
+def test_coordl_verify_lists_the_damaged_jpegs(odd_files, photos, tmp_path, capsys):
+    """``coordl verify``: the folder's JPEG whose data ends early is listed
+    (the check COORDL_DEVICE_CHECK_DATA runs), a copy cut short without
+    its end marker too, each with why; the PNG, the CMYK and the whole
+    JPEGs are not; exit status 1.  A folder of whole JPEGs: nothing, 0."""
+    import shutil
+
+    from coordl import cli
+    from coordl.decode.verify import CUT_SHORT, DAMAGED
+
+    root = tmp_path / "data"
+    shutil.copytree(odd_files, root)
+    whole = (root / "a" / "0.jpg").read_bytes()
+    (root / "a" / "cut.jpg").write_bytes(whole[:len(whole) // 2])
+    assert cli.main(["verify", str(root), "--threads", "2"]) == 1
+    out, err = capsys.readouterr()
+    assert out.splitlines() == [f"{root / 'a' / 'cut.jpg'}: {CUT_SHORT}", f"{root / 'odd' / 'corrupt.jpg'}: {DAMAGED}"]
+    assert "2 damaged JPEG files" in err
+    assert cli.main(["verify", photos]) == 0
+    out, err = capsys.readouterr()
+    assert out == "" and "0 damaged JPEG files" in err
+
+
 def test_the_data_check_setting_is_checked_at_construction(photos, cpu_device, monkeypatch):
     monkeypatch.setenv("COORDL_DEVICE_CHECK_DATA", "maybe")
     with pytest.raises(ValueError, match=r"COORDL_DEVICE_CHECK_DATA should be 1 .* but got "

@@ -21,6 +21,8 @@
   filters) and their argument checks;
 - ``loaders``: the folder datasets' path loaders and byte decoder
   (``read_bytes``, ``pil_decode``, ``pil_loader``, ``default_loader``).
+- ``verify``: ``coordl verify``, the JPEG files whose entropy-coded data
+  ends early or is corrupt (which a GPU decoder decodes only in part);
 - ``extensions``: what the three fronts share about their optional
   extension: loading it (None where it was not built) and running the
   check against the installed PIL once per process.
