@@ -16,6 +16,7 @@ truncated files).
 """
 from __future__ import annotations
 
+import collections
 import os
 from concurrent.futures import ThreadPoolExecutor
 from typing import Iterable, Iterator
@@ -65,7 +66,18 @@ def damaged_jpegs(roots: Iterable[str], threads: int | None = None) -> Iterator[
         except OSError as e:
             return path, f"cannot be read ({type(e).__name__}: {e})"
 
+    # a bounded window of files in flight (a dataset of a million files is not a million futures)
     with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="coordl-verify") as pool:
-        for path, why in pool.map(one, _files(roots), chunksize=16):
-            if why is not None:
-                yield path, why
+        window: collections.deque = collections.deque()
+        for path in _files(roots):
+            window.append(pool.submit(one, path))
+            if len(window) >= 4 * threads:
+                yield from _done(window.popleft())
+        while window:
+            yield from _done(window.popleft())
+
+
+def _done(future) -> Iterator[tuple[str, str]]:
+    path, why = future.result()
+    if why is not None:
+        yield path, why

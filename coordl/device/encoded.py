@@ -242,19 +242,17 @@ class EncodedCompose:
         if cap is None:
             return self.full.from_bytes(raw)
         _rng, jpeg, decode_and_apply = _lazy()
-        if self.plan.cpu_share and self.plan.on_cpu(cap[1]):     # the workers' share: the CPU path
-            return self._on_cpu(decode_and_apply(self.plan.prefix, raw), cap)
-        hdr = jpeg._header(raw)
-        if hdr is None or hdr[2] not in jpeg._FAST_COLORSPACES or not jpeg._ends_with_eoi(raw):
-            # not for the device decoder: the CPU path, its draws and its errors (PIL's)
-            return self._on_cpu(decode_and_apply(self.plan.prefix, raw), cap)
-        height, width = int(hdr[0]), int(hdr[1])
-        jpeg.check_pixels((height, width))        # PIL's limit, before any pixel exists, as the CPU path
-        if self.plan.check_data and not jpeg.entropy_data_complete(raw, height, width):
-            # data that ends early or is corrupt: the GPU would leave part of the image undefined
-            return self._on_cpu(decode_and_apply(self.plan.prefix, raw), cap)
-        geometry = self.plan.draw(height, width, _rng.current())
-        return _capture([ON_DEVICE, height, width, *geometry], raw, cap)
+        plan = self.plan
+        hdr = None if plan.cpu_share and plan.on_cpu(cap[1]) else jpeg._header(raw)   # the share: the CPU path
+        if hdr is not None and hdr[2] in jpeg._FAST_COLORSPACES and jpeg._ends_with_eoi(raw):
+            height, width = int(hdr[0]), int(hdr[1])
+            jpeg.check_pixels((height, width))        # PIL's limit, before any pixel exists, as the CPU path
+            # COORDL_DEVICE_CHECK_DATA: data that ends early or is corrupt, which a GPU decoder decodes in part
+            if not plan.check_data or jpeg.entropy_data_complete(raw, height, width):
+                geometry = plan.draw(height, width, _rng.current())
+                return _capture([ON_DEVICE, height, width, *geometry], raw, cap)
+        # not for the device decoder: the CPU path, its draws and its errors (PIL's)
+        return self._on_cpu(decode_and_apply(plan.prefix, raw), cap)
 
     def _on_cpu(self, x, cap):
         oh, ow = self.plan.size

@@ -345,33 +345,35 @@ class BatchReads:
             if err is None:
                 st.record_read(source, size if data is None else len(data))
             if data is None and err is None:
-                if not (cpu_share and on_cpu(i)):     # the workers' share of the CPU path: below, as a fallback
-                    try:
-                        hdr = header(raw)
-                        if hdr is not None and hdr[2] in fast and eoi(raw):
-                            h, w = int(hdr[0]), int(hdr[1])
-                            check_pixels((h, w))
-                            if not checked or complete(raw, h, w):   # COORDL_DEVICE_CHECK_DATA
-                                if fixed is not None:      # nothing random: the geometry is the size's
-                                    geo = fixed.get((h, w))
-                                    if geo is None:
-                                        if len(fixed) >= 4096:    # a few thousand sizes at most are kept
-                                            fixed.clear()
-                                        geo = fixed[(h, w)] = [ON_DEVICE, h, w, *draw(h, w, None)]
-                                    rec[j, :CHANNELS - 1] = geo
-                                elif native is None:
-                                    rec[j, :CHANNELS - 1] = [ON_DEVICE, h, w, *draw(h, w, derive(seed, epoch, i))]
-                                else:
-                                    rec[j, :SRC_W + 1] = (ON_DEVICE, h, w)
-                                    later.append(j)
-                                rec[j, CHANNELS - 1:] = (i, 3)
-                                lab[j] = self.targets[i]
-                                st.prep_s += clock() - t1
-                                st.samples += 1
-                                ok[j] = True
-                                continue
-                    except Exception:  # noqa: BLE001 - the per-sample path raises or handles it as it would
-                        pass
+                try:
+                    # the workers' share: the CPU path, below, as a fallback
+                    hdr = None if cpu_share and on_cpu(i) else header(raw)
+                    fits = hdr is not None and hdr[2] in fast and eoi(raw)
+                    if fits:
+                        h, w = int(hdr[0]), int(hdr[1])
+                        check_pixels((h, w))
+                        fits = not checked or complete(raw, h, w)      # COORDL_DEVICE_CHECK_DATA
+                    if fits:
+                        if fixed is not None:      # nothing random: the geometry is the size's
+                            geo = fixed.get((h, w))
+                            if geo is None:
+                                if len(fixed) >= 4096:    # a few thousand sizes at most are kept
+                                    fixed.clear()
+                                geo = fixed[(h, w)] = [ON_DEVICE, h, w, *draw(h, w, None)]
+                            rec[j, :CHANNELS - 1] = geo
+                        elif native is None:
+                            rec[j, :CHANNELS - 1] = [ON_DEVICE, h, w, *draw(h, w, derive(seed, epoch, i))]
+                        else:
+                            rec[j, :SRC_W + 1] = (ON_DEVICE, h, w)
+                            later.append(j)
+                        rec[j, CHANNELS - 1:] = (i, 3)
+                        lab[j] = self.targets[i]
+                        st.prep_s += clock() - t1
+                        st.samples += 1
+                        ok[j] = True
+                        continue
+                except Exception:  # noqa: BLE001 - the per-sample path raises or handles it as it would
+                    pass
                 data = raw.tobytes()
             # the per-sample path: the dataset's prep (the CPU decode, its errors, on_error)
             try:
