@@ -105,6 +105,49 @@ def test_device_decoders_quick(tmp_path):
     assert all("skipped" in r or "pixels" in r for r in rows.values()), rows
 
 
+def test_device_decoders_count_only_decoded_images_and_compare_chw_images():
+    """A variant that returns None for some images is credited only with
+    those it decoded, and a decoder whose images are (3, H, W) (torchvision's)
+    has its pixels compared, not skipped as another shape."""
+    import importlib.util
+    import io
+
+    import numpy as np
+    import torch
+    from PIL import Image
+
+    spec = importlib.util.spec_from_file_location("devdec", os.path.join(BENCH, "device_decoders.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    blobs = []
+    for k in range(4):
+        buf = io.BytesIO()
+        Image.fromarray(np.random.default_rng(k).integers(0, 255, (24, 32, 3), dtype=np.uint8)).save(buf, "JPEG")
+        blobs.append(buf.getvalue())
+    refs = {"pil": [np.asarray(Image.open(io.BytesIO(b)).convert("RGB")) for b in blobs]}
+
+    class Chw(mod._PIL):
+        chw = True
+
+        def decode(self, blobs):
+            return [torch.from_numpy(a.copy()).permute(2, 0, 1) for a in super().decode(blobs)]
+
+    class Half(mod._PIL):
+        def decode(self, blobs):
+            return [a if k % 2 == 0 else None for k, a in enumerate(super().decode(blobs))]
+
+    cpu = torch.device("cpu")
+    px = mod.fidelity(Chw, cpu, blobs, refs)
+    assert px["pil"] == {"max": 0, "mean": 0.0, "other_shape": 0, "compared": 4}, px
+    half = mod.fidelity(Half, cpu, blobs, refs)
+    assert half["undecoded"] == 2 and half["pil"]["compared"] == 2, half
+    r = mod.throughput(Half, cpu, blobs, batch=4, seconds=0.05, threads=1)
+    assert r["images"] > 0 and r["undecoded"] == r["images"], r     # two of every four
+    none = mod.throughput(type("Nothing", (mod._PIL,), {"decode": lambda self, b: [None] * len(b)}),
+                          cpu, blobs, batch=4, seconds=0.05, threads=1)
+    assert "no image decoded" in none["error"], none
+
+
 def test_device_workers_quick(tmp_path):
     """device_workers.py: the workers' CPU per image in decode="device" from
     files, the node cache and memory, with the batch path and the per-sample
