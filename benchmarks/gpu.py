@@ -33,9 +33,9 @@ one more row in ``JOB_ROWS`` for part (c)):
   (``benchmarks/gpu_wheels.sh --nvimgcodec``);
 * ``coordl-decode-workers``: ``coordl-decode-block`` with the workers
   decoding a share of the samples on the CPU path beside the GPU's decoder,
-  each worker weighing 1 against its 28
-  (``COORDL_DEVICE_DECODER=torchvision:28+workers:1``: 15/43 of the samples
-  at 15 workers, 4/32 at 4);
+  each worker weighing 1 against its 39
+  (``COORDL_DEVICE_DECODER=torchvision:39+workers:1``: 15/54 of the samples
+  at 15 workers, 8/47 at 8, 4/43 at 4);
 * ``coordl-decode-split-hw``: ``coordl-decode-block`` with each batch
   shared by torchvision's nvJPEG and nvImageCodec's hardware decoder, half
   each, in two threads (``COORDL_DEVICE_DECODER=torchvision:1+nvimgcodec-hw:1``),
@@ -369,9 +369,12 @@ SPLIT_NV = "nvimgcodec-hw:3+nvimgcodec-hybrid:2"
 #: images/s on the H200, under the 18,400-21,700 that 1.2x DALI at 8-15 threads asks)
 SPLIT_HW = "torchvision:1+nvimgcodec-hw:1"
 #: torchvision's nvJPEG beside the loader's workers decoding a share on the CPU path, each worker
-#: weighing 1 against the GPU decoder's 28 (about one worker's CPU-path images/s against the decode
-#: thread's, from the H200 runs): 15/43 of the samples at 15 workers, 4/32 at 4
-WORKERS_SPLIT = "torchvision:28+workers:1"
+#: weighing 1 against the GPU decoder's 39: the third H200 run's torchvision call alone (15,800
+#: images/s, the decoders step) over one worker's CPU-path images/s (6,077 from 15 workers, part (a)),
+#: so both are busy when the decode thread is the call; 15/54 of the samples at 15 workers, 8/47 at 8,
+#: 4/43 at 4 (28:1 before, from the second run's 9,279 images/s of the whole stage: 35% at 15 workers,
+#: more than 15 workers' CPU could prepare at the rate the GPU's share asked)
+WORKERS_SPLIT = "torchvision:39+workers:1"
 
 # Rows of parts (a) and (b), in order: the least telling last, as --budget skips from the end.  A coordl
 # option is one more entry (make_coordl_device passes keyword arguments on to coordl.DataLoader).

@@ -152,7 +152,7 @@ def test_gpu_smoke(tmp_path):
     assert list(b["rows"]) == names_b, b
     assert all(b["rows"][n]["workers"] <= 4 for n in ("coordl-decode-device", "coordl-decode-split",
                                                        "coordl-decode-workers"))
-    share = b["rows"]["coordl-decode-workers"]          # 2 workers at 28:1: 2/30 of the samples, by index
+    share = b["rows"]["coordl-decode-workers"]          # 2 workers at 39:1: 2/41 of the samples, by index
     assert 0 < share["on_cpu_share"] < 0.25, share
     assert b["rows"]["coordl-decode-device"]["on_cpu_share"] == 0.0, b["rows"]["coordl-decode-device"]
     for name, r in b["rows"].items():

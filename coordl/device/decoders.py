@@ -269,7 +269,7 @@ def decoder_spec(text: str | None = None) -> list:
     if WORKERS in named and (named.count(WORKERS) > 1 or len(named) == 1):
         raise ValueError(
             f'{_ENV}: "workers" (the loader\'s workers decoding a share of the samples on the CPU) comes once, '
-            f'beside a device decoder, e.g. "torchvision:28+workers:1"; for the workers to decode every sample '
+            f'beside a device decoder, e.g. "torchvision:39+workers:1"; for the workers to decode every sample '
             f'use decode="cpu"; but got {_ENV}={raw!r}')
     return parts
 
@@ -278,8 +278,8 @@ def cpu_share(num_workers: int, spec: list | None = None) -> float:
     """The share of the samples the loader's workers decode on the CPU path
     (``COORDL_DEVICE_DECODER``'s ``workers:w``): each worker weighs ``w``
     against the device decoders' weights, so that the share grows with the
-    workers, as the CPU's capacity does: ``torchvision:28+workers:1`` gives
-    15 workers 15/43 of the samples and 4 workers 4/32.  0 without
+    workers, as the CPU's capacity does: ``torchvision:39+workers:1`` gives
+    15 workers 15/54 of the samples and 4 workers 4/43.  0 without
     ``workers`` or without workers (``num_workers=0``: the main process's
     time is the device stage's)."""
     spec = decoder_spec() if spec is None else spec
