@@ -74,7 +74,13 @@ Parts:
 (b) a ResNet-50 training step (torchvision's ``resnet50``, bf16 autocast,
     channels_last, SGD, batch 256): images/s on synthetic data already on
     the GPU (the ceiling) and fed by each loader at 15 workers, as a
-    fraction of the ceiling;
+    fraction of the ceiling; the ceiling and the rows ``--profile-b`` names
+    (``coordl-device`` and ``coordl-decode-block``) then run
+    ``--profile-seconds`` more under torch.profiler: the device time per
+    image on each CUDA stream (the step's, the loader's), its costliest
+    kernels, and the share of the window any stream ran, so that a step
+    below its ceiling shows whether its own kernels ran longer beside the
+    loader's or the GPU sat idle;
 (c) four ResNet-18 jobs training on the one GPU from the same folder,
     separate processes started together (3 workers each, batch 128):
     torch, coordl ``share=False``, coordl ``share=True``; images/s of each
@@ -555,6 +561,99 @@ def _decode_seconds(loader_stats: Callable | None) -> tuple:
     return st.device_decode_seconds, st.device_geometry_seconds
 
 
+def device_time_by_stream(events: list, window_s: float, images: int) -> dict:
+    """What the GPU ran over a profiled window, from a Chrome trace's events
+    (torch.profiler's): per CUDA stream, its kernels', copies' and fills'
+    device time per image and as a share of the window, and its three
+    costliest kernels; the busiest stream is named (a training step's); and
+    the share of the window in which any stream ran.  A step slowed beside a
+    loader shows here as more device time per image on the training stream
+    than alone (its kernels contend), or as the loader's streams' time."""
+    spans: dict = {}
+    for e in events:
+        if e.get("ph") != "X" or e.get("cat") not in ("kernel", "gpu_memcpy", "gpu_memset"):
+            continue
+        args = e.get("args") or {}
+        sid = args.get("stream")
+        if sid is None:
+            continue
+        spans.setdefault(str(sid), []).append((float(e["ts"]), float(e.get("dur", 0.0)), str(e.get("name", "?"))))
+    out: dict = {"window_s": round(window_s, 3), "images": images, "streams": {}}
+    if not spans or window_s <= 0 or not images:
+        return out
+    every = []
+    for sid, ev in spans.items():
+        total = sum(d for _, d, _ in ev)
+        by_name: dict = {}
+        for _, d, n in ev:
+            by_name[n] = by_name.get(n, 0.0) + d
+        top = sorted(by_name.items(), key=lambda kv: -kv[1])[:3]
+        out["streams"][sid] = {"us_per_image": round(total / images, 2),
+                               "share_of_window": round(total / 1e6 / window_s, 3), "ops": len(ev),
+                               "top": [[n[:80], round(d / images, 2)] for n, d in top]}
+        every.extend((t, t + d) for t, d, _ in ev)
+    out["busiest"] = max(out["streams"], key=lambda k: out["streams"][k]["us_per_image"])
+    every.sort()
+    busy, end = 0.0, None
+    for a, b in every:              # the union of every stream's intervals
+        if end is None or a > end:
+            busy += b - a
+            end = b
+        elif b > end:
+            busy += b - end
+            end = b
+    out["any_stream_busy_share"] = round(busy / 1e6 / window_s, 3)
+    return out
+
+
+def profile_steps(ctx: Ctx, batches: Iterator, step: Callable, seconds: float) -> dict:
+    """Training steps on ``batches`` for ``seconds`` under torch.profiler
+    (the device's activity where it is CUDA), summarized by
+    :func:`device_time_by_stream`."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if ctx.cuda else [])
+    _sync(ctx)
+    images = 0
+    with profile(activities=acts) as prof:
+        t0 = time.perf_counter()
+        while time.perf_counter() - t0 < seconds:
+            try:
+                x, y = next(batches)
+            except StopIteration:
+                break
+            step(x, y)
+            images += int(x.shape[0])
+        _sync(ctx)
+        win = time.perf_counter() - t0
+    fd, path = tempfile.mkstemp(suffix=".json", prefix="coordl-gpu-trace-")
+    os.close(fd)
+    try:
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            trace = json.load(f)
+    finally:
+        os.unlink(path)
+    events = trace.get("traceEvents", []) if isinstance(trace, dict) else trace
+    return device_time_by_stream(events, win, images)
+
+
+def _profile_line(p: dict | None) -> str:
+    if not p or not p.get("streams"):
+        return ""
+    busiest = p["busiest"]
+    parts = []
+    for sid, s in sorted(p["streams"].items(), key=lambda kv: -kv[1]["us_per_image"]):
+        tag = "the step's" if sid == busiest else "other"
+        top = "; ".join(f"{n} {us:.1f}" for n, us in s["top"][:2])
+        parts.append(f"stream {sid} ({tag}) {s['us_per_image']:.1f} us/image, {s['share_of_window']:.0%} "
+                     f"[{top}]")
+        if len(parts) == 4:
+            break
+    return (f"\n{'':22}GPU time (profiled {p['window_s']:.1f} s, any stream busy "
+            f"{p.get('any_stream_busy_share', 0):.0%}): " + " | ".join(parts))
+
+
 def _threads(r: dict) -> str:
     t = r.get("main_threads_cores") or {}
     return ", ".join(f"{k} {v:.2f}" for k, v in sorted(t.items(), key=lambda kv: -kv[1])) or "-"
@@ -587,9 +686,11 @@ def _thread_cpu(proc) -> dict:
 
 
 def run_variant(ctx: Ctx, v: Variant, workers: int, batch_size: int, warmup: int, seconds: float,
-                step: Callable | None = None) -> dict:
+                step: Callable | None = None, profile_seconds: float = 0.0) -> dict:
     """One measurement of one variant; an error is printed and returned as
-    ``{"error": ...}`` so that the other figures are kept."""
+    ``{"error": ...}`` so that the other figures are kept.  With
+    ``profile_seconds`` (and a ``step``), the same pass then runs that long
+    under the profiler (``row["profile"]``, :func:`profile_steps`)."""
     why = v.unavailable(ctx)
     if why:
         return {"skipped": why}
@@ -608,6 +709,11 @@ def run_variant(ctx: Ctx, v: Variant, workers: int, batch_size: int, warmup: int
         if isinstance(src, _RestoreWaits):   # the waits the row ran with (a driver may refuse to change them)
             from coordl.device import waits
             row["waits"] = waits.scheduling(src.ordinal)
+        if profile_seconds > 0 and step is not None:
+            try:
+                row["profile"] = profile_steps(ctx, gen, step, profile_seconds)
+            except Exception as e:  # noqa: BLE001 - the row's figures stand without it
+                row["profile"] = {"error": f"{type(e).__name__}: {e}"[:500]}
         return row
     except Exception as e:  # noqa: BLE001 - one failing loader must not lose the other figures
         print(f"  {v.name} at {workers} worker(s) failed:\n" + _indent(traceback.format_exc()), flush=True)
@@ -772,9 +878,25 @@ def _cost_a(seconds: float, workers: int) -> float:
 
 def _cost_b(args) -> float:
     """About how long part (b) takes: the ceiling and each of its rows (the
-    H200 runs: 66 s for seven at 4 s windows)."""
+    H200 runs: 66 s for seven at 4 s windows), and each profiled window
+    with its trace's export (a few seconds)."""
     rows = sum(1 for v in chosen(args) if v.in_b)
-    return (rows + 1) * (args.train_seconds + 5.5) + 5
+    profiled = len(profiled_b(args))
+    return (rows + 1) * (args.train_seconds + 5.5) + 5 + \
+        (profiled + 1 if profiled else 0) * (getattr(args, "profile_seconds", 0.0) + 4)
+
+
+#: part (b)'s rows profiled by default: the loader that feeds the step at 99% (the CPU decoding) and
+#: decode="device" at 93% (third H200 run): where the step's time goes beside each
+PROFILE_B = "coordl-device,coordl-decode-block"
+
+
+def profiled_b(args) -> list:
+    """The part (b) rows ``--profile-b`` names that run (none without a value)."""
+    names = [n.strip() for n in (getattr(args, "profile_b", "") or "").split(",") if n.strip()]
+    for n in names:
+        variant(n)      # an unknown name fails here, naming the known ones
+    return [v.name for v in chosen(args) if v.in_b and v.name in names]
 
 
 def plan_a(args, rows: list, start: float) -> tuple:
@@ -873,7 +995,14 @@ def part_b(args, ctx: Ctx, res: dict, save: Callable) -> None:
         save()
         return
     part["ceiling"] = ceiling
-    print(f"  synthetic (ceiling)  {ceiling['images_per_s']:,.0f} images/s", flush=True)
+    profiled = profiled_b(args)
+    if profiled:
+        try:
+            ceiling["profile"] = profile_steps(ctx, synthetic(ctx, args.train_batch_size), step, args.profile_seconds)
+        except Exception as e:  # noqa: BLE001 - the ceiling stands without it
+            ceiling["profile"] = {"error": f"{type(e).__name__}: {e}"[:500]}
+    print(f"  synthetic (ceiling)  {ceiling['images_per_s']:,.0f} images/s{_profile_line(ceiling.get('profile'))}",
+          flush=True)
     save()
     for v in chosen(args):
         if not v.in_b:
@@ -882,7 +1011,8 @@ def part_b(args, ctx: Ctx, res: dict, save: Callable) -> None:
         if out_of_time(args, args.train_seconds + 12):
             r = {"skipped": OUT_OF_TIME}
         else:
-            r = run_variant(ctx, v, wv, args.train_batch_size, args.warmup or wv + 2, args.train_seconds, step)
+            r = run_variant(ctx, v, wv, args.train_batch_size, args.warmup or wv + 2, args.train_seconds, step,
+                            profile_seconds=args.profile_seconds if v.name in profiled else 0.0)
         r["workers"] = wv
         if "images_per_s" in r and ceiling["images_per_s"] > 0:
             r["of_ceiling"] = round(r["images_per_s"] / ceiling["images_per_s"], 3)
@@ -891,7 +1021,7 @@ def part_b(args, ctx: Ctx, res: dict, save: Callable) -> None:
         print(f"  {v.name:<16} " + (why.splitlines()[0] if why else
               f"{_cell(r):>8} images/s  {_cell(r, 'of_ceiling', '{:.0%}'):>5} of the ceiling  "
               f"(waiting for batches {_cell(r, 'data_wait_share', '{:.0%}')} of the window; main process's "
-              f"threads, cores: {_threads(r)}){_where(r)}"), flush=True)
+              f"threads, cores: {_threads(r)}){_where(r)}{_profile_line(r.get('profile'))}"), flush=True)
         save()
     print_table(f"(b) {args.model_b}, batch {args.train_batch_size}, {w} workers", ["source", "images/s", "of ceiling"],
                 [["synthetic (ceiling)", _cell(ceiling), "100%"]]
@@ -1246,6 +1376,10 @@ def parse(argv=None):
     ap.add_argument("--train-workers", type=int, default=15, help="part (b)")
     ap.add_argument("--train-batch-size", type=int, default=256, help="part (b)")
     ap.add_argument("--train-seconds", type=float, default=5.0, help="part (b)")
+    ap.add_argument("--profile-b", default=PROFILE_B,
+                    help="part (b): rows run again under torch.profiler after their window, with the ceiling, "
+                         "comma-separated ('' for none): the device time per image on each CUDA stream")
+    ap.add_argument("--profile-seconds", type=float, default=1.0, help="part (b): each profiled window")
     ap.add_argument("--model-c", default="resnet18", help="part (c)")
     ap.add_argument("--jobs", type=int, default=4, help="part (c): jobs started together")
     ap.add_argument("--job-workers", type=int, default=3, help="part (c): workers per job")
@@ -1267,6 +1401,7 @@ def parse(argv=None):
         args.images, args.unique, args.classes, args.mean_kb, args.size = 2400, 16, 4, 6.0, 32
         args.workers, args.batch_size, args.seconds = [1, 2], 8, 0.3
         args.train_workers, args.train_batch_size, args.train_seconds = 2, 8, 0.3
+        args.profile_seconds = 0.2
         args.jobs, args.job_workers, args.job_batch_size, args.job_seconds = 2, 1, 8, 0.3
         args.job_timeout = 120.0
         if not cuda:

@@ -160,6 +160,11 @@ def test_gpu_smoke(tmp_path):
             continue
         assert "error" not in r and r["images_per_s"] > 0
         assert r["of_ceiling"] == pytest.approx(r["images_per_s"] / b["ceiling"]["images_per_s"], abs=1e-3)
+    # the ceiling and the rows --profile-b names ran again under the profiler (on a CPU: no device streams)
+    for p in (b["ceiling"]["profile"], b["rows"]["coordl-device"]["profile"],
+              b["rows"]["coordl-decode-block"]["profile"]):
+        assert "error" not in p and p["images"] > 0 and "streams" in p, p
+    assert "profile" not in b["rows"]["coordl-decode-device"]
     c = res["parts"]["c"]
     assert list(c["rows"]) == ["coordl share=True"], c   # --smoke runs the shared row alone
     for label, r in c["rows"].items():
@@ -184,6 +189,31 @@ def _gpu_module():
     finally:
         del sys.modules[spec.name]
     return gpu, spec
+
+
+def test_gpu_script_sums_device_time_by_stream_from_a_trace():
+    """Part (b)'s profile: each stream's kernels, copies and fills per image,
+    the busiest stream named, and the union of every stream's busy time
+    (overlaps counted once); CPU events and events without a stream left out."""
+    gpu, _ = _gpu_module()
+    ev = [
+        {"ph": "X", "cat": "kernel", "name": "conv", "ts": 0, "dur": 400, "args": {"stream": 7}},
+        {"ph": "X", "cat": "kernel", "name": "conv", "ts": 500, "dur": 300, "args": {"stream": 7}},
+        {"ph": "X", "cat": "kernel", "name": "bn", "ts": 900, "dur": 100, "args": {"stream": 7}},
+        {"ph": "X", "cat": "kernel", "name": "crop_resize", "ts": 300, "dur": 300, "args": {"stream": 13}},
+        {"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy HtoD", "ts": 2000, "dur": 100, "args": {"stream": 13}},
+        {"ph": "X", "cat": "cpu_op", "name": "aten::conv2d", "ts": 0, "dur": 5000, "args": {}},
+        {"ph": "X", "cat": "kernel", "name": "nostream", "ts": 0, "dur": 9000, "args": {}},
+        {"ph": "i", "cat": "kernel", "name": "instant", "ts": 0, "args": {"stream": 7}},
+    ]
+    p = gpu.device_time_by_stream(ev, window_s=0.01, images=10)
+    assert p["busiest"] == "7" and set(p["streams"]) == {"7", "13"}, p
+    s7, s13 = p["streams"]["7"], p["streams"]["13"]
+    assert s7["us_per_image"] == 80.0 and s7["ops"] == 3 and s7["top"][0] == ["conv", 70.0], s7
+    assert s13["us_per_image"] == 40.0 and s13["share_of_window"] == 0.04, s13
+    # busy: [0, 600) (conv and crop_resize overlap), [500, 800) joins it, [900, 1000), [2000, 2100) -> 1000 us
+    assert p["any_stream_busy_share"] == 0.1, p
+    assert gpu.device_time_by_stream([], 1.0, 5)["streams"] == {}
 
 
 def test_gpu_script_skips_what_does_not_fit_its_budget_saying_so(monkeypatch):
