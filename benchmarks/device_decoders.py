@@ -112,10 +112,12 @@ def _nvimgcodec(label: str, kind, fancy: bool, cpu_threads: int = 0):
     """An nvImageCodec variant: backend ``kind`` (a BackendKind name, or a
     tuple of them in order, each a name or (name, load hint): the fraction
     of each batch that backend takes, as DALI's ``hw_decoder_load``; None:
-    every backend, the library's choice), fancy upsampling or not."""
+    every backend, the library's choice); ``fancy``: True asks for libjpeg's
+    interpolated chroma upsampling, ``"plain"`` for plain upsampling, False
+    leaves the library's default."""
 
     class _Nv:
-        name = f"nvImageCodec {label}" + (", fancy upsampling" if fancy else "") + \
+        name = f"nvImageCodec {label}" + {True: ", fancy upsampling", "plain": ", plain upsampling"}.get(fancy, "") + \
             (f", {cpu_threads} CPU threads" if cpu_threads else "")
 
         def __init__(self, device):
@@ -126,7 +128,7 @@ def _nvimgcodec(label: str, kind, fancy: bool, cpu_threads: int = 0):
             if cpu and device.type == "cuda":
                 raise RuntimeError("measured on --device cpu")
             self.device, self._cpu, self._nv = device, cpu, nv
-            kw = {"options": ":fancy_upsampling=1" if fancy else ""}
+            kw = {"options": {True: ":fancy_upsampling=1", "plain": ":fancy_upsampling=0"}.get(fancy, "")}
             if kind is not None:
                 kinds = (kind,) if isinstance(kind, str) else kind
                 kw["backends"] = [nv.Backend(getattr(nv.BackendKind, k)) if isinstance(k, str) else
@@ -166,9 +168,9 @@ VARIANTS = [
     _blocking(_Torchvision),
     _nvimgcodec("hardware decoder first, then CUDA and hybrid (nvimgcodec-hw)", HW_FIRST, False),
     _blocking(_nvimgcodec("hardware decoder first, then CUDA and hybrid (nvimgcodec-hw)", HW_FIRST, False)),
-    # CUDA decoding without libjpeg's interpolated chroma (with it, the third H200 run's CUDA decoder
-    # decoded none of these files)
-    _nvimgcodec("CUDA decoder", "GPU_ONLY", False),
+    # CUDA decoding asked for plain chroma upsampling, as COORDL_DEVICE_DECODER=nvimgcodec-cuda asks (with
+    # libjpeg's interpolation the third H200 run's CUDA decoder decoded none of these files)
+    _nvimgcodec("CUDA decoder", "GPU_ONLY", "plain"),
     # DALI's mixed decoder: the hardware decoder takes a fixed share of each batch, the hybrid
     # decoder (Huffman in CPU threads) the rest, at once
     _nvimgcodec("hardware decoder 65%, hybrid the rest", (("HW_GPU_ONLY", 0.65), "HYBRID_CPU_GPU"), False,

@@ -27,6 +27,13 @@ one more row in ``JOB_ROWS`` for part (c)):
 * ``coordl-decode-block``: ``coordl-decode-device`` with the device's
   host waits blocking (``COORDL_CUDA_WAIT=block``: torchvision's call
   waits for the GPU asleep, not spinning), put back after the row;
+* ``coordl-decode-cuda``: ``coordl-decode-block`` with nvImageCodec's CUDA
+  decoder first (``COORDL_DEVICE_DECODER=nvimgcodec-cuda``: Huffman
+  decoding too on the GPU's cores, where torchvision's call and the
+  hardware decoder share the GPU's JPEG engines), part (a) only, where
+  ``nvidia.nvimgcodec`` imports; ``coordl-decode-split-cuda`` (only when
+  ``--loaders`` names it) shares each batch between torchvision's nvJPEG
+  and that decoder (``torchvision:1+nvimgcodec-cuda:2``);
 * ``coordl-decode-nvimgcodec`` (only when ``--loaders`` names it): the same
   with NVIDIA nvImageCodec decoding (``COORDL_DEVICE_DECODER=nvimgcodec``),
   at most 4 workers, where ``nvidia.nvimgcodec`` imports
@@ -374,6 +381,9 @@ SPLIT_NV = "nvimgcodec-hw:3+nvimgcodec-hybrid:2"
 #: JPEG engines at once (torchvision's call, one at a time in the process, alone delivered 15,800
 #: images/s on the H200, under the 18,400-21,700 that 1.2x DALI at 8-15 threads asks)
 SPLIT_HW = "torchvision:1+nvimgcodec-hw:1"
+#: torchvision's nvJPEG (the GPU's JPEG engines) beside nvImageCodec's CUDA decoder (its cores), one third
+#: and two thirds of each batch: whether the two kinds of decoding add up
+SPLIT_CUDA = "torchvision:1+nvimgcodec-cuda:2"
 #: torchvision's nvJPEG beside the loader's workers decoding a share on the CPU path, each worker
 #: weighing 1 against the GPU decoder's 39: the third H200 run's torchvision call alone (15,800
 #: images/s, the decoders step) over one worker's CPU-path images/s (6,077 from 15 workers, part (a)),
@@ -395,6 +405,10 @@ VARIANTS: list[Variant] = [
     Variant("coordl-decode-block", make_coordl_decoder("torchvision", wait="block"),
             'the same as coordl-decode-device, the host waits blocking (COORDL_CUDA_WAIT=block)',
             device_decode_unavailable, max_workers_b=4),
+    Variant("coordl-decode-cuda", make_coordl_decoder("nvimgcodec-cuda", wait="block"),
+            "the same as coordl-decode-block, nvImageCodec's CUDA decoder first (Huffman decoding too on the GPU's "
+            "cores, not its JPEG engines; COORDL_DEVICE_DECODER=nvimgcodec-cuda)",
+            nvimgcodec_unavailable, in_b=False),
     Variant("coordl-decode-nvimgcodec", make_coordl_decoder("nvimgcodec"),
             'the same, NVIDIA nvImageCodec decoding (COORDL_DEVICE_DECODER=nvimgcodec)',
             nvimgcodec_unavailable, max_workers_a=4, in_b=False, default=False),
@@ -414,6 +428,11 @@ VARIANTS: list[Variant] = [
             "the same as coordl-decode-device with prefetch_factor=4: four batches staged ahead of the training "
             "loop in place of two (whether the loop's waits are the loader's bursts)",
             device_decode_unavailable, max_workers_b=4, in_a=False, default=False),
+    Variant("coordl-decode-split-cuda", make_coordl_decoder(SPLIT_CUDA, wait="block"),
+            f"the same as coordl-decode-block, each batch shared by torchvision's nvJPEG (the JPEG engines) and "
+            f"nvImageCodec's CUDA decoder (the GPU's cores), each in a thread of its own "
+            f"(COORDL_DEVICE_DECODER={SPLIT_CUDA})",
+            nvimgcodec_unavailable, in_b=False, min_workers_a=4, default=False),
     Variant("coordl-decode-split-nv", make_coordl_decoder(SPLIT_NV),
             f"the same, each batch shared by nvImageCodec's hardware decoder and its hybrid decoder, each in a "
             f"thread of its own (COORDL_DEVICE_DECODER={SPLIT_NV})",

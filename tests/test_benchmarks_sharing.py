@@ -102,7 +102,8 @@ def test_peers_first_pass_and_connection_targets_tiny(tmp_path):
 
 #: gpu.py's rows that run only where nvidia.nvimgcodec imports (the decode="device" rows run on the CPU
 #: stand-in in --smoke, so that their plumbing is checked before a GPU run)
-NEEDS_NVIMGCODEC = ("coordl-decode-split-hw", "coordl-decode-split", "coordl-decode-split-nv", "coordl-decode-hw")
+NEEDS_NVIMGCODEC = ("coordl-decode-split-hw", "coordl-decode-split", "coordl-decode-split-nv", "coordl-decode-hw",
+                    "coordl-decode-cuda", "coordl-decode-split-cuda")
 
 
 @pytest.mark.timeout(600)
@@ -124,8 +125,8 @@ def test_gpu_smoke(tmp_path):
     a = res["parts"]["a"]
     # the rows run without --loaders (coordl-decode-deep, -split-nv and -hw only when named)
     names = ["torch", "coordl-import", "coordl-device", "dali", "coordl-decode-device", "coordl-decode-block",
-             "coordl-decode-workers", "coordl-decode-split-hw", "coordl-decode-split"]
-    names_b = list(names)
+             "coordl-decode-cuda", "coordl-decode-workers", "coordl-decode-split-hw", "coordl-decode-split"]
+    names_b = [n for n in names if n != "coordl-decode-cuda"]       # part (a) only
     assert list(a["rows"]) == names, a
     for name, by_workers in a["rows"].items():
         assert list(by_workers) == [str(w) for w in a["workers"]], by_workers

@@ -420,7 +420,7 @@ def _levels(a, b):
 
 @needs_cuda
 @pytest.mark.parametrize("decoder", ["torchvision", "nvimgcodec", "nvimgcodec-hw", "nvimgcodec-hybrid",
-                                     "torchvision:3+nvimgcodec-hybrid:2"])
+                                     "nvimgcodec-cuda", "torchvision:3+nvimgcodec-hybrid:2"])
 @pytest.mark.parametrize("workers", [0, 2])
 @pytest.mark.parametrize("kind", ["train", "eval"])
 def test_decode_on_the_gpu_is_the_cpu_path_within_the_documented_bound(mixed_jpegs, monkeypatch, decoder, workers,
@@ -464,8 +464,9 @@ def test_decode_on_the_gpu_is_the_cpu_path_within_the_documented_bound(mixed_jpe
     assert st.device_decode.startswith(("torchvision" if decoder.startswith("torchvision") else "nvImageCodec"))
     assert ("hardware decoder first" in st.device_decode) == ("-hw" in decoder)
     assert ("hybrid" in st.device_decode) == ("-hybrid" in decoder)
+    assert ("CUDA decoding first" in st.device_decode) == ("-cuda" in decoder)
     # CMYK and PNG are the workers'; the corrupt file may fall back, and the progressive one too where the
-    # decoder's backends (nvimgcodec-hw, -hybrid: no CPU backend inside nvImageCodec) do not take it
+    # decoder's backends (nvimgcodec-hw, -hybrid, -cuda: no CPU backend inside nvImageCodec) do not take it
     most = 3 if decoder in ("torchvision", "nvimgcodec") else 4
     assert 2 <= st.device_decode_cpu_images <= most
     assert st.device_decode_images + st.device_decode_cpu_images == len(ds)

@@ -642,7 +642,7 @@ def test_the_cuda_decoder_is_named_when_missing(monkeypatch):
         DD.decoder_for(torch.device("cuda"))
     monkeypatch.setenv("COORDL_DEVICE_DECODER", "pillow")
     with pytest.raises(ValueError, match=r'COORDL_DEVICE_DECODER should be one of "auto", "torchvision", '
-                                         r'"nvimgcodec", "nvimgcodec-hw" or "nvimgcodec-hybrid"'):
+                                         r'"nvimgcodec", "nvimgcodec-hw", "nvimgcodec-hybrid" or "nvimgcodec-cuda"'):
         DD.decoder_for(torch.device("cuda"))
 
 

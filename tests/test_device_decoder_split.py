@@ -73,8 +73,8 @@ def test_the_decoder_setting_is_read_as_names_and_weights(monkeypatch, text, wan
 def test_a_wrong_decoder_setting_names_the_grammar(monkeypatch, text):
     monkeypatch.setenv("COORDL_DEVICE_DECODER", text)
     with pytest.raises(ValueError, match=r'COORDL_DEVICE_DECODER should be one of "auto", "torchvision", '
-                                         r'"nvimgcodec", "nvimgcodec-hw" or "nvimgcodec-hybrid", or several of '
-                                         r'them joined by "\+"'):
+                                         r'"nvimgcodec", "nvimgcodec-hw", "nvimgcodec-hybrid" or "nvimgcodec-cuda", '
+                                         r'or several of them joined by "\+"'):
         DD.decoder_for(torch.device("cpu"))
 
 
@@ -89,7 +89,8 @@ def test_one_name_is_one_decoder_and_several_are_a_split(monkeypatch):
 
 @pytest.mark.parametrize("text,fancy", [
     ("auto", [False]), ("torchvision", [False]), ("nvimgcodec", [True]), ("nvimgcodec-hw", [True]),
-    ("torchvision:3+nvimgcodec-hybrid:2", [False, True]),
+    ("torchvision:3+nvimgcodec-hybrid:2", [False, True]), ("nvimgcodec-cuda", [False]),
+    ("nvimgcodec-hw+nvimgcodec-cuda", [True, False]),
 ])
 def test_the_stand_in_upsamples_chroma_as_the_decoder_it_stands_for(monkeypatch, text, fancy):
     """nvImageCodec interpolates chroma (every variant, measured on a GPU),

@@ -16,7 +16,9 @@ CPU; one call at a time in the process, each waiting for its stream),
 libjpeg's chroma upsampling; used by default only where torchvision's is
 missing), ``nvimgcodec-hw`` (nvImageCodec, the hardware decoder first),
 ``nvimgcodec-hybrid`` (nvImageCodec's hybrid decoder: Huffman decoding in
-its CPU threads, the rest on the GPU); several joined by ``+`` share each
+its CPU threads, the rest on the GPU), ``nvimgcodec-cuda`` (nvImageCodec's
+CUDA decoder first: Huffman decoding too on the GPU's cores, beside its
+hardware decoder's engines; plain chroma upsampling); several joined by ``+`` share each
 batch by weight, each in a thread of its own (:class:`DecoderSplit`).  On
 the CPU test device, :class:`HostDecoder` stands in for each
 (libjpeg-turbo with nvJPEG's plain chroma upsampling), so the same stage,
@@ -150,9 +152,9 @@ class NvImageCodecDecoder:
     name = "nvImageCodec"
 
     #: ``COORDL_DEVICE_DECODER`` names of nvImageCodec's configurations: (backends in order, or None for
-    #: the library's choice; label).  All of them interpolate chroma as libjpeg's "fancy" upsampling
-    #: does (measured on nvImageCodec 0.9 with an H200's hardware decoder: within 1 level of libjpeg's),
-    #: where torchvision's nvJPEG call upsamples plainly.
+    #: the library's choice; label).  All of them but ``nvimgcodec-cuda`` interpolate chroma as libjpeg's
+    #: "fancy" upsampling does (measured on nvImageCodec 0.9 with an H200's hardware decoder: within 1
+    #: level of libjpeg's), where torchvision's nvJPEG call upsamples plainly.
     VARIANTS = {
         "nvimgcodec": (None, ""),
         # the GPU's hardware JPEG decoder (A100, H100, H200), CUDA and hybrid decoding for what it does not take
@@ -160,7 +162,14 @@ class NvImageCodecDecoder:
         # Huffman decoding in nvImageCodec's CPU threads, the rest on the GPU: beside the hardware decoder,
         # the capacity the hardware decoder does not have (DALI's split)
         "nvimgcodec-hybrid": (("HYBRID_CPU_GPU", "GPU_ONLY"), " (hybrid: Huffman in its CPU threads)"),
+        # CUDA decoding first, Huffman codes included: the GPU's cores, not its JPEG engines, which the
+        # hardware decoder and torchvision's call keep busy (the third H200 run: about 15,800 images/s from
+        # them however many threads call); asked for plain chroma upsampling, as nvJPEG's CUDA decoder does
+        # (with libjpeg's interpolation the third run's CUDA decoder decoded none of its files)
+        "nvimgcodec-cuda": (("GPU_ONLY", "HW_GPU_ONLY", "HYBRID_CPU_GPU"), " (CUDA decoding first)"),
     }
+    #: the decoder options of a configuration (default: the library's chroma upsampling)
+    OPTIONS = {"nvimgcodec-cuda": ":fancy_upsampling=0"}
 
     def __init__(self, device: torch.device, variant: str = "nvimgcodec", cpu_threads: int = 0) -> None:
         """``variant``: a key of :attr:`VARIANTS` (the backends, in order);
@@ -179,7 +188,7 @@ class NvImageCodecDecoder:
             index = device.index if device.index is not None else torch.cuda.current_device()
             if kinds:
                 self._dec = nvimgcodec.Decoder(
-                    device_id=index, options="",
+                    device_id=index, options=self.OPTIONS.get(variant, ""),
                     backends=[nvimgcodec.Backend(getattr(nvimgcodec.BackendKind, k)) for k in kinds], **threads)
             else:
                 self._dec = nvimgcodec.Decoder(device_id=index, options=":fancy_upsampling=1", **threads)
@@ -237,7 +246,7 @@ def _rgb_params(nvimgcodec):
 #: the decoders COORDL_DEVICE_DECODER names (``auto``: torchvision's where it imports, else nvImageCodec's;
 #: ``workers``: the loader's worker processes, on the CPU path, beside a device decoder)
 WORKERS = "workers"
-DECODERS = ("auto", "torchvision", "nvimgcodec", "nvimgcodec-hw", "nvimgcodec-hybrid", WORKERS)
+DECODERS = ("auto", "torchvision", "nvimgcodec", "nvimgcodec-hw", "nvimgcodec-hybrid", "nvimgcodec-cuda", WORKERS)
 
 
 def decoder_spec(text: str | None = None) -> list:
@@ -259,9 +268,9 @@ def decoder_spec(text: str | None = None) -> list:
             w = -1.0
         if name not in DECODERS or not (0 < w < float("inf")):
             raise ValueError(
-                f'{_ENV} should be one of "auto", "torchvision", "nvimgcodec", "nvimgcodec-hw" or '
-                f'"nvimgcodec-hybrid", or several of them joined by "+", each with an optional ":weight" above 0 '
-                f'(its share of each batch, decoded in a thread of its own), e.g. '
+                f'{_ENV} should be one of "auto", "torchvision", "nvimgcodec", "nvimgcodec-hw", '
+                f'"nvimgcodec-hybrid" or "nvimgcodec-cuda", or several of them joined by "+", each with an '
+                f'optional ":weight" above 0 (its share of each batch, decoded in a thread of its own), e.g. '
                 f'"torchvision:3+nvimgcodec-hybrid:2", and "workers:weight" (each worker\'s weight) beside them '
                 f'for the workers to decode a share on the CPU; but got {_ENV}={raw!r}')
         parts.append((name, w))
@@ -332,7 +341,8 @@ def decoder_for(device: torch.device, cpu_threads: int = 0):
     (:func:`decoder_spec`): for CUDA, ``torchvision``, ``nvimgcodec``,
     ``nvimgcodec-hw`` (nvImageCodec with the hardware decoder first),
     ``nvimgcodec-hybrid`` (nvImageCodec's hybrid decoder: Huffman codes in
-    its CPU threads) or ``auto`` (torchvision's where it imports, else
+    its CPU threads), ``nvimgcodec-cuda`` (its CUDA decoder first) or
+    ``auto`` (torchvision's where it imports, else
     nvImageCodec's); several make a :class:`DecoderSplit`.  nvImageCodec's
     decoders use at most ``cpu_threads`` CPU threads each (0: one per
     core; :func:`decoder_threads`).  On the CPU (the test device) each named
@@ -348,12 +358,13 @@ def decoder_for(device: torch.device, cpu_threads: int = 0):
 
 def upsamples_fancy(name: str) -> bool:
     """Whether the decoder ``COORDL_DEVICE_DECODER`` names interpolates
-    chroma as libjpeg's "fancy" upsampling (nvImageCodec's, every variant)
-    rather than plainly (torchvision's nvJPEG call, and ``auto``, which is
-    torchvision's wherever a CUDA build of torchvision is): what the CPU
-    stand-in does in its place, so that a stand-in run gives the decoder's
-    pixels up to its arithmetic."""
-    return name.startswith("nvimgcodec")
+    chroma as libjpeg's "fancy" upsampling (nvImageCodec's, every variant
+    but ``nvimgcodec-cuda``, which asks for plain upsampling) rather than
+    plainly (torchvision's nvJPEG call, and ``auto``, which is torchvision's
+    wherever a CUDA build of torchvision is): what the CPU stand-in does in
+    its place, so that a stand-in run gives the decoder's pixels up to its
+    arithmetic."""
+    return name.startswith("nvimgcodec") and "fancy_upsampling=0" not in NvImageCodecDecoder.OPTIONS.get(name, "")
 
 
 def _one_decoder(want: str, device: torch.device, cpu_threads: int = 0):
