@@ -13,6 +13,12 @@ each apart, on the batches a real pass hands the stage:
   for a plan the kernel serves, also with the kernel's launch a no-op (the
   host's own work on its path: gathering the images, the parameters, the
   rounding, mirror and tail; on the CPU those run on the CPU too);
+* on a GPU, ``finish`` on the GPU alone: its device time per image with
+  each geometry path (the stage's choice; the tiled kernel with the
+  stage's rounding and mirror after it; the per-pixel kernel; one launch
+  per image), the work queued behind a GPU sleep so that the host's
+  launches do not pace it: what the stage takes from a training step's
+  GPU;
 * ``decode bookkeeping``: ``DecodeStage.decode`` per image with a decoder
   that returns at once (what the decode thread spends outside the
   decoder's call);
@@ -165,17 +171,79 @@ def measure(stage, captured: list, device: torch.device, repeats: int) -> dict:
         finally:
             stage.batch_geometry = kept
 
+    kernel = stage.batch_geometry
     if stage.plan.resize is None or (stage.plan.mode.value == "bilinear" and stage.plan.antialias):
         # the batch-geometry kernel's path with its launch a no-op: the host's own work per image
-        # (gathering the images, the parameters, their upload; the rounding, mirror and tail)
+        # (gathering the images, the parameters, their upload; the rounding and mirror where the kernel
+        # does not do them; the tail)
         from coordl.device import geometry_kernel as GK
-        no_launch = GK.BatchGeometry(stage.plan.size)
+        no_launch = GK.BatchGeometry(stage.plan.size, tiled=kernel.tiled if kernel else True)
         no_launch.kernel = _NoLaunch()
+        no_launch.fused = bool(kernel and kernel.fused)
         best["finish_no_launch_us"] = finish_with(no_launch)
-    kernel = bool(stage.batch_geometry)
     if kernel:      # the same batches with one launch per image, for the comparison
         best["finish_per_image_us"] = finish_with(False)
-    return {k: round(v, 2) for k, v in best.items()} | {"images": images, "geometry_kernel": kernel}
+    out = {k: round(v, 2) for k, v in best.items()} | {
+        "images": images, "geometry_kernel": bool(kernel),
+        "kernel": (("tiled" + (", fused" if kernel.fused else "")) if kernel.tiled else "per-pixel") if kernel else None}
+    if device.type == "cuda":
+        try:
+            out["device_us"] = device_time(stage, captured, device, images)
+        except Exception as e:  # noqa: BLE001 - the host figures stand without it
+            out["device_us_error"] = f"{type(e).__name__}: {e}"[:500]
+            print(f"  finish on the GPU alone: not measured ({out['device_us_error']})", flush=True)
+    return out
+
+
+def device_time(stage, captured: list, device: torch.device, images: int) -> dict:
+    """The GPU's own time per image in ``finish``, each geometry path on the
+    same batches: the work is queued behind a GPU sleep longer than the
+    host takes to queue it, so that the events around it time the device's
+    work alone (the host's launches do not pace it).  ``host_behind`` says
+    where the host took longer than the sleep (the figure then holds idle
+    time).  Paths: the stage's own choice, the tiled kernel with the stage
+    rounding and mirroring, the per-pixel kernel, one launch per image."""
+    from coordl.device import geometry_kernel as GK
+
+    paths = {}
+    if stage.batch_geometry:
+        paths["stage's choice"] = stage.batch_geometry
+        unfused = GK.BatchGeometry(stage.plan.size)
+        paths["tiled, the stage rounding"] = unfused
+        paths["per-pixel kernel"] = GK.BatchGeometry(stage.plan.size, tiled=False)
+    paths["one launch per image"] = False
+    out = {}
+    kept = stage.batch_geometry
+    try:
+        for name, geo in paths.items():
+            stage.batch_geometry = geo
+            for _, p in captured:                  # compiled, allocated
+                stage.finish(_pending_copy(p))
+            torch.cuda.synchronize(device)
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            torch.cuda._sleep(int(2e8))            # about 0.1 s at 2 GHz
+            t = time.perf_counter()
+            start.record()
+            for _, p in captured:
+                stage.finish(_pending_copy(p))
+            end.record()
+            host = time.perf_counter() - t
+            end.synchronize()
+            gpu_ms = start.elapsed_time(end)
+            out[name] = {"us_per_image": round(gpu_ms * 1e3 / images, 2), "host_ms": round(host * 1e3, 2),
+                         "host_behind": None}
+        # whether the sleep outlasted the host's queueing: a sleep's own length, measured
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        torch.cuda._sleep(int(2e8))
+        end.record()
+        end.synchronize()
+        sleep_ms = start.elapsed_time(end)
+        for r in out.values():
+            r["host_behind"] = r["host_ms"] > sleep_ms
+    finally:
+        stage.batch_geometry = kept
+    return out
 
 
 def main(argv=None) -> int:
@@ -217,7 +285,12 @@ def main(argv=None) -> int:
                          if "finish_no_launch_us" in r else "")
             print(f"{size:>4}x{size:<4} {stage.decoder.name}: finish {r['finish_us']:8.1f} us/image{per_image}"
                   f"{no_launch}, decode bookkeeping {r['decode_bookkeeping_us']:6.1f}, decoder "
-                  f"{r['decoder_us']:8.1f} ({r['images']} images, best of {args.repeats})", flush=True)
+                  f"{r['decoder_us']:8.1f} ({r['images']} images, best of {args.repeats}; geometry: "
+                  f"{r['kernel'] or 'one launch per image'})", flush=True)
+            if "device_us" in r:        # the GPU's own time in finish, per path
+                print("          finish on the GPU alone, us/image: " + "; ".join(
+                    f"{k} {v['us_per_image']:.2f}" + (" (host behind)" if v["host_behind"] else "")
+                    for k, v in r["device_us"].items()), flush=True)
     facts = {"device": str(device), "torch": torch.__version__, "cpus": os.cpu_count(),
              "batch_size": args.batch_size, "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     if args.json:

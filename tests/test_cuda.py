@@ -694,7 +694,13 @@ def test_the_batch_geometry_kernel_on_cuda_is_the_per_image_path_within_a_level(
             x = torch.from_numpy(rng.integers(0, 256, (H, W, 3), dtype=np.uint8)).to(dev)
             imgs.append(x.permute(2, 0, 1) if k % 3 == 0 else x.permute(2, 0, 1).contiguous())
             recs.append(make(H, W, k))
-        ok, what = GK.agrees(stage, imgs, recs)
+        for tiled in (True, False):     # the tiled kernel and the per-pixel one it falls back to
+            ok, what = GK.agrees(stage, imgs, recs, GK.BatchGeometry(plan.size, tiled=tiled))
+            assert ok, (tiled, what)
+        # the tiled kernel's own rounding (half to even, through float adds the compiler must keep),
+        # clamp and mirror give exactly the rows the stage would make of its float rows
+        flipped = [list(r[:13]) + [k % 2] + list(r[14:]) for k, r in enumerate(recs)]
+        ok, what = GK.fused_agrees(GK.BatchGeometry(plan.size), dev, imgs, flipped)
         assert ok, what
 
 

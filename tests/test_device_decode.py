@@ -887,8 +887,9 @@ def test_the_geometry_path_never_depends_on_timing(photos, monkeypatch, caplog):
 
     pytest.importorskip("triton")
     plan = E.plan_for(_rrc())
-    monkeypatch.setattr(GK, "agrees", lambda stage, imgs, recs: (True, "max 0 level(s)"))
-    monkeypatch.setattr(GK, "faster", lambda stage, imgs, recs: (False, "2.00 ms against 1.00 ms for 64 images"))
+    monkeypatch.setattr(GK, "agrees", lambda stage, imgs, recs, geo=None: (True, "max 0 level(s)"))
+    monkeypatch.setattr(GK, "fused_agrees", lambda geo, dev, imgs, recs: (True, "the same rows"))
+    monkeypatch.setattr(GK, "faster", lambda stage, imgs, recs, geo=None: (False, "2.00 ms against 1.00 ms"))
     monkeypatch.setattr(DD, "BATCH_GEOMETRY_ON_CPU", True)
 
     def on_a_gpu():      # made on the CPU, deciding as on a GPU (where the speed is measured)
@@ -902,9 +903,9 @@ def test_the_geometry_path_never_depends_on_timing(photos, monkeypatch, caplog):
     rec = [0] * (E.FLIP + 1)
     with caplog.at_level(logging.INFO, logger="coordl.device"):
         geo = stage._batched({(0, 0): img}, [[rec]])
-    assert isinstance(geo, GK.BatchGeometry) and stage.batch_geometry is geo
+    assert isinstance(geo, GK.BatchGeometry) and stage.batch_geometry is geo and geo.tiled
     warned = [r for r in caplog.records if r.levelno == logging.WARNING]
     assert warned and "COORDL_DEVICE_GEOMETRY=per-image" in warned[0].getMessage(), caplog.text
-    monkeypatch.setattr(GK, "agrees", lambda stage, imgs, recs: (False, "max 3 level(s)"))
+    monkeypatch.setattr(GK, "agrees", lambda stage, imgs, recs, geo=None: (False, "max 3 level(s)"))
     other = on_a_gpu()
     assert other._batched({(0, 0): img}, [[rec]]) is False

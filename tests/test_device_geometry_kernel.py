@@ -51,10 +51,29 @@ def test_the_kernels_rows_are_the_per_image_geometrys():
             got = torch.full_like(want, -7.0)
             for j, (img, rec) in enumerate(zip(imgs, recs)):
                 stage._geometry(img, rec, into=want[j:j + 1])
-            GK.BatchGeometry((oh, ow)).run([(j, a, r) for j, (a, r) in enumerate(zip(imgs, recs))], got)
-            d = (want - got).abs()
-            r = (want.round().clamp(0, 255) - got.round().clamp(0, 255)).abs()
-            print("ROW", float(d.max()), float(r.max()), float((r > 0).float().mean()))
+            items = [(j, a, r) for j, (a, r) in enumerate(zip(imgs, recs))]
+            for tiled in (True, False):
+                got = torch.full_like(want, -7.0)
+                GK.BatchGeometry((oh, ow), tiled=tiled).run(items, got)
+                d = (want - got).abs()
+                r = (want.round().clamp(0, 255) - got.round().clamp(0, 255)).abs()
+                print("ROW", float(d.max()), float(r.max()), float((r > 0).float().mean()))
+            # the tiled kernel's final rows: its float rows rounded half to even, clamped and mirrored by torch
+            flips = [bool(k % 3 == 0) for k in range(n)]
+            recs2 = [list(rec) for rec in recs]
+            for rec, f in zip(recs2, flips):
+                rec[13] = int(f)
+            items = [(j, a, r) for j, (a, r) in enumerate(zip(imgs, recs2))]
+            geo = GK.BatchGeometry((oh, ow))
+            rows_ = torch.full_like(want, -7.0)
+            geo.run(items, rows_)
+            fin = torch.zeros((n, 3, oh, ow), dtype=torch.uint8)
+            geo.run(items, fin, final=True)
+            ref = rows_.round().clamp(0, 255).to(torch.uint8)
+            for j, f in enumerate(flips):
+                if f:
+                    ref[j] = ref[j].flip(-1)
+            print("FINAL", bool(torch.equal(fin, ref)), bool(torch.equal(fin, GK.finished(rows_, flips))))
 
         def rrc(H, W, k):      # down and up
             h, w = int(rng.integers(1, H + 1)), int(rng.integers(1, W + 1))
@@ -73,17 +92,62 @@ def test_the_kernels_rows_are_the_per_image_geometrys():
         rows(plan_for(T.Compose([T.CenterCrop(16), T.ToTensor()])), crop_only, n=4)
     """)
     rows = [tuple(map(float, line.split()[1:])) for line in out.splitlines() if line.startswith("ROW ")]
-    assert len(rows) == 3, out
+    assert len(rows) == 6, out      # three plans, each through the tiled kernel and the per-pixel one
     for float_diff, levels, share in rows:
         assert float_diff < 1e-3 and levels <= 1 and share < 0.01, rows
-    assert rows[2][0] == 0          # no resize: the crop's own values
+    assert rows[4][0] == rows[5][0] == 0          # no resize: the crop's own values
+    assert [line for line in out.splitlines() if line.startswith("FINAL ")] == ["FINAL True True"] * 3, out
+
+
+def test_the_tiled_kernel_rounds_half_to_even_in_its_final_rows():
+    """Values exactly halfway between two levels (a 2x upscale of a column
+    of 2s beside a column of 4s gives 2.5; of 1s beside 3s, 1.5) round to
+    the even level in the kernel's final rows, as torch.round does: 2 and
+    2, not 3 and 2; and the check the stage runs says the kernel's own
+    rounding may be used."""
+    out = _child("""
+        import numpy as np, torch
+        from coordl import transforms as T
+        from coordl.device import decode as DD
+        from coordl.device import geometry_kernel as GK
+        from coordl.device.encoded import plan_for
+
+        img = torch.zeros((3, 4, 2), dtype=torch.uint8)
+        img[0, :, 0], img[0, :, 1] = 2, 4
+        img[1, :, 0], img[1, :, 1] = 1, 3
+        img[2, :, 0], img[2, :, 1] = 5, 7
+        rec = [0, 4, 2, 0, 0, 4, 2, 4, 4, 0, 0, 4, 4, 0, 0, 3]
+        geo = GK.BatchGeometry((4, 4))
+        rows = torch.zeros((1, 3, 4, 4))
+        geo.run([(0, img, rec)], rows)
+        fin = torch.zeros((1, 3, 4, 4), dtype=torch.uint8)
+        geo.run([(0, img, rec)], fin, final=True)
+        print("ROWS", rows[0, :, 0].tolist())
+        print("FIN", fin[0, :, 0].tolist())
+        print("CHECK", GK.fused_agrees(geo, torch.device("cpu"), [img], [rec])[0], geo.fused)
+    """)
+    rows = eval([x for x in out.splitlines() if x.startswith("ROWS ")][0][5:])
+    fin = eval([x for x in out.splitlines() if x.startswith("FIN ")][0][4:])
+    # the 2x upscale: weights 3/4 and 1/4 next to the columns' border
+    assert rows[0] == [2.0, 2.5, 3.5, 4.0] and rows[1] == [1.0, 1.5, 2.5, 3.0], rows
+    assert fin[0] == [2, 2, 4, 4] and fin[1] == [1, 2, 2, 3] and fin[2] == [5, 6, 6, 7], fin
+    assert "CHECK True True" in out, out
 
 
 def test_passes_with_the_kernel_are_within_a_level_of_one_launch_per_image(tmp_path):
     from coordl.synth import make_image_folder
 
+    import os
+
+    import numpy as np
+    from PIL import Image
+
     root = make_image_folder(str(tmp_path / "p"), num_images=12, num_classes=2, mean_kb=4, image_size=(60, 44),
                              seed=2)
+    # a PNG among the JPEGs: the CPU path's in the worker, so its batch has a row the kernel does not make
+    sub = sorted(d for d in os.listdir(root) if os.path.isdir(os.path.join(root, d)))[0]
+    Image.fromarray(np.random.default_rng(1).integers(0, 256, (40, 50, 3), dtype=np.uint8)).save(
+        os.path.join(root, sub, "zz_png.jpg"), "PNG")
     out = _child(f"""
         import os, torch
         import coordl
@@ -97,9 +161,9 @@ def test_passes_with_the_kernel_are_within_a_level_of_one_launch_per_image(tmp_p
         launches = []
         real = GK.BatchGeometry.run
 
-        def run_counted(self, items, y):
-            launches.append(len(items))
-            return real(self, items, y)
+        def run_counted(self, items, y, final=False):
+            launches.append((len(items), final, self.tiled))
+            return real(self, items, y, final)
 
         GK.BatchGeometry.run = run_counted
         tf = T.Compose([T.RandomResizedCrop(20), T.RandomHorizontalFlip(), T.ToTensor(),
@@ -116,8 +180,11 @@ def test_passes_with_the_kernel_are_within_a_level_of_one_launch_per_image(tmp_p
 
         kern, used = run("auto")
         per, unused = run("per-image")
-        # the first batch's probe runs the kernel once more (its few images), then every batch is one launch
-        print("LAUNCHES", sum(used), len(used), len(unused))
+        # the first batch's probe runs the tiled kernel three more times on its few images (against the
+        # per-image rows, then its float rows against its own rounding and mirror); then every batch is one
+        # launch that writes the final uint8 rows
+        print("LAUNCHES", sum(n for n, _, _ in used), len(used), len(unused))
+        print("FINAL", [f for _, f, _ in used], all(t for _, _, t in used))
         std = torch.tensor([0.2, 0.25, 0.3]).view(1, 3, 1, 1) * 255
         worst = 0.0
         for (a, y), (b, y2) in zip(kern, per):
@@ -128,6 +195,10 @@ def test_passes_with_the_kernel_are_within_a_level_of_one_launch_per_image(tmp_p
     line = [x for x in out.splitlines() if x.startswith("WORST ")]
     assert line, out
     worst, n = float(line[0].split()[1]), int(line[0].split()[2])
-    assert n == 3 and worst <= 1.001, out
+    assert n == 3 and worst <= 1.001, out      # 13 samples, batches of 5
     images, calls, per_image_calls = map(int, [x for x in out.splitlines() if x.startswith("LAUNCHES ")][0].split()[1:])
-    assert calls == 4 and images > 12 and per_image_calls == 0, out
+    assert calls == 6 and images > 12 and per_image_calls == 0, out
+    # the batch with the PNG's row is rounded and mirrored by the stage; the two others by the kernel
+    final = eval([x for x in out.splitlines() if x.startswith("FINAL ")][0][6:].rsplit("]", 1)[0] + "]")
+    assert final[:3] == [False, False, True] and sorted(final[3:]) == [False, True, True], out
+    assert [x for x in out.splitlines() if x.startswith("FINAL ")][0].endswith("] True"), out   # all tiled

@@ -190,12 +190,18 @@ class DecodeStage:
         left = {(k, r): img for k, r, img in pending.raw}
         images = {}
         for k, path in enumerate(pending.paths):
-            y = torch.empty((len(keep), records[k][keep[0]][CHANNELS], *self.plan.size), dtype=torch.float32,
-                            device=self.device)
+            channels = records[k][keep[0]][CHANNELS]
+            geo = self._batched(left, records) if channels == 3 else False
+            imgs = [left.pop((k, r), None) for r in keep]
+            if geo and geo.fused and all(img is not None for img in imgs):
+                # every row the kernel's: it rounds, clamps and mirrors them itself, into the uint8 batch
+                y = torch.empty((len(keep), 3, *self.plan.size), dtype=torch.uint8, device=self.device)
+                geo.run([(j, img, records[k][r]) for j, (r, img) in enumerate(zip(keep, imgs))], y, final=True)
+                images[path] = self.tail(y) if self.tail is not None else y
+                continue
+            y = torch.empty((len(keep), channels, *self.plan.size), dtype=torch.float32, device=self.device)
             batched = []
-            geo = self._batched(left, records) if y.shape[1] == 3 else False
-            for j, r in enumerate(keep):
-                img = left.pop((k, r), None)
+            for j, (r, img) in enumerate(zip(keep, imgs)):
                 if img is None:
                     y[j].copy_(out[k][r])
                 elif geo:
@@ -257,12 +263,16 @@ class DecodeStage:
 
     def _batched(self, left: dict, records: list):
         """The batch-geometry kernel, or False (one launch per image).  The
-        first batch decides, by the pixels alone: the kernel's rows for a
-        few of its images against :meth:`_geometry`'s
-        (:func:`~.geometry_kernel.agrees`).  Never by timing, which differs
+        first batch decides, by the pixels alone: the tiled kernel's rows
+        for a few of its images against :meth:`_geometry`'s
+        (:func:`~.geometry_kernel.agrees`), else the per-pixel kernel's
+        (where the tiled one cannot compile or differs); and whether the
+        tiled kernel's own rounding and mirror give exactly the rows the
+        stage's would (:func:`~.geometry_kernel.fused_agrees`: then it
+        writes the uint8 batch itself).  Never by timing, which differs
         between runs: two loaders, or a run and its resume, take the same
-        path and give the same pixels.  On a GPU the two are also timed;
-        a kernel slower than the launches it replaces is a warning naming
+        path and give the same pixels.  On a GPU the kernel is also timed
+        against the per-image launches; slower is a warning naming
         ``COORDL_DEVICE_GEOMETRY=per-image``."""
         if self.batch_geometry is None:
             from . import geometry_kernel as GK
@@ -271,20 +281,35 @@ class DecodeStage:
             if not probe:
                 return False
             imgs, recs = [i for i, _ in probe], [r for _, r in probe]
-            try:
-                ok, what = GK.agrees(self, imgs, recs)
-                if ok and self.device.type == "cuda":
-                    quicker, speed = GK.faster(self, imgs, recs)
-                    what += "; " + speed
-                    if not quicker:
-                        log.warning("decode='device': the batch-geometry kernel took longer than one launch per "
-                                    "image on this GPU (%s); %s=per-image makes the stage launch per image (its "
-                                    "pixels within %d level of the kernel's)", speed, _GEOMETRY_ENV, GK.TOLERANCE)
-            except Exception as e:  # noqa: BLE001 - a Triton that cannot compile or launch here
-                ok, what = False, f"{type(e).__name__}: {e}"
+            chosen, found = False, []
+            for tiled in (True, False):     # the tiled kernel; the first one where it cannot run here
+                kind = "tiled" if tiled else "per-pixel"
+                try:
+                    geo = GK.BatchGeometry(self.plan.size, tiled=tiled)
+                    ok, what = GK.agrees(self, imgs, recs, geo)
+                    if ok and tiled:
+                        try:
+                            what += "; " + GK.fused_agrees(geo, self.device, imgs, recs)[1]
+                        except Exception as e:  # noqa: BLE001 - its float rows stand; the stage rounds them
+                            geo.fused = False
+                            what += f"; the kernel's own rounding could not run ({type(e).__name__}: {e})"
+                    if ok and self.device.type == "cuda":
+                        quicker, speed = GK.faster(self, imgs, recs, geo)
+                        what += "; " + speed
+                        if not quicker:
+                            log.warning("decode='device': the %s batch-geometry kernel took longer than one launch "
+                                        "per image on this GPU (%s); %s=per-image makes the stage launch per image "
+                                        "(its pixels within %d level of the kernel's)", kind, speed, _GEOMETRY_ENV,
+                                        GK.TOLERANCE)
+                except Exception as e:  # noqa: BLE001 - a Triton that cannot compile or launch here
+                    ok, what = False, f"{type(e).__name__}: {e}"
+                found.append(f"{kind}: {what}")
+                if ok:
+                    chosen = geo
+                    break
             log.info("decode='device': the batch-geometry kernel %s one launch per image (%s)",
-                     "is used in place of" if ok else "is not used: its pixels differ from", what)
-            self.batch_geometry = GK.BatchGeometry(self.plan.size) if ok else False
+                     "is used in place of" if chosen else "is not used: its pixels differ from", "; ".join(found))
+            self.batch_geometry = chosen
         return self.batch_geometry
 
     def _geometry(self, img: torch.Tensor, rec: list, into: torch.Tensor | None = None) -> torch.Tensor:

@@ -28,6 +28,10 @@ import torch
 
 __all__ = ["available", "BatchGeometry", "agrees", "faster", "upload", "TOLERANCE"]
 
+#: ints per image in the kernels' table: row, offset, 3 strides, the crop, the resize, the second crop,
+#: the widest span, the flip
+NINT = 15
+
 #: the most the kernel's rounded rows may differ from ``_geometry``'s, in uint8 levels
 #: (float sums in another order or fused: a value at a rounding boundary may land one level over)
 TOLERANCE = 1
@@ -54,7 +58,7 @@ def _kernel():
     def crop_resize(src, ints, floats, out, oh, ow, BLOCK: tl.constexpr, KMAX: tl.constexpr):
         b = tl.program_id(0)
         blk = tl.program_id(1)
-        ip = ints + b * 14
+        ip = ints + b * 15                   # NINT
         row = tl.load(ip + 0)
         base = tl.load(ip + 1)
         sc = tl.load(ip + 2)
@@ -122,8 +126,95 @@ def _kernel():
         tl.store(o + oh * ow, tl.where(inside, acc1, 0.0), mask=live)
         tl.store(o + 2 * oh * ow, tl.where(inside, acc2, 0.0), mask=live)
 
-    _KERNEL.append(crop_resize)
-    return crop_resize
+    @triton.jit
+    def crop_resize_tiles(src, ints, floats, out, oh, ow, BI: tl.constexpr, BJ: tl.constexpr,
+                          KMAX: tl.constexpr, FINAL: tl.constexpr):
+        # the same sums as crop_resize, a tile of BI output rows by BJ columns per program: each column's
+        # horizontal weights and each row's vertical ones computed once for the tile, not per pixel
+        b = tl.program_id(0)
+        ip = ints + b * 15                   # NINT
+        row = tl.load(ip + 0)
+        base = tl.load(ip + 1)
+        sc = tl.load(ip + 2)
+        sy = tl.load(ip + 3)
+        sx = tl.load(ip + 4)
+        t1 = tl.load(ip + 5)
+        l1 = tl.load(ip + 6)
+        h = tl.load(ip + 7)
+        w = tl.load(ip + 8)
+        rh = tl.load(ip + 9)
+        rw = tl.load(ip + 10)
+        t2 = tl.load(ip + 11)
+        l2 = tl.load(ip + 12)
+        kmax = tl.load(ip + 13)
+        flip = tl.load(ip + 14)
+        fp = floats + b * 6
+        scale_y = tl.load(fp + 0)
+        scale_x = tl.load(fp + 1)
+        inv_y = tl.load(fp + 2)
+        inv_x = tl.load(fp + 3)
+        sup_y = tl.load(fp + 4)
+        sup_x = tl.load(fp + 5)
+
+        i = tl.program_id(1) * BI + tl.arange(0, BI)
+        j = tl.program_id(2) * BJ + tl.arange(0, BJ)
+        ii = i + t2
+        jj = j + l2
+        in_i = (i < oh) & (ii >= 0) & (ii < rh)
+        in_j = (j < ow) & (jj >= 0) & (jj < rw)
+        cy = scale_y * (ii.to(tl.float32) + 0.5)
+        cx = scale_x * (jj.to(tl.float32) + 0.5)
+        ymin = tl.maximum((cy - sup_y + 0.5).to(tl.int32), 0)
+        ysize = tl.minimum((cy + sup_y + 0.5).to(tl.int32), h) - ymin
+        xmin = tl.maximum((cx - sup_x + 0.5).to(tl.int32), 0)
+        xsize = tl.minimum((cx + sup_x + 0.5).to(tl.int32), w) - xmin
+        ym = ymin.to(tl.float32) - cy
+        xm = xmin.to(tl.float32) - cx
+        k = tl.arange(0, KMAX)
+        vx = tl.abs((k[None, :] + xm[:, None] + 0.5) * inv_x)                       # [BJ, KMAX]
+        wx = tl.where((k[None, :] < xsize[:, None]) & (vx < 1.0), 1.0 - vx, 0.0)
+        tot_x = tl.sum(wx, axis=1)
+        wx = tl.math.div_rn(wx, tl.where(tot_x != 0.0, tot_x, 1.0)[:, None])
+        vy = tl.abs((k[None, :] + ym[:, None] + 0.5) * inv_y)                       # [BI, KMAX]
+        tot_y = tl.sum(tl.where((k[None, :] < ysize[:, None]) & (vy < 1.0), 1.0 - vy, 0.0), axis=1)
+        tot_y = tl.where(tot_y != 0.0, tot_y, 1.0)
+        cols = (l1 + xmin[:, None] + k[None, :]) * sx                               # [BJ, KMAX]
+        okx = in_j[:, None] & (k[None, :] < xsize[:, None])
+        acc0 = tl.zeros((BI, BJ), dtype=tl.float32)
+        acc1 = tl.zeros((BI, BJ), dtype=tl.float32)
+        acc2 = tl.zeros((BI, BJ), dtype=tl.float32)
+        for ky in range(0, kmax):
+            v1 = tl.abs((ky + ym + 0.5) * inv_y)
+            on = in_i & (ky < ysize)
+            wy = tl.math.div_rn(tl.where(on & (v1 < 1.0), 1.0 - v1, 0.0), tot_y)     # [BI]
+            p = src + base + ((t1 + ymin + ky) * sy)[:, None, None] + cols[None, :, :]
+            ok = on[:, None, None] & okx[None, :, :]
+            acc0 += wy[:, None] * tl.sum(wx[None, :, :] * tl.load(p, mask=ok, other=0).to(tl.float32), axis=2)
+            acc1 += wy[:, None] * tl.sum(wx[None, :, :] * tl.load(p + sc, mask=ok, other=0).to(tl.float32), axis=2)
+            acc2 += wy[:, None] * tl.sum(wx[None, :, :] * tl.load(p + 2 * sc, mask=ok, other=0).to(tl.float32),
+                                         axis=2)
+        inside = in_i[:, None] & in_j[None, :]
+        live = (i < oh)[:, None] & (j < ow)[None, :]
+        plane = oh * ow
+        if FINAL:
+            # rounded half to even (adding and taking away 1.5 * 2**23 leaves the nearest integer, ties to
+            # even, for the values a resize of uint8 gives), clamped, mirrored where the record flips, uint8
+            jo = tl.where(flip != 0, ow - 1 - j, j)
+            o = out + row * (3 * plane) + i[:, None] * ow + jo[None, :]
+            r0 = tl.minimum(tl.maximum((tl.where(inside, acc0, 0.0) + 12582912.0) - 12582912.0, 0.0), 255.0)
+            r1 = tl.minimum(tl.maximum((tl.where(inside, acc1, 0.0) + 12582912.0) - 12582912.0, 0.0), 255.0)
+            r2 = tl.minimum(tl.maximum((tl.where(inside, acc2, 0.0) + 12582912.0) - 12582912.0, 0.0), 255.0)
+            tl.store(o, r0.to(tl.uint8), mask=live)
+            tl.store(o + plane, r1.to(tl.uint8), mask=live)
+            tl.store(o + 2 * plane, r2.to(tl.uint8), mask=live)
+        else:
+            o = out + row * (3 * plane) + i[:, None] * ow + j[None, :]
+            tl.store(o, tl.where(inside, acc0, 0.0), mask=live)
+            tl.store(o + plane, tl.where(inside, acc1, 0.0), mask=live)
+            tl.store(o + 2 * plane, tl.where(inside, acc2, 0.0), mask=live)
+
+    _KERNEL.append({"rows": crop_resize, "tiles": crop_resize_tiles})
+    return _KERNEL[0]
 
 
 def _axes(n_in: np.ndarray, n_out: np.ndarray) -> tuple:
@@ -136,22 +227,40 @@ def _axes(n_in: np.ndarray, n_out: np.ndarray) -> tuple:
 
 
 class BatchGeometry:
-    """One launch per batch of what ``_geometry`` does image by image."""
+    """One launch per batch of what ``_geometry`` does image by image.
+
+    ``tiled`` (the default) runs the kernel that takes a tile of output
+    rows and columns per program, each column's and row's weights computed
+    once for its tile; otherwise the one that takes a run of pixels, every
+    pixel computing its own (the first kernel: a fallback where the tiled
+    one cannot compile).  ``fused`` (set by :func:`fused_agrees`): the tiled
+    kernel also rounds, clamps and mirrors, writing the uint8 batch itself
+    (:meth:`run` with ``final=True``), which spares the stage four passes
+    over the batch on the device."""
 
     BLOCK = 128
+    TILE = 2048     # output values x span per program of the tiled kernel: registers, as BLOCK x KMAX
 
-    def __init__(self, size: tuple) -> None:
+    def __init__(self, size: tuple, tiled: bool = True) -> None:
         self.oh, self.ow = size
-        self.kernel = _kernel()
+        kernels = _kernel()
+        self.tiled = tiled
+        self.kernel = kernels["tiles" if tiled else "rows"] if kernels else None
+        self.fused = False
 
-    def run(self, items: list, y: torch.Tensor) -> None:
+    def run(self, items: list, y: torch.Tensor, final: bool = False) -> None:
         """``items``: ``[(row, image, record), ...]``; each (3, H, W) uint8
-        image's geometry written, float32, into ``y[row]`` (``y``: a
-        contiguous (n, 3, oh, ow) float32 batch)."""
-        from .encoded import H1, L1, L2, RH, RW, T1, T2, W1
+        image's geometry written into ``y[row]``: float32, not yet rounded
+        nor mirrored (``y``: a contiguous (n, 3, oh, ow) float32 batch), or,
+        with ``final`` (the tiled kernel only), rounded half to even,
+        clamped to [0, 255] and mirrored where its record says, into a
+        uint8 ``y``."""
+        from .encoded import FLIP, H1, L1, L2, RH, RW, T1, T2, W1
 
         if not items:
             return
+        if final and not self.tiled:
+            raise ValueError("only the tiled kernel writes the final uint8 rows")
         flats, ints, at = [], [], 0
         for row, img, rec in items:
             if img.is_contiguous():
@@ -163,7 +272,7 @@ class BatchGeometry:
                 flat, strides = hwc.view(-1), (1, hwc.stride(0), hwc.stride(1))
             h, w = rec[H1], rec[W1]
             rh, rw = (rec[RH], rec[RW]) if rec[RH] else (h, w)
-            ints.append((row, at, *strides, rec[T1], rec[L1], h, w, rh, rw, rec[T2], rec[L2], 0))
+            ints.append((row, at, *strides, rec[T1], rec[L1], h, w, rh, rw, rec[T2], rec[L2], 0, int(bool(rec[FLIP]))))
             flats.append(flat)
             at += flat.numel()
         ints = np.asarray(ints, dtype=np.int64)
@@ -178,13 +287,31 @@ class BatchGeometry:
         kp = 4                       # the spans' largest, as a power of two (one compiled kernel each)
         while kp < kmax:
             kp *= 2
-        block = max(16, min(self.BLOCK, 4096 // kp))
-        grid = (len(items), -(-self.oh * self.ow // block))
+        if self.tiled:
+            bj = 32
+            bi = max(1, min(16, self.TILE // (bj * kp)))
+            grid = (len(items), -(-self.oh // bi), -(-self.ow // bj))
+            kw = dict(BI=bi, BJ=bj, KMAX=kp, FINAL=bool(final))
+        else:
+            block = max(16, min(self.BLOCK, 4096 // kp))
+            grid = (len(items), -(-self.oh * self.ow // block))
+            kw = dict(BLOCK=block, KMAX=kp)
         if dev.type == "cuda":      # Triton launches on the current device, on its current stream
             with torch.cuda.device(dev):
-                self.kernel[grid](src, ints_t, floats_t, y, self.oh, self.ow, BLOCK=block, KMAX=kp)
+                self.kernel[grid](src, ints_t, floats_t, y, self.oh, self.ow, **kw)
         else:
-            self.kernel[grid](src, ints_t, floats_t, y, self.oh, self.ow, BLOCK=block, KMAX=kp)
+            self.kernel[grid](src, ints_t, floats_t, y, self.oh, self.ow, **kw)
+
+
+def finished(y: torch.Tensor, flips: list) -> torch.Tensor:
+    """What the stage makes of float32 rows (``_geometry``'s, or the kernel's
+    without ``final``): rounded half to even, clamped, uint8, each row
+    mirrored where ``flips`` says."""
+    y = y.round().clamp_(0, 255).to(torch.uint8)
+    for j, f in enumerate(flips):
+        if f:
+            y[j] = y[j].flip(-1)
+    return y
 
 
 def upload(arr: np.ndarray, dev: torch.device) -> torch.Tensor:
@@ -200,16 +327,17 @@ def upload(arr: np.ndarray, dev: torch.device) -> torch.Tensor:
     return t.pin_memory().to(dev, non_blocking=True)
 
 
-def agrees(stage, images: list, records: list) -> tuple[bool, str]:
-    """Whether the kernel's rows, rounded, are ``stage._geometry``'s within
-    :data:`TOLERANCE`: (ok, what was found)."""
+def agrees(stage, images: list, records: list, geo: "BatchGeometry | None" = None) -> tuple[bool, str]:
+    """Whether the kernel's rows (``geo``'s; default: the tiled kernel),
+    rounded, are ``stage._geometry``'s within :data:`TOLERANCE`: (ok, what
+    was found)."""
     oh, ow = stage.plan.size
     n = len(images)
     want = torch.empty((n, 3, oh, ow), dtype=torch.float32, device=stage.device)
     got = torch.full_like(want, -7.0)
     for j, (img, rec) in enumerate(zip(images, records)):
         stage._geometry(img, rec, into=want[j:j + 1])
-    BatchGeometry((oh, ow)).run([(j, img, rec) for j, (img, rec) in enumerate(zip(images, records))], got)
+    (geo or BatchGeometry((oh, ow))).run([(j, img, rec) for j, (img, rec) in enumerate(zip(images, records))], got)
     a = want.round().clamp_(0, 255)
     b = got.round().clamp_(0, 255)
     d = (a - b).abs()
@@ -217,7 +345,30 @@ def agrees(stage, images: list, records: list) -> tuple[bool, str]:
     return worst <= TOLERANCE, f"max {worst:.0f} level(s), {share:.2%} of values differ"
 
 
-def faster(stage, images: list, records: list) -> tuple[bool, str]:
+def fused_agrees(geo: BatchGeometry, device: torch.device, images: list, records: list) -> tuple[bool, str]:
+    """Whether the tiled kernel's final uint8 rows (rounded, clamped,
+    mirrored in the kernel) are exactly its float32 rows finished as the
+    stage finishes them (:func:`finished`): the in-kernel rounding is half
+    to even on this device, as ``torch.round``.  Sets ``geo.fused``."""
+    from .encoded import FLIP
+
+    geo.fused = False
+    if not geo.tiled:
+        return False, "not the tiled kernel"
+    n = len(images)
+    items = [(j, img, rec) for j, (img, rec) in enumerate(zip(images, records))]
+    rows = torch.full((n, 3, geo.oh, geo.ow), -7.0, dtype=torch.float32, device=device)
+    geo.run(items, rows)
+    got = torch.zeros((n, 3, geo.oh, geo.ow), dtype=torch.uint8, device=device)
+    geo.run(items, got, final=True)
+    want = finished(rows, [bool(rec[FLIP]) for rec in records])
+    same = bool(torch.equal(got, want))
+    geo.fused = same
+    return same, ("the kernel's own rounding and mirror give the same rows" if same else
+                  f"the kernel's own rounding differs in {int((got != want).sum())} values: rounded after it")
+
+
+def faster(stage, images: list, records: list, geo: "BatchGeometry | None" = None) -> tuple[bool, str]:
     """On a GPU: whether the kernel's launch takes less wall time than the
     per-image path for the same images, repeated to a batch's 64 rows (each
     synchronized, the kernel compiled first): (faster, the two times).  What the pin thread saves is
@@ -230,7 +381,7 @@ def faster(stage, images: list, records: list) -> tuple[bool, str]:
     n = max(len(images), 64)
     y = torch.empty((n, 3, oh, ow), dtype=torch.float32, device=stage.device)
     items = [(j, images[j % len(images)], records[j % len(images)]) for j in range(n)]
-    geo = BatchGeometry((oh, ow))
+    geo = geo or BatchGeometry((oh, ow))
     sync = torch.cuda.synchronize if stage.device.type == "cuda" else (lambda *a: None)
 
     def per_image():
