@@ -90,6 +90,23 @@ def test_the_kernels_rows_are_the_per_image_geometrys():
         rows(plan_for(T.Compose([T.RandomResizedCrop((24, 20)), T.ToTensor()])), rrc, n=8, hwc=True)
         rows(plan_for(T.Compose([T.Resize((30, 30)), T.CenterCrop(16), T.ToTensor()])), resize_crop, n=6)
         rows(plan_for(T.Compose([T.CenterCrop(16), T.ToTensor()])), crop_only, n=4)
+
+        def far_down(H, W, k):     # spans of tens of pixels: the widest tiles' shapes
+            return [0, H, W, 0, 0, H, W, 12, 10, 0, 0, 12, 10, 0, k, 3]
+
+        big = np.random.default_rng(5)
+        imgs = [torch.from_numpy(big.integers(0, 256, (3, 700 - 90 * k, 400 + 60 * k), dtype=np.uint8))
+                for k in range(3)]
+        stage = DD.DecodeStage(torch.device("cpu"), plan_for(T.Compose([T.RandomResizedCrop((12, 10)),
+                                                                         T.ToTensor()])),
+                               DD.HostDecoder(), "raise", str)
+        recs = [far_down(int(a.shape[1]), int(a.shape[2]), k) for k, a in enumerate(imgs)]
+        want = torch.empty((3, 3, 12, 10))
+        for j, (img, rec) in enumerate(zip(imgs, recs)):
+            stage._geometry(img, rec, into=want[j:j + 1])
+        got = torch.full_like(want, -7.0)
+        GK.BatchGeometry((12, 10)).run([(j, a, r) for j, (a, r) in enumerate(zip(imgs, recs))], got)
+        print("FAR", float((want - got).abs().max()))
     """)
     rows = [tuple(map(float, line.split()[1:])) for line in out.splitlines() if line.startswith("ROW ")]
     assert len(rows) == 6, out      # three plans, each through the tiled kernel and the per-pixel one
@@ -97,6 +114,8 @@ def test_the_kernels_rows_are_the_per_image_geometrys():
         assert float_diff < 1e-3 and levels <= 1 and share < 0.01, rows
     assert rows[4][0] == rows[5][0] == 0          # no resize: the crop's own values
     assert [line for line in out.splitlines() if line.startswith("FINAL ")] == ["FINAL True True"] * 3, out
+    far = [float(x.split()[1]) for x in out.splitlines() if x.startswith("FAR ")]
+    assert far and far[0] < 1e-3, out      # 58-70x down: spans of 128 taps, tiles of 2 rows
 
 
 def test_the_tiled_kernel_rounds_half_to_even_in_its_final_rows():

@@ -289,7 +289,7 @@ class BatchGeometry:
             kp *= 2
         if self.tiled:
             bj = 32
-            bi = max(1, min(16, self.TILE // (bj * kp)))
+            bi = max(2, min(16, self.TILE // (bj * kp)))
             grid = (len(items), -(-self.oh // bi), -(-self.ow // bj))
             kw = dict(BI=bi, BJ=bj, KMAX=kp, FINAL=bool(final))
         else:
