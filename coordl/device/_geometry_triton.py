@@ -1,0 +1,136 @@
+"""The Triton kernels of :mod:`.geometry_kernel` (imported only where
+Triton imports: this module needs it at import time, since Triton's
+compiler resolves a kernel's helpers among its module's names)."""
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _record(ints, floats, b):
+    # image b's row of the tables (geometry_kernel.BatchGeometry.run): NINT ints, then 6 floats
+    ip = ints + b * 15                   # NINT
+    fp = floats + b * 6
+    return (tl.load(ip + 0), tl.load(ip + 1), tl.load(ip + 2), tl.load(ip + 3), tl.load(ip + 4),
+            tl.load(ip + 5), tl.load(ip + 6), tl.load(ip + 7), tl.load(ip + 8), tl.load(ip + 9),
+            tl.load(ip + 10), tl.load(ip + 11), tl.load(ip + 12), tl.load(ip + 13), tl.load(ip + 14),
+            tl.load(fp + 0), tl.load(fp + 1), tl.load(fp + 2), tl.load(fp + 3), tl.load(fp + 4),
+            tl.load(fp + 5))
+
+
+@triton.jit
+def crop_resize(src, ints, floats, out, oh, ow, BLOCK: tl.constexpr, KMAX: tl.constexpr):
+    b = tl.program_id(0)
+    blk = tl.program_id(1)
+    (row, base, sc, sy, sx, t1, l1, h, w, rh, rw, t2, l2, kmax, _flip,
+     scale_y, scale_x, inv_y, inv_x, sup_y, sup_x) = _record(ints, floats, b)
+
+    offs = blk * BLOCK + tl.arange(0, BLOCK)
+    live = offs < oh * ow
+    i = offs // ow
+    j = offs % ow
+    ii = i + t2                          # in the resized image
+    jj = j + l2
+    inside = live & (ii >= 0) & (ii < rh) & (jj >= 0) & (jj < rw)
+    # the spans: center = scale * (i + 0.5); [int(center - support + 0.5), int(center + support + 0.5))
+    cy = scale_y * (ii.to(tl.float32) + 0.5)
+    cx = scale_x * (jj.to(tl.float32) + 0.5)
+    ymin = tl.maximum((cy - sup_y + 0.5).to(tl.int32), 0)
+    ysize = tl.minimum((cy + sup_y + 0.5).to(tl.int32), h) - ymin
+    xmin = tl.maximum((cx - sup_x + 0.5).to(tl.int32), 0)
+    xsize = tl.minimum((cx + sup_x + 0.5).to(tl.int32), w) - xmin
+    ym = ymin.to(tl.float32) - cy
+    xm = xmin.to(tl.float32) - cx
+    # the weights of each axis over its span, [BLOCK, KMAX]: triangle((k + min - center + 0.5) * invscale),
+    # divided by their sum
+    k = tl.arange(0, KMAX)
+    vx = tl.abs((k[None, :] + xm[:, None] + 0.5) * inv_x)
+    wx = tl.where((k[None, :] < xsize[:, None]) & (vx < 1.0), 1.0 - vx, 0.0)
+    tot_x = tl.sum(wx, axis=1)
+    wx = tl.math.div_rn(wx, tl.where(tot_x != 0.0, tot_x, 1.0)[:, None])
+    vy = tl.abs((k[None, :] + ym[:, None] + 0.5) * inv_y)
+    tot_y = tl.sum(tl.where((k[None, :] < ysize[:, None]) & (vy < 1.0), 1.0 - vy, 0.0), axis=1)
+    tot_y = tl.where(tot_y != 0.0, tot_y, 1.0)
+    cols = (l1 + xmin[:, None] + k[None, :]) * sx
+    okx = inside[:, None] & (k[None, :] < xsize[:, None])
+    acc0 = tl.zeros((BLOCK,), dtype=tl.float32)
+    acc1 = tl.zeros((BLOCK,), dtype=tl.float32)
+    acc2 = tl.zeros((BLOCK,), dtype=tl.float32)
+    for ky in range(0, kmax):
+        v1 = tl.abs((ky + ym + 0.5) * inv_y)
+        on = ky < ysize
+        wy = tl.math.div_rn(tl.where(on & (v1 < 1.0), 1.0 - v1, 0.0), tot_y)
+        p = src + base + (t1 + ymin + ky)[:, None] * sy + cols
+        ok = okx & on[:, None]
+        acc0 += wy * tl.sum(wx * tl.load(p, mask=ok, other=0).to(tl.float32), axis=1)
+        acc1 += wy * tl.sum(wx * tl.load(p + sc, mask=ok, other=0).to(tl.float32), axis=1)
+        acc2 += wy * tl.sum(wx * tl.load(p + 2 * sc, mask=ok, other=0).to(tl.float32), axis=1)
+    o = out + row * (3 * oh * ow) + offs
+    tl.store(o, tl.where(inside, acc0, 0.0), mask=live)
+    tl.store(o + oh * ow, tl.where(inside, acc1, 0.0), mask=live)
+    tl.store(o + 2 * oh * ow, tl.where(inside, acc2, 0.0), mask=live)
+
+@triton.jit
+def crop_resize_tiles(src, ints, floats, out, oh, ow, BI: tl.constexpr, BJ: tl.constexpr,
+                      KMAX: tl.constexpr, FINAL: tl.constexpr):
+    # the same sums as crop_resize, a tile of BI output rows by BJ columns per program: each column's
+    # horizontal weights and each row's vertical ones computed once for the tile, not per pixel
+    b = tl.program_id(0)
+    (row, base, sc, sy, sx, t1, l1, h, w, rh, rw, t2, l2, kmax, flip,
+     scale_y, scale_x, inv_y, inv_x, sup_y, sup_x) = _record(ints, floats, b)
+
+    i = tl.program_id(1) * BI + tl.arange(0, BI)
+    j = tl.program_id(2) * BJ + tl.arange(0, BJ)
+    ii = i + t2
+    jj = j + l2
+    in_i = (i < oh) & (ii >= 0) & (ii < rh)
+    in_j = (j < ow) & (jj >= 0) & (jj < rw)
+    cy = scale_y * (ii.to(tl.float32) + 0.5)
+    cx = scale_x * (jj.to(tl.float32) + 0.5)
+    ymin = tl.maximum((cy - sup_y + 0.5).to(tl.int32), 0)
+    ysize = tl.minimum((cy + sup_y + 0.5).to(tl.int32), h) - ymin
+    xmin = tl.maximum((cx - sup_x + 0.5).to(tl.int32), 0)
+    xsize = tl.minimum((cx + sup_x + 0.5).to(tl.int32), w) - xmin
+    ym = ymin.to(tl.float32) - cy
+    xm = xmin.to(tl.float32) - cx
+    k = tl.arange(0, KMAX)
+    vx = tl.abs((k[None, :] + xm[:, None] + 0.5) * inv_x)                       # [BJ, KMAX]
+    wx = tl.where((k[None, :] < xsize[:, None]) & (vx < 1.0), 1.0 - vx, 0.0)
+    tot_x = tl.sum(wx, axis=1)
+    wx = tl.math.div_rn(wx, tl.where(tot_x != 0.0, tot_x, 1.0)[:, None])
+    vy = tl.abs((k[None, :] + ym[:, None] + 0.5) * inv_y)                       # [BI, KMAX]
+    tot_y = tl.sum(tl.where((k[None, :] < ysize[:, None]) & (vy < 1.0), 1.0 - vy, 0.0), axis=1)
+    tot_y = tl.where(tot_y != 0.0, tot_y, 1.0)
+    cols = (l1 + xmin[:, None] + k[None, :]) * sx                               # [BJ, KMAX]
+    okx = in_j[:, None] & (k[None, :] < xsize[:, None])
+    acc0 = tl.zeros((BI, BJ), dtype=tl.float32)
+    acc1 = tl.zeros((BI, BJ), dtype=tl.float32)
+    acc2 = tl.zeros((BI, BJ), dtype=tl.float32)
+    for ky in range(0, kmax):
+        v1 = tl.abs((ky + ym + 0.5) * inv_y)
+        on = in_i & (ky < ysize)
+        wy = tl.math.div_rn(tl.where(on & (v1 < 1.0), 1.0 - v1, 0.0), tot_y)     # [BI]
+        p = src + base + ((t1 + ymin + ky) * sy)[:, None, None] + cols[None, :, :]
+        ok = on[:, None, None] & okx[None, :, :]
+        acc0 += wy[:, None] * tl.sum(wx[None, :, :] * tl.load(p, mask=ok, other=0).to(tl.float32), axis=2)
+        acc1 += wy[:, None] * tl.sum(wx[None, :, :] * tl.load(p + sc, mask=ok, other=0).to(tl.float32), axis=2)
+        acc2 += wy[:, None] * tl.sum(wx[None, :, :] * tl.load(p + 2 * sc, mask=ok, other=0).to(tl.float32),
+                                     axis=2)
+    inside = in_i[:, None] & in_j[None, :]
+    live = (i < oh)[:, None] & (j < ow)[None, :]
+    plane = oh * ow
+    if FINAL:
+        # rounded half to even (adding and taking away 1.5 * 2**23 leaves the nearest integer, ties to
+        # even, for the values a resize of uint8 gives), clamped, mirrored where the record flips, uint8
+        jo = tl.where(flip != 0, ow - 1 - j, j)
+        o = out + row * (3 * plane) + i[:, None] * ow + jo[None, :]
+        r0 = tl.minimum(tl.maximum((tl.where(inside, acc0, 0.0) + 12582912.0) - 12582912.0, 0.0), 255.0)
+        r1 = tl.minimum(tl.maximum((tl.where(inside, acc1, 0.0) + 12582912.0) - 12582912.0, 0.0), 255.0)
+        r2 = tl.minimum(tl.maximum((tl.where(inside, acc2, 0.0) + 12582912.0) - 12582912.0, 0.0), 255.0)
+        tl.store(o, r0.to(tl.uint8), mask=live)
+        tl.store(o + plane, r1.to(tl.uint8), mask=live)
+        tl.store(o + 2 * plane, r2.to(tl.uint8), mask=live)
+    else:
+        o = out + row * (3 * plane) + i[:, None] * ow + j[None, :]
+        tl.store(o, tl.where(inside, acc0, 0.0), mask=live)
+        tl.store(o + plane, tl.where(inside, acc1, 0.0), mask=live)
+        tl.store(o + 2 * plane, tl.where(inside, acc2, 0.0), mask=live)
