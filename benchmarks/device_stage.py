@@ -14,9 +14,9 @@ each apart, on the batches a real pass hands the stage:
   host's own work on its path: gathering the images, the parameters, the
   rounding, mirror and tail; on the CPU those run on the CPU too);
 * on a GPU, ``finish`` on the GPU alone: its device time per image with
-  each geometry path (the stage's choice; the tiled kernel with the
-  stage's rounding and mirror after it; the per-pixel kernel; one launch
-  per image), the work queued behind a GPU sleep so that the host's
+  each geometry path (the stage's choice; the tiled kernel writing uint8
+  rows, the tail after them; the tiled kernel with the stage's rounding
+  and mirror after it; the per-pixel kernel; one launch per image), the work queued behind a GPU sleep so that the host's
   launches do not pace it: what the stage takes from a training step's
   GPU;
 * ``decode bookkeeping``: ``DecodeStage.decode`` per image with a decoder
@@ -180,12 +180,14 @@ def measure(stage, captured: list, device: torch.device, repeats: int) -> dict:
         no_launch = GK.BatchGeometry(stage.plan.size, tiled=kernel.tiled if kernel else True)
         no_launch.kernel = _NoLaunch()
         no_launch.fused = bool(kernel and kernel.fused)
+        no_launch.fused_tail = bool(kernel and kernel.fused_tail)
         best["finish_no_launch_us"] = finish_with(no_launch)
     if kernel:      # the same batches with one launch per image, for the comparison
         best["finish_per_image_us"] = finish_with(False)
     out = {k: round(v, 2) for k, v in best.items()} | {
         "images": images, "geometry_kernel": bool(kernel),
-        "kernel": (("tiled" + (", fused" if kernel.fused else "")) if kernel.tiled else "per-pixel") if kernel else None}
+        "kernel": (("tiled" + (", its own rounding" if kernel.fused else "") + (" and tail" if kernel.fused_tail else ""))
+                   if kernel.tiled else "per-pixel") if kernel else None}
     if device.type == "cuda":
         try:
             out["device_us"] = device_time(stage, captured, device, images)
@@ -201,15 +203,18 @@ def device_time(stage, captured: list, device: torch.device, images: int) -> dic
     host takes to queue it, so that the events around it time the device's
     work alone (the host's launches do not pace it).  ``host_behind`` says
     where the host took longer than the sleep (the figure then holds idle
-    time).  Paths: the stage's own choice, the tiled kernel with the stage
+    time).  Paths: the stage's own choice, the tiled kernel writing uint8
+    rows with the tail after them, the tiled kernel with the stage
     rounding and mirroring, the per-pixel kernel, one launch per image."""
     from coordl.device import geometry_kernel as GK
 
     paths = {}
     if stage.batch_geometry:
         paths["stage's choice"] = stage.batch_geometry
-        unfused = GK.BatchGeometry(stage.plan.size)
-        paths["tiled, the stage rounding"] = unfused
+        no_tail = GK.BatchGeometry(stage.plan.size)
+        no_tail.fused = True                       # the kernel's uint8 rows, the tail after them
+        paths["tiled, uint8 rows, the tail after"] = no_tail
+        paths["tiled, the stage rounding"] = GK.BatchGeometry(stage.plan.size)
         paths["per-pixel kernel"] = GK.BatchGeometry(stage.plan.size, tiled=False)
     paths["one launch per image"] = False
     out = {}

@@ -699,9 +699,12 @@ def test_the_batch_geometry_kernel_on_cuda_is_the_per_image_path_within_a_level(
             assert ok, (tiled, what)
         # the tiled kernel's own rounding (half to even, through float adds the compiler must keep),
         # clamp and mirror give exactly the rows the stage would make of its float rows
+        # and its ToTensor/Normalize arithmetic is the device tail's, bit for bit
+        from coordl.device.split import DeviceTail
         flipped = [list(r[:13]) + [k % 2] + list(r[14:]) for k, r in enumerate(recs)]
-        ok, what = GK.fused_agrees(GK.BatchGeometry(plan.size), dev, imgs, flipped)
-        assert ok, what
+        geo = GK.BatchGeometry(plan.size)
+        ok, what = GK.fused_agrees(geo, dev, imgs, flipped, DeviceTail([NORM]))
+        assert ok and geo.fused and geo.fused_tail, what
 
 
 @needs_cuda

@@ -153,6 +153,44 @@ def test_the_tiled_kernel_rounds_half_to_even_in_its_final_rows():
     assert "CHECK True True" in out, out
 
 
+def test_the_tiled_kernels_tail_is_the_device_tails_arithmetic_bit_for_bit():
+    """The kernel's last step, ToTensor's scaling and a Normalize (three
+    values, one value, or none), against the device tail run on its uint8
+    rows: equal bit for bit; two Normalizes are left to the tail."""
+    out = _child("""
+        import numpy as np, torch
+        from coordl import transforms as T
+        from coordl.device import geometry_kernel as GK
+        from coordl.device.split import DeviceTail
+
+        rng = np.random.default_rng(9)
+        imgs, recs = [], []
+        for k in range(5):
+            H, W = int(rng.integers(20, 90)), int(rng.integers(20, 90))
+            imgs.append(torch.from_numpy(rng.integers(0, 256, (3, H, W), dtype=np.uint8)))
+            recs.append([0, H, W, 0, 0, H, W, 17, 19, 0, 0, 17, 19, k % 2, k, 3])
+        items = [(j, a, r) for j, (a, r) in enumerate(zip(imgs, recs))]
+        geo = GK.BatchGeometry((17, 19))
+        u8 = torch.zeros((5, 3, 17, 19), dtype=torch.uint8)
+        geo.run(items, u8, final=True)
+        for name, norms in [("three", [T.Normalize([0.485, 0.456, 0.406], [0.229, 0.224, 0.225])]),
+                            ("one", [T.Normalize([0.5], [0.3])]), ("none", []),
+                            ("two", [T.Normalize([0.1, 0.2, 0.3], [0.5, 0.6, 0.7]), T.Normalize([1.0], [2.0])])]:
+            tail = DeviceTail(norms)
+            if not GK.tail_fits(tail):
+                print("TAIL", name, "unfit")
+                continue
+            got = torch.full((5, 3, 17, 19), -7.0)
+            geo.run(items, got, final=True, tail=tail)
+            print("TAIL", name, bool(torch.equal(got, tail(u8))))
+        ok, what = GK.fused_agrees(geo, torch.device("cpu"), imgs, recs, DeviceTail(norms[:1]))
+        print("CHECK", ok, geo.fused, geo.fused_tail)
+    """)
+    lines = [x for x in out.splitlines() if x.startswith(("TAIL ", "CHECK "))]
+    assert lines == ["TAIL three True", "TAIL one True", "TAIL none True", "TAIL two unfit",
+                     "CHECK True True True"], out
+
+
 def test_passes_with_the_kernel_are_within_a_level_of_one_launch_per_image(tmp_path):
     from coordl.synth import make_image_folder
 
@@ -180,9 +218,9 @@ def test_passes_with_the_kernel_are_within_a_level_of_one_launch_per_image(tmp_p
         launches = []
         real = GK.BatchGeometry.run
 
-        def run_counted(self, items, y, final=False):
-            launches.append((len(items), final, self.tiled))
-            return real(self, items, y, final)
+        def run_counted(self, items, y, final=False, tail=None):
+            launches.append((len(items), ("tail" if tail is not None else True) if final else False, self.tiled))
+            return real(self, items, y, final, tail)
 
         GK.BatchGeometry.run = run_counted
         tf = T.Compose([T.RandomResizedCrop(20), T.RandomHorizontalFlip(), T.ToTensor(),
@@ -199,9 +237,9 @@ def test_passes_with_the_kernel_are_within_a_level_of_one_launch_per_image(tmp_p
 
         kern, used = run("auto")
         per, unused = run("per-image")
-        # the first batch's probe runs the tiled kernel three more times on its few images (against the
-        # per-image rows, then its float rows against its own rounding and mirror); then every batch is one
-        # launch that writes the final uint8 rows
+        # the first batch's probe runs the tiled kernel four times on its few images (against the
+        # per-image rows, then its float rows against its own rounding and mirror, and those against its
+        # own ToTensor/Normalize); then every batch is one launch that writes the final float rows
         print("LAUNCHES", sum(n for n, _, _ in used), len(used), len(unused))
         print("FINAL", [f for _, f, _ in used], all(t for _, _, t in used))
         std = torch.tensor([0.2, 0.25, 0.3]).view(1, 3, 1, 1) * 255
@@ -216,8 +254,9 @@ def test_passes_with_the_kernel_are_within_a_level_of_one_launch_per_image(tmp_p
     worst, n = float(line[0].split()[1]), int(line[0].split()[2])
     assert n == 3 and worst <= 1.001, out      # 13 samples, batches of 5
     images, calls, per_image_calls = map(int, [x for x in out.splitlines() if x.startswith("LAUNCHES ")][0].split()[1:])
-    assert calls == 6 and images > 12 and per_image_calls == 0, out
-    # the batch with the PNG's row is rounded and mirrored by the stage; the two others by the kernel
+    assert calls == 7 and images > 12 and per_image_calls == 0, out
+    # the batch with the PNG's row is rounded, mirrored and normalized by the stage; the two others by the
+    # kernel, to the end
     final = eval([x for x in out.splitlines() if x.startswith("FINAL ")][0][6:].rsplit("]", 1)[0] + "]")
-    assert final[:3] == [False, False, True] and sorted(final[3:]) == [False, True, True], out
+    assert final[:4] == [False, False, True, "tail"] and sorted(map(str, final[4:])) == ["False", "tail", "tail"], out
     assert [x for x in out.splitlines() if x.startswith("FINAL ")][0].endswith("] True"), out   # all tiled

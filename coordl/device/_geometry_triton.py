@@ -70,8 +70,8 @@ def crop_resize(src, ints, floats, out, oh, ow, BLOCK: tl.constexpr, KMAX: tl.co
     tl.store(o + 2 * oh * ow, tl.where(inside, acc2, 0.0), mask=live)
 
 @triton.jit
-def crop_resize_tiles(src, ints, floats, out, oh, ow, BI: tl.constexpr, BJ: tl.constexpr,
-                      KMAX: tl.constexpr, FINAL: tl.constexpr):
+def crop_resize_tiles(src, ints, floats, out, oh, ow, norm, BI: tl.constexpr, BJ: tl.constexpr,
+                      KMAX: tl.constexpr, FINAL: tl.constexpr, NORM: tl.constexpr):
     # the same sums as crop_resize, a tile of BI output rows by BJ columns per program: each column's
     # horizontal weights and each row's vertical ones computed once for the tile, not per pixel
     b = tl.program_id(0)
@@ -118,19 +118,31 @@ def crop_resize_tiles(src, ints, floats, out, oh, ow, BI: tl.constexpr, BJ: tl.c
     inside = in_i[:, None] & in_j[None, :]
     live = (i < oh)[:, None] & (j < ow)[None, :]
     plane = oh * ow
-    if FINAL:
+    if FINAL == 0:
+        o = out + row * (3 * plane) + i[:, None] * ow + j[None, :]
+        tl.store(o, tl.where(inside, acc0, 0.0), mask=live)
+        tl.store(o + plane, tl.where(inside, acc1, 0.0), mask=live)
+        tl.store(o + 2 * plane, tl.where(inside, acc2, 0.0), mask=live)
+    else:
         # rounded half to even (adding and taking away 1.5 * 2**23 leaves the nearest integer, ties to
-        # even, for the values a resize of uint8 gives), clamped, mirrored where the record flips, uint8
+        # even, for the values a resize of uint8 gives), clamped, mirrored where the record flips
         jo = tl.where(flip != 0, ow - 1 - j, j)
         o = out + row * (3 * plane) + i[:, None] * ow + jo[None, :]
         r0 = tl.minimum(tl.maximum((tl.where(inside, acc0, 0.0) + 12582912.0) - 12582912.0, 0.0), 255.0)
         r1 = tl.minimum(tl.maximum((tl.where(inside, acc1, 0.0) + 12582912.0) - 12582912.0, 0.0), 255.0)
         r2 = tl.minimum(tl.maximum((tl.where(inside, acc2, 0.0) + 12582912.0) - 12582912.0, 0.0), 255.0)
-        tl.store(o, r0.to(tl.uint8), mask=live)
-        tl.store(o + plane, r1.to(tl.uint8), mask=live)
-        tl.store(o + 2 * plane, r2.to(tl.uint8), mask=live)
-    else:
-        o = out + row * (3 * plane) + i[:, None] * ow + j[None, :]
-        tl.store(o, tl.where(inside, acc0, 0.0), mask=live)
-        tl.store(o + plane, tl.where(inside, acc1, 0.0), mask=live)
-        tl.store(o + 2 * plane, tl.where(inside, acc2, 0.0), mask=live)
+        if FINAL == 1:      # the uint8 rows
+            tl.store(o, r0.to(tl.uint8), mask=live)
+            tl.store(o + plane, r1.to(tl.uint8), mask=live)
+            tl.store(o + 2 * plane, r2.to(tl.uint8), mask=live)
+        else:               # the device tail's float rows: / 255, then (x - mean) / std, IEEE divisions
+            x0 = tl.math.div_rn(r0, 255.0)
+            x1 = tl.math.div_rn(r1, 255.0)
+            x2 = tl.math.div_rn(r2, 255.0)
+            if NORM:
+                x0 = tl.math.div_rn(x0 - tl.load(norm + 0), tl.load(norm + 3))
+                x1 = tl.math.div_rn(x1 - tl.load(norm + 1), tl.load(norm + 4))
+                x2 = tl.math.div_rn(x2 - tl.load(norm + 2), tl.load(norm + 5))
+            tl.store(o, x0, mask=live)
+            tl.store(o + plane, x1, mask=live)
+            tl.store(o + 2 * plane, x2, mask=live)

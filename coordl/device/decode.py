@@ -194,9 +194,16 @@ class DecodeStage:
             geo = self._batched(left, records) if channels == 3 else False
             imgs = [left.pop((k, r), None) for r in keep]
             if geo and geo.fused and all(img is not None for img in imgs):
-                # every row the kernel's: it rounds, clamps and mirrors them itself, into the uint8 batch
+                # every row the kernel's: it rounds, clamps and mirrors them itself, into the uint8 batch,
+                # or on through ToTensor/Normalize where its arithmetic was found to be the tail's
+                items = [(j, img, records[k][r]) for j, (r, img) in enumerate(zip(keep, imgs))]
+                if self.tail is not None and geo.fused_tail:
+                    y = torch.empty((len(keep), 3, *self.plan.size), dtype=torch.float32, device=self.device)
+                    geo.run(items, y, final=True, tail=self.tail)
+                    images[path] = y
+                    continue
                 y = torch.empty((len(keep), 3, *self.plan.size), dtype=torch.uint8, device=self.device)
-                geo.run([(j, img, records[k][r]) for j, (r, img) in enumerate(zip(keep, imgs))], y, final=True)
+                geo.run(items, y, final=True)
                 images[path] = self.tail(y) if self.tail is not None else y
                 continue
             y = torch.empty((len(keep), channels, *self.plan.size), dtype=torch.float32, device=self.device)
@@ -289,9 +296,9 @@ class DecodeStage:
                     ok, what = GK.agrees(self, imgs, recs, geo)
                     if ok and tiled:
                         try:
-                            what += "; " + GK.fused_agrees(geo, self.device, imgs, recs)[1]
+                            what += "; " + GK.fused_agrees(geo, self.device, imgs, recs, self.tail)[1]
                         except Exception as e:  # noqa: BLE001 - its float rows stand; the stage rounds them
-                            geo.fused = False
+                            geo.fused = geo.fused_tail = False
                             what += f"; the kernel's own rounding could not run ({type(e).__name__}: {e})"
                     if ok and self.device.type == "cuda":
                         quicker, speed = GK.faster(self, imgs, recs, geo)

@@ -86,15 +86,17 @@ class BatchGeometry:
         kernels = _kernel()
         self.tiled = tiled
         self.kernel = kernels["tiles" if tiled else "rows"] if kernels else None
-        self.fused = False
+        self.fused = self.fused_tail = False
 
-    def run(self, items: list, y: torch.Tensor, final: bool = False) -> None:
+    def run(self, items: list, y: torch.Tensor, final: bool = False, tail=None) -> None:
         """``items``: ``[(row, image, record), ...]``; each (3, H, W) uint8
         image's geometry written into ``y[row]``: float32, not yet rounded
         nor mirrored (``y``: a contiguous (n, 3, oh, ow) float32 batch), or,
         with ``final`` (the tiled kernel only), rounded half to even,
         clamped to [0, 255] and mirrored where its record says, into a
-        uint8 ``y``."""
+        uint8 ``y``; with ``final`` and ``tail`` (a
+        :class:`~.split.DeviceTail` :func:`tail_fits`), then through the
+        tail's arithmetic, into a float32 ``y``."""
         from .encoded import FLIP, H1, L1, L2, RH, RW, T1, T2, W1
 
         if not items:
@@ -131,16 +133,45 @@ class BatchGeometry:
             bj = 32
             bi = max(2, min(16, self.TILE // (bj * kp)))
             grid = (len(items), -(-self.oh // bi), -(-self.ow // bj))
-            kw = dict(BI=bi, BJ=bj, KMAX=kp, FINAL=bool(final))
+            norm = _norm(tail, dev) if final and tail is not None else floats_t
+            kw = dict(BI=bi, BJ=bj, KMAX=kp, FINAL=(2 if tail is not None else 1) if final else 0,
+                      NORM=int(final and tail is not None and norm.numel() == 6))
+            args = (src, ints_t, floats_t, y, self.oh, self.ow, norm)
         else:
             block = max(16, min(self.BLOCK, 4096 // kp))
             grid = (len(items), -(-self.oh * self.ow // block))
             kw = dict(BLOCK=block, KMAX=kp)
+            args = (src, ints_t, floats_t, y, self.oh, self.ow)
         if dev.type == "cuda":      # Triton launches on the current device, on its current stream
             with torch.cuda.device(dev):
-                self.kernel[grid](src, ints_t, floats_t, y, self.oh, self.ow, **kw)
+                self.kernel[grid](*args, **kw)
         else:
-            self.kernel[grid](src, ints_t, floats_t, y, self.oh, self.ow, **kw)
+            self.kernel[grid](*args, **kw)
+
+
+def tail_fits(tail) -> bool:
+    """The kernel can run ``tail`` (a :class:`~.split.DeviceTail`) itself:
+    ``ToTensor``'s scaling and at most one ``Normalize`` of 1 or 3 values
+    (for 3 channels)."""
+    pairs = getattr(tail, "_pairs", None)
+    return pairs is not None and len(pairs) <= 1 and all(m.numel() in (1, 3) and s.numel() in (1, 3)
+                                                          for m, s in pairs)
+
+
+def _norm(tail, dev: torch.device) -> torch.Tensor:
+    """``tail``'s mean and std on ``dev`` for the kernel, float32 [m0, m1,
+    m2, s0, s1, s2] (one value spread to three channels), or a 1-value
+    tensor for a tail without ``Normalize``; made once per device."""
+    cache = tail.__dict__.setdefault("_kernel_norm", {})
+    t = cache.get(dev)
+    if t is None:
+        if tail._pairs:
+            m, s = tail._pairs[0]
+            t = torch.cat([m.reshape(-1).expand(3), s.reshape(-1).expand(3)]).to(torch.float32)
+        else:
+            t = torch.zeros(1, dtype=torch.float32)
+        t = cache[dev] = t.to(dev)
+    return t
 
 
 def finished(y: torch.Tensor, flips: list) -> torch.Tensor:
@@ -185,14 +216,18 @@ def agrees(stage, images: list, records: list, geo: "BatchGeometry | None" = Non
     return worst <= TOLERANCE, f"max {worst:.0f} level(s), {share:.2%} of values differ"
 
 
-def fused_agrees(geo: BatchGeometry, device: torch.device, images: list, records: list) -> tuple[bool, str]:
+def fused_agrees(geo: BatchGeometry, device: torch.device, images: list, records: list,
+                 tail=None) -> tuple[bool, str]:
     """Whether the tiled kernel's final uint8 rows (rounded, clamped,
     mirrored in the kernel) are exactly its float32 rows finished as the
     stage finishes them (:func:`finished`): the in-kernel rounding is half
-    to even on this device, as ``torch.round``.  Sets ``geo.fused``."""
+    to even on this device, as ``torch.round``.  Sets ``geo.fused``; and,
+    with ``tail`` (the stage's :class:`~.split.DeviceTail`, where it
+    :func:`tail_fits`), whether the kernel's float rows through the tail's
+    arithmetic are exactly ``tail`` of those uint8 rows: ``geo.fused_tail``."""
     from .encoded import FLIP
 
-    geo.fused = False
+    geo.fused = geo.fused_tail = False
     if not geo.tiled:
         return False, "not the tiled kernel"
     n = len(images)
@@ -204,8 +239,15 @@ def fused_agrees(geo: BatchGeometry, device: torch.device, images: list, records
     want = finished(rows, [bool(rec[FLIP]) for rec in records])
     same = bool(torch.equal(got, want))
     geo.fused = same
-    return same, ("the kernel's own rounding and mirror give the same rows" if same else
-                  f"the kernel's own rounding differs in {int((got != want).sum())} values: rounded after it")
+    what = ("the kernel's own rounding and mirror give the same rows" if same else
+            f"the kernel's own rounding differs in {int((got != want).sum())} values: rounded after it")
+    if same and tail is not None and tail_fits(tail):
+        floats = torch.full((n, 3, geo.oh, geo.ow), -7.0, dtype=torch.float32, device=device)
+        geo.run(items, floats, final=True, tail=tail)
+        geo.fused_tail = bool(torch.equal(floats, tail(got)))
+        what += ("; and its ToTensor/Normalize arithmetic the tail's, bit for bit" if geo.fused_tail else
+                 "; its ToTensor/Normalize arithmetic differs from the tail's: the tail runs after it")
+    return same, what
 
 
 def faster(stage, images: list, records: list, geo: "BatchGeometry | None" = None) -> tuple[bool, str]:
