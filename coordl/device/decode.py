@@ -276,7 +276,8 @@ class DecodeStage:
         (where the tiled one cannot compile or differs); and whether the
         tiled kernel's own rounding and mirror give exactly the rows the
         stage's would (:func:`~.geometry_kernel.fused_agrees`: then it
-        writes the uint8 batch itself).  Never by timing, which differs
+        writes the uint8 batch itself), and its ``ToTensor``/``Normalize``
+        arithmetic exactly the tail's (then the float batch).  Never by timing, which differs
         between runs: two loaders, or a run and its resume, take the same
         path and give the same pixels.  On a GPU the kernel is also timed
         against the per-image launches; slower is a warning naming
