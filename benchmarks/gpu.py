@@ -1380,7 +1380,9 @@ def parse(argv=None):
     ap.add_argument("--parts", default="a,b,c,d", help="which parts to run (default a,b,c,d)")
     ap.add_argument("--device", default=None, help="default: cuda (cpu with --smoke where CUDA is absent)")
     ap.add_argument("--root", default=None, help="an ImageFolder to read instead of generating one")
-    ap.add_argument("--images", type=int, default=24000, help="file names in the generated folder")
+    ap.add_argument("--images", type=int, default=32000,
+                    help="file names in the generated folder (one epoch holds part (b)'s warm-up of 15 workers, its "
+                         "window and its profile)")
     ap.add_argument("--unique", type=int, default=3000, help="distinct images rendered (names are hard links)")
     ap.add_argument("--classes", type=int, default=10)
     ap.add_argument("--mean-kb", type=float, default=110.0)
