@@ -788,9 +788,16 @@ def test_the_next_batch_is_decoded_while_this_ones_images_are_finished(photos, c
     kw = dict(batch_size=4, seed=5, shuffle=True, device="cpu", decode="device")
     want = list(coordl.DataLoader(ds, **kw))
     decoded, waiting = threading.Event(), threading.Event()
-    where = {"decode": set(), "finish": set()}
+    from coordl.pipeline import workers as W
+
+    where = {"decode": set(), "finish": set(), "take in": set()}
     overlapped = []
     real_finish = DD.DecodeStage.finish
+    real_next = W.PipelineIter.__next__
+
+    def take_in(self):
+        where["take in"].add(threading.current_thread().name)
+        return real_next(self)
 
     class Watching(DD.HostDecoder):
         def decode(self, streams):
@@ -808,9 +815,12 @@ def test_the_next_batch_is_decoded_while_this_ones_images_are_finished(photos, c
 
     monkeypatch.setattr(DD, "decoder_for", lambda dev, **kw: Watching(dev))
     monkeypatch.setattr(DD.DecodeStage, "finish", finish)
+    monkeypatch.setattr(W.PipelineIter, "__next__", take_in)
     got = list(coordl.DataLoader(ds, num_workers=2, **kw))
     assert overlapped == [True]
-    assert where == {"decode": {"coordl-device-decode"}, "finish": {"coordl-pin-memory"}}
+    # the workers' batches are taken in by a thread of their own, so the decode thread only decodes
+    assert where == {"decode": {"coordl-device-decode"}, "finish": {"coordl-pin-memory"},
+                     "take in": {"coordl-device-fetch"}}
     assert len(got) == len(want)
     for (a, y), (b, y2) in zip(got, want):
         assert torch.equal(a, b) and torch.equal(y, y2)
