@@ -86,6 +86,13 @@ def test_device_stage_quick(tmp_path):
     assert "finish" in out and "decode bookkeeping" in out
 
 
+def test_decode_thread_quick():
+    """decode_thread.py: the decode thread's CPU taking each batch in is
+    measured over a real pass (no timing asserted)."""
+    out = _script("decode_thread.py", "--quick")
+    assert "decode thread, taking the next batch in:" in out and " batches, 2 workers" in out, out
+
+
 def test_device_decoders_quick(tmp_path):
     """device_decoders.py on the CPU: the reference decoders run and agree
     with themselves, the GPU variants say why they were skipped."""
