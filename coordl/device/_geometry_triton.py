@@ -136,13 +136,15 @@ def crop_resize_tiles(src, ints, floats, out, oh, ow, norm, BI: tl.constexpr, BJ
             tl.store(o + plane, r1.to(tl.uint8), mask=live)
             tl.store(o + 2 * plane, r2.to(tl.uint8), mask=live)
         else:               # the device tail's float rows: / 255, then (x - mean) / std, IEEE divisions
-            x0 = tl.math.div_rn(r0, 255.0)
-            x1 = tl.math.div_rn(r1, 255.0)
-            x2 = tl.math.div_rn(r2, 255.0)
+            zero = tl.zeros((BI, BJ), dtype=tl.float32)         # divisors as whole tiles, as div_rn takes them
+            c255 = zero + 255.0
+            x0 = tl.math.div_rn(r0, c255)
+            x1 = tl.math.div_rn(r1, c255)
+            x2 = tl.math.div_rn(r2, c255)
             if NORM:
-                x0 = tl.math.div_rn(x0 - tl.load(norm + 0), tl.load(norm + 3))
-                x1 = tl.math.div_rn(x1 - tl.load(norm + 1), tl.load(norm + 4))
-                x2 = tl.math.div_rn(x2 - tl.load(norm + 2), tl.load(norm + 5))
+                x0 = tl.math.div_rn(x0 - tl.load(norm + 0), zero + tl.load(norm + 3))
+                x1 = tl.math.div_rn(x1 - tl.load(norm + 1), zero + tl.load(norm + 4))
+                x2 = tl.math.div_rn(x2 - tl.load(norm + 2), zero + tl.load(norm + 5))
             tl.store(o, x0, mask=live)
             tl.store(o + plane, x1, mask=live)
             tl.store(o + 2 * plane, x2, mask=live)
