@@ -18,6 +18,39 @@ def _record(ints, floats, b):
 
 
 @triton.jit
+def _span(pos, scale, sup, n):
+    # the source span of output positions pos (torch's antialiased filter): center = scale * (pos + 0.5),
+    # [int(center - support + 0.5), int(center + support + 0.5)) within [0, n); its start, its size, and
+    # start - center
+    c = scale * (pos.to(tl.float32) + 0.5)
+    lo = tl.maximum((c - sup + 0.5).to(tl.int32), 0)
+    size = tl.minimum((c + sup + 0.5).to(tl.int32), n) - lo
+    return lo, size, lo.to(tl.float32) - c
+
+
+@triton.jit
+def _taps(k, m, size, inv):
+    # the triangle's value at each tap k of each span, [len, KMAX]: triangle((k + start - center + 0.5) * inv)
+    v = tl.abs((k[None, :] + m[:, None] + 0.5) * inv)
+    return tl.where((k[None, :] < size[:, None]) & (v < 1.0), 1.0 - v, 0.0)
+
+
+@triton.jit
+def _weights(k, m, size, inv):
+    # the taps divided by their sum (a span without weight: by 1)
+    w = _taps(k, m, size, inv)
+    tot = tl.sum(w, axis=1)
+    return tl.math.div_rn(w, tl.where(tot != 0.0, tot, 1.0)[:, None])
+
+
+@triton.jit
+def _total(k, m, size, inv):
+    # the sum of each span's taps (1 where it is 0), which its taps are divided by
+    tot = tl.sum(_taps(k, m, size, inv), axis=1)
+    return tl.where(tot != 0.0, tot, 1.0)
+
+
+@triton.jit
 def crop_resize(src, ints, floats, out, oh, ow, BLOCK: tl.constexpr, KMAX: tl.constexpr):
     b = tl.program_id(0)
     blk = tl.program_id(1)
@@ -31,25 +64,13 @@ def crop_resize(src, ints, floats, out, oh, ow, BLOCK: tl.constexpr, KMAX: tl.co
     ii = i + t2                          # in the resized image
     jj = j + l2
     inside = live & (ii >= 0) & (ii < rh) & (jj >= 0) & (jj < rw)
-    # the spans: center = scale * (i + 0.5); [int(center - support + 0.5), int(center + support + 0.5))
-    cy = scale_y * (ii.to(tl.float32) + 0.5)
-    cx = scale_x * (jj.to(tl.float32) + 0.5)
-    ymin = tl.maximum((cy - sup_y + 0.5).to(tl.int32), 0)
-    ysize = tl.minimum((cy + sup_y + 0.5).to(tl.int32), h) - ymin
-    xmin = tl.maximum((cx - sup_x + 0.5).to(tl.int32), 0)
-    xsize = tl.minimum((cx + sup_x + 0.5).to(tl.int32), w) - xmin
-    ym = ymin.to(tl.float32) - cy
-    xm = xmin.to(tl.float32) - cx
-    # the weights of each axis over its span, [BLOCK, KMAX]: triangle((k + min - center + 0.5) * invscale),
-    # divided by their sum
+    # each axis's span, and its weights over the span, [BLOCK, KMAX] (the rows': their sum, each row's
+    # weight made in the loop)
+    ymin, ysize, ym = _span(ii, scale_y, sup_y, h)
+    xmin, xsize, xm = _span(jj, scale_x, sup_x, w)
     k = tl.arange(0, KMAX)
-    vx = tl.abs((k[None, :] + xm[:, None] + 0.5) * inv_x)
-    wx = tl.where((k[None, :] < xsize[:, None]) & (vx < 1.0), 1.0 - vx, 0.0)
-    tot_x = tl.sum(wx, axis=1)
-    wx = tl.math.div_rn(wx, tl.where(tot_x != 0.0, tot_x, 1.0)[:, None])
-    vy = tl.abs((k[None, :] + ym[:, None] + 0.5) * inv_y)
-    tot_y = tl.sum(tl.where((k[None, :] < ysize[:, None]) & (vy < 1.0), 1.0 - vy, 0.0), axis=1)
-    tot_y = tl.where(tot_y != 0.0, tot_y, 1.0)
+    wx = _weights(k, xm, xsize, inv_x)
+    tot_y = _total(k, ym, ysize, inv_y)
     cols = (l1 + xmin[:, None] + k[None, :]) * sx
     okx = inside[:, None] & (k[None, :] < xsize[:, None])
     acc0 = tl.zeros((BLOCK,), dtype=tl.float32)
@@ -84,22 +105,11 @@ def crop_resize_tiles(src, ints, floats, out, oh, ow, norm, BI: tl.constexpr, BJ
     jj = j + l2
     in_i = (i < oh) & (ii >= 0) & (ii < rh)
     in_j = (j < ow) & (jj >= 0) & (jj < rw)
-    cy = scale_y * (ii.to(tl.float32) + 0.5)
-    cx = scale_x * (jj.to(tl.float32) + 0.5)
-    ymin = tl.maximum((cy - sup_y + 0.5).to(tl.int32), 0)
-    ysize = tl.minimum((cy + sup_y + 0.5).to(tl.int32), h) - ymin
-    xmin = tl.maximum((cx - sup_x + 0.5).to(tl.int32), 0)
-    xsize = tl.minimum((cx + sup_x + 0.5).to(tl.int32), w) - xmin
-    ym = ymin.to(tl.float32) - cy
-    xm = xmin.to(tl.float32) - cx
+    ymin, ysize, ym = _span(ii, scale_y, sup_y, h)          # [BI]
+    xmin, xsize, xm = _span(jj, scale_x, sup_x, w)          # [BJ]
     k = tl.arange(0, KMAX)
-    vx = tl.abs((k[None, :] + xm[:, None] + 0.5) * inv_x)                       # [BJ, KMAX]
-    wx = tl.where((k[None, :] < xsize[:, None]) & (vx < 1.0), 1.0 - vx, 0.0)
-    tot_x = tl.sum(wx, axis=1)
-    wx = tl.math.div_rn(wx, tl.where(tot_x != 0.0, tot_x, 1.0)[:, None])
-    vy = tl.abs((k[None, :] + ym[:, None] + 0.5) * inv_y)                       # [BI, KMAX]
-    tot_y = tl.sum(tl.where((k[None, :] < ysize[:, None]) & (vy < 1.0), 1.0 - vy, 0.0), axis=1)
-    tot_y = tl.where(tot_y != 0.0, tot_y, 1.0)
+    wx = _weights(k, xm, xsize, inv_x)                      # [BJ, KMAX]
+    tot_y = _total(k, ym, ysize, inv_y)                     # [BI]
     cols = (l1 + xmin[:, None] + k[None, :]) * sx                               # [BJ, KMAX]
     okx = in_j[:, None] & (k[None, :] < xsize[:, None])
     acc0 = tl.zeros((BI, BJ), dtype=tl.float32)
