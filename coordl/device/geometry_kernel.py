@@ -87,6 +87,13 @@ class BatchGeometry:
         self.tiled = tiled
         self.kernel = kernels["tiles" if tiled else "rows"] if kernels else None
         self.fused = self.fused_tail = False
+        self._norms = None      # (tail, device, its constants there): kept here, never on the tail, which
+        #                         may travel to a worker process
+
+    def _norm(self, tail, dev: torch.device) -> torch.Tensor:
+        if self._norms is None or self._norms[0] is not tail or self._norms[1] != dev:
+            self._norms = (tail, dev, upload(_norm_values(tail).numpy(), dev))     # queued, not waited for
+        return self._norms[2]
 
     def run(self, items: list, y: torch.Tensor, final: bool = False, tail=None) -> None:
         """``items``: ``[(row, image, record), ...]``; each (3, H, W) uint8
@@ -133,7 +140,7 @@ class BatchGeometry:
             bj = 32
             bi = max(2, min(16, self.TILE // (bj * kp)))
             grid = (len(items), -(-self.oh // bi), -(-self.ow // bj))
-            norm = _norm(tail, dev) if final and tail is not None else floats_t
+            norm = self._norm(tail, dev) if final and tail is not None else floats_t
             kw = dict(BI=bi, BJ=bj, KMAX=kp, FINAL=(2 if tail is not None else 1) if final else 0,
                       NORM=int(final and tail is not None and norm.numel() == 6))
             args = (src, ints_t, floats_t, y, self.oh, self.ow, norm)
@@ -158,20 +165,14 @@ def tail_fits(tail) -> bool:
                                                           for m, s in pairs)
 
 
-def _norm(tail, dev: torch.device) -> torch.Tensor:
-    """``tail``'s mean and std on ``dev`` for the kernel, float32 [m0, m1,
-    m2, s0, s1, s2] (one value spread to three channels), or a 1-value
-    tensor for a tail without ``Normalize``; made once per device."""
-    cache = tail.__dict__.setdefault("_kernel_norm", {})
-    t = cache.get(dev)
-    if t is None:
-        if tail._pairs:
-            m, s = tail._pairs[0]
-            t = torch.cat([m.reshape(-1).expand(3), s.reshape(-1).expand(3)]).to(torch.float32)
-        else:
-            t = torch.zeros(1, dtype=torch.float32)
-        t = cache[dev] = t.to(dev)
-    return t
+def _norm_values(tail) -> torch.Tensor:
+    """``tail``'s mean and std for the kernel, float32 [m0, m1, m2, s0, s1,
+    s2] (one value spread to three channels), or a 1-value tensor for a
+    tail without ``Normalize``; on the host."""
+    if tail._pairs:
+        m, s = tail._pairs[0]
+        return torch.cat([m.reshape(-1).expand(3), s.reshape(-1).expand(3)]).to(torch.float32)
+    return torch.zeros(1, dtype=torch.float32)
 
 
 def finished(y: torch.Tensor, flips: list) -> torch.Tensor:
