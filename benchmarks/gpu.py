@@ -48,7 +48,9 @@ one more row in ``JOB_ROWS`` for part (c)):
   each, in two threads (``COORDL_DEVICE_DECODER=torchvision:1+nvimgcodec-hw:1``),
   where ``nvidia.nvimgcodec`` imports: whether two decoders feed the GPU's
   JPEG engines beyond torchvision's call alone;
-* ``coordl-decode-split``: each batch shared by torchvision's nvJPEG (the
+* ``coordl-decode-split`` (only when ``--loaders`` names it: slower than
+  nvJPEG alone at every worker count in the third H200 run, 8,709 images/s
+  at 15 workers against 12,531): each batch shared by torchvision's nvJPEG (the
   hardware decoder) and nvImageCodec's hybrid decoder (Huffman decoding in
   its CPU threads, as many as the row's workers unless
   ``COORDL_DEVICE_DECODER_THREADS`` says), three fifths and two fifths, in
@@ -423,7 +425,7 @@ VARIANTS: list[Variant] = [
     Variant("coordl-decode-split", make_coordl_decoder(SPLIT),
             f"the same, each batch shared by torchvision's nvJPEG (the hardware decoder) and nvImageCodec's "
             f"hybrid decoder, each in a thread of its own (COORDL_DEVICE_DECODER={SPLIT})",
-            nvimgcodec_unavailable, max_workers_b=4, min_workers_a=4),
+            nvimgcodec_unavailable, max_workers_b=4, min_workers_a=4, default=False),
     Variant("coordl-decode-deep", functools.partial(make_coordl_device, decode="device", prefetch_factor=4),
             "the same as coordl-decode-device with prefetch_factor=4: four batches staged ahead of the training "
             "loop in place of two (whether the loop's waits are the loader's bursts)",

@@ -125,7 +125,7 @@ def test_gpu_smoke(tmp_path):
     a = res["parts"]["a"]
     # the rows run without --loaders (coordl-decode-deep, -split-nv and -hw only when named)
     names = ["torch", "coordl-import", "coordl-device", "dali", "coordl-decode-device", "coordl-decode-block",
-             "coordl-decode-cuda", "coordl-decode-workers", "coordl-decode-split-hw", "coordl-decode-split"]
+             "coordl-decode-cuda", "coordl-decode-workers", "coordl-decode-split-hw"]
     names_b = [n for n in names if n != "coordl-decode-cuda"]       # part (a) only
     assert list(a["rows"]) == names, a
     for name, by_workers in a["rows"].items():
@@ -151,7 +151,7 @@ def test_gpu_smoke(tmp_path):
     b = res["parts"]["b"]
     assert b["ceiling"]["images_per_s"] > 0, b
     assert list(b["rows"]) == names_b, b
-    assert all(b["rows"][n]["workers"] <= 4 for n in ("coordl-decode-device", "coordl-decode-split",
+    assert all(b["rows"][n]["workers"] <= 4 for n in ("coordl-decode-device", "coordl-decode-split-hw",
                                                        "coordl-decode-workers"))
     share = b["rows"]["coordl-decode-workers"]          # 2 workers at 39:1: 2/41 of the samples, by index
     assert 0 < share["on_cpu_share"] < 0.25, share
