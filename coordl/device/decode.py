@@ -53,7 +53,7 @@ from .decoders import (  # noqa: F401  (the decoders' names, as this module had 
 )
 from .encoded import (CHANNELS, FLIP, INDEX, KIND, ON_CPU, ON_DEVICE, RH, RW, SRC_H, SRC_W, T1, T2, W1, W2,
                       DecodePlan)
-from .geometry_kernel import upload
+from .geometry_kernel import finished
 from .split import DeviceTail
 
 __all__ = ["DecodeStage", "HostDecoder", "TorchvisionDecoder", "NvImageCodecDecoder", "DecoderSplit", "decoder_for",
@@ -196,15 +196,12 @@ class DecodeStage:
             if geo and geo.fused and all(img is not None for img in imgs):
                 # every row the kernel's: it rounds, clamps and mirrors them itself, into the uint8 batch,
                 # or on through ToTensor/Normalize where its arithmetic was found to be the tail's
-                items = [(j, img, records[k][r]) for j, (r, img) in enumerate(zip(keep, imgs))]
-                if self.tail is not None and geo.fused_tail:
-                    y = torch.empty((len(keep), 3, *self.plan.size), dtype=torch.float32, device=self.device)
-                    geo.run(items, y, final=True, tail=self.tail)
-                    images[path] = y
-                    continue
-                y = torch.empty((len(keep), 3, *self.plan.size), dtype=torch.uint8, device=self.device)
-                geo.run(items, y, final=True)
-                images[path] = self.tail(y) if self.tail is not None else y
+                whole = self.tail is not None and geo.fused_tail
+                y = torch.empty((len(keep), 3, *self.plan.size), dtype=torch.float32 if whole else torch.uint8,
+                                device=self.device)
+                geo.run([(j, img, records[k][r]) for j, (r, img) in enumerate(zip(keep, imgs))], y, final=True,
+                        tail=self.tail if whole else None)
+                images[path] = self.tail(y) if self.tail is not None and not whole else y
                 continue
             y = torch.empty((len(keep), channels, *self.plan.size), dtype=torch.float32, device=self.device)
             batched = []
@@ -217,13 +214,7 @@ class DecodeStage:
                     self._geometry(img, records[k][r], into=y[j:j + 1])
             if batched:
                 geo.run(batched, y)
-            y = y.round_().clamp_(0, 255).to(torch.uint8)
-            flips = [bool(records[k][r][FLIP]) for r in keep]
-            if all(flips):
-                y = y.flip(-1)
-            elif any(flips):     # one mirror for the batch: a few launches, not one per image
-                mask = upload(np.asarray(flips), y.device).view(-1, 1, 1, 1)
-                y = torch.where(mask, y.flip(-1), y)
+            y = finished(y, [bool(records[k][r][FLIP]) for r in keep])
             images[path] = self.tail(y) if self.tail is not None else y
         return images
 

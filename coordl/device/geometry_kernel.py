@@ -176,13 +176,17 @@ def _norm_values(tail) -> torch.Tensor:
 
 
 def finished(y: torch.Tensor, flips: list) -> torch.Tensor:
-    """What the stage makes of float32 rows (``_geometry``'s, or the kernel's
-    without ``final``): rounded half to even, clamped, uint8, each row
-    mirrored where ``flips`` says."""
-    y = y.round().clamp_(0, 255).to(torch.uint8)
-    for j, f in enumerate(flips):
-        if f:
-            y[j] = y[j].flip(-1)
+    """What the stage makes of a batch of float32 rows (``_geometry``'s, or
+    the kernel's without ``final``): rounded half to even in place,
+    clamped, uint8, each row mirrored where ``flips`` says (one mirror for
+    the batch: a few launches, not one per row).  The stage's own step,
+    and what :func:`fused_agrees` holds the kernel's final rows to."""
+    y = y.round_().clamp_(0, 255).to(torch.uint8)
+    if all(flips):
+        return y.flip(-1)
+    if any(flips):
+        mask = upload(np.asarray(flips), y.device).view(-1, 1, 1, 1)
+        return torch.where(mask, y.flip(-1), y)
     return y
 
 
