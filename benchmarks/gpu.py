@@ -914,9 +914,7 @@ PROFILE_B = "coordl-device,coordl-decode-block"
 
 def profiled_b(args) -> list:
     """The part (b) rows ``--profile-b`` names that run (none without a value)."""
-    names = [n.strip() for n in (getattr(args, "profile_b", "") or "").split(",") if n.strip()]
-    for n in names:
-        variant(n)      # an unknown name fails here, naming the known ones
+    names = _named(getattr(args, "profile_b", ""))
     return [v.name for v in chosen(args) if v.in_b and v.name in names]
 
 
@@ -947,10 +945,17 @@ def chosen(args) -> list:
     """The variants ``--loaders`` names (all without it), in VARIANTS' order."""
     if not getattr(args, "loaders", None):
         return [v for v in VARIANTS if v.default]
-    names = [n.strip() for n in args.loaders.split(",") if n.strip()]
-    for n in names:
-        variant(n)      # an unknown name fails here, naming the known ones
+    names = _named(args.loaders)
     return [v for v in VARIANTS if v.name in names]
+
+
+def _named(text: str | None) -> list:
+    """The variant names of a comma-separated option; an unknown name fails
+    here, naming the known ones."""
+    names = [n.strip() for n in (text or "").split(",") if n.strip()]
+    for n in names:
+        variant(n)
+    return names
 
 
 def part_a(args, ctx: Ctx, res: dict, save: Callable) -> None:
