@@ -63,9 +63,12 @@ def main() -> None:
                               cache_size=0 if a.extra == "nocache" else a.cache_size, peers=a.peers)
         for _ in V:
             pass
-        del V
     L = coordl.DataLoader(ds, batch_size=a.batch_size, shuffle=True, seed=3, num_workers=a.workers,
                           cache_size=a.cache_size, peers=a.peers, share=bool(a.share))
+    # the evaluation loader goes only once the training loader holds the node cache: a cache goes
+    # with its last holder, and the reaper thread releases a collected loader's hold at a moment of
+    # its own, so deleting it first left the training loader a warm or an empty cache by chance
+    V = None
     if a.first == "resume":    # fresh caches, resumed mid-epoch 0 (from a loader without cache)
         R = coordl.DataLoader(ds, batch_size=a.batch_size, shuffle=True, seed=3, num_workers=0, peers="off")
         it = iter(R)
