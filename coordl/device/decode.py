@@ -17,7 +17,8 @@ without, all in ``next()``):
    plan's filter on float32 (``antialias`` as the transform says: PIL's
    filters, as torch's uint8 kernels on the CPU path), crop with zero
    padding (``T2..W2``); images the workers prepared on the CPU
-   (``ON_CPU``) are copied as they are.  For a bilinear antialiased plan
+   (``ON_CPU``) go into their rows as they are, in one copy for the
+   batch.  For a bilinear antialiased plan
    on a GPU with Triton, one kernel launch does this for the whole batch
    (:mod:`.geometry_kernel`, checked against the per-image path on the
    stage's first batch; ``COORDL_DEVICE_GEOMETRY=per-image`` turns it off);
@@ -53,7 +54,7 @@ from .decoders import (  # noqa: F401  (the decoders' names, as this module had 
 )
 from .encoded import (CHANNELS, FLIP, INDEX, KIND, ON_CPU, ON_DEVICE, RH, RW, SRC_H, SRC_W, T1, T2, W1, W2,
                       DecodePlan)
-from .geometry_kernel import finished
+from .geometry_kernel import finished, upload
 from .split import DeviceTail
 
 __all__ = ["DecodeStage", "HostDecoder", "TorchvisionDecoder", "NvImageCodecDecoder", "DecoderSplit", "decoder_for",
@@ -193,25 +194,33 @@ class DecodeStage:
             channels = records[k][keep[0]][CHANNELS]
             geo = self._batched(left, records) if channels == 3 else False
             imgs = [left.pop((k, r), None) for r in keep]
-            if geo and geo.fused and all(img is not None for img in imgs):
-                # every row the kernel's: it rounds, clamps and mirrors them itself, into the uint8 batch,
-                # or on through ToTensor/Normalize where its arithmetic was found to be the tail's
+            # rows already final: uint8 images the workers prepared on the CPU path (their flip applied)
+            ready = [j for j, (r, img) in enumerate(zip(keep, imgs)) if img is None and out[k][r].dtype == torch.uint8]
+            kernel = sum(img is not None for img in imgs)
+            if geo and geo.fused and kernel and kernel + len(ready) == len(keep):
+                # the rest the kernel's: it rounds, clamps and mirrors them itself, into the uint8 batch,
+                # or on through ToTensor/Normalize where its arithmetic was found to be the tail's; the
+                # ready rows go in as they are, or through the tail first (elementwise: the same values
+                # as the tail of the whole batch)
                 whole = self.tail is not None and geo.fused_tail
                 y = torch.empty((len(keep), 3, *self.plan.size), dtype=torch.float32 if whole else torch.uint8,
                                 device=self.device)
-                geo.run([(j, img, records[k][r]) for j, (r, img) in enumerate(zip(keep, imgs))], y, final=True,
-                        tail=self.tail if whole else None)
+                geo.run([(j, img, records[k][r]) for j, (r, img) in enumerate(zip(keep, imgs)) if img is not None],
+                        y, final=True, tail=self.tail if whole else None)
+                _place(y, ready, [out[k][keep[j]] for j in ready], self.tail if whole else None)
                 images[path] = self.tail(y) if self.tail is not None and not whole else y
                 continue
             y = torch.empty((len(keep), channels, *self.plan.size), dtype=torch.float32, device=self.device)
             batched = []
             for j, (r, img) in enumerate(zip(keep, imgs)):
                 if img is None:
-                    y[j].copy_(out[k][r])
+                    if out[k][r].dtype != torch.uint8:     # an earlier chunk's geometry, not yet rounded
+                        y[j].copy_(out[k][r])
                 elif geo:
                     batched.append((j, img, records[k][r]))
                 else:
                     self._geometry(img, records[k][r], into=y[j:j + 1])
+            _place(y, ready, [out[k][keep[j]] for j in ready])
             if batched:
                 geo.run(batched, y)
             y = finished(y, [bool(records[k][r][FLIP]) for r in keep])
@@ -416,6 +425,17 @@ class _Pending:
 
     def __init__(self, paths, records, out, raw, held, keep) -> None:
         self.paths, self.records, self.out, self.raw, self.held, self.keep = paths, records, out, raw, held, keep
+
+
+def _place(y: torch.Tensor, rows: list, images: list, tail=None) -> None:
+    """The uint8 ``images`` into ``y``'s ``rows`` in one copy (not one
+    launch per row), through ``tail`` first when given."""
+    if not rows:
+        return
+    x = torch.stack(images)
+    if tail is not None:
+        x = tail(x)
+    y.index_copy_(0, upload(np.asarray(rows, dtype=np.int64), y.device), x.to(y.dtype))
 
 
 def _chunks(todo: list, records: list):
