@@ -778,6 +778,15 @@ class DataLoader(_TorchDataLoader[_T_co]):
         except Exception as e:
             raise RuntimeError(f"decoding {note} on {self._device} failed ({type(e).__name__}: {e})") from e
 
+    def _prepare_envelope(self, env, note: str):
+        """With workers and ``decode="device"``, in the fetch thread (one
+        batch ahead of the decode thread): the host's work before the
+        decoder's call (the streams, the rows the workers prepared), so
+        that the decode thread only decodes."""
+        if env.batch is not None and getattr(env.stats, "device_blob", None) is not None:
+            self._decoding(self._decode_stage.prepare_envelope, env, note)
+        return env
+
     def _decode_envelope(self, env, note: str):
         """With workers and ``decode="device"``, in the decode thread (one
         batch ahead of the pin thread): decode ``env``'s images on the

@@ -24,7 +24,8 @@ class BatchStats:
 
     __slots__ = ("samples", "bytes_storage", "from_cache", "bytes_cache", "fetch_s", "prep_s", "skips",
                  "shared", "from_peers", "bytes_peers", "device_marks", "device_cpu", "decoded_device",
-                 "decoded_cpu", "device_blob", "zero_copy", "device_pending", "decode_s", "geometry_s")
+                 "decoded_cpu", "device_blob", "zero_copy", "device_pending", "decode_s", "geometry_s",
+                 "device_prepared")
 
     def __init__(self) -> None:
         self.samples = 0            # samples prepared into the batch
@@ -44,6 +45,7 @@ class BatchStats:
         self.device_blob = None     # ... (slot, total bytes, offsets) of the bytes the device decodes (not summed)
         self.zero_copy = 0          # 1: the batch is a view of the node daemon's staging (share=True), no copy
         self.device_pending = None  # decode="device": the decoded images awaiting their geometry (main process only)
+        self.device_prepared = None     # ... the batch's streams and CPU rows ready for the decoder (main process only)
         self.decode_s = 0.0         # decode="device": wall time in the device decoder's calls (main process)
         self.geometry_s = 0.0       # ... in the crops, resizes and conversion after them (main process)
 
@@ -66,8 +68,8 @@ class BatchStats:
         self.skips += other.skips
 
     def __getstate__(self):
-        # (device_pending holds device tensors of the main process: never sent)
-        return tuple(None if k == "device_pending" else getattr(self, k) for k in self.__slots__)
+        # (device_pending and device_prepared hold the main process's tensors: never sent)
+        return tuple(None if k in ("device_pending", "device_prepared") else getattr(self, k) for k in self.__slots__)
 
     def __setstate__(self, st) -> None:
         self.__init__()             # fields a sender of another version did not have keep their defaults

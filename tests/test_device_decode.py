@@ -790,10 +790,15 @@ def test_the_next_batch_is_decoded_while_this_ones_images_are_finished(photos, c
     decoded, waiting = threading.Event(), threading.Event()
     from coordl.pipeline import workers as W
 
-    where = {"decode": set(), "finish": set(), "take in": set()}
+    where = {"decode": set(), "finish": set(), "take in": set(), "prepare": set()}
     overlapped = []
     real_finish = DD.DecodeStage.finish
     real_next = W.PipelineIter.__next__
+    real_prepare = DD.DecodeStage.prepare
+
+    def prepare(self, batch, stats):
+        where["prepare"].add(threading.current_thread().name)
+        return real_prepare(self, batch, stats)
 
     def take_in(self):
         where["take in"].add(threading.current_thread().name)
@@ -816,11 +821,13 @@ def test_the_next_batch_is_decoded_while_this_ones_images_are_finished(photos, c
     monkeypatch.setattr(DD, "decoder_for", lambda dev, **kw: Watching(dev))
     monkeypatch.setattr(DD.DecodeStage, "finish", finish)
     monkeypatch.setattr(W.PipelineIter, "__next__", take_in)
+    monkeypatch.setattr(DD.DecodeStage, "prepare", prepare)
     got = list(coordl.DataLoader(ds, num_workers=2, **kw))
     assert overlapped == [True]
-    # the workers' batches are taken in by a thread of their own, so the decode thread only decodes
+    # the workers' batches are taken in and made ready for the decoder by a thread of their own, so the
+    # decode thread only decodes
     assert where == {"decode": {"coordl-device-decode"}, "finish": {"coordl-pin-memory"},
-                     "take in": {"coordl-device-fetch"}}
+                     "take in": {"coordl-device-fetch"}, "prepare": {"coordl-device-fetch"}}
     assert len(got) == len(want)
     for (a, y), (b, y2) in zip(got, want):
         assert torch.equal(a, b) and torch.equal(y, y2)

@@ -376,11 +376,22 @@ def test_the_workers_share_is_the_cpu_paths_pixels(photos, monkeypatch, workers,
     bit (decoded, cropped, resized and flipped there; converted on the
     device as a split batch is); the others are the device decoder's; the
     statistics count them; whether a worker reads batches or samples does
-    not change a pixel."""
+    not change a pixel.  The rows the workers prepared are gathered for
+    their copy by the fetch thread (by the calling thread without
+    workers), never by the decode thread."""
+    from coordl.device import decode as DE
     from coordl.device.encoded import plan_for
     from coordl.pipeline import device_batches
 
     monkeypatch.setattr(device_batches, "ENABLED", batch_path)
+    gathered = set()
+    real_prepare = DE.DecodeStage.prepare
+
+    def prepare(self, batch, stats):
+        gathered.add(threading.current_thread().name)
+        return real_prepare(self, batch, stats)
+
+    monkeypatch.setattr(DE.DecodeStage, "prepare", prepare)
     if workers:
         ds, L, C = _share_loaders(photos, monkeypatch, workers, spec)
     else:
@@ -406,6 +417,7 @@ def test_the_workers_share_is_the_cpu_paths_pixels(photos, monkeypatch, workers,
     else:           # without workers the main process's time is the device stage's: no share
         assert on_cpu == 0 and "workers decode" not in st.device_decode
     assert cpu_rows >= on_cpu
+    assert gathered == ({"coordl-device-fetch"} if workers else {threading.main_thread().name})
 
 
 def test_the_workers_share_resumes_mid_epoch_exactly(photos, monkeypatch):

@@ -104,33 +104,66 @@ class DecodeStage:
             env.batch = self.decode(env.batch, env.stats, env.step)
         return env
 
+    def prepare_envelope(self, delivery, env):
+        """:meth:`prepare` (the fetch thread with workers, a batch ahead of
+        the decode thread)."""
+        self.prepare(env.batch, env.stats)
+        return env
+
+    def prepare(self, batch, stats) -> None:
+        """The host's work before the decoder's call, kept off the decode
+        thread, which bounds delivery on a GPU: the records as lists, each
+        chunk's streams (views of the batch's slot), and the rows the
+        workers prepared gathered into one (page-locked, on CUDA) buffer,
+        out of the slot; in ``stats.device_prepared`` for :meth:`decode`."""
+        blob, _, offsets = stats.device_blob
+        paths = tuple(stats.device_marks)
+        records = [_get(batch, p).tolist() for p in paths]    # per path, per row: the RECORD fields
+        n, m = len(records[0]), len(paths)
+        todo = [(r, k) for r in range(n) for k in range(m) if records[k][r][KIND] == ON_DEVICE]
+        chunks = list(_chunks(todo, records))
+        streams = [[_bytes(blob, offsets[r * m + k]) for r, k in chunk] for chunk in chunks]
+        oh, ow = self.plan.size
+        # prepared by the CPU path in the worker (counted there): gathered here, moved to the device in one
+        # copy by decode(), not one per image
+        ready = [(k, r) for r in range(n) for k in range(m) if records[k][r][KIND] == ON_CPU]
+        host = [_bytes(blob, offsets[r * m + k]).view(records[k][r][CHANNELS], oh, ow) for k, r in ready]
+        if host and len({x.shape for x in host}) == 1:
+            # into page-locked memory (torch's caching host allocator keeps the block until the copy
+            # ran), so that the copy is queued, not waited for
+            gathered = torch.empty((len(host), *host[0].shape), dtype=torch.uint8,
+                                   pin_memory=self.device.type == "cuda")
+            host = torch.stack(host, out=gathered)
+        stats.device_prepared = _Prepared(paths, records, chunks, streams, ready, host)
+
     def decode(self, batch, stats, step=None):
         """The first half (the decode thread with workers), on the current
         stream (the delivery's copy stream): decode the batch's JPEGs, fall
         back to the CPU for those the decoder rejects, resolve the samples
-        neither can read (raise or skip), copy the rows the workers prepared.
-        Returns the batch (skipped rows removed; None when none is left) and
-        leaves the decoded images in ``stats.device_pending`` for
-        :meth:`stage_decoded`.  A batch of several chunks (``BUDGET``) has
-        the geometry of all but its last chunk done here, so that no more
-        than one chunk of full-size images waits."""
-        blob, _, offsets = stats.device_blob
+        neither can read (raise or skip), copy the rows the workers prepared
+        (all of it from what :meth:`prepare` made, which runs here first
+        where no fetch thread ran it).  Returns the batch (skipped rows
+        removed; None when none is left) and leaves the decoded images in
+        ``stats.device_pending`` for :meth:`stage_decoded`.  A batch of
+        several chunks (``BUDGET``) has the geometry of all but its last
+        chunk done here, so that no more than one chunk of full-size images
+        waits."""
+        if stats.device_prepared is None:
+            self.prepare(batch, stats)
+        prep, stats.device_prepared = stats.device_prepared, None
         stats.device_blob = None       # the slot goes back to its worker once the stage lets go of it
-        paths = tuple(stats.device_marks)
-        records = [_get(batch, p).tolist() for p in paths]    # per path, per row: the RECORD fields
+        paths, records, chunks = prep.paths, prep.records, prep.chunks
         n, m = len(records[0]), len(paths)
         out = [[None] * n for _ in range(m)]
         errors: dict = {}
         on_device = on_cpu = 0
-        todo = [(r, k) for r in range(n) for k in range(m) if records[k][r][KIND] == ON_DEVICE]
-        chunks = list(_chunks(todo, records))
         # the last chunk's geometry waits for the second half, with what the
         # decoder's images hold (see _Pending)
         raw: list = []
         held: list = []
         for c, chunk in enumerate(chunks):
             defer = c == len(chunks) - 1
-            streams = [_bytes(blob, offsets[r * m + k]) for r, k in chunk]
+            streams, prep.streams[c] = prep.streams[c], None
             t0 = time.perf_counter()
             got = self.decoder.decode(streams)
             stats.decode_s += time.perf_counter() - t0
@@ -157,23 +190,15 @@ class DecodeStage:
                 held = self.decoder.release()
             else:
                 self.decoder.finish()
-        oh, ow = self.plan.size
-        # prepared by the CPU path in the worker (counted there): to the device in one copy, not one per image
-        ready = [(k, r) for r in range(n) for k in range(m) if records[k][r][KIND] == ON_CPU]
-        if ready:
-            host = [_bytes(blob, offsets[r * m + k]).view(records[k][r][CHANNELS], oh, ow) for k, r in ready]
-            if len({x.shape for x in host}) == 1:
-                # one copy: gathered into page-locked memory (torch's caching host allocator keeps the
-                # block until the copy ran), then moved asynchronously on this stream, so that the decode
-                # thread does not wait for a pageable transfer
-                pinned = self.device.type == "cuda"
-                gathered = torch.empty((len(host), *host[0].shape), dtype=torch.uint8, pin_memory=pinned)
-                moved = torch.stack(host, out=gathered).to(self.device, non_blocking=pinned)
+        if prep.ready:
+            host = prep.host
+            if isinstance(host, torch.Tensor):     # one copy, queued on this stream (page-locked on CUDA)
+                moved = host.to(self.device, non_blocking=self.device.type == "cuda")
             else:
                 moved = [x.to(self.device) for x in host]
-            for (k, r), x in zip(ready, moved):
+            for (k, r), x in zip(prep.ready, moved):
                 out[k][r] = x       # uint8: its row's copy in finish() converts it
-        del blob
+        del prep
         keep = self._errors(errors, records[0], stats, step) if errors else list(range(n))
         stats.decoded_device += on_device
         stats.decoded_cpu += on_cpu
@@ -413,6 +438,19 @@ def _resizer(mode: str, antialias: bool, device: torch.device | None = None):
     except Exception:  # noqa: BLE001 - another signature: the public call
         same = False
     return direct if same else interpolate
+
+
+class _Prepared:
+    """A batch made ready for the decoder (:meth:`DecodeStage.prepare`):
+    its records' paths and fields, the chunks of (row, path number) the
+    device decodes with their streams, and the rows the workers prepared
+    with their images (one tensor, or a list where shapes differ)."""
+
+    __slots__ = ("paths", "records", "chunks", "streams", "ready", "host")
+
+    def __init__(self, paths, records, chunks, streams, ready, host) -> None:
+        self.paths, self.records, self.chunks, self.streams = paths, records, chunks, streams
+        self.ready, self.host = ready, host
 
 
 class _Pending:

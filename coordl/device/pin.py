@@ -116,12 +116,6 @@ def _pin_envelope(env, step_note: str):
     return env
 
 
-def as_is(env, note):
-    """A stage that hands the envelope on unchanged (a thread that only
-    takes the pass's batches in, ahead of the next stage)."""
-    return env
-
-
 def _note(env) -> str:
     step = getattr(env, "step", None)
     return f"batch {step} of epoch {env.epoch}" if step is not None else "a batch"
