@@ -47,7 +47,9 @@ class Cluster:
         self.port = _free_port()
         self.outs = [str(tmp / f"rank{r}.jsonl") for r in range(world)]
         self.procs = []
-        env = {**os.environ, "COORDL_PEER_TIMEOUT": "2", **(env or {})}
+        # a timeout with room for a rank descheduled on a loaded machine (a reply later than it reads
+        # from storage); the tests of stalls and restarts set a short one
+        env = {**os.environ, "COORDL_PEER_TIMEOUT": "5", **(env or {})}
         for r in range(world):
             args = [sys.executable, JOB, "--root", root, "--rank", str(r), "--world", str(world),
                     "--node", f"n{r // per_node}" if node_ids else "", "--port", str(self.port), "--cache-size", str(CACHE),
@@ -174,7 +176,7 @@ def test_a_stalled_peer_costs_one_timeout_and_serves_again_next_epoch(tmp_path, 
     # every rank finishes epoch 0 (n1 holds its share), then n1's lowest rank (its server) stops;
     # the others start epoch 1 only once it has (else its server might serve a batch first)
     c = Cluster(tmp_path, data, epochs=3, barriers=1, await_stop_after=0, await_stop_of=tmp_path / "rank2.jsonl",
-                rank_opts={2: {"stop_self_after": 0, "await_stop_after": -1}})
+                rank_opts={2: {"stop_self_after": 0, "await_stop_after": -1}}, env={"COORDL_PEER_TIMEOUT": "2"})
     try:
         c.wait_for(0, lambda x: x.get("epoch") == 1)
         assert psutil.Process(c.procs[2].pid).status() == psutil.STATUS_STOPPED
@@ -316,7 +318,7 @@ def test_a_node_daemon_killed_serves_again_within_one_timeout_from_the_same_addr
     about twice the peer timeout (8 batches, 0.6 s each), so that the
     recovery has room on a loaded machine (at 0.4 s it missed epoch 1
     once in a full parallel run on 2 vCPUs)."""
-    env = {"COORDL_RUN_DIR": str(tmp_path / "run")}
+    env = {"COORDL_RUN_DIR": str(tmp_path / "run"), "COORDL_PEER_TIMEOUT": "2"}
     os.makedirs(env["COORDL_RUN_DIR"], mode=0o700)
     c = Cluster(tmp_path, data, world=2, per_node=1, epochs=4, share=1, env=env, sleep=0.6,
                 rank_opts={1: {"kill_daemon_after": 0}})
