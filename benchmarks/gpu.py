@@ -43,6 +43,14 @@ one more row in ``JOB_ROWS`` for part (c)):
   each worker weighing 1 against its 39
   (``COORDL_DEVICE_DECODER=torchvision:39+workers:1``: 15/54 of the samples
   at 15 workers, 8/47 at 8, 4/43 at 4);
+* ``coordl-decode-measured`` (part (a), from 4 workers, with
+  ``--decoders-json``): the same, each decoder weighing the images/s it
+  was measured to deliver on this machine: torchvision's call and, where
+  it decoded every file, nvImageCodec's CUDA decoder (its cores beside the
+  JPEG engines), each alone at one thread in the decoders step of
+  ``gpu_check.sh``, and each worker what one worker of the
+  ``coordl-device`` row delivered at that worker count, so that every
+  decoder is busy for the same time (the spec it ran is printed);
 * ``coordl-decode-split-hw``: ``coordl-decode-block`` with each batch
   shared by torchvision's nvJPEG and nvImageCodec's hardware decoder, half
   each, in two threads (``COORDL_DEVICE_DECODER=torchvision:1+nvimgcodec-hw:1``),
@@ -161,6 +169,8 @@ class Ctx:
     device: torch.device
     size: int = 224            # crop size
     batch_timeout: float = 120.0  # DataLoader(timeout=) with workers: a stuck loader raises
+    decoders: dict | None = None  # the decoders step's JSON (device_decoders.py), for coordl-decode-measured
+    rates: dict = dataclasses.field(default_factory=dict)    # part (a): (row, workers) -> images/s measured
 
     @property
     def cuda(self) -> bool:
@@ -199,6 +209,7 @@ class Source:
     def __init__(self, loader: Any, device: torch.device | None = None):
         self.loader = loader
         self.device = device  # set: the loop moves each batch (`.cuda(non_blocking=True)`)
+        self.decoders = None  # the COORDL_DEVICE_DECODER a row chose at run time (kept in its figures)
 
     def epoch(self) -> Iterator:
         if self.device is None:
@@ -394,6 +405,65 @@ SPLIT_CUDA = "torchvision:1+nvimgcodec-cuda:2"
 #: more than 15 workers' CPU could prepare at the rate the GPU's share asked)
 WORKERS_SPLIT = "torchvision:39+workers:1"
 
+#: the decoders step's rows (device_decoders.py) whose images/s weigh coordl-decode-measured's decoders
+TV_ROW = "torchvision.io.decode_jpeg batched (nvJPEG), blocking waits"
+CUDA_ROW = "nvImageCodec CUDA decoder, plain upsampling"
+
+
+def measured_spec(ctx: Ctx, workers: int) -> tuple[str, str]:
+    """``(COORDL_DEVICE_DECODER, how)`` with each decoder weighing what it
+    was measured to deliver on this machine: torchvision's call and, where
+    it decoded every file, nvImageCodec's CUDA decoder at one thread in the
+    decoders step (each alone), and each worker what one worker of part
+    (a)'s ``coordl-device`` row delivered at this worker count (the CPU
+    path, every core used).  Raises when a figure is missing."""
+    rows = (ctx.decoders or {}).get("rows") or {}
+
+    def rate(name):
+        r = rows.get(name) or {}
+        if (r.get("pixels") or {}).get("undecoded"):
+            return None         # decoded only some of the files: not a decoder for them
+        return (r.get("1 threads") or {}).get("images_per_s")
+
+    tv = rate(TV_ROW)
+    if not tv:
+        raise RuntimeError(f"the decoders step has no images/s for {TV_ROW!r}")
+    per_worker = (ctx.rates.get(("coordl-device", workers)) or 0) / workers
+    if not per_worker:
+        raise RuntimeError(f"coordl-device was not measured at {workers} workers")
+    cu = rate(CUDA_ROW)
+    spec = f"torchvision:{tv:.0f}" + (f"+nvimgcodec-cuda:{cu:.0f}" if cu else "") + f"+workers:{per_worker:.0f}"
+    how = (f"torchvision {tv:,.0f}" + (f", nvImageCodec's CUDA decoder {cu:,.0f}" if cu else
+                                       ", nvImageCodec's CUDA decoder not measured decoding every file")
+           + f", one worker {per_worker:,.0f} images/s")
+    return spec, how
+
+
+def make_measured(ctx: Ctx, workers: int, batch_size: int, **extra) -> Source:
+    spec, how = measured_spec(ctx, workers)
+    src = make_coordl_decoder(spec, wait="block")(ctx, workers, batch_size, **extra)
+    src.decoders = f"COORDL_DEVICE_DECODER={spec} ({how})"
+    return src
+
+
+def _read_decoders(path: str | None) -> dict | None:
+    """The decoders step's JSON, or None (no path, or no file: the step was
+    skipped or cut before it wrote one)."""
+    if not path or not os.path.exists(path):
+        return None
+    with open(path) as f:
+        return json.load(f)
+
+
+def measured_unavailable(ctx: Ctx) -> str | None:
+    why = device_decode_unavailable(ctx)
+    if why:
+        return why
+    if ctx.decoders is None:
+        return "no decoders step's JSON (--decoders-json: gpu_check.sh passes device_decoders.py's)"
+    return None
+
+
 # Rows of parts (a) and (b), in order: the least telling last, as --budget skips from the end.  A coordl
 # option is one more entry (make_coordl_device passes keyword arguments on to coordl.DataLoader).
 VARIANTS: list[Variant] = [
@@ -418,6 +488,11 @@ VARIANTS: list[Variant] = [
             f"the same as coordl-decode-block, the workers decoding a share of the samples on the CPU path, "
             f"which grows with them (COORDL_DEVICE_DECODER={WORKERS_SPLIT})",
             device_decode_unavailable, max_workers_b=4, min_workers_a=4),
+    Variant("coordl-decode-measured", make_measured,
+            "the same as coordl-decode-block, each decoder weighing the images/s it was measured to deliver on "
+            "this machine: torchvision's call and nvImageCodec's CUDA decoder (the decoders step, where it decoded "
+            "every file), each worker one coordl-device worker's at that worker count (part (a))",
+            measured_unavailable, in_b=False, min_workers_a=4),
     Variant("coordl-decode-split-hw", make_coordl_decoder(SPLIT_HW, wait="block"),
             f"the same as coordl-decode-block, each batch shared by torchvision's nvJPEG and nvImageCodec's "
             f"hardware decoder, each in a thread of its own (COORDL_DEVICE_DECODER={SPLIT_HW})",
@@ -688,8 +763,9 @@ def _where(r: dict) -> str:
     kernel = {True: " (one kernel per batch)", False: " (one launch per image)"}.get(r.get("geometry_kernel"), "")
     waits = f"; waits {r['waits']}" if r.get("waits") else ""
     cpu = f"; prepared on the CPU path {r['on_cpu_share']:.0%}" if r.get("on_cpu_share") else ""
+    chosen = f"\n{'':22}{r['decoders']}" if r.get("decoders") else ""
     return (f"\n{'':22}decoder calls {r['decode_call_share']:.0%} of the window, geometry{kernel} "
-            f"{r['geometry_share']:.0%}; main process's threads, cores: {_threads(r)}{waits}{cpu}")
+            f"{r['geometry_share']:.0%}; main process's threads, cores: {_threads(r)}{waits}{cpu}{chosen}")
 
 
 def _thread_cpu(proc) -> dict:
@@ -727,6 +803,8 @@ def run_variant(ctx: Ctx, v: Variant, workers: int, batch_size: int, warmup: int
             st = src.loader.stats()     # and the share of its images the workers prepared on the CPU path
             done = st.device_decode_images + st.device_decode_cpu_images
             row["on_cpu_share"] = round(st.device_decode_cpu_images / done, 3) if done else None
+        if src.decoders:
+            row["decoders"] = src.decoders
         if isinstance(src, _RestoreWaits):   # the waits the row ran with (a driver may refuse to change them)
             from coordl.device import waits
             row["waits"] = waits.scheduling(src.ordinal)
@@ -978,6 +1056,8 @@ def part_a(args, ctx: Ctx, res: dict, save: Callable) -> None:
                 r = {"skipped": OUT_OF_TIME}
             else:
                 r = run_variant(ctx, v, w, args.batch_size, args.warmup or w + 2, args.seconds)
+            if r.get("images_per_s"):
+                ctx.rates[(v.name, w)] = r["images_per_s"]
             part["rows"].setdefault(v.name, {})[str(w)] = r
             why = r.get("error") or r.get("skipped")
             print(f"  {v.name:<16} {w:>2} workers  " + (why.splitlines()[0] if why else
@@ -1416,6 +1496,8 @@ def parse(argv=None):
     ap.add_argument("--job-timeout", type=float, default=150.0, help="part (c): limit of one configuration")
     ap.add_argument("--budget", type=float, default=None,
                     help="seconds the whole run may take: a measurement that would not fit is skipped, saying so")
+    ap.add_argument("--decoders-json", default=None,
+                    help="the decoders step's JSON (device_decoders.py --json): coordl-decode-measured's weights")
     ap.add_argument("--tmp", default=None, help="where the data goes (default: the system's temporary folder)")
     ap.add_argument("--smoke", action="store_true", help="tiny sizes, a few seconds a part: checks the script")
     # internal: one job of part (c)
@@ -1479,7 +1561,7 @@ def main(argv=None) -> int:
                   f"in {res['data']['seconds']} s", flush=True)
         else:
             res["data"] = {"root": args.root}
-        ctx = Ctx(root=args.root, device=device, size=args.size)
+        ctx = Ctx(root=args.root, device=device, size=args.size, decoders=_read_decoders(args.decoders_json))
         if ctx.cuda:
             torch.cuda.set_device(cuda_index(device))
         res["machine"] = machine_facts(ctx)

@@ -125,8 +125,8 @@ def test_gpu_smoke(tmp_path):
     a = res["parts"]["a"]
     # the rows run without --loaders (coordl-decode-deep, -split-nv and -hw only when named)
     names = ["torch", "coordl-import", "coordl-device", "dali", "coordl-decode-device", "coordl-decode-block",
-             "coordl-decode-cuda", "coordl-decode-workers", "coordl-decode-split-hw"]
-    names_b = [n for n in names if n != "coordl-decode-cuda"]       # part (a) only
+             "coordl-decode-cuda", "coordl-decode-workers", "coordl-decode-measured", "coordl-decode-split-hw"]
+    names_b = [n for n in names if n not in ("coordl-decode-cuda", "coordl-decode-measured")]   # part (a) only
     assert list(a["rows"]) == names, a
     for name, by_workers in a["rows"].items():
         assert list(by_workers) == [str(w) for w in a["workers"]], by_workers
@@ -139,6 +139,9 @@ def test_gpu_smoke(tmp_path):
                 continue
             if name == "coordl-decode-workers":     # from 4 workers in (a); --smoke runs 1 and 2 (part (b) runs it)
                 assert r["skipped"] == "measured at 4 to any number of workers", r
+                continue
+            if name == "coordl-decode-measured":    # no decoders step's figures without gpu_check.sh
+                assert "--decoders-json" in r["skipped"], r
                 continue
             assert "error" not in r and r["images_per_s"] > 0 and r["images"] > 0 and r["cpu_ms_per_image"] > 0, r
             # where a decode="device" pass spends its time: for those loaders only
@@ -190,6 +193,43 @@ def _gpu_module():
     finally:
         del sys.modules[spec.name]
     return gpu, spec
+
+
+def test_gpu_script_weighs_the_measured_row_by_its_figures(tmp_path):
+    """coordl-decode-measured: each decoder weighs the images/s it was
+    measured to deliver (the decoders step's JSON; nvImageCodec's CUDA
+    decoder only where it decoded every file), each worker one
+    coordl-device worker's at that worker count; a missing figure is said."""
+    import torch
+
+    from coordl.device import decoders as DDS
+
+    gpu, _ = _gpu_module()
+    fig = {"rows": {gpu.TV_ROW: {"pixels": {"undecoded": 0}, "1 threads": {"images_per_s": 15789.1}},
+                    gpu.CUDA_ROW: {"pixels": {"undecoded": 0}, "1 threads": {"images_per_s": 9000.4}}}}
+    path = tmp_path / "d.json"
+    path.write_text(json.dumps(fig))
+    ctx = gpu.Ctx(root=str(tmp_path), device=torch.device("cpu"), decoders=gpu._read_decoders(str(path)))
+    assert gpu.measured_unavailable(ctx) is None
+    ctx.rates[("coordl-device", 8)] = 3408.0
+    spec, how = gpu.measured_spec(ctx, 8)
+    assert spec == "torchvision:15789+nvimgcodec-cuda:9000+workers:426", spec
+    assert "one worker 426 images/s" in how, how
+    parsed = DDS.decoder_spec(spec)
+    assert parsed == [("torchvision", 15789.0), ("nvimgcodec-cuda", 9000.0), ("workers", 426.0)]
+    assert DDS.cpu_share(8, parsed) == pytest.approx(8 * 426 / (15789 + 9000 + 8 * 426))
+    # a CUDA decoder that left files undecoded is not weighed in
+    fig["rows"][gpu.CUDA_ROW]["pixels"]["undecoded"] = 64
+    ctx.decoders = fig
+    spec, how = gpu.measured_spec(ctx, 8)
+    assert spec == "torchvision:15789+workers:426" and "not measured decoding every file" in how, (spec, how)
+    with pytest.raises(RuntimeError, match="coordl-device was not measured at 15 workers"):
+        gpu.measured_spec(ctx, 15)
+    ctx.decoders = {"rows": {}}
+    with pytest.raises(RuntimeError, match="the decoders step has no images/s"):
+        gpu.measured_spec(ctx, 8)
+    none = gpu.Ctx(root=str(tmp_path), device=torch.device("cpu"), decoders=gpu._read_decoders(str(tmp_path / "no")))
+    assert "--decoders-json" in gpu.measured_unavailable(none)
 
 
 def test_gpu_script_sums_device_time_by_stream_from_a_trace():
