@@ -460,3 +460,28 @@ def test_the_workers_share_lands_beside_the_files_bytes_without_packing_the_batc
     assert len(got) == len(want)
     for (a, y), (b, y2) in zip(got, want):
         assert torch.equal(a, b) and torch.equal(y, y2)
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_batch_the_cpu_path_made_whole_is_delivered_as_it_is(photos, monkeypatch, workers):
+    """Every sample the workers' share: each batch is the CPU path's bit
+    for bit, its rows taken as they are (no float batch rounded again),
+    then through the device tail; nothing decoded on the device."""
+    from coordl.device import decode as DE
+
+    monkeypatch.setattr(D, "CPU_TEST_DEVICE", True)
+    monkeypatch.setattr(DD, "cpu_share", lambda workers, spec=None: 1.0)
+    rounded = []
+    real = DE.finished
+    monkeypatch.setattr(DE, "finished", lambda y, flips: rounded.append(len(flips)) or real(y, flips))
+    ds = coordl.ImageFolder(photos, T.Compose([T.RandomResizedCrop(16), T.RandomHorizontalFlip(), T.ToTensor(),
+                                               NORM]))
+    kw = dict(batch_size=5, seed=3, shuffle=True, num_workers=workers)
+    L = coordl.DataLoader(ds, device="cpu", decode="device", **kw)
+    got = list(L)
+    want = list(coordl.DataLoader(ds, **kw))
+    assert len(got) == len(want) and rounded == []
+    for (a, y), (b, y2) in zip(got, want):
+        assert torch.equal(a, b) and torch.equal(y, y2)
+    st = L.stats()
+    assert st.device_decode_images == 0 and st.device_decode_cpu_images == len(ds)

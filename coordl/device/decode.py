@@ -221,6 +221,10 @@ class DecodeStage:
             imgs = [left.pop((k, r), None) for r in keep]
             # rows already final: uint8 images the workers prepared on the CPU path (their flip applied)
             ready = [j for j, (r, img) in enumerate(zip(keep, imgs)) if img is None and out[k][r].dtype == torch.uint8]
+            if len(ready) == len(keep):     # every row the CPU path's: the batch as it is, then the tail
+                y = torch.stack([out[k][r] for r in keep])
+                images[path] = self.tail(y) if self.tail is not None else y
+                continue
             kernel = sum(img is not None for img in imgs)
             if geo and geo.fused and kernel and kernel + len(ready) == len(keep):
                 # the rest the kernel's: it rounds, clamps and mirrors them itself, into the uint8 batch,
