@@ -319,6 +319,14 @@ def main(argv=None) -> int:
     refs = {"libjpeg fancy (PIL)": [np.asarray(Image.open(io.BytesIO(b)).convert("RGB")) for b in check],
             "libjpeg plain": [simplejpeg.decode_jpeg(b, colorspace="RGB", fastupsample=True) for b in check]}
     rows = {}
+
+    def save() -> None:   # after every variant: a run cut by the check's time limit keeps what it measured
+        if args.json:
+            with open(args.json + ".tmp", "w") as f:
+                json.dump({"device": str(device), "images": len(blobs), "batch": args.batch,
+                           "seconds": args.seconds, "threads": threads, "rows": rows}, f, indent=1)
+            os.replace(args.json + ".tmp", args.json)
+
     for cls in VARIANTS:
         row = rows[cls.name] = {}
         try:
@@ -326,6 +334,7 @@ def main(argv=None) -> int:
         except Exception as e:  # noqa: BLE001 - not here: said, the others go on
             row["skipped"] = f"{type(e).__name__}: {e}"[:300]
             print(f"  {cls.name}: skipped: {row['skipped']}", flush=True)
+            save()
             continue
         wait, before = getattr(cls, "wait", None), None
         try:
@@ -353,10 +362,8 @@ def main(argv=None) -> int:
                          for k, v in px.items() if isinstance(v, dict))
         print(f"  {cls.name}\n      " + "; ".join(cells) + f"\n      {fid}; undecoded {px.get('undecoded', '-')}",
               flush=True)
+        save()
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"device": str(device), "images": len(blobs), "batch": args.batch, "seconds": args.seconds,
-                       "threads": threads, "rows": rows}, f, indent=1)
         print(f"wrote {args.json}")
     return 0
 

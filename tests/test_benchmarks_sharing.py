@@ -205,7 +205,7 @@ def test_gpu_script_weighs_the_measured_row_by_its_figures(tmp_path):
     from coordl.device import decoders as DDS
 
     gpu, _ = _gpu_module()
-    fig = {"rows": {gpu.TV_ROW: {"pixels": {"undecoded": 0}, "1 threads": {"images_per_s": 15789.1}},
+    fig = {"rows": {gpu.TV_ROWS[0]: {"pixels": {"undecoded": 0}, "1 threads": {"images_per_s": 15789.1}},
                     gpu.CUDA_ROW: {"pixels": {"undecoded": 0}, "1 threads": {"images_per_s": 9000.4}}}}
     path = tmp_path / "d.json"
     path.write_text(json.dumps(fig))
@@ -225,6 +225,9 @@ def test_gpu_script_weighs_the_measured_row_by_its_figures(tmp_path):
     assert spec == "torchvision:15789+workers:426" and "not measured decoding every file" in how, (spec, how)
     with pytest.raises(RuntimeError, match="coordl-device was not measured at 15 workers"):
         gpu.measured_spec(ctx, 15)
+    # torchvision's row with CUDA's own waits where the blocking one is missing (a step cut short)
+    ctx.decoders = {"rows": {gpu.TV_ROWS[1]: {"pixels": {"undecoded": 0}, "1 threads": {"images_per_s": 14000.0}}}}
+    assert gpu.measured_spec(ctx, 8)[0] == "torchvision:14000+workers:426"
     ctx.decoders = {"rows": {}}
     with pytest.raises(RuntimeError, match="the decoders step has no images/s"):
         gpu.measured_spec(ctx, 8)
