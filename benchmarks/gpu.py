@@ -27,6 +27,12 @@ one more row in ``JOB_ROWS`` for part (c)):
 * ``coordl-decode-block``: ``coordl-decode-device`` with the device's
   host waits blocking (``COORDL_CUDA_WAIT=block``: torchvision's call
   waits for the GPU asleep, not spinning), put back after the row;
+* ``coordl-decode-level`` (part (b) only): ``coordl-decode-block`` with
+  its copy stream (the batch's geometry, conversion and copies) at the
+  training stream's priority, 0, where coordl makes it -1, above it: the
+  third H200 run's step ran at 93% of its ceiling beside
+  ``coordl-decode-block`` while waiting for batches 1% of its window, so
+  the loader's kernels slowed the step's own;
 * ``coordl-decode-cuda``: ``coordl-decode-block`` with nvImageCodec's CUDA
   decoder first (``COORDL_DEVICE_DECODER=nvimgcodec-cuda``: Huffman
   decoding too on the GPU's cores, where torchvision's call and the
@@ -341,11 +347,35 @@ class _RestoreWaits(Source):
         waits.set_scheduling(self.ordinal, self.before)
 
 
-def make_coordl_decoder(spec: str, wait: str | None = None) -> Callable[..., Source]:
+class _AtPriority(Source):
+    """A source whose loader's copy stream (made at its first pass) has
+    ``priority`` in place of coordl's (``CudaStreams.PRIORITY``, put back
+    when the source closes)."""
+
+    def __init__(self, inner: Source, priority: int):
+        from coordl.device import delivery
+
+        super().__init__(inner.loader, inner.device)
+        self.inner, self.before = inner, delivery.CudaStreams.PRIORITY
+        delivery.CudaStreams.PRIORITY = priority
+
+    def close(self) -> None:
+        from coordl.device import delivery
+
+        self.inner.close()
+        super().close()
+        delivery.CudaStreams.PRIORITY = self.before
+
+
+def make_coordl_decoder(spec: str, wait: str | None = None, priority: int | None = None) -> Callable[..., Source]:
     """decode="device" with ``COORDL_DEVICE_DECODER=spec`` (a loader picks
     its decoder from the environment when it is made) and, with ``wait``,
     ``COORDL_CUDA_WAIT=wait`` (set by the loader's first pass, undone when
-    the source closes)."""
+    the source closes); with ``priority``, its copy stream (where the
+    geometry and the conversion run) at that priority (:class:`_AtPriority`)."""
+
+    def at(src: Source) -> Source:
+        return _AtPriority(src, priority) if priority is not None else src
 
     def make(ctx: Ctx, workers: int, batch_size: int, **extra) -> Source:
         env = {"COORDL_DEVICE_DECODER": spec, **({"COORDL_CUDA_WAIT": wait} if wait else {})}
@@ -358,7 +388,7 @@ def make_coordl_decoder(spec: str, wait: str | None = None) -> Callable[..., Sou
                 torch.zeros(1, device=ctx.device)     # the context whose flags the loader will change
                 before = waits.scheduling(cuda_index(ctx.device))
             src = make_coordl_device(ctx, workers, batch_size, decode="device", **extra)
-            return _RestoreWaits(src, cuda_index(ctx.device), before) if before is not None else src
+            return at(_RestoreWaits(src, cuda_index(ctx.device), before) if before is not None else src)
         finally:
             for k, v in saved.items():
                 if v is None:
@@ -479,6 +509,11 @@ VARIANTS: list[Variant] = [
     Variant("coordl-decode-block", make_coordl_decoder("torchvision", wait="block"),
             'the same as coordl-decode-device, the host waits blocking (COORDL_CUDA_WAIT=block)',
             device_decode_unavailable, max_workers_b=4),
+    Variant("coordl-decode-level", make_coordl_decoder("torchvision", wait="block", priority=0),
+            "the same as coordl-decode-block, its copy stream (the geometry, the conversion, the copies) at the "
+            "training stream's priority (0) in place of above it (-1): whether the batch kernels scheduled ahead "
+            "of the training step's cost it more than they save (part (b) only)",
+            device_decode_unavailable, max_workers_b=4, in_a=False),
     Variant("coordl-decode-cuda", make_coordl_decoder("nvimgcodec-cuda", wait="block"),
             "the same as coordl-decode-block, nvImageCodec's CUDA decoder first (Huffman decoding too on the GPU's "
             "cores, not its JPEG engines; COORDL_DEVICE_DECODER=nvimgcodec-cuda)",

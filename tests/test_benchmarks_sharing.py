@@ -127,6 +127,7 @@ def test_gpu_smoke(tmp_path):
     names = ["torch", "coordl-import", "coordl-device", "dali", "coordl-decode-device", "coordl-decode-block",
              "coordl-decode-cuda", "coordl-decode-workers", "coordl-decode-measured", "coordl-decode-split-hw"]
     names_b = [n for n in names if n not in ("coordl-decode-cuda", "coordl-decode-measured")]   # part (a) only
+    names_b.insert(names_b.index("coordl-decode-block") + 1, "coordl-decode-level")            # part (b) only
     assert list(a["rows"]) == names, a
     for name, by_workers in a["rows"].items():
         assert list(by_workers) == [str(w) for w in a["workers"]], by_workers
@@ -155,7 +156,7 @@ def test_gpu_smoke(tmp_path):
     assert b["ceiling"]["images_per_s"] > 0, b
     assert list(b["rows"]) == names_b, b
     assert all(b["rows"][n]["workers"] <= 4 for n in ("coordl-decode-device", "coordl-decode-split-hw",
-                                                       "coordl-decode-workers"))
+                                                       "coordl-decode-workers", "coordl-decode-level"))
     share = b["rows"]["coordl-decode-workers"]          # 2 workers at 39:1: 2/41 of the samples, by index
     assert 0 < share["on_cpu_share"] < 0.25, share
     assert b["rows"]["coordl-decode-device"]["on_cpu_share"] == 0.0, b["rows"]["coordl-decode-device"]
@@ -385,3 +386,28 @@ def test_gpu_script_keeps_part_b_its_time_and_drops_whole_rows_last_first():
         assert all((v.name, w) in skip for w in args.workers if gpu._in_range(v, w))
     args.deadline = None
     assert gpu.plan_a(args, rows, now) == (None, set())
+
+
+def test_gpu_script_runs_a_row_at_another_copy_stream_priority_and_puts_it_back(tmp_path):
+    """coordl-decode-level: the loader's copy stream is made at the row's
+    priority (the class attribute its first pass reads), and coordl's own
+    is back once the row's source is closed."""
+    import torch
+
+    from coordl.device import delivery
+
+    gpu, _ = _gpu_module()
+    from coordl.synth import make_image_folder
+
+    root = make_image_folder(str(tmp_path / "p"), num_images=8, num_classes=2, mean_kb=3, image_size=(40, 30), seed=1)
+    ctx = gpu.Ctx(root=root, device=torch.device("cpu"), size=16)
+    before = delivery.CudaStreams.PRIORITY
+    row = next(v for v in gpu.VARIANTS if v.name == "coordl-decode-level")
+    assert not row.in_a and row.in_b
+    src = row.make(ctx, 0, 4)
+    try:
+        assert delivery.CudaStreams.PRIORITY == 0 != before
+        assert sum(len(y) for _, y in src.epoch()) == 8
+    finally:
+        src.close()
+    assert delivery.CudaStreams.PRIORITY == before
