@@ -35,7 +35,8 @@
 #    synthetic JPEGs; part (a) of gpu.py splits the CPU by process anyway);
 # 9. runs benchmarks/gpu.py (BENCH_ARGS) with what is left of TOTAL_LIMIT as
 #    its --budget (a measurement that would not fit is skipped, saying so),
-#    its JSON beside the report (REPORT with .json) and appended to it.
+#    and step 6's decoders JSON (--decoders-json: coordl-decode-measured's
+#    weights), its JSON beside the report (REPORT with .json) and appended to it.
 #
 # Exit status: 1 when a CUDA test failed or the tests did not run, 3 when
 # only the benchmark failed, 0 otherwise.
