@@ -85,6 +85,25 @@ class DecodePlan:
         consecutive indices, and a shuffled batch on average, has the share."""
         return self.cpu_share > 0 and ((int(index) * _GOLDEN) & _MASK64) < self.cpu_share * _TWO64
 
+    def device_size(self, raw, index: int):
+        """``(height, width)`` where the device decoder takes sample
+        ``index``'s JPEG ``raw``, else None (the CPU path: the workers'
+        share, not a JPEG, CMYK/YCCK, no end-of-image marker, and with
+        :attr:`check_data` entropy-coded data that ends early or is corrupt,
+        which a GPU decoder would decode in part).  Raises PIL's
+        decompression-bomb error before any pixel exists, as the CPU path."""
+        jpeg = _lazy()[1]
+        if self.cpu_share and self.on_cpu(index):
+            return None
+        hdr = jpeg._header(raw)
+        if hdr is None or hdr[2] not in jpeg._FAST_COLORSPACES or not jpeg._ends_with_eoi(raw):
+            return None
+        height, width = int(hdr[0]), int(hdr[1])
+        jpeg.check_pixels((height, width))
+        if self.check_data and not jpeg.entropy_data_complete(raw, height, width):
+            return None
+        return height, width
+
     def draw(self, height: int, width: int, rng) -> list:
         """The record fields T1..FLIP for a ``height`` x ``width`` image:
         the draws of ``coordl.transforms.decode_and_apply`` (and of the
@@ -241,16 +260,12 @@ class EncodedCompose:
         cap = getattr(_local, "capture", None)
         if cap is None:
             return self.full.from_bytes(raw)
-        _rng, jpeg, decode_and_apply = _lazy()
+        _rng, _, decode_and_apply = _lazy()
         plan = self.plan
-        hdr = None if plan.cpu_share and plan.on_cpu(cap[1]) else jpeg._header(raw)   # the share: the CPU path
-        if hdr is not None and hdr[2] in jpeg._FAST_COLORSPACES and jpeg._ends_with_eoi(raw):
-            height, width = int(hdr[0]), int(hdr[1])
-            jpeg.check_pixels((height, width))        # PIL's limit, before any pixel exists, as the CPU path
-            # COORDL_DEVICE_CHECK_DATA: data that ends early or is corrupt, which a GPU decoder decodes in part
-            if not plan.check_data or jpeg.entropy_data_complete(raw, height, width):
-                geometry = plan.draw(height, width, _rng.current())
-                return _capture([ON_DEVICE, height, width, *geometry], raw, cap)
+        size = plan.device_size(raw, cap[1])
+        if size is not None:
+            geometry = plan.draw(*size, _rng.current())
+            return _capture([ON_DEVICE, *size, *geometry], raw, cap)
         # not for the device decoder: the CPU path, its draws and its errors (PIL's)
         return self._on_cpu(decode_and_apply(plan.prefix, raw), cap)
 

@@ -309,12 +309,8 @@ class BatchReads:
         from . import collate as _collate
         from .prep import SKIP, prep_sample
 
-        _rng, jpeg, _ = _lazy()
-        header, eoi, fast, check_pixels, derive = jpeg._header, jpeg._ends_with_eoi, jpeg._FAST_COLORSPACES, \
-            jpeg.check_pixels, _rng.derive
-        draw = self.plan.draw
-        cpu_share, on_cpu = self.plan.cpu_share, self.plan.on_cpu
-        checked, complete = self.plan.check_data, jpeg.entropy_data_complete
+        derive = _lazy()[0].derive
+        draw, device_size = self.plan.draw, self.plan.device_size
         seed, epoch = eng.seed, eng.epoch
         n, indices, st, slots = b.n, b.indices, b.stats, eng.slots
         clock = time.perf_counter
@@ -346,14 +342,9 @@ class BatchReads:
                 st.record_read(source, size if data is None else len(data))
             if data is None and err is None:
                 try:
-                    # the workers' share: the CPU path, below, as a fallback
-                    hdr = None if cpu_share and on_cpu(i) else header(raw)
-                    fits = hdr is not None and hdr[2] in fast and eoi(raw)
-                    if fits:
-                        h, w = int(hdr[0]), int(hdr[1])
-                        check_pixels((h, w))
-                        fits = not checked or complete(raw, h, w)      # COORDL_DEVICE_CHECK_DATA
-                    if fits:
+                    size = device_size(raw, i)      # None: the CPU path, below, as a fallback
+                    if size is not None:
+                        h, w = size
                         if fixed is not None:      # nothing random: the geometry is the size's
                             geo = fixed.get((h, w))
                             if geo is None:
