@@ -119,7 +119,7 @@ def capture(root: str, size: int, batch: int, device: torch.device, batches: int
 
 
 def _pending_copy(p):
-    return DD._Pending(p.paths, p.records, [list(o) for o in p.out], list(p.raw), [], p.keep)
+    return DD._Pending(p.paths, p.records, [list(o) for o in p.out], list(p.raw), [], p.keep, p.cpu)
 
 
 def _streams(blob, pending) -> list:

@@ -209,6 +209,31 @@ def test_images_anywhere_in_the_sample(photos, cpu_device, exact, kind, workers)
     assert L.stats().device_decode_images == per_sample * len(ds)
 
 
+@pytest.mark.parametrize("workers", [0, 2])
+def test_two_views_with_the_workers_share_are_each_the_cpu_paths(photos, cpu_device, exact, monkeypatch, workers):
+    """Two images per sample, half the samples the workers': each view
+    goes to its own place (the workers' rows of both views arrive in one
+    tensor, interleaved), the workers' exactly the CPU path's."""
+    from coordl.device import decoders as DDS
+    from coordl.device.encoded import plan_for
+
+    monkeypatch.setattr(DDS, "cpu_share", lambda workers, spec=None: 0.5)
+    ds = Structured(photos, _rrc(16), "two_views")
+    cpu, dev, L = _pairs(ds, workers, shuffle=False)
+    plan = plan_for(ds.transform)
+    plan.cpu_share = 0.5
+    for a, b in zip(cpu, dev):
+        assert torch.equal(a[2], b[2])
+        for r, i in enumerate(a[2].tolist()):
+            for v in (0, 1):
+                if plan.on_cpu(i):
+                    assert torch.equal(a[v][r], b[v][r]), (i, v)
+                else:
+                    assert float(_levels(a[v][r], b[v][r]).max()) <= 1.0 + 1e-3, (i, v)
+    st = L.stats()
+    assert 0 < st.device_decode_cpu_images < 2 * len(ds) and st.device_decode_images + st.device_decode_cpu_images == 2 * len(ds)
+
+
 def test_a_dataset_that_decodes_itself_is_prepared_on_the_cpu_exactly(photos, cpu_device):
     ds = Structured(photos, _rrc(16), "decodes_itself")
     cpu, dev, L = _pairs(ds)

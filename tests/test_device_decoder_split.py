@@ -485,3 +485,48 @@ def test_a_batch_the_cpu_path_made_whole_is_delivered_as_it_is(photos, monkeypat
         assert torch.equal(a, b) and torch.equal(y, y2)
     st = L.stats()
     assert st.device_decode_images == 0 and st.device_decode_cpu_images == len(ds)
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_skipped_sample_beside_the_workers_rows_leaves_them_in_their_places(photos, monkeypatch, workers):
+    """A batch with the workers' rows and a sample neither decoder reads,
+    skipped: the rows left are the other samples in plan order, and each
+    of the workers' rows is the CPU path's image of its own sample."""
+    from coordl.decode import jpeg
+
+    monkeypatch.setattr(D, "CPU_TEST_DEVICE", True)
+    monkeypatch.setattr(DD, "cpu_share", lambda workers, spec=None: 0.5)
+    ds = coordl.ImageFolder(photos, T.Compose([T.RandomResizedCrop(16), T.RandomHorizontalFlip(), T.PILToTensor()]))
+    kw = dict(batch_size=4, seed=3, shuffle=False, num_workers=workers)
+    from coordl.device.encoded import plan_for
+
+    plan = plan_for(ds.transform)
+    plan.cpu_share = 0.5
+    # the bad sample: one the device decodes, in a batch with rows of the workers' before and after it
+    bad = next(i for i in range(1, len(ds) - 1) if not plan.on_cpu(i) and plan.on_cpu(i - 1) and plan.on_cpu(i + 1)
+               and i // 4 == (i - 1) // 4 == (i + 1) // 4)
+    broken = bytes(ds.raw(bad))
+    real = jpeg.decode_rgb
+
+    def host(raw, scale=1):
+        if bytes(raw) == broken:
+            raise OSError("broken data stream when reading image file")
+        return real(raw, scale)
+
+    class Refusing(DD.HostDecoder):
+        def decode(self, streams):
+            return [RuntimeError("rejected") if bytes(s.numpy()) == broken else super(Refusing, self).decode([s])[0]
+                    for s in streams]
+
+    monkeypatch.setattr(jpeg, "decode_rgb", host)
+    from coordl.device import decode as DE
+
+    monkeypatch.setattr(DE, "decoder_for", lambda dev, **kw: Refusing(dev))
+    L = coordl.DataLoader(ds, device="cpu", decode="device", on_error="skip", **kw)
+    with pytest.warns(coordl.SkippedSampleWarning):
+        got = torch.cat([x for x, _ in L])
+    want = torch.cat([x for x, _ in coordl.DataLoader(ds, **kw)])
+    order = [i for i in range(len(ds)) if i != bad]
+    assert got.shape[0] == len(order)
+    shared = [j for j, i in enumerate(order) if plan.on_cpu(i)]
+    assert shared and all(torch.equal(got[j], want[order[j]]) for j in shared)

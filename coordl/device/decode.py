@@ -124,16 +124,15 @@ class DecodeStage:
         chunks = list(_chunks(todo, records))
         streams = [[_bytes(blob, offsets[r * m + k]) for r, k in chunk] for chunk in chunks]
         oh, ow = self.plan.size
-        # prepared by the CPU path in the worker (counted there): gathered here, moved to the device in one
-        # copy by decode(), not one per image
+        # prepared by the CPU path in the worker (counted there; uint8 (3, oh, ow) images, which
+        # EncodedCompose checks): gathered here, moved to the device in one copy by decode(), not one per
+        # image, into page-locked memory (torch's caching host allocator keeps the block until the copy
+        # ran), so that the copy is queued, not waited for
         ready = [(k, r) for r in range(n) for k in range(m) if records[k][r][KIND] == ON_CPU]
-        host = [_bytes(blob, offsets[r * m + k]).view(records[k][r][CHANNELS], oh, ow) for k, r in ready]
-        if host and len({x.shape for x in host}) == 1:
-            # into page-locked memory (torch's caching host allocator keeps the block until the copy
-            # ran), so that the copy is queued, not waited for
-            gathered = torch.empty((len(host), *host[0].shape), dtype=torch.uint8,
-                                   pin_memory=self.device.type == "cuda")
-            host = torch.stack(host, out=gathered)
+        host = None
+        if ready:
+            host = torch.empty((len(ready), 3, oh, ow), dtype=torch.uint8, pin_memory=self.device.type == "cuda")
+            torch.stack([_bytes(blob, offsets[r * m + k]).view(3, oh, ow) for k, r in ready], out=host)
         stats.device_prepared = _Prepared(paths, records, chunks, streams, ready, host)
 
     def decode(self, batch, stats, step=None):
@@ -190,21 +189,16 @@ class DecodeStage:
                 held = self.decoder.release()
             else:
                 self.decoder.finish()
-        if prep.ready:
-            host = prep.host
-            if isinstance(host, torch.Tensor):     # one copy, queued on this stream (page-locked on CUDA)
-                moved = host.to(self.device, non_blocking=self.device.type == "cuda")
-            else:
-                moved = [x.to(self.device) for x in host]
-            for (k, r), x in zip(prep.ready, moved):
-                out[k][r] = x       # uint8: its row's copy in finish() converts it
+        # the workers' rows: one copy, queued on this stream (page-locked on CUDA); finish() puts them in
+        cpu = ({kr: i for i, kr in enumerate(prep.ready)},
+               prep.host.to(self.device, non_blocking=self.device.type == "cuda")) if prep.ready else ({}, None)
         del prep
         keep = self._errors(errors, records[0], stats, step) if errors else list(range(n))
         stats.decoded_device += on_device
         stats.decoded_cpu += on_cpu
         if not keep:
             return None
-        stats.device_pending = _Pending(paths, records, out, raw, held, keep)
+        stats.device_pending = _Pending(paths, records, out, raw, held, keep, cpu)
         return _rows(batch, keep, n) if len(keep) < n else batch
 
     def finish(self, pending: "_Pending") -> dict:
@@ -213,6 +207,7 @@ class DecodeStage:
         written straight into its row of the path's batch, then each path's
         batch rounded and converted: ``{path: images}``."""
         out, records, keep = pending.out, pending.records, pending.keep
+        at, moved = pending.cpu
         left = {(k, r): img for k, r, img in pending.raw}
         images = {}
         for k, path in enumerate(pending.paths):
@@ -220,10 +215,10 @@ class DecodeStage:
             geo = self._batched(left, records) if channels == 3 else False
             imgs = [left.pop((k, r), None) for r in keep]
             # rows already final: uint8 images the workers prepared on the CPU path (their flip applied)
-            ready = [j for j, (r, img) in enumerate(zip(keep, imgs)) if img is None and out[k][r].dtype == torch.uint8]
+            ready = [j for j, r in enumerate(keep) if (k, r) in at]
+            cpu = _rows_of(moved, [at[(k, keep[j])] for j in ready]) if ready else None
             if len(ready) == len(keep):     # every row the CPU path's: the batch as it is, then the tail
-                y = torch.stack([out[k][r] for r in keep])
-                images[path] = self.tail(y) if self.tail is not None else y
+                images[path] = self.tail(cpu) if self.tail is not None else cpu
                 continue
             kernel = sum(img is not None for img in imgs)
             if geo and geo.fused and kernel and kernel + len(ready) == len(keep):
@@ -236,20 +231,20 @@ class DecodeStage:
                                 device=self.device)
                 geo.run([(j, img, records[k][r]) for j, (r, img) in enumerate(zip(keep, imgs)) if img is not None],
                         y, final=True, tail=self.tail if whole else None)
-                _place(y, ready, [out[k][keep[j]] for j in ready], self.tail if whole else None)
+                _place(y, ready, cpu, self.tail if whole else None)
                 images[path] = self.tail(y) if self.tail is not None and not whole else y
                 continue
             y = torch.empty((len(keep), channels, *self.plan.size), dtype=torch.float32, device=self.device)
             batched = []
             for j, (r, img) in enumerate(zip(keep, imgs)):
                 if img is None:
-                    if out[k][r].dtype != torch.uint8:     # an earlier chunk's geometry, not yet rounded
+                    if out[k][r] is not None:       # an earlier chunk's geometry, not yet rounded
                         y[j].copy_(out[k][r])
                 elif geo:
                     batched.append((j, img, records[k][r]))
                 else:
                     self._geometry(img, records[k][r], into=y[j:j + 1])
-            _place(y, ready, [out[k][keep[j]] for j in ready])
+            _place(y, ready, cpu)
             if batched:
                 geo.run(batched, y)
             y = finished(y, [bool(records[k][r][FLIP]) for r in keep])
@@ -448,7 +443,7 @@ class _Prepared:
     """A batch made ready for the decoder (:meth:`DecodeStage.prepare`):
     its records' paths and fields, the chunks of (row, path number) the
     device decodes with their streams, and the rows the workers prepared
-    with their images (one tensor, or a list where shapes differ)."""
+    with their images (one tensor, a row each)."""
 
     __slots__ = ("paths", "records", "chunks", "streams", "ready", "host")
 
@@ -460,21 +455,31 @@ class _Prepared:
 class _Pending:
     """A batch between the two halves: the decoded images whose geometry
     is still to run (``raw``: (path number, row, image)), the images done
-    (``out[path][row]``), the rows kept, and what the decoder's images
-    hold (``held``)."""
+    (``out[path][row]``), the rows kept, what the decoder's images hold
+    (``held``), and the rows the workers prepared (``cpu``: their place,
+    ``{(path number, row): i}``, and their images on the device, row ``i``
+    of one tensor)."""
 
-    __slots__ = ("paths", "records", "out", "raw", "held", "keep")
+    __slots__ = ("paths", "records", "out", "raw", "held", "keep", "cpu")
 
-    def __init__(self, paths, records, out, raw, held, keep) -> None:
+    def __init__(self, paths, records, out, raw, held, keep, cpu) -> None:
         self.paths, self.records, self.out, self.raw, self.held, self.keep = paths, records, out, raw, held, keep
+        self.cpu = cpu
 
 
-def _place(y: torch.Tensor, rows: list, images: list, tail=None) -> None:
-    """The uint8 ``images`` into ``y``'s ``rows`` in one copy (not one
+def _rows_of(x: torch.Tensor, idx: list) -> torch.Tensor:
+    """``x``'s rows ``idx``: ``x`` itself when they are all of them in order
+    (one path, no row skipped: the usual batch), else gathered."""
+    if idx == list(range(len(x))):
+        return x
+    return x.index_select(0, upload(np.asarray(idx, dtype=np.int64), x.device))
+
+
+def _place(y: torch.Tensor, rows: list, x, tail=None) -> None:
+    """The uint8 images ``x`` into ``y``'s ``rows`` in one copy (not one
     launch per row), through ``tail`` first when given."""
     if not rows:
         return
-    x = torch.stack(images)
     if tail is not None:
         x = tail(x)
     y.index_copy_(0, upload(np.asarray(rows, dtype=np.int64), y.device), x.to(y.dtype))

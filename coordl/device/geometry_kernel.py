@@ -124,7 +124,7 @@ class BatchGeometry:
             ints.append((row, at, *strides, rec[T1], rec[L1], h, w, rh, rw, rec[T2], rec[L2], 0, int(bool(rec[FLIP]))))
             flats.append(flat)
             at += flat.numel()
-        ints = np.asarray(ints, dtype=np.int64)
+        ints = np.asarray(ints, dtype=np.int64).reshape(-1, NINT)     # the kernels read NINT per image
         sy, iy, py = _axes(ints[:, 7], ints[:, 9])
         sx, ix, px = _axes(ints[:, 8], ints[:, 10])
         floats = np.stack([sy, sx, iy, ix, py, px], axis=1).astype(np.float32)
