@@ -332,39 +332,22 @@ def device_decode_unavailable(ctx: Ctx) -> str | None:
     return None if ctx.device.type in ("cuda", "cpu") else f'decode="device" needs a CUDA device (device is {ctx.device})'
 
 
-class _RestoreWaits(Source):
-    """A source whose loader set the device's host waits
-    (``COORDL_CUDA_WAIT``): ``close()`` puts back the scheduling it found, so
-    that the rows after it run with CUDA's own."""
+class _Restoring(Source):
+    """``inner`` with ``undo`` run when it closes: a row that changed
+    process-wide state for its loader (the device's host waits, the copy
+    stream's priority) puts it back, so that the rows after it run as
+    before.  ``ordinal``: the device whose waits the row set (its figures
+    say which it ran with), kept through nesting."""
 
-    def __init__(self, inner: Source, ordinal: int, before: str):
+    def __init__(self, inner: Source, undo: Callable[[], None], ordinal: int | None = None):
         super().__init__(inner.loader, inner.device)
-        self.ordinal, self.before = ordinal, before
+        self.inner, self.undo = inner, undo
+        self.ordinal = ordinal if ordinal is not None else getattr(inner, "ordinal", None)
 
     def close(self) -> None:
-        super().close()
-        from coordl.device import waits
-        waits.set_scheduling(self.ordinal, self.before)
-
-
-class _AtPriority(Source):
-    """A source whose loader's copy stream (made at its first pass) has
-    ``priority`` in place of coordl's (``CudaStreams.PRIORITY``, put back
-    when the source closes)."""
-
-    def __init__(self, inner: Source, priority: int):
-        from coordl.device import delivery
-
-        super().__init__(inner.loader, inner.device)
-        self.inner, self.before = inner, delivery.CudaStreams.PRIORITY
-        delivery.CudaStreams.PRIORITY = priority
-
-    def close(self) -> None:
-        from coordl.device import delivery
-
         self.inner.close()
         super().close()
-        delivery.CudaStreams.PRIORITY = self.before
+        self.undo()
 
 
 def make_coordl_decoder(spec: str, wait: str | None = None, priority: int | None = None) -> Callable[..., Source]:
@@ -372,10 +355,18 @@ def make_coordl_decoder(spec: str, wait: str | None = None, priority: int | None
     its decoder from the environment when it is made) and, with ``wait``,
     ``COORDL_CUDA_WAIT=wait`` (set by the loader's first pass, undone when
     the source closes); with ``priority``, its copy stream (where the
-    geometry and the conversion run) at that priority (:class:`_AtPriority`)."""
+    geometry and the conversion run, made at the loader's first pass) at
+    that priority in place of coordl's (``CudaStreams.PRIORITY``, put back
+    when the source closes)."""
 
     def at(src: Source) -> Source:
-        return _AtPriority(src, priority) if priority is not None else src
+        if priority is None:
+            return src
+        from coordl.device import delivery
+
+        before = delivery.CudaStreams.PRIORITY
+        delivery.CudaStreams.PRIORITY = priority
+        return _Restoring(src, lambda: setattr(delivery.CudaStreams, "PRIORITY", before))
 
     def make(ctx: Ctx, workers: int, batch_size: int, **extra) -> Source:
         env = {"COORDL_DEVICE_DECODER": spec, **({"COORDL_CUDA_WAIT": wait} if wait else {})}
@@ -388,7 +379,10 @@ def make_coordl_decoder(spec: str, wait: str | None = None, priority: int | None
                 torch.zeros(1, device=ctx.device)     # the context whose flags the loader will change
                 before = waits.scheduling(cuda_index(ctx.device))
             src = make_coordl_device(ctx, workers, batch_size, decode="device", **extra)
-            return at(_RestoreWaits(src, cuda_index(ctx.device), before) if before is not None else src)
+            if before is not None:
+                ordinal = cuda_index(ctx.device)
+                src = _Restoring(src, lambda: waits.set_scheduling(ordinal, before), ordinal)
+            return at(src)
         finally:
             for k, v in saved.items():
                 if v is None:
@@ -842,7 +836,7 @@ def run_variant(ctx: Ctx, v: Variant, workers: int, batch_size: int, warmup: int
             row["on_cpu_share"] = round(st.device_decode_cpu_images / done, 3) if done else None
         if src.decoders:
             row["decoders"] = src.decoders
-        if isinstance(src, _RestoreWaits):   # the waits the row ran with (a driver may refuse to change them)
+        if getattr(src, "ordinal", None) is not None:   # the waits the row ran with (a driver may refuse them)
             from coordl.device import waits
             row["waits"] = waits.scheduling(src.ordinal)
         if profile_seconds > 0 and step is not None:

@@ -411,3 +411,11 @@ def test_gpu_script_runs_a_row_at_another_copy_stream_priority_and_puts_it_back(
     finally:
         src.close()
     assert delivery.CudaStreams.PRIORITY == before
+    # the device whose host waits a row set stays known through another row's wrapper (its figures say
+    # which waits it ran with), and closing the outer wrapper undoes both, inner first
+    undone = []
+    inner = gpu._Restoring(gpu.Source(None), lambda: undone.append("waits"), 3)
+    outer = gpu._Restoring(inner, lambda: undone.append("priority"))
+    assert outer.ordinal == 3 and gpu._Restoring(gpu.Source(None), lambda: None).ordinal is None
+    outer.close()
+    assert undone == ["waits", "priority"]
