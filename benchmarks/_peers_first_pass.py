@@ -63,12 +63,15 @@ def _rank(a) -> int:
         V = coordl.DataLoader(ds, shuffle=False, seed=3, peers="on", **kw)
         for _ in V:
             pass
-        del V
     elif a.scenario == "adopted":
         hold = coordl.DataLoader(ds, shuffle=True, seed=99, peers="off", **kw)
         for _ in hold:
             pass
     L = coordl.DataLoader(ds, shuffle=True, seed=3, peers="on", **kw)
+    # the evaluation loader goes only once the training loader holds the node cache: a cache goes
+    # with its last holder, and the reaper thread releases a collected loader's hold at a moment of
+    # its own, so deleting it first would leave the training loader a warm or an empty cache by chance
+    V = None
     if a.scenario == "resume":
         R = coordl.DataLoader(ds, shuffle=True, seed=3, batch_size=a.batch_size, num_workers=0, peers="off")
         it = iter(R)
