@@ -14,9 +14,11 @@ each apart, on the batches a real pass hands the stage:
   host's own work on its path: gathering the images, the parameters, the
   rounding, mirror and tail; on the CPU those run on the CPU too);
 * on a GPU, ``finish`` on the GPU alone: its device time per image with
-  each geometry path (the stage's choice; the tiled kernel writing uint8
-  rows, the tail after them; the tiled kernel with the stage's rounding
-  and mirror after it; the per-pixel kernel; one launch per image), the work queued behind a GPU sleep so that the host's
+  each geometry path (the stage's choice; the other of the separable and
+  tiled kernels, fused alike; each of the two writing uint8 rows, the tail
+  after them, and with the stage's rounding and mirror after it; the
+  per-pixel kernel; one launch per image), the work queued behind a GPU
+  sleep so that the host's
   launches do not pace it: what the stage takes from a training step's
   GPU;
 * ``decode bookkeeping``: ``DecodeStage.decode`` per image with a decoder
@@ -177,8 +179,9 @@ def measure(stage, captured: list, device: torch.device, repeats: int) -> dict:
         # (gathering the images, the parameters, their upload; the rounding and mirror where the kernel
         # does not do them; the tail)
         from coordl.device import geometry_kernel as GK
-        no_launch = GK.BatchGeometry(stage.plan.size, tiled=kernel.tiled if kernel else True)
-        no_launch.kernel = _NoLaunch()
+        kind = kernel.kind if kernel else GK.KINDS[0]
+        no_launch = GK.BatchGeometry(stage.plan.size, kind)
+        no_launch.kernel = (_NoLaunch(), _NoLaunch()) if kind == "separable" else _NoLaunch()
         no_launch.fused = bool(kernel and kernel.fused)
         no_launch.fused_tail = bool(kernel and kernel.fused_tail)
         best["finish_no_launch_us"] = finish_with(no_launch)
@@ -186,8 +189,8 @@ def measure(stage, captured: list, device: torch.device, repeats: int) -> dict:
         best["finish_per_image_us"] = finish_with(False)
     out = {k: round(v, 2) for k, v in best.items()} | {
         "images": images, "geometry_kernel": bool(kernel),
-        "kernel": (("tiled" + (", its own rounding" if kernel.fused else "") + (" and tail" if kernel.fused_tail else ""))
-                   if kernel.tiled else "per-pixel") if kernel else None}
+        "kernel": (kernel.kind + (", its own rounding" if kernel.fused else "") +
+                   (" and tail" if kernel.fused_tail else "")) if kernel else None}
     if device.type == "cuda":
         try:
             out["device_us"] = device_time(stage, captured, device, images)
@@ -203,19 +206,28 @@ def device_time(stage, captured: list, device: torch.device, images: int) -> dic
     host takes to queue it, so that the events around it time the device's
     work alone (the host's launches do not pace it).  ``host_behind`` says
     where the host took longer than the sleep (the figure then holds idle
-    time).  Paths: the stage's own choice, the tiled kernel writing uint8
-    rows with the tail after them, the tiled kernel with the stage
-    rounding and mirroring, the per-pixel kernel, one launch per image."""
+    time).  Paths: the stage's own choice, the other of the separable and
+    tiled kernels fused as far as the stage's choice, each of those two
+    writing uint8 rows with the tail after them and leaving the rounding
+    and mirror to the stage, the per-pixel kernel, one launch per
+    image."""
     from coordl.device import geometry_kernel as GK
 
     paths = {}
-    if stage.batch_geometry:
-        paths["stage's choice"] = stage.batch_geometry
-        no_tail = GK.BatchGeometry(stage.plan.size)
-        no_tail.fused = True                       # the kernel's uint8 rows, the tail after them
-        paths["tiled, uint8 rows, the tail after"] = no_tail
-        paths["tiled, the stage rounding"] = GK.BatchGeometry(stage.plan.size)
-        paths["per-pixel kernel"] = GK.BatchGeometry(stage.plan.size, tiled=False)
+    chosen = stage.batch_geometry
+    if chosen:
+        paths[f"stage's choice ({chosen.kind})"] = chosen
+        for kind in ("separable", "tiled"):
+            if kind != chosen.kind:
+                same = GK.BatchGeometry(stage.plan.size, kind)
+                same.fused, same.fused_tail = chosen.fused, chosen.fused_tail
+                paths[f"{kind}, fused as the stage's choice"] = same
+        for kind in ("separable", "tiled"):
+            no_tail = GK.BatchGeometry(stage.plan.size, kind)
+            no_tail.fused = True                       # the kernel's uint8 rows, the tail after them
+            paths[f"{kind}, uint8 rows, the tail after"] = no_tail
+            paths[f"{kind}, the stage rounding"] = GK.BatchGeometry(stage.plan.size, kind)
+        paths["per-pixel kernel"] = GK.BatchGeometry(stage.plan.size, "per-pixel")
     paths["one launch per image"] = False
     out = {}
     kept = stage.batch_geometry

@@ -694,17 +694,24 @@ def test_the_batch_geometry_kernel_on_cuda_is_the_per_image_path_within_a_level(
             x = torch.from_numpy(rng.integers(0, 256, (H, W, 3), dtype=np.uint8)).to(dev)
             imgs.append(x.permute(2, 0, 1) if k % 3 == 0 else x.permute(2, 0, 1).contiguous())
             recs.append(make(H, W, k))
-        for tiled in (True, False):     # the tiled kernel and the per-pixel one it falls back to
-            ok, what = GK.agrees(stage, imgs, recs, GK.BatchGeometry(plan.size, tiled=tiled))
-            assert ok, (tiled, what)
-        # the tiled kernel's own rounding (half to even, through float adds the compiler must keep),
-        # clamp and mirror give exactly the rows the stage would make of its float rows
-        # and its ToTensor/Normalize arithmetic is the device tail's, bit for bit
+        rows = {}
+        for kind in GK.KINDS:     # the separable kernel and the two it falls back to
+            geo = GK.BatchGeometry(plan.size, kind)
+            ok, what = GK.agrees(stage, imgs, recs, geo)
+            assert ok, (kind, what)
+            rows[kind] = torch.empty((len(imgs), 3, *plan.size), device=dev)
+            geo.run([(j, a, r) for j, (a, r) in enumerate(zip(imgs, recs))], rows[kind])
+        # the separable kernel adds the tiled kernel's products in its order: the same float rows
+        assert torch.equal(rows["separable"], rows["tiled"])
+        # the kernels' own rounding (half to even, through float adds the compiler must keep),
+        # clamp and mirror give exactly the rows the stage would make of their float rows
+        # and their ToTensor/Normalize arithmetic is the device tail's, bit for bit
         from coordl.device.split import DeviceTail
         flipped = [list(r[:13]) + [k % 2] + list(r[14:]) for k, r in enumerate(recs)]
-        geo = GK.BatchGeometry(plan.size)
-        ok, what = GK.fused_agrees(geo, dev, imgs, flipped, DeviceTail([NORM]))
-        assert ok and geo.fused and geo.fused_tail, what
+        for kind in ("separable", "tiled"):
+            geo = GK.BatchGeometry(plan.size, kind)
+            ok, what = GK.fused_agrees(geo, dev, imgs, flipped, DeviceTail([NORM]))
+            assert ok and geo.fused and geo.fused_tail, (kind, what)
 
 
 @needs_cuda

@@ -945,7 +945,7 @@ def test_the_geometry_path_never_depends_on_timing(photos, monkeypatch, caplog):
     rec = [0] * (E.FLIP + 1)
     with caplog.at_level(logging.INFO, logger="coordl.device"):
         geo = stage._batched({(0, 0): img}, [[rec]])
-    assert isinstance(geo, GK.BatchGeometry) and stage.batch_geometry is geo and geo.tiled
+    assert isinstance(geo, GK.BatchGeometry) and stage.batch_geometry is geo and geo.kind == "separable"
     warned = [r for r in caplog.records if r.levelno == logging.WARNING]
     assert warned and "COORDL_DEVICE_GEOMETRY=per-image" in warned[0].getMessage(), caplog.text
     monkeypatch.setattr(GK, "agrees", lambda stage, imgs, recs, geo=None: (False, "max 3 level(s)"))

@@ -52,9 +52,9 @@ def test_the_kernels_rows_are_the_per_image_geometrys():
             for j, (img, rec) in enumerate(zip(imgs, recs)):
                 stage._geometry(img, rec, into=want[j:j + 1])
             items = [(j, a, r) for j, (a, r) in enumerate(zip(imgs, recs))]
-            for tiled in (True, False):
+            for kind in GK.KINDS:
                 got = torch.full_like(want, -7.0)
-                GK.BatchGeometry((oh, ow), tiled=tiled).run(items, got)
+                GK.BatchGeometry((oh, ow), kind).run(items, got)
                 d = (want - got).abs()
                 r = (want.round().clamp(0, 255) - got.round().clamp(0, 255)).abs()
                 print("ROW", float(d.max()), float(r.max()), float((r > 0).float().mean()))
@@ -73,6 +73,10 @@ def test_the_kernels_rows_are_the_per_image_geometrys():
             for j, f in enumerate(flips):
                 if f:
                     ref[j] = ref[j].flip(-1)
+            # the separable kernel's rows are the tiled kernel's: the same products, added in the same order
+            tiled = torch.full_like(want, -7.0)
+            GK.BatchGeometry((oh, ow), "tiled").run(items, tiled)
+            print("SAME", bool(torch.equal(rows_, tiled)))
             print("FINAL", bool(torch.equal(fin, ref)), bool(torch.equal(fin, GK.finished(rows_, flips))))
 
         def rrc(H, W, k):      # down and up
@@ -104,21 +108,35 @@ def test_the_kernels_rows_are_the_per_image_geometrys():
         want = torch.empty((2, 3, 12, 10))
         for j, (img, rec) in enumerate(zip(imgs, recs)):
             stage._geometry(img, rec, into=want[j:j + 1])
-        got = torch.full_like(want, -7.0)
-        GK.BatchGeometry((12, 10)).run([(j, a, r) for j, (a, r) in enumerate(zip(imgs, recs))], got)
-        print("FAR", float((want - got).abs().max()))
+        for kind in ("separable", "tiled"):
+            got = torch.full_like(want, -7.0)
+            GK.BatchGeometry((12, 10), kind).run([(j, a, r) for j, (a, r) in enumerate(zip(imgs, recs))], got)
+            print("FAR", float((want - got).abs().max()))
+
+        # the separable kernel's row sums over a budget that holds one image's at most: a launch pair per
+        # image, the same rows
+        items = [(j, a, r) for j, (a, r) in enumerate(zip(imgs, recs))]
+        whole = torch.full_like(want, -7.0)
+        GK.BatchGeometry((12, 10)).run(items, whole)
+        GK.BatchGeometry.MID_BUDGET = 4 * 3 * 330 * 10
+        parts = torch.full_like(want, -7.0)
+        GK.BatchGeometry((12, 10)).run(items, parts)
+        print("GROUPS", GK._groups(np.array([3 * 330 * 10, 3 * 290 * 10]), 3 * 330 * 10), bool(torch.equal(whole, parts)))
     """)
     rows = [tuple(map(float, line.split()[1:])) for line in out.splitlines() if line.startswith("ROW ")]
-    assert len(rows) == 6, out      # three plans, each through the tiled kernel and the per-pixel one
+    assert len(rows) == 9, out      # three plans, each through the separable, tiled and per-pixel kernels
     for float_diff, levels, share in rows:
         assert float_diff < 1e-3 and levels <= 1 and share < 0.01, rows
-    assert rows[4][0] == rows[5][0] == 0          # no resize: the crop's own values
+    assert rows[6][0] == rows[7][0] == rows[8][0] == 0          # no resize: the crop's own values
     assert [line for line in out.splitlines() if line.startswith("FINAL ")] == ["FINAL True True"] * 3, out
+    assert [line for line in out.splitlines() if line.startswith("SAME ")] == ["SAME True"] * 3, out
     far = [float(x.split()[1]) for x in out.splitlines() if x.startswith("FAR ")]
-    assert far and far[0] < 1e-3, out      # 24-29x down: spans of 64 taps, tiles of 2 rows
+    assert len(far) == 2 and max(far) < 1e-3, out      # 24-29x down: spans of 64 taps, tiles of 2 rows
+    assert "GROUPS [(0, 1), (1, 2)] True" in out, out
 
 
-def test_the_tiled_kernel_rounds_half_to_even_in_its_final_rows():
+@pytest.mark.parametrize("kind", ["separable", "tiled"])
+def test_the_kernels_round_half_to_even_in_their_final_rows(kind):
     """Values exactly halfway between two levels (a 2x upscale of a column
     of 2s beside a column of 4s gives 2.5; of 1s beside 3s, 1.5) round to
     the even level in the kernel's final rows, as torch.round does: 2 and
@@ -136,7 +154,7 @@ def test_the_tiled_kernel_rounds_half_to_even_in_its_final_rows():
         img[1, :, 0], img[1, :, 1] = 1, 3
         img[2, :, 0], img[2, :, 1] = 5, 7
         rec = [0, 4, 2, 0, 0, 4, 2, 4, 4, 0, 0, 4, 4, 0, 0, 3]
-        geo = GK.BatchGeometry((4, 4))
+        geo = GK.BatchGeometry((4, 4), KIND)
         rows = torch.zeros((1, 3, 4, 4))
         geo.run([(0, img, rec)], rows)
         fin = torch.zeros((1, 3, 4, 4), dtype=torch.uint8)
@@ -144,7 +162,7 @@ def test_the_tiled_kernel_rounds_half_to_even_in_its_final_rows():
         print("ROWS", rows[0, :, 0].tolist())
         print("FIN", fin[0, :, 0].tolist())
         print("CHECK", GK.fused_agrees(geo, torch.device("cpu"), [img], [rec])[0], geo.fused)
-    """)
+    """.replace("KIND", repr(kind)))
     rows = eval([x for x in out.splitlines() if x.startswith("ROWS ")][0][5:])
     fin = eval([x for x in out.splitlines() if x.startswith("FIN ")][0][4:])
     # the 2x upscale: weights 3/4 and 1/4 next to the columns' border
@@ -153,7 +171,8 @@ def test_the_tiled_kernel_rounds_half_to_even_in_its_final_rows():
     assert "CHECK True True" in out, out
 
 
-def test_the_tiled_kernels_tail_is_the_device_tails_arithmetic_bit_for_bit():
+@pytest.mark.parametrize("kind", ["separable", "tiled"])
+def test_the_kernels_tail_is_the_device_tails_arithmetic_bit_for_bit(kind):
     """The kernel's last step, ToTensor's scaling and a Normalize (three
     values, one value, or none), against the device tail run on its uint8
     rows: equal bit for bit; two Normalizes are left to the tail."""
@@ -170,7 +189,7 @@ def test_the_tiled_kernels_tail_is_the_device_tails_arithmetic_bit_for_bit():
             imgs.append(torch.from_numpy(rng.integers(0, 256, (3, H, W), dtype=np.uint8)))
             recs.append([0, H, W, 0, 0, H, W, 17, 19, 0, 0, 17, 19, k % 2, k, 3])
         items = [(j, a, r) for j, (a, r) in enumerate(zip(imgs, recs))]
-        geo = GK.BatchGeometry((17, 19))
+        geo = GK.BatchGeometry((17, 19), KIND)
         u8 = torch.zeros((5, 3, 17, 19), dtype=torch.uint8)
         geo.run(items, u8, final=True)
         for name, norms in [("three", [T.Normalize([0.485, 0.456, 0.406], [0.229, 0.224, 0.225])]),
@@ -185,7 +204,7 @@ def test_the_tiled_kernels_tail_is_the_device_tails_arithmetic_bit_for_bit():
             print("TAIL", name, bool(torch.equal(got, tail(u8))))
         ok, what = GK.fused_agrees(geo, torch.device("cpu"), imgs, recs, DeviceTail(norms[:1]))
         print("CHECK", ok, geo.fused, geo.fused_tail)
-    """)
+    """.replace("KIND", repr(kind)))
     lines = [x for x in out.splitlines() if x.startswith(("TAIL ", "CHECK "))]
     assert lines == ["TAIL three True", "TAIL one True", "TAIL none True", "TAIL two unfit",
                      "CHECK True True True"], out
@@ -219,7 +238,7 @@ def test_passes_with_the_kernel_are_within_a_level_of_one_launch_per_image(tmp_p
         real = GK.BatchGeometry.run
 
         def run_counted(self, items, y, final=False, tail=None):
-            launches.append((len(items), ("tail" if tail is not None else True) if final else False, self.tiled))
+            launches.append((len(items), ("tail" if tail is not None else True) if final else False, self.kind))
             return real(self, items, y, final, tail)
 
         GK.BatchGeometry.run = run_counted
@@ -249,11 +268,11 @@ def test_passes_with_the_kernel_are_within_a_level_of_one_launch_per_image(tmp_p
         kern, used = run("auto")
         rows = list(ready)
         per, unused = run("per-image")
-        # the first batch's probe runs the tiled kernel four times on its few images (against the
+        # the first batch's probe runs the separable kernel four times on its few images (against the
         # per-image rows, then its float rows against its own rounding and mirror, and those against its
         # own ToTensor/Normalize); then every batch is one launch that writes the final float rows
         print("LAUNCHES", sum(n for n, _, _ in used), len(used), len(unused))
-        print("FINAL", [f for _, f, _ in used], all(t for _, _, t in used))
+        print("FINAL", [f for _, f, _ in used], all(t == "separable" for _, _, t in used))
         std = torch.tensor([0.2, 0.25, 0.3]).view(1, 3, 1, 1) * 255
         worst = 0.0
         for (a, y), (b, y2), cpu in zip(kern, per, rows):
@@ -278,4 +297,4 @@ def test_passes_with_the_kernel_are_within_a_level_of_one_launch_per_image(tmp_p
     final = eval([x for x in out.splitlines() if x.startswith("FINAL ")][0][6:].rsplit("]", 1)[0] + "]")
     assert final[:4] == [False, False, True, "tail"] and final[4:] == ["tail"] * 3, out
     assert total >= 3 and any(0 < n < 5 for n in per_batch), out     # batches with rows of both
-    assert [x for x in out.splitlines() if x.startswith("FINAL ")][0].endswith("] True"), out   # all tiled
+    assert [x for x in out.splitlines() if x.startswith("FINAL ")][0].endswith("] True"), out   # all separable

@@ -125,6 +125,14 @@ def crop_resize_tiles(src, ints, floats, out, oh, ow, norm, BI: tl.constexpr, BJ
         acc1 += wy[:, None] * tl.sum(wx[None, :, :] * tl.load(p + sc, mask=ok, other=0).to(tl.float32), axis=2)
         acc2 += wy[:, None] * tl.sum(wx[None, :, :] * tl.load(p + 2 * sc, mask=ok, other=0).to(tl.float32),
                                      axis=2)
+    _store(acc0, acc1, acc2, in_i, in_j, i, j, out, row, oh, ow, flip, norm, BI, BJ, FINAL, NORM)
+
+
+@triton.jit
+def _store(acc0, acc1, acc2, in_i, in_j, i, j, out, row, oh, ow, flip, norm, BI: tl.constexpr, BJ: tl.constexpr,
+           FINAL: tl.constexpr, NORM: tl.constexpr):
+    # a tile's sums into its row of the batch: float32 as they are (FINAL 0), or rounded, clamped and
+    # mirrored as uint8 (1), or those through the tail's arithmetic as float32 (2)
     inside = in_i[:, None] & in_j[None, :]
     live = (i < oh)[:, None] & (j < ow)[None, :]
     plane = oh * ow
@@ -158,3 +166,71 @@ def crop_resize_tiles(src, ints, floats, out, oh, ow, norm, BI: tl.constexpr, BJ
             tl.store(o, x0, mask=live)
             tl.store(o + plane, x1, mask=live)
             tl.store(o + 2 * plane, x2, mask=live)
+
+
+@triton.jit
+def row_sums(src, ints, floats, mids, mid, ow, BR: tl.constexpr, BJ: tl.constexpr, KMAX: tl.constexpr):
+    # the separable kernels' first pass: for BR rows of image b's crop and BJ output columns, each
+    # channel's sum along the row (the horizontal weights, as crop_resize_tiles computes them), into
+    # the image's (3, crop height, ow) float32 block of ``mid`` (at ``mids[b]``)
+    b = tl.program_id(0)
+    (row, base, sc, sy, sx, t1, l1, h, w, rh, rw, t2, l2, kmax, flip,
+     scale_y, scale_x, inv_y, inv_x, sup_y, sup_x) = _record(ints, floats, b)
+
+    r = tl.program_id(1) * BR + tl.arange(0, BR)
+    j = tl.program_id(2) * BJ + tl.arange(0, BJ)
+    jj = j + l2
+    in_r = r < h
+    in_j = (j < ow) & (jj >= 0) & (jj < rw)
+    xmin, xsize, xm = _span(jj, scale_x, sup_x, w)          # [BJ]
+    k = tl.arange(0, KMAX)
+    wx = _weights(k, xm, xsize, inv_x)                      # [BJ, KMAX]
+    cols = (l1 + xmin[:, None] + k[None, :]) * sx
+    okx = in_j[:, None] & (k[None, :] < xsize[:, None])
+    p = src + base + ((t1 + r) * sy)[:, None, None] + cols[None, :, :]
+    ok = in_r[:, None, None] & okx[None, :, :]
+    s0 = tl.sum(wx[None, :, :] * tl.load(p, mask=ok, other=0).to(tl.float32), axis=2)
+    s1 = tl.sum(wx[None, :, :] * tl.load(p + sc, mask=ok, other=0).to(tl.float32), axis=2)
+    s2 = tl.sum(wx[None, :, :] * tl.load(p + 2 * sc, mask=ok, other=0).to(tl.float32), axis=2)
+    plane = h * ow
+    m = mid + tl.load(mids + b) + r[:, None] * ow + j[None, :]
+    live = in_r[:, None] & (j < ow)[None, :]
+    tl.store(m, s0, mask=live)
+    tl.store(m + plane, s1, mask=live)
+    tl.store(m + 2 * plane, s2, mask=live)
+
+
+@triton.jit
+def column_sums(mid, mids, ints, floats, out, oh, ow, norm, BI: tl.constexpr, BJ: tl.constexpr,
+                KMAX: tl.constexpr, FINAL: tl.constexpr, NORM: tl.constexpr):
+    # the separable kernels' second pass: a tile of BI output rows by BJ columns, each the sum down its
+    # span of row_sums' rows with the vertical weights, then stored as crop_resize_tiles stores (the same
+    # products added in the same order as there, which sums each row's span inside its loop)
+    b = tl.program_id(0)
+    (row, base, sc, sy, sx, t1, l1, h, w, rh, rw, t2, l2, kmax, flip,
+     scale_y, scale_x, inv_y, inv_x, sup_y, sup_x) = _record(ints, floats, b)
+
+    i = tl.program_id(1) * BI + tl.arange(0, BI)
+    j = tl.program_id(2) * BJ + tl.arange(0, BJ)
+    ii = i + t2
+    jj = j + l2
+    in_i = (i < oh) & (ii >= 0) & (ii < rh)
+    in_j = (j < ow) & (jj >= 0) & (jj < rw)
+    ymin, ysize, ym = _span(ii, scale_y, sup_y, h)          # [BI]
+    k = tl.arange(0, KMAX)
+    tot_y = _total(k, ym, ysize, inv_y)                     # [BI]
+    plane = h * ow
+    m = mid + tl.load(mids + b) + j[None, :]
+    acc0 = tl.zeros((BI, BJ), dtype=tl.float32)
+    acc1 = tl.zeros((BI, BJ), dtype=tl.float32)
+    acc2 = tl.zeros((BI, BJ), dtype=tl.float32)
+    for ky in range(0, kmax):
+        v1 = tl.abs((ky + ym + 0.5) * inv_y)
+        on = in_i & (ky < ysize)
+        wy = tl.math.div_rn(tl.where(on & (v1 < 1.0), 1.0 - v1, 0.0), tot_y)     # [BI]
+        q = m + ((ymin + ky) * ow)[:, None]
+        ok = on[:, None] & in_j[None, :]
+        acc0 += wy[:, None] * tl.load(q, mask=ok, other=0.0)
+        acc1 += wy[:, None] * tl.load(q + plane, mask=ok, other=0.0)
+        acc2 += wy[:, None] * tl.load(q + 2 * plane, mask=ok, other=0.0)
+    _store(acc0, acc1, acc2, in_i, in_j, i, j, out, row, oh, ow, flip, norm, BI, BJ, FINAL, NORM)

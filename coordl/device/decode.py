@@ -19,7 +19,7 @@ without, all in ``next()``):
    padding (``T2..W2``); images the workers prepared on the CPU
    (``ON_CPU``) go into their rows as they are, in one copy for the
    batch.  For a bilinear antialiased plan
-   on a GPU with Triton, one kernel launch does this for the whole batch
+   on a GPU with Triton, a batch kernel (two launches) does this for the whole batch
    (:mod:`.geometry_kernel`, checked against the per-image path on the
    stage's first batch; ``COORDL_DEVICE_GEOMETRY=per-image`` turns it off);
 3. each image lands in its row of the batch (the resize writes it there
@@ -294,14 +294,15 @@ class DecodeStage:
 
     def _batched(self, left: dict, records: list):
         """The batch-geometry kernel, or False (one launch per image).  The
-        first batch decides, by the pixels alone: the tiled kernel's rows
-        for a few of its images against :meth:`_geometry`'s
-        (:func:`~.geometry_kernel.agrees`), else the per-pixel kernel's
-        (where the tiled one cannot compile or differs); and whether the
-        tiled kernel's own rounding and mirror give exactly the rows the
-        stage's would (:func:`~.geometry_kernel.fused_agrees`: then it
-        writes the uint8 batch itself), and its ``ToTensor``/``Normalize``
-        arithmetic exactly the tail's (then the float batch).  Never by timing, which differs
+        first batch decides, by the pixels alone: the first kernel of
+        :data:`~.geometry_kernel.KINDS` (separable, tiled, per-pixel) whose
+        rows for a few of its images agree with :meth:`_geometry`'s
+        (:func:`~.geometry_kernel.agrees`; a kernel that cannot compile here
+        or differs gives way to the next); and whether that kernel's own
+        rounding and mirror give exactly the rows the stage's would
+        (:func:`~.geometry_kernel.fused_agrees`: then it writes the uint8
+        batch itself), and its ``ToTensor``/``Normalize`` arithmetic exactly
+        the tail's (then the float batch).  Never by timing, which differs
         between runs: two loaders, or a run and its resume, take the same
         path and give the same pixels.  On a GPU the kernel is also timed
         against the per-image launches; slower is a warning naming
@@ -314,12 +315,11 @@ class DecodeStage:
                 return False
             imgs, recs = [i for i, _ in probe], [r for _, r in probe]
             chosen, found = False, []
-            for tiled in (True, False):     # the tiled kernel; the first one where it cannot run here
-                kind = "tiled" if tiled else "per-pixel"
+            for kind in GK.KINDS:
                 try:
-                    geo = GK.BatchGeometry(self.plan.size, tiled=tiled)
+                    geo = GK.BatchGeometry(self.plan.size, kind)
                     ok, what = GK.agrees(self, imgs, recs, geo)
-                    if ok and tiled:
+                    if ok and geo.final_rows:
                         try:
                             what += "; " + GK.fused_agrees(geo, self.device, imgs, recs, self.tail)[1]
                         except Exception as e:  # noqa: BLE001 - its float rows stand; the stage rounds them

@@ -1,6 +1,6 @@
-"""``decode="device"``'s geometry for a whole batch in one kernel launch
-(Triton), where the stage otherwise launches a conversion and a resize per
-image (:meth:`coordl.device.decode.DecodeStage._geometry`).
+"""``decode="device"``'s geometry for a whole batch in one or two kernel
+launches (Triton), where the stage otherwise launches a conversion and a
+resize per image (:meth:`coordl.device.decode.DecodeStage._geometry`).
 
 For each decoded (3, H, W) uint8 image and its record: the crop (``T1..W1``),
 the antialiased bilinear resize to (``RH``, ``RW``) (none: the crop as it
@@ -10,6 +10,27 @@ as float32 into its row of the batch, not yet rounded nor mirrored: what
 bilinear filter (``F.interpolate(..., antialias=True)``): per output pixel
 the span and the normalized triangle weights of each axis, a sum along the
 row for each source row of the span, then a sum of those down the column.
+
+Three kernels make the same sums (:data:`KINDS`, in the order the stage
+tries them):
+
+* ``separable``: two passes.  The first sums along the rows once for every
+  row of each crop and every output column, into a float32 block per image;
+  the second sums those down each output pixel's span.  A source row feeds
+  every output row whose span covers it, so the 2-D kernels below read
+  and weigh it again for each (about two where the resize goes down,
+  2/scale where it goes up); here each row sum is made once.  The blocks of a launch
+  pair hold at most :attr:`BatchGeometry.MID_BUDGET` bytes (a batch of
+  larger crops takes more pairs).
+* ``tiled``: one pass, a tile of output rows and columns per program, each
+  column's and row's weights computed once for its tile, the row sums
+  made inside the loop down the span.
+* ``per-pixel``: one pass, every pixel computing its own weights (the
+  first kernel; the fallback where neither other compiles).
+
+The separable and tiled kernels also round, clamp and mirror (and run the
+tail's arithmetic) in their last pass, where :func:`fused_agrees` found it
+exact.
 
 The images are gathered into one flat buffer first (one ``torch.cat``:
 each image's bytes with its strides); the scales, their inverses and the
@@ -26,11 +47,14 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-__all__ = ["available", "BatchGeometry", "agrees", "faster", "upload", "TOLERANCE"]
+__all__ = ["available", "BatchGeometry", "KINDS", "agrees", "faster", "upload", "TOLERANCE"]
 
 #: ints per image in the kernels' table: row, offset, 3 strides, the crop, the resize, the second crop,
 #: the widest span, the flip
 NINT = 15
+
+#: the kernels, in the order the stage tries them (the first whose rows agree is used)
+KINDS = ("separable", "tiled", "per-pixel")
 
 #: the most the kernel's rounded rows may differ from ``_geometry``'s, in uint8 levels
 #: (float sums in another order or fused: a value at a rounding boundary may land one level over)
@@ -53,7 +77,8 @@ def _kernel():
         _KERNEL.append(None)
         return None
 
-    _KERNEL.append({"rows": K.crop_resize, "tiles": K.crop_resize_tiles})
+    _KERNEL.append({"per-pixel": K.crop_resize, "tiled": K.crop_resize_tiles,
+                    "separable": (K.row_sums, K.column_sums)})
     return _KERNEL[0]
 
 
@@ -67,28 +92,36 @@ def _axes(n_in: np.ndarray, n_out: np.ndarray) -> tuple:
 
 
 class BatchGeometry:
-    """One launch per batch of what ``_geometry`` does image by image.
+    """One kernel launch (or a pair) per batch of what ``_geometry`` does
+    image by image.
 
-    ``tiled`` (the default) runs the kernel that takes a tile of output
-    rows and columns per program, each column's and row's weights computed
-    once for its tile; otherwise the one that takes a run of pixels, every
-    pixel computing its own (the first kernel: a fallback where the tiled
-    one cannot compile).  ``fused`` (set by :func:`fused_agrees`): the tiled
+    ``kind``: one of :data:`KINDS` (the module's docstring says what each
+    does).  ``fused`` (set by :func:`fused_agrees`): the separable or tiled
     kernel also rounds, clamps and mirrors, writing the uint8 batch itself
     (:meth:`run` with ``final=True``), which spares the stage four passes
     over the batch on the device."""
 
     BLOCK = 128
-    TILE = 2048     # output values x span per program of the tiled kernel: registers, as BLOCK x KMAX
+    TILE = 2048     # output values x span per program of the tiled kernels: registers, as BLOCK x KMAX
+    #: bytes of the separable kernels' row sums per launch pair (float32, 3 x crop height x output width
+    #: per image: about 1 MB for an ImageNet photo's crop at 224 wide)
+    MID_BUDGET = 128 << 20
 
-    def __init__(self, size: tuple, tiled: bool = True) -> None:
+    def __init__(self, size: tuple, kind: str = "separable") -> None:
+        if kind not in KINDS:
+            raise ValueError(f"the batch-geometry kernel is one of {', '.join(KINDS)}, not {kind!r}")
         self.oh, self.ow = size
         kernels = _kernel()
-        self.tiled = tiled
-        self.kernel = kernels["tiles" if tiled else "rows"] if kernels else None
+        self.kind = kind
+        self.kernel = kernels[kind] if kernels else None
         self.fused = self.fused_tail = False
         self._norms = None      # (tail, device, its constants there): kept here, never on the tail, which
         #                         may travel to a worker process
+
+    @property
+    def final_rows(self) -> bool:
+        """The kernel can write the final rows (``run(..., final=True)``)."""
+        return self.kind != "per-pixel"
 
     def _norm(self, tail, dev: torch.device) -> torch.Tensor:
         if self._norms is None or self._norms[0] is not tail or self._norms[1] != dev:
@@ -99,7 +132,7 @@ class BatchGeometry:
         """``items``: ``[(row, image, record), ...]``; each (3, H, W) uint8
         image's geometry written into ``y[row]``: float32, not yet rounded
         nor mirrored (``y``: a contiguous (n, 3, oh, ow) float32 batch), or,
-        with ``final`` (the tiled kernel only), rounded half to even,
+        with ``final`` (the separable and tiled kernels), rounded half to even,
         clamped to [0, 255] and mirrored where its record says, into a
         uint8 ``y``; with ``final`` and ``tail`` (a
         :class:`~.split.DeviceTail` :func:`tail_fits`), then through the
@@ -108,8 +141,8 @@ class BatchGeometry:
 
         if not items:
             return
-        if final and not self.tiled:
-            raise ValueError("only the tiled kernel writes the final uint8 rows")
+        if final and not self.final_rows:
+            raise ValueError(f"the {self.kind} kernel does not write the final rows")
         flats, ints, at = [], [], 0
         for row, img, rec in items:
             if img.is_contiguous():
@@ -136,25 +169,54 @@ class BatchGeometry:
         kp = 4                       # the spans' largest, as a power of two (one compiled kernel each)
         while kp < kmax:
             kp *= 2
-        if self.tiled:
-            bj = 32
-            bi = max(2, min(16, self.TILE // (bj * kp)))
-            grid = (len(items), -(-self.oh // bi), -(-self.ow // bj))
-            norm = self._norm(tail, dev) if final and tail is not None else floats_t
-            kw = dict(BI=bi, BJ=bj, KMAX=kp, FINAL=(2 if tail is not None else 1) if final else 0,
-                      NORM=int(final and tail is not None and norm.numel() == 6))
-            args = (src, ints_t, floats_t, y, self.oh, self.ow, norm)
-        else:
+        if self.kind == "per-pixel":
             block = max(16, min(self.BLOCK, 4096 // kp))
             grid = (len(items), -(-self.oh * self.ow // block))
-            kw = dict(BLOCK=block, KMAX=kp)
-            args = (src, ints_t, floats_t, y, self.oh, self.ow)
+            self._launch(dev, self.kernel, grid, (src, ints_t, floats_t, y, self.oh, self.ow),
+                         dict(BLOCK=block, KMAX=kp))
+            return
+        bj = 32
+        bi = max(2, min(16, self.TILE // (bj * kp)))
+        norm = self._norm(tail, dev) if final and tail is not None else floats_t
+        kw = dict(BI=bi, BJ=bj, KMAX=kp, FINAL=(2 if tail is not None else 1) if final else 0,
+                  NORM=int(final and tail is not None and norm.numel() == 6))
+        if self.kind == "tiled":
+            grid = (len(items), -(-self.oh // bi), -(-self.ow // bj))
+            self._launch(dev, self.kernel, grid, (src, ints_t, floats_t, y, self.oh, self.ow, norm), kw)
+            return
+        rows_k, cols_k = self.kernel
+        br = bi                 # the tiled kernel's tile height: the same reduction shapes as there
+        size = 3 * ints[:, 7] * self.ow                  # each image's row sums: 3 x crop height x ow
+        for g0, g1 in _groups(size, self.MID_BUDGET // 4):
+            at = np.concatenate([[0], np.cumsum(size[g0:g1])])
+            mid = torch.empty(int(at[-1]), dtype=torch.float32, device=dev)
+            mids = upload(at[:-1].astype(np.int64), dev)
+            it, ft, n = ints_t[g0:g1], floats_t[g0:g1], g1 - g0
+            self._launch(dev, rows_k, (n, -(-int(ints[g0:g1, 7].max()) // br), -(-self.ow // bj)),
+                         (src, it, ft, mids, mid, self.ow), dict(BR=br, BJ=bj, KMAX=kp))
+            self._launch(dev, cols_k, (n, -(-self.oh // bi), -(-self.ow // bj)),
+                         (mid, mids, it, ft, y, self.oh, self.ow, norm), kw)
+
+    @staticmethod
+    def _launch(dev: torch.device, kernel, grid: tuple, args: tuple, kw: dict) -> None:
         if dev.type == "cuda":      # Triton launches on the current device, on its current stream
             with torch.cuda.device(dev):
-                self.kernel[grid](*args, **kw)
+                kernel[grid](*args, **kw)
         else:
-            self.kernel[grid](*args, **kw)
+            kernel[grid](*args, **kw)
 
+
+def _groups(size: np.ndarray, budget: int) -> list:
+    """Consecutive runs ``(start, end)`` of ``size`` whose sums stay within
+    ``budget`` (a larger entry alone)."""
+    out, start, total = [], 0, 0
+    for k, s in enumerate(size.tolist()):
+        if k > start and total + s > budget:
+            out.append((start, k))
+            start, total = k, 0
+        total += s
+    out.append((start, len(size)))
+    return out
 
 def tail_fits(tail) -> bool:
     """The kernel can run ``tail`` (a :class:`~.split.DeviceTail`) itself:
@@ -204,7 +266,7 @@ def upload(arr: np.ndarray, dev: torch.device) -> torch.Tensor:
 
 
 def agrees(stage, images: list, records: list, geo: "BatchGeometry | None" = None) -> tuple[bool, str]:
-    """Whether the kernel's rows (``geo``'s; default: the tiled kernel),
+    """Whether the kernel's rows (``geo``'s; default: the separable kernel),
     rounded, are ``stage._geometry``'s within :data:`TOLERANCE`: (ok, what
     was found)."""
     oh, ow = stage.plan.size
@@ -223,7 +285,7 @@ def agrees(stage, images: list, records: list, geo: "BatchGeometry | None" = Non
 
 def fused_agrees(geo: BatchGeometry, device: torch.device, images: list, records: list,
                  tail=None) -> tuple[bool, str]:
-    """Whether the tiled kernel's final uint8 rows (rounded, clamped,
+    """Whether the kernel's final uint8 rows (rounded, clamped,
     mirrored in the kernel) are exactly its float32 rows finished as the
     stage finishes them (:func:`finished`): the in-kernel rounding is half
     to even on this device, as ``torch.round``.  Sets ``geo.fused``; and,
@@ -233,8 +295,8 @@ def fused_agrees(geo: BatchGeometry, device: torch.device, images: list, records
     from .encoded import FLIP
 
     geo.fused = geo.fused_tail = False
-    if not geo.tiled:
-        return False, "not the tiled kernel"
+    if not geo.final_rows:
+        return False, f"the {geo.kind} kernel does not write the final rows"
     n = len(images)
     items = [(j, img, rec) for j, (img, rec) in enumerate(zip(images, records))]
     rows = torch.full((n, 3, geo.oh, geo.ow), -7.0, dtype=torch.float32, device=device)
