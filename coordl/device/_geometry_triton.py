@@ -91,6 +91,54 @@ def crop_resize(src, ints, floats, out, oh, ow, BLOCK: tl.constexpr, KMAX: tl.co
     tl.store(o + 2 * oh * ow, tl.where(inside, acc2, 0.0), mask=live)
 
 @triton.jit
+def _tile(oh, ow, t2, l2, rh, rw, BI: tl.constexpr, BJ: tl.constexpr):
+    # this program's BI output rows and BJ columns, their places in the resized image, and which of
+    # them lie inside it
+    i = tl.program_id(1) * BI + tl.arange(0, BI)
+    j = tl.program_id(2) * BJ + tl.arange(0, BJ)
+    ii = i + t2
+    jj = j + l2
+    return i, j, ii, jj, (i < oh) & (ii >= 0) & (ii < rh), (j < ow) & (jj >= 0) & (jj < rw)
+
+
+@triton.jit
+def _tile_down(oh, ow, t2, l2, rh, rw, h, scale_y, inv_y, sup_y, BI: tl.constexpr, BJ: tl.constexpr,
+               KMAX: tl.constexpr):
+    # _tile's rows and columns, and each row's span down the column: its start, size, start - center
+    # and the sum of its taps [BI]
+    i, j, ii, jj, in_i, in_j = _tile(oh, ow, t2, l2, rh, rw, BI, BJ)
+    ymin, ysize, ym = _span(ii, scale_y, sup_y, h)
+    return i, j, jj, in_i, in_j, ymin, ysize, ym, _total(tl.arange(0, KMAX), ym, ysize, inv_y)
+
+
+@triton.jit
+def _columns(jj, in_j, l1, sx, scale_x, inv_x, sup_x, w, KMAX: tl.constexpr):
+    # each column's span along the row: its weights [BJ, KMAX], its taps' offsets in a source row, and
+    # which taps are read
+    xmin, xsize, xm = _span(jj, scale_x, sup_x, w)
+    k = tl.arange(0, KMAX)
+    cols = (l1 + xmin[:, None] + k[None, :]) * sx
+    return _weights(k, xm, xsize, inv_x), cols, in_j[:, None] & (k[None, :] < xsize[:, None])
+
+
+@triton.jit
+def _along(p, ok, wx, sc):
+    # each channel's sums along the source rows at p ([rows, BJ, KMAX] taps): [rows, BJ] each
+    s0 = tl.sum(wx[None, :, :] * tl.load(p, mask=ok, other=0).to(tl.float32), axis=2)
+    s1 = tl.sum(wx[None, :, :] * tl.load(p + sc, mask=ok, other=0).to(tl.float32), axis=2)
+    s2 = tl.sum(wx[None, :, :] * tl.load(p + 2 * sc, mask=ok, other=0).to(tl.float32), axis=2)
+    return s0, s1, s2
+
+
+@triton.jit
+def _down(ky, ym, ysize, in_i, inv_y, tot_y):
+    # tap ky of each output row's span down the column: its weight [BI], and which rows have it
+    v1 = tl.abs((ky + ym + 0.5) * inv_y)
+    on = in_i & (ky < ysize)
+    return tl.math.div_rn(tl.where(on & (v1 < 1.0), 1.0 - v1, 0.0), tot_y), on
+
+
+@triton.jit
 def crop_resize_tiles(src, ints, floats, out, oh, ow, norm, BI: tl.constexpr, BJ: tl.constexpr,
                       KMAX: tl.constexpr, FINAL: tl.constexpr, NORM: tl.constexpr):
     # the same sums as crop_resize, a tile of BI output rows by BJ columns per program: each column's
@@ -99,32 +147,19 @@ def crop_resize_tiles(src, ints, floats, out, oh, ow, norm, BI: tl.constexpr, BJ
     (row, base, sc, sy, sx, t1, l1, h, w, rh, rw, t2, l2, kmax, flip,
      scale_y, scale_x, inv_y, inv_x, sup_y, sup_x) = _record(ints, floats, b)
 
-    i = tl.program_id(1) * BI + tl.arange(0, BI)
-    j = tl.program_id(2) * BJ + tl.arange(0, BJ)
-    ii = i + t2
-    jj = j + l2
-    in_i = (i < oh) & (ii >= 0) & (ii < rh)
-    in_j = (j < ow) & (jj >= 0) & (jj < rw)
-    ymin, ysize, ym = _span(ii, scale_y, sup_y, h)          # [BI]
-    xmin, xsize, xm = _span(jj, scale_x, sup_x, w)          # [BJ]
-    k = tl.arange(0, KMAX)
-    wx = _weights(k, xm, xsize, inv_x)                      # [BJ, KMAX]
-    tot_y = _total(k, ym, ysize, inv_y)                     # [BI]
-    cols = (l1 + xmin[:, None] + k[None, :]) * sx                               # [BJ, KMAX]
-    okx = in_j[:, None] & (k[None, :] < xsize[:, None])
+    i, j, jj, in_i, in_j, ymin, ysize, ym, tot_y = _tile_down(oh, ow, t2, l2, rh, rw, h, scale_y, inv_y, sup_y,
+                                                            BI, BJ, KMAX)
+    wx, cols, okx = _columns(jj, in_j, l1, sx, scale_x, inv_x, sup_x, w, KMAX)     # [BJ, KMAX]
     acc0 = tl.zeros((BI, BJ), dtype=tl.float32)
     acc1 = tl.zeros((BI, BJ), dtype=tl.float32)
     acc2 = tl.zeros((BI, BJ), dtype=tl.float32)
     for ky in range(0, kmax):
-        v1 = tl.abs((ky + ym + 0.5) * inv_y)
-        on = in_i & (ky < ysize)
-        wy = tl.math.div_rn(tl.where(on & (v1 < 1.0), 1.0 - v1, 0.0), tot_y)     # [BI]
+        wy, on = _down(ky, ym, ysize, in_i, inv_y, tot_y)
         p = src + base + ((t1 + ymin + ky) * sy)[:, None, None] + cols[None, :, :]
-        ok = on[:, None, None] & okx[None, :, :]
-        acc0 += wy[:, None] * tl.sum(wx[None, :, :] * tl.load(p, mask=ok, other=0).to(tl.float32), axis=2)
-        acc1 += wy[:, None] * tl.sum(wx[None, :, :] * tl.load(p + sc, mask=ok, other=0).to(tl.float32), axis=2)
-        acc2 += wy[:, None] * tl.sum(wx[None, :, :] * tl.load(p + 2 * sc, mask=ok, other=0).to(tl.float32),
-                                     axis=2)
+        s0, s1, s2 = _along(p, on[:, None, None] & okx[None, :, :], wx, sc)
+        acc0 += wy[:, None] * s0
+        acc1 += wy[:, None] * s1
+        acc2 += wy[:, None] * s2
     _store(acc0, acc1, acc2, in_i, in_j, i, j, out, row, oh, ow, flip, norm, BI, BJ, FINAL, NORM)
 
 
@@ -177,21 +212,10 @@ def row_sums(src, ints, floats, mids, mid, ow, BR: tl.constexpr, BJ: tl.constexp
     (row, base, sc, sy, sx, t1, l1, h, w, rh, rw, t2, l2, kmax, flip,
      scale_y, scale_x, inv_y, inv_x, sup_y, sup_x) = _record(ints, floats, b)
 
-    r = tl.program_id(1) * BR + tl.arange(0, BR)
-    j = tl.program_id(2) * BJ + tl.arange(0, BJ)
-    jj = j + l2
-    in_r = r < h
-    in_j = (j < ow) & (jj >= 0) & (jj < rw)
-    xmin, xsize, xm = _span(jj, scale_x, sup_x, w)          # [BJ]
-    k = tl.arange(0, KMAX)
-    wx = _weights(k, xm, xsize, inv_x)                      # [BJ, KMAX]
-    cols = (l1 + xmin[:, None] + k[None, :]) * sx
-    okx = in_j[:, None] & (k[None, :] < xsize[:, None])
+    r, j, _rr, jj, in_r, in_j = _tile(h, ow, 0, l2, h, rw, BR, BJ)
+    wx, cols, okx = _columns(jj, in_j, l1, sx, scale_x, inv_x, sup_x, w, KMAX)     # [BJ, KMAX]
     p = src + base + ((t1 + r) * sy)[:, None, None] + cols[None, :, :]
-    ok = in_r[:, None, None] & okx[None, :, :]
-    s0 = tl.sum(wx[None, :, :] * tl.load(p, mask=ok, other=0).to(tl.float32), axis=2)
-    s1 = tl.sum(wx[None, :, :] * tl.load(p + sc, mask=ok, other=0).to(tl.float32), axis=2)
-    s2 = tl.sum(wx[None, :, :] * tl.load(p + 2 * sc, mask=ok, other=0).to(tl.float32), axis=2)
+    s0, s1, s2 = _along(p, in_r[:, None, None] & okx[None, :, :], wx, sc)
     plane = h * ow
     m = mid + tl.load(mids + b) + r[:, None] * ow + j[None, :]
     live = in_r[:, None] & (j < ow)[None, :]
@@ -210,24 +234,15 @@ def column_sums(mid, mids, ints, floats, out, oh, ow, norm, BI: tl.constexpr, BJ
     (row, base, sc, sy, sx, t1, l1, h, w, rh, rw, t2, l2, kmax, flip,
      scale_y, scale_x, inv_y, inv_x, sup_y, sup_x) = _record(ints, floats, b)
 
-    i = tl.program_id(1) * BI + tl.arange(0, BI)
-    j = tl.program_id(2) * BJ + tl.arange(0, BJ)
-    ii = i + t2
-    jj = j + l2
-    in_i = (i < oh) & (ii >= 0) & (ii < rh)
-    in_j = (j < ow) & (jj >= 0) & (jj < rw)
-    ymin, ysize, ym = _span(ii, scale_y, sup_y, h)          # [BI]
-    k = tl.arange(0, KMAX)
-    tot_y = _total(k, ym, ysize, inv_y)                     # [BI]
+    i, j, jj, in_i, in_j, ymin, ysize, ym, tot_y = _tile_down(oh, ow, t2, l2, rh, rw, h, scale_y, inv_y, sup_y,
+                                                            BI, BJ, KMAX)
     plane = h * ow
     m = mid + tl.load(mids + b) + j[None, :]
     acc0 = tl.zeros((BI, BJ), dtype=tl.float32)
     acc1 = tl.zeros((BI, BJ), dtype=tl.float32)
     acc2 = tl.zeros((BI, BJ), dtype=tl.float32)
     for ky in range(0, kmax):
-        v1 = tl.abs((ky + ym + 0.5) * inv_y)
-        on = in_i & (ky < ysize)
-        wy = tl.math.div_rn(tl.where(on & (v1 < 1.0), 1.0 - v1, 0.0), tot_y)     # [BI]
+        wy, on = _down(ky, ym, ysize, in_i, inv_y, tot_y)
         q = m + ((ymin + ky) * ow)[:, None]
         ok = on[:, None] & in_j[None, :]
         acc0 += wy[:, None] * tl.load(q, mask=ok, other=0.0)
