@@ -121,7 +121,8 @@ def test_the_kernels_rows_are_the_per_image_geometrys():
         GK.BatchGeometry.MID_BUDGET = 4 * 3 * 330 * 10
         parts = torch.full_like(want, -7.0)
         GK.BatchGeometry((12, 10)).run(items, parts)
-        print("GROUPS", GK._groups(np.array([3 * 330 * 10, 3 * 290 * 10]), 3 * 330 * 10), bool(torch.equal(whole, parts)))
+        groups = GK._groups(np.array([3 * 330 * 10, 3 * 290 * 10]), 3 * 330 * 10)
+        print("GROUPS", groups, bool(torch.equal(whole, parts)))
     """)
     rows = [tuple(map(float, line.split()[1:])) for line in out.splitlines() if line.startswith("ROW ")]
     assert len(rows) == 9, out      # three plans, each through the separable, tiled and per-pixel kernels

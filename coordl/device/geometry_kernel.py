@@ -19,9 +19,9 @@ tries them):
   the second sums those down each output pixel's span.  A source row feeds
   every output row whose span covers it, so the 2-D kernels below read
   and weigh it again for each (about two where the resize goes down,
-  2/scale where it goes up); here each row sum is made once.  The blocks of a launch
-  pair hold at most :attr:`BatchGeometry.MID_BUDGET` bytes (a batch of
-  larger crops takes more pairs).
+  2/scale where it goes up); here each row sum is made once.  The blocks
+  of a launch pair hold at most :attr:`BatchGeometry.MID_BUDGET` bytes (a
+  batch of larger crops takes more pairs).
 * ``tiled``: one pass, a tile of output rows and columns per program, each
   column's and row's weights computed once for its tile, the row sums
   made inside the loop down the span.
