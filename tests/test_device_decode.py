@@ -907,14 +907,17 @@ def test_the_stages_resize_is_f_interpolates(mode, antialias):
 
 
 def test_the_geometry_setting_is_checked_and_the_cpu_keeps_one_launch_per_image(photos, cpu_device, monkeypatch):
-    """COORDL_DEVICE_GEOMETRY takes auto or per-image, and says so; on the
-    CPU device (outside the kernel's own tests) the stage launches per image."""
+    """COORDL_DEVICE_GEOMETRY takes auto, per-image or a kernel's name, and
+    says so; on the CPU device (outside the kernel's own tests) the stage
+    launches per image."""
     plan = E.plan_for(_rrc())
     monkeypatch.setenv("COORDL_DEVICE_GEOMETRY", "fast")
-    with pytest.raises(ValueError, match='COORDL_DEVICE_GEOMETRY should be "auto" or "per-image"'):
+    with pytest.raises(ValueError, match='COORDL_DEVICE_GEOMETRY should be "auto", "per-image" or one of the batch '
+                                         r"kernels \('separable', 'tiled', 'per-pixel'\)"):
         DD.DecodeStage(torch.device("cpu"), plan, DD.HostDecoder(), "raise", str)
-    monkeypatch.setenv("COORDL_DEVICE_GEOMETRY", "auto")
-    assert DD.DecodeStage(torch.device("cpu"), plan, DD.HostDecoder(), "raise", str).batch_geometry is False
+    for value in ("auto", "Tiled", "per-image"):
+        monkeypatch.setenv("COORDL_DEVICE_GEOMETRY", value)
+        assert DD.DecodeStage(torch.device("cpu"), plan, DD.HostDecoder(), "raise", str).batch_geometry is False
 
 
 def test_the_geometry_path_never_depends_on_timing(photos, monkeypatch, caplog):
@@ -951,3 +954,38 @@ def test_the_geometry_path_never_depends_on_timing(photos, monkeypatch, caplog):
     monkeypatch.setattr(GK, "agrees", lambda stage, imgs, recs, geo=None: (False, "max 3 level(s)"))
     other = on_a_gpu()
     assert other._batched({(0, 0): img}, [[rec]]) is False
+
+
+def test_the_geometry_setting_names_the_one_kernel_to_try(monkeypatch):
+    """COORDL_DEVICE_GEOMETRY=<kernel> has the first batch's check try that
+    kernel alone: it is used where its rows agree, and where they do not
+    the stage launches per image (no other kernel is tried); auto tries
+    them all in order, the first that agrees used."""
+    from coordl.device import geometry_kernel as GK
+
+    pytest.importorskip("triton")
+    plan = E.plan_for(_rrc())
+    tried = []
+
+    def agrees(stage, imgs, recs, geo=None):
+        tried.append(geo.kind)
+        return geo.kind in ok_kinds, "checked"
+
+    monkeypatch.setattr(GK, "agrees", agrees)
+    monkeypatch.setattr(GK, "fused_agrees", lambda geo, dev, imgs, recs, tail=None: (False, "rounded after"))
+    monkeypatch.setattr(DD, "BATCH_GEOMETRY_ON_CPU", True)
+    img = torch.zeros((3, 40, 30), dtype=torch.uint8)
+    rec = [0] * (E.FLIP + 1)
+    for setting, ok_kinds, want_tried, want in [
+        ("auto", {"tiled", "per-pixel"}, ["separable", "tiled"], "tiled"),
+        ("auto", set(), ["separable", "tiled", "per-pixel"], None),
+        ("tiled", {"tiled", "per-pixel"}, ["tiled"], "tiled"),
+        ("per-pixel", {"per-pixel"}, ["per-pixel"], "per-pixel"),
+        ("separable", {"tiled", "per-pixel"}, ["separable"], None),
+    ]:
+        monkeypatch.setenv("COORDL_DEVICE_GEOMETRY", setting)
+        tried.clear()
+        stage = DD.DecodeStage(torch.device("cpu"), plan, DD.HostDecoder(), "raise", str)
+        geo = stage._batched({(0, 0): img}, [[rec]])
+        assert tried == want_tried, (setting, tried)
+        assert (geo.kind if geo else None) == want, (setting, geo)

@@ -295,7 +295,8 @@ class DecodeStage:
     def _batched(self, left: dict, records: list):
         """The batch-geometry kernel, or False (one launch per image).  The
         first batch decides, by the pixels alone: the first kernel of
-        :data:`~.geometry_kernel.KINDS` (separable, tiled, per-pixel) whose
+        :data:`~.geometry_kernel.KINDS` (separable, tiled, per-pixel; only
+        the one ``COORDL_DEVICE_GEOMETRY`` names, where it names one) whose
         rows for a few of its images agree with :meth:`_geometry`'s
         (:func:`~.geometry_kernel.agrees`; a kernel that cannot compile here
         or differs gives way to the next); and whether that kernel's own
@@ -315,7 +316,7 @@ class DecodeStage:
                 return False
             imgs, recs = [i for i, _ in probe], [r for _, r in probe]
             chosen, found = False, []
-            for kind in GK.KINDS:
+            for kind in _geometry_kinds():
                 try:
                     geo = GK.BatchGeometry(self.plan.size, kind)
                     ok, what = GK.agrees(self, imgs, recs, geo)
@@ -388,15 +389,29 @@ BATCH_GEOMETRY_ON_CPU = False
 _GEOMETRY_ENV = "COORDL_DEVICE_GEOMETRY"
 
 
+def _geometry_kinds() -> tuple:
+    """The batch-geometry kernels ``COORDL_DEVICE_GEOMETRY`` lets the stage
+    try, in order: all of :data:`~.geometry_kernel.KINDS` (``auto``), the
+    one it names, or none (``per-image``)."""
+    from .geometry_kernel import KINDS
+
+    want = os.environ.get(_GEOMETRY_ENV, "auto").strip().lower() or "auto"
+    if want == "auto":
+        return KINDS
+    if want in KINDS:
+        return (want,)
+    if want == "per-image":
+        return ()
+    raise ValueError(f'{_GEOMETRY_ENV} should be "auto", "per-image" or one of the batch kernels '
+                     f'({", ".join(repr(k) for k in KINDS)}), but got {_GEOMETRY_ENV}={want!r}')
+
+
 def _batch_geometry_wanted(device: torch.device, plan) -> bool:
     """The batch-geometry kernel may run for ``plan`` on ``device``: the
     bilinear antialiased resize (or none), a CUDA device (the CPU only for
     the tests), Triton importable, and ``COORDL_DEVICE_GEOMETRY`` not
     ``per-image``."""
-    want = os.environ.get(_GEOMETRY_ENV, "auto").strip().lower() or "auto"
-    if want not in ("auto", "per-image"):
-        raise ValueError(f'{_GEOMETRY_ENV} should be "auto" or "per-image", but got {_GEOMETRY_ENV}={want!r}')
-    if want == "per-image" or (device.type != "cuda" and not BATCH_GEOMETRY_ON_CPU):
+    if not _geometry_kinds() or (device.type != "cuda" and not BATCH_GEOMETRY_ON_CPU):
         return False
     if plan.resize is not None and (plan.mode.value != "bilinear" or not plan.antialias):
         return False
