@@ -791,7 +791,8 @@ def _where(r: dict) -> str:
     in the decoder's calls and in the geometry (empty for other loaders)."""
     if r.get("decode_call_share") is None:
         return ""
-    kernel = {True: " (one kernel per batch)", False: " (one launch per image)"}.get(r.get("geometry_kernel"), "")
+    kernel = {True: f" ({r.get('geometry_kernel_kind') or 'a'} kernel per batch)",
+              False: " (one launch per image)"}.get(r.get("geometry_kernel"), "")
     waits = f"; waits {r['waits']}" if r.get("waits") else ""
     cpu = f"; prepared on the CPU path {r['on_cpu_share']:.0%}" if r.get("on_cpu_share") else ""
     chosen = f"\n{'':22}{r['decoders']}" if r.get("decoders") else ""
@@ -829,8 +830,9 @@ def run_variant(ctx: Ctx, v: Variant, workers: int, batch_size: int, warmup: int
         stats = getattr(src.loader, "stats", None)
         row = measure(ctx, gen, warmup, seconds, step, loader_stats=stats if callable(stats) else None)
         stage = getattr(src.loader, "_decode_stage", None)
-        if stage is not None:   # decode="device": whether the batch's geometry ran as one kernel launch
+        if stage is not None:   # decode="device": whether the batch's geometry ran in a batch kernel, which
             row["geometry_kernel"] = bool(stage.batch_geometry)
+            row["geometry_kernel_kind"] = stage.batch_geometry.kind if stage.batch_geometry else None
             st = src.loader.stats()     # and the share of its images the workers prepared on the CPU path
             done = st.device_decode_images + st.device_decode_cpu_images
             row["on_cpu_share"] = round(st.device_decode_cpu_images / done, 3) if done else None
