@@ -1,9 +1,10 @@
 """decode="device"'s geometry in a kernel per batch (Triton: the separable,
 tiled and per-pixel kernels), run on the CPU by Triton's interpreter: the
-same kernels, the same arguments as on a GPU.  Its rows against the stage's one launch per image
-(``DecodeStage._geometry``): the crop, the antialiased resize up and
-down, the padded second crop, an image laid out (H, W, 3); then whole
-passes of the loader with the kernel and without, batch by batch."""
+same kernels, the same arguments as on a GPU.  Their rows against the
+stage's one launch per image (``DecodeStage._geometry``): the crop, the
+antialiased resize up and down, the padded second crop, an image laid out
+(H, W, 3); then whole passes of the loader with the kernel and without,
+batch by batch."""
 import importlib.util
 import textwrap
 
