@@ -19,7 +19,7 @@ without, all in ``next()``):
    padding (``T2..W2``); images the workers prepared on the CPU
    (``ON_CPU``) go into their rows as they are, in one copy for the
    batch.  For a bilinear antialiased plan
-   on a GPU with Triton, a batch kernel (two launches) does this for the whole batch
+   on a GPU with Triton, a batch kernel (one or two launches) does this for the whole batch
    (:mod:`.geometry_kernel`, checked against the per-image path on the
    stage's first batch; ``COORDL_DEVICE_GEOMETRY=per-image`` turns it off);
 3. each image lands in its row of the batch (the resize writes it there
@@ -81,9 +81,10 @@ class DecodeStage:
         self.tail = DeviceTail(plan.normalizes) if plan.to_float else None
         self._retired: collections.deque = collections.deque()   # (event, what the decoder's images hold)
         self._resize = _resizer(plan.mode.value, plan.antialias, device)
-        # the geometry of a batch in one kernel launch (coordl.device.geometry_kernel): None until the
+        # the geometry of a batch in a batch kernel (coordl.device.geometry_kernel): None until the
         # first batch decides (then the kernel, or False: one launch per image)
-        self.batch_geometry = None if _batch_geometry_wanted(device, plan) else False
+        self._kinds = _geometry_kinds()     # read once, as the decoder is: the batch kernels to try
+        self.batch_geometry = None if self._kinds and _batch_geometry_wanted(device, plan) else False
 
     def note(self) -> str:
         share = f" (the workers decode {self.plan.cpu_share:.0%} of the samples on the CPU path)" \
@@ -316,7 +317,7 @@ class DecodeStage:
                 return False
             imgs, recs = [i for i, _ in probe], [r for _, r in probe]
             chosen, found = False, []
-            for kind in _geometry_kinds():
+            for kind in self._kinds:
                 try:
                     geo = GK.BatchGeometry(self.plan.size, kind)
                     ok, what = GK.agrees(self, imgs, recs, geo)
@@ -407,11 +408,10 @@ def _geometry_kinds() -> tuple:
 
 
 def _batch_geometry_wanted(device: torch.device, plan) -> bool:
-    """The batch-geometry kernel may run for ``plan`` on ``device``: the
+    """A batch-geometry kernel may run for ``plan`` on ``device``: the
     bilinear antialiased resize (or none), a CUDA device (the CPU only for
-    the tests), Triton importable, and ``COORDL_DEVICE_GEOMETRY`` not
-    ``per-image``."""
-    if not _geometry_kinds() or (device.type != "cuda" and not BATCH_GEOMETRY_ON_CPU):
+    the tests) and Triton importable."""
+    if device.type != "cuda" and not BATCH_GEOMETRY_ON_CPU:
         return False
     if plan.resize is not None and (plan.mode.value != "bilinear" or not plan.antialias):
         return False
