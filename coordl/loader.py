@@ -46,6 +46,9 @@ _T_co = TypeVar("_T_co", covariant=True)
 
 _STATE_FORMAT = "coordl.DataLoader"
 _STATE_VERSION = 3  # 2 added "done", 3 "dataset"; states of versions 1 and 2 still load
+#: the most a loader attaching the node cache waits for the clean-ups queued before it (a dropped loader's
+#: hold, its workers' stop); past it, it attaches as things are
+_REAPER_WAIT = 10.0
 
 
 class DataLoader(_TorchDataLoader[_T_co]):
@@ -869,9 +872,13 @@ class DataLoader(_TorchDataLoader[_T_co]):
         from .cache import NodeCache
 
         checksum, keep_warm = self._cache_opts
+        _reaper.start()
+        # the holds of loaders collected before this one (queued for the reaper) go first: a loader made
+        # after another's `del` finds the cache as that del left it (gone with its last holder, unless
+        # cache_keep_warm), not warm or cold by the reaper's timing
+        _reaper.flush(_REAPER_WAIT)
         cache = NodeCache.attach(self.dataset.fingerprint(), len(self.dataset), self._cache_size,
                                  checksum=checksum, keep_warm=keep_warm)
-        _reaper.start()
         weakref.finalize(self, _reaper.later, cache.close)  # finalizers only enqueue
         return cache
 

@@ -76,6 +76,28 @@ def test_two_loaders_on_one_dataset_in_one_process(data):
     assert list_caches() == []
 
 
+def test_a_loader_made_after_anothers_del_finds_the_cache_as_the_del_left_it(data):
+    """``del a`` then a new loader: a's hold, released by the reaper thread,
+    goes before the new loader attaches, however busy the reaper is, so
+    the new loader finds the cache gone (the last holder left; no
+    ``cache_keep_warm``) every time, not warm or cold by timing."""
+    from coordl.base import reaper
+
+    root, ds, expected = data
+    a = coordl.DataLoader(folder(root), batch_size=8, cache_size=BIG)
+    check_pass(a, expected)
+    busy = threading.Event()
+    reaper.later(lambda: busy.wait(1.0))    # the reaper held up a moment, as on a loaded machine
+    del a
+    b = coordl.DataLoader(folder(root), batch_size=8, cache_size=BIG)
+    check_pass(b, expected)
+    first = b.stats().epochs[0]
+    assert (first.samples_from_cache, first.samples_from_storage) == (0, len(expected)), first
+    assert [c.holders for c in list_caches()] == [1]
+    del b
+    settle()
+
+
 def test_loader_collected_inside_another_attach_does_not_wait_for_itself(data, monkeypatch):
     """The old loader is freed by a garbage collection that runs while the
     new one is attaching (holding the directory lock): its finalizer detaches
