@@ -267,7 +267,15 @@ def run_and_save(run, args, name: str) -> dict:
     finally:
         if args.tmp is not None:
             shutil.rmtree(args.tmp, ignore_errors=True)
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, f"{name}.json"), "w") as f:
-        json.dump(res, f, indent=1)
+    write_json(os.path.join(args.out, f"{name}.json"), res)
     return res
+
+
+def write_json(path: str, obj) -> None:
+    """``obj`` as JSON at ``path`` (its folder made), whole or not at all:
+    written beside it, then renamed over it, so that a run cut off while
+    writing (a time limit) leaves the figures written before."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path + ".tmp", "w") as f:
+        json.dump(obj, f, indent=1)
+    os.replace(path + ".tmp", path)

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import io
-import json
 import os
 import sys
 import tempfile
@@ -322,10 +321,10 @@ def main(argv=None) -> int:
 
     def save() -> None:   # after every variant: a run cut by the check's time limit keeps what it measured
         if args.json:
-            with open(args.json + ".tmp", "w") as f:
-                json.dump({"device": str(device), "images": len(blobs), "batch": args.batch,
-                           "seconds": args.seconds, "threads": threads, "rows": rows}, f, indent=1)
-            os.replace(args.json + ".tmp", args.json)
+            from common import write_json
+
+            write_json(args.json, {"device": str(device), "images": len(blobs), "batch": args.batch,
+                                   "seconds": args.seconds, "threads": threads, "rows": rows})
 
     for cls in VARIANTS:
         row = rows[cls.name] = {}

@@ -1576,11 +1576,9 @@ def main(argv=None) -> int:
                            "variants": {v.name: v.describe for v in chosen(args)}, "parts": {}}
 
     def save() -> None:
-        d = os.path.dirname(os.path.abspath(args.out))
-        os.makedirs(d, exist_ok=True)
-        with open(args.out + ".tmp", "w") as f:
-            json.dump(res, f, indent=1)
-        os.replace(args.out + ".tmp", args.out)
+        from common import write_json
+
+        write_json(args.out, res)
 
     try:
         t0 = time.perf_counter()
