@@ -12,12 +12,13 @@ what torchvision does, so ``torch.manual_seed`` still controls the result.
 """
 from __future__ import annotations
 
+import contextlib
 import random
 import threading
 
 import torch
 
-__all__ = ["sample_rng", "current", "derive", "rewind", "TorchRandom"]
+__all__ = ["sample_rng", "current", "derive", "rewind", "TorchRandom", "seeded_globals"]
 
 _MASK64 = (1 << 64) - 1
 _local = threading.local()
@@ -87,3 +88,30 @@ def rewind() -> None:
     key = getattr(_local, "key", None)
     if key is not None:
         _local.rng = derive(*key)
+
+
+@contextlib.contextmanager
+def seeded_globals(g):
+    """While inside: torch's CPU generator and Python's ``random`` seeded
+    from two draws of ``g``, the sample's own generator (a
+    ``random.Random``: inside a prep stage), and restored afterwards: what
+    the user's own transforms (run as written, drawing from torch's or
+    Python's generator) draw from, so that their draws too depend on (seed,
+    epoch, index) alone.  Only the CPU generator: ``torch.manual_seed``
+    would also seed every accelerator's, ~1 ms a call, and prep never
+    draws on a device.  Anything else as ``g`` (outside a stage): the
+    generators as they are, as torchvision."""
+    if not isinstance(g, random.Random):
+        yield
+        return
+    torch_seed, py_seed = g.getrandbits(63), g.getrandbits(63)
+    py_state = random.getstate()
+    cpu = torch.default_generator
+    cpu_state = cpu.get_state()
+    cpu.manual_seed(torch_seed)
+    random.seed(py_seed)
+    try:
+        yield
+    finally:
+        random.setstate(py_state)
+        cpu.set_state(cpu_state)

@@ -214,23 +214,23 @@ class TorchvisionPipeline:
         return x, planes
 
     def _run_tail(self, x: Any, planes: bool = False) -> tuple[Any, bool]:
-        g = _rng.current()
-        if not isinstance(g, random.Random):  # outside a coordl prep stage: torch's RNG, as torchvision
+        with _rng.seeded_globals(_rng.current()):
             return self._run_steps(x, planes)
-        # inside one: the as-written part draws from torch's CPU generator and Python's, seeded from
-        # the sample's own generator and restored afterwards (only the CPU generator: torch.manual_seed
-        # would also seed every accelerator's, ~1 ms a call, and prep never draws on a device)
-        torch_seed, py_seed = g.getrandbits(63), g.getrandbits(63)
-        py_state = random.getstate()
-        cpu = torch.default_generator
-        cpu_state = cpu.get_state()
-        cpu.manual_seed(torch_seed)
-        random.seed(py_seed)
-        try:
-            return self._run_steps(x, planes)
-        finally:
-            random.setstate(py_state)
-            cpu.set_state(cpu_state)
+
+    def jitters(self) -> list:
+        """For each step of :attr:`tail`, its :class:`ColorJitterOnPlanes`
+        where it is torchvision's ``ColorJitter`` (:func:`color_jitter_of`),
+        else None: what ``decode="device"`` runs on the device."""
+        return [color_jitter_of(t) for t in self.tail]
+
+    @staticmethod
+    def planes_through(steps: list, x: torch.Tensor) -> torch.Tensor:
+        """The uint8 planes ``x`` (C, H, W; C 1 or 3: a mode L or RGB image)
+        through ``steps`` (as-written steps that each return an image, as
+        ``ColorJitter``), under the current sample's generators, as
+        :meth:`_run_tail` runs them: the planes of the image they return."""
+        x, planes = TorchvisionPipeline(None, False, None, steps)._run_tail(x, True)
+        return x if planes else T._to_chw(x)
 
     def _run_post(self, x: Any) -> Any:
         if self.post_fused is not None and isinstance(x, Image.Image) and x.mode in ("RGB", "L"):
@@ -740,6 +740,30 @@ def _split_post(tail: list) -> tuple[list, list, Any, Any]:
     return rest, post, post_fused, post_type
 
 
+def color_jitter_of(t: Any) -> "ColorJitterOnPlanes | None":
+    """A :class:`ColorJitterOnPlanes` over ``t`` when it is torchvision's
+    ``ColorJitter`` (v1 or v2) with ranges as its constructor makes them
+    (whether or not its planes agree with PIL here: :meth:`~OnPlanes.exact`
+    says that), else None."""
+    if isinstance(t, ColorJitterOnPlanes):
+        return t
+    kind = _kind(t)
+    if kind is None or kind[0] not in ("v1", "v2") or kind[1] != "ColorJitter":
+        return None
+    try:
+        for name in ("brightness", "contrast", "saturation", "hue"):
+            r = getattr(t, name)
+            if r is None:
+                continue
+            lo, hi = (float(v) for v in r)
+            bounds = (-0.5, 0.5) if name == "hue" else (0.0, math.inf)
+            if not (bounds[0] <= lo <= hi <= bounds[1] and math.isfinite(hi)):
+                return None
+    except (TypeError, ValueError, AttributeError):
+        return None
+    return ColorJitterOnPlanes(t, kind[0] == "v2")
+
+
 def _on_planes(t: Any) -> Any:
     """``t``, or an :class:`OnPlanes` over it when it is torchvision's
     ``ColorJitter`` with ranges as its constructor makes them, or its
@@ -752,15 +776,9 @@ def _on_planes(t: Any) -> Any:
     v2 = kind[0] == "v2"
     try:
         if kind[1] == "ColorJitter":
-            for name in ("brightness", "contrast", "saturation", "hue"):
-                r = getattr(t, name)
-                if r is None:
-                    continue
-                lo, hi = (float(v) for v in r)
-                bounds = (-0.5, 0.5) if name == "hue" else (0.0, math.inf)
-                if not (bounds[0] <= lo <= hi <= bounds[1] and math.isfinite(hi)):
-                    return t
-            mine = ColorJitterOnPlanes(t, v2)
+            mine = color_jitter_of(t)
+            if mine is None:
+                return t
         elif kind[1] == "AugMix":
             # a fill is applied by type (v2: a dict of types), and v1 makes floats of it for a tensor only
             if t.fill is not None or (v2 and getattr(t, "_fill", {"others": None}) != {"others": None}):

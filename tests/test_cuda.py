@@ -744,3 +744,81 @@ def test_the_wait_setting_sets_the_devices_scheduling_and_changes_no_batch(mixed
     assert len(got) == len(want)
     for (a, y), (b, y2) in zip(want, got):
         assert torch.equal(a, b) and torch.equal(y, y2)
+
+
+@needs_cuda
+def test_colorjitter_on_cuda_gives_pils_bytes_row_by_row():
+    """The device's ColorJitter arithmetic on CUDA: each row of a batch with
+    its own operations in its own order is what PIL gives, and every kind
+    passed its first-use check (none runs on the host's fallback)."""
+    import random
+
+    import numpy as np
+    from PIL import Image
+
+    from coordl.decode import color as C
+    from coordl.device.jitter import DeviceJitter
+
+    rng = random.Random(3)
+    n = 16
+    y = torch.from_numpy(np.frombuffer(rng.randbytes(n * 3 * 19 * 23), np.uint8).reshape(n, 3, 19, 23).copy())
+    y[1] //= 16
+    y[2, 1] = y[2, 0]
+    y[2, 2] = y[2, 0]
+    ops = []
+    for _ in range(n):
+        o = [(C.BRIGHTNESS, rng.uniform(0, 2.5)), (C.CONTRAST, rng.uniform(0, 2.5)),
+             (C.SATURATION, rng.uniform(0, 2.5)), (C.HUE, rng.randrange(256))]
+        rng.shuffle(o)
+        ops.append(o[:rng.randrange(5)])
+    dj = DeviceJitter(torch.device("cuda"))
+    got = dj(y.cuda(), ops).cpu()
+    assert all(dj._exact.values()) and len(dj._exact) == 3, dj._exact
+    for r in range(n):
+        img = Image.fromarray(np.ascontiguousarray(y[r].numpy().transpose(1, 2, 0)))
+        assert np.array_equal(got[r].numpy(), np.asarray(C.pil_jitter(img, ops[r])).transpose(2, 0, 1)), (r, ops[r])
+
+
+@needs_cuda
+@pytest.mark.parametrize("workers", [0, 2])
+def test_colorjitter_on_the_gpu_is_the_cpu_jitter_of_the_gpus_rows(mixed_jpegs, workers):
+    """torchvision's ColorJitter with decode="device" on CUDA: bit for bit the
+    CPU's jitter (coordl.decode.color, PIL's bytes) of the rows the same
+    loader makes without it, with each sample's draws."""
+    import sys
+
+    sys.path.insert(0, HERE)
+    from _torchvision import import_torchvision
+
+    if import_torchvision() is None:
+        pytest.skip("torchvision is not installed")
+    from torchvision import datasets
+    from torchvision import transforms as V
+
+    from coordl import _rng
+    from coordl.decode import color as C
+    from coordl.device.encoded import plan_for
+
+    steps = [V.RandomResizedCrop(64), V.RandomHorizontalFlip()]
+    kw = dict(batch_size=6, seed=4, shuffle=False, num_workers=workers, device="cuda", decode="device")
+    jit = coordl.DataLoader(datasets.ImageFolder(mixed_jpegs, transform=V.Compose(
+        steps + [V.ColorJitter(0.4, 0.4, 0.4, 0.1), V.PILToTensor()])), **kw)
+    plain = coordl.DataLoader(datasets.ImageFolder(mixed_jpegs, transform=V.Compose(steps + [V.PILToTensor()])), **kw)
+    got = [(x.cpu(), y.cpu()) for x, y in jit]
+    base = [(x.cpu(), y.cpu()) for x, y in plain]
+    plan, ds = plan_for(jit.dataset.transform), jit.dataset
+    i = 0
+    for (a, y), (b, y2) in zip(got, base):
+        assert torch.equal(y, y2)
+        for r in range(len(y)):
+            g = _rng.derive(4, 0, i)
+            raw = ds.raw(i)
+            size = plan.device_size(raw, i)
+            # the CPU path's samples (CMYK, PNG) were jittered there, drawn alike; a corrupt stream's pixels
+            # are the decoder's own
+            if size is not None and not ds.samples[i][0].endswith("corrupt.jpg"):
+                plan.draw(*size, g)
+                want = torch.from_numpy(C.jitter(b[r].numpy(), plan.draw_ops(g)))
+                assert torch.equal(a[r], want), i
+            i += 1
+    assert i == len(ds)

@@ -53,8 +53,9 @@ from .decoders import (  # noqa: F401  (the decoders' names, as this module had 
     DECODERS, DecoderSplit, HostDecoder, NvImageCodecDecoder, TorchvisionDecoder, _rgb_params, decoder_for, decoder_spec,
 )
 from .encoded import (CHANNELS, FLIP, INDEX, KIND, ON_CPU, ON_DEVICE, RH, RW, SRC_H, SRC_W, T1, T2, W1, W2,
-                      DecodePlan)
+                      DecodePlan, ops_of)
 from .geometry_kernel import finished, upload
+from .jitter import DeviceJitter
 from .split import DeviceTail
 
 __all__ = ["DecodeStage", "HostDecoder", "TorchvisionDecoder", "NvImageCodecDecoder", "DecoderSplit", "decoder_for",
@@ -79,6 +80,8 @@ class DecodeStage:
         self.on_error = on_error
         self.describe = describe
         self.tail = DeviceTail(plan.normalizes) if plan.to_float else None
+        # ColorJitter between the geometry and the tail (coordl.device.jitter)
+        self.jitter = DeviceJitter(device) if plan.jitters else None
         self._retired: collections.deque = collections.deque()   # (event, what the decoder's images hold)
         self._resize = _resizer(plan.mode.value, plan.antialias, device)
         # the geometry of a batch in a batch kernel (coordl.device.geometry_kernel): None until the
@@ -222,17 +225,22 @@ class DecodeStage:
                 images[path] = self.tail(cpu) if self.tail is not None else cpu
                 continue
             kernel = sum(img is not None for img in imgs)
+            # the rows' colour operations (ColorJitter), applied to the uint8 rows before the tail
+            ops = [ops_of(records[k][r]) for r in keep] if self.jitter is not None else []
+            ops = ops if any(ops) else None
             if geo and geo.fused and kernel and kernel + len(ready) == len(keep):
                 # the rest the kernel's: it rounds, clamps and mirrors them itself, into the uint8 batch,
                 # or on through ToTensor/Normalize where its arithmetic was found to be the tail's; the
                 # ready rows go in as they are, or through the tail first (elementwise: the same values
                 # as the tail of the whole batch)
-                whole = self.tail is not None and geo.fused_tail
+                whole = self.tail is not None and geo.fused_tail and ops is None
                 y = torch.empty((len(keep), 3, *self.plan.size), dtype=torch.float32 if whole else torch.uint8,
                                 device=self.device)
                 geo.run([(j, img, records[k][r]) for j, (r, img) in enumerate(zip(keep, imgs)) if img is not None],
                         y, final=True, tail=self.tail if whole else None)
                 _place(y, ready, cpu, self.tail if whole else None)
+                if ops is not None:
+                    y = self.jitter(y, ops)
                 images[path] = self.tail(y) if self.tail is not None and not whole else y
                 continue
             y = torch.empty((len(keep), channels, *self.plan.size), dtype=torch.float32, device=self.device)
@@ -249,6 +257,8 @@ class DecodeStage:
             if batched:
                 geo.run(batched, y)
             y = finished(y, [bool(records[k][r][FLIP]) for r in keep])
+            if ops is not None:
+                y = self.jitter(y, ops)
             images[path] = self.tail(y) if self.tail is not None else y
         return images
 

@@ -35,11 +35,16 @@ import torch
 
 from .split import _Marked, _unmark
 
-__all__ = ["RECORD", "ON_DEVICE", "ON_CPU", "DecodePlan", "plan_for", "DecodePrep", "EncodedCompose"]
+__all__ = ["RECORD", "ON_DEVICE", "ON_CPU", "DecodePlan", "plan_for", "DecodePrep", "EncodedCompose", "ops_of",
+           "tail_fields"]
 
-# the record: one int64 row per image
-RECORD = 16
-(KIND, SRC_H, SRC_W, T1, L1, H1, W1, RH, RW, T2, L2, H2, W2, FLIP, INDEX, CHANNELS) = range(RECORD)
+# the record: one int64 row per image; after CHANNELS, the colour operations the device applies to
+# the image after its geometry (a plan with ColorJitter): their number, then (code, value) pairs
+# (coordl.decode.color's codes; the value a float64's bits)
+MAX_OPS = 8
+(KIND, SRC_H, SRC_W, T1, L1, H1, W1, RH, RW, T2, L2, H2, W2, FLIP, INDEX, CHANNELS, N_OPS) = range(17)
+OPS = N_OPS + 1
+RECORD = OPS + 2 * MAX_OPS
 ON_DEVICE, ON_CPU = 0, 1
 
 _local = threading.local()
@@ -54,9 +59,15 @@ class DecodePlan:
     ``RandomResizedCrop`` or ``Resize`` among them (None: no resize);
     ``size``: the output (h, w); ``mode``/``antialias``: the resize's;
     ``to_float``: ``ToTensor`` (else ``PILToTensor``: uint8 out);
-    ``normalizes``: the ``Normalize`` steps after ``ToTensor``."""
+    ``normalizes``: the ``Normalize`` steps after ``ToTensor``; ``jitters``:
+    torchvision ``ColorJitter`` steps between the geometry and the
+    conversion (``coordl.tvcompat.ColorJitterOnPlanes``), their draws made
+    with the sample's (:meth:`draw_ops`), their arithmetic PIL's, on the
+    device (:mod:`.jitter`); ``planes_through``: how the CPU path runs them
+    on planes (``TorchvisionPipeline.planes_through``)."""
 
-    def __init__(self, steps: list, resize, size: tuple, to_float: bool, normalizes: list, spec) -> None:
+    def __init__(self, steps: list, resize, size: tuple, to_float: bool, normalizes: list, spec,
+                 jitters: list = (), planes_through=None) -> None:
         from .. import transforms as T
 
         self.steps = list(steps)
@@ -66,6 +77,9 @@ class DecodePlan:
         self.antialias = bool(resize.antialias) if resize is not None else True
         self.to_float = to_float
         self.normalizes = list(normalizes)
+        self.jitters = list(jitters)
+        # the translated pipeline's runner of its as-written steps on planes (with jitters)
+        self.planes_through = planes_through
         self.spec = spec
         # the CPU path up to the uint8 image ToTensor scales (samples the device decoder cannot take)
         self.prefix = self.steps + [T.PILToTensor()]
@@ -150,8 +164,25 @@ class DecodePlan:
             box2 = (0, 0, h, w)
         return [*box1, rh, rw, *box2, int(mirrored != flip)]
 
+    def draw_ops(self, rng) -> list:
+        """The colour operations of the plan's ``ColorJitter`` steps for one
+        sample, ``[(code, value)]`` in order (``coordl.decode.color``'s),
+        drawn as the CPU path draws them after the geometry: by the user's
+        objects, from torch's generator seeded from ``rng`` (the sample's
+        own, after :meth:`draw`; ``coordl._rng.seeded_globals``)."""
+        if not self.jitters:
+            return []
+        with _lazy()[0].seeded_globals(rng):
+            return [op for j in self.jitters for op in j.draw()]
+
+    def jitter_on_cpu(self, x: torch.Tensor) -> torch.Tensor:
+        """The uint8 planes the CPU path made (the prefix's) through the
+        plan's ``ColorJitter`` steps as the CPU path runs them, under the
+        current sample's generator."""
+        return self.planes_through(self.jitters, x) if self.jitters else x
+
     def describe(self) -> str:
-        names = " + ".join(type(t).__name__ for t in self.steps)
+        names = " + ".join(type(t).__name__ for t in self.steps + [getattr(j, "user", j) for j in self.jitters])
         conv = "ToTensor" + "".join(" + Normalize" for _ in self.normalizes) if self.to_float else "PILToTensor"
         return f"{names} -> {self.size[0]}x{self.size[1]} ({self.mode.value}), {conv}"
 
@@ -160,7 +191,8 @@ class DecodePlan:
 
 
 _HOW = ("decode='device' runs [RandomResizedCrop | Resize] [CenterCrop | RandomCrop], with RandomHorizontalFlip "
-        "anywhere among them, then ToTensor() [+ Normalize(...)s] or PILToTensor()")
+        "anywhere among them, then torchvision's ColorJitter (optional), then ToTensor() [+ Normalize(...)s] or "
+        "PILToTensor()")
 
 
 def _refuse(why: str, fix: str = "") -> ValueError:
@@ -178,15 +210,14 @@ def plan_for(transform) -> DecodePlan:
     if transform is None:
         raise _refuse("the dataset has no transform (its samples would be PIL images)",
                       "give it a transform ending in ToTensor()")
-    if type(transform) is not T.Compose:
-        as_written = getattr(transform, "tail", None)
-        if type(transform).__name__ == "TorchvisionPipeline" and as_written:
-            names = ", ".join(type(getattr(t, "user", t)).__name__ for t in as_written)   # the user's steps
-            raise _refuse(f"the torchvision steps {names} run as written (coordl has no equivalent of them, or "
-                          "they follow one)", "remove them from the transform")
+    jitters, through = [], None
+    if type(transform) is T.Compose:
+        ts = list(transform.transforms)
+    elif type(transform).__name__ == "TorchvisionPipeline":
+        ts, jitters, through = _with_jitter(transform)
+    else:
         raise _refuse(f"it is a {type(transform).__module__}.{type(transform).__qualname__}, not a "
                       "coordl.transforms.Compose (or a torchvision Compose of the supported steps)")
-    ts = list(transform.transforms)
     geometric = (T.RandomResizedCrop, T.Resize, T.CenterCrop, T.RandomCrop, T.RandomHorizontalFlip)
     steps, resize, crop = [], None, None
     i = 0
@@ -230,7 +261,35 @@ def plan_for(transform) -> DecodePlan:
         raise _refuse(f"{'no geometric step' if resize is None else repr(resize)} gives every image the same size, "
                       "so the images of a batch could not be stacked",
                       "add CenterCrop(size) or RandomResizedCrop(size), or give Resize an (h, w) size")
-    return DecodePlan(steps, resize, size, to_float, normalizes, transform.spec())
+    return DecodePlan(steps, resize, size, to_float, normalizes, transform.spec(), jitters, through)
+
+
+def _with_jitter(pipeline) -> tuple[list, list, object]:
+    """``(steps, jitters, planes_through)`` of a translated torchvision pipeline
+    (``coordl.tvcompat.TorchvisionPipeline``) whose as-written part the
+    device stage can run: torchvision ``ColorJitter`` steps between the
+    fused geometry (which hands them the image) and a tensor conversion
+    (``ToTensor``/``ToImage`` + ``ToDtype``, then ``Normalize`` steps); else
+    ValueError naming the steps it cannot."""
+    from .. import transforms as T
+
+    user = [getattr(t, "user", t) for t in pipeline.tail]
+    jitters = pipeline.jitters()
+    others = [type(u).__name__ for u, j in zip(user, jitters) if j is None]
+    fused = pipeline.fused
+    if others or not user or fused is None or not pipeline.to_pil or type(fused.transforms[-1]) is not T.PILToTensor:
+        names = ", ".join(others or [type(u).__name__ for u in user + list(pipeline.post)])   # the user's steps
+        raise _refuse(f"the torchvision steps {names} run as written (coordl has no equivalent of them on the "
+                      "device, or they follow one)", "remove them from the transform")
+    if len(jitters) * 4 > MAX_OPS:
+        raise _refuse(f"it has {len(jitters)} ColorJitter steps, and the device stage runs at most {MAX_OPS // 4}",
+                      "merge them into one")
+    if pipeline.post_fused is None:
+        what = (f"after ColorJitter the steps {', '.join(type(t).__name__ for t in pipeline.post)} run as "
+                "written" if pipeline.post else "the transform ends with ColorJitter (its result, a PIL image)")
+        raise _refuse(f"{what}: after ColorJitter the device stage needs ToTensor() [+ Normalize(...)s] or "
+                      "PILToTensor()")
+    return list(fused.transforms[:-1]) + list(pipeline.post_fused.transforms), jitters, pipeline.planes_through
 
 
 # ---------------------------------------------------------------- the prep side
@@ -244,7 +303,7 @@ class EncodedCompose:
     def __init__(self, full, plan: DecodePlan) -> None:
         self.full = full
         self.plan = plan
-        self.transforms = full.transforms
+        self.transforms = getattr(full, "transforms", None)     # a Compose's, as the user's transform has them
 
     def __call__(self, img):
         cap = getattr(_local, "capture", None)
@@ -254,7 +313,7 @@ class EncodedCompose:
 
         for t in self.plan.steps:
             img = t(img)
-        return self._on_cpu(ToTensor.unscaled(img), cap)
+        return self._on_cpu(self.plan.jitter_on_cpu(ToTensor.unscaled(img)), cap)
 
     def from_bytes(self, raw):
         cap = getattr(_local, "capture", None)
@@ -264,10 +323,11 @@ class EncodedCompose:
         plan = self.plan
         size = plan.device_size(raw, cap[1])
         if size is not None:
-            geometry = plan.draw(*size, _rng.current())
-            return _capture([ON_DEVICE, *size, *geometry], raw, cap)
+            g = _rng.current()
+            geometry = plan.draw(*size, g)
+            return _capture([ON_DEVICE, *size, *geometry], raw, cap, plan.draw_ops(g))
         # not for the device decoder: the CPU path, its draws and its errors (PIL's)
-        return self._on_cpu(decode_and_apply(plan.prefix, raw), cap)
+        return self._on_cpu(plan.jitter_on_cpu(decode_and_apply(plan.prefix, raw)), cap)
 
     def _on_cpu(self, x, cap):
         oh, ow = self.plan.size
@@ -302,14 +362,39 @@ def _lazy() -> tuple:
     return _LAZY
 
 
-def _capture(fields: list, payload, cap) -> torch.Tensor:
-    """The record (``fields`` KIND..FLIP, then the sample's index and 3
-    channels) as a marked tensor, captured with what travels beside it
-    (through numpy: a third of what ``torch.tensor`` of a list costs)."""
+def _capture(fields: list, payload, cap, ops=()) -> torch.Tensor:
+    """The record (``fields`` KIND..FLIP, then :func:`tail_fields`) as a
+    marked tensor, captured with what travels beside it (through numpy: a
+    third of what ``torch.tensor`` of a list costs)."""
     records, index = cap
-    m = torch.from_numpy(np.array(fields + [index, 3], dtype=np.int64)).as_subclass(_Marked)
+    m = torch.from_numpy(np.array(fields + tail_fields(index, ops), dtype=np.int64)).as_subclass(_Marked)
     records.append((m, payload))
     return m
+
+
+_NO_OPS = [0] * (2 * MAX_OPS)
+
+
+def tail_fields(index: int, ops=()) -> list:
+    """The record's fields from ``INDEX`` on: the sample's index, 3
+    channels, and the colour operations ``ops`` (``[(code, value)]``, at
+    most ``MAX_OPS``) the device applies after the geometry."""
+    if not ops:
+        return [index, 3, 0] + _NO_OPS
+    pairs = np.zeros((MAX_OPS, 2), dtype=np.int64)
+    pairs[:len(ops), 0] = [c for c, _ in ops]
+    pairs[:len(ops), 1] = np.array([v for _, v in ops], dtype=np.float64).view(np.int64)
+    return [index, 3, len(ops)] + pairs.ravel().tolist()
+
+
+def ops_of(rec) -> list:
+    """The colour operations a record (its fields, a list) carries:
+    ``[(code, value)]``."""
+    n = rec[N_OPS]
+    if not n:
+        return []
+    pairs = np.array(rec[OPS:OPS + 2 * n], dtype=np.int64).reshape(n, 2)
+    return list(zip(pairs[:, 0].tolist(), pairs[:, 1].copy().view(np.float64).tolist()))
 
 
 def _find(sample, records: list):

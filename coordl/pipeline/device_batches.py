@@ -37,7 +37,8 @@ import time
 import numpy as np
 import torch
 
-from ..device.encoded import CHANNELS, FLIP, H2, ON_DEVICE, RECORD, RH, SRC_W, T1, W1, DecodePrep, EncodedCompose, _lazy
+from ..device.encoded import (FLIP, H2, INDEX, ON_DEVICE, RECORD, RH, SRC_W, T1, W1, DecodePrep, EncodedCompose, _lazy,
+                              tail_fields)
 
 __all__ = ["BatchReads", "batch_reads_for", "native_draws"]
 
@@ -136,7 +137,8 @@ def _draws_anything(plan) -> bool:
     """``plan.draw`` takes something from the generator (a random step)."""
     from .. import transforms as T
 
-    return any(type(t) in (T.RandomResizedCrop, T.RandomCrop, T.RandomHorizontalFlip) for t in plan.steps)
+    return bool(plan.jitters) or any(type(t) in (T.RandomResizedCrop, T.RandomCrop, T.RandomHorizontalFlip)
+                                     for t in plan.steps)
 
 
 def batch_reads_for(dataset, *, cache, peers, in_place: bool, batch_size) -> "BatchReads | None":
@@ -211,7 +213,8 @@ class BatchReads:
         self.sizes = ds.sizes
         self.targets = ds._targets
         self._layouts: dict = {}
-        self._draws = native_draws(self.plan)
+        # the extension draws the geometry only: a plan with ColorJitter draws in Python
+        self._draws = native_draws(self.plan) if not self.plan.jitters else None
         # Resize, CenterCrop: no draw, so no generator to make; the geometry depends on the size alone
         self._fixed = None if _draws_anything(self.plan) else {}
         self._pool = None             # reads of slow storage: a ThreadPoolExecutor (close())
@@ -310,7 +313,7 @@ class BatchReads:
         from .prep import SKIP, prep_sample
 
         derive = _lazy()[0].derive
-        draw, device_size = self.plan.draw, self.plan.device_size
+        draw, draw_ops, device_size = self.plan.draw, self.plan.draw_ops, self.plan.device_size
         seed, epoch = eng.seed, eng.epoch
         n, indices, st, slots = b.n, b.indices, b.stats, eng.slots
         clock = time.perf_counter
@@ -351,13 +354,16 @@ class BatchReads:
                                 if len(fixed) >= 4096:    # a few thousand sizes at most are kept
                                     fixed.clear()
                                 geo = fixed[(h, w)] = [ON_DEVICE, h, w, *draw(h, w, None)]
-                            rec[j, :CHANNELS - 1] = geo
+                            rec[j, :INDEX] = geo
+                            rec[j, INDEX:] = tail_fields(i)
                         elif native is None:
-                            rec[j, :CHANNELS - 1] = [ON_DEVICE, h, w, *draw(h, w, derive(seed, epoch, i))]
+                            g = derive(seed, epoch, i)
+                            rec[j, :INDEX] = [ON_DEVICE, h, w, *draw(h, w, g)]
+                            rec[j, INDEX:] = tail_fields(i, draw_ops(g))
                         else:
                             rec[j, :SRC_W + 1] = (ON_DEVICE, h, w)
+                            rec[j, INDEX:] = tail_fields(i)
                             later.append(j)
-                        rec[j, CHANNELS - 1:] = (i, 3)
                         lab[j] = self.targets[i]
                         st.prep_s += clock() - t1
                         st.samples += 1
@@ -390,7 +396,7 @@ class BatchReads:
         mean = read_s / n
         self._slow = mean > SLOW_READ_S if futures is None else mean > SLOW_READ_S / 2
         if later:                 # RandomResizedCrop [+ flip]: box1, the resize, box2 = the whole resized image
-            got = native(rec[later, CHANNELS - 1], rec[later, 1], rec[later, SRC_W], seed, epoch)
+            got = native(rec[later, INDEX], rec[later, 1], rec[later, SRC_W], seed, epoch)
             rh, rw = self.plan.size
             rec[later, T1:W1 + 1] = got[:, :4]
             rec[later, RH:H2] = (rh, rw, 0, 0)

@@ -1,0 +1,201 @@
+"""``decode="device"``: torchvision's ``ColorJitter`` on the device, with
+PIL's arithmetic.
+
+On the CPU path a ``ColorJitter`` between the geometry and the tensor
+conversion gets the PIL image, and PIL computes it (coordl's
+``coordl.decode.color`` reproduces those bytes on the decoded planes).  With
+``decode="device"`` the workers draw each sample's operations as the CPU
+path draws them (:meth:`.encoded.DecodePlan.draw_ops`: the user's object,
+torch's generator seeded from the sample's), the record carries them, and
+:class:`DeviceJitter` applies them to the batch's uint8 rows after the
+geometry, before ``ToTensor``/``Normalize``, in torch operations on the
+device, each computing what PIL computes:
+
+- brightness and contrast: PIL's blend with a black image, or a grey one at
+  the image's mean luma (the sum of ``(19595 R + 38470 G + 7471 B + 0x8000)
+  >> 16`` over the pixel count in double precision, rounded half up), in
+  single precision: ``a + alpha * (v - a)``, clipped to 0..255 and
+  truncated, each operation rounding as PIL's C does (one torch operation
+  each: nothing fused into a multiply-add);
+- saturation: the blend of each value with its pixel's luma, the same way;
+- hue: PIL's RGB -> HSV conversion, the hue turned, PIL's HSV -> RGB,
+  through two tables of all 2**24 colours that PIL itself converted (made
+  once per process and device on the first hue operation, about 2 s of
+  CPU; 64 MiB each on the device).
+
+The rows of a batch each have their own operations in their own order:
+position by position, the rows whose operation there is of one kind are
+taken together.  The first use of each kind on a device is checked against
+PIL on probe images (:func:`coordl.decode.color.pil_jitter`); a kind that
+differs there (another PIL's arithmetic) runs through the CPU path's own
+code for its rows instead, a row at a time, and says so in the log.
+"""
+from __future__ import annotations
+
+import logging
+import random
+import threading
+
+import numpy as np
+import torch
+from PIL import Image
+
+from ..decode.color import BRIGHTNESS, CONTRAST, HUE, SATURATION, pil_jitter
+from .geometry_kernel import upload
+
+__all__ = ["DeviceJitter"]
+
+log = logging.getLogger("coordl.device")
+
+# the kinds the rows are grouped by: brightness and contrast are one blend with a constant image
+_BLEND, _SATURATE, _HUE = 0, 1, 2
+_KIND = {BRIGHTNESS: _BLEND, CONTRAST: _BLEND, SATURATION: _SATURATE, HUE: _HUE}
+
+_tables_lock = threading.Lock()
+_tables: dict = {}      # device -> (to_hsv, from_hsv) there, once made (int32, 2**24 packed colours each)
+
+
+def _luma(x: torch.Tensor) -> torch.Tensor:
+    """PIL's RGB -> L of int32 (k, 3, H, W) values: int32 (k, H, W)."""
+    return (x[:, 0] * 19595 + x[:, 1] * 38470 + x[:, 2] * 7471 + 0x8000) >> 16
+
+
+def _blend(a: torch.Tensor, x: torch.Tensor, alpha: torch.Tensor) -> torch.Tensor:
+    """PIL's blend of the int32 values ``x`` with ``a`` (broadcast), float32
+    ``alpha`` (broadcast): uint8."""
+    t = alpha * (x - a).to(torch.float32)
+    t = a.to(torch.float32) + t
+    return t.clamp_(0.0, 255.0).floor_().to(torch.uint8)
+
+
+def _hsv_tables(device: torch.device) -> tuple:
+    """(to_hsv, from_hsv) on ``device``: PIL's conversions of every colour,
+    int32 tensors indexed by ``(c0 << 16) | (c1 << 8) | c2`` that hold the
+    converted colour packed the same way; made once per process and device
+    (the host's copies let go once moved)."""
+    with _tables_lock:
+        got = _tables.get(device)
+        if got is None:
+            i = np.arange(1 << 24, dtype=np.uint32)
+            every = np.stack([(i >> 16) & 255, (i >> 8) & 255, i & 255], axis=-1).astype(np.uint8)
+            raw = every.reshape(4096, 4096, 3).tobytes()
+            del i, every
+
+            def packed(img: Image.Image) -> torch.Tensor:
+                a = np.asarray(img).reshape(-1, 3).astype(np.int32)
+                return torch.from_numpy(np.ascontiguousarray((a[:, 0] << 16) | (a[:, 1] << 8) | a[:, 2]))
+
+            to_hsv = packed(Image.frombytes("RGB", (4096, 4096), raw).convert("HSV")).to(device)
+            from_hsv = packed(Image.frombytes("HSV", (4096, 4096), raw).convert("RGB")).to(device)
+            got = _tables[device] = (to_hsv, from_hsv)
+    return got
+
+
+class DeviceJitter:
+    """Applies each row's colour operations to a uint8 (B, 3, H, W) batch on
+    ``device`` (see the module doc)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._exact: dict = {}       # kind -> whether the device computes PIL's bytes (checked at first use)
+
+    def __call__(self, y: torch.Tensor, ops: list) -> torch.Tensor:
+        """``y`` with row ``r`` through ``ops[r]`` (``[(code, value)]``,
+        ``coordl.decode.color``'s codes), in place where it can be: the
+        batch."""
+        depth = max((len(o) for o in ops), default=0)
+        for p in range(depth):
+            groups: dict = {}
+            for r, o in enumerate(ops):
+                if len(o) > p:
+                    code, value = o[p]
+                    groups.setdefault(_KIND[code], []).append((r, code, value))
+            for kind, rows in sorted(groups.items()):
+                if self.exact(kind):
+                    self._apply(y, kind, rows)
+                else:
+                    self._on_host(y, rows)
+        return y
+
+    def exact(self, kind: int) -> bool:
+        """Whether this device's operations of ``kind`` give PIL's bytes
+        (checked once, on probe images, the first time)."""
+        ok = self._exact.get(kind)
+        if ok is None:
+            ok = self._exact[kind] = self._check(kind)
+        return ok
+
+    def _apply(self, y: torch.Tensor, kind: int, rows: list) -> None:
+        idx = upload(np.array([r for r, _, _ in rows], dtype=np.int64), self.device)
+        x = y.index_select(0, idx).to(torch.int32)
+        if kind == _HUE:
+            out = self._hue(x, [int(v) & 255 for _, _, v in rows])
+        else:
+            # the factor rounded to single precision, as PIL's blend takes it
+            alpha = upload(np.array([v for _, _, v in rows], dtype=np.float64).astype(np.float32),
+                           self.device).view(-1, 1, 1, 1)
+            if kind == _SATURATE:
+                out = _blend(_luma(x)[:, None], x, alpha)
+            else:
+                a = torch.zeros(len(rows), dtype=torch.int32, device=self.device)
+                contrast = [j for j, (_, code, _) in enumerate(rows) if code == CONTRAST]
+                if contrast:
+                    at = upload(np.array(contrast, dtype=np.int64), self.device)
+                    lum = _luma(x.index_select(0, at))
+                    n = lum.shape[1] * lum.shape[2]
+                    sums = lum.sum(dim=(1, 2), dtype=torch.int64)
+                    mean = (sums.to(torch.float64) / float(n) + 0.5).floor_()
+                    a.index_copy_(0, at, mean.to(torch.int32))
+                out = _blend(a.view(-1, 1, 1, 1), x, alpha)
+        y.index_copy_(0, idx, out)
+
+    def _hue(self, x: torch.Tensor, shifts: list) -> torch.Tensor:
+        to_hsv, from_hsv = _hsv_tables(self.device)
+        hsv = to_hsv[((x[:, 0] << 16) | (x[:, 1] << 8) | x[:, 2]).to(torch.int64)]
+        shift = upload(np.array(shifts, dtype=np.int32), self.device).view(-1, 1, 1)
+        h = ((hsv >> 16) + shift) & 255
+        rgb = from_hsv[((h << 16) | (hsv & 0xFFFF)).to(torch.int64)]
+        return torch.stack([(rgb >> 16) & 255, (rgb >> 8) & 255, rgb & 255], dim=1).to(torch.uint8)
+
+    def _on_host(self, y: torch.Tensor, rows: list) -> None:
+        """The rows' operations as the CPU path computes them (PIL's bytes),
+        a row at a time."""
+        from ..decode import color
+
+        for r, code, value in rows:
+            planes = y[r].cpu().numpy()
+            if color.exact_kernel():
+                got = color.jitter(planes, [(code, value)])
+            else:
+                img = pil_jitter(Image.fromarray(np.ascontiguousarray(planes.transpose(1, 2, 0))), [(code, value)])
+                got = np.asarray(img).transpose(2, 0, 1)
+            y[r].copy_(torch.from_numpy(np.ascontiguousarray(got)))
+
+    def _check(self, kind: int) -> bool:
+        rng = random.Random(20261128)
+
+        def noise(h, w, scale=1):
+            return np.frombuffer(rng.randbytes(h * w * 3), np.uint8).reshape(h, w, 3) // scale
+
+        images = [noise(24, 32), noise(9, 13, 4)]
+        grey = noise(8, 8)
+        grey[:, :, 1] = grey[:, :, 2] = grey[:, :, 0]        # grey pixels: no hue, no saturation
+        images.append(grey)
+        if kind == _HUE:
+            cases = [[(HUE, s)] for s in (0, 1, 128, 201, 255)]
+        elif kind == _SATURATE:
+            cases = [[(SATURATION, f)] for f in (0.0, 0.6, 0.8537, 1.4, 2.75)]
+        else:
+            cases = [[(code, f)] for code in (BRIGHTNESS, CONTRAST) for f in (0.0, 0.6, 0.8537, 1.4, 2.75)]
+        for img in images:
+            x = torch.from_numpy(np.ascontiguousarray(img.transpose(2, 0, 1)))[None].to(self.device)
+            for ops in cases:
+                got = x.clone()
+                self._apply(got, kind, [(0, *ops[0])])
+                want = np.asarray(pil_jitter(Image.fromarray(img), ops)).transpose(2, 0, 1)
+                if not np.array_equal(got[0].cpu().numpy(), want):
+                    log.warning("decode='device': %s on %s does not give this PIL's bytes on a probe image: "
+                                "those operations of ColorJitter run on the CPU, a row at a time (the same pixels, "
+                                "slower)", ops, self.device)
+                    return False
+        return True

@@ -1,0 +1,290 @@
+"""decode="device" with torchvision's ColorJitter between the geometry and
+the conversion: the workers draw each sample's operations as the CPU path
+draws them, the device applies them with PIL's arithmetic
+(coordl.device.jitter).  On the CPU stand-in (``CPU_TEST_DEVICE``) the
+same stage runs the same torch operations; tests/test_cuda.py runs them on
+a GPU."""
+import logging
+import os
+import random
+import sys
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from _torchvision import import_torchvision  # noqa: E402
+
+if import_torchvision() is None:
+    pytest.skip("torchvision is not installed (pip install coordl[test])", allow_module_level=True)
+
+from torchvision import datasets  # noqa: E402
+from torchvision import transforms as V  # noqa: E402
+from torchvision.transforms import v2 as V2  # noqa: E402
+
+import coordl  # noqa: E402
+from coordl import _rng  # noqa: E402
+from coordl.decode import color as C  # noqa: E402
+from coordl.decode import jpeg  # noqa: E402
+from coordl.device import decode as DD  # noqa: E402
+from coordl.device import delivery as D  # noqa: E402
+from coordl.device import encoded as E  # noqa: E402
+from coordl.device import jitter as J  # noqa: E402
+from coordl.pipeline import device_batches as BR  # noqa: E402
+
+MEAN, STD = [0.485, 0.456, 0.406], [0.229, 0.224, 0.225]
+STD255 = torch.tensor(STD).view(1, 3, 1, 1) * 255
+
+
+@pytest.fixture(scope="module")
+def photos(tmp_path_factory):
+    from coordl.synth import make_image_folder
+
+    root = tmp_path_factory.mktemp("jitter") / "photos"
+    make_image_folder(str(root), num_images=20, num_classes=2, mean_kb=6, image_size=(96, 72), seed=4)
+    return str(root)
+
+
+@pytest.fixture
+def cpu_device(monkeypatch):
+    monkeypatch.setattr(D, "CPU_TEST_DEVICE", True)
+
+
+@pytest.fixture
+def exact(monkeypatch):
+    """The stand-in decodes the CPU path's pixels (interpolated chroma
+    upsampling), so before the jitter only the resize's rounding differs."""
+    orig = DD.decoder_for
+    monkeypatch.setattr(DD, "decoder_for", lambda dev, **kw: DD.HostDecoder(dev, fancy_upsampling=True)
+                        if dev.type == "cpu" else orig(dev))
+
+
+def _noise(rng, *shape, scale=1):
+    return np.frombuffer(rng.randbytes(int(np.prod(shape))), np.uint8).reshape(shape) // scale
+
+
+def _random_ops(rng):
+    ops = [(C.BRIGHTNESS, rng.uniform(0.0, 2.5)), (C.CONTRAST, rng.uniform(0.0, 2.5)),
+           (C.SATURATION, rng.uniform(0.0, 2.5)), (C.HUE, rng.randrange(256))]
+    rng.shuffle(ops)
+    return ops[:rng.randrange(5)]
+
+
+# ---------------------------------------------------------------- the operations
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_each_row_gets_pils_bytes_for_its_own_operations_in_its_own_order(seed):
+    """A batch whose rows each have their own operations (none to four, any
+    order, factors from 0 to 2.5, every hue shift kind), on noise, dark and
+    grey images: every row is what PIL's ImageEnhance and HSV conversion
+    give on that row's PIL image."""
+    rng = random.Random(seed)
+    n = 12
+    y = torch.from_numpy(_noise(rng, n, 3, 11, 17).copy())
+    y[1] //= 16                                        # dark: contrast's mean near 0
+    y[2, 1] = y[2, 0]
+    y[2, 2] = y[2, 0]                                  # grey pixels: no hue, no saturation
+    y[3] = 255 - y[3] // 32                            # bright
+    ops = [_random_ops(rng) for _ in range(n)]
+    ops[0] = [(C.HUE, 128), (C.CONTRAST, 0.0), (C.SATURATION, 2.5), (C.BRIGHTNESS, 1.0)]
+    before = y.clone()
+    got = J.DeviceJitter(torch.device("cpu"))(y, ops)
+    for r in range(n):
+        img = Image.fromarray(np.ascontiguousarray(before[r].numpy().transpose(1, 2, 0)))
+        want = np.asarray(C.pil_jitter(img, ops[r])).transpose(2, 0, 1)
+        assert np.array_equal(got[r].numpy(), want), (r, ops[r])
+
+
+def test_a_kind_that_differs_from_pil_runs_on_the_cpu_paths_code(monkeypatch, caplog):
+    """Where the device's arithmetic differs from the installed PIL on the
+    probes (here: a blend made one level off), those operations run through
+    the CPU path's code for their rows: PIL's bytes still, and a warning."""
+    real = J._blend
+    monkeypatch.setattr(J, "_blend", lambda a, x, alpha: real(a, x, alpha).add_(1))
+    rng = random.Random(4)
+    y = torch.from_numpy(_noise(rng, 3, 3, 9, 10, scale=2).copy())
+    ops = [[(C.BRIGHTNESS, 1.3)], [(C.SATURATION, 0.7), (C.HUE, 40)], []]
+    before = y.clone()
+    dj = J.DeviceJitter(torch.device("cpu"))
+    with caplog.at_level(logging.WARNING, logger="coordl.device"):
+        got = dj(y, ops)
+    for r in range(3):
+        img = Image.fromarray(np.ascontiguousarray(before[r].numpy().transpose(1, 2, 0)))
+        assert np.array_equal(got[r].numpy(), np.asarray(C.pil_jitter(img, ops[r])).transpose(2, 0, 1)), r
+    assert dj._exact == {J._BLEND: False, J._SATURATE: False, J._HUE: True}
+    assert "does not give this PIL's bytes" in caplog.text
+
+
+def test_records_carry_the_cpu_paths_draws(photos):
+    """Each record carries the operations the user's ColorJitter draws on the
+    CPU path, in its order, from torch's generator seeded from the sample's
+    own generator after the geometry's draws."""
+    tf = V.Compose([V.RandomResizedCrop(24), V.RandomHorizontalFlip(), V.ColorJitter(0.4, 0.4, 0.4, 0.1),
+                    V.ToTensor()])
+    ds = coordl.DataLoader(datasets.ImageFolder(photos, transform=tf), batch_size=2).dataset
+    plan = E.plan_for(ds.transform)
+    assert len(plan.jitters) == 1 and plan.describe().startswith("RandomResizedCrop + RandomHorizontalFlip + ColorJitter")
+    prep = E.DecodePrep(ds, plan)
+    orders = set()
+    for i in range(len(ds)):
+        raw = ds.raw(i)
+        with _rng.sample_rng(3, 1, i):
+            rec, _ = prep.prep(raw, i)
+        prep.take_device_marks(), prep.take_device_payloads()
+        g = _rng.derive(3, 1, i)
+        plan.draw(*jpeg.jpeg_size(raw), g)
+        torch.manual_seed(0)     # the draws must not come from the process's generator
+        state = torch.get_rng_state()
+        want = plan.draw_ops(g)
+        assert torch.equal(torch.get_rng_state(), state)
+        assert E.ops_of(rec.tolist()) == want and len(want) == 4
+        orders.add(tuple(c for c, _ in want))
+    assert len(orders) > 1
+
+
+# ---------------------------------------------------------------- the loader
+def _geometry_then_jitter(photos, steps, jitter, workers, share=0.0, monkeypatch=None, seed=5, epoch=0):
+    """The device path with ColorJitter, and the device path without it
+    (uint8 out) followed by the CPU's jitter of each row with the
+    operations that sample draws: the pairs of batches."""
+    if share:
+        from coordl.device import decoders as DDS
+
+        monkeypatch.setattr(DDS, "cpu_share", lambda workers, spec=None: share)
+    kw = dict(batch_size=4, seed=seed, shuffle=False, num_workers=workers, device="cpu", decode="device")
+    with_jitter = coordl.DataLoader(datasets.ImageFolder(photos, transform=V.Compose(steps[:-1] + [jitter, steps[-1]])),
+                                    **kw)
+    without = coordl.DataLoader(datasets.ImageFolder(photos, transform=V.Compose(steps)), **kw)
+    with_jitter.set_epoch(epoch)
+    without.set_epoch(epoch)
+    got, plain = list(with_jitter), list(without)
+    plan = E.plan_for(with_jitter.dataset.transform)
+    ds = with_jitter.dataset
+    want, i = [], 0
+    for x, y in plain:
+        rows = []
+        for r in range(x.shape[0]):
+            g = _rng.derive(seed, epoch, i)
+            plan.draw(*jpeg.jpeg_size(ds.raw(i)), g)
+            rows.append(torch.from_numpy(C.jitter(x[r].numpy(), plan.draw_ops(g))))
+            i += 1
+        want.append((torch.stack(rows), y))
+    return got, want, with_jitter
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_the_device_jitters_the_device_geometrys_rows_as_the_cpu_path_jitters(photos, cpu_device, workers):
+    """Bit for bit: the device's ColorJitter of its own geometry's rows is
+    the CPU path's jitter of those rows, with each sample's draws."""
+    steps = [V.RandomResizedCrop(20, scale=(0.3, 1.0)), V.RandomHorizontalFlip(), V.PILToTensor()]
+    got, want, L = _geometry_then_jitter(photos, steps, V.ColorJitter(0.5, 0.6, 0.7, 0.2), workers)
+    assert len(got) == len(want) == 5
+    for (a, y), (b, y2) in zip(got, want):
+        assert a.dtype == torch.uint8 and torch.equal(y, y2) and torch.equal(a, b)
+    st = L.stats()
+    assert st.device_decode_images == 20 and "ColorJitter" in st.device_decode
+
+
+def test_the_workers_share_is_jittered_in_the_worker_as_the_cpu_path(photos, cpu_device, monkeypatch):
+    """Half the samples prepared by the workers on the CPU path, their jitter
+    with them; the other half on the device: both are the jitter of their
+    geometry's rows with the sample's draws."""
+    steps = [V.Resize(40), V.RandomHorizontalFlip(), V.CenterCrop(28), V.PILToTensor()]
+    got, want, L = _geometry_then_jitter(photos, steps, V2.ColorJitter(0.4, 0.4, 0.4, 0.1), 2, share=0.5,
+                                         monkeypatch=monkeypatch, epoch=2)
+    for (a, y), (b, y2) in zip(got, want):
+        assert torch.equal(y, y2) and torch.equal(a, b)
+    st = L.stats()
+    assert 0 < st.device_decode_cpu_images < 20 and st.device_decode_images + st.device_decode_cpu_images == 20
+
+
+@pytest.mark.parametrize("version", ["v1", "v2"])
+def test_the_cpu_paths_pixels_to_what_the_jitter_makes_of_the_resizes_rounding(photos, cpu_device, exact, version):
+    """Against the CPU path itself (torchvision's recipe, only the import
+    changed plus the option): the same labels, and pixels that differ by
+    what ColorJitter makes of the 1 level the geometry's rounding may differ
+    by (docs/guide/gpu.md: at most 8 levels, a mean under 0.5)."""
+    M = V if version == "v1" else V2
+    tail = [V.ToTensor()] if version == "v1" else [V2.ToImage(), V2.ToDtype(torch.float32, scale=True)]
+    tf = M.Compose([M.RandomResizedCrop(20), M.RandomHorizontalFlip(), M.ColorJitter(0.4, 0.4, 0.4, 0.1),
+                    *tail, M.Normalize(MEAN, STD)])
+    ds = datasets.ImageFolder(photos, transform=tf)
+    kw = dict(batch_size=4, seed=7, shuffle=True, num_workers=2)
+    cpu = list(coordl.DataLoader(ds, **kw))
+    L = coordl.DataLoader(ds, device="cpu", decode="device", **kw)
+    dev = list(L)
+    assert len(cpu) == len(dev) == 5
+    d = torch.cat([((a - b).abs() * STD255).flatten() for (a, _), (b, _) in zip(cpu, dev)])
+    for (a, y), (b, y2) in zip(cpu, dev):
+        assert torch.equal(y, y2) and a.shape == b.shape and a.dtype == b.dtype
+    assert float(d.max()) <= 8 + 1e-3 and float(d.mean()) < 0.5, (float(d.max()), float(d.mean()))
+    assert L.stats().device_decode_images == len(ds)
+
+
+def test_timms_default_train_transform_runs_on_the_device(photos, cpu_device, exact):
+    timm = pytest.importorskip("timm", reason="timm is not installed (pip install timm)")
+    from timm.data import create_transform
+
+    tf = create_transform(20, is_training=True)        # RandomResizedCrop, flip, ColorJitter(0.4), Normalize
+    assert "ColorJitter" in repr(tf), timm.__version__
+    ds = datasets.ImageFolder(photos, transform=tf)
+    kw = dict(batch_size=4, seed=1, shuffle=True)
+    cpu = list(coordl.DataLoader(ds, **kw))
+    L = coordl.DataLoader(ds, device="cpu", decode="device", **kw)
+    dev = list(L)
+    for (a, y), (b, y2) in zip(cpu, dev):
+        assert torch.equal(y, y2) and a.shape == b.shape == (len(y), 3, 20, 20)
+        assert float(((a - b).abs() * STD255).max()) <= 8 + 1e-3
+    assert L.stats().device_decode_images == len(ds)
+
+
+def test_batch_reads_and_resume_give_the_per_sample_paths_batches(photos, cpu_device):
+    """The workers' batch reads draw the operations as the per-sample path
+    does; a resumed pass gives the rest of the whole pass's batches."""
+    tf = V.Compose([V.RandomResizedCrop(16), V.RandomHorizontalFlip(), V.ColorJitter(0.3, 0.3, 0.3, 0.05),
+                    V.ToTensor(), V.Normalize(MEAN, STD)])
+    ds = datasets.ImageFolder(photos, transform=tf)
+    kw = dict(batch_size=3, seed=11, shuffle=True, num_workers=1, persistent_workers=True, device="cpu",
+              decode="device")
+    runs = {}
+    for flag in (True, False):
+        old, BR.ENABLED = BR.ENABLED, flag
+        try:
+            L = coordl.DataLoader(ds, **kw)
+            L.set_epoch(1)
+            runs[flag] = list(L)
+            used = {s["batch_reads"] for s in L._mode.pool.worker_stats()}
+            assert used == {flag}
+            del L
+        finally:
+            BR.ENABLED = old
+    for (a, y), (b, y2) in zip(runs[True], runs[False]):
+        assert torch.equal(a, b) and torch.equal(y, y2)
+    L = coordl.DataLoader(ds, **kw)
+    L.set_epoch(1)
+    it = iter(L)
+    first = [next(it) for _ in range(2)]
+    state = L.state_dict()
+    del it, L
+    R = coordl.DataLoader(ds, **kw)
+    R.load_state_dict(state)
+    got = first + list(R)
+    assert len(got) == len(runs[True]) == 7
+    for (a, y), (b, y2) in zip(got, runs[True]):
+        assert torch.equal(a, b) and torch.equal(y, y2)
+
+
+@pytest.mark.parametrize("steps,msg", [
+    ([V.RandomResizedCrop(16), V.ColorJitter(0.2), V.GaussianBlur(3), V.ToTensor()], r"steps GaussianBlur run as"),
+    ([V.RandomResizedCrop(16), V.ColorJitter(0.2)], r"ends with ColorJitter"),
+    ([V.RandomResizedCrop(16), V.ColorJitter(0.2), V.ColorJitter(0.1), V.ColorJitter(0.1), V.ToTensor()],
+     r"3 ColorJitter steps.*at most 2"),
+    ([V.RandomResizedCrop(16, interpolation=V.InterpolationMode.BOX), V.ColorJitter(0.2), V.ToTensor()],
+     r"steps RandomResizedCrop run as written"),
+])
+def test_what_the_device_cannot_run_around_colorjitter_is_refused_naming_it(photos, cpu_device, steps, msg):
+    ds = datasets.ImageFolder(photos, transform=V.Compose(steps))
+    with pytest.raises(ValueError, match=msg):
+        coordl.DataLoader(ds, batch_size=2, device="cpu", decode="device")
