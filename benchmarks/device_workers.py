@@ -20,7 +20,12 @@ the figures are the workers' own path, per image, in these settings:
   CPU path;
 * ``data checked``: ``files`` with ``COORDL_DEVICE_CHECK_DATA=1``: each
   JPEG's entropy-coded data read through libjpeg-turbo before it goes to
-  the device (what the check costs a worker).
+  the device (what the check costs a worker);
+* ``ColorJitter``: ``files`` with timm's default training recipe
+  (``RandomResizedCrop``, flip, ``ColorJitter(0.4, 0.4, 0.4)``,
+  ``ToTensor``, ``Normalize``) in torchvision's ``ImageFolder``: the
+  worker draws the jitter too (the device applies it), against
+  ``ColorJitter on the CPU path``: the same loader with ``decode="cpu"``.
 
 ``files`` and ``node cache`` run twice: with the batch path (a plain
 folder's batch read and recorded at once, ``coordl.pipeline.device_batches``,
@@ -47,7 +52,8 @@ import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SETTINGS = ("files", "files, per sample", "node cache", "node cache, per sample", "in memory", "workers' share",
-            "the CPU path", "data checked")
+            "the CPU path", "data checked", "ColorJitter", "ColorJitter on the CPU path")
+CPU_PATH = ("the CPU path", "ColorJitter on the CPU path")
 
 _CHILD = r"""
 import json, sys, time
@@ -100,7 +106,15 @@ if setting == "workers' share":        # (nearly) every sample the workers': pre
 if setting == "data checked":         # COORDL_DEVICE_CHECK_DATA: the entropy-coded data read first
     import os
     os.environ["COORDL_DEVICE_CHECK_DATA"] = "1"
-on_device = dict(device="cpu", decode="device") if setting != "the CPU path" else {{}}
+if setting.startswith("ColorJitter"):  # timm's default training recipe, through torchvision's ImageFolder
+    sys.path.insert(0, {benchmarks!r})
+    import common
+    common.torchvision()
+    from torchvision import datasets, transforms as V
+    ds = datasets.ImageFolder({root!r}, transform=V.Compose([
+        V.RandomResizedCrop(224), V.RandomHorizontalFlip(), V.ColorJitter(0.4, 0.4, 0.4), V.ToTensor(),
+        V.Normalize([0.485, 0.456, 0.406], [0.229, 0.224, 0.225])]))
+on_device = dict(device="cpu", decode="device") if setting not in {cpu_path!r} else {{}}
 L = coordl.DataLoader(ds, batch_size=batch, seed=1, shuffle=True, num_workers=1, persistent_workers=True,
                       cache_size="4GiB" if setting == "node cache" else 0, **on_device)
 for _ in L:      # an epoch: the worker warm, the node cache filled
@@ -130,8 +144,8 @@ print("RESULT", json.dumps({{"us_per_image": (k1 - k0) / n * 1e6, "images_per_s"
 
 def measure(root: str, setting: str, images: int, batch: int) -> dict:
     where, _, per_sample = setting.partition(", ")
-    code = _CHILD.format(repo=os.path.dirname(HERE), root=root, where=where, batch_reads=not per_sample,
-                         images=images, batch=batch)
+    code = _CHILD.format(repo=os.path.dirname(HERE), benchmarks=HERE, root=root, where=where,
+                         batch_reads=not per_sample, images=images, batch=batch, cpu_path=CPU_PATH)
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
     line = next((x for x in r.stdout.splitlines() if x.startswith("RESULT ")), None)
     if r.returncode != 0 or line is None:
@@ -147,7 +161,12 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--json", default=None)
     ap.add_argument("--quick", action="store_true", help="tiny sizes (a smoke run)")
+    ap.add_argument("--settings", default=";".join(SETTINGS),
+                    help="the settings to run, separated by semicolons (default: all)")
     args = ap.parse_args(argv)
+    settings = [s for s in SETTINGS if s in args.settings.split(";")]
+    if not settings:
+        ap.error(f"--settings names none of {', '.join(SETTINGS)}")
     tmp = None
     if args.quick:
         args.images, args.batch, args.repeats = 288, 4, 1
@@ -157,10 +176,10 @@ def main(argv=None) -> int:
         tmp = tempfile.TemporaryDirectory(prefix="coordl-device-workers-")
         args.root = make_image_folder(os.path.join(tmp.name, "photos"), num_images=400 if args.quick else 2000,
                                       image_size=(64, 48) if args.quick else None, workers=2)
-    runs: dict = {s: [] for s in SETTINGS}
+    runs: dict = {s: [] for s in settings}
     try:
         for _ in range(args.repeats):           # interleaved: the machine's drift falls on every setting
-            for s in SETTINGS:
+            for s in settings:
                 runs[s].append(measure(args.root, s, args.images, args.batch))
     finally:
         if tmp is not None:
@@ -168,10 +187,10 @@ def main(argv=None) -> int:
     print(f"decode=\"device\", one worker, batch {args.batch}, {args.images} images after a warm-up epoch, "
           f"median of {args.repeats}: the worker's CPU per image (the main process's decoder returns at once)")
     rows = {}
-    for s in SETTINGS:
+    for s in settings:
         us = statistics.median(r["us_per_image"] for r in runs[s])
         rows[s] = {"us_per_image": round(us, 1), "runs": runs[s]}
-        print(f"  {s:<22} {us:7.1f} us per image   (runs: "
+        print(f"  {s:<27} {us:7.1f} us per image   (runs: "
               + ", ".join(f"{r['us_per_image']:.0f}" for r in runs[s]) + ")")
     if args.json:
         with open(args.json, "w") as f:

@@ -135,10 +135,14 @@ def test_records_carry_the_cpu_paths_draws(photos):
         prep.take_device_marks(), prep.take_device_payloads()
         g = _rng.derive(3, 1, i)
         plan.draw(*jpeg.jpeg_size(raw), g)
+        g2 = _rng.derive(3, 1, i)
+        plan.draw(*jpeg.jpeg_size(raw), g2)
         torch.manual_seed(0)     # the draws must not come from the process's generator
-        state = torch.get_rng_state()
+        state, py_state = torch.get_rng_state(), random.getstate()
         want = plan.draw_ops(g)
-        assert torch.equal(torch.get_rng_state(), state)
+        assert torch.equal(torch.get_rng_state(), state) and random.getstate() == py_state
+        with _rng.seeded_globals(g2):          # as the CPU path's as-written part draws them
+            assert [op for j in plan.jitters for op in j.draw()] == want
         assert E.ops_of(rec.tolist()) == want and len(want) == 4
         orders.add(tuple(c for c, _ in want))
     assert len(orders) > 1

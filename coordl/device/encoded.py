@@ -172,7 +172,8 @@ class DecodePlan:
         own, after :meth:`draw`; ``coordl._rng.seeded_globals``)."""
         if not self.jitters:
             return []
-        with _lazy()[0].seeded_globals(rng):
+        # torchvision's ColorJitter draws from torch's generator alone (v1 get_params, v2 make_params)
+        with _lazy()[0].seeded_globals(rng, python=False):
             return [op for j in self.jitters for op in j.draw()]
 
     def jitter_on_cpu(self, x: torch.Tensor) -> torch.Tensor:
