@@ -56,16 +56,30 @@ _tables: dict = {}      # device -> (to_hsv, from_hsv) there, once made (int32, 
 
 
 def _luma(x: torch.Tensor) -> torch.Tensor:
-    """PIL's RGB -> L of int32 (k, 3, H, W) values: int32 (k, H, W)."""
-    return (x[:, 0] * 19595 + x[:, 1] * 38470 + x[:, 2] * 7471 + 0x8000) >> 16
+    """PIL's RGB -> L of uint8 (k, 3, H, W) images: int32 (k, H, W)."""
+    lum = x[:, 0].to(torch.int32).mul_(19595)
+    lum.add_(x[:, 1].to(torch.int32).mul_(38470))
+    lum.add_(x[:, 2].to(torch.int32).mul_(7471))
+    return lum.add_(0x8000).bitwise_right_shift_(16)
 
 
 def _blend(a: torch.Tensor, x: torch.Tensor, alpha: torch.Tensor) -> torch.Tensor:
-    """PIL's blend of the int32 values ``x`` with ``a`` (broadcast), float32
-    ``alpha`` (broadcast): uint8."""
-    t = alpha * (x - a).to(torch.float32)
-    t = a.to(torch.float32) + t
+    """PIL's blend of the uint8 values ``x`` with the float32 integers ``a``
+    (broadcast; the other image's values) by the float32 ``alpha``
+    (broadcast): ``a + alpha * (x - a)``, each operation rounded to single
+    precision (``x - a`` is exact), clipped, truncated: uint8."""
+    t = x.to(torch.float32)
+    t.sub_(a).mul_(alpha).add_(a)
     return t.clamp_(0.0, 255.0).floor_().to(torch.uint8)
+
+
+def _take(table: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``table[index]`` for an int32 ``index`` (a torch that indexes only by
+    int64: converted)."""
+    try:
+        return table[index]
+    except (IndexError, RuntimeError, TypeError):
+        return table[index.to(torch.int64)]
 
 
 def _hsv_tables(device: torch.device) -> tuple:
@@ -127,7 +141,7 @@ class DeviceJitter:
 
     def _apply(self, y: torch.Tensor, kind: int, rows: list) -> None:
         idx = upload(np.array([r for r, _, _ in rows], dtype=np.int64), self.device)
-        x = y.index_select(0, idx).to(torch.int32)
+        x = y.index_select(0, idx)
         if kind == _HUE:
             out = self._hue(x, [int(v) & 255 for _, _, v in rows])
         else:
@@ -135,27 +149,33 @@ class DeviceJitter:
             alpha = upload(np.array([v for _, _, v in rows], dtype=np.float64).astype(np.float32),
                            self.device).view(-1, 1, 1, 1)
             if kind == _SATURATE:
-                out = _blend(_luma(x)[:, None], x, alpha)
+                out = _blend(_luma(x).unsqueeze(1).to(torch.float32), x, alpha)
             else:
-                a = torch.zeros(len(rows), dtype=torch.int32, device=self.device)
+                a = torch.zeros(len(rows), dtype=torch.float32, device=self.device)
                 contrast = [j for j, (_, code, _) in enumerate(rows) if code == CONTRAST]
                 if contrast:
                     at = upload(np.array(contrast, dtype=np.int64), self.device)
                     lum = _luma(x.index_select(0, at))
                     n = lum.shape[1] * lum.shape[2]
                     sums = lum.sum(dim=(1, 2), dtype=torch.int64)
-                    mean = (sums.to(torch.float64) / float(n) + 0.5).floor_()
-                    a.index_copy_(0, at, mean.to(torch.int32))
+                    # the histogram's mean in double precision, rounded half up (an integer: exact in float32)
+                    a.index_copy_(0, at, (sums.to(torch.float64) / float(n) + 0.5).floor_().to(torch.float32))
                 out = _blend(a.view(-1, 1, 1, 1), x, alpha)
         y.index_copy_(0, idx, out)
 
     def _hue(self, x: torch.Tensor, shifts: list) -> torch.Tensor:
         to_hsv, from_hsv = _hsv_tables(self.device)
-        hsv = to_hsv[((x[:, 0] << 16) | (x[:, 1] << 8) | x[:, 2]).to(torch.int64)]
+        rgb = x[:, 0].to(torch.int32).bitwise_left_shift_(16)
+        rgb.bitwise_or_(x[:, 1].to(torch.int32).bitwise_left_shift_(8)).bitwise_or_(x[:, 2].to(torch.int32))
+        hsv = _take(to_hsv, rgb)
         shift = upload(np.array(shifts, dtype=np.int32), self.device).view(-1, 1, 1)
-        h = ((hsv >> 16) + shift) & 255
-        rgb = from_hsv[((h << 16) | (hsv & 0xFFFF)).to(torch.int64)]
-        return torch.stack([(rgb >> 16) & 255, (rgb >> 8) & 255, rgb & 255], dim=1).to(torch.uint8)
+        turned = hsv.bitwise_right_shift(16).add_(shift).bitwise_and_(255).bitwise_left_shift_(16)
+        rgb = _take(from_hsv, hsv.bitwise_and_(0xFFFF).bitwise_or_(turned))
+        out = torch.empty_like(x)
+        out[:, 0].copy_(rgb.bitwise_right_shift(16))
+        out[:, 1].copy_(rgb.bitwise_right_shift(8).bitwise_and_(255))
+        out[:, 2].copy_(rgb.bitwise_and_(255))
+        return out
 
     def _on_host(self, y: torch.Tensor, rows: list) -> None:
         """The rows' operations as the CPU path computes them (PIL's bytes),
