@@ -346,6 +346,14 @@ class ColorJitterOnPlanes(OnPlanes):
 
         return color.exact_kernel() and super().exact()
 
+    def draws_agree(self) -> bool:
+        """Whether :meth:`draw` makes the user's class's own draws in this
+        process, in its order, leaving torch's generator as its own call
+        does (PIL's result of the drawn operations is the user's object's on
+        probe images; checked once per process and class, without coordl's
+        kernel): what ``decode="device"`` needs of it."""
+        return _agrees(type(self), type(self.user), self.v2, draws=True)
+
     def draw(self) -> list[tuple[int, float]]:
         """The operations of one call, drawn as the user's object draws them,
         in ``coordl.decode.color.jitter``'s terms."""
@@ -402,22 +410,25 @@ _agree_lock = threading.Lock()
 _agree: dict = {}
 
 
-def _agrees(kind: type, cls: type, v2: bool) -> bool:
+def _agrees(kind: type, cls: type, v2: bool, draws: bool = False) -> bool:
     """Whether ``kind`` (an :class:`OnPlanes` class) over the user's class
     ``cls`` gives what ``cls`` gives on PIL images, with the same draws left
     behind on torch's generator: checked once per process on probe images
     (mode RGB and L) for each of ``kind.probes``, the process's generator
-    state restored after."""
-    ok = _agree.get((kind, cls))
+    state restored after.  ``draws``: :meth:`ColorJitterOnPlanes.draw`'s
+    operations computed by PIL itself in place of the planes (its draws
+    alone, whether or not coordl's kernel is PIL's here)."""
+    key = (kind, cls, draws)
+    ok = _agree.get(key)
     if ok is not None:
         return ok
     with _agree_lock:
-        if (kind, cls) not in _agree:
-            _agree[(kind, cls)] = _check_agreement(kind, cls, v2)
-    return _agree[(kind, cls)]
+        if key not in _agree:
+            _agree[key] = _check_agreement(kind, cls, v2, draws)
+    return _agree[key]
 
 
-def _check_agreement(kind: type, cls: type, v2: bool) -> bool:
+def _check_agreement(kind: type, cls: type, v2: bool, draws: bool = False) -> bool:
     cpu = torch.default_generator
     state = cpu.get_state()
     rnd = random.Random(5)
@@ -433,7 +444,12 @@ def _check_agreement(kind: type, cls: type, v2: bool) -> bool:
                     want = np.asarray(t(img))
                     after = cpu.get_state()
                     cpu.manual_seed(seed)
-                    got = mine.on_planes(T._to_chw(img)).numpy()
+                    if draws:
+                        from .decode import color
+
+                        got = T._to_chw(color.pil_jitter(img, mine.draw())).numpy()
+                    else:
+                        got = mine.on_planes(T._to_chw(img)).numpy()
                     got = got[0] if img.mode == "L" else got.transpose(1, 2, 0)
                     if not (np.array_equal(got, want) and torch.equal(cpu.get_state(), after)):
                         log.warning("coordl's %s differs from %s.%s here: it runs as written", kind.__name__,

@@ -292,3 +292,20 @@ def test_what_the_device_cannot_run_around_colorjitter_is_refused_naming_it(phot
     ds = datasets.ImageFolder(photos, transform=V.Compose(steps))
     with pytest.raises(ValueError, match=msg):
         coordl.DataLoader(ds, batch_size=2, device="cpu", decode="device")
+
+
+def test_a_colorjitter_whose_draws_cannot_be_made_apart_is_refused(photos, cpu_device, monkeypatch, caplog):
+    """Where coordl cannot make the user's ColorJitter's draws apart from its
+    call (another torchvision's API: here, a draw that makes nothing), the
+    workers could not draw what the CPU path draws: refused, not guessed."""
+    import coordl.tvcompat as tc
+
+    monkeypatch.setattr(tc, "_agree", {})
+    monkeypatch.setattr(tc.ColorJitterOnPlanes, "draw", lambda self: [])
+    ds = datasets.ImageFolder(photos, transform=V.Compose([V.RandomResizedCrop(16), V.ColorJitter(0.3),
+                                                           V.ToTensor()]))
+    with caplog.at_level(logging.WARNING, logger="coordl.tvcompat"):
+        with pytest.raises(ValueError, match=r"ColorJitter\(brightness=.*'s draws could not be made apart"):
+            coordl.DataLoader(ds, batch_size=2, device="cpu", decode="device")
+    assert "differs from torchvision.transforms" in caplog.text
+    assert len(list(coordl.DataLoader(ds, batch_size=5))) == 4       # the CPU path runs it as written

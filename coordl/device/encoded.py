@@ -282,6 +282,10 @@ def _with_jitter(pipeline) -> tuple[list, list, object]:
         names = ", ".join(others or [type(u).__name__ for u in user + list(pipeline.post)])   # the user's steps
         raise _refuse(f"the torchvision steps {names} run as written (coordl has no equivalent of them on the "
                       "device, or they follow one)", "remove them from the transform")
+    bad = [j for j in jitters if not j.draws_agree()]
+    if bad:
+        raise _refuse(f"{bad[0].user!r}'s draws could not be made apart from its call with this torchvision "
+                      f"({type(bad[0].user).__module__}: the log says why)", "remove it from the transform")
     if len(jitters) * 4 > MAX_OPS:
         raise _refuse(f"it has {len(jitters)} ColorJitter steps, and the device stage runs at most {MAX_OPS // 4}",
                       "merge them into one")
