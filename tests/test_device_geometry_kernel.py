@@ -300,3 +300,71 @@ def test_passes_with_the_kernel_are_within_a_level_of_one_launch_per_image(tmp_p
     assert final[:4] == [False, False, True, "tail"] and final[4:] == ["tail"] * 3, out
     assert total >= 3 and any(0 < n < 5 for n in per_batch), out     # batches with rows of both
     assert [x for x in out.splitlines() if x.startswith("FINAL ")][0].endswith("] True"), out   # all separable
+
+
+def test_with_colorjitter_the_kernel_writes_uint8_rows_and_the_jitter_follows(tmp_path):
+    """A plan with torchvision's ColorJitter: the kernel writes the batch's
+    uint8 rows (not the tail's floats), the device's jitter runs on them,
+    then the tail; bit for bit the CPU's jitter of the kernel's rows with
+    each sample's draws."""
+    import os
+
+    from coordl.synth import make_image_folder
+
+    root = make_image_folder(str(tmp_path / "p"), num_images=10, num_classes=2, mean_kb=4, image_size=(60, 44),
+                             seed=3)
+    out = _child(f"""
+        import sys, torch
+        sys.path.insert(0, {os.path.dirname(os.path.abspath(__file__))!r})
+        from _torchvision import import_torchvision
+        if import_torchvision() is None:
+            print("NO-TORCHVISION")
+            raise SystemExit(0)
+        from torchvision import datasets, transforms as V
+        import coordl
+        from coordl import _rng
+        from coordl.decode import color as C, jpeg
+        from coordl.device import decode as DD, delivery as D, geometry_kernel as GK
+        from coordl.device.encoded import plan_for
+
+        D.CPU_TEST_DEVICE = True
+        DD.BATCH_GEOMETRY_ON_CPU = True
+        finals = []
+        real = GK.BatchGeometry.run
+
+        def run_counted(self, items, y, final=False, tail=None):
+            finals.append(("tail" if tail is not None else True) if final else False)
+            return real(self, items, y, final, tail)
+
+        GK.BatchGeometry.run = run_counted
+        geo = [V.RandomResizedCrop(20), V.RandomHorizontalFlip()]
+        norm = V.Normalize([0.5, 0.4, 0.3], [0.2, 0.25, 0.3])
+        kw = dict(batch_size=5, seed=4, shuffle=False, device="cpu", decode="device", num_workers=1)
+
+        def run(tf):
+            del finals[:]
+            L = coordl.DataLoader(datasets.ImageFolder({root!r}, transform=V.Compose(tf)), **kw)
+            return list(L), list(finals), L
+        jit, f_jit, L = run(geo + [V.ColorJitter(0.4, 0.4, 0.4, 0.1), V.PILToTensor()])
+        plain, f_plain, _ = run(geo + [V.PILToTensor()])
+        _, f_norm, _ = run(geo + [V.ColorJitter(0.4, 0.4, 0.4, 0.1), V.ToTensor(), norm])
+        _, f_norm_plain, _ = run(geo + [V.ToTensor(), norm])
+        plan, ds = plan_for(L.dataset.transform), L.dataset
+        i = same = 0
+        for (a, y), (b, y2) in zip(jit, plain):
+            assert torch.equal(y, y2)
+            for r in range(len(y)):
+                g = _rng.derive(4, 0, i)
+                plan.draw(*jpeg.jpeg_size(ds.raw(i)), g)
+                same += torch.equal(a[r], torch.from_numpy(C.jitter(b[r].numpy(), plan.draw_ops(g))))
+                i += 1
+        print("SAME", same, i)
+        print("FINALS", f_jit[3:], f_plain[3:], f_norm[4:], f_norm_plain[4:])
+    """)
+    if "NO-TORCHVISION" in out:
+        pytest.skip("torchvision is not installed")
+    assert [x for x in out.splitlines() if x.startswith("SAME ")] == ["SAME 10 10"], out
+    finals = [x for x in out.splitlines() if x.startswith("FINALS ")][0]
+    # after each probe's launches: one launch per batch, uint8 rows where a jitter follows, the
+    # tail's floats where nothing does
+    assert finals == "FINALS [True, True] [True, True] [True, True] ['tail', 'tail']", out
