@@ -195,6 +195,28 @@ def _no_leaked_processes_or_shm(request):
 
 
 @pytest.fixture
+def cpu_device(monkeypatch):
+    """The CPU stands in for the device (``coordl.device.delivery.CPU_TEST_DEVICE``):
+    the device path runs here as on a GPU, ``device="cpu"``."""
+    from coordl.device import delivery
+
+    monkeypatch.setattr(delivery, "CPU_TEST_DEVICE", True)
+
+
+@pytest.fixture
+def exact(monkeypatch):
+    """``decode="device"``'s CPU stand-in with libjpeg's interpolated chroma
+    upsampling (the CPU path decodes at full size): both decode the same
+    pixels, so what remains is the resize's float-vs-uint8 rounding (at most
+    1 level): any other difference is a wrong crop, size or flip."""
+    from coordl.device import decode as DD
+
+    orig = DD.decoder_for
+    monkeypatch.setattr(DD, "decoder_for", lambda dev, **kw: DD.HostDecoder(dev, fancy_upsampling=True)
+                        if dev.type == "cpu" else orig(dev))
+
+
+@pytest.fixture
 def no_accelerator(monkeypatch):
     """This process behaves as on a machine without an accelerator, also where
     one is present: torch's and coordl's pinning decisions both ask

@@ -47,22 +47,6 @@ def photos(tmp_path_factory):
     return str(root)
 
 
-@pytest.fixture
-def cpu_device(monkeypatch):
-    monkeypatch.setattr(D, "CPU_TEST_DEVICE", True)
-
-
-@pytest.fixture
-def exact(monkeypatch):
-    """The stand-in with libjpeg's interpolated chroma upsampling (the CPU
-    path decodes at full size): both decode the same pixels, so what remains
-    is the resize's float-vs-uint8 rounding (at most 1 level): any other
-    difference is a wrong crop, size or flip."""
-    orig = DD.decoder_for
-    monkeypatch.setattr(DD, "decoder_for", lambda dev, **kw: DD.HostDecoder(dev, fancy_upsampling=True)
-                        if dev.type == "cpu" else orig(dev))
-
-
 def _levels(a, b):
     """|a - b| in uint8 levels of the image before Normalize."""
     return (a - b).abs() * STD255

@@ -29,8 +29,6 @@ import coordl  # noqa: E402
 from coordl import _rng  # noqa: E402
 from coordl.decode import color as C  # noqa: E402
 from coordl.decode import jpeg  # noqa: E402
-from coordl.device import decode as DD  # noqa: E402
-from coordl.device import delivery as D  # noqa: E402
 from coordl.device import encoded as E  # noqa: E402
 from coordl.device import jitter as J  # noqa: E402
 from coordl.pipeline import device_batches as BR  # noqa: E402
@@ -46,20 +44,6 @@ def photos(tmp_path_factory):
     root = tmp_path_factory.mktemp("jitter") / "photos"
     make_image_folder(str(root), num_images=20, num_classes=2, mean_kb=6, image_size=(96, 72), seed=4)
     return str(root)
-
-
-@pytest.fixture
-def cpu_device(monkeypatch):
-    monkeypatch.setattr(D, "CPU_TEST_DEVICE", True)
-
-
-@pytest.fixture
-def exact(monkeypatch):
-    """The stand-in decodes the CPU path's pixels (interpolated chroma
-    upsampling), so before the jitter only the resize's rounding differs."""
-    orig = DD.decoder_for
-    monkeypatch.setattr(DD, "decoder_for", lambda dev, **kw: DD.HostDecoder(dev, fancy_upsampling=True)
-                        if dev.type == "cpu" else orig(dev))
 
 
 def _noise(rng, *shape, scale=1):

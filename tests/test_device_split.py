@@ -99,11 +99,6 @@ def photos(tmp_path_factory):
     return str(root)
 
 
-@pytest.fixture
-def cpu_device(monkeypatch):
-    monkeypatch.setattr(D, "CPU_TEST_DEVICE", True)
-
-
 def _tf(size=16):
     return T.Compose([T.RandomResizedCrop(size), T.RandomHorizontalFlip(), T.ToTensor(), NORM])
 
