@@ -293,3 +293,18 @@ def test_a_colorjitter_whose_draws_cannot_be_made_apart_is_refused(photos, cpu_d
             coordl.DataLoader(ds, batch_size=2, device="cpu", decode="device")
     assert "differs from torchvision.transforms" in caplog.text
     assert len(list(coordl.DataLoader(ds, batch_size=5))) == 4       # the CPU path runs it as written
+
+
+def test_analyze_recommends_decoding_on_the_gpu_for_a_colorjitter_recipe(photos, monkeypatch):
+    """``coordl analyze`` on torchvision's ImageFolder with timm's default
+    training recipe, prep the stall and a GPU there: decode="device"."""
+    from coordl.analyze import recommend
+    from coordl.tvcompat import adapt
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    tf = V.Compose([V.RandomResizedCrop(16), V.RandomHorizontalFlip(), V.ColorJitter(0.4, 0.4, 0.4), V.ToTensor(),
+                    V.Normalize(MEAN, STD)])
+    ds, _ = adapt(datasets.ImageFolder(photos, transform=tf))
+    [rec] = recommend({"largest": "prep"}, ds)
+    assert rec["applies"] and rec["option"] == "decode='device'"
+    assert "RandomResizedCrop + RandomHorizontalFlip + ColorJitter -> 16x16" in rec["why"], rec
