@@ -780,11 +780,12 @@ def test_colorjitter_on_cuda_gives_pils_bytes_row_by_row():
 
 
 @needs_cuda
-@pytest.mark.parametrize("workers", [0, 2])
-def test_colorjitter_on_the_gpu_is_the_cpu_jitter_of_the_gpus_rows(mixed_jpegs, workers):
-    """torchvision's ColorJitter with decode="device" on CUDA: bit for bit the
-    CPU's jitter (coordl.decode.color, PIL's bytes) of the rows the same
-    loader makes without it, with each sample's draws."""
+@pytest.mark.parametrize("workers,version", [(0, "v1"), (2, "v1"), (2, "v2")])
+def test_colorjitter_on_the_gpu_is_the_cpu_jitter_of_the_gpus_rows(mixed_jpegs, workers, version):
+    """torchvision's ColorJitter (v1, v2: this torchvision's own draws) with
+    decode="device" on CUDA: bit for bit the CPU's jitter (coordl.decode.color,
+    PIL's bytes) of the rows the same loader makes without it, with each
+    sample's draws."""
     import sys
 
     sys.path.insert(0, HERE)
@@ -793,12 +794,14 @@ def test_colorjitter_on_the_gpu_is_the_cpu_jitter_of_the_gpus_rows(mixed_jpegs, 
     if import_torchvision() is None:
         pytest.skip("torchvision is not installed")
     from torchvision import datasets
-    from torchvision import transforms as V
+    from torchvision import transforms as V1
+    from torchvision.transforms import v2 as V2
 
     from coordl import _rng
     from coordl.decode import color as C
     from coordl.device.encoded import plan_for
 
+    V = V1 if version == "v1" else V2
     steps = [V.RandomResizedCrop(64), V.RandomHorizontalFlip()]
     kw = dict(batch_size=6, seed=4, shuffle=False, num_workers=workers, device="cuda", decode="device")
     jit = coordl.DataLoader(datasets.ImageFolder(mixed_jpegs, transform=V.Compose(
