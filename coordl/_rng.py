@@ -18,7 +18,7 @@ import threading
 
 import torch
 
-__all__ = ["sample_rng", "current", "derive", "rewind", "TorchRandom", "seeded_globals"]
+__all__ = ["sample_rng", "current", "derive", "rewind", "TorchRandom", "seeded_globals", "global_seeds"]
 
 _MASK64 = (1 << 64) - 1
 _local = threading.local()
@@ -90,33 +90,34 @@ def rewind() -> None:
         _local.rng = derive(*key)
 
 
+def global_seeds(g: random.Random) -> tuple[int, int]:
+    """(torch's seed, Python's seed) for a sample's as-written steps: two
+    draws of its generator ``g``, in that order (:func:`seeded_globals`)."""
+    return g.getrandbits(63), g.getrandbits(63)
+
+
 @contextlib.contextmanager
-def seeded_globals(g, python: bool = True):
+def seeded_globals(g):
     """While inside: torch's CPU generator and Python's ``random`` seeded
-    from two draws of ``g``, the sample's own generator (a
+    from :func:`global_seeds` of ``g``, the sample's own generator (a
     ``random.Random``: inside a prep stage), and restored afterwards: what
     the user's own transforms (run as written, drawing from torch's or
     Python's generator) draw from, so that their draws too depend on (seed,
     epoch, index) alone.  Only the CPU generator: ``torch.manual_seed``
     would also seed every accelerator's, ~1 ms a call, and prep never
-    draws on a device.  ``python=False``: for steps known to draw from
-    torch's generator alone, Python's is left as it is (``g`` gives both
-    draws all the same; saving and restoring Python's state is most of the
-    ~20 us this costs).  Anything else as ``g`` (outside a stage): the
+    draws on a device.  Anything else as ``g`` (outside a stage): the
     generators as they are, as torchvision."""
     if not isinstance(g, random.Random):
         yield
         return
-    torch_seed, py_seed = g.getrandbits(63), g.getrandbits(63)
-    py_state = random.getstate() if python else None
+    torch_seed, py_seed = global_seeds(g)
+    py_state = random.getstate()
     cpu = torch.default_generator
     cpu_state = cpu.get_state()
     cpu.manual_seed(torch_seed)
-    if python:
-        random.seed(py_seed)
+    random.seed(py_seed)
     try:
         yield
     finally:
-        if python:
-            random.setstate(py_state)
+        random.setstate(py_state)
         cpu.set_state(cpu_state)

@@ -12,8 +12,12 @@
  * interpreter it runs on, before it uses them (coordl.device.encoded).
  *
  * rrc(indices, heights, widths, seed, epoch, s_lo, s_hi, lr_lo, lr_hi,
- *     r_min, r_max, flip_p, out): int64 buffers of n; out an int64 buffer of
- * 5 n: (top, left, h, w, flip) per sample; flip_p < 0: no flip step.
+ *     r_min, r_max, flip_p, out[, seeds]): int64 buffers of n; out an int64
+ * buffer of 5 n: (top, left, h, w, flip) per sample; flip_p < 0: no flip
+ * step.  seeds (optional, int64 of n): the generator's next getrandbits(63)
+ * after those draws (its first 32-bit output the low word, the top 31 bits
+ * of the second the high word): the seed coordl._rng.global_seeds gives
+ * torch's generator for the sample's as-written steps.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -126,18 +130,22 @@ static void seed_sample(mt_state *s, uint64_t seed, uint64_t epoch, uint64_t ind
 }
 
 static PyObject *rrc(PyObject *self, PyObject *args) {
-    Py_buffer bi, bh, bw, bo;
+    Py_buffer bi, bh, bw, bo, bs;
     unsigned long long seed, epoch;
     double s_lo, s_hi, lr_lo, lr_hi, r_min, r_max, flip_p;
-    if (!PyArg_ParseTuple(args, "y*y*y*KKdddddddw*", &bi, &bh, &bw, &seed, &epoch, &s_lo, &s_hi, &lr_lo, &lr_hi,
-                          &r_min, &r_max, &flip_p, &bo))
+    bs.obj = NULL;
+    bs.buf = NULL;
+    if (!PyArg_ParseTuple(args, "y*y*y*KKdddddddw*|w*", &bi, &bh, &bw, &seed, &epoch, &s_lo, &s_hi, &lr_lo, &lr_hi,
+                          &r_min, &r_max, &flip_p, &bo, &bs))
         return NULL;
     PyObject *ret = NULL;
     Py_ssize_t n = bi.len / 8;
-    if (bh.len != bi.len || bw.len != bi.len || bo.len != 5 * bi.len || bi.len % 8) {
-        PyErr_SetString(PyExc_ValueError, "rrc: indices, heights and widths of n int64, out of 5 n");
+    if (bh.len != bi.len || bw.len != bi.len || bo.len != 5 * bi.len || bi.len % 8 ||
+        (bs.buf != NULL && bs.len != bi.len)) {
+        PyErr_SetString(PyExc_ValueError, "rrc: indices, heights and widths of n int64, out of 5 n, seeds of n");
         goto done;
     }
+    int64_t *seeds = bs.buf;
     const int64_t *ind = bi.buf, *hs = bh.buf, *ws = bw.buf;
     for (Py_ssize_t k = 0; k < n; k++) {
         if (ind[k] < 0 || hs[k] <= 0 || ws[k] <= 0 || hs[k] > 0xFFFFFFFFLL || ws[k] > 0xFFFFFFFFLL) {
@@ -187,6 +195,10 @@ static PyObject *rrc(PyObject *self, PyObject *args) {
         out[5 * k + 2] = h;
         out[5 * k + 3] = w;
         out[5 * k + 4] = flip;
+        if (seeds != NULL) {
+            uint64_t lo = next32(&st), hi = next32(&st) >> 1;
+            seeds[k] = (int64_t)(lo | (hi << 32));
+        }
     }
     Py_END_ALLOW_THREADS
     ret = Py_None;
@@ -196,6 +208,8 @@ done:
     PyBuffer_Release(&bh);
     PyBuffer_Release(&bw);
     PyBuffer_Release(&bo);
+    if (bs.obj != NULL)
+        PyBuffer_Release(&bs);
     return ret;
 }
 

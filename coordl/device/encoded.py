@@ -28,6 +28,7 @@ collation accepts works.  Nothing here holds device state.
 from __future__ import annotations
 
 import copy
+import random
 import threading
 
 import numpy as np
@@ -169,12 +170,29 @@ class DecodePlan:
         sample, ``[(code, value)]`` in order (``coordl.decode.color``'s),
         drawn as the CPU path draws them after the geometry: by the user's
         objects, from torch's generator seeded from ``rng`` (the sample's
-        own, after :meth:`draw`; ``coordl._rng.seeded_globals``)."""
+        own, after :meth:`draw`; as ``coordl._rng.seeded_globals`` seeds it)."""
         if not self.jitters:
             return []
-        # torchvision's ColorJitter draws from torch's generator alone (v1 get_params, v2 make_params)
-        with _lazy()[0].seeded_globals(rng, python=False):
+        if not isinstance(rng, random.Random):     # outside a prep stage: torch's generator as it is
             return [op for j in self.jitters for op in j.draw()]
+        return self.ops_for_seeds([_lazy()[0].global_seeds(rng)[0]])[0]
+
+    def ops_for_seeds(self, seeds) -> list:
+        """:meth:`draw_ops` of samples given the seed of torch's generator
+        for their as-written steps (the first of ``coordl._rng.global_seeds``):
+        torchvision's ``ColorJitter`` draws from torch's generator alone (v1
+        ``get_params``, v2 ``make_params``), so Python's is left as it is,
+        and torch's state is saved once for them all and restored after."""
+        cpu = torch.default_generator
+        state = cpu.get_state()
+        try:
+            out = []
+            for s in seeds:
+                cpu.manual_seed(int(s))
+                out.append([op for j in self.jitters for op in j.draw()])
+            return out
+        finally:
+            cpu.set_state(state)
 
     def jitter_on_cpu(self, x: torch.Tensor) -> torch.Tensor:
         """The uint8 planes the CPU path made (the prefix's) through the

@@ -63,8 +63,9 @@ _CHECKED: dict = {}    # the draws' parameters -> whether the extension's draws 
 
 
 def native_draws(plan):
-    """``f(indices, heights, widths, seed, epoch) -> int64 (n, 5)`` array of
-    (top, left, h, w, flip): ``plan``'s draws made by the extension
+    """``f(indices, heights, widths, seed, epoch) -> int64 (n, 6)`` array of
+    (top, left, h, w, flip, torch's seed for the as-written steps after them:
+    the first of ``coordl._rng.global_seeds``): ``plan``'s draws made by the extension
     ``coordl.decode._draws``, for a plan of ``RandomResizedCrop`` and
     optionally a ``RandomHorizontalFlip`` after it; None for other plans,
     where the extension is not built, or where its draws differ from what
@@ -97,10 +98,11 @@ def native_draws(plan):
             float(min(ratio)), float(max(ratio)), flip_p)
 
     def draws(indices, heights, widths, seed, epoch):
-        out = np.empty((len(indices), 5), dtype=np.int64)
+        n = len(indices)
+        out, seeds = np.empty((n, 5), dtype=np.int64), np.empty(n, dtype=np.int64)
         mod.rrc(np.ascontiguousarray(indices, dtype=np.int64), np.ascontiguousarray(heights, dtype=np.int64),
-                np.ascontiguousarray(widths, dtype=np.int64), seed & _MASK64, epoch & _MASK64, *args, out)
-        return out
+                np.ascontiguousarray(widths, dtype=np.int64), seed & _MASK64, epoch & _MASK64, *args, out, seeds)
+        return np.concatenate([out, seeds[:, None]], axis=1)
 
     key = (tuple(scale), tuple(ratio), flip_p, rrc.size)
     ok = _CHECKED.get(key)
@@ -127,8 +129,9 @@ def _agrees(plan, draws) -> bool:
         idx = [index + k for k in range(len(sizes))] if index < 2 ** 62 else [index - k for k in range(len(sizes))]
         got = draws(idx, [h for h, _ in sizes], [w for _, w in sizes], seed, epoch)
         for (h, w), i, row in zip(sizes, idx, got.tolist()):
-            want = plan.draw(h, w, _rng.derive(seed, epoch, i))
-            if row != [*want[:4], want[-1]]:
+            g = _rng.derive(seed, epoch, i)
+            want = plan.draw(h, w, g)
+            if row != [*want[:4], want[-1], _rng.global_seeds(g)[0]]:
                 return False
     return True
 
@@ -213,8 +216,7 @@ class BatchReads:
         self.sizes = ds.sizes
         self.targets = ds._targets
         self._layouts: dict = {}
-        # the extension draws the geometry only: a plan with ColorJitter draws in Python
-        self._draws = native_draws(self.plan) if not self.plan.jitters else None
+        self._draws = native_draws(self.plan)
         # Resize, CenterCrop: no draw, so no generator to make; the geometry depends on the size alone
         self._fixed = None if _draws_anything(self.plan) else {}
         self._pool = None             # reads of slow storage: a ThreadPoolExecutor (close())
@@ -402,6 +404,9 @@ class BatchReads:
             rec[later, RH:H2] = (rh, rw, 0, 0)
             rec[later, H2:FLIP] = (rh, rw)
             rec[later, FLIP] = got[:, 4]
+            if self.plan.jitters:   # ColorJitter's draws, from the seeds the extension drew after the geometry
+                for j, ops in zip(later, self.plan.ops_for_seeds(got[:, 5].tolist())):
+                    rec[j, INDEX:] = tail_fields(int(rec[j, INDEX]), ops)
         rows = [j for j in range(n) if ok[j]]
         if not rows:
             slots.release(slot)
