@@ -308,3 +308,23 @@ def test_analyze_recommends_decoding_on_the_gpu_for_a_colorjitter_recipe(photos,
     [rec] = recommend({"largest": "prep"}, ds)
     assert rec["applies"] and rec["option"] == "decode='device'"
     assert "RandomResizedCrop + RandomHorizontalFlip + ColorJitter -> 16x16" in rec["why"], rec
+
+
+def test_without_coordls_colour_kernel_the_device_still_runs_it(photos, cpu_device, monkeypatch):
+    """Where coordl's C colour kernel is not built (or not PIL's here), the
+    CPU path runs ColorJitter through PIL; decode="device" still takes it:
+    its draws are the user's object's, its arithmetic the device's own, and
+    the samples the workers prepare go through PIL, as on the CPU path."""
+    import coordl.tvcompat as tc
+
+    monkeypatch.setattr(tc, "_agree", {})
+    monkeypatch.setattr(C, "_checked", [False])
+    assert not C.exact_kernel()
+    steps = [V.RandomResizedCrop(20, scale=(0.3, 1.0)), V.RandomHorizontalFlip(), V.PILToTensor()]
+    got, want, L = _geometry_then_jitter(photos, steps, V.ColorJitter(0.5, 0.6, 0.7, 0.2), 0, share=0.5,
+                                         monkeypatch=monkeypatch)
+    assert type(L.dataset.transform.tail[0]).__name__ == "ColorJitter"      # as written on the CPU path
+    for (a, y), (b, y2) in zip(got, want):
+        assert torch.equal(y, y2) and torch.equal(a, b)
+    st = L.stats()
+    assert 0 < st.device_decode_cpu_images < 20 and st.device_decode_images + st.device_decode_cpu_images == 20
