@@ -29,7 +29,8 @@ each apart, on the batches a real pass hands the stage:
   on the CPU and so says nothing of a GPU);
 * ``ColorJitter``: ``ColorJitter(0.4, 0.4, 0.4, 0.1)``'s operations on a
   batch of the output size after the geometry (``coordl.device.jitter``),
-  per image: the host's time, and on a GPU the device's own.
+  per image: the host's time, and on a GPU the device's own, in the
+  kernel and in torch's operations.
 
 Every figure is the best of ``--repeats`` runs over all captured batches,
 the GPU synchronized at both ends of each.  Run it on two checkouts in turn
@@ -292,33 +293,40 @@ def jitter_time(device: torch.device, size: int, batch: int, repeats: int) -> di
     """``ColorJitter(0.4, 0.4, 0.4, 0.1)`` on the device (coordl.device.jitter)
     per image, on a uint8 batch of ``size`` x ``size`` images: the host's
     time (best of ``repeats``, synchronized) and, on a GPU, the device's
-    own time behind a GPU sleep (as :func:`device_time`)."""
+    own time behind a GPU sleep (as :func:`device_time`); on a GPU for the
+    kernel (where Triton runs it) and for torch's operations alike."""
     from coordl.device.jitter import DeviceJitter
 
     g = torch.Generator().manual_seed(size)
     y = torch.randint(0, 256, (batch, 3, size, size), dtype=torch.uint8, generator=g).to(device)
     ops = jitter_ops(batch)
-    dj = DeviceJitter(device)
-    dj(y.clone(), ops)                       # the first use: the checks, the hue tables
-    best = float("inf")
-    for _ in range(repeats):
-        x = y.clone()
-        _sync(device)
-        t = time.perf_counter()
-        dj(x, ops)
-        _sync(device)
-        best = min(best, time.perf_counter() - t)
-    out = {"host_us": round(best * 1e6 / batch, 2), "exact": dict(dj._exact)}
-    if device.type == "cuda":
-        x = y.clone()
-        torch.cuda.synchronize(device)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda._sleep(int(2e8))
-        start.record()
-        dj(x, ops)
-        end.record()
-        end.synchronize()
-        out["device_us"] = round(start.elapsed_time(end) * 1e3 / batch, 2)
+    out = {}
+    for path in ("kernel", "torch operations"):
+        dj = DeviceJitter(device)
+        if path == "torch operations":
+            dj._kernel_ok = None                 # the kernel off
+        dj(y.clone(), ops)                       # the first use: the checks, the hue tables
+        if path == "kernel" and not (dj._kernel_ok and all(dj._kernel_ok.values())):
+            continue                             # no kernel here (the CPU, no Triton, or it differed)
+        best = float("inf")
+        for _ in range(repeats):
+            x = y.clone()
+            _sync(device)
+            t = time.perf_counter()
+            dj(x, ops)
+            _sync(device)
+            best = min(best, time.perf_counter() - t)
+        row = out[path] = {"host_us": round(best * 1e6 / batch, 2), "exact": dict(dj._exact)}
+        if device.type == "cuda":
+            x = y.clone()
+            torch.cuda.synchronize(device)
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            torch.cuda._sleep(int(2e8))
+            start.record()
+            dj(x, ops)
+            end.record()
+            end.synchronize()
+            row["device_us"] = round(start.elapsed_time(end) * 1e3 / batch, 2)
     return out
 
 
@@ -367,11 +375,12 @@ def main(argv=None) -> int:
                 print("          finish on the GPU alone, us/image: " + "; ".join(
                     f"{k} {v['us_per_image']:.2f}" + (" (host behind)" if v["host_behind"] else "")
                     for k, v in r["device_us"].items()), flush=True)
-            r["jitter"] = j = jitter_time(device, size, args.batch_size, args.repeats)
-            print(f"          ColorJitter(0.4, 0.4, 0.4, 0.1) after the geometry: {j['host_us']:.2f} us/image "
-                  "on the host" + (f", {j['device_us']:.2f} on the GPU alone" if "device_us" in j else "")
-                  + ("" if all(j["exact"].values()) else f" (kinds on the CPU path's code: {j['exact']})"),
-                  flush=True)
+            r["jitter"] = jitter_time(device, size, args.batch_size, args.repeats)
+            for path, j in r["jitter"].items():
+                print(f"          ColorJitter(0.4, 0.4, 0.4, 0.1) after the geometry, {path}: {j['host_us']:.2f} "
+                      "us/image on the host" + (f", {j['device_us']:.2f} on the GPU alone" if "device_us" in j else "")
+                      + ("" if all(j["exact"].values()) else f" (kinds on the CPU path's code: {j['exact']})"),
+                      flush=True)
     facts = {"device": str(device), "torch": torch.__version__, "cpus": os.cpu_count(),
              "batch_size": args.batch_size, "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     if args.json:

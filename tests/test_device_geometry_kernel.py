@@ -304,9 +304,9 @@ def test_passes_with_the_kernel_are_within_a_level_of_one_launch_per_image(tmp_p
 
 def test_with_colorjitter_the_kernel_writes_uint8_rows_and_the_jitter_follows(tmp_path):
     """A plan with torchvision's ColorJitter: the kernel writes the batch's
-    uint8 rows (not the tail's floats), the device's jitter runs on them,
-    then the tail; bit for bit the CPU's jitter of the kernel's rows with
-    each sample's draws."""
+    uint8 rows (not the tail's floats), the device's jitter runs on them (in
+    its own kernel), then the tail; bit for bit the CPU's jitter of the
+    kernel's rows with each sample's draws."""
     import os
 
     from coordl.synth import make_image_folder
@@ -327,8 +327,11 @@ def test_with_colorjitter_the_kernel_writes_uint8_rows_and_the_jitter_follows(tm
         from coordl.device import decode as DD, delivery as D, geometry_kernel as GK
         from coordl.device.encoded import plan_for
 
+        from coordl.device import jitter as J
+
         D.CPU_TEST_DEVICE = True
         DD.BATCH_GEOMETRY_ON_CPU = True
+        J.KERNEL_ON_CPU = True              # the jitter's kernel too
         finals = []
         real = GK.BatchGeometry.run
 
@@ -359,11 +362,14 @@ def test_with_colorjitter_the_kernel_writes_uint8_rows_and_the_jitter_follows(tm
                 same += torch.equal(a[r], torch.from_numpy(C.jitter(b[r].numpy(), plan.draw_ops(g))))
                 i += 1
         print("SAME", same, i)
+        print("JITTER", sorted(L._decode_stage.jitter._kernel_ok.items()), sorted(L._decode_stage.jitter._exact))
         print("FINALS", f_jit[3:], f_plain[3:], f_norm[4:], f_norm_plain[4:])
     """)
     if "NO-TORCHVISION" in out:
         pytest.skip("torchvision is not installed")
     assert [x for x in out.splitlines() if x.startswith("SAME ")] == ["SAME 10 10"], out
+    # the jitter ran in its kernel, every kind of it checked first; torch's operations never ran
+    assert "JITTER [(0, True), (1, True), (2, True)] []" in out, out
     finals = [x for x in out.splitlines() if x.startswith("FINALS ")][0]
     # after each probe's launches: one launch per batch, uint8 rows where a jitter follows, the
     # tail's floats where nothing does

@@ -328,3 +328,95 @@ def test_without_coordls_colour_kernel_the_device_still_runs_it(photos, cpu_devi
         assert torch.equal(y, y2) and torch.equal(a, b)
     st = L.stats()
     assert 0 < st.device_decode_cpu_images < 20 and st.device_decode_images + st.device_decode_cpu_images == 20
+
+
+# ---------------------------------------------------------------- the kernel (Triton's interpreter)
+_KERNEL_CHILD = """
+import logging, random, sys
+import numpy as np, torch
+from coordl.decode import color as C
+from coordl.device import jitter as J
+
+J.KERNEL_ON_CPU = True
+logging.basicConfig(level=logging.INFO, format="LOG %(message)s", stream=sys.stdout)
+rng = random.Random(7)
+n = 10
+y = torch.from_numpy(np.frombuffer(rng.randbytes(n * 3 * 13 * 21), np.uint8).reshape(n, 3, 13, 21).copy())
+y[1] //= 16
+y[2, 1] = y[2, 0]
+y[2, 2] = y[2, 0]
+ops = []
+for _ in range(n):
+    o = [(C.BRIGHTNESS, rng.uniform(0, 2.5)), (C.CONTRAST, rng.uniform(0, 2.5)), (C.SATURATION, rng.uniform(0, 2.5)),
+         (C.HUE, rng.randrange(256))]
+    rng.shuffle(o)
+    ops.append(o[:rng.randrange(1, 5)])
+ops[0] = [(C.CONTRAST, 0.0), (C.HUE, 128), (C.SATURATION, 2.5), (C.BRIGHTNESS, 0.0)]
+{setup}
+dj = J.DeviceJitter(torch.device("cpu"))
+got = dj(y.clone(), ops)
+same = 0
+for r in range(n):
+    img = C.Image.fromarray(np.ascontiguousarray(y[r].numpy().transpose(1, 2, 0)))
+    same += np.array_equal(got[r].numpy(), np.asarray(C.pil_jitter(img, ops[r])).transpose(2, 0, 1))
+print("SAME", same, n)
+print("KERNEL", sorted(dj._kernel_ok.items()), "TORCH", sorted(dj._exact.items()))
+"""
+
+
+def _kernel_child(setup: str = "") -> str:
+    import importlib.util
+    import os
+
+    from coordl.testing import run_in_child
+
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("triton is not installed")
+    r = run_in_child(_KERNEL_CHILD.replace("{setup}", setup), timeout=240, env=dict(os.environ, TRITON_INTERPRET="1"))
+    assert r.returncode == 0, r.stderr[-4000:]
+    return r.stdout
+
+
+def _states(out: str) -> tuple:
+    line = [x for x in out.splitlines() if x.startswith("KERNEL ")][0]
+    kernel, torch_ops = line[len("KERNEL "):].split(" TORCH ")
+    return dict(eval(kernel)), dict(eval(torch_ops))
+
+
+def test_the_kernel_gives_each_row_pils_bytes():
+    """The Triton kernel (one launch per position of the rows' operations,
+    in place), through Triton's interpreter: every row is PIL's, every kind
+    passed its first-use check, and torch's operations never ran."""
+    out = _kernel_child()
+    assert "SAME 10 10" in out, out
+    assert "KERNEL [(0, True), (1, True), (2, True)] TORCH []" in out, out
+
+
+def test_a_kernel_that_differs_or_cannot_run_gives_way_to_torchs_operations():
+    """A kernel whose bytes differ from PIL's on the probes (here one level
+    off), or that cannot launch: torch's operations run those kinds, with
+    PIL's bytes still."""
+    off = """
+real = J.DeviceJitter._launch
+def launch(self, y, rows):
+    real(self, y, rows)
+    if any(c == C.SATURATION for _, c, _ in rows):
+        y.add_(1)
+J.DeviceJitter._launch = launch
+"""
+    out = _kernel_child(off)
+    assert "SAME 10 10" in out, out
+    kernel, torch_ops = _states(out)
+    # saturation's kernel check failed: a position with a saturation runs in torch's operations
+    assert kernel[0] is True and kernel[1] is False and torch_ops[1] is True, out
+    broken = """
+class Broken:
+    def __getitem__(self, grid):
+        raise RuntimeError("no compiler here")
+J._KERNEL[:] = [Broken()]
+"""
+    out = _kernel_child(broken)
+    assert "SAME 10 10" in out, out
+    kernel, torch_ops = _states(out)
+    assert kernel and not any(kernel.values()) and torch_ops == {0: True, 1: True, 2: True}, out
+    assert "LOG decode='device': the ColorJitter kernel cannot run on cpu (RuntimeError: no compiler here)" in out

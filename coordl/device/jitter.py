@@ -23,12 +23,20 @@ device, each computing what PIL computes:
   once per process and device on the first hue operation, about 2 s of
   CPU; 64 MiB each on the device).
 
-The rows of a batch each have their own operations in their own order:
-position by position, the rows whose operation there is of one kind are
-taken together.  The first use of each kind on a device is checked against
-PIL on probe images (:func:`coordl.decode.color.pil_jitter`); a kind that
-differs there (another PIL's arithmetic) runs through the CPU path's own
-code for its rows instead, a row at a time, and says so in the log.
+The rows of a batch each have their own operations in their own order,
+applied position by position.  On a GPU where Triton imports, one kernel
+launch per position applies each row's operation there in place
+(``_jitter_triton``: each pixel's three values read and written once,
+where torch's operations pass over the rows about ten times per
+operation; launched without fused multiply-adds); contrast's means are
+taken first, in torch.  Elsewhere, or for a kind the kernel got wrong,
+torch's operations run, the rows whose operation there is of one kind
+taken together.  The first use of each kind on a device, by either path,
+is checked against PIL on probe images
+(:func:`coordl.decode.color.pil_jitter`): a kernel that differs there gives
+way to torch's operations, and where those differ too (another PIL's
+arithmetic) the CPU path's own code runs for those rows, a row at a time;
+the log says so.
 """
 from __future__ import annotations
 
@@ -105,6 +113,24 @@ def _hsv_tables(device: torch.device) -> tuple:
     return got
 
 
+#: the tests run the kernel on the CPU (Triton's interpreter): True
+KERNEL_ON_CPU = False
+_BLOCK = 1024
+_KERNEL: list = []
+
+
+def _kernel():
+    """The Triton kernel (``_jitter_triton.jitter_ops``), or None where
+    Triton does not import."""
+    if not _KERNEL:
+        try:
+            from ._jitter_triton import jitter_ops
+        except Exception:  # noqa: BLE001 - Triton not installed, or a build that cannot start here
+            jitter_ops = None
+        _KERNEL.append(jitter_ops)
+    return _KERNEL[0]
+
+
 class DeviceJitter:
     """Applies each row's colour operations to a uint8 (B, 3, H, W) batch on
     ``device`` (see the module doc)."""
@@ -112,6 +138,9 @@ class DeviceJitter:
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self._exact: dict = {}       # kind -> whether the device computes PIL's bytes (checked at first use)
+        # kind -> whether the kernel computes PIL's bytes (checked at its first use); {} without the kernel
+        self._kernel_ok: dict | None = {} if _kernel() is not None and (device.type == "cuda" or KERNEL_ON_CPU) \
+            else None
 
     def __call__(self, y: torch.Tensor, ops: list) -> torch.Tensor:
         """``y`` with row ``r`` through ``ops[r]`` (``[(code, value)]``,
@@ -119,11 +148,13 @@ class DeviceJitter:
         batch."""
         depth = max((len(o) for o in ops), default=0)
         for p in range(depth):
+            at = [(r, *o[p]) for r, o in enumerate(ops) if len(o) > p]
+            if y.is_contiguous() and all(self.kernel(kind) for kind in {_KIND[c] for _, c, _ in at}):
+                self._launch(y, at)
+                continue
             groups: dict = {}
-            for r, o in enumerate(ops):
-                if len(o) > p:
-                    code, value = o[p]
-                    groups.setdefault(_KIND[code], []).append((r, code, value))
+            for r, code, value in at:
+                groups.setdefault(_KIND[code], []).append((r, code, value))
             for kind, rows in sorted(groups.items()):
                 if self.exact(kind):
                     self._apply(y, kind, rows)
@@ -131,13 +162,67 @@ class DeviceJitter:
                     self._on_host(y, rows)
         return y
 
+    def kernel(self, kind: int) -> bool:
+        """Whether the Triton kernel runs operations of ``kind`` here: where
+        Triton imports, on a GPU (or the interpreter in the tests), and its
+        bytes were PIL's on the probes of that kind (checked once, the first
+        time; else torch's operations run them)."""
+        if self._kernel_ok is None:
+            return False
+        ok = self._kernel_ok.get(kind)
+        if ok is None:
+            try:
+                ok = self._check(kind, self._launch, "the ColorJitter kernel is not used for them: torch's "
+                                                     "operations run them")
+            except Exception as e:  # noqa: BLE001 - a Triton that cannot compile or launch here
+                log.info("decode='device': the ColorJitter kernel cannot run on %s (%s: %s): torch's operations "
+                         "run it", self.device, type(e).__name__, e)
+                ok = False
+            self._kernel_ok[kind] = ok
+        return ok
+
     def exact(self, kind: int) -> bool:
-        """Whether this device's operations of ``kind`` give PIL's bytes
-        (checked once, on probe images, the first time)."""
+        """Whether this device's torch operations of ``kind`` give PIL's
+        bytes (checked once, on probe images, the first time)."""
         ok = self._exact.get(kind)
         if ok is None:
-            ok = self._exact[kind] = self._check(kind)
+            ok = self._exact[kind] = self._check(kind, lambda y, rows: self._apply(y, kind, rows),
+                                                 "those operations of ColorJitter run on the CPU, a row at a "
+                                                 "time (the same pixels, slower)")
         return ok
+
+    def _means(self, y: torch.Tensor, rows: list) -> torch.Tensor:
+        """Contrast's grey level for each of ``rows`` of ``y`` as it is: the
+        mean of its luma (the histogram's sum over the pixel count in double
+        precision, rounded half up), float32 on the device."""
+        lum = _luma(y.index_select(0, upload(np.array(rows, dtype=np.int64), self.device)))
+        n = lum.shape[1] * lum.shape[2]
+        sums = lum.sum(dim=(1, 2), dtype=torch.int64)
+        return (sums.to(torch.float64) / float(n) + 0.5).floor_().to(torch.float32)
+
+    def _launch(self, y: torch.Tensor, rows: list) -> None:
+        """One launch of the kernel: each of ``rows`` (``(row, code,
+        value)``) through its operation, in place."""
+        from .geometry_kernel import BatchGeometry
+
+        n, hw, dev = len(rows), y.shape[2] * y.shape[3], self.device
+        codes = np.array([c for _, c, _ in rows], dtype=np.int32)
+        hue = codes == HUE
+        values = np.array([v for _, _, v in rows], dtype=np.float64)
+        alphas = np.where(hue, 0.0, values).astype(np.float32)       # the factor in single precision
+        shifts = np.where(hue, values, 0).astype(np.int64).astype(np.int32) & 255
+        bases = torch.zeros(n, dtype=torch.float32, device=dev)
+        contrast = [j for j, (_, c, _) in enumerate(rows) if c == CONTRAST]
+        if contrast:
+            bases.index_copy_(0, upload(np.array(contrast, dtype=np.int64), dev),
+                              self._means(y, [rows[j][0] for j in contrast]))
+        if hue.any():
+            to_hsv, from_hsv = _hsv_tables(dev)
+        else:                                  # not read: no row turns its hue
+            to_hsv = from_hsv = bases
+        args = (y, upload(np.array([r for r, _, _ in rows], dtype=np.int64), dev), upload(codes, dev),
+                upload(alphas, dev), bases, upload(shifts, dev), hw, to_hsv, from_hsv)
+        BatchGeometry._launch(dev, _kernel(), (n, -(-hw // _BLOCK)), args, {"BLOCK": _BLOCK, "enable_fp_fusion": False})
 
     def _apply(self, y: torch.Tensor, kind: int, rows: list) -> None:
         idx = upload(np.array([r for r, _, _ in rows], dtype=np.int64), self.device)
@@ -154,12 +239,8 @@ class DeviceJitter:
                 a = torch.zeros(len(rows), dtype=torch.float32, device=self.device)
                 contrast = [j for j, (_, code, _) in enumerate(rows) if code == CONTRAST]
                 if contrast:
-                    at = upload(np.array(contrast, dtype=np.int64), self.device)
-                    lum = _luma(x.index_select(0, at))
-                    n = lum.shape[1] * lum.shape[2]
-                    sums = lum.sum(dim=(1, 2), dtype=torch.int64)
-                    # the histogram's mean in double precision, rounded half up (an integer: exact in float32)
-                    a.index_copy_(0, at, (sums.to(torch.float64) / float(n) + 0.5).floor_().to(torch.float32))
+                    a.index_copy_(0, upload(np.array(contrast, dtype=np.int64), self.device),
+                                  self._means(y, [rows[j][0] for j in contrast]))
                 out = _blend(a.view(-1, 1, 1, 1), x, alpha)
         y.index_copy_(0, idx, out)
 
@@ -191,7 +272,11 @@ class DeviceJitter:
                 got = np.asarray(img).transpose(2, 0, 1)
             y[r].copy_(torch.from_numpy(np.ascontiguousarray(got)))
 
-    def _check(self, kind: int) -> bool:
+    def _check(self, kind: int, run, then: str) -> bool:
+        """Whether ``run(y, rows)`` gives PIL's bytes for operations of
+        ``kind`` on probe images (noise, dark noise, grey pixels; factors
+        from 0 to 2.75, hue turns across the circle); where not, a warning
+        ending with ``then``."""
         rng = random.Random(20261128)
 
         def noise(h, w, scale=1):
@@ -211,11 +296,10 @@ class DeviceJitter:
             x = torch.from_numpy(np.ascontiguousarray(img.transpose(2, 0, 1)))[None].to(self.device)
             for ops in cases:
                 got = x.clone()
-                self._apply(got, kind, [(0, *ops[0])])
+                run(got, [(0, *ops[0])])
                 want = np.asarray(pil_jitter(Image.fromarray(img), ops)).transpose(2, 0, 1)
                 if not np.array_equal(got[0].cpu().numpy(), want):
-                    log.warning("decode='device': %s on %s does not give this PIL's bytes on a probe image: "
-                                "those operations of ColorJitter run on the CPU, a row at a time (the same pixels, "
-                                "slower)", ops, self.device)
+                    log.warning("decode='device': %s on %s does not give this PIL's bytes on a probe image: %s",
+                                ops, self.device, then)
                     return False
         return True
