@@ -748,9 +748,10 @@ def test_the_wait_setting_sets_the_devices_scheduling_and_changes_no_batch(mixed
 
 @needs_cuda
 def test_colorjitter_on_cuda_gives_pils_bytes_row_by_row():
-    """The device's ColorJitter arithmetic on CUDA: each row of a batch with
-    its own operations in its own order is what PIL gives, and every kind
-    passed its first-use check (none runs on the host's fallback)."""
+    """The device's ColorJitter on CUDA, in the Triton kernel and in torch's
+    operations: each row of a batch with its own operations in its own
+    order is what PIL gives, and every kind passed its first-use check on
+    that path (none fell back)."""
     import random
 
     import numpy as np
@@ -771,12 +772,24 @@ def test_colorjitter_on_cuda_gives_pils_bytes_row_by_row():
              (C.SATURATION, rng.uniform(0, 2.5)), (C.HUE, rng.randrange(256))]
         rng.shuffle(o)
         ops.append(o[:rng.randrange(5)])
-    dj = DeviceJitter(torch.device("cuda"))
-    got = dj(y.cuda(), ops).cpu()
-    assert all(dj._exact.values()) and len(dj._exact) == 3, dj._exact
-    for r in range(n):
-        img = Image.fromarray(np.ascontiguousarray(y[r].numpy().transpose(1, 2, 0)))
-        assert np.array_equal(got[r].numpy(), np.asarray(C.pil_jitter(img, ops[r])).transpose(2, 0, 1)), (r, ops[r])
+    from coordl.device import jitter as J
+
+    for path in ("kernel", "torch operations"):
+        dj = DeviceJitter(torch.device("cuda"))
+        if path == "torch operations":
+            dj._kernel_ok = None
+        elif J._kernel() is None:
+            continue                                        # no Triton here
+        got = dj(y.cuda(), ops).cpu()
+        # every kind passed its first-use check on the path taken (none fell back)
+        if path == "kernel":
+            assert dj._kernel_ok == {0: True, 1: True, 2: True} and dj._exact == {}, (dj._kernel_ok, dj._exact)
+        else:
+            assert dj._exact == {0: True, 1: True, 2: True}, dj._exact
+        for r in range(n):
+            img = Image.fromarray(np.ascontiguousarray(y[r].numpy().transpose(1, 2, 0)))
+            want = np.asarray(C.pil_jitter(img, ops[r])).transpose(2, 0, 1)
+            assert np.array_equal(got[r].numpy(), want), (path, r, ops[r])
 
 
 @needs_cuda
