@@ -16,6 +16,7 @@ from PIL import Image
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
+import _jitter_cases as cases  # noqa: E402
 from _torchvision import import_torchvision  # noqa: E402
 
 if import_torchvision() is None:
@@ -50,13 +51,6 @@ def _noise(rng, *shape, scale=1):
     return np.frombuffer(rng.randbytes(int(np.prod(shape))), np.uint8).reshape(shape) // scale
 
 
-def _random_ops(rng):
-    ops = [(C.BRIGHTNESS, rng.uniform(0.0, 2.5)), (C.CONTRAST, rng.uniform(0.0, 2.5)),
-           (C.SATURATION, rng.uniform(0.0, 2.5)), (C.HUE, rng.randrange(256))]
-    rng.shuffle(ops)
-    return ops[:rng.randrange(5)]
-
-
 # ---------------------------------------------------------------- the operations
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_each_row_gets_pils_bytes_for_its_own_operations_in_its_own_order(seed):
@@ -64,21 +58,11 @@ def test_each_row_gets_pils_bytes_for_its_own_operations_in_its_own_order(seed):
     order, factors from 0 to 2.5, every hue shift kind), on noise, dark and
     grey images: every row is what PIL's ImageEnhance and HSV conversion
     give on that row's PIL image."""
-    rng = random.Random(seed)
-    n = 12
-    y = torch.from_numpy(_noise(rng, n, 3, 11, 17).copy())
-    y[1] //= 16                                        # dark: contrast's mean near 0
-    y[2, 1] = y[2, 0]
-    y[2, 2] = y[2, 0]                                  # grey pixels: no hue, no saturation
-    y[3] = 255 - y[3] // 32                            # bright
-    ops = [_random_ops(rng) for _ in range(n)]
-    ops[0] = [(C.HUE, 128), (C.CONTRAST, 0.0), (C.SATURATION, 2.5), (C.BRIGHTNESS, 1.0)]
-    before = y.clone()
-    got = J.DeviceJitter(torch.device("cpu"))(y, ops)
-    for r in range(n):
-        img = Image.fromarray(np.ascontiguousarray(before[r].numpy().transpose(1, 2, 0)))
-        want = np.asarray(C.pil_jitter(img, ops[r])).transpose(2, 0, 1)
-        assert np.array_equal(got[r].numpy(), want), (r, ops[r])
+    y, ops = cases.batch(seed, 12, 11, 17)
+    want = cases.pils(y, ops)
+    got = J.DeviceJitter(torch.device("cpu"))(y.clone(), ops)
+    for r in range(12):
+        assert np.array_equal(got[r].numpy(), want[r]), (r, ops[r])
 
 
 def test_a_kind_that_differs_from_pil_runs_on_the_cpu_paths_code(monkeypatch, caplog):
@@ -339,26 +323,14 @@ from coordl.device import jitter as J
 
 J.KERNEL_ON_CPU = True
 logging.basicConfig(level=logging.INFO, format="LOG %(message)s", stream=sys.stdout)
-rng = random.Random(7)
+sys.path.insert(0, {here!r})
+import _jitter_cases as cases
 n = 10
-y = torch.from_numpy(np.frombuffer(rng.randbytes(n * 3 * 13 * 21), np.uint8).reshape(n, 3, 13, 21).copy())
-y[1] //= 16
-y[2, 1] = y[2, 0]
-y[2, 2] = y[2, 0]
-ops = []
-for _ in range(n):
-    o = [(C.BRIGHTNESS, rng.uniform(0, 2.5)), (C.CONTRAST, rng.uniform(0, 2.5)), (C.SATURATION, rng.uniform(0, 2.5)),
-         (C.HUE, rng.randrange(256))]
-    rng.shuffle(o)
-    ops.append(o[:rng.randrange(1, 5)])
-ops[0] = [(C.CONTRAST, 0.0), (C.HUE, 128), (C.SATURATION, 2.5), (C.BRIGHTNESS, 0.0)]
+y, ops = cases.batch(7, n, 13, 21)
 {setup}
 dj = J.DeviceJitter(torch.device("cpu"))
 got = dj(y.clone(), ops)
-same = 0
-for r in range(n):
-    img = C.Image.fromarray(np.ascontiguousarray(y[r].numpy().transpose(1, 2, 0)))
-    same += np.array_equal(got[r].numpy(), np.asarray(C.pil_jitter(img, ops[r])).transpose(2, 0, 1))
+same = sum(np.array_equal(g.numpy(), w) for g, w in zip(got, cases.pils(y, ops)))
 print("SAME", same, n)
 print("KERNEL", sorted(dj._kernel_ok.items()), "TORCH", sorted(dj._exact.items()))
 """
@@ -372,7 +344,8 @@ def _kernel_child(setup: str = "") -> str:
 
     if importlib.util.find_spec("triton") is None:
         pytest.skip("triton is not installed")
-    r = run_in_child(_KERNEL_CHILD.replace("{setup}", setup), timeout=240, env=dict(os.environ, TRITON_INTERPRET="1"))
+    code = _KERNEL_CHILD.replace("{setup}", setup).replace("{here!r}", repr(HERE))
+    r = run_in_child(code, timeout=240, env=dict(os.environ, TRITON_INTERPRET="1"))
     assert r.returncode == 0, r.stderr[-4000:]
     return r.stdout
 
