@@ -218,8 +218,8 @@ class DeviceJitter:
                               self._means(y, [rows[j][0] for j in contrast]))
         if hue.any():
             to_hsv, from_hsv = _hsv_tables(dev)
-        else:                                  # not read: no row turns its hue
-            to_hsv = from_hsv = bases
+        else:      # not read (no row turns its hue), but typed as the tables: the kernel compiles once
+            to_hsv = from_hsv = torch.zeros(1, dtype=torch.int32, device=dev)
         args = (y, upload(np.array([r for r, _, _ in rows], dtype=np.int64), dev), upload(codes, dev),
                 upload(alphas, dev), bases, upload(shifts, dev), hw, to_hsv, from_hsv)
         BatchGeometry._launch(dev, _kernel(), (n, -(-hw // _BLOCK)), args, {"BLOCK": _BLOCK, "enable_fp_fusion": False})
