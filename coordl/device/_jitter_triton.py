@@ -5,7 +5,8 @@ One launch applies one colour operation to each of its rows of a uint8
 row ``rows[k]`` and that row's operation (``codes[k]``: 0 brightness, 1
 contrast, 2 saturation, 3 hue; ``alphas[k]`` the factor in single
 precision, ``bases[k]`` the grey level a brightness or contrast blends
-with, ``shifts[k]`` the hue turn).  Launched with ``enable_fp_fusion=False``:
+with, ``shifts[k]`` the hue turn).  ``luma_sums`` takes contrast's sums
+first.  Launched with ``enable_fp_fusion=False``:
 PIL's blend rounds its product and its sum apart, which a fused
 multiply-add would not."""
 import triton
@@ -52,3 +53,19 @@ def jitter_ops(y, rows, codes, alphas, bases, shifts, hw, to_hsv, from_hsv, BLOC
     tl.store(p0, o0.to(tl.uint8), mask=live)
     tl.store(p0 + hw, o1.to(tl.uint8), mask=live)
     tl.store(p0 + 2 * hw, o2.to(tl.uint8), mask=live)
+
+
+@triton.jit
+def luma_sums(y, rows, sums, hw, BLOCK: tl.constexpr):
+    # the sum of PIL's luma over row rows[k] of the uint8 batch y, added into sums[k] (int64: exact in any order)
+    k = tl.program_id(0)
+    blk = tl.program_id(1)
+    r = tl.load(rows + k)
+    offs = blk * BLOCK + tl.arange(0, BLOCK)
+    live = offs < hw
+    p0 = y + r * 3 * hw + offs
+    c0 = tl.load(p0, mask=live, other=0).to(tl.int32)
+    c1 = tl.load(p0 + hw, mask=live, other=0).to(tl.int32)
+    c2 = tl.load(p0 + 2 * hw, mask=live, other=0).to(tl.int32)
+    lum = (c0 * 19595 + c1 * 38470 + c2 * 7471 + 0x8000) >> 16       # 0 where nothing was loaded
+    tl.atomic_add(sums + k, tl.sum(lum.to(tl.int64), axis=0))

@@ -8,15 +8,15 @@ conversion gets the PIL image, and PIL computes it (coordl's
 path draws them (:meth:`.encoded.DecodePlan.draw_ops`: the user's object,
 torch's generator seeded from the sample's), the record carries them, and
 :class:`DeviceJitter` applies them to the batch's uint8 rows after the
-geometry, before ``ToTensor``/``Normalize``, in torch operations on the
-device, each computing what PIL computes:
+geometry, before ``ToTensor``/``Normalize``, on the device, each
+operation computing what PIL computes:
 
 - brightness and contrast: PIL's blend with a black image, or a grey one at
   the image's mean luma (the sum of ``(19595 R + 38470 G + 7471 B + 0x8000)
   >> 16`` over the pixel count in double precision, rounded half up), in
   single precision: ``a + alpha * (v - a)``, clipped to 0..255 and
-  truncated, each operation rounding as PIL's C does (one torch operation
-  each: nothing fused into a multiply-add);
+  truncated, each operation rounding as PIL's C does (nothing fused into
+  a multiply-add);
 - saturation: the blend of each value with its pixel's luma, the same way;
 - hue: PIL's RGB -> HSV conversion, the hue turned, PIL's HSV -> RGB,
   through two tables of all 2**24 colours that PIL itself converted (made
@@ -28,10 +28,10 @@ applied position by position.  On a GPU where Triton imports, one kernel
 launch per position applies each row's operation there in place
 (``_jitter_triton``: each pixel's three values read and written once,
 where torch's operations pass over the rows about ten times per
-operation; launched without fused multiply-adds); contrast's means are
-taken first, in torch.  Elsewhere, or for a kind the kernel got wrong,
-torch's operations run, the rows whose operation there is of one kind
-taken together.  The first use of each kind on a device, by either path,
+operation; launched without fused multiply-adds); contrast's luma sums
+are taken first, by a second kernel.  Elsewhere, or for a kind the kernel
+got wrong, torch's operations run (one operation per rounding), the rows
+whose operation there is of one kind taken together.  The first use of each kind on a device, by either path,
 is checked against PIL on probe images
 (:func:`coordl.decode.color.pil_jitter`): a kernel that differs there gives
 way to torch's operations, and where those differ too (another PIL's
@@ -81,6 +81,12 @@ def _blend(a: torch.Tensor, x: torch.Tensor, alpha: torch.Tensor) -> torch.Tenso
     return t.clamp_(0.0, 255.0).floor_().to(torch.uint8)
 
 
+def _mean(sums: torch.Tensor, n: int) -> torch.Tensor:
+    """PIL's mean of ``n`` values from their int64 ``sums``: the sum over
+    the count in double precision, rounded half up (an integer: float32)."""
+    return (sums.to(torch.float64) / float(n) + 0.5).floor_().to(torch.float32)
+
+
 def _take(table: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """``table[index]`` for an int32 ``index`` (a torch that indexes only by
     int64: converted)."""
@@ -120,14 +126,14 @@ _KERNEL: list = []
 
 
 def _kernel():
-    """The Triton kernel (``_jitter_triton.jitter_ops``), or None where
-    Triton does not import."""
+    """The Triton kernels (the module ``_jitter_triton``: ``jitter_ops``,
+    ``luma_sums``), or None where Triton does not import."""
     if not _KERNEL:
         try:
-            from ._jitter_triton import jitter_ops
+            from . import _jitter_triton as K
         except Exception:  # noqa: BLE001 - Triton not installed, or a build that cannot start here
-            jitter_ops = None
-        _KERNEL.append(jitter_ops)
+            K = None
+        _KERNEL.append(K)
     return _KERNEL[0]
 
 
@@ -196,9 +202,7 @@ class DeviceJitter:
         mean of its luma (the histogram's sum over the pixel count in double
         precision, rounded half up), float32 on the device."""
         lum = _luma(y.index_select(0, upload(np.array(rows, dtype=np.int64), self.device)))
-        n = lum.shape[1] * lum.shape[2]
-        sums = lum.sum(dim=(1, 2), dtype=torch.int64)
-        return (sums.to(torch.float64) / float(n) + 0.5).floor_().to(torch.float32)
+        return _mean(lum.sum(dim=(1, 2), dtype=torch.int64), lum.shape[1] * lum.shape[2])
 
     def _launch(self, y: torch.Tensor, rows: list) -> None:
         """One launch of the kernel: each of ``rows`` (``(row, code,
@@ -211,18 +215,22 @@ class DeviceJitter:
         values = np.array([v for _, _, v in rows], dtype=np.float64)
         alphas = np.where(hue, 0.0, values).astype(np.float32)       # the factor in single precision
         shifts = np.where(hue, values, 0).astype(np.int64).astype(np.int32) & 255
+        grid = (-(-hw // _BLOCK),)
         bases = torch.zeros(n, dtype=torch.float32, device=dev)
         contrast = [j for j, (_, c, _) in enumerate(rows) if c == CONTRAST]
-        if contrast:
-            bases.index_copy_(0, upload(np.array(contrast, dtype=np.int64), dev),
-                              self._means(y, [rows[j][0] for j in contrast]))
+        if contrast:       # contrast's grey levels first: each row's luma summed (a kernel), then its mean
+            sums = torch.zeros(len(contrast), dtype=torch.int64, device=dev)
+            BatchGeometry._launch(dev, _kernel().luma_sums, (len(contrast), *grid),
+                                  (y, upload(np.array([rows[j][0] for j in contrast], dtype=np.int64), dev), sums, hw),
+                                  {"BLOCK": _BLOCK})
+            bases.index_copy_(0, upload(np.array(contrast, dtype=np.int64), dev), _mean(sums, hw))
         if hue.any():
             to_hsv, from_hsv = _hsv_tables(dev)
         else:      # not read (no row turns its hue), but typed as the tables: the kernel compiles once
             to_hsv = from_hsv = torch.zeros(1, dtype=torch.int32, device=dev)
         args = (y, upload(np.array([r for r, _, _ in rows], dtype=np.int64), dev), upload(codes, dev),
                 upload(alphas, dev), bases, upload(shifts, dev), hw, to_hsv, from_hsv)
-        BatchGeometry._launch(dev, _kernel(), (n, -(-hw // _BLOCK)), args, {"BLOCK": _BLOCK, "enable_fp_fusion": False})
+        BatchGeometry._launch(dev, _kernel().jitter_ops, (n, *grid), args, {"BLOCK": _BLOCK, "enable_fp_fusion": False})
 
     def _apply(self, y: torch.Tensor, kind: int, rows: list) -> None:
         idx = upload(np.array([r for r, _, _ in rows], dtype=np.int64), self.device)
