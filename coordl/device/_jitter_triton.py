@@ -21,17 +21,29 @@ def _blend(a, v, alpha):
 
 
 @triton.jit
-def jitter_ops(y, rows, codes, alphas, bases, shifts, hw, to_hsv, from_hsv, BLOCK: tl.constexpr):
+def _pixels(y, rows, hw, BLOCK: tl.constexpr):
+    # program (k, blk)'s pixels of row rows[k]: the first plane's pointers, which are live, the three values
     k = tl.program_id(0)
-    blk = tl.program_id(1)
-    r = tl.load(rows + k)
-    code = tl.load(codes + k)
-    offs = blk * BLOCK + tl.arange(0, BLOCK)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     live = offs < hw
-    p0 = y + r * 3 * hw + offs
+    p0 = y + tl.load(rows + k) * 3 * hw + offs
     c0 = tl.load(p0, mask=live, other=0).to(tl.int32)
     c1 = tl.load(p0 + hw, mask=live, other=0).to(tl.int32)
     c2 = tl.load(p0 + 2 * hw, mask=live, other=0).to(tl.int32)
+    return p0, live, c0, c1, c2
+
+
+@triton.jit
+def _luma(c0, c1, c2):
+    # PIL's RGB -> L (0 where nothing was loaded)
+    return (c0 * 19595 + c1 * 38470 + c2 * 7471 + 0x8000) >> 16
+
+
+@triton.jit
+def jitter_ops(y, rows, codes, alphas, bases, shifts, hw, to_hsv, from_hsv, BLOCK: tl.constexpr):
+    k = tl.program_id(0)
+    code = tl.load(codes + k)
+    p0, live, c0, c1, c2 = _pixels(y, rows, hw, BLOCK)
     if code == 3:
         # PIL's RGB -> HSV and HSV -> RGB, as tables of every colour; the hue turned between
         hsv = tl.load(to_hsv + ((c0 << 16) | (c1 << 8) | c2), mask=live, other=0)
@@ -44,7 +56,7 @@ def jitter_ops(y, rows, codes, alphas, bases, shifts, hw, to_hsv, from_hsv, BLOC
         alpha = tl.load(alphas + k)
         if code == 2:
             # each value blended with its pixel's luma (PIL's RGB -> L)
-            a = ((c0 * 19595 + c1 * 38470 + c2 * 7471 + 0x8000) >> 16).to(tl.float32)
+            a = _luma(c0, c1, c2).to(tl.float32)
         else:
             a = tl.zeros((BLOCK,), dtype=tl.float32) + tl.load(bases + k)
         o0 = _blend(a, c0, alpha)
@@ -58,14 +70,5 @@ def jitter_ops(y, rows, codes, alphas, bases, shifts, hw, to_hsv, from_hsv, BLOC
 @triton.jit
 def luma_sums(y, rows, sums, hw, BLOCK: tl.constexpr):
     # the sum of PIL's luma over row rows[k] of the uint8 batch y, added into sums[k] (int64: exact in any order)
-    k = tl.program_id(0)
-    blk = tl.program_id(1)
-    r = tl.load(rows + k)
-    offs = blk * BLOCK + tl.arange(0, BLOCK)
-    live = offs < hw
-    p0 = y + r * 3 * hw + offs
-    c0 = tl.load(p0, mask=live, other=0).to(tl.int32)
-    c1 = tl.load(p0 + hw, mask=live, other=0).to(tl.int32)
-    c2 = tl.load(p0 + 2 * hw, mask=live, other=0).to(tl.int32)
-    lum = (c0 * 19595 + c1 * 38470 + c2 * 7471 + 0x8000) >> 16       # 0 where nothing was loaded
-    tl.atomic_add(sums + k, tl.sum(lum.to(tl.int64), axis=0))
+    _, _, c0, c1, c2 = _pixels(y, rows, hw, BLOCK)
+    tl.atomic_add(sums + tl.program_id(0), tl.sum(_luma(c0, c1, c2).to(tl.int64), axis=0))
