@@ -24,7 +24,7 @@ from PIL import Image, ImageEnhance
 
 from . import extensions
 
-__all__ = ["BRIGHTNESS", "CONTRAST", "SATURATION", "HUE", "jitter", "pil_jitter", "exact_kernel"]
+__all__ = ["BRIGHTNESS", "CONTRAST", "SATURATION", "HUE", "jitter", "pil_jitter", "exact_kernel", "probe_ops"]
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +68,19 @@ def _planes(img: Image.Image) -> np.ndarray:
     return (a[None] if a.ndim == 2 else a.transpose(2, 0, 1)).copy()
 
 
+# the factors and hue turns the checks against PIL probe with: the ends, factors either side of 1
+# whose products land near rounding boundaries, extrapolation past 2
+PROBE_FACTORS = (0.0, 0.6, 0.8537, 1.4, 2.75)
+PROBE_SHIFTS = (0, 1, 128, 201, 255)
+
+
+def probe_ops(codes) -> list:
+    """The single operations of ``codes`` that a check against PIL runs:
+    each factor of :data:`PROBE_FACTORS` for a blend, each turn of
+    :data:`PROBE_SHIFTS` for the hue."""
+    return [[(code, v)] for code in codes for v in (PROBE_SHIFTS if code == HUE else PROBE_FACTORS)]
+
+
 def _check() -> bool:
     """True when the extension gives PIL's bytes on every probe."""
     if _ext is None:
@@ -80,9 +93,7 @@ def _check() -> bool:
     rgb = Image.fromarray(noise(48, 64, 3))
     dark = Image.fromarray(noise(17, 19, 3) // 4)
     gray = Image.fromarray(noise(13, 11))
-    factors = (0.0, 0.6, 0.8537, 1.4, 2.75)
-    cases = [[(code, f)] for code in (BRIGHTNESS, CONTRAST, SATURATION) for f in factors]
-    cases += [[(HUE, s)] for s in (1, 128, 201)]
+    cases = probe_ops((BRIGHTNESS, CONTRAST, SATURATION, HUE))
     cases += [[(SATURATION, 1.3), (BRIGHTNESS, 0.7), (HUE, 250), (CONTRAST, 1.25)]]
     for img in (rgb, dark, gray):
         planes = _planes(img)

@@ -48,7 +48,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from ..decode.color import BRIGHTNESS, CONTRAST, HUE, SATURATION, pil_jitter
+from ..decode.color import BRIGHTNESS, CONTRAST, HUE, SATURATION, pil_jitter, probe_ops
 from .geometry_kernel import upload
 
 __all__ = ["DeviceJitter"]
@@ -294,12 +294,7 @@ class DeviceJitter:
         grey = noise(8, 8)
         grey[:, :, 1] = grey[:, :, 2] = grey[:, :, 0]        # grey pixels: no hue, no saturation
         images.append(grey)
-        if kind == _HUE:
-            cases = [[(HUE, s)] for s in (0, 1, 128, 201, 255)]
-        elif kind == _SATURATE:
-            cases = [[(SATURATION, f)] for f in (0.0, 0.6, 0.8537, 1.4, 2.75)]
-        else:
-            cases = [[(code, f)] for code in (BRIGHTNESS, CONTRAST) for f in (0.0, 0.6, 0.8537, 1.4, 2.75)]
+        cases = probe_ops([code for code, k in _KIND.items() if k == kind])
         for img in images:
             x = torch.from_numpy(np.ascontiguousarray(img.transpose(2, 0, 1)))[None].to(self.device)
             for ops in cases:
