@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import logging
 import math
+import numbers
 import random
 import sys
 import threading
@@ -165,12 +166,18 @@ class TorchvisionPipeline:
     their own, as coordl's conversion (``post_fused``, a coordl ``Compose``
     of a tensor conversion and ``ToDtype``/``Normalize``, with
     ``post_type`` the class to wrap its result in) when what ``tail`` gave is
-    a PIL image, else as written."""
+    a PIL image, else as written.  ``erase``: a :class:`ErasingOnTensor`, a
+    ``RandomErasing`` that is the last step to draw random numbers, run as
+    written after ``post`` under the sample's generators (the tail's,
+    continued), so that the conversion before it is still coordl's; then
+    ``after``, the steps after it (``ToPureTensor``...), as written."""
 
     def __init__(self, fused: T.Compose | None, to_pil: bool, image_type: type | None, tail: list,
-                 post: list = (), post_fused: T.Compose | None = None, post_type: type | None = None):
+                 post: list = (), post_fused: T.Compose | None = None, post_type: type | None = None,
+                 erase: "ErasingOnTensor | None" = None, after: list = ()):
         self.fused, self.to_pil, self.image_type, self.tail = fused, to_pil, image_type, list(tail)
         self.post, self.post_fused, self.post_type = list(post), post_fused, post_type
+        self.erase, self.after = erase, list(after)
 
     def from_bytes(self, raw) -> Any:
         x = self.fused.from_bytes(raw) if self.fused is not None else NotImplemented
@@ -182,6 +189,17 @@ class TorchvisionPipeline:
         return self._rest(self.fused(img) if self.fused is not None else img)
 
     def _rest(self, x: Any) -> Any:
+        if self.erase is None:
+            return self._converted(x, self._run_tail)
+        with _rng.seeded_globals(_rng.current()):
+            x = self.erase(self._converted(x, self._run_steps))
+        for t in self.after:
+            x = t(x)
+        return x
+
+    def _converted(self, x: Any, run_tail) -> Any:
+        """``x`` (the fused part's result) through ``tail`` (by ``run_tail``)
+        and ``post``."""
         planes = False
         if self.fused is not None:
             if self.to_pil:
@@ -193,7 +211,7 @@ class TorchvisionPipeline:
             elif self.image_type is not None:
                 x = x.as_subclass(self.image_type)
         if self.tail:
-            x, planes = self._run_tail(x, planes)
+            x, planes = run_tail(x, planes)
         if planes:
             if self.post and self.post_fused is not None:
                 x = T._convert(x, self.post_fused.transforms, False, _ext())
@@ -241,14 +259,20 @@ class TorchvisionPipeline:
         return x
 
     def spec(self) -> tuple:
-        return ("coordl.tvcompat.TorchvisionPipeline", self.fused.spec() if self.fused is not None else None,
+        spec = ("coordl.tvcompat.TorchvisionPipeline", self.fused.spec() if self.fused is not None else None,
                 self.to_pil, T.spec_of(self.image_type) if self.image_type is not None else None,
                 tuple(T.spec_of(t) for t in self.tail), tuple(T.spec_of(t) for t in self.post))
+        if self.erase is not None:
+            spec += (T.spec_of(self.erase.user), tuple(T.spec_of(t) for t in self.after))
+        return spec
 
     def __repr__(self) -> str:
         lines = [f"    fused: {self.fused!r}".replace("\n", "\n    ")] if self.fused is not None else []
         lines += [f"    as written: {t!r}" for t in self.tail]
         lines += [f"    after them, without a generator: {t!r}" for t in self.post]
+        if self.erase is not None:
+            lines += [f"    then, under the generators of the steps as written: {self.erase.user!r}"]
+            lines += [f"    after it: {t!r}" for t in self.after]
         return type(self).__name__ + "(\n" + "\n".join(lines) + "\n)"
 
 
@@ -404,6 +428,159 @@ class AugMixOnPlanes(OnPlanes):
             raise TypeError(f"AugMix gave {type(out).__name__} {getattr(out, 'dtype', '')} for planes of shape "
                             f"{tuple(x.shape)}, not uint8 planes of that shape")
         return out.as_subclass(torch.Tensor)
+
+
+class ErasingOnTensor:
+    """A user's ``RandomErasing`` (torchvision's v1 or v2, or timm's) that
+    erases with a constant value, its rectangles drawn apart from its call
+    (:meth:`draw`), so that ``decode="device"`` erases on the device after
+    the conversion.  Called, it is the user's object (the CPU path runs it
+    as written).  ``value``: the erased pixels' value, one per channel or one
+    for all (float32, as torchvision makes the tensor it writes); ``most``:
+    the most rectangles one call erases (timm's ``max_count``)."""
+
+    def __init__(self, user: Any, kind: str, value: tuple, most: int = 1):
+        self.user, self.kind, self.value, self.most = user, kind, tuple(value), int(most)
+
+    def __call__(self, x: Any) -> Any:
+        return self.user(x)
+
+    def draw(self, c: int, h: int, w: int) -> list[tuple[int, int, int, int]]:
+        """The rectangles ``(top, left, height, width)`` one call erases in a
+        (c, h, w) image, drawn from torch's generator (torchvision: the
+        user's own ``get_params``/``make_params``) or Python's (timm's
+        draws), in the user's object's order; none where the draw said no or
+        no rectangle fit in 10 tries."""
+        t = self.user
+        if self.kind == "timm":
+            return self._timm_draw(h, w)
+        stub = torch.empty(1).expand(c, h, w)        # its shape is all the draws read
+        if self.kind == "v2":
+            if torch.rand(1) >= t.p:
+                return []
+            p = t.make_params([stub])
+            return [] if p["v"] is None else [(p["i"], p["j"], p["h"], p["w"])]
+        if not torch.rand(1) < t.p:
+            return []
+        i, j, eh, ew, v = type(t).get_params(stub, scale=t.scale, ratio=t.ratio, value=list(self.value))
+        return [] if v is stub else [(i, j, eh, ew)]
+
+    def _timm_draw(self, h: int, w: int) -> list[tuple[int, int, int, int]]:
+        # timm.data.random_erasing.RandomErasing._erase's draws, from Python's generator
+        t = self.user
+        if random.random() > t.probability:
+            return []
+        count = t.min_count if t.min_count == t.max_count else random.randint(t.min_count, t.max_count)
+        out = []
+        for _ in range(count):
+            for _attempt in range(10):
+                area = random.uniform(t.min_area, t.max_area) * (h * w) / count
+                aspect = math.exp(random.uniform(*t.log_aspect_ratio))
+                eh, ew = int(round(math.sqrt(area * aspect))), int(round(math.sqrt(area / aspect)))
+                if ew < w and eh < h:
+                    top = random.randint(0, h - eh)
+                    out.append((top, random.randint(0, w - ew), eh, ew))
+                    break
+        return out
+
+    def erase(self, x: torch.Tensor, rects: list) -> torch.Tensor:
+        """``x`` (C, H, W) with ``rects`` set to the value, in place."""
+        v = torch.tensor(self.value, dtype=torch.float32)[:, None, None]
+        for top, left, eh, ew in rects:
+            x[..., top:top + eh, left:left + ew] = v
+        return x
+
+    def draws_agree(self) -> bool:
+        """Whether :meth:`draw` then :meth:`erase` give the user's class's
+        own result in this process, leaving torch's and Python's generators
+        as its call does (checked once per process and class on probe
+        images): what ``decode="device"`` needs of it."""
+        key = ("erasing", type(self.user), self.kind)
+        ok = _agree.get(key)
+        if ok is None:
+            with _agree_lock:
+                if key not in _agree:
+                    _agree[key] = _erasing_agrees(type(self.user), self.kind)
+            ok = _agree[key]
+        return ok
+
+    def spec(self) -> tuple:
+        return ("coordl.tvcompat.ErasingOnTensor", T.spec_of(self.user))
+
+    def __repr__(self) -> str:
+        return f"{self.user!r} (erasing with {self.value}, its draws made apart from its call)"
+
+
+# the probes of ErasingOnTensor.draws_agree: constructor arguments per kind (drawing, not drawing, the
+# fallback after 10 tries, several rectangles)
+_ERASING_PROBES = {
+    "v1": ({"p": 0.6, "value": (0.5, -1.25, 2.0)}, {"p": 1.0, "scale": (0.4, 0.98), "ratio": (0.2, 5.0), "value": 3}),
+    "v2": ({"p": 0.6, "value": (0.5, -1.25, 2.0)}, {"p": 1.0, "scale": (0.4, 0.98), "ratio": (0.2, 5.0), "value": 3}),
+    "timm": ({"probability": 0.6, "device": "cpu"},
+             {"probability": 1.0, "min_area": 0.4, "max_area": 0.98, "max_count": 3, "device": "cpu"}),
+}
+
+
+def _erasing_agrees(cls: type, kind: str) -> bool:
+    cpu = torch.default_generator
+    state, py_state = cpu.get_state(), random.getstate()
+    images = [torch.rand(3, 17, 23, generator=torch.Generator().manual_seed(3)) - 0.5,
+              torch.rand(3, 2, 1, generator=torch.Generator().manual_seed(4))]
+    try:
+        for kw in _ERASING_PROBES[kind]:
+            mine = erasing_of(cls(**kw))
+            if mine is None:
+                raise TypeError("its probe was not recognized")
+            for img in images:
+                for seed in range(8):
+                    cpu.manual_seed(seed)
+                    random.seed(seed)
+                    want = mine.user(img.clone())
+                    after = cpu.get_state(), random.getstate()
+                    cpu.manual_seed(seed)
+                    random.seed(seed)
+                    got = mine.erase(img.clone(), mine.draw(*img.shape))
+                    if not (torch.equal(got, want) and torch.equal(cpu.get_state(), after[0])
+                            and random.getstate() == after[1]):
+                        log.warning("coordl's draws of %s.%s differ from its own here: decode='device' does not "
+                                    "run it", cls.__module__, cls.__name__)
+                        return False
+        return True
+    except Exception as e:  # noqa: BLE001 (another version's API)
+        log.warning("coordl cannot make the draws of %s.%s apart from its call here (%s: %s): decode='device' "
+                    "does not run it", cls.__module__, cls.__name__, type(e).__name__, e)
+        return False
+    finally:
+        cpu.set_state(state)
+        random.setstate(py_state)
+
+
+def erasing_of(t: Any) -> "ErasingOnTensor | None":
+    """An :class:`ErasingOnTensor` over ``t`` when it is torchvision's
+    ``RandomErasing`` (v1 or v2) with a number or a sequence of numbers as
+    its value, or timm's (``timm.data.random_erasing``) in its ``"const"``
+    mode; else None (noise, ``value="random"`` or timm's ``"rand"`` and
+    ``"pixel"`` modes, is drawn per pixel from a CPU generator: it runs as
+    written)."""
+    if isinstance(t, ErasingOnTensor):
+        return t
+    if type(t).__module__ == "timm.data.random_erasing" and type(t).__name__ == "RandomErasing":
+        try:
+            if t.per_pixel or t.rand_color or not (1 <= int(t.min_count) <= int(t.max_count)):
+                return None
+            return ErasingOnTensor(t, "timm", (0.0,), int(t.max_count))
+        except (TypeError, ValueError, AttributeError):
+            return None
+    kind = _kind(t)
+    if kind is None or kind[0] not in ("v1", "v2") or kind[1] != "RandomErasing":
+        return None
+    value = getattr(t, "value", None)
+    if isinstance(value, numbers.Number) and not isinstance(value, bool):
+        value = [value]
+    if not isinstance(value, (list, tuple)) or not value or not all(
+            isinstance(v, numbers.Number) and not isinstance(v, bool) for v in value):
+        return None
+    return ErasingOnTensor(t, kind[0], tuple(float(v) for v in value))
 
 
 _agree_lock = threading.Lock()
@@ -739,21 +916,30 @@ def _deterministic(t: Any) -> bool:
     return k is not None and k[1] in _DETERMINISTIC.get(k[0], ())
 
 
-def _split_post(tail: list) -> tuple[list, list, Any, Any]:
-    """``(tail, post, post_fused, post_type)``: the trailing steps of
-    ``tail`` that draw no random numbers move to ``post``; when ``post`` is a
-    tensor conversion then ``ToDtype``/``Normalize`` (and wrappers),
-    ``post_fused`` is coordl's version of it, for a PIL image."""
+def _split_post(tail: list) -> tuple[list, list, Any, Any, Any, list]:
+    """``(tail, post, post_fused, post_type, erase, after)``: the trailing
+    steps of ``tail`` that draw no random numbers move to ``post``; when
+    ``post`` is a tensor conversion then ``ToDtype``/``Normalize`` (and
+    wrappers), ``post_fused`` is coordl's version of it, for a PIL image.
+    When the last step that draws is a ``RandomErasing`` with a constant
+    value (:func:`erasing_of`), it is ``erase``, the steps after it
+    ``after``, and the split is of the steps before it."""
     n = len(tail)
     while n > 0 and _deterministic(tail[n - 1]):
         n -= 1
+    erase, after = (erasing_of(tail[n - 1]) if n else None), []
+    if erase is not None:
+        tail, after = tail[:n - 1], tail[n:]
+        n = len(tail)
+        while n > 0 and _deterministic(tail[n - 1]):
+            n -= 1
     rest, post = tail[:n], tail[n:]
     post_fused = post_type = None
     if post:
         st = _State()
         if all(_step(t, st) for t in post) and not st.geo and st.to_tensor is not None:
             post_fused, post_type = T.Compose([st.to_tensor] + st.post), st.image_type
-    return rest, post, post_fused, post_type
+    return rest, post, post_fused, post_type, erase, after
 
 
 def color_jitter_of(t: Any) -> "ColorJitterOnPlanes | None":
@@ -830,6 +1016,11 @@ def describe_translation(transform: Any, out: Any, fused: tuple, as_written: tup
             how = (" (as coordl's conversion when they get a PIL image)"
                    if getattr(out, "post_fused", None) is not None else "")
             notes.append(f"{', '.join(_name(t) for t in post)} without a generator of their own{how}")
+        erase = getattr(out, "erase", None)
+        if erase is not None:
+            notes.append(f"{_name(erase.user)} drawing where the steps before it left the generators")
+            if out.after:
+                notes.append(f"{', '.join(_name(t) for t in out.after)} without a generator of their own")
         if notes:
             what += f" (of which {'; '.join(notes)})"
     return what

@@ -826,3 +826,41 @@ def test_colorjitter_on_the_gpu_is_the_cpu_jitter_of_the_gpus_rows(mixed_jpegs, 
                 assert torch.equal(a[r], want), i
             i += 1
     assert i == len(ds)
+
+
+@needs_cuda
+@pytest.mark.parametrize("workers,which", [(0, "v1"), (2, "timm")])
+def test_randomerasing_on_the_gpu_erases_the_cpu_paths_rectangles(mixed_jpegs, workers, which):
+    """torchvision's RandomErasing (an odd value per channel, which no
+    normalized pixel has) and timm's (zeros, up to three rectangles, after a
+    ColorJitter) erased on the GPU: exactly the pixels the CPU path erases,
+    on every row (the device's, the workers' CMYK and PNG samples)."""
+    import sys
+
+    sys.path.insert(0, HERE)
+    from _torchvision import import_torchvision
+
+    if import_torchvision() is None:
+        pytest.skip("torchvision is not installed")
+    from torchvision import datasets
+    from torchvision import transforms as V
+
+    mean, std = [0.485, 0.456, 0.406], [0.229, 0.224, 0.225]
+    if which == "v1":
+        value, erase, jitter = (7.0, -9.0, 11.0), V.RandomErasing(0.6, value=(7.0, -9.0, 11.0)), []
+    else:
+        timm_re = pytest.importorskip("timm.data.random_erasing")
+        value, erase, jitter = (0.0,) * 3, timm_re.RandomErasing(0.8, max_count=3, device="cpu"), [
+            V.ColorJitter(0.4, 0.4, 0.4)]
+    tf = V.Compose([V.RandomResizedCrop(64), V.RandomHorizontalFlip(), *jitter, V.ToTensor(), V.Normalize(mean, std),
+                    erase])
+    ds = datasets.ImageFolder(mixed_jpegs, transform=tf)
+    kw = dict(batch_size=6, seed=4, shuffle=False, num_workers=workers)
+    v = torch.tensor(value).view(1, 3, 1, 1)
+    cpu = [(x == v).all(1) for x, _ in coordl.DataLoader(ds, **kw)]
+    L = coordl.DataLoader(ds, device="cuda", decode="device", **kw)
+    gpu = [(x.cpu() == v).all(1) for x, _ in L]
+    assert len(cpu) == len(gpu) and any(bool(m.any()) for m in cpu)
+    for a, b in zip(cpu, gpu):
+        assert torch.equal(a, b)
+    assert "RandomErasing" in L.stats().device_decode

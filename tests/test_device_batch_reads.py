@@ -247,8 +247,9 @@ def test_the_extensions_generator_is_pythons():
 def test_native_draws_are_the_plans_draws(tf):
     """Many keys and image sizes (the first attempt, many attempts, both
     fallbacks, one-pixel sides): the extension's (box, flip) is what
-    ``DecodePlan.draw`` draws from the same generator, and its seed after
-    them torch's seed for the as-written steps (``_rng.global_seeds``)."""
+    ``DecodePlan.draw`` draws from the same generator, and its seeds after
+    them torch's and Python's seeds for the as-written steps
+    (``_rng.global_seeds``)."""
     import random
 
     from coordl import _rng
@@ -268,7 +269,7 @@ def test_native_draws_are_the_plans_draws(tf):
         for i, h, w, row in zip(idx, hs, ws, got):
             g = _rng.derive(seed, epoch, i)
             want = plan.draw(h, w, g)
-            assert row == [*want[:4], want[-1], _rng.global_seeds(g)[0]], (seed, epoch, i, h, w)
+            assert row == [*want[:4], want[-1], *_rng.global_seeds(g)], (seed, epoch, i, h, w)
 
 
 def test_other_plans_and_an_extension_that_disagrees_draw_in_python(photos, monkeypatch):

@@ -14,10 +14,11 @@
  * rrc(indices, heights, widths, seed, epoch, s_lo, s_hi, lr_lo, lr_hi,
  *     r_min, r_max, flip_p, out[, seeds]): int64 buffers of n; out an int64
  * buffer of 5 n: (top, left, h, w, flip) per sample; flip_p < 0: no flip
- * step.  seeds (optional, int64 of n): the generator's next getrandbits(63)
- * after those draws (its first 32-bit output the low word, the top 31 bits
- * of the second the high word): the seed coordl._rng.global_seeds gives
- * torch's generator for the sample's as-written steps.
+ * step.  seeds (optional, int64 of n or 2 n): the generator's next
+ * getrandbits(63) after those draws (its first 32-bit output the low word,
+ * the top 31 bits of the second the high word): the seed
+ * coordl._rng.global_seeds gives torch's generator for the sample's
+ * as-written steps; of 2 n, that and the next, Python's seed, per sample.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -141,11 +142,12 @@ static PyObject *rrc(PyObject *self, PyObject *args) {
     PyObject *ret = NULL;
     Py_ssize_t n = bi.len / 8;
     if (bh.len != bi.len || bw.len != bi.len || bo.len != 5 * bi.len || bi.len % 8 ||
-        (bs.buf != NULL && bs.len != bi.len)) {
-        PyErr_SetString(PyExc_ValueError, "rrc: indices, heights and widths of n int64, out of 5 n, seeds of n");
+        (bs.buf != NULL && bs.len != bi.len && bs.len != 2 * bi.len)) {
+        PyErr_SetString(PyExc_ValueError, "rrc: indices, heights and widths of n int64, out of 5 n, seeds of n or 2 n");
         goto done;
     }
     int64_t *seeds = bs.buf;
+    const int per = (bs.buf != NULL && bs.len == 2 * bi.len) ? 2 : 1;
     const int64_t *ind = bi.buf, *hs = bh.buf, *ws = bw.buf;
     for (Py_ssize_t k = 0; k < n; k++) {
         if (ind[k] < 0 || hs[k] <= 0 || ws[k] <= 0 || hs[k] > 0xFFFFFFFFLL || ws[k] > 0xFFFFFFFFLL) {
@@ -195,9 +197,9 @@ static PyObject *rrc(PyObject *self, PyObject *args) {
         out[5 * k + 2] = h;
         out[5 * k + 3] = w;
         out[5 * k + 4] = flip;
-        if (seeds != NULL) {
+        for (int q = 0; seeds != NULL && q < per; q++) {
             uint64_t lo = next32(&st), hi = next32(&st) >> 1;
-            seeds[k] = (int64_t)(lo | (hi << 32));
+            seeds[per * k + q] = (int64_t)(lo | (hi << 32));
         }
     }
     Py_END_ALLOW_THREADS

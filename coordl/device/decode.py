@@ -53,7 +53,7 @@ from .decoders import (  # noqa: F401  (the decoders' names, as this module had 
     DECODERS, DecoderSplit, HostDecoder, NvImageCodecDecoder, TorchvisionDecoder, _rgb_params, decoder_for, decoder_spec,
 )
 from .encoded import (CHANNELS, FLIP, INDEX, KIND, ON_CPU, ON_DEVICE, RH, RW, SRC_H, SRC_W, T1, T2, W1, W2,
-                      DecodePlan, ops_of)
+                      DecodePlan, ops_of, rects_of)
 from .geometry_kernel import finished, upload
 from .jitter import DeviceJitter
 from .split import DeviceTail
@@ -82,6 +82,7 @@ class DecodeStage:
         self.tail = DeviceTail(plan.normalizes) if plan.to_float else None
         # ColorJitter between the geometry and the tail (coordl.device.jitter)
         self.jitter = DeviceJitter(device) if plan.jitters else None
+        self._value = None      # RandomErasing's value on the device (made at its first rectangle)
         self._retired: collections.deque = collections.deque()   # (event, what the decoder's images hold)
         self._resize = _resizer(plan.mode.value, plan.antialias, device)
         # the geometry of a batch in a batch kernel (coordl.device.geometry_kernel): None until the
@@ -222,7 +223,7 @@ class DecodeStage:
             ready = [j for j, r in enumerate(keep) if (k, r) in at]
             cpu = _rows_of(moved, [at[(k, keep[j])] for j in ready]) if ready else None
             if len(ready) == len(keep):     # every row the CPU path's: the batch as it is, then the tail
-                images[path] = self.tail(cpu) if self.tail is not None else cpu
+                images[path] = self._erased(self.tail(cpu) if self.tail is not None else cpu, records[k], keep)
                 continue
             kernel = sum(img is not None for img in imgs)
             # the rows' colour operations (ColorJitter), applied to the uint8 rows before the tail
@@ -241,7 +242,8 @@ class DecodeStage:
                 _place(y, ready, cpu, self.tail if whole else None)
                 if ops is not None:
                     y = self.jitter(y, ops)
-                images[path] = self.tail(y) if self.tail is not None and not whole else y
+                images[path] = self._erased(self.tail(y) if self.tail is not None and not whole else y, records[k],
+                                            keep)
                 continue
             y = torch.empty((len(keep), channels, *self.plan.size), dtype=torch.float32, device=self.device)
             batched = []
@@ -259,8 +261,24 @@ class DecodeStage:
             y = finished(y, [bool(records[k][r][FLIP]) for r in keep])
             if ops is not None:
                 y = self.jitter(y, ops)
-            images[path] = self.tail(y) if self.tail is not None else y
+            images[path] = self._erased(self.tail(y) if self.tail is not None else y, records[k], keep)
         return images
+
+    def _erased(self, y: torch.Tensor, records: list, keep: list) -> torch.Tensor:
+        """``y`` (the path's final batch) with each row's ``RandomErasing``
+        rectangles (its record's, :func:`.encoded.rects_of`) set to the
+        erasing's value, as torchvision's ``erase`` sets them (a float32
+        value per channel, copied): one launch per rectangle, a quarter of
+        the rows at torchvision's default ``p``."""
+        if self.plan.erasing is None:
+            return y
+        for j, r in enumerate(keep):
+            for top, left, h, w in rects_of(records[r]):
+                if self._value is None:     # made once, on the device (the tail made y anew: never the CPU rows)
+                    self._value = upload(np.asarray(self.plan.erasing.value, dtype=np.float32).reshape(-1, 1, 1),
+                                         self.device)
+                y[j, :, top:top + h, left:left + w] = self._value
+        return y
 
     def stage_decoded(self, delivery, env):
         """The second half (the pin thread with workers): finish the images

@@ -37,15 +37,18 @@ import torch
 from .split import _Marked, _unmark
 
 __all__ = ["RECORD", "ON_DEVICE", "ON_CPU", "DecodePlan", "plan_for", "DecodePrep", "EncodedCompose", "ops_of",
-           "tail_fields"]
+           "rects_of", "tail_fields"]
 
 # the record: one int64 row per image; after CHANNELS, the colour operations the device applies to
 # the image after its geometry (a plan with ColorJitter): their number, then (code, value) pairs
-# (coordl.decode.color's codes; the value a float64's bits)
-MAX_OPS = 8
+# (coordl.decode.color's codes; the value a float64's bits); then the rectangles it erases after the
+# conversion (a plan with RandomErasing): their number, then (top, left, height, width) each
+MAX_OPS, MAX_RECTS = 8, 4
 (KIND, SRC_H, SRC_W, T1, L1, H1, W1, RH, RW, T2, L2, H2, W2, FLIP, INDEX, CHANNELS, N_OPS) = range(17)
 OPS = N_OPS + 1
-RECORD = OPS + 2 * MAX_OPS
+N_RECTS = OPS + 2 * MAX_OPS
+RECTS = N_RECTS + 1
+RECORD = RECTS + 4 * MAX_RECTS
 ON_DEVICE, ON_CPU = 0, 1
 
 _local = threading.local()
@@ -65,10 +68,13 @@ class DecodePlan:
     conversion (``coordl.tvcompat.ColorJitterOnPlanes``), their draws made
     with the sample's (:meth:`draw_ops`), their arithmetic PIL's, on the
     device (:mod:`.jitter`); ``planes_through``: how the CPU path runs them
-    on planes (``TorchvisionPipeline.planes_through``)."""
+    on planes (``TorchvisionPipeline.planes_through``); ``erasing``: a
+    ``RandomErasing`` after the conversion (``coordl.tvcompat.ErasingOnTensor``),
+    its rectangles drawn with the sample's after the jitter's draws
+    (:meth:`draw_after`), erased on the device after the conversion."""
 
     def __init__(self, steps: list, resize, size: tuple, to_float: bool, normalizes: list, spec,
-                 jitters: list = (), planes_through=None) -> None:
+                 jitters: list = (), planes_through=None, erasing=None) -> None:
         from .. import transforms as T
 
         self.steps = list(steps)
@@ -81,6 +87,7 @@ class DecodePlan:
         self.jitters = list(jitters)
         # the translated pipeline's runner of its as-written steps on planes (with jitters)
         self.planes_through = planes_through
+        self.erasing = erasing
         self.spec = spec
         # the CPU path up to the uint8 image ToTensor scales (samples the device decoder cannot take)
         self.prefix = self.steps + [T.PILToTensor()]
@@ -165,34 +172,79 @@ class DecodePlan:
             box2 = (0, 0, h, w)
         return [*box1, rh, rw, *box2, int(mirrored != flip)]
 
+    @property
+    def draws_after(self) -> bool:
+        """Something draws after the geometry (a jitter or an erasing)."""
+        return bool(self.jitters) or self.erasing is not None
+
     def draw_ops(self, rng) -> list:
         """The colour operations of the plan's ``ColorJitter`` steps for one
-        sample, ``[(code, value)]`` in order (``coordl.decode.color``'s),
-        drawn as the CPU path draws them after the geometry: by the user's
-        objects, from torch's generator seeded from ``rng`` (the sample's
-        own, after :meth:`draw`; as ``coordl._rng.seeded_globals`` seeds it)."""
-        if not self.jitters:
-            return []
-        if not isinstance(rng, random.Random):     # outside a prep stage: torch's generator as it is
-            return [op for j in self.jitters for op in j.draw()]
-        return self.ops_for_seeds([_lazy()[0].global_seeds(rng)[0]])[0]
+        sample (:meth:`draw_after`'s first)."""
+        return self.draw_after(rng)[0]
 
-    def ops_for_seeds(self, seeds) -> list:
-        """:meth:`draw_ops` of samples given the seed of torch's generator
-        for their as-written steps (the first of ``coordl._rng.global_seeds``):
-        torchvision's ``ColorJitter`` draws from torch's generator alone (v1
-        ``get_params``, v2 ``make_params``), so Python's is left as it is,
-        and torch's state is saved once for them all and restored after."""
+    def draw_after(self, rng) -> tuple[list, list]:
+        """``(ops, rects)`` of one sample, drawn as the CPU path draws them
+        after the geometry: the colour operations of the plan's
+        ``ColorJitter`` steps, ``[(code, value)]`` in order
+        (``coordl.decode.color``'s), then the rectangles its
+        ``RandomErasing`` erases, ``[(top, left, height, width)]``; by the
+        user's objects, from torch's and Python's generators seeded from
+        ``rng`` (the sample's own, after :meth:`draw`; as
+        ``coordl._rng.seeded_globals`` seeds them)."""
+        if not self.draws_after:
+            return [], []
+        if not isinstance(rng, random.Random):     # outside a prep stage: the generators as they are
+            return self._draw_after()
+        return self.after_for_seeds([_lazy()[0].global_seeds(rng)])[0]
+
+    def after_cpu_path(self, rng) -> list:
+        """The rectangles :meth:`draw_after` gives for a sample the CPU path
+        prepares (its jitter run there), from a copy of ``rng`` as it is
+        before that jitter, which goes on drawing from ``rng`` itself."""
+        if self.erasing is None:
+            return []
+        if isinstance(rng, random.Random):
+            copy_ = random.Random()
+            copy_.setstate(rng.getstate())
+            rng = copy_
+        return self.draw_after(rng)[1]
+
+    def _draw_after(self) -> tuple[list, list]:
+        ops = [op for j in self.jitters for op in j.draw()]
+        rects = self.erasing.draw(3, *self.size) if self.erasing is not None else []
+        if len(rects) > MAX_RECTS:
+            raise ValueError(f"{self.erasing.user!r} drew {len(rects)} rectangles, more than the {MAX_RECTS} "
+                             "decode='device' erases")
+        return ops, rects
+
+    def after_for_seeds(self, seeds) -> list:
+        """:meth:`draw_after` of samples given the seeds of torch's and
+        Python's generators for their as-written steps (the pairs of
+        ``coordl._rng.global_seeds``; Python's may be None where nothing
+        draws from it: torchvision's ``ColorJitter`` and ``RandomErasing``
+        draw from torch's alone).  The generators' states are saved once for
+        them all and restored after."""
         cpu = torch.default_generator
-        state = cpu.get_state()
+        python = self.python_draws
+        state, py_state = cpu.get_state(), random.getstate() if python else None
         try:
             out = []
-            for s in seeds:
-                cpu.manual_seed(int(s))
-                out.append([op for j in self.jitters for op in j.draw()])
+            for torch_seed, py_seed in seeds:
+                cpu.manual_seed(int(torch_seed))
+                if python:
+                    random.seed(int(py_seed))
+                out.append(self._draw_after())
             return out
         finally:
             cpu.set_state(state)
+            if python:
+                random.setstate(py_state)
+
+    @property
+    def python_draws(self) -> bool:
+        """A step after the geometry draws from Python's generator (timm's
+        ``RandomErasing``)."""
+        return self.erasing is not None and self.erasing.kind == "timm"
 
     def jitter_on_cpu(self, x: torch.Tensor) -> torch.Tensor:
         """The uint8 planes the CPU path made (the prefix's) through the
@@ -203,6 +255,8 @@ class DecodePlan:
     def describe(self) -> str:
         names = " + ".join(type(t).__name__ for t in self.steps + [getattr(j, "user", j) for j in self.jitters])
         conv = "ToTensor" + "".join(" + Normalize" for _ in self.normalizes) if self.to_float else "PILToTensor"
+        if self.erasing is not None:
+            conv += " + RandomErasing"
         return f"{names} -> {self.size[0]}x{self.size[1]} ({self.mode.value}), {conv}"
 
     def __repr__(self) -> str:
@@ -210,8 +264,8 @@ class DecodePlan:
 
 
 _HOW = ("decode='device' runs [RandomResizedCrop | Resize] [CenterCrop | RandomCrop], with RandomHorizontalFlip "
-        "anywhere among them, then torchvision's ColorJitter (optional), then ToTensor() [+ Normalize(...)s] or "
-        "PILToTensor()")
+        "anywhere among them, then torchvision's ColorJitter (optional), then ToTensor() [+ Normalize(...)s] "
+        "[+ RandomErasing with a constant value] or PILToTensor()")
 
 
 def _refuse(why: str, fix: str = "") -> ValueError:
@@ -229,11 +283,11 @@ def plan_for(transform) -> DecodePlan:
     if transform is None:
         raise _refuse("the dataset has no transform (its samples would be PIL images)",
                       "give it a transform ending in ToTensor()")
-    jitters, through = [], None
+    jitters, through, erasing = [], None, None
     if type(transform) is T.Compose:
         ts = list(transform.transforms)
     elif type(transform).__name__ == "TorchvisionPipeline":
-        ts, jitters, through = _with_jitter(transform)
+        ts, jitters, through, erasing = _as_written(transform)
     else:
         raise _refuse(f"it is a {type(transform).__module__}.{type(transform).__qualname__}, not a "
                       "coordl.transforms.Compose (or a torchvision Compose of the supported steps)")
@@ -280,16 +334,46 @@ def plan_for(transform) -> DecodePlan:
         raise _refuse(f"{'no geometric step' if resize is None else repr(resize)} gives every image the same size, "
                       "so the images of a batch could not be stacked",
                       "add CenterCrop(size) or RandomResizedCrop(size), or give Resize an (h, w) size")
-    return DecodePlan(steps, resize, size, to_float, normalizes, transform.spec(), jitters, through)
+    if erasing is not None:
+        if not to_float:
+            raise _refuse(f"{erasing.user!r} erases a uint8 image (after PILToTensor without a conversion to "
+                          "float)", "convert to float first (ToTensor(), or ToDtype(torch.float32, scale=True))")
+        if len(erasing.value) not in (1, 3):
+            raise _refuse(f"{erasing.user!r} has {len(erasing.value)} values for a 3-channel image",
+                          "give it one value, or one per channel")
+        if erasing.most > MAX_RECTS:
+            raise _refuse(f"{erasing.user!r} erases up to {erasing.most} rectangles, and the device stage at most "
+                          f"{MAX_RECTS}", f"give it max_count={MAX_RECTS} or fewer")
+    return DecodePlan(steps, resize, size, to_float, normalizes, transform.spec(), jitters, through, erasing)
+
+
+def _as_written(pipeline) -> tuple[list, list, object, object]:
+    """``(steps, jitters, planes_through, erasing)`` of a translated
+    torchvision pipeline (``coordl.tvcompat.TorchvisionPipeline``) whose
+    as-written part the device stage can run: torchvision ``ColorJitter``
+    steps between the fused geometry (which hands them the image) and a
+    tensor conversion (``ToTensor``/``ToImage`` + ``ToDtype``, then
+    ``Normalize`` steps), and a ``RandomErasing`` with a constant value after
+    the conversion (``pipeline.erase``; then ``ToPureTensor`` at most); else
+    ValueError naming the steps it cannot."""
+    erasing = pipeline.erase
+    if erasing is not None:
+        others = [type(t).__name__ for t in pipeline.after if type(t).__name__ != "ToPureTensor"]
+        if others:
+            raise _refuse(f"the torchvision steps {', '.join(others)} run as written after {erasing.user!r}",
+                          "remove them from the transform")
+        if not erasing.draws_agree():
+            raise _refuse(f"{erasing.user!r}'s draws could not be made apart from its call here "
+                          f"({type(erasing.user).__module__}: the log says why)", "remove it from the transform")
+        if not pipeline.to_pil and not pipeline.tail and not pipeline.post:   # erasing the fused conversion's
+            return list(pipeline.fused.transforms), [], None, erasing
+    return (*_with_jitter(pipeline), erasing)
 
 
 def _with_jitter(pipeline) -> tuple[list, list, object]:
-    """``(steps, jitters, planes_through)`` of a translated torchvision pipeline
-    (``coordl.tvcompat.TorchvisionPipeline``) whose as-written part the
-    device stage can run: torchvision ``ColorJitter`` steps between the
-    fused geometry (which hands them the image) and a tensor conversion
-    (``ToTensor``/``ToImage`` + ``ToDtype``, then ``Normalize`` steps); else
-    ValueError naming the steps it cannot."""
+    """``(steps, jitters, planes_through)`` of a translated torchvision
+    pipeline whose as-written part before its erasing is torchvision
+    ``ColorJitter`` steps (:func:`_as_written`)."""
     from .. import transforms as T
 
     user = [getattr(t, "user", t) for t in pipeline.tail]
@@ -298,8 +382,12 @@ def _with_jitter(pipeline) -> tuple[list, list, object]:
     fused = pipeline.fused
     if others or not user or fused is None or not pipeline.to_pil or type(fused.transforms[-1]) is not T.PILToTensor:
         names = ", ".join(others or [type(u).__name__ for u in user + list(pipeline.post)])   # the user's steps
+        fix = "remove them from the transform"
+        if "RandomErasing" in names:
+            fix = ("the device erases with a constant value (torchvision's value=0, a number, or one per channel; "
+                   "timm's mode='const'), not noise, which is drawn per pixel on the CPU: " + fix)
         raise _refuse(f"the torchvision steps {names} run as written (coordl has no equivalent of them on the "
-                      "device, or they follow one)", "remove them from the transform")
+                      "device, or they follow one)", fix)
     bad = [j for j in jitters if not j.draws_agree()]
     if bad:
         raise _refuse(f"{bad[0].user!r}'s draws could not be made apart from its call with this torchvision "
@@ -336,7 +424,8 @@ class EncodedCompose:
 
         for t in self.plan.steps:
             img = t(img)
-        return self._on_cpu(self.plan.jitter_on_cpu(ToTensor.unscaled(img)), cap)
+        rects = self.plan.after_cpu_path(_lazy()[0].current())
+        return self._on_cpu(self.plan.jitter_on_cpu(ToTensor.unscaled(img)), cap, rects)
 
     def from_bytes(self, raw):
         cap = getattr(_local, "capture", None)
@@ -348,18 +437,21 @@ class EncodedCompose:
         if size is not None:
             g = _rng.current()
             geometry = plan.draw(*size, g)
-            return _capture([ON_DEVICE, *size, *geometry], raw, cap, plan.draw_ops(g))
-        # not for the device decoder: the CPU path, its draws and its errors (PIL's)
-        return self._on_cpu(plan.jitter_on_cpu(decode_and_apply(plan.prefix, raw)), cap)
+            return _capture([ON_DEVICE, *size, *geometry], raw, cap, *plan.draw_after(g))
+        # not for the device decoder: the CPU path, its draws and its errors (PIL's); the erasing's
+        # rectangles (erased on the device after the conversion) drawn where the jitter's draws leave them
+        x = decode_and_apply(plan.prefix, raw)
+        rects = plan.after_cpu_path(_rng.current())
+        return self._on_cpu(plan.jitter_on_cpu(x), cap, rects)
 
-    def _on_cpu(self, x, cap):
+    def _on_cpu(self, x, cap, rects=()):
         oh, ow = self.plan.size
         if not isinstance(x, torch.Tensor) or x.dtype != torch.uint8 or tuple(x.shape) != (3, oh, ow):
             got = f"{x.dtype} {tuple(x.shape)}" if isinstance(x, torch.Tensor) else type(x).__name__
             raise ValueError(f"decode='device': the CPU path made a {got} image where a uint8 (3, {oh}, {ow}) RGB "
                              "image was expected (a grayscale or RGBA image the dataset decoded itself?); "
                              "convert it to RGB, or use decode='cpu'")
-        return _capture([ON_CPU, oh, ow] + [0] * (FLIP - SRC_W), x.contiguous(), cap)
+        return _capture([ON_CPU, oh, ow] + [0] * (FLIP - SRC_W), x.contiguous(), cap, (), rects)
 
     def spec(self):
         return self.full.spec()
@@ -385,29 +477,36 @@ def _lazy() -> tuple:
     return _LAZY
 
 
-def _capture(fields: list, payload, cap, ops=()) -> torch.Tensor:
+def _capture(fields: list, payload, cap, ops=(), rects=()) -> torch.Tensor:
     """The record (``fields`` KIND..FLIP, then :func:`tail_fields`) as a
     marked tensor, captured with what travels beside it (through numpy: a
     third of what ``torch.tensor`` of a list costs)."""
     records, index = cap
-    m = torch.from_numpy(np.array(fields + tail_fields(index, ops), dtype=np.int64)).as_subclass(_Marked)
+    m = torch.from_numpy(np.array(fields + tail_fields(index, ops, rects), dtype=np.int64)).as_subclass(_Marked)
     records.append((m, payload))
     return m
 
 
 _NO_OPS = [0] * (2 * MAX_OPS)
+_NO_RECTS = [0] * (1 + 4 * MAX_RECTS)
 
 
-def tail_fields(index: int, ops=()) -> list:
+def tail_fields(index: int, ops=(), rects=()) -> list:
     """The record's fields from ``INDEX`` on: the sample's index, 3
-    channels, and the colour operations ``ops`` (``[(code, value)]``, at
-    most ``MAX_OPS``) the device applies after the geometry."""
+    channels, the colour operations ``ops`` (``[(code, value)]``, at most
+    ``MAX_OPS``) the device applies after the geometry, and the rectangles
+    ``rects`` (``[(top, left, height, width)]``, at most ``MAX_RECTS``) it
+    erases after the conversion."""
     if not ops:
-        return [index, 3, 0] + _NO_OPS
-    pairs = np.zeros((MAX_OPS, 2), dtype=np.int64)
-    pairs[:len(ops), 0] = [c for c, _ in ops]
-    pairs[:len(ops), 1] = np.array([v for _, v in ops], dtype=np.float64).view(np.int64)
-    return [index, 3, len(ops)] + pairs.ravel().tolist()
+        fields = [index, 3, 0] + _NO_OPS
+    else:
+        pairs = np.zeros((MAX_OPS, 2), dtype=np.int64)
+        pairs[:len(ops), 0] = [c for c, _ in ops]
+        pairs[:len(ops), 1] = np.array([v for _, v in ops], dtype=np.float64).view(np.int64)
+        fields = [index, 3, len(ops)] + pairs.ravel().tolist()
+    if not rects:
+        return fields + _NO_RECTS
+    return fields + [len(rects)] + [int(v) for r in rects for v in r] + [0] * (4 * (MAX_RECTS - len(rects)))
 
 
 def ops_of(rec) -> list:
@@ -418,6 +517,12 @@ def ops_of(rec) -> list:
         return []
     pairs = np.array(rec[OPS:OPS + 2 * n], dtype=np.int64).reshape(n, 2)
     return list(zip(pairs[:, 0].tolist(), pairs[:, 1].copy().view(np.float64).tolist()))
+
+
+def rects_of(rec) -> list:
+    """The rectangles a record (its fields, a list) erases:
+    ``[(top, left, height, width)]``."""
+    return [tuple(rec[RECTS + 4 * q:RECTS + 4 * q + 4]) for q in range(rec[N_RECTS])]
 
 
 def _find(sample, records: list):

@@ -63,9 +63,9 @@ _CHECKED: dict = {}    # the draws' parameters -> whether the extension's draws 
 
 
 def native_draws(plan):
-    """``f(indices, heights, widths, seed, epoch) -> int64 (n, 6)`` array of
-    (top, left, h, w, flip, torch's seed for the as-written steps after them:
-    the first of ``coordl._rng.global_seeds``): ``plan``'s draws made by the extension
+    """``f(indices, heights, widths, seed, epoch) -> int64 (n, 7)`` array of
+    (top, left, h, w, flip, torch's and Python's seeds for the as-written
+    steps after them: ``coordl._rng.global_seeds``): ``plan``'s draws made by the extension
     ``coordl.decode._draws``, for a plan of ``RandomResizedCrop`` and
     optionally a ``RandomHorizontalFlip`` after it; None for other plans,
     where the extension is not built, or where its draws differ from what
@@ -99,15 +99,19 @@ def native_draws(plan):
 
     def draws(indices, heights, widths, seed, epoch):
         n = len(indices)
-        out, seeds = np.empty((n, 5), dtype=np.int64), np.empty(n, dtype=np.int64)
+        out, seeds = np.empty((n, 5), dtype=np.int64), np.empty((n, 2), dtype=np.int64)
         mod.rrc(np.ascontiguousarray(indices, dtype=np.int64), np.ascontiguousarray(heights, dtype=np.int64),
                 np.ascontiguousarray(widths, dtype=np.int64), seed & _MASK64, epoch & _MASK64, *args, out, seeds)
-        return np.concatenate([out, seeds[:, None]], axis=1)
+        return np.concatenate([out, seeds], axis=1)
 
     key = (tuple(scale), tuple(ratio), flip_p, rrc.size)
     ok = _CHECKED.get(key)
     if ok is None:
-        ok = _CHECKED[key] = _agrees(plan, draws)
+        try:
+            ok = _agrees(plan, draws)
+        except ValueError:      # an extension built from another version of its source
+            ok = False
+        ok = _CHECKED[key] = ok
         if not ok:
             logging.getLogger(__name__).debug("coordl.decode._draws differs from Python's draws for %r: "
                                               "the draws are made in Python", plan)
@@ -131,7 +135,7 @@ def _agrees(plan, draws) -> bool:
         for (h, w), i, row in zip(sizes, idx, got.tolist()):
             g = _rng.derive(seed, epoch, i)
             want = plan.draw(h, w, g)
-            if row != [*want[:4], want[-1], _rng.global_seeds(g)[0]]:
+            if row != [*want[:4], want[-1], *_rng.global_seeds(g)]:
                 return False
     return True
 
@@ -140,7 +144,7 @@ def _draws_anything(plan) -> bool:
     """``plan.draw`` takes something from the generator (a random step)."""
     from .. import transforms as T
 
-    return bool(plan.jitters) or any(type(t) in (T.RandomResizedCrop, T.RandomCrop, T.RandomHorizontalFlip)
+    return plan.draws_after or any(type(t) in (T.RandomResizedCrop, T.RandomCrop, T.RandomHorizontalFlip)
                                      for t in plan.steps)
 
 
@@ -315,7 +319,7 @@ class BatchReads:
         from .prep import SKIP, prep_sample
 
         derive = _lazy()[0].derive
-        draw, draw_ops, device_size = self.plan.draw, self.plan.draw_ops, self.plan.device_size
+        draw, draw_after, device_size = self.plan.draw, self.plan.draw_after, self.plan.device_size
         seed, epoch = eng.seed, eng.epoch
         n, indices, st, slots = b.n, b.indices, b.stats, eng.slots
         clock = time.perf_counter
@@ -361,7 +365,7 @@ class BatchReads:
                         elif native is None:
                             g = derive(seed, epoch, i)
                             rec[j, :INDEX] = [ON_DEVICE, h, w, *draw(h, w, g)]
-                            rec[j, INDEX:] = tail_fields(i, draw_ops(g))
+                            rec[j, INDEX:] = tail_fields(i, *draw_after(g))
                         else:
                             rec[j, :SRC_W + 1] = (ON_DEVICE, h, w)
                             rec[j, INDEX:] = tail_fields(i)
@@ -404,9 +408,9 @@ class BatchReads:
             rec[later, RH:H2] = (rh, rw, 0, 0)
             rec[later, H2:FLIP] = (rh, rw)
             rec[later, FLIP] = got[:, 4]
-            if self.plan.jitters:   # ColorJitter's draws, from the seeds the extension drew after the geometry
-                for j, ops in zip(later, self.plan.ops_for_seeds(got[:, 5].tolist())):
-                    rec[j, INDEX:] = tail_fields(int(rec[j, INDEX]), ops)
+            if self.plan.draws_after:   # ColorJitter's and RandomErasing's draws, from the seeds the extension
+                for j, (ops, rects) in zip(later, self.plan.after_for_seeds(got[:, 5:7].tolist())):   # drew
+                    rec[j, INDEX:] = tail_fields(int(rec[j, INDEX]), ops, rects)
         rows = [j for j in range(n) if ok[j]]
         if not rows:
             slots.release(slot)

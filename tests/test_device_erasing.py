@@ -1,0 +1,285 @@
+"""RandomErasing with a constant value after the conversion: on the CPU path
+it runs as written after coordl's conversion (which a ColorJitter before it
+no longer turns into as-written steps); with decode="device" the workers draw
+each sample's rectangles as the CPU path draws them (after the jitter's
+draws, from the same generators) and the device erases them after the
+conversion.  On the CPU stand-in (``cpu_device``); tests/test_cuda.py runs
+the same on a GPU."""
+import logging
+import os
+import sys
+
+import pytest
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from _torchvision import import_torchvision  # noqa: E402
+
+if import_torchvision() is None:
+    pytest.skip("torchvision is not installed (pip install coordl[test])", allow_module_level=True)
+
+from torchvision import datasets  # noqa: E402
+from torchvision import transforms as V  # noqa: E402
+from torchvision.transforms import v2 as V2  # noqa: E402
+
+import coordl  # noqa: E402
+import coordl.tvcompat as tc  # noqa: E402
+from coordl import _rng  # noqa: E402
+from coordl.device import encoded as E  # noqa: E402
+from coordl.pipeline import device_batches as BR  # noqa: E402
+
+MEAN, STD = [0.485, 0.456, 0.406], [0.229, 0.224, 0.225]
+STD255 = torch.tensor(STD).view(1, 3, 1, 1) * 255
+# a value no normalized pixel has: the erased pixels are exactly those equal to it in every channel
+ODD = (7.0, -9.0, 11.0)
+
+
+@pytest.fixture(scope="module")
+def photos(tmp_path_factory):
+    from coordl.synth import make_image_folder
+
+    root = tmp_path_factory.mktemp("erasing") / "photos"
+    make_image_folder(str(root), num_images=20, num_classes=2, mean_kb=6, image_size=(96, 72), seed=6)
+    return str(root)
+
+
+def _timm():
+    pytest.importorskip("timm", reason="timm is not installed (pip install timm)")
+    from timm.data.random_erasing import RandomErasing
+
+    return RandomErasing
+
+
+def _recipe(version: str, erase, jitter: bool = False, size: int = 20):
+    M = V if version == "v1" else V2
+    conv = [V.ToTensor()] if version == "v1" else [V2.ToImage(), V2.ToDtype(torch.float32, scale=True)]
+    steps = [M.RandomResizedCrop(size, scale=(0.3, 1.0)), M.RandomHorizontalFlip()]
+    steps += [M.ColorJitter(0.4, 0.4, 0.4, 0.1)] if jitter else []
+    steps += [*conv, M.Normalize(MEAN, STD), erase]
+    steps += [V2.ToPureTensor()] if version == "v2" else []
+    return M.Compose(steps)
+
+
+def _erased(x: torch.Tensor, value) -> torch.Tensor:
+    """(B, H, W) bool: the pixels equal to ``value`` in every channel."""
+    v = torch.tensor(value, dtype=torch.float32).view(1, -1, 1, 1)
+    return (x == v).all(dim=1)
+
+
+# ---------------------------------------------------------------- the CPU path
+@pytest.mark.parametrize("which", ["v1", "v2", "timm"])
+def test_a_jitter_before_an_erasing_keeps_coordls_conversion_and_torchvisions_result(photos, which):
+    """ColorJitter, then the conversion and Normalize, then RandomErasing:
+    the conversion is coordl's (it was as written while a random step came
+    after it), and every sample is what the steps give when all of them
+    after the fused geometry run as written under the sample's generators
+    (v2's ToDtype within the float ulp docs/guide/torchvision.md states:
+    torchvision multiplies by 1/255 where coordl divides by 255)."""
+    erase = (_timm()(0.7, max_count=3, device="cpu") if which == "timm" else
+             (V if which == "v1" else V2).RandomErasing(0.7, value=ODD))
+    tf = _recipe("v1" if which == "timm" else which, erase, jitter=True)
+    ds = datasets.ImageFolder(photos, transform=tf)
+    L = coordl.DataLoader(ds, batch_size=5, seed=2)
+    pipe = L.dataset.transform
+    assert pipe.erase is not None and pipe.erase.user is erase and pipe.post_fused is not None
+    assert "RandomErasing drawing where the steps before it left the generators" in L.stats().path_reason
+    # the same user steps, all as written after the fused geometry, under the same generators
+    written = tc.TorchvisionPipeline(pipe.fused, True, None, [*pipe.tail, *pipe.post, erase, *pipe.after])
+    got = torch.cat([x for x, _ in L])
+    raws = L.dataset
+    erased = 0
+    for i in range(len(ds)):
+        with _rng.sample_rng(2, 0, i):
+            want = written.from_bytes(raws.raw(i))
+        if which == "v2":
+            assert torch.equal(_erased(got[i:i + 1], ODD), _erased(want[None], ODD))
+            assert float((got[i] - want).abs().max()) <= 2e-6, i
+        else:
+            assert torch.equal(got[i], want), i
+        erased += bool((got[i] == 0).all(0).any()) if which == "timm" else bool(_erased(got[i:i + 1], ODD).any())
+    assert 0 < erased < len(ds)
+
+
+def test_noise_erasing_still_runs_as_written(photos):
+    tf = _recipe("v1", V.RandomErasing(1.0, value="random"), jitter=True)
+    L = coordl.DataLoader(datasets.ImageFolder(photos, transform=tf), batch_size=5)
+    assert L.dataset.transform.erase is None
+    assert len(list(L)) == 4
+
+
+# ---------------------------------------------------------------- the device
+def _pair(photos, tf, workers=0, share=0.0, monkeypatch=None, **kw):
+    if share:
+        from coordl.device import decoders as DDS
+
+        monkeypatch.setattr(DDS, "cpu_share", lambda workers, spec=None: share)
+    ds = datasets.ImageFolder(photos, transform=tf)
+    kw = dict(batch_size=4, seed=3, shuffle=True, num_workers=workers, **kw)
+    cpu = list(coordl.DataLoader(ds, **kw))
+    L = coordl.DataLoader(ds, device="cpu", decode="device", **kw)
+    return cpu, list(L), L
+
+
+@pytest.mark.parametrize("version,workers", [("v1", 0), ("v2", 2)])
+def test_the_device_erases_the_cpu_paths_rectangles(photos, cpu_device, exact, version, workers):
+    """The same rectangles as the CPU path, erased with the same value (an
+    odd one, so that the erased pixels are exactly those that have it); the
+    other pixels within the geometry's rounding (1 level)."""
+    M = V if version == "v1" else V2
+    cpu, dev, L = _pair(photos, _recipe(version, M.RandomErasing(0.6, value=ODD)), workers)
+    assert len(cpu) == len(dev) == 5
+    n = 0
+    for (a, y), (b, y2) in zip(cpu, dev):
+        assert torch.equal(y, y2) and a.shape == b.shape
+        m = _erased(a, ODD)
+        assert torch.equal(m, _erased(b, ODD))
+        n += int(m.flatten(1).any(1).sum())
+        keep = ~m[:, None].expand_as(a)
+        assert float(((a - b).abs() * STD255)[keep].max()) <= 1 + 1e-3
+    assert 0 < n < 20
+    st = L.stats()
+    assert st.device_decode_images == 20 and "RandomErasing" in st.device_decode
+
+
+def test_timms_erasing_after_a_jitter_and_the_workers_share(photos, cpu_device, exact, monkeypatch):
+    """timm's RandomErasing (Python's generator; up to three rectangles)
+    after a ColorJitter, half the samples prepared by the workers on the CPU
+    path: the rectangles the CPU path erases (zeros, a value no normalized
+    pixel has with ImageNet's mean), on the device's rows and the workers'."""
+    tf = _recipe("v1", _timm()(0.8, max_count=3, device="cpu"), jitter=True)
+    cpu, dev, L = _pair(photos, tf, 2, share=0.5, monkeypatch=monkeypatch)
+    rects = 0
+    for (a, y), (b, _) in zip(cpu, dev):
+        m = (a == 0).all(1)
+        assert torch.equal(m, (b == 0).all(1))
+        rects += int(m.flatten(1).any(1).sum())
+        keep = ~m[:, None].expand_as(a)
+        assert float(((a - b).abs() * STD255)[keep].max()) <= 8 + 1e-3
+    assert rects > 5
+    st = L.stats()
+    assert 0 < st.device_decode_cpu_images < 20 and st.device_decode_images + st.device_decode_cpu_images == 20
+
+
+def test_records_carry_the_cpu_paths_rectangles(photos):
+    """Each record's rectangles are those the user's object erases on the
+    CPU path, drawn after the jitter's operations; both generators are left
+    as they were."""
+    RE = _timm()
+    for erase in (V.RandomErasing(0.9, value=ODD), RE(1.0, max_count=4, device="cpu")):
+        tf = _recipe("v1", erase, jitter=True)
+        pipe, _, _ = tc.translate(tf)
+        plan = E.plan_for(pipe)
+        before = torch.random.get_rng_state(), __import__("random").getstate()
+        for i in range(12):
+            g = _rng.derive(5, 1, i)
+            plan.draw(60, 80, g)
+            state = g.getstate()
+            ops, rects = plan.draw_after(g)
+            # the CPU path's own draws: the jitter as written, then the erasing, under the same seeds
+            g.setstate(state)
+            with _rng.seeded_globals(g):
+                for j in plan.jitters:
+                    j.draw()
+                x = torch.full((3, 20, 20), 0.5)
+                y = erase(x.clone())
+            assert E.rects_of([0] * E.INDEX + E.tail_fields(i, ops, rects)) == [tuple(r) for r in rects]
+            assert len(rects) <= E.MAX_RECTS and E.ops_of([0] * E.INDEX + E.tail_fields(i, ops, rects)) == ops
+            mine = x.clone()
+            for t, l, h, w in rects:
+                mine[:, t:t + h, l:l + w] = torch.tensor(erase_value(erase)).view(-1, 1, 1)
+            assert torch.equal(mine, y), (i, rects)
+        assert torch.equal(torch.random.get_rng_state(), before[0]) and __import__("random").getstate() == before[1]
+
+
+def erase_value(erase):
+    return (0.0,) if type(erase).__module__.startswith("timm") else ODD
+
+
+def test_batch_reads_and_resume_give_the_per_sample_paths_batches(photos, cpu_device):
+    """The workers' batch reads (the extension's draws, with Python's seed
+    for timm's erasing) give the per-sample path's batches; a resumed pass
+    the rest of the whole pass's."""
+    tf = _recipe("v1", _timm()(0.7, max_count=2, device="cpu"), jitter=True, size=16)
+    ds = datasets.ImageFolder(photos, transform=tf)
+    kw = dict(batch_size=3, seed=11, shuffle=True, num_workers=1, persistent_workers=True, device="cpu",
+              decode="device")
+    runs = {}
+    for flag in (True, False):
+        old, BR.ENABLED = BR.ENABLED, flag
+        try:
+            L = coordl.DataLoader(ds, **kw)
+            L.set_epoch(1)
+            runs[flag] = list(L)
+            assert {s["batch_reads"] for s in L._mode.pool.worker_stats()} == {flag}
+            del L
+        finally:
+            BR.ENABLED = old
+    assert any((a == 0).all(1).any() for a, _ in runs[True])
+    for (a, y), (b, y2) in zip(runs[True], runs[False]):
+        assert torch.equal(a, b) and torch.equal(y, y2)
+    L = coordl.DataLoader(ds, **kw)
+    L.set_epoch(1)
+    it = iter(L)
+    first = [next(it) for _ in range(2)]
+    state = L.state_dict()
+    del it, L
+    R = coordl.DataLoader(ds, **kw)
+    R.load_state_dict(state)
+    got = first + list(R)
+    assert len(got) == len(runs[True]) == 7
+    for (a, y), (b, y2) in zip(got, runs[True]):
+        assert torch.equal(a, b) and torch.equal(y, y2)
+
+
+# ---------------------------------------------------------------- refusals
+def _refused(photos, tf, msg):
+    ds = datasets.ImageFolder(photos, transform=tf)
+    with pytest.raises(ValueError, match=msg):
+        coordl.DataLoader(ds, batch_size=2, device="cpu", decode="device")
+    if "values for a 3-channel" in msg:     # torchvision's own error on the CPU path, for each erased sample
+        with pytest.raises(coordl.SampleError, match="either a single value or 3"):
+            list(coordl.DataLoader(ds, batch_size=5))
+    else:
+        assert len(list(coordl.DataLoader(ds, batch_size=5))) == 4       # the CPU path runs it
+
+
+@pytest.mark.parametrize("make,msg", [
+    (lambda: _recipe("v1", V.RandomErasing(0.5, value="random")), r"RandomErasing run as written.*constant value"),
+    (lambda: _recipe("v2", V2.RandomErasing(0.5, value="random")), r"RandomErasing.*constant value"),
+    (lambda: _recipe("v1", _timm()(0.5, mode="pixel", device="cpu")), r"RandomErasing.*constant value"),
+    (lambda: _recipe("v1", _timm()(0.5, max_count=5, device="cpu")), r"up to 5 rectangles.*at most 4"),
+    (lambda: _recipe("v1", V.RandomErasing(0.5, value=(1.0, 2.0))), r"2 values for a 3-channel image"),
+    (lambda: V2.Compose([V2.RandomResizedCrop(16), V2.PILToTensor(), V2.RandomErasing(0.5)]),
+     r"erases a uint8 image"),
+    (lambda: V2.Compose([V2.RandomResizedCrop(16), V2.ToImage(), V2.ToDtype(torch.float32, scale=True),
+                         V2.RandomErasing(0.5), V2.GaussianBlur(3)]), r"GaussianBlur"),
+])
+def test_what_the_device_cannot_erase_is_refused_naming_it(photos, cpu_device, make, msg):
+    _refused(photos, make(), msg)
+
+
+@pytest.mark.parametrize("which", ["v1", "timm"])
+def test_an_erasing_whose_draws_cannot_be_made_apart_is_refused(photos, cpu_device, monkeypatch, caplog, which):
+    """Where coordl's draws differ from the user's object's (here: one
+    rectangle a row lower), the workers could not draw what the CPU path
+    draws: refused, not guessed, and the CPU path runs it as written."""
+    monkeypatch.setattr(tc, "_agree", {})
+    real = tc.ErasingOnTensor.draw
+    monkeypatch.setattr(tc.ErasingOnTensor, "draw", lambda self, c, h, w: [(t + 1, l, eh, ew) for t, l, eh, ew
+                                                                            in real(self, c, h, w)])
+    erase = V.RandomErasing(0.5) if which == "v1" else _timm()(0.5, device="cpu")
+    with caplog.at_level(logging.WARNING, logger="coordl.tvcompat"):
+        _refused(photos, _recipe("v1", erase), r"RandomErasing\(.*'s draws could not be made apart")
+    assert "differ from its own here" in caplog.text
+
+
+def test_analyze_recommends_decoding_on_the_gpu_for_an_erasing_recipe(photos, monkeypatch):
+    from coordl.analyze import recommend
+    from coordl.tvcompat import adapt
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    ds, _ = adapt(datasets.ImageFolder(photos, transform=_recipe("v1", V.RandomErasing(0.25), jitter=True)))
+    [rec] = recommend({"largest": "prep"}, ds)
+    assert rec["applies"] and rec["option"] == "decode='device'"
+    assert "ToTensor + Normalize + RandomErasing" in rec["why"], rec
