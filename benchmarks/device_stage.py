@@ -30,7 +30,12 @@ each apart, on the batches a real pass hands the stage:
 * ``ColorJitter``: ``ColorJitter(0.4, 0.4, 0.4, 0.1)``'s operations on a
   batch of the output size after the geometry (``coordl.device.jitter``),
   per image: the host's time, and on a GPU the device's own, in the
-  kernel and in torch's operations.
+  kernel and in torch's operations;
+* ``RandomErasing``: ``RandomErasing(0.5)``'s rectangles (torchvision's
+  default draws: half the rows, 2-33% of the image) set on a float batch
+  of the output size after the tail, one copy launch per rectangle
+  (``DecodeStage._erased``), per image: the host's time, and on a GPU the
+  device's own.
 
 Every figure is the best of ``--repeats`` runs over all captured batches,
 the GPU synchronized at both ends of each.  Run it on two checkouts in turn
@@ -330,6 +335,67 @@ def jitter_time(device: torch.device, size: int, batch: int, repeats: int) -> di
     return out
 
 
+def erase_rects(n: int, size: int, seed: int = 0) -> list:
+    """Each of ``n`` rows' rectangles as torchvision's ``RandomErasing(0.5)``
+    draws them on a ``size`` x ``size`` image (an area fraction uniform in
+    [0.02, 0.33], a log-uniform aspect ratio in [0.3, 3.3], 10 tries)."""
+    import math
+    import random
+
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        rects = []
+        if rng.random() < 0.5:
+            for _ in range(10):
+                area = size * size * rng.uniform(0.02, 0.33)
+                ratio = math.exp(rng.uniform(math.log(0.3), math.log(3.3)))
+                h, w = int(round(math.sqrt(area * ratio))), int(round(math.sqrt(area / ratio)))
+                if h < size and w < size:
+                    rects.append((rng.randint(0, size - h), rng.randint(0, size - w), h, w))
+                    break
+        out.append(rects)
+    return out
+
+
+def erase_time(device: torch.device, size: int, batch: int, repeats: int) -> dict:
+    """``RandomErasing(0.5)``'s rectangles set on a float batch of ``size``
+    x ``size`` images on the device, as the stage sets them
+    (``DecodeStage._erased``), per image: the host's time (best of
+    ``repeats``, synchronized) and, on a GPU, the device's own behind a GPU
+    sleep (as :func:`device_time`)."""
+    import types
+
+    from coordl.device import encoded as E
+    from coordl.device.decode import DecodeStage
+
+    rects = erase_rects(batch, size)
+    records = [[0] * E.INDEX + E.tail_fields(i, (), r) for i, r in enumerate(rects)]
+    stage = types.SimpleNamespace(plan=types.SimpleNamespace(erasing=types.SimpleNamespace(value=(0.0,))),
+                                  _value=None, device=device)
+    y = torch.zeros(batch, 3, size, size, device=device)
+    keep = list(range(batch))
+    DecodeStage._erased(stage, y, records, keep)         # the value on the device
+    best = float("inf")
+    for _ in range(repeats):
+        _sync(device)
+        t = time.perf_counter()
+        DecodeStage._erased(stage, y, records, keep)
+        _sync(device)
+        best = min(best, time.perf_counter() - t)
+    row = {"host_us": round(best * 1e6 / batch, 2), "rectangles": sum(map(len, rects))}
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(int(2e8))
+        start.record()
+        DecodeStage._erased(stage, y, records, keep)
+        end.record()
+        end.synchronize()
+        row["device_us"] = round(start.elapsed_time(end) * 1e3 / batch, 2)
+    return row
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--root", default=None, help="an ImageFolder of JPEGs (default: generated, ImageNet-like)")
@@ -381,6 +447,10 @@ def main(argv=None) -> int:
                       "us/image on the host" + (f", {j['device_us']:.2f} on the GPU alone" if "device_us" in j else "")
                       + ("" if all(j["exact"].values()) else f" (kinds on the CPU path's code: {j['exact']})"),
                       flush=True)
+            e = r["erasing"] = erase_time(device, size, args.batch_size, args.repeats)
+            print(f"          RandomErasing(0.5) after the tail ({e['rectangles']} rectangles in "
+                  f"{args.batch_size} rows): {e['host_us']:.2f} us/image on the host"
+                  + (f", {e['device_us']:.2f} on the GPU alone" if "device_us" in e else ""), flush=True)
     facts = {"device": str(device), "torch": torch.__version__, "cpus": os.cpu_count(),
              "batch_size": args.batch_size, "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     if args.json:

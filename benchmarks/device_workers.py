@@ -25,7 +25,11 @@ the figures are the workers' own path, per image, in these settings:
   (``RandomResizedCrop``, flip, ``ColorJitter(0.4, 0.4, 0.4)``,
   ``ToTensor``, ``Normalize``) in torchvision's ``ImageFolder``: the
   worker draws the jitter too (the device applies it), against
-  ``ColorJitter on the CPU path``: the same loader with ``decode="cpu"``.
+  ``ColorJitter on the CPU path``: the same loader with ``decode="cpu"``;
+* ``RandomErasing``: the same recipe with ``RandomErasing(0.25)`` after
+  ``Normalize`` (timm's ``re_prob=0.25``, torchvision's presets'
+  ``random_erase``): the worker draws the rectangles too (the device
+  erases), against ``RandomErasing on the CPU path``.
 
 ``files`` and ``node cache`` run twice: with the batch path (a plain
 folder's batch read and recorded at once, ``coordl.pipeline.device_batches``,
@@ -52,8 +56,9 @@ import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SETTINGS = ("files", "files, per sample", "node cache", "node cache, per sample", "in memory", "workers' share",
-            "the CPU path", "data checked", "ColorJitter", "ColorJitter on the CPU path")
-CPU_PATH = ("the CPU path", "ColorJitter on the CPU path")
+            "the CPU path", "data checked", "ColorJitter", "ColorJitter on the CPU path", "RandomErasing",
+            "RandomErasing on the CPU path")
+CPU_PATH = ("the CPU path", "ColorJitter on the CPU path", "RandomErasing on the CPU path")
 
 _CHILD = r"""
 import json, sys, time
@@ -106,14 +111,15 @@ if setting == "workers' share":        # (nearly) every sample the workers': pre
 if setting == "data checked":         # COORDL_DEVICE_CHECK_DATA: the entropy-coded data read first
     import os
     os.environ["COORDL_DEVICE_CHECK_DATA"] = "1"
-if setting.startswith("ColorJitter"):  # timm's default training recipe, through torchvision's ImageFolder
-    sys.path.insert(0, {benchmarks!r})
+if setting.startswith(("ColorJitter", "RandomErasing")):  # timm's default training recipe [+ re_prob=0.25],
+    sys.path.insert(0, {benchmarks!r})                      # through torchvision's ImageFolder
     import common
     common.torchvision()
     from torchvision import datasets, transforms as V
     ds = datasets.ImageFolder({root!r}, transform=V.Compose([
         V.RandomResizedCrop(224), V.RandomHorizontalFlip(), V.ColorJitter(0.4, 0.4, 0.4), V.ToTensor(),
-        V.Normalize([0.485, 0.456, 0.406], [0.229, 0.224, 0.225])]))
+        V.Normalize([0.485, 0.456, 0.406], [0.229, 0.224, 0.225])]
+        + ([V.RandomErasing(0.25)] if setting.startswith("RandomErasing") else [])))
 on_device = dict(device="cpu", decode="device") if setting not in {cpu_path!r} else {{}}
 L = coordl.DataLoader(ds, batch_size=batch, seed=1, shuffle=True, num_workers=1, persistent_workers=True,
                       cache_size="4GiB" if setting == "node cache" else 0, **on_device)

@@ -84,6 +84,7 @@ def test_device_stage_quick(tmp_path):
     assert r["images"] > 0 and r["finish_us"] > 0 and r["decode_bookkeeping_us"] > 0 and r["decoder_us"] > 0, r
     assert r["finish_no_launch_us"] > 0 and "the batch kernel's launch a no-op" in out, r   # RandomResizedCrop: bilinear
     assert "finish" in out and "decode bookkeeping" in out
+    assert r["erasing"]["host_us"] > 0 and r["erasing"]["rectangles"] > 0 and "RandomErasing(0.5)" in out, r
 
 
 def test_decode_thread_quick():
@@ -165,12 +166,12 @@ def test_device_workers_quick(tmp_path):
     rows = json.loads((tmp_path / "w.json").read_text())["rows"]
     assert list(rows) == ["files", "files, per sample", "node cache", "node cache, per sample", "in memory",
                           "workers' share", "the CPU path", "data checked", "ColorJitter",
-                          "ColorJitter on the CPU path"], out
+                          "ColorJitter on the CPU path", "RandomErasing", "RandomErasing on the CPU path"], out
     for name, r in rows.items():
         [run] = r["runs"]
         assert run["images"] >= 288 and run["us_per_image"] > 0, (name, run)
         assert run["batch_reads"] == (name in ("files", "node cache", "workers' share", "data checked",
-                                               "ColorJitter")), (name, run)
+                                               "ColorJitter", "RandomErasing")), (name, run)
         # the share's samples are prepared on the CPU path (the batch path hands them to the per-sample one)
         assert (run["on_cpu"] > 0) == (name == "workers' share"), (name, run)
         if name.startswith("node cache"):

@@ -283,3 +283,57 @@ def test_analyze_recommends_decoding_on_the_gpu_for_an_erasing_recipe(photos, mo
     [rec] = recommend({"largest": "prep"}, ds)
     assert rec["applies"] and rec["option"] == "decode='device'"
     assert "ToTensor + Normalize + RandomErasing" in rec["why"], rec
+
+
+class _Preset:
+    """A training preset shaped as torchvision's classification reference
+    scripts make theirs (an object that hands the image to a Compose it
+    holds): crop, flip, conversion, Normalize, RandomErasing."""
+
+    def __init__(self, size, random_erase, backend="pil"):
+        M = V2 if backend == "tensor" else V
+        steps = [M.RandomResizedCrop(size, antialias=True), M.RandomHorizontalFlip(0.5)]
+        if backend == "tensor":
+            steps += [V2.PILToTensor(), V2.ToDtype(torch.float, scale=True)]
+        else:
+            steps += [V.PILToTensor(), V.ConvertImageDtype(torch.float)]
+        steps += [M.Normalize(MEAN, STD)]
+        if random_erase > 0:
+            steps.append(M.RandomErasing(p=random_erase))
+        if backend == "tensor":
+            steps.append(V2.ToPureTensor())
+        self.transforms = M.Compose(steps)
+
+    def __call__(self, img):
+        return self.transforms(img)
+
+
+@pytest.mark.parametrize("backend", ["pil", "tensor"])
+def test_a_reference_preset_with_random_erase_runs_on_the_device(photos, cpu_device, exact, backend):
+    """Only the import changed plus the option: the preset's erasing runs on
+    the device, erasing what the CPU path erases (zeros: exactly the pixels
+    that are 0 in every channel, which no normalized pixel is with ImageNet's
+    mean), the rest within the geometry's rounding."""
+    cpu, dev, L = _pair(photos, _Preset(20, 0.5, backend), 2)
+    n = 0
+    for (a, y), (b, y2) in zip(cpu, dev):
+        m = (a == 0).all(1)
+        assert torch.equal(y, y2) and torch.equal(m, (b == 0).all(1))
+        n += int(m.flatten(1).any(1).sum())
+        keep = ~m[:, None].expand_as(a)
+        assert float(((a - b).abs() * STD255)[keep].max()) <= 1 + 1e-3
+    assert 0 < n < 20 and "RandomErasing" in L.stats().device_decode
+
+
+def test_timms_train_transform_with_re_prob_runs_on_the_device(photos, cpu_device, exact):
+    pytest.importorskip("timm", reason="timm is not installed (pip install timm)")
+    from timm.data import create_transform
+
+    tf = create_transform(20, is_training=True, re_prob=0.5, re_count=2)
+    cpu, dev, L = _pair(photos, tf, 0)
+    for (a, y), (b, y2) in zip(cpu, dev):
+        m = (a == 0).all(1)
+        assert torch.equal(y, y2) and torch.equal(m, (b == 0).all(1))
+        keep = ~m[:, None].expand_as(a)
+        assert float(((a - b).abs() * STD255)[keep].max()) <= 8 + 1e-3
+    assert "ColorJitter" in L.stats().device_decode and "RandomErasing" in L.stats().device_decode

@@ -268,8 +268,8 @@ class DecodeStage:
         """``y`` (the path's final batch) with each row's ``RandomErasing``
         rectangles (its record's, :func:`.encoded.rects_of`) set to the
         erasing's value, as torchvision's ``erase`` sets them (a float32
-        value per channel, copied): one launch per rectangle, a quarter of
-        the rows at torchvision's default ``p``."""
+        value per channel, copied): one launch per rectangle (at
+        torchvision's default ``p=0.5``, half the rows have one)."""
         if self.plan.erasing is None:
             return y
         for j, r in enumerate(keep):

@@ -220,10 +220,11 @@ class DecodePlan:
     def after_for_seeds(self, seeds) -> list:
         """:meth:`draw_after` of samples given the seeds of torch's and
         Python's generators for their as-written steps (the pairs of
-        ``coordl._rng.global_seeds``; Python's may be None where nothing
-        draws from it: torchvision's ``ColorJitter`` and ``RandomErasing``
-        draw from torch's alone).  The generators' states are saved once for
-        them all and restored after."""
+        ``coordl._rng.global_seeds``).  torch's generator's state is saved
+        once for them all and restored after; Python's is seeded (and saved
+        and restored) only where a step draws from it (:attr:`python_draws`:
+        torchvision's ``ColorJitter`` and ``RandomErasing`` draw from
+        torch's alone)."""
         cpu = torch.default_generator
         python = self.python_draws
         state, py_state = cpu.get_state(), random.getstate() if python else None

@@ -111,7 +111,7 @@ def native_draws(plan):
             ok = _agrees(plan, draws)
         except ValueError:      # an extension built from another version of its source
             ok = False
-        ok = _CHECKED[key] = ok
+        _CHECKED[key] = ok
         if not ok:
             logging.getLogger(__name__).debug("coordl.decode._draws differs from Python's draws for %r: "
                                               "the draws are made in Python", plan)
