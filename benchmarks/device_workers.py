@@ -29,7 +29,12 @@ the figures are the workers' own path, per image, in these settings:
 * ``RandomErasing``: the same recipe with ``RandomErasing(0.25)`` after
   ``Normalize`` (timm's ``re_prob=0.25``, torchvision's presets'
   ``random_erase``): the worker draws the rectangles too (the device
-  erases), against ``RandomErasing on the CPU path``.
+  erases), against ``RandomErasing on the CPU path``;
+* ``ColorJitter to the device``: the ``ColorJitter`` recipe with
+  ``decode="cpu"`` and ``device="cpu"`` (the CPU standing in for the
+  device): the device split, the workers stopping at the uint8 image
+  after the jitter, against ``ColorJitter on the CPU path`` (float32 made
+  in the worker).
 
 ``files`` and ``node cache`` run twice: with the batch path (a plain
 folder's batch read and recorded at once, ``coordl.pipeline.device_batches``,
@@ -57,7 +62,7 @@ import tempfile
 HERE = os.path.dirname(os.path.abspath(__file__))
 SETTINGS = ("files", "files, per sample", "node cache", "node cache, per sample", "in memory", "workers' share",
             "the CPU path", "data checked", "ColorJitter", "ColorJitter on the CPU path", "RandomErasing",
-            "RandomErasing on the CPU path")
+            "RandomErasing on the CPU path", "ColorJitter to the device")
 CPU_PATH = ("the CPU path", "ColorJitter on the CPU path", "RandomErasing on the CPU path")
 
 _CHILD = r"""
@@ -121,6 +126,8 @@ if setting.startswith(("ColorJitter", "RandomErasing")):  # timm's default train
         V.Normalize([0.485, 0.456, 0.406], [0.229, 0.224, 0.225])]
         + ([V.RandomErasing(0.25)] if setting.startswith("RandomErasing") else [])))
 on_device = dict(device="cpu", decode="device") if setting not in {cpu_path!r} else {{}}
+if setting == "ColorJitter to the device":     # decode="cpu", the device split (the CPU standing in)
+    on_device = dict(device="cpu")
 L = coordl.DataLoader(ds, batch_size=batch, seed=1, shuffle=True, num_workers=1, persistent_workers=True,
                       cache_size="4GiB" if setting == "node cache" else 0, **on_device)
 for _ in L:      # an epoch: the worker warm, the node cache filled
@@ -144,7 +151,7 @@ st = L.stats().epochs[-1]
 print("RESULT", json.dumps({{"us_per_image": (k1 - k0) / n * 1e6, "images_per_s": n / (t1 - t0), "images": n,
                             "from_cache": st.samples_from_cache, "from_storage": st.samples_from_storage,
                             "batch_reads": L._mode.pool.worker_stats()[0].get("batch_reads", 0),
-                            "on_cpu": L.stats().device_decode_cpu_images}}))
+                            "on_cpu": L.stats().device_decode_cpu_images, "device_split": L.stats().device_split}}))
 """
 
 

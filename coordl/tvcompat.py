@@ -197,9 +197,11 @@ class TorchvisionPipeline:
             x = t(x)
         return x
 
-    def _converted(self, x: Any, run_tail) -> Any:
+    def _converted(self, x: Any, run_tail, split: bool = False) -> Any:
         """``x`` (the fused part's result) through ``tail`` (by ``run_tail``)
-        and ``post``."""
+        and ``post``; with ``split`` (:meth:`split_refusal` None), the uint8
+        RGB planes ``post`` would convert where the tail gives an RGB image,
+        the device split's ``ToTensor`` and ``Normalize`` left to do."""
         planes = False
         if self.fused is not None:
             if self.to_pil:
@@ -212,6 +214,11 @@ class TorchvisionPipeline:
                 x = x.as_subclass(self.image_type)
         if self.tail:
             x, planes = run_tail(x, planes)
+        if split:
+            if not planes and isinstance(x, Image.Image) and x.mode == "RGB":
+                x, planes = T._to_chw(x), True
+            if planes and x.shape[0] == 3:
+                return x
         if planes:
             if self.post and self.post_fused is not None:
                 x = T._convert(x, self.post_fused.transforms, False, _ext())
@@ -220,6 +227,29 @@ class TorchvisionPipeline:
         if self.post:
             x = self._run_post(x)
         return x
+
+    def split_refusal(self) -> str | None:
+        """Why the device split (``coordl.device.split``) cannot stop this
+        pipeline at the uint8 image its conversion scales, or None where it
+        can: the user's as-written steps get the fused part's image, and
+        what follows them is coordl's ``ToTensor`` then ``Normalize``s, the
+        last steps (the device tail's)."""
+        if self.fused is None or not self.to_pil:
+            return "the steps run as written get a tensor, not the decoded image"
+        if self.erase is not None:
+            return f"{_name(self.erase.user)} follows the conversion"
+        steps = self.post_fused.transforms if self.post_fused is not None else ()
+        if not steps or type(steps[0]) is not T.ToTensor or self.post_type is not None or any(
+                type(t) is not T.Normalize for t in steps[1:]):
+            return "the steps after the ones run as written are not ToTensor() and Normalize()s"
+        return None
+
+    def split_rest(self, x: Any) -> Any:
+        """For the device split (:meth:`split_refusal` None): ``x``, the fused
+        part's result, through the steps run as written: the uint8 RGB
+        planes the conversion would scale, or where the steps gave another
+        image (a mode L), the CPU path's whole result."""
+        return self._converted(x, self._run_tail, split=True)
 
     def _run_steps(self, x: Any, planes: bool) -> tuple[Any, bool]:
         for t in self.tail:

@@ -370,3 +370,95 @@ def test_a_batch_that_leaves_the_in_place_layout_collates_as_torch():
     got = list(coordl.DataLoader(OddRow(), batch_size=4))
     assert len(got) == len(want) == 2
     assert all(_same(a, b) for a, b in zip(got, want))
+
+
+# ------------------------------------------- torchvision recipes with steps run as written
+def _tv():
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from _torchvision import import_torchvision
+
+    tv = import_torchvision()
+    if tv is None:
+        pytest.skip("torchvision is not installed (pip install coordl[test])")
+    return tv
+
+
+MEAN, STD = [0.485, 0.456, 0.406], [0.229, 0.224, 0.225]
+
+
+def _recipe(kind):
+    _tv()
+    from torchvision import transforms as V
+    from torchvision.transforms import v2 as V2
+
+    if kind == "v1 ColorJitter":         # timm's default training recipe, written with torchvision's steps
+        return V.Compose([V.RandomResizedCrop(16), V.RandomHorizontalFlip(), V.ColorJitter(0.4, 0.4, 0.4),
+                          V.ToTensor(), V.Normalize(MEAN, STD)])
+    if kind == "v2 ColorJitter":
+        return V2.Compose([V2.RandomResizedCrop(16), V2.RandomHorizontalFlip(), V2.ColorJitter(0.4, 0.4, 0.4, 0.1),
+                           V2.ToImage(), V2.ToDtype(torch.float32, scale=True), V2.Normalize(MEAN, STD),
+                           V2.ToPureTensor()])
+    if kind == "TrivialAugmentWide":     # a policy run as written on the PIL image
+        return V.Compose([V.RandomResizedCrop(16), V.TrivialAugmentWide(), V.PILToTensor(),
+                          V.ConvertImageDtype(torch.float32), V.Normalize(MEAN, STD)])
+    if kind == "RandomGrayscale":       # another step run as written, on the PIL image (3 channels kept)
+        return V.Compose([V.RandomResizedCrop(16), V.RandomGrayscale(0.5), V.ToTensor(), V.Normalize(MEAN, STD)])
+    raise AssertionError(kind)
+
+
+@pytest.mark.parametrize("kind,workers", [("v1 ColorJitter", 0), ("v2 ColorJitter", 2), ("TrivialAugmentWide", 2),
+                                          ("RandomGrayscale", 0)])
+def test_a_torchvision_recipe_with_steps_run_as_written_is_split(photos, cpu_device, kind, workers):
+    """torchvision's ImageFolder with a ColorJitter (timm's default training
+    recipe), or an auto-augment policy, between the fused crop and the
+    conversion: the workers stop at the uint8 image after those steps (a
+    quarter of the bytes travel) and the device converts; the batches are
+    the CPU path's, bit for bit."""
+    _tv()
+    from torchvision import datasets
+
+    ds = datasets.ImageFolder(photos, transform=_recipe(kind))
+    plain, got, L = _both(ds, num_workers=workers)
+    assert len(got) == len(plain) == 3
+    for a, b in zip(got, plain):
+        assert _same(a, b), kind
+    st = L.stats()
+    assert st.device_split.startswith("split: uint8 images travel after the steps run as written"), st.device_split
+    assert L._delivery is not None and L._delivery.k == 3 and st.device_split_cpu_samples == 0
+
+
+def test_what_follows_the_conversion_keeps_a_recipe_unsplit(photos, cpu_device):
+    """A RandomErasing after Normalize (it must see the converted image), or
+    a v2 pipeline that delivers tv_tensors.Image: converted on the CPU, with
+    the reason in stats()."""
+    _tv()
+    from torchvision import datasets
+    from torchvision import transforms as V
+    from torchvision.transforms import v2 as V2
+
+    for tf, why in [
+        (V.Compose([V.RandomResizedCrop(16), V.ColorJitter(0.4), V.ToTensor(), V.Normalize(MEAN, STD),
+                    V.RandomErasing(0.5)]), "RandomErasing follows the conversion"),
+        (V2.Compose([V2.RandomResizedCrop(16), V2.ColorJitter(0.4), V2.ToImage(), V2.ToDtype(torch.float32, scale=True)]),
+         "are not ToTensor() and Normalize()s"),
+    ]:
+        plain, got, L = _both(datasets.ImageFolder(photos, transform=tf))
+        assert all(_same(a, b) for a, b in zip(got, plain))
+        assert L.stats().device_split.startswith("not split") and why in L.stats().device_split, L.stats().device_split
+
+
+def test_a_one_channel_image_after_the_steps_is_converted_on_the_cpu(photos, cpu_device):
+    """Where the steps run as written give a mode L image, the workers
+    convert it as the CPU path does (the split carries RGB planes)."""
+    _tv()
+    from torchvision import datasets
+    from torchvision import transforms as V
+
+    tf = V.Compose([V.RandomResizedCrop(16), V.RandomApply([V.Grayscale(1)], p=1.0), V.ToTensor(),
+                    V.Normalize([0.5], [0.2])])
+    plain, got, L = _both(datasets.ImageFolder(photos, transform=tf))
+    assert len(got) == 3 and all(_same(a, b) for a, b in zip(got, plain))
+    assert got[0][0].shape[1] == 1 and L.stats().device_split.startswith("split")

@@ -317,6 +317,69 @@ class SplitPrep:
         return sample
 
 
+def _split_pipeline(dataset, tf, device, no) -> Split:
+    """:func:`split_for_device` of a translated torchvision transform
+    (``coordl.tvcompat.TorchvisionPipeline``) whose steps run as written (a
+    ``ColorJitter``, ``AugMix``, an auto-augment policy...) come before
+    coordl's ``ToTensor`` and ``Normalize``s: the workers stop at the uint8
+    image, as for a ``Compose``."""
+    why = tf.split_refusal()
+    if why is not None:
+        return no(why)
+    if torch.get_default_dtype() != torch.float32:
+        return no("torch's default dtype is not float32")
+    normalizes = list(tf.post_fused.transforms[1:])
+    try:
+        tail = DeviceTail(normalizes)
+    except ValueError as e:
+        return no(str(e))
+    mine = copy.copy(dataset)
+    mine.transform = _SplitPipeline(tf)
+    where = str(device) if device is not None else "the device"
+    return Split(SplitPrep(dataset, mine, DeviceTail(tail.normalizes)), tail,
+                 f"split: uint8 images travel after the steps run as written; ToTensor's scaling and "
+                 f"{len(normalizes)} Normalize run on {where}")
+
+
+class _SplitPipeline:
+    """:class:`_SplitCompose` for a translated torchvision pipeline
+    (:func:`_split_pipeline`): its fused part, then its as-written steps,
+    ending in the uint8 image its conversion would scale
+    (``TorchvisionPipeline.split_rest``).  Outside ``SplitPrep.prep`` it is
+    the whole pipeline."""
+
+    def __init__(self, full) -> None:
+        self.full = full
+
+    def __call__(self, img):
+        cap = getattr(_local, "capture", None)
+        if cap is None:
+            return self.full(img)
+        return self._marked(self.full.split_rest(self.full.fused(img)), cap)
+
+    def from_bytes(self, raw):
+        cap = getattr(_local, "capture", None)
+        if cap is None:
+            return self.full.from_bytes(raw)
+        x = self.full.fused.from_bytes(raw)
+        if x is NotImplemented:
+            from ..datasets import pil_decode
+
+            return self(pil_decode(raw))
+        return self._marked(self.full.split_rest(x), cap)
+
+    @staticmethod
+    def _marked(x, cap: list):
+        # the uint8 planes are the device's to convert; anything else is the CPU path's result already
+        return _mark(x, cap) if isinstance(x, torch.Tensor) and x.dtype == torch.uint8 else x
+
+    def spec(self):
+        return self.full.spec()
+
+    def __repr__(self) -> str:
+        return f"split({self.full!r})"
+
+
 class Split:
     """The device split of one pass: ``dataset`` is what the pipeline
     prepares (a :class:`SplitPrep`, a ``DecodePrep``, or the user's
@@ -343,6 +406,8 @@ def split_for_device(dataset, device=None) -> Split:
         return Split(dataset, None, f"not split ({why}): images are converted on the CPU")
 
     tf = getattr(dataset, "transform", None)
+    if type(tf).__name__ == "TorchvisionPipeline":     # a translated torchvision transform (coordl.tvcompat)
+        return _split_pipeline(dataset, tf, device, no)
     if type(tf) is not T.Compose:
         return no("the dataset's transform is not a coordl.transforms.Compose")
     ts = list(tf.transforms)
