@@ -14,6 +14,7 @@ import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
+from _batch_reads import check_batch_reads_and_resume  # noqa: E402
 from _torchvision import import_torchvision  # noqa: E402
 
 if import_torchvision() is None:
@@ -27,7 +28,6 @@ import coordl  # noqa: E402
 import coordl.tvcompat as tc  # noqa: E402
 from coordl import _rng  # noqa: E402
 from coordl.device import encoded as E  # noqa: E402
-from coordl.pipeline import device_batches as BR  # noqa: E402
 
 MEAN, STD = [0.485, 0.456, 0.406], [0.229, 0.224, 0.225]
 STD255 = torch.tensor(STD).view(1, 3, 1, 1) * 255
@@ -201,35 +201,9 @@ def test_batch_reads_and_resume_give_the_per_sample_paths_batches(photos, cpu_de
     for timm's erasing) give the per-sample path's batches; a resumed pass
     the rest of the whole pass's."""
     tf = _recipe("v1", _timm()(0.7, max_count=2, device="cpu"), jitter=True, size=16)
-    ds = datasets.ImageFolder(photos, transform=tf)
-    kw = dict(batch_size=3, seed=11, shuffle=True, num_workers=1, persistent_workers=True, device="cpu",
-              decode="device")
-    runs = {}
-    for flag in (True, False):
-        old, BR.ENABLED = BR.ENABLED, flag
-        try:
-            L = coordl.DataLoader(ds, **kw)
-            L.set_epoch(1)
-            runs[flag] = list(L)
-            assert {s["batch_reads"] for s in L._mode.pool.worker_stats()} == {flag}
-            del L
-        finally:
-            BR.ENABLED = old
-    assert any((a == 0).all(1).any() for a, _ in runs[True])
-    for (a, y), (b, y2) in zip(runs[True], runs[False]):
-        assert torch.equal(a, b) and torch.equal(y, y2)
-    L = coordl.DataLoader(ds, **kw)
-    L.set_epoch(1)
-    it = iter(L)
-    first = [next(it) for _ in range(2)]
-    state = L.state_dict()
-    del it, L
-    R = coordl.DataLoader(ds, **kw)
-    R.load_state_dict(state)
-    got = first + list(R)
-    assert len(got) == len(runs[True]) == 7
-    for (a, y), (b, y2) in zip(got, runs[True]):
-        assert torch.equal(a, b) and torch.equal(y, y2)
+    runs = check_batch_reads_and_resume(datasets.ImageFolder(photos, transform=tf), batch_size=3, seed=11,
+                                        shuffle=True, device="cpu", decode="device")
+    assert len(runs) == 7 and any((a == 0).all(1).any() for a, _ in runs)
 
 
 # ---------------------------------------------------------------- refusals
