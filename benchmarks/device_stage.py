@@ -33,9 +33,10 @@ each apart, on the batches a real pass hands the stage:
   kernel and in torch's operations;
 * ``RandomErasing``: ``RandomErasing(0.5)``'s rectangles (torchvision's
   default draws: half the rows, 2-33% of the image) set on a float batch
-  of the output size after the tail, one copy launch per rectangle
-  (``DecodeStage._erased``), per image: the host's time, and on a GPU the
-  device's own.
+  of the output size after the tail (``DecodeStage._erased``), a copy
+  per rectangle and through the batch's mask (the stage's way on a GPU
+  for more than ``FEW_RECTS``), per image: the host's time, and on a GPU
+  the device's own.
 
 Every figure is the best of ``--repeats`` runs over all captured batches,
 the GPU synchronized at both ends of each.  Run it on two checkouts in turn
@@ -361,9 +362,24 @@ def erase_rects(n: int, size: int, seed: int = 0) -> list:
 def erase_time(device: torch.device, size: int, batch: int, repeats: int) -> dict:
     """``RandomErasing(0.5)``'s rectangles set on a float batch of ``size``
     x ``size`` images on the device, as the stage sets them
-    (``DecodeStage._erased``), per image: the host's time (best of
-    ``repeats``, synchronized) and, on a GPU, the device's own behind a GPU
-    sleep (as :func:`device_time`)."""
+    (``DecodeStage._erased``), a copy per rectangle and through the mask:
+    ``{way: figures}``, per image: the host's time (best of ``repeats``,
+    synchronized) and, on a GPU, the device's own behind a GPU sleep (as
+    :func:`device_time`)."""
+    from coordl.device import decode as DD
+
+    out = {}
+    kept = DD.FEW_RECTS, DD.MASK_DEVICES
+    try:
+        for way, few, on in (("a copy per rectangle", 10 ** 9, ()), ("the mask", 0, (device.type,))):
+            DD.FEW_RECTS, DD.MASK_DEVICES = few, on
+            out[way] = _erase_time(device, size, batch, repeats)
+    finally:
+        DD.FEW_RECTS, DD.MASK_DEVICES = kept
+    return out
+
+
+def _erase_time(device: torch.device, size: int, batch: int, repeats: int) -> dict:
     import types
 
     from coordl.device import encoded as E
@@ -447,10 +463,11 @@ def main(argv=None) -> int:
                       "us/image on the host" + (f", {j['device_us']:.2f} on the GPU alone" if "device_us" in j else "")
                       + ("" if all(j["exact"].values()) else f" (kinds on the CPU path's code: {j['exact']})"),
                       flush=True)
-            e = r["erasing"] = erase_time(device, size, args.batch_size, args.repeats)
-            print(f"          RandomErasing(0.5) after the tail ({e['rectangles']} rectangles in "
-                  f"{args.batch_size} rows): {e['host_us']:.2f} us/image on the host"
-                  + (f", {e['device_us']:.2f} on the GPU alone" if "device_us" in e else ""), flush=True)
+            r["erasing"] = erase_time(device, size, args.batch_size, args.repeats)
+            for way, e in r["erasing"].items():
+                print(f"          RandomErasing(0.5) after the tail ({e['rectangles']} rectangles in "
+                      f"{args.batch_size} rows), {way}: {e['host_us']:.2f} us/image on the host"
+                      + (f", {e['device_us']:.2f} on the GPU alone" if "device_us" in e else ""), flush=True)
     facts = {"device": str(device), "torch": torch.__version__, "cpus": os.cpu_count(),
              "batch_size": args.batch_size, "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     if args.json:
