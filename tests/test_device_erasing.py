@@ -14,6 +14,7 @@ import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
+import _erase_cases as erase_cases  # noqa: E402
 from _batch_reads import check_batch_reads_and_resume  # noqa: E402
 from _torchvision import import_torchvision  # noqa: E402
 
@@ -316,38 +317,20 @@ def test_timms_train_transform_with_re_prob_runs_on_the_device(photos, cpu_devic
 @pytest.mark.parametrize("value", [(0.0,), ODD])
 def test_the_stages_mask_erases_what_one_copy_per_rectangle_erases(monkeypatch, value):
     """Many rectangles in a batch (up to 4 a row, overlapping, at the
-    edges): the mask and masked fills the stage uses for them set exactly
-    the pixels, to exactly the value, that torchvision's erase of each
-    rectangle in turn sets."""
-    import random
-    import types
-
+    edges): the mask and masked fills the stage uses for them on a GPU set
+    exactly the pixels, to exactly the value, that torchvision's erase of
+    each rectangle in turn sets; so does a copy per rectangle."""
     from coordl.device import decode as DD
 
-    rnd = random.Random(5)
-    b, h, w = 9, 13, 17
-    records, want = [], torch.randn(b, 3, h, w)
-    y = want.clone()
-    v = torch.tensor(value, dtype=torch.float32).view(-1, 1, 1)
-    for i in range(b):
-        rects = []
-        for _ in range(rnd.choice([0, 1, 1, 2, 4])):
-            eh, ew = rnd.randint(1, h - 1), rnd.randint(1, w - 1)
-            rects.append((rnd.randint(0, h - eh), rnd.randint(0, w - ew), eh, ew))
-        records.append([0] * E.INDEX + E.tail_fields(i, (), rects))
-        for t, l, eh, ew in rects:
-            want[i, :, t:t + eh, l:l + ew] = v
-    stage = types.SimpleNamespace(plan=types.SimpleNamespace(erasing=types.SimpleNamespace(value=value)),
-                                  _value=None, device=torch.device("cpu"))
-    keep = list(range(b))
+    y, records, want = erase_cases.case(value)
+    st = erase_cases.stage(value, torch.device("cpu"))
+    keep = list(range(len(y)))
     monkeypatch.setattr(DD, "MASK_DEVICES", ("cuda", "cpu"))     # the GPU's way, on the CPU
     for few in (0, 1000):       # the mask, then a copy per rectangle
         monkeypatch.setattr(DD, "FEW_RECTS", few)
-        stage._value = None
-        got = DD.DecodeStage._erased(stage, y.clone(), records, keep)
-        assert torch.equal(got, want), few
+        st._value = None
+        assert torch.equal(DD.DecodeStage._erased(st, y.clone(), records, keep), want), few
     # rows kept out of order (a skipped sample): the records are read through keep
     keep = [0, 2, 3, 5]
     monkeypatch.setattr(DD, "FEW_RECTS", 0)
-    got = DD.DecodeStage._erased(stage, y[keep].clone(), records, keep)
-    assert torch.equal(got, want[keep])
+    assert torch.equal(DD.DecodeStage._erased(st, y[keep].clone(), records, keep), want[keep])
