@@ -413,11 +413,13 @@ class DataLoader(_TorchDataLoader[_T_co]):
                 f"decode='device' runs in coordl's pipeline (a two-stage dataset such as coordl.ImageFolder or "
                 f"torchvision's ImageFolder, read in coordl's epoch plan), but this loader cannot use it: {why}. "
                 "Use decode='cpu'")
-        if not is_default_collate(self.collate_fn) or self.batch_size is None:
+        if not is_default_collate(self.collate_fn) or not self._auto_collation:
+            got = (f"collate_fn={self.collate_fn!r}" if self._auto_collation else
+                   "batch_size=None (samples one by one, not collated)")
             raise ValueError(
-                "decode='device' needs torch's default collation with a batch_size (the device stage stacks "
-                f"the images of a batch), but got collate_fn={self.collate_fn!r}, batch_size={self.batch_size!r}; "
-                "use decode='cpu' with a collate_fn of your own")
+                "decode='device' needs torch's default collation of batches (a batch_size or a batch_sampler: the "
+                f"device stage stacks the images of a batch), but got {got}; use decode='cpu' with a collate_fn "
+                "of your own")
         plan_for(getattr(dataset, "transform", None))
         # nvImageCodec's CPU threads: as many as the loader's workers unless COORDL_DEVICE_DECODER_THREADS says
         self._decoder = decoder_for(self._device, cpu_threads=decoder_threads(self.num_workers))
@@ -733,7 +735,7 @@ class DataLoader(_TorchDataLoader[_T_co]):
             elif type(self._mode) is not PipelineMode:
                 split = _dev.Split(self.dataset, None, "not split (share=True: the node daemon prepares "
                                                        "samples whole): images are converted on the CPU")
-            elif not is_default_collate(self.collate_fn) or self.batch_size is None:
+            elif not is_default_collate(self.collate_fn) or not self._auto_collation:
                 split = _dev.Split(self.dataset, None, "not split (a collate_fn or batch_size=None: where the "
                                                        "images land is unknown): images are converted on the CPU")
             elif self._decode == "device":
@@ -944,7 +946,7 @@ class DataLoader(_TorchDataLoader[_T_co]):
         return gens
 
     def _count_samples(self, batch) -> int:
-        if self.batch_size is None:
+        if not self._auto_collation:     # batch_size=None without a batch_sampler: samples one by one
             return 1
         t = _first_tensor(batch)
         if t is not None:

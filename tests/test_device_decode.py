@@ -630,10 +630,25 @@ def test_combinations_the_stage_cannot_serve_are_refused(photos, cpu_device, mon
     assert len(by_sampler) == len(in_order) and all(torch.equal(a[0], b[0]) for a, b in zip(by_sampler, in_order))
     with pytest.raises(ValueError, match=r"has no raw/prep"):
         coordl.DataLoader(torch.utils.data.TensorDataset(torch.zeros(4, 3)), **kw)
-    with pytest.raises(ValueError, match=r"default collation with a batch_size"):
+    with pytest.raises(ValueError, match=r"default collation of batches"):
         coordl.DataLoader(ds, collate_fn=lambda b: b, **kw)
-    with pytest.raises(ValueError, match=r"default collation with a batch_size"):
+    with pytest.raises(ValueError, match=r"default collation of batches"):
         coordl.DataLoader(ds, device="cpu", decode="device", batch_size=None)
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_batch_sampler_is_served(photos, cpu_device, exact, workers):
+    """A batch_sampler (torch then has batch_size=None, its batches collated
+    by default_collate, of any size): the device stage serves its batches,
+    each the CPU path's batch up to the resize's rounding."""
+    ds = coordl.ImageFolder(photos, _rrc())
+    batches = [[3, 1, 4], [15, 9, 2, 6, 5], [0], [7, 8]]
+    cpu, dev, L = _pairs(ds, workers, batch_size=1, shuffle=False, batch_sampler=batches)
+    assert [len(y) for _, y in dev] == [3, 5, 1, 2]
+    for (a, y), (b, y2) in zip(cpu, dev):
+        assert torch.equal(y, y2) and a.shape == b.shape
+        assert float(_levels(a, b).max()) <= 1 + 1e-3
+    assert L.stats().device_decode_images == 11
 
 
 def test_the_cuda_decoder_is_named_when_missing(monkeypatch):

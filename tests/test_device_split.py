@@ -462,3 +462,18 @@ def test_a_one_channel_image_after_the_steps_is_converted_on_the_cpu(photos, cpu
     plain, got, L = _both(datasets.ImageFolder(photos, transform=tf))
     assert len(got) == 3 and all(_same(a, b) for a, b in zip(got, plain))
     assert got[0][0].shape[1] == 1 and L.stats().device_split.startswith("split")
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_batch_sampler_is_split(photos, cpu_device, workers):
+    """A batch_sampler (batch_size=None, default collation, batches of any
+    size): uint8 travels and the batches are the CPU path's."""
+    ds = Structured(photos, _tf(), "dict")
+    batches = [[3, 1, 4], [11, 9, 2, 6, 5], [0]]
+    kw = dict(batch_sampler=batches, seed=5, num_workers=workers)
+    plain = list(coordl.DataLoader(ds, **kw))
+    L = coordl.DataLoader(ds, device="cpu", **kw)
+    got = list(L)
+    assert [len(b["label"]) for b in got] == [3, 5, 1]
+    assert all(_same(a, b) for a, b in zip(got, plain))
+    assert L.stats().device_split.startswith("split")

@@ -455,3 +455,16 @@ def test_an_unpicklable_dataset_under_spawn_names_the_remedy():
     with pytest.raises(Exception, match="pickle") as ei:
         list(L)
     assert "with def at module level (or as a class with __call__)" in "\n".join(ei.value.__notes__)
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_stats_count_the_samples_of_a_batch_samplers_batches(num_workers):
+    """With a batch_sampler torch's batch_size is None, but its batches are
+    collated: stats() counts their samples, not one per batch (as with
+    batch_size=None, where each sample comes alone)."""
+    batches = [[0, 1, 2], [3, 4, 5, 6], [7]]
+    L = DataLoader(Plain(12), batch_sampler=batches, num_workers=num_workers)
+    assert [len(b) for b in L] == [3, 4, 1]
+    assert L.stats().samples == 8 and L.stats().batches == 3
+    L = DataLoader(Plain(5), batch_size=None, num_workers=num_workers)
+    assert len(list(L)) == 5 and L.stats().samples == 5
