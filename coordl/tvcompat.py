@@ -36,7 +36,10 @@ The rules (docs/guide/torchvision.md gives them with the measured tolerances):
   PIL image when the user's pipeline had not converted to a tensor yet, else
   the tensor (a ``tv_tensors.Image`` after ``ToImage``).  Its random draws
   come from torch's and Python's generators seeded from the sample's own
-  generator, so they too depend on (seed, epoch, index) only.
+  generator, so they too depend on (seed, epoch, index) only.  A
+  constant-value ``RandomErasing`` that is the last step to draw is kept
+  apart (``TorchvisionPipeline.erase``): it runs as written, in the same
+  seeded scope, after the steps before it, whose conversion stays coordl's.
 * Anything coordl cannot prove equivalent stays on torch's machinery: a
   torchvision dataset that is not a folder, a subclass overriding
   ``__getitem__``/``__len__``, a loader other than torchvision's
