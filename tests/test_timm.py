@@ -211,3 +211,47 @@ def test_timm_train_through_the_loader_is_timms_own_result_for_the_same_draws(od
             want = norm(to_tensor(cj(img)))
             assert torch.equal(x[i], want), (epoch, path, float((x[i] - want).abs().max()))
             assert y[i] == target
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_timm_train_with_re_prob_is_timms_own_result_for_the_same_draws(odd_photos, num_workers):
+    """timm's train transform with its RandomErasing (``re_prob``, up to two
+    rectangles, after Normalize): the conversion before it stays coordl's,
+    and each sample is what timm's and torchvision's own transforms give on
+    PIL's decode for the same draws (crop box and flip, then torch's seed for
+    ColorJitter and Python's for the erasing)."""
+    import random
+
+    from torchvision.datasets.folder import pil_loader
+    from torchvision.transforms import functional as F
+
+    from coordl.decode.ops import _draw_box
+
+    tf = create_transform(40, is_training=True, re_prob=0.6, re_count=2)
+    rrc, flip, cj, to_tensor, norm, erase = tf.transforms
+    assert type(erase).__name__ == "RandomErasing"
+    ds = D.ImageFolder(odd_photos, transform=tf)
+    L = coordl.DataLoader(ds, batch_size=len(ds), shuffle=False, seed=3, num_workers=num_workers)
+    out = translate(tf)[0]
+    assert out.erase is not None and out.erase.user is erase and out.post_fused is not None
+    ours = out.fused.transforms[0]
+    (x, y), = list(L)
+    erased = 0
+    for i, (path, target) in enumerate(ds.samples):
+        g = _rng.derive(3, 0, i)
+        pil = pil_loader(path)
+        box = _draw_box(pil.height, pil.width, ours.scale, ours.ratio, g)
+        img = F.resized_crop(pil, *box, list(rrc.size), rrc.interpolation)
+        if g.random() < flip.p:
+            img = F.hflip(img)
+        torch.manual_seed(g.getrandbits(63))
+        state = random.getstate()
+        random.seed(g.getrandbits(63))
+        try:
+            want = erase(norm(to_tensor(cj(img))))
+        finally:
+            random.setstate(state)
+        assert torch.equal(x[i], want), (path, float((x[i] - want).abs().max()))
+        erased += bool((want == 0).all(0).any())
+        assert y[i] == target
+    assert 0 < erased < len(ds)
