@@ -33,10 +33,10 @@ each apart, on the batches a real pass hands the stage:
   kernel and in torch's operations;
 * ``RandomErasing``: ``RandomErasing(0.5)``'s rectangles (torchvision's
   default draws: half the rows, 2-33% of the image) set on a float batch
-  of the output size after the tail (``DecodeStage._erased``), a copy
-  per rectangle and through the batch's mask (the stage's way on a GPU
-  for more than ``FEW_RECTS``), per image: the host's time, and on a GPU
-  the device's own.
+  of the output size after the tail (``coordl.device.erase``), a copy
+  per rectangle and through the batch's mask (the way on a GPU for more
+  than ``FEW_RECTS``), per image: the host's time, and on a GPU the
+  device's own.
 
 Every figure is the best of ``--repeats`` runs over all captured batches,
 the GPU synchronized at both ends of each.  Run it on two checkouts in turn
@@ -361,55 +361,41 @@ def erase_rects(n: int, size: int, seed: int = 0) -> list:
 
 def erase_time(device: torch.device, size: int, batch: int, repeats: int) -> dict:
     """``RandomErasing(0.5)``'s rectangles set on a float batch of ``size``
-    x ``size`` images on the device, as the stage sets them
-    (``DecodeStage._erased``), a copy per rectangle and through the mask:
-    ``{way: figures}``, per image: the host's time (best of ``repeats``,
-    synchronized) and, on a GPU, the device's own behind a GPU sleep (as
-    :func:`device_time`)."""
-    from coordl.device import decode as DD
+    x ``size`` images on the device (``coordl.device.erase``), a copy per
+    rectangle and through the mask: ``{way: figures}``, per image: the
+    host's time (best of ``repeats``, synchronized) and, on a GPU, the
+    device's own behind a GPU sleep (as :func:`device_time`)."""
+    from coordl.device import erase as ER
 
+    rows = erase_rects(batch, size)
+    y = torch.zeros(batch, 3, size, size, device=device)
+    value = ER.value_on((0.0,), device)
     out = {}
-    kept = DD.FEW_RECTS, DD.MASK_DEVICES
+    kept = ER.FEW_RECTS, ER.MASK_DEVICES
     try:
         for way, few, on in (("a copy per rectangle", 10 ** 9, ()), ("the mask", 0, (device.type,))):
-            DD.FEW_RECTS, DD.MASK_DEVICES = few, on
-            out[way] = _erase_time(device, size, batch, repeats)
+            ER.FEW_RECTS, ER.MASK_DEVICES = few, on
+            ER.erase_rows(y, rows, value)        # warm
+            best = float("inf")
+            for _ in range(repeats):
+                _sync(device)
+                t = time.perf_counter()
+                ER.erase_rows(y, rows, value)
+                _sync(device)
+                best = min(best, time.perf_counter() - t)
+            row = out[way] = {"host_us": round(best * 1e6 / batch, 2), "rectangles": sum(map(len, rows))}
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                torch.cuda._sleep(int(2e8))
+                start.record()
+                ER.erase_rows(y, rows, value)
+                end.record()
+                end.synchronize()
+                row["device_us"] = round(start.elapsed_time(end) * 1e3 / batch, 2)
     finally:
-        DD.FEW_RECTS, DD.MASK_DEVICES = kept
+        ER.FEW_RECTS, ER.MASK_DEVICES = kept
     return out
-
-
-def _erase_time(device: torch.device, size: int, batch: int, repeats: int) -> dict:
-    import types
-
-    from coordl.device import encoded as E
-    from coordl.device.decode import DecodeStage
-
-    rects = erase_rects(batch, size)
-    records = [[0] * E.INDEX + E.tail_fields(i, (), r) for i, r in enumerate(rects)]
-    stage = types.SimpleNamespace(plan=types.SimpleNamespace(erasing=types.SimpleNamespace(value=(0.0,))),
-                                  _value=None, device=device)
-    y = torch.zeros(batch, 3, size, size, device=device)
-    keep = list(range(batch))
-    DecodeStage._erased(stage, y, records, keep)         # the value on the device
-    best = float("inf")
-    for _ in range(repeats):
-        _sync(device)
-        t = time.perf_counter()
-        DecodeStage._erased(stage, y, records, keep)
-        _sync(device)
-        best = min(best, time.perf_counter() - t)
-    row = {"host_us": round(best * 1e6 / batch, 2), "rectangles": sum(map(len, rects))}
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda._sleep(int(2e8))
-        start.record()
-        DecodeStage._erased(stage, y, records, keep)
-        end.record()
-        end.synchronize()
-        row["device_us"] = round(start.elapsed_time(end) * 1e3 / batch, 2)
-    return row
 
 
 def main(argv=None) -> int:

@@ -868,25 +868,23 @@ def test_randomerasing_on_the_gpu_erases_the_cpu_paths_rectangles(mixed_jpegs, w
 
 @needs_cuda
 @pytest.mark.parametrize("value", [(0.0,), (7.0, -9.0, 11.0)])
-def test_the_stages_erasing_on_cuda_both_ways_is_torchvisions_erase(value):
-    """The stage's two ways of setting RandomErasing's rectangles on CUDA (a
-    copy each; the batch's mask and a masked fill per channel) against
+def test_erasing_on_cuda_both_ways_is_torchvisions_erase(value):
+    """The two ways of setting RandomErasing's rectangles on CUDA (a copy
+    each; the batch's mask and a masked fill per channel) against
     torchvision's erase of each rectangle in turn, on the CPU: bit for bit."""
     import sys
 
     sys.path.insert(0, HERE)
     import _erase_cases as erase_cases
 
-    from coordl.device import decode as DD
+    from coordl.device import erase as ER
 
-    y, records, want = erase_cases.case(value, b=33, h=64, w=48)
-    keep = list(range(len(y)))
-    kept = DD.FEW_RECTS
+    y, rows, want = erase_cases.case(value, b=33, h=64, w=48)
+    kept = ER.FEW_RECTS
     try:
         for few in (0, 10 ** 9):
-            DD.FEW_RECTS = few
-            st = erase_cases.stage(value, torch.device("cuda"))
-            got = DD.DecodeStage._erased(st, y.cuda(), records, keep).cpu()
+            ER.FEW_RECTS = few
+            got = ER.erase_rows(y.cuda(), rows, ER.value_on(value, torch.device("cuda"))).cpu()
             assert torch.equal(got, want), few
     finally:
-        DD.FEW_RECTS = kept
+        ER.FEW_RECTS = kept

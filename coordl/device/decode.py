@@ -54,6 +54,7 @@ from .decoders import (  # noqa: F401  (the decoders' names, as this module had 
 )
 from .encoded import (CHANNELS, FLIP, INDEX, KIND, ON_CPU, ON_DEVICE, RH, RW, SRC_H, SRC_W, T1, T2, W1, W2,
                       DecodePlan, ops_of, rects_of)
+from .erase import erase_rows, value_on
 from .geometry_kernel import finished, upload
 from .jitter import DeviceJitter
 from .split import DeviceTail
@@ -65,10 +66,6 @@ log = logging.getLogger("coordl.device")
 
 #: decoded bytes per decoder call (a batch is decoded in chunks of at most this)
 BUDGET = 256 << 20
-#: RandomErasing: at most this many rectangles in a batch are set one copy launch each, more through a mask
-#: on the devices of MASK_DEVICES (on the CPU a copy each is cheaper: three passes over the batch are not)
-FEW_RECTS = 8
-MASK_DEVICES = ("cuda",)
 
 
 # ---------------------------------------------------------------- the stage
@@ -271,49 +268,16 @@ class DecodeStage:
     def _erased(self, y: torch.Tensor, records: list, keep: list) -> torch.Tensor:
         """``y`` (the path's final batch) with each row's ``RandomErasing``
         rectangles (its record's, :func:`.encoded.rects_of`) set to the
-        erasing's value, as torchvision's ``erase`` sets them (the float32
-        value per channel, written as it is; the tail made ``y`` anew, so it
-        is never the CPU rows themselves).  A few rectangles, or on a device
-        that is the CPU (where each copy is the work itself): a copy each.
-        More on a GPU (at torchvision's default ``p=0.5``, half the rows have
-        one): the batch's mask of erased pixels from the rectangles, made on
-        the device, then one masked fill per channel, a fixed handful of
-        launches where a copy each would be a launch each (the host's time
-        per launch is what the pin thread spends, about 10 us)."""
+        erasing's value (:func:`.erase.erase_rows`; the tail made ``y`` anew,
+        so it is never the CPU rows themselves)."""
         if self.plan.erasing is None:
             return y
-        rects = [(j, *rect) for j, r in enumerate(keep) for rect in rects_of(records[r])]
-        if not rects:
+        rows = [rects_of(records[r]) for r in keep]
+        if not any(rows):
             return y
         if self._value is None:     # made once, on the device
-            self._value = upload(np.asarray(self.plan.erasing.value, dtype=np.float32).reshape(-1, 1, 1),
-                                 self.device)
-        if len(rects) <= FEW_RECTS or y.device.type not in MASK_DEVICES:
-            for j, top, left, h, w in rects:
-                y[j, :, top:top + h, left:left + w] = self._value
-            return y
-        mask = torch.zeros(y.shape[0], y.shape[2], y.shape[3], dtype=torch.bool, device=y.device)
-        rows = torch.arange(y.shape[2], device=y.device)
-        cols = torch.arange(y.shape[3], device=y.device)
-        # the rows' first rectangles, then their second ones...: within a round each row once (no atomics)
-        rounds: dict = {}
-        seen: dict = {}
-        for rect in rects:
-            q = seen[rect[0]] = seen.get(rect[0], -1) + 1
-            rounds.setdefault(q, []).append(rect)
-        for q in sorted(rounds):
-            r = upload(np.asarray(rounds[q], dtype=np.int64), y.device)
-            j, top, left = r[:, 0], r[:, 1:2], r[:, 2:3]
-            inside = ((rows >= top) & (rows < top + r[:, 3:4]))[:, :, None] & \
-                     ((cols >= left) & (cols < left + r[:, 4:5]))[:, None, :]
-            mask[j] = inside if q == 0 else mask[j] | inside
-        v = self._value.view(-1)
-        if v.numel() == 1:
-            y.masked_fill_(mask[:, None], v[0])
-        else:
-            for c in range(y.shape[1]):
-                y[:, c].masked_fill_(mask, v[c])
-        return y
+            self._value = value_on(self.plan.erasing.value, self.device)
+        return erase_rows(y, rows, self._value)
 
     def stage_decoded(self, delivery, env):
         """The second half (the pin thread with workers): finish the images
