@@ -34,7 +34,9 @@ the figures are the workers' own path, per image, in these settings:
   ``decode="cpu"`` and ``device="cpu"`` (the CPU standing in for the
   device): the device split, the workers stopping at the uint8 image
   after the jitter, against ``ColorJitter on the CPU path`` (float32 made
-  in the worker).
+  in the worker); ``RandomErasing to the device``: the same with the
+  ``RandomErasing`` recipe (the rectangles drawn in the worker, erased on
+  the device), against ``RandomErasing on the CPU path``.
 
 ``files`` and ``node cache`` run twice: with the batch path (a plain
 folder's batch read and recorded at once, ``coordl.pipeline.device_batches``,
@@ -62,7 +64,7 @@ import tempfile
 HERE = os.path.dirname(os.path.abspath(__file__))
 SETTINGS = ("files", "files, per sample", "node cache", "node cache, per sample", "in memory", "workers' share",
             "the CPU path", "data checked", "ColorJitter", "ColorJitter on the CPU path", "RandomErasing",
-            "RandomErasing on the CPU path", "ColorJitter to the device")
+            "RandomErasing on the CPU path", "ColorJitter to the device", "RandomErasing to the device")
 CPU_PATH = ("the CPU path", "ColorJitter on the CPU path", "RandomErasing on the CPU path")
 
 _CHILD = r"""
@@ -126,7 +128,7 @@ if setting.startswith(("ColorJitter", "RandomErasing")):  # timm's default train
         V.Normalize([0.485, 0.456, 0.406], [0.229, 0.224, 0.225])]
         + ([V.RandomErasing(0.25)] if setting.startswith("RandomErasing") else [])))
 on_device = dict(device="cpu", decode="device") if setting not in {cpu_path!r} else {{}}
-if setting == "ColorJitter to the device":     # decode="cpu", the device split (the CPU standing in)
+if setting.endswith("to the device"):     # decode="cpu", the device split (the CPU standing in)
     on_device = dict(device="cpu")
 L = coordl.DataLoader(ds, batch_size=batch, seed=1, shuffle=True, num_workers=1, persistent_workers=True,
                       cache_size="4GiB" if setting == "node cache" else 0, **on_device)

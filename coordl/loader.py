@@ -750,7 +750,8 @@ class DataLoader(_TorchDataLoader[_T_co]):
             else:
                 split = _dev.split_for_device(self.dataset, self._device)
                 old = self._device_tail
-                if split.tail is not None and old is not None and split.tail.normalizes == old.normalizes:
+                if split.tail is not None and old is not None and split.tail.normalizes == old.normalizes \
+                        and split.tail.erase_value == old.erase_value:
                     split.tail = old    # its constants are on the device already
         self._device_tail = split.tail
         self._counters.device_split = split.note
@@ -813,12 +814,13 @@ class DataLoader(_TorchDataLoader[_T_co]):
             return env
         if env.batch is not None:
             try:
-                env.batch = self._device_delivery().stage(env.batch, getattr(env.stats, "device_marks", ()))
+                env.batch = self._device_delivery().stage(env.batch, getattr(env.stats, "device_marks", ()),
+                                                          getattr(env.stats, "device_rects", None))
             except Exception as e:
                 raise RuntimeError(f"copying {note} to {self._device} failed ({type(e).__name__}: {e})") from e
         return env
 
-    def _deliver(self, batch, marks=()):
+    def _deliver(self, batch, marks=(), rects=None):
         """Hand ``batch`` to the device (coordl.device): coordl's pipeline's
         through the pinned ring (already staged by the pin thread, or staged
         here, without workers); a batch of torch's machinery straight from
@@ -829,7 +831,7 @@ class DataLoader(_TorchDataLoader[_T_co]):
         if type(batch) is Staged:
             return d.hand_over(batch)
         if self._mode.runs_pipeline:
-            return d.deliver(batch, marks)
+            return d.deliver(batch, marks, rects)
         return d.send(batch)
 
     def _setup_peers(self, peers) -> None:

@@ -235,24 +235,41 @@ class TorchvisionPipeline:
         """Why the device split (``coordl.device.split``) cannot stop this
         pipeline at the uint8 image its conversion scales, or None where it
         can: the user's as-written steps get the fused part's image, and
-        what follows them is coordl's ``ToTensor`` then ``Normalize``s, the
-        last steps (the device tail's)."""
+        what follows them is coordl's ``ToTensor`` then ``Normalize``s (the
+        device tail's), then at most a ``RandomErasing`` whose draws coordl
+        makes apart from its call (then ``ToPureTensor`` at most)."""
         if self.fused is None or not self.to_pil:
             return "the steps run as written get a tensor, not the decoded image"
         if self.erase is not None:
-            return f"{_name(self.erase.user)} follows the conversion"
+            others = [_name(t) for t in self.after if _name(t) != "ToPureTensor"]
+            if others:
+                return f"{', '.join(others)} follow {_name(self.erase.user)}"
+            if not self.erase.draws_agree():
+                return f"{_name(self.erase.user)}'s draws cannot be made apart from its call here"
         steps = self.post_fused.transforms if self.post_fused is not None else ()
         if not steps or type(steps[0]) is not T.ToTensor or self.post_type is not None or any(
                 type(t) is not T.Normalize for t in steps[1:]):
             return "the steps after the ones run as written are not ToTensor() and Normalize()s"
         return None
 
-    def split_rest(self, x: Any) -> Any:
+    def split_rest(self, x: Any) -> tuple[Any, list | None]:
         """For the device split (:meth:`split_refusal` None): ``x``, the fused
-        part's result, through the steps run as written: the uint8 RGB
-        planes the conversion would scale, or where the steps gave another
-        image (a mode L), the CPU path's whole result."""
-        return self._converted(x, self._run_tail, split=True)
+        part's result, through the steps run as written: ``(the uint8 RGB
+        planes the conversion would scale, the rectangles the erasing sets
+        after it)``, drawn where the CPU path draws them (none without an
+        erasing); or where the steps gave another image (a mode L), ``(the
+        CPU path's whole result, None)``."""
+        if self.erase is None:
+            x = self._converted(x, self._run_tail, split=True)
+            return x, ([] if isinstance(x, torch.Tensor) and x.dtype == torch.uint8 else None)
+        with _rng.seeded_globals(_rng.current()):
+            x = self._converted(x, self._run_steps, split=True)
+            if isinstance(x, torch.Tensor) and x.dtype == torch.uint8:
+                return x, self.erase.draw(*x.shape)
+            x = self.erase(x)
+        for t in self.after:
+            x = t(x)
+        return x, None
 
     def _run_steps(self, x: Any, planes: bool) -> tuple[Any, bool]:
         for t in self.tail:

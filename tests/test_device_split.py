@@ -431,19 +431,19 @@ def test_a_torchvision_recipe_with_steps_run_as_written_is_split(photos, cpu_dev
 
 
 def test_what_follows_the_conversion_keeps_a_recipe_unsplit(photos, cpu_device):
-    """A RandomErasing after Normalize (it must see the converted image), or
-    a v2 pipeline that delivers tv_tensors.Image: converted on the CPU, with
-    the reason in stats()."""
+    """A v2 pipeline that delivers tv_tensors.Image, or a step after a
+    RandomErasing: converted on the CPU, with the reason in stats()."""
     _tv()
     from torchvision import datasets
     from torchvision import transforms as V
     from torchvision.transforms import v2 as V2
 
     for tf, why in [
-        (V.Compose([V.RandomResizedCrop(16), V.ColorJitter(0.4), V.ToTensor(), V.Normalize(MEAN, STD),
-                    V.RandomErasing(0.5)]), "RandomErasing follows the conversion"),
         (V2.Compose([V2.RandomResizedCrop(16), V2.ColorJitter(0.4), V2.ToImage(), V2.ToDtype(torch.float32, scale=True)]),
          "are not ToTensor() and Normalize()s"),
+        (V2.Compose([V2.RandomResizedCrop(16), V2.ColorJitter(0.4), V2.ToImage(), V2.ToDtype(torch.float32, scale=True),
+                     V2.Normalize(MEAN, STD), V2.RandomErasing(0.5), V2.ToDtype(torch.float64)]),
+         "ToDtype follow RandomErasing"),
     ]:
         plain, got, L = _both(datasets.ImageFolder(photos, transform=tf))
         assert all(_same(a, b) for a, b in zip(got, plain))
@@ -477,3 +477,58 @@ def test_a_batch_sampler_is_split(photos, cpu_device, workers):
     assert [len(b["label"]) for b in got] == [3, 5, 1]
     assert all(_same(a, b) for a, b in zip(got, plain))
     assert L.stats().device_split.startswith("split")
+
+
+def _erasing_recipe(which):
+    _tv()
+    from torchvision import transforms as V
+    from torchvision.transforms import v2 as V2
+
+    if which == "v1":
+        return V.Compose([V.RandomResizedCrop(16), V.RandomHorizontalFlip(), V.ColorJitter(0.4, 0.4, 0.4),
+                          V.ToTensor(), V.Normalize(MEAN, STD), V.RandomErasing(0.6, value=(7.0, -9.0, 11.0))])
+    if which == "v2":
+        return V2.Compose([V2.RandomResizedCrop(16), V2.TrivialAugmentWide(), V2.PILToTensor(),
+                           V2.ToDtype(torch.float32, scale=True), V2.Normalize(MEAN, STD), V2.RandomErasing(0.6),
+                           V2.ToPureTensor()])
+    timm_re = pytest.importorskip("timm.data.random_erasing")
+    return V.Compose([V.RandomResizedCrop(16), V.ColorJitter(0.4, 0.4, 0.4), V.ToTensor(), V.Normalize(MEAN, STD),
+                      timm_re.RandomErasing(0.8, max_count=3, device="cpu")])
+
+
+@pytest.mark.parametrize("which,workers", [("v1", 0), ("v2", 2), ("timm", 2)])
+def test_a_recipe_with_randomerasing_is_split_and_erased_on_the_device(photos, cpu_device, which, workers):
+    """A RandomErasing after the conversion (torchvision's v1 and v2,
+    timm's with several rectangles): the workers draw its rectangles where
+    the CPU path draws them, uint8 travels, the device converts and erases;
+    the batches are the CPU path's, bit for bit."""
+    tf = _erasing_recipe(which)
+    from torchvision import datasets
+
+    ds = datasets.ImageFolder(photos, transform=tf)
+    plain, got, L = _both(ds, num_workers=workers)
+    assert len(got) == len(plain) == 3
+    for a, b in zip(got, plain):
+        assert _same(a, b), which
+    st = L.stats()
+    assert st.device_split.startswith("split") and "RandomErasing run on" in st.device_split, st.device_split
+    assert st.device_split_cpu_samples == 0 and L._delivery.k == 3
+    odd = torch.tensor([7.0, -9.0, 11.0]).view(1, 3, 1, 1)
+    erased = sum(int(((x == 0).all(1) | (x == odd).all(1)).flatten(1).any(1).sum()) for x, _ in got)
+    assert erased > 0
+
+
+@pytest.mark.parametrize("kind", ["two_views", "odd_one"])
+def test_erased_images_anywhere_and_rows_finished_on_the_cpu(photos, cpu_device, kind):
+    """Two views each with its own rectangles; and a batch whose rows
+    disagree, its marked rows converted and erased on the CPU: the CPU
+    path's values either way."""
+    from coordl.tvcompat import translate
+
+    pipe = translate(_erasing_recipe("v1"))[0]
+    ds = Structured(photos, pipe, kind)
+    plain, got, L = _both(ds, num_workers=0)
+    assert all(_same(a, b) for a, b in zip(got, plain)), kind
+    split = L.stats()
+    assert split.device_split.startswith("split")
+    assert (split.device_split_cpu_samples > 0) == (kind == "odd_one")

@@ -62,8 +62,8 @@ def probe(t, what):
 
 real_start, real_consts = D.DeviceDelivery._start_copy, D.DeviceTail.constants
 
-def start(self, host, paths):
-    st = real_start(self, host, paths)
+def start(self, host, paths, *rest):
+    st = real_start(self, host, paths, *rest)
     D.map_tensors(st.batch, lambda t: probe(t, "delivered batch"))
     for slot in self.slots:
         for b in slot.buffers:
@@ -366,3 +366,49 @@ def test_colorjitter_on_the_device_never_reaches_a_worker(photos, tmp_path):
     """
     here = f"HERE = {os.path.dirname(os.path.abspath(__file__))!r}\n"
     _run(photos, tmp_path, body, setup=_DECODE + here + _JITTER)
+
+
+_ERASE = '''
+from coordl.device import erase as ER
+
+real_value_on = ER.value_on
+
+
+def value_on(value, device):
+    return probe(real_value_on(value, device), "erasing value")
+
+
+ER.value_on = value_on
+sys.path.insert(0, HERE)
+from _torchvision import import_torchvision
+HAVE_TV = import_torchvision() is not None
+'''
+
+
+def test_randomerasing_on_the_device_never_reaches_a_worker(photos, tmp_path):
+    """A RandomErasing after the conversion, with the device split (the
+    tail's value on the device, kept from pass to pass) and with
+    decode="device": workers forked for later passes never free the value,
+    the delivered batches, nor the images erased on the device."""
+    from _torchvision import import_torchvision
+
+    if import_torchvision() is None:
+        pytest.skip("torchvision is not installed")
+    body = """
+        if HAVE_TV:
+            from torchvision import datasets, transforms as V
+            gc.disable()
+            tf = V.Compose([V.RandomResizedCrop(16), V.RandomHorizontalFlip(), V.ColorJitter(0.4, 0.4, 0.4),
+                            V.ToTensor(), V.Normalize([0.5, 0.4, 0.3], [0.2, 0.25, 0.3]), V.RandomErasing(0.9)])
+            for how in ({}, {"decode": "device"}):
+                train = coordl.DataLoader(datasets.ImageFolder(ROOT, transform=tf), batch_size=4, seed=1, device="cpu",
+                                          num_workers=2, worker_init_fn=collect_in_worker, **how)
+                for epoch in range(3):        # workers forked anew each pass, after the value exists
+                    for batch in train:
+                        garbage_of_a_training_step(batch)
+                assert "RandomErasing" in (train.stats().device_split + train.stats().device_decode)
+        else:
+            print("NO-TORCHVISION")
+    """
+    here = f"HERE = {os.path.dirname(os.path.abspath(__file__))!r}\n"
+    _run(photos, tmp_path, body, setup=_DECODE + here + _ERASE)

@@ -34,8 +34,12 @@ class DeviceTail:
     Constants are built once per device (no per-batch list -> tensor copies,
     and ``std == 0`` is checked once, on the host, when the tail is made)."""
 
-    def __init__(self, normalizes: list) -> None:
+    def __init__(self, normalizes: list, erase_value: tuple | None = None) -> None:
         self.normalizes = list(normalizes)
+        # a RandomErasing after the conversion: its value (one per channel, or one), set at the rectangles
+        # apply() is given (coordl.device.erase)
+        self.erase_value = erase_value
+        self._erase_on: dict = {}   # device -> the value there
         self._pairs = []
         for n in self.normalizes:
             mean = torch.tensor(n.mean, dtype=_F32).view(-1, 1, 1)
@@ -47,7 +51,7 @@ class DeviceTail:
 
     def __getstate__(self):
         # never ship device constants to another process (a worker finishing rows on the CPU)
-        return {**self.__dict__, "_consts": {}}
+        return {**self.__dict__, "_consts": {}, "_erase_on": {}}
 
     def constants(self, device: torch.device):
         c = self._consts.get(device)
@@ -65,12 +69,30 @@ class DeviceTail:
             x.sub_(mean).div_(std)
         return x
 
-    def apply(self, batch: Any, paths) -> Any:
+    def apply(self, batch: Any, paths, rects=None) -> Any:
         """``batch`` with the tail applied to the leaf at each of ``paths``
-        (the places the split marked, see :class:`SplitPrep`)."""
-        for path in paths:
-            batch = _replace_at(batch, path, self)
+        (the places the split marked, see :class:`SplitPrep`), then, with
+        ``rects`` (per row, per path: ``[(top, left, height, width)]``), the
+        erasing's rectangles set (:attr:`erase_value`)."""
+        for k, path in enumerate(paths):
+            if rects is None or self.erase_value is None:
+                batch = _replace_at(batch, path, self)
+            else:
+                rows = [r[k] for r in rects]
+                batch = _replace_at(batch, path, lambda x, rows=rows: self.erased(self(x), rows))
         return batch
+
+    def erased(self, y: torch.Tensor, rows: list) -> torch.Tensor:
+        """``y`` (converted) with row ``j``'s rectangles ``rows[j]`` set to
+        :attr:`erase_value` (:func:`coordl.device.erase.erase_rows`)."""
+        from .erase import erase_rows, value_on
+
+        if not any(rows):
+            return y
+        v = self._erase_on.get(y.device)
+        if v is None:
+            v = self._erase_on[y.device] = value_on(self.erase_value, y.device)
+        return erase_rows(y, rows, v)
 
     def __repr__(self) -> str:
         return f"DeviceTail(float, {self.normalizes!r})"
@@ -217,20 +239,22 @@ def _mark(x: torch.Tensor, cap: list) -> torch.Tensor:
 
 
 def _find(sample, cap: list):
-    """The paths of the recorded tensors in ``sample`` (containers as
-    default_collate walks them), or None when one was touched or is not a
-    leaf there."""
+    """``(paths, rects)``: the paths of the recorded tensors in ``sample``
+    (containers as default_collate walks them) and each one's erasing
+    rectangles, or None when one was touched or is not a leaf there."""
     if any(m.__dict__.get("_coordl_touched") for m in cap):
         return None
     ids = {id(m) for m in cap}
     found: set = set()
     paths: list = []
+    rects: list = []
 
     def go(x, path):
         if isinstance(x, torch.Tensor):
             if id(x) in ids:
                 found.add(id(x))
                 paths.append(path)
+                rects.append(x.__dict__.get("_coordl_rects", []))
             return
         if isinstance(x, (str, bytes)):
             return
@@ -242,7 +266,7 @@ def _find(sample, cap: list):
                 go(v, path + (i,))
 
     go(sample, ())
-    return tuple(paths) if found == ids else None
+    return (tuple(paths), tuple(rects)) if found == ids else None
 
 
 class SplitPrep:
@@ -252,11 +276,14 @@ class SplitPrep:
     everything else is the dataset's (read through a shallow copy whose
     transform is the split one)."""
 
-    def __init__(self, dataset, split_ds, tail: DeviceTail) -> None:
+    def __init__(self, dataset, split_ds, tail: DeviceTail, erase=None) -> None:
         self._dataset = dataset
         self._split_ds = split_ds
         self._tail = tail
+        # a RandomErasing after the conversion (coordl.tvcompat.ErasingOnTensor): its rectangles travel
+        self._erase = erase
         self._marks = ((), False)
+        self._rects = None
 
     def __getattr__(self, name: str):
         if name.startswith("__"):
@@ -286,21 +313,24 @@ class SplitPrep:
             if not any(m.__dict__.get("_coordl_touched") for m in cap):
                 raise               # the dataset's own error
             sample = None           # it failed on the uint8 image: the CPU path below
-            paths = None
+            found = None
         else:
-            paths = _find(sample, cap) if cap else ()
+            found = _find(sample, cap) if cap else ((), ())
         finally:
             _local.capture = None
         for m in cap:
             _unmark(m)
-        if paths is not None:
-            self._marks = (paths, False)
+            m.__dict__.pop("_coordl_rects", None)
+        if found is not None:
+            self._marks = (found[0], False)
+            self._rects = found[1] if self._erase is not None and found[0] else None
             return sample
         # the prep code did more with the image than place it: the CPU path, same random state
         _rng.rewind()
         torch.random.set_rng_state(t_state)
         sample = self._dataset.prep(raw, index)
         self._marks = ((), True)
+        self._rects = None
         return sample
 
     def take_device_marks(self) -> tuple:
@@ -309,11 +339,21 @@ class SplitPrep:
         m, self._marks = self._marks, ((), False)
         return m
 
-    def finish_on_cpu(self, sample, paths):
+    def take_device_rects(self):
+        """The last sample's erasing rectangles, per path of
+        :meth:`take_device_marks` (``[(top, left, height, width)]`` each),
+        or None (no erasing, or nothing marked)."""
+        r, self._rects = self._rects, None
+        return r
+
+    def finish_on_cpu(self, sample, paths, rects=None):
         """``sample`` with the tail applied on the CPU to its images at
-        ``paths``: exactly the CPU path's values."""
-        for p in paths:
+        ``paths``, and each one's erasing rectangles ``rects`` set: exactly
+        the CPU path's values."""
+        for k, p in enumerate(paths):
             sample = _replace_at(sample, p, self._tail)
+            if rects is not None and rects[k]:
+                sample = _replace_at(sample, p, lambda x, r=rects[k]: self._erase.erase(x, r))
         return sample
 
 
@@ -336,9 +376,13 @@ def _split_pipeline(dataset, tf, device, no) -> Split:
     mine = copy.copy(dataset)
     mine.transform = _SplitPipeline(tf)
     where = str(device) if device is not None else "the device"
-    return Split(SplitPrep(dataset, mine, DeviceTail(tail.normalizes)), tail,
+    erase = tf.erase
+    if erase is not None:
+        tail.erase_value = erase.value
+    return Split(SplitPrep(dataset, mine, DeviceTail(tail.normalizes, tail.erase_value), erase), tail,
                  f"split: uint8 images travel after the steps run as written; ToTensor's scaling and "
-                 f"{len(normalizes)} Normalize run on {where}")
+                 f"{len(normalizes)} Normalize" + (f" and {type(erase.user).__name__}" if erase is not None else "")
+                 + f" run on {where}")
 
 
 class _SplitPipeline:
@@ -355,7 +399,7 @@ class _SplitPipeline:
         cap = getattr(_local, "capture", None)
         if cap is None:
             return self.full(img)
-        return self._marked(self.full.split_rest(self.full.fused(img)), cap)
+        return self._marked(*self.full.split_rest(self.full.fused(img)), cap)
 
     def from_bytes(self, raw):
         cap = getattr(_local, "capture", None)
@@ -366,12 +410,17 @@ class _SplitPipeline:
             from ..datasets import pil_decode
 
             return self(pil_decode(raw))
-        return self._marked(self.full.split_rest(x), cap)
+        return self._marked(*self.full.split_rest(x), cap)
 
     @staticmethod
-    def _marked(x, cap: list):
-        # the uint8 planes are the device's to convert; anything else is the CPU path's result already
-        return _mark(x, cap) if isinstance(x, torch.Tensor) and x.dtype == torch.uint8 else x
+    def _marked(x, rects, cap: list):
+        # the uint8 planes are the device's to convert (and erase); anything else is the CPU path's result
+        if rects is None:
+            return x
+        m = _mark(x, cap)
+        if rects:
+            m.__dict__["_coordl_rects"] = rects
+        return m
 
     def spec(self):
         return self.full.spec()

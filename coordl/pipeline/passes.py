@@ -216,9 +216,10 @@ class _LoaderIter:
                     if data.batch is None:  # every sample of the step was skipped
                         continue
                     batch, n, marks = data.batch, data.stats.samples, getattr(data.stats, "device_marks", ())
+                    rects = getattr(data.stats, "device_rects", None)
                 else:
                     self._delivered(None)
-                    batch, n, marks = data, L._count_samples(data), ()
+                    batch, n, marks, rects = data, L._count_samples(data), (), None
                 break
         except StopIteration:
             t1 = clock()
@@ -246,7 +247,7 @@ class _LoaderIter:
             raise
         t1 = clock()
         if L._device is not None:
-            batch = L._deliver(batch, marks)
+            batch = L._deliver(batch, marks, rects)
         bucket = self._bucket
         bucket["samples"] += n
         bucket["batches"] += 1
