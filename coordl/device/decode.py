@@ -55,7 +55,8 @@ from .decoders import (  # noqa: F401  (the decoders' names, as this module had 
 from .encoded import (CHANNELS, FLIP, INDEX, KIND, ON_CPU, ON_DEVICE, RH, RW, SRC_H, SRC_W, T1, T2, W1, W2,
                       DecodePlan, ops_of, rects_of)
 from .erase import erase_rows, value_on
-from .geometry_kernel import finished, upload
+from .geometry_kernel import finished
+from .upload import upload
 from .jitter import DeviceJitter
 from .split import DeviceTail
 

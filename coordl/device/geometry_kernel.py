@@ -47,6 +47,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from .upload import upload
+
 __all__ = ["available", "BatchGeometry", "KINDS", "agrees", "faster", "upload", "TOLERANCE"]
 
 #: ints per image in the kernels' table: row, offset, 3 strides, the crop, the resize, the second crop,
@@ -250,19 +252,6 @@ def finished(y: torch.Tensor, flips: list) -> torch.Tensor:
         mask = upload(np.asarray(flips), y.device).view(-1, 1, 1, 1)
         return torch.where(mask, y.flip(-1), y)
     return y
-
-
-def upload(arr: np.ndarray, dev: torch.device) -> torch.Tensor:
-    """A small host array on ``dev``, in order on its current stream,
-    without waiting for that stream: a copy from pageable memory with
-    ``non_blocking=False`` synchronizes the stream (the pin thread would
-    wait there for the previous batch's work on the GPU, spinning); from
-    page-locked memory of torch's caching host allocator it is queued, and
-    the allocator keeps the buffer until the copy has run."""
-    t = torch.from_numpy(arr)
-    if dev.type != "cuda":
-        return t
-    return t.pin_memory().to(dev, non_blocking=True)
 
 
 def agrees(stage, images: list, records: list, geo: "BatchGeometry | None" = None) -> tuple[bool, str]:

@@ -49,7 +49,7 @@ import torch
 from PIL import Image
 
 from ..decode.color import BRIGHTNESS, CONTRAST, HUE, SATURATION, pil_jitter, probe_ops
-from .geometry_kernel import upload
+from .upload import upload
 
 __all__ = ["DeviceJitter"]
 
