@@ -888,3 +888,39 @@ def test_erasing_on_cuda_both_ways_is_torchvisions_erase(value):
             assert torch.equal(got, want), few
     finally:
         ER.FEW_RECTS = kept
+
+
+@needs_cuda
+@pytest.mark.parametrize("workers,which", [(0, "torchvision"), (2, "timm")])
+def test_a_jitter_and_erasing_recipe_split_on_cuda_is_the_cpu_paths(photos, workers, which):
+    """timm's default recipe with an erasing after Normalize (torchvision's
+    value per channel; timm's, several rectangles, enough of them in a batch
+    for the mask) through torchvision's ImageFolder with device="cuda": uint8
+    travels, the GPU converts and erases; the batches are the CPU path's, bit
+    for bit."""
+    import sys
+
+    sys.path.insert(0, HERE)
+    from _torchvision import import_torchvision
+
+    if import_torchvision() is None:
+        pytest.skip("torchvision is not installed")
+    from torchvision import datasets
+    from torchvision import transforms as V
+
+    if which == "timm":
+        erase = pytest.importorskip("timm.data.random_erasing").RandomErasing(1.0, max_count=4, device="cpu")
+    else:
+        erase = V.RandomErasing(0.7, value=(7.0, -9.0, 11.0))
+    tf = V.Compose([V.RandomResizedCrop(32), V.RandomHorizontalFlip(), V.ColorJitter(0.4, 0.4, 0.4), V.ToTensor(),
+                    V.Normalize([0.485, 0.456, 0.406], [0.229, 0.224, 0.225]), erase])
+    ds = datasets.ImageFolder(photos, transform=tf)
+    kw = dict(batch_size=8, seed=4, shuffle=True, num_workers=workers)
+    plain = list(coordl.DataLoader(ds, **kw))
+    L = coordl.DataLoader(ds, device="cuda", **kw)
+    got = [(x.cpu(), y.cpu()) for x, y in L]
+    st = L.stats()
+    assert st.device_split.startswith("split") and "RandomErasing" in st.device_split and not st.device_split_cpu_samples
+    assert len(got) == len(plain)
+    for (a, y), (b, y2) in zip(got, plain):
+        assert torch.equal(a, b) and torch.equal(y, y2)
