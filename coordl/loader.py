@@ -815,12 +815,12 @@ class DataLoader(_TorchDataLoader[_T_co]):
         if env.batch is not None:
             try:
                 env.batch = self._device_delivery().stage(env.batch, getattr(env.stats, "device_marks", ()),
-                                                          getattr(env.stats, "device_rects", None))
+                                                          getattr(env.stats, "device_after", None))
             except Exception as e:
                 raise RuntimeError(f"copying {note} to {self._device} failed ({type(e).__name__}: {e})") from e
         return env
 
-    def _deliver(self, batch, marks=(), rects=None):
+    def _deliver(self, batch, marks=(), after=None):
         """Hand ``batch`` to the device (coordl.device): coordl's pipeline's
         through the pinned ring (already staged by the pin thread, or staged
         here, without workers); a batch of torch's machinery straight from
@@ -831,7 +831,7 @@ class DataLoader(_TorchDataLoader[_T_co]):
         if type(batch) is Staged:
             return d.hand_over(batch)
         if self._mode.runs_pipeline:
-            return d.deliver(batch, marks, rects)
+            return d.deliver(batch, marks, after)
         return d.send(batch)
 
     def _setup_peers(self, peers) -> None:

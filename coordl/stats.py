@@ -25,7 +25,7 @@ class BatchStats:
     __slots__ = ("samples", "bytes_storage", "from_cache", "bytes_cache", "fetch_s", "prep_s", "skips",
                  "shared", "from_peers", "bytes_peers", "device_marks", "device_cpu", "decoded_device",
                  "decoded_cpu", "device_blob", "zero_copy", "device_pending", "decode_s", "geometry_s",
-                 "device_prepared", "device_rects")
+                 "device_prepared", "device_after")
 
     def __init__(self) -> None:
         self.samples = 0            # samples prepared into the batch
@@ -39,7 +39,7 @@ class BatchStats:
         self.from_peers = 0         # samples whose raw bytes came from another node's cache
         self.bytes_peers = 0
         self.device_marks = ()      # paths of the uint8 images the device tail converts (coordl.device)
-        self.device_rects = None    # ... per row, per path: the RandomErasing rectangles the tail sets after
+        self.device_after = None    # ... per row, per path: (jitter operations, erasing rectangles) for the tail
         self.device_cpu = 0         # samples of a device-split pass whose images were converted on the CPU
         self.decoded_device = 0     # decode="device": images decoded on the device
         self.decoded_cpu = 0        # ... decoded on the CPU (a worker's CPU path, or the main process's fallback)

@@ -49,6 +49,7 @@ The rules (docs/guide/torchvision.md gives them with the measured tolerances):
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import numbers
@@ -252,21 +253,37 @@ class TorchvisionPipeline:
             return "the steps after the ones run as written are not ToTensor() and Normalize()s"
         return None
 
-    def split_rest(self, x: Any) -> tuple[Any, list | None]:
+    def split_jitters(self) -> list | None:
+        """The ``ColorJitterOnPlanes`` of the steps run as written when they
+        are all torchvision ``ColorJitter``s whose draws coordl makes apart
+        from their call (:meth:`split_rest` can then draw them and leave
+        their arithmetic to the device), else None."""
+        js = self.jitters()
+        if not self.tail or any(j is None for j in js) or not all(j.draws_agree() for j in js):
+            return None
+        return js
+
+    def split_rest(self, x: Any, jitter_on_device: bool = False) -> tuple[Any, tuple | None]:
         """For the device split (:meth:`split_refusal` None): ``x``, the fused
-        part's result, through the steps run as written: ``(the uint8 RGB
-        planes the conversion would scale, the rectangles the erasing sets
-        after it)``, drawn where the CPU path draws them (none without an
-        erasing); or where the steps gave another image (a mode L), ``(the
-        CPU path's whole result, None)``."""
-        if self.erase is None:
-            x = self._converted(x, self._run_tail, split=True)
-            return x, ([] if isinstance(x, torch.Tensor) and x.dtype == torch.uint8 else None)
-        with _rng.seeded_globals(_rng.current()):
+        part's result, through the steps run as written, drawing where the
+        CPU path draws: ``(the uint8 RGB planes the conversion would scale,
+        (ops, rects))``, ``ops`` the jitter's operations the device applies
+        before converting (``jitter_on_device``, :meth:`split_jitters`: the
+        steps are drawn, not run; else none) and ``rects`` the rectangles
+        the erasing sets after it (none without one); or where the steps
+        gave another image (a mode L), ``(the CPU path's whole result,
+        None)``."""
+        seeded = self.erase is not None or bool(self.tail)      # as _rest: the sample's generator drawn alike
+        with _rng.seeded_globals(_rng.current()) if seeded else contextlib.nullcontext():
+            if jitter_on_device and isinstance(x, torch.Tensor) and x.dtype == torch.uint8 and x.ndim == 3 \
+                    and x.shape[0] == 3:
+                ops = [op for j in self.jitters() for op in j.draw()]
+                return x, (ops, self.erase.draw(*x.shape) if self.erase is not None else [])
             x = self._converted(x, self._run_steps, split=True)
             if isinstance(x, torch.Tensor) and x.dtype == torch.uint8:
-                return x, self.erase.draw(*x.shape)
-            x = self.erase(x)
+                return x, ([], self.erase.draw(*x.shape) if self.erase is not None else [])
+            if self.erase is not None:
+                x = self.erase(x)
         for t in self.after:
             x = t(x)
         return x, None

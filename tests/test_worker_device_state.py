@@ -386,10 +386,11 @@ HAVE_TV = import_torchvision() is not None
 
 
 def test_randomerasing_on_the_device_never_reaches_a_worker(photos, tmp_path):
-    """A RandomErasing after the conversion, with the device split (the
-    tail's value on the device, kept from pass to pass) and with
-    decode="device": workers forked for later passes never free the value,
-    the delivered batches, nor the images erased on the device."""
+    """A ColorJitter and a RandomErasing around the conversion, with the
+    device split (the jitter and the erasing on the device: the tail's
+    value and hue tables kept from pass to pass) and with decode="device":
+    workers forked for later passes never free them, the delivered
+    batches, nor the images erased on the device."""
     from _torchvision import import_torchvision
 
     if import_torchvision() is None:
@@ -398,7 +399,7 @@ def test_randomerasing_on_the_device_never_reaches_a_worker(photos, tmp_path):
         if HAVE_TV:
             from torchvision import datasets, transforms as V
             gc.disable()
-            tf = V.Compose([V.RandomResizedCrop(16), V.RandomHorizontalFlip(), V.ColorJitter(0.4, 0.4, 0.4),
+            tf = V.Compose([V.RandomResizedCrop(16), V.RandomHorizontalFlip(), V.ColorJitter(0.4, 0.4, 0.4, 0.1),
                             V.ToTensor(), V.Normalize([0.5, 0.4, 0.3], [0.2, 0.25, 0.3]), V.RandomErasing(0.9)])
             for how in ({}, {"decode": "device"}):
                 train = coordl.DataLoader(datasets.ImageFolder(ROOT, transform=tf), batch_size=4, seed=1, device="cpu",
@@ -407,8 +408,10 @@ def test_randomerasing_on_the_device_never_reaches_a_worker(photos, tmp_path):
                     for batch in train:
                         garbage_of_a_training_step(batch)
                 assert "RandomErasing" in (train.stats().device_split + train.stats().device_decode)
+                assert "ColorJitter" in (train.stats().device_split + train.stats().device_decode)
+            assert J._tables
         else:
             print("NO-TORCHVISION")
     """
     here = f"HERE = {os.path.dirname(os.path.abspath(__file__))!r}\n"
-    _run(photos, tmp_path, body, setup=_DECODE + here + _ERASE)
+    _run(photos, tmp_path, body, setup=_DECODE + here + _JITTER + _ERASE)

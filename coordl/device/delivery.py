@@ -295,7 +295,7 @@ class DeviceDelivery:
 
         return walk(batch, put, (lambda o: o.pin_memory()) if pin else (lambda o: o))
 
-    def _start_copy(self, host, paths, rects=None) -> Staged:
+    def _start_copy(self, host, paths, after=None) -> Staged:
         st = self.streams
         copy_stream = st.copy_stream()
         with st.use(copy_stream):
@@ -303,16 +303,17 @@ class DeviceDelivery:
             dev = walk(host, lambda t: t.to(self.device, non_blocking=True, copy=True), lambda o: o,
                        _warn_unwalked)
             if paths and self.tail is not None:
-                dev = self.tail.apply(dev, paths, rects)
+                dev = self.tail.apply(dev, paths, after)
             event = st.event()           # one per batch: a later reuse of the slot re-records nothing
             event.record(copy_stream)
         return Staged(dev, event)
 
-    def stage(self, batch, paths=(), rects=None, replace=None) -> Staged:
+    def stage(self, batch, paths=(), after=None, replace=None) -> Staged:
         """Start ``batch``'s copy to the device through the pinned ring (any
         thread: the pin thread does this one batch ahead of the training
-        loop); the tail converts the images at ``paths`` there (and sets
-        each row's erasing rectangles ``rects``, per row, per path).
+        loop); the tail converts the images at ``paths`` there (with each
+        row's jitter operations and erasing rectangles ``after``, per row,
+        per path).
         ``replace``: ``{path: tensor}`` already on the device, made on the
         copy stream, that take the places of the leaves at those paths
         (``decode="device"``: the images in place of their records)."""
@@ -321,7 +322,7 @@ class DeviceDelivery:
         if slot.event is not None and not slot.event.query():
             self.waits += 1
             slot.event.synchronize()     # its last copy still reads the pinned buffers
-        staged = self._start_copy(self._stage(slot, batch), paths, rects)
+        staged = self._start_copy(self._stage(slot, batch), paths, after)
         for path, image in (replace or {}).items():
             # made on the copy stream before this copy: the staged batch's event covers them too
             staged.batch = _replace_at(staged.batch, path, lambda _record, image=image: image)
@@ -343,9 +344,9 @@ class DeviceDelivery:
 
         return walk(staged.batch, keep, lambda o: _move_object(o, self.device))
 
-    def deliver(self, batch, paths=(), rects=None) -> Any:
+    def deliver(self, batch, paths=(), after=None) -> Any:
         """``stage`` then ``hand_over``, in the calling thread."""
-        return self.hand_over(self.stage(batch, paths, rects))
+        return self.hand_over(self.stage(batch, paths, after))
 
     def send(self, batch) -> Any:
         """A batch from torch's machinery to the device without the ring:

@@ -51,7 +51,7 @@ from PIL import Image
 from ..decode.color import BRIGHTNESS, CONTRAST, HUE, SATURATION, pil_jitter, probe_ops
 from .upload import upload
 
-__all__ = ["DeviceJitter"]
+__all__ = ["DeviceJitter", "host_jitter"]
 
 log = logging.getLogger("coordl.device")
 
@@ -135,6 +135,18 @@ def _kernel():
             K = None
         _KERNEL.append(K)
     return _KERNEL[0]
+
+
+def host_jitter(planes: np.ndarray, ops) -> np.ndarray:
+    """The uint8 (3, H, W) ``planes`` through ``ops`` as the CPU path
+    computes them (PIL's bytes: coordl's colour kernel where it is PIL's
+    here, else PIL itself), as a new C-contiguous array."""
+    from ..decode import color
+
+    if color.exact_kernel():
+        return color.jitter(planes, ops)
+    img = pil_jitter(Image.fromarray(np.ascontiguousarray(planes.transpose(1, 2, 0))), ops)
+    return np.ascontiguousarray(np.asarray(img).transpose(2, 0, 1))
 
 
 class DeviceJitter:
@@ -269,16 +281,8 @@ class DeviceJitter:
     def _on_host(self, y: torch.Tensor, rows: list) -> None:
         """The rows' operations as the CPU path computes them (PIL's bytes),
         a row at a time."""
-        from ..decode import color
-
         for r, code, value in rows:
-            planes = y[r].cpu().numpy()
-            if color.exact_kernel():
-                got = color.jitter(planes, [(code, value)])
-            else:
-                img = pil_jitter(Image.fromarray(np.ascontiguousarray(planes.transpose(1, 2, 0))), [(code, value)])
-                got = np.asarray(img).transpose(2, 0, 1)
-            y[r].copy_(torch.from_numpy(np.ascontiguousarray(got)))
+            y[r].copy_(torch.from_numpy(host_jitter(y[r].cpu().numpy(), [(code, value)])))
 
     def _check(self, kind: int, run, then: str) -> bool:
         """Whether ``run(y, rows)`` gives PIL's bytes for operations of

@@ -34,12 +34,15 @@ class DeviceTail:
     Constants are built once per device (no per-batch list -> tensor copies,
     and ``std == 0`` is checked once, on the host, when the tail is made)."""
 
-    def __init__(self, normalizes: list, erase_value: tuple | None = None) -> None:
+    def __init__(self, normalizes: list, erase_value: tuple | None = None, jitter: bool = False) -> None:
         self.normalizes = list(normalizes)
         # a RandomErasing after the conversion: its value (one per channel, or one), set at the rectangles
         # apply() is given (coordl.device.erase)
         self.erase_value = erase_value
         self._erase_on: dict = {}   # device -> the value there
+        # ColorJitter's operations, given to apply() per row, applied before converting (coordl.device.jitter)
+        self.jitter = jitter
+        self._jitter_on: dict = {}  # device -> its DeviceJitter
         self._pairs = []
         for n in self.normalizes:
             mean = torch.tensor(n.mean, dtype=_F32).view(-1, 1, 1)
@@ -51,7 +54,7 @@ class DeviceTail:
 
     def __getstate__(self):
         # never ship device constants to another process (a worker finishing rows on the CPU)
-        return {**self.__dict__, "_consts": {}, "_erase_on": {}}
+        return {**self.__dict__, "_consts": {}, "_erase_on": {}, "_jitter_on": {}}
 
     def constants(self, device: torch.device):
         c = self._consts.get(device)
@@ -69,18 +72,31 @@ class DeviceTail:
             x.sub_(mean).div_(std)
         return x
 
-    def apply(self, batch: Any, paths, rects=None) -> Any:
+    def apply(self, batch: Any, paths, after=None) -> Any:
         """``batch`` with the tail applied to the leaf at each of ``paths``
-        (the places the split marked, see :class:`SplitPrep`), then, with
-        ``rects`` (per row, per path: ``[(top, left, height, width)]``), the
-        erasing's rectangles set (:attr:`erase_value`)."""
+        (the places the split marked, see :class:`SplitPrep`); with
+        ``after`` (per row, per path: ``(ops, rects)``), each row's
+        ``ColorJitter`` operations applied before (:attr:`jitter`) and its
+        erasing's rectangles set after (:attr:`erase_value`)."""
         for k, path in enumerate(paths):
-            if rects is None or self.erase_value is None:
+            if after is None:
                 batch = _replace_at(batch, path, self)
             else:
-                rows = [r[k] for r in rects]
-                batch = _replace_at(batch, path, lambda x, rows=rows: self.erased(self(x), rows))
+                rows = [a[k] for a in after]
+                batch = _replace_at(batch, path, lambda x, rows=rows: self._rows(x, rows))
         return batch
+
+    def _rows(self, x: torch.Tensor, rows: list) -> torch.Tensor:
+        ops = [o for o, _ in rows]
+        if self.jitter and any(ops):
+            dj = self._jitter_on.get(x.device)
+            if dj is None:
+                from .jitter import DeviceJitter
+
+                dj = self._jitter_on[x.device] = DeviceJitter(x.device)
+            x = dj(x, ops)
+        y = self(x)
+        return self.erased(y, [r for _, r in rows]) if self.erase_value is not None else y
 
     def erased(self, y: torch.Tensor, rows: list) -> torch.Tensor:
         """``y`` (converted) with row ``j``'s rectangles ``rows[j]`` set to
@@ -239,22 +255,23 @@ def _mark(x: torch.Tensor, cap: list) -> torch.Tensor:
 
 
 def _find(sample, cap: list):
-    """``(paths, rects)``: the paths of the recorded tensors in ``sample``
-    (containers as default_collate walks them) and each one's erasing
-    rectangles, or None when one was touched or is not a leaf there."""
+    """``(paths, after)``: the paths of the recorded tensors in ``sample``
+    (containers as default_collate walks them) and what the tail does to
+    each besides converting (``(ops, rects)``), or None when one was
+    touched or is not a leaf there."""
     if any(m.__dict__.get("_coordl_touched") for m in cap):
         return None
     ids = {id(m) for m in cap}
     found: set = set()
     paths: list = []
-    rects: list = []
+    after: list = []
 
     def go(x, path):
         if isinstance(x, torch.Tensor):
             if id(x) in ids:
                 found.add(id(x))
                 paths.append(path)
-                rects.append(x.__dict__.get("_coordl_rects", []))
+                after.append(x.__dict__.get("_coordl_after", _NOTHING_AFTER))
             return
         if isinstance(x, (str, bytes)):
             return
@@ -266,7 +283,10 @@ def _find(sample, cap: list):
                 go(v, path + (i,))
 
     go(sample, ())
-    return (tuple(paths), tuple(rects)) if found == ids else None
+    return (tuple(paths), tuple(after)) if found == ids else None
+
+
+_NOTHING_AFTER = ((), ())
 
 
 class SplitPrep:
@@ -283,7 +303,7 @@ class SplitPrep:
         # a RandomErasing after the conversion (coordl.tvcompat.ErasingOnTensor): its rectangles travel
         self._erase = erase
         self._marks = ((), False)
-        self._rects = None
+        self._after = None
 
     def __getattr__(self, name: str):
         if name.startswith("__"):
@@ -320,17 +340,17 @@ class SplitPrep:
             _local.capture = None
         for m in cap:
             _unmark(m)
-            m.__dict__.pop("_coordl_rects", None)
+            m.__dict__.pop("_coordl_after", None)
         if found is not None:
             self._marks = (found[0], False)
-            self._rects = found[1] if self._erase is not None and found[0] else None
+            self._after = found[1] if (self._erase is not None or self._tail.jitter) and found[0] else None
             return sample
         # the prep code did more with the image than place it: the CPU path, same random state
         _rng.rewind()
         torch.random.set_rng_state(t_state)
         sample = self._dataset.prep(raw, index)
         self._marks = ((), True)
-        self._rects = None
+        self._after = None
         return sample
 
     def take_device_marks(self) -> tuple:
@@ -339,21 +359,27 @@ class SplitPrep:
         m, self._marks = self._marks, ((), False)
         return m
 
-    def take_device_rects(self):
-        """The last sample's erasing rectangles, per path of
-        :meth:`take_device_marks` (``[(top, left, height, width)]`` each),
-        or None (no erasing, or nothing marked)."""
-        r, self._rects = self._rects, None
-        return r
+    def take_device_after(self):
+        """What the tail does to each image of the last sample besides
+        converting, per path of :meth:`take_device_marks`: ``(ops, rects)``,
+        its ``ColorJitter`` operations before and its erasing's rectangles
+        after; or None (neither, or nothing marked)."""
+        a, self._after = self._after, None
+        return a
 
-    def finish_on_cpu(self, sample, paths, rects=None):
+    def finish_on_cpu(self, sample, paths, after=None):
         """``sample`` with the tail applied on the CPU to its images at
-        ``paths``, and each one's erasing rectangles ``rects`` set: exactly
-        the CPU path's values."""
+        ``paths``, each one's jitter operations and erasing rectangles
+        (``after``) with it: exactly the CPU path's values."""
         for k, p in enumerate(paths):
+            ops, rects = after[k] if after is not None else _NOTHING_AFTER
+            if ops:
+                from .jitter import host_jitter
+
+                sample = _replace_at(sample, p, lambda x, ops=ops: torch.from_numpy(host_jitter(x.numpy(), ops)))
             sample = _replace_at(sample, p, self._tail)
-            if rects is not None and rects[k]:
-                sample = _replace_at(sample, p, lambda x, r=rects[k]: self._erase.erase(x, r))
+            if rects:
+                sample = _replace_at(sample, p, lambda x, r=rects: self._erase.erase(x, r))
         return sample
 
 
@@ -374,15 +400,18 @@ def _split_pipeline(dataset, tf, device, no) -> Split:
     except ValueError as e:
         return no(str(e))
     mine = copy.copy(dataset)
-    mine.transform = _SplitPipeline(tf)
     where = str(device) if device is not None else "the device"
     erase = tf.erase
     if erase is not None:
         tail.erase_value = erase.value
-    return Split(SplitPrep(dataset, mine, DeviceTail(tail.normalizes, tail.erase_value), erase), tail,
-                 f"split: uint8 images travel after the steps run as written; ToTensor's scaling and "
-                 f"{len(normalizes)} Normalize" + (f" and {type(erase.user).__name__}" if erase is not None else "")
-                 + f" run on {where}")
+    # the steps as written all ColorJitter whose draws are made apart: drawn in the worker, applied on the device
+    tail.jitter = tf.split_jitters() is not None
+    mine.transform = _SplitPipeline(tf, tail.jitter)
+    what = (["ColorJitter"] if tail.jitter else []) + ["ToTensor's scaling", f"{len(normalizes)} Normalize"] + (
+        [type(erase.user).__name__] if erase is not None else [])
+    return Split(SplitPrep(dataset, mine, DeviceTail(tail.normalizes, tail.erase_value, tail.jitter), erase), tail,
+                 "split: uint8 images travel" + ("" if tail.jitter else " after the steps run as written")
+                 + f"; {', '.join(what[:-1])} and {what[-1]} run on {where}")
 
 
 class _SplitPipeline:
@@ -392,14 +421,15 @@ class _SplitPipeline:
     (``TorchvisionPipeline.split_rest``).  Outside ``SplitPrep.prep`` it is
     the whole pipeline."""
 
-    def __init__(self, full) -> None:
+    def __init__(self, full, jitter_on_device: bool = False) -> None:
         self.full = full
+        self.jitter_on_device = jitter_on_device
 
     def __call__(self, img):
         cap = getattr(_local, "capture", None)
         if cap is None:
             return self.full(img)
-        return self._marked(*self.full.split_rest(self.full.fused(img)), cap)
+        return self._marked(*self.full.split_rest(self.full.fused(img), self.jitter_on_device), cap)
 
     def from_bytes(self, raw):
         cap = getattr(_local, "capture", None)
@@ -410,16 +440,16 @@ class _SplitPipeline:
             from ..datasets import pil_decode
 
             return self(pil_decode(raw))
-        return self._marked(*self.full.split_rest(x), cap)
+        return self._marked(*self.full.split_rest(x, self.jitter_on_device), cap)
 
     @staticmethod
-    def _marked(x, rects, cap: list):
-        # the uint8 planes are the device's to convert (and erase); anything else is the CPU path's result
-        if rects is None:
+    def _marked(x, after, cap: list):
+        # the uint8 planes are the device's to convert (jitter, erase); anything else is the CPU path's result
+        if after is None:
             return x
         m = _mark(x, cap)
-        if rects:
-            m.__dict__["_coordl_rects"] = rects
+        if after[0] or after[1]:
+            m.__dict__["_coordl_after"] = after
         return m
 
     def spec(self):

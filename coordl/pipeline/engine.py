@@ -49,7 +49,7 @@ class _Builder:
     """One batch being assembled, rows in plan order, samples in any order."""
 
     __slots__ = ("k", "indices", "n", "done", "layout", "slot", "targets", "dests", "samples",
-                 "ok", "stats", "copy", "failed", "marks", "payloads", "rects")
+                 "ok", "stats", "copy", "failed", "marks", "payloads", "after")
 
     def __init__(self, k: int, indices: list[int], copy: bool) -> None:
         self.k = k
@@ -67,7 +67,7 @@ class _Builder:
         self.failed = False             # an error was emitted for this batch
         self.marks = None               # per row: paths of its device-split images (coordl.device)
         self.payloads = None            # decode="device": per row, what travels with its records
-        self.rects = None               # per row, per mark: the RandomErasing rectangles the device tail sets
+        self.after = None               # per row, per mark: (jitter operations, erasing rectangles) for the tail
 
 
 class Engine:
@@ -106,8 +106,8 @@ class Engine:
                                         batch_size=batch_size)
         # device split (coordl.device.SplitPrep): where each sample's uint8 images are
         self._take_marks = getattr(dataset, "take_device_marks", None)
-        # ... and the rectangles of a RandomErasing after the conversion, per image
-        self._take_rects = getattr(dataset, "take_device_rects", None)
+        # ... and what the tail does to each besides converting (ColorJitter before, RandomErasing after)
+        self._take_after = getattr(dataset, "take_device_after", None)
         # decode="device" (coordl.device.DecodePrep): the bytes (or CPU images) beside each record
         self._take_payloads = getattr(dataset, "take_device_payloads", None)
         sizes = getattr(dataset, "sizes", None)
@@ -264,11 +264,11 @@ class Engine:
                             if b.marks is None:
                                 b.marks = [()] * b.n
                             b.marks[j] = paths
-                            rects = self._take_rects() if self._take_rects is not None else None
-                            if rects is not None:
-                                if b.rects is None:
-                                    b.rects = [None] * b.n
-                                b.rects[j] = rects
+                            after = self._take_after() if self._take_after is not None else None
+                            if after is not None:
+                                if b.after is None:
+                                    b.after = [None] * b.n
+                                b.after[j] = after
                             if self._take_payloads is not None:
                                 self._encoded_row(b, j, i, paths)
                         t0 = clock()
@@ -407,8 +407,8 @@ def finish(b: _Builder, collate_fn, batch_size, slots, finish_on_cpu=None) -> tu
         marks = {b.marks[r] for r in rows}
         if len(marks) == 1 and b.marks[rows[0]]:
             b.stats.device_marks = b.marks[rows[0]]
-            if b.rects is not None:
-                b.stats.device_rects = [b.rects[r] for r in rows]
+            if b.after is not None:
+                b.stats.device_after = [b.after[r] for r in rows]
         else:
             if any(marks):
                 if not b.copy:
@@ -416,7 +416,7 @@ def finish(b: _Builder, collate_fn, batch_size, slots, finish_on_cpu=None) -> tu
                 for r in rows:
                     if b.marks[r]:
                         b.samples[r] = finish_on_cpu(b.samples[r], b.marks[r],
-                                                     b.rects[r] if b.rects is not None else None)
+                                                     b.after[r] if b.after is not None else None)
             b.stats.device_cpu = len(rows)
     if b.copy:
         samples = [b.samples[r] for r in rows]

@@ -216,10 +216,10 @@ class _LoaderIter:
                     if data.batch is None:  # every sample of the step was skipped
                         continue
                     batch, n, marks = data.batch, data.stats.samples, getattr(data.stats, "device_marks", ())
-                    rects = getattr(data.stats, "device_rects", None)
+                    after = getattr(data.stats, "device_after", None)
                 else:
                     self._delivered(None)
-                    batch, n, marks, rects = data, L._count_samples(data), (), None
+                    batch, n, marks, after = data, L._count_samples(data), (), None
                 break
         except StopIteration:
             t1 = clock()
@@ -247,7 +247,7 @@ class _LoaderIter:
             raise
         t1 = clock()
         if L._device is not None:
-            batch = L._deliver(batch, marks, rects)
+            batch = L._deliver(batch, marks, after)
         bucket = self._bucket
         bucket["samples"] += n
         bucket["batches"] += 1
