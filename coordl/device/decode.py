@@ -56,7 +56,7 @@ from .encoded import (CHANNELS, FLIP, INDEX, KIND, ON_CPU, ON_DEVICE, RH, RW, SR
                       DecodePlan, ops_of, rects_of)
 from .erase import erase_rows, value_on
 from .geometry_kernel import finished
-from .upload import upload
+from .launch import upload
 from .jitter import DeviceJitter
 from .split import DeviceTail
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .upload import upload
+from .launch import upload
 
 __all__ = ["erase_rows", "value_on", "FEW_RECTS", "MASK_DEVICES"]
 

@@ -47,7 +47,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .upload import upload
+from .launch import launch, upload
 
 __all__ = ["available", "BatchGeometry", "KINDS", "agrees", "faster", "upload", "TOLERANCE"]
 
@@ -199,13 +199,7 @@ class BatchGeometry:
             self._launch(dev, cols_k, (n, -(-self.oh // bi), -(-self.ow // bj)),
                          (mid, mids, it, ft, y, self.oh, self.ow, norm), kw)
 
-    @staticmethod
-    def _launch(dev: torch.device, kernel, grid: tuple, args: tuple, kw: dict) -> None:
-        if dev.type == "cuda":      # Triton launches on the current device, on its current stream
-            with torch.cuda.device(dev):
-                kernel[grid](*args, **kw)
-        else:
-            kernel[grid](*args, **kw)
+    _launch = staticmethod(launch)
 
 
 def _groups(size: np.ndarray, budget: int) -> list:

@@ -49,7 +49,7 @@ import torch
 from PIL import Image
 
 from ..decode.color import BRIGHTNESS, CONTRAST, HUE, SATURATION, pil_jitter, probe_ops
-from .upload import upload
+from .launch import launch, upload
 
 __all__ = ["DeviceJitter", "host_jitter"]
 
@@ -219,8 +219,6 @@ class DeviceJitter:
     def _launch(self, y: torch.Tensor, rows: list) -> None:
         """One launch of the kernel: each of ``rows`` (``(row, code,
         value)``) through its operation, in place."""
-        from .geometry_kernel import BatchGeometry
-
         n, hw, dev = len(rows), y.shape[2] * y.shape[3], self.device
         codes = np.array([c for _, c, _ in rows], dtype=np.int32)
         hue = codes == HUE
@@ -232,7 +230,7 @@ class DeviceJitter:
         contrast = [j for j, (_, c, _) in enumerate(rows) if c == CONTRAST]
         if contrast:       # contrast's grey levels first: each row's luma summed (a kernel), then its mean
             sums = torch.zeros(len(contrast), dtype=torch.int64, device=dev)
-            BatchGeometry._launch(dev, _kernel().luma_sums, (len(contrast), *grid),
+            launch(dev, _kernel().luma_sums, (len(contrast), *grid),
                                   (y, upload(np.array([rows[j][0] for j in contrast], dtype=np.int64), dev), sums, hw),
                                   {"BLOCK": _BLOCK})
             bases.index_copy_(0, upload(np.array(contrast, dtype=np.int64), dev), _mean(sums, hw))
@@ -242,7 +240,7 @@ class DeviceJitter:
             to_hsv = from_hsv = torch.zeros(1, dtype=torch.int32, device=dev)
         args = (y, upload(np.array([r for r, _, _ in rows], dtype=np.int64), dev), upload(codes, dev),
                 upload(alphas, dev), bases, upload(shifts, dev), hw, to_hsv, from_hsv)
-        BatchGeometry._launch(dev, _kernel().jitter_ops, (n, *grid), args, {"BLOCK": _BLOCK, "enable_fp_fusion": False})
+        launch(dev, _kernel().jitter_ops, (n, *grid), args, {"BLOCK": _BLOCK, "enable_fp_fusion": False})
 
     def _apply(self, y: torch.Tensor, kind: int, rows: list) -> None:
         idx = upload(np.array([r for r, _, _ in rows], dtype=np.int64), self.device)

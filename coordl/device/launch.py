@@ -1,11 +1,13 @@
-"""Small host arrays onto the device without a wait (the stage's, the
-kernels' and the erasing's per-batch parameters)."""
+"""Getting the stage's work onto the device, shared by its kernels: small
+host arrays copied without a wait (:func:`upload`: the geometry's, the
+jitter's and the erasing's per-batch parameters), and Triton kernels
+launched on their tensors' device (:func:`launch`)."""
 from __future__ import annotations
 
 import numpy as np
 import torch
 
-__all__ = ["upload"]
+__all__ = ["upload", "launch"]
 
 
 def upload(arr: np.ndarray, dev: torch.device) -> torch.Tensor:
@@ -19,3 +21,13 @@ def upload(arr: np.ndarray, dev: torch.device) -> torch.Tensor:
     if dev.type != "cuda":
         return t
     return t.pin_memory().to(dev, non_blocking=True)
+
+
+def launch(dev: torch.device, kernel, grid: tuple, args: tuple, kw: dict) -> None:
+    """``kernel[grid](*args, **kw)`` on ``dev`` (Triton launches on the
+    current device, on its current stream)."""
+    if dev.type == "cuda":
+        with torch.cuda.device(dev):
+            kernel[grid](*args, **kw)
+    else:
+        kernel[grid](*args, **kw)
