@@ -341,33 +341,6 @@ HAVE_TV = import_torchvision() is not None
 '''
 
 
-def test_colorjitter_on_the_device_never_reaches_a_worker(photos, tmp_path):
-    """decode="device" with torchvision's ColorJitter: the hue tables (kept
-    for the process's life) exist before the next pass forks its workers;
-    no worker frees them, nor the images jittered on the device."""
-    from _torchvision import import_torchvision
-
-    if import_torchvision() is None:
-        pytest.skip("torchvision is not installed")
-    body = """
-        if HAVE_TV:
-            from torchvision import datasets, transforms as V
-            gc.disable()
-            tf = V.Compose([V.RandomResizedCrop(16), V.RandomHorizontalFlip(), V.ColorJitter(0.4, 0.4, 0.4, 0.1),
-                            V.ToTensor(), V.Normalize([0.5, 0.4, 0.3], [0.2, 0.25, 0.3])])
-            train = coordl.DataLoader(datasets.ImageFolder(ROOT, transform=tf), batch_size=4, seed=1, device="cpu",
-                                      decode="device", num_workers=2, worker_init_fn=collect_in_worker)
-            for epoch in range(3):        # workers forked anew each pass, after the tables exist
-                for batch in train:
-                    garbage_of_a_training_step(batch)
-            assert train.stats().device_decode_images > 0 and J._tables
-        else:
-            print("NO-TORCHVISION")
-    """
-    here = f"HERE = {os.path.dirname(os.path.abspath(__file__))!r}\n"
-    _run(photos, tmp_path, body, setup=_DECODE + here + _JITTER)
-
-
 _ERASE = '''
 from coordl.device import erase as ER
 
@@ -379,13 +352,10 @@ def value_on(value, device):
 
 
 ER.value_on = value_on
-sys.path.insert(0, HERE)
-from _torchvision import import_torchvision
-HAVE_TV = import_torchvision() is not None
 '''
 
 
-def test_randomerasing_on_the_device_never_reaches_a_worker(photos, tmp_path):
+def test_colorjitter_and_randomerasing_on_the_device_never_reach_a_worker(photos, tmp_path):
     """A ColorJitter and a RandomErasing around the conversion, with the
     device split (the jitter and the erasing on the device: the tail's
     value and hue tables kept from pass to pass) and with decode="device":
@@ -409,6 +379,7 @@ def test_randomerasing_on_the_device_never_reaches_a_worker(photos, tmp_path):
                         garbage_of_a_training_step(batch)
                 assert "RandomErasing" in (train.stats().device_split + train.stats().device_decode)
                 assert "ColorJitter" in (train.stats().device_split + train.stats().device_decode)
+                assert train.stats().device_decode_images > 0 or train.stats().device_split.startswith("split")
             assert J._tables
         else:
             print("NO-TORCHVISION")
