@@ -535,3 +535,34 @@ def test_erased_images_anywhere_and_rows_finished_on_the_cpu(photos, cpu_device,
     split = L.stats()
     assert split.device_split.startswith("split")
     assert (split.device_split_cpu_samples > 0) == (kind == "odd_one")
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_jitter_or_erasing_assigned_later_is_applied_at_the_next_pass(photos, cpu_device, workers):
+    """A transform assigned between passes (to the loader's dataset, here
+    torchvision's steps as coordl translates them) with the same Normalize
+    but a ColorJitter (then also an erasing) the device applies: the next
+    pass's tail applies them (the loader keeps the last pass's tail only
+    where it does the same); the batches are the CPU path's."""
+    _tv()
+    from torchvision import datasets
+    from torchvision import transforms as V
+
+    from coordl.tvcompat import translate
+
+    plain = [V.RandomResizedCrop(16), V.ToTensor(), V.Normalize(MEAN, STD)]
+    jitter = [V.RandomResizedCrop(16), V.ColorJitter(0.4, 0.4, 0.4), V.ToTensor(), V.Normalize(MEAN, STD)]
+    erase = jitter + [V.RandomErasing(0.9, value=(7.0, -9.0, 11.0))]
+    ds = datasets.ImageFolder(photos, transform=V.Compose(plain))
+    kw = dict(batch_size=4, seed=5, shuffle=True, num_workers=workers)
+    L = coordl.DataLoader(ds, device="cpu", **kw)
+    for epoch, steps in enumerate((plain, jitter, erase)):
+        L.dataset.transform = translate(V.Compose(steps))[0]
+        L.set_epoch(epoch)
+        got = list(L)
+        W = coordl.DataLoader(datasets.ImageFolder(photos, transform=V.Compose(steps)), **kw)
+        W.set_epoch(epoch)
+        want = list(W)
+        assert L.stats().device_split.startswith("split")
+        for (a, y), (b, y2) in zip(got, want):
+            assert torch.equal(a, b) and torch.equal(y, y2), len(steps)
