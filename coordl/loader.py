@@ -248,7 +248,12 @@ class DataLoader(_TorchDataLoader[_T_co]):
         if not isinstance(jpeg_draft, bool):
             raise TypeError(f"jpeg_draft should be a bool, but got jpeg_draft={jpeg_draft!r}")
         # torchvision's ImageFolder/DatasetFolder -> coordl's two-stage dataset (see coordl/tvcompat.py)
+        source = dataset
         dataset, tv_decision = adapt(dataset, jpeg_draft=jpeg_draft)
+        # the user's torchvision dataset, and the transforms it had when translated: one assigned to it later, or
+        # changed in place, is translated at the next pass (_follow_torchvision), as torch would run it
+        self._tv_source = (source, _transforms_seen(source), jpeg_draft) \
+            if tv_decision is not None and tv_decision.path == "coordl" else None
         super().__init__(
             dataset, batch_size, shuffle, sampler, batch_sampler, num_workers, collate_fn,
             pin_memory, drop_last, timeout, worker_init_fn, multiprocessing_context, generator,
@@ -677,8 +682,32 @@ class DataLoader(_TorchDataLoader[_T_co]):
         p.next_epoch = epoch
         p.active = False
 
+    def _follow_torchvision(self) -> None:
+        """A transform or target_transform assigned to the user's torchvision
+        dataset since the last pass, or changed in place (a crop's size set
+        anew: progressive resizing): translated now, so this pass runs it,
+        as torch's loader would (the workers of a pass get the dataset as it
+        is then; persistent ones keep theirs, as under torch)."""
+        src = self._tv_source
+        if src is None:
+            return
+        ds, seen, draft = src
+        if _transforms_seen(ds) == seen:
+            return
+        from .tvcompat import adapt, record_path
+
+        adapted, decision = adapt(ds, jpeg_draft=draft)
+        if decision is None or decision.path != "coordl":
+            raise ValueError(f"the transform or target_transform assigned to the loader's torchvision dataset cannot "
+                             f"be run on coordl's pipeline, where the loader runs it ({decision.reason if decision else ''})"
+                             ": give it a callable, or make a new DataLoader")
+        self.dataset.transform, self.dataset.target_transform = adapted.transform, adapted.target_transform
+        self._tv_source = (ds, _transforms_seen(ds), draft)
+        record_path(self, decision)
+
     # ---------------------------------------------------------------- torch hooks
     def __iter__(self):
+        self._follow_torchvision()
         if self._peer_server is not None:
             self._peer_server.ensure()   # served again if the node daemon serving it died
         p = self._pass
@@ -958,6 +987,17 @@ class DataLoader(_TorchDataLoader[_T_co]):
             return len(batch)
         except TypeError:
             return 1
+
+
+def _transforms_seen(ds) -> tuple:
+    """What decides a torchvision dataset's translation: its transform and
+    target_transform objects, and their descriptions (their parameters:
+    ``coordl.transforms.spec_of``), so that one assigned anew or changed in
+    place reads as changed."""
+    from .transforms import spec_of
+
+    t, tt = ds.transform, ds.target_transform
+    return (id(t), spec_of(t) if t is not None else None, id(tt), spec_of(tt) if tt is not None else None)
 
 
 def _has_len(sampler) -> bool:

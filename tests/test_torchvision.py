@@ -591,3 +591,35 @@ def test_a_copy_with_a_subset_of_samples_is_recognized(photos):
     assert L.stats().path == "coordl" and len(L.dataset) == len(part)
     (_, y), = list(L)
     assert y.tolist() == [t for _, t in part.samples]
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_transform_assigned_to_torchvisions_dataset_takes_effect_at_the_next_pass(photos, workers):
+    """As under torch: a transform (or target_transform) assigned to the
+    user's torchvision dataset between passes is what the next pass runs
+    (progressive resizing), and path_reason says what runs now."""
+    ds = D.ImageFolder(photos, transform=V1.Compose([V1.Resize((16, 16)), V1.ToTensor()]))
+    kw = dict(batch_size=5, num_workers=workers)
+    T_ = torch.utils.data.DataLoader(ds, **kw)
+    L = coordl.DataLoader(ds, **kw)
+    assert next(iter(T_))[0].shape == next(iter(L))[0].shape == (5, 3, 16, 16)
+    ds.transform = V1.Compose([V1.Resize((8, 12)), V1.ToTensor()])
+    ds.target_transform = lambda t: t + 100
+    want, got = next(iter(T_)), next(iter(L))
+    assert want[0].shape == got[0].shape == (5, 3, 8, 12) and torch.equal(want[1], got[1]) and int(got[1][0]) >= 100
+    assert "Resize" in L.stats().path_reason
+    ds.transform = V1.Compose([V1.Resize((8, 12)), V1.ColorJitter(0.3), V1.ToTensor()])
+    assert next(iter(L))[0].shape == (5, 3, 8, 12)
+    assert "as written: ColorJitter" in L.stats().path_reason
+
+
+def test_a_transform_changed_in_place_takes_effect_at_the_next_pass(photos):
+    """Progressive resizing by changing the user's crop in place, as under
+    torch: the next pass translates the transform again."""
+    rrc = V1.RandomResizedCrop(16)
+    ds = D.ImageFolder(photos, transform=V1.Compose([rrc, V1.ToTensor()]))
+    L = coordl.DataLoader(ds, batch_size=5)
+    assert next(iter(L))[0].shape == (5, 3, 16, 16)
+    rrc.size = (24, 20)
+    assert next(iter(torch.utils.data.DataLoader(ds, batch_size=5)))[0].shape == next(iter(L))[0].shape \
+        == (5, 3, 24, 20)
