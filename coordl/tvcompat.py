@@ -193,19 +193,33 @@ class TorchvisionPipeline:
         return self._rest(self.fused(img) if self.fused is not None else img)
 
     def _rest(self, x: Any) -> Any:
-        if self.erase is None:
-            return self._converted(x, self._run_tail)
-        with _rng.seeded_globals(_rng.current()):
-            x = self.erase(self._converted(x, self._run_steps))
+        return self._through(x)[0]
+
+    def _through(self, x: Any, split: bool = False, jitter_on_device: bool = False) -> tuple[Any, tuple | None]:
+        """``x`` (the fused part's result) through the rest, under the
+        sample's generators where something draws (the steps as written, the
+        erasing): ``(the result, None)``; with ``split``, :meth:`split_rest`'s."""
+        seeded = self.erase is not None or bool(self.tail)
+        with _rng.seeded_globals(_rng.current()) if seeded else contextlib.nullcontext():
+            if jitter_on_device and isinstance(x, torch.Tensor) and x.dtype == torch.uint8 and x.ndim == 3 \
+                    and x.shape[0] == 3:
+                ops = [op for j in self.jitters() for op in j.draw()]
+                return x, (ops, self.erase.draw(*x.shape) if self.erase is not None else [])
+            x = self._converted(x, split)
+            if split and isinstance(x, torch.Tensor) and x.dtype == torch.uint8:
+                return x, ([], self.erase.draw(*x.shape) if self.erase is not None else [])
+            if self.erase is not None:
+                x = self.erase(x)
         for t in self.after:
             x = t(x)
-        return x
+        return x, None
 
-    def _converted(self, x: Any, run_tail, split: bool = False) -> Any:
-        """``x`` (the fused part's result) through ``tail`` (by ``run_tail``)
-        and ``post``; with ``split`` (:meth:`split_refusal` None), the uint8
-        RGB planes ``post`` would convert where the tail gives an RGB image,
-        the device split's ``ToTensor`` and ``Normalize`` left to do."""
+    def _converted(self, x: Any, split: bool = False) -> Any:
+        """``x`` (the fused part's result) through ``tail`` and ``post``
+        (inside the sample's generators' scope); with ``split``
+        (:meth:`split_refusal` None), the uint8 RGB planes ``post`` would
+        convert where the tail gives an RGB image, the device split's
+        ``ToTensor`` and ``Normalize`` left to do."""
         planes = False
         if self.fused is not None:
             if self.to_pil:
@@ -217,7 +231,7 @@ class TorchvisionPipeline:
             elif self.image_type is not None:
                 x = x.as_subclass(self.image_type)
         if self.tail:
-            x, planes = run_tail(x, planes)
+            x, planes = self._run_steps(x, planes)
         if split:
             if not planes and isinstance(x, Image.Image) and x.mode == "RGB":
                 x, planes = T._to_chw(x), True
@@ -273,20 +287,7 @@ class TorchvisionPipeline:
         the erasing sets after it (none without one); or where the steps
         gave another image (a mode L), ``(the CPU path's whole result,
         None)``."""
-        seeded = self.erase is not None or bool(self.tail)      # as _rest: the sample's generator drawn alike
-        with _rng.seeded_globals(_rng.current()) if seeded else contextlib.nullcontext():
-            if jitter_on_device and isinstance(x, torch.Tensor) and x.dtype == torch.uint8 and x.ndim == 3 \
-                    and x.shape[0] == 3:
-                ops = [op for j in self.jitters() for op in j.draw()]
-                return x, (ops, self.erase.draw(*x.shape) if self.erase is not None else [])
-            x = self._converted(x, self._run_steps, split=True)
-            if isinstance(x, torch.Tensor) and x.dtype == torch.uint8:
-                return x, ([], self.erase.draw(*x.shape) if self.erase is not None else [])
-            if self.erase is not None:
-                x = self.erase(x)
-        for t in self.after:
-            x = t(x)
-        return x, None
+        return self._through(x, True, jitter_on_device)
 
     def _run_steps(self, x: Any, planes: bool) -> tuple[Any, bool]:
         for t in self.tail:
@@ -298,24 +299,11 @@ class TorchvisionPipeline:
             x = t(x)
         return x, planes
 
-    def _run_tail(self, x: Any, planes: bool = False) -> tuple[Any, bool]:
-        with _rng.seeded_globals(_rng.current()):
-            return self._run_steps(x, planes)
-
     def jitters(self) -> list:
         """For each step of :attr:`tail`, its :class:`ColorJitterOnPlanes`
         where it is torchvision's ``ColorJitter`` (:func:`color_jitter_of`),
         else None: what ``decode="device"`` runs on the device."""
         return [color_jitter_of(t) for t in self.tail]
-
-    @staticmethod
-    def planes_through(steps: list, x: torch.Tensor) -> torch.Tensor:
-        """The uint8 planes ``x`` (C, H, W; C 1 or 3: a mode L or RGB image)
-        through ``steps`` (as-written steps that each return an image, as
-        ``ColorJitter``), under the current sample's generators, as
-        :meth:`_run_tail` runs them: the planes of the image they return."""
-        x, planes = TorchvisionPipeline(None, False, None, steps)._run_tail(x, True)
-        return x if planes else T._to_chw(x)
 
     def _run_post(self, x: Any) -> Any:
         if self.post_fused is not None and isinstance(x, Image.Image) and x.mode in ("RGB", "L"):
@@ -983,6 +971,14 @@ def _deterministic(t: Any) -> bool:
     return k is not None and k[1] in _DETERMINISTIC.get(k[0], ())
 
 
+def _drawing_end(steps: list) -> int:
+    """The length of ``steps`` up to and with the last one that draws."""
+    n = len(steps)
+    while n > 0 and _deterministic(steps[n - 1]):
+        n -= 1
+    return n
+
+
 def _split_post(tail: list) -> tuple[list, list, Any, Any, Any, list]:
     """``(tail, post, post_fused, post_type, erase, after)``: the trailing
     steps of ``tail`` that draw no random numbers move to ``post``; when
@@ -991,15 +987,11 @@ def _split_post(tail: list) -> tuple[list, list, Any, Any, Any, list]:
     When the last step that draws is a ``RandomErasing`` with a constant
     value (:func:`erasing_of`), it is ``erase``, the steps after it
     ``after``, and the split is of the steps before it."""
-    n = len(tail)
-    while n > 0 and _deterministic(tail[n - 1]):
-        n -= 1
+    n = _drawing_end(tail)
     erase, after = (erasing_of(tail[n - 1]) if n else None), []
     if erase is not None:
         tail, after = tail[:n - 1], tail[n:]
-        n = len(tail)
-        while n > 0 and _deterministic(tail[n - 1]):
-            n -= 1
+        n = _drawing_end(tail)
     rest, post = tail[:n], tail[n:]
     post_fused = post_type = None
     if post:
