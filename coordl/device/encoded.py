@@ -67,14 +67,13 @@ class DecodePlan:
     torchvision ``ColorJitter`` steps between the geometry and the
     conversion (``coordl.tvcompat.ColorJitterOnPlanes``), their draws made
     with the sample's (:meth:`draw_ops`), their arithmetic PIL's, on the
-    device (:mod:`.jitter`); ``planes_through``: how the CPU path runs them
-    on planes (``TorchvisionPipeline.planes_through``); ``erasing``: a
+    device (:mod:`.jitter`); ``erasing``: a
     ``RandomErasing`` after the conversion (``coordl.tvcompat.ErasingOnTensor``),
     its rectangles drawn with the sample's after the jitter's draws
     (:meth:`draw_after`), erased on the device after the conversion."""
 
     def __init__(self, steps: list, resize, size: tuple, to_float: bool, normalizes: list, spec,
-                 jitters: list = (), planes_through=None, erasing=None) -> None:
+                 jitters: list = (), erasing=None) -> None:
         from .. import transforms as T
 
         self.steps = list(steps)
@@ -85,8 +84,6 @@ class DecodePlan:
         self.to_float = to_float
         self.normalizes = list(normalizes)
         self.jitters = list(jitters)
-        # the translated pipeline's runner of its as-written steps on planes (with jitters)
-        self.planes_through = planes_through
         self.erasing = erasing
         self.spec = spec
         # the CPU path up to the uint8 image ToTensor scales (samples the device decoder cannot take)
@@ -197,18 +194,6 @@ class DecodePlan:
             return self._draw_after()
         return self.after_for_seeds([_lazy()[0].global_seeds(rng)])[0]
 
-    def after_cpu_path(self, rng) -> list:
-        """The rectangles :meth:`draw_after` gives for a sample the CPU path
-        prepares (its jitter run there), from a copy of ``rng`` as it is
-        before that jitter, which goes on drawing from ``rng`` itself."""
-        if self.erasing is None:
-            return []
-        if isinstance(rng, random.Random):
-            copy_ = random.Random()
-            copy_.setstate(rng.getstate())
-            rng = copy_
-        return self.draw_after(rng)[1]
-
     def _draw_after(self) -> tuple[list, list]:
         ops = [op for j in self.jitters for op in j.draw()]
         rects = self.erasing.draw(3, *self.size) if self.erasing is not None else []
@@ -247,11 +232,15 @@ class DecodePlan:
         ``RandomErasing``)."""
         return self.erasing is not None and self.erasing.kind == "timm"
 
-    def jitter_on_cpu(self, x: torch.Tensor) -> torch.Tensor:
-        """The uint8 planes the CPU path made (the prefix's) through the
-        plan's ``ColorJitter`` steps as the CPU path runs them, under the
-        current sample's generator."""
-        return self.planes_through(self.jitters, x) if self.jitters else x
+    @staticmethod
+    def jitter_on_cpu(x: torch.Tensor, ops: list) -> torch.Tensor:
+        """The uint8 RGB planes ``x`` through the colour operations ``ops``
+        (:meth:`draw_after`'s) as the CPU path computes them: PIL's bytes."""
+        if not ops:
+            return x
+        from .jitter import host_jitter
+
+        return torch.from_numpy(host_jitter(x.numpy(), ops))
 
     def describe(self) -> str:
         names = " + ".join(type(t).__name__ for t in self.steps + [getattr(j, "user", j) for j in self.jitters])
@@ -284,11 +273,11 @@ def plan_for(transform) -> DecodePlan:
     if transform is None:
         raise _refuse("the dataset has no transform (its samples would be PIL images)",
                       "give it a transform ending in ToTensor()")
-    jitters, through, erasing = [], None, None
+    jitters, erasing = [], None
     if type(transform) is T.Compose:
         ts = list(transform.transforms)
     elif type(transform).__name__ == "TorchvisionPipeline":
-        ts, jitters, through, erasing = _as_written(transform)
+        ts, jitters, erasing = _as_written(transform)
     else:
         raise _refuse(f"it is a {type(transform).__module__}.{type(transform).__qualname__}, not a "
                       "coordl.transforms.Compose (or a torchvision Compose of the supported steps)")
@@ -345,11 +334,11 @@ def plan_for(transform) -> DecodePlan:
         if erasing.most > MAX_RECTS:
             raise _refuse(f"{erasing.user!r} erases up to {erasing.most} rectangles, and the device stage at most "
                           f"{MAX_RECTS}", f"give it max_count={MAX_RECTS} or fewer")
-    return DecodePlan(steps, resize, size, to_float, normalizes, transform.spec(), jitters, through, erasing)
+    return DecodePlan(steps, resize, size, to_float, normalizes, transform.spec(), jitters, erasing)
 
 
-def _as_written(pipeline) -> tuple[list, list, object, object]:
-    """``(steps, jitters, planes_through, erasing)`` of a translated
+def _as_written(pipeline) -> tuple[list, list, object]:
+    """``(steps, jitters, erasing)`` of a translated
     torchvision pipeline (``coordl.tvcompat.TorchvisionPipeline``) whose
     as-written part the device stage can run: torchvision ``ColorJitter``
     steps between the fused geometry (which hands them the image) and a
@@ -367,12 +356,12 @@ def _as_written(pipeline) -> tuple[list, list, object, object]:
             raise _refuse(f"{erasing.user!r}'s draws could not be made apart from its call here "
                           f"({type(erasing.user).__module__}: the log says why)", "remove it from the transform")
         if not pipeline.to_pil and not pipeline.tail and not pipeline.post:   # erasing the fused conversion's
-            return list(pipeline.fused.transforms), [], None, erasing
+            return list(pipeline.fused.transforms), [], erasing
     return (*_with_jitter(pipeline), erasing)
 
 
-def _with_jitter(pipeline) -> tuple[list, list, object]:
-    """``(steps, jitters, planes_through)`` of a translated torchvision
+def _with_jitter(pipeline) -> tuple[list, list]:
+    """``(steps, jitters)`` of a translated torchvision
     pipeline whose as-written part before its erasing is torchvision
     ``ColorJitter`` steps (:func:`_as_written`)."""
     from .. import transforms as T
@@ -401,7 +390,7 @@ def _with_jitter(pipeline) -> tuple[list, list, object]:
                 "written" if pipeline.post else "the transform ends with ColorJitter (its result, a PIL image)")
         raise _refuse(f"{what}: after ColorJitter the device stage needs ToTensor() [+ Normalize(...)s] or "
                       "PILToTensor()")
-    return list(fused.transforms[:-1]) + list(pipeline.post_fused.transforms), jitters, pipeline.planes_through
+    return list(fused.transforms[:-1]) + list(pipeline.post_fused.transforms), jitters
 
 
 # ---------------------------------------------------------------- the prep side
@@ -425,8 +414,7 @@ class EncodedCompose:
 
         for t in self.plan.steps:
             img = t(img)
-        rects = self.plan.after_cpu_path(_lazy()[0].current())
-        return self._on_cpu(self.plan.jitter_on_cpu(ToTensor.unscaled(img)), cap, rects)
+        return self._on_cpu(ToTensor.unscaled(img), cap)
 
     def from_bytes(self, raw):
         cap = getattr(_local, "capture", None)
@@ -439,19 +427,22 @@ class EncodedCompose:
             g = _rng.current()
             geometry = plan.draw(*size, g)
             return _capture([ON_DEVICE, *size, *geometry], raw, cap, *plan.draw_after(g))
-        # not for the device decoder: the CPU path, its draws and its errors (PIL's); the erasing's
-        # rectangles (erased on the device after the conversion) drawn where the jitter's draws leave them
-        x = decode_and_apply(plan.prefix, raw)
-        rects = plan.after_cpu_path(_rng.current())
-        return self._on_cpu(plan.jitter_on_cpu(x), cap, rects)
+        # not for the device decoder: the CPU path, its draws and its errors (PIL's)
+        return self._on_cpu(decode_and_apply(plan.prefix, raw), cap)
 
-    def _on_cpu(self, x, cap, rects=()):
+    def _on_cpu(self, x, cap):
+        """The uint8 image the CPU path made up to the jitter, jittered here
+        with the sample's operations (as the CPU path draws and computes
+        them); its erasing's rectangles, drawn right after, go to the device
+        in the record."""
         oh, ow = self.plan.size
         if not isinstance(x, torch.Tensor) or x.dtype != torch.uint8 or tuple(x.shape) != (3, oh, ow):
             got = f"{x.dtype} {tuple(x.shape)}" if isinstance(x, torch.Tensor) else type(x).__name__
             raise ValueError(f"decode='device': the CPU path made a {got} image where a uint8 (3, {oh}, {ow}) RGB "
                              "image was expected (a grayscale or RGBA image the dataset decoded itself?); "
                              "convert it to RGB, or use decode='cpu'")
+        ops, rects = self.plan.draw_after(_lazy()[0].current())
+        x = self.plan.jitter_on_cpu(x.contiguous(), ops)
         return _capture([ON_CPU, oh, ow] + [0] * (FLIP - SRC_W), x.contiguous(), cap, (), rects)
 
     def spec(self):
