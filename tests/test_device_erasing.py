@@ -336,10 +336,11 @@ def test_the_stage_reads_each_kept_rows_record(photos):
     import types
 
     from coordl.device import decode as DD
+    from coordl.device.split import DeviceTail
 
     y, rows, want = erase_cases.case(ODD)
     records = [[0] * E.INDEX + E.tail_fields(i, (), r) for i, r in enumerate(rows)]
-    st = types.SimpleNamespace(plan=types.SimpleNamespace(erasing=types.SimpleNamespace(value=ODD)), _value=None,
-                               device=torch.device("cpu"))
+    st = types.SimpleNamespace(plan=types.SimpleNamespace(erasing=types.SimpleNamespace(value=ODD)),
+                               tail=DeviceTail([], ODD))
     keep = [0, 2, 3, 5]
     assert torch.equal(DD.DecodeStage._erased(st, y[keep].clone(), records, keep), want[keep])

@@ -54,7 +54,6 @@ from .decoders import (  # noqa: F401  (the decoders' names, as this module had 
 )
 from .encoded import (CHANNELS, FLIP, INDEX, KIND, ON_CPU, ON_DEVICE, RH, RW, SRC_H, SRC_W, T1, T2, W1, W2,
                       DecodePlan, ops_of, rects_of)
-from .erase import erase_rows, value_on
 from .geometry_kernel import finished
 from .launch import upload
 from .jitter import DeviceJitter
@@ -81,10 +80,11 @@ class DecodeStage:
         self.decoder = decoder
         self.on_error = on_error
         self.describe = describe
-        self.tail = DeviceTail(plan.normalizes) if plan.to_float else None
+        # ToTensor and Normalize, then a RandomErasing's rectangles (a plan with one converts to float)
+        erase_value = plan.erasing.value if plan.erasing is not None else None
+        self.tail = DeviceTail(plan.normalizes, erase_value) if plan.to_float else None
         # ColorJitter between the geometry and the tail (coordl.device.jitter)
         self.jitter = DeviceJitter(device) if plan.jitters else None
-        self._value = None      # RandomErasing's value on the device (made at its first rectangle)
         self._retired: collections.deque = collections.deque()   # (event, what the decoder's images hold)
         self._resize = _resizer(plan.mode.value, plan.antialias, device)
         # the geometry of a batch in a batch kernel (coordl.device.geometry_kernel): None until the
@@ -269,16 +269,11 @@ class DecodeStage:
     def _erased(self, y: torch.Tensor, records: list, keep: list) -> torch.Tensor:
         """``y`` (the path's final batch) with each row's ``RandomErasing``
         rectangles (its record's, :func:`.encoded.rects_of`) set to the
-        erasing's value (:func:`.erase.erase_rows`; the tail made ``y`` anew,
-        so it is never the CPU rows themselves)."""
+        erasing's value by the tail (``DeviceTail.erased``; the tail made
+        ``y`` anew, so it is never the CPU rows themselves)."""
         if self.plan.erasing is None:
             return y
-        rows = [rects_of(records[r]) for r in keep]
-        if not any(rows):
-            return y
-        if self._value is None:     # made once, on the device
-            self._value = value_on(self.plan.erasing.value, self.device)
-        return erase_rows(y, rows, self._value)
+        return self.tail.erased(y, [rects_of(records[r]) for r in keep])
 
     def stage_decoded(self, delivery, env):
         """The second half (the pin thread with workers): finish the images
