@@ -413,11 +413,18 @@ def _identity(batch):
     return batch
 
 
+def _drawing(batch):
+    """A collate that draws (as mixup does) from torch's generator."""
+    return batch, torch.rand(2)
+
+
 def test_skipped_samples_and_other_collations_match_without_sharing(daemon_env):
     """Samples the daemon could not prepare (bad ones, skipped here exactly as
     without sharing), a user collate_fn (samples rebuilt with the types prep
-    returned) and batch_size=None: one loader after another, on one daemon."""
+    returned; one that draws, its draws seeded by the batch's step) and
+    batch_size=None: one loader after another, on one daemon."""
     for name, kw in (("default-collate", {}), ("custom-collate", {"collate_fn": _identity}),
+                     ("drawing-collate", {"collate_fn": _drawing}),
                      ("no-batching", {"batch_size": None})):
         kw = {"on_error": "skip", **kw}
         ref, _ = _toy_batches(False, **kw)

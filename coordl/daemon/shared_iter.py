@@ -830,7 +830,7 @@ class SharedIter:
             if sample is not SKIP:
                 place(b, j, sample, _SLOTS)
         mode.count(st)
-        out = finish(b, loader.collate_fn, self.plan.batch_size, _SLOTS)
+        out = finish(b, loader.collate_fn, self.plan.batch_size, _SLOTS, key=(loader.seed, self.epoch))
         if out[0] == "empty":
             return Envelope(None, self.epoch, st, k)
         if out[0] == "obj":

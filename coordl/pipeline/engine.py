@@ -25,6 +25,7 @@ its slot given back); a dead fetch thread raises from ``on_fetched``, and
 """
 from __future__ import annotations
 
+import contextlib
 import heapq
 import queue
 import time
@@ -35,6 +36,7 @@ import numpy as np
 import torch
 
 from . import collate as _collate
+from .. import _rng
 from .prep import SKIP, prep_sample
 from .readahead import Fetched, Fetcher, FetcherDied
 from ..errors import Failure, SampleError
@@ -152,7 +154,8 @@ class Engine:
         """Step ``k`` has no samples (a batch sampler yielded ``[]``): its
         batch is ``collate_fn([])``, or that call's error, as under torch."""
         try:
-            batch = (self.collate_fn or torch.utils.data.default_collate)([])
+            with _collate_scope(self.collate_fn, self.seed, self.epoch, k):
+                batch = (self.collate_fn or torch.utils.data.default_collate)([])
         except Exception as e:
             self.emit("error", k, Failure(f"Caught {type(e).__name__} in DataLoader worker process "
                                           f"{self.worker_id}.\nOriginal {traceback.format_exc()}", type(e)))
@@ -338,7 +341,7 @@ class Engine:
     def _finish(self, b: _Builder) -> None:
         try:
             out = finish(b, self.collate_fn, self.batch_size, self.slots,
-                         getattr(self.dataset, "finish_on_cpu", None))
+                         getattr(self.dataset, "finish_on_cpu", None), (self.seed, self.epoch))
         except Exception as e:
             self.emit("error", b.k, Failure(f"Caught an error in collate_fn in DataLoader worker process "
                                             f"{self.worker_id}.\nOriginal {traceback.format_exc()}", type(e)))
@@ -386,11 +389,18 @@ def to_copy_path(b: _Builder, slots) -> None:
     b.slot, b.targets, b.dests, b.copy = None, None, None, True
 
 
-def finish(b: _Builder, collate_fn, batch_size, slots, finish_on_cpu=None) -> tuple:
+def _collate_scope(collate_fn, seed: int, epoch: int, k: int):
+    """Where step ``k``'s ``collate_fn`` runs: the global generators seeded
+    from (seed, epoch, step) when it may draw (:func:`coordl._rng.seeded_collate`)."""
+    return _rng.seeded_collate(seed, epoch, k) if _rng.collate_draws(collate_fn) else contextlib.nullcontext()
+
+
+def finish(b: _Builder, collate_fn, batch_size, slots, finish_on_cpu=None, key=None) -> tuple:
     """Batch ``b``, every row placed or skipped: ``("empty",)`` (all
     skipped), ``("obj", batch)`` (collated) or ``("batch", rows)`` (in
     ``b.slot`` with ``b.layout``, the skipped rows' gaps closed, plan order
-    kept).  An error of ``collate_fn`` propagates.
+    kept).  An error of ``collate_fn`` propagates.  ``key``: (seed, epoch)
+    of the pass, for the seeded scope of a ``collate_fn`` that may draw.
 
     With a device split (``b.marks``), the batch's images travel as uint8
     only when every row has them at the same places (``stats.device_marks``);
@@ -422,8 +432,9 @@ def finish(b: _Builder, collate_fn, batch_size, slots, finish_on_cpu=None) -> tu
         samples = [b.samples[r] for r in rows]
         b.samples = None
         t0 = time.perf_counter()
-        batch = collate_fn(samples[0]) if batch_size is None else \
-            (collate_fn or torch.utils.data.default_collate)(samples)
+        with _collate_scope(collate_fn, *key, b.k) if key is not None else contextlib.nullcontext():
+            batch = collate_fn(samples[0]) if batch_size is None else \
+                (collate_fn or torch.utils.data.default_collate)(samples)
         b.stats.prep_s += time.perf_counter() - t0
         out = ("obj", batch)
     else:
