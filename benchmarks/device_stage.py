@@ -37,6 +37,13 @@ each apart, on the batches a real pass hands the stage:
   per rectangle and through the batch's mask (the way on a GPU for more
   than ``FEW_RECTS``), per image: the host's time, and on a GPU the
   device's own.
+* ``collate_fn``: with a ``collate_fn`` of the user's (a mixup over
+  ``default_collate``'s batch, as torchvision's reference script's), the
+  main process's added work per image: the samples it gets made from the
+  staged batch (``coordl.pipeline.collate.samples_of``, the pin thread),
+  and the ``collate_fn`` itself in its seeded scope (the training
+  thread), with the seeding's share apart; on a GPU also the device's own
+  time in the ``collate_fn``.
 
 Every figure is the best of ``--repeats`` runs over all captured batches,
 the GPU synchronized at both ends of each.  Run it on two checkouts in turn
@@ -398,6 +405,68 @@ def erase_time(device: torch.device, size: int, batch: int, repeats: int) -> dic
     return out
 
 
+def _mixup(batch, num_classes: int = 1000):
+    """A mixup over default_collate's batch written with torch alone, as
+    torchvision's ``v2.MixUp`` computes it (one Beta draw, the batch rolled
+    by one, one-hot labels mixed alike)."""
+    from torch.utils.data import default_collate
+
+    x, y = default_collate(batch)
+    lam = float(torch.distributions.Beta(torch.tensor([0.2]), torch.tensor([0.2])).sample())
+    y = torch.nn.functional.one_hot(y, num_classes).float()
+    return x.roll(1, 0).mul_(1 - lam).add_(x.mul(lam)), y.roll(1, 0).mul_(1 - lam).add_(y.mul(lam))
+
+
+def collate_time(device: torch.device, size: int, batch: int, repeats: int) -> dict:
+    """decode="device" with a ``collate_fn``: per image, the host's time to
+    make its samples from a staged batch of ``size`` x ``size`` float
+    images with int labels (``samples_of``), to run the mixup in its seeded
+    scope, and the seeding alone; on a GPU, the device's own time in the
+    mixup behind a GPU sleep (as :func:`device_time`)."""
+    from coordl import _rng
+    from coordl.pipeline import collate as C
+
+    images = torch.randn(batch, 3, size, size, device=device)
+    labels = torch.randint(0, 1000, (batch,))
+    layout = C.layout_of((torch.zeros(3, size, size), 0), batch)
+    host = [torch.zeros(batch, 50, dtype=torch.int64), labels]      # records in the images' place, labels
+    staged = [images, labels.to(device)]
+
+    def best(fn) -> float:
+        fn()
+        b = float("inf")
+        for _ in range(repeats):
+            _sync(device)
+            t = time.perf_counter()
+            fn()
+            _sync(device)
+            b = min(b, time.perf_counter() - t)
+        return round(b * 1e6 / batch, 2)
+
+    samples = C.samples_of(staged, host, layout, [(0,)])
+
+    def seeded_mixup():
+        with _rng.seeded_collate(1, 0, 3):
+            _mixup(samples)
+
+    def seeding():
+        with _rng.seeded_collate(1, 0, 3):
+            pass
+
+    out = {"samples_of_us": best(lambda: C.samples_of(staged, host, layout, [(0,)])),
+           "collate_us": best(seeded_mixup), "seeding_us": best(seeding)}
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(int(2e8))
+        start.record()
+        seeded_mixup()
+        end.record()
+        end.synchronize()
+        out["device_us"] = round(start.elapsed_time(end) * 1e3 / batch, 2)
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--root", default=None, help="an ImageFolder of JPEGs (default: generated, ImageNet-like)")
@@ -454,6 +523,11 @@ def main(argv=None) -> int:
                 print(f"          RandomErasing(0.5) after the tail ({e['rectangles']} rectangles in "
                       f"{args.batch_size} rows), {way}: {e['host_us']:.2f} us/image on the host"
                       + (f", {e['device_us']:.2f} on the GPU alone" if "device_us" in e else ""), flush=True)
+            r["collate"] = c = collate_time(device, size, args.batch_size, args.repeats)
+            print(f"          a mixup collate_fn on the device's batch: its samples {c['samples_of_us']:.2f} "
+                  f"us/image (pin thread), the collate_fn {c['collate_us']:.2f} (training thread; the seeding "
+                  f"{c['seeding_us']:.2f} of it)" + (f", {c['device_us']:.2f} on the GPU alone"
+                                                     if "device_us" in c else ""), flush=True)
     facts = {"device": str(device), "torch": torch.__version__, "cpus": os.cpu_count(),
              "batch_size": args.batch_size, "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     if args.json:

@@ -144,8 +144,7 @@ def seeded_collate(seed: int, epoch: int, step: int):
     any run and after a resume, and leaves the caller's generators as they
     were.  The three states cost about 0.1 ms to save and restore (numpy's
     most of it); collates that cannot draw (torch's default ones) are not
-    wrapped
-    (:func:`collate_draws`)."""
+    wrapped (:func:`collate_draws`)."""
     import numpy as np
 
     g = batch_rng(seed, epoch, step)

@@ -21,6 +21,7 @@ How a loader decides what to do (see docs/architecture.md for the diagram):
 """
 from __future__ import annotations
 
+import contextlib
 import warnings
 import weakref
 from typing import TypeVar
@@ -293,6 +294,7 @@ class DataLoader(_TorchDataLoader[_T_co]):
             raise ValueError(f'decode should be "cpu" or "device", but got decode={decode!r}')
         self._decode = decode
         self._decoder = self._decode_stage = None
+        self._collate_later = False     # decode="device" with a collate_fn: it runs on the device's batch
         self._cpu_share = 0.0
         self._check_data = False
         if on_error not in ("raise", "skip"):
@@ -418,13 +420,11 @@ class DataLoader(_TorchDataLoader[_T_co]):
                 f"decode='device' runs in coordl's pipeline (a two-stage dataset such as coordl.ImageFolder or "
                 f"torchvision's ImageFolder, read in coordl's epoch plan), but this loader cannot use it: {why}. "
                 "Use decode='cpu'")
-        if not is_default_collate(self.collate_fn) or not self._auto_collation:
-            got = (f"collate_fn={self.collate_fn!r}" if self._auto_collation else
-                   "batch_size=None (samples one by one, not collated)")
+        if not self._auto_collation:
             raise ValueError(
-                "decode='device' needs torch's default collation of batches (a batch_size or a batch_sampler: the "
-                f"device stage stacks the images of a batch), but got {got}; use decode='cpu' with a collate_fn "
-                "of your own")
+                "decode='device' needs batches (a batch_size or a batch_sampler: the device stage decodes the "
+                "images of a batch together), but got batch_size=None (samples one by one, not collated); pass "
+                "a batch_size, or use decode='cpu'")
         plan_for(getattr(dataset, "transform", None))
         # nvImageCodec's CPU threads: as many as the loader's workers unless COORDL_DEVICE_DECODER_THREADS says
         self._decoder = decoder_for(self._device, cpu_threads=decoder_threads(self.num_workers))
@@ -764,7 +764,7 @@ class DataLoader(_TorchDataLoader[_T_co]):
             elif type(self._mode) is not PipelineMode:
                 split = _dev.Split(self.dataset, None, "not split (share=True: the node daemon prepares "
                                                        "samples whole): images are converted on the CPU")
-            elif not is_default_collate(self.collate_fn) or not self._auto_collation:
+            elif self._decode != "device" and (not is_default_collate(self.collate_fn) or not self._auto_collation):
                 split = _dev.Split(self.dataset, None, "not split (a collate_fn or batch_size=None: where the "
                                                        "images land is unknown): images are converted on the CPU")
             elif self._decode == "device":
@@ -835,6 +835,13 @@ class DataLoader(_TorchDataLoader[_T_co]):
         (with ``decode="device"``, finish the images the decode thread
         decoded, or decode them first without workers)."""
         stats = env.stats
+        if self._collate_later and env.batch is not None and stats.samples:
+            return self._stage_for_collate(env, note)
+        return self._stage_only(env, note)
+
+    def _stage_only(self, env, note: str):
+        """:meth:`_stage_envelope`'s staging."""
+        stats = env.stats
         if getattr(stats, "device_pending", None) is not None:
             env.batch = self._decoding(self._decode_stage.stage_decoded, env, note)
             return env
@@ -848,6 +855,54 @@ class DataLoader(_TorchDataLoader[_T_co]):
             except Exception as e:
                 raise RuntimeError(f"copying {note} to {self._device} failed ({type(e).__name__}: {e})") from e
         return env
+
+    def _stage_for_collate(self, env, note: str):
+        """:meth:`_stage_envelope` of a batch whose ``collate_fn`` runs after
+        the device stage (``decode="device"`` with a ``collate_fn``): stage
+        the default-collated batch as usual, then make the samples the
+        ``collate_fn`` gets (``stats.device_samples``, here, off the
+        training thread): the images as rows of the device's batch, every
+        other leaf a copy of the host's, of the kind the dataset returned
+        (:func:`coordl.pipeline.collate.samples_of`)."""
+        from .pipeline.collate import samples_of
+
+        stats = env.stats
+        decoding = stats.device_blob is not None or stats.device_pending is not None
+        images = tuple(stats.device_marks) if decoding else ()
+        if stats.device_blob is not None:      # without workers: the decode's first half here, first
+            self._decoding(self._decode_stage.decode_envelope, env, note)
+        host = env.batch                       # (after that half: the rows it kept)
+        env = self._stage_only(env, note)
+        if env.batch is not None:
+            stats.device_samples = samples_of(env.batch.batch, host, stats.layout, images)
+        return env
+
+    def _collate_delivered(self, batch, env):
+        """``decode="device"`` with a ``collate_fn``: ``batch`` (handed over
+        to the training stream) is the device stage's default collation;
+        return ``collate_fn`` of its samples (``env.stats.device_samples``),
+        run here, in the training loop's thread, on its stream, with the
+        global generators seeded from the batch's (seed, epoch, step) as in
+        the workers (:func:`coordl._rng.seeded_collate`), and its result's
+        CPU tensors moved to the device.  An error of the ``collate_fn``
+        fails this batch, as under torch; the pass goes on."""
+        from . import _rng
+        from .device.delivery import _move_object, walk
+
+        samples, env.stats.device_samples = env.stats.device_samples, None
+        del batch       # its images are the samples' (the hand-over kept them for the training stream)
+        try:
+            with _rng.seeded_collate(self.seed, env.epoch, env.step) if _rng.collate_draws(self.collate_fn) \
+                    else contextlib.nullcontext():
+                out = self.collate_fn(samples)
+        except Exception as e:
+            e.add_note(f"(coordl: in collate_fn, called with decode='device' on the samples of step {env.step}, "
+                       f"their images already on {self._device}; a collate_fn that needs them on the CPU needs "
+                       "decode='cpu')")
+            raise
+        device = self._device
+        return walk(out, lambda t: t if t.device == device else t.to(device, non_blocking=True),
+                    lambda o: _move_object(o, device))
 
     def _deliver(self, batch, marks=(), after=None):
         """Hand ``batch`` to the device (coordl.device): coordl's pipeline's

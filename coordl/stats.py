@@ -25,7 +25,7 @@ class BatchStats:
     __slots__ = ("samples", "bytes_storage", "from_cache", "bytes_cache", "fetch_s", "prep_s", "skips",
                  "shared", "from_peers", "bytes_peers", "device_marks", "device_cpu", "decoded_device",
                  "decoded_cpu", "device_blob", "zero_copy", "device_pending", "decode_s", "geometry_s",
-                 "device_prepared", "device_after")
+                 "device_prepared", "device_after", "layout", "device_samples")
 
     def __init__(self) -> None:
         self.samples = 0            # samples prepared into the batch
@@ -49,6 +49,8 @@ class BatchStats:
         self.device_prepared = None     # ... the batch's streams and CPU rows ready for the decoder (main process only)
         self.decode_s = 0.0         # decode="device": wall time in the device decoder's calls (main process)
         self.geometry_s = 0.0       # ... in the crops, resizes and conversion after them (main process)
+        self.layout = None          # the batch's collate.Layout, when it was collated in place (main process only)
+        self.device_samples = None  # decode="device" with a collate_fn: the samples it gets (main process only)
 
     def record_read(self, source: str, nbytes: int) -> None:
         if source == "cache":
@@ -69,13 +71,16 @@ class BatchStats:
         self.skips += other.skips
 
     def __getstate__(self):
-        # (device_pending and device_prepared hold the main process's tensors: never sent)
-        return tuple(None if k in ("device_pending", "device_prepared") else getattr(self, k) for k in self.__slots__)
+        # (device_pending, device_prepared and device_samples hold the main process's tensors: never sent)
+        return tuple(None if k in _NOT_SENT else getattr(self, k) for k in self.__slots__)
 
     def __setstate__(self, st) -> None:
         self.__init__()             # fields a sender of another version did not have keep their defaults
         for k, v in zip(self.__slots__, st):
             setattr(self, k, v)
+
+
+_NOT_SENT = frozenset(("device_pending", "device_prepared", "layout", "device_samples"))
 
 
 @dataclass(frozen=True)

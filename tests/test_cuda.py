@@ -924,3 +924,44 @@ def test_a_jitter_and_erasing_recipe_split_on_cuda_is_the_cpu_paths(photos, work
     assert len(got) == len(plain)
     for (a, y), (b, y2) in zip(got, plain):
         assert torch.equal(a, b) and torch.equal(y, y2)
+
+
+@needs_cuda
+@pytest.mark.parametrize("workers", [0, 2])
+def test_torchvisions_mixup_cutmix_collate_on_the_gpu_is_the_cpu_paths(mixed_jpegs, workers):
+    """references/classification/train.py's collate_fn (RandomChoice of
+    MixUp and CutMix over default_collate's batch) with decode="device":
+    it runs on the GPU's images with the CPU path's draws; the batch is all
+    on the GPU, its labels the CPU path's bit for bit, its images within
+    the decode's bound."""
+    import sys
+
+    from torch.utils.data import default_collate
+
+    sys.path.insert(0, HERE)
+    from _torchvision import import_torchvision
+
+    if import_torchvision() is None:
+        pytest.skip("torchvision is not installed")
+    from torchvision import datasets
+    from torchvision.transforms import v2
+
+    mixup_cutmix = v2.RandomChoice([v2.MixUp(alpha=0.2, num_classes=3), v2.CutMix(alpha=1.0, num_classes=3)])
+
+    def collate_fn(batch):
+        return mixup_cutmix(*default_collate(batch))
+
+    tf = v2.Compose([v2.RandomResizedCrop(64), v2.RandomHorizontalFlip(), v2.PILToTensor(),
+                     v2.ToDtype(torch.float, scale=True), v2.Normalize(NORM.mean, NORM.std)])
+    ds = datasets.ImageFolder(mixed_jpegs, transform=tf)
+    kw = dict(batch_size=6, seed=4, shuffle=True, num_workers=workers, collate_fn=collate_fn)
+    cpu = list(coordl.DataLoader(ds, **kw))
+    L = coordl.DataLoader(ds, device="cuda", decode="device", **kw)
+    gpu = list(L)
+    assert len(cpu) == len(gpu)
+    for (a, y), (b, y2) in zip(cpu, gpu):
+        assert b.is_cuda and y2.is_cuda and b.shape == a.shape
+        assert torch.equal(y, y2.cpu())
+        d = _levels(a, b.cpu())
+        assert float(d.mean()) <= DECODE_MEAN and float(d.max()) <= DECODE_MAX
+    assert L.stats().device_decode_images + L.stats().device_decode_cpu_images == len(ds)

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["Layout", "layout_of", "row_targets", "write_row", "build", "pack_payloads"]
+__all__ = ["Layout", "layout_of", "row_targets", "write_row", "build", "pack_payloads", "samples_of"]
 
 _ALIGN = 64
 
@@ -225,6 +225,86 @@ def _unflatten(tpl, it, as_sample: bool = False):
     if kind == "dict":
         return {k: _unflatten(t, it, as_sample) for k, t in zip(tpl[1], tpl[2])}
     raise AssertionError(tpl)
+
+
+def _leaf_paths(tpl, path: tuple, out: list) -> list:
+    """The paths (keys and indices into the collated batch) of ``tpl``'s
+    leaves, in leaf order."""
+    if tpl == "*":
+        out.append(path)
+    elif tpl[0] == "dict":
+        for k, t in zip(tpl[1], tpl[2]):
+            _leaf_paths(t, path + (k,), out)
+    else:
+        for i, t in enumerate(tpl[2] if tpl[0] == "namedtuple" else tpl[1]):
+            _leaf_paths(t, path + (i,), out)
+    return out
+
+
+def _get(batch, path: tuple):
+    for key in path:
+        batch = batch[key]
+    return batch
+
+
+def samples_of(device_batch, host_batch, layout: "Layout | None", on_device) -> list:
+    """The samples of a default-collated batch, for a ``collate_fn`` that
+    runs after the device stage (``decode="device"``): the leaves at the
+    paths ``on_device`` are the rows of ``device_batch``'s (the images, on
+    the device); every other leaf is a copy of ``host_batch``'s row, of the
+    kind the dataset returned (a Python number, a numpy array, a CPU
+    tensor).  With ``layout`` (the batch was collated in place) each sample
+    has the structure the dataset returned, tuples included; without one
+    (the copy path), default collation's (a tuple is a list, a number a
+    0-dim tensor), with each list of plain values (strings) split by row."""
+    on_device = set(on_device)
+    if layout is not None:
+        columns = []
+        for path, leaf in zip(_leaf_paths(layout.template, (), []), layout.leaves):
+            if path in on_device:
+                columns.append(list(_get(device_batch, path).unbind(0)))
+                continue
+            x = _get(host_batch, path)
+            if leaf.kind in ("int", "float", "bool"):
+                columns.append(x.tolist())
+            elif leaf.kind == "numpy":
+                columns.append(list(x.numpy().copy()))
+            else:
+                columns.append(list(x.clone().unbind(0)))
+        n = len(columns[0]) if columns else 0
+        return [_unflatten(layout.template, iter([c[r] for c in columns]), as_sample=True) for r in range(n)]
+    rows = _split_rows(device_batch, host_batch, (), on_device)
+    return rows if rows is not None else []
+
+
+def _split_rows(dev, host, path: tuple, on_device: set):
+    """Per row, the part of a default-collated batch at ``path`` (see
+    :func:`samples_of`); None for a part that is not split by row."""
+    if isinstance(host, torch.Tensor):
+        x = dev if path in on_device else host.clone()
+        return list(x.unbind(0)) if x.dim() > 0 else None
+    if isinstance(host, (str, bytes)) or not isinstance(host, (list, tuple, dict)):
+        return None
+    if isinstance(host, dict):
+        parts = {k: _split_rows(dev[k], v, path + (k,), on_device) for k, v in host.items()}
+        n = _rows_in(parts.values())
+        return [{k: (p[r] if p is not None else host[k]) for k, p in parts.items()} for r in range(n)]
+    if isinstance(host, list) and host and all(isinstance(v, (str, bytes, int, float)) for v in host):
+        return list(host)     # default collation's list of plain values (strings)
+    parts = [_split_rows(d, v, path + (i,), on_device) for i, (d, v) in enumerate(zip(dev, host))]
+    n = _rows_in(parts)
+    rows = [[p[r] if p is not None else v for p, v in zip(parts, host)] for r in range(n)]
+    if isinstance(host, tuple) and hasattr(host, "_fields"):
+        return [type(host)(*row) for row in rows]
+    return rows
+
+
+def _rows_in(parts) -> int:
+    ns = {len(p) for p in parts if p is not None}
+    if len(ns) > 1:
+        raise ValueError(f"the batch's parts have different numbers of rows ({sorted(ns)}): it cannot be split "
+                         "into samples for the collate_fn")
+    return ns.pop() if ns else 0
 
 
 def is_default_collate(fn) -> bool:

@@ -85,12 +85,16 @@ class Engine:
 
     def __init__(self, dataset, *, seed: int, on_error: str, collate_fn, batch_size,
                  prefetch: int, fetch_threads: int, budget_bytes: int, slots, emit: Callable,
-                 worker_id: int = 0, cache=None, peers=None) -> None:
+                 worker_id: int = 0, cache=None, peers=None, collate_later: bool = False) -> None:
         self.dataset = dataset
         self.seed = seed
         self.on_error = on_error
         self.collate_fn = collate_fn
-        self.in_place = _collate.is_default_collate(collate_fn) and batch_size is not None
+        # decode="device": batches are default-collated here, the user's collate_fn runs on the
+        # device's batch in the main process (coordl.loader's _collate_delivered); an empty step
+        # of a batch sampler is still collate_fn([]) here
+        self.collate_later = collate_later
+        self.in_place = (collate_later or _collate.is_default_collate(collate_fn)) and batch_size is not None
         self.batch_size = batch_size
         self.prefetch = max(1, prefetch)
         self.fetch_threads = fetch_threads
@@ -340,7 +344,7 @@ class Engine:
 
     def _finish(self, b: _Builder) -> None:
         try:
-            out = finish(b, self.collate_fn, self.batch_size, self.slots,
+            out = finish(b, None if self.collate_later else self.collate_fn, self.batch_size, self.slots,
                          getattr(self.dataset, "finish_on_cpu", None), (self.seed, self.epoch))
         except Exception as e:
             self.emit("error", b.k, Failure(f"Caught an error in collate_fn in DataLoader worker process "

@@ -31,6 +31,7 @@ from torch.utils.data import DataLoader as _TorchDataLoader
 from torch.utils.data import TensorDataset
 
 from ..device import pin as _pin
+from .collate import is_default_collate
 from .torch_path import CollateEnvelope, TensorBatchFetch, TwoStageFetch, passthrough_collate
 
 __all__ = ["choose_mode", "sampler_order", "PipelineMode", "TwoStageTorchMode", "TensorBatchMode", "TorchMode"]
@@ -228,7 +229,10 @@ class PipelineMode:
             fetch_threads=loader._fetch_threads,
             budget=max(1 << 20, loader._read_ahead // max(1, W)),
             worker_init_fn=loader.worker_init_fn, cache=loader._cache, peers=loader._peers,
+            # decode="device": the user's collate_fn runs on the device's batch (DataLoader._collate_delivered)
+            collate_later=loader._decode == "device" and not is_default_collate(loader.collate_fn),
         )
+        loader._collate_later = cfg["collate_later"]
         if loader._peers is not None:
             loader._peers.start(epoch)   # the run's first epoch: who read what (before workers copy it)
         if W == 0:

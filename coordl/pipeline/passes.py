@@ -248,6 +248,8 @@ class _LoaderIter:
         t1 = clock()
         if L._device is not None:
             batch = L._deliver(batch, marks, after)
+            if type(data) is Envelope and data.stats.device_samples is not None:
+                batch = L._collate_delivered(batch, data)   # decode="device" with a collate_fn
         bucket = self._bucket
         bucket["samples"] += n
         bucket["batches"] += 1

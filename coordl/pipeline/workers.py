@@ -332,6 +332,7 @@ class WorkerPool:
             with _forks.lock:   # seen by a fork's hook, or made after the fork
                 self._lent[(w, sid, gen)] = f
             batch = _collate.build(layout.template, _collate.views(layout, owner, rows))
+            stats.layout = layout
             return batch, self._map_blob(w, stats)
         if kind == "obj":
             return msg[3], self._map_blob(w, msg[4])
@@ -499,7 +500,8 @@ class InlineIter:
                               prefetch=cfg["prefetch"], fetch_threads=cfg["fetch_threads"],
                               budget_bytes=cfg["budget"], slots=LocalSlots(),
                               emit=lambda kind, k, *p: out.__setitem__(k, (kind, k) + p),
-                              cache=cfg.get("cache"), peers=cfg.get("peers"))
+                              cache=cfg.get("cache"), peers=cfg.get("peers"),
+                              collate_later=cfg.get("collate_later", False))
         self._engine.begin_pass(1, plan, epoch, start, 1, 0, skip)
         _reaper.start()
         self._final = weakref.finalize(self, _reaper.later, self._engine.end_pass)
@@ -563,6 +565,7 @@ class InlineIter:
         if kind == "batch":
             buf, layout, rows, stats = p
             batch = _collate.build(layout.template, _collate.views(layout, buf, rows))
+            stats.layout = layout
         elif kind == "obj":
             batch, stats = p
         else:

@@ -1,0 +1,261 @@
+"""decode="device" with a collate_fn of the user's (torchvision's reference
+recipes mix batches there: ``v2.MixUp``/``v2.CutMix`` over
+``default_collate``'s batch): the collate_fn gets the samples as the
+dataset returns them, their images already on the device, and draws what
+it would draw on the CPU path (the same seeded generators), so the batches
+are the CPU path's up to the decode's tolerance.  The CPU stands in for the
+device (see tests/test_device_decode.py); tests/test_cuda.py runs it on a
+GPU."""
+import collections
+import io
+import os
+import pickle
+import random
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from torch.utils.data import default_collate
+
+import coordl
+from coordl import transforms as T
+
+NORM = T.Normalize([0.485, 0.456, 0.406], [0.229, 0.224, 0.225])
+STD255 = torch.tensor(NORM.std).view(1, 3, 1, 1) * 255
+Pair = collections.namedtuple("Pair", "image label")
+
+
+def _rrc(size=16):
+    return T.Compose([T.RandomResizedCrop(size), T.RandomHorizontalFlip(), T.ToTensor(), NORM])
+
+
+@pytest.fixture(scope="module")
+def photos(tmp_path_factory):
+    from coordl.synth import make_image_folder
+
+    root = tmp_path_factory.mktemp("dcollate") / "photos"
+    make_image_folder(str(root), num_images=20, num_classes=3, mean_kb=5, image_size=(80, 64), seed=6)
+    return str(root)
+
+
+def mix(batch, num_classes=3):
+    """Mixup as torchvision's v2.MixUp does it (one Beta draw per batch,
+    the batch rolled by one), written with torch alone."""
+    x, y = default_collate(batch)
+    lam = float(torch.distributions.Beta(torch.tensor([0.5]), torch.tensor([0.5])).sample())
+    y = torch.nn.functional.one_hot(y, num_classes).float()
+    return x.roll(1, 0).mul(1 - lam).add(x.mul(lam)), y.roll(1, 0).mul(1 - lam).add(y.mul(lam))
+
+
+def cut(batch, num_classes=3):
+    """Cutmix with the box drawn from numpy's and Python's generators (the
+    classic implementations draw there)."""
+    x, y = default_collate(batch)
+    lam = float(np.random.beta(1.0, 1.0))
+    h, w = x.shape[-2:]
+    ch, cw = int(h * (1 - lam) ** 0.5), int(w * (1 - lam) ** 0.5)
+    top, left = random.randint(0, h - ch), random.randint(0, w - cw)
+    x = x.clone()
+    x[..., top:top + ch, left:left + cw] = x.roll(1, 0)[..., top:top + ch, left:left + cw]
+    lam = 1 - ch * cw / (h * w)
+    y = torch.nn.functional.one_hot(y, num_classes).float()
+    return x, y.roll(1, 0).mul(1 - lam).add(y.mul(lam))
+
+
+def _levels(a, b):
+    return (a - b).abs() * STD255
+
+
+def _both(ds, collate_fn, workers, **kw):
+    kw = {"batch_size": 4, "seed": 7, "shuffle": True, "num_workers": workers, "collate_fn": collate_fn, **kw}
+    cpu = list(coordl.DataLoader(ds, **kw))
+    L = coordl.DataLoader(ds, device="cpu", decode="device", **kw)
+    return cpu, list(L), L
+
+
+@pytest.mark.parametrize("collate_fn", [mix, cut])
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_mixing_collate_gives_the_cpu_paths_batches(photos, cpu_device, exact, collate_fn, workers):
+    """The same draws on both paths (labels equal bit for bit; images to the
+    resize's rounding, 1 level, as without the collate_fn)."""
+    ds = coordl.ImageFolder(photos, _rrc())
+    cpu, dev, L = _both(ds, collate_fn, workers)
+    assert len(cpu) == len(dev) == 5
+    for (a, y), (b, y2) in zip(cpu, dev):
+        assert torch.equal(y, y2) and a.shape == b.shape
+        assert float(_levels(a, b).max()) <= 1.0 + 1e-3
+    # mixed: the soft labels are not one-hot
+    assert any(float(y.max()) < 1.0 for _, y in dev)
+    assert L.stats().device_decode_images == len(ds)
+
+
+class Shaped(torch.utils.data.Dataset):
+    """A two-stage dataset returning samples of several structures."""
+
+    def __init__(self, root, kind):
+        self.base = coordl.ImageFolder(root)
+        self.transform = _rrc()
+        self.kind = kind
+
+    def __len__(self):
+        return len(self.base)
+
+    def raw(self, i):
+        return self.base.raw(i)
+
+    def prep(self, raw, i):
+        img = self.transform.from_bytes(raw)
+        if self.kind == "tuple":
+            return img, i % 3
+        if self.kind == "namedtuple":
+            return Pair(img, np.float32(i) * np.ones(2, np.float32))
+        if self.kind == "dict":
+            return {"image": img, "weight": i / 2, "name": f"s{i}"}    # a string: the copy path
+        raise AssertionError(self.kind)
+
+
+def _record(batch):
+    """A collate that returns what it was given, described."""
+    return [(type(s).__name__, [(type(v).__name__, getattr(v, "device", None)) for v in
+                                (s.values() if isinstance(s, dict) else s)]) for s in batch], default_collate(batch)
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_the_collate_gets_the_samples_the_dataset_returned(photos, cpu_device, exact, workers):
+    for kind, want in (("tuple", ("tuple", ["Tensor", "int"])),
+                       ("namedtuple", ("Pair", ["Tensor", "ndarray"])),
+                       # the copy path (a string in the sample): default collation's structure, split by row
+                       ("dict", ("dict", ["Tensor", "Tensor", "str"]))):
+        ds = Shaped(photos, kind)
+        cpu, dev, _ = _both(ds, _record, workers)
+        for (_, a), (seen, b) in zip(cpu, dev):
+            assert all((name, [t for t, _ in leaves]) == want for name, leaves in seen), (kind, seen)
+            assert len(seen) == 4
+            if kind == "dict":
+                assert a["name"] == b["name"] and torch.equal(a["weight"], b["weight"])
+                a, b = a["image"], b["image"]
+            elif kind == "namedtuple":
+                assert torch.equal(a.label, b.label)
+                a, b = a.image, b.image
+            else:
+                assert torch.equal(a[1], b[1])
+                a, b = a[0], b[0]
+            assert float(_levels(a, b).max()) <= 1.0 + 1e-3
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_exact_mid_epoch_resume_with_a_mixing_collate(photos, cpu_device, workers):
+    ds = coordl.ImageFolder(photos, _rrc())
+    kw = dict(batch_size=3, seed=11, shuffle=True, num_workers=workers, device="cpu", decode="device",
+              collate_fn=mix)
+    whole = coordl.DataLoader(ds, **kw)
+    want = list(whole)
+    L = coordl.DataLoader(ds, **kw)
+    it = iter(L)
+    got = [next(it) for _ in range(3)]
+    state = pickle.loads(pickle.dumps(L.state_dict()))
+    del it
+    R = coordl.DataLoader(ds, **{**kw, "seed": 99})
+    R.load_state_dict(state)
+    got += list(R)
+    assert len(got) == len(want) == 7
+    for (a, y), (b, y2) in zip(got, want):
+        assert torch.equal(a, b) and torch.equal(y, y2)
+
+
+class Fails:
+    """A collate_fn that fails on the batch holding sample ``bad``'s image."""
+
+    def __init__(self, bad_label):
+        self.bad_label = bad_label
+
+    def __call__(self, batch):
+        x, y = default_collate(batch)
+        if (y == self.bad_label).any():
+            raise KeyError("no such class")
+        return x, y
+
+
+def test_an_error_of_the_collate_fails_its_batch_and_the_pass_goes_on(photos, cpu_device):
+    """As under torch: that batch raises (its own error type, a note saying
+    where it ran), the next ones come."""
+    ds = coordl.ImageFolder(photos, _rrc())
+    L = coordl.DataLoader(ds, batch_size=4, shuffle=False, device="cpu", decode="device", collate_fn=Fails(2))
+    it = iter(L)
+    got, failed = [], 0
+    while True:
+        try:
+            got.append(next(it))
+        except StopIteration:
+            break
+        except KeyError as e:
+            failed += 1
+            assert "decode='device'" in "".join(getattr(e, "__notes__", []))
+    labels = [y for _, y in got]
+    assert failed >= 1 and failed + len(got) == 5
+    assert all(2 not in y.tolist() for y in labels)
+
+
+def test_an_empty_step_and_skipped_samples(photos, cpu_device, tmp_path):
+    """A batch sampler's empty step is collate_fn([]), as under torch; a
+    sample skipped under on_error="skip" is not among the collate's."""
+    import shutil
+
+    root = tmp_path / "data"
+    shutil.copytree(photos, root)
+    files = sorted(os.path.join(d, f) for d, _, fs in os.walk(root) for f in fs)
+    with open(files[1], "r+b") as f:         # header intact, no image data
+        f.truncate(300)
+    ds = coordl.ImageFolder(str(root), _rrc())
+    seen = []
+
+    def count(batch):
+        seen.append(len(batch))
+        return len(batch), (default_collate(batch) if batch else None)
+
+    L = coordl.DataLoader(ds, batch_sampler=[[0, 1, 2], [], [3, 4]], device="cpu", decode="device",
+                          collate_fn=count, on_error="skip")
+    with pytest.warns(coordl.SkippedSampleWarning):
+        out = list(L)
+    assert [n for n, _ in out] == [2, 0, 2]
+    assert out[1][1] is None and out[0][1][0].shape[0] == 2
+
+
+def test_batch_size_none_is_refused_with_the_remedy(photos, cpu_device):
+    with pytest.raises(ValueError, match=r"decode='device' needs batches.*pass a batch_size"):
+        coordl.DataLoader(coordl.ImageFolder(photos, _rrc()), batch_size=None, device="cpu", decode="device")
+
+
+# ---------------------------------------------------------------- torchvision's reference recipe
+@pytest.fixture(scope="module")
+def tv():
+    import sys
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from _torchvision import import_torchvision
+
+    tv = import_torchvision()
+    if tv is None:
+        pytest.skip("torchvision is not installed")
+    return tv
+
+
+def test_torchvisions_reference_mixup_cutmix_collate(photos, cpu_device, exact, tv):
+    """references/classification/train.py's collate: RandomChoice of MixUp
+    and CutMix over default_collate's batch, with its ImageFolder."""
+    from torchvision import datasets
+    from torchvision.transforms import v2
+
+    tf = v2.Compose([v2.RandomResizedCrop(16, antialias=True), v2.RandomHorizontalFlip(), v2.PILToTensor(),
+                     v2.ToDtype(torch.float, scale=True), v2.Normalize(NORM.mean, NORM.std)])
+    mixup_cutmix = v2.RandomChoice([v2.MixUp(alpha=0.2, num_classes=3), v2.CutMix(alpha=1.0, num_classes=3)])
+
+    def collate_fn(batch):
+        return mixup_cutmix(*default_collate(batch))
+
+    ds = datasets.ImageFolder(photos, transform=tf)
+    cpu, dev, L = _both(ds, collate_fn, 2)
+    for (a, y), (b, y2) in zip(cpu, dev):
+        assert torch.equal(y, y2) and float(_levels(a, b).max()) <= 1.0 + 1e-3
+    assert L.stats().device_decode_images == len(ds) and L.stats().path == "coordl"
