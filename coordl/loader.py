@@ -897,8 +897,8 @@ class DataLoader(_TorchDataLoader[_T_co]):
                 out = self.collate_fn(samples)
         except Exception as e:
             e.add_note(f"(coordl: in collate_fn, called with decode='device' on the samples of step {env.step}, "
-                       f"their images already on {self._device}; a collate_fn that needs them on the CPU needs "
-                       "decode='cpu')")
+                       f"their images already on {self._device}; for a collate_fn that needs them on the CPU, "
+                       "use decode='cpu')")
             raise
         device = self._device
         return walk(out, lambda t: t if t.device == device else t.to(device, non_blocking=True),
