@@ -19,7 +19,7 @@ import threading
 import torch
 
 __all__ = ["sample_rng", "current", "derive", "rewind", "TorchRandom", "seeded_globals", "global_seeds",
-           "batch_rng", "seeded_collate"]
+           "batch_rng", "seeded_collate", "seeded_user_steps"]
 
 _MASK64 = (1 << 64) - 1
 _local = threading.local()
@@ -171,3 +171,44 @@ def collate_draws(fn) -> bool:
 
     return fn is not None and fn is not default_collate and fn is not default_convert \
         and fn is not torch.utils.data.default_collate and fn is not torch.utils.data.default_convert
+
+
+_USER_KEY = 2 << 192    # another bit above every key of derive: the globals of a sample's foreign steps
+
+
+class seeded_user_steps:
+    """``with seeded_user_steps():`` around steps of a transform that are
+    not coordl's (a torchvision transform or a callable of the user's in a
+    ``coordl.transforms.Compose``), which draw from torch's and Python's
+    global generators rather than the sample's own.  Inside a prep stage
+    (:class:`sample_rng`) and not already inside this scope: torch's CPU
+    generator and Python's ``random`` seeded from the sample's (seed,
+    epoch, index), through a generator of their own (the sample's own
+    generator draws nothing for it, so coordl's steps draw what they drew
+    without those steps), and restored on exit.  Elsewhere (a transform
+    called by hand, by torch's DataLoader, or nested): nothing, so the
+    generators are used as they are, as torchvision's transforms use them.
+    About 20 us per sample, for pipelines with such a step only."""
+
+    __slots__ = ("states",)
+
+    def __enter__(self):
+        key = getattr(_local, "key", None)
+        if key is None or getattr(_local, "user_seeded", False):
+            self.states = None
+            return self
+        seed, epoch, index = key
+        g = random.Random(_USER_KEY | ((seed & _MASK64) << 128) | ((epoch & _MASK64) << 64) | (index & _MASK64))
+        torch_seed, py_seed = global_seeds(g)
+        cpu = torch.default_generator
+        self.states = (random.getstate(), cpu.get_state())
+        cpu.manual_seed(torch_seed)
+        random.seed(py_seed)
+        _local.user_seeded = True
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.states is not None:
+            _local.user_seeded = False
+            random.setstate(self.states[0])
+            torch.default_generator.set_state(self.states[1])

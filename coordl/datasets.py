@@ -185,6 +185,17 @@ class _FolderBase(SampleTable):
         return self._store.read_many([self._path(self._check_index(i)) for i in indices])
 
     def _prep(self, raw: bytes, index: int) -> tuple[Any, Any]:
+        from .transforms import foreign
+
+        if foreign(self.transform) or foreign(self.target_transform) or foreign(self._decode):
+            # callables not coordl's draw from the global generators: seeded by the sample, once for all
+            from ._rng import seeded_user_steps
+
+            with seeded_user_steps():
+                return self._prep_seeded(raw, index)
+        return self._prep_seeded(raw, index)
+
+    def _prep_seeded(self, raw: bytes, index: int) -> tuple[Any, Any]:
         i = self._check_index(index)
         if self._decode is pil_decode:
             # coordl's own pipelines decode and transform in one step (see

@@ -142,9 +142,7 @@ class Compose(Transform):
         self.transforms = list(transforms)
 
     def __call__(self, img: Any) -> Any:
-        for t in self.transforms:
-            img = t(img)
-        return img
+        return run_steps(self.transforms, img)
 
     def spec(self) -> tuple:
         """The class and the spec of every step, in order (see :func:`spec_of`)."""
@@ -158,6 +156,28 @@ class Compose(Transform):
 
     def __repr__(self) -> str:
         return type(self).__name__ + "(" + "".join(f"\n    {t!r}" for t in self.transforms) + "\n)"
+
+
+def foreign(t) -> bool:
+    """``t`` (a transform, or None) is a callable that is not coordl's: it
+    may draw from torch's or Python's global generator."""
+    return t is not None and not type(t).__module__.startswith("coordl.") and \
+        not getattr(t, "__module__", "").startswith("coordl.")
+
+
+def run_steps(steps, img: Any) -> Any:
+    """``img`` through ``steps`` in order; where one of them is not
+    coordl's, all of them inside :class:`coordl._rng.seeded_user_steps`
+    (inside a loader: their global draws seeded from the sample's (seed,
+    epoch, index))."""
+    if any(foreign(t) for t in steps):
+        with _rng.seeded_user_steps():
+            for t in steps:
+                img = t(img)
+        return img
+    for t in steps:
+        img = t(img)
+    return img
 
 
 class _Resampling(Transform):

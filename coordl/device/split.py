@@ -218,9 +218,9 @@ class _SplitCompose:
         cap = getattr(_local, "capture", None)
         if cap is None:
             return self.full(img)
-        for t in self.transforms:
-            img = t(img)
-        from ..transforms import ToTensor
+        from ..transforms import ToTensor, run_steps
+
+        img = run_steps(self.transforms, img)
 
         x = ToTensor.unscaled(img)          # ToTensor's checks and conversion
         if x.dtype != torch.uint8:
