@@ -261,6 +261,8 @@ class TorchvisionPipeline:
                 return f"{', '.join(others)} follow {_name(self.erase.user)}"
             if not self.erase.draws_agree():
                 return f"{_name(self.erase.user)}'s draws cannot be made apart from its call here"
+            if self.erase.noise:
+                return f"{_name(self.erase.user)} erases with noise, drawn on the CPU per pixel"
         steps = self.post_fused.transforms if self.post_fused is not None else ()
         if not steps or type(steps[0]) is not T.ToTensor or self.post_type is not None or any(
                 type(t) is not T.Normalize for t in steps[1:]):
@@ -486,47 +488,65 @@ class AugMixOnPlanes(OnPlanes):
 
 
 class ErasingOnTensor:
-    """A user's ``RandomErasing`` (torchvision's v1 or v2, or timm's) that
-    erases with a constant value, its rectangles drawn apart from its call
-    (:meth:`draw`), so that ``decode="device"`` erases on the device after
-    the conversion.  Called, it is the user's object (the CPU path runs it
-    as written).  ``value``: the erased pixels' value, one per channel or one
-    for all (float32, as torchvision makes the tensor it writes); ``most``:
-    the most rectangles one call erases (timm's ``max_count``)."""
+    """A user's ``RandomErasing`` (torchvision's v1 or v2, or timm's), its
+    rectangles (and noise) drawn apart from its call (:meth:`draw_with`),
+    so that ``decode="device"`` erases on the device after the conversion.
+    Called, it is the user's object (the CPU path runs it as written).
+    ``value``: the erased pixels' value, one per channel or one for all
+    (float32, as torchvision makes the tensor it writes); ``most``: the
+    most rectangles one call erases (timm's ``max_count``); ``noise``:
+    None (the value), ``"pixel"`` (torchvision's ``value="random"``, timm's
+    ``mode="pixel"``: a standard normal draw of torch's CPU generator per
+    channel value) or ``"rand"`` (timm's ``mode="rand"``: one per channel
+    and rectangle)."""
 
-    def __init__(self, user: Any, kind: str, value: tuple, most: int = 1):
+    def __init__(self, user: Any, kind: str, value: tuple, most: int = 1, noise: str | None = None):
         self.user, self.kind, self.value, self.most = user, kind, tuple(value), int(most)
+        self.noise = noise
 
     def __call__(self, x: Any) -> Any:
         return self.user(x)
 
     def draw(self, c: int, h: int, w: int) -> list[tuple[int, int, int, int]]:
-        """The rectangles ``(top, left, height, width)`` one call erases in a
-        (c, h, w) image, drawn from torch's generator (torchvision: the
-        user's own ``get_params``/``make_params``) or Python's (timm's
-        draws), in the user's object's order; none where the draw said no or
-        no rectangle fit in 10 tries."""
+        """The rectangles of :meth:`draw_with` (its noise drawn too, and dropped)."""
+        return self.draw_with(c, h, w)[0]
+
+    def draw_with(self, c: int, h: int, w: int) -> tuple[list, list | None]:
+        """``(rects, noise)``: the rectangles ``(top, left, height, width)``
+        one call erases in a (c, h, w) image, drawn from torch's generator
+        (torchvision: the user's own ``get_params``/``make_params``) or
+        Python's (timm's draws), in the user's object's order, none where
+        the draw said no or no rectangle fit in 10 tries; and with
+        :attr:`noise`, each rectangle's values (float32 (c, h, w), or
+        (c, 1, 1) for ``"rand"``), drawn where the user's object draws
+        them, else None."""
         t = self.user
         if self.kind == "timm":
-            return self._timm_draw(h, w)
+            return self._timm_draw(c, h, w)
         stub = torch.empty(1).expand(c, h, w)        # its shape is all the draws read
         if self.kind == "v2":
             if torch.rand(1) >= t.p:
-                return []
+                return [], None
             p = t.make_params([stub])
-            return [] if p["v"] is None else [(p["i"], p["j"], p["h"], p["w"])]
+            if p["v"] is None:
+                return [], None
+            return [(p["i"], p["j"], p["h"], p["w"])], ([p["v"]] if self.noise else None)
         if not torch.rand(1) < t.p:
-            return []
-        i, j, eh, ew, v = type(t).get_params(stub, scale=t.scale, ratio=t.ratio, value=list(self.value))
-        return [] if v is stub else [(i, j, eh, ew)]
+            return [], None
+        i, j, eh, ew, v = type(t).get_params(stub, scale=t.scale, ratio=t.ratio,
+                                             value=None if self.noise else list(self.value))
+        if v is stub:
+            return [], None
+        return [(i, j, eh, ew)], ([v] if self.noise else None)
 
-    def _timm_draw(self, h: int, w: int) -> list[tuple[int, int, int, int]]:
-        # timm.data.random_erasing.RandomErasing._erase's draws, from Python's generator
+    def _timm_draw(self, c: int, h: int, w: int) -> tuple[list, list | None]:
+        # timm.data.random_erasing.RandomErasing._erase's draws: the rectangles from Python's generator,
+        # the noise (its _get_pixels) from torch's, after each rectangle
         t = self.user
         if random.random() > t.probability:
-            return []
+            return [], None
         count = t.min_count if t.min_count == t.max_count else random.randint(t.min_count, t.max_count)
-        out = []
+        out, noise = [], [] if self.noise else None
         for _ in range(count):
             for _attempt in range(10):
                 area = random.uniform(t.min_area, t.max_area) * (h * w) / count
@@ -535,14 +555,19 @@ class ErasingOnTensor:
                 if ew < w and eh < h:
                     top = random.randint(0, h - eh)
                     out.append((top, random.randint(0, w - ew), eh, ew))
+                    if self.noise == "pixel":
+                        noise.append(torch.empty((c, eh, ew), dtype=torch.float32).normal_())
+                    elif self.noise == "rand":
+                        noise.append(torch.empty((c, 1, 1), dtype=torch.float32).normal_())
                     break
-        return out
+        return out, noise
 
-    def erase(self, x: torch.Tensor, rects: list) -> torch.Tensor:
-        """``x`` (C, H, W) with ``rects`` set to the value, in place."""
+    def erase(self, x: torch.Tensor, rects: list, noise: list | None = None) -> torch.Tensor:
+        """``x`` (C, H, W) with ``rects`` set to the value (or each to its
+        ``noise``), in place."""
         v = torch.tensor(self.value, dtype=torch.float32)[:, None, None]
-        for top, left, eh, ew in rects:
-            x[..., top:top + eh, left:left + ew] = v
+        for q, (top, left, eh, ew) in enumerate(rects):
+            x[..., top:top + eh, left:left + ew] = noise[q] if noise is not None else v
         return x
 
     def draws_agree(self) -> bool:
@@ -569,10 +594,14 @@ class ErasingOnTensor:
 # the probes of ErasingOnTensor.draws_agree: constructor arguments per kind (drawing, not drawing, the
 # fallback after 10 tries, several rectangles)
 _ERASING_PROBES = {
-    "v1": ({"p": 0.6, "value": (0.5, -1.25, 2.0)}, {"p": 1.0, "scale": (0.4, 0.98), "ratio": (0.2, 5.0), "value": 3}),
-    "v2": ({"p": 0.6, "value": (0.5, -1.25, 2.0)}, {"p": 1.0, "scale": (0.4, 0.98), "ratio": (0.2, 5.0), "value": 3}),
+    "v1": ({"p": 0.6, "value": (0.5, -1.25, 2.0)}, {"p": 1.0, "scale": (0.4, 0.98), "ratio": (0.2, 5.0), "value": 3},
+           {"p": 0.7, "value": "random"}),
+    "v2": ({"p": 0.6, "value": (0.5, -1.25, 2.0)}, {"p": 1.0, "scale": (0.4, 0.98), "ratio": (0.2, 5.0), "value": 3},
+           {"p": 0.7, "value": "random"}),
     "timm": ({"probability": 0.6, "device": "cpu"},
-             {"probability": 1.0, "min_area": 0.4, "max_area": 0.98, "max_count": 3, "device": "cpu"}),
+             {"probability": 1.0, "min_area": 0.4, "max_area": 0.98, "max_count": 3, "device": "cpu"},
+             {"probability": 0.8, "mode": "pixel", "max_count": 2, "device": "cpu"},
+             {"probability": 0.8, "mode": "rand", "max_count": 2, "device": "cpu"}),
 }
 
 
@@ -594,7 +623,7 @@ def _erasing_agrees(cls: type, kind: str) -> bool:
                     after = cpu.get_state(), random.getstate()
                     cpu.manual_seed(seed)
                     random.seed(seed)
-                    got = mine.erase(img.clone(), mine.draw(*img.shape))
+                    got = mine.erase(img.clone(), *mine.draw_with(*img.shape))
                     if not (torch.equal(got, want) and torch.equal(cpu.get_state(), after[0])
                             and random.getstate() == after[1]):
                         log.warning("coordl's draws of %s.%s differ from its own here: decode='device' does not "
@@ -612,24 +641,27 @@ def _erasing_agrees(cls: type, kind: str) -> bool:
 
 def erasing_of(t: Any) -> "ErasingOnTensor | None":
     """An :class:`ErasingOnTensor` over ``t`` when it is torchvision's
-    ``RandomErasing`` (v1 or v2) with a number or a sequence of numbers as
-    its value, or timm's (``timm.data.random_erasing``) in its ``"const"``
-    mode; else None (noise, ``value="random"`` or timm's ``"rand"`` and
-    ``"pixel"`` modes, is drawn per pixel from a CPU generator: it runs as
-    written)."""
+    ``RandomErasing`` (v1 or v2) with a number, a sequence of numbers or
+    ``"random"`` as its value, or timm's (``timm.data.random_erasing``,
+    drawing its noise on the CPU); else None (it runs as written)."""
     if isinstance(t, ErasingOnTensor):
         return t
     if type(t).__module__ == "timm.data.random_erasing" and type(t).__name__ == "RandomErasing":
         try:
-            if t.per_pixel or t.rand_color or not (1 <= int(t.min_count) <= int(t.max_count)):
+            if not (1 <= int(t.min_count) <= int(t.max_count)):
                 return None
-            return ErasingOnTensor(t, "timm", (0.0,), int(t.max_count))
-        except (TypeError, ValueError, AttributeError):
+            noise = "pixel" if t.per_pixel else "rand" if t.rand_color else None
+            if noise is not None and torch.device(t.device).type != "cpu":
+                return None     # its noise drawn on another device's generator: as written
+            return ErasingOnTensor(t, "timm", (0.0,), int(t.max_count), noise)
+        except (TypeError, ValueError, AttributeError, RuntimeError):
             return None
     kind = _kind(t)
     if kind is None or kind[0] not in ("v1", "v2") or kind[1] != "RandomErasing":
         return None
     value = getattr(t, "value", None)
+    if (kind[0] == "v1" and value == "random") or (kind[0] == "v2" and value is None):
+        return ErasingOnTensor(t, kind[0], (0.0,), 1, "pixel")
     if isinstance(value, numbers.Number) and not isinstance(value, bool):
         value = [value]
     if not isinstance(value, (list, tuple)) or not value or not all(

@@ -57,7 +57,7 @@ def _recipe(version: str, erase, jitter: bool = False, size: int = 20):
     conv = [V.ToTensor()] if version == "v1" else [V2.ToImage(), V2.ToDtype(torch.float32, scale=True)]
     steps = [M.RandomResizedCrop(size, scale=(0.3, 1.0)), M.RandomHorizontalFlip()]
     steps += [M.ColorJitter(0.4, 0.4, 0.4, 0.1)] if jitter else []
-    steps += [*conv, M.Normalize(MEAN, STD), erase]
+    steps += [*conv, M.Normalize(MEAN, STD)] + ([erase] if erase is not None else [])
     steps += [V2.ToPureTensor()] if version == "v2" else []
     return M.Compose(steps)
 
@@ -102,11 +102,29 @@ def test_a_jitter_before_an_erasing_keeps_coordls_conversion_and_torchvisions_re
     assert 0 < erased < len(ds)
 
 
-def test_noise_erasing_still_runs_as_written(photos):
-    tf = _recipe("v1", V.RandomErasing(1.0, value="random"), jitter=True)
-    L = coordl.DataLoader(datasets.ImageFolder(photos, transform=tf), batch_size=5)
-    assert L.dataset.transform.erase is None
-    assert len(list(L)) == 4
+def _noise_erasings():
+    return {"v1": lambda: V.RandomErasing(0.7, value="random"), "v2": lambda: V2.RandomErasing(0.7, value="random"),
+            "timm-pixel": lambda: _timm()(0.8, mode="pixel", max_count=3, device="cpu"),
+            "timm-rand": lambda: _timm()(0.8, mode="rand", max_count=2, device="cpu")}
+
+
+@pytest.mark.parametrize("which", ["v1", "timm-pixel", "timm-rand"])
+def test_noise_erasing_kept_apart_gives_the_as_written_batches(photos, monkeypatch, which):
+    """An erasing of noise (torchvision's value="random", timm's "pixel" and
+    "rand") is kept apart too: the batches are those of the whole pipeline
+    run as written (the translation told not to keep it apart), bit for bit."""
+    tf = _recipe("v2" if which == "v2" else "v1", _noise_erasings()[which](), jitter=True)
+    kw = dict(batch_size=5, seed=4, shuffle=True)
+    L = coordl.DataLoader(datasets.ImageFolder(photos, transform=tf), **kw)
+    assert L.dataset.transform.erase is not None and L.dataset.transform.erase.noise
+    apart = list(L)
+    real = tc.erasing_of
+    monkeypatch.setattr(tc, "erasing_of", lambda t: None if (e := real(t)) is not None and e.noise else e)
+    W = coordl.DataLoader(datasets.ImageFolder(photos, transform=tf), **kw)
+    assert W.dataset.transform.erase is None
+    written = list(W)
+    assert len(apart) == len(written) == 4
+    assert all(torch.equal(a, b) and torch.equal(y, z) for (a, y), (b, z) in zip(apart, written))
 
 
 # ---------------------------------------------------------------- the device
@@ -162,6 +180,76 @@ def test_timms_erasing_after_a_jitter_and_the_workers_share(photos, cpu_device, 
     assert 0 < st.device_decode_cpu_images < 20 and st.device_decode_images + st.device_decode_cpu_images == 20
 
 
+def _erased_by(photos, tf, kw, base):
+    """Per batch, the CPU path's pixels the erasing set: where its batch
+    differs from the same recipe's without the erasing (``base``; it draws
+    last, so nothing else changes)."""
+    cpu = list(coordl.DataLoader(datasets.ImageFolder(photos, transform=tf), **kw))
+    without = list(coordl.DataLoader(datasets.ImageFolder(photos, transform=base), **kw))
+    return cpu, [a != b for (a, _), (b, _) in zip(cpu, without)]
+
+
+@pytest.mark.parametrize("which,workers", [("v1", 0), ("v2", 2), ("timm-pixel", 0), ("timm-rand", 2)])
+def test_the_device_erases_the_cpu_paths_noise(photos, cpu_device, exact, which, workers):
+    """An erasing of noise on the device: the erased pixels are the CPU
+    path's, bit for bit (the noise the workers drew where the CPU path
+    draws it), the others within the geometry's rounding (1 level)."""
+    version = "v2" if which == "v2" else "v1"
+    tf = _recipe(version, _noise_erasings()[which]())
+    base = _recipe(version, None)
+    kw = dict(batch_size=4, seed=3, shuffle=True, num_workers=workers)
+    cpu, masks = _erased_by(photos, tf, kw, base)
+    L = coordl.DataLoader(datasets.ImageFolder(photos, transform=tf), device="cpu", decode="device", **kw)
+    dev = list(L)
+    erased = 0
+    for (a, y), (b, y2), m in zip(cpu, dev, masks):
+        assert torch.equal(y, y2)
+        assert torch.equal(a[m], b[m])
+        assert float(((a - b).abs() * STD255)[~m].max()) <= 1 + 1e-3
+        erased += int(m.flatten(1).any(1).sum())
+    assert erased >= 5
+    assert f"RandomErasing ({'rand' if which == 'timm-rand' else 'pixel'} noise)" in L.stats().device_decode
+
+
+def test_noise_of_the_workers_share_and_after_a_jitter(photos, cpu_device, exact, monkeypatch):
+    """timm's pixel noise after a ColorJitter, half the samples prepared by
+    the workers on the CPU path: their noise travels with their rows too."""
+    tf = _recipe("v1", _timm()(0.9, mode="pixel", max_count=3, device="cpu"), jitter=True)
+    base = _recipe("v1", None, jitter=True)
+    from coordl.device import decoders as DDS
+
+    monkeypatch.setattr(DDS, "cpu_share", lambda workers, spec=None: 0.5)
+    kw = dict(batch_size=4, seed=3, shuffle=True, num_workers=2)
+    cpu, masks = _erased_by(photos, tf, kw, base)
+    L = coordl.DataLoader(datasets.ImageFolder(photos, transform=tf), device="cpu", decode="device", **kw)
+    for (a, _), (b, _), m in zip(cpu, list(L), masks):
+        assert torch.equal(a[m], b[m])
+        assert float(((a - b).abs() * STD255)[~m].max()) <= 8 + 1e-3
+    st = L.stats()
+    assert 0 < st.device_decode_cpu_images < 20
+
+
+def test_noise_erasing_resumes_exactly_and_is_not_split(photos, cpu_device):
+    tf = _recipe("v1", V.RandomErasing(0.7, value="random"), jitter=True, size=16)
+    ds = datasets.ImageFolder(photos, transform=tf)
+    kw = dict(batch_size=3, seed=11, shuffle=True, num_workers=2, device="cpu", decode="device")
+    want = list(coordl.DataLoader(ds, **kw))
+    L = coordl.DataLoader(ds, **kw)
+    it = iter(L)
+    got = [next(it) for _ in range(3)]
+    state = L.state_dict()
+    del it
+    R = coordl.DataLoader(ds, **kw)
+    R.load_state_dict(state)
+    got += list(R)
+    assert len(got) == len(want) == 7
+    assert all(torch.equal(a, b) and torch.equal(y, z) for (a, y), (b, z) in zip(got, want))
+    # the device split (decode="cpu") does not carry noise: the samples are prepared whole in the workers
+    S = coordl.DataLoader(ds, batch_size=3, seed=11, device="cpu")
+    list(S)
+    assert S.stats().device_split.startswith("not split") and "noise" in S.stats().device_split
+
+
 def test_records_carry_the_cpu_paths_rectangles(photos):
     """Each record's rectangles are those the user's object erases on the
     CPU path, drawn after the jitter's operations; both generators are left
@@ -176,7 +264,8 @@ def test_records_carry_the_cpu_paths_rectangles(photos):
             g = _rng.derive(5, 1, i)
             plan.draw(60, 80, g)
             state = g.getstate()
-            ops, rects = plan.draw_after(g)
+            ops, rects, noise = plan.draw_after(g)
+            assert noise is None
             # the CPU path's own draws: the jitter as written, then the erasing, under the same seeds
             g.setstate(state)
             with _rng.seeded_globals(g):
@@ -220,9 +309,6 @@ def _refused(photos, tf, msg):
 
 
 @pytest.mark.parametrize("make,msg", [
-    (lambda: _recipe("v1", V.RandomErasing(0.5, value="random")), r"RandomErasing run as written.*constant value"),
-    (lambda: _recipe("v2", V2.RandomErasing(0.5, value="random")), r"RandomErasing.*constant value"),
-    (lambda: _recipe("v1", _timm()(0.5, mode="pixel", device="cpu")), r"RandomErasing.*constant value"),
     (lambda: _recipe("v1", _timm()(0.5, max_count=5, device="cpu")), r"up to 5 rectangles.*at most 4"),
     (lambda: _recipe("v1", V.RandomErasing(0.5, value=(1.0, 2.0))), r"2 values for a 3-channel image"),
     (lambda: V2.Compose([V2.RandomResizedCrop(16), V2.PILToTensor(), V2.RandomErasing(0.5)]),
@@ -234,15 +320,27 @@ def test_what_the_device_cannot_erase_is_refused_naming_it(photos, cpu_device, m
     _refused(photos, make(), msg)
 
 
+def test_noise_drawn_on_another_devices_generator_runs_as_written():
+    """timm's noise drawn on its ``device`` (its default: "cuda"): not the
+    CPU generator the workers draw from, so the erasing runs as written."""
+    assert tc.erasing_of(_timm()(0.5, mode="pixel", device="meta")) is None
+    assert tc.erasing_of(_timm()(0.5, mode="pixel", device="cpu")).noise == "pixel"
+    assert tc.erasing_of(_timm()(0.5, mode="const", device="meta")).noise is None   # no noise: no device use
+
+
 @pytest.mark.parametrize("which", ["v1", "timm"])
 def test_an_erasing_whose_draws_cannot_be_made_apart_is_refused(photos, cpu_device, monkeypatch, caplog, which):
     """Where coordl's draws differ from the user's object's (here: one
     rectangle a row lower), the workers could not draw what the CPU path
     draws: refused, not guessed, and the CPU path runs it as written."""
     monkeypatch.setattr(tc, "_agree", {})
-    real = tc.ErasingOnTensor.draw
-    monkeypatch.setattr(tc.ErasingOnTensor, "draw", lambda self, c, h, w: [(t + 1, l, eh, ew) for t, l, eh, ew
-                                                                            in real(self, c, h, w)])
+    real = tc.ErasingOnTensor.draw_with
+
+    def lower(self, c, h, w):
+        rects, noise = real(self, c, h, w)
+        return [(t + 1, l, eh, ew) for t, l, eh, ew in rects], noise
+
+    monkeypatch.setattr(tc.ErasingOnTensor, "draw_with", lower)
     erase = V.RandomErasing(0.5) if which == "v1" else _timm()(0.5, device="cpu")
     with caplog.at_level(logging.WARNING, logger="coordl.tvcompat"):
         _refused(photos, _recipe("v1", erase), r"RandomErasing\(.*'s draws could not be made apart")
@@ -340,7 +438,7 @@ def test_the_stage_reads_each_kept_rows_record(photos):
 
     y, rows, want = erase_cases.case(ODD)
     records = [[0] * E.INDEX + E.tail_fields(i, (), r) for i, r in enumerate(rows)]
-    st = types.SimpleNamespace(plan=types.SimpleNamespace(erasing=types.SimpleNamespace(value=ODD)),
+    st = types.SimpleNamespace(plan=types.SimpleNamespace(erasing=types.SimpleNamespace(value=ODD), noise=None),
                                tail=DeviceTail([], ODD))
     keep = [0, 2, 3, 5]
     assert torch.equal(DD.DecodeStage._erased(st, y[keep].clone(), records, keep), want[keep])

@@ -53,7 +53,7 @@ from .decoders import (  # noqa: F401  (the decoders' names, as this module had 
     DECODERS, DecoderSplit, HostDecoder, NvImageCodecDecoder, TorchvisionDecoder, _rgb_params, decoder_for, decoder_spec,
 )
 from .encoded import (CHANNELS, FLIP, INDEX, KIND, ON_CPU, ON_DEVICE, RH, RW, SRC_H, SRC_W, T1, T2, W1, W2,
-                      DecodePlan, ops_of, rects_of)
+                      DecodePlan, noise_sizes, ops_of, rects_of)
 from .geometry_kernel import finished
 from .launch import upload
 from .jitter import DeviceJitter
@@ -127,6 +127,9 @@ class DecodeStage:
         paths = tuple(stats.device_marks)
         records = [_get(batch, p).tolist() for p in paths]    # per path, per row: the RECORD fields
         n, m = len(records[0]), len(paths)
+        noise = None
+        if self.plan.noise:
+            offsets, noise = self._noise_apart(blob, offsets, records, n, m)
         todo = [(r, k) for r in range(n) for k in range(m) if records[k][r][KIND] == ON_DEVICE]
         chunks = list(_chunks(todo, records))
         streams = [[_bytes(blob, offsets[r * m + k]) for r, k in chunk] for chunk in chunks]
@@ -140,7 +143,34 @@ class DecodeStage:
         if ready:
             host = torch.empty((len(ready), 3, oh, ow), dtype=torch.uint8, pin_memory=self.device.type == "cuda")
             torch.stack([_bytes(blob, offsets[r * m + k]).view(3, oh, ow) for k, r in ready], out=host)
-        stats.device_prepared = _Prepared(paths, records, chunks, streams, ready, host)
+        stats.device_prepared = _Prepared(paths, records, chunks, streams, ready, host, noise)
+
+    def _noise_apart(self, blob, offsets, records: list, n: int, m: int):
+        """An erasing of noise: each payload is its bytes (or image) then its
+        rectangles' float32 noise (``EncodedCompose``).  Returns the offsets
+        of the bytes alone, and ``(host, at)``: the batch's noise gathered
+        into one (page-locked, on CUDA) float32 buffer, and per (path
+        number, row) the offset of its noise there, or None when the batch
+        erases nothing."""
+        sizes = [[noise_sizes(rects_of(records[k][r]), self.plan.noise) for r in range(n)] for k in range(m)]
+        total = sum(sum(s) for per in sizes for s in per)
+        if not total:
+            return offsets, None
+        offsets = offsets.copy()
+        host = torch.empty(total, dtype=torch.float32, pin_memory=self.device.type == "cuda")
+        flat = host.numpy()
+        at, o = {}, 0
+        for r in range(n):
+            for k in range(m):
+                nb = 4 * sum(sizes[k][r])
+                if not nb:
+                    continue
+                start, length = int(offsets[r * m + k, 0]), int(offsets[r * m + k, 1])
+                offsets[r * m + k, 1] = length - nb
+                flat[o:o + nb // 4] = blob[start + length - nb:start + length].view(np.float32)
+                at[(k, r)] = o
+                o += nb // 4
+        return offsets, (host, at)
 
     def decode(self, batch, stats, step=None):
         """The first half (the decode thread with workers), on the current
@@ -199,13 +229,16 @@ class DecodeStage:
         # the workers' rows: one copy, queued on this stream (page-locked on CUDA); finish() puts them in
         cpu = ({kr: i for i, kr in enumerate(prep.ready)},
                prep.host.to(self.device, non_blocking=self.device.type == "cuda")) if prep.ready else ({}, None)
+        # an erasing's noise: one copy, queued on this stream as the rows above
+        noise = (prep.noise[0].to(self.device, non_blocking=self.device.type == "cuda"), prep.noise[1]) \
+            if prep.noise is not None else None
         del prep
         keep = self._errors(errors, records[0], stats, step) if errors else list(range(n))
         stats.decoded_device += on_device
         stats.decoded_cpu += on_cpu
         if not keep:
             return None
-        stats.device_pending = _Pending(paths, records, out, raw, held, keep, cpu)
+        stats.device_pending = _Pending(paths, records, out, raw, held, keep, cpu, noise)
         return _rows(batch, keep, n) if len(keep) < n else batch
 
     def finish(self, pending: "_Pending") -> dict:
@@ -225,7 +258,8 @@ class DecodeStage:
             ready = [j for j, r in enumerate(keep) if (k, r) in at]
             cpu = _rows_of(moved, [at[(k, keep[j])] for j in ready]) if ready else None
             if len(ready) == len(keep):     # every row the CPU path's: the batch as it is, then the tail
-                images[path] = self._erased(self.tail(cpu) if self.tail is not None else cpu, records[k], keep)
+                images[path] = self._erased(self.tail(cpu) if self.tail is not None else cpu, records[k], keep, k,
+                                            pending.noise)
                 continue
             kernel = sum(img is not None for img in imgs)
             # the rows' colour operations (ColorJitter), applied to the uint8 rows before the tail
@@ -245,7 +279,7 @@ class DecodeStage:
                 if ops is not None:
                     y = self.jitter(y, ops)
                 images[path] = self._erased(self.tail(y) if self.tail is not None and not whole else y, records[k],
-                                            keep)
+                                            keep, k, pending.noise)
                 continue
             y = torch.empty((len(keep), channels, *self.plan.size), dtype=torch.float32, device=self.device)
             batched = []
@@ -263,17 +297,31 @@ class DecodeStage:
             y = finished(y, [bool(records[k][r][FLIP]) for r in keep])
             if ops is not None:
                 y = self.jitter(y, ops)
-            images[path] = self._erased(self.tail(y) if self.tail is not None else y, records[k], keep)
+            images[path] = self._erased(self.tail(y) if self.tail is not None else y, records[k], keep, k,
+                                        pending.noise)
         return images
 
-    def _erased(self, y: torch.Tensor, records: list, keep: list) -> torch.Tensor:
+    def _erased(self, y: torch.Tensor, records: list, keep: list, k: int = 0, noise=None) -> torch.Tensor:
         """``y`` (the path's final batch) with each row's ``RandomErasing``
         rectangles (its record's, :func:`.encoded.rects_of`) set to the
         erasing's value by the tail (``DeviceTail.erased``; the tail made
         ``y`` anew, so it is never the CPU rows themselves)."""
         if self.plan.erasing is None:
             return y
-        return self.tail.erased(y, [rects_of(records[r]) for r in keep])
+        rows = [rects_of(records[r]) for r in keep]
+        if not self.plan.noise:
+            return self.tail.erased(y, rows)
+        if noise is None:               # no row of the batch erases
+            return y
+        flat, at = noise
+        values = []
+        for r, rects in zip(keep, rows):
+            o, vs = at.get((k, r), 0), []
+            for (_, _, h, w), size in zip(rects, noise_sizes(rects, self.plan.noise)):
+                vs.append(flat[o:o + size].view(3, *((h, w) if self.plan.noise == "pixel" else (1, 1))))
+                o += size
+            values.append(vs)
+        return self.tail.erased(y, rows, values)
 
     def stage_decoded(self, delivery, env):
         """The second half (the pin thread with workers): finish the images
@@ -483,11 +531,11 @@ class _Prepared:
     device decodes with their streams, and the rows the workers prepared
     with their images (one tensor, a row each)."""
 
-    __slots__ = ("paths", "records", "chunks", "streams", "ready", "host")
+    __slots__ = ("paths", "records", "chunks", "streams", "ready", "host", "noise")
 
-    def __init__(self, paths, records, chunks, streams, ready, host) -> None:
+    def __init__(self, paths, records, chunks, streams, ready, host, noise=None) -> None:
         self.paths, self.records, self.chunks, self.streams = paths, records, chunks, streams
-        self.ready, self.host = ready, host
+        self.ready, self.host, self.noise = ready, host, noise
 
 
 class _Pending:
@@ -498,11 +546,11 @@ class _Pending:
     ``{(path number, row): i}``, and their images on the device, row ``i``
     of one tensor)."""
 
-    __slots__ = ("paths", "records", "out", "raw", "held", "keep", "cpu")
+    __slots__ = ("paths", "records", "out", "raw", "held", "keep", "cpu", "noise")
 
-    def __init__(self, paths, records, out, raw, held, keep, cpu) -> None:
+    def __init__(self, paths, records, out, raw, held, keep, cpu, noise=None) -> None:
         self.paths, self.records, self.out, self.raw, self.held, self.keep = paths, records, out, raw, held, keep
-        self.cpu = cpu
+        self.cpu, self.noise = cpu, noise
 
 
 def _rows_of(x: torch.Tensor, idx: list) -> torch.Tensor:

@@ -37,7 +37,7 @@ import torch
 from .split import _Marked, _unmark
 
 __all__ = ["RECORD", "ON_DEVICE", "ON_CPU", "DecodePlan", "plan_for", "DecodePrep", "EncodedCompose", "ops_of",
-           "rects_of", "tail_fields"]
+           "rects_of", "tail_fields", "noise_sizes"]
 
 # the record: one int64 row per image; after CHANNELS, the colour operations the device applies to
 # the image after its geometry (a plan with ColorJitter): their number, then (code, value) pairs
@@ -179,28 +179,38 @@ class DecodePlan:
         sample (:meth:`draw_after`'s first)."""
         return self.draw_after(rng)[0]
 
-    def draw_after(self, rng) -> tuple[list, list]:
-        """``(ops, rects)`` of one sample, drawn as the CPU path draws them
-        after the geometry: the colour operations of the plan's
+    def draw_after(self, rng) -> tuple[list, list, "np.ndarray | None"]:
+        """``(ops, rects, noise)`` of one sample, drawn as the CPU path draws
+        them after the geometry: the colour operations of the plan's
         ``ColorJitter`` steps, ``[(code, value)]`` in order
         (``coordl.decode.color``'s), then the rectangles its
-        ``RandomErasing`` erases, ``[(top, left, height, width)]``; by the
+        ``RandomErasing`` erases, ``[(top, left, height, width)]``, and with
+        an erasing of noise (:attr:`noise`) their values, float32, one
+        rectangle after the other (:func:`noise_sizes`), else None; by the
         user's objects, from torch's and Python's generators seeded from
         ``rng`` (the sample's own, after :meth:`draw`; as
         ``coordl._rng.seeded_globals`` seeds them)."""
         if not self.draws_after:
-            return [], []
+            return [], [], None
         if not isinstance(rng, random.Random):     # outside a prep stage: the generators as they are
             return self._draw_after()
         return self.after_for_seeds([_lazy()[0].global_seeds(rng)])[0]
 
-    def _draw_after(self) -> tuple[list, list]:
+    def _draw_after(self) -> tuple[list, list, "np.ndarray | None"]:
         ops = [op for j in self.jitters for op in j.draw()]
-        rects = self.erasing.draw(3, *self.size) if self.erasing is not None else []
+        rects, noise = self.erasing.draw_with(3, *self.size) if self.erasing is not None else ([], None)
         if len(rects) > MAX_RECTS:
             raise ValueError(f"{self.erasing.user!r} drew {len(rects)} rectangles, more than the {MAX_RECTS} "
                              "decode='device' erases")
-        return ops, rects
+        if noise:
+            noise = np.concatenate([v.reshape(-1).numpy() for v in noise]).astype(np.float32, copy=False)
+        return ops, rects, (noise if rects and self.noise else None)
+
+    @property
+    def noise(self) -> str | None:
+        """The erasing's noise (``coordl.tvcompat.ErasingOnTensor.noise``):
+        None (a constant value, or no erasing), ``"pixel"`` or ``"rand"``."""
+        return self.erasing.noise if self.erasing is not None else None
 
     def after_for_seeds(self, seeds) -> list:
         """:meth:`draw_after` of samples given the seeds of torch's and
@@ -246,7 +256,7 @@ class DecodePlan:
         names = " + ".join(type(t).__name__ for t in self.steps + [getattr(j, "user", j) for j in self.jitters])
         conv = "ToTensor" + "".join(" + Normalize" for _ in self.normalizes) if self.to_float else "PILToTensor"
         if self.erasing is not None:
-            conv += " + RandomErasing"
+            conv += " + RandomErasing" + (f" ({self.erasing.noise} noise)" if self.erasing.noise else "")
         return f"{names} -> {self.size[0]}x{self.size[1]} ({self.mode.value}), {conv}"
 
     def __repr__(self) -> str:
@@ -255,7 +265,7 @@ class DecodePlan:
 
 _HOW = ("decode='device' runs [RandomResizedCrop | Resize] [CenterCrop | RandomCrop], with RandomHorizontalFlip "
         "anywhere among them, then torchvision's ColorJitter (optional), then ToTensor() [+ Normalize(...)s] "
-        "[+ RandomErasing with a constant value] or PILToTensor()")
+        "[+ RandomErasing] or PILToTensor()")
 
 
 def _refuse(why: str, fix: str = "") -> ValueError:
@@ -328,7 +338,7 @@ def plan_for(transform) -> DecodePlan:
         if not to_float:
             raise _refuse(f"{erasing.user!r} erases a uint8 image (after PILToTensor without a conversion to "
                           "float)", "convert to float first (ToTensor(), or ToDtype(torch.float32, scale=True))")
-        if len(erasing.value) not in (1, 3):
+        if not erasing.noise and len(erasing.value) not in (1, 3):
             raise _refuse(f"{erasing.user!r} has {len(erasing.value)} values for a 3-channel image",
                           "give it one value, or one per channel")
         if erasing.most > MAX_RECTS:
@@ -374,8 +384,8 @@ def _with_jitter(pipeline) -> tuple[list, list]:
         names = ", ".join(others or [type(u).__name__ for u in user + list(pipeline.post)])   # the user's steps
         fix = "remove them from the transform"
         if "RandomErasing" in names:
-            fix = ("the device erases with a constant value (torchvision's value=0, a number, or one per channel; "
-                   "timm's mode='const'), not noise, which is drawn per pixel on the CPU: " + fix)
+            fix = ("the device erases with torchvision's RandomErasing or timm's (its noise drawn on the CPU: "
+                   "device='cpu'): " + fix)
         raise _refuse(f"the torchvision steps {names} run as written (coordl has no equivalent of them on the "
                       "device, or they follow one)", fix)
     bad = [j for j in jitters if not j.draws_agree()]
@@ -426,7 +436,8 @@ class EncodedCompose:
         if size is not None:
             g = _rng.current()
             geometry = plan.draw(*size, g)
-            return _capture([ON_DEVICE, *size, *geometry], raw, cap, *plan.draw_after(g))
+            ops, rects, noise = plan.draw_after(g)
+            return _capture([ON_DEVICE, *size, *geometry], raw if noise is None else (raw, noise), cap, ops, rects)
         # not for the device decoder: the CPU path, its draws and its errors (PIL's)
         return self._on_cpu(decode_and_apply(plan.prefix, raw), cap)
 
@@ -441,9 +452,9 @@ class EncodedCompose:
             raise ValueError(f"decode='device': the CPU path made a {got} image where a uint8 (3, {oh}, {ow}) RGB "
                              "image was expected (a grayscale or RGBA image the dataset decoded itself?); "
                              "convert it to RGB, or use decode='cpu'")
-        ops, rects = self.plan.draw_after(_lazy()[0].current())
-        x = self.plan.jitter_on_cpu(x.contiguous(), ops)
-        return _capture([ON_CPU, oh, ow] + [0] * (FLIP - SRC_W), x.contiguous(), cap, (), rects)
+        ops, rects, noise = self.plan.draw_after(_lazy()[0].current())
+        x = self.plan.jitter_on_cpu(x.contiguous(), ops).contiguous()
+        return _capture([ON_CPU, oh, ow] + [0] * (FLIP - SRC_W), x if noise is None else (x, noise), cap, (), rects)
 
     def spec(self):
         return self.full.spec()
@@ -509,6 +520,15 @@ def ops_of(rec) -> list:
         return []
     pairs = np.array(rec[OPS:OPS + 2 * n], dtype=np.int64).reshape(n, 2)
     return list(zip(pairs[:, 0].tolist(), pairs[:, 1].copy().view(np.float64).tolist()))
+
+
+def noise_sizes(rects, noise: str | None, channels: int = 3) -> list:
+    """The float32 values each of ``rects`` carries for an erasing of
+    ``noise`` (``"pixel"``: one per channel and pixel; ``"rand"``: one per
+    channel; None: none), in the order they travel after the payload."""
+    if noise == "pixel":
+        return [channels * h * w for _, _, h, w in rects]
+    return [channels if noise == "rand" else 0 for _ in rects]
 
 
 def rects_of(rec) -> list:

@@ -31,11 +31,19 @@ def value_on(value, device: torch.device) -> torch.Tensor:
     return upload(np.asarray(value, dtype=np.float32).reshape(-1, 1, 1), device)
 
 
-def erase_rows(y: torch.Tensor, rows: list, value: torch.Tensor) -> torch.Tensor:
+def erase_rows(y: torch.Tensor, rows: list, value: torch.Tensor | None, noise: list | None = None) -> torch.Tensor:
     """``y`` (B, C, H, W) with row ``j``'s rectangles ``rows[j]`` (``[(top,
-    left, height, width)]``) set to ``value`` (:func:`value_on`), in place."""
+    left, height, width)]``) set to ``value`` (:func:`value_on`), in place;
+    with ``noise`` (an erasing of noise), rectangle ``q`` of row ``j`` set
+    to ``noise[j][q]`` instead ((C, height, width), or (C, 1, 1) for one
+    value per channel, on ``y``'s device): a copy each."""
     rects = [(j, *rect) for j, rs in enumerate(rows) for rect in rs]
     if not rects:
+        return y
+    if noise is not None:
+        for j, rs in enumerate(rows):
+            for (top, left, h, w), v in zip(rs, noise[j]):
+                y[j, :, top:top + h, left:left + w] = v
         return y
     if len(rects) <= FEW_RECTS or y.device.type not in MASK_DEVICES:
         for j, top, left, h, w in rects:

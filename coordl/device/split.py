@@ -98,13 +98,16 @@ class DeviceTail:
         y = self(x)
         return self.erased(y, [r for _, r in rows]) if self.erase_value is not None else y
 
-    def erased(self, y: torch.Tensor, rows: list) -> torch.Tensor:
+    def erased(self, y: torch.Tensor, rows: list, noise: list | None = None) -> torch.Tensor:
         """``y`` (converted) with row ``j``'s rectangles ``rows[j]`` set to
-        :attr:`erase_value` (:func:`coordl.device.erase.erase_rows`)."""
+        :attr:`erase_value`, or each to its values ``noise[j][q]`` (on
+        ``y``'s device; an erasing of noise) (:func:`coordl.device.erase.erase_rows`)."""
         from .erase import erase_rows, value_on
 
         if not any(rows):
             return y
+        if noise is not None:
+            return erase_rows(y, rows, None, noise)
         v = self._erase_on.get(y.device)
         if v is None:
             v = self._erase_on[y.device] = value_on(self.erase_value, y.device)

@@ -313,6 +313,10 @@ def is_default_collate(fn) -> bool:
     return fn is None or fn is dc or fn is torch.utils.data.default_collate
 
 
+def _bytes_of(x) -> np.ndarray:
+    return np.frombuffer(x.numpy() if isinstance(x, torch.Tensor) else x, dtype=np.uint8)
+
+
 def pack_payloads(b, rows: list, slots) -> None:
     """decode="device": the payloads of ``rows`` of batch ``b`` (an engine's
     builder: JPEG bytes, or uint8 images the CPU path made), one after the
@@ -321,15 +325,18 @@ def pack_payloads(b, rows: list, slots) -> None:
     (slot, total bytes, int64 [(offset, length), ...]).  The main process
     decodes from there (coordl.device.decode)."""
     items = [p for r in rows for p in b.payloads[r]]
-    views = [np.frombuffer(p.numpy() if isinstance(p, torch.Tensor) else p, dtype=np.uint8) for p in items]
-    total = sum(v.size for v in views)
+    # a payload is the bytes or image, or (that, the float32 noise of its erasing) packed one after the other
+    parts = [[_bytes_of(x) for x in (p if type(p) is tuple else (p,))] for p in items]
+    total = sum(v.size for ps in parts for v in ps)
     slot, buf = slots.acquire(max(total, 1))
-    offsets = np.empty((len(views), 2), dtype=np.int64)
+    offsets = np.empty((len(parts), 2), dtype=np.int64)
     o = 0
-    for k, v in enumerate(views):
-        buf[o:o + v.size] = v
-        offsets[k] = (o, v.size)
-        o += v.size
-    b.stats.decoded_cpu += sum(isinstance(p, torch.Tensor) for p in items)
+    for k, ps in enumerate(parts):
+        start = o
+        for v in ps:
+            buf[o:o + v.size] = v
+            o += v.size
+        offsets[k] = (start, o - start)
+    b.stats.decoded_cpu += sum(isinstance(p[0] if type(p) is tuple else p, torch.Tensor) for p in items)
     b.stats.device_blob = (slot, total, offsets)
     b.payloads = None

@@ -159,6 +159,8 @@ def batch_reads_for(dataset, *, cache, peers, in_place: bool, batch_size) -> "Ba
     from ..storage.table import SampleTable
 
     ds = dataset._split_ds
+    if dataset.plan.noise:
+        return None     # the erasing's noise travels after each payload: the per-sample path packs it
     if not isinstance(ds, _FolderBase) or type(ds.transform) is not EncodedCompose:
         return None
     cls = type(ds)
@@ -365,7 +367,7 @@ class BatchReads:
                         elif native is None:
                             g = derive(seed, epoch, i)
                             rec[j, :INDEX] = [ON_DEVICE, h, w, *draw(h, w, g)]
-                            rec[j, INDEX:] = tail_fields(i, *draw_after(g))
+                            rec[j, INDEX:] = tail_fields(i, *draw_after(g)[:2])
                         else:
                             rec[j, :SRC_W + 1] = (ON_DEVICE, h, w)
                             rec[j, INDEX:] = tail_fields(i)
@@ -409,7 +411,7 @@ class BatchReads:
             rec[later, H2:FLIP] = (rh, rw)
             rec[later, FLIP] = got[:, 4]
             if self.plan.draws_after:   # ColorJitter's and RandomErasing's draws, from the seeds the extension
-                for j, (ops, rects) in zip(later, self.plan.after_for_seeds(got[:, 5:7].tolist())):   # drew
+                for j, (ops, rects, _) in zip(later, self.plan.after_for_seeds(got[:, 5:7].tolist())):   # drew
                     rec[j, INDEX:] = tail_fields(int(rec[j, INDEX]), ops, rects)
         rows = [j for j in range(n) if ok[j]]
         if not rows:
