@@ -780,7 +780,8 @@ class DataLoader(_TorchDataLoader[_T_co]):
                 split = _dev.split_for_device(self.dataset, self._device)
                 old = self._device_tail
                 if split.tail is not None and old is not None and split.tail.normalizes == old.normalizes \
-                        and split.tail.erase_value == old.erase_value and split.tail.jitter == old.jitter:
+                        and split.tail.erase_value == old.erase_value and split.tail.jitter == old.jitter \
+                        and split.tail.reciprocal == old.reciprocal:
                     split.tail = old    # its constants are on the device already (the same work: the same tail)
         self._device_tail = split.tail
         self._counters.device_split = split.note

@@ -387,11 +387,27 @@ class PILToTensor(Transform):
 
 class ToTensor(Transform):
     """PIL image or HWC ndarray -> CHW tensor; uint8 becomes float in [0, 1]
-    (other dtypes are returned unscaled, as torchvision does)."""
+    (other dtypes are returned unscaled, as torchvision does): divided by
+    255, as torchvision's ``ToTensor`` and v1 ``ConvertImageDtype`` do, or
+    with ``reciprocal=True`` multiplied by 1/255, as v2's ``ToImage`` +
+    ``ToDtype(scale=True)`` do (126 of the 256 values differ by an ulp)."""
+
+    def __init__(self, *, reciprocal: bool = False):
+        if not isinstance(reciprocal, bool):
+            raise _bad("reciprocal", "a bool", reciprocal, TypeError)
+        self.reciprocal = reciprocal
 
     def __call__(self, pic: Any) -> torch.Tensor:
         t = self.unscaled(pic)
-        return t.to(torch.get_default_dtype()).div_(255) if t.dtype == torch.uint8 else t
+        return self.scaled(t) if t.dtype == torch.uint8 else t
+
+    def scaled(self, t: torch.Tensor) -> torch.Tensor:
+        """The uint8 tensor ``t`` as floats in [0, 1], with this step's arithmetic."""
+        x = t.to(torch.get_default_dtype())
+        return x.mul_(1.0 / 255) if getattr(self, "reciprocal", False) else x.div_(255)
+
+    def _params(self) -> dict[str, Any]:
+        return {"reciprocal": True} if getattr(self, "reciprocal", False) else {}
 
     @staticmethod
     def unscaled(pic: Any) -> torch.Tensor:
@@ -404,16 +420,19 @@ class ToTensor(Transform):
 
 class ToDtype(Transform):
     """Convert a tensor to ``dtype``; with ``scale``, integer images become
-    floats in [0, 1] (divided by their dtype's maximum, 255 for uint8).
-    Only the conversions that cannot lose values are offered: to a floating
-    dtype, or to the tensor's own dtype."""
+    floats in [0, 1] (divided by their dtype's maximum, 255 for uint8; with
+    ``reciprocal=True`` multiplied by its reciprocal, as torchvision v2's
+    ``ToDtype`` does).  Only the conversions that cannot lose values are
+    offered: to a floating dtype, or to the tensor's own dtype."""
 
-    def __init__(self, dtype: torch.dtype, scale: bool = False):
+    def __init__(self, dtype: torch.dtype, scale: bool = False, *, reciprocal: bool = False):
         if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
             raise _bad("dtype", "a floating torch.dtype", dtype, TypeError)
         if not isinstance(scale, bool):
             raise _bad("scale", "a bool", scale, TypeError)
-        self.dtype, self.scale = dtype, scale
+        if not isinstance(reciprocal, bool):
+            raise _bad("reciprocal", "a bool", reciprocal, TypeError)
+        self.dtype, self.scale, self.reciprocal = dtype, scale, reciprocal
 
     def __call__(self, tensor: torch.Tensor) -> torch.Tensor:
         if not isinstance(tensor, torch.Tensor):
@@ -422,11 +441,13 @@ class ToDtype(Transform):
             return tensor
         out = tensor.to(self.dtype)
         if self.scale and not tensor.is_floating_point() and tensor.dtype != torch.bool:
-            out = out.div_(torch.iinfo(tensor.dtype).max)
+            top = torch.iinfo(tensor.dtype).max
+            out = out.mul_(1.0 / top) if getattr(self, "reciprocal", False) else out.div_(top)
         return out
 
     def _params(self) -> dict[str, Any]:
-        return {"dtype": str(self.dtype), "scale": self.scale}
+        p = {"dtype": str(self.dtype), "scale": self.scale}
+        return {**p, "reciprocal": True} if getattr(self, "reciprocal", False) else p
 
 
 class Normalize(Transform):
@@ -608,9 +629,9 @@ _LUTS: dict = {}
 def _lut_key(t: Any) -> tuple | None:
     tt = type(t)
     if tt is ToTensor:
-        return ("ToTensor",)
+        return ("ToTensor", getattr(t, "reciprocal", False))
     if tt is ToDtype:
-        return ("ToDtype", t.dtype, t.scale)
+        return ("ToDtype", t.dtype, t.scale, getattr(t, "reciprocal", False))
     if tt is Normalize:
         return ("Normalize", t.mean, t.std)
     return None
@@ -632,8 +653,7 @@ def _float_lut(steps: list, channels: int) -> torch.Tensor | None:
         return lut
     lut = None
     if type(steps[0]) is ToTensor:
-        x = torch.arange(256, dtype=torch.uint8).expand(channels, 1, 256).contiguous()
-        x = x.to(torch.get_default_dtype()).div_(255)
+        x = steps[0].scaled(torch.arange(256, dtype=torch.uint8).expand(channels, 1, 256).contiguous())
         for t in steps[1:]:
             x = t(x)
         if x.dtype == torch.float32 and x.shape == (channels, 1, 256):
@@ -661,7 +681,7 @@ def _convert(x: torch.Tensor, steps: list, flip: bool, ext: Any) -> torch.Tensor
     if type(steps[0]) is PILToTensor:
         x = x.contiguous()
     else:
-        x = x.to(torch.get_default_dtype()).div_(255).contiguous()
+        x = steps[0].scaled(x).contiguous()
     for t in steps[1:]:
         x = t(x)
     return x

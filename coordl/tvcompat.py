@@ -925,11 +925,13 @@ def _step(t: Any, st: _State) -> bool:
                 return True
             if not dtype.is_floating_point:
                 return False
+            # v2's ToDtype (and its ConvertImageDtype) multiply by 1/255 where ToTensor and v1's divide
+            recip = kind[0] == "v2"
             if (st.stage == "u8" and scale and not st.post and type(st.to_tensor) is T.PILToTensor
                     and dtype == torch.get_default_dtype()):
-                st.to_tensor = T.ToTensor()  # the same division by 255 (and what the device split knows)
+                st.to_tensor = T.ToTensor(reciprocal=recip)  # the same arithmetic (and what the device split knows)
             else:
-                st.post.append(T.ToDtype(dtype, scale))
+                st.post.append(T.ToDtype(dtype, scale, reciprocal=recip))
             st.stage = "float"
             return True
         if name == "Normalize" and st.stage == "float":

@@ -965,3 +965,61 @@ def test_torchvisions_mixup_cutmix_collate_on_the_gpu_is_the_cpu_paths(mixed_jpe
         d = _levels(a, b.cpu())
         assert float(d.mean()) <= DECODE_MEAN and float(d.max()) <= DECODE_MAX
     assert L.stats().device_decode_images + L.stats().device_decode_cpu_images == len(ds)
+
+
+@needs_cuda
+def test_a_v2_conversion_tail_on_cuda_is_torchvisions_bit_for_bit():
+    """v2's ToDtype(scale=True) multiplies by 1/255: the tail's multiply by
+    a float32 tensor on the GPU gives torchvision's CPU values."""
+    import sys
+
+    sys.path.insert(0, HERE)
+    from _torchvision import import_torchvision
+
+    if import_torchvision() is None:
+        pytest.skip("torchvision is not installed")
+    from torchvision.transforms import v2
+
+    from coordl.device.split import DeviceTail
+
+    x = torch.arange(256, dtype=torch.uint8).view(1, 16, 16).expand(3, 16, 16).contiguous()
+    want = v2.Normalize(NORM.mean, NORM.std)(v2.ToDtype(torch.float32, scale=True)(v2.ToImage()(x)))
+    got = DeviceTail([NORM], reciprocal=True)(x.cuda()).cpu()
+    assert torch.equal(got, want.as_subclass(torch.Tensor))
+
+
+@needs_cuda
+@pytest.mark.parametrize("which", ["v2-random", "timm-pixel"])
+def test_noise_erasing_on_the_gpu_is_the_cpu_paths(mixed_jpegs, which):
+    """Erasing with noise on the GPU: the erased pixels are the CPU path's
+    values bit for bit (the workers' noise), the rest within the decode's
+    bound."""
+    import sys
+
+    sys.path.insert(0, HERE)
+    from _torchvision import import_torchvision
+
+    if import_torchvision() is None:
+        pytest.skip("torchvision is not installed")
+    from torchvision import datasets
+    from torchvision.transforms import v2
+
+    if which == "timm-pixel":
+        timm_re = pytest.importorskip("timm.data.random_erasing")
+        erase = timm_re.RandomErasing(0.8, mode="pixel", max_count=3, device="cpu")
+    else:
+        erase = v2.RandomErasing(0.7, value="random")
+    base = [v2.RandomResizedCrop(64), v2.RandomHorizontalFlip(), v2.ToImage(), v2.ToDtype(torch.float32, scale=True),
+            v2.Normalize(NORM.mean, NORM.std)]
+    kw = dict(batch_size=6, seed=4, shuffle=False, num_workers=2)
+    cpu = list(coordl.DataLoader(datasets.ImageFolder(mixed_jpegs, transform=v2.Compose(base + [erase])), **kw))
+    without = list(coordl.DataLoader(datasets.ImageFolder(mixed_jpegs, transform=v2.Compose(base)), **kw))
+    L = coordl.DataLoader(datasets.ImageFolder(mixed_jpegs, transform=v2.Compose(base + [erase])), device="cuda",
+                          decode="device", **kw)
+    gpu = [(x.cpu(), y.cpu()) for x, y in L]
+    erased = 0
+    for (a, _), (a0, _), (b, _) in zip(cpu, without, gpu):
+        m = a != a0
+        erased += int(m.sum())
+        assert torch.equal(a[m], b[m])
+    assert erased > 0 and "noise" in L.stats().device_decode

@@ -108,7 +108,7 @@ def _noise_erasings():
             "timm-rand": lambda: _timm()(0.8, mode="rand", max_count=2, device="cpu")}
 
 
-@pytest.mark.parametrize("which", ["v1", "timm-pixel", "timm-rand"])
+@pytest.mark.parametrize("which", ["v1", "v2", "timm-pixel", "timm-rand"])
 def test_noise_erasing_kept_apart_gives_the_as_written_batches(photos, monkeypatch, which):
     """An erasing of noise (torchvision's value="random", timm's "pixel" and
     "rand") is kept apart too: the batches are those of the whole pipeline

@@ -443,3 +443,45 @@ def test_jpeg_draft_on_another_dataset_warns(folder):
     with pytest.warns(UserWarning, match="jpeg_draft=True applies to torchvision's"):
         L = coordl.DataLoader(ds, batch_size=1, jpeg_draft=True)
     assert "reduced-scale" not in L.stats().path_reason
+
+
+V2_CONVERSIONS = {
+    "ToImage+ToDtype": [V2.ToImage(), V2.ToDtype(torch.float32, scale=True)],
+    "ToImage+ToDtype+Normalize": [V2.ToImage(), V2.ToDtype(torch.float32, scale=True), V2.Normalize(MEAN, STD)],
+    "PILToTensor+ToDtype+Normalize": [V2.PILToTensor(), V2.ToDtype(torch.float32, scale=True),
+                                      V2.Normalize(MEAN, STD)],
+    "ToImage+ConvertImageDtype": [V2.ToImage(), V2.ConvertImageDtype(torch.float32)],
+    "v1 PILToTensor+ConvertImageDtype+Normalize": [V1.PILToTensor(), V1.ConvertImageDtype(torch.float32),
+                                                   V1.Normalize(MEAN, STD)],
+}
+
+
+@pytest.mark.parametrize("name", list(V2_CONVERSIONS))
+def test_conversions_to_float_are_torchvisions_bit_for_bit(folder, name):
+    """v2's ToDtype(scale=True) multiplies by 1/255 where ToTensor and v1's
+    ConvertImageDtype divide by 255 (126 of the 256 values differ in
+    float32): each conversion is torchvision's own arithmetic, bit for bit,
+    after a PIL-exact crop."""
+    M = V1 if name.startswith("v1") else V2
+    ds = D.ImageFolder(folder, transform=M.Compose([M.CenterCrop(48)] + V2_CONVERSIONS[name]))
+    L = coordl.DataLoader(ds, batch_size=1, shuffle=False)
+    assert L.stats().path == "coordl"
+    for i, (x, _) in enumerate(L):
+        ref, _ = ds[i]
+        assert x[0].dtype == ref.dtype and torch.equal(x[0], ref.as_subclass(torch.Tensor)), (name, i)
+
+
+def test_the_device_tail_of_a_v2_conversion_is_torchvisions_bit_for_bit():
+    """The device split's and decode="device"'s tail for v2's ToImage +
+    ToDtype(scale=True) + Normalize (a multiply by 1/255 with a float32
+    tensor) against torchvision's own, for every uint8 value; ToTensor's
+    tail divides, as v1 does.  tests/test_cuda.py runs it on a GPU."""
+    from coordl.device.split import DeviceTail
+
+    x = torch.arange(256, dtype=torch.uint8).view(1, 16, 16).expand(3, 16, 16).contiguous()
+    v2 = V2.Normalize(MEAN, STD)(V2.ToDtype(torch.float32, scale=True)(V2.ToImage()(x)))
+    v1 = V1.Normalize(MEAN, STD)(V1.ConvertImageDtype(torch.float32)(x))
+    norm = [T.Normalize(MEAN, STD)]
+    assert torch.equal(DeviceTail(norm, reciprocal=True)(x), v2.as_subclass(torch.Tensor))
+    assert torch.equal(DeviceTail(norm)(x), v1)
+    assert not torch.equal(v1, v2.as_subclass(torch.Tensor))      # the two arithmetics do differ

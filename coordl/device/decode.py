@@ -82,7 +82,7 @@ class DecodeStage:
         self.describe = describe
         # ToTensor and Normalize, then a RandomErasing's rectangles (a plan with one converts to float)
         erase_value = plan.erasing.value if plan.erasing is not None else None
-        self.tail = DeviceTail(plan.normalizes, erase_value) if plan.to_float else None
+        self.tail = DeviceTail(plan.normalizes, erase_value, reciprocal=plan.reciprocal) if plan.to_float else None
         # ColorJitter between the geometry and the tail (coordl.device.jitter)
         self.jitter = DeviceJitter(device) if plan.jitters else None
         self._retired: collections.deque = collections.deque()   # (event, what the decoder's images hold)

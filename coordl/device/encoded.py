@@ -73,7 +73,7 @@ class DecodePlan:
     (:meth:`draw_after`), erased on the device after the conversion."""
 
     def __init__(self, steps: list, resize, size: tuple, to_float: bool, normalizes: list, spec,
-                 jitters: list = (), erasing=None) -> None:
+                 jitters: list = (), erasing=None, reciprocal: bool = False) -> None:
         from .. import transforms as T
 
         self.steps = list(steps)
@@ -82,6 +82,8 @@ class DecodePlan:
         self.mode = resize.interpolation if resize is not None else T.InterpolationMode.BILINEAR
         self.antialias = bool(resize.antialias) if resize is not None else True
         self.to_float = to_float
+        # ToTensor's scaling by a multiply with 1/255 (torchvision v2's ToDtype), else a division
+        self.reciprocal = reciprocal
         self.normalizes = list(normalizes)
         self.jitters = list(jitters)
         self.erasing = erasing
@@ -344,7 +346,8 @@ def plan_for(transform) -> DecodePlan:
         if erasing.most > MAX_RECTS:
             raise _refuse(f"{erasing.user!r} erases up to {erasing.most} rectangles, and the device stage at most "
                           f"{MAX_RECTS}", f"give it max_count={MAX_RECTS} or fewer")
-    return DecodePlan(steps, resize, size, to_float, normalizes, transform.spec(), jitters, erasing)
+    return DecodePlan(steps, resize, size, to_float, normalizes, transform.spec(), jitters, erasing,
+                      bool(getattr(ts[i], "reciprocal", False)))
 
 
 def _as_written(pipeline) -> tuple[list, list, object]:

@@ -216,10 +216,11 @@ def _groups(size: np.ndarray, budget: int) -> list:
 
 def tail_fits(tail) -> bool:
     """The kernel can run ``tail`` (a :class:`~.split.DeviceTail`) itself:
-    ``ToTensor``'s scaling and at most one ``Normalize`` of 1 or 3 values
-    (for 3 channels)."""
+    ``ToTensor``'s scaling (its division: not v2's multiply by 1/255, which
+    the tail then runs after the kernel) and at most one ``Normalize`` of 1
+    or 3 values (for 3 channels)."""
     pairs = getattr(tail, "_pairs", None)
-    return pairs is not None and len(pairs) <= 1 and all(m.numel() in (1, 3) and s.numel() in (1, 3)
+    return pairs is not None and not getattr(tail, "reciprocal", False) and len(pairs) <= 1 and all(m.numel() in (1, 3) and s.numel() in (1, 3)
                                                           for m, s in pairs)
 
 

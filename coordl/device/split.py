@@ -34,8 +34,12 @@ class DeviceTail:
     Constants are built once per device (no per-batch list -> tensor copies,
     and ``std == 0`` is checked once, on the host, when the tail is made)."""
 
-    def __init__(self, normalizes: list, erase_value: tuple | None = None, jitter: bool = False) -> None:
+    def __init__(self, normalizes: list, erase_value: tuple | None = None, jitter: bool = False,
+                 reciprocal: bool = False) -> None:
         self.normalizes = list(normalizes)
+        # the conversion's arithmetic: a multiply by 1/255 (torchvision v2's ToDtype(scale=True)), else a
+        # division by 255 (ToTensor's), each a float32 operation with a tensor on the device, as on the CPU
+        self.reciprocal = reciprocal
         # a RandomErasing after the conversion: its value (one per channel, or one), set at the rectangles
         # apply() is given (coordl.device.erase)
         self.erase_value = erase_value
@@ -59,7 +63,7 @@ class DeviceTail:
     def constants(self, device: torch.device):
         c = self._consts.get(device)
         if c is None:
-            c = self._consts[device] = (torch.tensor(255.0, dtype=_F32).to(device),
+            c = self._consts[device] = (torch.tensor(1.0 / 255 if self.reciprocal else 255.0, dtype=_F32).to(device),
                                         [(m.to(device), s.to(device)) for m, s in self._pairs])
         return c
 
@@ -67,7 +71,7 @@ class DeviceTail:
         if images.dtype != torch.uint8:
             raise TypeError(f"the device tail converts the uint8 images the split sent, but got {images.dtype}")
         div, pairs = self.constants(images.device)
-        x = images.to(_F32).div_(div)
+        x = images.to(_F32).mul_(div) if self.reciprocal else images.to(_F32).div_(div)
         for mean, std in pairs:
             x.sub_(mean).div_(std)
         return x
@@ -114,7 +118,7 @@ class DeviceTail:
         return erase_rows(y, rows, v)
 
     def __repr__(self) -> str:
-        return f"DeviceTail(float, {self.normalizes!r})"
+        return f"DeviceTail(float{', by 1/255' if self.reciprocal else ''}, {self.normalizes!r})"
 
 
 def _replace_at(obj, path: tuple, fn: Callable):
@@ -399,7 +403,7 @@ def _split_pipeline(dataset, tf, device, no) -> Split:
         return no("torch's default dtype is not float32")
     normalizes = list(tf.post_fused.transforms[1:])
     try:
-        tail = DeviceTail(normalizes)
+        tail = DeviceTail(normalizes, reciprocal=bool(getattr(tf.post_fused.transforms[0], "reciprocal", False)))
     except ValueError as e:
         return no(str(e))
     mine = copy.copy(dataset)
@@ -412,7 +416,8 @@ def _split_pipeline(dataset, tf, device, no) -> Split:
     mine.transform = _SplitPipeline(tf, tail.jitter)
     what = (["ColorJitter"] if tail.jitter else []) + ["ToTensor's scaling", f"{len(normalizes)} Normalize"] + (
         [type(erase.user).__name__] if erase is not None else [])
-    return Split(SplitPrep(dataset, mine, DeviceTail(tail.normalizes, tail.erase_value, tail.jitter), erase), tail,
+    return Split(SplitPrep(dataset, mine, DeviceTail(tail.normalizes, tail.erase_value, tail.jitter, tail.reciprocal),
+                           erase), tail,
                  "split: uint8 images travel" + ("" if tail.jitter else " after the steps run as written")
                  + f"; {', '.join(what[:-1])} and {what[-1]} run on {where}")
 
@@ -501,7 +506,7 @@ def split_for_device(dataset, device=None) -> Split:
     if torch.get_default_dtype() != torch.float32:
         return no("torch's default dtype is not float32")
     try:
-        tail = DeviceTail(ts[k:])
+        tail = DeviceTail(ts[k:], reciprocal=bool(getattr(ts[k - 1], "reciprocal", False)))
     except ValueError as e:
         return no(str(e))
     mine = copy.copy(dataset)
@@ -510,5 +515,5 @@ def split_for_device(dataset, device=None) -> Split:
     # The prep side (shipped to worker processes) gets a tail of its own: the
     # delivery's tail holds constants on the device once a batch went through
     # it, and nothing a worker receives may reach device state.
-    return Split(SplitPrep(dataset, mine, DeviceTail(tail.normalizes)), tail,
+    return Split(SplitPrep(dataset, mine, DeviceTail(tail.normalizes, reciprocal=tail.reciprocal)), tail,
                  f"split: uint8 images travel; ToTensor's scaling and {len(ts) - k} Normalize run on {where}")
