@@ -36,7 +36,11 @@ the figures are the workers' own path, per image, in these settings:
   after the jitter, against ``ColorJitter on the CPU path`` (float32 made
   in the worker); ``RandomErasing to the device``: the same with the
   ``RandomErasing`` recipe (the rectangles drawn in the worker, erased on
-  the device), against ``RandomErasing on the CPU path``.
+  the device), against ``RandomErasing on the CPU path``;
+* ``RandomErasing noise``: the ``RandomErasing`` recipe erasing with noise
+  (``value="random"``): the worker draws the noise too and packs it after
+  the bytes (the per-sample path), against ``RandomErasing noise on the
+  CPU path``.
 
 ``files`` and ``node cache`` run twice: with the batch path (a plain
 folder's batch read and recorded at once, ``coordl.pipeline.device_batches``,
@@ -64,8 +68,10 @@ import tempfile
 HERE = os.path.dirname(os.path.abspath(__file__))
 SETTINGS = ("files", "files, per sample", "node cache", "node cache, per sample", "in memory", "workers' share",
             "the CPU path", "data checked", "ColorJitter", "ColorJitter on the CPU path", "RandomErasing",
-            "RandomErasing on the CPU path", "ColorJitter to the device", "RandomErasing to the device")
-CPU_PATH = ("the CPU path", "ColorJitter on the CPU path", "RandomErasing on the CPU path")
+            "RandomErasing on the CPU path", "ColorJitter to the device", "RandomErasing to the device",
+            "RandomErasing noise", "RandomErasing noise on the CPU path")
+CPU_PATH = ("the CPU path", "ColorJitter on the CPU path", "RandomErasing on the CPU path",
+            "RandomErasing noise on the CPU path")
 
 _CHILD = r"""
 import json, sys, time
@@ -126,7 +132,8 @@ if setting.startswith(("ColorJitter", "RandomErasing")):  # timm's default train
     ds = datasets.ImageFolder({root!r}, transform=V.Compose([
         V.RandomResizedCrop(224), V.RandomHorizontalFlip(), V.ColorJitter(0.4, 0.4, 0.4), V.ToTensor(),
         V.Normalize([0.485, 0.456, 0.406], [0.229, 0.224, 0.225])]
-        + ([V.RandomErasing(0.25)] if setting.startswith("RandomErasing") else [])))
+        + ([V.RandomErasing(0.25, value="random" if "noise" in setting else 0)]
+           if setting.startswith("RandomErasing") else [])))
 on_device = dict(device="cpu", decode="device") if setting not in {cpu_path!r} else {{}}
 if setting.endswith("to the device"):     # decode="cpu", the device split (the CPU standing in)
     on_device = dict(device="cpu")
