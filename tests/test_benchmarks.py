@@ -167,8 +167,9 @@ def test_device_workers_quick(tmp_path):
     rows = json.loads((tmp_path / "w.json").read_text())["rows"]
     assert list(rows) == ["files", "files, per sample", "node cache", "node cache, per sample", "in memory",
                           "workers' share", "the CPU path", "data checked", "ColorJitter",
-                          "ColorJitter on the CPU path", "RandomErasing", "RandomErasing on the CPU path", "ColorJitter to the device",
-                          "RandomErasing to the device"], out
+                          "ColorJitter on the CPU path", "RandomErasing", "RandomErasing on the CPU path",
+                          "ColorJitter to the device", "RandomErasing to the device", "RandomErasing noise",
+                          "RandomErasing noise on the CPU path"], out
     for name, r in rows.items():
         [run] = r["runs"]
         assert run["images"] >= 288 and run["us_per_image"] > 0, (name, run)
