@@ -402,7 +402,6 @@ class DataLoader(_TorchDataLoader[_T_co]):
         from .device.decode import decoder_for
         from .device.decoders import check_data, cpu_share, decoder_threads
         from .device.encoded import plan_for
-        from .pipeline.collate import is_default_collate
 
         if self._share:
             how = "share=True" if share else "COORDL_SHARE=1 in the environment"

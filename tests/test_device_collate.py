@@ -7,19 +7,20 @@ are the CPU path's up to the decode's tolerance.  The CPU stands in for the
 device (see tests/test_device_decode.py); tests/test_cuda.py runs it on a
 GPU."""
 import collections
-import io
 import os
-import pickle
 import random
+import sys
 
 import numpy as np
 import pytest
 import torch
-from PIL import Image
 from torch.utils.data import default_collate
 
 import coordl
 from coordl import transforms as T
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _resume_check import whole_and_resumed  # noqa: E402
 
 NORM = T.Normalize([0.485, 0.456, 0.406], [0.229, 0.224, 0.225])
 STD255 = torch.tensor(NORM.std).view(1, 3, 1, 1) * 255
@@ -147,18 +148,8 @@ def test_the_collate_gets_the_samples_the_dataset_returned(photos, cpu_device, e
 @pytest.mark.parametrize("workers", [0, 2])
 def test_exact_mid_epoch_resume_with_a_mixing_collate(photos, cpu_device, workers):
     ds = coordl.ImageFolder(photos, _rrc())
-    kw = dict(batch_size=3, seed=11, shuffle=True, num_workers=workers, device="cpu", decode="device",
-              collate_fn=mix)
-    whole = coordl.DataLoader(ds, **kw)
-    want = list(whole)
-    L = coordl.DataLoader(ds, **kw)
-    it = iter(L)
-    got = [next(it) for _ in range(3)]
-    state = pickle.loads(pickle.dumps(L.state_dict()))
-    del it
-    R = coordl.DataLoader(ds, **{**kw, "seed": 99})
-    R.load_state_dict(state)
-    got += list(R)
+    kw = dict(batch_size=3, shuffle=True, num_workers=workers, device="cpu", decode="device", collate_fn=mix)
+    want, got = whole_and_resumed(lambda seed=11: coordl.DataLoader(ds, seed=seed, **kw), 3)
     assert len(got) == len(want) == 7
     for (a, y), (b, y2) in zip(got, want):
         assert torch.equal(a, b) and torch.equal(y, y2)

@@ -16,6 +16,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import _erase_cases as erase_cases  # noqa: E402
 from _batch_reads import check_batch_reads_and_resume  # noqa: E402
+from _resume_check import whole_and_resumed  # noqa: E402
 from _torchvision import import_torchvision  # noqa: E402
 
 if import_torchvision() is None:
@@ -232,16 +233,8 @@ def test_noise_of_the_workers_share_and_after_a_jitter(photos, cpu_device, exact
 def test_noise_erasing_resumes_exactly_and_is_not_split(photos, cpu_device):
     tf = _recipe("v1", V.RandomErasing(0.7, value="random"), jitter=True, size=16)
     ds = datasets.ImageFolder(photos, transform=tf)
-    kw = dict(batch_size=3, seed=11, shuffle=True, num_workers=2, device="cpu", decode="device")
-    want = list(coordl.DataLoader(ds, **kw))
-    L = coordl.DataLoader(ds, **kw)
-    it = iter(L)
-    got = [next(it) for _ in range(3)]
-    state = L.state_dict()
-    del it
-    R = coordl.DataLoader(ds, **kw)
-    R.load_state_dict(state)
-    got += list(R)
+    kw = dict(batch_size=3, shuffle=True, num_workers=2, device="cpu", decode="device")
+    want, got = whole_and_resumed(lambda seed=11: coordl.DataLoader(ds, seed=seed, **kw), 3)
     assert len(got) == len(want) == 7
     assert all(torch.equal(a, b) and torch.equal(y, z) for (a, y), (b, z) in zip(got, want))
     # the device split (decode="cpu") does not carry noise: the samples are prepared whole in the workers

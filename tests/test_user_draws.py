@@ -6,9 +6,9 @@ coordl's (a torchvision transform, a callable of the user's) from torch's
 and Python's seeded from (seed, epoch, index).  The same batches with any
 number of workers, exactly the same after a resume mid-epoch, and the
 caller's generators left as they were."""
-import gc
-import pickle
+import os
 import random
+import sys
 
 import numpy as np
 import pytest
@@ -18,6 +18,9 @@ from torch.utils.data import default_collate
 import coordl
 from coordl import DataLoader
 from toydata import TwoStageToy
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _resume_check import whole_and_resumed  # noqa: E402
 
 N, BS = 24, 4
 
@@ -43,17 +46,8 @@ def _draws(batches):
 
 @pytest.mark.parametrize("num_workers", [0, 2])
 def test_collate_draws_same_after_resume_mid_epoch(num_workers):
-    full = _draws(_make(num_workers))
-    a = _make(num_workers)
-    it = iter(a)
-    got = [next(it) for _ in range(2)]
-    state = pickle.loads(pickle.dumps(a.state_dict()))
-    del it, a
-    gc.collect()
-    b = _make(num_workers, seed=99)
-    b.load_state_dict(state)
-    got += list(b)
-    assert _draws(got) == full
+    full, got = whole_and_resumed(lambda seed=5: _make(num_workers, seed=seed), 2)
+    assert _draws(got) == _draws(full)
 
 
 def test_collate_draws_do_not_depend_on_the_workers():
@@ -111,17 +105,8 @@ def test_a_compose_steps_of_the_users_draw_the_same_after_resume(photos, num_wor
     def make(seed=5):
         return coordl.DataLoader(ds, batch_size=4, shuffle=True, seed=seed, num_workers=num_workers)
 
-    full = [x for x, _ in make()]
-    a = make()
-    it = iter(a)
-    got = [next(it)[0] for _ in range(2)]
-    state = pickle.loads(pickle.dumps(a.state_dict()))
-    del it, a
-    gc.collect()
-    b = make(99)
-    b.load_state_dict(state)
-    got += [x for x, _ in b]
-    assert len(got) == len(full) and all(torch.equal(x, y) for x, y in zip(got, full))
+    full, got = whole_and_resumed(make, 2)
+    assert len(got) == len(full) and all(torch.equal(x, y) for (x, _), (y, _) in zip(got, full))
 
 
 def test_a_compose_steps_of_the_users_do_not_depend_on_the_workers_and_vary(photos):
