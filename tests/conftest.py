@@ -194,6 +194,21 @@ def _no_leaked_processes_or_shm(request):
     pytest.fail("\n".join(report), pytrace=False)
 
 
+@pytest.fixture(scope="session")
+def tv():
+    """torchvision, loaded as tests/_torchvision.py does; the test is
+    skipped where it is not installed."""
+    import sys
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from _torchvision import import_torchvision
+
+    tv = import_torchvision()
+    if tv is None:
+        pytest.skip("torchvision is not installed (pip install coordl[test])")
+    return tv
+
+
 @pytest.fixture
 def cpu_device(monkeypatch):
     """The CPU stands in for the device (``coordl.device.delivery.CPU_TEST_DEVICE``):

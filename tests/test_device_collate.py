@@ -219,19 +219,6 @@ def test_batch_size_none_is_refused_with_the_remedy(photos, cpu_device):
 
 
 # ---------------------------------------------------------------- torchvision's reference recipe
-@pytest.fixture(scope="module")
-def tv():
-    import sys
-
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from _torchvision import import_torchvision
-
-    tv = import_torchvision()
-    if tv is None:
-        pytest.skip("torchvision is not installed")
-    return tv
-
-
 def test_torchvisions_reference_mixup_cutmix_collate(photos, cpu_device, exact, tv):
     """references/classification/train.py's collate: RandomChoice of MixUp
     and CutMix over default_collate's batch, with its ImageFolder."""

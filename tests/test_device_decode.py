@@ -712,16 +712,6 @@ def test_the_stage_with_nvimgcodec_gives_the_cpu_paths_images(photos, cpu_device
 
 
 # ---------------------------------------------------------------- torchvision
-@pytest.fixture(scope="module")
-def tv():
-    import sys
-
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from _torchvision import import_torchvision
-
-    return import_torchvision()
-
-
 @pytest.mark.parametrize("version", ["v1", "v2"])
 def test_torchvision_users_change_only_the_import_and_the_option(photos, cpu_device, exact, tv, version):
     from torchvision import datasets
