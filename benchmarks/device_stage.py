@@ -191,7 +191,7 @@ def measure(stage, captured: list, device: torch.device, repeats: int) -> dict:
             stage.batch_geometry = kept
 
     kernel = stage.batch_geometry
-    if stage.plan.resize is None or (stage.plan.mode.value == "bilinear" and stage.plan.antialias):
+    if stage.plan.resize is None or (stage.plan.modes == (T.InterpolationMode.BILINEAR,) and stage.plan.antialias):
         # the batch-geometry kernel's path with its launch a no-op: the host's own work per image
         # (gathering the images, the parameters, their upload; the rounding and mirror where the kernel
         # does not do them; the tail)

@@ -16,6 +16,9 @@ Recipes (``--recipes``, comma-separated; default all):
 ``timm_train``, ``timm_eval``
     ``timm.data.create_transform(224, is_training=...)`` (timm's defaults)
     on ``ImageFolder``, ``shuffle=True`` / ``False``.
+``timm_train_script``
+    the same training transform with ``interpolation="random"``, the
+    default of timm's ``train.py`` (``--train-interpolation``).
 
 The preset classes come from ``--presets PATH``, a copy of torchvision's
 ``references/classification/presets.py`` (not shipped with coordl: fetch
@@ -63,7 +66,7 @@ import common  # noqa: E402
 MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 POLICIES = {"": None, "_ra": "ra", "_ta": "ta_wide", "_augmix": "augmix"}
 RECIPES = ([f"train_{v}{p}" for p in POLICIES for v in ("v1", "v2")] + ["eval_v1", "eval_v2"]
-           + ["timm_train", "timm_eval"])
+           + ["timm_train", "timm_train_script", "timm_eval"])
 
 
 def _cpu() -> float:
@@ -140,8 +143,11 @@ def build(recipe: str, root: str, size: int, presets, cls, batch_size: int, work
     if recipe.startswith("timm"):
         from timm.data import create_transform
 
-        ds = tv.datasets.ImageFolder(root, transform=create_transform(size, is_training=recipe == "timm_train"))
-        return ds, cls(ds, batch_size=batch_size, shuffle=recipe == "timm_train", num_workers=workers)
+        training = recipe.startswith("timm_train")
+        # timm's train.py passes interpolation="random" by default (--train-interpolation)
+        kw = {"interpolation": "random"} if recipe == "timm_train_script" else {}
+        ds = tv.datasets.ImageFolder(root, transform=create_transform(size, is_training=training, **kw))
+        return ds, cls(ds, batch_size=batch_size, shuffle=training, num_workers=workers)
     use_v2 = "_v2" in recipe
     kw = {"use_v2": True} if use_v2 else {}
     if recipe.startswith("train"):

@@ -195,9 +195,9 @@ class _Resampling(Transform):
     def _set_draft(self, draft: Any) -> None:
         if not isinstance(draft, bool):
             raise _bad("draft", "a bool", draft, TypeError)
-        if draft and not _filtered(self.interpolation, self.antialias):
+        if draft and not all(_filtered(m, self.antialias) for m in modes_of(self)):
             raise ValueError(
-                "draft should be False with interpolation=" + repr(self.interpolation.value) +
+                "draft should be False with interpolation=" + _fmt(self.interpolation) +
                 f" and antialias={self.antialias!r}: the reduced-scale JPEG decode filters the image, "
                 "and this resize asks for no filtering (draft needs bilinear or bicubic with "
                 f"antialias=True), but got draft={draft!r}")
@@ -206,6 +206,23 @@ class _Resampling(Transform):
     def spec(self) -> tuple:
         base = super().spec()
         return base + (("on_tensor", True),) if self._on_tensor else base
+
+
+def modes_of(t: Any) -> tuple:
+    """The interpolation modes of a ``Resize`` or ``RandomResizedCrop``:
+    its one mode, or the modes a ``RandomResizedCrop`` draws from."""
+    m = t.interpolation
+    return m if isinstance(m, tuple) else (m,)
+
+
+def _check_interps(value: Any) -> Any:
+    """One InterpolationMode, or a tuple of two or more to draw from."""
+    if isinstance(value, (tuple, list)):
+        if not value:
+            raise _bad("interpolation", "a mode or a non-empty sequence of modes", value)
+        modes = tuple(_check_interp(v) for v in value)
+        return modes[0] if len(set(modes)) == 1 else modes
+    return _check_interp(value)
 
 
 def _filtered(mode: InterpolationMode, antialias: bool | None) -> bool:
@@ -223,7 +240,11 @@ class RandomResizedCrop(_Resampling):
     images, but not torchvision's pixels (blurrier; :doc:`/guide/torchvision`
     gives the measured difference).  Bilinear or bicubic
     with ``antialias=True`` only.  It changes nothing else: an image already
-    decoded is cropped and resized as with ``draft=False``."""
+    decoded is cropped and resized as with ``draft=False``.
+
+    ``interpolation`` may be a sequence of modes (timm's
+    ``interpolation="random"``: bilinear and bicubic): each call draws one,
+    uniformly, after the box (:meth:`draw_mode`)."""
 
     def __init__(self, size: Any, scale: Sequence[float] = (0.08, 1.0),
                  ratio: Sequence[float] = (3.0 / 4.0, 4.0 / 3.0),
@@ -234,7 +255,7 @@ class RandomResizedCrop(_Resampling):
         self.ratio = _check_range(ratio, "ratio", positive=True)
         if self.scale[0] > self.scale[1] or self.ratio[0] > self.ratio[1]:
             warnings.warn("Scale and ratio should be of kind (min, max)", stacklevel=2)
-        self.interpolation = _check_interp(interpolation)
+        self.interpolation = _check_interps(interpolation)
         self.antialias = _check_antialias(antialias)
         self._set_draft(draft)
 
@@ -250,9 +271,19 @@ class RandomResizedCrop(_Resampling):
             height, width = _hw(img)
         return _draw_box(height, width, scale, ratio, _rng.current() if rng is None else rng)
 
+    def draw_mode(self, rng: Any = None) -> int:
+        """The index in ``modes_of(self)`` of the mode one call resamples
+        with: 0 without drawing for one mode, else drawn uniformly from
+        ``rng`` (or ``coordl._rng.current()``), right after the box."""
+        m = self.interpolation
+        if not isinstance(m, tuple):
+            return 0
+        return int((_rng.current() if rng is None else rng).random() * len(m))
+
     def __call__(self, img: Any) -> Any:
         top, left, h, w = self.get_params(img, self.scale, self.ratio)
-        return resized_crop(img, top, left, h, w, self.size, self.interpolation, self.antialias)
+        mode = modes_of(self)[self.draw_mode()]
+        return resized_crop(img, top, left, h, w, self.size, mode, self.antialias)
 
     def _params(self) -> dict[str, Any]:
         p = {"size": self.size, "scale": self.scale, "ratio": self.ratio,
@@ -489,7 +520,7 @@ def _fusable(ts: list) -> bool:
     """[geometric ops]* + PILToTensor|ToTensor + [ToDtype|Normalize]*, coordl's own classes only."""
     i = 0
     while i < len(ts) and type(ts[i]) in _GEOMETRIC:
-        if hasattr(ts[i], "interpolation") and ts[i].interpolation.value not in _TENSOR_MODES:
+        if hasattr(ts[i], "interpolation") and any(m.value not in _TENSOR_MODES for m in modes_of(ts[i])):
             return False
         i += 1
     if i == len(ts) or type(ts[i]) not in (PILToTensor, ToTensor):
@@ -523,10 +554,11 @@ def decode_and_apply(transforms: list, raw) -> Any:
     if type(first) is RandomResizedCrop and hw is not None:
         H, W = hw
         box = _draw_box(H, W, first.scale, first.ratio, _rng.current())
+        mode = modes_of(first)[first.draw_mode()]
         d = _decode.draft_scale(box[2:], first.size) if _drafts(first) else 1
         # only the rows and columns near the crop are decoded, where coordl.decode._jpegcrop is built
         arr, abox = _decode.decode_rgb_crop(raw, box, scale=d, size=hw)
-        x = _resample(arr, abox, first.size, first)
+        x = _resample(arr, abox, first.size, first, mode)
     elif type(first) is Resize and hw is not None and rest and type(rest[0]) is CenterCrop and (
             x := _resize_center(first, rest[0], hw, raw)) is not None:
         rest = rest[1:]
@@ -552,7 +584,7 @@ def decode_and_apply(transforms: list, raw) -> Any:
             x, flip = x.flip(-1), False
         if tt is RandomResizedCrop:
             box = t.get_params(x, t.scale, t.ratio)
-            x = _resample(x.permute(1, 2, 0).numpy(), box, t.size, t)
+            x = _resample(x.permute(1, 2, 0).numpy(), box, t.size, t, modes_of(t)[t.draw_mode()])
         elif tt is Resize:
             out = t.output_size(*x.shape[-2:])
             x = _resample(x.permute(1, 2, 0).numpy(), (0, 0, *x.shape[-2:]), out, t)
@@ -592,33 +624,34 @@ def _resize_center(resize: Resize, crop: "CenterCrop", hw: tuple[int, int], raw)
 
 def _drafts(t: Any) -> bool:
     """The step asks for the reduced-scale decode and is a filtered resize."""
-    return bool(getattr(t, "draft", False)) and _filtered(t.interpolation, t.antialias)
+    return bool(getattr(t, "draft", False)) and all(_filtered(m, t.antialias) for m in modes_of(t))
 
 
-def _resample(arr: np.ndarray, box: tuple, out: tuple[int, int], t: Any) -> torch.Tensor:
+def _resample(arr: np.ndarray, box: tuple, out: tuple[int, int], t: Any, mode: Any = None) -> torch.Tensor:
     """The CHW uint8 image ``t`` (a Resize or RandomResizedCrop) makes of the
     ``box`` = (top, left, h, w) of ``arr`` (HWC uint8): cropped, then resized
-    to ``out`` (h, w).  A box in fractions of a pixel (a reduced-scale decode)
-    is resampled from the pixels it touches, as PIL's ``resize(box=...)``
-    maps it."""
+    to ``out`` (h, w) with ``mode`` (``t``'s one mode when None).  A box in
+    fractions of a pixel (a reduced-scale decode) is resampled from the
+    pixels it touches, as PIL's ``resize(box=...)`` maps it."""
     from .decode import resample as _rs
 
+    mode = t.interpolation if mode is None else mode
     top, left, h, w = box
     oh, ow = out
     if all(isinstance(v, int) for v in box):
         crop = arr[top:top + h, left:left + w]
         if (h, w) == (oh, ow):
             return torch.from_numpy(crop).permute(2, 0, 1)
-        if t._on_tensor or not _filtered(t.interpolation, t.antialias):
-            return _resize_tensor(torch.from_numpy(crop).permute(2, 0, 1), oh, ow, t.interpolation, t.antialias)
-        y = _rs.pil_resize(crop, out, t.interpolation.value)
+        if t._on_tensor or not _filtered(mode, t.antialias):
+            return _resize_tensor(torch.from_numpy(crop).permute(2, 0, 1), oh, ow, mode, t.antialias)
+        y = _rs.pil_resize(crop, out, mode.value)
         return torch.from_numpy(y).permute(2, 0, 1)
     # a reduced-scale decode (only for filtered resizes): the decoded pixels the box touches
     r0, c0 = int(top), int(left)
     r1, c1 = min(arr.shape[0], -int(-(top + h) // 1)), min(arr.shape[1], -int(-(left + w) // 1))
     crop = arr[r0:r1, c0:c1]
     pbox = (left - c0, top - r0, min(left + w - c0, c1 - c0), min(top + h - r0, r1 - r0))
-    y = _rs.pil_resize(crop, out, t.interpolation.value, box=pbox)
+    y = _rs.pil_resize(crop, out, mode.value, box=pbox)
     return torch.from_numpy(y).permute(2, 0, 1)
 
 

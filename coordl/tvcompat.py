@@ -947,7 +947,8 @@ def _timm_step(t: Any, name: str, st: _State) -> bool:
     the same thing: ``RandomResizedCropAndInterpolation`` (torchvision's
     draw distributions, written with Python's ``random``: uniform area
     fraction, log-uniform aspect ratio, 10 tries, uniform offsets, the same
-    central fallback) with one interpolation, ``CenterCropOrPad`` with zero
+    central fallback; with ``interpolation="random"`` one of its modes drawn
+    uniformly after the box, as timm draws it), ``CenterCropOrPad`` with zero
     constant padding (torchvision's ``CenterCrop``), and the conversions
     ``MaybeToTensor``, ``MaybePILToTensor`` and ``ToTensor``.  The others
     (``ResizeKeepRatio``, whose output size rounds where ``Resize``
@@ -957,8 +958,12 @@ def _timm_step(t: Any, name: str, st: _State) -> bool:
     try:
         if name == "RandomResizedCropAndInterpolation" and geometric_ok:
             if isinstance(t.interpolation, (tuple, list)):   # interpolation="random": drawn per call
-                return False
-            mode = _interp(t.interpolation, on_pil, True, False)
+                if not t.interpolation:
+                    return False
+                modes = [_interp(m, on_pil, True, False) for m in t.interpolation]
+                mode = None if None in modes else tuple(modes)
+            else:
+                mode = _interp(t.interpolation, on_pil, True, False)
             if mode is None or not (_ordered(t.scale) and _ordered(t.ratio)):
                 return False
             st.geo.append(T.RandomResizedCrop(_size(t.size), tuple(t.scale), tuple(t.ratio), mode, True))
@@ -1131,8 +1136,8 @@ def translate_steps(steps: list, draft: bool = False) -> tuple[Any, tuple[str, .
     if not st.geo and st.to_tensor is None:
         # nothing to fuse before the first step coordl cannot express: the user's pipeline as it is
         return TorchvisionPipeline(None, False, None, *_split_post(steps)), (), tuple(_name(t) for t in steps)
-    if draft and st.geo and isinstance(st.geo[0], (T.RandomResizedCrop, T.Resize)) and T._filtered(
-            st.geo[0].interpolation, st.geo[0].antialias):
+    if draft and st.geo and isinstance(st.geo[0], (T.RandomResizedCrop, T.Resize)) and all(
+            T._filtered(m, st.geo[0].antialias) for m in T.modes_of(st.geo[0])):
         st.geo[0].draft = True
     if st.to_tensor is None:
         fused = T.Compose(st.geo + [T.PILToTensor()])

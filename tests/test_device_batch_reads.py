@@ -15,6 +15,7 @@ from PIL import Image
 import coordl
 from coordl import transforms as T
 from coordl.pipeline import device_batches as BR
+from coordl.device import encoded as E
 from coordl.device import delivery as D
 
 NORM = T.Normalize([0.485, 0.456, 0.406], [0.229, 0.224, 0.225])
@@ -269,7 +270,8 @@ def test_native_draws_are_the_plans_draws(tf):
         for i, h, w, row in zip(idx, hs, ws, got):
             g = _rng.derive(seed, epoch, i)
             want = plan.draw(h, w, g)
-            assert row == [*want[:4], want[-1], *_rng.global_seeds(g)], (seed, epoch, i, h, w)
+            assert want[-1] == 0       # the one mode's index (E.MODE)
+            assert row == [*want[:4], want[E.FLIP - E.T1], *_rng.global_seeds(g)], (seed, epoch, i, h, w)
 
 
 def test_other_plans_and_an_extension_that_disagrees_draw_in_python(photos, monkeypatch):
@@ -294,6 +296,21 @@ def test_other_plans_and_an_extension_that_disagrees_draw_in_python(photos, monk
     assert BR.native_draws(plan_for(_rrc())) is None
     ds = coordl.ImageFolder(photos, _rrc())
     _same(_run(ds, True)[0], _run(ds, False)[0])
+
+
+def test_a_drawn_interpolation_draws_in_python_and_gives_the_per_sample_paths_batches(photos, cpu_device):
+    """timm's random interpolation (a mode drawn after the box): the
+    extension does not draw it, so the batch reads draw in Python; their
+    batches, and a resumed pass, are the per-sample path's."""
+    from _batch_reads import check_batch_reads_and_resume
+    from coordl.device.encoded import plan_for
+
+    both = (T.InterpolationMode.BILINEAR, T.InterpolationMode.BICUBIC)
+    tf = T.Compose([T.RandomResizedCrop(16, interpolation=both), T.RandomHorizontalFlip(), T.ToTensor()])
+    assert BR.native_draws(plan_for(tf)) is None
+    runs = check_batch_reads_and_resume(coordl.ImageFolder(photos, tf), batch_size=3, seed=11, shuffle=True,
+                                        device="cpu", decode="device")
+    assert len(runs) > 2
 
 
 # ---------------------------------------------------------------- slow storage

@@ -100,6 +100,9 @@ def test_records_carry_the_cpu_paths_crop_and_flip_for_seed_epoch_index(photos, 
     ("resize+randomcrop", T.Compose([T.Resize(45), T.RandomHorizontalFlip(), T.RandomCrop(31), T.ToTensor(), NORM])),
     ("centercrop only, uint8", T.Compose([T.CenterCrop(50), T.RandomHorizontalFlip(), T.PILToTensor()])),
     ("rrc nearest", T.Compose([T.RandomResizedCrop(28, interpolation=T.InterpolationMode.NEAREST), T.ToTensor()])),
+    ("rrc drawing bilinear or bicubic (timm's random)", T.Compose([
+        T.RandomResizedCrop(26, interpolation=(T.InterpolationMode.BILINEAR, T.InterpolationMode.BICUBIC)),
+        T.RandomHorizontalFlip(), T.ToTensor(), NORM])),
 ])
 @pytest.mark.parametrize("workers", [0, 2])
 def test_the_stage_gives_the_cpu_paths_images_up_to_resize_rounding(photos, cpu_device, exact, name, tf, workers):
@@ -116,7 +119,7 @@ def test_the_stage_gives_the_cpu_paths_images_up_to_resize_rounding(photos, cpu_
         d = (a.float() - b.float()).abs() if a.dtype == torch.uint8 else _levels(a, b)
         if name == "rrc nearest":
             assert float(d.max()) == 0, name       # nearest picks the same pixels: nothing to round
-        assert float(d.max()) <= (3 if "(h, w)" in name else 1) + 1e-3, (name, float(d.max()))
+        assert float(d.max()) <= (3 if "(h, w)" in name or "bicubic" in name else 1) + 1e-3, (name, float(d.max()))
     st = L.stats()
     assert st.device_decode_images == len(ds) and st.device_decode_cpu_images == 0
     assert st.device_decode.startswith("CPU stand-in") and st.device_split.startswith("not split (decode='device'")
@@ -766,12 +769,50 @@ def test_chunks_bound_the_decoded_bytes_of_one_call(photos, cpu_device, monkeypa
         assert torch.equal(a, b) and torch.equal(a, c) and torch.equal(y, y2) and torch.equal(y, y3)
 
 
+def test_a_drawn_interpolation_is_the_cpu_paths_per_sample(photos, cpu_device, exact):
+    """A RandomResizedCrop that draws its mode (timm's "random"): each
+    record's MODE is the CPU path's draw (the box, then the mode), both modes
+    occur, and each image is the CPU path's to the resize's rounding, where
+    the other mode would be far from it."""
+    M = T.InterpolationMode
+    tf = T.Compose([T.RandomResizedCrop(20, scale=(0.3, 1.0), interpolation=(M.BILINEAR, M.BICUBIC)), T.ToTensor(),
+                    NORM])
+    ds = coordl.ImageFolder(photos, tf)
+    prep = E.DecodePrep(ds, E.plan_for(tf))
+    modes = []
+    for i in range(len(ds)):
+        with _rng.sample_rng(3, 1, i):
+            rec, _ = prep.prep(ds.raw(i), i)
+        prep.take_device_marks(), prep.take_device_payloads()
+        g = _rng.derive(3, 1, i)
+        with Image.open(ds.samples[i][0]) as im:
+            T.RandomResizedCrop.get_params(im, (0.3, 1.0), (3 / 4, 4 / 3), rng=g)
+        assert rec.tolist()[E.MODE] == int(g.random() * 2), i
+        modes.append(rec.tolist()[E.MODE])
+    assert set(modes) == {0, 1}
+    kw = dict(batch_size=5, seed=3, num_workers=0)
+    L = coordl.DataLoader(ds, **kw)
+    L.set_epoch(1)
+    D_ = coordl.DataLoader(ds, device="cpu", decode="device", **kw)
+    D_.set_epoch(1)
+    single = coordl.DataLoader(coordl.ImageFolder(photos, T.Compose([T.RandomResizedCrop(
+        20, scale=(0.3, 1.0)), T.ToTensor(), NORM])), **kw)
+    single.set_epoch(1)
+    far = 0.0
+    for (a, _), (b, _), (c, _) in zip(L, D_, single):
+        assert float(_levels(a, b).max()) <= 3 + 1e-3
+        far = max(far, float(_levels(a, c).max()))
+    assert far > 3        # the mode drawn matters: bilinear throughout would not pass above
+
+
 def test_the_plan_draws_exactly_what_decode_and_apply_draws():
     """Random pipelines, random sizes: after the plan's draws, the sample's
     generator is where the CPU path leaves it (what target_transform or a
     later sample of the same prep would draw next is the same)."""
     r = random.Random(5)
-    steps = [lambda: T.RandomResizedCrop(r.randint(4, 40)), lambda: T.RandomHorizontalFlip(r.random())]
+    both = (T.InterpolationMode.BILINEAR, T.InterpolationMode.BICUBIC)
+    steps = [lambda: T.RandomResizedCrop(r.randint(4, 40), interpolation=both if r.random() < 0.5 else "bilinear"),
+             lambda: T.RandomHorizontalFlip(r.random())]
     for trial in range(200):
         head = [steps[0]()] if r.random() < 0.7 else [T.Resize(r.randint(5, 50))]
         tf = T.Compose([T.RandomHorizontalFlip(r.random()), *head, T.RandomHorizontalFlip(r.random()),

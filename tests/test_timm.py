@@ -63,8 +63,37 @@ def test_timm_eval_fuses_whole(kw):
     assert [type(t) for t in out.transforms] == [T.Resize, T.CenterCrop, T.ToTensor, T.Normalize]
 
 
+def test_timm_random_interpolation_fuses_drawing_a_mode_per_sample():
+    """timm's ``interpolation="random"`` (its train.py's default): coordl's
+    RandomResizedCrop draws bilinear or bicubic per sample, uniformly."""
+    out, fused, rest = translate(create_transform(32, is_training=True, interpolation="random"))
+    assert fused == ("RandomResizedCropAndInterpolation", "RandomHorizontalFlip")
+    rrc = out.fused.transforms[0]
+    assert rrc.interpolation == (T.InterpolationMode.BILINEAR, T.InterpolationMode.BICUBIC)
+    assert rrc.spec() != T.RandomResizedCrop(32, interpolation="bilinear").spec()
+    picked = []
+    for i in range(2000):
+        with _rng.sample_rng(3, 0, i) as g:
+            picked.append(rrc.draw_mode(g))
+    assert set(picked) == {0, 1} and abs(sum(picked) - 1000) < 4 * math.sqrt(500)
+
+
+def test_jpeg_draft_takes_timms_random_interpolation(photos):
+    """``jpeg_draft=True`` with a mode drawn per sample (both filtered):
+    the reduced-scale decode applies, and the loader runs."""
+    ds = D.ImageFolder(photos, transform=create_transform(32, is_training=True, interpolation="random"))
+    L = coordl.DataLoader(ds, batch_size=8, seed=1, jpeg_draft=True)
+    assert "reduced-scale JPEG decode before RandomResizedCrop" in L.stats().path_reason, L.stats().path_reason
+    x, _ = next(iter(L))
+    assert x.shape == (8, 3, 32, 32)
+
+
 def test_what_timm_draws_or_computes_differently_runs_as_written():
-    out, fused, rest = translate(TT.RandomResizedCropAndInterpolation(32, interpolation="random"))
+    from torchvision.transforms import InterpolationMode as M
+
+    odd = TT.RandomResizedCropAndInterpolation(32, interpolation="random")
+    odd.interpolation = (M.NEAREST, M.BILINEAR)    # PIL's nearest is not torch's
+    out, fused, rest = translate(odd)
     assert fused == () and rest == ("RandomResizedCropAndInterpolation",)
     assert translate(TT.CenterCropOrPad(32, fill=(1, 2, 3)))[1] == ()
     assert translate(TT.ResizeKeepRatio(32))[1] == ()
@@ -211,6 +240,42 @@ def test_timm_train_through_the_loader_is_timms_own_result_for_the_same_draws(od
             want = norm(to_tensor(cj(img)))
             assert torch.equal(x[i], want), (epoch, path, float((x[i] - want).abs().max()))
             assert y[i] == target
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_timm_train_scripts_random_interpolation_is_timms_own_result_for_the_same_draws(odd_photos, num_workers):
+    """timm's train.py default (``--train-interpolation random``): each
+    sample is what timm's and torchvision's own transforms give on PIL's
+    decode for coordl's draws (the box, then the mode, then the flip, then
+    torch's seed for ColorJitter); both modes occur."""
+    from torchvision.datasets.folder import pil_loader
+    from torchvision.transforms import functional as F
+
+    from coordl.decode.ops import _draw_box
+
+    tf = create_transform(40, is_training=True, interpolation="random")
+    rrc, flip, cj, to_tensor, norm = tf.transforms
+    assert isinstance(rrc.interpolation, (tuple, list)) and len(rrc.interpolation) == 2
+    ds = D.ImageFolder(odd_photos, transform=tf)
+    L = coordl.DataLoader(ds, batch_size=len(ds), shuffle=False, seed=5, num_workers=num_workers)
+    assert "fused RandomResizedCropAndInterpolation" in L.stats().path_reason, L.stats().path_reason
+    ours = translate(tf)[0].fused.transforms[0]
+    (x, y), = list(L)
+    modes = set()
+    for i, (path, target) in enumerate(ds.samples):
+        g = _rng.derive(5, 0, i)
+        pil = pil_loader(path)
+        box = _draw_box(pil.height, pil.width, ours.scale, ours.ratio, g)
+        mode = rrc.interpolation[int(g.random() * 2)]
+        modes.add(mode)
+        img = F.resized_crop(pil, *box, list(rrc.size), mode)
+        if g.random() < flip.p:
+            img = F.hflip(img)
+        torch.manual_seed(g.getrandbits(63))
+        want = norm(to_tensor(cj(img)))
+        assert torch.equal(x[i], want), (path, mode, float((x[i] - want).abs().max()))
+        assert y[i] == target
+    assert len(modes) == 2
 
 
 @pytest.mark.parametrize("num_workers", [0, 2])

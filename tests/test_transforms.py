@@ -122,6 +122,40 @@ def test_rrc_is_single_crop_resize_of_get_params():
     assert np.array_equal(np.asarray(full), np.asarray(img.resize((80, 60), Image.BILINEAR)))
 
 
+def test_rrc_drawing_its_mode_per_call():
+    """``interpolation`` as a sequence (timm's "random"): one mode drawn
+    per call after the box, ``rng.random()`` scaled to the modes; the fused
+    decode (``from_bytes``) gives the call's pixels, bit for bit, with the
+    same draws; one distinct mode is that mode; an empty sequence is refused."""
+    import io
+
+    M = T.InterpolationMode
+    t = T.RandomResizedCrop(40, interpolation=[M.BILINEAR, "bicubic"])
+    assert t.interpolation == (M.BILINEAR, M.BICUBIC) and "interpolation=(bilinear, bicubic)" in repr(t)
+    assert T.RandomResizedCrop(40, interpolation=("bicubic", M.BICUBIC)).interpolation is M.BICUBIC
+    assert t.spec() != T.RandomResizedCrop(40).spec() and t == pickle.loads(pickle.dumps(t))
+    rng = Scripted(uniforms=[0.5, 0.0], randoms=[0.99])
+    assert T.RandomResizedCrop.get_params((100, 80), t.scale, t.ratio, rng) and t.draw_mode(rng) == 1
+    assert T.RandomResizedCrop(40).draw_mode(Scripted()) == 0      # one mode: no draw
+    buf = io.BytesIO()
+    rgb(173, 131, seed=2).save(buf, "JPEG", quality=90)
+    raw = buf.getvalue()
+    pipe = T.Compose([t, T.RandomHorizontalFlip(), T.PILToTensor()])
+    seen = set()
+    for i in range(24):
+        with sample_rng(1, 0, i):
+            fused = pipe.from_bytes(raw)
+        with sample_rng(1, 0, i):
+            called = pipe(Image.open(io.BytesIO(raw)).convert("RGB"))
+        with sample_rng(1, 0, i) as g:
+            T.RandomResizedCrop.get_params((173, 131), t.scale, t.ratio, g)
+            seen.add(t.draw_mode(g))
+        assert torch.equal(fused, called), i
+    assert seen == {0, 1}
+    with pytest.raises(ValueError, match="non-empty sequence of modes"):
+        T.RandomResizedCrop(8, interpolation=())
+
+
 def test_rrc_tensor_input():
     x = torch.randint(0, 256, (3, 120, 90), dtype=torch.uint8)
     out = T.RandomResizedCrop((32, 48))(x)

@@ -52,7 +52,7 @@ import torch.nn.functional as F
 from .decoders import (  # noqa: F401  (the decoders' names, as this module had them)
     DECODERS, DecoderSplit, HostDecoder, NvImageCodecDecoder, TorchvisionDecoder, _rgb_params, decoder_for, decoder_spec,
 )
-from .encoded import (CHANNELS, FLIP, INDEX, KIND, ON_CPU, ON_DEVICE, RH, RW, SRC_H, SRC_W, T1, T2, W1, W2,
+from .encoded import (CHANNELS, FLIP, INDEX, KIND, MODE, ON_CPU, ON_DEVICE, RH, RW, SRC_H, SRC_W, T1, T2, W1, W2,
                       DecodePlan, noise_sizes, ops_of, rects_of)
 from .geometry_kernel import finished
 from .launch import upload
@@ -86,7 +86,8 @@ class DecodeStage:
         # ColorJitter between the geometry and the tail (coordl.device.jitter)
         self.jitter = DeviceJitter(device) if plan.jitters else None
         self._retired: collections.deque = collections.deque()   # (event, what the decoder's images hold)
-        self._resize = _resizer(plan.mode.value, plan.antialias, device)
+        # the resize for each of the plan's modes (the record's MODE picks one)
+        self._resizes = [_resizer(m.value, plan.antialias, device) for m in plan.modes]
         # the geometry of a batch in a batch kernel (coordl.device.geometry_kernel): None until the
         # first batch decides (then the kernel, or False: one launch per image)
         self._kinds = _geometry_kinds()     # read once, as the decoder is: the batch kernels to try
@@ -429,10 +430,11 @@ class DecodeStage:
         rh, rw = rec[RH], rec[RW]
         t2, l2, h2, w2 = rec[T2:W2 + 1]
         if rh and (rh, rw) != (h, w):
+            resize = self._resizes[rec[MODE]]
             if into is not None and t2 == 0 and l2 == 0 and (h2, w2) == (rh, rw):
-                self._resize(x, (rh, rw), into)
+                resize(x, (rh, rw), into)
                 return into[0]
-            x = self._resize(x, (rh, rw))
+            x = resize(x, (rh, rw))
         x = _padded_crop(x[0], t2, l2, h2, w2)
         if into is not None:
             into[0].copy_(x)
@@ -484,7 +486,7 @@ def _batch_geometry_wanted(device: torch.device, plan) -> bool:
     the tests) and Triton importable."""
     if device.type != "cuda" and not BATCH_GEOMETRY_ON_CPU:
         return False
-    if plan.resize is not None and (plan.mode.value != "bilinear" or not plan.antialias):
+    if plan.resize is not None and (any(m.value != "bilinear" for m in plan.modes) or not plan.antialias):
         return False
     from . import geometry_kernel as GK
 

@@ -39,12 +39,13 @@ from .split import _Marked, _unmark
 __all__ = ["RECORD", "ON_DEVICE", "ON_CPU", "DecodePlan", "plan_for", "DecodePrep", "EncodedCompose", "ops_of",
            "rects_of", "tail_fields", "noise_sizes"]
 
-# the record: one int64 row per image; after CHANNELS, the colour operations the device applies to
+# the record: one int64 row per image; MODE: the index of the resize's interpolation among the plan's
+# modes (DecodePlan.modes: a RandomResizedCrop that draws one); after CHANNELS, the colour operations the device applies to
 # the image after its geometry (a plan with ColorJitter): their number, then (code, value) pairs
 # (coordl.decode.color's codes; the value a float64's bits); then the rectangles it erases after the
 # conversion (a plan with RandomErasing): their number, then (top, left, height, width) each
 MAX_OPS, MAX_RECTS = 8, 4
-(KIND, SRC_H, SRC_W, T1, L1, H1, W1, RH, RW, T2, L2, H2, W2, FLIP, INDEX, CHANNELS, N_OPS) = range(17)
+(KIND, SRC_H, SRC_W, T1, L1, H1, W1, RH, RW, T2, L2, H2, W2, FLIP, MODE, INDEX, CHANNELS, N_OPS) = range(18)
 OPS = N_OPS + 1
 N_RECTS = OPS + 2 * MAX_OPS
 RECTS = N_RECTS + 1
@@ -61,7 +62,10 @@ class DecodePlan:
 
     ``steps``: coordl's geometric transforms in order; ``resize``: the
     ``RandomResizedCrop`` or ``Resize`` among them (None: no resize);
-    ``size``: the output (h, w); ``mode``/``antialias``: the resize's;
+    ``size``: the output (h, w); ``modes``: the resize's interpolation, or
+    the modes its ``RandomResizedCrop`` draws from (timm's
+    ``interpolation="random"``; the record's ``MODE`` says which);
+    ``mode``: the one mode (None where it draws); ``antialias``: the resize's;
     ``to_float``: ``ToTensor`` (else ``PILToTensor``: uint8 out);
     ``normalizes``: the ``Normalize`` steps after ``ToTensor``; ``jitters``:
     torchvision ``ColorJitter`` steps between the geometry and the
@@ -79,7 +83,8 @@ class DecodePlan:
         self.steps = list(steps)
         self.resize = resize
         self.size = tuple(size)
-        self.mode = resize.interpolation if resize is not None else T.InterpolationMode.BILINEAR
+        self.modes = T.modes_of(resize) if resize is not None else (T.InterpolationMode.BILINEAR,)
+        self.mode = self.modes[0] if len(self.modes) == 1 else None
         self.antialias = bool(resize.antialias) if resize is not None else True
         self.to_float = to_float
         # ToTensor's scaling by a multiply with 1/255 (torchvision v2's ToDtype), else a division
@@ -126,7 +131,7 @@ class DecodePlan:
         return height, width
 
     def draw(self, height: int, width: int, rng) -> list:
-        """The record fields T1..FLIP for a ``height`` x ``width`` image:
+        """The record fields T1..MODE for a ``height`` x ``width`` image:
         the draws of ``coordl.transforms.decode_and_apply`` (and of the
         transforms called one by one), in its order, from ``rng``.
 
@@ -143,6 +148,7 @@ class DecodePlan:
         box2 = None                           # then crop (zero outside) of the resized image
         mirrored = False                      # the CPU path's image is the mirror of ours
         flip = False                          # a drawn flip not yet applied (decode_and_apply's)
+        mode = 0                              # the resize's mode among self.modes
         for t in self.steps:
             tt = type(t)
             if tt is T.RandomHorizontalFlip:
@@ -153,6 +159,7 @@ class DecodePlan:
                 mirrored, flip = not mirrored, False
             if tt is T.RandomResizedCrop:
                 top, left, bh, bw = _draw_box(h, w, t.scale, t.ratio, rng)
+                mode = t.draw_mode(rng)
                 box1 = (top, w - left - bw if mirrored else left, bh, bw)
                 h, w = rh, rw = t.size
             elif tt is T.Resize:
@@ -169,7 +176,7 @@ class DecodePlan:
                 h, w = ch, cw
         if box2 is None:
             box2 = (0, 0, h, w)
-        return [*box1, rh, rw, *box2, int(mirrored != flip)]
+        return [*box1, rh, rw, *box2, int(mirrored != flip), mode]
 
     @property
     def draws_after(self) -> bool:
@@ -259,7 +266,7 @@ class DecodePlan:
         conv = "ToTensor" + "".join(" + Normalize" for _ in self.normalizes) if self.to_float else "PILToTensor"
         if self.erasing is not None:
             conv += " + RandomErasing" + (f" ({self.erasing.noise} noise)" if self.erasing.noise else "")
-        return f"{names} -> {self.size[0]}x{self.size[1]} ({self.mode.value}), {conv}"
+        return f"{names} -> {self.size[0]}x{self.size[1]} ({' or '.join(m.value for m in self.modes)}), {conv}"
 
     def __repr__(self) -> str:
         return f"DecodePlan({self.describe()})"
@@ -302,8 +309,9 @@ def plan_for(transform) -> DecodePlan:
             if resize is not None or crop is not None:
                 raise _refuse(f"step {i} ({t!r}) comes after {(resize or crop)!r}: the device stage crops, resizes "
                               "once, then crops")
-            if t.interpolation.value not in _TENSOR_MODES:
-                raise _refuse(f"step {i} ({t!r}) resamples with {t.interpolation.value!r}, which torch's tensor "
+            bad = [m.value for m in T.modes_of(t) if m.value not in _TENSOR_MODES]
+            if bad:
+                raise _refuse(f"step {i} ({t!r}) resamples with {bad[0]!r}, which torch's tensor "
                               f"kernels do not have (they have {', '.join(_TENSOR_MODES)})",
                               "use bilinear or bicubic")
             resize = t
@@ -457,7 +465,7 @@ class EncodedCompose:
                              "convert it to RGB, or use decode='cpu'")
         ops, rects, noise = self.plan.draw_after(_lazy()[0].current())
         x = self.plan.jitter_on_cpu(x.contiguous(), ops).contiguous()
-        return _capture([ON_CPU, oh, ow] + [0] * (FLIP - SRC_W), x if noise is None else (x, noise), cap, (), rects)
+        return _capture([ON_CPU, oh, ow] + [0] * (MODE - SRC_W), x if noise is None else (x, noise), cap, (), rects)
 
     def spec(self):
         return self.full.spec()

@@ -37,7 +37,7 @@ import time
 import numpy as np
 import torch
 
-from ..device.encoded import (FLIP, H2, INDEX, ON_DEVICE, RECORD, RH, SRC_W, T1, W1, DecodePrep, EncodedCompose, _lazy,
+from ..device.encoded import (FLIP, H2, INDEX, MODE, ON_DEVICE, RECORD, RH, SRC_W, T1, W1, DecodePrep, EncodedCompose, _lazy,
                               tail_fields)
 
 __all__ = ["BatchReads", "batch_reads_for", "native_draws"]
@@ -79,6 +79,8 @@ def native_draws(plan):
 
     steps = plan.steps
     kinds = [type(t) for t in steps]
+    if len(plan.modes) > 1:     # a mode drawn after the box: the extension does not draw it
+        return None
     if kinds == [T.RandomResizedCrop]:
         flip_p = -1.0
     elif kinds == [T.RandomResizedCrop, T.RandomHorizontalFlip]:
@@ -135,7 +137,7 @@ def _agrees(plan, draws) -> bool:
         for (h, w), i, row in zip(sizes, idx, got.tolist()):
             g = _rng.derive(seed, epoch, i)
             want = plan.draw(h, w, g)
-            if row != [*want[:4], want[-1], *_rng.global_seeds(g)]:
+            if row != [*want[:4], want[FLIP - T1], *_rng.global_seeds(g)]:
                 return False
     return True
 
@@ -410,6 +412,7 @@ class BatchReads:
             rec[later, RH:H2] = (rh, rw, 0, 0)
             rec[later, H2:FLIP] = (rh, rw)
             rec[later, FLIP] = got[:, 4]
+            rec[later, MODE] = 0
             if self.plan.draws_after:   # ColorJitter's and RandomErasing's draws, from the seeds the extension
                 for j, (ops, rects, _) in zip(later, self.plan.after_for_seeds(got[:, 5:7].tolist())):   # drew
                     rec[j, INDEX:] = tail_fields(int(rec[j, INDEX]), ops, rects)
