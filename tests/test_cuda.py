@@ -430,8 +430,6 @@ def test_decode_on_the_gpu_is_the_cpu_path_within_the_documented_bound(mixed_jpe
     arithmetic of the CPU stand-in CI runs (same geometry, same resize);
     labels equal; CMYK and PNG prepared by the CPU path in the workers (its
     very pixels); counts in stats()."""
-    from coordl.device import decode as DD
-
     if "nvimgcodec" in decoder:
         pytest.importorskip("nvidia.nvimgcodec")
     monkeypatch.setenv("COORDL_DEVICE_DECODER", decoder)
@@ -470,6 +468,32 @@ def test_decode_on_the_gpu_is_the_cpu_path_within_the_documented_bound(mixed_jpe
     most = 3 if decoder in ("torchvision", "nvimgcodec") else 4
     assert 2 <= st.device_decode_cpu_images <= most
     assert st.device_decode_images + st.device_decode_cpu_images == len(ds)
+
+
+@needs_cuda
+def test_a_drawn_interpolation_on_the_gpu_is_the_cpu_path_within_the_documented_bound(mixed_jpegs, monkeypatch):
+    """timm's random interpolation (a mode drawn per sample): each image
+    resized on the GPU with its record's mode, within the bound of the CPU
+    path and of the CPU stand-in's arithmetic, as one mode is."""
+    monkeypatch.setenv("COORDL_DEVICE_DECODER", "torchvision")
+    both = (T.InterpolationMode.BILINEAR, T.InterpolationMode.BICUBIC)
+    ds = coordl.ImageFolder(mixed_jpegs, T.Compose([T.RandomResizedCrop(224, interpolation=both),
+                                                    T.RandomHorizontalFlip(), T.ToTensor(), NORM]))
+    names = [os.path.basename(p) for p, _ in ds.samples]
+    kw = dict(batch_size=6, seed=8, shuffle=False, num_workers=2)
+    cpu = list(coordl.DataLoader(ds, **kw))
+    got = list(coordl.DataLoader(ds, device="cuda", decode="device", **kw))
+    torch.cuda.synchronize()
+    stand_in = list(coordl.DataLoader(ds, device="cpu", decode="device", **kw))
+    row = 0
+    for (a, _), (b, _), (c, _) in zip(cpu, got, stand_in):
+        b = b.cpu()
+        for k in range(len(a)):
+            if names[row + k] not in ("cmyk.jpg", "png.jpg", "corrupt.jpg"):
+                d = _levels(a[k:k + 1], b[k:k + 1])
+                assert float(d.mean()) <= DECODE_MEAN and float(d.max()) <= DECODE_MAX, names[row + k]
+                assert float(_levels(c[k:k + 1], b[k:k + 1]).mean()) <= STAND_IN_MEAN, names[row + k]
+        row += len(a)
 
 
 @needs_cuda
