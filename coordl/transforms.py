@@ -54,7 +54,7 @@ from .decode.ops import (  # noqa: F401 (InterpolationMode and resized_crop are 
 
 __all__ = [
     "InterpolationMode", "Transform", "Compose", "RandomResizedCrop", "RandomHorizontalFlip",
-    "Resize", "CenterCrop", "RandomCrop", "PILToTensor", "ToTensor", "ToDtype", "Normalize",
+    "RandomVerticalFlip", "Resize", "CenterCrop", "RandomCrop", "PILToTensor", "ToTensor", "ToDtype", "Normalize",
     "resized_crop", "spec_of",
 ]
 
@@ -310,6 +310,17 @@ class RandomHorizontalFlip(Transform):
         return {"p": self.p}
 
 
+class RandomVerticalFlip(RandomHorizontalFlip):
+    """Mirror top-bottom with probability ``p`` (PIL images and [..., H, W] tensors)."""
+
+    def __call__(self, img: Any) -> Any:
+        if _rng.current().random() < self.p:
+            if isinstance(img, torch.Tensor):
+                return img.flip(-2)
+            return img.transpose(Image.Transpose.FLIP_TOP_BOTTOM)
+        return img
+
+
 class Resize(_Resampling):
     """Resize to ``size`` (h, w), or match the smaller edge to an int ``size``
     keeping the aspect ratio, with the longer edge capped at ``max_size``.
@@ -513,7 +524,7 @@ class Normalize(Transform):
 # --------------------------------------------------------------------------
 # Fused decode: bytes -> tensor without PIL images in between.
 
-_GEOMETRIC = (RandomResizedCrop, Resize, CenterCrop, RandomCrop, RandomHorizontalFlip)
+_GEOMETRIC = (RandomResizedCrop, Resize, CenterCrop, RandomCrop, RandomHorizontalFlip, RandomVerticalFlip)
 
 
 def _fusable(ts: list) -> bool:
@@ -577,6 +588,10 @@ def decode_and_apply(transforms: list, raw) -> Any:
         if tt is RandomHorizontalFlip:
             if _rng.current().random() < t.p:  # the draw RandomHorizontalFlip makes, in its place
                 flip = not flip
+            continue
+        if tt is RandomVerticalFlip:   # commutes with a pending mirror: applied now
+            if _rng.current().random() < t.p:
+                x = x.flip(-2)
             continue
         if tt is PILToTensor or tt is ToTensor:
             return _convert(x, rest[k:], flip, _decode._ext)

@@ -904,6 +904,9 @@ def _step(t: Any, st: _State) -> bool:
             # a flip commutes with the conversions and Normalize that may precede it
             st.geo.append(T.RandomHorizontalFlip(float(t.p)))
             return True
+        if name == "RandomVerticalFlip":     # as the horizontal one
+            st.geo.append(T.RandomVerticalFlip(float(t.p)))
+            return True
         if name == "ToTensor" and on_pil:
             st.to_tensor, st.stage = T.ToTensor(), "float"
             return True

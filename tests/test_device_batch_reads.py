@@ -270,7 +270,7 @@ def test_native_draws_are_the_plans_draws(tf):
         for i, h, w, row in zip(idx, hs, ws, got):
             g = _rng.derive(seed, epoch, i)
             want = plan.draw(h, w, g)
-            assert want[-1] == 0       # the one mode's index (E.MODE)
+            assert want[E.MODE - E.T1] == 0 and want[E.VFLIP - E.T1] == 0   # one mode; no vertical flip
             assert row == [*want[:4], want[E.FLIP - E.T1], *_rng.global_seeds(g)], (seed, epoch, i, h, w)
 
 

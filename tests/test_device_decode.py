@@ -100,6 +100,10 @@ def test_records_carry_the_cpu_paths_crop_and_flip_for_seed_epoch_index(photos, 
     ("resize+randomcrop", T.Compose([T.Resize(45), T.RandomHorizontalFlip(), T.RandomCrop(31), T.ToTensor(), NORM])),
     ("centercrop only, uint8", T.Compose([T.CenterCrop(50), T.RandomHorizontalFlip(), T.PILToTensor()])),
     ("rrc nearest", T.Compose([T.RandomResizedCrop(28, interpolation=T.InterpolationMode.NEAREST), T.ToTensor()])),
+    ("rrc + flips both ways", T.Compose([T.RandomVerticalFlip(0.6), T.RandomResizedCrop(27, scale=(0.2, 0.7)),
+                                          T.RandomHorizontalFlip(), T.RandomVerticalFlip(0.5), T.ToTensor(), NORM])),
+    ("resize + vertical flip + randomcrop", T.Compose([T.Resize(41), T.RandomVerticalFlip(0.7), T.RandomCrop((29, 33)),
+                                                      T.ToTensor(), NORM])),
     ("rrc drawing bilinear or bicubic (timm's random)", T.Compose([
         T.RandomResizedCrop(26, interpolation=(T.InterpolationMode.BILINEAR, T.InterpolationMode.BICUBIC)),
         T.RandomHorizontalFlip(), T.ToTensor(), NORM])),
@@ -812,10 +816,10 @@ def test_the_plan_draws_exactly_what_decode_and_apply_draws():
     r = random.Random(5)
     both = (T.InterpolationMode.BILINEAR, T.InterpolationMode.BICUBIC)
     steps = [lambda: T.RandomResizedCrop(r.randint(4, 40), interpolation=both if r.random() < 0.5 else "bilinear"),
-             lambda: T.RandomHorizontalFlip(r.random())]
+             lambda: T.RandomHorizontalFlip(r.random()), lambda: T.RandomVerticalFlip(r.random())]
     for trial in range(200):
         head = [steps[0]()] if r.random() < 0.7 else [T.Resize(r.randint(5, 50))]
-        tf = T.Compose([T.RandomHorizontalFlip(r.random()), *head, T.RandomHorizontalFlip(r.random()),
+        tf = T.Compose([steps[r.randint(1, 2)](), *head, steps[r.randint(1, 2)](),
                         T.CenterCrop(r.randint(3, 30)), T.ToTensor()])
         plan = E.plan_for(tf)
         H, W = r.randint(8, 300), r.randint(8, 300)

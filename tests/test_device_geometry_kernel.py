@@ -83,21 +83,21 @@ def test_the_kernels_rows_are_the_per_image_geometrys():
         def rrc(H, W, k):      # down and up
             h, w = int(rng.integers(1, H + 1)), int(rng.integers(1, W + 1))
             t, l = int(rng.integers(0, H - h + 1)), int(rng.integers(0, W - w + 1))
-            return [0, H, W, t, l, h, w, 24, 20, 0, 0, 24, 20, 0, 0, k, 3]
+            return [0, H, W, t, l, h, w, 24, 20, 0, 0, 24, 20, 0, 0, 0, k, 3]
 
         def resize_crop(H, W, k):    # then a second crop, reaching outside where the image is small
             rh, rw = int(rng.integers(8, 50)), int(rng.integers(8, 50))
-            return [0, H, W, 0, 0, H, W, rh, rw, (rh - 16) // 2, (rw - 16) // 2, 16, 16, 0, 0, k, 3]
+            return [0, H, W, 0, 0, H, W, rh, rw, (rh - 16) // 2, (rw - 16) // 2, 16, 16, 0, 0, 0, k, 3]
 
         def crop_only(H, W, k):
-            return [0, H, W, 0, 0, H, W, 0, 0, int(rng.integers(-4, 4)), int(rng.integers(-4, 4)), 16, 16, 0, 0, k, 3]
+            return [0, H, W, 0, 0, H, W, 0, 0, int(rng.integers(-4, 4)), int(rng.integers(-4, 4)), 16, 16, 0, 0, 0, k, 3]
 
         rows(plan_for(T.Compose([T.RandomResizedCrop((24, 20)), T.ToTensor()])), rrc, n=8, hwc=True)
         rows(plan_for(T.Compose([T.Resize((30, 30)), T.CenterCrop(16), T.ToTensor()])), resize_crop, n=6)
         rows(plan_for(T.Compose([T.CenterCrop(16), T.ToTensor()])), crop_only, n=4)
 
         def far_down(H, W, k):     # spans of tens of pixels: the widest tiles' shapes
-            return [0, H, W, 0, 0, H, W, 12, 10, 0, 0, 12, 10, 0, 0, k, 3]
+            return [0, H, W, 0, 0, H, W, 12, 10, 0, 0, 12, 10, 0, 0, 0, k, 3]
 
         big = np.random.default_rng(5)
         imgs = [torch.from_numpy(big.integers(0, 256, (3, 330 - 40 * k, 260 + 30 * k), dtype=np.uint8))
@@ -189,7 +189,7 @@ def test_the_kernels_tail_is_the_device_tails_arithmetic_bit_for_bit(kind):
         for k in range(5):
             H, W = int(rng.integers(20, 90)), int(rng.integers(20, 90))
             imgs.append(torch.from_numpy(rng.integers(0, 256, (3, H, W), dtype=np.uint8)))
-            recs.append([0, H, W, 0, 0, H, W, 17, 19, 0, 0, 17, 19, k % 2, 0, k, 3])
+            recs.append([0, H, W, 0, 0, H, W, 17, 19, 0, 0, 17, 19, k % 2, 0, 0, k, 3])
         items = [(j, a, r) for j, (a, r) in enumerate(zip(imgs, recs))]
         geo = GK.BatchGeometry((17, 19), KIND)
         u8 = torch.zeros((5, 3, 17, 19), dtype=torch.uint8)

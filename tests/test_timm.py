@@ -278,6 +278,39 @@ def test_timm_train_scripts_random_interpolation_is_timms_own_result_for_the_sam
     assert len(modes) == 2
 
 
+def test_timm_vflip_fuses_and_is_timms_own_result_for_the_same_draws(odd_photos):
+    """timm's ``vflip`` (torchvision's RandomVerticalFlip after the
+    horizontal one) fuses; each sample is timm's and torchvision's own
+    result for coordl's draws (box, mode, flip, vertical flip, then torch's
+    seed for ColorJitter)."""
+    from torchvision.datasets.folder import pil_loader
+    from torchvision.transforms import functional as F
+
+    from coordl.decode.ops import _draw_box
+
+    tf = create_transform(40, is_training=True, vflip=0.5, interpolation="random")
+    rrc, flip, vflip, cj, to_tensor, norm = tf.transforms
+    assert type(vflip).__name__ == "RandomVerticalFlip"
+    assert translate(tf)[1] == ("RandomResizedCropAndInterpolation", "RandomHorizontalFlip", "RandomVerticalFlip")
+    ds = D.ImageFolder(odd_photos, transform=tf)
+    (x, _), = list(coordl.DataLoader(ds, batch_size=len(ds), shuffle=False, seed=2))
+    ours = translate(tf)[0].fused.transforms[0]
+    upside = 0
+    for i, (path, _) in enumerate(ds.samples):
+        g = _rng.derive(2, 0, i)
+        pil = pil_loader(path)
+        box = _draw_box(pil.height, pil.width, ours.scale, ours.ratio, g)
+        img = F.resized_crop(pil, *box, list(rrc.size), rrc.interpolation[int(g.random() * 2)])
+        if g.random() < flip.p:
+            img = F.hflip(img)
+        if g.random() < vflip.p:
+            img, upside = F.vflip(img), upside + 1
+        torch.manual_seed(g.getrandbits(63))
+        want = norm(to_tensor(cj(img)))
+        assert torch.equal(x[i], want), (path, float((x[i] - want).abs().max()))
+    assert 0 < upside < len(ds)
+
+
 @pytest.mark.parametrize("num_workers", [0, 2])
 def test_timm_train_with_re_prob_is_timms_own_result_for_the_same_draws(odd_photos, num_workers):
     """timm's train transform with its RandomErasing (``re_prob``, up to two

@@ -216,6 +216,35 @@ def test_flip_p0_p1_pil_and_tensor():
     assert T.RandomHorizontalFlip(p=0)(x) is x
 
 
+def test_vertical_flip_p0_p1_and_the_fused_decode():
+    """RandomVerticalFlip mirrors top-bottom (PIL and tensors); wherever it
+    stands among the fused steps, ``from_bytes`` gives the call's pixels
+    bit for bit with the same draws; its spec is its own."""
+    import io
+
+    img = rgb(17, 9)
+    arr = np.asarray(img)
+    assert np.array_equal(np.asarray(T.RandomVerticalFlip(1.0)(img)), arr[::-1])
+    assert np.array_equal(np.asarray(T.RandomVerticalFlip(0.0)(img)), arr)
+    x = torch.arange(24).reshape(2, 3, 4)
+    assert torch.equal(T.RandomVerticalFlip(p=1)(x), x.flip(-2)) and T.RandomVerticalFlip(p=0)(x) is x
+    assert T.RandomVerticalFlip(0.5).spec() != T.RandomHorizontalFlip(0.5).spec()
+    buf = io.BytesIO()
+    rgb(151, 97, seed=4).save(buf, "JPEG", quality=90)
+    raw = buf.getvalue()
+    for steps in ([T.RandomVerticalFlip(), T.RandomResizedCrop(31), T.RandomVerticalFlip(), T.RandomHorizontalFlip()],
+                  [T.Resize(40), T.RandomVerticalFlip(0.7), T.CenterCrop((30, 25)), T.RandomHorizontalFlip()],
+                  [T.RandomResizedCrop(20), T.RandomHorizontalFlip(), T.RandomVerticalFlip(), T.RandomCrop(15)]):
+        for head in (T.PILToTensor(), T.ToTensor()):
+            pipe = T.Compose(steps + [head])
+            for i in range(12):
+                with sample_rng(2, 0, i):
+                    fused = pipe.from_bytes(raw)
+                with sample_rng(2, 0, i):
+                    called = pipe(Image.open(io.BytesIO(raw)).convert("RGB"))
+                assert torch.equal(fused, called), (steps, i)
+
+
 def test_flip_frequency():
     flip, x = T.RandomHorizontalFlip(0.3), torch.tensor([[[0, 1]]])
     flips = 0

@@ -52,7 +52,7 @@ import torch.nn.functional as F
 from .decoders import (  # noqa: F401  (the decoders' names, as this module had them)
     DECODERS, DecoderSplit, HostDecoder, NvImageCodecDecoder, TorchvisionDecoder, _rgb_params, decoder_for, decoder_spec,
 )
-from .encoded import (CHANNELS, FLIP, INDEX, KIND, MODE, ON_CPU, ON_DEVICE, RH, RW, SRC_H, SRC_W, T1, T2, W1, W2,
+from .encoded import (CHANNELS, FLIP, INDEX, KIND, MODE, VFLIP, ON_CPU, ON_DEVICE, RH, RW, SRC_H, SRC_W, T1, T2, W1, W2,
                       DecodePlan, noise_sizes, ops_of, rects_of)
 from .geometry_kernel import finished
 from .launch import upload
@@ -277,6 +277,7 @@ class DecodeStage:
                 geo.run([(j, img, records[k][r]) for j, (r, img) in enumerate(zip(keep, imgs)) if img is not None],
                         y, final=True, tail=self.tail if whole else None)
                 _place(y, ready, cpu, self.tail if whole else None)
+                y = _upside_down(y, records[k], keep)
                 if ops is not None:
                     y = self.jitter(y, ops)
                 images[path] = self._erased(self.tail(y) if self.tail is not None and not whole else y, records[k],
@@ -295,7 +296,7 @@ class DecodeStage:
             _place(y, ready, cpu)
             if batched:
                 geo.run(batched, y)
-            y = finished(y, [bool(records[k][r][FLIP]) for r in keep])
+            y = _upside_down(finished(y, [bool(records[k][r][FLIP]) for r in keep]), records[k], keep)
             if ops is not None:
                 y = self.jitter(y, ops)
             images[path] = self._erased(self.tail(y) if self.tail is not None else y, records[k], keep, k,
@@ -456,6 +457,18 @@ class DecodeStage:
             stats.skips.append((i, where, f"preparing: {type(err).__name__}: {err}"))
             stats.samples -= 1
         return [r for r in range(n) if r not in errors]
+
+
+def _upside_down(y: torch.Tensor, records: list, keep: list) -> torch.Tensor:
+    """``y`` (a path's batch after its geometry) with the rows whose record
+    says ``VFLIP`` mirrored top-bottom (a ``RandomVerticalFlip``'s; the
+    rows the workers prepared on the CPU path carry none: theirs is
+    applied).  Elementwise steps after it commute with it."""
+    rows = [j for j, r in enumerate(keep) if records[r][VFLIP]]
+    if rows:
+        at = torch.tensor(rows, device=y.device)
+        y[at] = y[at].flip(-2)
+    return y
 
 
 #: the tests run the batch-geometry kernel on the CPU (Triton's interpreter): True

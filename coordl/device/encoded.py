@@ -40,12 +40,13 @@ __all__ = ["RECORD", "ON_DEVICE", "ON_CPU", "DecodePlan", "plan_for", "DecodePre
            "rects_of", "tail_fields", "noise_sizes"]
 
 # the record: one int64 row per image; MODE: the index of the resize's interpolation among the plan's
-# modes (DecodePlan.modes: a RandomResizedCrop that draws one); after CHANNELS, the colour operations the device applies to
+# modes (DecodePlan.modes: a RandomResizedCrop that draws one); VFLIP: mirror top-bottom at the end (FLIP:
+# left-right); after CHANNELS, the colour operations the device applies to
 # the image after its geometry (a plan with ColorJitter): their number, then (code, value) pairs
 # (coordl.decode.color's codes; the value a float64's bits); then the rectangles it erases after the
 # conversion (a plan with RandomErasing): their number, then (top, left, height, width) each
 MAX_OPS, MAX_RECTS = 8, 4
-(KIND, SRC_H, SRC_W, T1, L1, H1, W1, RH, RW, T2, L2, H2, W2, FLIP, MODE, INDEX, CHANNELS, N_OPS) = range(18)
+(KIND, SRC_H, SRC_W, T1, L1, H1, W1, RH, RW, T2, L2, H2, W2, FLIP, MODE, VFLIP, INDEX, CHANNELS, N_OPS) = range(19)
 OPS = N_OPS + 1
 N_RECTS = OPS + 2 * MAX_OPS
 RECTS = N_RECTS + 1
@@ -131,14 +132,16 @@ class DecodePlan:
         return height, width
 
     def draw(self, height: int, width: int, rng) -> list:
-        """The record fields T1..MODE for a ``height`` x ``width`` image:
+        """The record fields T1..VFLIP for a ``height`` x ``width`` image:
         the draws of ``coordl.transforms.decode_and_apply`` (and of the
         transforms called one by one), in its order, from ``rng``.
 
         The CPU path mirrors the image where a flip stands before the next
         crop (a flip does not commute with a crop); here the crops are
         mapped onto the unmirrored image instead and one flip, the parity of
-        both, is applied at the end: the same pixels, one mirror."""
+        both, is applied at the end: the same pixels, one mirror.  A
+        vertical flip alike, on the other axis (the CPU path applies it
+        where it stands)."""
         from ..decode.ops import _draw_box
         from .. import transforms as T
 
@@ -148,6 +151,7 @@ class DecodePlan:
         box2 = None                           # then crop (zero outside) of the resized image
         mirrored = False                      # the CPU path's image is the mirror of ours
         flip = False                          # a drawn flip not yet applied (decode_and_apply's)
+        upside = False                        # the CPU path's image is upside down from ours
         mode = 0                              # the resize's mode among self.modes
         for t in self.steps:
             tt = type(t)
@@ -155,12 +159,16 @@ class DecodePlan:
                 if rng.random() < t.p:
                     flip = not flip
                 continue
+            if tt is T.RandomVerticalFlip:
+                if rng.random() < t.p:
+                    upside = not upside
+                continue
             if flip:
                 mirrored, flip = not mirrored, False
             if tt is T.RandomResizedCrop:
                 top, left, bh, bw = _draw_box(h, w, t.scale, t.ratio, rng)
                 mode = t.draw_mode(rng)
-                box1 = (top, w - left - bw if mirrored else left, bh, bw)
+                box1 = (h - top - bh if upside else top, w - left - bw if mirrored else left, bh, bw)
                 h, w = rh, rw = t.size
             elif tt is T.Resize:
                 h, w = rh, rw = t.output_size(h, w)
@@ -172,11 +180,11 @@ class DecodePlan:
                     if h < ch or w < cw:
                         raise ValueError(f"Required crop size {(ch, cw)} is larger than input image size {(h, w)}")
                     top, left = rng.randint(0, h - ch), rng.randint(0, w - cw)
-                box2 = (top, w - left - cw if mirrored else left, ch, cw)
+                box2 = (h - top - ch if upside else top, w - left - cw if mirrored else left, ch, cw)
                 h, w = ch, cw
         if box2 is None:
             box2 = (0, 0, h, w)
-        return [*box1, rh, rw, *box2, int(mirrored != flip), mode]
+        return [*box1, rh, rw, *box2, int(mirrored != flip), mode, int(upside)]
 
     @property
     def draws_after(self) -> bool:
@@ -273,7 +281,7 @@ class DecodePlan:
 
 
 _HOW = ("decode='device' runs [RandomResizedCrop | Resize] [CenterCrop | RandomCrop], with RandomHorizontalFlip "
-        "anywhere among them, then torchvision's ColorJitter (optional), then ToTensor() [+ Normalize(...)s] "
+        "and RandomVerticalFlip anywhere among them, then torchvision's ColorJitter (optional), then ToTensor() [+ Normalize(...)s] "
         "[+ RandomErasing] or PILToTensor()")
 
 
@@ -300,7 +308,8 @@ def plan_for(transform) -> DecodePlan:
     else:
         raise _refuse(f"it is a {type(transform).__module__}.{type(transform).__qualname__}, not a "
                       "coordl.transforms.Compose (or a torchvision Compose of the supported steps)")
-    geometric = (T.RandomResizedCrop, T.Resize, T.CenterCrop, T.RandomCrop, T.RandomHorizontalFlip)
+    geometric = (T.RandomResizedCrop, T.Resize, T.CenterCrop, T.RandomCrop, T.RandomHorizontalFlip,
+                 T.RandomVerticalFlip)
     steps, resize, crop = [], None, None
     i = 0
     while i < len(ts) and type(ts[i]) in geometric:
@@ -465,7 +474,7 @@ class EncodedCompose:
                              "convert it to RGB, or use decode='cpu'")
         ops, rects, noise = self.plan.draw_after(_lazy()[0].current())
         x = self.plan.jitter_on_cpu(x.contiguous(), ops).contiguous()
-        return _capture([ON_CPU, oh, ow] + [0] * (MODE - SRC_W), x if noise is None else (x, noise), cap, (), rects)
+        return _capture([ON_CPU, oh, ow] + [0] * (VFLIP - SRC_W), x if noise is None else (x, noise), cap, (), rects)
 
     def spec(self):
         return self.full.spec()

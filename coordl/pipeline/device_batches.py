@@ -37,8 +37,8 @@ import time
 import numpy as np
 import torch
 
-from ..device.encoded import (FLIP, H2, INDEX, MODE, ON_DEVICE, RECORD, RH, SRC_W, T1, W1, DecodePrep, EncodedCompose, _lazy,
-                              tail_fields)
+from ..device.encoded import (FLIP, H2, INDEX, MODE, ON_DEVICE, RECORD, RH, SRC_W, T1, VFLIP, W1, DecodePrep,
+                              EncodedCompose, _lazy, tail_fields)
 
 __all__ = ["BatchReads", "batch_reads_for", "native_draws"]
 
@@ -146,7 +146,8 @@ def _draws_anything(plan) -> bool:
     """``plan.draw`` takes something from the generator (a random step)."""
     from .. import transforms as T
 
-    return plan.draws_after or any(type(t) in (T.RandomResizedCrop, T.RandomCrop, T.RandomHorizontalFlip)
+    return plan.draws_after or any(type(t) in (T.RandomResizedCrop, T.RandomCrop, T.RandomHorizontalFlip,
+                                               T.RandomVerticalFlip)
                                      for t in plan.steps)
 
 
@@ -412,7 +413,7 @@ class BatchReads:
             rec[later, RH:H2] = (rh, rw, 0, 0)
             rec[later, H2:FLIP] = (rh, rw)
             rec[later, FLIP] = got[:, 4]
-            rec[later, MODE] = 0
+            rec[later, MODE:VFLIP + 1] = 0     # one mode; no vertical flip (native draws' plans)
             if self.plan.draws_after:   # ColorJitter's and RandomErasing's draws, from the seeds the extension
                 for j, (ops, rects, _) in zip(later, self.plan.after_for_seeds(got[:, 5:7].tolist())):   # drew
                     rec[j, INDEX:] = tail_fields(int(rec[j, INDEX]), ops, rects)
