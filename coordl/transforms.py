@@ -299,11 +299,13 @@ class RandomHorizontalFlip(Transform):
             raise _bad("p", "a probability in [0, 1]", p)
         self.p = float(p)
 
+    _dim, _transpose = -1, Image.Transpose.FLIP_LEFT_RIGHT    # the axis mirrored, on a tensor and by PIL
+
     def __call__(self, img: Any) -> Any:
         if _rng.current().random() < self.p:
             if isinstance(img, torch.Tensor):
-                return img.flip(-1)
-            return img.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
+                return img.flip(self._dim)
+            return img.transpose(self._transpose)
         return img
 
     def _params(self) -> dict[str, Any]:
@@ -313,12 +315,7 @@ class RandomHorizontalFlip(Transform):
 class RandomVerticalFlip(RandomHorizontalFlip):
     """Mirror top-bottom with probability ``p`` (PIL images and [..., H, W] tensors)."""
 
-    def __call__(self, img: Any) -> Any:
-        if _rng.current().random() < self.p:
-            if isinstance(img, torch.Tensor):
-                return img.flip(-2)
-            return img.transpose(Image.Transpose.FLIP_TOP_BOTTOM)
-        return img
+    _dim, _transpose = -2, Image.Transpose.FLIP_TOP_BOTTOM
 
 
 class Resize(_Resampling):
