@@ -19,6 +19,9 @@ Recipes (``--recipes``, comma-separated; default all):
 ``timm_train_script``
     the same training transform with ``interpolation="random"``, the
     default of timm's ``train.py`` (``--train-interpolation``).
+``timm_train_cj_prob``
+    the training transform with ``color_jitter_prob=0.8`` (its
+    ``ColorJitter`` inside a ``RandomApply``).
 
 The preset classes come from ``--presets PATH``, a copy of torchvision's
 ``references/classification/presets.py`` (not shipped with coordl: fetch
@@ -66,7 +69,7 @@ import common  # noqa: E402
 MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 POLICIES = {"": None, "_ra": "ra", "_ta": "ta_wide", "_augmix": "augmix"}
 RECIPES = ([f"train_{v}{p}" for p in POLICIES for v in ("v1", "v2")] + ["eval_v1", "eval_v2"]
-           + ["timm_train", "timm_train_script", "timm_eval"])
+           + ["timm_train", "timm_train_script", "timm_train_cj_prob", "timm_eval"])
 
 
 def _cpu() -> float:
@@ -145,7 +148,8 @@ def build(recipe: str, root: str, size: int, presets, cls, batch_size: int, work
 
         training = recipe.startswith("timm_train")
         # timm's train.py passes interpolation="random" by default (--train-interpolation)
-        kw = {"interpolation": "random"} if recipe == "timm_train_script" else {}
+        kw = {"timm_train_script": {"interpolation": "random"},
+              "timm_train_cj_prob": {"color_jitter_prob": 0.8}}.get(recipe, {})
         ds = tv.datasets.ImageFolder(root, transform=create_transform(size, is_training=training, **kw))
         return ds, cls(ds, batch_size=batch_size, shuffle=training, num_workers=workers)
     use_v2 = "_v2" in recipe

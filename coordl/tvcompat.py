@@ -304,8 +304,10 @@ class TorchvisionPipeline:
     def jitters(self) -> list:
         """For each step of :attr:`tail`, its :class:`ColorJitterOnPlanes`
         where it is torchvision's ``ColorJitter`` (:func:`color_jitter_of`),
-        else None: what ``decode="device"`` runs on the device."""
-        return [color_jitter_of(t) for t in self.tail]
+        its :class:`RandomApplyOnPlanes` where it is a ``RandomApply``
+        around one (:func:`random_apply_of`), else None: what
+        ``decode="device"`` runs on the device."""
+        return [color_jitter_of(t) or random_apply_of(t) for t in self.tail]
 
     def _run_post(self, x: Any) -> Any:
         if self.post_fused is not None and isinstance(x, Image.Image) and x.mode in ("RGB", "L"):
@@ -394,6 +396,13 @@ class OnPlanes:
     def __call__(self, img: Any) -> Any:
         return self.user(img)
 
+    @classmethod
+    def probe(cls, user_cls: type, v2: bool, kw: dict) -> tuple:
+        """``(the user's class made with kw, this class over it)``: what
+        :meth:`exact` checks on probe images."""
+        t = user_cls(**kw)
+        return t, cls(t, v2)
+
     def on_planes(self, x: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
@@ -466,6 +475,47 @@ class ColorJitterOnPlanes(OnPlanes):
         from .decode import color
 
         return torch.from_numpy(color.jitter(x.numpy(), self.draw()))
+
+
+class RandomApplyOnPlanes(OnPlanes):
+    """torchvision's ``RandomApply`` (v1 or v2) around one ``ColorJitter``
+    (timm's ``color_jitter_prob``; the self-supervised recipes'
+    ``RandomApply([ColorJitter(...)], p=0.8)``): its own draw of whether it
+    applies (torch's generator, first, with its version's comparison), then
+    the jitter's (:class:`ColorJitterOnPlanes`), on the planes."""
+
+    def __init__(self, user: Any, v2: bool, inner: "ColorJitterOnPlanes"):
+        super().__init__(user, v2)
+        self.inner = inner
+        self.how = f"applied with probability {user.p}, the ColorJitter {inner.how}"
+
+    def _applies(self) -> bool:
+        r = torch.rand(1)
+        return bool(r < self.user.p) if self.v2 else not bool(self.user.p < r)
+
+    def on_planes(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner.on_planes(x) if self._applies() else x
+
+    def draw(self) -> list[tuple[int, float]]:
+        """The operations of one call: none where it does not apply."""
+        return self.inner.draw() if self._applies() else []
+
+    def exact(self) -> bool:
+        return self.inner.exact() and _agrees(type(self), type(self.user), self.v2)
+
+    def draws_agree(self) -> bool:
+        return self.inner.draws_agree() and _agrees(type(self), type(self.user), self.v2, draws=True)
+
+    @classmethod
+    def probe(cls, user_cls: type, v2: bool, kw: dict) -> tuple:
+        """A ``RandomApply`` of the user's class around its version's
+        ``ColorJitter``, and this class over it."""
+        jitter = sys.modules["torchvision.transforms.v2" if v2 else "torchvision.transforms"].ColorJitter
+        t = user_cls([jitter(**kw["jitter"])], p=kw["p"])
+        return t, cls(t, v2, ColorJitterOnPlanes(t.transforms[0], v2))
+
+    probes = ({"jitter": {"brightness": 0.4, "contrast": 0.4, "saturation": 0.4, "hue": 0.1}, "p": 0.6},)
+    seeds = ((0, 1, 2, 3, 4, 5), (0, 1))
 
 
 class AugMixOnPlanes(OnPlanes):
@@ -700,8 +750,7 @@ def _check_agreement(kind: type, cls: type, v2: bool, draws: bool = False) -> bo
     images = [Image.fromarray(rgb), Image.fromarray(np.ascontiguousarray(rgb[:9, :7, 1]))]
     try:
         for kw in kind.probes:
-            t = cls(**kw)
-            mine = kind(t, v2)
+            t, mine = kind.probe(cls, v2, kw)
             for img, seeds in zip(images, kind.seeds):
                 for seed in seeds:
                     cpu.manual_seed(seed)
@@ -1067,6 +1116,26 @@ def color_jitter_of(t: Any) -> "ColorJitterOnPlanes | None":
     return ColorJitterOnPlanes(t, kind[0] == "v2")
 
 
+def random_apply_of(t: Any) -> "RandomApplyOnPlanes | None":
+    """A :class:`RandomApplyOnPlanes` over ``t`` when it is torchvision's
+    ``RandomApply`` (v1 or v2) around one ``ColorJitter`` that
+    :func:`color_jitter_of` takes, else None."""
+    if isinstance(t, RandomApplyOnPlanes):
+        return t
+    kind = _kind(t)
+    if kind is None or kind[0] not in ("v1", "v2") or kind[1] != "RandomApply":
+        return None
+    try:
+        inner = list(t.transforms)
+        p = float(t.p)
+    except (TypeError, ValueError, AttributeError):
+        return None
+    jitter = color_jitter_of(inner[0]) if len(inner) == 1 else None
+    if jitter is None or not 0.0 <= p <= 1.0:
+        return None
+    return RandomApplyOnPlanes(t, kind[0] == "v2", jitter)
+
+
 def _on_planes(t: Any) -> Any:
     """``t``, or an :class:`OnPlanes` over it when it is torchvision's
     ``ColorJitter`` with ranges as its constructor makes them, or its
@@ -1078,8 +1147,8 @@ def _on_planes(t: Any) -> Any:
         return t
     v2 = kind[0] == "v2"
     try:
-        if kind[1] == "ColorJitter":
-            mine = color_jitter_of(t)
+        if kind[1] in ("ColorJitter", "RandomApply"):
+            mine = color_jitter_of(t) or random_apply_of(t)
             if mine is None:
                 return t
         elif kind[1] == "AugMix":

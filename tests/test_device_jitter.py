@@ -159,6 +159,24 @@ def test_the_device_jitters_the_device_geometrys_rows_as_the_cpu_path_jitters(ph
     assert st.device_decode_images == 20 and "ColorJitter" in st.device_decode
 
 
+@pytest.mark.parametrize("version,workers", [("v1", 0), ("v2", 2)])
+def test_a_randomapply_around_colorjitter_runs_on_the_device_as_the_cpu_path(photos, cpu_device, version, workers):
+    """``RandomApply([ColorJitter(...)], p)`` (timm's ``color_jitter_prob``,
+    the self-supervised recipes): its draw of whether it applies, then the
+    jitter's, made in the worker; bit for bit the CPU path's jitter of the
+    device's rows, some rows left as they are."""
+    M = V if version == "v1" else V2
+    steps = [V.RandomResizedCrop(20, scale=(0.3, 1.0)), V.RandomHorizontalFlip(), V.PILToTensor()]
+    got, want, L = _geometry_then_jitter(photos, steps, M.RandomApply([M.ColorJitter(0.5, 0.6, 0.7, 0.2)], p=0.5),
+                                         workers)
+    for (a, y), (b, y2) in zip(got, want):
+        assert a.dtype == torch.uint8 and torch.equal(y, y2) and torch.equal(a, b)
+    plan = E.plan_for(L.dataset.transform)
+    assert type(plan.jitters[0]).__name__ == "RandomApplyOnPlanes" and "RandomApply" in plan.describe()
+    applied = [bool(plan.after_for_seeds([(k, k)])[0][0]) for k in range(40)]
+    assert 0 < sum(applied) < 40
+
+
 def test_the_workers_share_is_jittered_in_the_worker_as_the_cpu_path(photos, cpu_device, monkeypatch):
     """Half the samples prepared by the workers on the CPU path, their jitter
     with them; the other half on the device: both are the jitter of their

@@ -311,6 +311,40 @@ def test_timm_vflip_fuses_and_is_timms_own_result_for_the_same_draws(odd_photos)
     assert 0 < upside < len(ds)
 
 
+def test_timm_color_jitter_prob_runs_on_the_planes_and_is_timms_own_result_for_the_same_draws(odd_photos):
+    """timm's ``color_jitter_prob`` (a ``RandomApply`` around its
+    ``ColorJitter``): on the decoded planes, each sample what timm's and
+    torchvision's own transforms give for coordl's draws; some jittered,
+    some not."""
+    from torchvision.datasets.folder import pil_loader
+    from torchvision.transforms import functional as F
+
+    from coordl.decode.ops import _draw_box
+
+    tf = create_transform(40, is_training=True, color_jitter_prob=0.5)
+    rrc, flip, ra, to_tensor, norm = tf.transforms
+    assert type(ra).__name__ == "RandomApply"
+    ds = D.ImageFolder(odd_photos, transform=tf)
+    L = coordl.DataLoader(ds, batch_size=len(ds), shuffle=False, seed=6)
+    if C._ext is not None:
+        assert "applied with probability 0.5, the ColorJitter" in L.stats().path_reason, L.stats().path_reason
+    (x, _), = list(L)
+    ours = translate(tf)[0].fused.transforms[0]
+    jittered = 0
+    for i, (path, _) in enumerate(ds.samples):
+        g = _rng.derive(6, 0, i)
+        pil = pil_loader(path)
+        box = _draw_box(pil.height, pil.width, ours.scale, ours.ratio, g)
+        img = F.resized_crop(pil, *box, list(rrc.size), rrc.interpolation)
+        if g.random() < flip.p:
+            img = F.hflip(img)
+        torch.manual_seed(g.getrandbits(63))
+        want = norm(to_tensor(ra(img)))
+        assert torch.equal(x[i], want), (path, float((x[i] - want).abs().max()))
+        jittered += not torch.equal(want, norm(to_tensor(img)))
+    assert 0 < jittered < len(ds)
+
+
 @pytest.mark.parametrize("num_workers", [0, 2])
 def test_timm_train_with_re_prob_is_timms_own_result_for_the_same_draws(odd_photos, num_workers):
     """timm's train transform with its RandomErasing (``re_prob``, up to two
