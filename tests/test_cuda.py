@@ -706,7 +706,8 @@ def test_the_batch_geometry_kernel_on_cuda_is_the_per_image_path_within_a_level(
                                         h, w, 224, 224, 0, 0, 224, 224, 0, 0, 0, k, 3])(int(rng.integers(1, H + 1)),
                                                                                    int(rng.integers(1, W + 1)))),
         (T.Compose([T.Resize((60, 60)), T.CenterCrop(48), T.ToTensor()]),
-         lambda H, W, k: [0, H, W, 0, 0, H, W, 40 + k, 70 - k, (40 + k - 48) // 2, (70 - k - 48) // 2, 48, 48, 0, 0, 0, k, 3]),
+         lambda H, W, k: [0, H, W, 0, 0, H, W, 40 + k, 70 - k, (40 + k - 48) // 2, (70 - k - 48) // 2, 48, 48,
+                          0, 0, 0, k, 3]),
         (T.Compose([T.CenterCrop(48), T.ToTensor()]),
          lambda H, W, k: [0, H, W, 0, 0, H, W, 0, 0, (H - 48) // 2, (W - 48) // 2, 48, 48, 0, 0, 0, k, 3]),
     ]:

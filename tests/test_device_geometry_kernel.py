@@ -90,7 +90,8 @@ def test_the_kernels_rows_are_the_per_image_geometrys():
             return [0, H, W, 0, 0, H, W, rh, rw, (rh - 16) // 2, (rw - 16) // 2, 16, 16, 0, 0, 0, k, 3]
 
         def crop_only(H, W, k):
-            return [0, H, W, 0, 0, H, W, 0, 0, int(rng.integers(-4, 4)), int(rng.integers(-4, 4)), 16, 16, 0, 0, 0, k, 3]
+            return [0, H, W, 0, 0, H, W, 0, 0, int(rng.integers(-4, 4)), int(rng.integers(-4, 4)), 16, 16,
+                    0, 0, 0, k, 3]
 
         rows(plan_for(T.Compose([T.RandomResizedCrop((24, 20)), T.ToTensor()])), rrc, n=8, hwc=True)
         rows(plan_for(T.Compose([T.Resize((30, 30)), T.CenterCrop(16), T.ToTensor()])), resize_crop, n=6)

@@ -52,8 +52,8 @@ import torch.nn.functional as F
 from .decoders import (  # noqa: F401  (the decoders' names, as this module had them)
     DECODERS, DecoderSplit, HostDecoder, NvImageCodecDecoder, TorchvisionDecoder, _rgb_params, decoder_for, decoder_spec,
 )
-from .encoded import (CHANNELS, FLIP, INDEX, KIND, MODE, VFLIP, ON_CPU, ON_DEVICE, RH, RW, SRC_H, SRC_W, T1, T2, W1, W2,
-                      DecodePlan, noise_sizes, ops_of, rects_of)
+from .encoded import (CHANNELS, FLIP, INDEX, KIND, MODE, ON_CPU, ON_DEVICE, RH, RW, SRC_H, SRC_W, T1, T2, VFLIP, W1,
+                      W2, DecodePlan, noise_sizes, ops_of, rects_of)
 from .geometry_kernel import finished
 from .launch import upload
 from .jitter import DeviceJitter

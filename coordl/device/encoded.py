@@ -281,8 +281,8 @@ class DecodePlan:
 
 
 _HOW = ("decode='device' runs [RandomResizedCrop | Resize] [CenterCrop | RandomCrop], with RandomHorizontalFlip "
-        "and RandomVerticalFlip anywhere among them, then torchvision's ColorJitter (optional), then ToTensor() [+ Normalize(...)s] "
-        "[+ RandomErasing] or PILToTensor()")
+        "and RandomVerticalFlip anywhere among them, then torchvision's ColorJitter (optional; alone or in a "
+        "RandomApply), then ToTensor() [+ Normalize(...)s] [+ RandomErasing] or PILToTensor()")
 
 
 def _refuse(why: str, fix: str = "") -> ValueError:
