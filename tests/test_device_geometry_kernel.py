@@ -26,6 +26,60 @@ def _child(body: str, timeout: float = 240):
     return r.stdout
 
 
+def test_the_kernels_resize_bicubic_and_a_drawn_mode_as_the_per_image_geometry():
+    """Bicubic (torch's antialiased Keys filter, support 2), and a plan
+    drawing bilinear or bicubic per sample (each record's MODE, a launch
+    per filter): every kernel's rows are the per-image path's within a
+    rounding of the floats, and the stage's own checks pass with both modes."""
+    out = _child("""
+        import numpy as np, torch
+        from coordl import transforms as T
+        from coordl.device import decode as DD
+        from coordl.device import geometry_kernel as GK
+        from coordl.device.encoded import plan_for
+
+        rng = np.random.default_rng(4)
+        M = T.InterpolationMode
+        for modes in ((M.BICUBIC,), (M.BILINEAR, M.BICUBIC)):
+            interp = modes if len(modes) > 1 else modes[0]
+            plan = plan_for(T.Compose([T.RandomResizedCrop((24, 20), interpolation=interp), T.ToTensor()]))
+            stage = DD.DecodeStage(torch.device("cpu"), plan, DD.HostDecoder(), "raise", str)
+            imgs, recs = [], []
+            for k in range(8):
+                H, W = int(rng.integers(6, 110)), int(rng.integers(6, 110))
+                h, w = int(rng.integers(1, H + 1)), int(rng.integers(1, W + 1))
+                t, l = int(rng.integers(0, H - h + 1)), int(rng.integers(0, W - w + 1))
+                imgs.append(torch.from_numpy(rng.integers(0, 256, (3, H, W), dtype=np.uint8)))
+                recs.append([0, H, W, t, l, h, w, 24, 20, 0, 0, 24, 20, int(k % 3 == 0), k % len(modes), 0, k, 3])
+            want = torch.empty((8, 3, 24, 20))
+            for j, (img, rec) in enumerate(zip(imgs, recs)):
+                stage._geometry(img, rec, into=want[j:j + 1])
+            names = tuple(m.value for m in modes)
+            items = [(j, a, r) for j, (a, r) in enumerate(zip(imgs, recs))]
+            for kind in GK.KINDS:
+                got = torch.full_like(want, -7.0)
+                GK.BatchGeometry((24, 20), kind, names).run(items, got)
+                d = (want - got).abs()
+                r = (want.round().clamp(0, 255) - got.round().clamp(0, 255)).abs()
+                print("ROW", len(modes), kind, float(d.max()), float(r.max()))
+            geo = GK.BatchGeometry((24, 20), "separable", names)
+            print("CHECKS", len(modes), GK.agrees(stage, imgs, recs, geo)[0],
+                  GK.fused_agrees(geo, torch.device("cpu"), imgs, recs)[0])
+            if len(modes) > 1:    # the other filter for every row: far from the per-image path
+                wrong = torch.full_like(want, -7.0)
+                GK.BatchGeometry((24, 20), "separable", ("bilinear",)).run(items, wrong)
+                print("WRONG", float((want - wrong).abs().max()))
+    """)
+    rows = [line.split()[1:] for line in out.splitlines() if line.startswith("ROW ")]
+    assert len(rows) == 6, out
+    for _, _, float_diff, levels in rows:
+        assert float(float_diff) < 1e-3 and float(levels) <= 1, rows
+    assert [line for line in out.splitlines() if line.startswith("CHECKS ")] == ["CHECKS 1 True True",
+                                                                                "CHECKS 2 True True"], out
+    wrong = [float(line.split()[1]) for line in out.splitlines() if line.startswith("WRONG ")]
+    assert wrong and wrong[0] > 2, out
+
+
 def test_the_kernels_rows_are_the_per_image_geometrys():
     out = _child("""
         import numpy as np, torch
@@ -301,6 +355,53 @@ def test_passes_with_the_kernel_are_within_a_level_of_one_launch_per_image(tmp_p
     assert final[:4] == [False, False, True, "tail"] and final[4:] == ["tail"] * 3, out
     assert total >= 3 and any(0 < n < 5 for n in per_batch), out     # batches with rows of both
     assert [x for x in out.splitlines() if x.startswith("FINAL ")][0].endswith("] True"), out   # all separable
+
+
+def test_a_pass_drawing_its_mode_uses_the_kernel_within_a_level_of_one_launch_per_image(tmp_path):
+    """timm's random interpolation through the loader: the stage's check
+    (both modes on the first batch's images) takes the kernel, which runs a
+    launch per filter, and the batches are the per-image path's within a
+    level."""
+    from coordl.synth import make_image_folder
+
+    root = make_image_folder(str(tmp_path / "p"), num_images=10, num_classes=2, mean_kb=4, image_size=(60, 44),
+                             seed=3)
+    out = _child(f"""
+        import os, torch
+        import coordl
+        from coordl import transforms as T
+        from coordl.device import decode as DD, delivery as D
+        from coordl.device import geometry_kernel as GK
+
+        D.CPU_TEST_DEVICE = True
+        DD.BATCH_GEOMETRY_ON_CPU = True
+        used = []
+        real = GK.BatchGeometry._run
+
+        def counted(self, items, y, final, tail, cubic):
+            used.append(cubic)
+            return real(self, items, y, final, tail, cubic)
+
+        GK.BatchGeometry._run = counted
+        M = T.InterpolationMode
+        tf = T.Compose([T.RandomResizedCrop(18, interpolation=(M.BILINEAR, M.BICUBIC)), T.RandomHorizontalFlip(),
+                        T.PILToTensor()])
+        ds = coordl.ImageFolder({root!r}, tf)
+
+        def run(mode):
+            os.environ["COORDL_DEVICE_GEOMETRY"] = mode
+            del used[:]
+            return list(coordl.DataLoader(ds, batch_size=5, seed=2, device="cpu", decode="device")), list(used)
+
+        kern, launches = run("auto")
+        per, none = run("per-image")
+        worst = max(float((a.int() - b.int()).abs().max()) for (a, _), (b, _) in zip(kern, per))
+        print("RESULT", worst, sorted(set(launches)), len(none), len(kern))
+    """)
+    line = [x for x in out.splitlines() if x.startswith("RESULT ")]
+    assert line, out
+    worst, rest = line[0].split(" ", 2)[1:]
+    assert float(worst) <= 1 and rest == "[False, True] 0 2", out    # both filters launched; none per image
 
 
 def test_with_colorjitter_the_kernel_writes_uint8_rows_and_the_jitter_follows(tmp_path):

@@ -29,29 +29,40 @@ def _span(pos, scale, sup, n):
 
 
 @triton.jit
-def _taps(k, m, size, inv):
-    # the triangle's value at each tap k of each span, [len, KMAX]: triangle((k + start - center + 0.5) * inv)
-    v = tl.abs((k[None, :] + m[:, None] + 0.5) * inv)
-    return tl.where((k[None, :] < size[:, None]) & (v < 1.0), 1.0 - v, 0.0)
+def _filter(x, on, CUBIC: tl.constexpr):
+    # torch's antialiased filter at x where on, else 0: the triangle (bilinear), or Keys' cubic with
+    # a = -0.5 (bicubic), written as torch writes it
+    v = tl.abs(x)
+    if CUBIC:
+        near = ((-0.5 + 2.0) * v - (-0.5 + 3.0)) * v * v + 1.0
+        far = ((-0.5 * v - 5.0 * -0.5) * v + 8.0 * -0.5) * v - 4.0 * -0.5
+        return tl.where(on & (v < 1.0), near, tl.where(on & (v < 2.0), far, 0.0))
+    return tl.where(on & (v < 1.0), 1.0 - v, 0.0)
 
 
 @triton.jit
-def _weights(k, m, size, inv):
+def _taps(k, m, size, inv, CUBIC: tl.constexpr):
+    # the filter's value at each tap k of each span, [len, KMAX]: filter((k + start - center + 0.5) * inv)
+    return _filter((k[None, :] + m[:, None] + 0.5) * inv, k[None, :] < size[:, None], CUBIC)
+
+
+@triton.jit
+def _weights(k, m, size, inv, CUBIC: tl.constexpr):
     # the taps divided by their sum (a span without weight: by 1)
-    w = _taps(k, m, size, inv)
+    w = _taps(k, m, size, inv, CUBIC)
     tot = tl.sum(w, axis=1)
     return tl.math.div_rn(w, tl.where(tot != 0.0, tot, 1.0)[:, None])
 
 
 @triton.jit
-def _total(k, m, size, inv):
+def _total(k, m, size, inv, CUBIC: tl.constexpr):
     # the sum of each span's taps (1 where it is 0), which its taps are divided by
-    tot = tl.sum(_taps(k, m, size, inv), axis=1)
+    tot = tl.sum(_taps(k, m, size, inv, CUBIC), axis=1)
     return tl.where(tot != 0.0, tot, 1.0)
 
 
 @triton.jit
-def crop_resize(src, ints, floats, out, oh, ow, BLOCK: tl.constexpr, KMAX: tl.constexpr):
+def crop_resize(src, ints, floats, out, oh, ow, BLOCK: tl.constexpr, KMAX: tl.constexpr, CUBIC: tl.constexpr):
     b = tl.program_id(0)
     blk = tl.program_id(1)
     (row, base, sc, sy, sx, t1, l1, h, w, rh, rw, t2, l2, kmax, _flip,
@@ -69,17 +80,16 @@ def crop_resize(src, ints, floats, out, oh, ow, BLOCK: tl.constexpr, KMAX: tl.co
     ymin, ysize, ym = _span(ii, scale_y, sup_y, h)
     xmin, xsize, xm = _span(jj, scale_x, sup_x, w)
     k = tl.arange(0, KMAX)
-    wx = _weights(k, xm, xsize, inv_x)
-    tot_y = _total(k, ym, ysize, inv_y)
+    wx = _weights(k, xm, xsize, inv_x, CUBIC)
+    tot_y = _total(k, ym, ysize, inv_y, CUBIC)
     cols = (l1 + xmin[:, None] + k[None, :]) * sx
     okx = inside[:, None] & (k[None, :] < xsize[:, None])
     acc0 = tl.zeros((BLOCK,), dtype=tl.float32)
     acc1 = tl.zeros((BLOCK,), dtype=tl.float32)
     acc2 = tl.zeros((BLOCK,), dtype=tl.float32)
     for ky in range(0, kmax):
-        v1 = tl.abs((ky + ym + 0.5) * inv_y)
         on = ky < ysize
-        wy = tl.math.div_rn(tl.where(on & (v1 < 1.0), 1.0 - v1, 0.0), tot_y)
+        wy = tl.math.div_rn(_filter((ky + ym + 0.5) * inv_y, on, CUBIC), tot_y)
         p = src + base + (t1 + ymin + ky)[:, None] * sy + cols
         ok = okx & on[:, None]
         acc0 += wy * tl.sum(wx * tl.load(p, mask=ok, other=0).to(tl.float32), axis=1)
@@ -103,22 +113,22 @@ def _tile(oh, ow, t2, l2, rh, rw, BI: tl.constexpr, BJ: tl.constexpr):
 
 @triton.jit
 def _tile_down(oh, ow, t2, l2, rh, rw, h, scale_y, inv_y, sup_y, BI: tl.constexpr, BJ: tl.constexpr,
-               KMAX: tl.constexpr):
+               KMAX: tl.constexpr, CUBIC: tl.constexpr):
     # _tile's rows and columns, and each row's span down the column: its start, size, start - center
     # and the sum of its taps [BI]
     i, j, ii, jj, in_i, in_j = _tile(oh, ow, t2, l2, rh, rw, BI, BJ)
     ymin, ysize, ym = _span(ii, scale_y, sup_y, h)
-    return i, j, jj, in_i, in_j, ymin, ysize, ym, _total(tl.arange(0, KMAX), ym, ysize, inv_y)
+    return i, j, jj, in_i, in_j, ymin, ysize, ym, _total(tl.arange(0, KMAX), ym, ysize, inv_y, CUBIC)
 
 
 @triton.jit
-def _columns(jj, in_j, l1, sx, scale_x, inv_x, sup_x, w, KMAX: tl.constexpr):
+def _columns(jj, in_j, l1, sx, scale_x, inv_x, sup_x, w, KMAX: tl.constexpr, CUBIC: tl.constexpr):
     # each column's span along the row: its weights [BJ, KMAX], its taps' offsets in a source row, and
     # which taps are read
     xmin, xsize, xm = _span(jj, scale_x, sup_x, w)
     k = tl.arange(0, KMAX)
     cols = (l1 + xmin[:, None] + k[None, :]) * sx
-    return _weights(k, xm, xsize, inv_x), cols, in_j[:, None] & (k[None, :] < xsize[:, None])
+    return _weights(k, xm, xsize, inv_x, CUBIC), cols, in_j[:, None] & (k[None, :] < xsize[:, None])
 
 
 @triton.jit
@@ -131,16 +141,15 @@ def _along(p, ok, wx, sc):
 
 
 @triton.jit
-def _down(ky, ym, ysize, in_i, inv_y, tot_y):
+def _down(ky, ym, ysize, in_i, inv_y, tot_y, CUBIC: tl.constexpr):
     # tap ky of each output row's span down the column: its weight [BI], and which rows have it
-    v1 = tl.abs((ky + ym + 0.5) * inv_y)
     on = in_i & (ky < ysize)
-    return tl.math.div_rn(tl.where(on & (v1 < 1.0), 1.0 - v1, 0.0), tot_y), on
+    return tl.math.div_rn(_filter((ky + ym + 0.5) * inv_y, on, CUBIC), tot_y), on
 
 
 @triton.jit
 def crop_resize_tiles(src, ints, floats, out, oh, ow, norm, BI: tl.constexpr, BJ: tl.constexpr,
-                      KMAX: tl.constexpr, FINAL: tl.constexpr, NORM: tl.constexpr):
+                      KMAX: tl.constexpr, FINAL: tl.constexpr, NORM: tl.constexpr, CUBIC: tl.constexpr):
     # the same sums as crop_resize, a tile of BI output rows by BJ columns per program: each column's
     # horizontal weights and each row's vertical ones computed once for the tile, not per pixel
     b = tl.program_id(0)
@@ -148,13 +157,13 @@ def crop_resize_tiles(src, ints, floats, out, oh, ow, norm, BI: tl.constexpr, BJ
      scale_y, scale_x, inv_y, inv_x, sup_y, sup_x) = _record(ints, floats, b)
 
     i, j, jj, in_i, in_j, ymin, ysize, ym, tot_y = _tile_down(oh, ow, t2, l2, rh, rw, h, scale_y, inv_y, sup_y,
-                                                            BI, BJ, KMAX)
-    wx, cols, okx = _columns(jj, in_j, l1, sx, scale_x, inv_x, sup_x, w, KMAX)     # [BJ, KMAX]
+                                                            BI, BJ, KMAX, CUBIC)
+    wx, cols, okx = _columns(jj, in_j, l1, sx, scale_x, inv_x, sup_x, w, KMAX, CUBIC)     # [BJ, KMAX]
     acc0 = tl.zeros((BI, BJ), dtype=tl.float32)
     acc1 = tl.zeros((BI, BJ), dtype=tl.float32)
     acc2 = tl.zeros((BI, BJ), dtype=tl.float32)
     for ky in range(0, kmax):
-        wy, on = _down(ky, ym, ysize, in_i, inv_y, tot_y)
+        wy, on = _down(ky, ym, ysize, in_i, inv_y, tot_y, CUBIC)
         p = src + base + ((t1 + ymin + ky) * sy)[:, None, None] + cols[None, :, :]
         s0, s1, s2 = _along(p, on[:, None, None] & okx[None, :, :], wx, sc)
         acc0 += wy[:, None] * s0
@@ -204,7 +213,8 @@ def _store(acc0, acc1, acc2, in_i, in_j, i, j, out, row, oh, ow, flip, norm, BI:
 
 
 @triton.jit
-def row_sums(src, ints, floats, mids, mid, ow, BR: tl.constexpr, BJ: tl.constexpr, KMAX: tl.constexpr):
+def row_sums(src, ints, floats, mids, mid, ow, BR: tl.constexpr, BJ: tl.constexpr, KMAX: tl.constexpr,
+             CUBIC: tl.constexpr):
     # the separable kernels' first pass: for BR rows of image b's crop and BJ output columns, each
     # channel's sum along the row (the horizontal weights, as crop_resize_tiles computes them), into
     # the image's (3, crop height, ow) float32 block of ``mid`` (at ``mids[b]``)
@@ -213,7 +223,7 @@ def row_sums(src, ints, floats, mids, mid, ow, BR: tl.constexpr, BJ: tl.constexp
      scale_y, scale_x, inv_y, inv_x, sup_y, sup_x) = _record(ints, floats, b)
 
     r, j, _rr, jj, in_r, in_j = _tile(h, ow, 0, l2, h, rw, BR, BJ)
-    wx, cols, okx = _columns(jj, in_j, l1, sx, scale_x, inv_x, sup_x, w, KMAX)     # [BJ, KMAX]
+    wx, cols, okx = _columns(jj, in_j, l1, sx, scale_x, inv_x, sup_x, w, KMAX, CUBIC)     # [BJ, KMAX]
     p = src + base + ((t1 + r) * sy)[:, None, None] + cols[None, :, :]
     s0, s1, s2 = _along(p, in_r[:, None, None] & okx[None, :, :], wx, sc)
     plane = h * ow
@@ -226,7 +236,7 @@ def row_sums(src, ints, floats, mids, mid, ow, BR: tl.constexpr, BJ: tl.constexp
 
 @triton.jit
 def column_sums(mid, mids, ints, floats, out, oh, ow, norm, BI: tl.constexpr, BJ: tl.constexpr,
-                KMAX: tl.constexpr, FINAL: tl.constexpr, NORM: tl.constexpr):
+                KMAX: tl.constexpr, FINAL: tl.constexpr, NORM: tl.constexpr, CUBIC: tl.constexpr):
     # the separable kernels' second pass: a tile of BI output rows by BJ columns, each the sum down its
     # span of row_sums' rows with the vertical weights, then stored as crop_resize_tiles stores (the same
     # products added in the same order as there, which sums each row's span inside its loop)
@@ -235,14 +245,14 @@ def column_sums(mid, mids, ints, floats, out, oh, ow, norm, BI: tl.constexpr, BJ
      scale_y, scale_x, inv_y, inv_x, sup_y, sup_x) = _record(ints, floats, b)
 
     i, j, jj, in_i, in_j, ymin, ysize, ym, tot_y = _tile_down(oh, ow, t2, l2, rh, rw, h, scale_y, inv_y, sup_y,
-                                                            BI, BJ, KMAX)
+                                                            BI, BJ, KMAX, CUBIC)
     plane = h * ow
     m = mid + tl.load(mids + b) + j[None, :]
     acc0 = tl.zeros((BI, BJ), dtype=tl.float32)
     acc1 = tl.zeros((BI, BJ), dtype=tl.float32)
     acc2 = tl.zeros((BI, BJ), dtype=tl.float32)
     for ky in range(0, kmax):
-        wy, on = _down(ky, ym, ysize, in_i, inv_y, tot_y)
+        wy, on = _down(ky, ym, ysize, in_i, inv_y, tot_y, CUBIC)
         q = m + ((ymin + ky) * ow)[:, None]
         ok = on[:, None] & in_j[None, :]
         acc0 += wy[:, None] * tl.load(q, mask=ok, other=0.0)

@@ -388,11 +388,15 @@ class DecodeStage:
             probe = [(img, records[k][r]) for (k, r), img in list(left.items())[:8]]
             if not probe:
                 return False
+            modes = tuple(m.value for m in self.plan.modes)
+            # each image with each of the plan's modes (a mode drawn per sample: the first batch may lack one)
+            probe = [(img, rec[:MODE] + [m] + rec[MODE + 1:]) for img, rec in probe for m in range(len(modes))] \
+                if len(modes) > 1 else probe
             imgs, recs = [i for i, _ in probe], [r for _, r in probe]
             chosen, found = False, []
             for kind in self._kinds:
                 try:
-                    geo = GK.BatchGeometry(self.plan.size, kind)
+                    geo = GK.BatchGeometry(self.plan.size, kind, modes)
                     ok, what = GK.agrees(self, imgs, recs, geo)
                     if ok and geo.final_rows:
                         try:
@@ -495,13 +499,14 @@ def _geometry_kinds() -> tuple:
 
 def _batch_geometry_wanted(device: torch.device, plan) -> bool:
     """A batch-geometry kernel may run for ``plan`` on ``device``: the
-    bilinear antialiased resize (or none), a CUDA device (the CPU only for
-    the tests) and Triton importable."""
+    bilinear or bicubic antialiased resize (or none), a CUDA device (the
+    CPU only for the tests) and Triton importable."""
     if device.type != "cuda" and not BATCH_GEOMETRY_ON_CPU:
         return False
-    if plan.resize is not None and (any(m.value != "bilinear" for m in plan.modes) or not plan.antialias):
-        return False
     from . import geometry_kernel as GK
+
+    if plan.resize is not None and (any(m.value not in GK.MODES for m in plan.modes) or not plan.antialias):
+        return False
 
     return GK.available()
 

@@ -3,13 +3,15 @@ launches (Triton), where the stage otherwise launches a conversion and a
 resize per image (:meth:`coordl.device.decode.DecodeStage._geometry`).
 
 For each decoded (3, H, W) uint8 image and its record: the crop (``T1..W1``),
-the antialiased bilinear resize to (``RH``, ``RW``) (none: the crop as it
-is) and the zero-padded crop (``T2..W2``) of the batch's output size, written
-as float32 into its row of the batch, not yet rounded nor mirrored: what
-``_geometry`` writes there.  The resize follows torch's antialiased
-bilinear filter (``F.interpolate(..., antialias=True)``): per output pixel
-the span and the normalized triangle weights of each axis, a sum along the
-row for each source row of the span, then a sum of those down the column.
+the antialiased bilinear or bicubic resize to (``RH``, ``RW``) (none: the
+crop as it is) and the zero-padded crop (``T2..W2``) of the batch's output
+size, written as float32 into its row of the batch, not yet rounded nor
+mirrored: what ``_geometry`` writes there.  The resize follows torch's
+antialiased filters (``F.interpolate(..., antialias=True)``): per output
+pixel the span and the normalized weights of each axis (the triangle, or
+Keys' cubic with a = -0.5 over twice the span), a sum along the row for each
+source row of the span, then a sum of those down the column.  A plan that
+draws its mode per sample (the record's ``MODE``) launches once per filter.
 
 Three kernels make the same sums (:data:`KINDS`, in the order the stage
 tries them):
@@ -37,7 +39,7 @@ each image's bytes with its strides); the scales, their inverses and the
 supports are computed on the host in float32, as torch computes them.
 
 Only where Triton imports (a CUDA build of torch brings it), for the
-bilinear, antialiased plans, and only after :func:`agrees` found its rows
+antialiased bilinear or bicubic plans, and only after :func:`agrees` found its rows
 equal to ``_geometry``'s on the device, within :data:`TOLERANCE` after
 rounding (:meth:`DecodeStage` checks once); ``TRITON_INTERPRET=1`` runs it
 on the CPU (the tests).  Nothing here runs in a worker.
@@ -57,6 +59,9 @@ NINT = 15
 
 #: the kernels, in the order the stage tries them (the first whose rows agree is used)
 KINDS = ("separable", "tiled", "per-pixel")
+
+#: the antialiased filters the kernels resize with (torch's, as ``F.interpolate(..., antialias=True)``)
+MODES = ("bilinear", "bicubic")
 
 #: the most the kernel's rounded rows may differ from ``_geometry``'s, in uint8 levels
 #: (float sums in another order or fused: a value at a rounding boundary may land one level over)
@@ -84,13 +89,14 @@ def _kernel():
     return _KERNEL[0]
 
 
-def _axes(n_in: np.ndarray, n_out: np.ndarray) -> tuple:
+def _axes(n_in: np.ndarray, n_out: np.ndarray, cubic: bool = False) -> tuple:
     """(scale, 1/scale or 1, support) of one axis of each image, float32 as
-    torch computes them (the bilinear filter's size is 2)."""
+    torch computes them (the bilinear filter's size is 2, the bicubic's 4:
+    a support of half that, times the scale going down)."""
     scale = n_in.astype(np.float32) / n_out.astype(np.float32)
     down = scale >= 1
-    one = np.float32(1)
-    return scale, np.where(down, one / scale, one), np.where(down, scale, one)
+    one, half = np.float32(1), np.float32(2 if cubic else 1)
+    return scale, np.where(down, one / scale, one), np.where(down, half * scale, half)
 
 
 class BatchGeometry:
@@ -109,10 +115,14 @@ class BatchGeometry:
     #: per image: about 1 MB for an ImageNet photo's crop at 224 wide)
     MID_BUDGET = 128 << 20
 
-    def __init__(self, size: tuple, kind: str = "separable") -> None:
+    def __init__(self, size: tuple, kind: str = "separable", modes: tuple = ("bilinear",)) -> None:
         if kind not in KINDS:
             raise ValueError(f"the batch-geometry kernel is one of {', '.join(KINDS)}, not {kind!r}")
+        if any(m not in MODES for m in modes):
+            raise ValueError(f"the batch-geometry kernel resizes with {' or '.join(MODES)}, not {modes!r}")
         self.oh, self.ow = size
+        # the plan's modes (DecodePlan.modes' values), which a record's MODE indexes
+        self.modes = tuple(modes)
         kernels = _kernel()
         self.kind = kind
         self.kernel = kernels[kind] if kernels else None
@@ -138,13 +148,24 @@ class BatchGeometry:
         clamped to [0, 255] and mirrored where its record says, into a
         uint8 ``y``; with ``final`` and ``tail`` (a
         :class:`~.split.DeviceTail` :func:`tail_fits`), then through the
-        tail's arithmetic, into a float32 ``y``."""
-        from .encoded import FLIP, H1, L1, L2, RH, RW, T1, T2, W1
+        tail's arithmetic, into a float32 ``y``.  Each record's ``MODE``
+        says its resize's filter: one launch (or pair) per filter."""
+        from .encoded import MODE
 
         if not items:
             return
         if final and not self.final_rows:
             raise ValueError(f"the {self.kind} kernel does not write the final rows")
+        if len(self.modes) == 1:
+            return self._run(items, y, final, tail, self.modes[0] == "bicubic")
+        for m, mode in enumerate(self.modes):
+            group = [item for item in items if item[2][MODE] == m]
+            if group:
+                self._run(group, y, final, tail, mode == "bicubic")
+
+    def _run(self, items: list, y: torch.Tensor, final: bool, tail, cubic: bool) -> None:
+        from .encoded import FLIP, H1, L1, L2, RH, RW, T1, T2, W1
+
         flats, ints, at = [], [], 0
         for row, img, rec in items:
             if img.is_contiguous():
@@ -160,8 +181,8 @@ class BatchGeometry:
             flats.append(flat)
             at += flat.numel()
         ints = np.asarray(ints, dtype=np.int64).reshape(-1, NINT)     # the kernels read NINT per image
-        sy, iy, py = _axes(ints[:, 7], ints[:, 9])
-        sx, ix, px = _axes(ints[:, 8], ints[:, 10])
+        sy, iy, py = _axes(ints[:, 7], ints[:, 9], cubic)
+        sx, ix, px = _axes(ints[:, 8], ints[:, 10], cubic)
         floats = np.stack([sy, sx, iy, ix, py, px], axis=1).astype(np.float32)
         kmax = int(np.ceil(np.maximum(py, px)).max()) * 2 + 1      # the widest span, torch's interp size
         ints[:, 13] = kmax
@@ -175,13 +196,13 @@ class BatchGeometry:
             block = max(16, min(self.BLOCK, 4096 // kp))
             grid = (len(items), -(-self.oh * self.ow // block))
             self._launch(dev, self.kernel, grid, (src, ints_t, floats_t, y, self.oh, self.ow),
-                         dict(BLOCK=block, KMAX=kp))
+                         dict(BLOCK=block, KMAX=kp, CUBIC=int(cubic)))
             return
         bj = 32
         bi = max(2, min(16, self.TILE // (bj * kp)))
         norm = self._norm(tail, dev) if final and tail is not None else floats_t
         kw = dict(BI=bi, BJ=bj, KMAX=kp, FINAL=(2 if tail is not None else 1) if final else 0,
-                  NORM=int(final and tail is not None and norm.numel() == 6))
+                  NORM=int(final and tail is not None and norm.numel() == 6), CUBIC=int(cubic))
         if self.kind == "tiled":
             grid = (len(items), -(-self.oh // bi), -(-self.ow // bj))
             self._launch(dev, self.kernel, grid, (src, ints_t, floats_t, y, self.oh, self.ow, norm), kw)
@@ -195,7 +216,7 @@ class BatchGeometry:
             mids = upload(at[:-1].astype(np.int64), dev)
             it, ft, n = ints_t[g0:g1], floats_t[g0:g1], g1 - g0
             self._launch(dev, rows_k, (n, -(-int(ints[g0:g1, 7].max()) // br), -(-self.ow // bj)),
-                         (src, it, ft, mids, mid, self.ow), dict(BR=br, BJ=bj, KMAX=kp))
+                         (src, it, ft, mids, mid, self.ow), dict(BR=br, BJ=bj, KMAX=kp, CUBIC=int(cubic)))
             self._launch(dev, cols_k, (n, -(-self.oh // bi), -(-self.ow // bj)),
                          (mid, mids, it, ft, y, self.oh, self.ow, norm), kw)
 
@@ -249,6 +270,11 @@ def finished(y: torch.Tensor, flips: list) -> torch.Tensor:
     return y
 
 
+def _modes(stage) -> tuple:
+    """The values of ``stage``'s plan's modes."""
+    return tuple(m.value for m in stage.plan.modes)
+
+
 def agrees(stage, images: list, records: list, geo: "BatchGeometry | None" = None) -> tuple[bool, str]:
     """Whether the kernel's rows (``geo``'s; default: the separable kernel),
     rounded, are ``stage._geometry``'s within :data:`TOLERANCE`: (ok, what
@@ -259,7 +285,7 @@ def agrees(stage, images: list, records: list, geo: "BatchGeometry | None" = Non
     got = torch.full_like(want, -7.0)
     for j, (img, rec) in enumerate(zip(images, records)):
         stage._geometry(img, rec, into=want[j:j + 1])
-    (geo or BatchGeometry((oh, ow))).run([(j, img, rec) for j, (img, rec) in enumerate(zip(images, records))], got)
+    (geo or BatchGeometry((oh, ow), modes=_modes(stage))).run([(j, img, rec) for j, (img, rec) in enumerate(zip(images, records))], got)
     a = want.round().clamp_(0, 255)
     b = got.round().clamp_(0, 255)
     d = (a - b).abs()
@@ -314,7 +340,7 @@ def faster(stage, images: list, records: list, geo: "BatchGeometry | None" = Non
     n = max(len(images), 64)
     y = torch.empty((n, 3, oh, ow), dtype=torch.float32, device=stage.device)
     items = [(j, images[j % len(images)], records[j % len(images)]) for j in range(n)]
-    geo = geo or BatchGeometry((oh, ow))
+    geo = geo or BatchGeometry((oh, ow), modes=_modes(stage))
     sync = torch.cuda.synchronize if stage.device.type == "cuda" else (lambda *a: None)
 
     def per_image():
