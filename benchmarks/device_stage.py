@@ -191,13 +191,14 @@ def measure(stage, captured: list, device: torch.device, repeats: int) -> dict:
             stage.batch_geometry = kept
 
     kernel = stage.batch_geometry
-    if stage.plan.resize is None or (stage.plan.modes == (T.InterpolationMode.BILINEAR,) and stage.plan.antialias):
+    modes = tuple(m.value for m in stage.plan.modes)
+    if stage.plan.resize is None or (set(modes) <= {"bilinear", "bicubic"} and stage.plan.antialias):
         # the batch-geometry kernel's path with its launch a no-op: the host's own work per image
         # (gathering the images, the parameters, their upload; the rounding and mirror where the kernel
         # does not do them; the tail)
         from coordl.device import geometry_kernel as GK
         kind = kernel.kind if kernel else GK.KINDS[0]
-        no_launch = GK.BatchGeometry(stage.plan.size, kind)
+        no_launch = GK.BatchGeometry(stage.plan.size, kind, modes)
         no_launch.kernel = (_NoLaunch(), _NoLaunch()) if kind == "separable" else _NoLaunch()
         no_launch.fused = bool(kernel and kernel.fused)
         no_launch.fused_tail = bool(kernel and kernel.fused_tail)
@@ -231,20 +232,21 @@ def device_time(stage, captured: list, device: torch.device, images: int) -> dic
     from coordl.device import geometry_kernel as GK
 
     paths = {}
+    modes = tuple(m.value for m in stage.plan.modes)
     chosen = stage.batch_geometry
     if chosen:
         paths[f"stage's choice ({chosen.kind})"] = chosen
         for kind in ("separable", "tiled"):
             if kind != chosen.kind:
-                same = GK.BatchGeometry(stage.plan.size, kind)
+                same = GK.BatchGeometry(stage.plan.size, kind, modes)
                 same.fused, same.fused_tail = chosen.fused, chosen.fused_tail
                 paths[f"{kind}, fused as the stage's choice"] = same
         for kind in ("separable", "tiled"):
-            no_tail = GK.BatchGeometry(stage.plan.size, kind)
+            no_tail = GK.BatchGeometry(stage.plan.size, kind, modes)
             no_tail.fused = True                       # the kernel's uint8 rows, the tail after them
             paths[f"{kind}, uint8 rows, the tail after"] = no_tail
-            paths[f"{kind}, the stage rounding"] = GK.BatchGeometry(stage.plan.size, kind)
-        paths["per-pixel kernel"] = GK.BatchGeometry(stage.plan.size, "per-pixel")
+            paths[f"{kind}, the stage rounding"] = GK.BatchGeometry(stage.plan.size, kind, modes)
+        paths["per-pixel kernel"] = GK.BatchGeometry(stage.plan.size, "per-pixel", modes)
     paths["one launch per image"] = False
     out = {}
     kept = stage.batch_geometry
