@@ -203,6 +203,28 @@ def odd_photos(tmp_path_factory):
     return str(root)
 
 
+def _timms_geometry(path, g, ours, rrc, flip, vflip=None):
+    """``(image, drawn)``: what timm's crop, flip and vertical flip (where
+    given) make of PIL's decode of ``path`` for the draws coordl's sample
+    generator ``g`` makes: the box (``ours``' scale and ratio), then the
+    mode where ``rrc`` draws one, the flip, the vertical flip; ``drawn``
+    the mode and whether it flipped top-bottom."""
+    from torchvision.datasets.folder import pil_loader
+    from torchvision.transforms import functional as F
+
+    from coordl.decode.ops import _draw_box
+
+    pil = pil_loader(path)
+    box = _draw_box(pil.height, pil.width, ours.scale, ours.ratio, g)
+    modes = rrc.interpolation
+    mode = modes[int(g.random() * len(modes))] if isinstance(modes, (tuple, list)) else modes
+    img = F.resized_crop(pil, *box, list(rrc.size), mode)
+    if g.random() < flip.p:
+        img = F.hflip(img)
+    upside = vflip is not None and g.random() < vflip.p
+    return (F.vflip(img) if upside else img), {"mode": mode, "upside": upside}
+
+
 @pytest.mark.parametrize("num_workers", [0, 2])
 @pytest.mark.parametrize("jitter", [0.4, (0.4, 0.4, 0.4, 0.1)], ids=["default", "hue"])
 def test_timm_train_through_the_loader_is_timms_own_result_for_the_same_draws(odd_photos, num_workers, jitter):
@@ -210,11 +232,6 @@ def test_timm_train_through_the_loader_is_timms_own_result_for_the_same_draws(od
     tensor for tensor, what timm's and torchvision's own transforms give on
     PIL's decode for the draws coordl's sample generator makes (crop box and
     flip, then the seed of torch's generator under which ColorJitter draws)."""
-    from torchvision.datasets.folder import pil_loader
-    from torchvision.transforms import functional as F
-
-    from coordl.decode.ops import _draw_box
-
     tf = create_transform(40, is_training=True, color_jitter=jitter)
     rrc, flip, cj, to_tensor, norm = tf.transforms
     assert type(cj).__name__ == "ColorJitter" and (cj.hue is None) == (jitter == 0.4)
@@ -231,11 +248,7 @@ def test_timm_train_through_the_loader_is_timms_own_result_for_the_same_draws(od
         assert x.shape == (len(ds), 3, 40, 40) and x.dtype == torch.float32
         for i, (path, target) in enumerate(ds.samples):
             g = _rng.derive(7, epoch, i)
-            pil = pil_loader(path)
-            box = _draw_box(pil.height, pil.width, ours.scale, ours.ratio, g)
-            img = F.resized_crop(pil, *box, list(rrc.size), rrc.interpolation)
-            if g.random() < flip.p:
-                img = F.hflip(img)
+            img, _ = _timms_geometry(path, g, ours, rrc, flip)
             torch.manual_seed(g.getrandbits(63))   # the seed coordl gives the steps after the fused ones
             want = norm(to_tensor(cj(img)))
             assert torch.equal(x[i], want), (epoch, path, float((x[i] - want).abs().max()))
@@ -248,11 +261,6 @@ def test_timm_train_scripts_random_interpolation_is_timms_own_result_for_the_sam
     sample is what timm's and torchvision's own transforms give on PIL's
     decode for coordl's draws (the box, then the mode, then the flip, then
     torch's seed for ColorJitter); both modes occur."""
-    from torchvision.datasets.folder import pil_loader
-    from torchvision.transforms import functional as F
-
-    from coordl.decode.ops import _draw_box
-
     tf = create_transform(40, is_training=True, interpolation="random")
     rrc, flip, cj, to_tensor, norm = tf.transforms
     assert isinstance(rrc.interpolation, (tuple, list)) and len(rrc.interpolation) == 2
@@ -264,13 +272,9 @@ def test_timm_train_scripts_random_interpolation_is_timms_own_result_for_the_sam
     modes = set()
     for i, (path, target) in enumerate(ds.samples):
         g = _rng.derive(5, 0, i)
-        pil = pil_loader(path)
-        box = _draw_box(pil.height, pil.width, ours.scale, ours.ratio, g)
-        mode = rrc.interpolation[int(g.random() * 2)]
+        img, drawn = _timms_geometry(path, g, ours, rrc, flip)
+        mode = drawn["mode"]
         modes.add(mode)
-        img = F.resized_crop(pil, *box, list(rrc.size), mode)
-        if g.random() < flip.p:
-            img = F.hflip(img)
         torch.manual_seed(g.getrandbits(63))
         want = norm(to_tensor(cj(img)))
         assert torch.equal(x[i], want), (path, mode, float((x[i] - want).abs().max()))
@@ -283,11 +287,6 @@ def test_timm_vflip_fuses_and_is_timms_own_result_for_the_same_draws(odd_photos)
     horizontal one) fuses; each sample is timm's and torchvision's own
     result for coordl's draws (box, mode, flip, vertical flip, then torch's
     seed for ColorJitter)."""
-    from torchvision.datasets.folder import pil_loader
-    from torchvision.transforms import functional as F
-
-    from coordl.decode.ops import _draw_box
-
     tf = create_transform(40, is_training=True, vflip=0.5, interpolation="random")
     rrc, flip, vflip, cj, to_tensor, norm = tf.transforms
     assert type(vflip).__name__ == "RandomVerticalFlip"
@@ -298,13 +297,8 @@ def test_timm_vflip_fuses_and_is_timms_own_result_for_the_same_draws(odd_photos)
     upside = 0
     for i, (path, _) in enumerate(ds.samples):
         g = _rng.derive(2, 0, i)
-        pil = pil_loader(path)
-        box = _draw_box(pil.height, pil.width, ours.scale, ours.ratio, g)
-        img = F.resized_crop(pil, *box, list(rrc.size), rrc.interpolation[int(g.random() * 2)])
-        if g.random() < flip.p:
-            img = F.hflip(img)
-        if g.random() < vflip.p:
-            img, upside = F.vflip(img), upside + 1
+        img, drawn = _timms_geometry(path, g, ours, rrc, flip, vflip)
+        upside += drawn["upside"]
         torch.manual_seed(g.getrandbits(63))
         want = norm(to_tensor(cj(img)))
         assert torch.equal(x[i], want), (path, float((x[i] - want).abs().max()))
@@ -316,11 +310,6 @@ def test_timm_color_jitter_prob_runs_on_the_planes_and_is_timms_own_result_for_t
     ``ColorJitter``): on the decoded planes, each sample what timm's and
     torchvision's own transforms give for coordl's draws; some jittered,
     some not."""
-    from torchvision.datasets.folder import pil_loader
-    from torchvision.transforms import functional as F
-
-    from coordl.decode.ops import _draw_box
-
     tf = create_transform(40, is_training=True, color_jitter_prob=0.5)
     rrc, flip, ra, to_tensor, norm = tf.transforms
     assert type(ra).__name__ == "RandomApply"
@@ -333,11 +322,7 @@ def test_timm_color_jitter_prob_runs_on_the_planes_and_is_timms_own_result_for_t
     jittered = 0
     for i, (path, _) in enumerate(ds.samples):
         g = _rng.derive(6, 0, i)
-        pil = pil_loader(path)
-        box = _draw_box(pil.height, pil.width, ours.scale, ours.ratio, g)
-        img = F.resized_crop(pil, *box, list(rrc.size), rrc.interpolation)
-        if g.random() < flip.p:
-            img = F.hflip(img)
+        img, _ = _timms_geometry(path, g, ours, rrc, flip)
         torch.manual_seed(g.getrandbits(63))
         want = norm(to_tensor(ra(img)))
         assert torch.equal(x[i], want), (path, float((x[i] - want).abs().max()))
@@ -354,11 +339,6 @@ def test_timm_train_with_re_prob_is_timms_own_result_for_the_same_draws(odd_phot
     ColorJitter and Python's for the erasing)."""
     import random
 
-    from torchvision.datasets.folder import pil_loader
-    from torchvision.transforms import functional as F
-
-    from coordl.decode.ops import _draw_box
-
     tf = create_transform(40, is_training=True, re_prob=0.6, re_count=2)
     rrc, flip, cj, to_tensor, norm, erase = tf.transforms
     assert type(erase).__name__ == "RandomErasing"
@@ -371,11 +351,7 @@ def test_timm_train_with_re_prob_is_timms_own_result_for_the_same_draws(odd_phot
     erased = 0
     for i, (path, target) in enumerate(ds.samples):
         g = _rng.derive(3, 0, i)
-        pil = pil_loader(path)
-        box = _draw_box(pil.height, pil.width, ours.scale, ours.ratio, g)
-        img = F.resized_crop(pil, *box, list(rrc.size), rrc.interpolation)
-        if g.random() < flip.p:
-            img = F.hflip(img)
+        img, _ = _timms_geometry(path, g, ours, rrc, flip)
         torch.manual_seed(g.getrandbits(63))
         state = random.getstate()
         random.seed(g.getrandbits(63))
