@@ -305,9 +305,10 @@ class TorchvisionPipeline:
         """For each step of :attr:`tail`, its :class:`ColorJitterOnPlanes`
         where it is torchvision's ``ColorJitter`` (:func:`color_jitter_of`),
         its :class:`RandomApplyOnPlanes` where it is a ``RandomApply``
-        around one (:func:`random_apply_of`), else None: what
-        ``decode="device"`` runs on the device."""
-        return [color_jitter_of(t) or random_apply_of(t) for t in self.tail]
+        around one (:func:`random_apply_of`), its :class:`GrayscaleOnPlanes`
+        where it is a ``RandomGrayscale`` (:func:`grayscale_of`), else None:
+        what ``decode="device"`` runs on the device."""
+        return [color_jitter_of(t) or random_apply_of(t) or grayscale_of(t) for t in self.tail]
 
     def _run_post(self, x: Any) -> Any:
         if self.post_fused is not None and isinstance(x, Image.Image) and x.mode in ("RGB", "L"):
@@ -516,6 +517,40 @@ class RandomApplyOnPlanes(OnPlanes):
 
     probes = ({"jitter": {"brightness": 0.4, "contrast": 0.4, "saturation": 0.4, "hue": 0.1}, "p": 0.6},)
     seeds = ((0, 1, 2, 3, 4, 5), (0, 1))
+
+
+class GrayscaleOnPlanes(OnPlanes):
+    """torchvision's ``RandomGrayscale`` (v1 or v2) on the planes: its draw
+    (torch's generator: applied where ``torch.rand(1) < p``), then PIL's
+    ``convert("L")`` repeated over three planes, which is PIL's
+    ``ImageEnhance.Color`` at factor 0 (a blend at alpha 0 is the grey
+    image itself): the colour operation ``(SATURATION, 0.0)`` of
+    ``coordl.decode.color``, so that ``decode="device"`` applies it as a
+    ``ColorJitter``'s.  An L image stays as it is (after the draw)."""
+
+    how = "with its own draw and PIL's luma, computed by coordl on the decoded planes"
+    probes = ({"p": 0.5},)
+    seeds = ((0, 1, 2, 3, 4, 5), (0, 1, 2))
+    most = 1                # operations per call (ColorJitter: 4)
+
+    def exact(self) -> bool:
+        from .decode import color
+
+        return color.exact_kernel() and super().exact()
+
+    def draws_agree(self) -> bool:
+        return _agrees(type(self), type(self.user), self.v2, draws=True)
+
+    def draw(self) -> list[tuple[int, float]]:
+        from .decode import color
+
+        return [(color.SATURATION, 0.0)] if bool(torch.rand(1) < self.user.p) else []
+
+    def on_planes(self, x: torch.Tensor) -> torch.Tensor:
+        from .decode import color
+
+        ops = self.draw()
+        return torch.from_numpy(color.jitter(x.numpy(), ops)) if ops and x.shape[0] == 3 else x
 
 
 class AugMixOnPlanes(OnPlanes):
@@ -1136,6 +1171,22 @@ def random_apply_of(t: Any) -> "RandomApplyOnPlanes | None":
     return RandomApplyOnPlanes(t, kind[0] == "v2", jitter)
 
 
+def grayscale_of(t: Any) -> "GrayscaleOnPlanes | None":
+    """A :class:`GrayscaleOnPlanes` over ``t`` when it is torchvision's
+    ``RandomGrayscale`` (v1 or v2) with a probability, else None."""
+    if isinstance(t, GrayscaleOnPlanes):
+        return t
+    kind = _kind(t)
+    if kind is None or kind[0] not in ("v1", "v2") or kind[1] != "RandomGrayscale":
+        return None
+    try:
+        if not 0.0 <= float(t.p) <= 1.0:
+            return None
+    except (TypeError, ValueError, AttributeError):
+        return None
+    return GrayscaleOnPlanes(t, kind[0] == "v2")
+
+
 def _on_planes(t: Any) -> Any:
     """``t``, or an :class:`OnPlanes` over it when it is torchvision's
     ``ColorJitter`` with ranges as its constructor makes them, or its
@@ -1147,8 +1198,8 @@ def _on_planes(t: Any) -> Any:
         return t
     v2 = kind[0] == "v2"
     try:
-        if kind[1] in ("ColorJitter", "RandomApply"):
-            mine = color_jitter_of(t) or random_apply_of(t)
+        if kind[1] in ("ColorJitter", "RandomApply", "RandomGrayscale"):
+            mine = color_jitter_of(t) or random_apply_of(t) or grayscale_of(t)
             if mine is None:
                 return t
         elif kind[1] == "AugMix":

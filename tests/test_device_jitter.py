@@ -177,6 +177,23 @@ def test_a_randomapply_around_colorjitter_runs_on_the_device_as_the_cpu_path(pho
     assert 0 < sum(applied) < 40
 
 
+@pytest.mark.parametrize("version,workers", [("v1", 2), ("v2", 0)])
+def test_randomgrayscale_runs_on_the_device_as_the_cpu_path(photos, cpu_device, version, workers):
+    """``RandomGrayscale`` (timm's ``grayscale_prob``, the self-supervised
+    recipes): its draw made in the worker, the grey image PIL's
+    ``convert("L")`` as the colour operation (SATURATION, 0.0); bit for bit
+    the CPU path's of the device's rows, some rows grey, some not."""
+    M = V if version == "v1" else V2
+    steps = [V.RandomResizedCrop(20, scale=(0.3, 1.0)), V.RandomHorizontalFlip(), V.PILToTensor()]
+    got, want, L = _geometry_then_jitter(photos, steps, M.RandomGrayscale(p=0.5), workers)
+    grey = 0
+    for (a, y), (b, y2) in zip(got, want):
+        assert torch.equal(y, y2) and torch.equal(a, b)
+        grey += int(((a[:, 0] == a[:, 1]) & (a[:, 1] == a[:, 2])).flatten(1).all(1).sum())
+    assert 0 < grey < 20
+    assert "RandomGrayscale" in E.plan_for(L.dataset.transform).describe()
+
+
 def test_the_workers_share_is_jittered_in_the_worker_as_the_cpu_path(photos, cpu_device, monkeypatch):
     """Half the samples prepared by the workers on the CPU path, their jitter
     with them; the other half on the device: both are the jitter of their

@@ -404,7 +404,7 @@ def _recipe(kind):
     if kind == "TrivialAugmentWide":     # a policy run as written on the PIL image
         return V.Compose([V.RandomResizedCrop(16), V.TrivialAugmentWide(), V.PILToTensor(),
                           V.ConvertImageDtype(torch.float32), V.Normalize(MEAN, STD)])
-    if kind == "RandomGrayscale":       # another step run as written, on the PIL image (3 channels kept)
+    if kind == "RandomGrayscale":       # drawn in the worker, its grey image a saturation at 0 on the device
         return V.Compose([V.RandomResizedCrop(16), V.RandomGrayscale(0.5), V.ToTensor(), V.Normalize(MEAN, STD)])
     raise AssertionError(kind)
 
@@ -426,8 +426,9 @@ def test_a_torchvision_recipe_with_steps_run_as_written_is_split(photos, cpu_dev
     for a, b in zip(got, plain):
         assert _same(a, b), kind
     st = L.stats()
-    if "ColorJitter" in kind:       # drawn in the worker, applied on the device
-        assert st.device_split.startswith("split: uint8 images travel; ColorJitter, ToTensor's scaling"), st
+    if "ColorJitter" in kind or kind == "RandomGrayscale":       # drawn in the worker, applied on the device
+        name = kind.split()[-1]
+        assert st.device_split.startswith(f"split: uint8 images travel; {name}, ToTensor's scaling"), st
     else:
         assert st.device_split.startswith("split: uint8 images travel after the steps run as written"), st
     assert L._delivery is not None and L._delivery.k == 3 and st.device_split_cpu_samples == 0

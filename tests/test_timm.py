@@ -330,6 +330,32 @@ def test_timm_color_jitter_prob_runs_on_the_planes_and_is_timms_own_result_for_t
     assert 0 < jittered < len(ds)
 
 
+def test_timm_grayscale_prob_runs_on_the_planes_and_is_timms_own_result_for_the_same_draws(odd_photos):
+    """timm's ``grayscale_prob`` (torchvision's ``RandomGrayscale`` after
+    its ``ColorJitter``): on the decoded planes, each sample what timm's and
+    torchvision's own transforms give for coordl's draws; some grey."""
+    tf = create_transform(40, is_training=True, grayscale_prob=0.5)
+    rrc, flip, cj, gray, to_tensor, norm = tf.transforms
+    assert type(gray).__name__ == "RandomGrayscale"
+    ds = D.ImageFolder(odd_photos, transform=tf)
+    L = coordl.DataLoader(ds, batch_size=len(ds), shuffle=False, seed=8)
+    if C._ext is not None:
+        assert "RandomGrayscale with its own draw and PIL's luma" in L.stats().path_reason, L.stats().path_reason
+    (x, _), = list(L)
+    ours = translate(tf)[0].fused.transforms[0]
+    grey = 0
+    for i, (path, _) in enumerate(ds.samples):
+        g = _rng.derive(8, 0, i)
+        img, _ = _timms_geometry(path, g, ours, rrc, flip)
+        torch.manual_seed(g.getrandbits(63))
+        out = gray(cj(img))
+        want = norm(to_tensor(out))
+        assert torch.equal(x[i], want), (path, float((x[i] - want).abs().max()))
+        r, gr, b = out.split()
+        grey += r.tobytes() == gr.tobytes() == b.tobytes()
+    assert 0 < grey < len(ds)
+
+
 @pytest.mark.parametrize("num_workers", [0, 2])
 def test_timm_train_with_re_prob_is_timms_own_result_for_the_same_draws(odd_photos, num_workers):
     """timm's train transform with its RandomErasing (``re_prob``, up to two

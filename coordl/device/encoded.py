@@ -282,7 +282,7 @@ class DecodePlan:
 
 _HOW = ("decode='device' runs [RandomResizedCrop | Resize] [CenterCrop | RandomCrop], with RandomHorizontalFlip "
         "and RandomVerticalFlip anywhere among them, then torchvision's ColorJitter (optional; alone or in a "
-        "RandomApply), then ToTensor() [+ Normalize(...)s] [+ RandomErasing] or PILToTensor()")
+        "RandomApply) and RandomGrayscale, then ToTensor() [+ Normalize(...)s] [+ RandomErasing] or PILToTensor()")
 
 
 def _refuse(why: str, fix: str = "") -> ValueError:
@@ -412,9 +412,10 @@ def _with_jitter(pipeline) -> tuple[list, list]:
     if bad:
         raise _refuse(f"{bad[0].user!r}'s draws could not be made apart from its call with this torchvision "
                       f"({type(bad[0].user).__module__}: the log says why)", "remove it from the transform")
-    if len(jitters) * 4 > MAX_OPS:
-        raise _refuse(f"it has {len(jitters)} ColorJitter steps, and the device stage runs at most {MAX_OPS // 4}",
-                      "merge them into one")
+    if sum(getattr(j, "most", 4) for j in jitters) > MAX_OPS:
+        raise _refuse(f"it has {len(jitters)} ColorJitter steps (or RandomGrayscale), and the device stage runs "
+                      f"at most {MAX_OPS // 4} ColorJitters ({MAX_OPS} colour operations a sample; a RandomGrayscale "
+                      "is one)", "merge them into one")
     if pipeline.post_fused is None:
         what = (f"after ColorJitter the steps {', '.join(type(t).__name__ for t in pipeline.post)} run as "
                 "written" if pipeline.post else "the transform ends with ColorJitter (its result, a PIL image)")

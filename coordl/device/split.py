@@ -411,10 +411,13 @@ def _split_pipeline(dataset, tf, device, no) -> Split:
     erase = tf.erase
     if erase is not None:
         tail.erase_value = erase.value
-    # the steps as written all ColorJitter whose draws are made apart: drawn in the worker, applied on the device
-    tail.jitter = tf.split_jitters() is not None
+    # the steps as written all colour steps whose draws are made apart (ColorJitter, in a RandomApply or not,
+    # RandomGrayscale): drawn in the worker, applied on the device
+    jitters = tf.split_jitters()
+    tail.jitter = jitters is not None
     mine.transform = _SplitPipeline(tf, tail.jitter)
-    what = (["ColorJitter"] if tail.jitter else []) + ["ToTensor's scaling", f"{len(normalizes)} Normalize"] + (
+    names = list(dict.fromkeys(type(j.user).__name__ for j in jitters or ()))
+    what = names + ["ToTensor's scaling", f"{len(normalizes)} Normalize"] + (
         [type(erase.user).__name__] if erase is not None else [])
     return Split(SplitPrep(dataset, mine, DeviceTail(tail.normalizes, tail.erase_value, tail.jitter, tail.reciprocal),
                            erase), tail,
