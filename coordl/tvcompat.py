@@ -1127,6 +1127,15 @@ def _split_post(tail: list) -> tuple[list, list, Any, Any, Any, list]:
     return rest, post, post_fused, post_type, erase, after
 
 
+def _torchvision_v2(t: Any, name: str) -> bool | None:
+    """Whether ``t``, torchvision's transform ``name``, is v2's (False:
+    v1's); None when it is not that transform of torchvision's."""
+    kind = _kind(t)
+    if kind is None or kind[0] not in ("v1", "v2") or kind[1] != name:
+        return None
+    return kind[0] == "v2"
+
+
 def color_jitter_of(t: Any) -> "ColorJitterOnPlanes | None":
     """A :class:`ColorJitterOnPlanes` over ``t`` when it is torchvision's
     ``ColorJitter`` (v1 or v2) with ranges as its constructor makes them
@@ -1134,8 +1143,8 @@ def color_jitter_of(t: Any) -> "ColorJitterOnPlanes | None":
     says that), else None."""
     if isinstance(t, ColorJitterOnPlanes):
         return t
-    kind = _kind(t)
-    if kind is None or kind[0] not in ("v1", "v2") or kind[1] != "ColorJitter":
+    v2 = _torchvision_v2(t, "ColorJitter")
+    if v2 is None:
         return None
     try:
         for name in ("brightness", "contrast", "saturation", "hue"):
@@ -1148,7 +1157,7 @@ def color_jitter_of(t: Any) -> "ColorJitterOnPlanes | None":
                 return None
     except (TypeError, ValueError, AttributeError):
         return None
-    return ColorJitterOnPlanes(t, kind[0] == "v2")
+    return ColorJitterOnPlanes(t, v2)
 
 
 def random_apply_of(t: Any) -> "RandomApplyOnPlanes | None":
@@ -1157,8 +1166,8 @@ def random_apply_of(t: Any) -> "RandomApplyOnPlanes | None":
     :func:`color_jitter_of` takes, else None."""
     if isinstance(t, RandomApplyOnPlanes):
         return t
-    kind = _kind(t)
-    if kind is None or kind[0] not in ("v1", "v2") or kind[1] != "RandomApply":
+    v2 = _torchvision_v2(t, "RandomApply")
+    if v2 is None:
         return None
     try:
         inner = list(t.transforms)
@@ -1168,7 +1177,7 @@ def random_apply_of(t: Any) -> "RandomApplyOnPlanes | None":
     jitter = color_jitter_of(inner[0]) if len(inner) == 1 else None
     if jitter is None or not 0.0 <= p <= 1.0:
         return None
-    return RandomApplyOnPlanes(t, kind[0] == "v2", jitter)
+    return RandomApplyOnPlanes(t, v2, jitter)
 
 
 def grayscale_of(t: Any) -> "GrayscaleOnPlanes | None":
@@ -1176,15 +1185,15 @@ def grayscale_of(t: Any) -> "GrayscaleOnPlanes | None":
     ``RandomGrayscale`` (v1 or v2) with a probability, else None."""
     if isinstance(t, GrayscaleOnPlanes):
         return t
-    kind = _kind(t)
-    if kind is None or kind[0] not in ("v1", "v2") or kind[1] != "RandomGrayscale":
+    v2 = _torchvision_v2(t, "RandomGrayscale")
+    if v2 is None:
         return None
     try:
         if not 0.0 <= float(t.p) <= 1.0:
             return None
     except (TypeError, ValueError, AttributeError):
         return None
-    return GrayscaleOnPlanes(t, kind[0] == "v2")
+    return GrayscaleOnPlanes(t, v2)
 
 
 def _on_planes(t: Any) -> Any:

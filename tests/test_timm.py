@@ -305,55 +305,37 @@ def test_timm_vflip_fuses_and_is_timms_own_result_for_the_same_draws(odd_photos)
     assert 0 < upside < len(ds)
 
 
-def test_timm_color_jitter_prob_runs_on_the_planes_and_is_timms_own_result_for_the_same_draws(odd_photos):
+@pytest.mark.parametrize("kw,name,how,seed", [
+    ({"color_jitter_prob": 0.5}, "RandomApply", "applied with probability 0.5, the ColorJitter", 6),
+    ({"grayscale_prob": 0.5}, "RandomGrayscale", "RandomGrayscale with its own draw and PIL's luma", 8),
+], ids=["color_jitter_prob", "grayscale_prob"])
+def test_timms_colour_options_run_on_the_planes_as_timms_own_result_for_the_same_draws(odd_photos, kw, name, how,
+                                                                                       seed):
     """timm's ``color_jitter_prob`` (a ``RandomApply`` around its
-    ``ColorJitter``): on the decoded planes, each sample what timm's and
-    torchvision's own transforms give for coordl's draws; some jittered,
-    some not."""
-    tf = create_transform(40, is_training=True, color_jitter_prob=0.5)
-    rrc, flip, ra, to_tensor, norm = tf.transforms
-    assert type(ra).__name__ == "RandomApply"
+    ``ColorJitter``) and ``grayscale_prob`` (a ``RandomGrayscale`` after
+    it): on the decoded planes, each sample what timm's and torchvision's
+    own transforms give for coordl's draws; the step applied to some
+    samples, not to others."""
+    tf = create_transform(40, is_training=True, **kw)
+    rrc, flip, *colour, to_tensor, norm = tf.transforms
+    assert type(colour[-1]).__name__ == name
     ds = D.ImageFolder(odd_photos, transform=tf)
-    L = coordl.DataLoader(ds, batch_size=len(ds), shuffle=False, seed=6)
+    L = coordl.DataLoader(ds, batch_size=len(ds), shuffle=False, seed=seed)
     if C._ext is not None:
-        assert "applied with probability 0.5, the ColorJitter" in L.stats().path_reason, L.stats().path_reason
+        assert how in L.stats().path_reason, L.stats().path_reason
     (x, _), = list(L)
     ours = translate(tf)[0].fused.transforms[0]
-    jittered = 0
+    applied = 0
     for i, (path, _) in enumerate(ds.samples):
-        g = _rng.derive(6, 0, i)
+        g = _rng.derive(seed, 0, i)
         img, _ = _timms_geometry(path, g, ours, rrc, flip)
         torch.manual_seed(g.getrandbits(63))
-        want = norm(to_tensor(ra(img)))
+        for t in colour[:-1]:            # the ColorJitter before the RandomGrayscale, drawing first
+            img = t(img)
+        want = norm(to_tensor(colour[-1](img)))
         assert torch.equal(x[i], want), (path, float((x[i] - want).abs().max()))
-        jittered += not torch.equal(want, norm(to_tensor(img)))
-    assert 0 < jittered < len(ds)
-
-
-def test_timm_grayscale_prob_runs_on_the_planes_and_is_timms_own_result_for_the_same_draws(odd_photos):
-    """timm's ``grayscale_prob`` (torchvision's ``RandomGrayscale`` after
-    its ``ColorJitter``): on the decoded planes, each sample what timm's and
-    torchvision's own transforms give for coordl's draws; some grey."""
-    tf = create_transform(40, is_training=True, grayscale_prob=0.5)
-    rrc, flip, cj, gray, to_tensor, norm = tf.transforms
-    assert type(gray).__name__ == "RandomGrayscale"
-    ds = D.ImageFolder(odd_photos, transform=tf)
-    L = coordl.DataLoader(ds, batch_size=len(ds), shuffle=False, seed=8)
-    if C._ext is not None:
-        assert "RandomGrayscale with its own draw and PIL's luma" in L.stats().path_reason, L.stats().path_reason
-    (x, _), = list(L)
-    ours = translate(tf)[0].fused.transforms[0]
-    grey = 0
-    for i, (path, _) in enumerate(ds.samples):
-        g = _rng.derive(8, 0, i)
-        img, _ = _timms_geometry(path, g, ours, rrc, flip)
-        torch.manual_seed(g.getrandbits(63))
-        out = gray(cj(img))
-        want = norm(to_tensor(out))
-        assert torch.equal(x[i], want), (path, float((x[i] - want).abs().max()))
-        r, gr, b = out.split()
-        grey += r.tobytes() == gr.tobytes() == b.tobytes()
-    assert 0 < grey < len(ds)
+        applied += not torch.equal(want, norm(to_tensor(img)))
+    assert 0 < applied < len(ds)
 
 
 @pytest.mark.parametrize("num_workers", [0, 2])
