@@ -25,6 +25,25 @@ class TwoArgError(Exception):
         super().__init__(code, detail)
 
 
+class FolderTwoStage(Dataset):
+    """A two-stage dataset of a test's own over an image folder (its
+    ``raw`` and length coordl.ImageFolder's): subclasses write ``prep``,
+    with ``transform`` and ``kind`` to choose what a sample is."""
+
+    def __init__(self, root, transform, kind):
+        import coordl
+
+        self.base = coordl.ImageFolder(root)
+        self.transform = transform
+        self.kind = kind
+
+    def __len__(self):
+        return len(self.base)
+
+    def raw(self, i):
+        return self.base.raw(i)
+
+
 class RangeDataset(Dataset):
     """Sample i is ``torch.tensor(i)``."""
 

@@ -209,6 +209,21 @@ def tv():
     return tv
 
 
+@pytest.fixture(scope="session")
+def photo_folder(tmp_path_factory):
+    """``make(name, **kw)``: a folder of synthetic photos
+    (``coordl.synth.make_image_folder(root, **kw)``) under a temporary
+    directory named ``name``; its path."""
+    from coordl.synth import make_image_folder
+
+    def make(name: str, **kw) -> str:
+        root = tmp_path_factory.mktemp(name) / "photos"
+        make_image_folder(str(root), **kw)
+        return str(root)
+
+    return make
+
+
 @pytest.fixture
 def cpu_device(monkeypatch):
     """The CPU stands in for the device (``coordl.device.delivery.CPU_TEST_DEVICE``):

@@ -34,12 +34,8 @@ Pair = collections.namedtuple("Pair", "image label")
 
 
 @pytest.fixture(scope="module")
-def photos(tmp_path_factory):
-    from coordl.synth import make_image_folder
-
-    root = tmp_path_factory.mktemp("cuda") / "photos"
-    make_image_folder(str(root), num_images=24, num_classes=2, mean_kb=2, image_size=(40, 32), seed=2)
-    return str(root)
+def photos(photo_folder):
+    return photo_folder("cuda", num_images=24, num_classes=2, mean_kb=2, image_size=(40, 32), seed=2)
 
 
 def _tf():

@@ -85,12 +85,8 @@ def test_split_for_device_keeps_the_users_dataset(photos):
 
 
 @pytest.fixture(scope="module")
-def photos(tmp_path_factory):
-    from coordl.synth import make_image_folder
-
-    root = tmp_path_factory.mktemp("dev") / "photos"
-    make_image_folder(str(root), num_images=24, num_classes=2, mean_kb=2, image_size=(40, 32), seed=1)
-    return str(root)
+def photos(photo_folder):
+    return photo_folder("dev", num_images=24, num_classes=2, mean_kb=2, image_size=(40, 32), seed=1)
 
 
 @pytest.mark.parametrize("workers", [0, 2])

@@ -31,12 +31,8 @@ def cpu_device(monkeypatch):
 
 
 @pytest.fixture(scope="module")
-def photos(tmp_path_factory):
-    from coordl.synth import make_image_folder
-
-    root = tmp_path_factory.mktemp("batchreads") / "photos"
-    make_image_folder(str(root), num_images=22, num_classes=3, mean_kb=5, image_size=(80, 60), seed=9)
-    return str(root)
+def photos(photo_folder):
+    return photo_folder("batchreads", num_images=22, num_classes=3, mean_kb=5, image_size=(80, 60), seed=9)
 
 
 def _odd(root):

@@ -20,6 +20,7 @@ import coordl
 from coordl import transforms as T
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _datasets_for_tests import FolderTwoStage  # noqa: E402
 from _resume_check import whole_and_resumed  # noqa: E402
 
 NORM = T.Normalize([0.485, 0.456, 0.406], [0.229, 0.224, 0.225])
@@ -32,12 +33,8 @@ def _rrc(size=16):
 
 
 @pytest.fixture(scope="module")
-def photos(tmp_path_factory):
-    from coordl.synth import make_image_folder
-
-    root = tmp_path_factory.mktemp("dcollate") / "photos"
-    make_image_folder(str(root), num_images=20, num_classes=3, mean_kb=5, image_size=(80, 64), seed=6)
-    return str(root)
+def photos(photo_folder):
+    return photo_folder("dcollate", num_images=20, num_classes=3, mean_kb=5, image_size=(80, 64), seed=6)
 
 
 def mix(batch, num_classes=3):
@@ -91,19 +88,11 @@ def test_a_mixing_collate_gives_the_cpu_paths_batches(photos, cpu_device, exact,
     assert L.stats().device_decode_images == len(ds)
 
 
-class Shaped(torch.utils.data.Dataset):
+class Shaped(FolderTwoStage):
     """A two-stage dataset returning samples of several structures."""
 
     def __init__(self, root, kind):
-        self.base = coordl.ImageFolder(root)
-        self.transform = _rrc()
-        self.kind = kind
-
-    def __len__(self):
-        return len(self.base)
-
-    def raw(self, i):
-        return self.base.raw(i)
+        super().__init__(root, _rrc(), kind)
 
     def prep(self, raw, i):
         img = self.transform.from_bytes(raw)

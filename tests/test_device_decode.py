@@ -8,6 +8,7 @@ import collections
 import io
 import os
 import random
+import sys
 import warnings
 
 import numpy as np
@@ -22,6 +23,9 @@ from coordl.decode import jpeg
 from coordl.device import decode as DD
 from coordl.device import delivery as D
 from coordl.device import encoded as E
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _datasets_for_tests import FolderTwoStage  # noqa: E402
 
 NORM = T.Normalize([0.485, 0.456, 0.406], [0.229, 0.224, 0.225])
 # docs/guide/gpu.md, "Same semantics as the CPU path, and the tolerance": the bound against the CPU path (uint8 levels per channel value)
@@ -39,12 +43,8 @@ def _eval(resize=40, crop=32):
 
 
 @pytest.fixture(scope="module")
-def photos(tmp_path_factory):
-    from coordl.synth import make_image_folder
-
-    root = tmp_path_factory.mktemp("decode") / "photos"
-    make_image_folder(str(root), num_images=20, num_classes=2, mean_kb=6, image_size=(96, 72), seed=4)
-    return str(root)
+def photos(photo_folder):
+    return photo_folder("decode", num_images=20, num_classes=2, mean_kb=6, image_size=(96, 72), seed=4)
 
 
 def _levels(a, b):
@@ -142,19 +142,8 @@ def test_the_default_stand_in_is_within_the_documented_tolerance(photos, cpu_dev
 
 
 # ---------------------------------------------------------------- structure
-class Structured(torch.utils.data.Dataset):
+class Structured(FolderTwoStage):
     """A two-stage dataset of its own that hands the bytes to its transform."""
-
-    def __init__(self, root, transform, kind):
-        self.base = coordl.ImageFolder(root)
-        self.transform = transform
-        self.kind = kind
-
-    def __len__(self):
-        return len(self.base)
-
-    def raw(self, i):
-        return self.base.raw(i)
 
     def prep(self, raw, i):
         tf, k = self.transform, self.kind

@@ -19,12 +19,8 @@ NORM = T.Normalize([0.485, 0.456, 0.406], [0.229, 0.224, 0.225])
 
 
 @pytest.fixture(scope="module")
-def photos(tmp_path_factory):
-    from coordl.synth import make_image_folder
-
-    root = tmp_path_factory.mktemp("split") / "photos"
-    make_image_folder(str(root), num_images=24, num_classes=3, mean_kb=6, image_size=(96, 72), seed=9)
-    return str(root)
+def photos(photo_folder):
+    return photo_folder("split", num_images=24, num_classes=3, mean_kb=6, image_size=(96, 72), seed=9)
 
 
 def _streams(root, n=10):

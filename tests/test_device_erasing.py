@@ -38,12 +38,8 @@ ODD = (7.0, -9.0, 11.0)
 
 
 @pytest.fixture(scope="module")
-def photos(tmp_path_factory):
-    from coordl.synth import make_image_folder
-
-    root = tmp_path_factory.mktemp("erasing") / "photos"
-    make_image_folder(str(root), num_images=20, num_classes=2, mean_kb=6, image_size=(96, 72), seed=6)
-    return str(root)
+def photos(photo_folder):
+    return photo_folder("erasing", num_images=20, num_classes=2, mean_kb=6, image_size=(96, 72), seed=6)
 
 
 def _timm():

@@ -39,12 +39,8 @@ STD255 = torch.tensor(STD).view(1, 3, 1, 1) * 255
 
 
 @pytest.fixture(scope="module")
-def photos(tmp_path_factory):
-    from coordl.synth import make_image_folder
-
-    root = tmp_path_factory.mktemp("jitter") / "photos"
-    make_image_folder(str(root), num_images=20, num_classes=2, mean_kb=6, image_size=(96, 72), seed=4)
-    return str(root)
+def photos(photo_folder):
+    return photo_folder("jitter", num_images=20, num_classes=2, mean_kb=6, image_size=(96, 72), seed=4)
 
 
 def _noise(rng, *shape, scale=1):

@@ -91,12 +91,8 @@ class Structured(torch.utils.data.Dataset):
 
 
 @pytest.fixture(scope="module")
-def photos(tmp_path_factory):
-    from coordl.synth import make_image_folder
-
-    root = tmp_path_factory.mktemp("split") / "photos"
-    make_image_folder(str(root), num_images=12, num_classes=2, mean_kb=2, image_size=(40, 32), seed=3)
-    return str(root)
+def photos(photo_folder):
+    return photo_folder("split", num_images=12, num_classes=2, mean_kb=2, image_size=(40, 32), seed=3)
 
 
 def _tf(size=16):

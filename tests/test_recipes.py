@@ -31,12 +31,8 @@ MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 
 
 @pytest.fixture(scope="module")
-def photos(tmp_path_factory):
-    from coordl.synth import make_image_folder
-
-    root = tmp_path_factory.mktemp("recipes") / "photos"
-    make_image_folder(str(root), num_images=24, num_classes=3, mean_kb=3, image_size=(64, 48), seed=3)
-    return str(root)
+def photos(photo_folder):
+    return photo_folder("recipes", num_images=24, num_classes=3, mean_kb=3, image_size=(64, 48), seed=3)
 
 
 # The shape of torchvision's references/classification/presets.py, written here: an object that

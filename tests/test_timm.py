@@ -30,12 +30,8 @@ from coordl.tvcompat import ColorJitterOnPlanes, TorchvisionPipeline, translate 
 
 
 @pytest.fixture(scope="module")
-def photos(tmp_path_factory):
-    from coordl.synth import make_image_folder
-
-    root = tmp_path_factory.mktemp("timm") / "photos"
-    make_image_folder(str(root), num_images=24, num_classes=3, mean_kb=3, image_size=(64, 48), seed=5)
-    return str(root)
+def photos(photo_folder):
+    return photo_folder("timm", num_images=24, num_classes=3, mean_kb=3, image_size=(64, 48), seed=5)
 
 
 def test_timm_default_train_fuses_the_crop_and_flip():

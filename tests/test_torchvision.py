@@ -37,12 +37,8 @@ MEAN, STD = [0.485, 0.456, 0.406], [0.229, 0.224, 0.225]
 
 
 @pytest.fixture(scope="module")
-def photos(tmp_path_factory):
-    from coordl.synth import make_image_folder
-
-    root = tmp_path_factory.mktemp("tv") / "photos"
-    make_image_folder(str(root), num_images=30, num_classes=3, mean_kb=3, image_size=(48, 64), seed=2)
-    return str(root)
+def photos(photo_folder):
+    return photo_folder("tv", num_images=30, num_classes=3, mean_kb=3, image_size=(48, 64), seed=2)
 
 
 def v1_pipeline(size=32):

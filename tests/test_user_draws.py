@@ -75,12 +75,8 @@ def test_collate_draws_leave_the_main_generators_as_they_were():
 
 # ------------------------------------------------------------ a Compose's foreign steps
 @pytest.fixture(scope="module")
-def photos(tmp_path_factory):
-    from coordl.synth import make_image_folder
-
-    root = tmp_path_factory.mktemp("userdraws") / "photos"
-    make_image_folder(str(root), num_images=16, num_classes=2, mean_kb=2, image_size=(40, 32), seed=3)
-    return str(root)
+def photos(photo_folder):
+    return photo_folder("userdraws", num_images=16, num_classes=2, mean_kb=2, image_size=(40, 32), seed=3)
 
 
 class ToPIL:

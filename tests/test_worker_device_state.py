@@ -25,12 +25,8 @@ pytestmark = pytest.mark.timeout(240)
 
 
 @pytest.fixture(scope="module")
-def photos(tmp_path_factory):
-    from coordl.synth import make_image_folder
-
-    root = tmp_path_factory.mktemp("devstate") / "photos"
-    make_image_folder(str(root), num_images=24, num_classes=2, mean_kb=2, image_size=(40, 32), seed=3)
-    return str(root)
+def photos(photo_folder):
+    return photo_folder("devstate", num_images=24, num_classes=2, mean_kb=2, image_size=(40, 32), seed=3)
 
 
 _PRELUDE = '''
