@@ -203,7 +203,7 @@ class TorchvisionPipeline:
         with _rng.seeded_globals(_rng.current()) if seeded else contextlib.nullcontext():
             if jitter_on_device and isinstance(x, torch.Tensor) and x.dtype == torch.uint8 and x.ndim == 3 \
                     and x.shape[0] == 3:
-                ops = [op for j in self.jitters() for op in j.draw()]
+                ops = [op for j in self.jitters() for op in j.draw(tuple(x.shape[1:]))]
                 return x, (ops, self.erase.draw(*x.shape) if self.erase is not None else [])
             x = self._converted(x, split)
             if split and isinstance(x, torch.Tensor) and x.dtype == torch.uint8:
@@ -308,7 +308,7 @@ class TorchvisionPipeline:
         around one (:func:`random_apply_of`), its :class:`GrayscaleOnPlanes`
         where it is a ``RandomGrayscale`` (:func:`grayscale_of`), else None:
         what ``decode="device"`` runs on the device."""
-        return [color_jitter_of(t) or random_apply_of(t) or grayscale_of(t) for t in self.tail]
+        return [color_jitter_of(t) or random_apply_of(t) or grayscale_of(t) or policy_of(t) for t in self.tail]
 
     def _run_post(self, x: Any) -> Any:
         if self.post_fused is not None and isinstance(x, Image.Image) and x.mode in ("RGB", "L"):
@@ -445,7 +445,7 @@ class ColorJitterOnPlanes(OnPlanes):
         kernel): what ``decode="device"`` needs of it."""
         return _agrees(type(self), type(self.user), self.v2, draws=True)
 
-    def draw(self) -> list[tuple[int, float]]:
+    def draw(self, size: tuple | None = None) -> list[tuple[int, float]]:
         """The operations of one call, drawn as the user's object draws them,
         in ``coordl.decode.color.jitter``'s terms."""
         from .decode import color
@@ -497,7 +497,7 @@ class RandomApplyOnPlanes(OnPlanes):
     def on_planes(self, x: torch.Tensor) -> torch.Tensor:
         return self.inner.on_planes(x) if self._applies() else x
 
-    def draw(self) -> list[tuple[int, float]]:
+    def draw(self, size: tuple | None = None) -> list[tuple[int, float]]:
         """The operations of one call: none where it does not apply."""
         return self.inner.draw() if self._applies() else []
 
@@ -541,7 +541,7 @@ class GrayscaleOnPlanes(OnPlanes):
     def draws_agree(self) -> bool:
         return _agrees(type(self), type(self.user), self.v2, draws=True)
 
-    def draw(self) -> list[tuple[int, float]]:
+    def draw(self, size: tuple | None = None) -> list[tuple[int, float]]:
         from .decode import color
 
         return [(color.SATURATION, 0.0)] if bool(torch.rand(1) < self.user.p) else []
@@ -570,6 +570,262 @@ class AugMixOnPlanes(OnPlanes):
             raise TypeError(f"AugMix gave {type(out).__name__} {getattr(out, 'dtype', '')} for planes of shape "
                             f"{tuple(x.shape)}, not uint8 planes of that shape")
         return out.as_subclass(torch.Tensor)
+
+
+class _PILCall(Image.Image):
+    """A PIL image of a size and mode, without pixels, that records the
+    geometric call torchvision's functions make of it (``transform``,
+    ``transpose``, ``copy``: what ``Image.rotate`` and torchvision's
+    ``affine`` end in) instead of making it: how PIL would be asked to move
+    an image's pixels, whatever torchvision version computed the matrix."""
+
+    def __init__(self, size: tuple[int, int], mode: str = "RGB") -> None:
+        super().__init__()
+        self._size, self._mode = tuple(size), mode
+        self.call: tuple | None = None
+
+    def transform(self, size, method, data=None, resample=0, fill=1, fillcolor=None):   # noqa: D102
+        self.call = ("transform", tuple(size), int(method), tuple(data or ()), int(resample), fillcolor)
+        return self
+
+    def transpose(self, method):   # noqa: D102
+        self.call = ("transpose", int(method))
+        return self
+
+    def copy(self):   # noqa: D102
+        self.call = ("copy",)
+        return self
+
+
+class PolicyOnDevice(OnPlanes):
+    """torchvision's auto-augment policies (v1 or v2, nearest-neighbour
+    interpolation) on a PIL image, their draws made apart from their call,
+    so that ``decode="device"`` (and the device split) run their operations
+    on the device (``coordl.device.pil_ops``, ``coordl.device.jitter``).
+    The draws are the user's class's own, in its order, from torch's
+    generator (:meth:`draw`; each policy's in its subclass); each drawn
+    operation becomes PIL's terms (``coordl.decode.color``'s codes):
+    brightness, colour, contrast and sharpness factors, posterize's bits,
+    solarize's threshold, autocontrast, equalize, invert, and for the
+    shears, translations and rotations the very call torchvision makes of
+    PIL (its matrix and fill, or a transposition), recorded on a pixel-less
+    image (:class:`_PILCall`).  Checked once per process against the user's
+    class on probe images (PIL's result of the drawn operations is the
+    user's, and torch's generator is left as its call leaves it).  On the
+    CPU path the policy runs as written."""
+
+    how = "its draws made apart from its call, its operations computed with PIL's arithmetic on the device"
+    seeds = (tuple(range(160)), ())      # RGB probes only: the device runs RGB images; every operation drawn
+    most = 1                             # operations per call
+    affines = 1                          # of them affine maps, at most
+
+    def __init__(self, user: Any, v2: bool):
+        super().__init__(user, v2)
+        self._spaces: dict = {}          # magnitudes by what they depend on (the image's size...)
+        self._calls: dict = {}           # (name, magnitude, h, w) -> the operations of a geometric op
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "_spaces": {}, "_calls": {}}
+
+    def draws_agree(self) -> bool:
+        return _agrees(type(self), type(self.user), self.v2, draws=True)
+
+    def draw(self, size: tuple | None = None) -> list:
+        """The operations of one call on an image of ``size`` (h, w), drawn
+        as the user's object draws them."""
+        h, w = size if size is not None else (0, 0)
+        return [op for name, magnitude in self._draws(h, w) for op in self._ops(name, magnitude, h, w)]
+
+    def _draws(self, h: int, w: int) -> list:
+        """``[(operation name, magnitude)]`` of one call, in order."""
+        raise NotImplementedError
+
+    def _space_v1(self, *args) -> dict:
+        """The user's v1 ``_augmentation_space(*args)``, kept (it depends on
+        nothing drawn)."""
+        got = self._spaces.get(args)
+        if got is None:
+            got = self._spaces[args] = self.user._augmentation_space(*args)
+        return got
+
+    def _magnitudes_v2(self, name: str, fn, bins: int, h: int, w: int):
+        key = (name, bins, h, w)
+        if key not in self._spaces:
+            self._spaces[key] = fn(bins, h, w)
+        return self._spaces[key]
+
+    def _ops(self, name: str, magnitude: float, h: int, w: int) -> list:
+        from .decode import color as C
+
+        simple = {"Brightness": (C.BRIGHTNESS, 1.0 + magnitude), "Color": (C.SATURATION, 1.0 + magnitude),
+                  "Contrast": (C.CONTRAST, 1.0 + magnitude), "Sharpness": (C.SHARPNESS, 1.0 + magnitude),
+                  "Posterize": (C.POSTERIZE, int(magnitude)),
+                  "Solarize": (C.SOLARIZE, 255.0 * magnitude if self.v2 else magnitude),
+                  "AutoContrast": (C.AUTOCONTRAST, 0), "Equalize": (C.EQUALIZE, 0), "Invert": (C.INVERT, 0)}
+        if name == "Identity":
+            return []
+        if name in simple:
+            return [simple[name]]
+        key = (name, magnitude, h, w)
+        ops = self._calls.get(key)
+        if ops is None:
+            ops = self._calls[key] = self._geometric(name, magnitude, h, w)
+        return ops
+
+    def _geometric(self, name: str, magnitude: float, h: int, w: int) -> list:
+        """The operations of the shear, translation or rotation ``name``:
+        torchvision's own call of PIL for it, recorded."""
+        from .decode import color as C
+
+        t, img = self.user, _PILCall((w, h))
+        if self.v2:
+            fill = dict(t._fill)
+            fill[_PILCall] = fill.get(Image.Image, fill.get("others"))
+            t._apply_image_or_video_transform(img, name, magnitude, interpolation=t.interpolation, fill=fill)
+        else:
+            sys.modules["torchvision.transforms.autoaugment"]._apply_op(img, name, magnitude, t.interpolation,
+                                                                         t.fill)
+        call = img.call
+        if call is None:
+            raise ValueError(f"{_name(t)}'s {name} made no call of PIL's transform or transpose")
+        if call[0] == "copy":
+            return []
+        if call[0] == "transpose":
+            return [(C.TRANSPOSE, call[1])]
+        _, size, method, data, resample, fillcolor = call
+        if size != (w, h) or method != int(Image.Transform.AFFINE) or resample != int(Image.Resampling.NEAREST) \
+                or len(data) != 6:
+            raise ValueError(f"{_name(t)}'s {name} asks PIL for a transform coordl does not run on the device "
+                             f"(size {size}, method {method}, resample {resample})")
+        if fillcolor is not None:
+            fillcolor = tuple(int(v) for v in (fillcolor if isinstance(fillcolor, tuple) else (fillcolor,) * 3))
+        return [(C.AFFINE, (*(float(v) for v in data), fillcolor))]
+
+
+_FILL = [9, 80, 200]
+
+
+class TrivialAugmentOnDevice(PolicyOnDevice):
+    """``TrivialAugmentWide``: one operation a call, its magnitude drawn
+    from the bins."""
+
+    probes = ({}, {"num_magnitude_bins": 7}, {"fill": _FILL})
+
+    def _draws(self, h: int, w: int) -> list:
+        t = self.user
+        if self.v2:
+            name, (fn, signed) = t._get_random_item(t._AUGMENTATION_SPACE)
+            magnitudes = self._magnitudes_v2(name, fn, t.num_magnitude_bins, h, w)
+            if magnitudes is None:
+                return [(name, 0.0)]
+            magnitude = float(magnitudes[int(torch.randint(t.num_magnitude_bins, ()))])
+            if signed and torch.rand(()) <= 0.5:
+                magnitude *= -1
+            return [(name, magnitude)]
+        space = self._space_v1(t.num_magnitude_bins)
+        name = list(space)[int(torch.randint(len(space), (1,)).item())]
+        magnitudes, signed = space[name]
+        magnitude = float(magnitudes[torch.randint(len(magnitudes), (1,), dtype=torch.long)].item()) \
+            if magnitudes.ndim > 0 else 0.0
+        if signed and torch.randint(2, (1,)):
+            magnitude *= -1.0
+        return [(name, magnitude)]
+
+
+class RandAugmentOnDevice(PolicyOnDevice):
+    """``RandAugment``: ``num_ops`` operations a call at the one magnitude."""
+
+    probes = ({}, {"num_ops": 3, "magnitude": 20}, {"fill": _FILL, "num_magnitude_bins": 11, "magnitude": 10})
+
+    def __init__(self, user: Any, v2: bool):
+        super().__init__(user, v2)
+        self.most = self.affines = int(user.num_ops)
+
+    def _draws(self, h: int, w: int) -> list:
+        t, out = self.user, []
+        for _ in range(t.num_ops):
+            if self.v2:
+                name, (fn, signed) = t._get_random_item(t._AUGMENTATION_SPACE)
+                magnitudes = self._magnitudes_v2(name, fn, t.num_magnitude_bins, h, w)
+                magnitude = 0.0
+                if magnitudes is not None:
+                    magnitude = float(magnitudes[t.magnitude])
+                    if signed and torch.rand(()) <= 0.5:
+                        magnitude *= -1
+            else:
+                space = self._space_v1(t.num_magnitude_bins, (h, w))
+                name = list(space)[int(torch.randint(len(space), (1,)).item())]
+                magnitudes, signed = space[name]
+                magnitude = float(magnitudes[t.magnitude].item()) if magnitudes.ndim > 0 else 0.0
+                if signed and torch.randint(2, (1,)):
+                    magnitude *= -1.0
+            out.append((name, magnitude))
+        return out
+
+
+class AutoAugmentOnDevice(PolicyOnDevice):
+    """``AutoAugment``: a sub-policy drawn, each of its two operations
+    applied with its probability."""
+
+    probes = ({}, {"policy": "CIFAR10"}, {"policy": "SVHN", "fill": _FILL})
+    most = affines = 2
+
+    @classmethod
+    def probe(cls, user_cls: type, v2: bool, kw: dict) -> tuple:
+        kw = dict(kw)
+        if "policy" in kw:
+            kw["policy"] = sys.modules["torchvision.transforms"].AutoAugmentPolicy[kw["policy"]]
+        return super().probe(user_cls, v2, kw)
+
+    def _draws(self, h: int, w: int) -> list:
+        t, out = self.user, []
+        if self.v2:
+            policy = t._policies[int(torch.randint(len(t._policies), ()))]
+            for name, probability, magnitude_idx in policy:
+                if not torch.rand(()) <= probability:
+                    continue
+                fn, signed = t._AUGMENTATION_SPACE[name]
+                magnitudes = self._magnitudes_v2(name, fn, 10, h, w)
+                magnitude = 0.0
+                if magnitudes is not None:
+                    magnitude = float(magnitudes[magnitude_idx])
+                    if signed and torch.rand(()) <= 0.5:
+                        magnitude *= -1
+                out.append((name, magnitude))
+            return out
+        transform_id, probs, signs = t.get_params(len(t.policies))
+        space = self._space_v1(10, (h, w))
+        for i, (name, p, magnitude_id) in enumerate(t.policies[transform_id]):
+            if probs[i] <= p:
+                magnitudes, signed = space[name]
+                magnitude = float(magnitudes[magnitude_id].item()) if magnitude_id is not None else 0.0
+                if signed and signs[i] == 0:
+                    magnitude *= -1.0
+                out.append((name, magnitude))
+        return out
+
+
+_POLICIES = {"TrivialAugmentWide": TrivialAugmentOnDevice, "RandAugment": RandAugmentOnDevice,
+             "AutoAugment": AutoAugmentOnDevice}
+
+
+def policy_of(t: Any) -> "PolicyOnDevice | None":
+    """A :class:`PolicyOnDevice` over ``t`` when it is torchvision's
+    ``TrivialAugmentWide``, ``RandAugment`` or ``AutoAugment`` (v1 or v2)
+    with nearest-neighbour interpolation, else None."""
+    if isinstance(t, PolicyOnDevice):
+        return t
+    kind = _kind(t)
+    cls = _POLICIES.get(kind[1]) if kind is not None and kind[0] in ("v1", "v2") else None
+    if cls is None:
+        return None
+    mode = getattr(t, "interpolation", None)
+    if getattr(mode, "value", mode) not in ("nearest", int(Image.Resampling.NEAREST)):
+        return None
+    try:
+        return cls(t, kind[0] == "v2")
+    except (TypeError, ValueError, AttributeError):
+        return None
 
 
 class ErasingOnTensor:
@@ -795,7 +1051,7 @@ def _check_agreement(kind: type, cls: type, v2: bool, draws: bool = False) -> bo
                     if draws:
                         from .decode import color
 
-                        got = T._to_chw(color.pil_jitter(img, mine.draw())).numpy()
+                        got = T._to_chw(color.pil_jitter(img, mine.draw((img.height, img.width)))).numpy()
                     else:
                         got = mine.on_planes(T._to_chw(img)).numpy()
                     got = got[0] if img.mode == "L" else got.transpose(1, 2, 0)

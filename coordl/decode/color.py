@@ -24,12 +24,21 @@ from PIL import Image, ImageEnhance
 
 from . import extensions
 
-__all__ = ["BRIGHTNESS", "CONTRAST", "SATURATION", "HUE", "jitter", "pil_jitter", "exact_kernel", "probe_ops"]
+__all__ = ["BRIGHTNESS", "CONTRAST", "SATURATION", "HUE", "SHARPNESS", "POSTERIZE", "SOLARIZE", "AUTOCONTRAST",
+           "EQUALIZE", "INVERT", "AFFINE", "TRANSPOSE", "KERNEL_CODES", "jitter", "pil_jitter", "exact_kernel",
+           "probe_ops"]
 
 log = logging.getLogger(__name__)
 
 # the operation codes of jitter's ops: (code, factor), or (HUE, shift of the 8-bit hue, 0..255)
 BRIGHTNESS, CONTRAST, SATURATION, HUE = 0, 1, 2, 3
+# the other operations of torchvision's auto-augment policies on a PIL image, as PIL runs them
+# (pil_jitter; the C extension runs KERNEL_CODES only): (SHARPNESS, factor): ImageEnhance.Sharpness;
+# (POSTERIZE, bits), (SOLARIZE, threshold), (AUTOCONTRAST, 0), (EQUALIZE, 0), (INVERT, 0): ImageOps';
+# (AFFINE, (a0, a1, a2, a3, a4, a5, fill)): Image.transform(size, AFFINE, a, NEAREST, fillcolor=fill), the
+# image's own size, fill a tuple of one value per band (or None: zeros); (TRANSPOSE, method): Image.transpose
+SHARPNESS, POSTERIZE, SOLARIZE, AUTOCONTRAST, EQUALIZE, INVERT, AFFINE, TRANSPOSE = range(4, 12)
+KERNEL_CODES = frozenset((BRIGHTNESS, CONTRAST, SATURATION, HUE))
 
 
 _ext = extensions.load("_color", log, "colour adjustments run through PIL")
@@ -48,6 +57,8 @@ def jitter(x: np.ndarray, ops) -> np.ndarray:
 
 def pil_jitter(img: Image.Image, ops) -> Image.Image:
     """The same operations on a PIL image (mode L or RGB) with PIL itself."""
+    from PIL import ImageOps
+
     for code, value in ops:
         if code == BRIGHTNESS:
             img = ImageEnhance.Brightness(img).enhance(value)
@@ -60,6 +71,25 @@ def pil_jitter(img: Image.Image, ops) -> Image.Image:
             a = np.array(h, dtype=np.uint8)
             a += np.uint8(int(value) & 255)
             img = Image.merge("HSV", (Image.fromarray(a, "L"), s, v)).convert("RGB")
+        elif code == SHARPNESS:
+            img = ImageEnhance.Sharpness(img).enhance(value)
+        elif code == POSTERIZE:
+            img = ImageOps.posterize(img, int(value))
+        elif code == SOLARIZE:
+            img = ImageOps.solarize(img, value)
+        elif code == AUTOCONTRAST:
+            img = ImageOps.autocontrast(img)
+        elif code == EQUALIZE:
+            img = ImageOps.equalize(img)
+        elif code == INVERT:
+            img = ImageOps.invert(img)
+        elif code == AFFINE:
+            *a, fill = value
+            img = img.transform(img.size, Image.Transform.AFFINE, list(a), Image.Resampling.NEAREST, fillcolor=fill)
+        elif code == TRANSPOSE:
+            img = img.transpose(Image.Transpose(int(value)))
+        elif code not in KERNEL_CODES:
+            raise ValueError(f"unknown colour operation code {code}")
     return img
 
 
@@ -74,11 +104,33 @@ PROBE_FACTORS = (0.0, 0.6, 0.8537, 1.4, 2.75)
 PROBE_SHIFTS = (0, 1, 128, 201, 255)
 
 
+# the other operations' probes: posterize's bits, solarize's thresholds (either side of integers, past
+# the ends), affine maps (shears either way, translations, rotations as torchvision makes them, a fill),
+# transpositions (the quarter turns)
+_PROBE_VALUES = {
+    POSTERIZE: (1, 2, 4, 7, 8),
+    SOLARIZE: (0.0, 8.5, 128.0, 200.3, 255.0, 256.0),
+    AUTOCONTRAST: (0,), EQUALIZE: (0,), INVERT: (0,),
+    AFFINE: ((1.0, 0.3, 0.0, 0.0, 1.0, 0.0, None), (1.0, -0.99, 0.0, 0.0, 1.0, 0.0, (0, 0, 0)),
+             (1.0, 0.0, 0.0, 0.45, 1.0, 0.0, (9, 80, 200)), (1.0, 0.0, -5.0, 0.0, 1.0, 3.0, None),
+             (1.0, 0.0, 7.0, 0.0, 1.0, -2.0, (0, 0, 0)), (0.707107, 0.707107, -4.3, -0.707107, 0.707107, 6.1,
+                                                           (1, 2, 3)),
+             (0.95, -0.3, 1.5, 0.3, 0.95, -2.25, None)),
+    TRANSPOSE: (0, 1, 2, 3, 4, 5, 6),
+}
+
+
 def probe_ops(codes) -> list:
     """The single operations of ``codes`` that a check against PIL runs:
-    each factor of :data:`PROBE_FACTORS` for a blend, each turn of
-    :data:`PROBE_SHIFTS` for the hue."""
-    return [[(code, v)] for code in codes for v in (PROBE_SHIFTS if code == HUE else PROBE_FACTORS)]
+    each factor of :data:`PROBE_FACTORS` for a blend (and sharpness), each
+    turn of :data:`PROBE_SHIFTS` for the hue, a spread of values for the
+    others."""
+    def values(code):
+        if code == HUE:
+            return PROBE_SHIFTS
+        return _PROBE_VALUES.get(code, PROBE_FACTORS)
+
+    return [[(code, v)] for code in codes for v in values(code)]
 
 
 def _check() -> bool:

@@ -44,13 +44,16 @@ __all__ = ["RECORD", "ON_DEVICE", "ON_CPU", "DecodePlan", "plan_for", "DecodePre
 # left-right); after CHANNELS, the colour operations the device applies to
 # the image after its geometry (a plan with ColorJitter): their number, then (code, value) pairs
 # (coordl.decode.color's codes; the value a float64's bits); then the rectangles it erases after the
-# conversion (a plan with RandomErasing): their number, then (top, left, height, width) each
-MAX_OPS, MAX_RECTS = 8, 4
+# conversion (a plan with RandomErasing): their number, then (top, left, height, width) each; then the
+# affine maps of an auto-augment policy's operations (an operation (AFFINE, k) is the k-th): six doubles'
+# bits and the fill (its three values, or -1: none) each
+MAX_OPS, MAX_RECTS, MAX_AFFINES = 8, 4, 2
 (KIND, SRC_H, SRC_W, T1, L1, H1, W1, RH, RW, T2, L2, H2, W2, FLIP, MODE, VFLIP, INDEX, CHANNELS, N_OPS) = range(19)
 OPS = N_OPS + 1
 N_RECTS = OPS + 2 * MAX_OPS
 RECTS = N_RECTS + 1
-RECORD = RECTS + 4 * MAX_RECTS
+AFFINES = RECTS + 4 * MAX_RECTS
+RECORD = AFFINES + 7 * MAX_AFFINES
 ON_DEVICE, ON_CPU = 0, 1
 
 _local = threading.local()
@@ -70,7 +73,9 @@ class DecodePlan:
     ``to_float``: ``ToTensor`` (else ``PILToTensor``: uint8 out);
     ``normalizes``: the ``Normalize`` steps after ``ToTensor``; ``jitters``:
     torchvision ``ColorJitter`` steps between the geometry and the
-    conversion (``coordl.tvcompat.ColorJitterOnPlanes``), their draws made
+    conversion (``coordl.tvcompat.ColorJitterOnPlanes``; also
+    ``RandomGrayscale`` and the auto-augment policies,
+    ``coordl.tvcompat.PolicyOnDevice``), their draws made
     with the sample's (:meth:`draw_ops`), their arithmetic PIL's, on the
     device (:mod:`.jitter`); ``erasing``: a
     ``RandomErasing`` after the conversion (``coordl.tvcompat.ErasingOnTensor``),
@@ -214,7 +219,7 @@ class DecodePlan:
         return self.after_for_seeds([_lazy()[0].global_seeds(rng)])[0]
 
     def _draw_after(self) -> tuple[list, list, "np.ndarray | None"]:
-        ops = [op for j in self.jitters for op in j.draw()]
+        ops = [op for j in self.jitters for op in j.draw(self.size)]
         rects, noise = self.erasing.draw_with(3, *self.size) if self.erasing is not None else ([], None)
         if len(rects) > MAX_RECTS:
             raise ValueError(f"{self.erasing.user!r} drew {len(rects)} rectangles, more than the {MAX_RECTS} "
@@ -282,7 +287,9 @@ class DecodePlan:
 
 _HOW = ("decode='device' runs [RandomResizedCrop | Resize] [CenterCrop | RandomCrop], with RandomHorizontalFlip "
         "and RandomVerticalFlip anywhere among them, then torchvision's ColorJitter (optional; alone or in a "
-        "RandomApply) and RandomGrayscale, then ToTensor() [+ Normalize(...)s] [+ RandomErasing] or PILToTensor()")
+        "RandomApply), RandomGrayscale, TrivialAugmentWide, RandAugment and AutoAugment (nearest "
+        "interpolation), then ToTensor() "
+        "[+ Normalize(...)s] [+ RandomErasing] or PILToTensor()")
 
 
 def _refuse(why: str, fix: str = "") -> ValueError:
@@ -413,9 +420,12 @@ def _with_jitter(pipeline) -> tuple[list, list]:
         raise _refuse(f"{bad[0].user!r}'s draws could not be made apart from its call with this torchvision "
                       f"({type(bad[0].user).__module__}: the log says why)", "remove it from the transform")
     if sum(getattr(j, "most", 4) for j in jitters) > MAX_OPS:
-        raise _refuse(f"it has {len(jitters)} ColorJitter steps (or RandomGrayscale), and the device stage runs "
-                      f"at most {MAX_OPS // 4} ColorJitters ({MAX_OPS} colour operations a sample; a RandomGrayscale "
-                      "is one)", "merge them into one")
+        raise _refuse(f"it has {len(jitters)} ColorJitter steps (or RandomGrayscale, auto-augment policies), and the "
+                      f"device stage runs at most {MAX_OPS // 4} ColorJitters ({MAX_OPS} colour operations a sample; "
+                      "a RandomGrayscale is one, an auto-augment policy as many as it draws)", "merge them into one")
+    if sum(getattr(j, "affines", 0) for j in jitters) > MAX_AFFINES:
+        raise _refuse(f"its auto-augment policies may draw more than {MAX_AFFINES} shears, translations or rotations "
+                      "a sample, the most the device stage carries", "keep at most two such operations a sample")
     if pipeline.post_fused is None:
         what = (f"after ColorJitter the steps {', '.join(type(t).__name__ for t in pipeline.post)} run as "
                 "written" if pipeline.post else "the transform ends with ColorJitter (its result, a PIL image)")
@@ -513,24 +523,53 @@ def _capture(fields: list, payload, cap, ops=(), rects=()) -> torch.Tensor:
 
 _NO_OPS = [0] * (2 * MAX_OPS)
 _NO_RECTS = [0] * (1 + 4 * MAX_RECTS)
+_NO_AFFINES = [0] * (7 * MAX_AFFINES)
 
 
 def tail_fields(index: int, ops=(), rects=()) -> list:
     """The record's fields from ``INDEX`` on: the sample's index, 3
     channels, the colour operations ``ops`` (``[(code, value)]``, at most
-    ``MAX_OPS``) the device applies after the geometry, and the rectangles
-    ``rects`` (``[(top, left, height, width)]``, at most ``MAX_RECTS``) it
-    erases after the conversion."""
+    ``MAX_OPS``, at most ``MAX_AFFINES`` of them affine) the device applies
+    after the geometry, and the rectangles ``rects`` (``[(top, left,
+    height, width)]``, at most ``MAX_RECTS``) it erases after the
+    conversion."""
+    affines = _NO_AFFINES
     if not ops:
         fields = [index, 3, 0] + _NO_OPS
     else:
+        if len(ops) > MAX_OPS:
+            raise ValueError(f"{len(ops)} operations after the geometry, more than the {MAX_OPS} a record carries")
+        from ..decode.color import AFFINE
+
+        values = []
+        for c, v in ops:
+            if c == AFFINE:
+                if affines is _NO_AFFINES:
+                    affines = []
+                if len(affines) == 7 * MAX_AFFINES:
+                    raise ValueError(f"more than {MAX_AFFINES} affine operations in one sample")
+                *a, fill = v
+                values.append(float(len(affines) // 7))
+                affines = affines + np.array(a, dtype=np.float64).view(np.int64).tolist() + [_packed(fill)]
+            else:
+                values.append(v)
         pairs = np.zeros((MAX_OPS, 2), dtype=np.int64)
         pairs[:len(ops), 0] = [c for c, _ in ops]
-        pairs[:len(ops), 1] = np.array([v for _, v in ops], dtype=np.float64).view(np.int64)
+        pairs[:len(ops), 1] = np.array(values, dtype=np.float64).view(np.int64)
         fields = [index, 3, len(ops)] + pairs.ravel().tolist()
+        affines = affines + [0] * (7 * MAX_AFFINES - len(affines))
     if not rects:
-        return fields + _NO_RECTS
-    return fields + [len(rects)] + [int(v) for r in rects for v in r] + [0] * (4 * (MAX_RECTS - len(rects)))
+        return fields + _NO_RECTS + affines
+    return fields + [len(rects)] + [int(v) for r in rects for v in r] + [0] * (4 * (MAX_RECTS - len(rects))) \
+        + affines
+
+
+def _packed(fill) -> int:
+    """An affine map's fill (None, or three values 0..255) as one field."""
+    if fill is None:
+        return -1
+    r, g, b = (int(v) for v in fill)
+    return (r << 16) | (g << 8) | b
 
 
 def ops_of(rec) -> list:
@@ -539,8 +578,17 @@ def ops_of(rec) -> list:
     n = rec[N_OPS]
     if not n:
         return []
+    from ..decode.color import AFFINE
+
     pairs = np.array(rec[OPS:OPS + 2 * n], dtype=np.int64).reshape(n, 2)
-    return list(zip(pairs[:, 0].tolist(), pairs[:, 1].copy().view(np.float64).tolist()))
+    ops = list(zip(pairs[:, 0].tolist(), pairs[:, 1].copy().view(np.float64).tolist()))
+    for j, (c, v) in enumerate(ops):
+        if c == AFFINE:
+            at = AFFINES + 7 * int(v)
+            a = np.array(rec[at:at + 6], dtype=np.int64).view(np.float64).tolist()
+            f = int(rec[at + 6])
+            ops[j] = (c, (*a, None if f < 0 else ((f >> 16) & 255, (f >> 8) & 255, f & 255)))
+    return ops
 
 
 def noise_sizes(rects, noise: str | None, channels: int = 3) -> list:

@@ -48,7 +48,9 @@ import numpy as np
 import torch
 from PIL import Image
 
-from ..decode.color import BRIGHTNESS, CONTRAST, HUE, SATURATION, pil_jitter, probe_ops
+from ..decode.color import BRIGHTNESS, CONTRAST, HUE, KERNEL_CODES, SATURATION, pil_jitter, probe_ops
+from . import pil_ops
+from .pil_ops import _blend
 from .launch import launch, upload
 
 __all__ = ["DeviceJitter", "host_jitter"]
@@ -58,6 +60,9 @@ log = logging.getLogger("coordl.device")
 # the kinds the rows are grouped by: brightness and contrast are one blend with a constant image
 _BLEND, _SATURATE, _HUE = 0, 1, 2
 _KIND = {BRIGHTNESS: _BLEND, CONTRAST: _BLEND, SATURATION: _SATURATE, HUE: _HUE}
+# an auto-augment policy's other operations (coordl.device.pil_ops): a kind each
+_OWN = 100
+_KIND.update({code: _OWN + code for code in pil_ops.CODES})
 
 _tables_lock = threading.Lock()
 _tables: dict = {}      # device -> (to_hsv, from_hsv) there, once made (int32, 2**24 packed colours each)
@@ -69,16 +74,6 @@ def _luma(x: torch.Tensor) -> torch.Tensor:
     lum.add_(x[:, 1].to(torch.int32).mul_(38470))
     lum.add_(x[:, 2].to(torch.int32).mul_(7471))
     return lum.add_(0x8000).bitwise_right_shift_(16)
-
-
-def _blend(a: torch.Tensor, x: torch.Tensor, alpha: torch.Tensor) -> torch.Tensor:
-    """PIL's blend of the uint8 values ``x`` with the float32 integers ``a``
-    (broadcast; the other image's values) by the float32 ``alpha``
-    (broadcast): ``a + alpha * (x - a)``, each operation rounded to single
-    precision (``x - a`` is exact), clipped, truncated: uint8."""
-    t = x.to(torch.float32)
-    t.sub_(a).mul_(alpha).add_(a)
-    return t.clamp_(0.0, 255.0).floor_().to(torch.uint8)
 
 
 def _mean(sums: torch.Tensor, n: int) -> torch.Tensor:
@@ -143,7 +138,7 @@ def host_jitter(planes: np.ndarray, ops) -> np.ndarray:
     here, else PIL itself), as a new C-contiguous array."""
     from ..decode import color
 
-    if color.exact_kernel():
+    if color.exact_kernel() and all(c in KERNEL_CODES for c, _ in ops):
         return color.jitter(planes, ops)
     img = pil_jitter(Image.fromarray(np.ascontiguousarray(planes.transpose(1, 2, 0))), ops)
     return np.ascontiguousarray(np.asarray(img).transpose(2, 0, 1))
@@ -185,7 +180,7 @@ class DeviceJitter:
         Triton imports, on a GPU (or the interpreter in the tests), and its
         bytes were PIL's on the probes of that kind (checked once, the first
         time; else torch's operations run them)."""
-        if self._kernel_ok is None:
+        if self._kernel_ok is None or kind >= _OWN:
             return False
         ok = self._kernel_ok.get(kind)
         if ok is None:
@@ -245,7 +240,9 @@ class DeviceJitter:
     def _apply(self, y: torch.Tensor, kind: int, rows: list) -> None:
         idx = upload(np.array([r for r, _, _ in rows], dtype=np.int64), self.device)
         x = y.index_select(0, idx)
-        if kind == _HUE:
+        if kind >= _OWN:
+            out = pil_ops.apply(x, kind - _OWN, [v for _, _, v in rows])
+        elif kind == _HUE:
             out = self._hue(x, [int(v) & 255 for _, _, v in rows])
         else:
             # the factor rounded to single precision, as PIL's blend takes it
@@ -296,13 +293,18 @@ class DeviceJitter:
         grey = noise(8, 8)
         grey[:, :, 1] = grey[:, :, 2] = grey[:, :, 0]        # grey pixels: no hue, no saturation
         images.append(grey)
+        flat = noise(6, 6) // 255 + 77                          # one value: the tables' degenerate cases
+        narrow = noise(40, 40) // 64 + 100                      # four values: large steps in equalize's table
+        images += [flat, narrow]
         cases = probe_ops([code for code, k in _KIND.items() if k == kind])
         for img in images:
             x = torch.from_numpy(np.ascontiguousarray(img.transpose(2, 0, 1)))[None].to(self.device)
             for ops in cases:
+                want = np.asarray(pil_jitter(Image.fromarray(img), ops)).transpose(2, 0, 1)
+                if want.shape != x.shape[1:]:        # a quarter turn of an image that is not square
+                    continue
                 got = x.clone()
                 run(got, [(0, *ops[0])])
-                want = np.asarray(pil_jitter(Image.fromarray(img), ops)).transpose(2, 0, 1)
                 if not np.array_equal(got[0].cpu().numpy(), want):
                     log.warning("decode='device': %s on %s does not give this PIL's bytes on a probe image: %s",
                                 ops, self.device, then)

@@ -1,0 +1,240 @@
+"""``decode="device"``: the operations of torchvision's auto-augment
+policies on a PIL image (``TrivialAugmentWide``), computed on the device
+as PIL computes them.
+
+On the CPU path an auto-augment policy gets the PIL image of the fused
+crop, and each operation it draws is PIL's: ``ImageEnhance`` (brightness,
+colour, contrast: :mod:`.jitter`'s blends; sharpness here), ``ImageOps``
+(posterize, solarize, autocontrast, equalize, invert) or
+``Image.transform``/``Image.transpose`` (shears, translations, rotations).
+Here each one is computed on a batch's uint8 (k, 3, H, W) rows, each row
+with its own value, by torch's operations, with PIL's arithmetic:
+
+- sharpness: PIL's 3x3 ``SMOOTH`` filter in single precision, its sums
+  taken in PIL's order (the row below first, each row's three products left
+  to right, from 0.5), clipped and truncated, the image's border copied;
+  then PIL's blend of the image with it (:func:`_blend`, the colour
+  operations' too);
+- posterize, solarize, invert: their tables, on each value;
+- autocontrast: each channel's table from its lowest and highest values,
+  ``int(v * scale + offset)`` in double precision (a multiply, then an add:
+  nothing fused), clipped to 0..255;
+- equalize: each channel's table from its histogram (integers: the
+  histogram's running sum, PIL's step), clipped to 0..255 as PIL's
+  ``point`` stores it;
+- affine (nearest neighbour, a fill outside): PIL's three ways for the
+  matrix it is given: a scale without rotation or shear by tables of source
+  columns and rows accumulated in double precision as PIL accumulates
+  them; otherwise, where the corners' coordinates fit, PIL's 16.16 fixed
+  point (integers: exact on any device); else PIL's double-precision
+  accumulation along each row (made on the host);
+- transpose: PIL's flips and quarter turns.
+
+:class:`.jitter.DeviceJitter` runs them with the colour operations, and
+checks each kind against the installed PIL on probe images at its first
+use on a device (where one differs, the CPU path's code runs its rows).
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+
+from ..decode.color import AFFINE, AUTOCONTRAST, EQUALIZE, INVERT, POSTERIZE, SHARPNESS, SOLARIZE, TRANSPOSE
+from .launch import upload
+
+__all__ = ["CODES", "apply"]
+
+CODES = frozenset((SHARPNESS, POSTERIZE, SOLARIZE, AUTOCONTRAST, EQUALIZE, INVERT, AFFINE, TRANSPOSE))
+
+# ImageFilter.SMOOTH: its weights over its scale, in single precision as PIL divides them
+_SMOOTH = np.array([1, 1, 1, 1, 5, 1, 1, 1, 1], dtype=np.float32) / np.float32(13)
+
+
+def apply(x: torch.Tensor, code: int, values: list) -> torch.Tensor:
+    """The uint8 (k, 3, H, W) rows ``x`` each through the operation ``code``
+    with its value ``values[r]`` (``coordl.decode.color``'s terms): new
+    rows, ``x`` untouched."""
+    if code == SHARPNESS:
+        return _sharpness(x, values)
+    if code == POSTERIZE:
+        masks = [(~((1 << (8 - int(b))) - 1)) & 255 if int(b) < 8 else 255 for b in values]
+        return x & upload(np.array(masks, dtype=np.uint8), x.device).view(-1, 1, 1, 1)
+    if code == SOLARIZE:
+        # PIL's table: i where i < threshold, else 255 - i; for an integer i, i < t is i < ceil(t)
+        t = upload(np.array([min(max(math.ceil(v), -1), 256) for v in values], dtype=np.int16), x.device)
+        return torch.where(x.to(torch.int16) < t.view(-1, 1, 1, 1), x, 255 - x)
+    if code == INVERT:
+        return 255 - x
+    if code == AUTOCONTRAST:
+        return _lookup(x, _autocontrast_tables(x))
+    if code == EQUALIZE:
+        return _lookup(x, _equalize_tables(x))
+    if code == AFFINE:
+        return _affine(x, values)
+    if code == TRANSPOSE:
+        return torch.stack([_transpose(x[r], int(v)) for r, v in enumerate(values)])
+    raise ValueError(f"not an operation of coordl.device.pil_ops: {code}")
+
+
+def _blend(a: torch.Tensor, x: torch.Tensor, alpha: torch.Tensor) -> torch.Tensor:
+    """PIL's blend of the uint8 values ``x`` with the float32 integers ``a``
+    (broadcast; the other image's values) by the float32 ``alpha``
+    (broadcast): ``a + alpha * (x - a)``, each operation rounded to single
+    precision (``x - a`` is exact), clipped, truncated: uint8."""
+    t = x.to(torch.float32)
+    t.sub_(a).mul_(alpha).add_(a)
+    return t.clamp_(0.0, 255.0).floor_().to(torch.uint8)
+
+
+def _lookup(x: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
+    """``x`` (k, C, H, W) through per-row, per-channel ``tables`` (k, C,
+    256), uint8."""
+    k, c, h, w = x.shape
+    idx = x.reshape(k, c, h * w).to(torch.int64)
+    return torch.gather(tables, 2, idx).reshape(k, c, h, w)
+
+
+def _autocontrast_tables(x: torch.Tensor) -> torch.Tensor:
+    k, c = x.shape[:2]
+    flat = x.reshape(k, c, -1)
+    lo = flat.amin(dim=2).to(torch.float64).unsqueeze(2)
+    hi = flat.amax(dim=2).to(torch.float64).unsqueeze(2)
+    span = hi - lo
+    # a true division (a Python number over a tensor is computed as its reciprocal times the number)
+    scale = torch.full_like(span, 255.0).div_(span.clamp(min=1.0))
+    offset = (-lo) * scale
+    ix = torch.arange(256, dtype=torch.float64, device=x.device).view(1, 1, 256)
+    v = (ix * scale).add_(offset).trunc_().clamp_(0.0, 255.0)
+    return torch.where(span > 0, v, ix.expand_as(v)).to(torch.uint8)
+
+
+def _equalize_tables(x: torch.Tensor) -> torch.Tensor:
+    k, c = x.shape[:2]
+    flat = x.reshape(k * c, -1).to(torch.int64)
+    n = flat.shape[1]
+    hist = torch.zeros(k * c, 256, dtype=torch.int64, device=x.device)
+    hist.scatter_add_(1, flat, torch.ones_like(flat))
+    top = flat.amax(dim=1, keepdim=True)
+    step = (n - hist.gather(1, top)) // 255                        # PIL's: all but the last nonzero bin, over 255
+    before = hist.cumsum(1) - hist                                 # the running sum before each value
+    safe = step.clamp(min=1)
+    lut = (safe // 2 + before) // safe
+    ix = torch.arange(256, dtype=torch.int64, device=x.device).view(1, 256)
+    lut = torch.where(step > 0, lut, ix.expand_as(lut)).clamp_(0, 255)
+    return lut.to(torch.uint8).view(k, c, 256)
+
+
+def _sharpness(x: torch.Tensor, factors: list) -> torch.Tensor:
+    k, c, h, w = x.shape
+    if h < 3 or w < 3:                  # PIL copies an image smaller than its kernel
+        degenerate = x
+    else:
+        f = x.to(torch.float32)
+        kern = [torch.tensor(float(v), dtype=torch.float32, device=x.device) for v in _SMOOTH]
+
+        def row(r, k3):                 # one row's three products, left to right
+            s = r[..., :-2] * k3[0]
+            s = s + r[..., 1:-1] * k3[1]
+            return s + r[..., 2:] * k3[2]
+
+        ss = torch.full((k, c, h - 2, w - 2), 0.5, dtype=torch.float32, device=x.device)
+        ss = ss + row(f[:, :, 2:], kern[0:3])       # the row below first, as PIL sums
+        ss = ss + row(f[:, :, 1:-1], kern[3:6])
+        ss = ss + row(f[:, :, :-2], kern[6:9])
+        degenerate = x.clone()
+        degenerate[:, :, 1:-1, 1:-1] = ss.clamp_(0.0, 255.0).to(torch.uint8)
+    alpha = upload(np.array(factors, dtype=np.float64).astype(np.float32), x.device).view(-1, 1, 1, 1)
+    return _blend(degenerate.to(torch.float32), x, alpha)
+
+
+def _coord(v: float) -> int:
+    """PIL's COORD: -1 below zero, else truncated."""
+    return -1 if v < 0.0 else int(v)
+
+
+def _fix(v: float) -> int:
+    """PIL's 16.16 fixed point of ``v``: floor(v * 65536 + 0.5)."""
+    return math.floor(v * 65536.0 + 0.5)
+
+
+def _fits(a, x: int, y: int) -> bool:
+    return abs(x * a[0] + y * a[1] + a[2]) < 32768.0 and abs(x * a[3] + y * a[4] + a[5]) < 32768.0
+
+
+def source_index(a, h: int, w: int) -> tuple[str, tuple]:
+    """How PIL maps each output pixel of an ``h`` x ``w`` image through the
+    affine ``a`` (six doubles) to a source pixel: ``("scale", (columns,
+    rows))``, ``("fixed", (a0, a1, a2, a3, a4, a5))`` (16.16 integers), or
+    ``("map", (ys, xs))`` (int64 (h, w) arrays); source coordinates outside
+    the image are filled."""
+    if a[1] == 0 and a[3] == 0:
+        xo, cols = a[2] + a[0] * 0.5, []
+        for _ in range(w):
+            cols.append(_coord(xo))
+            xo += a[0]
+        yo, rows = a[5] + a[4] * 0.5, []
+        for _ in range(h):
+            rows.append(_coord(yo))
+            yo += a[4]
+        return "scale", (cols, rows)
+    if _fits(a, 0, 0) and _fits(a, w, h) and _fits(a, 0, h) and _fits(a, w, 0):
+        return "fixed", (_fix(a[0]), _fix(a[1]), _fix(a[2] + a[0] * 0.5 + a[1] * 0.5), _fix(a[3]), _fix(a[4]),
+                         _fix(a[5] + a[3] * 0.5 + a[4] * 0.5))
+    xs, ys = np.empty((h, w), np.int64), np.empty((h, w), np.int64)
+    xo, yo = a[2] + a[1] * 0.5 + a[0] * 0.5, a[5] + a[4] * 0.5 + a[3] * 0.5
+    for y in range(h):
+        xx, yy = xo, yo
+        for x in range(w):
+            xs[y, x], ys[y, x] = _coord(xx), _coord(yy)
+            xx += a[0]
+            yy += a[3]
+        xo += a[1]
+        yo += a[4]
+    return "map", (ys, xs)
+
+
+def _affine(x: torch.Tensor, values: list) -> torch.Tensor:
+    k, c, h, w = x.shape
+    dev = x.device
+    out = torch.empty_like(x)
+    for r, value in enumerate(values):
+        *a, fill = value
+        how, p = source_index(a, h, w)
+        if how == "scale":
+            xs = upload(np.array(p[0], dtype=np.int64), dev).view(1, w).expand(h, w)
+            ys = upload(np.array(p[1], dtype=np.int64), dev).view(h, 1).expand(h, w)
+        elif how == "fixed":
+            a0, a1, a2, a3, a4, a5 = p
+            ix = torch.arange(w, dtype=torch.int64, device=dev).view(1, w)
+            iy = torch.arange(h, dtype=torch.int64, device=dev).view(h, 1)
+            xs = (iy * a1 + a2 + ix * a0).bitwise_right_shift_(16)
+            ys = (iy * a4 + a5 + ix * a3).bitwise_right_shift_(16)
+        else:
+            ys, xs = (upload(np.ascontiguousarray(v), dev) for v in p)
+        inside = (xs >= 0) & (xs < w) & (ys >= 0) & (ys < h)
+        flat = (ys.clamp(0, h - 1) * w + xs.clamp(0, w - 1)).reshape(1, h * w).expand(c, h * w)
+        got = torch.gather(x[r].reshape(c, h * w), 1, flat).reshape(c, h, w)
+        f = upload(np.array(fill if fill is not None else (0,) * c, dtype=np.uint8).reshape(c), dev)
+        out[r] = torch.where(inside, got, f.view(c, 1, 1))
+    return out
+
+
+def _transpose(x: torch.Tensor, method: int) -> torch.Tensor:
+    """PIL's ``Image.transpose(method)`` of the (C, H, W) image ``x``."""
+    if method == 0:                     # FLIP_LEFT_RIGHT
+        return x.flip(-1)
+    if method == 1:                     # FLIP_TOP_BOTTOM
+        return x.flip(-2)
+    if method == 2:                     # ROTATE_90 (counter-clockwise)
+        return x.rot90(1, (-2, -1))
+    if method == 3:                     # ROTATE_180
+        return x.flip(-2, -1)
+    if method == 4:                     # ROTATE_270
+        return x.rot90(-1, (-2, -1))
+    if method == 5:                     # TRANSPOSE
+        return x.transpose(-2, -1)
+    if method == 6:                     # TRANSVERSE
+        return x.rot90(2, (-2, -1)).transpose(-2, -1)
+    raise ValueError(f"not a PIL transpose method: {method}")

@@ -1,0 +1,334 @@
+"""decode="device" with torchvision's auto-augment policies (TrivialAugmentWide, RandAugment, AutoAugment) between the
+geometry and the conversion (the reference classification recipe's
+``--auto-augment``): the workers draw each sample's operation as the CPU
+path draws it, the device computes it with PIL's arithmetic
+(coordl.device.pil_ops through coordl.device.jitter).  On the CPU stand-in
+(``CPU_TEST_DEVICE``) the same stage runs the same torch operations;
+tests/test_cuda.py runs them on a GPU."""
+import collections
+import logging
+import os
+import random
+import sys
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from _batch_reads import check_batch_reads_and_resume  # noqa: E402
+from _torchvision import import_torchvision  # noqa: E402
+
+if import_torchvision() is None:
+    pytest.skip("torchvision is not installed (pip install coordl[test])", allow_module_level=True)
+
+from torchvision import datasets  # noqa: E402
+from torchvision import transforms as V  # noqa: E402
+from torchvision.transforms import v2 as V2  # noqa: E402
+
+import coordl  # noqa: E402
+from coordl import _rng, tvcompat  # noqa: E402
+from coordl.decode import color as C  # noqa: E402
+from coordl.decode import jpeg  # noqa: E402
+from coordl.device import encoded as E  # noqa: E402
+from coordl.device import jitter as J  # noqa: E402
+from coordl.device import pil_ops as P  # noqa: E402
+
+MEAN, STD = [0.485, 0.456, 0.406], [0.229, 0.224, 0.225]
+STD255 = torch.tensor(STD).view(1, 3, 1, 1) * 255
+VERSIONS = {"v1": V, "v2": V2}
+
+
+@pytest.fixture(scope="module")
+def photos(photo_folder):
+    return photo_folder("policy", num_images=24, num_classes=2, mean_kb=6, image_size=(96, 72), seed=8)
+
+
+def _pils(y: torch.Tensor, ops: list) -> list:
+    out = []
+    for r in range(len(ops)):
+        img = Image.fromarray(np.ascontiguousarray(y[r].numpy().transpose(1, 2, 0)))
+        out.append(np.asarray(C.pil_jitter(img, ops[r])).transpose(2, 0, 1))
+    return out
+
+
+def _rows(seed: int, n: int, h: int, w: int) -> torch.Tensor:
+    """Noise rows of every kind the tables meet: full range, dark, few
+    values, one value, grey pixels."""
+    rng = random.Random(seed)
+    y = torch.from_numpy(np.frombuffer(rng.randbytes(n * 3 * h * w), np.uint8).reshape(n, 3, h, w).copy())
+    y[1] //= 16
+    y[2] = y[2] // 64 + 90
+    y[3] = 200
+    y[4, 1] = y[4, 0]
+    y[4, 2] = y[4, 0]
+    return y
+
+
+def _geometric_ops(h: int, w: int) -> list:
+    """The affine maps and transpositions torchvision's policies ask PIL for
+    on an ``h`` x ``w`` image, over their whole magnitude ranges, both
+    versions, with and without a fill."""
+    out = []
+    for M in (V, V2):
+        for fill in (None, [9, 80, 200]):
+            p = tvcompat.policy_of(M.TrivialAugmentWide(fill=fill))
+            for name, mags in (("ShearX", np.linspace(0, 0.99, 7)), ("ShearY", np.linspace(0, 0.99, 5)),
+                               ("TranslateX", (0.0, 3.0, 32.0, 150 / 331 * w)), ("TranslateY", (1.0, 31.0, 4.9)),
+                               ("Rotate", (4.5, 30.0, 45.0, 90.0, 135.0))):
+                for m in mags:
+                    for sign in (1.0, -1.0):
+                        out += p._ops(name, float(m) * sign, h, w)
+    return out
+
+
+# ---------------------------------------------------------------- the operations
+@pytest.mark.parametrize("h,w", [(11, 17), (16, 16), (2, 9)])
+def test_each_operation_is_pils_on_every_row(h, w):
+    """Every operation of the policies, each row with its own value, on rows
+    of noise, dark, few-valued, flat and grey images, square or not and
+    smaller than the sharpness kernel: PIL's own bytes."""
+    rng = random.Random(h * w)
+    cases = [(C.SHARPNESS, rng.uniform(0.0, 2.0)) for _ in range(4)] + [(C.SHARPNESS, 0.01), (C.SHARPNESS, 1.99)]
+    cases += [(C.POSTERIZE, b) for b in range(1, 9)] + [(C.SOLARIZE, t) for t in (0.0, 8.2, 127.5, 128.0, 255.0)]
+    cases += [(C.AUTOCONTRAST, 0), (C.EQUALIZE, 0), (C.INVERT, 0)]
+    cases += _geometric_ops(h, w)
+    if h == w:
+        cases += [(C.TRANSPOSE, m) for m in range(7)]
+    by_code = collections.defaultdict(list)
+    for op in cases:
+        by_code[op[0]].append(op)
+    for code, ops in by_code.items():
+        n = max(len(ops), 5)
+        y = _rows(code, n, h, w)
+        per_row = [[ops[r % len(ops)]] for r in range(n)]
+        got = torch.cat([P.apply(y[r:r + 1], code, [per_row[r][0][1]]) for r in range(n)])
+        batch = P.apply(y, code, [o[0][1] for o in per_row])
+        want = _pils(y, per_row)
+        for r in range(n):
+            assert np.array_equal(got[r].numpy(), want[r]), (code, per_row[r])
+            assert np.array_equal(batch[r].numpy(), want[r]), (code, per_row[r])
+
+
+def test_pils_three_ways_of_an_affine_map_are_each_followed():
+    """A translation (PIL's scale path, double-precision tables), a shear
+    (16.16 fixed point) and a map too large for fixed point (PIL's
+    double-precision accumulation) each give PIL's bytes."""
+    y = _rows(3, 5, 12, 10)
+    maps = {"scale": (1.0, 0.0, -3.0, 0.0, 1.0, 2.0, None), "fixed": (1.0, 0.37, 0.0, 0.0, 1.0, 0.0, (1, 2, 3)),
+            "map": (1.0, 0.2, 40000.0, 0.1, 1.0, -40000.0, None)}
+    for how, value in maps.items():
+        assert P.source_index(value[:6], 12, 10)[0] == how
+        got = P.apply(y, C.AFFINE, [value] * 5)
+        for r, want in enumerate(_pils(y, [[(C.AFFINE, value)]] * 5)):
+            assert np.array_equal(got[r].numpy(), want), (how, r)
+
+
+def test_each_kind_passes_its_check_against_pil_and_a_wrong_one_does_not(monkeypatch, caplog):
+    """DeviceJitter checks each kind on probe images at its first use; an
+    equalize made wrong (no clipping of PIL's table) fails its check, and
+    its rows then run through the CPU path's code: PIL's bytes still."""
+    dj = J.DeviceJitter(torch.device("cpu"))
+    for code in P.CODES:
+        assert dj.exact(J._KIND[code]), code
+    real = P._equalize_tables
+    monkeypatch.setattr(P, "_equalize_tables", lambda x: real(x).add_(1))
+    dj = J.DeviceJitter(torch.device("cpu"))
+    y = _rows(5, 5, 9, 8)
+    ops = [[(C.EQUALIZE, 0)], [(C.POSTERIZE, 3), (C.EQUALIZE, 0)], [], [(C.EQUALIZE, 0)], [(C.INVERT, 0)]]
+    want = _pils(y, ops)
+    with caplog.at_level(logging.WARNING, logger="coordl.device"):
+        got = dj(y.clone(), ops)
+    assert dj._exact[J._KIND[C.EQUALIZE]] is False and "EQUALIZE" not in caplog.text
+    assert any("does not give this PIL's bytes" in r.message for r in caplog.records)
+    for r in range(5):
+        assert np.array_equal(got[r].numpy(), want[r]), r
+
+
+def test_records_carry_affine_maps_and_fills():
+    """An operation's affine map (six doubles) and fill travel in the record
+    and come back as they went, beside other operations."""
+    ops = [(C.BRIGHTNESS, 1.25), (C.AFFINE, (1.0, -0.3, 0.1, 0.0, 1.0, 2.5e-17, (9, 80, 200))),
+           (C.AFFINE, (0.5, 0.0, -3.0, 0.0, 2.0, 7.0, None)), (C.SOLARIZE, 127.5)]
+    rec = [0] * E.INDEX + E.tail_fields(7, ops, [(1, 2, 3, 4)])
+    assert len(rec) == E.RECORD
+    assert E.ops_of(rec) == ops and E.rects_of(rec) == [(1, 2, 3, 4)]
+    with pytest.raises(ValueError, match="more than 2 affine"):
+        E.tail_fields(7, ops[1:3] * 2)
+
+
+# ---------------------------------------------------------------- the draws
+POLICIES = {"ta_wide": lambda M: M.TrivialAugmentWide(), "ra": lambda M: M.RandAugment(),
+            "imagenet": lambda M: M.AutoAugment(), "cifar10": lambda M: M.AutoAugment(M.AutoAugmentPolicy.CIFAR10)}
+
+
+@pytest.mark.parametrize("policy", list(POLICIES))
+@pytest.mark.parametrize("version", ["v1", "v2"])
+def test_the_draws_are_the_users_policys_own(version, policy):
+    """Over many samples the policy's operations are drawn, and PIL's
+    result of the drawn operations on a real crop is the user's policy's,
+    with torch's generator left as its call leaves it."""
+    M = VERSIONS[version]
+    t = POLICIES[policy](M)
+    p = tvcompat.policy_of(t)
+    assert p is not None and p.draws_agree() and p.v2 == (version == "v2")
+    rng = random.Random(1)
+    img = Image.fromarray(np.frombuffer(rng.randbytes(30 * 40 * 3), np.uint8).reshape(30, 40, 3))
+    names = set()
+    for seed in range(300):
+        torch.manual_seed(seed)
+        want = np.asarray(t(img))
+        after = torch.get_rng_state()
+        torch.manual_seed(seed)
+        ops = p.draw((30, 40))
+        assert torch.equal(torch.get_rng_state(), after)
+        assert np.array_equal(np.asarray(C.pil_jitter(img, ops)), want), (seed, ops)
+        names.add(tuple(c for c, _ in ops))
+    assert len(names) >= 10       # the colour operations, the tables, affine maps, pairs of them
+
+
+def test_a_policy_the_device_cannot_run_is_not_taken():
+    """Bilinear interpolation (PIL's bilinear transform), another class: not
+    drawn apart, so decode="device" refuses them."""
+    assert tvcompat.policy_of(V.TrivialAugmentWide(interpolation=V.InterpolationMode.BILINEAR)) is None
+    assert tvcompat.policy_of(V2.RandAugment(interpolation=V2.InterpolationMode.BILINEAR)) is None
+    assert tvcompat.policy_of(V.AugMix()) is None and tvcompat.policy_of(V.ColorJitter(0.2)) is None
+
+
+# ---------------------------------------------------------------- the loader
+def _geometry_then_policy(photos, steps, policy, workers, seed=5, epoch=0):
+    """The device path with the policy, and the device path without it
+    (uint8 out) followed by PIL's operations of each sample's draws on each
+    row: the pairs of batches."""
+    kw = dict(batch_size=4, seed=seed, shuffle=False, num_workers=workers, device="cpu", decode="device")
+    with_policy = coordl.DataLoader(
+        datasets.ImageFolder(photos, transform=V.Compose(steps[:-1] + [policy, steps[-1]])), **kw)
+    without = coordl.DataLoader(datasets.ImageFolder(photos, transform=V.Compose(steps)), **kw)
+    with_policy.set_epoch(epoch)
+    without.set_epoch(epoch)
+    got, plain = list(with_policy), list(without)
+    plan = E.plan_for(with_policy.dataset.transform)
+    ds = with_policy.dataset
+    want, i, drawn = [], 0, []
+    for x, y in plain:
+        rows = []
+        for r in range(x.shape[0]):
+            g = _rng.derive(seed, epoch, i)
+            plan.draw(*jpeg.jpeg_size(ds.raw(i)), g)
+            ops = plan.draw_ops(g)
+            drawn.append(ops)
+            rows.append(torch.from_numpy(_pils(x[r:r + 1], [ops])[0].copy()))
+            i += 1
+        want.append((torch.stack(rows), y))
+    return got, want, with_policy, drawn
+
+
+@pytest.mark.parametrize("version,policy,workers", [("v1", "ta_wide", 0), ("v2", "ta_wide", 2), ("v1", "ra", 2),
+                                                    ("v2", "imagenet", 0)])
+def test_the_device_runs_the_policy_on_its_rows_as_the_cpu_path(photos, cpu_device, version, policy, workers):
+    """Bit for bit: the device's policy of its own geometry's rows is PIL's
+    operations of each sample's draws on those rows."""
+    M = VERSIONS[version]
+    steps = [V.RandomResizedCrop(20, scale=(0.3, 1.0)), V.RandomHorizontalFlip(), V.PILToTensor()]
+    t = POLICIES[policy](M)
+    got, want, L, drawn = _geometry_then_policy(photos, steps, t, workers)
+    assert len(got) == len(want) == 6
+    for (a, y), (b, y2) in zip(got, want):
+        assert a.dtype == torch.uint8 and torch.equal(y, y2) and torch.equal(a, b)
+    assert len({tuple(c for c, _ in ops) for ops in drawn}) >= 5
+    st = L.stats()
+    assert st.device_decode_images == 24 and type(t).__name__ in st.device_decode
+
+
+@pytest.mark.parametrize("version,policy", [("v1", "ta_wide"), ("v2", "ta_wide"), ("v2", "ra"), ("v1", "imagenet")])
+def test_torchvisions_reference_recipe_with_a_policy_runs_on_the_device(photos, cpu_device, exact, version, policy):
+    """torchvision's reference classification preset with ``--auto-augment``
+    and random erasing, only the import changed plus the option: the same
+    labels; the rows the CPU path's up to what the policy's operations make
+    of the geometry's 1-level rounding (a solarize or posterize boundary
+    crossed, an equalize table moved, a factor over 1), on a few values."""
+    M = VERSIONS[version]
+    conv = [M.PILToTensor(), M.ConvertImageDtype(torch.float)] if version == "v1" else \
+        [M.PILToTensor(), M.ToDtype(torch.float, scale=True)]
+    tf = M.Compose([M.RandomResizedCrop(24), M.RandomHorizontalFlip(0.5), POLICIES[policy](M), *conv,
+                    M.Normalize(MEAN, STD), M.RandomErasing(0.5)])
+    ds = datasets.ImageFolder(photos, transform=tf)
+    kw = dict(batch_size=4, seed=7, shuffle=True, num_workers=2)
+    cpu = list(coordl.DataLoader(ds, **kw))
+    L = coordl.DataLoader(ds, device="cpu", decode="device", **kw)
+    dev = list(L)
+    assert len(cpu) == len(dev) == 6
+    d = torch.cat([((a - b).abs() * STD255).flatten() for (a, _), (b, _) in zip(cpu, dev)])
+    for (a, y), (b, y2) in zip(cpu, dev):
+        assert torch.equal(y, y2) and a.shape == b.shape and a.dtype == b.dtype
+    # measured (docs/guide/gpu.md): 1-3% of the values more than a level off, a mean well under a level
+    assert float((d > 1 + 1e-3).float().mean()) < 0.06 and float(d.mean()) < 1.0, (float(d.mean()), float(
+        (d > 1 + 1e-3).float().mean()))
+    assert L.stats().device_decode_images == len(ds)
+
+
+def test_batch_reads_and_resume_give_the_per_sample_paths_batches(photos, cpu_device):
+    tf = V.Compose([V.RandomResizedCrop(16), V.RandomHorizontalFlip(), V.TrivialAugmentWide(fill=[3, 200, 90]),
+                    V.ToTensor(), V.Normalize(MEAN, STD)])
+    runs = check_batch_reads_and_resume(datasets.ImageFolder(photos, transform=tf), batch_size=3, seed=11,
+                                        shuffle=True, device="cpu", decode="device")
+    assert len(runs) == 8
+
+
+def test_the_workers_share_runs_the_policy_in_the_worker(photos, cpu_device, monkeypatch):
+    """Samples the workers prepare on the CPU path get the policy's
+    operation there (PIL itself), the others on the device: the same
+    batches as with every sample on the device, up to the decode's
+    tolerance, and the same draws."""
+    from coordl.device import decoders as DDS
+
+    tf = V.Compose([V.Resize(40), V.CenterCrop(28), V.TrivialAugmentWide(), V.PILToTensor()])
+    ds = datasets.ImageFolder(photos, transform=tf)
+    kw = dict(batch_size=4, seed=2, num_workers=2, device="cpu", decode="device")
+    plain = list(coordl.DataLoader(ds, **kw))
+    monkeypatch.setattr(DDS, "cpu_share", lambda workers, spec=None: 0.5)
+    L = coordl.DataLoader(ds, **kw)
+    shared = list(L)
+    st = L.stats()
+    assert 0 < st.device_decode_cpu_images < 24
+    for (a, y), (b, y2) in zip(plain, shared):
+        assert torch.equal(y, y2)
+        assert float((a.float() - b.float()).abs().gt(1).float().mean()) < 0.05
+
+
+def test_the_device_split_draws_the_policy_in_the_worker(photos, cpu_device):
+    """With ``decode="cpu"`` the split stops at the cropped uint8 image and
+    the device runs the policy and the conversion: the CPU path's batches,
+    bit for bit."""
+    tf = V.Compose([V.RandomResizedCrop(20), V.RandomHorizontalFlip(), V.TrivialAugmentWide(), V.ToTensor(),
+                    V.Normalize(MEAN, STD)])
+    ds = datasets.ImageFolder(photos, transform=tf)
+    kw = dict(batch_size=4, seed=9, shuffle=True, num_workers=2)
+    cpu = list(coordl.DataLoader(ds, **kw))
+    L = coordl.DataLoader(ds, device="cpu", **kw)
+    split = list(L)
+    st = L.stats()
+    assert st.device_split.startswith("split") and "TrivialAugmentWide" in st.device_split
+    assert "after the steps run as written" not in st.device_split
+    for (a, y), (b, y2) in zip(cpu, split):
+        assert torch.equal(y, y2) and torch.equal(a, b)
+
+
+def test_other_policies_are_refused_naming_them(photos, cpu_device):
+    tf = V.Compose([V.RandomResizedCrop(16), V.AugMix(), V.ToTensor()])
+    tf2 = V.Compose([V.RandomResizedCrop(16), V.TrivialAugmentWide(interpolation=V.InterpolationMode.BILINEAR),
+                     V.ToTensor()])
+    for t in (tf, tf2):
+        with pytest.raises(ValueError, match=r"decode='device' cannot run.*(AugMix|TrivialAugmentWide) run as"):
+            coordl.DataLoader(datasets.ImageFolder(photos, transform=t), batch_size=4, device="cpu",
+                              decode="device")
+
+
+@pytest.mark.parametrize("policies", [lambda: [V.TrivialAugmentWide() for _ in range(3)],
+                                      lambda: [V.RandAugment(num_ops=3)]])
+def test_more_affine_maps_than_a_record_carries_are_refused(photos, cpu_device, policies):
+    tf = V.Compose([V.RandomResizedCrop(16)] + policies() + [V.ToTensor()])
+    with pytest.raises(ValueError, match=r"more than 2 shears, translations or rotations"):
+        coordl.DataLoader(datasets.ImageFolder(photos, transform=tf), batch_size=4, device="cpu", decode="device")
