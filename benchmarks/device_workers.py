@@ -37,6 +37,13 @@ the figures are the workers' own path, per image, in these settings:
   in the worker); ``RandomErasing to the device``: the same with the
   ``RandomErasing`` recipe (the rectangles drawn in the worker, erased on
   the device), against ``RandomErasing on the CPU path``;
+* ``TrivialAugmentWide``: torchvision's reference training preset with
+  ``--auto-augment ta_wide`` (``RandomResizedCrop``, flip,
+  ``TrivialAugmentWide``, ``PILToTensor``, ``ConvertImageDtype``,
+  ``Normalize``): the worker draws the policy's operation too (the device
+  computes it), against ``TrivialAugmentWide on the CPU path`` and
+  ``TrivialAugmentWide to the device`` (the device split: the worker
+  decodes and crops, draws the operation, the device computes it);
 * ``RandomErasing noise``: the ``RandomErasing`` recipe erasing with noise
   (``value="random"``): the worker draws the noise too and packs it after
   the bytes (the per-sample path), against ``RandomErasing noise on the
@@ -69,9 +76,10 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 SETTINGS = ("files", "files, per sample", "node cache", "node cache, per sample", "in memory", "workers' share",
             "the CPU path", "data checked", "ColorJitter", "ColorJitter on the CPU path", "RandomErasing",
             "RandomErasing on the CPU path", "ColorJitter to the device", "RandomErasing to the device",
-            "RandomErasing noise", "RandomErasing noise on the CPU path")
+            "RandomErasing noise", "RandomErasing noise on the CPU path", "TrivialAugmentWide",
+            "TrivialAugmentWide on the CPU path", "TrivialAugmentWide to the device")
 CPU_PATH = ("the CPU path", "ColorJitter on the CPU path", "RandomErasing on the CPU path",
-            "RandomErasing noise on the CPU path")
+            "RandomErasing noise on the CPU path", "TrivialAugmentWide on the CPU path")
 
 _CHILD = r"""
 import json, sys, time
@@ -134,6 +142,14 @@ if setting.startswith(("ColorJitter", "RandomErasing")):  # timm's default train
         V.Normalize([0.485, 0.456, 0.406], [0.229, 0.224, 0.225])]
         + ([V.RandomErasing(0.25, value="random" if "noise" in setting else 0)]
            if setting.startswith("RandomErasing") else [])))
+if setting.startswith("TrivialAugmentWide"):   # torchvision's reference training preset with --auto-augment ta_wide
+    sys.path.insert(0, {benchmarks!r})
+    import common
+    common.torchvision()
+    from torchvision import datasets, transforms as V
+    ds = datasets.ImageFolder({root!r}, transform=V.Compose([
+        V.RandomResizedCrop(224), V.RandomHorizontalFlip(), V.TrivialAugmentWide(), V.PILToTensor(),
+        V.ConvertImageDtype(torch.float), V.Normalize([0.485, 0.456, 0.406], [0.229, 0.224, 0.225])]))
 on_device = dict(device="cpu", decode="device") if setting not in {cpu_path!r} else {{}}
 if setting.endswith("to the device"):     # decode="cpu", the device split (the CPU standing in)
     on_device = dict(device="cpu")

@@ -802,6 +802,81 @@ def test_colorjitter_on_cuda_gives_pils_bytes_row_by_row():
 
 
 @needs_cuda
+def test_the_auto_augment_operations_on_cuda_give_pils_bytes_row_by_row():
+    """Every operation of torchvision's auto-augment policies on CUDA
+    (coordl.device.pil_ops through DeviceJitter: sharpness, posterize,
+    solarize, autocontrast, equalize, invert, PIL's affine maps, quarter
+    turns), each row with its own value: PIL's bytes, and every kind passed
+    its first-use check there (none fell back to the CPU path's code)."""
+    import sys
+
+    import numpy as np
+
+    from coordl.decode import color as C
+    from coordl.device import jitter as J
+    from coordl.device import pil_ops as P
+
+    sys.path.insert(0, HERE)
+    import test_device_policy as cases
+
+    dj = J.DeviceJitter(torch.device("cuda"))
+    for h, w in ((24, 24), (19, 31)):
+        ops = [(C.SHARPNESS, 0.3), (C.SHARPNESS, 1.9), (C.POSTERIZE, 2), (C.SOLARIZE, 127.5), (C.AUTOCONTRAST, 0),
+               (C.EQUALIZE, 0), (C.INVERT, 0)] + cases._geometric_ops(h, w)
+        y = cases._rows(h, len(ops), h, w)
+        got = dj(y.cuda(), [[op] for op in ops]).cpu()
+        want = cases._pils(y, [[op] for op in ops])
+        for r, op in enumerate(ops):
+            assert np.array_equal(got[r].numpy(), want[r]), (h, w, op)
+    assert all(dj._exact[J._KIND[c]] for c in P.CODES if J._KIND[c] in dj._exact), dj._exact
+
+
+@needs_cuda
+@pytest.mark.parametrize("workers,version,policy", [(0, "v1", "ta_wide"), (2, "v2", "ra"), (2, "v1", "imagenet")])
+def test_an_auto_augment_policy_on_the_gpu_is_pils_on_the_gpus_rows(mixed_jpegs, workers, version, policy):
+    """torchvision's policies (the reference recipe's ``--auto-augment``)
+    with decode="device" on CUDA: bit for bit PIL's operations of each
+    sample's draws on the rows the same loader makes without the policy."""
+    import sys
+
+    sys.path.insert(0, HERE)
+    from _torchvision import import_torchvision
+
+    if import_torchvision() is None:
+        pytest.skip("torchvision is not installed")
+    import test_device_policy as cases
+    from torchvision import datasets
+    from torchvision import transforms as V1
+    from torchvision.transforms import v2 as V2
+
+    from coordl import _rng
+    from coordl.device.encoded import plan_for
+
+    V = V1 if version == "v1" else V2
+    steps = [V.RandomResizedCrop(64), V.RandomHorizontalFlip()]
+    kw = dict(batch_size=6, seed=4, shuffle=False, num_workers=workers, device="cuda", decode="device")
+    pol = coordl.DataLoader(datasets.ImageFolder(mixed_jpegs, transform=V.Compose(
+        steps + [cases.POLICIES[policy](V), V.PILToTensor()])), **kw)
+    plain = coordl.DataLoader(datasets.ImageFolder(mixed_jpegs, transform=V.Compose(steps + [V.PILToTensor()])), **kw)
+    got = [(x.cpu(), y.cpu()) for x, y in pol]
+    base = [(x.cpu(), y.cpu()) for x, y in plain]
+    plan, ds = plan_for(pol.dataset.transform), pol.dataset
+    i = 0
+    for (a, y), (b, y2) in zip(got, base):
+        assert torch.equal(y, y2)
+        for r in range(len(y)):
+            g = _rng.derive(4, 0, i)
+            raw = ds.raw(i)
+            size = plan.device_size(raw, i)
+            if size is not None and not ds.samples[i][0].endswith("corrupt.jpg"):
+                plan.draw(*size, g)
+                want = torch.from_numpy(cases._pils(b[r:r + 1], [plan.draw_ops(g)])[0].copy())
+                assert torch.equal(a[r], want), i
+            i += 1
+    assert i == len(ds)
+
+
+@needs_cuda
 @pytest.mark.parametrize("workers,version", [(0, "v1"), (2, "v2")])
 def test_colorjitter_on_the_gpu_is_the_cpu_jitter_of_the_gpus_rows(mixed_jpegs, workers, version):
     """torchvision's ColorJitter (v1, v2: this torchvision's own draws) with

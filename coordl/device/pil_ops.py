@@ -196,29 +196,38 @@ def source_index(a, h: int, w: int) -> tuple[str, tuple]:
 
 
 def _affine(x: torch.Tensor, values: list) -> torch.Tensor:
+    """Each row of ``x`` through its affine map (a few launches for the
+    batch: the rows' source indices made together, one gather)."""
     k, c, h, w = x.shape
     dev = x.device
-    out = torch.empty_like(x)
-    for r, value in enumerate(values):
-        *a, fill = value
-        how, p = source_index(a, h, w)
-        if how == "scale":
-            xs = upload(np.array(p[0], dtype=np.int64), dev).view(1, w).expand(h, w)
-            ys = upload(np.array(p[1], dtype=np.int64), dev).view(h, 1).expand(h, w)
-        elif how == "fixed":
-            a0, a1, a2, a3, a4, a5 = p
-            ix = torch.arange(w, dtype=torch.int64, device=dev).view(1, w)
-            iy = torch.arange(h, dtype=torch.int64, device=dev).view(h, 1)
-            xs = (iy * a1 + a2 + ix * a0).bitwise_right_shift_(16)
-            ys = (iy * a4 + a5 + ix * a3).bitwise_right_shift_(16)
-        else:
-            ys, xs = (upload(np.ascontiguousarray(v), dev) for v in p)
-        inside = (xs >= 0) & (xs < w) & (ys >= 0) & (ys < h)
-        flat = (ys.clamp(0, h - 1) * w + xs.clamp(0, w - 1)).reshape(1, h * w).expand(c, h * w)
-        got = torch.gather(x[r].reshape(c, h * w), 1, flat).reshape(c, h, w)
-        f = upload(np.array(fill if fill is not None else (0,) * c, dtype=np.uint8).reshape(c), dev)
-        out[r] = torch.where(inside, got, f.view(c, 1, 1))
-    return out
+    ways = [source_index(v[:6], h, w) for v in values]
+    xs = torch.empty((k, h, w), dtype=torch.int64, device=dev)
+    ys = torch.empty((k, h, w), dtype=torch.int64, device=dev)
+    fixed = [r for r, (how, _) in enumerate(ways) if how == "fixed"]
+    if fixed:
+        a = upload(np.array([ways[r][1] for r in fixed], dtype=np.int64), dev)       # (n, 6) 16.16 integers
+        ix = torch.arange(w, dtype=torch.int64, device=dev).view(1, 1, w)
+        iy = torch.arange(h, dtype=torch.int64, device=dev).view(1, h, 1)
+        col = [a[:, j].view(-1, 1, 1) for j in range(6)]
+        rows = upload(np.array(fixed, dtype=np.int64), dev)
+        xs.index_copy_(0, rows, (iy * col[1] + col[2] + ix * col[0]).bitwise_right_shift_(16))
+        ys.index_copy_(0, rows, (iy * col[4] + col[5] + ix * col[3]).bitwise_right_shift_(16))
+    scale = [r for r, (how, _) in enumerate(ways) if how == "scale"]
+    if scale:
+        cols = upload(np.array([ways[r][1][0] for r in scale], dtype=np.int64), dev).view(-1, 1, w)
+        rws = upload(np.array([ways[r][1][1] for r in scale], dtype=np.int64), dev).view(-1, h, 1)
+        rows = upload(np.array(scale, dtype=np.int64), dev)
+        xs.index_copy_(0, rows, cols.expand(-1, h, w))
+        ys.index_copy_(0, rows, rws.expand(-1, h, w))
+    for r, (how, p) in enumerate(ways):
+        if how == "map":
+            ys[r].copy_(upload(np.ascontiguousarray(p[0]), dev))
+            xs[r].copy_(upload(np.ascontiguousarray(p[1]), dev))
+    inside = ((xs >= 0) & (xs < w) & (ys >= 0) & (ys < h)).unsqueeze(1)
+    flat = (ys.clamp_(0, h - 1).mul_(w).add_(xs.clamp_(0, w - 1))).view(k, 1, h * w).expand(k, c, h * w)
+    got = torch.gather(x.reshape(k, c, h * w), 2, flat).view(k, c, h, w)
+    fills = np.array([v[6] if v[6] is not None else (0,) * c for v in values], dtype=np.uint8).reshape(k, c)
+    return torch.where(inside, got, upload(fills, dev).view(k, c, 1, 1))
 
 
 def _transpose(x: torch.Tensor, method: int) -> torch.Tensor:
