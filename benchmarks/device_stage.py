@@ -31,6 +31,10 @@ each apart, on the batches a real pass hands the stage:
   batch of the output size after the geometry (``coordl.device.jitter``),
   per image: the host's time, and on a GPU the device's own, in the
   kernel and in torch's operations;
+* ``TrivialAugmentWide``: torchvision's ``TrivialAugmentWide()`` (the
+  reference recipe's ``ta_wide``), each row's drawn operation on a batch of
+  the output size after the geometry (``coordl.device.pil_ops``), per
+  image: the host's time, and on a GPU the device's own;
 * ``RandomErasing``: ``RandomErasing(0.5)``'s rectangles (torchvision's
   default draws: half the rows, 2-33% of the image) set on a float batch
   of the output size after the tail (``coordl.device.erase``), a copy
@@ -323,26 +327,61 @@ def jitter_time(device: torch.device, size: int, batch: int, repeats: int) -> di
         dj(y.clone(), ops)                       # the first use: the checks, the hue tables
         if path == "kernel" and not (dj._kernel_ok and all(dj._kernel_ok.values())):
             continue                             # no kernel here (the CPU, no Triton, or it differed)
-        best = float("inf")
-        for _ in range(repeats):
-            x = y.clone()
-            _sync(device)
-            t = time.perf_counter()
-            dj(x, ops)
-            _sync(device)
-            best = min(best, time.perf_counter() - t)
-        row = out[path] = {"host_us": round(best * 1e6 / batch, 2), "exact": dict(dj._exact)}
-        if device.type == "cuda":
-            x = y.clone()
-            torch.cuda.synchronize(device)
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            torch.cuda._sleep(int(2e8))
-            start.record()
-            dj(x, ops)
-            end.record()
-            end.synchronize()
-            row["device_us"] = round(start.elapsed_time(end) * 1e3 / batch, 2)
+        out[path] = _ops_time(dj, y, ops, device, repeats)
     return out
+
+
+def _ops_time(dj, y: torch.Tensor, ops: list, device: torch.device, repeats: int) -> dict:
+    """``dj(y, ops)`` per image (checked already): the host's time (best of
+    ``repeats``, synchronized) and on a GPU the device's own behind a GPU
+    sleep; with which kinds ran on the CPU path's code."""
+    batch = y.shape[0]
+    best = float("inf")
+    for _ in range(repeats):
+        x = y.clone()
+        _sync(device)
+        t = time.perf_counter()
+        dj(x, ops)
+        _sync(device)
+        best = min(best, time.perf_counter() - t)
+    row = {"host_us": round(best * 1e6 / batch, 2), "exact": dict(dj._exact)}
+    if device.type == "cuda":
+        x = y.clone()
+        torch.cuda.synchronize(device)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(int(2e8))
+        start.record()
+        dj(x, ops)
+        end.record()
+        end.synchronize()
+        row["device_us"] = round(start.elapsed_time(end) * 1e3 / batch, 2)
+    return row
+
+
+def policy_time(device: torch.device, size: int, batch: int, repeats: int) -> dict | None:
+    """torchvision's ``TrivialAugmentWide()`` (v1, the reference recipe's
+    ``ta_wide``) on the device (``coordl.device.pil_ops`` through
+    ``coordl.device.jitter``) per image, each row with the operation the
+    policy draws for it, on a uint8 batch of ``size`` x ``size`` photos'
+    worth of noise: as :func:`jitter_time` (None without torchvision)."""
+    import common
+
+    from coordl import tvcompat
+    from coordl.device.jitter import DeviceJitter
+
+    tv = common.torchvision()
+    if tv is None:
+        return None
+    policy = tvcompat.policy_of(tv.transforms.TrivialAugmentWide())
+    g = torch.Generator().manual_seed(size + 1)
+    y = torch.randint(0, 256, (batch, 3, size, size), dtype=torch.uint8, generator=g).to(device)
+    state = torch.get_rng_state()
+    torch.manual_seed(size)
+    ops = [policy.draw((size, size)) for _ in range(batch)]
+    torch.set_rng_state(state)
+    dj = DeviceJitter(device)
+    dj(y.clone(), ops)                           # the first use of each kind: its check
+    return _ops_time(dj, y, ops, device, repeats)
 
 
 def erase_rects(n: int, size: int, seed: int = 0) -> list:
@@ -518,6 +557,12 @@ def main(argv=None) -> int:
             for path, j in r["jitter"].items():
                 print(f"          ColorJitter(0.4, 0.4, 0.4, 0.1) after the geometry, {path}: {j['host_us']:.2f} "
                       "us/image on the host" + (f", {j['device_us']:.2f} on the GPU alone" if "device_us" in j else "")
+                      + ("" if all(j["exact"].values()) else f" (kinds on the CPU path's code: {j['exact']})"),
+                      flush=True)
+            r["policy"] = j = policy_time(device, size, args.batch_size, args.repeats)
+            if j is not None:
+                print(f"          TrivialAugmentWide() after the geometry: {j['host_us']:.2f} us/image on the host"
+                      + (f", {j['device_us']:.2f} on the GPU alone" if "device_us" in j else "")
                       + ("" if all(j["exact"].values()) else f" (kinds on the CPU path's code: {j['exact']})"),
                       flush=True)
             r["erasing"] = erase_time(device, size, args.batch_size, args.repeats)
