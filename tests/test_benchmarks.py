@@ -86,6 +86,26 @@ def test_device_stage_quick(tmp_path):
     assert "finish" in out and "decode bookkeeping" in out
     assert set(r["erasing"]) == {"a copy per rectangle", "the mask"} and "RandomErasing(0.5)" in out, r
     assert all(e["host_us"] > 0 and e["rectangles"] > 0 for e in r["erasing"].values()), r
+    if r["policy"] is not None:          # torchvision at hand: TrivialAugmentWide's operations, all PIL's here
+        assert r["policy"]["host_us"] > 0 and all(r["policy"]["exact"].values()), r
+        assert "TrivialAugmentWide() after the geometry" in out
+
+
+def test_device_policy_fidelity_quick():
+    """device_policy_fidelity.py: each policy both ways against the CPU
+    path on the stand-in, and TrivialAugmentWide by operation; the
+    geometric operations within the geometry's level."""
+    out = _script("device_policy_fidelity.py", "--quick")
+    if "nothing to measure" in out:
+        return
+    rows = [[c.strip() for c in line.strip("|").split("|")] for line in out.splitlines()
+            if line.startswith("| `") and "by operation" not in line]
+    assert [r[0] for r in rows] == [f"`{p}` {v}" for p in ("TrivialAugmentWide", "RandAugment", "AutoAugment")
+                                    for v in ("v1", "v2")], out
+    assert all(int(r[1]) == 8 and float(r[3]) >= 0 for r in rows), out
+    for line in out.splitlines():
+        if line.startswith(("| shear", "| quarter", "| Identity")):
+            assert line.rstrip(" |").endswith("| 1") or line.rstrip(" |").endswith("| 0"), line
 
 
 def test_decode_thread_quick():
@@ -169,12 +189,13 @@ def test_device_workers_quick(tmp_path):
                           "workers' share", "the CPU path", "data checked", "ColorJitter",
                           "ColorJitter on the CPU path", "RandomErasing", "RandomErasing on the CPU path",
                           "ColorJitter to the device", "RandomErasing to the device", "RandomErasing noise",
-                          "RandomErasing noise on the CPU path"], out
+                          "RandomErasing noise on the CPU path", "TrivialAugmentWide",
+                          "TrivialAugmentWide on the CPU path", "TrivialAugmentWide to the device"], out
     for name, r in rows.items():
         [run] = r["runs"]
         assert run["images"] >= 288 and run["us_per_image"] > 0, (name, run)
         assert run["batch_reads"] == (name in ("files", "node cache", "workers' share", "data checked",
-                                               "ColorJitter", "RandomErasing")), (name, run)
+                                               "ColorJitter", "RandomErasing", "TrivialAugmentWide")), (name, run)
         assert run["device_split"].startswith("split") == name.endswith("to the device"), (name, run)
         # the share's samples are prepared on the CPU path (the batch path hands them to the per-sample one)
         assert (run["on_cpu"] > 0) == (name == "workers' share"), (name, run)
