@@ -183,6 +183,10 @@ class TorchvisionPipeline:
         self.post, self.post_fused, self.post_type = list(post), post_fused, post_type
         self.erase, self.after = erase, list(after)
 
+    def __getstate__(self) -> dict:
+        # what jitters() made is a cache of this process's: never part of what travels or is compared
+        return {k: v for k, v in self.__dict__.items() if k != "_jitters"}
+
     def from_bytes(self, raw) -> Any:
         x = self.fused.from_bytes(raw) if self.fused is not None else NotImplemented
         if x is NotImplemented:
@@ -307,8 +311,14 @@ class TorchvisionPipeline:
         its :class:`RandomApplyOnPlanes` where it is a ``RandomApply``
         around one (:func:`random_apply_of`), its :class:`GrayscaleOnPlanes`
         where it is a ``RandomGrayscale`` (:func:`grayscale_of`), else None:
-        what ``decode="device"`` runs on the device."""
-        return [color_jitter_of(t) or random_apply_of(t) or grayscale_of(t) or policy_of(t) for t in self.tail]
+        what ``decode="device"`` runs on the device.  Made once (the split
+        draws through them for every sample; a policy keeps what it
+        recorded of torchvision's geometric calls)."""
+        got = self.__dict__.get("_jitters")
+        if got is None or len(got) != len(self.tail):
+            got = self._jitters = [color_jitter_of(t) or random_apply_of(t) or grayscale_of(t) or policy_of(t)
+                                   for t in self.tail]
+        return got
 
     def _run_post(self, x: Any) -> Any:
         if self.post_fused is not None and isinstance(x, Image.Image) and x.mode in ("RGB", "L"):
