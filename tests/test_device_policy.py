@@ -332,3 +332,19 @@ def test_more_affine_maps_than_a_record_carries_are_refused(photos, cpu_device, 
     tf = V.Compose([V.RandomResizedCrop(16)] + policies() + [V.ToTensor()])
     with pytest.raises(ValueError, match=r"more than 2 shears, translations or rotations"):
         coordl.DataLoader(datasets.ImageFolder(photos, transform=tf), batch_size=4, device="cpu", decode="device")
+
+
+def test_analyze_recommends_decoding_on_the_gpu_for_the_reference_recipe(photos, monkeypatch):
+    """``coordl analyze`` on torchvision's ImageFolder with the reference
+    recipe's ``ta_wide``, prep the stall and a GPU there: decode="device"
+    (it was not, while the policy was refused)."""
+    from coordl.analyze import recommend
+    from coordl.tvcompat import adapt
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    tf = V.Compose([V.RandomResizedCrop(16), V.RandomHorizontalFlip(), V.TrivialAugmentWide(), V.PILToTensor(),
+                    V.ConvertImageDtype(torch.float), V.Normalize(MEAN, STD)])
+    ds, _ = adapt(datasets.ImageFolder(photos, transform=tf))
+    [rec] = recommend({"largest": "prep"}, ds)
+    assert rec["applies"] and rec["option"] == "decode='device'"
+    assert "RandomResizedCrop + RandomHorizontalFlip + TrivialAugmentWide -> 16x16" in rec["why"], rec

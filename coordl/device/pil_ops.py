@@ -1,6 +1,6 @@
 """``decode="device"``: the operations of torchvision's auto-augment
-policies on a PIL image (``TrivialAugmentWide``), computed on the device
-as PIL computes them.
+policies on a PIL image (``TrivialAugmentWide``, ``RandAugment``,
+``AutoAugment``), computed on the device as PIL computes them.
 
 On the CPU path an auto-augment policy gets the PIL image of the fused
 crop, and each operation it draws is PIL's: ``ImageEnhance`` (brightness,
