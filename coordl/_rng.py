@@ -97,31 +97,67 @@ def global_seeds(g: random.Random) -> tuple[int, int]:
     return g.getrandbits(63), g.getrandbits(63)
 
 
+def numpy_seed(g) -> list:
+    """The seed of numpy's global generator for a scope seeded from ``g``:
+    four 32-bit draws, after :func:`global_seeds`'s two."""
+    return [g.getrandbits(32) for _ in range(4)]
+
+
+class _Globals:
+    """torch's CPU generator, Python's ``random`` and (``numpy``) numpy's
+    global generator seeded from ``g`` (:func:`global_seeds`, then
+    :func:`numpy_seed`) on entry, each put back as it was on exit.  Only
+    the CPU generator: ``torch.manual_seed`` would also seed every
+    accelerator's, ~1 ms a call, and prep never draws on a device.  numpy's
+    costs the most (about 60 us to save and restore its state), so it is
+    seeded only for code that may draw from it (timm's ``RandAugment``
+    picks its operations with ``np.random.choice``; torchvision's
+    transforms never do: ``coordl.transforms.draws_numpy``)."""
+
+    __slots__ = ("states",)
+
+    def __init__(self, g, numpy: bool = True) -> None:
+        torch_seed, py_seed = global_seeds(g)
+        cpu = torch.default_generator
+        np_state = None
+        if numpy:
+            import numpy as np
+
+            np_seed = numpy_seed(g)
+            np_state = np.random.get_state()
+            np.random.seed(np_seed)
+        self.states = (random.getstate(), cpu.get_state(), np_state)
+        cpu.manual_seed(torch_seed)
+        random.seed(py_seed)
+
+    def restore(self) -> None:
+        py_state, cpu_state, np_state = self.states
+        random.setstate(py_state)
+        torch.default_generator.set_state(cpu_state)
+        if np_state is not None:
+            import numpy as np
+
+            np.random.set_state(np_state)
+
+
 @contextlib.contextmanager
-def seeded_globals(g):
-    """While inside: torch's CPU generator and Python's ``random`` seeded
-    from :func:`global_seeds` of ``g``, the sample's own generator (a
-    ``random.Random``: inside a prep stage), and restored afterwards: what
-    the user's own transforms (run as written, drawing from torch's or
-    Python's generator) draw from, so that their draws too depend on (seed,
-    epoch, index) alone.  Only the CPU generator: ``torch.manual_seed``
-    would also seed every accelerator's, ~1 ms a call, and prep never
-    draws on a device.  Anything else as ``g`` (outside a stage): the
-    generators as they are, as torchvision."""
+def seeded_globals(g, numpy: bool = True):
+    """While inside: torch's CPU generator, Python's ``random`` and numpy's
+    global generator seeded from ``g``, the sample's own generator (a
+    ``random.Random``: inside a prep stage), and restored afterwards
+    (:class:`_Globals`): what the user's own transforms (run as written,
+    drawing from any of those generators) draw from, so that their draws
+    too depend on (seed, epoch, index) alone (numpy's only with ``numpy``:
+    the caller knows whether its steps may draw from it).  Anything else as
+    ``g`` (outside a stage): the generators as they are, as torchvision."""
     if not isinstance(g, random.Random):
         yield
         return
-    torch_seed, py_seed = global_seeds(g)
-    py_state = random.getstate()
-    cpu = torch.default_generator
-    cpu_state = cpu.get_state()
-    cpu.manual_seed(torch_seed)
-    random.seed(py_seed)
+    scope = _Globals(g, numpy)
     try:
         yield
     finally:
-        random.setstate(py_state)
-        cpu.set_state(cpu_state)
+        scope.restore()
 
 
 _BATCH_KEY = 1 << 192   # above every (seed, epoch, index) key of derive: no sample's generator is a batch's
@@ -145,23 +181,11 @@ def seeded_collate(seed: int, epoch: int, step: int):
     were.  The three states cost about 0.1 ms to save and restore (numpy's
     most of it); collates that cannot draw (torch's default ones) are not
     wrapped (:func:`collate_draws`)."""
-    import numpy as np
-
-    g = batch_rng(seed, epoch, step)
-    torch_seed, py_seed = global_seeds(g)
-    np_seed = [g.getrandbits(32) for _ in range(4)]
-    py_state, np_state = random.getstate(), np.random.get_state()
-    cpu = torch.default_generator
-    cpu_state = cpu.get_state()
-    cpu.manual_seed(torch_seed)
-    random.seed(py_seed)
-    np.random.seed(np_seed)
+    scope = _Globals(batch_rng(seed, epoch, step))
     try:
         yield
     finally:
-        random.setstate(py_state)
-        np.random.set_state(np_state)
-        cpu.set_state(cpu_state)
+        scope.restore()
 
 
 def collate_draws(fn) -> bool:
@@ -179,18 +203,23 @@ _USER_KEY = 2 << 192    # another bit above every key of derive: the globals of 
 class seeded_user_steps:
     """``with seeded_user_steps():`` around steps of a transform that are
     not coordl's (a torchvision transform or a callable of the user's in a
-    ``coordl.transforms.Compose``), which draw from torch's and Python's
-    global generators rather than the sample's own.  Inside a prep stage
-    (:class:`sample_rng`) and not already inside this scope: torch's CPU
-    generator and Python's ``random`` seeded from the sample's (seed,
-    epoch, index), through a generator of their own (the sample's own
-    generator draws nothing for it, so coordl's steps draw what they drew
-    without those steps), and restored on exit.  Elsewhere (a transform
-    called by hand, by torch's DataLoader, or nested): nothing, so the
-    generators are used as they are, as torchvision's transforms use them.
-    About 20 us per sample, for pipelines with such a step only."""
+    ``coordl.transforms.Compose``), which draw from torch's, Python's and
+    numpy's global generators rather than the sample's own.  Inside a prep
+    stage (:class:`sample_rng`) and not already inside this scope: those
+    generators seeded from the sample's (seed, epoch, index), through a
+    generator of their own (the sample's own generator draws nothing for
+    it, so coordl's steps draw what they drew without those steps), and
+    restored on exit (:class:`_Globals`).  Elsewhere (a transform called by
+    hand, by torch's DataLoader, or nested): nothing, so the generators are
+    used as they are, as torchvision's transforms use them.  About 20 us
+    per sample for pipelines with such a step, 80 us where one may draw
+    from numpy (``numpy``: not torchvision's own transforms, which never
+    do)."""
 
-    __slots__ = ("states",)
+    __slots__ = ("states", "numpy")
+
+    def __init__(self, numpy: bool = True) -> None:
+        self.numpy = numpy
 
     def __enter__(self):
         key = getattr(_local, "key", None)
@@ -199,16 +228,11 @@ class seeded_user_steps:
             return self
         seed, epoch, index = key
         g = random.Random(_USER_KEY | ((seed & _MASK64) << 128) | ((epoch & _MASK64) << 64) | (index & _MASK64))
-        torch_seed, py_seed = global_seeds(g)
-        cpu = torch.default_generator
-        self.states = (random.getstate(), cpu.get_state())
-        cpu.manual_seed(torch_seed)
-        random.seed(py_seed)
+        self.states = _Globals(g, self.numpy)
         _local.user_seeded = True
         return self
 
     def __exit__(self, *exc) -> None:
         if self.states is not None:
             _local.user_seeded = False
-            random.setstate(self.states[0])
-            torch.default_generator.set_state(self.states[1])
+            self.states.restore()

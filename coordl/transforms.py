@@ -165,13 +165,35 @@ def foreign(t) -> bool:
         not getattr(t, "__module__", "").startswith("coordl.")
 
 
+def draws_numpy(t) -> bool:
+    """``t`` (a transform, or None) may draw from numpy's global generator:
+    a callable neither coordl's nor torchvision's (timm's ``RandAugment``
+    draws from it; torchvision's transforms draw from torch's generator
+    alone), or one of theirs holding such a callable (a ``Compose``,
+    ``RandomApply``, ``RandomChoice``, ``RandomOrder``, ``Lambda``; coordl's
+    wrapper of a user's step)."""
+    if t is None:
+        return False
+    mod = type(t).__module__
+    if mod.startswith("coordl."):
+        inner = getattr(t, "user", None)
+        return draws_numpy(inner) if inner is not None else any(
+            draws_numpy(s) for s in getattr(t, "transforms", None) or () if s is not t)
+    if mod.startswith("torchvision."):
+        inner = getattr(t, "transforms", None)
+        steps = list(inner) if isinstance(inner, (list, tuple)) else []
+        lambd = getattr(t, "lambd", None)
+        return any(draws_numpy(s) for s in steps) or (lambd is not None and draws_numpy(lambd))
+    return True
+
+
 def run_steps(steps, img: Any) -> Any:
     """``img`` through ``steps`` in order; where one of them is not
     coordl's, all of them inside :class:`coordl._rng.seeded_user_steps`
     (inside a loader: their global draws seeded from the sample's (seed,
-    epoch, index))."""
+    epoch, index); numpy's where one may draw from it)."""
     if any(foreign(t) for t in steps):
-        with _rng.seeded_user_steps():
+        with _rng.seeded_user_steps(any(draws_numpy(t) for t in steps)):
             for t in steps:
                 img = t(img)
         return img

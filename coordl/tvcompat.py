@@ -35,8 +35,9 @@ The rules (docs/guide/torchvision.md gives them with the measured tolerances):
 * Whatever follows the fused prefix runs as written, on what it expects: a
   PIL image when the user's pipeline had not converted to a tensor yet, else
   the tensor (a ``tv_tensors.Image`` after ``ToImage``).  Its random draws
-  come from torch's and Python's generators seeded from the sample's own
-  generator, so they too depend on (seed, epoch, index) only.  A
+  come from torch's and Python's generators (and numpy's, where a step
+  may draw from it) seeded from the sample's own generator, so they too
+  depend on (seed, epoch, index) only.  A
   constant-value ``RandomErasing`` that is the last step to draw is kept
   apart (``TorchvisionPipeline.erase``): it runs as written, in the same
   seeded scope, after the steps before it, whose conversion stays coordl's.
@@ -184,8 +185,8 @@ class TorchvisionPipeline:
         self.erase, self.after = erase, list(after)
 
     def __getstate__(self) -> dict:
-        # what jitters() made is a cache of this process's: never part of what travels or is compared
-        return {k: v for k, v in self.__dict__.items() if k != "_jitters"}
+        # what jitters() and _numpy() made is a cache of this process's: never part of what travels or is compared
+        return {k: v for k, v in self.__dict__.items() if k not in ("_jitters", "_draws_numpy")}
 
     def from_bytes(self, raw) -> Any:
         x = self.fused.from_bytes(raw) if self.fused is not None else NotImplemented
@@ -204,7 +205,7 @@ class TorchvisionPipeline:
         sample's generators where something draws (the steps as written, the
         erasing): ``(the result, None)``; with ``split``, :meth:`split_rest`'s."""
         seeded = self.erase is not None or bool(self.tail)
-        with _rng.seeded_globals(_rng.current()) if seeded else contextlib.nullcontext():
+        with _rng.seeded_globals(_rng.current(), self._numpy()) if seeded else contextlib.nullcontext():
             if jitter_on_device and isinstance(x, torch.Tensor) and x.dtype == torch.uint8 and x.ndim == 3 \
                     and x.shape[0] == 3:
                 ops = [op for j in self.jitters() for op in j.draw(tuple(x.shape[1:]))]
@@ -249,6 +250,16 @@ class TorchvisionPipeline:
         if self.post:
             x = self._run_post(x)
         return x
+
+    def _numpy(self) -> bool:
+        """Whether a step run as written may draw from numpy's global
+        generator (``coordl.transforms.draws_numpy``): then the sample's
+        scope seeds it too."""
+        got = self.__dict__.get("_draws_numpy")
+        if got is None:
+            got = self._draws_numpy = any(T.draws_numpy(t) for t in self.tail + self.post + self.after) or (
+                self.erase is not None and T.draws_numpy(self.erase.user))
+        return got
 
     def split_refusal(self) -> str | None:
         """Why the device split (``coordl.device.split``) cannot stop this

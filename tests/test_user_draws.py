@@ -2,8 +2,9 @@
 pipeline: a collate_fn (mixup, cutmix: torchvision's reference recipes mix
 in the collate_fn) draws from torch's, Python's and numpy's generators
 seeded from (seed, epoch, step); a step of a coordl Compose that is not
-coordl's (a torchvision transform, a callable of the user's) from torch's
-and Python's seeded from (seed, epoch, index).  The same batches with any
+coordl's (a torchvision transform, a callable of the user's), or a
+torchvision pipeline's steps run as written, from torch's, Python's and
+(where it may draw from it) numpy's seeded from (seed, epoch, index).  The same batches with any
 number of workers, exactly the same after a resume mid-epoch, and the
 caller's generators left as they were."""
 import os
@@ -173,3 +174,83 @@ def test_the_device_split_draws_a_users_step_as_the_cpu_path(photos, cpu_device,
     dev = list(L)
     assert L.stats().device_split.startswith("split")
     assert all(torch.equal(a, b) and torch.equal(y, z) for (a, y), (b, z) in zip(cpu, dev))
+
+
+class NumpyTurn:
+    """A step of the user's drawing from numpy's global generator (as
+    timm's RandAugment does, ``np.random.choice``)."""
+
+    def __call__(self, img):
+        return img.rotate(90 * int(np.random.randint(4)))
+
+
+def _numpy_compose(photos):
+    from coordl import transforms as T
+
+    return coordl.ImageFolder(photos, transform=T.Compose([T.RandomResizedCrop(8), NumpyTurn(), T.ToTensor()]))
+
+
+def test_a_users_step_drawing_from_numpy_does_not_depend_on_the_workers(photos):
+    """numpy's global generator is seeded per sample too: the same batches
+    with 0 and 2 workers, samples differing from each other, and the
+    caller's numpy state as it was."""
+    ds = _numpy_compose(photos)
+    np.random.seed(3)
+    want = np.random.uniform()
+    np.random.seed(3)
+    one = [x for x, _ in coordl.DataLoader(ds, batch_size=4, seed=5, num_workers=0)]
+    assert np.random.uniform() == want
+    two = [x for x, _ in coordl.DataLoader(ds, batch_size=4, seed=5, num_workers=2)]
+    assert all(torch.equal(x, y) for x, y in zip(one, two))
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_a_users_step_drawing_from_numpy_draws_the_same_after_resume(photos, num_workers):
+    ds = _numpy_compose(photos)
+
+    def make(seed=5):
+        return coordl.DataLoader(ds, batch_size=4, shuffle=True, seed=seed, num_workers=num_workers)
+
+    full, got = whole_and_resumed(make, 2)
+    assert len(got) == len(full) and all(torch.equal(x, y) for (x, _), (y, _) in zip(got, full))
+
+
+def test_timms_randaugment_as_written_does_not_depend_on_the_workers(photos):
+    """timm's RandAugment (``rand-m9-mstd0.5-inc1``, its training recipes'
+    ``--aa``) picks its operations with numpy's global generator: run as
+    written in torchvision's ImageFolder, the same batches with 0 and 2
+    workers."""
+    from _torchvision import import_torchvision
+
+    if import_torchvision() is None:
+        pytest.skip("torchvision is not installed (pip install coordl[test])")
+    timm = pytest.importorskip("timm", reason="timm is not installed (pip install timm)")
+    from torchvision import datasets
+    from torchvision import transforms as V
+    from timm.data.auto_augment import rand_augment_transform
+
+    tf = V.Compose([V.RandomResizedCrop(24), rand_augment_transform("rand-m9-mstd0.5-inc1", {}), V.ToTensor()])
+    ds = datasets.ImageFolder(photos, transform=tf)
+    one = [x for x, _ in coordl.DataLoader(ds, batch_size=4, seed=5, num_workers=0)]
+    two = [x for x, _ in coordl.DataLoader(ds, batch_size=4, seed=5, num_workers=2)]
+    assert all(torch.equal(x, y) for x, y in zip(one, two)), timm.__version__
+
+
+def test_only_steps_that_may_draw_from_numpy_pay_for_its_seeding():
+    """torchvision's transforms draw from torch's generator alone, so their
+    scope leaves numpy's alone (its state costs about 60 us a sample to
+    save and restore); a callable of the user's, a ``Lambda`` of one, or
+    one inside a torchvision container may draw from it."""
+    from _torchvision import import_torchvision
+
+    if import_torchvision() is None:
+        pytest.skip("torchvision is not installed (pip install coordl[test])")
+    from torchvision import transforms as V
+    from torchvision.transforms import v2 as V2
+
+    from coordl.transforms import draws_numpy
+
+    assert not draws_numpy(V.Compose([V.RandomResizedCrop(8), V.TrivialAugmentWide(), V.ColorJitter(0.2)]))
+    assert not draws_numpy(V2.RandomApply([V2.ColorJitter(0.2)])) and not draws_numpy(None)
+    assert draws_numpy(NumpyTurn()) and draws_numpy(V.Lambda(lambda x: x))
+    assert draws_numpy(V.RandomApply([NumpyTurn()])) and draws_numpy(V2.Compose([V2.RandomChoice([NumpyTurn()])]))
