@@ -619,8 +619,8 @@ class _PILCall(Image.Image):
 
 
 class PolicyOnDevice(OnPlanes):
-    """torchvision's auto-augment policies (v1 or v2, nearest-neighbour
-    interpolation) on a PIL image, their draws made apart from their call,
+    """torchvision's auto-augment policies (v1 or v2; nearest, bilinear or
+    bicubic interpolation) on a PIL image, their draws made apart from their call,
     so that ``decode="device"`` (and the device split) run their operations
     on the device (``coordl.device.pil_ops``, ``coordl.device.jitter``).
     The draws are the user's class's own, in its order, from torch's
@@ -696,8 +696,6 @@ class PolicyOnDevice(OnPlanes):
     def _geometric(self, name: str, magnitude: float, h: int, w: int) -> list:
         """The operations of the shear, translation or rotation ``name``:
         torchvision's own call of PIL for it, recorded."""
-        from .decode import color as C
-
         t, img = self.user, _PILCall((w, h))
         if self.v2:
             fill = dict(t._fill)
@@ -706,23 +704,32 @@ class PolicyOnDevice(OnPlanes):
         else:
             sys.modules["torchvision.transforms.autoaugment"]._apply_op(img, name, magnitude, t.interpolation,
                                                                          t.fill)
-        call = img.call
-        if call is None:
-            raise ValueError(f"{_name(t)}'s {name} made no call of PIL's transform or transpose")
-        if call[0] == "copy":
-            return []
-        if call[0] == "transpose":
-            return [(C.TRANSPOSE, call[1])]
-        _, size, method, data, resample, fillcolor = call
-        if size != (w, h) or method != int(Image.Transform.AFFINE) or resample != int(Image.Resampling.NEAREST) \
-                or len(data) != 6:
-            raise ValueError(f"{_name(t)}'s {name} asks PIL for a transform coordl does not run on the device "
-                             f"(size {size}, method {method}, resample {resample})")
-        if fillcolor is not None:
-            fillcolor = tuple(int(v) for v in (fillcolor if isinstance(fillcolor, tuple) else (fillcolor,) * 3))
-        return [(C.AFFINE, (*(float(v) for v in data), fillcolor))]
+        return _affine_op(img.call, w, h, _name(t), name)
 
 
+def _affine_op(call: tuple, w: int, h: int, who: str, name: str) -> list:
+    """The operations of a geometric call recorded by :class:`_PILCall`:
+    ``(AFFINE, (a0..a5, fill, filter))``, ``(TRANSPOSE, method)``, or none
+    (a copy)."""
+    from .decode import color as C
+
+    if call is None:
+        raise ValueError(f"{who}'s {name} made no call of PIL's transform or transpose")
+    if call[0] == "copy":
+        return []
+    if call[0] == "transpose":
+        return [(C.TRANSPOSE, call[1])]
+    _, size, method, data, resample, fillcolor = call
+    if size != (w, h) or method != int(Image.Transform.AFFINE) or len(data) != 6 or resample not in _FILTERS:
+        raise ValueError(f"{who}'s {name} asks PIL for a transform coordl does not run on the device "
+                         f"(size {size}, method {method}, resample {resample})")
+    if fillcolor is not None:
+        fillcolor = tuple(int(v) for v in (fillcolor if isinstance(fillcolor, tuple) else (fillcolor,) * 3))
+    return [(C.AFFINE, (*(float(v) for v in data), fillcolor, resample))]
+
+
+# PIL's filters the device's affine maps run: nearest, bilinear, bicubic
+_FILTERS = (int(Image.Resampling.NEAREST), int(Image.Resampling.BILINEAR), int(Image.Resampling.BICUBIC))
 _FILL = [9, 80, 200]
 
 
@@ -833,7 +840,7 @@ _POLICIES = {"TrivialAugmentWide": TrivialAugmentOnDevice, "RandAugment": RandAu
 def policy_of(t: Any) -> "PolicyOnDevice | None":
     """A :class:`PolicyOnDevice` over ``t`` when it is torchvision's
     ``TrivialAugmentWide``, ``RandAugment`` or ``AutoAugment`` (v1 or v2)
-    with nearest-neighbour interpolation, else None."""
+    with nearest, bilinear or bicubic interpolation, else None."""
     if isinstance(t, PolicyOnDevice):
         return t
     kind = _kind(t)
@@ -841,7 +848,7 @@ def policy_of(t: Any) -> "PolicyOnDevice | None":
     if cls is None:
         return None
     mode = getattr(t, "interpolation", None)
-    if getattr(mode, "value", mode) not in ("nearest", int(Image.Resampling.NEAREST)):
+    if getattr(mode, "value", mode) not in ("nearest", "bilinear", "bicubic") + _FILTERS:
         return None
     try:
         return cls(t, kind[0] == "v2")

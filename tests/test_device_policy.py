@@ -73,8 +73,8 @@ def _geometric_ops(h: int, w: int) -> list:
     versions, with and without a fill."""
     out = []
     for M in (V, V2):
-        for fill in (None, [9, 80, 200]):
-            p = tvcompat.policy_of(M.TrivialAugmentWide(fill=fill))
+        for fill, mode in ((None, "NEAREST"), ([9, 80, 200], "NEAREST"), (None, "BILINEAR"), ([3, 4, 5], "BICUBIC")):
+            p = tvcompat.policy_of(M.TrivialAugmentWide(fill=fill, interpolation=getattr(M.InterpolationMode, mode)))
             for name, mags in (("ShearX", np.linspace(0, 0.99, 7)), ("ShearY", np.linspace(0, 0.99, 5)),
                                ("TranslateX", (0.0, 3.0, 32.0, 150 / 331 * w)), ("TranslateY", (1.0, 31.0, 4.9)),
                                ("Rotate", (4.5, 30.0, 45.0, 90.0, 135.0))):
@@ -93,7 +93,7 @@ def test_each_operation_is_pils_on_every_row(h, w):
     rng = random.Random(h * w)
     cases = [(C.SHARPNESS, rng.uniform(0.0, 2.0)) for _ in range(4)] + [(C.SHARPNESS, 0.01), (C.SHARPNESS, 1.99)]
     cases += [(C.POSTERIZE, b) for b in range(1, 9)] + [(C.SOLARIZE, t) for t in (0.0, 8.2, 127.5, 128.0, 255.0)]
-    cases += [(C.AUTOCONTRAST, 0), (C.EQUALIZE, 0), (C.INVERT, 0)]
+    cases += [(C.AUTOCONTRAST, 0), (C.EQUALIZE, 0), (C.INVERT, 0)] + [(C.SOLARIZE_ADD, a) for a in (0, 33, 110)]
     cases += _geometric_ops(h, w)
     if h == w:
         cases += [(C.TRANSPOSE, m) for m in range(7)]
@@ -117,8 +117,8 @@ def test_pils_three_ways_of_an_affine_map_are_each_followed():
     (16.16 fixed point) and a map too large for fixed point (PIL's
     double-precision accumulation) each give PIL's bytes."""
     y = _rows(3, 5, 12, 10)
-    maps = {"scale": (1.0, 0.0, -3.0, 0.0, 1.0, 2.0, None), "fixed": (1.0, 0.37, 0.0, 0.0, 1.0, 0.0, (1, 2, 3)),
-            "map": (1.0, 0.2, 40000.0, 0.1, 1.0, -40000.0, None)}
+    maps = {"scale": (1.0, 0.0, -3.0, 0.0, 1.0, 2.0, None, 0), "fixed": (1.0, 0.37, 0.0, 0.0, 1.0, 0.0, (1, 2, 3), 0),
+            "map": (1.0, 0.2, 40000.0, 0.1, 1.0, -40000.0, None, 0)}
     for how, value in maps.items():
         assert P.source_index(value[:6], 12, 10)[0] == how
         got = P.apply(y, C.AFFINE, [value] * 5)
@@ -148,10 +148,10 @@ def test_each_kind_passes_its_check_against_pil_and_a_wrong_one_does_not(monkeyp
 
 
 def test_records_carry_affine_maps_and_fills():
-    """An operation's affine map (six doubles) and fill travel in the record
-    and come back as they went, beside other operations."""
-    ops = [(C.BRIGHTNESS, 1.25), (C.AFFINE, (1.0, -0.3, 0.1, 0.0, 1.0, 2.5e-17, (9, 80, 200))),
-           (C.AFFINE, (0.5, 0.0, -3.0, 0.0, 2.0, 7.0, None)), (C.SOLARIZE, 127.5)]
+    """An operation's affine map (six doubles), fill and filter travel in
+    the record and come back as they went, beside other operations."""
+    ops = [(C.BRIGHTNESS, 1.25), (C.AFFINE, (1.0, -0.3, 0.1, 0.0, 1.0, 2.5e-17, (9, 80, 200), 3)),
+           (C.AFFINE, (0.5, 0.0, -3.0, 0.0, 2.0, 7.0, None, 0)), (C.SOLARIZE, 127.5)]
     rec = [0] * E.INDEX + E.tail_fields(7, ops, [(1, 2, 3, 4)])
     assert len(rec) == E.RECORD
     assert E.ops_of(rec) == ops and E.rects_of(rec) == [(1, 2, 3, 4)]
@@ -161,7 +161,9 @@ def test_records_carry_affine_maps_and_fills():
 
 # ---------------------------------------------------------------- the draws
 POLICIES = {"ta_wide": lambda M: M.TrivialAugmentWide(), "ra": lambda M: M.RandAugment(),
-            "imagenet": lambda M: M.AutoAugment(), "cifar10": lambda M: M.AutoAugment(M.AutoAugmentPolicy.CIFAR10)}
+            "imagenet": lambda M: M.AutoAugment(), "cifar10": lambda M: M.AutoAugment(M.AutoAugmentPolicy.CIFAR10),
+            "ra_bilinear": lambda M: M.RandAugment(interpolation=M.InterpolationMode.BILINEAR),
+            "ta_bicubic": lambda M: M.TrivialAugmentWide(interpolation=M.InterpolationMode.BICUBIC, fill=[50, 0, 9])}
 
 
 @pytest.mark.parametrize("policy", list(POLICIES))
@@ -190,10 +192,11 @@ def test_the_draws_are_the_users_policys_own(version, policy):
 
 
 def test_a_policy_the_device_cannot_run_is_not_taken():
-    """Bilinear interpolation (PIL's bilinear transform), another class: not
-    drawn apart, so decode="device" refuses them."""
-    assert tvcompat.policy_of(V.TrivialAugmentWide(interpolation=V.InterpolationMode.BILINEAR)) is None
-    assert tvcompat.policy_of(V2.RandAugment(interpolation=V2.InterpolationMode.BILINEAR)) is None
+    """Another interpolation than PIL's nearest, bilinear and bicubic,
+    another class: not drawn apart, so decode="device" refuses them."""
+    assert tvcompat.policy_of(V.TrivialAugmentWide(interpolation=V.InterpolationMode.BOX)) is None
+    assert tvcompat.policy_of(V2.RandAugment(interpolation=V2.InterpolationMode.LANCZOS)) is None
+    assert tvcompat.policy_of(V2.RandAugment(interpolation=V2.InterpolationMode.BILINEAR)) is not None
     assert tvcompat.policy_of(V.AugMix()) is None and tvcompat.policy_of(V.ColorJitter(0.2)) is None
 
 
@@ -226,7 +229,8 @@ def _geometry_then_policy(photos, steps, policy, workers, seed=5, epoch=0):
 
 
 @pytest.mark.parametrize("version,policy,workers", [("v1", "ta_wide", 0), ("v2", "ta_wide", 2), ("v1", "ra", 2),
-                                                    ("v2", "imagenet", 0)])
+                                                    ("v2", "imagenet", 0), ("v1", "ra_bilinear", 2),
+                                                    ("v2", "ta_bicubic", 0)])
 def test_the_device_runs_the_policy_on_its_rows_as_the_cpu_path(photos, cpu_device, version, policy, workers):
     """Bit for bit: the device's policy of its own geometry's rows is PIL's
     operations of each sample's draws on those rows."""
@@ -318,7 +322,7 @@ def test_the_device_split_draws_the_policy_in_the_worker(photos, cpu_device):
 
 def test_other_policies_are_refused_naming_them(photos, cpu_device):
     tf = V.Compose([V.RandomResizedCrop(16), V.AugMix(), V.ToTensor()])
-    tf2 = V.Compose([V.RandomResizedCrop(16), V.TrivialAugmentWide(interpolation=V.InterpolationMode.BILINEAR),
+    tf2 = V.Compose([V.RandomResizedCrop(16), V.TrivialAugmentWide(interpolation=V.InterpolationMode.HAMMING),
                      V.ToTensor()])
     for t in (tf, tf2):
         with pytest.raises(ValueError, match=r"decode='device' cannot run.*(AugMix|TrivialAugmentWide) run as"):

@@ -25,7 +25,7 @@ from PIL import Image, ImageEnhance
 from . import extensions
 
 __all__ = ["BRIGHTNESS", "CONTRAST", "SATURATION", "HUE", "SHARPNESS", "POSTERIZE", "SOLARIZE", "AUTOCONTRAST",
-           "EQUALIZE", "INVERT", "AFFINE", "TRANSPOSE", "KERNEL_CODES", "jitter", "pil_jitter", "exact_kernel",
+           "EQUALIZE", "INVERT", "AFFINE", "TRANSPOSE", "SOLARIZE_ADD", "KERNEL_CODES", "jitter", "pil_jitter", "exact_kernel",
            "probe_ops"]
 
 log = logging.getLogger(__name__)
@@ -35,9 +35,11 @@ BRIGHTNESS, CONTRAST, SATURATION, HUE = 0, 1, 2, 3
 # the other operations of torchvision's auto-augment policies on a PIL image, as PIL runs them
 # (pil_jitter; the C extension runs KERNEL_CODES only): (SHARPNESS, factor): ImageEnhance.Sharpness;
 # (POSTERIZE, bits), (SOLARIZE, threshold), (AUTOCONTRAST, 0), (EQUALIZE, 0), (INVERT, 0): ImageOps';
-# (AFFINE, (a0, a1, a2, a3, a4, a5, fill)): Image.transform(size, AFFINE, a, NEAREST, fillcolor=fill), the
-# image's own size, fill a tuple of one value per band (or None: zeros); (TRANSPOSE, method): Image.transpose
-SHARPNESS, POSTERIZE, SOLARIZE, AUTOCONTRAST, EQUALIZE, INVERT, AFFINE, TRANSPOSE = range(4, 12)
+# (AFFINE, (a0, a1, a2, a3, a4, a5, fill, resample)): Image.transform(size, AFFINE, a, resample,
+# fillcolor=fill), the image's own size, fill a tuple of one value per band (or None: zeros), resample
+# PIL's NEAREST, BILINEAR or BICUBIC; (TRANSPOSE, method): Image.transpose; (SOLARIZE_ADD, add): timm's
+# solarize_add, add to the values under 128 (clipped at 255)
+SHARPNESS, POSTERIZE, SOLARIZE, AUTOCONTRAST, EQUALIZE, INVERT, AFFINE, TRANSPOSE, SOLARIZE_ADD = range(4, 13)
 KERNEL_CODES = frozenset((BRIGHTNESS, CONTRAST, SATURATION, HUE))
 
 
@@ -84,8 +86,11 @@ def pil_jitter(img: Image.Image, ops) -> Image.Image:
         elif code == INVERT:
             img = ImageOps.invert(img)
         elif code == AFFINE:
-            *a, fill = value
-            img = img.transform(img.size, Image.Transform.AFFINE, list(a), Image.Resampling.NEAREST, fillcolor=fill)
+            img = img.transform(img.size, Image.Transform.AFFINE, list(value[:6]), Image.Resampling(value[7]),
+                                fillcolor=value[6])
+        elif code == SOLARIZE_ADD:
+            add = int(value)
+            img = img.point([min(255, i + add) if i < 128 else i for i in range(256)] * len(img.getbands()))
         elif code == TRANSPOSE:
             img = img.transpose(Image.Transpose(int(value)))
         elif code not in KERNEL_CODES:
@@ -111,12 +116,13 @@ _PROBE_VALUES = {
     POSTERIZE: (1, 2, 4, 7, 8),
     SOLARIZE: (0.0, 8.5, 128.0, 200.3, 255.0, 256.0),
     AUTOCONTRAST: (0,), EQUALIZE: (0,), INVERT: (0,),
-    AFFINE: ((1.0, 0.3, 0.0, 0.0, 1.0, 0.0, None), (1.0, -0.99, 0.0, 0.0, 1.0, 0.0, (0, 0, 0)),
-             (1.0, 0.0, 0.0, 0.45, 1.0, 0.0, (9, 80, 200)), (1.0, 0.0, -5.0, 0.0, 1.0, 3.0, None),
-             (1.0, 0.0, 7.0, 0.0, 1.0, -2.0, (0, 0, 0)), (0.707107, 0.707107, -4.3, -0.707107, 0.707107, 6.1,
-                                                           (1, 2, 3)),
-             (0.95, -0.3, 1.5, 0.3, 0.95, -2.25, None)),
+    AFFINE: tuple((*a, r) for r in (0, 2, 3) for a in (
+        (1.0, 0.3, 0.0, 0.0, 1.0, 0.0, None), (1.0, -0.99, 0.0, 0.0, 1.0, 0.0, (0, 0, 0)),
+        (1.0, 0.0, 0.0, 0.45, 1.0, 0.0, (9, 80, 200)), (1.0, 0.0, -5.0, 0.0, 1.0, 3.0, None),
+        (1.0, 0.0, 7.0, 0.0, 1.0, -2.0, (0, 0, 0)), (0.707107, 0.707107, -4.3, -0.707107, 0.707107, 6.1, (1, 2, 3)),
+        (0.95, -0.3, 1.5, 0.3, 0.95, -2.25, None), (1.0, 0.0, 2.7, 0.0, 1.0, -1.3, (128, 128, 128)))),
     TRANSPOSE: (0, 1, 2, 3, 4, 5, 6),
+    SOLARIZE_ADD: (0, 1, 50, 110, 200),
 }
 
 

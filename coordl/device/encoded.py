@@ -46,7 +46,8 @@ __all__ = ["RECORD", "ON_DEVICE", "ON_CPU", "DecodePlan", "plan_for", "DecodePre
 # (coordl.decode.color's codes; the value a float64's bits); then the rectangles it erases after the
 # conversion (a plan with RandomErasing): their number, then (top, left, height, width) each; then the
 # affine maps of an auto-augment policy's operations (an operation (AFFINE, k) is the k-th): six doubles'
-# bits and the fill (its three values, or -1: none) each
+# bits, then the fill and PIL's filter in one field (the filter << 32 | the fill's three values, or 1 << 24
+# for none) each
 MAX_OPS, MAX_RECTS, MAX_AFFINES = 8, 4, 2
 (KIND, SRC_H, SRC_W, T1, L1, H1, W1, RH, RW, T2, L2, H2, W2, FLIP, MODE, VFLIP, INDEX, CHANNELS, N_OPS) = range(19)
 OPS = N_OPS + 1
@@ -287,8 +288,8 @@ class DecodePlan:
 
 _HOW = ("decode='device' runs [RandomResizedCrop | Resize] [CenterCrop | RandomCrop], with RandomHorizontalFlip "
         "and RandomVerticalFlip anywhere among them, then torchvision's ColorJitter (optional; alone or in a "
-        "RandomApply), RandomGrayscale, TrivialAugmentWide, RandAugment and AutoAugment (nearest "
-        "interpolation), then ToTensor() "
+        "RandomApply), RandomGrayscale, TrivialAugmentWide, RandAugment and AutoAugment (nearest, bilinear "
+        "or bicubic), then ToTensor() "
         "[+ Normalize(...)s] [+ RandomErasing] or PILToTensor()")
 
 
@@ -548,9 +549,8 @@ def tail_fields(index: int, ops=(), rects=()) -> list:
                     affines = []
                 if len(affines) == 7 * MAX_AFFINES:
                     raise ValueError(f"more than {MAX_AFFINES} affine operations in one sample")
-                *a, fill = v
                 values.append(float(len(affines) // 7))
-                affines = affines + np.array(a, dtype=np.float64).view(np.int64).tolist() + [_packed(fill)]
+                affines = affines + np.array(v[:6], dtype=np.float64).view(np.int64).tolist() + [_packed(v[6], v[7])]
             else:
                 values.append(v)
         pairs = np.zeros((MAX_OPS, 2), dtype=np.int64)
@@ -564,12 +564,16 @@ def tail_fields(index: int, ops=(), rects=()) -> list:
         + affines
 
 
-def _packed(fill) -> int:
-    """An affine map's fill (None, or three values 0..255) as one field."""
+_NO_FILL = 1 << 24
+
+
+def _packed(fill, resample: int) -> int:
+    """An affine map's fill (None, or three values 0..255) and PIL filter as
+    one field."""
     if fill is None:
-        return -1
+        return (int(resample) << 32) | _NO_FILL
     r, g, b = (int(v) for v in fill)
-    return (r << 16) | (g << 8) | b
+    return (int(resample) << 32) | (r << 16) | (g << 8) | b
 
 
 def ops_of(rec) -> list:
@@ -587,7 +591,8 @@ def ops_of(rec) -> list:
             at = AFFINES + 7 * int(v)
             a = np.array(rec[at:at + 6], dtype=np.int64).view(np.float64).tolist()
             f = int(rec[at + 6])
-            ops[j] = (c, (*a, None if f < 0 else ((f >> 16) & 255, (f >> 8) & 255, f & 255)))
+            fill = None if f & _NO_FILL else ((f >> 16) & 255, (f >> 8) & 255, f & 255)
+            ops[j] = (c, (*a, fill, f >> 32))
     return ops
 
 

@@ -22,12 +22,17 @@ with its own value, by torch's operations, with PIL's arithmetic:
 - equalize: each channel's table from its histogram (integers: the
   histogram's running sum, PIL's step), clipped to 0..255 as PIL's
   ``point`` stores it;
-- affine (nearest neighbour, a fill outside): PIL's three ways for the
+- affine, nearest neighbour (a fill outside): PIL's three ways for the
   matrix it is given: a scale without rotation or shear by tables of source
   columns and rows accumulated in double precision as PIL accumulates
   them; otherwise, where the corners' coordinates fit, PIL's 16.16 fixed
   point (integers: exact on any device); else PIL's double-precision
   accumulation along each row (made on the host);
+- affine, bilinear or bicubic (timm's policies draw one of the two per
+  operation; torchvision's with ``interpolation=``): PIL's generic
+  transform, each pixel's source point and its filter's weighted
+  neighbours in double precision as PIL's macros compute them;
+- timm's solarize-add: its table;
 - transpose: PIL's flips and quarter turns.
 
 :class:`.jitter.DeviceJitter` runs them with the colour operations, and
@@ -41,12 +46,14 @@ import math
 import numpy as np
 import torch
 
-from ..decode.color import AFFINE, AUTOCONTRAST, EQUALIZE, INVERT, POSTERIZE, SHARPNESS, SOLARIZE, TRANSPOSE
+from ..decode.color import (AFFINE, AUTOCONTRAST, EQUALIZE, INVERT, POSTERIZE, SHARPNESS, SOLARIZE, SOLARIZE_ADD,
+                            TRANSPOSE)
 from .launch import upload
 
 __all__ = ["CODES", "apply"]
 
-CODES = frozenset((SHARPNESS, POSTERIZE, SOLARIZE, AUTOCONTRAST, EQUALIZE, INVERT, AFFINE, TRANSPOSE))
+CODES = frozenset((SHARPNESS, POSTERIZE, SOLARIZE, AUTOCONTRAST, EQUALIZE, INVERT, AFFINE, TRANSPOSE, SOLARIZE_ADD))
+NEAREST, BILINEAR, BICUBIC = 0, 2, 3          # PIL's resampling filters
 
 # ImageFilter.SMOOTH: its weights over its scale, in single precision as PIL divides them
 _SMOOTH = np.array([1, 1, 1, 1, 5, 1, 1, 1, 1], dtype=np.float32) / np.float32(13)
@@ -67,6 +74,10 @@ def apply(x: torch.Tensor, code: int, values: list) -> torch.Tensor:
         return torch.where(x.to(torch.int16) < t.view(-1, 1, 1, 1), x, 255 - x)
     if code == INVERT:
         return 255 - x
+    if code == SOLARIZE_ADD:
+        # timm's table: min(255, i + add) under 128, else i
+        add = upload(np.array([int(v) for v in values], dtype=np.int16), x.device).view(-1, 1, 1, 1)
+        return torch.where(x < 128, (x.to(torch.int16) + add).clamp_(max=255).to(torch.uint8), x)
     if code == AUTOCONTRAST:
         return _lookup(x, _autocontrast_tables(x))
     if code == EQUALIZE:
@@ -196,8 +207,91 @@ def source_index(a, h: int, w: int) -> tuple[str, tuple]:
 
 
 def _affine(x: torch.Tensor, values: list) -> torch.Tensor:
-    """Each row of ``x`` through its affine map (a few launches for the
-    batch: the rows' source indices made together, one gather)."""
+    """Each row of ``x`` through its affine map: the rows by PIL's filter,
+    each group in a few launches for the batch."""
+    k = x.shape[0]
+    by = {}
+    for r, v in enumerate(values):
+        by.setdefault(int(v[7]), []).append(r)
+    if len(by) == 1:
+        f, rows = next(iter(by.items()))
+        return _nearest(x, values) if f == NEAREST else _filtered(x, values, f)
+    out = torch.empty_like(x)
+    for f, rows in by.items():
+        idx = upload(np.array(rows, dtype=np.int64), x.device)
+        part = x.index_select(0, idx)
+        vals = [values[r] for r in rows]
+        out.index_copy_(0, idx, _nearest(part, vals) if f == NEAREST else _filtered(part, vals, f))
+    return out if k else x
+
+
+def _fills(values: list, c: int, dev) -> torch.Tensor:
+    """The rows' fill values, uint8 (k, c, 1, 1) (None: zeros)."""
+    fills = np.array([v[6] if v[6] is not None else (0,) * c for v in values], dtype=np.uint8).reshape(-1, c)
+    return upload(fills, dev).view(-1, c, 1, 1)
+
+
+def _filtered(x: torch.Tensor, values: list, f: int) -> torch.Tensor:
+    """PIL's generic affine transform with its bilinear or bicubic filter:
+    each output pixel's source point ``a0 (x + .5) + a1 (y + .5) + a2``
+    (and the other coordinate alike) in double precision, outside the image
+    the fill; inside, the filter's weighted neighbours in double precision
+    as PIL's macros compute them (rows outside repeat the last row inside,
+    columns are clipped), truncated to uint8 (bicubic clipped first)."""
+    k, c, h, w = x.shape
+    dev, f64 = x.device, torch.float64
+    a = upload(np.array([v[:6] for v in values], dtype=np.float64), dev)
+    col = [a[:, j].view(-1, 1, 1) for j in range(6)]
+    X = (torch.arange(w, dtype=f64, device=dev) + 0.5).view(1, 1, w)
+    Y = (torch.arange(h, dtype=f64, device=dev) + 0.5).view(1, h, 1)
+    xin = (col[0] * X + col[1] * Y) + col[2]
+    yin = (col[3] * X + col[4] * Y) + col[5]
+    inside = ((xin >= 0) & (xin < w) & (yin >= 0) & (yin < h)).unsqueeze(1)
+    xin, yin = xin - 0.5, yin - 0.5
+    x0, y0 = torch.floor(xin), torch.floor(yin)
+    dx, dy = (xin - x0).unsqueeze(1), (yin - y0).unsqueeze(1)
+    xi, yi = x0.to(torch.int64), y0.to(torch.int64)
+    src = x.reshape(k, c, h * w)
+
+    def at(yy, xx):      # the (k, c, h, w) values at rows yy (in range) and columns xx (clipped), double
+        flat = (yy.clamp(0, h - 1) * w + xx.clamp(0, w - 1)).view(k, 1, h * w).expand(k, c, h * w)
+        return torch.gather(src, 2, flat).view(k, c, h, w).to(f64)
+
+    if f == BILINEAR:
+        def line(yy):
+            p, q = at(yy, xi), at(yy, xi + 1)
+            return p + (q - p) * dx
+
+        v1 = line(yi)
+        below = ((yi + 1 >= 0) & (yi + 1 < h)).unsqueeze(1)
+        v2 = torch.where(below, line(yi + 1), v1)
+        v = v1 + (v2 - v1) * dy
+        out = v.trunc()
+    else:
+        xi, yi = xi - 1, yi - 1
+
+        def cubic(v1, v2, v3, v4, d):
+            p1 = v2
+            p2 = -v1 + v3
+            p3 = 2 * (v1 - v2) + v3 - v4
+            p4 = -v1 + v2 - v3 + v4
+            return p1 + d * (p2 + d * (p3 + d * p4))
+
+        def line(yy):
+            return cubic(at(yy, xi), at(yy, xi + 1), at(yy, xi + 2), at(yy, xi + 3), dx)
+
+        rows = [line(yi)]
+        for j in (1, 2, 3):
+            ok = ((yi + j >= 0) & (yi + j < h)).unsqueeze(1)
+            rows.append(torch.where(ok, line(yi + j), rows[-1]))
+        v = cubic(*rows, dy)
+        out = v.clamp(0.0, 255.0).trunc()
+    return torch.where(inside, out.to(torch.uint8), _fills(values, c, dev))
+
+
+def _nearest(x: torch.Tensor, values: list) -> torch.Tensor:
+    """PIL's nearest-neighbour affine transform of each row (the rows'
+    source indices made together, one gather)."""
     k, c, h, w = x.shape
     dev = x.device
     ways = [source_index(v[:6], h, w) for v in values]
@@ -226,8 +320,7 @@ def _affine(x: torch.Tensor, values: list) -> torch.Tensor:
     inside = ((xs >= 0) & (xs < w) & (ys >= 0) & (ys < h)).unsqueeze(1)
     flat = (ys.clamp_(0, h - 1).mul_(w).add_(xs.clamp_(0, w - 1))).view(k, 1, h * w).expand(k, c, h * w)
     got = torch.gather(x.reshape(k, c, h * w), 2, flat).view(k, c, h, w)
-    fills = np.array([v[6] if v[6] is not None else (0,) * c for v in values], dtype=np.uint8).reshape(k, c)
-    return torch.where(inside, got, upload(fills, dev).view(k, c, 1, 1))
+    return torch.where(inside, got, _fills(values, c, dev))
 
 
 def _transpose(x: torch.Tensor, method: int) -> torch.Tensor:
