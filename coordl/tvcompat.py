@@ -639,6 +639,7 @@ class PolicyOnDevice(OnPlanes):
     seeds = (tuple(range(160)), ())      # RGB probes only: the device runs RGB images; every operation drawn
     most = 1                             # operations per call
     affines = 1                          # of them affine maps, at most
+    draws_numpy = False                  # draws from numpy's global generator (timm's)
 
     def __init__(self, user: Any, v2: bool):
         super().__init__(user, v2)
@@ -836,6 +837,108 @@ class AutoAugmentOnDevice(PolicyOnDevice):
 _POLICIES = {"TrivialAugmentWide": TrivialAugmentOnDevice, "RandAugment": RandAugmentOnDevice,
              "AutoAugment": AutoAugmentOnDevice}
 
+_TIMM_AA = "timm.data.auto_augment"
+# timm's operations (its module's functions) the device runs: the geometric ones through PIL's call
+# recorded, the others as coordl.decode.color's codes
+_TIMM_GEOMETRIC = frozenset(("rotate", "shear_x", "shear_y", "translate_x_abs", "translate_y_abs", "translate_x_rel",
+                             "translate_y_rel"))
+_TIMM_OTHERS = frozenset(("auto_contrast", "equalize", "invert", "posterize", "solarize", "solarize_add", "color",
+                          "contrast", "brightness", "sharpness"))
+
+
+class TimmPolicyOnDevice(PolicyOnDevice):
+    """timm's ``RandAugment`` and ``AutoAugment`` (``timm.data.auto_augment``:
+    ``create_transform(..., auto_augment="rand-m9-mstd0.5-inc1")``, its
+    training recipes' ``--aa``) on a PIL image, drawn apart from their call
+    as timm draws them: the operations a call applies (numpy's global
+    generator for ``RandAugment``'s choice, Python's for ``AutoAugment``'s
+    sub-policy), then for each its own draws in ``AugmentOp``'s order
+    (Python's generator: whether it applies, the magnitude's noise, the
+    sign in its level function, the filter of a geometric one), its
+    arguments from its own level function.  The geometric operations are
+    timm's very call of PIL, recorded (with the filter it drew: bilinear or
+    bicubic by default); the others are mapped to PIL's terms by timm's
+    function.  Operations the device does not run (``Desaturate``,
+    ``GaussianBlur``) keep the policy as written."""
+
+    probes = ({"config": "rand-m9-mstd0.5-inc1"}, {"config": "rand-m7-n3-mstd1.0", "hparams": {"img_mean": (1, 2, 3)}},
+              {"config": "original"}, {"config": "v0r", "hparams": {"interpolation": 0}})
+    seeds = (tuple(range(160)), ())
+    draws_numpy = True
+
+    def __init__(self, user: Any, v2: bool = False):
+        super().__init__(user, False)
+        ops = self._all_ops()
+        if not ops or any(getattr(op.aug_fn, "__module__", "") != _TIMM_AA
+                          or op.aug_fn.__name__ not in _TIMM_GEOMETRIC | _TIMM_OTHERS for op in ops):
+            raise ValueError("an operation coordl does not run on the device")
+        self.most = self.affines = int(user.num_layers) if type(user).__name__ == "RandAugment" else max(
+            len(p) for p in user.policy)
+
+    def _all_ops(self) -> list:
+        t = self.user
+        return list(t.ops) if type(t).__name__ == "RandAugment" else [op for p in t.policy for op in p]
+
+    @classmethod
+    def probe(cls, user_cls: type, v2: bool, kw: dict) -> tuple:
+        mod = sys.modules[_TIMM_AA]
+        config, hparams = kw["config"], dict(kw.get("hparams", {}))
+        t = mod.rand_augment_transform(config, hparams) if config.startswith("rand") else \
+            mod.auto_augment_transform(config, hparams)
+        return t, cls(t)
+
+    def draw(self, size: tuple | None = None) -> list:
+        import numpy as np
+
+        h, w = size if size is not None else (0, 0)
+        t = self.user
+        if type(t).__name__ == "RandAugment":
+            ops = np.random.choice(t.ops, t.num_layers, replace=t.choice_weights is None, p=t.choice_weights)
+        else:
+            ops = random.choice(t.policy)
+        return [o for op in ops for o in self._op(op, h, w)]
+
+    def _op(self, op: Any, h: int, w: int) -> list:
+        """One ``AugmentOp``'s draws, as its call makes them, and its
+        operations."""
+        from .decode import color as C
+
+        if op.prob < 1.0 and random.random() > op.prob:
+            return []
+        magnitude = op.magnitude
+        if op.magnitude_std > 0:
+            if op.magnitude_std == float("inf"):
+                magnitude = random.uniform(0, magnitude)
+            elif op.magnitude_std > 0:
+                magnitude = random.gauss(magnitude, op.magnitude_std)
+        upper = op.magnitude_max or sys.modules[_TIMM_AA]._LEVEL_DENOM
+        magnitude = max(0., min(magnitude, upper))
+        args = op.level_fn(magnitude, op.hparams) if op.level_fn is not None else tuple()
+        fn = op.aug_fn.__name__
+        if fn in _TIMM_GEOMETRIC:
+            img = _PILCall((w, h))
+            op.aug_fn(img, *args, **op.kwargs)       # its filter drawn in there, as in its call
+            return _affine_op(img.call, w, h, "timm", op.name)
+        if fn in ("color", "contrast", "brightness", "sharpness"):
+            code = {"color": C.SATURATION, "contrast": C.CONTRAST, "brightness": C.BRIGHTNESS,
+                    "sharpness": C.SHARPNESS}[fn]
+            return [(code, float(args[0]))]
+        if fn == "posterize":
+            bits = int(args[0])
+            if bits >= 8:
+                return []
+            from PIL import ImageOps
+
+            ImageOps.posterize(Image.new("L", (1, 1)), bits)     # PIL's own error for bits it refuses
+            return [(C.POSTERIZE, bits)]
+        if fn == "solarize":
+            return [(C.SOLARIZE, args[0])]
+        if fn == "solarize_add":
+            if len(args) > 1:
+                raise ValueError("timm's solarize_add with a threshold of its own")
+            return [(C.SOLARIZE_ADD, int(args[0]))]
+        return [({"auto_contrast": C.AUTOCONTRAST, "equalize": C.EQUALIZE, "invert": C.INVERT}[fn], 0)]
+
 
 def policy_of(t: Any) -> "PolicyOnDevice | None":
     """A :class:`PolicyOnDevice` over ``t`` when it is torchvision's
@@ -843,6 +946,11 @@ def policy_of(t: Any) -> "PolicyOnDevice | None":
     with nearest, bilinear or bicubic interpolation, else None."""
     if isinstance(t, PolicyOnDevice):
         return t
+    if type(t).__module__ == _TIMM_AA and type(t).__name__ in ("RandAugment", "AutoAugment"):
+        try:
+            return TimmPolicyOnDevice(t)
+        except (TypeError, ValueError, AttributeError):
+            return None
     kind = _kind(t)
     cls = _POLICIES.get(kind[1]) if kind is not None and kind[0] in ("v1", "v2") else None
     if cls is None:
@@ -1061,9 +1169,21 @@ def _agrees(kind: type, cls: type, v2: bool, draws: bool = False) -> bool:
     return _agree[key]
 
 
+def _seed_all(seed: int) -> None:
+    torch.default_generator.manual_seed(seed)
+    random.seed(seed)
+    np.random.seed(seed)
+
+
+def _all_states() -> tuple:
+    """torch's CPU generator's, Python's and numpy's global states, comparable."""
+    kind, keys, pos, gauss, cached = np.random.get_state()
+    return torch.default_generator.get_state(), random.getstate(), (kind, keys.tobytes(), pos, gauss, cached)
+
+
 def _check_agreement(kind: type, cls: type, v2: bool, draws: bool = False) -> bool:
     cpu = torch.default_generator
-    state = cpu.get_state()
+    state, py_state, np_state = cpu.get_state(), random.getstate(), np.random.get_state()
     rnd = random.Random(5)
     rgb = np.frombuffer(rnd.randbytes(3 * 17 * 23), np.uint8).reshape(17, 23, 3)
     images = [Image.fromarray(rgb), Image.fromarray(np.ascontiguousarray(rgb[:9, :7, 1]))]
@@ -1072,18 +1192,29 @@ def _check_agreement(kind: type, cls: type, v2: bool, draws: bool = False) -> bo
             t, mine = kind.probe(cls, v2, kw)
             for img, seeds in zip(images, kind.seeds):
                 for seed in seeds:
-                    cpu.manual_seed(seed)
-                    want = np.asarray(t(img))
-                    after = cpu.get_state()
-                    cpu.manual_seed(seed)
-                    if draws:
-                        from .decode import color
+                    _seed_all(seed)
+                    try:
+                        want = np.asarray(t(img))
+                    except Exception as e:  # noqa: BLE001 - the user's call fails here: so must coordl's
+                        want = e
+                    after = _all_states()
+                    _seed_all(seed)
+                    try:
+                        if draws:
+                            from .decode import color
 
-                        got = T._to_chw(color.pil_jitter(img, mine.draw((img.height, img.width)))).numpy()
-                    else:
-                        got = mine.on_planes(T._to_chw(img)).numpy()
+                            got = T._to_chw(color.pil_jitter(img, mine.draw((img.height, img.width)))).numpy()
+                        else:
+                            got = mine.on_planes(T._to_chw(img)).numpy()
+                    except Exception as e:  # noqa: BLE001
+                        if isinstance(want, Exception) and type(e) is type(want) and str(e) == str(want):
+                            continue            # the same error as the user's call (timm's posterize at 0 bits)
+                        raise
+                    if isinstance(want, Exception):
+                        raise want
                     got = got[0] if img.mode == "L" else got.transpose(1, 2, 0)
-                    if not (np.array_equal(got, want) and torch.equal(cpu.get_state(), after)):
+                    now = _all_states()
+                    if not (np.array_equal(got, want) and torch.equal(now[0], after[0]) and now[1:] == after[1:]):
                         log.warning("coordl's %s differs from %s.%s here: it runs as written", kind.__name__,
                                     cls.__module__, cls.__name__)
                         return False
@@ -1094,6 +1225,8 @@ def _check_agreement(kind: type, cls: type, v2: bool, draws: bool = False) -> bo
         return False
     finally:
         cpu.set_state(state)
+        random.setstate(py_state)
+        np.random.set_state(np_state)
 
 
 # --------------------------------------------------------------- transforms

@@ -832,11 +832,14 @@ def test_the_auto_augment_operations_on_cuda_give_pils_bytes_row_by_row():
 
 
 @needs_cuda
-@pytest.mark.parametrize("workers,version,policy", [(0, "v1", "ta_wide"), (2, "v2", "ra"), (2, "v1", "imagenet")])
+@pytest.mark.parametrize("workers,version,policy", [(0, "v1", "ta_wide"), (2, "v2", "ra"), (2, "v1", "imagenet"),
+                                                    (2, "v2", "ra_bilinear"), (0, "v1", "timm:rand-m7-mstd0.5"),
+                                                    (2, "v1", "timm:original-bicubic")])
 def test_an_auto_augment_policy_on_the_gpu_is_pils_on_the_gpus_rows(mixed_jpegs, workers, version, policy):
-    """torchvision's policies (the reference recipe's ``--auto-augment``)
-    with decode="device" on CUDA: bit for bit PIL's operations of each
-    sample's draws on the rows the same loader makes without the policy."""
+    """torchvision's policies (the reference recipe's ``--auto-augment``) and
+    timm's with decode="device" on CUDA: bit for bit PIL's operations of
+    each sample's draws on the rows the same loader makes without the
+    policy (nearest, bilinear and bicubic affine maps among them)."""
     import sys
 
     sys.path.insert(0, HERE)
@@ -855,8 +858,8 @@ def test_an_auto_augment_policy_on_the_gpu_is_pils_on_the_gpus_rows(mixed_jpegs,
     V = V1 if version == "v1" else V2
     steps = [V.RandomResizedCrop(64), V.RandomHorizontalFlip()]
     kw = dict(batch_size=6, seed=4, shuffle=False, num_workers=workers, device="cuda", decode="device")
-    pol = coordl.DataLoader(datasets.ImageFolder(mixed_jpegs, transform=V.Compose(
-        steps + [cases.POLICIES[policy](V), V.PILToTensor()])), **kw)
+    t = cases.TIMM[policy[5:]](cases._timm_aa()) if policy.startswith("timm:") else cases.POLICIES[policy](V)
+    pol = coordl.DataLoader(datasets.ImageFolder(mixed_jpegs, transform=V.Compose(steps + [t, V.PILToTensor()])), **kw)
     plain = coordl.DataLoader(datasets.ImageFolder(mixed_jpegs, transform=V.Compose(steps + [V.PILToTensor()])), **kw)
     got = [(x.cpu(), y.cpu()) for x, y in pol]
     base = [(x.cpu(), y.cpu()) for x, y in plain]

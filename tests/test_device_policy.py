@@ -302,19 +302,21 @@ def test_the_workers_share_runs_the_policy_in_the_worker(photos, cpu_device, mon
         assert float((a.float() - b.float()).abs().gt(1).float().mean()) < 0.05
 
 
-def test_the_device_split_draws_the_policy_in_the_worker(photos, cpu_device):
+@pytest.mark.parametrize("policy", ["ta_wide", "timm"])
+def test_the_device_split_draws_the_policy_in_the_worker(photos, cpu_device, policy):
     """With ``decode="cpu"`` the split stops at the cropped uint8 image and
     the device runs the policy and the conversion: the CPU path's batches,
-    bit for bit."""
-    tf = V.Compose([V.RandomResizedCrop(20), V.RandomHorizontalFlip(), V.TrivialAugmentWide(), V.ToTensor(),
-                    V.Normalize(MEAN, STD)])
+    bit for bit (timm's: numpy's generator seeded in the worker as the CPU
+    path seeds it)."""
+    t = TIMM["rand-m7-mstd0.5"](_timm_aa()) if policy == "timm" else V.TrivialAugmentWide()
+    tf = V.Compose([V.RandomResizedCrop(20), V.RandomHorizontalFlip(), t, V.ToTensor(), V.Normalize(MEAN, STD)])
     ds = datasets.ImageFolder(photos, transform=tf)
     kw = dict(batch_size=4, seed=9, shuffle=True, num_workers=2)
     cpu = list(coordl.DataLoader(ds, **kw))
     L = coordl.DataLoader(ds, device="cpu", **kw)
     split = list(L)
     st = L.stats()
-    assert st.device_split.startswith("split") and "TrivialAugmentWide" in st.device_split
+    assert st.device_split.startswith("split") and type(t).__name__ in st.device_split
     assert "after the steps run as written" not in st.device_split
     for (a, y), (b, y2) in zip(cpu, split):
         assert torch.equal(y, y2) and torch.equal(a, b)
@@ -352,3 +354,103 @@ def test_analyze_recommends_decoding_on_the_gpu_for_the_reference_recipe(photos,
     [rec] = recommend({"largest": "prep"}, ds)
     assert rec["applies"] and rec["option"] == "decode='device'"
     assert "RandomResizedCrop + RandomHorizontalFlip + TrivialAugmentWide -> 16x16" in rec["why"], rec
+
+
+# ---------------------------------------------------------------- timm's policies
+def _timm_aa():
+    pytest.importorskip("timm", reason="timm is not installed (pip install timm)")
+    from timm.data import auto_augment as A
+
+    return A
+
+
+TIMM = {"rand-m9-mstd0.5-inc1": lambda A: A.rand_augment_transform("rand-m9-mstd0.5-inc1", {}),
+        "rand-m7-mstd0.5": lambda A: A.rand_augment_transform("rand-m7-mstd0.5", {"img_mean": (124, 116, 104)}),
+        "original": lambda A: A.auto_augment_transform("original", {}),
+        "v0-bicubic": lambda A: A.auto_augment_transform("v0", {"interpolation": Image.BICUBIC}),
+        "original-bicubic": lambda A: A.auto_augment_transform("original", {"interpolation": Image.BICUBIC})}
+
+
+@pytest.mark.parametrize("config", list(TIMM))
+def test_timms_draws_are_its_policys_own(config):
+    """timm's RandAugment and AutoAugment (numpy's choice of operations,
+    Python's draws in each operation, a bilinear or bicubic filter drawn
+    per geometric operation): PIL's result of coordl's draws on a real crop
+    is timm's own, with torch's, Python's and numpy's generators left as
+    its call leaves them; where timm's call fails (its posterize at 0 bits,
+    which this PIL refuses), so does coordl's draw, with PIL's error."""
+    A = _timm_aa()
+    t = TIMM[config](A)
+    p = tvcompat.policy_of(t)
+    assert p is not None and p.draws_agree() and p.draws_numpy
+    rng = random.Random(2)
+    img = Image.fromarray(np.frombuffer(rng.randbytes(30 * 40 * 3), np.uint8).reshape(30, 40, 3))
+    kinds = set()
+    for seed in range(200):
+        tvcompat._seed_all(seed)
+        try:
+            want = np.asarray(t(img))
+        except ValueError as e:
+            tvcompat._seed_all(seed)
+            with pytest.raises(ValueError, match=str(e)):
+                p.draw((30, 40))
+            continue
+        after = tvcompat._all_states()
+        tvcompat._seed_all(seed)
+        ops = p.draw((30, 40))
+        now = tvcompat._all_states()
+        assert torch.equal(now[0], after[0]) and now[1:] == after[1:], seed
+        assert np.array_equal(np.asarray(C.pil_jitter(img, ops)), want), (seed, ops)
+        kinds |= {c for c, _ in ops}
+        kinds |= {v[7] for c, v in ops if c == C.AFFINE}
+    assert len(kinds) >= 8
+
+
+def test_timms_operations_the_device_does_not_run_keep_the_policy_as_written():
+    A = _timm_aa()
+    assert tvcompat.policy_of(A.rand_augment_transform("rand-m9-mstd0.5", {})) is not None
+    assert tvcompat.policy_of(A.RandAugment([A.AugmentOp("GaussianBlur", magnitude=5)])) is None
+    assert tvcompat.policy_of(A.RandAugment([A.AugmentOp("Desaturate", magnitude=5)])) is None
+
+
+@pytest.mark.parametrize("config,workers", [("rand-m7-mstd0.5", 2), ("original", 0)])
+def test_the_device_runs_timms_policy_on_its_rows_as_the_cpu_path(photos, cpu_device, config, workers):
+    """Bit for bit: timm's policy on the device's own geometry's rows is
+    PIL's operations of each sample's draws (numpy's and Python's
+    generators seeded from the sample's) on those rows."""
+    A = _timm_aa()
+    steps = [V.RandomResizedCrop(20, scale=(0.3, 1.0)), V.RandomHorizontalFlip(), V.PILToTensor()]
+    got, want, L, drawn = _geometry_then_policy(photos, steps, TIMM[config](A), workers)
+    for (a, y), (b, y2) in zip(got, want):
+        assert a.dtype == torch.uint8 and torch.equal(y, y2) and torch.equal(a, b)
+    assert len({tuple(c for c, _ in ops) for ops in drawn}) >= 5
+    assert L.stats().device_decode_images == 24
+
+
+@pytest.mark.parametrize("aa", ["rand-m9-mstd0.5", "original"])
+def test_timms_training_transform_with_auto_augment_runs_on_the_device(photos, cpu_device, exact, aa):
+    """``create_transform(..., is_training=True, auto_augment=...)``, only
+    the import changed plus the option: the same labels, the rows the CPU
+    path's up to what the operations make of the geometry's level."""
+    _timm_aa()
+    from timm.data import create_transform
+
+    ds = datasets.ImageFolder(photos, transform=create_transform(24, is_training=True, auto_augment=aa))
+    kw = dict(batch_size=4, seed=3, shuffle=True, num_workers=2)
+    cpu = list(coordl.DataLoader(ds, **kw))
+    L = coordl.DataLoader(ds, device="cpu", decode="device", **kw)
+    dev = list(L)
+    d = torch.cat([((a - b).abs() * STD255).flatten() for (a, _), (b, _) in zip(cpu, dev)])
+    for (a, y), (b, y2) in zip(cpu, dev):
+        assert torch.equal(y, y2) and a.shape == b.shape
+    assert float((d > 1 + 1e-3).float().mean()) < 0.06 and float(d.mean()) < 1.0, (float(d.mean()), float(
+        (d > 1 + 1e-3).float().mean()))
+    assert L.stats().device_decode_images == len(ds) and "Augment" in L.stats().device_decode
+
+
+def test_timms_policy_batch_reads_and_resume(photos, cpu_device):
+    A = _timm_aa()
+    tf = V.Compose([V.RandomResizedCrop(16), V.RandomHorizontalFlip(), TIMM["rand-m7-mstd0.5"](A), V.ToTensor()])
+    runs = check_batch_reads_and_resume(datasets.ImageFolder(photos, transform=tf), batch_size=3, seed=11,
+                                        shuffle=True, device="cpu", decode="device")
+    assert len(runs) == 8

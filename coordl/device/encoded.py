@@ -217,7 +217,11 @@ class DecodePlan:
             return [], [], None
         if not isinstance(rng, random.Random):     # outside a prep stage: the generators as they are
             return self._draw_after()
-        return self.after_for_seeds([_lazy()[0].global_seeds(rng)])[0]
+        _rng = _lazy()[0]
+        seeds = _rng.global_seeds(rng)
+        if self.numpy_draws:                        # numpy's seed next, as coordl._rng.seeded_globals draws it
+            seeds = (*seeds, _rng.numpy_seed(rng))
+        return self.after_for_seeds([seeds])[0]
 
     def _draw_after(self) -> tuple[list, list, "np.ndarray | None"]:
         ops = [op for j in self.jitters for op in j.draw(self.size)]
@@ -238,32 +242,46 @@ class DecodePlan:
     def after_for_seeds(self, seeds) -> list:
         """:meth:`draw_after` of samples given the seeds of torch's and
         Python's generators for their as-written steps (the pairs of
-        ``coordl._rng.global_seeds``).  torch's generator's state is saved
+        ``coordl._rng.global_seeds``; with :attr:`numpy_draws`, numpy's
+        third).  torch's generator's state is saved
         once for them all and restored after; Python's is seeded (and saved
         and restored) only where a step draws from it (:attr:`python_draws`:
         torchvision's ``ColorJitter`` and ``RandomErasing`` draw from
         torch's alone)."""
         cpu = torch.default_generator
-        python = self.python_draws
+        python, numpy = self.python_draws, self.numpy_draws
         state, py_state = cpu.get_state(), random.getstate() if python else None
+        np_state = np.random.get_state() if numpy else None
         try:
             out = []
-            for torch_seed, py_seed in seeds:
+            for torch_seed, py_seed, *np_seed in seeds:
                 cpu.manual_seed(int(torch_seed))
                 if python:
                     random.seed(int(py_seed))
+                if numpy:
+                    np.random.seed(np_seed[0])
                 out.append(self._draw_after())
             return out
         finally:
             cpu.set_state(state)
             if python:
                 random.setstate(py_state)
+            if numpy:
+                np.random.set_state(np_state)
 
     @property
     def python_draws(self) -> bool:
         """A step after the geometry draws from Python's generator (timm's
-        ``RandomErasing``)."""
-        return self.erasing is not None and self.erasing.kind == "timm"
+        ``RandomErasing``, timm's policies)."""
+        return (self.erasing is not None and self.erasing.kind == "timm") or self.numpy_draws
+
+    @property
+    def numpy_draws(self) -> bool:
+        """A step after the geometry draws from numpy's global generator
+        (timm's ``RandAugment``): its seed then comes from the sample's
+        generator too (:meth:`draw_after`; ``seeds`` of
+        :meth:`after_for_seeds` carry it third)."""
+        return any(getattr(j, "draws_numpy", False) for j in self.jitters)
 
     @staticmethod
     def jitter_on_cpu(x: torch.Tensor, ops: list) -> torch.Tensor:

@@ -79,7 +79,7 @@ def native_draws(plan):
 
     steps = plan.steps
     kinds = [type(t) for t in steps]
-    if len(plan.modes) > 1:     # a mode drawn after the box: the extension does not draw it
+    if len(plan.modes) > 1 or plan.numpy_draws:    # a mode drawn after the box, numpy's seed: not the extension's
         return None
     if kinds == [T.RandomResizedCrop]:
         flip_p = -1.0
