@@ -3,7 +3,8 @@ from the CPU path, per channel value and per operation.
 
 Same files, same seed: torchvision's ``ImageFolder`` with
 ``RandomResizedCrop``, ``RandomHorizontalFlip``, a policy
-(``TrivialAugmentWide``, ``RandAugment``, ``AutoAugment``; v1 and v2),
+(``TrivialAugmentWide``, ``RandAugment``, ``AutoAugment``; v1 and v2;
+timm's ``rand-m9-mstd0.5`` and ``original`` where timm imports),
 ``PILToTensor``, through ``coordl.DataLoader`` with ``decode="cpu"`` (the
 policy as written on the PIL image of the fused crop) and with
 ``decode="device"`` on the CPU stand-in with libjpeg's interpolated chroma
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import importlib
 import os
 import sys
 import tempfile
@@ -43,6 +45,10 @@ from coordl.device import encoded as E  # noqa: E402
 
 POLICIES = {"TrivialAugmentWide": lambda M: M.TrivialAugmentWide(), "RandAugment": lambda M: M.RandAugment(),
             "AutoAugment": lambda M: M.AutoAugment()}
+# timm's (--aa): RandAugment at m9 with noise (without timm's "inc1" variant, whose posterize at 0 bits this
+# PIL refuses on either path), and AutoAugment's original policy; a bilinear or bicubic filter drawn per
+# geometric operation, timm's default
+TIMM = {"rand-m9-mstd0.5": "rand_augment_transform", "original": "auto_augment_transform"}
 NAMES = {C.BRIGHTNESS: "Brightness", C.CONTRAST: "Contrast", C.SATURATION: "Color", C.SHARPNESS: "Sharpness",
          C.POSTERIZE: "Posterize", C.SOLARIZE: "Solarize", C.AUTOCONTRAST: "AutoContrast", C.EQUALIZE: "Equalize",
          C.INVERT: "Invert", C.AFFINE: "shear, translation or rotation", C.TRANSPOSE: "quarter turn"}
@@ -51,13 +57,16 @@ NAMES = {C.BRIGHTNESS: "Brightness", C.CONTRAST: "Contrast", C.SATURATION: "Colo
 def measure(root: str, policy: str, version: str, size: int, seeds: int, workers: int) -> tuple:
     """(every sample's |CPU path - device| values, {operation: values}) for
     one policy."""
-    import importlib
-
     common.torchvision()
     from torchvision import datasets
 
-    M = importlib.import_module("torchvision.transforms" if version == "v1" else "torchvision.transforms.v2")
-    tf = M.Compose([M.RandomResizedCrop(size), M.RandomHorizontalFlip(), POLICIES[policy](M), M.PILToTensor()])
+    M = importlib.import_module("torchvision.transforms" if version in ("v1", "timm") else "torchvision.transforms.v2")
+    if version == "timm":
+        A = importlib.import_module("timm.data.auto_augment")
+        t = getattr(A, TIMM[policy])(policy, {})
+    else:
+        t = POLICIES[policy](M)
+    tf = M.Compose([M.RandomResizedCrop(size), M.RandomHorizontalFlip(), t, M.PILToTensor()])
     ds = datasets.ImageFolder(root, transform=tf)
     every, per_op = [], collections.defaultdict(list)
     for seed in range(seeds):
@@ -116,6 +125,14 @@ def main(argv=None) -> int:
                 print(_row(f"`{policy}` {version}", d, n), flush=True)
                 if per_op and version == "v1":
                     per_op_rows = [_row(name, torch.cat(v), len(v)) for name, v in sorted(per_op.items())]
+        try:
+            importlib.import_module("timm.data.auto_augment")
+        except ImportError:
+            pass
+        else:
+            for policy in TIMM:
+                d, _ = measure(root, policy, "timm", args.size, args.seeds, args.workers)
+                print(_row(f"timm `{policy}`", d, d.numel() // (3 * args.size * args.size)), flush=True)
         print("\n| `TrivialAugmentWide` v1, by operation | samples | values > 1 level off | mean | max |\n"
               "|---|---:|---:|---:|---:|")
         print("\n".join(per_op_rows))
