@@ -831,6 +831,38 @@ def test_the_auto_augment_operations_on_cuda_give_pils_bytes_row_by_row():
     assert all(dj._exact[J._KIND[c]] for c in P.CODES if J._KIND[c] in dj._exact), dj._exact
 
 
+def _gpu_rows_against(mixed_jpegs, V, step, workers, on_cpu):
+    """decode="device" on CUDA with ``step`` between the geometry and
+    ``PILToTensor``, against the same loader without it: each row is
+    ``on_cpu(row without it, the sample's draws)`` bit for bit (samples the
+    CPU path prepared, CMYK and PNG, got it there, drawn alike; a corrupt
+    stream's pixels are the decoder's own)."""
+    from torchvision import datasets
+
+    from coordl import _rng
+    from coordl.device.encoded import plan_for
+
+    steps = [V.RandomResizedCrop(64), V.RandomHorizontalFlip()]
+    kw = dict(batch_size=6, seed=4, shuffle=False, num_workers=workers, device="cuda", decode="device")
+    with_it = coordl.DataLoader(datasets.ImageFolder(mixed_jpegs, transform=V.Compose(steps + [step, V.PILToTensor()])),
+                                **kw)
+    plain = coordl.DataLoader(datasets.ImageFolder(mixed_jpegs, transform=V.Compose(steps + [V.PILToTensor()])), **kw)
+    got = [(x.cpu(), y.cpu()) for x, y in with_it]
+    base = [(x.cpu(), y.cpu()) for x, y in plain]
+    plan, ds = plan_for(with_it.dataset.transform), with_it.dataset
+    i = 0
+    for (a, y), (b, y2) in zip(got, base):
+        assert torch.equal(y, y2)
+        for r in range(len(y)):
+            g = _rng.derive(4, 0, i)
+            size = plan.device_size(ds.raw(i), i)
+            if size is not None and not ds.samples[i][0].endswith("corrupt.jpg"):
+                plan.draw(*size, g)
+                assert torch.equal(a[r], on_cpu(b[r], plan.draw_ops(g))), i
+            i += 1
+    assert i == len(ds)
+
+
 @needs_cuda
 @pytest.mark.parametrize("workers,version,policy", [(0, "v1", "ta_wide"), (2, "v2", "ra"), (2, "v1", "imagenet"),
                                                     (2, "v2", "ra_bilinear"), (0, "v1", "timm:rand-m7-mstd0.5"),
@@ -848,35 +880,13 @@ def test_an_auto_augment_policy_on_the_gpu_is_pils_on_the_gpus_rows(mixed_jpegs,
     if import_torchvision() is None:
         pytest.skip("torchvision is not installed")
     import test_device_policy as cases
-    from torchvision import datasets
     from torchvision import transforms as V1
     from torchvision.transforms import v2 as V2
 
-    from coordl import _rng
-    from coordl.device.encoded import plan_for
-
     V = V1 if version == "v1" else V2
-    steps = [V.RandomResizedCrop(64), V.RandomHorizontalFlip()]
-    kw = dict(batch_size=6, seed=4, shuffle=False, num_workers=workers, device="cuda", decode="device")
     t = cases.TIMM[policy[5:]](cases._timm_aa()) if policy.startswith("timm:") else cases.POLICIES[policy](V)
-    pol = coordl.DataLoader(datasets.ImageFolder(mixed_jpegs, transform=V.Compose(steps + [t, V.PILToTensor()])), **kw)
-    plain = coordl.DataLoader(datasets.ImageFolder(mixed_jpegs, transform=V.Compose(steps + [V.PILToTensor()])), **kw)
-    got = [(x.cpu(), y.cpu()) for x, y in pol]
-    base = [(x.cpu(), y.cpu()) for x, y in plain]
-    plan, ds = plan_for(pol.dataset.transform), pol.dataset
-    i = 0
-    for (a, y), (b, y2) in zip(got, base):
-        assert torch.equal(y, y2)
-        for r in range(len(y)):
-            g = _rng.derive(4, 0, i)
-            raw = ds.raw(i)
-            size = plan.device_size(raw, i)
-            if size is not None and not ds.samples[i][0].endswith("corrupt.jpg"):
-                plan.draw(*size, g)
-                want = torch.from_numpy(cases._pils(b[r:r + 1], [plan.draw_ops(g)])[0].copy())
-                assert torch.equal(a[r], want), i
-            i += 1
-    assert i == len(ds)
+    _gpu_rows_against(mixed_jpegs, V, t, workers,
+                      lambda row, ops: torch.from_numpy(cases._pils(row[None], [ops])[0].copy()))
 
 
 @needs_cuda
@@ -893,38 +903,14 @@ def test_colorjitter_on_the_gpu_is_the_cpu_jitter_of_the_gpus_rows(mixed_jpegs, 
 
     if import_torchvision() is None:
         pytest.skip("torchvision is not installed")
-    from torchvision import datasets
     from torchvision import transforms as V1
     from torchvision.transforms import v2 as V2
 
-    from coordl import _rng
     from coordl.decode import color as C
-    from coordl.device.encoded import plan_for
 
     V = V1 if version == "v1" else V2
-    steps = [V.RandomResizedCrop(64), V.RandomHorizontalFlip()]
-    kw = dict(batch_size=6, seed=4, shuffle=False, num_workers=workers, device="cuda", decode="device")
-    jit = coordl.DataLoader(datasets.ImageFolder(mixed_jpegs, transform=V.Compose(
-        steps + [V.ColorJitter(0.4, 0.4, 0.4, 0.1), V.PILToTensor()])), **kw)
-    plain = coordl.DataLoader(datasets.ImageFolder(mixed_jpegs, transform=V.Compose(steps + [V.PILToTensor()])), **kw)
-    got = [(x.cpu(), y.cpu()) for x, y in jit]
-    base = [(x.cpu(), y.cpu()) for x, y in plain]
-    plan, ds = plan_for(jit.dataset.transform), jit.dataset
-    i = 0
-    for (a, y), (b, y2) in zip(got, base):
-        assert torch.equal(y, y2)
-        for r in range(len(y)):
-            g = _rng.derive(4, 0, i)
-            raw = ds.raw(i)
-            size = plan.device_size(raw, i)
-            # the CPU path's samples (CMYK, PNG) were jittered there, drawn alike; a corrupt stream's pixels
-            # are the decoder's own
-            if size is not None and not ds.samples[i][0].endswith("corrupt.jpg"):
-                plan.draw(*size, g)
-                want = torch.from_numpy(C.jitter(b[r].numpy(), plan.draw_ops(g)))
-                assert torch.equal(a[r], want), i
-            i += 1
-    assert i == len(ds)
+    _gpu_rows_against(mixed_jpegs, V, V.ColorJitter(0.4, 0.4, 0.4, 0.1), workers,
+                      lambda row, ops: torch.from_numpy(C.jitter(row.numpy(), ops)))
 
 
 @needs_cuda

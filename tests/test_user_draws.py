@@ -96,8 +96,9 @@ def _pil_compose(photos):
 
 
 @pytest.mark.parametrize("num_workers", [0, 2])
-def test_a_compose_steps_of_the_users_draw_the_same_after_resume(photos, num_workers):
-    ds = _pil_compose(photos)
+@pytest.mark.parametrize("draws_from", ["torch and Python", "numpy"])
+def test_a_compose_steps_of_the_users_draw_the_same_after_resume(photos, num_workers, draws_from):
+    ds = _pil_compose(photos) if draws_from == "torch and Python" else _numpy_compose(photos)
 
     def make(seed=5):
         return coordl.DataLoader(ds, batch_size=4, shuffle=True, seed=seed, num_workers=num_workers)
@@ -202,17 +203,6 @@ def test_a_users_step_drawing_from_numpy_does_not_depend_on_the_workers(photos):
     assert np.random.uniform() == want
     two = [x for x, _ in coordl.DataLoader(ds, batch_size=4, seed=5, num_workers=2)]
     assert all(torch.equal(x, y) for x, y in zip(one, two))
-
-
-@pytest.mark.parametrize("num_workers", [0, 2])
-def test_a_users_step_drawing_from_numpy_draws_the_same_after_resume(photos, num_workers):
-    ds = _numpy_compose(photos)
-
-    def make(seed=5):
-        return coordl.DataLoader(ds, batch_size=4, shuffle=True, seed=seed, num_workers=num_workers)
-
-    full, got = whole_and_resumed(make, 2)
-    assert len(got) == len(full) and all(torch.equal(x, y) for (x, _), (y, _) in zip(got, full))
 
 
 def test_timms_randaugment_as_written_does_not_depend_on_the_workers(photos):
