@@ -41,3 +41,42 @@ def pils(y: torch.Tensor, ops: list) -> list:
         img = Image.fromarray(np.ascontiguousarray(y[r].numpy().transpose(1, 2, 0)))
         out.append(np.asarray(C.pil_jitter(img, ops[r])).transpose(2, 0, 1))
     return out
+
+
+def geometry_then(photos, steps, step, workers, on_cpu, share=0.0, monkeypatch=None, seed=5, epoch=0) -> tuple:
+    """decode="device" (the CPU stand-in) with ``step`` (drawn in the worker,
+    applied on the device) before the last of ``steps``, and the same
+    loader without it, whose rows ``on_cpu(row, the sample's operations)``
+    turns into what the device should give: ``(batches with it, batches
+    expected, the loader with it, each sample's operations)``.  ``share``:
+    the workers' share of the samples, prepared on the CPU path."""
+    import coordl
+    from coordl import _rng
+    from coordl.decode import jpeg
+    from coordl.device import encoded as E
+    from torchvision import datasets
+    from torchvision import transforms as V
+
+    if share:
+        from coordl.device import decoders as DDS
+
+        monkeypatch.setattr(DDS, "cpu_share", lambda workers, spec=None: share)
+    kw = dict(batch_size=4, seed=seed, shuffle=False, num_workers=workers, device="cpu", decode="device")
+    with_it = coordl.DataLoader(datasets.ImageFolder(photos, transform=V.Compose(steps[:-1] + [step, steps[-1]])), **kw)
+    without = coordl.DataLoader(datasets.ImageFolder(photos, transform=V.Compose(steps)), **kw)
+    with_it.set_epoch(epoch)
+    without.set_epoch(epoch)
+    got, plain = list(with_it), list(without)
+    plan, ds = E.plan_for(with_it.dataset.transform), with_it.dataset
+    want, i, drawn = [], 0, []
+    for x, y in plain:
+        rows = []
+        for r in range(x.shape[0]):
+            g = _rng.derive(seed, epoch, i)
+            plan.draw(*jpeg.jpeg_size(ds.raw(i)), g)
+            ops = plan.draw_ops(g)
+            drawn.append(ops)
+            rows.append(on_cpu(x[r], ops))
+            i += 1
+        want.append((torch.stack(rows), y))
+    return got, want, with_it, drawn

@@ -117,29 +117,10 @@ def _geometry_then_jitter(photos, steps, jitter, workers, share=0.0, monkeypatch
     """The device path with ColorJitter, and the device path without it
     (uint8 out) followed by the CPU's jitter of each row with the
     operations that sample draws: the pairs of batches."""
-    if share:
-        from coordl.device import decoders as DDS
-
-        monkeypatch.setattr(DDS, "cpu_share", lambda workers, spec=None: share)
-    kw = dict(batch_size=4, seed=seed, shuffle=False, num_workers=workers, device="cpu", decode="device")
-    with_jitter = coordl.DataLoader(datasets.ImageFolder(photos, transform=V.Compose(steps[:-1] + [jitter, steps[-1]])),
-                                    **kw)
-    without = coordl.DataLoader(datasets.ImageFolder(photos, transform=V.Compose(steps)), **kw)
-    with_jitter.set_epoch(epoch)
-    without.set_epoch(epoch)
-    got, plain = list(with_jitter), list(without)
-    plan = E.plan_for(with_jitter.dataset.transform)
-    ds = with_jitter.dataset
-    want, i = [], 0
-    for x, y in plain:
-        rows = []
-        for r in range(x.shape[0]):
-            g = _rng.derive(seed, epoch, i)
-            plan.draw(*jpeg.jpeg_size(ds.raw(i)), g)
-            rows.append(torch.from_numpy(C.jitter(x[r].numpy(), plan.draw_ops(g))))
-            i += 1
-        want.append((torch.stack(rows), y))
-    return got, want, with_jitter
+    got, want, L, _ = cases.geometry_then(photos, steps, jitter, workers,
+                                          lambda row, ops: torch.from_numpy(C.jitter(row.numpy(), ops)),
+                                          share, monkeypatch, seed, epoch)
+    return got, want, L
 
 
 @pytest.mark.parametrize("workers", [0, 2])

@@ -18,6 +18,7 @@ from PIL import Image
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
+import _jitter_cases as cases  # noqa: E402
 from _batch_reads import check_batch_reads_and_resume  # noqa: E402
 from _torchvision import import_torchvision  # noqa: E402
 
@@ -29,9 +30,8 @@ from torchvision import transforms as V  # noqa: E402
 from torchvision.transforms import v2 as V2  # noqa: E402
 
 import coordl  # noqa: E402
-from coordl import _rng, tvcompat  # noqa: E402
+from coordl import tvcompat  # noqa: E402
 from coordl.decode import color as C  # noqa: E402
-from coordl.decode import jpeg  # noqa: E402
 from coordl.device import encoded as E  # noqa: E402
 from coordl.device import jitter as J  # noqa: E402
 from coordl.device import pil_ops as P  # noqa: E402
@@ -204,28 +204,10 @@ def test_a_policy_the_device_cannot_run_is_not_taken():
 def _geometry_then_policy(photos, steps, policy, workers, seed=5, epoch=0):
     """The device path with the policy, and the device path without it
     (uint8 out) followed by PIL's operations of each sample's draws on each
-    row: the pairs of batches."""
-    kw = dict(batch_size=4, seed=seed, shuffle=False, num_workers=workers, device="cpu", decode="device")
-    with_policy = coordl.DataLoader(
-        datasets.ImageFolder(photos, transform=V.Compose(steps[:-1] + [policy, steps[-1]])), **kw)
-    without = coordl.DataLoader(datasets.ImageFolder(photos, transform=V.Compose(steps)), **kw)
-    with_policy.set_epoch(epoch)
-    without.set_epoch(epoch)
-    got, plain = list(with_policy), list(without)
-    plan = E.plan_for(with_policy.dataset.transform)
-    ds = with_policy.dataset
-    want, i, drawn = [], 0, []
-    for x, y in plain:
-        rows = []
-        for r in range(x.shape[0]):
-            g = _rng.derive(seed, epoch, i)
-            plan.draw(*jpeg.jpeg_size(ds.raw(i)), g)
-            ops = plan.draw_ops(g)
-            drawn.append(ops)
-            rows.append(torch.from_numpy(_pils(x[r:r + 1], [ops])[0].copy()))
-            i += 1
-        want.append((torch.stack(rows), y))
-    return got, want, with_policy, drawn
+    row: the pairs of batches, the loader, each sample's operations."""
+    return cases.geometry_then(photos, steps, policy, workers,
+                               lambda row, ops: torch.from_numpy(_pils(row[None], [ops])[0].copy()), seed=seed,
+                               epoch=epoch)
 
 
 @pytest.mark.parametrize("version,policy,workers", [("v1", "ta_wide", 0), ("v2", "ta_wide", 2), ("v1", "ra", 2),
