@@ -22,6 +22,9 @@ Recipes (``--recipes``, comma-separated; default all):
 ``timm_train_cj_prob``
     the training transform with ``color_jitter_prob=0.8`` (its
     ``ColorJitter`` inside a ``RandomApply``).
+``timm_train_aa``
+    the training transform with ``auto_augment="rand-m9-mstd0.5"`` (timm's
+    ``RandAugment``, its recipes' ``--aa``).
 
 The preset classes come from ``--presets PATH``, a copy of torchvision's
 ``references/classification/presets.py`` (not shipped with coordl: fetch
@@ -69,7 +72,7 @@ import common  # noqa: E402
 MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 POLICIES = {"": None, "_ra": "ra", "_ta": "ta_wide", "_augmix": "augmix"}
 RECIPES = ([f"train_{v}{p}" for p in POLICIES for v in ("v1", "v2")] + ["eval_v1", "eval_v2"]
-           + ["timm_train", "timm_train_script", "timm_train_cj_prob", "timm_eval"])
+           + ["timm_train", "timm_train_script", "timm_train_cj_prob", "timm_train_aa", "timm_eval"])
 
 
 def _cpu() -> float:
@@ -149,7 +152,9 @@ def build(recipe: str, root: str, size: int, presets, cls, batch_size: int, work
         training = recipe.startswith("timm_train")
         # timm's train.py passes interpolation="random" by default (--train-interpolation)
         kw = {"timm_train_script": {"interpolation": "random"},
-              "timm_train_cj_prob": {"color_jitter_prob": 0.8}}.get(recipe, {})
+              "timm_train_cj_prob": {"color_jitter_prob": 0.8},
+              # timm's RandAugment (--aa); not its "inc1" variant, whose posterize to 0 bits Pillow 13 refuses
+              "timm_train_aa": {"auto_augment": "rand-m9-mstd0.5"}}.get(recipe, {})
         ds = tv.datasets.ImageFolder(root, transform=create_transform(size, is_training=training, **kw))
         return ds, cls(ds, batch_size=batch_size, shuffle=training, num_workers=workers)
     use_v2 = "_v2" in recipe
