@@ -436,3 +436,15 @@ def test_timms_policy_batch_reads_and_resume(photos, cpu_device):
     runs = check_batch_reads_and_resume(datasets.ImageFolder(photos, transform=tf), batch_size=3, seed=11,
                                         shuffle=True, device="cpu", decode="device")
     assert len(runs) == 8
+
+
+def test_filtered_affine_maps_in_chunks_are_each_rows_own(monkeypatch):
+    """More rows than a bilinear or bicubic map takes at a time, mixed with
+    nearest ones: each row is PIL's for its own map."""
+    monkeypatch.setattr(P, "_FILTER_ROWS", 2)
+    y = _rows(9, 7, 10, 12)
+    ops = [(C.AFFINE, (1.0, 0.1 * r, 0.5, -0.05 * r, 1.0, 0.25, (r, 2 * r, 3 * r), (0, 2, 3)[r % 3]))
+           for r in range(7)]
+    got = P.apply(y, C.AFFINE, [v for _, v in ops])
+    for r, want in enumerate(_pils(y, [[op] for op in ops])):
+        assert np.array_equal(got[r].numpy(), want), r

@@ -213,16 +213,24 @@ def _affine(x: torch.Tensor, values: list) -> torch.Tensor:
     by = {}
     for r, v in enumerate(values):
         by.setdefault(int(v[7]), []).append(r)
-    if len(by) == 1:
-        f, rows = next(iter(by.items()))
+    if len(by) == 1 and (NEAREST in by or k <= _FILTER_ROWS):
+        f = next(iter(by))
         return _nearest(x, values) if f == NEAREST else _filtered(x, values, f)
     out = torch.empty_like(x)
     for f, rows in by.items():
-        idx = upload(np.array(rows, dtype=np.int64), x.device)
-        part = x.index_select(0, idx)
-        vals = [values[r] for r in rows]
-        out.index_copy_(0, idx, _nearest(part, vals) if f == NEAREST else _filtered(part, vals, f))
+        # the filters' double-precision neighbours take 8 bytes a value each: a few rows at a time
+        step = len(rows) if f == NEAREST else _FILTER_ROWS
+        for at in range(0, len(rows), step):
+            part_rows = rows[at:at + step]
+            idx = upload(np.array(part_rows, dtype=np.int64), x.device)
+            part = x.index_select(0, idx)
+            vals = [values[r] for r in part_rows]
+            out.index_copy_(0, idx, _nearest(part, vals) if f == NEAREST else _filtered(part, vals, f))
     return out if k else x
+
+
+# rows a bilinear or bicubic affine map takes at a time (its temporaries: about 20 float64 copies of them)
+_FILTER_ROWS = 8
 
 
 def _fills(values: list, c: int, dev) -> torch.Tensor:
