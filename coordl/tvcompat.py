@@ -328,7 +328,7 @@ class TorchvisionPipeline:
         got = self.__dict__.get("_jitters")
         if got is None or len(got) != len(self.tail):
             got = self._jitters = [color_jitter_of(t) or random_apply_of(t) or grayscale_of(t) or policy_of(t)
-                                   for t in self.tail]
+                                   or random_op_of(t) for t in self.tail]
         return got
 
     def _run_post(self, x: Any) -> Any:
@@ -938,6 +938,63 @@ class TimmPolicyOnDevice(PolicyOnDevice):
                 raise ValueError("timm's solarize_add with a threshold of its own")
             return [(C.SOLARIZE_ADD, int(args[0]))]
         return [({"auto_contrast": C.AUTOCONTRAST, "equalize": C.EQUALIZE, "invert": C.INVERT}[fn], 0)]
+
+
+class RandomOpOnDevice(OnPlanes):
+    """torchvision's one-operation random steps on a PIL image (v1 or v2):
+    ``RandomPosterize``, ``RandomSolarize``, ``RandomAdjustSharpness``,
+    ``RandomAutocontrast``, ``RandomEqualize``, ``RandomInvert`` (the
+    self-supervised recipes' solarization, torchvision's examples).  Their
+    one draw (``torch.rand(1) < p``) is made apart from the call, and the
+    operation is PIL's (``coordl.decode.color``'s code), computed on the
+    device as an auto-augment policy's.  Checked once per process against
+    the user's class on probe images."""
+
+    how = "its draw made apart from its call, its operation computed with PIL's arithmetic on the device"
+    probes = ({},)
+    seeds = (tuple(range(16)), ())
+    most = 1
+    affines = 0
+    # class name -> (the attribute holding the operation's value, or None; coordl.decode.color's code's name)
+    KINDS = {"RandomPosterize": ("bits", "POSTERIZE"), "RandomSolarize": ("threshold", "SOLARIZE"),
+             "RandomAdjustSharpness": ("sharpness_factor", "SHARPNESS"), "RandomAutocontrast": (None, "AUTOCONTRAST"),
+             "RandomEqualize": (None, "EQUALIZE"), "RandomInvert": (None, "INVERT")}
+    _PROBE_ARGS = {"RandomPosterize": {"bits": 3}, "RandomSolarize": {"threshold": 100.5},
+                   "RandomAdjustSharpness": {"sharpness_factor": 1.7}}
+
+    @classmethod
+    def probe(cls, user_cls: type, v2: bool, kw: dict) -> tuple:
+        t = user_cls(**cls._PROBE_ARGS.get(user_cls.__name__, {}), p=0.5)
+        return t, cls(t, v2)
+
+    def draws_agree(self) -> bool:
+        return _agrees(type(self), type(self.user), self.v2, draws=True)
+
+    def draw(self, size: tuple | None = None) -> list:
+        from .decode import color as C
+
+        t = self.user
+        if not (bool(torch.rand(1) < t.p) if self.v2 else torch.rand(1).item() < t.p):
+            return []
+        attr, code = self.KINDS[type(t).__name__]
+        value = getattr(t, attr) if attr is not None else 0
+        return [(getattr(C, code), int(value) if code == "POSTERIZE" else float(value))]
+
+
+def random_op_of(t: Any) -> "RandomOpOnDevice | None":
+    """A :class:`RandomOpOnDevice` over ``t`` when it is one of torchvision's
+    one-operation random steps (v1 or v2) with a probability, else None."""
+    if isinstance(t, RandomOpOnDevice):
+        return t
+    kind = _kind(t)
+    if kind is None or kind[0] not in ("v1", "v2") or kind[1] not in RandomOpOnDevice.KINDS:
+        return None
+    try:
+        if not 0.0 <= float(t.p) <= 1.0:
+            return None
+    except (TypeError, ValueError, AttributeError):
+        return None
+    return RandomOpOnDevice(t, kind[0] == "v2")
 
 
 def policy_of(t: Any) -> "PolicyOnDevice | None":

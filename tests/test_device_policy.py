@@ -448,3 +448,59 @@ def test_filtered_affine_maps_in_chunks_are_each_rows_own(monkeypatch):
     got = P.apply(y, C.AFFINE, [v for _, v in ops])
     for r, want in enumerate(_pils(y, [[op] for op in ops])):
         assert np.array_equal(got[r].numpy(), want), r
+
+
+# ---------------------------------------------------------------- one-operation random steps
+RANDOM_OPS = {"RandomPosterize": {"bits": 2}, "RandomSolarize": {"threshold": 128.5},
+              "RandomAdjustSharpness": {"sharpness_factor": 1.8}, "RandomAutocontrast": {}, "RandomEqualize": {},
+              "RandomInvert": {}}
+
+
+@pytest.mark.parametrize("version", ["v1", "v2"])
+def test_one_operation_random_steps_are_drawn_apart_and_agree(version):
+    """torchvision's RandomPosterize, RandomSolarize, RandomAdjustSharpness,
+    RandomAutocontrast, RandomEqualize, RandomInvert: each drawn apart from
+    its call (its one ``torch.rand(1) < p``), PIL's result of the draw the
+    user's own, on some samples and not others."""
+    M = VERSIONS[version]
+    rng = random.Random(4)
+    img = Image.fromarray(np.frombuffer(rng.randbytes(20 * 24 * 3), np.uint8).reshape(20, 24, 3))
+    for name, kw in RANDOM_OPS.items():
+        t = getattr(M, name)(p=0.5, **kw)
+        mine = tvcompat.random_op_of(t)
+        assert mine is not None and mine.draws_agree(), name
+        applied = 0
+        for seed in range(24):
+            torch.manual_seed(seed)
+            want = np.asarray(t(img))
+            after = torch.get_rng_state()
+            torch.manual_seed(seed)
+            ops = mine.draw((20, 24))
+            assert torch.equal(torch.get_rng_state(), after)
+            assert np.array_equal(np.asarray(C.pil_jitter(img, ops)), want), (name, seed, ops)
+            applied += bool(ops)
+        assert 0 < applied < 24, name
+
+
+@pytest.mark.parametrize("version,workers", [("v1", 2), ("v2", 0)])
+def test_one_operation_random_steps_run_on_the_device_as_the_cpu_path(photos, cpu_device, version, workers):
+    """All six in one pipeline (the self-supervised recipes' solarization
+    among them): the device's rows bit for bit PIL's operations of each
+    sample's draws on those rows; then the device split, bit for bit the
+    CPU path."""
+    M = VERSIONS[version]
+    ops = M.Compose([getattr(M, name)(p=0.5, **kw) for name, kw in RANDOM_OPS.items()])
+    steps = [V.RandomResizedCrop(20, scale=(0.3, 1.0)), V.RandomHorizontalFlip(), V.PILToTensor()]
+    got, want, L, drawn = _geometry_then_policy(photos, steps, ops, workers)
+    for (a, y), (b, y2) in zip(got, want):
+        assert torch.equal(y, y2) and torch.equal(a, b)
+    assert len({len(o) for o in drawn}) >= 3 and "RandomSolarize" in L.stats().device_decode
+    tf = V.Compose([V.RandomResizedCrop(20), ops, V.ToTensor(), V.Normalize(MEAN, STD)])
+    ds = datasets.ImageFolder(photos, transform=tf)
+    kw = dict(batch_size=4, seed=9, shuffle=True, num_workers=workers)
+    cpu = list(coordl.DataLoader(ds, **kw))
+    S = coordl.DataLoader(ds, device="cpu", **kw)
+    split = list(S)
+    assert S.stats().device_split.startswith("split") and "RandomInvert" in S.stats().device_split
+    for (a, y), (b, y2) in zip(cpu, split):
+        assert torch.equal(y, y2) and torch.equal(a, b)

@@ -307,7 +307,8 @@ class DecodePlan:
 _HOW = ("decode='device' runs [RandomResizedCrop | Resize] [CenterCrop | RandomCrop], with RandomHorizontalFlip "
         "and RandomVerticalFlip anywhere among them, then torchvision's ColorJitter (optional; alone or in a "
         "RandomApply), RandomGrayscale, TrivialAugmentWide, RandAugment and AutoAugment (nearest, bilinear "
-        "or bicubic), then ToTensor() "
+        "or bicubic; timm's too), RandomPosterize, RandomSolarize, RandomAdjustSharpness, RandomAutocontrast, "
+        "RandomEqualize and RandomInvert, then ToTensor() "
         "[+ Normalize(...)s] [+ RandomErasing] or PILToTensor()")
 
 
