@@ -44,6 +44,10 @@ the figures are the workers' own path, per image, in these settings:
   computes it), against ``TrivialAugmentWide on the CPU path`` and
   ``TrivialAugmentWide to the device`` (the device split: the worker
   decodes and crops, draws the operation, the device computes it);
+* ``GaussianBlur``: ``RandomResizedCrop``, flip, ``RandomApply([GaussianBlur(23,
+  sigma=(0.1, 2.0))], p=0.5)`` (timm's ``gaussian_blur_prob=0.5``),
+  ``ToTensor``, ``Normalize``: the worker draws whether and which sigma
+  (the device blurs), against ``GaussianBlur on the CPU path``;
 * ``RandomErasing noise``: the ``RandomErasing`` recipe erasing with noise
   (``value="random"``): the worker draws the noise too and packs it after
   the bytes (the per-sample path), against ``RandomErasing noise on the
@@ -77,9 +81,10 @@ SETTINGS = ("files", "files, per sample", "node cache", "node cache, per sample"
             "the CPU path", "data checked", "ColorJitter", "ColorJitter on the CPU path", "RandomErasing",
             "RandomErasing on the CPU path", "ColorJitter to the device", "RandomErasing to the device",
             "RandomErasing noise", "RandomErasing noise on the CPU path", "TrivialAugmentWide",
-            "TrivialAugmentWide on the CPU path", "TrivialAugmentWide to the device")
+            "TrivialAugmentWide on the CPU path", "TrivialAugmentWide to the device", "GaussianBlur",
+            "GaussianBlur on the CPU path")
 CPU_PATH = ("the CPU path", "ColorJitter on the CPU path", "RandomErasing on the CPU path",
-            "RandomErasing noise on the CPU path", "TrivialAugmentWide on the CPU path")
+            "RandomErasing noise on the CPU path", "TrivialAugmentWide on the CPU path", "GaussianBlur on the CPU path")
 
 _CHILD = r"""
 import json, sys, time
@@ -142,6 +147,15 @@ if setting.startswith(("ColorJitter", "RandomErasing")):  # timm's default train
         V.Normalize([0.485, 0.456, 0.406], [0.229, 0.224, 0.225])]
         + ([V.RandomErasing(0.25, value="random" if "noise" in setting else 0)]
            if setting.startswith("RandomErasing") else [])))
+if setting.startswith("GaussianBlur"):   # timm's gaussian_blur_prob=0.5: RandomApply([GaussianBlur(23, (0.1, 2))])
+    sys.path.insert(0, {benchmarks!r})
+    import common
+    common.torchvision()
+    from torchvision import datasets, transforms as V
+    ds = datasets.ImageFolder({root!r}, transform=V.Compose([
+        V.RandomResizedCrop(224), V.RandomHorizontalFlip(),
+        V.RandomApply([V.GaussianBlur(23, sigma=(0.1, 2.0))], p=0.5), V.ToTensor(),
+        V.Normalize([0.485, 0.456, 0.406], [0.229, 0.224, 0.225])]))
 if setting.startswith("TrivialAugmentWide"):   # torchvision's reference training preset with --auto-augment ta_wide
     sys.path.insert(0, {benchmarks!r})
     import common

@@ -328,7 +328,7 @@ class TorchvisionPipeline:
         got = self.__dict__.get("_jitters")
         if got is None or len(got) != len(self.tail):
             got = self._jitters = [color_jitter_of(t) or random_apply_of(t) or grayscale_of(t) or policy_of(t)
-                                   or random_op_of(t) for t in self.tail]
+                                   or random_op_of(t) or blur_of(t) for t in self.tail]
         return got
 
     def _run_post(self, x: Any) -> Any:
@@ -502,14 +502,18 @@ class ColorJitterOnPlanes(OnPlanes):
 class RandomApplyOnPlanes(OnPlanes):
     """torchvision's ``RandomApply`` (v1 or v2) around one ``ColorJitter``
     (timm's ``color_jitter_prob``; the self-supervised recipes'
-    ``RandomApply([ColorJitter(...)], p=0.8)``): its own draw of whether it
-    applies (torch's generator, first, with its version's comparison), then
-    the jitter's (:class:`ColorJitterOnPlanes`), on the planes."""
+    ``RandomApply([ColorJitter(...)], p=0.8)``) or one ``GaussianBlur``
+    (timm's ``gaussian_blur_prob``): its own draw of whether it applies
+    (torch's generator, first, with its version's comparison), then the
+    inner step's (:class:`ColorJitterOnPlanes` on the planes;
+    :class:`BlurOnDevice` on the device only)."""
 
-    def __init__(self, user: Any, v2: bool, inner: "ColorJitterOnPlanes"):
+    def __init__(self, user: Any, v2: bool, inner: "ColorJitterOnPlanes | BlurOnDevice"):
         super().__init__(user, v2)
         self.inner = inner
-        self.how = f"applied with probability {user.p}, the ColorJitter {inner.how}"
+        self.how = f"applied with probability {user.p}, the {type(inner.user).__name__} {inner.how}"
+        self.most = getattr(inner, "most", 4)          # the inner step's operations a call, at most
+        self.affines = getattr(inner, "affines", 0)
 
     def _applies(self) -> bool:
         r = torch.rand(1)
@@ -520,7 +524,7 @@ class RandomApplyOnPlanes(OnPlanes):
 
     def draw(self, size: tuple | None = None) -> list[tuple[int, float]]:
         """The operations of one call: none where it does not apply."""
-        return self.inner.draw() if self._applies() else []
+        return self.inner.draw(size) if self._applies() else []
 
     def exact(self) -> bool:
         return self.inner.exact() and _agrees(type(self), type(self.user), self.v2)
@@ -979,6 +983,57 @@ class RandomOpOnDevice(OnPlanes):
         attr, code = self.KINDS[type(t).__name__]
         value = getattr(t, attr) if attr is not None else 0
         return [(getattr(C, code), int(value) if code == "POSTERIZE" else float(value))]
+
+
+class BlurOnDevice(OnPlanes):
+    """torchvision's ``GaussianBlur`` (v1 or v2) on a PIL image (timm's
+    ``gaussian_blur_prob`` puts one in a ``RandomApply``): its sigma drawn
+    apart from its call by the user's own ``get_params``/``make_params``,
+    the blur computed on the device (``coordl.device.pil_ops``): on a GPU
+    within a level of the CPU path on a few values in a million, its
+    convolution's sums in double precision where the CPU path's are single.
+    On the CPU path it runs as written."""
+
+    how = "its sigma drawn apart from its call, the blur computed on the device"
+    probes = ({"kernel_size": 5, "sigma": (0.1, 2.0)}, {"kernel_size": (3, 7), "sigma": (0.5, 1.5)})
+    seeds = (tuple(range(8)), ())
+    most = 1
+    affines = 1                          # a parameter slot of the record
+
+    def exact(self) -> bool:
+        return False                     # the CPU path runs it as written
+
+    def draws_agree(self) -> bool:
+        return _agrees(type(self), type(self.user), self.v2, draws=True)
+
+    def draw(self, size: tuple | None = None) -> list:
+        from .decode import color as C
+
+        t = self.user
+        if self.v2:
+            sx, sy = t.make_params([])["sigma"]
+        else:
+            sx = sy = t.get_params(t.sigma[0], t.sigma[1])
+        kx, ky = t.kernel_size
+        return [(C.BLUR, (int(kx), int(ky), float(sx), float(sy), int(self.v2)))]
+
+
+def blur_of(t: Any) -> "BlurOnDevice | None":
+    """A :class:`BlurOnDevice` over ``t`` when it is torchvision's
+    ``GaussianBlur`` (v1 or v2), else None."""
+    if isinstance(t, BlurOnDevice):
+        return t
+    v2 = _torchvision_v2(t, "GaussianBlur")
+    if v2 is None:
+        return None
+    try:
+        kx, ky = (int(k) for k in t.kernel_size)
+        lo, hi = (float(s) for s in t.sigma)
+    except (TypeError, ValueError, AttributeError):
+        return None
+    if kx % 2 == 0 or ky % 2 == 0 or kx < 1 or ky < 1 or not 0 < lo <= hi:
+        return None
+    return BlurOnDevice(t, v2)
 
 
 def random_op_of(t: Any) -> "RandomOpOnDevice | None":
@@ -1648,7 +1703,7 @@ def random_apply_of(t: Any) -> "RandomApplyOnPlanes | None":
         p = float(t.p)
     except (TypeError, ValueError, AttributeError):
         return None
-    jitter = color_jitter_of(inner[0]) if len(inner) == 1 else None
+    jitter = (color_jitter_of(inner[0]) or blur_of(inner[0])) if len(inner) == 1 else None
     if jitter is None or not 0.0 <= p <= 1.0:
         return None
     return RandomApplyOnPlanes(t, v2, jitter)

@@ -25,7 +25,7 @@ from PIL import Image, ImageEnhance
 from . import extensions
 
 __all__ = ["BRIGHTNESS", "CONTRAST", "SATURATION", "HUE", "SHARPNESS", "POSTERIZE", "SOLARIZE", "AUTOCONTRAST",
-           "EQUALIZE", "INVERT", "AFFINE", "TRANSPOSE", "SOLARIZE_ADD", "KERNEL_CODES", "jitter", "pil_jitter", "exact_kernel",
+           "EQUALIZE", "INVERT", "AFFINE", "TRANSPOSE", "SOLARIZE_ADD", "BLUR", "KERNEL_CODES", "jitter", "pil_jitter", "exact_kernel",
            "probe_ops"]
 
 log = logging.getLogger(__name__)
@@ -38,8 +38,9 @@ BRIGHTNESS, CONTRAST, SATURATION, HUE = 0, 1, 2, 3
 # (AFFINE, (a0, a1, a2, a3, a4, a5, fill, resample)): Image.transform(size, AFFINE, a, resample,
 # fillcolor=fill), the image's own size, fill a tuple of one value per band (or None: zeros), resample
 # PIL's NEAREST, BILINEAR or BICUBIC; (TRANSPOSE, method): Image.transpose; (SOLARIZE_ADD, add): timm's
-# solarize_add, add to the values under 128 (clipped at 255)
-SHARPNESS, POSTERIZE, SOLARIZE, AUTOCONTRAST, EQUALIZE, INVERT, AFFINE, TRANSPOSE, SOLARIZE_ADD = range(4, 13)
+# solarize_add, add to the values under 128 (clipped at 255); (BLUR, (kx, ky, sigma_x, sigma_y, v2)):
+# torchvision's gaussian_blur of a PIL image (its v2 functional's where v2), which blurs the tensor of it
+SHARPNESS, POSTERIZE, SOLARIZE, AUTOCONTRAST, EQUALIZE, INVERT, AFFINE, TRANSPOSE, SOLARIZE_ADD, BLUR = range(4, 14)
 KERNEL_CODES = frozenset((BRIGHTNESS, CONTRAST, SATURATION, HUE))
 
 
@@ -91,6 +92,13 @@ def pil_jitter(img: Image.Image, ops) -> Image.Image:
         elif code == SOLARIZE_ADD:
             add = int(value)
             img = img.point([min(255, i + add) if i < 128 else i for i in range(256)] * len(img.getbands()))
+        elif code == BLUR:
+            import importlib
+
+            kx, ky, sx, sy, v2 = value
+            F = importlib.import_module("torchvision.transforms.v2.functional" if v2 else
+                                        "torchvision.transforms.functional")
+            img = F.gaussian_blur(img, [int(kx), int(ky)], [float(sx), float(sy)])
         elif code == TRANSPOSE:
             img = img.transpose(Image.Transpose(int(value)))
         elif code not in KERNEL_CODES:
@@ -123,6 +131,7 @@ _PROBE_VALUES = {
         (0.95, -0.3, 1.5, 0.3, 0.95, -2.25, None), (1.0, 0.0, 2.7, 0.0, 1.0, -1.3, (128, 128, 128)))),
     TRANSPOSE: (0, 1, 2, 3, 4, 5, 6),
     SOLARIZE_ADD: (0, 1, 50, 110, 200),
+    BLUR: ((3, 3, 0.5, 0.5, 0), (5, 3, 0.7, 1.3, 0), (7, 7, 2.0, 2.0, 0), (3, 5, 0.1, 0.9, 1), (7, 7, 1.1, 1.1, 1)),
 }
 
 

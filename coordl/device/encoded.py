@@ -45,9 +45,10 @@ __all__ = ["RECORD", "ON_DEVICE", "ON_CPU", "DecodePlan", "plan_for", "DecodePre
 # the image after its geometry (a plan with ColorJitter): their number, then (code, value) pairs
 # (coordl.decode.color's codes; the value a float64's bits); then the rectangles it erases after the
 # conversion (a plan with RandomErasing): their number, then (top, left, height, width) each; then the
-# affine maps of an auto-augment policy's operations (an operation (AFFINE, k) is the k-th): six doubles'
-# bits, then the fill and PIL's filter in one field (the filter << 32 | the fill's three values, or 1 << 24
-# for none) each
+# parameters of the operations that need more than a number (an operation (AFFINE, k) or (BLUR, k) is the
+# k-th's), seven fields each: an auto-augment policy's affine map, six doubles' bits then the fill and PIL's
+# filter in one field (the filter << 32 | the fill's three values, or 1 << 24 for none); a GaussianBlur's
+# kernel sizes, its sigmas' bits and whether it is torchvision v2's
 MAX_OPS, MAX_RECTS, MAX_AFFINES = 8, 4, 2
 (KIND, SRC_H, SRC_W, T1, L1, H1, W1, RH, RW, T2, L2, H2, W2, FLIP, MODE, VFLIP, INDEX, CHANNELS, N_OPS) = range(19)
 OPS = N_OPS + 1
@@ -308,7 +309,7 @@ _HOW = ("decode='device' runs [RandomResizedCrop | Resize] [CenterCrop | RandomC
         "and RandomVerticalFlip anywhere among them, then torchvision's ColorJitter (optional; alone or in a "
         "RandomApply), RandomGrayscale, TrivialAugmentWide, RandAugment and AutoAugment (nearest, bilinear "
         "or bicubic; timm's too), RandomPosterize, RandomSolarize, RandomAdjustSharpness, RandomAutocontrast, "
-        "RandomEqualize and RandomInvert, then ToTensor() "
+        "RandomEqualize, RandomInvert and GaussianBlur (alone or in a RandomApply), then ToTensor() "
         "[+ Normalize(...)s] [+ RandomErasing] or PILToTensor()")
 
 
@@ -444,8 +445,9 @@ def _with_jitter(pipeline) -> tuple[list, list]:
                       f"device stage runs at most {MAX_OPS // 4} ColorJitters ({MAX_OPS} colour operations a sample; "
                       "a RandomGrayscale is one, an auto-augment policy as many as it draws)", "merge them into one")
     if sum(getattr(j, "affines", 0) for j in jitters) > MAX_AFFINES:
-        raise _refuse(f"its auto-augment policies may draw more than {MAX_AFFINES} shears, translations or rotations "
-                      "a sample, the most the device stage carries", "keep at most two such operations a sample")
+        raise _refuse(f"its auto-augment policies and blurs may draw more than {MAX_AFFINES} shears, translations, "
+                      "rotations or blurs a sample, the most the device stage carries",
+                      "keep at most two such operations a sample")
     if pipeline.post_fused is None:
         what = (f"after ColorJitter the steps {', '.join(type(t).__name__ for t in pipeline.post)} run as "
                 "written" if pipeline.post else "the transform ends with ColorJitter (its result, a PIL image)")
@@ -559,17 +561,22 @@ def tail_fields(index: int, ops=(), rects=()) -> list:
     else:
         if len(ops) > MAX_OPS:
             raise ValueError(f"{len(ops)} operations after the geometry, more than the {MAX_OPS} a record carries")
-        from ..decode.color import AFFINE
+        from ..decode.color import AFFINE, BLUR
 
         values = []
         for c, v in ops:
-            if c == AFFINE:
+            if c in (AFFINE, BLUR):
                 if affines is _NO_AFFINES:
                     affines = []
                 if len(affines) == 7 * MAX_AFFINES:
-                    raise ValueError(f"more than {MAX_AFFINES} affine operations in one sample")
+                    raise ValueError(f"more than {MAX_AFFINES} affine or blur operations in one sample")
                 values.append(float(len(affines) // 7))
-                affines = affines + np.array(v[:6], dtype=np.float64).view(np.int64).tolist() + [_packed(v[6], v[7])]
+                if c == AFFINE:
+                    slot = np.array(v[:6], dtype=np.float64).view(np.int64).tolist() + [_packed(v[6], v[7])]
+                else:
+                    slot = [int(v[0]), int(v[1]), *np.array(v[2:4], dtype=np.float64).view(np.int64).tolist(),
+                            int(bool(v[4])), 0, 0]
+                affines = affines + slot
             else:
                 values.append(v)
         pairs = np.zeros((MAX_OPS, 2), dtype=np.int64)
@@ -601,7 +608,7 @@ def ops_of(rec) -> list:
     n = rec[N_OPS]
     if not n:
         return []
-    from ..decode.color import AFFINE
+    from ..decode.color import AFFINE, BLUR
 
     pairs = np.array(rec[OPS:OPS + 2 * n], dtype=np.int64).reshape(n, 2)
     ops = list(zip(pairs[:, 0].tolist(), pairs[:, 1].copy().view(np.float64).tolist()))
@@ -612,6 +619,10 @@ def ops_of(rec) -> list:
             f = int(rec[at + 6])
             fill = None if f & _NO_FILL else ((f >> 16) & 255, (f >> 8) & 255, f & 255)
             ops[j] = (c, (*a, fill, f >> 32))
+        elif c == BLUR:
+            at = AFFINES + 7 * int(v)
+            sx, sy = np.array(rec[at + 2:at + 4], dtype=np.int64).view(np.float64).tolist()
+            ops[j] = (c, (int(rec[at]), int(rec[at + 1]), sx, sy, int(rec[at + 4])))
     return ops
 
 

@@ -296,16 +296,22 @@ class DeviceJitter:
         flat = noise(6, 6) // 255 + 77                          # one value: the tables' degenerate cases
         narrow = noise(40, 40) // 64 + 100                      # four values: large steps in equalize's table
         images += [flat, narrow]
-        cases = probe_ops([code for code, k in _KIND.items() if k == kind])
+        codes = [code for code, k in _KIND.items() if k == kind]
+        cases = probe_ops(codes)
+        most, share = pil_ops.TOLERANCE.get(codes[0], (0, 0.0))
         for img in images:
             x = torch.from_numpy(np.ascontiguousarray(img.transpose(2, 0, 1)))[None].to(self.device)
             for ops in cases:
-                want = np.asarray(pil_jitter(Image.fromarray(img), ops)).transpose(2, 0, 1)
+                try:
+                    want = np.asarray(pil_jitter(Image.fromarray(img), ops)).transpose(2, 0, 1)
+                except (ValueError, RuntimeError):   # a blur's kernel larger than the probe: not a case
+                    continue
                 if want.shape != x.shape[1:]:        # a quarter turn of an image that is not square
                     continue
                 got = x.clone()
                 run(got, [(0, *ops[0])])
-                if not np.array_equal(got[0].cpu().numpy(), want):
+                d = np.abs(got[0].cpu().numpy().astype(np.int16) - want.astype(np.int16))
+                if int(d.max()) > most or float((d > 0).mean()) > share:
                     log.warning("decode='device': %s on %s does not give this PIL's bytes on a probe image: %s",
                                 ops, self.device, then)
                     return False

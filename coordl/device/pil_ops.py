@@ -33,6 +33,11 @@ with its own value, by torch's operations, with PIL's arithmetic:
   transform, each pixel's source point and its filter's weighted
   neighbours in double precision as PIL's macros compute them;
 - timm's solarize-add: its table;
+- torchvision's ``GaussianBlur`` (timm's ``gaussian_blur_prob``), which
+  blurs the tensor of a PIL image with torch's convolution: on the CPU
+  torchvision's own kernel; on a GPU its float32 weights in one grouped
+  convolution in double precision, within a level of the CPU path on a
+  few values in a million (:data:`TOLERANCE`);
 - transpose: PIL's flips and quarter turns.
 
 :class:`.jitter.DeviceJitter` runs them with the colour operations, and
@@ -46,13 +51,17 @@ import math
 import numpy as np
 import torch
 
-from ..decode.color import (AFFINE, AUTOCONTRAST, EQUALIZE, INVERT, POSTERIZE, SHARPNESS, SOLARIZE, SOLARIZE_ADD,
-                            TRANSPOSE)
+from ..decode.color import (AFFINE, AUTOCONTRAST, BLUR, EQUALIZE, INVERT, POSTERIZE, SHARPNESS, SOLARIZE,
+                            SOLARIZE_ADD, TRANSPOSE)
 from .launch import upload
 
 __all__ = ["CODES", "apply"]
 
-CODES = frozenset((SHARPNESS, POSTERIZE, SOLARIZE, AUTOCONTRAST, EQUALIZE, INVERT, AFFINE, TRANSPOSE, SOLARIZE_ADD))
+CODES = frozenset((SHARPNESS, POSTERIZE, SOLARIZE, AUTOCONTRAST, EQUALIZE, INVERT, AFFINE, TRANSPOSE, SOLARIZE_ADD,
+                   BLUR))
+# the kinds the device computes within a stated tolerance of the CPU path, not bit for bit: code -> (the most
+# levels a value may differ by, the largest share of values that may differ) on the probes
+TOLERANCE = {BLUR: (1, 1e-3)}
 NEAREST, BILINEAR, BICUBIC = 0, 2, 3          # PIL's resampling filters
 
 # ImageFilter.SMOOTH: its weights over its scale, in single precision as PIL divides them
@@ -86,6 +95,8 @@ def apply(x: torch.Tensor, code: int, values: list) -> torch.Tensor:
         return _affine(x, values)
     if code == TRANSPOSE:
         return torch.stack([_transpose(x[r], int(v)) for r, v in enumerate(values)])
+    if code == BLUR:
+        return _blur(x, values)
     raise ValueError(f"not an operation of coordl.device.pil_ops: {code}")
 
 
@@ -158,6 +169,52 @@ def _sharpness(x: torch.Tensor, factors: list) -> torch.Tensor:
         degenerate[:, :, 1:-1, 1:-1] = ss.clamp_(0.0, 255.0).to(torch.uint8)
     alpha = upload(np.array(factors, dtype=np.float64).astype(np.float32), x.device).view(-1, 1, 1, 1)
     return _blend(degenerate.to(torch.float32), x, alpha)
+
+
+def _blur(x: torch.Tensor, values: list, grouped: bool | None = None) -> torch.Tensor:
+    """torchvision's ``gaussian_blur`` of each row (its kernel sizes and
+    sigmas, its version's kernel), as its tensor kernel computes it: the
+    float32 kernel its own function makes, reflect padding, a depthwise
+    convolution, rounded to uint8.  On the CPU by torchvision's own tensor
+    kernel, a row at a time: its very values.  On a GPU the rows' kernels
+    (the same float32 weights) in one grouped convolution in double
+    precision: where the CPU path sums in single precision (in an order its
+    convolution picks) a value that lands on a rounding boundary can come
+    out one level apart (measured: 13 values in a million,
+    docs/guide/gpu.md).  ``grouped``: the GPU's way on any device (the
+    tests run it on the CPU)."""
+    import importlib
+
+    k, c, h, w = x.shape
+    if not (grouped if grouped is not None else x.device.type != "cpu"):
+        out = torch.empty_like(x)
+        for r, (kx, ky, sx, sy, v2) in enumerate(values):
+            if v2:
+                F = importlib.import_module("torchvision.transforms.v2.functional")
+                out[r] = F.gaussian_blur_image(x[r], [int(kx), int(ky)], [float(sx), float(sy)])
+            else:
+                F = importlib.import_module("torchvision.transforms._functional_tensor")
+                out[r] = F.gaussian_blur(x[r], [int(kx), int(ky)], [float(sx), float(sy)])
+        return out
+    out = torch.empty_like(x)
+    by: dict = {}
+    for r, v in enumerate(values):
+        by.setdefault((int(v[0]), int(v[1])), []).append(r)
+    for (kx, ky), rows in by.items():
+        kernels = []
+        for r in rows:
+            _, _, sx, sy, v2 = values[r]
+            mod = importlib.import_module("torchvision.transforms.v2.functional._misc" if v2 else
+                                          "torchvision.transforms._functional_tensor")
+            kernels.append(mod._get_gaussian_kernel2d([kx, ky], [float(sx), float(sy)], dtype=torch.float32,
+                                                      device=torch.device("cpu")))
+        weight = torch.stack(kernels).to(torch.float64).repeat_interleave(c, 0).unsqueeze(1)
+        idx = upload(np.array(rows, dtype=np.int64), x.device)
+        part = x.index_select(0, idx).to(torch.float64).reshape(1, len(rows) * c, h, w)
+        part = torch.nn.functional.pad(part, [kx // 2, kx // 2, ky // 2, ky // 2], mode="reflect")
+        got = torch.nn.functional.conv2d(part, upload(weight.numpy(), x.device), groups=len(rows) * c)
+        out.index_copy_(0, idx, got.round_().to(torch.uint8).reshape(len(rows), c, h, w))
+    return out
 
 
 def _coord(v: float) -> int:
