@@ -284,13 +284,14 @@ def test_the_workers_share_runs_the_policy_in_the_worker(photos, cpu_device, mon
         assert float((a.float() - b.float()).abs().gt(1).float().mean()) < 0.05
 
 
-@pytest.mark.parametrize("policy", ["ta_wide", "timm"])
+@pytest.mark.parametrize("policy", ["ta_wide", "timm", "blur"])
 def test_the_device_split_draws_the_policy_in_the_worker(photos, cpu_device, policy):
     """With ``decode="cpu"`` the split stops at the cropped uint8 image and
     the device runs the policy and the conversion: the CPU path's batches,
     bit for bit (timm's: numpy's generator seeded in the worker as the CPU
     path seeds it)."""
-    t = TIMM["rand-m7-mstd0.5"](_timm_aa()) if policy == "timm" else V.TrivialAugmentWide()
+    t = TIMM["rand-m7-mstd0.5"](_timm_aa()) if policy == "timm" else V.TrivialAugmentWide() if policy == "ta_wide" \
+        else V.RandomApply([V.GaussianBlur(9, sigma=(0.1, 2.0))], p=0.5)
     tf = V.Compose([V.RandomResizedCrop(20), V.RandomHorizontalFlip(), t, V.ToTensor(), V.Normalize(MEAN, STD)])
     ds = datasets.ImageFolder(photos, transform=tf)
     kw = dict(batch_size=4, seed=9, shuffle=True, num_workers=2)
