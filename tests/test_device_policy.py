@@ -160,6 +160,27 @@ def test_records_carry_affine_maps_and_fills():
 
 
 # ---------------------------------------------------------------- the draws
+def _probe_image(seed: int, h: int, w: int) -> Image.Image:
+    rng = random.Random(seed)
+    return Image.fromarray(np.frombuffer(rng.randbytes(h * w * 3), np.uint8).reshape(h, w, 3))
+
+
+def _same_draws(t, mine, img: Image.Image, seeds) -> list:
+    """For each seed of torch's generator: the user's ``t`` on ``img`` is
+    PIL's result of ``mine``'s draws, and the generator is left as the
+    user's call leaves it.  Each seed's operations."""
+    out = []
+    for seed in seeds:
+        torch.manual_seed(seed)
+        want = np.asarray(t(img))
+        after = torch.get_rng_state()
+        torch.manual_seed(seed)
+        ops = mine.draw((img.height, img.width))
+        assert torch.equal(torch.get_rng_state(), after), seed
+        assert np.array_equal(np.asarray(C.pil_jitter(img, ops)), want), (seed, ops)
+        out.append(ops)
+    return out
+
 POLICIES = {"ta_wide": lambda M: M.TrivialAugmentWide(), "ra": lambda M: M.RandAugment(),
             "imagenet": lambda M: M.AutoAugment(), "cifar10": lambda M: M.AutoAugment(M.AutoAugmentPolicy.CIFAR10),
             "ra_bilinear": lambda M: M.RandAugment(interpolation=M.InterpolationMode.BILINEAR),
@@ -176,19 +197,8 @@ def test_the_draws_are_the_users_policys_own(version, policy):
     t = POLICIES[policy](M)
     p = tvcompat.policy_of(t)
     assert p is not None and p.draws_agree() and p.v2 == (version == "v2")
-    rng = random.Random(1)
-    img = Image.fromarray(np.frombuffer(rng.randbytes(30 * 40 * 3), np.uint8).reshape(30, 40, 3))
-    names = set()
-    for seed in range(300):
-        torch.manual_seed(seed)
-        want = np.asarray(t(img))
-        after = torch.get_rng_state()
-        torch.manual_seed(seed)
-        ops = p.draw((30, 40))
-        assert torch.equal(torch.get_rng_state(), after)
-        assert np.array_equal(np.asarray(C.pil_jitter(img, ops)), want), (seed, ops)
-        names.add(tuple(c for c, _ in ops))
-    assert len(names) >= 10       # the colour operations, the tables, affine maps, pairs of them
+    drawn = _same_draws(t, p, _probe_image(1, 30, 40), range(300))
+    assert len({tuple(c for c, _ in ops) for ops in drawn}) >= 10   # colour operations, tables, affine maps, pairs
 
 
 def test_a_policy_the_device_cannot_run_is_not_taken():
@@ -201,6 +211,20 @@ def test_a_policy_the_device_cannot_run_is_not_taken():
 
 
 # ---------------------------------------------------------------- the loader
+def _levels_against_the_cpu_path(ds, seed: int) -> tuple:
+    """``ds`` through ``decode="cpu"`` and ``decode="device"`` (the stand-in),
+    2 workers, shuffled: the same labels and shapes; ``(every value's
+    difference in uint8 levels, the device's loader)``."""
+    kw = dict(batch_size=4, seed=seed, shuffle=True, num_workers=2)
+    cpu = list(coordl.DataLoader(ds, **kw))
+    L = coordl.DataLoader(ds, device="cpu", decode="device", **kw)
+    dev = list(L)
+    assert len(cpu) == len(dev) > 0
+    for (a, y), (b, y2) in zip(cpu, dev):
+        assert torch.equal(y, y2) and a.shape == b.shape and a.dtype == b.dtype
+    return torch.cat([((a - b).abs() * STD255).flatten() for (a, _), (b, _) in zip(cpu, dev)]), L
+
+
 def _geometry_then_policy(photos, steps, policy, workers, seed=5, epoch=0):
     """The device path with the policy, and the device path without it
     (uint8 out) followed by PIL's operations of each sample's draws on each
@@ -241,14 +265,7 @@ def test_torchvisions_reference_recipe_with_a_policy_runs_on_the_device(photos, 
     tf = M.Compose([M.RandomResizedCrop(24), M.RandomHorizontalFlip(0.5), POLICIES[policy](M), *conv,
                     M.Normalize(MEAN, STD), M.RandomErasing(0.5)])
     ds = datasets.ImageFolder(photos, transform=tf)
-    kw = dict(batch_size=4, seed=7, shuffle=True, num_workers=2)
-    cpu = list(coordl.DataLoader(ds, **kw))
-    L = coordl.DataLoader(ds, device="cpu", decode="device", **kw)
-    dev = list(L)
-    assert len(cpu) == len(dev) == 6
-    d = torch.cat([((a - b).abs() * STD255).flatten() for (a, _), (b, _) in zip(cpu, dev)])
-    for (a, y), (b, y2) in zip(cpu, dev):
-        assert torch.equal(y, y2) and a.shape == b.shape and a.dtype == b.dtype
+    d, L = _levels_against_the_cpu_path(ds, 7)
     # measured (docs/guide/gpu.md): 1-3% of the values more than a level off, a mean well under a level
     assert float((d > 1 + 1e-3).float().mean()) < 0.06 and float(d.mean()) < 1.0, (float(d.mean()), float(
         (d > 1 + 1e-3).float().mean()))
@@ -419,13 +436,7 @@ def test_timms_training_transform_with_auto_augment_runs_on_the_device(photos, c
     from timm.data import create_transform
 
     ds = datasets.ImageFolder(photos, transform=create_transform(24, is_training=True, auto_augment=aa))
-    kw = dict(batch_size=4, seed=3, shuffle=True, num_workers=2)
-    cpu = list(coordl.DataLoader(ds, **kw))
-    L = coordl.DataLoader(ds, device="cpu", decode="device", **kw)
-    dev = list(L)
-    d = torch.cat([((a - b).abs() * STD255).flatten() for (a, _), (b, _) in zip(cpu, dev)])
-    for (a, y), (b, y2) in zip(cpu, dev):
-        assert torch.equal(y, y2) and a.shape == b.shape
+    d, L = _levels_against_the_cpu_path(ds, 3)
     assert float((d > 1 + 1e-3).float().mean()) < 0.06 and float(d.mean()) < 1.0, (float(d.mean()), float(
         (d > 1 + 1e-3).float().mean()))
     assert L.stats().device_decode_images == len(ds) and "Augment" in L.stats().device_decode
@@ -464,22 +475,12 @@ def test_one_operation_random_steps_are_drawn_apart_and_agree(version):
     its call (its one ``torch.rand(1) < p``), PIL's result of the draw the
     user's own, on some samples and not others."""
     M = VERSIONS[version]
-    rng = random.Random(4)
-    img = Image.fromarray(np.frombuffer(rng.randbytes(20 * 24 * 3), np.uint8).reshape(20, 24, 3))
+    img = _probe_image(4, 20, 24)
     for name, kw in RANDOM_OPS.items():
         t = getattr(M, name)(p=0.5, **kw)
         mine = tvcompat.random_op_of(t)
         assert mine is not None and mine.draws_agree(), name
-        applied = 0
-        for seed in range(24):
-            torch.manual_seed(seed)
-            want = np.asarray(t(img))
-            after = torch.get_rng_state()
-            torch.manual_seed(seed)
-            ops = mine.draw((20, 24))
-            assert torch.equal(torch.get_rng_state(), after)
-            assert np.array_equal(np.asarray(C.pil_jitter(img, ops)), want), (name, seed, ops)
-            applied += bool(ops)
+        applied = sum(bool(ops) for ops in _same_draws(t, mine, img, range(24)))
         assert 0 < applied < 24, name
 
 
@@ -552,12 +553,6 @@ def test_timms_gaussian_blur_prob_runs_on_the_device(photos, cpu_device, exact):
     from timm.data import create_transform
 
     ds = datasets.ImageFolder(photos, transform=create_transform(24, is_training=True, gaussian_blur_prob=0.5))
-    kw = dict(batch_size=4, seed=3, shuffle=True, num_workers=2)
-    cpu = list(coordl.DataLoader(ds, **kw))
-    L = coordl.DataLoader(ds, device="cpu", decode="device", **kw)
-    dev = list(L)
-    d = torch.cat([((a - b).abs() * STD255).flatten() for (a, _), (b, _) in zip(cpu, dev)])
-    for (a, y), (b, y2) in zip(cpu, dev):
-        assert torch.equal(y, y2) and a.shape == b.shape
+    d, L = _levels_against_the_cpu_path(ds, 3)
     assert float(d.max()) <= 8 + 1e-3 and float(d.mean()) < 0.5, (float(d.max()), float(d.mean()))
     assert "RandomApply" in L.stats().device_decode and L.stats().device_decode_images == len(ds)
