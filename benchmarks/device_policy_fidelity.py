@@ -14,6 +14,9 @@ the device computes each operation with PIL's arithmetic, bit for bit on
 its own rows, which the tests check).  Reported per policy: the share of
 values more than 1 level off, the mean and the max absolute difference;
 for ``TrivialAugmentWide`` (one operation a sample) per operation too.
+Last, ``GaussianBlur``: the GPU's way of blurring (one grouped convolution
+in double precision with torchvision's own float32 weights), run here on
+the CPU, against torchvision's own blur of the same rows.
 On a GPU the decoder's own difference adds to this (section 9's table).
 
     python -m coordl.synth /tmp/synth600 --images 600
@@ -88,6 +91,30 @@ def measure(root: str, policy: str, version: str, size: int, seeds: int, workers
     return torch.cat(every), per_op
 
 
+def blur_against_torchvision(trials: int, size: int) -> tuple:
+    """``(values differing, values, largest difference)``: the GPU's way of
+    blurring (``coordl.device.pil_ops._blur``, grouped, double precision,
+    run here on the CPU) against torchvision's own ``GaussianBlur`` of the
+    same rows (23x23 kernels, sigmas drawn in 0.1-2.0), on noise and on
+    images of a few flat levels (sums near halves)."""
+    from coordl.device import pil_ops as P
+
+    common.torchvision()
+    F = importlib.import_module("torchvision.transforms._functional_tensor")
+    g = torch.Generator().manual_seed(0)
+    differ = total = most = 0
+    for trial in range(trials):
+        x = torch.randint(0, 256, (1, 3, size, size), dtype=torch.uint8, generator=g)
+        if trial % 2:
+            x = x // 40 * 40
+        sigma = float(torch.empty(1).uniform_(0.1, 2.0, generator=g))
+        want = F.gaussian_blur(x[0], [23, 23], [sigma, sigma])
+        got = P._blur(x, [(23, 23, sigma, sigma, 0)], grouped=True)[0]
+        d = (want.int() - got.int()).abs()
+        differ, total, most = differ + int((d > 0).sum()), total + d.numel(), max(most, int(d.max()))
+    return differ, total, most
+
+
 def _row(label: str, d: torch.Tensor, n: int) -> str:
     d = d.float()
     return (f"| {label} | {n} | {float((d > 1).float().mean()):.2%} | {float(d.mean()):.3f} | {int(d.max())} |")
@@ -136,6 +163,9 @@ def main(argv=None) -> int:
         print("\n| `TrivialAugmentWide` v1, by operation | samples | values > 1 level off | mean | max |\n"
               "|---|---:|---:|---:|---:|")
         print("\n".join(per_op_rows))
+        differ, total, most = blur_against_torchvision(4 if args.quick else 20, 48 if args.quick else 224)
+        print(f"\nGaussianBlur, the GPU's way (double precision) against torchvision's own: {differ} of {total} "
+              f"values differ, by at most {most}")
     return 0
 
 
