@@ -556,3 +556,21 @@ def test_timms_gaussian_blur_prob_runs_on_the_device(photos, cpu_device, exact):
     d, L = _levels_against_the_cpu_path(ds, 3)
     assert float(d.max()) <= 8 + 1e-3 and float(d.mean()) < 0.5, (float(d.max()), float(d.mean()))
     assert "RandomApply" in L.stats().device_decode and L.stats().device_decode_images == len(ds)
+
+
+def test_the_blurs_first_use_check_takes_its_tolerance_over_all_the_probes(monkeypatch):
+    """The GPU's way of blurring (run here on the CPU) passes the kind's
+    check: within a level on a few values counted over all the probes, not
+    failed by one value of a tiny probe; a blur off by two levels fails it
+    and its rows run through the CPU path's code."""
+    real = P._blur
+    monkeypatch.setattr(P, "_blur", lambda x, values, grouped=None: real(x, values, grouped=True))
+    assert J.DeviceJitter(torch.device("cpu")).exact(J._KIND[C.BLUR])
+    monkeypatch.setattr(P, "_blur", lambda x, values, grouped=None: real(x, values).clamp_(max=253).add_(2))
+    dj = J.DeviceJitter(torch.device("cpu"))
+    y = _rows(3, 5, 12, 16)
+    ops = [[(C.BLUR, (5, 5, 1.1, 1.1, 0))]] * 5
+    got = dj(y.clone(), ops)
+    assert dj._exact[J._KIND[C.BLUR]] is False
+    for r, want in enumerate(_pils(y, ops)):
+        assert np.array_equal(got[r].numpy(), want), r
