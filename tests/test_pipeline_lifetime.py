@@ -549,8 +549,8 @@ def test_passes_without_persistent_workers_reuse_the_last_pools_free_slots():
     assert r["kept_view"] and r["same"] == [True] * 4, r
     assert r["kept_changed"] == [False] * 4, r
     # the first pass made its slots; the later ones took them from the loader (none is viewed: the
-    # kept batch's slot stays out), so they made none, or one where a worker ran a batch further ahead
-    # than in the pass before (how far ahead is timing: 1 run in 6 on a loaded 2-vCPU machine); without
-    # the reuse each pass makes as many as the first
-    assert r["new_slots"][0] > 2 and all(n <= 1 for n in r["new_slots"][2:]), r
+    # kept batch's slot stays out), so they made none, or a few where a worker ran batches further
+    # ahead than in the passes before (how far ahead is timing: 1 or 2 in some runs on a loaded 2-vCPU
+    # machine); without the reuse each pass makes as many as the first
+    assert r["new_slots"][0] > 2 and all(n <= r["new_slots"][0] // 2 for n in r["new_slots"][1:]), r
     assert r["off"] == [True, True], r
