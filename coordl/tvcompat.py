@@ -51,6 +51,7 @@ The rules (docs/guide/torchvision.md gives them with the measured tolerances):
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import math
 import numbers
@@ -1018,38 +1019,45 @@ class BlurOnDevice(OnPlanes):
         return [(C.BLUR, (int(kx), int(ky), float(sx), float(sy), int(self.v2)))]
 
 
-def blur_of(t: Any) -> "BlurOnDevice | None":
+def _recognizes(kind: type, *names: str):
+    """Makes ``check(t, v2)`` a recognizer ``of(t)``: ``t`` itself where it
+    already is a ``kind``; where ``t`` is torchvision's (v1 or v2) step
+    named one of ``names`` and ``check`` takes it, ``kind(t, v2)`` (or the
+    object ``check`` returned); else None (an attribute missing or of
+    another type included: the step runs as written)."""
+    def wrap(check):
+        @functools.wraps(check)
+        def of(t: Any):
+            if isinstance(t, kind):
+                return t
+            k = _kind(t)
+            if k is None or k[0] not in ("v1", "v2") or k[1] not in names:
+                return None
+            v2 = k[0] == "v2"
+            try:
+                got = check(t, v2)
+            except (TypeError, ValueError, AttributeError):
+                return None
+            return kind(t, v2) if got is True else got or None
+        return of
+    return wrap
+
+
+@_recognizes(BlurOnDevice, "GaussianBlur")
+def blur_of(t: Any, v2: bool) -> bool:
     """A :class:`BlurOnDevice` over ``t`` when it is torchvision's
-    ``GaussianBlur`` (v1 or v2), else None."""
-    if isinstance(t, BlurOnDevice):
-        return t
-    v2 = _torchvision_v2(t, "GaussianBlur")
-    if v2 is None:
-        return None
-    try:
-        kx, ky = (int(k) for k in t.kernel_size)
-        lo, hi = (float(s) for s in t.sigma)
-    except (TypeError, ValueError, AttributeError):
-        return None
-    if kx % 2 == 0 or ky % 2 == 0 or kx < 1 or ky < 1 or not 0 < lo <= hi:
-        return None
-    return BlurOnDevice(t, v2)
+    ``GaussianBlur`` (v1 or v2) with odd kernel sizes and a sigma range,
+    else None."""
+    kx, ky = (int(k) for k in t.kernel_size)
+    lo, hi = (float(s) for s in t.sigma)
+    return kx % 2 == 1 and ky % 2 == 1 and kx >= 1 and ky >= 1 and 0 < lo <= hi
 
 
-def random_op_of(t: Any) -> "RandomOpOnDevice | None":
+@_recognizes(RandomOpOnDevice, *RandomOpOnDevice.KINDS)
+def random_op_of(t: Any, v2: bool) -> bool:
     """A :class:`RandomOpOnDevice` over ``t`` when it is one of torchvision's
     one-operation random steps (v1 or v2) with a probability, else None."""
-    if isinstance(t, RandomOpOnDevice):
-        return t
-    kind = _kind(t)
-    if kind is None or kind[0] not in ("v1", "v2") or kind[1] not in RandomOpOnDevice.KINDS:
-        return None
-    try:
-        if not 0.0 <= float(t.p) <= 1.0:
-            return None
-    except (TypeError, ValueError, AttributeError):
-        return None
-    return RandomOpOnDevice(t, kind[0] == "v2")
+    return 0.0 <= float(t.p) <= 1.0
 
 
 def policy_of(t: Any) -> "PolicyOnDevice | None":
@@ -1656,73 +1664,42 @@ def _split_post(tail: list) -> tuple[list, list, Any, Any, Any, list]:
     return rest, post, post_fused, post_type, erase, after
 
 
-def _torchvision_v2(t: Any, name: str) -> bool | None:
-    """Whether ``t``, torchvision's transform ``name``, is v2's (False:
-    v1's); None when it is not that transform of torchvision's."""
-    kind = _kind(t)
-    if kind is None or kind[0] not in ("v1", "v2") or kind[1] != name:
-        return None
-    return kind[0] == "v2"
-
-
-def color_jitter_of(t: Any) -> "ColorJitterOnPlanes | None":
+@_recognizes(ColorJitterOnPlanes, "ColorJitter")
+def color_jitter_of(t: Any, v2: bool) -> bool:
     """A :class:`ColorJitterOnPlanes` over ``t`` when it is torchvision's
     ``ColorJitter`` (v1 or v2) with ranges as its constructor makes them
     (whether or not its planes agree with PIL here: :meth:`~OnPlanes.exact`
     says that), else None."""
-    if isinstance(t, ColorJitterOnPlanes):
-        return t
-    v2 = _torchvision_v2(t, "ColorJitter")
-    if v2 is None:
-        return None
-    try:
-        for name in ("brightness", "contrast", "saturation", "hue"):
-            r = getattr(t, name)
-            if r is None:
-                continue
-            lo, hi = (float(v) for v in r)
-            bounds = (-0.5, 0.5) if name == "hue" else (0.0, math.inf)
-            if not (bounds[0] <= lo <= hi <= bounds[1] and math.isfinite(hi)):
-                return None
-    except (TypeError, ValueError, AttributeError):
-        return None
-    return ColorJitterOnPlanes(t, v2)
+    for name in ("brightness", "contrast", "saturation", "hue"):
+        r = getattr(t, name)
+        if r is None:
+            continue
+        lo, hi = (float(v) for v in r)
+        bounds = (-0.5, 0.5) if name == "hue" else (0.0, math.inf)
+        if not (bounds[0] <= lo <= hi <= bounds[1] and math.isfinite(hi)):
+            return False
+    return True
 
 
-def random_apply_of(t: Any) -> "RandomApplyOnPlanes | None":
+@_recognizes(RandomApplyOnPlanes, "RandomApply")
+def random_apply_of(t: Any, v2: bool) -> "RandomApplyOnPlanes | None":
     """A :class:`RandomApplyOnPlanes` over ``t`` when it is torchvision's
     ``RandomApply`` (v1 or v2) around one ``ColorJitter`` that
-    :func:`color_jitter_of` takes, else None."""
-    if isinstance(t, RandomApplyOnPlanes):
-        return t
-    v2 = _torchvision_v2(t, "RandomApply")
-    if v2 is None:
+    :func:`color_jitter_of` takes or one ``GaussianBlur`` that
+    :func:`blur_of` takes, else None."""
+    inner = list(t.transforms)
+    p = float(t.p)
+    step = (color_jitter_of(inner[0]) or blur_of(inner[0])) if len(inner) == 1 else None
+    if step is None or not 0.0 <= p <= 1.0:
         return None
-    try:
-        inner = list(t.transforms)
-        p = float(t.p)
-    except (TypeError, ValueError, AttributeError):
-        return None
-    jitter = (color_jitter_of(inner[0]) or blur_of(inner[0])) if len(inner) == 1 else None
-    if jitter is None or not 0.0 <= p <= 1.0:
-        return None
-    return RandomApplyOnPlanes(t, v2, jitter)
+    return RandomApplyOnPlanes(t, v2, step)
 
 
-def grayscale_of(t: Any) -> "GrayscaleOnPlanes | None":
+@_recognizes(GrayscaleOnPlanes, "RandomGrayscale")
+def grayscale_of(t: Any, v2: bool) -> bool:
     """A :class:`GrayscaleOnPlanes` over ``t`` when it is torchvision's
     ``RandomGrayscale`` (v1 or v2) with a probability, else None."""
-    if isinstance(t, GrayscaleOnPlanes):
-        return t
-    v2 = _torchvision_v2(t, "RandomGrayscale")
-    if v2 is None:
-        return None
-    try:
-        if not 0.0 <= float(t.p) <= 1.0:
-            return None
-    except (TypeError, ValueError, AttributeError):
-        return None
-    return GrayscaleOnPlanes(t, v2)
+    return 0.0 <= float(t.p) <= 1.0
 
 
 def _on_planes(t: Any) -> Any:
