@@ -34,6 +34,7 @@ import threading
 import numpy as np
 import torch
 
+from ..decode.color import AFFINE, BLUR
 from .split import _Marked, _unmark
 
 __all__ = ["RECORD", "ON_DEVICE", "ON_CPU", "DecodePlan", "plan_for", "DecodePrep", "EncodedCompose", "ops_of",
@@ -561,8 +562,6 @@ def tail_fields(index: int, ops=(), rects=()) -> list:
     else:
         if len(ops) > MAX_OPS:
             raise ValueError(f"{len(ops)} operations after the geometry, more than the {MAX_OPS} a record carries")
-        from ..decode.color import AFFINE, BLUR
-
         values = []
         for c, v in ops:
             if c in (AFFINE, BLUR):
@@ -608,8 +607,6 @@ def ops_of(rec) -> list:
     n = rec[N_OPS]
     if not n:
         return []
-    from ..decode.color import AFFINE, BLUR
-
     pairs = np.array(rec[OPS:OPS + 2 * n], dtype=np.int64).reshape(n, 2)
     ops = list(zip(pairs[:, 0].tolist(), pairs[:, 1].copy().view(np.float64).tolist()))
     for j, (c, v) in enumerate(ops):
