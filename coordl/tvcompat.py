@@ -322,14 +322,18 @@ class TorchvisionPipeline:
         where it is torchvision's ``ColorJitter`` (:func:`color_jitter_of`),
         its :class:`RandomApplyOnPlanes` where it is a ``RandomApply``
         around one (:func:`random_apply_of`), its :class:`GrayscaleOnPlanes`
-        where it is a ``RandomGrayscale`` (:func:`grayscale_of`), else None:
+        where it is a ``RandomGrayscale`` (:func:`grayscale_of`), the
+        policies', one-operation steps', blur's and AugMix's device
+        counterparts (:func:`policy_of`, :func:`random_op_of`,
+        :func:`blur_of`, :func:`augmix_of`), else None:
         what ``decode="device"`` runs on the device.  Made once (the split
         draws through them for every sample; a policy keeps what it
         recorded of torchvision's geometric calls)."""
         got = self.__dict__.get("_jitters")
         if got is None or len(got) != len(self.tail):
             got = self._jitters = [color_jitter_of(t) or random_apply_of(t) or grayscale_of(t) or policy_of(t)
-                                   or random_op_of(t) or blur_of(t) for t in self.tail]
+                                   or random_op_of(t) or blur_of(t)
+                                   or augmix_of(t.user if isinstance(t, AugMixOnPlanes) else t) for t in self.tail]
         return got
 
     def _run_post(self, x: Any) -> Any:
@@ -1019,6 +1023,103 @@ class BlurOnDevice(OnPlanes):
         return [(C.BLUR, (int(kx), int(ky), float(sx), float(sy), int(self.v2)))]
 
 
+class AugMixOnDevice(OnPlanes):
+    """torchvision's ``AugMix`` (v1 or v2; ``fill=None``, nearest or
+    bilinear interpolation, chains that fit a record) on a PIL image (the
+    reference classification script's ``--auto-augment augmix``), its draws
+    made apart from its call: the two Dirichlet draws of the weights, then
+    each chain's depth and its operations' names, magnitudes and signs, from
+    torch's generator in the user's object's order, with its own
+    augmentation space.  The device mixes the rows with torchvision's own
+    functions (``coordl.decode.augmix``).  Checked once per process against
+    the user's class on probe images.  On the CPU path it runs as
+    :class:`AugMixOnPlanes` (or as written)."""
+
+    how = "its draws made apart from its call, its operations and mix computed on the device"
+    probes = ({}, {"severity": 5, "mixture_width": 2, "chain_depth": 2, "alpha": 0.5},
+              {"all_ops": False, "interpolation": "nearest", "severity": 10, "mixture_width": 4, "chain_depth": 1},
+              {"chain_depth": 3, "mixture_width": 3, "alpha": 2.0})
+    seeds = (tuple(range(24)), ())     # RGB probes only: the device runs RGB images
+    most = 1
+    affines = 2                         # the record's two parameter slots
+
+    def __init__(self, user: Any, v2: bool):
+        from .decode import augmix
+
+        super().__init__(user, v2)
+        mode = getattr(user.interpolation, "value", user.interpolation)
+        if mode not in augmix.MODES:
+            raise ValueError(f"AugMix interpolating with {mode}")
+        self.mode = augmix.MODES.index(mode)
+        width, depth = int(user.mixture_width), int(user.chain_depth)
+        if not augmix.fits(width, depth if depth > 0 else 3) or not 1 <= int(user.severity) <= 10:
+            raise ValueError(f"AugMix with {width} chains of depth {depth}, more than a record carries")
+        self._spaces: dict = {}
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "_spaces": {}}
+
+    @classmethod
+    def probe(cls, user_cls: type, v2: bool, kw: dict) -> tuple:
+        kw = dict(kw)
+        if "interpolation" in kw:
+            kw["interpolation"] = sys.modules["torchvision.transforms"].InterpolationMode(kw["interpolation"])
+        return super().probe(user_cls, v2, kw)
+
+    def exact(self) -> bool:
+        return False                    # the CPU path runs it as AugMixOnPlanes
+
+    def draws_agree(self) -> bool:
+        return _agrees(type(self), type(self.user), self.v2, draws=True)
+
+    def draw(self, size: tuple | None = None) -> list:
+        """The one operation of a call on an image of ``size`` (h, w):
+        ``(AUGMIX, value)``, its value ``coordl.decode.augmix``'s."""
+        from .decode import augmix
+        from .decode.color import AUGMIX
+
+        h, w = size if size is not None else (0, 0)
+        t = self.user
+        m = t._sample_dirichlet(torch.tensor([t.alpha, t.alpha]).expand(1, -1))
+        weights = t._sample_dirichlet(torch.tensor([t.alpha] * t.mixture_width).expand(1, -1)) \
+            * m[:, 1].reshape([1, -1])
+        chains = []
+        for _ in range(t.mixture_width):
+            depth = t.chain_depth if t.chain_depth > 0 else int(torch.randint(low=1, high=4, size=(1,)).item())
+            chains.append(tuple((augmix.INDEX[name], magnitude) for name, magnitude in
+                                (self._one(h, w) for _ in range(depth))))
+        return [(AUGMIX, (int(self.v2), self.mode, float(m[0, 0]), tuple(float(v) for v in weights[0]),
+                          tuple(chains)))]
+
+    def _one(self, h: int, w: int) -> tuple:
+        """One operation's draws: ``(name, magnitude)``."""
+        t = self.user
+        if self.v2:
+            space = t._AUGMENTATION_SPACE if t.all_ops else t._PARTIAL_AUGMENTATION_SPACE
+            name, (fn, signed) = t._get_random_item(space)
+            key = (name, h, w)
+            if key not in self._spaces:
+                self._spaces[key] = fn(t._PARAMETER_MAX, h, w)
+            magnitudes = self._spaces[key]
+            if magnitudes is None:
+                return name, 0.0
+            magnitude = float(magnitudes[int(torch.randint(t.severity, ()))])
+            if signed and torch.rand(()) <= 0.5:
+                magnitude *= -1
+            return name, magnitude
+        key = (h, w)
+        space = self._spaces.get(key)
+        if space is None:
+            space = self._spaces[key] = t._augmentation_space(t._PARAMETER_MAX, (h, w))
+        name = list(space)[int(torch.randint(len(space), (1,)).item())]
+        magnitudes, signed = space[name]
+        magnitude = float(magnitudes[torch.randint(t.severity, (1,), dtype=torch.long)].item()) \
+            if magnitudes.ndim > 0 else 0.0
+        if signed and torch.randint(2, (1,)):
+            magnitude *= -1.0
+        return name, magnitude
+
+
 def _recognizes(kind: type, *names: str):
     """Makes ``check(t, v2)`` a recognizer ``of(t)``: ``t`` itself where it
     already is a ``kind``; where ``t`` is torchvision's (v1 or v2) step
@@ -1036,9 +1137,9 @@ def _recognizes(kind: type, *names: str):
             v2 = k[0] == "v2"
             try:
                 got = check(t, v2)
+                return kind(t, v2) if got is True else got or None
             except (TypeError, ValueError, AttributeError):
                 return None
-            return kind(t, v2) if got is True else got or None
         return of
     return wrap
 
@@ -1051,6 +1152,20 @@ def blur_of(t: Any, v2: bool) -> bool:
     kx, ky = (int(k) for k in t.kernel_size)
     lo, hi = (float(s) for s in t.sigma)
     return kx % 2 == 1 and ky % 2 == 1 and kx >= 1 and ky >= 1 and 0 < lo <= hi
+
+
+@_recognizes(AugMixOnDevice, "AugMix")
+def augmix_of(t: Any, v2: bool) -> bool:
+    """An :class:`AugMixOnDevice` over ``t`` when it is torchvision's
+    ``AugMix`` (v1 or v2, or the CPU path's :class:`AugMixOnPlanes` over
+    one) with ``fill=None``, nearest or bilinear interpolation and chains
+    that fit a record, else None."""
+    return not _has_fill(t, v2)
+
+
+def _has_fill(t: Any, v2: bool) -> bool:
+    """Whether torchvision's ``AugMix`` ``t`` fills (v2: a dict of types)."""
+    return t.fill is not None or (v2 and getattr(t, "_fill", {"others": None}) != {"others": None})
 
 
 @_recognizes(RandomOpOnDevice, *RandomOpOnDevice.KINDS)
@@ -1719,7 +1834,7 @@ def _on_planes(t: Any) -> Any:
                 return t
         elif kind[1] == "AugMix":
             # a fill is applied by type (v2: a dict of types), and v1 makes floats of it for a tensor only
-            if t.fill is not None or (v2 and getattr(t, "_fill", {"others": None}) != {"others": None}):
+            if _has_fill(t, v2):
                 return t
             mine = AugMixOnPlanes(t, v2)
         else:

@@ -155,7 +155,7 @@ def test_records_carry_affine_maps_and_fills():
     rec = [0] * E.INDEX + E.tail_fields(7, ops, [(1, 2, 3, 4)])
     assert len(rec) == E.RECORD
     assert E.ops_of(rec) == ops and E.rects_of(rec) == [(1, 2, 3, 4)]
-    with pytest.raises(ValueError, match="more than 2 affine or blur"):
+    with pytest.raises(ValueError, match="than the 2 parameter slots"):
         E.tail_fields(7, ops[1:3] * 2)
 
 
@@ -323,7 +323,7 @@ def test_the_device_split_draws_the_policy_in_the_worker(photos, cpu_device, pol
 
 
 def test_other_policies_are_refused_naming_them(photos, cpu_device):
-    tf = V.Compose([V.RandomResizedCrop(16), V.AugMix(), V.ToTensor()])
+    tf = V.Compose([V.RandomResizedCrop(16), V.AugMix(fill=[1, 2, 3]), V.ToTensor()])
     tf2 = V.Compose([V.RandomResizedCrop(16), V.TrivialAugmentWide(interpolation=V.InterpolationMode.HAMMING),
                      V.ToTensor()])
     for t in (tf, tf2):
@@ -574,3 +574,162 @@ def test_the_blurs_first_use_check_takes_its_tolerance_over_all_the_probes(monke
     assert dj._exact[J._KIND[C.BLUR]] is False
     for r, want in enumerate(_pils(y, ops)):
         assert np.array_equal(got[r].numpy(), want), r
+
+
+# ---------------------------------------------------------------- AugMix
+from coordl.decode import augmix as AM  # noqa: E402
+
+AUGMIX = {"default": lambda M: M.AugMix(),
+          "wide": lambda M: M.AugMix(severity=7, mixture_width=4, chain_depth=2, alpha=0.5),
+          "nearest": lambda M: M.AugMix(all_ops=False, interpolation=M.InterpolationMode.NEAREST, chain_depth=3)}
+
+
+def test_augmix_draws_travel_in_a_records_fields():
+    """A value's fields give it back; one that does not fit (five chains of
+    three), or a number that is not a float32, is refused."""
+    for v in C._PROBE_VALUES[C.AUGMIX]:
+        fields = AM.pack(v)
+        assert len(fields) == AM.FIELDS and AM.unpack(fields) == v
+        rec = E.tail_fields(0, [(C.BRIGHTNESS, 1.5), (C.AUGMIX, v)])
+        assert E.ops_of([0] * E.INDEX + rec) == [(C.BRIGHTNESS, 1.5), (C.AUGMIX, v)]
+    five = (0, 1, 0.5, (0.1,) * 5, (((0, 0.25),) * 3,) * 5)
+    with pytest.raises(ValueError, match="more than a record carries"):
+        AM.pack(five)
+    with pytest.raises(ValueError, match="not a float32"):
+        AM.pack((0, 1, 0.1, (0.5,), (((0, 0.25),),)))
+    with pytest.raises(ValueError, match="parameter slots"):
+        E.tail_fields(0, [(C.AFFINE, (1.0, 0.0, 0.0, 0.0, 1.0, 0.0, None, 0)),
+                          (C.AUGMIX, C._PROBE_VALUES[C.AUGMIX][0])])
+
+
+@pytest.mark.parametrize("config", list(AUGMIX))
+@pytest.mark.parametrize("version", ["v1", "v2"])
+def test_augmix_draws_are_the_users_own(version, config):
+    """Over many samples: the mix of the drawn operations and weights on a
+    real image is the user's AugMix's own result, torch's generator left as
+    its call leaves it; every operation drawn."""
+    M = VERSIONS[version]
+    t = AUGMIX[config](M)
+    a = tvcompat.augmix_of(t)
+    assert a is not None and a.draws_agree() and a.v2 == (version == "v2")
+    drawn = _same_draws(t, a, _probe_image(2, 26, 31), range(40))
+    names = {AM.NAMES[op] for ops in drawn for _, v in ops for c in v[4] for op, _ in c}
+    assert len(names) == (9 if config == "nearest" else 13), names
+
+
+def test_augmix_the_device_cannot_run_is_not_taken():
+    """A fill, more chains than a record carries, another class: not drawn
+    apart, so decode="device" refuses them."""
+    assert tvcompat.augmix_of(V.AugMix(fill=[1, 2, 3])) is None
+    assert tvcompat.augmix_of(V2.AugMix(fill=7)) is None
+    assert tvcompat.augmix_of(V.AugMix(mixture_width=5)) is None
+    assert tvcompat.augmix_of(V.AugMix(mixture_width=4, chain_depth=-1)) is None
+    assert tvcompat.augmix_of(V.TrivialAugmentWide()) is None
+    assert tvcompat.augmix_of(V2.AugMix(mixture_width=4, chain_depth=2)) is not None
+
+
+def test_augmix_batched_is_each_rows_own():
+    """The rows of a batch, each with its own draws (those drawing one
+    operation at a step taken together), are each row's mix alone; and on
+    images whose grey sum passes 2**24 (the contrast's mean taken a row at a
+    time) too."""
+    values = list(C._PROBE_VALUES[C.AUGMIX])
+    for h, w, n in ((13, 17, 12), (260, 259, 3)):
+        y = _rows(h, max(n, 5), h, w)[:n] if n >= 5 else _rows(h, 5, h, w)[:n]
+        vals = [values[r % len(values)] for r in range(n)]
+        if n == 3:    # the same version, mode and width: one group, contrast at the same step
+            vals = [values[0]] * 3
+        got = AM.apply(y, vals)
+        for r in range(n):
+            assert torch.equal(got[r], AM.on_planes(y[r], vals[r])), (h, r)
+
+
+def _augmix_planes(row: torch.Tensor, ops: list) -> torch.Tensor:
+    """A row through torchvision's own call with each sample's draws
+    replayed: PIL's image of the row through the user's AugMix."""
+    return torch.from_numpy(_pils(row[None], [ops])[0].copy())
+
+
+@pytest.mark.parametrize("version,workers", [("v1", 0), ("v2", 2)])
+def test_the_device_runs_augmix_on_its_rows_as_the_cpu_path(photos, cpu_device, version, workers):
+    """Bit for bit: the device's AugMix of its own geometry's rows is the
+    mix of each sample's draws on those rows."""
+    steps = [V.RandomResizedCrop(20, scale=(0.3, 1.0)), V.RandomHorizontalFlip(), V.PILToTensor()]
+    t = AUGMIX["default" if version == "v1" else "wide"](VERSIONS[version])
+    got, want, L, drawn = cases.geometry_then(photos, steps, t, workers, _augmix_planes, seed=4)
+    assert len(got) == len(want) == 6
+    for (a, y), (b, y2) in zip(got, want):
+        assert a.dtype == torch.uint8 and torch.equal(y, y2) and torch.equal(a, b)
+    assert len({ops[0][1][2] for ops in drawn}) == 24        # each sample its own weights
+    st = L.stats()
+    assert st.device_decode_images == 24 and "AugMix" in st.device_decode
+
+
+@pytest.mark.parametrize("version", ["v1", "v2"])
+def test_torchvisions_reference_recipe_with_augmix_runs_on_the_device(photos, cpu_device, exact, version):
+    """The reference classification preset with ``--auto-augment augmix``,
+    only the import changed plus the option: the same labels; the rows the
+    CPU path's up to what the mix makes of the geometry's 1-level rounding."""
+    M = VERSIONS[version]
+    conv = [M.PILToTensor(), M.ConvertImageDtype(torch.float)] if version == "v1" else \
+        [M.PILToTensor(), M.ToDtype(torch.float, scale=True)]
+    tf = M.Compose([M.RandomResizedCrop(24), M.RandomHorizontalFlip(0.5), M.AugMix(), *conv, M.Normalize(MEAN, STD),
+                    M.RandomErasing(0.5)])
+    ds = datasets.ImageFolder(photos, transform=tf)
+    d, L = _levels_against_the_cpu_path(ds, 7)
+    assert float((d > 1 + 1e-3).float().mean()) < 0.06 and float(d.mean()) < 1.0, (float(d.mean()), float(
+        (d > 1 + 1e-3).float().mean()))
+    assert L.stats().device_decode_images == len(ds)
+
+
+def test_augmix_batch_reads_resume_and_the_split(photos, cpu_device):
+    """Batch reads and resume give the per-sample path's batches; the device
+    split (decode="cpu") runs the mix on the device: the CPU path's batches
+    bit for bit."""
+    tf = V.Compose([V.RandomResizedCrop(16), V.RandomHorizontalFlip(), V.AugMix(), V.ToTensor(),
+                    V.Normalize(MEAN, STD)])
+    ds = datasets.ImageFolder(photos, transform=tf)
+    assert len(check_batch_reads_and_resume(ds, batch_size=3, seed=11, shuffle=True, device="cpu",
+                                            decode="device")) == 8
+    kw = dict(batch_size=4, seed=9, shuffle=True, num_workers=2)
+    cpu = list(coordl.DataLoader(ds, **kw))
+    S = coordl.DataLoader(ds, device="cpu", **kw)
+    split = list(S)
+    assert S.stats().device_split.startswith("split") and "AugMix" in S.stats().device_split
+    for (a, y), (b, y2) in zip(cpu, split):
+        assert torch.equal(y, y2) and torch.equal(a, b)
+
+
+def test_augmix_with_another_slotted_step_is_refused(photos, cpu_device):
+    tf = V.Compose([V.RandomResizedCrop(16), V.TrivialAugmentWide(), V.AugMix(), V.ToTensor()])
+    with pytest.raises(ValueError, match=r"an AugMix counts two"):
+        coordl.DataLoader(datasets.ImageFolder(photos, transform=tf), batch_size=4, device="cpu", decode="device")
+
+
+def test_a_wrong_mix_fails_the_checks(monkeypatch, photos, cpu_device):
+    """The mix is checked against torchvision's own AugMix: one made wrong
+    (the weights doubled) fails the draws' check, and decode="device"
+    refuses the step.  The device's mix is checked against the CPU's at its
+    first use: where the device's differs, its rows run through the CPU
+    path's code (the right mix still)."""
+    real = AM._column
+    monkeypatch.setattr(tvcompat, "_agree", {})
+    monkeypatch.setattr(AM, "_column", lambda values, upload: real([2 * v for v in values], upload))
+    assert tvcompat.augmix_of(V.AugMix()).draws_agree() is False
+    tf = V.Compose([V.RandomResizedCrop(16), V.AugMix(), V.ToTensor()])
+    with pytest.raises(ValueError, match=r"AugMix.*draws could not be made apart"):
+        coordl.DataLoader(datasets.ImageFolder(photos, transform=tf), batch_size=4, device="cpu", decode="device")
+    monkeypatch.setattr(AM, "_column", real)
+
+    assert J.DeviceJitter(torch.device("cpu")).exact(J._KIND[C.AUGMIX])
+    apply = AM.apply
+    monkeypatch.setattr(AM, "apply", lambda x, values, upload=None: apply(x, values, upload) if upload is None
+                        else apply(x, values, upload).clamp_(max=200))     # the device's way only
+    dj = J.DeviceJitter(torch.device("cpu"))
+    y = _rows(6, 5, 12, 16)
+    ops = [[(C.AUGMIX, C._PROBE_VALUES[C.AUGMIX][r])] for r in range(5)]
+    want = _pils(y, ops)
+    got = dj(y.clone(), ops)
+    assert dj._exact[J._KIND[C.AUGMIX]] is False
+    for r in range(5):
+        assert np.array_equal(got[r].numpy(), want[r]), r

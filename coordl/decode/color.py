@@ -25,7 +25,8 @@ from PIL import Image, ImageEnhance
 from . import extensions
 
 __all__ = ["BRIGHTNESS", "CONTRAST", "SATURATION", "HUE", "SHARPNESS", "POSTERIZE", "SOLARIZE", "AUTOCONTRAST",
-           "EQUALIZE", "INVERT", "AFFINE", "TRANSPOSE", "SOLARIZE_ADD", "BLUR", "KERNEL_CODES", "jitter", "pil_jitter", "exact_kernel",
+           "EQUALIZE", "INVERT", "AFFINE", "TRANSPOSE", "SOLARIZE_ADD", "BLUR", "AUGMIX",
+           "KERNEL_CODES", "jitter", "pil_jitter", "exact_kernel",
            "probe_ops"]
 
 log = logging.getLogger(__name__)
@@ -39,8 +40,11 @@ BRIGHTNESS, CONTRAST, SATURATION, HUE = 0, 1, 2, 3
 # fillcolor=fill), the image's own size, fill a tuple of one value per band (or None: zeros), resample
 # PIL's NEAREST, BILINEAR or BICUBIC; (TRANSPOSE, method): Image.transpose; (SOLARIZE_ADD, add): timm's
 # solarize_add, add to the values under 128 (clipped at 255); (BLUR, (kx, ky, sigma_x, sigma_y, v2)):
-# torchvision's gaussian_blur of a PIL image (its v2 functional's where v2), which blurs the tensor of it
-SHARPNESS, POSTERIZE, SOLARIZE, AUTOCONTRAST, EQUALIZE, INVERT, AFFINE, TRANSPOSE, SOLARIZE_ADD, BLUR = range(4, 14)
+# torchvision's gaussian_blur of a PIL image (its v2 functional's where v2), which blurs the tensor of it;
+# (AUGMIX, (v2, mode, m0, weights, chains)): torchvision's AugMix of a PIL image with those draws
+# (coordl.decode.augmix)
+SHARPNESS, POSTERIZE, SOLARIZE, AUTOCONTRAST, EQUALIZE, INVERT, AFFINE, TRANSPOSE, SOLARIZE_ADD, BLUR, AUGMIX = \
+    range(4, 15)
 KERNEL_CODES = frozenset((BRIGHTNESS, CONTRAST, SATURATION, HUE))
 
 
@@ -101,6 +105,13 @@ def pil_jitter(img: Image.Image, ops) -> Image.Image:
             img = F.gaussian_blur(img, [int(kx), int(ky)], [float(sx), float(sy)])
         elif code == TRANSPOSE:
             img = img.transpose(Image.Transpose(int(value)))
+        elif code == AUGMIX:
+            import torch
+
+            from . import augmix
+
+            x = torch.from_numpy(np.array(img, dtype=np.uint8)).permute(2, 0, 1)   # pil_to_tensor's layout
+            img = Image.fromarray(augmix.on_planes(x, value).permute(1, 2, 0).numpy(), img.mode)
         elif code not in KERNEL_CODES:
             raise ValueError(f"unknown colour operation code {code}")
     return img
@@ -133,6 +144,33 @@ _PROBE_VALUES = {
     SOLARIZE_ADD: (0, 1, 50, 110, 200),
     BLUR: ((3, 3, 0.5, 0.5, 0), (5, 3, 0.7, 1.3, 0), (7, 7, 2.0, 2.0, 0), (3, 5, 0.1, 0.9, 1), (7, 7, 1.1, 1.1, 1)),
 }
+
+
+def _augmix_probes() -> tuple:
+    """AugMix's probes: each operation both ways, both versions, both
+    modes, chains of one to three operations."""
+    from .augmix import INDEX
+
+    def value(v2, mode, m0, weights, chains):
+        f = lambda v: float(np.float32(v))    # noqa: E731 - every number a float32, as drawn
+        return (v2, mode, f(m0), tuple(f(w) for w in weights),
+                tuple(tuple((INDEX[n], f(m)) for n, m in c) for c in chains))
+
+    out = []
+    for v2 in (0, 1):
+        sol = 0.4 if v2 else 100.0
+        out.append(value(v2, 1, 0.3, (0.2, 0.35, 0.15), (
+            (("ShearX", 0.1), ("Brightness", -0.3), ("Posterize", 3)), (("TranslateY", -2.5), ("Contrast", 0.6)),
+            (("Rotate", -12.0), ("Sharpness", 0.9), ("Equalize", 0.0)))))
+        out.append(value(v2, 0, 0.55, (0.3, 0.15), (
+            (("ShearY", -0.2), ("Color", 0.45), ("Solarize", sol)), (("TranslateX", 3.0), ("AutoContrast", 0.0)))))
+        out.append(value(v2, v2, 0.1, (0.6, 0.2, 0.1), (
+            (("Rotate", 25.0),), (("Contrast", -0.7), ("ShearX", -0.05)), (("Sharpness", -0.8), ("Color", 0.9),
+                                                                          ("TranslateX", -1.0)))))
+    return tuple(out)
+
+
+_PROBE_VALUES[AUGMIX] = _augmix_probes()
 
 
 def probe_ops(codes) -> list:

@@ -34,7 +34,8 @@ import threading
 import numpy as np
 import torch
 
-from ..decode.color import AFFINE, BLUR
+from ..decode import augmix
+from ..decode.color import AFFINE, AUGMIX, BLUR
 from .split import _Marked, _unmark
 
 __all__ = ["RECORD", "ON_DEVICE", "ON_CPU", "DecodePlan", "plan_for", "DecodePrep", "EncodedCompose", "ops_of",
@@ -49,7 +50,8 @@ __all__ = ["RECORD", "ON_DEVICE", "ON_CPU", "DecodePlan", "plan_for", "DecodePre
 # parameters of the operations that need more than a number (an operation (AFFINE, k) or (BLUR, k) is the
 # k-th's), seven fields each: an auto-augment policy's affine map, six doubles' bits then the fill and PIL's
 # filter in one field (the filter << 32 | the fill's three values, or 1 << 24 for none); a GaussianBlur's
-# kernel sizes, its sigmas' bits and whether it is torchvision v2's
+# kernel sizes, its sigmas' bits and whether it is torchvision v2's; an AugMix's draws take both slots
+# (coordl.decode.augmix.pack)
 MAX_OPS, MAX_RECTS, MAX_AFFINES = 8, 4, 2
 (KIND, SRC_H, SRC_W, T1, L1, H1, W1, RH, RW, T2, L2, H2, W2, FLIP, MODE, VFLIP, INDEX, CHANNELS, N_OPS) = range(19)
 OPS = N_OPS + 1
@@ -446,9 +448,9 @@ def _with_jitter(pipeline) -> tuple[list, list]:
                       f"device stage runs at most {MAX_OPS // 4} ColorJitters ({MAX_OPS} colour operations a sample; "
                       "a RandomGrayscale is one, an auto-augment policy as many as it draws)", "merge them into one")
     if sum(getattr(j, "affines", 0) for j in jitters) > MAX_AFFINES:
-        raise _refuse(f"its auto-augment policies and blurs may draw more than {MAX_AFFINES} shears, translations, "
-                      "rotations or blurs a sample, the most the device stage carries",
-                      "keep at most two such operations a sample")
+        raise _refuse(f"its auto-augment policies, blurs and AugMix may draw more than {MAX_AFFINES} shears, "
+                      "translations, rotations or blurs a sample (an AugMix counts two), the most the device stage "
+                      "carries", "keep at most two such operations a sample")
     if pipeline.post_fused is None:
         what = (f"after ColorJitter the steps {', '.join(type(t).__name__ for t in pipeline.post)} run as "
                 "written" if pipeline.post else "the transform ends with ColorJitter (its result, a PIL image)")
@@ -564,17 +566,20 @@ def tail_fields(index: int, ops=(), rects=()) -> list:
             raise ValueError(f"{len(ops)} operations after the geometry, more than the {MAX_OPS} a record carries")
         values = []
         for c, v in ops:
-            if c in (AFFINE, BLUR):
+            if c in (AFFINE, BLUR, AUGMIX):
                 if affines is _NO_AFFINES:
                     affines = []
-                if len(affines) == 7 * MAX_AFFINES:
-                    raise ValueError(f"more than {MAX_AFFINES} affine or blur operations in one sample")
-                values.append(float(len(affines) // 7))
                 if c == AFFINE:
                     slot = np.array(v[:6], dtype=np.float64).view(np.int64).tolist() + [_packed(v[6], v[7])]
-                else:
+                elif c == BLUR:
                     slot = [int(v[0]), int(v[1]), *np.array(v[2:4], dtype=np.float64).view(np.int64).tolist(),
                             int(bool(v[4])), 0, 0]
+                else:
+                    slot = augmix.pack(v)
+                if len(affines) + len(slot) > 7 * MAX_AFFINES:
+                    raise ValueError(f"more affine, blur or AugMix operations in one sample than the {MAX_AFFINES} "
+                                     "parameter slots of a record carry")
+                values.append(float(len(affines) // 7))
                 affines = affines + slot
             else:
                 values.append(v)
@@ -620,6 +625,9 @@ def ops_of(rec) -> list:
             at = AFFINES + 7 * int(v)
             sx, sy = np.array(rec[at + 2:at + 4], dtype=np.int64).view(np.float64).tolist()
             ops[j] = (c, (int(rec[at]), int(rec[at + 1]), sx, sy, int(rec[at + 4])))
+        elif c == AUGMIX:
+            at = AFFINES + 7 * int(v)
+            ops[j] = (c, augmix.unpack(rec[at:at + augmix.FIELDS]))
     return ops
 
 

@@ -38,7 +38,11 @@ with its own value, by torch's operations, with PIL's arithmetic:
   torchvision's own kernel; on a GPU its float32 weights in one grouped
   convolution in double precision, within a level of the CPU path on a
   few values in a million (:data:`TOLERANCE`);
-- transpose: PIL's flips and quarter turns.
+- transpose: PIL's flips and quarter turns;
+- torchvision's ``AugMix``, which mixes the tensor of a PIL image: its own
+  tensor functions for the operations, the rows that drew the same one at a
+  step taken together, and its single-precision mix (:mod:`coordl.decode.augmix`):
+  on the CPU its very values, on a GPU within :data:`TOLERANCE`.
 
 :class:`.jitter.DeviceJitter` runs them with the colour operations, and
 checks each kind against the installed PIL on probe images at its first
@@ -51,17 +55,20 @@ import math
 import numpy as np
 import torch
 
-from ..decode.color import (AFFINE, AUTOCONTRAST, BLUR, EQUALIZE, INVERT, POSTERIZE, SHARPNESS, SOLARIZE,
+from ..decode import augmix
+from ..decode.color import (AFFINE, AUGMIX, AUTOCONTRAST, BLUR, EQUALIZE, INVERT, POSTERIZE, SHARPNESS, SOLARIZE,
                             SOLARIZE_ADD, TRANSPOSE)
 from .launch import upload
 
 __all__ = ["CODES", "apply"]
 
 CODES = frozenset((SHARPNESS, POSTERIZE, SOLARIZE, AUTOCONTRAST, EQUALIZE, INVERT, AFFINE, TRANSPOSE, SOLARIZE_ADD,
-                   BLUR))
+                   BLUR, AUGMIX))
 # the kinds the device computes within a stated tolerance of the CPU path, not bit for bit: code -> (the most
-# levels a value may differ by, the largest share of values that may differ) on the probes
-TOLERANCE = {BLUR: (1, 1e-3)}
+# levels a value may differ by, the largest share of values that may differ) on the probes.  On the CPU both
+# are the CPU path's values; on a GPU the blur sums in another order, and AugMix runs torchvision's own
+# functions there (their sampling and convolution rounding as the GPU does)
+TOLERANCE = {BLUR: (1, 1e-3), AUGMIX: (1, 1e-3)}
 NEAREST, BILINEAR, BICUBIC = 0, 2, 3          # PIL's resampling filters
 
 # ImageFilter.SMOOTH: its weights over its scale, in single precision as PIL divides them
@@ -97,6 +104,8 @@ def apply(x: torch.Tensor, code: int, values: list) -> torch.Tensor:
         return torch.stack([_transpose(x[r], int(v)) for r, v in enumerate(values)])
     if code == BLUR:
         return _blur(x, values)
+    if code == AUGMIX:
+        return augmix.apply(x, values, lambda a: upload(a, x.device))
     raise ValueError(f"not an operation of coordl.device.pil_ops: {code}")
 
 
