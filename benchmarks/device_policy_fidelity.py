@@ -3,7 +3,7 @@ from the CPU path, per channel value and per operation.
 
 Same files, same seed: torchvision's ``ImageFolder`` with
 ``RandomResizedCrop``, ``RandomHorizontalFlip``, a policy
-(``TrivialAugmentWide``, ``RandAugment``, ``AutoAugment``; v1 and v2;
+(``TrivialAugmentWide``, ``RandAugment``, ``AutoAugment``, ``AugMix``; v1 and v2;
 timm's ``rand-m9-mstd0.5`` and ``original`` where timm imports),
 ``PILToTensor``, through ``coordl.DataLoader`` with ``decode="cpu"`` (the
 policy as written on the PIL image of the fused crop) and with
@@ -21,6 +21,7 @@ On a GPU the decoder's own difference adds to this (section 9's table).
 
     python -m coordl.synth /tmp/synth600 --images 600
     python benchmarks/device_policy_fidelity.py --root /tmp/synth600 --seeds 2
+    python benchmarks/device_policy_fidelity.py --root /tmp/synth600 --seeds 2 --policies AugMix   # some rows
     python benchmarks/device_policy_fidelity.py --quick        # tiny smoke run (tests use it)
 """
 from __future__ import annotations
@@ -47,7 +48,7 @@ from coordl.device import delivery as D  # noqa: E402
 from coordl.device import encoded as E  # noqa: E402
 
 POLICIES = {"TrivialAugmentWide": lambda M: M.TrivialAugmentWide(), "RandAugment": lambda M: M.RandAugment(),
-            "AutoAugment": lambda M: M.AutoAugment()}
+            "AutoAugment": lambda M: M.AutoAugment(), "AugMix": lambda M: M.AugMix()}
 # timm's (--aa): RandAugment at m9 with noise (without timm's "inc1" variant, whose posterize at 0 bits this
 # PIL refuses on either path), and AutoAugment's original policy; a bilinear or bicubic filter drawn per
 # geometric operation, timm's default
@@ -127,7 +128,10 @@ def main(argv=None) -> int:
     ap.add_argument("--seeds", type=int, default=2, help="passes over the folder, each with its own seed")
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--quick", action="store_true", help="a few small images: a smoke test")
+    ap.add_argument("--policies", default=",".join(POLICIES) + ",timm,blur",
+                    help="the rows to measure, comma-separated: torchvision's policies, timm, blur")
     args = ap.parse_args(argv)
+    wanted = set(args.policies.split(","))
     if common.torchvision() is None:
         print("torchvision is not installed: nothing to measure")
         return 0
@@ -145,7 +149,7 @@ def main(argv=None) -> int:
             args.size, args.seeds = 32, 1
         print("| policy | samples | values > 1 level off | mean | max |\n|---|---:|---:|---:|---:|", flush=True)
         per_op_rows = []
-        for policy in POLICIES:
+        for policy in (p for p in POLICIES if p in wanted):
             for version in ("v1", "v2"):
                 d, per_op = measure(root, policy, version, args.size, args.seeds, args.workers)
                 n = d.numel() // (3 * args.size * args.size)
@@ -157,15 +161,17 @@ def main(argv=None) -> int:
         except ImportError:
             pass
         else:
-            for policy in TIMM:
+            for policy in (TIMM if "timm" in wanted else ()):
                 d, _ = measure(root, policy, "timm", args.size, args.seeds, args.workers)
                 print(_row(f"timm `{policy}`", d, d.numel() // (3 * args.size * args.size)), flush=True)
-        print("\n| `TrivialAugmentWide` v1, by operation | samples | values > 1 level off | mean | max |\n"
-              "|---|---:|---:|---:|---:|")
-        print("\n".join(per_op_rows))
-        differ, total, most = blur_against_torchvision(4 if args.quick else 20, 48 if args.quick else 224)
-        print(f"\nGaussianBlur, the GPU's way (double precision) against torchvision's own: {differ} of {total} "
-              f"values differ, by at most {most}")
+        if per_op_rows:
+            print("\n| `TrivialAugmentWide` v1, by operation | samples | values > 1 level off | mean | max |\n"
+                  "|---|---:|---:|---:|---:|")
+            print("\n".join(per_op_rows))
+        if "blur" in wanted:
+            differ, total, most = blur_against_torchvision(4 if args.quick else 20, 48 if args.quick else 224)
+            print(f"\nGaussianBlur, the GPU's way (double precision) against torchvision's own: {differ} of {total} "
+                  f"values differ, by at most {most}")
     return 0
 
 

@@ -34,7 +34,10 @@ each apart, on the batches a real pass hands the stage:
 * ``TrivialAugmentWide``: torchvision's ``TrivialAugmentWide()`` (the
   reference recipe's ``ta_wide``), each row's drawn operation on a batch of
   the output size after the geometry (``coordl.device.pil_ops``), per
-  image: the host's time, and on a GPU the device's own;
+  image: the host's time, and on a GPU the device's own; ``AugMix``: its
+  ``AugMix()`` (``augmix``) the same way (torchvision's own tensor
+  functions on the rows that drew each operation, then the mix), and how
+  far 32 of its rows are from the CPU's mix of the same draws;
 * ``RandomErasing``: ``RandomErasing(0.5)``'s rectangles (torchvision's
   default draws: half the rows, 2-33% of the image) set on a float batch
   of the output size after the tail (``coordl.device.erase``), a copy
@@ -358,12 +361,14 @@ def _ops_time(dj, y: torch.Tensor, ops: list, device: torch.device, repeats: int
     return row
 
 
-def policy_time(device: torch.device, size: int, batch: int, repeats: int) -> dict | None:
+def policy_time(device: torch.device, size: int, batch: int, repeats: int,
+                name: str = "TrivialAugmentWide") -> dict | None:
     """torchvision's ``TrivialAugmentWide()`` (v1, the reference recipe's
-    ``ta_wide``) on the device (``coordl.device.pil_ops`` through
-    ``coordl.device.jitter``) per image, each row with the operation the
-    policy draws for it, on a uint8 batch of ``size`` x ``size`` photos'
-    worth of noise: as :func:`jitter_time` (None without torchvision)."""
+    ``ta_wide``), or its ``AugMix()`` (``augmix``), on the device
+    (``coordl.device.pil_ops`` through ``coordl.device.jitter``) per image,
+    each row with the operations the step draws for it, on a uint8 batch of
+    ``size`` x ``size`` photos' worth of noise: as :func:`jitter_time`
+    (None without torchvision)."""
     import common
 
     from coordl import tvcompat
@@ -372,7 +377,8 @@ def policy_time(device: torch.device, size: int, batch: int, repeats: int) -> di
     tv = common.torchvision()
     if tv is None:
         return None
-    policy = tvcompat.policy_of(tv.transforms.TrivialAugmentWide())
+    t = getattr(tv.transforms, name)()
+    policy = tvcompat.policy_of(t) or tvcompat.augmix_of(t)
     g = torch.Generator().manual_seed(size + 1)
     y = torch.randint(0, 256, (batch, 3, size, size), dtype=torch.uint8, generator=g).to(device)
     state = torch.get_rng_state()
@@ -380,8 +386,15 @@ def policy_time(device: torch.device, size: int, batch: int, repeats: int) -> di
     ops = [policy.draw((size, size)) for _ in range(batch)]
     torch.set_rng_state(state)
     dj = DeviceJitter(device)
-    dj(y.clone(), ops)                           # the first use of each kind: its check
-    return _ops_time(dj, y, ops, device, repeats)
+    got = dj(y.clone(), ops)                     # the first use of each kind: its check
+    row = _ops_time(dj, y, ops, device, repeats)
+    if name == "AugMix":     # torchvision's functions on this device against the CPU path's mix, 32 rows
+        from coordl.decode import augmix
+
+        d = torch.stack([(got[r].cpu().int() - augmix.on_planes(y[r].cpu(), ops[r][0][1]).int()).abs()
+                         for r in range(min(32, batch))])
+        row["vs_cpu"] = {"max": int(d.max()), "share": float((d > 0).float().mean())}
+    return row
 
 
 def erase_rects(n: int, size: int, seed: int = 0) -> list:
@@ -559,12 +572,15 @@ def main(argv=None) -> int:
                       "us/image on the host" + (f", {j['device_us']:.2f} on the GPU alone" if "device_us" in j else "")
                       + ("" if all(j["exact"].values()) else f" (kinds on the CPU path's code: {j['exact']})"),
                       flush=True)
-            r["policy"] = j = policy_time(device, size, args.batch_size, args.repeats)
-            if j is not None:
-                print(f"          TrivialAugmentWide() after the geometry: {j['host_us']:.2f} us/image on the host"
-                      + (f", {j['device_us']:.2f} on the GPU alone" if "device_us" in j else "")
-                      + ("" if all(j["exact"].values()) else f" (kinds on the CPU path's code: {j['exact']})"),
-                      flush=True)
+            for key, name in (("policy", "TrivialAugmentWide"), ("augmix", "AugMix")):
+                r[key] = j = policy_time(device, size, args.batch_size, args.repeats, name)
+                if j is not None:
+                    print(f"          {name}() after the geometry: {j['host_us']:.2f} us/image on the host"
+                          + (f", {j['device_us']:.2f} on the GPU alone" if "device_us" in j else "")
+                          + (f"; against the CPU's mix: {j['vs_cpu']['share']:.2e} of the values differ, by at "
+                             f"most {j['vs_cpu']['max']}" if "vs_cpu" in j else "")
+                          + ("" if all(j["exact"].values()) else f" (kinds on the CPU path's code: {j['exact']})"),
+                          flush=True)
             r["erasing"] = erase_time(device, size, args.batch_size, args.repeats)
             for way, e in r["erasing"].items():
                 print(f"          RandomErasing(0.5) after the tail ({e['rectangles']} rectangles in "

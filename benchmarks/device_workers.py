@@ -44,6 +44,9 @@ the figures are the workers' own path, per image, in these settings:
   computes it), against ``TrivialAugmentWide on the CPU path`` and
   ``TrivialAugmentWide to the device`` (the device split: the worker
   decodes and crops, draws the operation, the device computes it);
+* ``AugMix``: the same preset with ``--auto-augment augmix``: the worker
+  draws the mix's weights and operations (the device mixes), against
+  ``AugMix on the CPU path``;
 * ``GaussianBlur``: ``RandomResizedCrop``, flip, ``RandomApply([GaussianBlur(23,
   sigma=(0.1, 2.0))], p=0.5)`` (timm's ``gaussian_blur_prob=0.5``),
   ``ToTensor``, ``Normalize``: the worker draws whether and which sigma
@@ -82,9 +85,10 @@ SETTINGS = ("files", "files, per sample", "node cache", "node cache, per sample"
             "RandomErasing on the CPU path", "ColorJitter to the device", "RandomErasing to the device",
             "RandomErasing noise", "RandomErasing noise on the CPU path", "TrivialAugmentWide",
             "TrivialAugmentWide on the CPU path", "TrivialAugmentWide to the device", "GaussianBlur",
-            "GaussianBlur on the CPU path")
+            "GaussianBlur on the CPU path", "AugMix", "AugMix on the CPU path")
 CPU_PATH = ("the CPU path", "ColorJitter on the CPU path", "RandomErasing on the CPU path",
-            "RandomErasing noise on the CPU path", "TrivialAugmentWide on the CPU path", "GaussianBlur on the CPU path")
+            "RandomErasing noise on the CPU path", "TrivialAugmentWide on the CPU path", "GaussianBlur on the CPU path",
+            "AugMix on the CPU path")
 
 _CHILD = r"""
 import json, sys, time
@@ -156,13 +160,14 @@ if setting.startswith("GaussianBlur"):   # timm's gaussian_blur_prob=0.5: Random
         V.RandomResizedCrop(224), V.RandomHorizontalFlip(),
         V.RandomApply([V.GaussianBlur(23, sigma=(0.1, 2.0))], p=0.5), V.ToTensor(),
         V.Normalize([0.485, 0.456, 0.406], [0.229, 0.224, 0.225])]))
-if setting.startswith("TrivialAugmentWide"):   # torchvision's reference training preset with --auto-augment ta_wide
-    sys.path.insert(0, {benchmarks!r})
+if setting.startswith(("TrivialAugmentWide", "AugMix")):   # the reference training preset, --auto-augment
+    sys.path.insert(0, {benchmarks!r})                     # ta_wide or augmix
     import common
     common.torchvision()
     from torchvision import datasets, transforms as V
     ds = datasets.ImageFolder({root!r}, transform=V.Compose([
-        V.RandomResizedCrop(224), V.RandomHorizontalFlip(), V.TrivialAugmentWide(), V.PILToTensor(),
+        V.RandomResizedCrop(224), V.RandomHorizontalFlip(),
+        V.AugMix() if setting.startswith("AugMix") else V.TrivialAugmentWide(), V.PILToTensor(),
         V.ConvertImageDtype(torch.float), V.Normalize([0.485, 0.456, 0.406], [0.229, 0.224, 0.225])]))
 on_device = dict(device="cpu", decode="device") if setting not in {cpu_path!r} else {{}}
 if setting.endswith("to the device"):     # decode="cpu", the device split (the CPU standing in)

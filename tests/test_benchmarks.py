@@ -89,6 +89,8 @@ def test_device_stage_quick(tmp_path):
     if r["policy"] is not None:          # torchvision at hand: TrivialAugmentWide's operations, all PIL's here
         assert r["policy"]["host_us"] > 0 and all(r["policy"]["exact"].values()), r
         assert "TrivialAugmentWide() after the geometry" in out
+        assert r["augmix"]["host_us"] > 0 and all(r["augmix"]["exact"].values()) and "AugMix() after" in out, r
+        assert r["augmix"]["vs_cpu"] == {"max": 0, "share": 0.0}, r      # the CPU's own functions here
 
 
 def test_device_policy_fidelity_quick():
@@ -100,8 +102,8 @@ def test_device_policy_fidelity_quick():
         return
     rows = [[c.strip() for c in line.strip("|").split("|")] for line in out.splitlines()
             if line.startswith("| `") and "by operation" not in line]
-    assert [r[0] for r in rows] == [f"`{p}` {v}" for p in ("TrivialAugmentWide", "RandAugment", "AutoAugment")
-                                    for v in ("v1", "v2")], out
+    assert [r[0] for r in rows] == [f"`{p}` {v}" for p in ("TrivialAugmentWide", "RandAugment", "AutoAugment",
+                                                          "AugMix") for v in ("v1", "v2")], out
     assert all(int(r[1]) == 8 and float(r[3]) >= 0 for r in rows), out
     for line in out.splitlines():
         if line.startswith(("| shear", "| quarter", "| Identity")):
@@ -191,12 +193,12 @@ def test_device_workers_quick(tmp_path):
                           "ColorJitter to the device", "RandomErasing to the device", "RandomErasing noise",
                           "RandomErasing noise on the CPU path", "TrivialAugmentWide",
                           "TrivialAugmentWide on the CPU path", "TrivialAugmentWide to the device", "GaussianBlur",
-                          "GaussianBlur on the CPU path"], out
+                          "GaussianBlur on the CPU path", "AugMix", "AugMix on the CPU path"], out
     for name, r in rows.items():
         [run] = r["runs"]
         assert run["images"] >= 288 and run["us_per_image"] > 0, (name, run)
         on_batch_path = ("files", "node cache", "workers' share", "data checked", "ColorJitter", "RandomErasing",
-                         "TrivialAugmentWide", "GaussianBlur")
+                         "TrivialAugmentWide", "GaussianBlur", "AugMix")
         assert run["batch_reads"] == (name in on_batch_path), (name, run)
         assert run["device_split"].startswith("split") == name.endswith("to the device"), (name, run)
         # the share's samples are prepared on the CPU path (the batch path hands them to the per-sample one)
