@@ -323,16 +323,17 @@ class TorchvisionPipeline:
         its :class:`RandomApplyOnPlanes` where it is a ``RandomApply``
         around one (:func:`random_apply_of`), its :class:`GrayscaleOnPlanes`
         where it is a ``RandomGrayscale`` (:func:`grayscale_of`), the
-        policies', one-operation steps', blur's and AugMix's device
-        counterparts (:func:`policy_of`, :func:`random_op_of`,
-        :func:`blur_of`, :func:`augmix_of`), else None:
+        policies', one-operation steps', blur's, rotation's and affine
+        map's, and AugMix's device counterparts (:func:`policy_of`,
+        :func:`random_op_of`, :func:`blur_of`, :func:`geometric_of`,
+        :func:`augmix_of`), else None:
         what ``decode="device"`` runs on the device.  Made once (the split
         draws through them for every sample; a policy keeps what it
         recorded of torchvision's geometric calls)."""
         got = self.__dict__.get("_jitters")
         if got is None or len(got) != len(self.tail):
             got = self._jitters = [color_jitter_of(t) or random_apply_of(t) or grayscale_of(t) or policy_of(t)
-                                   or random_op_of(t) or blur_of(t)
+                                   or random_op_of(t) or blur_of(t) or geometric_of(t)
                                    or augmix_of(t.user if isinstance(t, AugMixOnPlanes) else t) for t in self.tail]
         return got
 
@@ -1023,6 +1024,56 @@ class BlurOnDevice(OnPlanes):
         return [(C.BLUR, (int(kx), int(ky), float(sx), float(sy), int(self.v2)))]
 
 
+class GeometricOnDevice(OnPlanes):
+    """torchvision's ``RandomRotation`` (without ``expand``) and
+    ``RandomAffine`` (v1 or v2; nearest, bilinear or bicubic) after the
+    crop, on a PIL image: the user's object is called on a pixel-less PIL
+    image (:class:`_PILCall`) of the image's size, so its own draws are made
+    in its order and the call it would make of PIL's ``transform`` (its
+    matrix, fill and filter) is recorded; the device runs that affine map
+    with PIL's arithmetic (``coordl.device.pil_ops``), as an auto-augment
+    policy's.  Checked once per process against the user's class on probe
+    images.  On the CPU path it runs as written."""
+
+    how = "its draws made apart from its call, its affine map computed with PIL's arithmetic on the device"
+    seeds = (tuple(range(12)), ())       # RGB probes only: the device runs RGB images
+    most = 1
+    affines = 1
+
+    @classmethod
+    def probe(cls, user_cls: type, v2: bool, kw: dict) -> tuple:
+        kw = dict(kw)
+        if "interpolation" in kw:
+            kw["interpolation"] = sys.modules["torchvision.transforms"].InterpolationMode(kw["interpolation"])
+        return super().probe(user_cls, v2, kw)
+
+    def exact(self) -> bool:
+        return False                     # the CPU path runs it as written
+
+    def draws_agree(self) -> bool:
+        return _agrees(type(self), type(self.user), self.v2, draws=True)
+
+    def draw(self, size: tuple | None = None) -> list:
+        """The operations of one call on an image of ``size`` (h, w): the
+        user's object's own draws, and its call of PIL."""
+        h, w = size if size is not None else (0, 0)
+        img = _PILCall((w, h))
+        if self.user(img) is not img:
+            raise ValueError(f"{_name(self.user)} returned another image than PIL's transform of it")
+        return _affine_op(img.call, w, h, _name(self.user), type(self.user).__name__)
+
+
+class RotationOnDevice(GeometricOnDevice):
+    probes = ({"degrees": 30}, {"degrees": (-10, 40), "interpolation": "bilinear", "fill": [9, 80, 200]},
+              {"degrees": (90, 90), "interpolation": "bicubic", "center": (3, 4)})
+
+
+class AffineOnDevice(GeometricOnDevice):
+    probes = ({"degrees": 20, "translate": (0.1, 0.2), "scale": (0.8, 1.2), "shear": 10},
+              {"degrees": 0, "shear": (-5, 5, -8, 8), "interpolation": "bilinear", "fill": 17},
+              {"degrees": (-30, 30), "scale": (0.5, 1.5), "interpolation": "bicubic", "fill": [1, 2, 3]})
+
+
 class AugMixOnDevice(OnPlanes):
     """torchvision's ``AugMix`` (v1 or v2; ``fill=None``, nearest or
     bilinear interpolation, chains that fit a record) on a PIL image (the
@@ -1152,6 +1203,20 @@ def blur_of(t: Any, v2: bool) -> bool:
     kx, ky = (int(k) for k in t.kernel_size)
     lo, hi = (float(s) for s in t.sigma)
     return kx % 2 == 1 and ky % 2 == 1 and kx >= 1 and ky >= 1 and 0 < lo <= hi
+
+
+@_recognizes(GeometricOnDevice, "RandomRotation", "RandomAffine")
+def geometric_of(t: Any, v2: bool) -> "GeometricOnDevice | None":
+    """A :class:`RotationOnDevice` or :class:`AffineOnDevice` over ``t`` when
+    it is torchvision's ``RandomRotation`` (without ``expand``) or
+    ``RandomAffine`` (v1 or v2) interpolating with nearest, bilinear or
+    bicubic and filling with a value or one per channel (not by type: a v2
+    fill dict), else None."""
+    mode = getattr(t.interpolation, "value", t.interpolation)
+    if mode not in ("nearest", "bilinear", "bicubic") + _FILTERS or getattr(t, "expand", False) \
+            or isinstance(t.fill, dict):
+        return None
+    return (RotationOnDevice if type(t).__name__ == "RandomRotation" else AffineOnDevice)(t, v2)
 
 
 @_recognizes(AugMixOnDevice, "AugMix")

@@ -733,3 +733,72 @@ def test_a_wrong_mix_fails_the_checks(monkeypatch, photos, cpu_device):
     assert dj._exact[J._KIND[C.AUGMIX]] is False
     for r in range(5):
         assert np.array_equal(got[r].numpy(), want[r]), r
+
+
+# ---------------------------------------------------------------- RandomRotation, RandomAffine after the crop
+GEOMETRIC = {"rotation": lambda M: M.RandomRotation(25),
+             "rotation_bilinear": lambda M: M.RandomRotation((-40, 10), interpolation=M.InterpolationMode.BILINEAR,
+                                                             fill=[200, 10, 90]),
+             "affine": lambda M: M.RandomAffine(15, translate=(0.1, 0.1), scale=(0.9, 1.1), shear=8),
+             "affine_bicubic": lambda M: M.RandomAffine(0, shear=(-10, 10, -5, 5), fill=30,
+                                                        interpolation=M.InterpolationMode.BICUBIC)}
+
+
+@pytest.mark.parametrize("step", list(GEOMETRIC))
+@pytest.mark.parametrize("version", ["v1", "v2"])
+def test_rotations_and_affine_maps_are_drawn_as_the_users_own(version, step):
+    """The user's own object draws, on a pixel-less image; PIL's affine map
+    of what it asked for is its result on a real image, torch's generator
+    left as its call leaves it; each sample its own map."""
+    t = GEOMETRIC[step](VERSIONS[version])
+    g = tvcompat.geometric_of(t)
+    assert g is not None and g.draws_agree() and g.v2 == (version == "v2")
+    drawn = _same_draws(t, g, _probe_image(3, 28, 35), range(30))
+    assert all(ops and ops[0][0] == C.AFFINE for ops in drawn) and len({ops[0][1] for ops in drawn}) == 30
+
+
+def test_rotations_and_affine_maps_the_device_cannot_run_are_not_taken(photos, cpu_device):
+    """An expanding rotation (another size), a fill by type, a perspective:
+    run as written, so decode="device" refuses them, naming them."""
+    from torchvision import tv_tensors
+
+    assert tvcompat.geometric_of(V.RandomRotation(10, expand=True)) is None
+    assert tvcompat.geometric_of(V2.RandomAffine(10, fill={tv_tensors.Image: 3, "others": 0})) is None
+    assert tvcompat.geometric_of(V2.RandomPerspective()) is None
+    tf = V.Compose([V.RandomResizedCrop(16), V.RandomRotation(10, expand=True), V.ToTensor()])
+    with pytest.raises(ValueError, match=r"steps RandomRotation run as written"):
+        coordl.DataLoader(datasets.ImageFolder(photos, transform=tf), batch_size=4, device="cpu", decode="device")
+
+
+@pytest.mark.parametrize("version,step,workers", [("v1", "rotation", 0), ("v2", "rotation_bilinear", 2),
+                                                  ("v1", "affine", 2), ("v2", "affine_bicubic", 0)])
+def test_the_device_rotates_its_rows_as_pil(photos, cpu_device, version, step, workers):
+    """Bit for bit: the device's map of its own geometry's rows is PIL's
+    transform of each sample's recorded call."""
+    steps = [V.RandomResizedCrop(20, scale=(0.3, 1.0)), V.RandomHorizontalFlip(), V.PILToTensor()]
+    t = GEOMETRIC[step](VERSIONS[version])
+    got, want, L, drawn = _geometry_then_policy(photos, steps, t, workers)
+    for (a, y), (b, y2) in zip(got, want):
+        assert torch.equal(y, y2) and torch.equal(a, b)
+    assert len({ops[0][1] for ops in drawn}) == 24 and type(t).__name__ in L.stats().device_decode
+
+
+@pytest.mark.parametrize("version", ["v1", "v2"])
+def test_a_tutorial_recipe_with_a_rotation_runs_on_the_device_and_the_split(photos, cpu_device, exact, version):
+    """``RandomResizedCrop``, flip, ``RandomRotation(15)``, ``ToTensor``,
+    ``Normalize``: with decode="device" the CPU path's rows up to the
+    geometry's level (a map moves pixels, it does not change them); with
+    the device split the CPU path's batches bit for bit."""
+    M = VERSIONS[version]
+    conv = [M.ToTensor()] if version == "v1" else [M.ToImage(), M.ToDtype(torch.float32, scale=True)]
+    tf = M.Compose([M.RandomResizedCrop(24), M.RandomHorizontalFlip(), M.RandomRotation(15), *conv,
+                    M.Normalize(MEAN, STD)] + ([M.ToPureTensor()] if version == "v2" else []))
+    ds = datasets.ImageFolder(photos, transform=tf)
+    d, L = _levels_against_the_cpu_path(ds, 2)
+    assert float(d.max()) <= 1 + 1e-3 and "RandomRotation" in L.stats().device_decode, float(d.max())
+    kw = dict(batch_size=4, seed=9, shuffle=True, num_workers=2)
+    cpu = list(coordl.DataLoader(ds, **kw))
+    S = coordl.DataLoader(ds, device="cpu", **kw)
+    for (a, y), (b, y2) in zip(cpu, S):
+        assert torch.equal(y, y2) and torch.equal(a, b)
+    assert "RandomRotation" in S.stats().device_split

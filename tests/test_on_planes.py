@@ -358,7 +358,7 @@ def test_messages_name_the_users_steps(tv):
     # an AugMix on the planes for the CPU path, more chains than the device's record carries
     out = translate(V1.Compose([V1.RandomResizedCrop(16), V1.ColorJitter(0.4), V1.AugMix(mixture_width=5),
                                 V1.ToTensor()]))[0]
-    with pytest.raises(ValueError, match=r"the torchvision steps AugMix run as written") as e:
+    with pytest.raises(ValueError, match=r"the steps AugMix run as written") as e:
         plan_for(out)
     assert "OnPlanes" not in str(e.value) and "OnPlanes" not in repr(out).split("(on the planes")[0]
 

@@ -411,7 +411,7 @@ def _as_written(pipeline) -> tuple[list, list, object]:
     if erasing is not None:
         others = [type(t).__name__ for t in pipeline.after if type(t).__name__ != "ToPureTensor"]
         if others:
-            raise _refuse(f"the torchvision steps {', '.join(others)} run as written after {erasing.user!r}",
+            raise _refuse(f"the steps {', '.join(others)} run as written after {erasing.user!r}",
                           "remove them from the transform")
         if not erasing.draws_agree():
             raise _refuse(f"{erasing.user!r}'s draws could not be made apart from its call here "
@@ -437,7 +437,7 @@ def _with_jitter(pipeline) -> tuple[list, list]:
         if "RandomErasing" in names:
             fix = ("the device erases with torchvision's RandomErasing or timm's (its noise drawn on the CPU: "
                    "device='cpu'): " + fix)
-        raise _refuse(f"the torchvision steps {names} run as written (coordl has no equivalent of them on the "
+        raise _refuse(f"the steps {names} run as written (coordl has no equivalent of them on the "
                       "device, or they follow one)", fix)
     bad = [j for j in jitters if not j.draws_agree()]
     if bad:
