@@ -898,12 +898,14 @@ def test_gaussian_blur_on_cuda_is_within_a_level_on_a_few_values(version):
 @needs_cuda
 @pytest.mark.parametrize("workers,version,policy", [(0, "v1", "ta_wide"), (2, "v2", "ra"), (2, "v1", "imagenet"),
                                                     (2, "v2", "ra_bilinear"), (0, "v1", "timm:rand-m7-mstd0.5"),
-                                                    (2, "v1", "timm:original-bicubic")])
+                                                    (2, "v1", "timm:original-bicubic"), (0, "v2", "geo:rotation"),
+                                                    (2, "v1", "geo:affine_bicubic")])
 def test_an_auto_augment_policy_on_the_gpu_is_pils_on_the_gpus_rows(mixed_jpegs, workers, version, policy):
     """torchvision's policies (the reference recipe's ``--auto-augment``) and
-    timm's with decode="device" on CUDA: bit for bit PIL's operations of
-    each sample's draws on the rows the same loader makes without the
-    policy (nearest, bilinear and bicubic affine maps among them)."""
+    timm's, and a RandomRotation or RandomAffine after the crop, with
+    decode="device" on CUDA: bit for bit PIL's operations of each sample's
+    draws on the rows the same loader makes without the policy (nearest,
+    bilinear and bicubic affine maps among them)."""
     import sys
 
     sys.path.insert(0, HERE)
@@ -916,7 +918,8 @@ def test_an_auto_augment_policy_on_the_gpu_is_pils_on_the_gpus_rows(mixed_jpegs,
     from torchvision.transforms import v2 as V2
 
     V = V1 if version == "v1" else V2
-    t = cases.TIMM[policy[5:]](cases._timm_aa()) if policy.startswith("timm:") else cases.POLICIES[policy](V)
+    t = cases.TIMM[policy[5:]](cases._timm_aa()) if policy.startswith("timm:") else \
+        cases.GEOMETRIC[policy[4:]](V) if policy.startswith("geo:") else cases.POLICIES[policy](V)
     _gpu_rows_against(mixed_jpegs, V, t, workers,
                       lambda row, ops: torch.from_numpy(cases._pils(row[None], [ops])[0].copy()))
 
