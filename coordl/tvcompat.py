@@ -720,8 +720,8 @@ class PolicyOnDevice(OnPlanes):
 
 def _affine_op(call: tuple, w: int, h: int, who: str, name: str) -> list:
     """The operations of a geometric call recorded by :class:`_PILCall`:
-    ``(AFFINE, (a0..a5, fill, filter))``, ``(TRANSPOSE, method)``, or none
-    (a copy)."""
+    ``(AFFINE, (a0..a5, fill, filter))``, ``(PERSPECTIVE, (a0..a7, fill,
+    filter))``, ``(TRANSPOSE, method)``, or none (a copy)."""
     from .decode import color as C
 
     if call is None:
@@ -731,12 +731,14 @@ def _affine_op(call: tuple, w: int, h: int, who: str, name: str) -> list:
     if call[0] == "transpose":
         return [(C.TRANSPOSE, call[1])]
     _, size, method, data, resample, fillcolor = call
-    if size != (w, h) or method != int(Image.Transform.AFFINE) or len(data) != 6 or resample not in _FILTERS:
+    code, n = {int(Image.Transform.AFFINE): (C.AFFINE, 6), int(Image.Transform.PERSPECTIVE): (C.PERSPECTIVE, 8)}.get(
+        method, (None, 0))
+    if size != (w, h) or code is None or len(data) != n or resample not in _FILTERS:
         raise ValueError(f"{who}'s {name} asks PIL for a transform coordl does not run on the device "
                          f"(size {size}, method {method}, resample {resample})")
     if fillcolor is not None:
         fillcolor = tuple(int(v) for v in (fillcolor if isinstance(fillcolor, tuple) else (fillcolor,) * 3))
-    return [(C.AFFINE, (*(float(v) for v in data), fillcolor, resample))]
+    return [(code, (*(float(v) for v in data), fillcolor, resample))]
 
 
 # PIL's filters the device's affine maps run: nearest, bilinear, bicubic
@@ -1039,6 +1041,7 @@ class GeometricOnDevice(OnPlanes):
     seeds = (tuple(range(12)), ())       # RGB probes only: the device runs RGB images
     most = 1
     affines = 1
+    maybe = False                        # applied with a probability (a call may leave the image as it is)
 
     @classmethod
     def probe(cls, user_cls: type, v2: bool, kw: dict) -> tuple:
@@ -1060,12 +1063,25 @@ class GeometricOnDevice(OnPlanes):
         img = _PILCall((w, h))
         if self.user(img) is not img:
             raise ValueError(f"{_name(self.user)} returned another image than PIL's transform of it")
+        if img.call is None and self.maybe:        # drawn not to apply
+            return []
         return _affine_op(img.call, w, h, _name(self.user), type(self.user).__name__)
 
 
 class RotationOnDevice(GeometricOnDevice):
     probes = ({"degrees": 30}, {"degrees": (-10, 40), "interpolation": "bilinear", "fill": [9, 80, 200]},
               {"degrees": (90, 90), "interpolation": "bicubic", "center": (3, 4)})
+
+
+class PerspectiveOnDevice(GeometricOnDevice):
+    """``RandomPerspective``: applied with its probability; its map, eight
+    coefficients, takes both of a record's parameter slots."""
+
+    how = "its draws made apart from its call, its perspective map computed with PIL's arithmetic on the device"
+    probes = ({"p": 0.7}, {"distortion_scale": 0.9, "p": 1.0, "interpolation": "nearest", "fill": [9, 80, 200]},
+              {"distortion_scale": 0.3, "p": 0.5, "interpolation": "bicubic", "fill": 40})
+    affines = 2
+    maybe = True
 
 
 class AffineOnDevice(GeometricOnDevice):
@@ -1205,18 +1221,23 @@ def blur_of(t: Any, v2: bool) -> bool:
     return kx % 2 == 1 and ky % 2 == 1 and kx >= 1 and ky >= 1 and 0 < lo <= hi
 
 
-@_recognizes(GeometricOnDevice, "RandomRotation", "RandomAffine")
+_GEOMETRIC = {"RandomRotation": RotationOnDevice, "RandomAffine": AffineOnDevice,
+              "RandomPerspective": PerspectiveOnDevice}
+
+
+@_recognizes(GeometricOnDevice, *_GEOMETRIC)
 def geometric_of(t: Any, v2: bool) -> "GeometricOnDevice | None":
-    """A :class:`RotationOnDevice` or :class:`AffineOnDevice` over ``t`` when
-    it is torchvision's ``RandomRotation`` (without ``expand``) or
-    ``RandomAffine`` (v1 or v2) interpolating with nearest, bilinear or
+    """A :class:`RotationOnDevice`, :class:`AffineOnDevice` or
+    :class:`PerspectiveOnDevice` over ``t`` when it is torchvision's
+    ``RandomRotation`` (without ``expand``), ``RandomAffine`` or
+    ``RandomPerspective`` (v1 or v2) interpolating with nearest, bilinear or
     bicubic and filling with a value or one per channel (not by type: a v2
     fill dict), else None."""
     mode = getattr(t.interpolation, "value", t.interpolation)
     if mode not in ("nearest", "bilinear", "bicubic") + _FILTERS or getattr(t, "expand", False) \
             or isinstance(t.fill, dict):
         return None
-    return (RotationOnDevice if type(t).__name__ == "RandomRotation" else AffineOnDevice)(t, v2)
+    return _GEOMETRIC[type(t).__name__](t, v2)
 
 
 @_recognizes(AugMixOnDevice, "AugMix")

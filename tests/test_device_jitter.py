@@ -235,7 +235,8 @@ def test_batch_reads_and_resume_give_the_per_sample_paths_batches(photos, cpu_de
 
 
 @pytest.mark.parametrize("steps,msg", [
-    ([V.RandomResizedCrop(16), V.ColorJitter(0.2), V.RandomPerspective(), V.ToTensor()], r"steps RandomPerspective run as"),
+    ([V.RandomResizedCrop(16), V.ColorJitter(0.2), V.ElasticTransform(sigma=1.0), V.ToTensor()],
+     r"steps ElasticTransform run as"),
     ([V.RandomResizedCrop(16), V.ColorJitter(0.2)], r"ends with ColorJitter"),
     ([V.RandomResizedCrop(16), V.ColorJitter(0.2), V.ColorJitter(0.1), V.ColorJitter(0.1), V.ToTensor()],
      r"3 ColorJitter steps.*at most 2"),

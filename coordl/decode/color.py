@@ -25,7 +25,7 @@ from PIL import Image, ImageEnhance
 from . import extensions
 
 __all__ = ["BRIGHTNESS", "CONTRAST", "SATURATION", "HUE", "SHARPNESS", "POSTERIZE", "SOLARIZE", "AUTOCONTRAST",
-           "EQUALIZE", "INVERT", "AFFINE", "TRANSPOSE", "SOLARIZE_ADD", "BLUR", "AUGMIX",
+           "EQUALIZE", "INVERT", "AFFINE", "TRANSPOSE", "SOLARIZE_ADD", "BLUR", "AUGMIX", "PERSPECTIVE",
            "KERNEL_CODES", "jitter", "pil_jitter", "exact_kernel",
            "probe_ops"]
 
@@ -42,9 +42,10 @@ BRIGHTNESS, CONTRAST, SATURATION, HUE = 0, 1, 2, 3
 # solarize_add, add to the values under 128 (clipped at 255); (BLUR, (kx, ky, sigma_x, sigma_y, v2)):
 # torchvision's gaussian_blur of a PIL image (its v2 functional's where v2), which blurs the tensor of it;
 # (AUGMIX, (v2, mode, m0, weights, chains)): torchvision's AugMix of a PIL image with those draws
-# (coordl.decode.augmix)
-SHARPNESS, POSTERIZE, SOLARIZE, AUTOCONTRAST, EQUALIZE, INVERT, AFFINE, TRANSPOSE, SOLARIZE_ADD, BLUR, AUGMIX = \
-    range(4, 15)
+# (coordl.decode.augmix); (PERSPECTIVE, (a0, ..., a7, fill, resample)): Image.transform(size, PERSPECTIVE, a,
+# resample, fillcolor=fill), as AFFINE
+SHARPNESS, POSTERIZE, SOLARIZE, AUTOCONTRAST, EQUALIZE, INVERT, AFFINE, TRANSPOSE, SOLARIZE_ADD, BLUR, AUGMIX, \
+    PERSPECTIVE = range(4, 16)
 KERNEL_CODES = frozenset((BRIGHTNESS, CONTRAST, SATURATION, HUE))
 
 
@@ -105,6 +106,9 @@ def pil_jitter(img: Image.Image, ops) -> Image.Image:
             img = F.gaussian_blur(img, [int(kx), int(ky)], [float(sx), float(sy)])
         elif code == TRANSPOSE:
             img = img.transpose(Image.Transpose(int(value)))
+        elif code == PERSPECTIVE:
+            img = img.transform(img.size, Image.Transform.PERSPECTIVE, list(value[:8]), Image.Resampling(value[9]),
+                                fillcolor=value[8])
         elif code == AUGMIX:
             import torch
 
@@ -171,6 +175,13 @@ def _augmix_probes() -> tuple:
 
 
 _PROBE_VALUES[AUGMIX] = _augmix_probes()
+# perspective maps as torchvision's RandomPerspective makes them (corners moved in by up to half the
+# distance to the centre), one that sends a corner outside, a near-affine one; each filter, with and without a fill
+_PROBE_VALUES[PERSPECTIVE] = tuple((*a, fill, r) for r in (0, 2, 3) for a, fill in (
+    ((1.21, 0.12, -2.3, 0.05, 1.33, -1.7, 0.0061, 0.0094), None),
+    ((0.82, -0.21, 3.9, 0.11, 0.77, 2.2, -0.0123, 0.0071), (9, 80, 200)),
+    ((1.0, 0.25, -4.0, -0.1, 0.9, 6.5, 0.021, -0.017), (0, 0, 0)),
+    ((1.0, 0.0, 1.5, 0.0, 1.0, -0.5, 1e-9, 0.0), None)))
 
 
 def probe_ops(codes) -> list:

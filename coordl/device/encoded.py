@@ -35,7 +35,7 @@ import numpy as np
 import torch
 
 from ..decode import augmix
-from ..decode.color import AFFINE, AUGMIX, BLUR
+from ..decode.color import AFFINE, AUGMIX, BLUR, PERSPECTIVE
 from .split import _Marked, _unmark
 
 __all__ = ["RECORD", "ON_DEVICE", "ON_CPU", "DecodePlan", "plan_for", "DecodePrep", "EncodedCompose", "ops_of",
@@ -51,7 +51,7 @@ __all__ = ["RECORD", "ON_DEVICE", "ON_CPU", "DecodePlan", "plan_for", "DecodePre
 # k-th's), seven fields each: an auto-augment policy's affine map, six doubles' bits then the fill and PIL's
 # filter in one field (the filter << 32 | the fill's three values, or 1 << 24 for none); a GaussianBlur's
 # kernel sizes, its sigmas' bits and whether it is torchvision v2's; an AugMix's draws take both slots
-# (coordl.decode.augmix.pack)
+# (coordl.decode.augmix.pack), and so does a perspective map (eight doubles' bits, then the fill and filter)
 MAX_OPS, MAX_RECTS, MAX_AFFINES = 8, 4, 2
 (KIND, SRC_H, SRC_W, T1, L1, H1, W1, RH, RW, T2, L2, H2, W2, FLIP, MODE, VFLIP, INDEX, CHANNELS, N_OPS) = range(19)
 OPS = N_OPS + 1
@@ -566,11 +566,14 @@ def tail_fields(index: int, ops=(), rects=()) -> list:
             raise ValueError(f"{len(ops)} operations after the geometry, more than the {MAX_OPS} a record carries")
         values = []
         for c, v in ops:
-            if c in (AFFINE, BLUR, AUGMIX):
+            if c in (AFFINE, BLUR, AUGMIX, PERSPECTIVE):
                 if affines is _NO_AFFINES:
                     affines = []
                 if c == AFFINE:
                     slot = np.array(v[:6], dtype=np.float64).view(np.int64).tolist() + [_packed(v[6], v[7])]
+                elif c == PERSPECTIVE:
+                    slot = np.array(v[:8], dtype=np.float64).view(np.int64).tolist() + [_packed(v[8], v[9])] \
+                        + [0] * 5
                 elif c == BLUR:
                     slot = [int(v[0]), int(v[1]), *np.array(v[2:4], dtype=np.float64).view(np.int64).tolist(),
                             int(bool(v[4])), 0, 0]
@@ -615,10 +618,11 @@ def ops_of(rec) -> list:
     pairs = np.array(rec[OPS:OPS + 2 * n], dtype=np.int64).reshape(n, 2)
     ops = list(zip(pairs[:, 0].tolist(), pairs[:, 1].copy().view(np.float64).tolist()))
     for j, (c, v) in enumerate(ops):
-        if c == AFFINE:
+        if c in (AFFINE, PERSPECTIVE):
+            n = 6 if c == AFFINE else 8
             at = AFFINES + 7 * int(v)
-            a = np.array(rec[at:at + 6], dtype=np.int64).view(np.float64).tolist()
-            f = int(rec[at + 6])
+            a = np.array(rec[at:at + n], dtype=np.int64).view(np.float64).tolist()
+            f = int(rec[at + n])
             fill = None if f & _NO_FILL else ((f >> 16) & 255, (f >> 8) & 255, f & 255)
             ops[j] = (c, (*a, fill, f >> 32))
         elif c == BLUR:

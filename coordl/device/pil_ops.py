@@ -32,6 +32,10 @@ with its own value, by torch's operations, with PIL's arithmetic:
   operation; torchvision's with ``interpolation=``): PIL's generic
   transform, each pixel's source point and its filter's weighted
   neighbours in double precision as PIL's macros compute them;
+- perspective (torchvision's ``RandomPerspective``): PIL's generic
+  transform too, each pixel's source point its perspective map's, in double
+  precision (a quotient of two sums); nearest neighbours by PIL's COORD
+  of it;
 - timm's solarize-add: its table;
 - torchvision's ``GaussianBlur`` (timm's ``gaussian_blur_prob``), which
   blurs the tensor of a PIL image with torch's convolution: on the CPU
@@ -56,14 +60,14 @@ import numpy as np
 import torch
 
 from ..decode import augmix
-from ..decode.color import (AFFINE, AUGMIX, AUTOCONTRAST, BLUR, EQUALIZE, INVERT, POSTERIZE, SHARPNESS, SOLARIZE,
-                            SOLARIZE_ADD, TRANSPOSE)
+from ..decode.color import (AFFINE, AUGMIX, AUTOCONTRAST, BLUR, EQUALIZE, INVERT, PERSPECTIVE, POSTERIZE, SHARPNESS,
+                            SOLARIZE, SOLARIZE_ADD, TRANSPOSE)
 from .launch import upload
 
 __all__ = ["CODES", "apply"]
 
 CODES = frozenset((SHARPNESS, POSTERIZE, SOLARIZE, AUTOCONTRAST, EQUALIZE, INVERT, AFFINE, TRANSPOSE, SOLARIZE_ADD,
-                   BLUR, AUGMIX))
+                   BLUR, AUGMIX, PERSPECTIVE))
 # the kinds the device computes within a stated tolerance of the CPU path, not bit for bit: code -> (the most
 # levels a value may differ by, the largest share of values that may differ) on the probes.  On the CPU both
 # are the CPU path's values; on a GPU the blur sums in another order, and AugMix runs torchvision's own
@@ -100,6 +104,8 @@ def apply(x: torch.Tensor, code: int, values: list) -> torch.Tensor:
         return _lookup(x, _equalize_tables(x))
     if code == AFFINE:
         return _affine(x, values)
+    if code == PERSPECTIVE:
+        return _affine(x, values, perspective=True)
     if code == TRANSPOSE:
         return torch.stack([_transpose(x[r], int(v)) for r, v in enumerate(values)])
     if code == BLUR:
@@ -272,16 +278,22 @@ def source_index(a, h: int, w: int) -> tuple[str, tuple]:
     return "map", (ys, xs)
 
 
-def _affine(x: torch.Tensor, values: list) -> torch.Tensor:
-    """Each row of ``x`` through its affine map: the rows by PIL's filter,
-    each group in a few launches for the batch."""
+def _affine(x: torch.Tensor, values: list, perspective: bool = False) -> torch.Tensor:
+    """Each row of ``x`` through its affine map (``perspective``: its
+    perspective map, eight coefficients): the rows by PIL's filter, each
+    group in a few launches for the batch."""
     k = x.shape[0]
     by = {}
     for r, v in enumerate(values):
-        by.setdefault(int(v[7]), []).append(r)
+        by.setdefault(int(v[-1]), []).append(r)
+
+    def run(part, vals, f):
+        if perspective:
+            return _filtered(part, vals, f, _perspective_points) if f != NEAREST else _nearest_perspective(part, vals)
+        return _nearest(part, vals) if f == NEAREST else _filtered(part, vals, f)
+
     if len(by) == 1 and (NEAREST in by or k <= _FILTER_ROWS):
-        f = next(iter(by))
-        return _nearest(x, values) if f == NEAREST else _filtered(x, values, f)
+        return run(x, values, next(iter(by)))
     out = torch.empty_like(x)
     for f, rows in by.items():
         # the filters' double-precision neighbours take 8 bytes a value each: a few rows at a time
@@ -290,8 +302,7 @@ def _affine(x: torch.Tensor, values: list) -> torch.Tensor:
             part_rows = rows[at:at + step]
             idx = upload(np.array(part_rows, dtype=np.int64), x.device)
             part = x.index_select(0, idx)
-            vals = [values[r] for r in part_rows]
-            out.index_copy_(0, idx, _nearest(part, vals) if f == NEAREST else _filtered(part, vals, f))
+            out.index_copy_(0, idx, run(part, [values[r] for r in part_rows], f))
     return out if k else x
 
 
@@ -300,26 +311,66 @@ _FILTER_ROWS = 8
 
 
 def _fills(values: list, c: int, dev) -> torch.Tensor:
-    """The rows' fill values, uint8 (k, c, 1, 1) (None: zeros)."""
-    fills = np.array([v[6] if v[6] is not None else (0,) * c for v in values], dtype=np.uint8).reshape(-1, c)
+    """The rows' fill values, uint8 (k, c, 1, 1) (None: zeros): a value's
+    next-to-last element."""
+    fills = np.array([v[-2] if v[-2] is not None else (0,) * c for v in values], dtype=np.uint8).reshape(-1, c)
     return upload(fills, dev).view(-1, c, 1, 1)
 
 
-def _filtered(x: torch.Tensor, values: list, f: int) -> torch.Tensor:
-    """PIL's generic affine transform with its bilinear or bicubic filter:
-    each output pixel's source point ``a0 (x + .5) + a1 (y + .5) + a2``
-    (and the other coordinate alike) in double precision, outside the image
-    the fill; inside, the filter's weighted neighbours in double precision
-    as PIL's macros compute them (rows outside repeat the last row inside,
-    columns are clipped), truncated to uint8 (bicubic clipped first)."""
-    k, c, h, w = x.shape
-    dev, f64 = x.device, torch.float64
-    a = upload(np.array([v[:6] for v in values], dtype=np.float64), dev)
-    col = [a[:, j].view(-1, 1, 1) for j in range(6)]
+def _points(values: list, n: int, h: int, w: int, dev) -> tuple:
+    """``(columns, X, Y)``: each row's first ``n`` coefficients as (k, 1, 1)
+    doubles, and the pixels' centres ``x + .5``, ``y + .5`` as PIL's
+    generic transform takes them."""
+    f64 = torch.float64
+    a = upload(np.array([v[:n] for v in values], dtype=np.float64), dev)
     X = (torch.arange(w, dtype=f64, device=dev) + 0.5).view(1, 1, w)
     Y = (torch.arange(h, dtype=f64, device=dev) + 0.5).view(1, h, 1)
-    xin = (col[0] * X + col[1] * Y) + col[2]
-    yin = (col[3] * X + col[4] * Y) + col[5]
+    return [a[:, j].view(-1, 1, 1) for j in range(n)], X, Y
+
+
+def _affine_points(values: list, h: int, w: int, dev) -> tuple:
+    """Each output pixel's source point through an affine map, double
+    precision, as PIL's ``affine_transform``: ``a0 x + a1 y + a2``."""
+    col, X, Y = _points(values, 6, h, w, dev)
+    return (col[0] * X + col[1] * Y) + col[2], (col[3] * X + col[4] * Y) + col[5]
+
+
+def _perspective_points(values: list, h: int, w: int, dev) -> tuple:
+    """The same through a perspective map, as PIL's
+    ``perspective_transform``: ``(a0 x + a1 y + a2) / (a6 x + a7 y + 1)``
+    (each operation rounded to double precision: nothing fused)."""
+    col, X, Y = _points(values, 8, h, w, dev)
+    den = (col[6] * X + col[7] * Y) + 1.0
+    return ((col[0] * X + col[1] * Y) + col[2]) / den, ((col[3] * X + col[4] * Y) + col[5]) / den
+
+
+def _coords(v: torch.Tensor) -> torch.Tensor:
+    """PIL's COORD of double coordinates: -1 below zero, else truncated; -1
+    too for what is not a number or past 2**31 (outside the image either way,
+    where C's conversion and a GPU's differ)."""
+    ok = (v >= 0.0) & (v < 2.0 ** 31)
+    return torch.where(ok, v, torch.full_like(v, -1.0)).trunc().to(torch.int64)
+
+
+def _nearest_perspective(x: torch.Tensor, values: list) -> torch.Tensor:
+    """PIL's nearest-neighbour perspective transform (its generic
+    transform: each pixel's source point in double precision, COORD)."""
+    k, c, h, w = x.shape
+    xin, yin = _perspective_points(values, h, w, x.device)
+    return _gathered(x, values, _coords(xin), _coords(yin))
+
+
+def _filtered(x: torch.Tensor, values: list, f: int, points=_affine_points) -> torch.Tensor:
+    """PIL's generic transform with its bilinear or bicubic filter: each
+    output pixel's source point (``points``: an affine map's ``a0 (x + .5) +
+    a1 (y + .5) + a2`` and the other coordinate alike, or a perspective
+    map's) in double precision, outside the image the fill; inside, the
+    filter's weighted neighbours in double precision as PIL's macros
+    compute them (rows outside repeat the last row inside, columns are
+    clipped), truncated to uint8 (bicubic clipped first)."""
+    k, c, h, w = x.shape
+    dev, f64 = x.device, torch.float64
+    xin, yin = points(values, h, w, dev)
     inside = ((xin >= 0) & (xin < w) & (yin >= 0) & (yin < h)).unsqueeze(1)
     xin, yin = xin - 0.5, yin - 0.5
     x0, y0 = torch.floor(xin), torch.floor(yin)
@@ -391,6 +442,14 @@ def _nearest(x: torch.Tensor, values: list) -> torch.Tensor:
         if how == "map":
             ys[r].copy_(upload(np.ascontiguousarray(p[0]), dev))
             xs[r].copy_(upload(np.ascontiguousarray(p[1]), dev))
+    return _gathered(x, values, xs, ys)
+
+
+def _gathered(x: torch.Tensor, values: list, xs: torch.Tensor, ys: torch.Tensor) -> torch.Tensor:
+    """Each output pixel from its source pixel (``xs``, ``ys``: int64 (k, h,
+    w)), the fill where that lies outside the image."""
+    k, c, h, w = x.shape
+    dev = x.device
     inside = ((xs >= 0) & (xs < w) & (ys >= 0) & (ys < h)).unsqueeze(1)
     flat = (ys.clamp_(0, h - 1).mul_(w).add_(xs.clamp_(0, w - 1))).view(k, 1, h * w).expand(k, c, h * w)
     got = torch.gather(x.reshape(k, c, h * w), 2, flat).view(k, c, h, w)
