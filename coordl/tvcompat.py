@@ -627,6 +627,10 @@ class _PILCall(Image.Image):
         self.call = ("copy",)
         return self
 
+    def filter(self, filter):   # noqa: D102, A002 - PIL's name
+        self.call = ("filter", filter)
+        return self
+
 
 class PolicyOnDevice(OnPlanes):
     """torchvision's auto-augment policies (v1 or v2; nearest, bilinear or
@@ -855,7 +859,7 @@ _TIMM_AA = "timm.data.auto_augment"
 _TIMM_GEOMETRIC = frozenset(("rotate", "shear_x", "shear_y", "translate_x_abs", "translate_y_abs", "translate_x_rel",
                              "translate_y_rel"))
 _TIMM_OTHERS = frozenset(("auto_contrast", "equalize", "invert", "posterize", "solarize", "solarize_add", "color",
-                          "contrast", "brightness", "sharpness"))
+                          "contrast", "brightness", "sharpness", "desaturate", "gaussian_blur", "gaussian_blur_rand"))
 
 
 class TimmPolicyOnDevice(PolicyOnDevice):
@@ -869,12 +873,15 @@ class TimmPolicyOnDevice(PolicyOnDevice):
     sign in its level function, the filter of a geometric one), its
     arguments from its own level function.  The geometric operations are
     timm's very call of PIL, recorded (with the filter it drew: bilinear or
-    bicubic by default); the others are mapped to PIL's terms by timm's
-    function.  Operations the device does not run (``Desaturate``,
-    ``GaussianBlur``) keep the policy as written."""
+    bicubic by default), and so is the Gaussian blur's filter (with the
+    radius ``GaussianBlurRand`` drew: its ``3a`` policy, DeiT III's three
+    augmentations); the others are mapped to PIL's terms by timm's function
+    (``Desaturate`` a colour enhancement).  Operations the device does not
+    run keep the policy as written."""
 
     probes = ({"config": "rand-m9-mstd0.5-inc1"}, {"config": "rand-m7-n3-mstd1.0", "hparams": {"img_mean": (1, 2, 3)}},
-              {"config": "original"}, {"config": "v0r", "hparams": {"interpolation": 0}})
+              {"config": "original"}, {"config": "v0r", "hparams": {"interpolation": 0}}, {"config": "3a"},
+              {"config": "rand-m9-n2-mstd0.5-t3aw"})
     seeds = (tuple(range(160)), ())
     draws_numpy = True
 
@@ -945,11 +952,35 @@ class TimmPolicyOnDevice(PolicyOnDevice):
             return [(C.POSTERIZE, bits)]
         if fn == "solarize":
             return [(C.SOLARIZE, args[0])]
+        if fn == "desaturate":        # the colour enhancement at 1 - factor, within 0..1
+            return [(C.SATURATION, min(1.0, max(0.0, 1.0 - float(args[0]))))]
+        if fn in ("gaussian_blur", "gaussian_blur_rand"):
+            img = _PILCall((w, h))
+            op.aug_fn(img, *args, **op.kwargs)       # its radius drawn in there, as in its call
+            return _pil_blur_op(img.call, op.name)
         if fn == "solarize_add":
             if len(args) > 1:
                 raise ValueError("timm's solarize_add with a threshold of its own")
             return [(C.SOLARIZE_ADD, int(args[0]))]
         return [({"auto_contrast": C.AUTOCONTRAST, "equalize": C.EQUALIZE, "invert": C.INVERT}[fn], 0)]
+
+
+def _pil_blur_op(call: tuple | None, name: str) -> list:
+    """The operation of an ``Image.filter`` call recorded by
+    :class:`_PILCall`: PIL's ``GaussianBlur`` of one radius both ways."""
+    from PIL import ImageFilter
+
+    from .decode import color as C
+
+    f = call[1] if call is not None and call[0] == "filter" else None
+    if type(f) is not ImageFilter.GaussianBlur:
+        raise ValueError(f"timm's {name} made no call of PIL's GaussianBlur filter")
+    radius = f.radius
+    if isinstance(radius, (tuple, list)):
+        if len(radius) != 2 or radius[0] != radius[1]:
+            raise ValueError(f"timm's {name} blurs with radii {radius}")
+        radius = radius[0]
+    return [(C.PIL_BLUR, float(radius))] if radius else []
 
 
 class RandomOpOnDevice(OnPlanes):

@@ -25,7 +25,7 @@ from PIL import Image, ImageEnhance
 from . import extensions
 
 __all__ = ["BRIGHTNESS", "CONTRAST", "SATURATION", "HUE", "SHARPNESS", "POSTERIZE", "SOLARIZE", "AUTOCONTRAST",
-           "EQUALIZE", "INVERT", "AFFINE", "TRANSPOSE", "SOLARIZE_ADD", "BLUR", "AUGMIX", "PERSPECTIVE",
+           "EQUALIZE", "INVERT", "AFFINE", "TRANSPOSE", "SOLARIZE_ADD", "BLUR", "AUGMIX", "PERSPECTIVE", "PIL_BLUR",
            "KERNEL_CODES", "jitter", "pil_jitter", "exact_kernel",
            "probe_ops"]
 
@@ -43,9 +43,10 @@ BRIGHTNESS, CONTRAST, SATURATION, HUE = 0, 1, 2, 3
 # torchvision's gaussian_blur of a PIL image (its v2 functional's where v2), which blurs the tensor of it;
 # (AUGMIX, (v2, mode, m0, weights, chains)): torchvision's AugMix of a PIL image with those draws
 # (coordl.decode.augmix); (PERSPECTIVE, (a0, ..., a7, fill, resample)): Image.transform(size, PERSPECTIVE, a,
-# resample, fillcolor=fill), as AFFINE
+# resample, fillcolor=fill), as AFFINE; (PIL_BLUR, radius): PIL's own ImageFilter.GaussianBlur(radius) (three
+# box blurs each way, in integers: timm's GaussianBlur and GaussianBlurRand operations)
 SHARPNESS, POSTERIZE, SOLARIZE, AUTOCONTRAST, EQUALIZE, INVERT, AFFINE, TRANSPOSE, SOLARIZE_ADD, BLUR, AUGMIX, \
-    PERSPECTIVE = range(4, 16)
+    PERSPECTIVE, PIL_BLUR = range(4, 17)
 KERNEL_CODES = frozenset((BRIGHTNESS, CONTRAST, SATURATION, HUE))
 
 
@@ -106,6 +107,10 @@ def pil_jitter(img: Image.Image, ops) -> Image.Image:
             img = F.gaussian_blur(img, [int(kx), int(ky)], [float(sx), float(sy)])
         elif code == TRANSPOSE:
             img = img.transpose(Image.Transpose(int(value)))
+        elif code == PIL_BLUR:
+            from PIL import ImageFilter
+
+            img = img.filter(ImageFilter.GaussianBlur(radius=float(value)))
         elif code == PERSPECTIVE:
             img = img.transform(img.size, Image.Transform.PERSPECTIVE, list(value[:8]), Image.Resampling(value[9]),
                                 fillcolor=value[8])
@@ -182,6 +187,8 @@ _PROBE_VALUES[PERSPECTIVE] = tuple((*a, fill, r) for r in (0, 2, 3) for a, fill 
     ((0.82, -0.21, 3.9, 0.11, 0.77, 2.2, -0.0123, 0.0071), (9, 80, 200)),
     ((1.0, 0.25, -4.0, -0.1, 0.9, 6.5, 0.021, -0.017), (0, 0, 0)),
     ((1.0, 0.0, 1.5, 0.0, 1.0, -0.5, 1e-9, 0.0), None)))
+# PIL's Gaussian blur: radii whose boxes are under a pixel, one, two and more than the probes' width
+_PROBE_VALUES[PIL_BLUR] = (0.1, 0.37, 0.5, 1.0, 1.7, 2.0, 3.3, 9.5)
 
 
 def probe_ops(codes) -> list:

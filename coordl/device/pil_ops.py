@@ -42,6 +42,9 @@ with its own value, by torch's operations, with PIL's arithmetic:
   torchvision's own kernel; on a GPU its float32 weights in one grouped
   convolution in double precision, within a level of the CPU path on a
   few values in a million (:data:`TOLERANCE`);
+- PIL's own Gaussian blur (timm's ``GaussianBlur`` operations: its
+  ``3a`` policy, DeiT III's three augmentations): its three box blurs each
+  way, in integers (:func:`box_radius`), exact on any device;
 - transpose: PIL's flips and quarter turns;
 - torchvision's ``AugMix``, which mixes the tensor of a PIL image: its own
   tensor functions for the operations, the rows that drew the same one at a
@@ -60,14 +63,14 @@ import numpy as np
 import torch
 
 from ..decode import augmix
-from ..decode.color import (AFFINE, AUGMIX, AUTOCONTRAST, BLUR, EQUALIZE, INVERT, PERSPECTIVE, POSTERIZE, SHARPNESS,
-                            SOLARIZE, SOLARIZE_ADD, TRANSPOSE)
+from ..decode.color import (AFFINE, AUGMIX, AUTOCONTRAST, BLUR, EQUALIZE, INVERT, PERSPECTIVE, PIL_BLUR, POSTERIZE,
+                            SHARPNESS, SOLARIZE, SOLARIZE_ADD, TRANSPOSE)
 from .launch import upload
 
 __all__ = ["CODES", "apply"]
 
 CODES = frozenset((SHARPNESS, POSTERIZE, SOLARIZE, AUTOCONTRAST, EQUALIZE, INVERT, AFFINE, TRANSPOSE, SOLARIZE_ADD,
-                   BLUR, AUGMIX, PERSPECTIVE))
+                   BLUR, AUGMIX, PERSPECTIVE, PIL_BLUR))
 # the kinds the device computes within a stated tolerance of the CPU path, not bit for bit: code -> (the most
 # levels a value may differ by, the largest share of values that may differ) on the probes.  On the CPU both
 # are the CPU path's values; on a GPU the blur sums in another order, and AugMix runs torchvision's own
@@ -110,6 +113,8 @@ def apply(x: torch.Tensor, code: int, values: list) -> torch.Tensor:
         return torch.stack([_transpose(x[r], int(v)) for r, v in enumerate(values)])
     if code == BLUR:
         return _blur(x, values)
+    if code == PIL_BLUR:
+        return _pil_blur(x, values)
     if code == AUGMIX:
         return augmix.apply(x, values, lambda a: upload(a, x.device))
     raise ValueError(f"not an operation of coordl.device.pil_ops: {code}")
@@ -230,6 +235,60 @@ def _blur(x: torch.Tensor, values: list, grouped: bool | None = None) -> torch.T
         got = torch.nn.functional.conv2d(part, upload(weight.numpy(), x.device), groups=len(rows) * c)
         out.index_copy_(0, idx, got.round_().to(torch.uint8).reshape(len(rows), c, h, w))
     return out
+
+
+def box_radius(radius: float, passes: int = 3) -> tuple[int, int, int]:
+    """PIL's box blur of each pass for its Gaussian blur of ``radius``:
+    ``(integer radius, ww, fw)``, the box's whole pixels' weight and its
+    two fractional end pixels' in 8.24 fixed point, computed as PIL's C
+    computes them (single precision, its sums' double-precision steps where
+    the C has double constants)."""
+    f32 = np.float32
+    r = f32(radius)
+    sigma2 = f32(r * r / f32(passes))
+    big = f32(math.sqrt(12.0 * float(sigma2) + 1.0))
+    whole = f32(math.floor((float(big) - 1.0) / 2.0))
+    a = f32(f32(f32(2) * whole + f32(1)) * f32(whole * f32(whole + f32(1)) - f32(3) * sigma2))
+    a = f32(a / f32(f32(6) * f32(sigma2 - f32(whole + f32(1)) * f32(whole + f32(1)))))
+    box = f32(whole + a)
+    ww = int(f32(f32(1 << 24) / f32(box * f32(2) + f32(1))))
+    n = int(box)
+    return n, ww, ((1 << 24) - (n * 2 + 1) * ww) // 2
+
+
+def _pil_blur(x: torch.Tensor, values: list) -> torch.Tensor:
+    """PIL's ``ImageFilter.GaussianBlur(radius)`` of each row: three box
+    blurs along the rows, then three down the columns, each value of each
+    pass ``(window sum * ww + the two pixels past it * fw + 2**23) >> 24``
+    in integers over the edge-repeated line, stored as uint8 between
+    passes: exact on any device."""
+    out = torch.empty_like(x)
+    by: dict = {}
+    for r, v in enumerate(values):
+        by.setdefault(box_radius(float(v)) if float(v) > 0 else None, []).append(r)
+    for box, rows in by.items():
+        idx = upload(np.array(rows, dtype=np.int64), x.device)
+        part = x.index_select(0, idx)
+        if box is not None:
+            for dim in (3, 2):
+                for _ in range(3):
+                    part = _box_pass(part, dim, *box)
+        out.index_copy_(0, idx, part)
+    return out
+
+
+def _box_pass(x: torch.Tensor, dim: int, n: int, ww: int, fw: int) -> torch.Tensor:
+    """One of PIL's box-blur passes along ``dim`` (3: the rows, 2: the
+    columns) of a uint8 (k, c, h, w) batch."""
+    t = x.transpose(dim, 3) if dim != 3 else x
+    size = t.shape[3]
+    at = torch.arange(-n - 1, size + n + 1, device=x.device).clamp_(0, size - 1)
+    line = t.index_select(3, at).to(torch.int64)                   # the line, n + 1 pixels repeated each side
+    sums = torch.nn.functional.pad(line.cumsum(3), (1, 0))
+    window = sums[..., 2 * n + 2:2 * n + 2 + size] - sums[..., 1:1 + size]     # x - n .. x + n
+    past = line[..., :size] + line[..., 2 * n + 2:2 * n + 2 + size]          # x - n - 1 and x + n + 1
+    got = ((window * ww + past * fw + (1 << 23)) >> 24).to(torch.uint8)
+    return (got.transpose(dim, 3) if dim != 3 else got).contiguous()
 
 
 def _coord(v: float) -> int:
