@@ -1057,7 +1057,27 @@ class BlurOnDevice(OnPlanes):
         return [(C.BLUR, (int(kx), int(ky), float(sx), float(sy), int(self.v2)))]
 
 
-class GeometricOnDevice(OnPlanes):
+class _DrawnApart(OnPlanes):
+    """A step whose draws ``decode="device"`` makes apart from its call
+    (:meth:`draw`), checked against the user's class on probe images (whose
+    ``interpolation`` a probe names by its value); on the CPU path it runs
+    as written (or as another :class:`OnPlanes` of its own)."""
+
+    @classmethod
+    def probe(cls, user_cls: type, v2: bool, kw: dict) -> tuple:
+        kw = dict(kw)
+        if "interpolation" in kw:
+            kw["interpolation"] = sys.modules["torchvision.transforms"].InterpolationMode(kw["interpolation"])
+        return super().probe(user_cls, v2, kw)
+
+    def exact(self) -> bool:
+        return False
+
+    def draws_agree(self) -> bool:
+        return _agrees(type(self), type(self.user), self.v2, draws=True)
+
+
+class GeometricOnDevice(_DrawnApart):
     """torchvision's ``RandomRotation`` (without ``expand``) and
     ``RandomAffine`` (v1 or v2; nearest, bilinear or bicubic) after the
     crop, on a PIL image: the user's object is called on a pixel-less PIL
@@ -1073,19 +1093,6 @@ class GeometricOnDevice(OnPlanes):
     most = 1
     affines = 1
     maybe = False                        # applied with a probability (a call may leave the image as it is)
-
-    @classmethod
-    def probe(cls, user_cls: type, v2: bool, kw: dict) -> tuple:
-        kw = dict(kw)
-        if "interpolation" in kw:
-            kw["interpolation"] = sys.modules["torchvision.transforms"].InterpolationMode(kw["interpolation"])
-        return super().probe(user_cls, v2, kw)
-
-    def exact(self) -> bool:
-        return False                     # the CPU path runs it as written
-
-    def draws_agree(self) -> bool:
-        return _agrees(type(self), type(self.user), self.v2, draws=True)
 
     def draw(self, size: tuple | None = None) -> list:
         """The operations of one call on an image of ``size`` (h, w): the
@@ -1121,7 +1128,7 @@ class AffineOnDevice(GeometricOnDevice):
               {"degrees": (-30, 30), "scale": (0.5, 1.5), "interpolation": "bicubic", "fill": [1, 2, 3]})
 
 
-class AugMixOnDevice(OnPlanes):
+class AugMixOnDevice(_DrawnApart):
     """torchvision's ``AugMix`` (v1 or v2; ``fill=None``, nearest or
     bilinear interpolation, chains that fit a record) on a PIL image (the
     reference classification script's ``--auto-augment augmix``), its draws
@@ -1156,19 +1163,6 @@ class AugMixOnDevice(OnPlanes):
 
     def __getstate__(self) -> dict:
         return {**self.__dict__, "_spaces": {}}
-
-    @classmethod
-    def probe(cls, user_cls: type, v2: bool, kw: dict) -> tuple:
-        kw = dict(kw)
-        if "interpolation" in kw:
-            kw["interpolation"] = sys.modules["torchvision.transforms"].InterpolationMode(kw["interpolation"])
-        return super().probe(user_cls, v2, kw)
-
-    def exact(self) -> bool:
-        return False                    # the CPU path runs it as AugMixOnPlanes
-
-    def draws_agree(self) -> bool:
-        return _agrees(type(self), type(self.user), self.v2, draws=True)
 
     def draw(self, size: tuple | None = None) -> list:
         """The one operation of a call on an image of ``size`` (h, w):
