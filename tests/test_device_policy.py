@@ -230,6 +230,20 @@ def _levels_against_the_cpu_path(ds, seed: int) -> tuple:
     return torch.cat([((a - b).abs() * STD255).flatten() for (a, _), (b, _) in zip(cpu, dev)]), L
 
 
+def _split_is_the_cpu_paths(ds, name: str, workers: int = 2) -> None:
+    """The device split (decode="cpu", the stand-in's device) of ``ds``
+    draws the step ``name`` in the worker and runs it on the device: the
+    CPU path's batches, bit for bit."""
+    kw = dict(batch_size=4, seed=9, shuffle=True, num_workers=workers)
+    cpu = list(coordl.DataLoader(ds, **kw))
+    S = coordl.DataLoader(ds, device="cpu", **kw)
+    split = list(S)
+    assert S.stats().device_split.startswith("split") and name in S.stats().device_split, S.stats().device_split
+    assert len(cpu) == len(split) > 0
+    for (a, y), (b, y2) in zip(cpu, split):
+        assert torch.equal(y, y2) and torch.equal(a, b)
+
+
 def _geometry_then_policy(photos, steps, policy, workers, seed=5, epoch=0):
     """The device path with the policy, and the device path without it
     (uint8 out) followed by PIL's operations of each sample's draws on each
@@ -516,14 +530,7 @@ def test_one_operation_random_steps_run_on_the_device_as_the_cpu_path(photos, cp
         assert torch.equal(y, y2) and torch.equal(a, b)
     assert len({len(o) for o in drawn}) >= 3 and "RandomSolarize" in L.stats().device_decode
     tf = V.Compose([V.RandomResizedCrop(20), ops, V.ToTensor(), V.Normalize(MEAN, STD)])
-    ds = datasets.ImageFolder(photos, transform=tf)
-    kw = dict(batch_size=4, seed=9, shuffle=True, num_workers=workers)
-    cpu = list(coordl.DataLoader(ds, **kw))
-    S = coordl.DataLoader(ds, device="cpu", **kw)
-    split = list(S)
-    assert S.stats().device_split.startswith("split") and "RandomInvert" in S.stats().device_split
-    for (a, y), (b, y2) in zip(cpu, split):
-        assert torch.equal(y, y2) and torch.equal(a, b)
+    _split_is_the_cpu_paths(datasets.ImageFolder(photos, transform=tf), "RandomInvert", workers)
 
 
 # ---------------------------------------------------------------- GaussianBlur
@@ -692,13 +699,7 @@ def test_augmix_batch_reads_resume_and_the_split(photos, cpu_device):
     ds = datasets.ImageFolder(photos, transform=tf)
     assert len(check_batch_reads_and_resume(ds, batch_size=3, seed=11, shuffle=True, device="cpu",
                                             decode="device")) == 8
-    kw = dict(batch_size=4, seed=9, shuffle=True, num_workers=2)
-    cpu = list(coordl.DataLoader(ds, **kw))
-    S = coordl.DataLoader(ds, device="cpu", **kw)
-    split = list(S)
-    assert S.stats().device_split.startswith("split") and "AugMix" in S.stats().device_split
-    for (a, y), (b, y2) in zip(cpu, split):
-        assert torch.equal(y, y2) and torch.equal(a, b)
+    _split_is_the_cpu_paths(ds, "AugMix")
 
 
 def test_augmix_with_another_slotted_step_is_refused(photos, cpu_device):
@@ -807,9 +808,4 @@ def test_a_tutorial_recipe_with_a_rotation_runs_on_the_device_and_the_split(phot
     ds = datasets.ImageFolder(photos, transform=tf)
     d, L = _levels_against_the_cpu_path(ds, 2)
     assert float(d.max()) <= 1 + 1e-3 and "RandomRotation" in L.stats().device_decode, float(d.max())
-    kw = dict(batch_size=4, seed=9, shuffle=True, num_workers=2)
-    cpu = list(coordl.DataLoader(ds, **kw))
-    S = coordl.DataLoader(ds, device="cpu", **kw)
-    for (a, y), (b, y2) in zip(cpu, S):
-        assert torch.equal(y, y2) and torch.equal(a, b)
-    assert "RandomRotation" in S.stats().device_split
+    _split_is_the_cpu_paths(ds, "RandomRotation")
