@@ -332,9 +332,7 @@ class TorchvisionPipeline:
         recorded of torchvision's geometric calls)."""
         got = self.__dict__.get("_jitters")
         if got is None or len(got) != len(self.tail):
-            got = self._jitters = [color_jitter_of(t) or random_apply_of(t) or grayscale_of(t) or policy_of(t)
-                                   or random_op_of(t) or blur_of(t) or geometric_of(t)
-                                   or augmix_of(t.user if isinstance(t, AugMixOnPlanes) else t) for t in self.tail]
+            got = self._jitters = [device_step_of(t) for t in self.tail]
         return got
 
     def _run_post(self, x: Any) -> Any:
@@ -508,18 +506,22 @@ class ColorJitterOnPlanes(OnPlanes):
 class RandomApplyOnPlanes(OnPlanes):
     """torchvision's ``RandomApply`` (v1 or v2) around one ``ColorJitter``
     (timm's ``color_jitter_prob``; the self-supervised recipes'
-    ``RandomApply([ColorJitter(...)], p=0.8)``) or one ``GaussianBlur``
-    (timm's ``gaussian_blur_prob``): its own draw of whether it applies
+    ``RandomApply([ColorJitter(...)], p=0.8)``), one ``GaussianBlur``
+    (timm's ``gaussian_blur_prob``), or any steps ``decode="device"`` draws
+    apart (a rotation, a policy...): its own draw of whether it applies
     (torch's generator, first, with its version's comparison), then the
-    inner step's (:class:`ColorJitterOnPlanes` on the planes;
-    :class:`BlurOnDevice` on the device only)."""
+    inner steps', in order (:class:`ColorJitterOnPlanes` alone on the
+    planes; the others on the device only)."""
 
-    def __init__(self, user: Any, v2: bool, inner: "ColorJitterOnPlanes | BlurOnDevice"):
+    def __init__(self, user: Any, v2: bool, inner: "OnPlanes", *more: "OnPlanes"):
         super().__init__(user, v2)
-        self.inner = inner
-        self.how = f"applied with probability {user.p}, the {type(inner.user).__name__} {inner.how}"
-        self.most = getattr(inner, "most", 4)          # the inner step's operations a call, at most
-        self.affines = getattr(inner, "affines", 0)
+        self.inner, self.inners = inner, (inner, *more)
+        self.how = f"applied with probability {user.p}, " + ", then ".join(
+            f"the {type(i.user).__name__} {i.how}" for i in self.inners)
+        # the inner steps' operations a call, at most; of them parameter slots; numpy's draws among them
+        self.most = sum(getattr(i, "most", 4) for i in self.inners)
+        self.affines = sum(getattr(i, "affines", 0) for i in self.inners)
+        self.draws_numpy = any(getattr(i, "draws_numpy", False) for i in self.inners)
 
     def _applies(self) -> bool:
         r = torch.rand(1)
@@ -530,13 +532,14 @@ class RandomApplyOnPlanes(OnPlanes):
 
     def draw(self, size: tuple | None = None) -> list[tuple[int, float]]:
         """The operations of one call: none where it does not apply."""
-        return self.inner.draw(size) if self._applies() else []
+        return [op for i in self.inners for op in i.draw(size)] if self._applies() else []
 
     def exact(self) -> bool:
-        return self.inner.exact() and _agrees(type(self), type(self.user), self.v2)
+        return len(self.inners) == 1 and self.inner.exact() and _agrees(type(self), type(self.user), self.v2)
 
     def draws_agree(self) -> bool:
-        return self.inner.draws_agree() and _agrees(type(self), type(self.user), self.v2, draws=True)
+        return all(i.draws_agree() for i in self.inners) and _agrees(type(self), type(self.user), self.v2,
+                                                                      draws=True)
 
     @classmethod
     def probe(cls, user_cls: type, v2: bool, kw: dict) -> tuple:
@@ -1910,15 +1913,23 @@ def color_jitter_of(t: Any, v2: bool) -> bool:
 @_recognizes(RandomApplyOnPlanes, "RandomApply")
 def random_apply_of(t: Any, v2: bool) -> "RandomApplyOnPlanes | None":
     """A :class:`RandomApplyOnPlanes` over ``t`` when it is torchvision's
-    ``RandomApply`` (v1 or v2) around one ``ColorJitter`` that
-    :func:`color_jitter_of` takes or one ``GaussianBlur`` that
-    :func:`blur_of` takes, else None."""
-    inner = list(t.transforms)
-    p = float(t.p)
-    step = (color_jitter_of(inner[0]) or blur_of(inner[0])) if len(inner) == 1 else None
-    if step is None or not 0.0 <= p <= 1.0:
+    ``RandomApply`` (v1 or v2) around steps :func:`device_step_of` takes
+    (one ``ColorJitter`` that :func:`color_jitter_of` takes is also run on
+    the CPU path's planes), else None."""
+    steps = [device_step_of(s) for s in t.transforms]
+    if not steps or any(s is None for s in steps) or not 0.0 <= float(t.p) <= 1.0:
         return None
-    return RandomApplyOnPlanes(t, v2, step)
+    return RandomApplyOnPlanes(t, v2, *steps)
+
+
+def device_step_of(t: Any) -> "OnPlanes | None":
+    """``t``'s counterpart that ``decode="device"`` draws in the worker and
+    runs on the device (a ``ColorJitter``, a ``RandomApply`` around such
+    steps, a ``RandomGrayscale``, an auto-augment policy, a one-operation
+    random step, a ``GaussianBlur``, a rotation, affine or perspective map,
+    an ``AugMix``), else None."""
+    return (color_jitter_of(t) or random_apply_of(t) or grayscale_of(t) or policy_of(t) or random_op_of(t)
+            or blur_of(t) or geometric_of(t) or augmix_of(t.user if isinstance(t, AugMixOnPlanes) else t))
 
 
 @_recognizes(GrayscaleOnPlanes, "RandomGrayscale")

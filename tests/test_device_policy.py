@@ -809,3 +809,38 @@ def test_a_tutorial_recipe_with_a_rotation_runs_on_the_device_and_the_split(phot
     d, L = _levels_against_the_cpu_path(ds, 2)
     assert float(d.max()) <= 1 + 1e-3 and "RandomRotation" in L.stats().device_decode, float(d.max())
     _split_is_the_cpu_paths(ds, "RandomRotation")
+
+
+# ---------------------------------------------------------------- RandomApply around any step drawn apart
+@pytest.mark.parametrize("version,workers", [("v1", 0), ("v2", 2)])
+def test_a_random_apply_around_steps_drawn_apart_runs_on_the_device(photos, cpu_device, version, workers):
+    """``RandomApply([RandomRotation(...)])`` and ``RandomApply([ColorJitter,
+    RandomGrayscale, RandomSolarize])``: the wrapper's draw, then each inner
+    step's, in the worker; on the device bit for bit PIL's operations of
+    each sample's draws, none where it did not apply; the split the CPU
+    path's batches."""
+    M = VERSIONS[version]
+    rot = M.RandomApply([M.RandomRotation(20, interpolation=M.InterpolationMode.BILINEAR)], p=0.5)
+    many = M.RandomApply([M.ColorJitter(0.4, 0.4, 0.4, 0.1), M.RandomGrayscale(0.5), M.RandomSolarize(128, p=0.5)],
+                         p=0.7)
+    for step in (rot, many):
+        r = tvcompat.random_apply_of(step)
+        assert r is not None and r.draws_agree() and len(r.inners) == len(step.transforms)
+        assert r.most == sum(getattr(i, "most", 4) for i in r.inners)
+        steps = [V.RandomResizedCrop(20, scale=(0.3, 1.0)), V.RandomHorizontalFlip(), V.PILToTensor()]
+        got, want, L, drawn = _geometry_then_policy(photos, steps, step, workers)
+        for (a, y), (b, y2) in zip(got, want):
+            assert torch.equal(y, y2) and torch.equal(a, b)
+        assert 0 < sum(bool(ops) for ops in drawn) < len(drawn) and "RandomApply" in L.stats().device_decode
+    tf = M.Compose([M.RandomResizedCrop(20), M.RandomHorizontalFlip(), rot, M.ToTensor() if version == "v1" else
+                    M.ToImage(), *([M.ToDtype(torch.float32, scale=True)] if version == "v2" else []),
+                    M.Normalize(MEAN, STD)] + ([M.ToPureTensor()] if version == "v2" else []))
+    _split_is_the_cpu_paths(datasets.ImageFolder(photos, transform=tf), "RandomApply", workers)
+
+
+def test_a_random_apply_around_a_step_the_device_cannot_run_is_refused(photos, cpu_device):
+    assert tvcompat.random_apply_of(V.RandomApply([V.ElasticTransform()], p=0.5)) is None
+    assert tvcompat.random_apply_of(V.RandomApply([V.ColorJitter(0.2), V.ElasticTransform()], p=0.5)) is None
+    tf = V.Compose([V.RandomResizedCrop(16), V.RandomApply([V.ElasticTransform(sigma=1.0)], p=0.5), V.ToTensor()])
+    with pytest.raises(ValueError, match=r"steps RandomApply run as written"):
+        coordl.DataLoader(datasets.ImageFolder(photos, transform=tf), batch_size=4, device="cpu", decode="device")
