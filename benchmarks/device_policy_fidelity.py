@@ -52,9 +52,9 @@ POLICIES = {"TrivialAugmentWide": lambda M: M.TrivialAugmentWide(), "RandAugment
 # timm's (--aa): RandAugment at m9 with noise (without timm's "inc1" variant, whose posterize at 0 bits this
 # PIL refuses on either path), and AutoAugment's original policy; a bilinear or bicubic filter drawn per
 # geometric operation, timm's default; and "3a", DeiT III's three augmentations (solarize, desaturate, PIL's
-# Gaussian blur at a drawn radius)
+# Gaussian blur at a drawn radius); and its AugMix (three chains of its operations, mixed and blended)
 TIMM = {"rand-m9-mstd0.5": "rand_augment_transform", "original": "auto_augment_transform",
-        "3a": "auto_augment_transform"}
+        "3a": "auto_augment_transform", "augmix-m3-w3": "augment_and_mix_transform"}
 NAMES = {C.BRIGHTNESS: "Brightness", C.CONTRAST: "Contrast", C.SATURATION: "Color", C.SHARPNESS: "Sharpness",
          C.POSTERIZE: "Posterize", C.SOLARIZE: "Solarize", C.AUTOCONTRAST: "AutoContrast", C.EQUALIZE: "Equalize",
          C.INVERT: "Invert", C.AFFINE: "shear, translation or rotation", C.TRANSPOSE: "quarter turn"}

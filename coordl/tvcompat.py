@@ -894,19 +894,22 @@ class TimmPolicyOnDevice(PolicyOnDevice):
         if not ops or any(getattr(op.aug_fn, "__module__", "") != _TIMM_AA
                           or op.aug_fn.__name__ not in _TIMM_GEOMETRIC | _TIMM_OTHERS for op in ops):
             raise ValueError("an operation coordl does not run on the device")
-        self.most = self.affines = int(user.num_layers) if type(user).__name__ == "RandAugment" else max(
-            len(p) for p in user.policy)
+        name = type(user).__name__
+        self.most = self.affines = int(user.num_layers) if name == "RandAugment" else 1 if name == "AugMixAugment" \
+            else max(len(p) for p in user.policy)
 
     def _all_ops(self) -> list:
         t = self.user
-        return list(t.ops) if type(t).__name__ == "RandAugment" else [op for p in t.policy for op in p]
+        return list(t.ops) if type(t).__name__ in ("RandAugment", "AugMixAugment") else \
+            [op for p in t.policy for op in p]
 
     @classmethod
     def probe(cls, user_cls: type, v2: bool, kw: dict) -> tuple:
         mod = sys.modules[_TIMM_AA]
         config, hparams = kw["config"], dict(kw.get("hparams", {}))
-        t = mod.rand_augment_transform(config, hparams) if config.startswith("rand") else \
-            mod.auto_augment_transform(config, hparams)
+        make = mod.rand_augment_transform if config.startswith("rand") else mod.augment_and_mix_transform \
+            if config.startswith("augmix") else mod.auto_augment_transform
+        t = make(config, hparams)
         return t, cls(t)
 
     def draw(self, size: tuple | None = None) -> list:
@@ -966,6 +969,53 @@ class TimmPolicyOnDevice(PolicyOnDevice):
                 raise ValueError("timm's solarize_add with a threshold of its own")
             return [(C.SOLARIZE_ADD, int(args[0]))]
         return [({"auto_contrast": C.AUTOCONTRAST, "equalize": C.EQUALIZE, "invert": C.INVERT}[fn], 0)]
+
+
+class TimmAugMixOnDevice(TimmPolicyOnDevice):
+    """timm's ``AugMixAugment`` (``create_transform(...,
+    auto_augment="augmix-m3-w3")``, timm's ``--aa augmix-...``; not its
+    ``blended`` mode), drawn apart from its call as timm draws it: the
+    chains' weights (numpy's Dirichlet, as float32) and the blend's
+    (numpy's beta), then for each chain its depth and operations (numpy's
+    choice) and each operation's own draws (Python's, as
+    :class:`TimmPolicyOnDevice`).  The draws are one operation,
+    ``(TIMM_AUGMIX, (m, weights, chains))`` (``coordl.decode.color``), each
+    chain PIL's operations; the device runs the chains as any operations,
+    then timm's mix (:class:`coordl.device.jitter.DeviceJitter`)."""
+
+    probes = ({"config": "augmix-m3-w3"}, {"config": "augmix-m5-w2-d2-mstd0.5-a0.5"})
+    seeds = (tuple(range(60)), ())
+
+    def __init__(self, user: Any, v2: bool = False):
+        from .decode.color import AFFINE
+        from .device import encoded
+
+        super().__init__(user, False)
+        if user.blended or not 1 <= int(user.width) <= 15:
+            raise ValueError("timm's blended AugMix, or one of more than 15 chains")
+        depth = int(user.depth) if int(user.depth) > 0 else 3
+        affine = (AFFINE, (1.0, 0.0, 0.0, 0.0, 1.0, 0.0, None, 0))      # an operation's most fields
+        worst = (0.5, (0.5,) * int(user.width), ((affine,) * depth,) * int(user.width))
+        if depth > 15 or encoded.timm_augmix_fields(worst) > 7 * encoded.MAX_AFFINES:
+            raise ValueError(f"timm's AugMix of {user.width} chains of {depth} operations: more than a record carries")
+        self.most = 1
+        self.affines = -(-encoded.timm_augmix_fields(worst) // 7)
+
+    def draw(self, size: tuple | None = None) -> list:
+        import numpy as np
+
+        from .decode import color as C
+
+        h, w = size if size is not None else (0, 0)
+        t = self.user
+        weights = np.float32(np.random.dirichlet([t.alpha] * t.width))
+        m = np.float32(np.random.beta(t.alpha, t.alpha))
+        chains = []
+        for _ in weights:
+            depth = t.depth if t.depth > 0 else np.random.randint(1, 4)
+            ops = np.random.choice(t.ops, depth, replace=True)
+            chains.append(tuple(o for op in ops for o in self._op(op, h, w)))
+        return [(C.TIMM_AUGMIX, (float(m), tuple(float(v) for v in weights), tuple(chains)))]
 
 
 def _pil_blur_op(call: tuple | None, name: str) -> list:
@@ -1116,7 +1166,7 @@ class RotationOnDevice(GeometricOnDevice):
 
 class PerspectiveOnDevice(GeometricOnDevice):
     """``RandomPerspective``: applied with its probability; its map, eight
-    coefficients, takes both of a record's parameter slots."""
+    coefficients, takes two of a record's parameter slots."""
 
     how = "its draws made apart from its call, its perspective map computed with PIL's arithmetic on the device"
     probes = ({"p": 0.7}, {"distortion_scale": 0.9, "p": 1.0, "interpolation": "nearest", "fill": [9, 80, 200]},
@@ -1149,7 +1199,7 @@ class AugMixOnDevice(_DrawnApart):
               {"chain_depth": 3, "mixture_width": 3, "alpha": 2.0})
     seeds = (tuple(range(24)), ())     # RGB probes only: the device runs RGB images
     most = 1
-    affines = 2                         # the record's two parameter slots
+    affines = 2                         # two of the record's parameter slots
 
     def __init__(self, user: Any, v2: bool):
         from .decode import augmix
@@ -1295,9 +1345,9 @@ def policy_of(t: Any) -> "PolicyOnDevice | None":
     with nearest, bilinear or bicubic interpolation, else None."""
     if isinstance(t, PolicyOnDevice):
         return t
-    if type(t).__module__ == _TIMM_AA and type(t).__name__ in ("RandAugment", "AutoAugment"):
+    if type(t).__module__ == _TIMM_AA and type(t).__name__ in ("RandAugment", "AutoAugment", "AugMixAugment"):
         try:
-            return TimmPolicyOnDevice(t)
+            return (TimmAugMixOnDevice if type(t).__name__ == "AugMixAugment" else TimmPolicyOnDevice)(t)
         except (TypeError, ValueError, AttributeError):
             return None
     kind = _kind(t)

@@ -900,7 +900,8 @@ def test_gaussian_blur_on_cuda_is_within_a_level_on_a_few_values(version):
                                                     (2, "v2", "ra_bilinear"), (0, "v1", "timm:rand-m7-mstd0.5"),
                                                     (2, "v1", "timm:original-bicubic"), (0, "v2", "geo:rotation"),
                                                     (2, "v1", "geo:affine_bicubic"), (2, "v2", "geo:perspective"),
-                                                    (0, "v1", "geo:perspective_nearest"), (2, "v1", "timm:3a")])
+                                                    (0, "v1", "geo:perspective_nearest"), (2, "v1", "timm:3a"),
+                                                    (0, "v1", "timm:augmix-m3-w3")])
 def test_an_auto_augment_policy_on_the_gpu_is_pils_on_the_gpus_rows(mixed_jpegs, workers, version, policy):
     """torchvision's policies (the reference recipe's ``--auto-augment``) and
     timm's, and a RandomRotation, RandomAffine or RandomPerspective after the crop, with

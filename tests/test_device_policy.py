@@ -156,12 +156,15 @@ def test_records_carry_affine_maps_and_fills():
     rec = [0] * E.INDEX + E.tail_fields(7, ops, [(1, 2, 3, 4)])
     assert len(rec) == E.RECORD
     assert E.ops_of(rec) == ops and E.rects_of(rec) == [(1, 2, 3, 4)]
-    with pytest.raises(ValueError, match="than the 2 parameter slots"):
-        E.tail_fields(7, ops[1:3] * 2)
     persp = [(C.CONTRAST, 0.5), (C.PERSPECTIVE, (1.2, 0.1, -2.0, 0.05, 1.3, -1.5, 0.006, -0.009, (1, 2, 3), 2))]
     assert E.ops_of([0] * E.INDEX + E.tail_fields(3, persp)) == persp
-    with pytest.raises(ValueError, match="than the 2 parameter slots"):
-        E.tail_fields(7, persp + ops[1:2])
+    full = ops[1:3] + persp[1:] * 5                       # twelve slots in seven operations
+    assert E.ops_of([0] * E.INDEX + E.tail_fields(3, full)) == full
+    with pytest.raises(ValueError, match="than the 12 parameter slots"):
+        E.tail_fields(7, full + ops[1:2])
+    for v in C._PROBE_VALUES[C.TIMM_AUGMIX]:       # timm's AugMix: its chains' operations, affine maps among them
+        mix = [(C.SOLARIZE, 100.0), (C.TIMM_AUGMIX, v), (C.AFFINE, ops[1][1])]
+        assert E.ops_of([0] * E.INDEX + E.tail_fields(1, mix)) == mix
 
 
 # ---------------------------------------------------------------- the draws
@@ -354,12 +357,24 @@ def test_other_policies_are_refused_naming_them(photos, cpu_device):
                               decode="device")
 
 
-@pytest.mark.parametrize("policies", [lambda: [V.TrivialAugmentWide() for _ in range(3)],
-                                      lambda: [V.RandAugment(num_ops=3)]])
+@pytest.mark.parametrize("policies", [lambda: [V.RandomPerspective() for _ in range(7)],
+                                      lambda: [V.AugMix() for _ in range(6)] + [V.RandomRotation(3)]])
 def test_more_affine_maps_than_a_record_carries_are_refused(photos, cpu_device, policies):
     tf = V.Compose([V.RandomResizedCrop(16)] + policies() + [V.ToTensor()])
-    with pytest.raises(ValueError, match=r"more than 2 shears, translations, rotations or blurs"):
+    with pytest.raises(ValueError, match=r"more than 12 shears, translations, rotations or blurs"):
         coordl.DataLoader(datasets.ImageFolder(photos, transform=tf), batch_size=4, device="cpu", decode="device")
+
+
+def test_three_policies_a_sample_fit_in_the_record(photos, cpu_device):
+    """``RandAugment(num_ops=3)`` and three ``TrivialAugmentWide``s (three
+    affine maps a sample at most) run on the device: the record's twelve
+    parameter slots carry them."""
+    steps = [V.RandomResizedCrop(20, scale=(0.3, 1.0)), V.PILToTensor()]
+    for t in (V.RandAugment(num_ops=3), V.Compose([V.TrivialAugmentWide() for _ in range(3)])):
+        got, want, L, drawn = _geometry_then_policy(photos, steps, t, 0)
+        for (a, y), (b, y2) in zip(got, want):
+            assert torch.equal(y, y2) and torch.equal(a, b)
+        assert max(sum(c == C.AFFINE for c, _ in ops) for ops in drawn) >= 2
 
 
 def test_analyze_recommends_decoding_on_the_gpu_for_the_reference_recipe(photos, monkeypatch):
@@ -392,6 +407,8 @@ TIMM = {"rand-m9-mstd0.5-inc1": lambda A: A.rand_augment_transform("rand-m9-mstd
         "v0-bicubic": lambda A: A.auto_augment_transform("v0", {"interpolation": Image.BICUBIC}),
         "original-bicubic": lambda A: A.auto_augment_transform("original", {"interpolation": Image.BICUBIC}),
         "3a": lambda A: A.auto_augment_transform("3a", {}),
+        "augmix-m3-w3": lambda A: A.augment_and_mix_transform("augmix-m3-w3", {}),
+        "augmix-m5-w2-d2-mstd0.5": lambda A: A.augment_and_mix_transform("augmix-m5-w2-d2-mstd0.5", {}),
         "rand-m9-n2-mstd0.5-t3aw": lambda A: A.rand_augment_transform("rand-m9-n2-mstd0.5-t3aw", {})}
 
 
@@ -425,6 +442,8 @@ def test_timms_draws_are_its_policys_own(config):
         now = tvcompat._all_states()
         assert torch.equal(now[0], after[0]) and now[1:] == after[1:], seed
         assert np.array_equal(np.asarray(C.pil_jitter(img, ops)), want), (seed, ops)
+        ops = [o for c, v in ops for o in ([o for chain in v[2] for o in chain] if c == C.TIMM_AUGMIX else
+                                           [(c, v)])]      # timm's AugMix: its chains' operations
         kinds |= {c for c, _ in ops}
         kinds |= {v[7] for c, v in ops if c == C.AFFINE}
     assert len(kinds) >= (3 if config == "3a" else 8), kinds
@@ -445,7 +464,8 @@ def test_timms_operations_the_device_does_not_run_keep_the_policy_as_written(mon
         tvcompat._pil_blur_op(("filter", ImageFilter.GaussianBlur((1.0, 2.0))), "GaussianBlur")
 
 
-@pytest.mark.parametrize("config,workers", [("rand-m7-mstd0.5", 2), ("original", 0), ("3a", 2)])
+@pytest.mark.parametrize("config,workers", [("rand-m7-mstd0.5", 2), ("original", 0), ("3a", 2),
+                                            ("augmix-m3-w3", 0)])
 def test_the_device_runs_timms_policy_on_its_rows_as_the_cpu_path(photos, cpu_device, config, workers):
     """Bit for bit: timm's policy on the device's own geometry's rows is
     PIL's operations of each sample's draws (numpy's and Python's
@@ -455,11 +475,13 @@ def test_the_device_runs_timms_policy_on_its_rows_as_the_cpu_path(photos, cpu_de
     got, want, L, drawn = _geometry_then_policy(photos, steps, TIMM[config](A), workers)
     for (a, y), (b, y2) in zip(got, want):
         assert a.dtype == torch.uint8 and torch.equal(y, y2) and torch.equal(a, b)
+    if config.startswith("augmix"):      # one mix a sample: its chains' operations differ
+        drawn = [[o for chain in ops[0][1][2] for o in chain] for ops in drawn]
     assert len({tuple(c for c, _ in ops) for ops in drawn}) >= (3 if config == "3a" else 5)
     assert L.stats().device_decode_images == 24
 
 
-@pytest.mark.parametrize("aa", ["rand-m9-mstd0.5", "original", "3a"])
+@pytest.mark.parametrize("aa", ["rand-m9-mstd0.5", "original", "3a", "augmix-m3-w3"])
 def test_timms_training_transform_with_auto_augment_runs_on_the_device(photos, cpu_device, exact, aa):
     """``create_transform(..., is_training=True, auto_augment=...)``, only
     the import changed plus the option: the same labels, the rows the CPU
@@ -472,6 +494,28 @@ def test_timms_training_transform_with_auto_augment_runs_on_the_device(photos, c
     assert float((d > 1 + 1e-3).float().mean()) < 0.06 and float(d.mean()) < 1.0, (float(d.mean()), float(
         (d > 1 + 1e-3).float().mean()))
     assert L.stats().device_decode_images == len(ds) and "Augment" in L.stats().device_decode
+
+
+def test_timms_augmix_the_device_cannot_run_is_not_taken_and_a_wrong_mix_gives_way(monkeypatch):
+    """timm's blended AugMix (other arithmetic) and one whose chains need
+    more fields than a record's slots: not taken.  A device mix made wrong
+    fails its first-use check, and its rows run through the CPU path's code
+    (PIL's and numpy's arithmetic: the right mix still)."""
+    A = _timm_aa()
+    assert tvcompat.policy_of(A.augment_and_mix_transform("augmix-m3-w3-b1", {})) is None
+    assert tvcompat.policy_of(A.augment_and_mix_transform("augmix-m3-w4", {})) is None
+    assert tvcompat.policy_of(A.augment_and_mix_transform("augmix-m3-w4-d2", {})).affines <= E.MAX_AFFINES
+    real = J.DeviceJitter._timm_mix
+    monkeypatch.setattr(J.DeviceJitter, "_timm_mix", lambda self, x, values: real(self, x, values).clamp_(max=250))
+    dj = J.DeviceJitter(torch.device("cpu"))
+    y = _rows(7, 5, 12, 16)
+    ops = [[(C.TIMM_AUGMIX, C._PROBE_VALUES[C.TIMM_AUGMIX][r % 4])] for r in range(5)]
+    got = dj(y.clone(), ops)
+    assert dj._exact[J._KIND[C.TIMM_AUGMIX]] is False
+    for r, want in enumerate(_pils(y, ops)):
+        assert np.array_equal(got[r].numpy(), want), r
+    monkeypatch.setattr(J.DeviceJitter, "_timm_mix", real)
+    assert J.DeviceJitter(torch.device("cpu")).exact(J._KIND[C.TIMM_AUGMIX])
 
 
 def test_timms_policy_batch_reads_and_resume(photos, cpu_device):
@@ -623,8 +667,8 @@ def test_augmix_draws_travel_in_a_records_fields():
     with pytest.raises(ValueError, match="not a float32"):
         AM.pack((0, 1, 0.1, (0.5,), (((0, 0.25),),)))
     with pytest.raises(ValueError, match="parameter slots"):
-        E.tail_fields(0, [(C.AFFINE, (1.0, 0.0, 0.0, 0.0, 1.0, 0.0, None, 0)),
-                          (C.AUGMIX, C._PROBE_VALUES[C.AUGMIX][0])])
+        E.tail_fields(0, [(C.AFFINE, (1.0, 0.0, 0.0, 0.0, 1.0, 0.0, None, 0))]
+                      + [(C.AUGMIX, C._PROBE_VALUES[C.AUGMIX][0])] * 6)
 
 
 @pytest.mark.parametrize("config", list(AUGMIX))
@@ -702,8 +746,8 @@ def test_augmix_batch_reads_resume_and_the_split(photos, cpu_device):
     _split_is_the_cpu_paths(ds, "AugMix")
 
 
-def test_augmix_with_another_slotted_step_is_refused(photos, cpu_device):
-    tf = V.Compose([V.RandomResizedCrop(16), V.TrivialAugmentWide(), V.AugMix(), V.ToTensor()])
+def test_augmix_with_more_slotted_steps_than_a_record_carries_is_refused(photos, cpu_device):
+    tf = V.Compose([V.RandomResizedCrop(16)] + [V.AugMix() for _ in range(7)] + [V.ToTensor()])
     with pytest.raises(ValueError, match=r"an AugMix counts two"):
         coordl.DataLoader(datasets.ImageFolder(photos, transform=tf), batch_size=4, device="cpu", decode="device")
 

@@ -26,6 +26,7 @@ from . import extensions
 
 __all__ = ["BRIGHTNESS", "CONTRAST", "SATURATION", "HUE", "SHARPNESS", "POSTERIZE", "SOLARIZE", "AUTOCONTRAST",
            "EQUALIZE", "INVERT", "AFFINE", "TRANSPOSE", "SOLARIZE_ADD", "BLUR", "AUGMIX", "PERSPECTIVE", "PIL_BLUR",
+           "TIMM_AUGMIX",
            "KERNEL_CODES", "jitter", "pil_jitter", "exact_kernel",
            "probe_ops"]
 
@@ -44,9 +45,12 @@ BRIGHTNESS, CONTRAST, SATURATION, HUE = 0, 1, 2, 3
 # (AUGMIX, (v2, mode, m0, weights, chains)): torchvision's AugMix of a PIL image with those draws
 # (coordl.decode.augmix); (PERSPECTIVE, (a0, ..., a7, fill, resample)): Image.transform(size, PERSPECTIVE, a,
 # resample, fillcolor=fill), as AFFINE; (PIL_BLUR, radius): PIL's own ImageFilter.GaussianBlur(radius) (three
-# box blurs each way, in integers: timm's GaussianBlur and GaussianBlurRand operations)
+# box blurs each way, in integers: timm's GaussianBlur and GaussianBlurRand operations); (TIMM_AUGMIX, (m,
+# weights, chains)): timm's AugMixAugment with those draws: each chain (its operations, (code, value)s of
+# these codes) applied to the image, the results summed with the weights in single precision, clipped,
+# truncated, and PIL's blend of the image with that at m
 SHARPNESS, POSTERIZE, SOLARIZE, AUTOCONTRAST, EQUALIZE, INVERT, AFFINE, TRANSPOSE, SOLARIZE_ADD, BLUR, AUGMIX, \
-    PERSPECTIVE, PIL_BLUR = range(4, 17)
+    PERSPECTIVE, PIL_BLUR, TIMM_AUGMIX = range(4, 18)
 KERNEL_CODES = frozenset((BRIGHTNESS, CONTRAST, SATURATION, HUE))
 
 
@@ -107,6 +111,13 @@ def pil_jitter(img: Image.Image, ops) -> Image.Image:
             img = F.gaussian_blur(img, [int(kx), int(ky)], [float(sx), float(sy)])
         elif code == TRANSPOSE:
             img = img.transpose(Image.Transpose(int(value)))
+        elif code == TIMM_AUGMIX:
+            m, weights, chains = value
+            mixed = np.zeros((img.height, img.width, len(img.getbands())), dtype=np.float32)
+            for weight, chain in zip(weights, chains):
+                mixed += np.float32(weight) * np.asarray(pil_jitter(img, chain), dtype=np.float32)
+            np.clip(mixed, 0, 255.0, out=mixed)
+            img = Image.blend(img, Image.fromarray(mixed.astype(np.uint8), img.mode), float(np.float32(m)))
         elif code == PIL_BLUR:
             from PIL import ImageFilter
 
@@ -189,6 +200,23 @@ _PROBE_VALUES[PERSPECTIVE] = tuple((*a, fill, r) for r in (0, 2, 3) for a, fill 
     ((1.0, 0.0, 1.5, 0.0, 1.0, -0.5, 1e-9, 0.0), None)))
 # PIL's Gaussian blur: radii whose boxes are under a pixel, one, two and more than the probes' width
 _PROBE_VALUES[PIL_BLUR] = (0.1, 0.37, 0.5, 1.0, 1.7, 2.0, 3.3, 9.5)
+
+
+def _timm_augmix_probes() -> tuple:
+    """timm's AugMix: chains of its operations (colour, tables, affine maps
+    with each filter, and a fill), the weights and the blend."""
+    f = lambda v: float(np.float32(v))    # noqa: E731 - drawn as float32
+    shear = (1.0, 0.21, 0.0, 0.0, 1.0, 0.0, (128, 128, 128), 2)
+    rot = (0.96, -0.28, 3.1, 0.28, 0.96, -2.2, (128, 128, 128), 3)
+    move = (1.0, 0.0, -2.5, 0.0, 1.0, 1.5, None, 0)
+    return ((f(0.63), (f(0.2), f(0.5), f(0.3)), (((AUTOCONTRAST, 0), (AFFINE, shear)),
+                                                ((SATURATION, 1.7), (POSTERIZE, 5), (AFFINE, rot)),
+                                                ((EQUALIZE, 0),))),
+            (f(0.08), (f(0.71), f(0.29)), (((SOLARIZE, 171), (SHARPNESS, 0.4)), ((CONTRAST, 1.9), (AFFINE, move)))),
+            (f(1.0), (f(1.0),), (((BRIGHTNESS, 0.3),),)), (f(0.0), (f(0.4), f(0.6)), ((), ((INVERT, 0),))))
+
+
+_PROBE_VALUES[TIMM_AUGMIX] = _timm_augmix_probes()
 
 
 def probe_ops(codes) -> list:

@@ -35,7 +35,7 @@ import numpy as np
 import torch
 
 from ..decode import augmix
-from ..decode.color import AFFINE, AUGMIX, BLUR, PERSPECTIVE
+from ..decode.color import AFFINE, AUGMIX, BLUR, PERSPECTIVE, TIMM_AUGMIX
 from .split import _Marked, _unmark
 
 __all__ = ["RECORD", "ON_DEVICE", "ON_CPU", "DecodePlan", "plan_for", "DecodePrep", "EncodedCompose", "ops_of",
@@ -50,9 +50,10 @@ __all__ = ["RECORD", "ON_DEVICE", "ON_CPU", "DecodePlan", "plan_for", "DecodePre
 # parameters of the operations that need more than a number (an operation (AFFINE, k) or (BLUR, k) is the
 # k-th's), seven fields each: an auto-augment policy's affine map, six doubles' bits then the fill and PIL's
 # filter in one field (the filter << 32 | the fill's three values, or 1 << 24 for none); a GaussianBlur's
-# kernel sizes, its sigmas' bits and whether it is torchvision v2's; an AugMix's draws take both slots
-# (coordl.decode.augmix.pack), and so does a perspective map (eight doubles' bits, then the fill and filter)
-MAX_OPS, MAX_RECTS, MAX_AFFINES = 8, 4, 2
+# kernel sizes, its sigmas' bits and whether it is torchvision v2's; an AugMix's draws take two slots
+# (coordl.decode.augmix.pack), and so does a perspective map (eight doubles' bits, then the fill and filter);
+# timm's AugMix takes as many as its chains need (_pack_timm_augmix)
+MAX_OPS, MAX_RECTS, MAX_AFFINES = 8, 4, 12
 (KIND, SRC_H, SRC_W, T1, L1, H1, W1, RH, RW, T2, L2, H2, W2, FLIP, MODE, VFLIP, INDEX, CHANNELS, N_OPS) = range(19)
 OPS = N_OPS + 1
 N_RECTS = OPS + 2 * MAX_OPS
@@ -449,7 +450,8 @@ def _with_jitter(pipeline) -> tuple[list, list]:
                       "a RandomGrayscale is one, an auto-augment policy as many as it draws)", "merge them into one")
     if sum(getattr(j, "affines", 0) for j in jitters) > MAX_AFFINES:
         raise _refuse(f"its auto-augment policies, blurs and AugMix may draw more than {MAX_AFFINES} shears, "
-                      "translations, rotations or blurs a sample (an AugMix counts two), the most the device stage "
+                      "translations, rotations or blurs a sample (an AugMix counts two, a perspective map two, "
+                      "timm's AugMix as many as its chains' operations may need), the most the device stage "
                       "carries", "keep at most two such operations a sample")
     if pipeline.post_fused is None:
         what = (f"after ColorJitter the steps {', '.join(type(t).__name__ for t in pipeline.post)} run as "
@@ -541,7 +543,14 @@ def _capture(fields: list, payload, cap, ops=(), rects=()) -> torch.Tensor:
     marked tensor, captured with what travels beside it (through numpy: a
     third of what ``torch.tensor`` of a list costs)."""
     records, index = cap
-    m = torch.from_numpy(np.array(fields + tail_fields(index, ops, rects), dtype=np.int64)).as_subclass(_Marked)
+    if ops or rects:
+        arr = np.array(fields + tail_fields(index, ops, rects), dtype=np.int64)
+    else:               # the common record: the blank tail copied, not made of Python ints
+        arr = np.empty(RECORD, dtype=np.int64)
+        arr[:INDEX] = fields
+        arr[INDEX:] = BLANK_TAIL
+        arr[INDEX] = index
+    m = torch.from_numpy(arr).as_subclass(_Marked)
     records.append((m, payload))
     return m
 
@@ -549,6 +558,17 @@ def _capture(fields: list, payload, cap, ops=(), rects=()) -> torch.Tensor:
 _NO_OPS = [0] * (2 * MAX_OPS)
 _NO_RECTS = [0] * (1 + 4 * MAX_RECTS)
 _NO_AFFINES = [0] * (7 * MAX_AFFINES)
+
+
+def _blank_tail() -> np.ndarray:
+    tail = np.zeros(RECORD - INDEX, dtype=np.int64)
+    tail[CHANNELS - INDEX] = 3
+    tail.flags.writeable = False
+    return tail
+
+
+# tail_fields of a sample without operations or rectangles, its index 0 (set the index after copying it)
+BLANK_TAIL = _blank_tail()
 
 
 def tail_fields(index: int, ops=(), rects=()) -> list:
@@ -566,7 +586,7 @@ def tail_fields(index: int, ops=(), rects=()) -> list:
             raise ValueError(f"{len(ops)} operations after the geometry, more than the {MAX_OPS} a record carries")
         values = []
         for c, v in ops:
-            if c in (AFFINE, BLUR, AUGMIX, PERSPECTIVE):
+            if c in (AFFINE, BLUR, AUGMIX, PERSPECTIVE, TIMM_AUGMIX):
                 if affines is _NO_AFFINES:
                     affines = []
                 if c == AFFINE:
@@ -574,6 +594,8 @@ def tail_fields(index: int, ops=(), rects=()) -> list:
                 elif c == PERSPECTIVE:
                     slot = np.array(v[:8], dtype=np.float64).view(np.int64).tolist() + [_packed(v[8], v[9])] \
                         + [0] * 5
+                elif c == TIMM_AUGMIX:
+                    slot = _pack_timm_augmix(v)
                 elif c == BLUR:
                     slot = [int(v[0]), int(v[1]), *np.array(v[2:4], dtype=np.float64).view(np.int64).tolist(),
                             int(bool(v[4])), 0, 0]
@@ -632,7 +654,70 @@ def ops_of(rec) -> list:
         elif c == AUGMIX:
             at = AFFINES + 7 * int(v)
             ops[j] = (c, augmix.unpack(rec[at:at + augmix.FIELDS]))
+        elif c == TIMM_AUGMIX:
+            ops[j] = (c, _unpack_timm_augmix(rec, AFFINES + 7 * int(v)))
     return ops
+
+
+def _f32_pairs(values) -> list:
+    """float32 numbers two to an int64 field (the first in the low half)."""
+    bits = np.array(values, dtype=np.float32).view(np.uint32).astype(np.int64).tolist()
+    bits += [0] * (len(bits) % 2)
+    return [f - (1 << 64) if f >= 1 << 63 else f for f in (lo | (hi << 32) for lo, hi in zip(bits[::2], bits[1::2]))]
+
+
+def timm_augmix_fields(value) -> int:
+    """The fields :func:`_pack_timm_augmix` takes for ``value``."""
+    m, weights, chains = value
+    return 1 + (len(weights) + 2) // 2 + sum(1 + (7 if c == AFFINE else 1) for chain in chains for c, _ in chain)
+
+
+def _pack_timm_augmix(value) -> list:
+    """timm's AugMix's draws (``(m, weights, chains)``: PIL's operations,
+    ``coordl.decode.color``'s) as fields, padded to whole slots: the chains'
+    count and each one's length, m and the weights two float32 to a field,
+    then each operation's code and its value (an affine map's seven fields,
+    else a float64's bits)."""
+    m, weights, chains = value
+    if len(chains) != len(weights) or len(chains) > 15 or any(len(c) > 15 for c in chains):
+        raise ValueError("timm's AugMix with more than 15 chains or operations in a chain")
+    head = len(chains)
+    for i, c in enumerate(chains):
+        head |= len(c) << (4 + 4 * i)
+    fields = [head] + _f32_pairs([m, *weights])
+    for chain in chains:
+        for c, v in chain:
+            if c == AFFINE:
+                fields += [int(c)] + np.array(v[:6], dtype=np.float64).view(np.int64).tolist() + [_packed(v[6], v[7])]
+            elif c in (BLUR, AUGMIX, PERSPECTIVE, TIMM_AUGMIX):
+                raise ValueError(f"operation {c} inside timm's AugMix")
+            else:
+                fields += [int(c), int(np.array([v], dtype=np.float64).view(np.int64)[0])]
+    return fields + [0] * (-len(fields) % 7)
+
+
+def _unpack_timm_augmix(rec, at: int) -> tuple:
+    head = int(rec[at]) & ((1 << 64) - 1)
+    width = head & 15
+    lengths = [(head >> (4 + 4 * i)) & 15 for i in range(width)]
+    n = (width + 2) // 2
+    floats = np.array([f for f in rec[at + 1:at + 1 + n]], dtype=np.int64).view(np.uint32).view(np.float32).tolist()
+    k, chains = at + 1 + n, []
+    for length in lengths:
+        chain = []
+        for _ in range(length):
+            c = int(rec[k])
+            if c == AFFINE:
+                a = np.array(rec[k + 1:k + 7], dtype=np.int64).view(np.float64).tolist()
+                f = int(rec[k + 7])
+                fill = None if f & _NO_FILL else ((f >> 16) & 255, (f >> 8) & 255, f & 255)
+                chain.append((c, (*a, fill, f >> 32)))
+                k += 8
+            else:
+                chain.append((c, float(np.array([rec[k + 1]], dtype=np.int64).view(np.float64)[0])))
+                k += 2
+        chains.append(tuple(chain))
+    return floats[0], tuple(floats[1:1 + width]), tuple(chains)
 
 
 def noise_sizes(rects, noise: str | None, channels: int = 3) -> list:

@@ -48,7 +48,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from ..decode.color import BRIGHTNESS, CONTRAST, HUE, KERNEL_CODES, SATURATION, pil_jitter, probe_ops
+from ..decode.color import BRIGHTNESS, CONTRAST, HUE, KERNEL_CODES, SATURATION, TIMM_AUGMIX, pil_jitter, probe_ops
 from . import pil_ops
 from .pil_ops import _blend
 from .launch import launch, upload
@@ -63,6 +63,8 @@ _KIND = {BRIGHTNESS: _BLEND, CONTRAST: _BLEND, SATURATION: _SATURATE, HUE: _HUE}
 # an auto-augment policy's other operations (coordl.device.pil_ops): a kind each
 _OWN = 100
 _KIND.update({code: _OWN + code for code in pil_ops.CODES})
+# timm's AugMix: its chains through these same operations, then its mix (DeviceJitter._timm_mix)
+_TIMM_MIX = _KIND[TIMM_AUGMIX] = _OWN + TIMM_AUGMIX
 
 _tables_lock = threading.Lock()
 _tables: dict = {}      # device -> (to_hsv, from_hsv) there, once made (int32, 2**24 packed colours each)
@@ -240,7 +242,9 @@ class DeviceJitter:
     def _apply(self, y: torch.Tensor, kind: int, rows: list) -> None:
         idx = upload(np.array([r for r, _, _ in rows], dtype=np.int64), self.device)
         x = y.index_select(0, idx)
-        if kind >= _OWN:
+        if kind == _TIMM_MIX:
+            out = self._timm_mix(x, [v for _, _, v in rows])
+        elif kind >= _OWN:
             out = pil_ops.apply(x, kind - _OWN, [v for _, _, v in rows])
         elif kind == _HUE:
             out = self._hue(x, [int(v) & 255 for _, _, v in rows])
@@ -258,6 +262,23 @@ class DeviceJitter:
                                   self._means(y, [rows[j][0] for j in contrast]))
                 out = _blend(a.view(-1, 1, 1, 1), x, alpha)
         y.index_copy_(0, idx, out)
+
+    def _timm_mix(self, x: torch.Tensor, values: list) -> torch.Tensor:
+        """timm's AugMix of each row as its ``(m, weights, chains)`` say:
+        each chain's operations on a copy of the rows (through this jitter,
+        position by position, as any row's operations), the copies summed
+        with their weights in single precision (a product, then a sum: as
+        numpy computes ``mixed += w * image``), clipped to 0..255,
+        truncated, then PIL's blend of the row with that at ``m``."""
+        dev = x.device
+        mixed = torch.zeros(x.shape, dtype=torch.float32, device=dev)
+        for i in range(max(len(v[1]) for v in values)):
+            aug = self(x.clone(), [list(v[2][i]) if i < len(v[2]) else [] for v in values])
+            w = upload(np.array([v[1][i] if i < len(v[1]) else 0.0 for v in values], dtype=np.float32), dev)
+            mixed.add_(w.view(-1, 1, 1, 1) * aug.to(torch.float32))
+        blended = mixed.clamp_(0.0, 255.0).to(torch.uint8)
+        m = upload(np.array([v[0] for v in values], dtype=np.float32), dev).view(-1, 1, 1, 1)
+        return _blend(x.to(torch.float32), blended, m)
 
     def _hue(self, x: torch.Tensor, shifts: list) -> torch.Tensor:
         to_hsv, from_hsv = _hsv_tables(self.device)

@@ -37,8 +37,8 @@ import time
 import numpy as np
 import torch
 
-from ..device.encoded import (FLIP, H2, INDEX, MODE, ON_DEVICE, RECORD, RH, SRC_W, T1, VFLIP, W1, DecodePrep,
-                              EncodedCompose, _lazy, tail_fields)
+from ..device.encoded import (BLANK_TAIL, FLIP, H2, INDEX, MODE, ON_DEVICE, RECORD, RH, SRC_W, T1, VFLIP, W1,
+                              DecodePrep, EncodedCompose, _lazy, tail_fields)
 
 __all__ = ["BatchReads", "batch_reads_for", "native_draws"]
 
@@ -366,14 +366,16 @@ class BatchReads:
                                     fixed.clear()
                                 geo = fixed[(h, w)] = [ON_DEVICE, h, w, *draw(h, w, None)]
                             rec[j, :INDEX] = geo
-                            rec[j, INDEX:] = tail_fields(i)
+                            rec[j, INDEX:] = BLANK_TAIL
+                            rec[j, INDEX] = i
                         elif native is None:
                             g = derive(seed, epoch, i)
                             rec[j, :INDEX] = [ON_DEVICE, h, w, *draw(h, w, g)]
                             rec[j, INDEX:] = tail_fields(i, *draw_after(g)[:2])
                         else:
                             rec[j, :SRC_W + 1] = (ON_DEVICE, h, w)
-                            rec[j, INDEX:] = tail_fields(i)
+                            rec[j, INDEX:] = BLANK_TAIL
+                            rec[j, INDEX] = i
                             later.append(j)
                         lab[j] = self.targets[i]
                         st.prep_s += clock() - t1
