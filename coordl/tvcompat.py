@@ -522,6 +522,7 @@ class RandomApplyOnPlanes(OnPlanes):
         self.most = sum(getattr(i, "most", 4) for i in self.inners)
         self.affines = sum(getattr(i, "affines", 0) for i in self.inners)
         self.draws_numpy = any(getattr(i, "draws_numpy", False) for i in self.inners)
+        self.draws_python = any(getattr(i, "draws_python", False) for i in self.inners)
 
     def _applies(self) -> bool:
         r = torch.rand(1)
@@ -1960,6 +1961,66 @@ def color_jitter_of(t: Any, v2: bool) -> bool:
     return True
 
 
+class ChoiceOnDevice(_DrawnApart):
+    """torchvision's ``RandomChoice`` and ``RandomOrder`` (v1 or v2) around
+    steps :func:`device_step_of` takes: the container's own draw (v1:
+    Python's generator, ``random.choices`` of one step with its weights or
+    ``random.shuffle`` of the order; v2: torch's, ``multinomial`` or
+    ``randperm``), then the chosen step's draws, or every step's in the
+    drawn order."""
+
+    seeds = (tuple(range(16)), ())
+
+    def __init__(self, user: Any, v2: bool, *inners: "OnPlanes"):
+        super().__init__(user, v2)
+        self.inners = inners
+        self.order = type(user).__name__ == "RandomOrder"
+        self.how = ("in a drawn order: " if self.order else "one drawn of: ") + ", ".join(
+            f"the {type(i.user).__name__} {i.how}" for i in inners)
+        pick = sum if self.order else max
+        self.most = pick(getattr(i, "most", 4) for i in inners)
+        self.affines = pick(getattr(i, "affines", 0) for i in inners)
+        self.draws_numpy = any(getattr(i, "draws_numpy", False) for i in inners)
+        self.draws_python = not v2 or any(getattr(i, "draws_python", False) for i in inners)
+
+    @classmethod
+    def probe(cls, user_cls: type, v2: bool, kw: dict) -> tuple:
+        """The user's container class around its version's ``ColorJitter``,
+        ``RandomGrayscale`` and ``RandomInvert``, and this class over it."""
+        M = sys.modules["torchvision.transforms.v2" if v2 else "torchvision.transforms"]
+        steps = [M.ColorJitter(0.4, 0.4, 0.4, 0.1), M.RandomGrayscale(0.5), M.RandomInvert(0.5)]
+        t = user_cls(steps, p=kw["p"]) if user_cls.__name__ == "RandomChoice" else user_cls(steps)
+        return t, cls(t, v2, *(device_step_of(s) for s in steps))
+
+    probes = ({"p": None}, {"p": [0.2, 0.3, 0.5]})
+
+    def draw(self, size: tuple | None = None) -> list:
+        n, t = len(self.inners), self.user
+        if self.order:
+            if self.v2:
+                order = [int(i) for i in torch.randperm(n)]
+            else:
+                order = list(range(n))
+                random.shuffle(order)
+            return [op for i in order for op in self.inners[i].draw(size)]
+        if self.v2:
+            i = int(torch.multinomial(torch.tensor(t.p), 1))
+        else:
+            i = random.choices(range(n), weights=t.p)[0]
+        return self.inners[i].draw(size)
+
+
+@_recognizes(ChoiceOnDevice, "RandomChoice", "RandomOrder")
+def choice_of(t: Any, v2: bool) -> "ChoiceOnDevice | None":
+    """A :class:`ChoiceOnDevice` over ``t`` when it is torchvision's
+    ``RandomChoice`` or ``RandomOrder`` (v1 or v2) around steps
+    :func:`device_step_of` takes, else None."""
+    steps = [device_step_of(s) for s in t.transforms]
+    if not steps or any(s is None for s in steps):
+        return None
+    return ChoiceOnDevice(t, v2, *steps)
+
+
 @_recognizes(RandomApplyOnPlanes, "RandomApply")
 def random_apply_of(t: Any, v2: bool) -> "RandomApplyOnPlanes | None":
     """A :class:`RandomApplyOnPlanes` over ``t`` when it is torchvision's
@@ -1977,9 +2038,11 @@ def device_step_of(t: Any) -> "OnPlanes | None":
     runs on the device (a ``ColorJitter``, a ``RandomApply`` around such
     steps, a ``RandomGrayscale``, an auto-augment policy, a one-operation
     random step, a ``GaussianBlur``, a rotation, affine or perspective map,
-    an ``AugMix``), else None."""
+    an ``AugMix``, a ``RandomChoice`` or ``RandomOrder`` of such steps),
+    else None."""
     return (color_jitter_of(t) or random_apply_of(t) or grayscale_of(t) or policy_of(t) or random_op_of(t)
-            or blur_of(t) or geometric_of(t) or augmix_of(t.user if isinstance(t, AugMixOnPlanes) else t))
+            or blur_of(t) or geometric_of(t) or augmix_of(t.user if isinstance(t, AugMixOnPlanes) else t)
+            or choice_of(t))
 
 
 @_recognizes(GrayscaleOnPlanes, "RandomGrayscale")

@@ -888,3 +888,44 @@ def test_a_random_apply_around_a_step_the_device_cannot_run_is_refused(photos, c
     tf = V.Compose([V.RandomResizedCrop(16), V.RandomApply([V.ElasticTransform(sigma=1.0)], p=0.5), V.ToTensor()])
     with pytest.raises(ValueError, match=r"steps RandomApply run as written"):
         coordl.DataLoader(datasets.ImageFolder(photos, transform=tf), batch_size=4, device="cpu", decode="device")
+
+
+# ---------------------------------------------------------------- RandomChoice, RandomOrder
+CHOICES = {"choice": lambda M: M.RandomChoice([M.RandomRotation(15), M.ColorJitter(0.4, 0.4, 0.4, 0.1),
+                                               M.RandomSolarize(100, p=1.0)], p=[0.5, 0.3, 0.2]),
+           "order": lambda M: M.RandomOrder([M.RandomGrayscale(0.5), M.RandomAffine(0, shear=10), M.RandomInvert(0.5)])}
+
+
+@pytest.mark.parametrize("kind", list(CHOICES))
+@pytest.mark.parametrize("version,workers", [("v1", 2), ("v2", 0)])
+def test_random_choice_and_order_are_drawn_apart_and_run_on_the_device(photos, cpu_device, version, workers, kind):
+    """The container's own draw (v1: Python's generator; v2: torch's), then
+    the chosen step's, or each step's in the drawn order: PIL's result of
+    the draws is the user's own on a real image, the generators left as its
+    call leaves them; on the device bit for bit those operations on the
+    device's rows."""
+    M = VERSIONS[version]
+    t = CHOICES[kind](M)
+    c = tvcompat.choice_of(t)
+    assert c is not None and c.draws_agree() and c.draws_python == (version == "v1")
+    img = _probe_image(4, 26, 30)
+    firsts = set()
+    for seed in range(40):
+        tvcompat._seed_all(seed)
+        want = np.asarray(t(img))
+        after = tvcompat._all_states()
+        tvcompat._seed_all(seed)
+        ops = c.draw((26, 30))
+        now = tvcompat._all_states()
+        assert torch.equal(now[0], after[0]) and now[1:] == after[1:], seed
+        assert np.array_equal(np.asarray(C.pil_jitter(img, ops)), want), (seed, ops)
+        firsts.add(tuple(code for code, _ in ops))
+    assert len(firsts) >= 3, firsts
+    steps = [V.RandomResizedCrop(20, scale=(0.3, 1.0)), V.RandomHorizontalFlip(), V.PILToTensor()]
+    got, want, L, drawn = _geometry_then_policy(photos, steps, t, workers)
+    for (a, y), (b, y2) in zip(got, want):
+        assert torch.equal(y, y2) and torch.equal(a, b)
+    assert type(t).__name__ in L.stats().device_decode
+    if version == "v1":       # Python's generator seeded in the worker as the CPU path seeds it: its batches
+        tf = V.Compose([V.RandomResizedCrop(20), t, V.ToTensor(), V.Normalize(MEAN, STD)])
+        _split_is_the_cpu_paths(datasets.ImageFolder(photos, transform=tf), type(t).__name__, workers)

@@ -277,8 +277,10 @@ class DecodePlan:
     @property
     def python_draws(self) -> bool:
         """A step after the geometry draws from Python's generator (timm's
-        ``RandomErasing``, timm's policies)."""
-        return (self.erasing is not None and self.erasing.kind == "timm") or self.numpy_draws
+        ``RandomErasing``, timm's policies, torchvision v1's
+        ``RandomChoice`` and ``RandomOrder``)."""
+        return (self.erasing is not None and self.erasing.kind == "timm") or self.numpy_draws or any(
+            getattr(j, "draws_python", False) for j in self.jitters)
 
     @property
     def numpy_draws(self) -> bool:
