@@ -1131,6 +1131,24 @@ class _DrawnApart(OnPlanes):
         return _agrees(type(self), type(self.user), self.v2, draws=True)
 
 
+class GrayscaleOnDevice(_DrawnApart):
+    """torchvision's ``Grayscale(num_output_channels=3)`` (v1 or v2): PIL's
+    ``convert("L")`` repeated over three planes, the colour operation
+    ``(SATURATION, 0.0)`` (as a ``RandomGrayscale`` that applies), on the
+    device.  It draws nothing; on the CPU path it runs as written."""
+
+    how = "its grey image computed with PIL's arithmetic on the device"
+    probes = ({"num_output_channels": 3},)
+    seeds = ((0,), ())
+    most = 1
+    affines = 0
+
+    def draw(self, size: tuple | None = None) -> list:
+        from .decode import color
+
+        return [(color.SATURATION, 0.0)]
+
+
 class GeometricOnDevice(_DrawnApart):
     """torchvision's ``RandomRotation`` (without ``expand``) and
     ``RandomAffine`` (v1 or v2; nearest, bilinear or bicubic) after the
@@ -1302,6 +1320,13 @@ def blur_of(t: Any, v2: bool) -> bool:
 
 _GEOMETRIC = {"RandomRotation": RotationOnDevice, "RandomAffine": AffineOnDevice,
               "RandomPerspective": PerspectiveOnDevice}
+
+
+@_recognizes(GrayscaleOnDevice, "Grayscale")
+def gray_of(t: Any, v2: bool) -> bool:
+    """A :class:`GrayscaleOnDevice` over ``t`` when it is torchvision's
+    ``Grayscale`` with three output channels (v1 or v2), else None."""
+    return int(t.num_output_channels) == 3
 
 
 @_recognizes(GeometricOnDevice, *_GEOMETRIC)
@@ -1911,6 +1936,8 @@ _DETERMINISTIC = {
 
 def _deterministic(t: Any) -> bool:
     k = _kind(t)
+    if k is not None and k[1] == "Grayscale" and getattr(t, "num_output_channels", 1) == 3:
+        return False       # kept with the steps before it: decode="device" runs it there (GrayscaleOnDevice)
     return k is not None and k[1] in _DETERMINISTIC.get(k[0], ())
 
 
@@ -2038,11 +2065,11 @@ def device_step_of(t: Any) -> "OnPlanes | None":
     runs on the device (a ``ColorJitter``, a ``RandomApply`` around such
     steps, a ``RandomGrayscale``, an auto-augment policy, a one-operation
     random step, a ``GaussianBlur``, a rotation, affine or perspective map,
-    an ``AugMix``, a ``RandomChoice`` or ``RandomOrder`` of such steps),
-    else None."""
+    an ``AugMix``, a ``RandomChoice`` or ``RandomOrder`` of such steps, a
+    three-channel ``Grayscale``), else None."""
     return (color_jitter_of(t) or random_apply_of(t) or grayscale_of(t) or policy_of(t) or random_op_of(t)
             or blur_of(t) or geometric_of(t) or augmix_of(t.user if isinstance(t, AugMixOnPlanes) else t)
-            or choice_of(t))
+            or choice_of(t) or gray_of(t))
 
 
 @_recognizes(GrayscaleOnPlanes, "RandomGrayscale")

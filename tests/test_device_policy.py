@@ -929,3 +929,24 @@ def test_random_choice_and_order_are_drawn_apart_and_run_on_the_device(photos, c
     if version == "v1":       # Python's generator seeded in the worker as the CPU path seeds it: its batches
         tf = V.Compose([V.RandomResizedCrop(20), t, V.ToTensor(), V.Normalize(MEAN, STD)])
         _split_is_the_cpu_paths(datasets.ImageFolder(photos, transform=tf), type(t).__name__, workers)
+
+
+@pytest.mark.parametrize("version,workers", [("v1", 0), ("v2", 2)])
+def test_a_three_channel_grayscale_runs_on_the_device(photos, cpu_device, version, workers):
+    """``Grayscale(num_output_channels=3)`` before the conversion: PIL's grey
+    image on three planes, computed on the device (a colour operation at
+    0); the CPU path's batches with the device split, bit for bit; a
+    one-channel ``Grayscale`` still refused."""
+    M = VERSIONS[version]
+    g = tvcompat.gray_of(M.Grayscale(3))
+    assert g is not None and g.draws_agree() and tvcompat.gray_of(M.Grayscale(1)) is None
+    steps = [V.RandomResizedCrop(20, scale=(0.3, 1.0)), V.RandomHorizontalFlip(), V.PILToTensor()]
+    got, want, L, drawn = _geometry_then_policy(photos, steps, M.Grayscale(3), workers)
+    for (a, y), (b, y2) in zip(got, want):
+        assert torch.equal(y, y2) and torch.equal(a, b) and torch.equal(a[:, 0], a[:, 2])
+    assert all(ops == [(C.SATURATION, 0.0)] for ops in drawn) and "Grayscale" in L.stats().device_decode
+    tf = V.Compose([V.RandomResizedCrop(20), M.Grayscale(3), V.ToTensor(), V.Normalize(MEAN, STD)])
+    _split_is_the_cpu_paths(datasets.ImageFolder(photos, transform=tf), "Grayscale", workers)
+    tf1 = V.Compose([V.RandomResizedCrop(20), M.Grayscale(1), V.ToTensor()])
+    with pytest.raises(ValueError, match=r"steps Grayscale, ToTensor run as written"):
+        coordl.DataLoader(datasets.ImageFolder(photos, transform=tf1), batch_size=4, device="cpu", decode="device")
