@@ -174,17 +174,26 @@ def _probe_image(seed: int, h: int, w: int) -> Image.Image:
 
 
 def _same_draws(t, mine, img: Image.Image, seeds) -> list:
-    """For each seed of torch's generator: the user's ``t`` on ``img`` is
-    PIL's result of ``mine``'s draws, and the generator is left as the
-    user's call leaves it.  Each seed's operations."""
+    """For each seed of torch's, Python's and numpy's generators: the user's
+    ``t`` on ``img`` is PIL's result of ``mine``'s draws, and the generators
+    are left as the user's call leaves them; where the user's call fails
+    (timm's posterize at 0 bits, which this PIL refuses), so does the draw,
+    with the same error.  Each seed's operations (none for those)."""
     out = []
     for seed in seeds:
-        torch.manual_seed(seed)
-        want = np.asarray(t(img))
-        after = torch.get_rng_state()
-        torch.manual_seed(seed)
+        tvcompat._seed_all(seed)
+        try:
+            want = np.asarray(t(img))
+        except ValueError as e:
+            tvcompat._seed_all(seed)
+            with pytest.raises(ValueError, match=str(e)):
+                mine.draw((img.height, img.width))
+            continue
+        after = tvcompat._all_states()
+        tvcompat._seed_all(seed)
         ops = mine.draw((img.height, img.width))
-        assert torch.equal(torch.get_rng_state(), after), seed
+        now = tvcompat._all_states()
+        assert torch.equal(now[0], after[0]) and now[1:] == after[1:], seed
         assert np.array_equal(np.asarray(C.pil_jitter(img, ops)), want), (seed, ops)
         out.append(ops)
     return out
@@ -424,24 +433,8 @@ def test_timms_draws_are_its_policys_own(config):
     t = TIMM[config](A)
     p = tvcompat.policy_of(t)
     assert p is not None and p.draws_agree() and p.draws_numpy
-    rng = random.Random(2)
-    img = Image.fromarray(np.frombuffer(rng.randbytes(30 * 40 * 3), np.uint8).reshape(30, 40, 3))
     kinds = set()
-    for seed in range(200):
-        tvcompat._seed_all(seed)
-        try:
-            want = np.asarray(t(img))
-        except ValueError as e:
-            tvcompat._seed_all(seed)
-            with pytest.raises(ValueError, match=str(e)):
-                p.draw((30, 40))
-            continue
-        after = tvcompat._all_states()
-        tvcompat._seed_all(seed)
-        ops = p.draw((30, 40))
-        now = tvcompat._all_states()
-        assert torch.equal(now[0], after[0]) and now[1:] == after[1:], seed
-        assert np.array_equal(np.asarray(C.pil_jitter(img, ops)), want), (seed, ops)
+    for ops in _same_draws(t, p, _probe_image(2, 30, 40), range(200)):
         ops = [o for c, v in ops for o in ([o for chain in v[2] for o in chain] if c == C.TIMM_AUGMIX else
                                            [(c, v)])]      # timm's AugMix: its chains' operations
         kinds |= {c for c, _ in ops}
@@ -908,18 +901,7 @@ def test_random_choice_and_order_are_drawn_apart_and_run_on_the_device(photos, c
     t = CHOICES[kind](M)
     c = tvcompat.choice_of(t)
     assert c is not None and c.draws_agree() and c.draws_python == (version == "v1")
-    img = _probe_image(4, 26, 30)
-    firsts = set()
-    for seed in range(40):
-        tvcompat._seed_all(seed)
-        want = np.asarray(t(img))
-        after = tvcompat._all_states()
-        tvcompat._seed_all(seed)
-        ops = c.draw((26, 30))
-        now = tvcompat._all_states()
-        assert torch.equal(now[0], after[0]) and now[1:] == after[1:], seed
-        assert np.array_equal(np.asarray(C.pil_jitter(img, ops)), want), (seed, ops)
-        firsts.add(tuple(code for code, _ in ops))
+    firsts = {tuple(code for code, _ in ops) for ops in _same_draws(t, c, _probe_image(4, 26, 30), range(40))}
     assert len(firsts) >= 3, firsts
     steps = [V.RandomResizedCrop(20, scale=(0.3, 1.0)), V.RandomHorizontalFlip(), V.PILToTensor()]
     got, want, L, drawn = _geometry_then_policy(photos, steps, t, workers)
