@@ -386,20 +386,21 @@ def test_three_policies_a_sample_fit_in_the_record(photos, cpu_device):
         assert max(sum(c == C.AFFINE for c, _ in ops) for ops in drawn) >= 2
 
 
-def test_analyze_recommends_decoding_on_the_gpu_for_the_reference_recipe(photos, monkeypatch):
+@pytest.mark.parametrize("policy", ["TrivialAugmentWide", "AugMix"])
+def test_analyze_recommends_decoding_on_the_gpu_for_the_reference_recipe(photos, monkeypatch, policy):
     """``coordl analyze`` on torchvision's ImageFolder with the reference
-    recipe's ``ta_wide``, prep the stall and a GPU there: decode="device"
-    (it was not, while the policy was refused)."""
+    recipe's ``ta_wide`` or ``augmix``, prep the stall and a GPU there:
+    decode="device" (it was not, while the policy was refused)."""
     from coordl.analyze import recommend
     from coordl.tvcompat import adapt
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    tf = V.Compose([V.RandomResizedCrop(16), V.RandomHorizontalFlip(), V.TrivialAugmentWide(), V.PILToTensor(),
+    tf = V.Compose([V.RandomResizedCrop(16), V.RandomHorizontalFlip(), getattr(V, policy)(), V.PILToTensor(),
                     V.ConvertImageDtype(torch.float), V.Normalize(MEAN, STD)])
     ds, _ = adapt(datasets.ImageFolder(photos, transform=tf))
     [rec] = recommend({"largest": "prep"}, ds)
     assert rec["applies"] and rec["option"] == "decode='device'"
-    assert "RandomResizedCrop + RandomHorizontalFlip + TrivialAugmentWide -> 16x16" in rec["why"], rec
+    assert f"RandomResizedCrop + RandomHorizontalFlip + {policy} -> 16x16" in rec["why"], rec
 
 
 # ---------------------------------------------------------------- timm's policies
