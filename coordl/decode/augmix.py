@@ -58,11 +58,14 @@ def fits(width: int, depth: int) -> bool:
         and 1 + (width + 2) // 2 + width * depth <= FIELDS
 
 
-def _f32_bits(v: float) -> int:
-    f = np.float32(v)
-    if float(f) != float(v):
-        raise ValueError(f"AugMix's value {v!r} is not a float32")
-    return int(np.array([f]).view(np.uint32)[0])
+def _f32_bits(values: list) -> list:
+    """The float32 bits of each of ``values`` (each must be a float32)."""
+    d = np.array(values, dtype=np.float64)
+    f = d.astype(np.float32)
+    bad = f.astype(np.float64) != d
+    if bad.any():
+        raise ValueError(f"AugMix's value {values[int(np.argmax(bad))]!r} is not a float32")
+    return f.view(np.uint32).tolist()
 
 
 def _f32(bits: int) -> float:
@@ -79,10 +82,12 @@ def pack(value) -> list:
     head = int(bool(v2)) | (int(mode) << 1) | (width << 4)
     for i, c in enumerate(chains):
         head |= len(c) << (8 + 4 * i)
-    floats = [_f32_bits(w) for w in (m0, *weights)]
+    ops = [(int(op), m) for c in chains for op, m in c]
+    bits = _f32_bits([m0, *weights, *(m for _, m in ops)])
+    floats, mags = bits[:1 + width], bits[1 + width:]
     floats += [0] * (len(floats) % 2)
     fields = [head] + [lo | (hi << 32) for lo, hi in zip(floats[::2], floats[1::2])]
-    fields += [(int(op) << 32) | _f32_bits(m) for c in chains for op, m in c]
+    fields += [(op << 32) | b for (op, _), b in zip(ops, mags)]
     return [f - (1 << 64) if f >= 1 << 63 else f for f in fields] + [0] * (FIELDS - len(fields))
 
 
