@@ -454,7 +454,7 @@ def _with_jitter(pipeline) -> tuple[list, list]:
         raise _refuse(f"its auto-augment policies, blurs and AugMix may draw more than {MAX_AFFINES} shears, "
                       "translations, rotations or blurs a sample (an AugMix counts two, a perspective map two, "
                       "timm's AugMix as many as its chains' operations may need), the most the device stage "
-                      "carries", "keep at most two such operations a sample")
+                      "carries", "keep fewer such operations a sample")
     if pipeline.post_fused is None:
         what = (f"after ColorJitter the steps {', '.join(type(t).__name__ for t in pipeline.post)} run as "
                 "written" if pipeline.post else "the transform ends with ColorJitter (its result, a PIL image)")
@@ -643,10 +643,10 @@ def ops_of(rec) -> list:
     ops = list(zip(pairs[:, 0].tolist(), pairs[:, 1].copy().view(np.float64).tolist()))
     for j, (c, v) in enumerate(ops):
         if c in (AFFINE, PERSPECTIVE):
-            n = 6 if c == AFFINE else 8
+            size = 6 if c == AFFINE else 8
             at = AFFINES + 7 * int(v)
-            a = np.array(rec[at:at + n], dtype=np.int64).view(np.float64).tolist()
-            f = int(rec[at + n])
+            a = np.array(rec[at:at + size], dtype=np.int64).view(np.float64).tolist()
+            f = int(rec[at + size])
             fill = None if f & _NO_FILL else ((f >> 16) & 255, (f >> 8) & 255, f & 255)
             ops[j] = (c, (*a, fill, f >> 32))
         elif c == BLUR:
