@@ -1149,6 +1149,62 @@ class GrayscaleOnDevice(_DrawnApart):
         return [(color.SATURATION, 0.0)]
 
 
+class PhotometricOnDevice(_DrawnApart):
+    """torchvision v2's ``RandomPhotometricDistort`` (SSD's distortions) and
+    ``RandomChannelPermutation`` on a PIL image: the user's own
+    ``make_params`` draws (on a stand-in of the image's shape), and the
+    operations its ``transform`` applies for them, in its order (brightness;
+    contrast before or after saturation and hue, as drawn; the band
+    permutation last) become ``coordl.decode.color``'s codes: PIL's
+    ``ImageEnhance`` and HSV arithmetic, as a ``ColorJitter``'s, and
+    ``PERMUTE``."""
+
+    how = "its draws made apart from its call, its operations computed with PIL's arithmetic on the device"
+    seeds = (tuple(range(40)), ())
+
+    def __init__(self, user: Any, v2: bool):
+        super().__init__(user, v2)
+        self.most = 5 if type(user).__name__ == "RandomPhotometricDistort" else 1
+        self.affines = 0
+
+    @classmethod
+    def probe(cls, user_cls: type, v2: bool, kw: dict) -> tuple:
+        if user_cls.__name__ == "RandomChannelPermutation":
+            kw = {}
+        return super().probe(user_cls, v2, kw)
+
+    probes = ({}, {"p": 1.0}, {"brightness": (0.2, 1.8), "hue": (-0.5, 0.5), "p": 0.7})
+
+    def draw(self, size: tuple | None = None) -> list:
+        from .decode import color as C
+
+        h, w = size if size is not None else (1, 1)
+        p = self.user.make_params([torch.empty(1).expand(3, h, w)])
+        ops = []
+        if "permutation" not in p:                   # RandomPhotometricDistort
+            b, c, s, hue = (p[k] for k in ("brightness_factor", "contrast_factor", "saturation_factor", "hue_factor"))
+            before = p["contrast_before"]
+            if b is not None:
+                ops.append((C.BRIGHTNESS, float(b)))
+            if c is not None and before:
+                ops.append((C.CONTRAST, float(c)))
+            if s is not None:
+                ops.append((C.SATURATION, float(s)))
+            if hue is not None:
+                if not -0.5 <= hue <= 0.5:
+                    raise ValueError(f"hue_factor ({hue}) is not in [-0.5, 0.5].")
+                ops.append((C.HUE, int(np.int32(hue * 255).astype(np.uint8))))
+            if c is not None and not before:
+                ops.append((C.CONTRAST, float(c)))
+            perm = p["channel_permutation"]
+        else:
+            perm = p["permutation"]
+        if perm is not None:
+            a, b2, c2 = (int(i) for i in perm)
+            ops.append((C.PERMUTE, a * 100 + b2 * 10 + c2))
+        return ops
+
+
 class GeometricOnDevice(_DrawnApart):
     """torchvision's ``RandomRotation`` (without ``expand``) and
     ``RandomAffine`` (v1 or v2; nearest, bilinear or bicubic) after the
@@ -1320,6 +1376,14 @@ def blur_of(t: Any, v2: bool) -> bool:
 
 _GEOMETRIC = {"RandomRotation": RotationOnDevice, "RandomAffine": AffineOnDevice,
               "RandomPerspective": PerspectiveOnDevice}
+
+
+@_recognizes(PhotometricOnDevice, "RandomPhotometricDistort", "RandomChannelPermutation")
+def photometric_of(t: Any, v2: bool) -> bool:
+    """A :class:`PhotometricOnDevice` over ``t`` when it is torchvision v2's
+    ``RandomPhotometricDistort`` or ``RandomChannelPermutation``, else
+    None."""
+    return v2
 
 
 @_recognizes(GrayscaleOnDevice, "Grayscale")
@@ -2066,10 +2130,11 @@ def device_step_of(t: Any) -> "OnPlanes | None":
     steps, a ``RandomGrayscale``, an auto-augment policy, a one-operation
     random step, a ``GaussianBlur``, a rotation, affine or perspective map,
     an ``AugMix``, a ``RandomChoice`` or ``RandomOrder`` of such steps, a
-    three-channel ``Grayscale``), else None."""
+    three-channel ``Grayscale``, v2's ``RandomPhotometricDistort`` and
+    ``RandomChannelPermutation``), else None."""
     return (color_jitter_of(t) or random_apply_of(t) or grayscale_of(t) or policy_of(t) or random_op_of(t)
             or blur_of(t) or geometric_of(t) or augmix_of(t.user if isinstance(t, AugMixOnPlanes) else t)
-            or choice_of(t) or gray_of(t))
+            or choice_of(t) or gray_of(t) or photometric_of(t))
 
 
 @_recognizes(GrayscaleOnPlanes, "RandomGrayscale")

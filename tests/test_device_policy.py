@@ -933,3 +933,27 @@ def test_a_three_channel_grayscale_runs_on_the_device(photos, cpu_device, versio
     tf1 = V.Compose([V.RandomResizedCrop(20), M.Grayscale(1), V.ToTensor()])
     with pytest.raises(ValueError, match=r"steps Grayscale, ToTensor run as written"):
         coordl.DataLoader(datasets.ImageFolder(photos, transform=tf1), batch_size=4, device="cpu", decode="device")
+
+
+@pytest.mark.parametrize("name,workers", [("RandomPhotometricDistort", 2), ("RandomChannelPermutation", 0)])
+def test_v2s_photometric_distort_and_channel_permutation_run_on_the_device(photos, cpu_device, name, workers):
+    """torchvision v2's ``RandomPhotometricDistort`` (SSD's) and
+    ``RandomChannelPermutation``: the user's own draws, PIL's result of
+    their operations the user's own on a real image; on the device bit for
+    bit those operations on the device's rows; the split the CPU path's
+    batches."""
+    t = getattr(V2, name)()
+    ph = tvcompat.photometric_of(t)
+    assert ph is not None and ph.draws_agree()
+    assert tvcompat.photometric_of(V2.ColorJitter(0.1)) is None
+    drawn = _same_draws(t, ph, _probe_image(5, 22, 27), range(40))
+    assert any(ops and ops[-1][0] == C.PERMUTE for ops in drawn)
+    assert len({tuple(map(tuple, d)) for d in drawn}) >= (6 if name == "RandomChannelPermutation" else 20)
+    steps = [V.RandomResizedCrop(20, scale=(0.3, 1.0)), V.RandomHorizontalFlip(), V.PILToTensor()]
+    got, want, L, drawn = _geometry_then_policy(photos, steps, t, workers)
+    for (a, y), (b, y2) in zip(got, want):
+        assert torch.equal(y, y2) and torch.equal(a, b)
+    assert name in L.stats().device_decode
+    tf = V2.Compose([V2.RandomResizedCrop(20), t, V2.ToImage(), V2.ToDtype(torch.float32, scale=True),
+                     V2.Normalize(MEAN, STD), V2.ToPureTensor()])
+    _split_is_the_cpu_paths(datasets.ImageFolder(photos, transform=tf), name, workers)

@@ -26,7 +26,7 @@ from . import extensions
 
 __all__ = ["BRIGHTNESS", "CONTRAST", "SATURATION", "HUE", "SHARPNESS", "POSTERIZE", "SOLARIZE", "AUTOCONTRAST",
            "EQUALIZE", "INVERT", "AFFINE", "TRANSPOSE", "SOLARIZE_ADD", "BLUR", "AUGMIX", "PERSPECTIVE", "PIL_BLUR",
-           "TIMM_AUGMIX",
+           "TIMM_AUGMIX", "PERMUTE", "permutation",
            "KERNEL_CODES", "jitter", "pil_jitter", "exact_kernel",
            "probe_ops"]
 
@@ -48,9 +48,16 @@ BRIGHTNESS, CONTRAST, SATURATION, HUE = 0, 1, 2, 3
 # box blurs each way, in integers: timm's GaussianBlur and GaussianBlurRand operations); (TIMM_AUGMIX, (m,
 # weights, chains)): timm's AugMixAugment with those draws: each chain (its operations, (code, value)s of
 # these codes) applied to the image, the results summed with the weights in single precision, clipped,
-# truncated, and PIL's blend of the image with that at m
+# truncated, and PIL's blend of the image with that at m; (PERMUTE, p0 * 100 + p1 * 10 + p2): the
+# image's bands in the order p0, p1, p2 (torchvision v2's permute_channels)
 SHARPNESS, POSTERIZE, SOLARIZE, AUTOCONTRAST, EQUALIZE, INVERT, AFFINE, TRANSPOSE, SOLARIZE_ADD, BLUR, AUGMIX, \
-    PERSPECTIVE, PIL_BLUR, TIMM_AUGMIX = range(4, 18)
+    PERSPECTIVE, PIL_BLUR, TIMM_AUGMIX, PERMUTE = range(4, 19)
+
+
+def permutation(value) -> tuple[int, int, int]:
+    """The band order a PERMUTE operation's value stands for."""
+    v = int(value)
+    return v // 100 % 10, v // 10 % 10, v % 10
 KERNEL_CODES = frozenset((BRIGHTNESS, CONTRAST, SATURATION, HUE))
 
 
@@ -118,6 +125,9 @@ def pil_jitter(img: Image.Image, ops) -> Image.Image:
                 mixed += np.float32(weight) * np.asarray(pil_jitter(img, chain), dtype=np.float32)
             np.clip(mixed, 0, 255.0, out=mixed)
             img = Image.blend(img, Image.fromarray(mixed.astype(np.uint8), img.mode), float(np.float32(m)))
+        elif code == PERMUTE:
+            bands = img.split()
+            img = Image.merge(img.mode, [bands[i] for i in permutation(value)])
         elif code == PIL_BLUR:
             from PIL import ImageFilter
 
@@ -217,6 +227,7 @@ def _timm_augmix_probes() -> tuple:
 
 
 _PROBE_VALUES[TIMM_AUGMIX] = _timm_augmix_probes()
+_PROBE_VALUES[PERMUTE] = (12, 21, 102, 120, 201, 210)      # every order of three bands
 
 
 def probe_ops(codes) -> list:

@@ -45,7 +45,8 @@ with its own value, by torch's operations, with PIL's arithmetic:
 - PIL's own Gaussian blur (timm's ``GaussianBlur`` operations: its
   ``3a`` policy, DeiT III's three augmentations): its three box blurs each
   way, in integers (:func:`box_radius`), exact on any device;
-- transpose: PIL's flips and quarter turns;
+- transpose: PIL's flips and quarter turns; a permutation of the bands
+  (torchvision v2's ``RandomChannelPermutation``, ``RandomPhotometricDistort``);
 - torchvision's ``AugMix``, which mixes the tensor of a PIL image: its own
   tensor functions for the operations, the rows that drew the same one at a
   step taken together, and its single-precision mix (:mod:`coordl.decode.augmix`):
@@ -63,14 +64,14 @@ import numpy as np
 import torch
 
 from ..decode import augmix
-from ..decode.color import (AFFINE, AUGMIX, AUTOCONTRAST, BLUR, EQUALIZE, INVERT, PERSPECTIVE, PIL_BLUR, POSTERIZE,
-                            SHARPNESS, SOLARIZE, SOLARIZE_ADD, TRANSPOSE)
+from ..decode.color import (AFFINE, AUGMIX, AUTOCONTRAST, BLUR, EQUALIZE, INVERT, PERMUTE, PERSPECTIVE, PIL_BLUR,
+                            POSTERIZE, SHARPNESS, SOLARIZE, SOLARIZE_ADD, TRANSPOSE, permutation)
 from .launch import upload
 
 __all__ = ["CODES", "apply"]
 
 CODES = frozenset((SHARPNESS, POSTERIZE, SOLARIZE, AUTOCONTRAST, EQUALIZE, INVERT, AFFINE, TRANSPOSE, SOLARIZE_ADD,
-                   BLUR, AUGMIX, PERSPECTIVE, PIL_BLUR))
+                   BLUR, AUGMIX, PERSPECTIVE, PIL_BLUR, PERMUTE))
 # the kinds the device computes within a stated tolerance of the CPU path, not bit for bit: code -> (the most
 # levels a value may differ by, the largest share of values that may differ) on the probes.  On the CPU both
 # are the CPU path's values; on a GPU the blur sums in another order, and AugMix runs torchvision's own
@@ -115,6 +116,10 @@ def apply(x: torch.Tensor, code: int, values: list) -> torch.Tensor:
         return _blur(x, values)
     if code == PIL_BLUR:
         return _pil_blur(x, values)
+    if code == PERMUTE:        # each row's bands in its order: one gather
+        k, c, h, w = x.shape
+        order = upload(np.array([permutation(v) for v in values], dtype=np.int64), x.device)
+        return torch.gather(x, 1, order.view(k, c, 1, 1).expand(k, c, h, w))
     if code == AUGMIX:
         return augmix.apply(x, values, lambda a: upload(a, x.device))
     raise ValueError(f"not an operation of coordl.device.pil_ops: {code}")
