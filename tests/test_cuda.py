@@ -901,7 +901,8 @@ def test_gaussian_blur_on_cuda_is_within_a_level_on_a_few_values(version):
                                                     (2, "v1", "timm:original-bicubic"), (0, "v2", "geo:rotation"),
                                                     (2, "v1", "geo:affine_bicubic"), (2, "v2", "geo:perspective"),
                                                     (0, "v1", "geo:perspective_nearest"), (2, "v1", "timm:3a"),
-                                                    (0, "v1", "timm:augmix-m3-w3")])
+                                                    (0, "v1", "timm:augmix-m3-w3"),
+                                                    (2, "v2", "photo:RandomPhotometricDistort")])
 def test_an_auto_augment_policy_on_the_gpu_is_pils_on_the_gpus_rows(mixed_jpegs, workers, version, policy):
     """torchvision's policies (the reference recipe's ``--auto-augment``) and
     timm's, and a RandomRotation, RandomAffine or RandomPerspective after the crop, with
@@ -921,7 +922,8 @@ def test_an_auto_augment_policy_on_the_gpu_is_pils_on_the_gpus_rows(mixed_jpegs,
 
     V = V1 if version == "v1" else V2
     t = cases.TIMM[policy[5:]](cases._timm_aa()) if policy.startswith("timm:") else \
-        cases.GEOMETRIC[policy[4:]](V) if policy.startswith("geo:") else cases.POLICIES[policy](V)
+        cases.GEOMETRIC[policy[4:]](V) if policy.startswith("geo:") else getattr(V, policy[6:])() \
+        if policy.startswith("photo:") else cases.POLICIES[policy](V)
     _gpu_rows_against(mixed_jpegs, V, t, workers,
                       lambda row, ops: torch.from_numpy(cases._pils(row[None], [ops])[0].copy()))
 
