@@ -885,13 +885,17 @@ class Exits(Dataset):
 
 out = {}
 for cls in (TorchDataLoader, CoordlDataLoader):
+    # on stderr, which loader was running: a timeout's report then says which one hung
+    print("starting", cls.__module__, file=sys.stderr, flush=True)
     loader = cls(Exits(), batch_size=2, num_workers=2)
     try:
         list(loader)
         out[cls.__module__] = None
     except Exception as exc:
         out[cls.__module__] = [type(exc).__name__, str(exc)]
+    print("raised" if out[cls.__module__] else "ended", cls.__module__, file=sys.stderr, flush=True)
     del loader
+    print("released", cls.__module__, file=sys.stderr, flush=True)
 print(json.dumps(out))
 """
 
