@@ -72,6 +72,24 @@ def _f32(bits: int) -> float:
     return float(np.array([bits & 0xFFFFFFFF], dtype=np.uint32).view(np.float32)[0])
 
 
+def f32_fields(values: list) -> list:
+    """float32 numbers (each must be one) two to an int64 field, the first
+    in the low half: a record's fields."""
+    bits = _f32_bits(values)
+    bits += [0] * (len(bits) % 2)
+    return [_signed(lo | (hi << 32)) for lo, hi in zip(bits[::2], bits[1::2])]
+
+
+def f32_values(fields, n: int) -> list:
+    """The first ``n`` float32 numbers of :func:`f32_fields`'s fields."""
+    return [_f32(int(f) >> s) for f in fields[:(n + 1) // 2] for s in (0, 32)][:n]
+
+
+def _signed(f: int) -> int:
+    """A 64-bit field as the int64 a record holds."""
+    return f - (1 << 64) if f >= 1 << 63 else f
+
+
 def pack(value) -> list:
     """A value's :data:`FIELDS` int64 fields."""
     v2, mode, m0, weights, chains = value
@@ -83,12 +101,9 @@ def pack(value) -> list:
     for i, c in enumerate(chains):
         head |= len(c) << (8 + 4 * i)
     ops = [(int(op), m) for c in chains for op, m in c]
-    bits = _f32_bits([m0, *weights, *(m for _, m in ops)])
-    floats, mags = bits[:1 + width], bits[1 + width:]
-    floats += [0] * (len(floats) % 2)
-    fields = [head] + [lo | (hi << 32) for lo, hi in zip(floats[::2], floats[1::2])]
-    fields += [(op << 32) | b for (op, _), b in zip(ops, mags)]
-    return [f - (1 << 64) if f >= 1 << 63 else f for f in fields] + [0] * (FIELDS - len(fields))
+    fields = [head] + f32_fields([m0, *weights])
+    fields += [_signed((op << 32) | b) for (op, _), b in zip(ops, _f32_bits([m for _, m in ops]))]
+    return fields + [0] * (FIELDS - len(fields))
 
 
 def unpack(fields) -> tuple:
@@ -98,7 +113,7 @@ def unpack(fields) -> tuple:
     v2, mode, width = head & 1, (head >> 1) & 7, (head >> 4) & 15
     depths = [(head >> (8 + 4 * i)) & 15 for i in range(width)]
     n = (width + 2) // 2
-    floats = [_f32(f >> s) for f in fields[1:1 + n] for s in (0, 32)]
+    floats = f32_values(fields[1:], width + 1)
     at, chains = 1 + n, []
     for d in depths:
         chains.append(tuple((f >> 32, _f32(f)) for f in fields[at:at + d]))

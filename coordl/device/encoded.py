@@ -592,10 +592,9 @@ def tail_fields(index: int, ops=(), rects=()) -> list:
                 if affines is _NO_AFFINES:
                     affines = []
                 if c == AFFINE:
-                    slot = np.array(v[:6], dtype=np.float64).view(np.int64).tolist() + [_packed(v[6], v[7])]
+                    slot = _map_fields(v, 6)
                 elif c == PERSPECTIVE:
-                    slot = np.array(v[:8], dtype=np.float64).view(np.int64).tolist() + [_packed(v[8], v[9])] \
-                        + [0] * 5
+                    slot = _map_fields(v, 8) + [0] * 5
                 elif c == TIMM_AUGMIX:
                     slot = _pack_timm_augmix(v)
                 elif c == BLUR:
@@ -624,6 +623,20 @@ def tail_fields(index: int, ops=(), rects=()) -> list:
 _NO_FILL = 1 << 24
 
 
+def _map_fields(v, n: int) -> list:
+    """An affine (``n`` 6) or perspective (8) map's fields: its ``n``
+    doubles' bits, then its fill and PIL filter in one (:func:`_packed`)."""
+    return np.array(v[:n], dtype=np.float64).view(np.int64).tolist() + [_packed(v[n], v[n + 1])]
+
+
+def _map_value(fields, n: int) -> tuple:
+    """The map of :func:`_map_fields`'s fields: ``(a0.., fill, filter)``."""
+    a = np.array(fields[:n], dtype=np.int64).view(np.float64).tolist()
+    f = int(fields[n])
+    fill = None if f & _NO_FILL else ((f >> 16) & 255, (f >> 8) & 255, f & 255)
+    return (*a, fill, f >> 32)
+
+
 def _packed(fill, resample: int) -> int:
     """An affine map's fill (None, or three values 0..255) and PIL filter as
     one field."""
@@ -643,12 +656,8 @@ def ops_of(rec) -> list:
     ops = list(zip(pairs[:, 0].tolist(), pairs[:, 1].copy().view(np.float64).tolist()))
     for j, (c, v) in enumerate(ops):
         if c in (AFFINE, PERSPECTIVE):
-            size = 6 if c == AFFINE else 8
             at = AFFINES + 7 * int(v)
-            a = np.array(rec[at:at + size], dtype=np.int64).view(np.float64).tolist()
-            f = int(rec[at + size])
-            fill = None if f & _NO_FILL else ((f >> 16) & 255, (f >> 8) & 255, f & 255)
-            ops[j] = (c, (*a, fill, f >> 32))
+            ops[j] = (c, _map_value(rec[at:at + 9], 6 if c == AFFINE else 8))
         elif c == BLUR:
             at = AFFINES + 7 * int(v)
             sx, sy = np.array(rec[at + 2:at + 4], dtype=np.int64).view(np.float64).tolist()
@@ -659,13 +668,6 @@ def ops_of(rec) -> list:
         elif c == TIMM_AUGMIX:
             ops[j] = (c, _unpack_timm_augmix(rec, AFFINES + 7 * int(v)))
     return ops
-
-
-def _f32_pairs(values) -> list:
-    """float32 numbers two to an int64 field (the first in the low half)."""
-    bits = np.array(values, dtype=np.float32).view(np.uint32).astype(np.int64).tolist()
-    bits += [0] * (len(bits) % 2)
-    return [f - (1 << 64) if f >= 1 << 63 else f for f in (lo | (hi << 32) for lo, hi in zip(bits[::2], bits[1::2]))]
 
 
 def timm_augmix_fields(value) -> int:
@@ -686,11 +688,11 @@ def _pack_timm_augmix(value) -> list:
     head = len(chains)
     for i, c in enumerate(chains):
         head |= len(c) << (4 + 4 * i)
-    fields = [head] + _f32_pairs([m, *weights])
+    fields = [head] + augmix.f32_fields([m, *weights])
     for chain in chains:
         for c, v in chain:
             if c == AFFINE:
-                fields += [int(c)] + np.array(v[:6], dtype=np.float64).view(np.int64).tolist() + [_packed(v[6], v[7])]
+                fields += [int(c)] + _map_fields(v, 6)
             elif c in (BLUR, AUGMIX, PERSPECTIVE, TIMM_AUGMIX):
                 raise ValueError(f"operation {c} inside timm's AugMix")
             else:
@@ -703,17 +705,14 @@ def _unpack_timm_augmix(rec, at: int) -> tuple:
     width = head & 15
     lengths = [(head >> (4 + 4 * i)) & 15 for i in range(width)]
     n = (width + 2) // 2
-    floats = np.array([f for f in rec[at + 1:at + 1 + n]], dtype=np.int64).view(np.uint32).view(np.float32).tolist()
+    floats = augmix.f32_values(rec[at + 1:at + 1 + n], width + 1)
     k, chains = at + 1 + n, []
     for length in lengths:
         chain = []
         for _ in range(length):
             c = int(rec[k])
             if c == AFFINE:
-                a = np.array(rec[k + 1:k + 7], dtype=np.int64).view(np.float64).tolist()
-                f = int(rec[k + 7])
-                fill = None if f & _NO_FILL else ((f >> 16) & 255, (f >> 8) & 255, f & 255)
-                chain.append((c, (*a, fill, f >> 32)))
+                chain.append((c, _map_value(rec[k + 1:k + 8], 6)))
                 k += 8
             else:
                 chain.append((c, float(np.array([rec[k + 1]], dtype=np.int64).view(np.float64)[0])))
