@@ -491,16 +491,23 @@ class ColorJitterOnPlanes(OnPlanes):
             elif k == 2 and s is not None:
                 ops.append((color.SATURATION, s))
             elif k == 3 and h is not None:
-                if not -0.5 <= h <= 0.5:
-                    raise ValueError(f"hue_factor ({h}) is not in [-0.5, 0.5].")
-                # torchvision's shift of the 8-bit hue: truncated to int32, then wrapped to uint8
-                ops.append((color.HUE, int(np.int32(h * 255).astype(np.uint8))))
+                ops.append(_hue_op(h))
         return ops
 
     def on_planes(self, x: torch.Tensor) -> torch.Tensor:
         from .decode import color
 
         return torch.from_numpy(color.jitter(x.numpy(), self.draw()))
+
+
+def _hue_op(h: float) -> tuple:
+    """PIL's hue turn for torchvision's ``hue_factor`` ``h``: its shift of
+    the 8-bit hue, truncated to int32, then wrapped to uint8."""
+    from .decode import color
+
+    if not -0.5 <= h <= 0.5:
+        raise ValueError(f"hue_factor ({h}) is not in [-0.5, 0.5].")
+    return color.HUE, int(np.int32(h * 255).astype(np.uint8))
 
 
 class RandomApplyOnPlanes(OnPlanes):
@@ -895,23 +902,29 @@ class TimmPolicyOnDevice(PolicyOnDevice):
         if not ops or any(getattr(op.aug_fn, "__module__", "") != _TIMM_AA
                           or op.aug_fn.__name__ not in _TIMM_GEOMETRIC | _TIMM_OTHERS for op in ops):
             raise ValueError("an operation coordl does not run on the device")
-        name = type(user).__name__
-        self.most = self.affines = int(user.num_layers) if name == "RandAugment" else 1 if name == "AugMixAugment" \
-            else max(len(p) for p in user.policy)
+        self.most = self.affines = self._most()
+
+    def _most(self) -> int:
+        """The operations a call applies, at most."""
+        t = self.user
+        return int(t.num_layers) if type(t).__name__ == "RandAugment" else max(len(p) for p in t.policy)
 
     def _all_ops(self) -> list:
         t = self.user
-        return list(t.ops) if type(t).__name__ in ("RandAugment", "AugMixAugment") else \
-            [op for p in t.policy for op in p]
+        return list(t.ops) if type(t).__name__ == "RandAugment" else [op for p in t.policy for op in p]
 
     @classmethod
     def probe(cls, user_cls: type, v2: bool, kw: dict) -> tuple:
         mod = sys.modules[_TIMM_AA]
         config, hparams = kw["config"], dict(kw.get("hparams", {}))
-        make = mod.rand_augment_transform if config.startswith("rand") else mod.augment_and_mix_transform \
-            if config.startswith("augmix") else mod.auto_augment_transform
-        t = make(config, hparams)
+        t = (mod.rand_augment_transform if config.startswith("rand") else cls._maker(mod))(config, hparams)
         return t, cls(t)
+
+    @staticmethod
+    def _maker(mod):
+        """timm's function that makes a policy of a probe's config (not
+        ``rand``)."""
+        return mod.auto_augment_transform
 
     def draw(self, size: tuple | None = None) -> list:
         import numpy as np
@@ -999,8 +1012,17 @@ class TimmAugMixOnDevice(TimmPolicyOnDevice):
         worst = (0.5, (0.5,) * int(user.width), ((affine,) * depth,) * int(user.width))
         if depth > 15 or encoded.timm_augmix_fields(worst) > 7 * encoded.MAX_AFFINES:
             raise ValueError(f"timm's AugMix of {user.width} chains of {depth} operations: more than a record carries")
-        self.most = 1
         self.affines = -(-encoded.timm_augmix_fields(worst) // 7)
+
+    def _most(self) -> int:
+        return 1            # one operation: the mix (its chains inside it)
+
+    def _all_ops(self) -> list:
+        return list(self.user.ops)
+
+    @staticmethod
+    def _maker(mod):
+        return mod.augment_and_mix_transform
 
     def draw(self, size: tuple | None = None) -> list:
         import numpy as np
@@ -1191,9 +1213,7 @@ class PhotometricOnDevice(_DrawnApart):
             if s is not None:
                 ops.append((C.SATURATION, float(s)))
             if hue is not None:
-                if not -0.5 <= hue <= 0.5:
-                    raise ValueError(f"hue_factor ({hue}) is not in [-0.5, 0.5].")
-                ops.append((C.HUE, int(np.int32(hue * 255).astype(np.uint8))))
+                ops.append(_hue_op(hue))
             if c is not None and not before:
                 ops.append((C.CONTRAST, float(c)))
             perm = p["channel_permutation"]
