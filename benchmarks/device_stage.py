@@ -378,7 +378,7 @@ def policy_time(device: torch.device, size: int, batch: int, repeats: int,
     if tv is None:
         return None
     t = getattr(tv.transforms, name)()
-    policy = tvcompat.policy_of(t) or tvcompat.augmix_of(t)
+    policy = tvcompat.device_step_of(t)
     g = torch.Generator().manual_seed(size + 1)
     y = torch.randint(0, 256, (batch, 3, size, size), dtype=torch.uint8, generator=g).to(device)
     state = torch.get_rng_state()

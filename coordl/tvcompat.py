@@ -1059,7 +1059,27 @@ def _pil_blur_op(call: tuple | None, name: str) -> list:
     return [(C.PIL_BLUR, float(radius))] if radius else []
 
 
-class RandomOpOnDevice(OnPlanes):
+class _DrawnApart(OnPlanes):
+    """A step whose draws ``decode="device"`` makes apart from its call
+    (:meth:`draw`), checked against the user's class on probe images (whose
+    ``interpolation`` a probe names by its value); on the CPU path it runs
+    as written (or as another :class:`OnPlanes` of its own)."""
+
+    @classmethod
+    def probe(cls, user_cls: type, v2: bool, kw: dict) -> tuple:
+        kw = dict(kw)
+        if "interpolation" in kw:
+            kw["interpolation"] = sys.modules["torchvision.transforms"].InterpolationMode(kw["interpolation"])
+        return super().probe(user_cls, v2, kw)
+
+    def exact(self) -> bool:
+        return False
+
+    def draws_agree(self) -> bool:
+        return _agrees(type(self), type(self.user), self.v2, draws=True)
+
+
+class RandomOpOnDevice(_DrawnApart):
     """torchvision's one-operation random steps on a PIL image (v1 or v2):
     ``RandomPosterize``, ``RandomSolarize``, ``RandomAdjustSharpness``,
     ``RandomAutocontrast``, ``RandomEqualize``, ``RandomInvert`` (the
@@ -1086,9 +1106,6 @@ class RandomOpOnDevice(OnPlanes):
         t = user_cls(**cls._PROBE_ARGS.get(user_cls.__name__, {}), p=0.5)
         return t, cls(t, v2)
 
-    def draws_agree(self) -> bool:
-        return _agrees(type(self), type(self.user), self.v2, draws=True)
-
     def draw(self, size: tuple | None = None) -> list:
         from .decode import color as C
 
@@ -1100,7 +1117,7 @@ class RandomOpOnDevice(OnPlanes):
         return [(getattr(C, code), int(value) if code == "POSTERIZE" else float(value))]
 
 
-class BlurOnDevice(OnPlanes):
+class BlurOnDevice(_DrawnApart):
     """torchvision's ``GaussianBlur`` (v1 or v2) on a PIL image (timm's
     ``gaussian_blur_prob`` puts one in a ``RandomApply``): its sigma drawn
     apart from its call by the user's own ``get_params``/``make_params``,
@@ -1115,12 +1132,6 @@ class BlurOnDevice(OnPlanes):
     most = 1
     affines = 1                          # a parameter slot of the record
 
-    def exact(self) -> bool:
-        return False                     # the CPU path runs it as written
-
-    def draws_agree(self) -> bool:
-        return _agrees(type(self), type(self.user), self.v2, draws=True)
-
     def draw(self, size: tuple | None = None) -> list:
         from .decode import color as C
 
@@ -1131,26 +1142,6 @@ class BlurOnDevice(OnPlanes):
             sx = sy = t.get_params(t.sigma[0], t.sigma[1])
         kx, ky = t.kernel_size
         return [(C.BLUR, (int(kx), int(ky), float(sx), float(sy), int(self.v2)))]
-
-
-class _DrawnApart(OnPlanes):
-    """A step whose draws ``decode="device"`` makes apart from its call
-    (:meth:`draw`), checked against the user's class on probe images (whose
-    ``interpolation`` a probe names by its value); on the CPU path it runs
-    as written (or as another :class:`OnPlanes` of its own)."""
-
-    @classmethod
-    def probe(cls, user_cls: type, v2: bool, kw: dict) -> tuple:
-        kw = dict(kw)
-        if "interpolation" in kw:
-            kw["interpolation"] = sys.modules["torchvision.transforms"].InterpolationMode(kw["interpolation"])
-        return super().probe(user_cls, v2, kw)
-
-    def exact(self) -> bool:
-        return False
-
-    def draws_agree(self) -> bool:
-        return _agrees(type(self), type(self.user), self.v2, draws=True)
 
 
 class GrayscaleOnDevice(_DrawnApart):
