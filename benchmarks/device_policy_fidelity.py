@@ -14,6 +14,12 @@ the device computes each operation with PIL's arithmetic, bit for bit on
 its own rows, which the tests check).  Reported per policy: the share of
 values more than 1 level off, the mean and the max absolute difference;
 for ``TrivialAugmentWide`` (one operation a sample) per operation too.
+With ``tensor``: the reference preset's ``backend="tensor"``
+(``PILToTensor`` before an antialiased bilinear ``RandomResizedCrop``,
+the flip, the policy interpolating bilinearly, as the preset passes its
+interpolation): on the CPU path the policy runs as written on the crop's
+tensor, with torchvision's tensor functions; on the device those very
+functions run on the device's rows.
 Last, ``GaussianBlur``: the GPU's way of blurring (one grouped convolution
 in double precision with torchvision's own float32 weights), run here on
 the CPU, against torchvision's own blur of the same rows.
@@ -22,6 +28,7 @@ On a GPU the decoder's own difference adds to this (section 9's table).
     python -m coordl.synth /tmp/synth600 --images 600
     python benchmarks/device_policy_fidelity.py --root /tmp/synth600 --seeds 2
     python benchmarks/device_policy_fidelity.py --root /tmp/synth600 --seeds 2 --policies AugMix   # some rows
+    python benchmarks/device_policy_fidelity.py --root /tmp/synth600 --seeds 2 --policies tensor   # backend="tensor"
     python benchmarks/device_policy_fidelity.py --quick        # tiny smoke run (tests use it)
 """
 from __future__ import annotations
@@ -60,9 +67,11 @@ NAMES = {C.BRIGHTNESS: "Brightness", C.CONTRAST: "Contrast", C.SATURATION: "Colo
          C.INVERT: "Invert", C.AFFINE: "shear, translation or rotation", C.TRANSPOSE: "quarter turn"}
 
 
-def measure(root: str, policy: str, version: str, size: int, seeds: int, workers: int) -> tuple:
+def measure(root: str, policy: str, version: str, size: int, seeds: int, workers: int,
+            tensor: bool = False) -> tuple:
     """(every sample's |CPU path - device| values, {operation: values}) for
-    one policy."""
+    one policy; ``tensor``: given the crop's tensor (the reference preset's
+    ``backend="tensor"``)."""
     common.torchvision()
     from torchvision import datasets
 
@@ -72,7 +81,12 @@ def measure(root: str, policy: str, version: str, size: int, seeds: int, workers
         t = getattr(A, TIMM[policy])(policy, {})
     else:
         t = POLICIES[policy](M)
-    tf = M.Compose([M.RandomResizedCrop(size), M.RandomHorizontalFlip(), t, M.PILToTensor()])
+    if tensor:
+        t = getattr(M, type(t).__name__)(interpolation=M.InterpolationMode.BILINEAR)
+        tf = M.Compose([M.PILToTensor(), M.RandomResizedCrop(size, antialias=True), M.RandomHorizontalFlip(), t,
+                        M.ToDtype(torch.uint8) if version == "v2" else M.ConvertImageDtype(torch.uint8)])
+    else:
+        tf = M.Compose([M.RandomResizedCrop(size), M.RandomHorizontalFlip(), t, M.PILToTensor()])
     ds = datasets.ImageFolder(root, transform=tf)
     every, per_op = [], collections.defaultdict(list)
     for seed in range(seeds):
@@ -86,7 +100,7 @@ def measure(root: str, policy: str, version: str, size: int, seeds: int, workers
             every.append(d)
             raw = mine.raw(i)
             hw = plan.device_size(raw, i)
-            if policy == "TrivialAugmentWide" and hw is not None:
+            if policy == "TrivialAugmentWide" and hw is not None and not tensor:
                 g = _rng.derive(seed, 0, i)
                 plan.draw(*hw, g)
                 ops = plan.draw_ops(g)
@@ -130,8 +144,9 @@ def main(argv=None) -> int:
     ap.add_argument("--seeds", type=int, default=2, help="passes over the folder, each with its own seed")
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--quick", action="store_true", help="a few small images: a smoke test")
-    ap.add_argument("--policies", default=",".join(POLICIES) + ",timm,blur",
-                    help="the rows to measure, comma-separated: torchvision's policies, timm, blur")
+    ap.add_argument("--policies", default=",".join(POLICIES) + ",timm,tensor,blur",
+                    help="the rows to measure, comma-separated: torchvision's policies, timm, tensor (each "
+                         "policy given a tensor), blur")
     args = ap.parse_args(argv)
     wanted = set(args.policies.split(","))
     if common.torchvision() is None:
@@ -158,6 +173,11 @@ def main(argv=None) -> int:
                 print(_row(f"`{policy}` {version}", d, n), flush=True)
                 if per_op and version == "v1":
                     per_op_rows = [_row(name, torch.cat(v), len(v)) for name, v in sorted(per_op.items())]
+        for policy in (POLICIES if "tensor" in wanted else ()):
+            for version in ("v1", "v2"):
+                d, _ = measure(root, policy, version, args.size, args.seeds, args.workers, tensor=True)
+                print(_row(f"`{policy}` {version}, given a tensor", d, d.numel() // (3 * args.size * args.size)),
+                      flush=True)
         try:
             importlib.import_module("timm.data.auto_augment")
         except ImportError:

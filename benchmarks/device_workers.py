@@ -47,6 +47,11 @@ the figures are the workers' own path, per image, in these settings:
 * ``AugMix``: the same preset with ``--auto-augment augmix``: the worker
   draws the mix's weights and operations (the device mixes), against
   ``AugMix on the CPU path``;
+* ``TrivialAugmentWide given a tensor``: the preset with
+  ``--backend tensor`` too (``PILToTensor`` before the crop; the policy
+  interpolating bilinearly, the preset's default): the worker draws the
+  policy's operation (the device runs torchvision's tensor function for
+  it), against ``TrivialAugmentWide given a tensor on the CPU path``;
 * ``GaussianBlur``: ``RandomResizedCrop``, flip, ``RandomApply([GaussianBlur(23,
   sigma=(0.1, 2.0))], p=0.5)`` (timm's ``gaussian_blur_prob=0.5``),
   ``ToTensor``, ``Normalize``: the worker draws whether and which sigma
@@ -85,10 +90,11 @@ SETTINGS = ("files", "files, per sample", "node cache", "node cache, per sample"
             "RandomErasing on the CPU path", "ColorJitter to the device", "RandomErasing to the device",
             "RandomErasing noise", "RandomErasing noise on the CPU path", "TrivialAugmentWide",
             "TrivialAugmentWide on the CPU path", "TrivialAugmentWide to the device", "GaussianBlur",
-            "GaussianBlur on the CPU path", "AugMix", "AugMix on the CPU path")
+            "GaussianBlur on the CPU path", "AugMix", "AugMix on the CPU path", "TrivialAugmentWide given a tensor",
+            "TrivialAugmentWide given a tensor on the CPU path")
 CPU_PATH = ("the CPU path", "ColorJitter on the CPU path", "RandomErasing on the CPU path",
             "RandomErasing noise on the CPU path", "TrivialAugmentWide on the CPU path", "GaussianBlur on the CPU path",
-            "AugMix on the CPU path")
+            "AugMix on the CPU path", "TrivialAugmentWide given a tensor on the CPU path")
 
 _CHILD = r"""
 import json, sys, time
@@ -169,6 +175,11 @@ if setting.startswith(("TrivialAugmentWide", "AugMix")):   # the reference train
         V.RandomResizedCrop(224), V.RandomHorizontalFlip(),
         V.AugMix() if setting.startswith("AugMix") else V.TrivialAugmentWide(), V.PILToTensor(),
         V.ConvertImageDtype(torch.float), V.Normalize([0.485, 0.456, 0.406], [0.229, 0.224, 0.225])]))
+    if "given a tensor" in setting:       # the preset's backend="tensor": PILToTensor before the crop
+        ds = datasets.ImageFolder({root!r}, transform=V.Compose([
+            V.PILToTensor(), V.RandomResizedCrop(224, antialias=True), V.RandomHorizontalFlip(),
+            V.TrivialAugmentWide(interpolation=V.InterpolationMode.BILINEAR), V.ConvertImageDtype(torch.float),
+            V.Normalize([0.485, 0.456, 0.406], [0.229, 0.224, 0.225])]))
 on_device = dict(device="cpu", decode="device") if setting not in {cpu_path!r} else {{}}
 if setting.endswith("to the device"):     # decode="cpu", the device split (the CPU standing in)
     on_device = dict(device="cpu")

@@ -332,8 +332,20 @@ class TorchvisionPipeline:
         recorded of torchvision's geometric calls)."""
         got = self.__dict__.get("_jitters")
         if got is None or len(got) != len(self.tail):
-            got = self._jitters = [device_step_of(t) for t in self.tail]
+            of = tensor_step_of if self.fused is not None and not self.to_pil else device_step_of
+            got = self._jitters = [of(t) for t in self.tail]
         return got
+
+    def post_on_tensor(self) -> list | None:
+        """coordl's steps for :attr:`post` given a uint8 tensor: ``[ToTensor
+        or PILToTensor, Normalize...]`` where they are ``ConvertImageDtype``
+        or ``ToDtype(float32, scale=True)`` then ``Normalize``s (then
+        ``ToPureTensor``), or nothing (the uint8 image); else None."""
+        st = _State()
+        st.stage, st.to_tensor = "u8", T.PILToTensor()
+        if not all(_step(t, st) for t in self.post) or st.geo:
+            return None
+        return [st.to_tensor] + st.post
 
     def _run_post(self, x: Any) -> Any:
         if self.post_fused is not None and isinstance(x, Image.Image) and x.mode in ("RGB", "L"):
@@ -1351,6 +1363,111 @@ class AugMixOnDevice(_DrawnApart):
         return name, magnitude
 
 
+class _OnTensor:
+    """A step given the fused path's uint8 tensor rather than a PIL image
+    (torchvision's reference presets with ``backend="tensor"`` convert with
+    ``PILToTensor`` before the crop), drawn apart from its call.  On a tensor
+    torchvision's auto-augment policies and ``AugMix`` draw as on a PIL
+    image and apply their operations with torchvision's own tensor
+    functions, the ones ``AugMix`` mixes with (``coordl.decode.augmix``); a
+    call's operations travel as an ``AUGMIX`` value (:meth:`tensor_ops`).
+    Those functions take nearest and bilinear interpolation only, as on a
+    tensor torchvision does; a fill is refused.  Checked once per process
+    against the user's class called on tensors (:func:`_check_agreement`)."""
+
+    on_tensor = True
+    how = ("given the uint8 tensor: its draws made apart from its call, its operations torchvision's own tensor "
+           "functions on the device")
+
+    @classmethod
+    def probe(cls, user_cls: type, v2: bool, kw: dict) -> tuple:
+        kw = dict(kw)
+        if "interpolation" in kw:
+            kw["interpolation"] = sys.modules["torchvision.transforms"].InterpolationMode(kw["interpolation"])
+        return super().probe(user_cls, v2, kw)
+
+    def _tensor_mode(self) -> int:
+        """The index in ``augmix.MODES`` of the user's interpolation (else
+        ValueError), where it fills nothing (else ValueError)."""
+        from .decode import augmix
+
+        mode = getattr(self.user.interpolation, "value", self.user.interpolation)
+        if mode not in augmix.MODES:
+            raise ValueError(f"{_name(self.user)} on a tensor interpolating with {mode}")
+        if _has_fill(self.user, self.v2):
+            raise ValueError(f"{_name(self.user)} on a tensor with a fill")
+        return augmix.MODES.index(mode)
+
+
+class _PolicyOnTensor(_OnTensor):
+    """An auto-augment policy on a uint8 tensor: the policy's draws (its
+    :meth:`PolicyOnDevice._draws`), as one ``AUGMIX`` value of one chain
+    weighted 1 over the original image weighted 0 (torchvision's mix of
+    that is the chain's result, exactly: a product by 0, one by 1, an
+    integer's truncation), ``Identity`` left out."""
+
+    def __init__(self, user: Any, v2: bool):
+        from .decode import augmix
+
+        super().__init__(user, v2)
+        self.mode = self._tensor_mode()
+        if not augmix.fits(1, self.most):
+            raise ValueError(f"{_name(user)} with {self.most} operations a call, more than a record carries")
+        self.most, self.affines = 1, 2             # one AUGMIX value: two of the record's parameter slots
+
+    def draw(self, size: tuple | None = None) -> list:
+        from .decode import augmix
+        from .decode.color import AUGMIX
+
+        h, w = size if size is not None else (0, 0)
+        chain = tuple((augmix.INDEX[name], float(m)) for name, m in self._draws(h, w) if name != "Identity")
+        return [(AUGMIX, (int(self.v2), self.mode, 0.0, (1.0,), (chain,)))] if chain else []
+
+
+def _tensor_probes(probes: tuple) -> tuple:
+    """A policy's probes without their fill, and one interpolating bilinearly."""
+    return tuple({k: v for k, v in p.items() if k != "fill"} for p in probes) + ({"interpolation": "bilinear"},)
+
+
+class TrivialAugmentOnTensor(_PolicyOnTensor, TrivialAugmentOnDevice):
+    probes = _tensor_probes(TrivialAugmentOnDevice.probes)
+
+
+class RandAugmentOnTensor(_PolicyOnTensor, RandAugmentOnDevice):
+    probes = _tensor_probes(RandAugmentOnDevice.probes)
+
+
+class AutoAugmentOnTensor(_PolicyOnTensor, AutoAugmentOnDevice):
+    probes = _tensor_probes(AutoAugmentOnDevice.probes)
+
+
+class AugMixOnTensor(_OnTensor, AugMixOnDevice):
+    """torchvision's ``AugMix`` on a uint8 tensor: its draws and mix as on
+    a PIL image (which it makes a tensor of first)."""
+
+
+_ON_TENSOR = {"TrivialAugmentWide": TrivialAugmentOnTensor, "RandAugment": RandAugmentOnTensor,
+              "AutoAugment": AutoAugmentOnTensor, "AugMix": AugMixOnTensor}
+
+
+def tensor_step_of(t: Any) -> "OnPlanes | None":
+    """``t``'s counterpart that ``decode="device"`` draws in the worker and
+    runs on the device where ``t`` gets the fused path's uint8 tensor:
+    torchvision's ``TrivialAugmentWide``, ``RandAugment``, ``AutoAugment``
+    or ``AugMix`` (v1 or v2) interpolating with nearest or bilinear, without
+    a fill, else None."""
+    if isinstance(t, _OnTensor):
+        return t
+    kind = _kind(t)
+    cls = _ON_TENSOR.get(kind[1]) if kind is not None and kind[0] in ("v1", "v2") else None
+    if cls is None:
+        return None
+    try:
+        return cls(t, kind[0] == "v2")
+    except (TypeError, ValueError, AttributeError):
+        return None
+
+
 def _recognizes(kind: type, *names: str):
     """Makes ``check(t, v2)`` a recognizer ``of(t)``: ``t`` itself where it
     already is a ``kind``; where ``t`` is torchvision's (v1 or v2) step
@@ -1687,6 +1804,7 @@ def _check_agreement(kind: type, cls: type, v2: bool, draws: bool = False) -> bo
     rnd = random.Random(5)
     rgb = np.frombuffer(rnd.randbytes(3 * 17 * 23), np.uint8).reshape(17, 23, 3)
     images = [Image.fromarray(rgb), Image.fromarray(np.ascontiguousarray(rgb[:9, :7, 1]))]
+    on_tensor = getattr(kind, "on_tensor", False)
     try:
         for kw in kind.probes:
             t, mine = kind.probe(cls, v2, kw)
@@ -1694,7 +1812,11 @@ def _check_agreement(kind: type, cls: type, v2: bool, draws: bool = False) -> bo
                 for seed in seeds:
                     _seed_all(seed)
                     try:
-                        want = np.asarray(t(img))
+                        if on_tensor:      # the user's step given the tensor of the image, its result as an image's
+                            want = t(T._to_chw(img)).permute(1, 2, 0).numpy()
+                            want = want[..., 0] if img.mode == "L" else want
+                        else:
+                            want = np.asarray(t(img))
                     except Exception as e:  # noqa: BLE001 - the user's call fails here: so must coordl's
                         want = e
                     after = _all_states()

@@ -831,9 +831,10 @@ def test_the_auto_augment_operations_on_cuda_give_pils_bytes_row_by_row():
     assert all(dj._exact[J._KIND[c]] for c in P.CODES if J._KIND[c] in dj._exact), dj._exact
 
 
-def _gpu_rows_against(mixed_jpegs, V, step, workers, on_cpu, same=torch.equal):
+def _gpu_rows_against(mixed_jpegs, V, step, workers, on_cpu, same=torch.equal, steps=None, end=None):
     """decode="device" on CUDA with ``step`` between the geometry and
-    ``PILToTensor``, against the same loader without it: each row is
+    ``PILToTensor`` (or ``steps`` then ``end``), against the same loader
+    without it: each row is
     ``on_cpu(row without it, the sample's draws)`` bit for bit, or as
     ``same(got, want)`` says (samples the CPU path prepared, CMYK and PNG,
     got it there, drawn alike; a corrupt stream's pixels are the decoder's
@@ -843,11 +844,11 @@ def _gpu_rows_against(mixed_jpegs, V, step, workers, on_cpu, same=torch.equal):
     from coordl import _rng
     from coordl.device.encoded import plan_for
 
-    steps = [V.RandomResizedCrop(64), V.RandomHorizontalFlip()]
+    steps = steps or [V.RandomResizedCrop(64), V.RandomHorizontalFlip()]
+    end = end or V.PILToTensor()
     kw = dict(batch_size=6, seed=4, shuffle=False, num_workers=workers, device="cuda", decode="device")
-    with_it = coordl.DataLoader(datasets.ImageFolder(mixed_jpegs, transform=V.Compose(steps + [step, V.PILToTensor()])),
-                                **kw)
-    plain = coordl.DataLoader(datasets.ImageFolder(mixed_jpegs, transform=V.Compose(steps + [V.PILToTensor()])), **kw)
+    with_it = coordl.DataLoader(datasets.ImageFolder(mixed_jpegs, transform=V.Compose(steps + [step, end])), **kw)
+    plain = coordl.DataLoader(datasets.ImageFolder(mixed_jpegs, transform=V.Compose(steps + [end])), **kw)
     got = [(x.cpu(), y.cpu()) for x, y in with_it]
     base = [(x.cpu(), y.cpu()) for x, y in plain]
     plan, ds = plan_for(with_it.dataset.transform), with_it.dataset
@@ -956,6 +957,39 @@ def test_augmix_on_the_gpu_is_within_its_tolerance_of_the_cpu_mix(mixed_jpegs, w
     _gpu_rows_against(mixed_jpegs, V, V.AugMix(), workers,
                       lambda row, ops: torch.from_numpy(cases._pils(row[None], [ops])[0].copy()),
                       same=lambda a, b: diffs.append((a.int() - b.int()).abs().flatten()) is None)
+    d = torch.cat(diffs)
+    assert int(d.max()) <= 1 and float((d > 0).float().mean()) <= 1e-3, (int(d.max()), float((d > 0).float().mean()))
+    assert J.DeviceJitter(torch.device("cuda")).exact(J._KIND[C.AUGMIX])
+
+
+@needs_cuda
+@pytest.mark.parametrize("workers,version,policy", [(0, "v1", "ta_wide"), (2, "v2", "augmix"), (2, "v1", "imagenet")])
+def test_a_policy_given_a_tensor_on_the_gpu_is_within_its_tolerance(mixed_jpegs, workers, version, policy):
+    """The reference preset's ``backend="tensor"`` (PILToTensor before the
+    crop) with a policy, decode="device" on CUDA: torchvision's own tensor
+    functions of each sample's draws run there, within AugMix's stated
+    tolerance of the same functions on the CPU (1 level, at most 0.1% of
+    the values), and the kind passed its first-use check there."""
+    import sys
+
+    sys.path.insert(0, HERE)
+    from _torchvision import import_torchvision
+
+    if import_torchvision() is None:
+        pytest.skip("torchvision is not installed")
+    import test_device_policy as cases
+    from torchvision import transforms as V1
+    from torchvision.transforms import v2 as V2
+
+    from coordl.decode import color as C
+    from coordl.device import jitter as J
+
+    V = V1 if version == "v1" else V2
+    diffs = []
+    _gpu_rows_against(mixed_jpegs, V, cases.ON_TENSOR[policy](V), workers, cases._on_tensor,
+                      same=lambda a, b: diffs.append((a.int() - b.int()).abs().flatten()) is None,
+                      steps=[V.PILToTensor(), V.RandomResizedCrop(64, antialias=True), V.RandomHorizontalFlip()],
+                      end=V.ToDtype(torch.uint8) if version == "v2" else V.ConvertImageDtype(torch.uint8))
     d = torch.cat(diffs)
     assert int(d.max()) <= 1 and float((d > 0).float().mean()) <= 1e-3, (int(d.max()), float((d > 0).float().mean()))
     assert J.DeviceJitter(torch.device("cuda")).exact(J._KIND[C.AUGMIX])

@@ -957,3 +957,143 @@ def test_v2s_photometric_distort_and_channel_permutation_run_on_the_device(photo
     tf = V2.Compose([V2.RandomResizedCrop(20), t, V2.ToImage(), V2.ToDtype(torch.float32, scale=True),
                      V2.Normalize(MEAN, STD), V2.ToPureTensor()])
     _split_is_the_cpu_paths(datasets.ImageFolder(photos, transform=tf), name, workers)
+
+
+# ---------------------------------------------------------------- given a tensor (backend="tensor")
+ON_TENSOR = {"ta_wide": lambda M: M.TrivialAugmentWide(), "ra": lambda M: M.RandAugment(num_ops=3),
+             "imagenet": lambda M: M.AutoAugment(),
+             "svhn_bilinear": lambda M: M.AutoAugment(M.AutoAugmentPolicy.SVHN,
+                                                      interpolation=M.InterpolationMode.BILINEAR),
+             "augmix": lambda M: M.AugMix(interpolation=M.InterpolationMode.BILINEAR)}
+
+
+def _on_tensor(x: torch.Tensor, ops: list) -> torch.Tensor:
+    """uint8 planes through a step's drawn operations (AUGMIX values)."""
+    for code, value in ops:
+        assert code == C.AUGMIX
+        x = AM.on_planes(x, value)
+    return x
+
+
+@pytest.mark.parametrize("policy", list(ON_TENSOR))
+@pytest.mark.parametrize("version", ["v1", "v2"])
+def test_a_policy_given_a_tensor_draws_as_the_users_own(version, policy):
+    """Given the uint8 tensor (the reference preset's ``backend="tensor"``),
+    the user's policy's result is torchvision's tensor functions of the
+    drawn operations, torch's generator left as its call leaves it; every
+    operation of the policy drawn over the samples (Invert too, Identity as
+    no operation)."""
+    M = VERSIONS[version]
+    t = ON_TENSOR[policy](M)
+    p = tvcompat.tensor_step_of(t)
+    assert p is not None and p.draws_agree() and p.v2 == (version == "v2")
+    assert tvcompat.tensor_step_of(p) is p and p.affines == 2 and p.most == 1
+    x = torch.from_numpy(np.array(_probe_image(3, 27, 33))).permute(2, 0, 1).contiguous()
+    names, empty = set(), 0
+    for seed in range(120):
+        tvcompat._seed_all(seed)
+        want = t(x.clone())
+        after = tvcompat._all_states()
+        tvcompat._seed_all(seed)
+        ops = p.draw((27, 33))
+        now = tvcompat._all_states()
+        assert torch.equal(now[0], after[0]) and now[1:] == after[1:], seed
+        assert torch.equal(_on_tensor(x, ops), want.as_subclass(torch.Tensor)), (seed, ops)
+        empty += not ops
+        names |= {AM.NAMES[op] for _, v in ops for c in v[4] for op, _ in c}
+    assert len(names) >= (8 if "imagenet" in policy or "svhn" in policy else 11), names
+    if policy == "imagenet":
+        assert "Invert" in names
+    if policy == "ta_wide":
+        assert empty > 0           # Identity drawn: no operation
+
+
+def test_a_policy_given_a_tensor_the_device_cannot_run_is_not_taken():
+    """Bicubic (torchvision's own tensor functions refuse it), a fill, more
+    operations a call than a record's value carries, a ColorJitter: not
+    taken, so decode="device" refuses them."""
+    assert tvcompat.tensor_step_of(V.TrivialAugmentWide(interpolation=V.InterpolationMode.BICUBIC)) is None
+    assert tvcompat.tensor_step_of(V2.RandAugment(fill=[1, 2, 3])) is None
+    assert tvcompat.tensor_step_of(V.AutoAugment(fill=4)) is None
+    assert tvcompat.tensor_step_of(V.RandAugment(num_ops=13)) is None
+    assert tvcompat.tensor_step_of(V.RandAugment(num_ops=12)) is not None
+    assert tvcompat.tensor_step_of(V.ColorJitter(0.3)) is None
+    assert tvcompat.tensor_step_of(V.RandomRotation(5)) is None
+
+
+def _tensor_preset(M, step, erase: float = 0.0, interp=None):
+    """torchvision's reference classification preset with
+    ``backend="tensor"``: PILToTensor first, then the crop (antialiased),
+    flip, ``step``, the conversion to float, Normalize, RandomErasing, and
+    v2's ToPureTensor."""
+    interp = interp or M.InterpolationMode.BILINEAR
+    conv = M.ToDtype(torch.float, scale=True) if M is V2 else M.ConvertImageDtype(torch.float)
+    steps = [M.PILToTensor(), M.RandomResizedCrop(24, interpolation=interp, antialias=True),
+             M.RandomHorizontalFlip(0.5)] + ([step] if step is not None else []) + [conv, M.Normalize(MEAN, STD)]
+    steps += [M.RandomErasing(erase)] if erase else []
+    return M.Compose(steps + ([M.ToPureTensor()] if M is V2 else []))
+
+
+@pytest.mark.parametrize("version,policy,workers", [("v1", "ta_wide", 0), ("v2", "ta_wide", 2), ("v1", "ra", 2),
+                                                    ("v2", "imagenet", 0), ("v1", "svhn_bilinear", 2),
+                                                    ("v2", "augmix", 0), ("v1", "augmix", 2)])
+def test_the_device_runs_a_policy_given_a_tensor_on_its_rows_as_torchvision(photos, cpu_device, version, policy,
+                                                                           workers):
+    """Bit for bit: the device's policy of its own geometry's rows (the
+    crop of the tensor) is torchvision's tensor functions of each sample's
+    draws on those rows."""
+    M = VERSIONS[version]
+    steps = [M.PILToTensor(), M.RandomResizedCrop(20, scale=(0.3, 1.0), antialias=True), M.RandomHorizontalFlip(),
+             M.ToDtype(torch.uint8) if version == "v2" else M.ConvertImageDtype(torch.uint8)]
+    t = ON_TENSOR[policy](M)
+    got, want, L, drawn = cases.geometry_then(photos, steps, t, workers, _on_tensor, seed=6)
+    assert len(got) == len(want) == 6
+    for (a, y), (b, y2) in zip(got, want):
+        assert a.dtype == torch.uint8 and torch.equal(y, y2) and torch.equal(a, b)
+    assert len({str(ops) for ops in drawn}) >= 12
+    st = L.stats()
+    assert st.device_decode_images == 24 and type(t).__name__ in st.device_decode
+
+
+@pytest.mark.parametrize("version,policy", [("v1", "ta_wide"), ("v2", "ra"), ("v1", "imagenet"), ("v2", "augmix")])
+def test_the_reference_preset_with_backend_tensor_runs_on_the_device(photos, cpu_device, exact, version, policy):
+    """The reference preset with ``--backend tensor`` and ``--auto-augment``
+    and random erasing, only the import changed plus the option: the same
+    labels, the rows the CPU path's up to what the operations make of the
+    decode's rounding, on a few values."""
+    M = VERSIONS[version]
+    ds = datasets.ImageFolder(photos, transform=_tensor_preset(M, ON_TENSOR[policy](M), erase=0.5))
+    d, L = _levels_against_the_cpu_path(ds, 7)
+    assert float((d > 1 + 1e-3).float().mean()) < 0.06 and float(d.mean()) < 1.0, (float(d.mean()), float(
+        (d > 1 + 1e-3).float().mean()))
+    st = L.stats()
+    assert st.device_decode_images == len(ds) and "RandomErasing" in st.device_decode
+
+
+def test_a_policy_given_a_tensor_batch_reads_and_resume(photos, cpu_device):
+    ds = datasets.ImageFolder(photos, transform=_tensor_preset(V2, V2.TrivialAugmentWide()))
+    assert len(check_batch_reads_and_resume(ds, batch_size=3, seed=11, shuffle=True, device="cpu",
+                                            decode="device")) == 8
+
+
+def test_a_policy_given_a_tensor_that_torchvision_refuses_is_refused_naming_the_fix(photos, cpu_device):
+    """Bicubic on a tensor fails in torchvision itself; a fill on the device
+    is not run: decode="device" refuses when the loader is built, saying
+    which policies it runs given a tensor."""
+    for t in (V.TrivialAugmentWide(interpolation=V.InterpolationMode.BICUBIC), V.RandAugment(fill=[1, 2, 3])):
+        tf = _tensor_preset(V, t)
+        with pytest.raises(ValueError, match=r"run as written.*given a tensor \(PILToTensor before them\).*nearest "
+                                             r"or bilinear"):
+            coordl.DataLoader(datasets.ImageFolder(photos, transform=tf), batch_size=4, device="cpu",
+                              decode="device")
+
+
+def test_analyze_recommends_decoding_on_the_gpu_for_the_preset_with_backend_tensor(photos, monkeypatch):
+    from coordl.analyze import recommend
+    from coordl.tvcompat import adapt
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    ds, _ = adapt(datasets.ImageFolder(photos, transform=_tensor_preset(V, V.TrivialAugmentWide())))
+    [rec] = recommend({"largest": "prep"}, ds)
+    assert rec["applies"] and rec["option"] == "decode='device'"
+    assert "RandomResizedCrop + RandomHorizontalFlip + TrivialAugmentWide -> 24x24" in rec["why"], rec

@@ -22,7 +22,9 @@ with.  :func:`pack` and :func:`unpack` carry it in :data:`FIELDS` int64
 fields of a record (every number a float32, which each is: torchvision's
 magnitudes are float32 or integer tensors' elements), and :func:`apply`
 computes the result on a batch of rows, each with its own value, on any
-device: the operations with torchvision's own functions (the rows drawing
+device (an auto-augment policy given a tensor is such a value too: its
+operations one chain of weight 1 over the image's weight 0, whose mix is
+the chain's result exactly): the operations with torchvision's own functions (the rows drawing
 the same operation at the same step taken together), the mix with the
 same single-precision products and sums as torchvision's, row by row.  On
 the CPU its values are torchvision's own; on a GPU torchvision's functions
@@ -40,9 +42,10 @@ import torch
 
 __all__ = ["NAMES", "MODES", "FIELDS", "fits", "pack", "unpack", "apply", "on_planes"]
 
-# the operations of AugMix's augmentation space (v1 and v2 alike), by index
+# the operations of AugMix's augmentation space (v1 and v2 alike), by index; then AutoAugment's Invert, which
+# the policies given a tensor draw (coordl.tvcompat's _PolicyOnTensor: their operations travel as a value here)
 NAMES = ("ShearX", "ShearY", "TranslateX", "TranslateY", "Rotate", "Brightness", "Color", "Contrast", "Sharpness",
-         "Posterize", "Solarize", "AutoContrast", "Equalize")
+         "Posterize", "Solarize", "AutoContrast", "Equalize", "Invert")
 INDEX = {name: i for i, name in enumerate(NAMES)}
 MODES = ("nearest", "bilinear")
 # the record fields a value takes: a header (version, mode, chains, each chain's depth), the weights two to a

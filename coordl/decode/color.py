@@ -178,7 +178,9 @@ _PROBE_VALUES = {
 
 def _augmix_probes() -> tuple:
     """AugMix's probes: each operation both ways, both versions, both
-    modes, chains of one to three operations."""
+    modes, chains of one to three operations; and a policy's operations
+    given a tensor (one chain weighted 1 over the image weighted 0, Invert
+    among them)."""
     from .augmix import INDEX
 
     def value(v2, mode, m0, weights, chains):
@@ -197,6 +199,8 @@ def _augmix_probes() -> tuple:
         out.append(value(v2, v2, 0.1, (0.6, 0.2, 0.1), (
             (("Rotate", 25.0),), (("Contrast", -0.7), ("ShearX", -0.05)), (("Sharpness", -0.8), ("Color", 0.9),
                                                                           ("TranslateX", -1.0)))))
+        out.append(value(v2, 1 - v2, 0.0, (1.0,), ((("Invert", 0.0), ("ShearY", 0.25), ("Solarize", sol),
+                                                    ("Equalize", 0.0)),)))
     return tuple(out)
 
 

@@ -434,9 +434,15 @@ def _with_jitter(pipeline) -> tuple[list, list]:
     jitters = pipeline.jitters()
     others = [type(u).__name__ for u, j in zip(user, jitters) if j is None]
     fused = pipeline.fused
-    if others or not user or fused is None or not pipeline.to_pil or type(fused.transforms[-1]) is not T.PILToTensor:
+    # the steps get the fused uint8 image as a PIL image, or as the tensor a PILToTensor before the crop made
+    if others or not user or fused is None or type(fused.transforms[-1]) is not T.PILToTensor:
         names = ", ".join(others or [type(u).__name__ for u in user + list(pipeline.post)])   # the user's steps
         fix = "remove them from the transform"
+        if fused is not None and not pipeline.to_pil and set(others) & {"TrivialAugmentWide", "RandAugment",
+                                                                          "AutoAugment", "AugMix"}:
+            fix = ("given a tensor (PILToTensor before them), the device runs torchvision's auto-augment policies "
+                   "and AugMix interpolating with nearest or bilinear (torchvision's own tensor functions refuse "
+                   "the others) and without a fill: " + fix)
         if "RandomErasing" in names:
             fix = ("the device erases with torchvision's RandomErasing or timm's (its noise drawn on the CPU: "
                    "device='cpu'): " + fix)
@@ -455,6 +461,13 @@ def _with_jitter(pipeline) -> tuple[list, list]:
                       "translations, rotations or blurs a sample (an AugMix counts two, a perspective map two, "
                       "timm's AugMix as many as its chains' operations may need), the most the device stage "
                       "carries", "keep fewer such operations a sample")
+    if not pipeline.to_pil:
+        conversion = pipeline.post_on_tensor()
+        if conversion is None:
+            raise _refuse(f"after {type(user[-1]).__name__} the steps {', '.join(type(t).__name__ for t in pipeline.post)}"
+                          " run as written: on a uint8 tensor the device stage needs ConvertImageDtype(torch.float) or "
+                          "ToDtype(torch.float32, scale=True) [+ Normalize(...)s], or nothing")
+        return list(fused.transforms[:-1]) + conversion, jitters
     if pipeline.post_fused is None:
         what = (f"after ColorJitter the steps {', '.join(type(t).__name__ for t in pipeline.post)} run as "
                 "written" if pipeline.post else "the transform ends with ColorJitter (its result, a PIL image)")
