@@ -1097,3 +1097,16 @@ def test_analyze_recommends_decoding_on_the_gpu_for_the_preset_with_backend_tens
     [rec] = recommend({"largest": "prep"}, ds)
     assert rec["applies"] and rec["option"] == "decode='device'"
     assert "RandomResizedCrop + RandomHorizontalFlip + TrivialAugmentWide -> 24x24" in rec["why"], rec
+
+
+def test_a_policy_given_torchvisions_image_runs_on_the_device(photos, cpu_device):
+    """v2's ``ToImage()`` before the crop (a ``tv_tensors.Image``, without a
+    ``ToPureTensor`` at the end): the policy's draws and operations are a
+    plain tensor's, and the batches the CPU path's up to the decode's
+    rounding."""
+    tf = V2.Compose([V2.ToImage(), V2.RandomResizedCrop(24, antialias=True), V2.RandomHorizontalFlip(),
+                     V2.TrivialAugmentWide(interpolation=V2.InterpolationMode.BILINEAR),
+                     V2.ToDtype(torch.float32, scale=True), V2.Normalize(MEAN, STD)])
+    d, L = _levels_against_the_cpu_path(datasets.ImageFolder(photos, transform=tf), 3)
+    assert float((d > 1 + 1e-3).float().mean()) < 0.06 and float(d.mean()) < 1.0
+    assert "TrivialAugmentWide" in L.stats().device_decode
