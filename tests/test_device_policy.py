@@ -1099,7 +1099,7 @@ def test_analyze_recommends_decoding_on_the_gpu_for_the_preset_with_backend_tens
     assert "RandomResizedCrop + RandomHorizontalFlip + TrivialAugmentWide -> 24x24" in rec["why"], rec
 
 
-def test_a_policy_given_torchvisions_image_runs_on_the_device(photos, cpu_device):
+def test_a_policy_given_torchvisions_image_runs_on_the_device(photos, cpu_device, exact):
     """v2's ``ToImage()`` before the crop (a ``tv_tensors.Image``, without a
     ``ToPureTensor`` at the end): the policy's draws and operations are a
     plain tensor's, and the batches the CPU path's up to the decode's
