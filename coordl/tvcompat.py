@@ -243,6 +243,9 @@ class TorchvisionPipeline:
                 x, planes = T._to_chw(x), True
             if planes and x.shape[0] == 3:
                 return x
+            if not self.to_pil and isinstance(x, torch.Tensor) and x.dtype == torch.uint8 and x.ndim == 3 \
+                    and x.shape[0] == 3:     # the steps were given the fused uint8 tensor and gave one
+                return x.as_subclass(torch.Tensor)
         if planes:
             if self.post and self.post_fused is not None:
                 x = T._convert(x, self.post_fused.transforms, False, _ext())
@@ -269,8 +272,8 @@ class TorchvisionPipeline:
         what follows them is coordl's ``ToTensor`` then ``Normalize``s (the
         device tail's), then at most a ``RandomErasing`` whose draws coordl
         makes apart from its call (then ``ToPureTensor`` at most)."""
-        if self.fused is None or not self.to_pil:
-            return "the steps run as written get a tensor, not the decoded image"
+        if self.fused is None or not (self.to_pil or self.on_tensor()):
+            return "the steps run as written get a float tensor, not the decoded image"
         if self.erase is not None:
             others = [_name(t) for t in self.after if _name(t) != "ToPureTensor"]
             if others:
@@ -279,11 +282,33 @@ class TorchvisionPipeline:
                 return f"{_name(self.erase.user)}'s draws cannot be made apart from its call here"
             if self.erase.noise:
                 return f"{_name(self.erase.user)} erases with noise, drawn on the CPU per pixel"
-        steps = self.post_fused.transforms if self.post_fused is not None else ()
-        if not steps or type(steps[0]) is not T.ToTensor or self.post_type is not None or any(
+        steps, image_type = self._conversion()
+        if not steps or type(steps[0]) is not T.ToTensor or image_type is not None or any(
                 type(t) is not T.Normalize for t in steps[1:]):
             return "the steps after the ones run as written are not ToTensor() and Normalize()s"
         return None
+
+    def on_tensor(self) -> bool:
+        """Whether the steps run as written get the fused part's uint8
+        tensor (a ``PILToTensor`` or ``ToImage`` before the crop: the
+        reference presets' ``--backend tensor``)."""
+        return self.fused is not None and not self.to_pil and type(self.fused.transforms[-1]) is T.PILToTensor
+
+    def _conversion(self) -> tuple[list, type | None]:
+        """``(coordl's steps for post, the class of what they give)`` given
+        the uint8 image the steps run as written give: ``post_fused`` for a
+        PIL image, :meth:`post_on_tensor`'s for the fused tensor (its class
+        the ``tv_tensors.Image`` a ``ToImage`` made, unless a
+        ``ToPureTensor`` follows); ``[]`` where they are something else."""
+        if self.to_pil:
+            return (list(self.post_fused.transforms) if self.post_fused is not None else []), self.post_type
+        st = self._tensor_state()
+        return ([st.to_tensor] + st.post, st.image_type) if st is not None else ([], None)
+
+    def split_conversion(self) -> list:
+        """coordl's ``ToTensor`` then ``Normalize``s after the steps run as
+        written (:meth:`split_refusal` None)."""
+        return self._conversion()[0]
 
     def split_jitters(self) -> list | None:
         """The ``ColorJitterOnPlanes`` of the steps run as written when they
@@ -332,7 +357,7 @@ class TorchvisionPipeline:
         recorded of torchvision's geometric calls)."""
         got = self.__dict__.get("_jitters")
         if got is None or len(got) != len(self.tail):
-            of = tensor_step_of if self.fused is not None and not self.to_pil else device_step_of
+            of = tensor_step_of if self.on_tensor() else device_step_of
             got = self._jitters = [of(t) for t in self.tail]
         return got
 
@@ -341,11 +366,15 @@ class TorchvisionPipeline:
         or PILToTensor, Normalize...]`` where they are ``ConvertImageDtype``
         or ``ToDtype(float32, scale=True)`` then ``Normalize``s (then
         ``ToPureTensor``), or nothing (the uint8 image); else None."""
+        st = self._tensor_state()
+        return [st.to_tensor] + st.post if st is not None else None
+
+    def _tensor_state(self) -> "_State | None":
         st = _State()
-        st.stage, st.to_tensor = "u8", T.PILToTensor()
+        st.stage, st.to_tensor, st.image_type = "u8", T.PILToTensor(), self.image_type
         if not all(_step(t, st) for t in self.post) or st.geo:
             return None
-        return [st.to_tensor] + st.post
+        return st
 
     def _run_post(self, x: Any) -> Any:
         if self.post_fused is not None and isinstance(x, Image.Image) and x.mode in ("RGB", "L"):

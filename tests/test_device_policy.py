@@ -1110,3 +1110,35 @@ def test_a_policy_given_torchvisions_image_runs_on_the_device(photos, cpu_device
     d, L = _levels_against_the_cpu_path(datasets.ImageFolder(photos, transform=tf), 3)
     assert float((d > 1 + 1e-3).float().mean()) < 0.06 and float(d.mean()) < 1.0
     assert "TrivialAugmentWide" in L.stats().device_decode
+
+
+@pytest.mark.parametrize("version,policy,erase", [("v1", "ta_wide", 0.0), ("v2", "augmix", 0.0), ("v2", "ra", 0.5)])
+def test_the_device_split_of_a_policy_given_a_tensor_is_the_cpu_paths(photos, cpu_device, version, policy, erase):
+    """With ``decode="cpu"`` and a device, the preset with ``--backend
+    tensor`` splits: the worker crops the tensor and draws the policy, the
+    device runs it and converts (and erases): the CPU path's batches, bit
+    for bit."""
+    M = VERSIONS[version]
+    t = ON_TENSOR[policy](M)
+    _split_is_the_cpu_paths(datasets.ImageFolder(photos, transform=_tensor_preset(M, t, erase=erase)),
+                            type(t).__name__)
+
+
+def test_the_device_split_of_steps_run_as_written_on_a_tensor_is_the_cpu_paths(photos, cpu_device):
+    """Steps the device does not run, given the tensor (a ColorJitter on a
+    tensor, torchvision's float arithmetic), run as written in the worker,
+    and the uint8 image they give travels: the device converts it, bit for
+    bit the CPU path's; a v2 pipeline delivering ``tv_tensors.Image`` stays
+    unsplit."""
+    ds = datasets.ImageFolder(photos, transform=_tensor_preset(V, V.ColorJitter(0.4, 0.4, 0.4, 0.1)))
+    kw = dict(batch_size=4, seed=9, shuffle=True, num_workers=2)
+    cpu = list(coordl.DataLoader(ds, **kw))
+    S = coordl.DataLoader(ds, device="cpu", **kw)
+    split = list(S)
+    assert S.stats().device_split.startswith("split: uint8 images travel after the steps run as written")
+    for (a, y), (b, y2) in zip(cpu, split):
+        assert torch.equal(y, y2) and torch.equal(a, b)
+    tf = V2.Compose([V2.ToImage(), V2.RandomResizedCrop(24), V2.TrivialAugmentWide(),
+                     V2.ToDtype(torch.float32, scale=True), V2.Normalize(MEAN, STD)])
+    S = coordl.DataLoader(datasets.ImageFolder(photos, transform=tf), device="cpu", **kw)
+    assert len(list(S)) == 6 and S.stats().device_split.startswith("not split")

@@ -401,9 +401,10 @@ def _split_pipeline(dataset, tf, device, no) -> Split:
         return no(why)
     if torch.get_default_dtype() != torch.float32:
         return no("torch's default dtype is not float32")
-    normalizes = list(tf.post_fused.transforms[1:])
+    conversion = tf.split_conversion()
+    normalizes = conversion[1:]
     try:
-        tail = DeviceTail(normalizes, reciprocal=bool(getattr(tf.post_fused.transforms[0], "reciprocal", False)))
+        tail = DeviceTail(normalizes, reciprocal=bool(getattr(conversion[0], "reciprocal", False)))
     except ValueError as e:
         return no(str(e))
     mine = copy.copy(dataset)
