@@ -51,7 +51,9 @@ the figures are the workers' own path, per image, in these settings:
   ``--backend tensor`` too (``PILToTensor`` before the crop; the policy
   interpolating bilinearly, the preset's default): the worker draws the
   policy's operation (the device runs torchvision's tensor function for
-  it), against ``TrivialAugmentWide given a tensor on the CPU path``;
+  it), against ``TrivialAugmentWide given a tensor on the CPU path`` and
+  ``TrivialAugmentWide given a tensor to the device`` (the device split:
+  the worker decodes and crops the tensor and draws the operation);
 * ``GaussianBlur``: ``RandomResizedCrop``, flip, ``RandomApply([GaussianBlur(23,
   sigma=(0.1, 2.0))], p=0.5)`` (timm's ``gaussian_blur_prob=0.5``),
   ``ToTensor``, ``Normalize``: the worker draws whether and which sigma
@@ -91,7 +93,7 @@ SETTINGS = ("files", "files, per sample", "node cache", "node cache, per sample"
             "RandomErasing noise", "RandomErasing noise on the CPU path", "TrivialAugmentWide",
             "TrivialAugmentWide on the CPU path", "TrivialAugmentWide to the device", "GaussianBlur",
             "GaussianBlur on the CPU path", "AugMix", "AugMix on the CPU path", "TrivialAugmentWide given a tensor",
-            "TrivialAugmentWide given a tensor on the CPU path")
+            "TrivialAugmentWide given a tensor on the CPU path", "TrivialAugmentWide given a tensor to the device")
 CPU_PATH = ("the CPU path", "ColorJitter on the CPU path", "RandomErasing on the CPU path",
             "RandomErasing noise on the CPU path", "TrivialAugmentWide on the CPU path", "GaussianBlur on the CPU path",
             "AugMix on the CPU path", "TrivialAugmentWide given a tensor on the CPU path")
