@@ -187,7 +187,7 @@ class TorchvisionPipeline:
 
     def __getstate__(self) -> dict:
         # what jitters() and _numpy() made is a cache of this process's: never part of what travels or is compared
-        return {k: v for k, v in self.__dict__.items() if k not in ("_jitters", "_draws_numpy")}
+        return {k: v for k, v in self.__dict__.items() if k not in ("_jitters", "_draws_numpy", "_tensor_post")}
 
     def from_bytes(self, raw) -> Any:
         x = self.fused.from_bytes(raw) if self.fused is not None else NotImplemented
@@ -380,9 +380,29 @@ class TorchvisionPipeline:
         if self.post_fused is not None and isinstance(x, Image.Image) and x.mode in ("RGB", "L"):
             x = _pil_through(x, self.post_fused.transforms)
             return x.as_subclass(self.post_type) if self.post_type is not None else x
+        if isinstance(x, torch.Tensor) and x.dtype == torch.uint8 and x.ndim == 3 and x.shape[0] == 3:
+            got = self._post_for_tensor()
+            if got is not None:       # ConvertImageDtype/ToDtype then Normalizes: coordl's one pass, the same values
+                steps, image_type = got
+                x = T._convert(x.as_subclass(torch.Tensor).contiguous(), steps, False, _ext())
+                return x.as_subclass(image_type) if image_type is not None else x
         for t in self.post:
             x = t(x)
         return x
+
+    def _post_for_tensor(self) -> tuple | None:
+        """``(coordl's ToTensor and Normalizes, the class of their result)``
+        where :attr:`post` is a conversion of the fused uint8 tensor to
+        float and ``Normalize``s (:meth:`on_tensor`), else None; made once."""
+        if "_tensor_post" not in self.__dict__:
+            got = None
+            if self.on_tensor():
+                st = self._tensor_state()
+                if st is not None and type(st.to_tensor) is T.ToTensor and all(
+                        type(t) is T.Normalize for t in st.post):
+                    got = ([st.to_tensor] + st.post, st.image_type)
+            self._tensor_post = got
+        return self._tensor_post
 
     def spec(self) -> tuple:
         spec = ("coordl.tvcompat.TorchvisionPipeline", self.fused.spec() if self.fused is not None else None,

@@ -619,3 +619,33 @@ def test_a_transform_changed_in_place_takes_effect_at_the_next_pass(photos):
     rrc.size = (24, 20)
     assert next(iter(torch.utils.data.DataLoader(ds, batch_size=5)))[0].shape == next(iter(L))[0].shape \
         == (5, 3, 24, 20)
+
+
+@pytest.mark.parametrize("version,first,pure", [("v1", "PILToTensor", False), ("v2", "PILToTensor", True),
+                                                ("v2", "ToImage", True), ("v2", "ToImage", False)])
+def test_the_conversion_after_steps_given_a_tensor_is_coordls_with_torchvisions_values(version, first, pure):
+    """The reference presets with ``--backend tensor``: after the steps run
+    as written on the crop's tensor, ``ConvertImageDtype``/``ToDtype`` and
+    the ``Normalize``s run as coordl's one pass: torchvision's values bit for
+    bit (every uint8 value, contiguous or not) and its class (a
+    ``tv_tensors.Image`` unless ``ToPureTensor`` follows)."""
+    M = V2 if version == "v2" else V1
+    conv = M.ToDtype(torch.float, scale=True) if version == "v2" else M.ConvertImageDtype(torch.float)
+    steps = [getattr(M, first)(), M.RandomResizedCrop(24, antialias=True), M.TrivialAugmentWide(), conv,
+             M.Normalize(MEAN, STD), M.Normalize([0.1, 0.2, 0.3], [1.5, 2.0, 0.7])]
+    out = translate(M.Compose(steps + ([M.ToPureTensor()] if pure else [])))[0]
+    assert out._post_for_tensor() is not None
+    g = torch.Generator().manual_seed(1)
+    x = torch.arange(256, dtype=torch.uint8).repeat(3, 4, 8)[:, :, :240]
+    for y in (x, torch.randint(0, 256, (3, 40, 30), dtype=torch.uint8, generator=g).transpose(1, 2)):
+        if first == "ToImage":
+            y = y.as_subclass(tv.tv_tensors.Image)
+        want = y
+        for t in out.post:
+            want = t(want)
+        got = out._run_post(y)
+        assert type(got) is type(want) and got.dtype == want.dtype
+        assert torch.equal(got.as_subclass(torch.Tensor), want.as_subclass(torch.Tensor))
+    # something else after the steps: as written
+    other = translate(M.Compose(steps[:4] + [M.Normalize(MEAN, STD), M.ConvertImageDtype(torch.float64)]))[0]
+    assert other._post_for_tensor() is None
