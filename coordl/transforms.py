@@ -435,14 +435,36 @@ class CenterCrop(Transform):
 
 
 class RandomCrop(Transform):
-    """Crop a uniformly random (h, w) window of the image (no padding: an image
-    smaller than ``size`` is an error, as in torchvision without ``padding``
-    or ``pad_if_needed``)."""
+    """Crop a uniformly random (h, w) window of the image.  As torchvision's
+    on a PIL image: ``padding`` (an int, or 2 or 4 non-negative ints: left
+    and right then top and bottom, or left, top, right, bottom) pads the
+    image first, then ``pad_if_needed`` pads each side of a dimension
+    smaller than the crop by the difference (width first, then height),
+    with ``padding_mode`` ``"constant"`` (``fill``: a number, or one per
+    channel, each truncated to an int as PIL takes it), ``"edge"``,
+    ``"reflect"`` or ``"symmetric"``; an image still smaller than ``size``
+    is an error."""
 
-    def __init__(self, size: Any):
+    MODES = ("constant", "edge", "reflect", "symmetric")
+
+    def __init__(self, size: Any, padding: Any = None, pad_if_needed: bool = False, fill: Any = 0,
+                 padding_mode: str = "constant"):
         self.size = _check_size(size)
+        self.padding = _check_padding(padding)
+        if not isinstance(pad_if_needed, bool):
+            raise _bad("pad_if_needed", "a bool", pad_if_needed, TypeError)
+        self.pad_if_needed = pad_if_needed
+        vals = list(fill) if _is_seq(fill) else [fill]
+        if not vals or not all(_is_num(v) and 0 <= int(v) <= 255 for v in vals):
+            raise _bad("fill", "a number or a sequence of numbers in 0..255", fill)
+        self.fill = tuple(int(v) for v in vals) if _is_seq(fill) else int(fill)
+        if padding_mode not in self.MODES:
+            raise _bad("padding_mode", f"one of {self.MODES}", padding_mode)
+        self.padding_mode = padding_mode
 
     def __call__(self, img: Any) -> Any:
+        if self.padding is not None or self.pad_if_needed:
+            img = self._padded(img)
         (H, W), (h, w) = _hw(img), self.size
         if H < h or W < w:
             raise ValueError(f"Required crop size {(h, w)} is larger than input image size {(H, W)}")
@@ -450,8 +472,73 @@ class RandomCrop(Transform):
         top, left = rng.randint(0, H - h), rng.randint(0, W - w)
         return _crop(img, top, left, h, w)
 
+    def _padded(self, img: Any) -> Any:
+        """``img`` padded as torchvision pads it before drawing the crop:
+        ``padding``, then the width, then the height where ``pad_if_needed``."""
+        pil = isinstance(img, Image.Image)
+        x = np.asarray(img) if pil else img
+        if pil and x.ndim == 2:
+            x = x[None]
+        elif pil:
+            x = x.transpose(2, 0, 1)
+        if self.padding is not None:
+            x = _pad(x, self.padding, self.fill, self.padding_mode)
+        h, w = self.size
+        if self.pad_if_needed and x.shape[-1] < w:
+            d = w - x.shape[-1]
+            x = _pad(x, (d, 0, d, 0), self.fill, self.padding_mode)
+        if self.pad_if_needed and x.shape[-2] < h:
+            d = h - x.shape[-2]
+            x = _pad(x, (0, d, 0, d), self.fill, self.padding_mode)
+        if pil:
+            a = np.ascontiguousarray(np.asarray(x).transpose(1, 2, 0))
+            return Image.fromarray(a[..., 0] if a.shape[-1] == 1 else a, img.mode)
+        return x
+
     def _params(self) -> dict[str, Any]:
-        return {"size": self.size}
+        if self.padding is None and not self.pad_if_needed:
+            return {"size": self.size}
+        return {"size": self.size, "padding": self.padding, "pad_if_needed": self.pad_if_needed,
+                "fill": self.fill, "padding_mode": self.padding_mode}
+
+
+def _check_padding(padding: Any) -> tuple[int, int, int, int] | None:
+    """None, or (left, top, right, bottom) of an int or 1, 2 or 4 non-negative ints."""
+    if padding is None:
+        return None
+    vals = [padding] if _is_int(padding) else list(padding) if _is_seq(padding) else None
+    if vals is None or len(vals) not in (1, 2, 4) or not all(_is_int(v) and v >= 0 for v in vals):
+        raise _bad("padding", "a non-negative int or a sequence of 1, 2 or 4 of them", padding,
+                   TypeError if vals is None else ValueError)
+    vals = [int(v) for v in vals]
+    if len(vals) == 1:
+        return (vals[0],) * 4
+    if len(vals) == 2:
+        return vals[0], vals[1], vals[0], vals[1]
+    return tuple(vals)
+
+
+def _pad(x: Any, padding: tuple, fill: Any, mode: str) -> Any:
+    """The (C, H, W) array or tensor ``x`` padded by (left, top, right,
+    bottom) with ``mode``; ``constant``: each channel its ``fill`` value (or
+    the one ``fill``).  numpy's edge, reflect and symmetric modes, as PIL's
+    torchvision pads a PIL image."""
+    left, top, right, bottom = padding
+    tensor = isinstance(x, torch.Tensor)
+    a = x.numpy() if tensor else x
+    if mode == "constant":
+        c = a.shape[0]
+        vals = fill if isinstance(fill, tuple) else (fill,) * c
+        if len(vals) == 1:
+            vals = vals * c
+        if len(vals) != c:
+            raise ValueError(f"fill has {len(vals)} values for an image of {c} channels")
+        out = np.empty((c, a.shape[1] + top + bottom, a.shape[2] + left + right), dtype=a.dtype)
+        out[...] = np.array(vals, dtype=a.dtype).reshape(c, 1, 1)
+        out[:, top:top + a.shape[1], left:left + a.shape[2]] = a
+    else:
+        out = np.pad(a, ((0, 0), (top, bottom), (left, right)), mode=mode)
+    return torch.from_numpy(out) if tensor else out
 
 
 class PILToTensor(Transform):

@@ -2069,7 +2069,11 @@ def _step(t: Any, st: _State) -> bool:
             return True
         if name == "RandomCrop" and geometric_ok:
             if t.padding is not None or t.pad_if_needed:
-                return False
+                pad = _crop_padding(t, kind[0] == "v2") if on_pil else None
+                if pad is None:
+                    return False
+                st.geo.append(T.RandomCrop(_size(t.size), **pad))
+                return True
             st.geo.append(T.RandomCrop(_size(t.size)))
             return True
         if name == "RandomHorizontalFlip":
@@ -2115,6 +2119,25 @@ def _step(t: Any, st: _State) -> bool:
     except (TypeError, ValueError, AttributeError):
         return False  # attributes coordl does not read the same way: run it as written
     return False
+
+
+def _crop_padding(t: Any, v2: bool) -> dict | None:
+    """coordl's ``RandomCrop`` arguments for the padding of torchvision's
+    ``t`` on a PIL image, or None where coordl's would pad otherwise: a
+    fill by type (v2's dict), or v2 padding both by ``padding`` and where
+    needed with a reflection (v2 pads once by the sum; coordl, as v1, pads
+    twice, which reflects other pixels)."""
+    mode, fill = t.padding_mode, t.fill
+    mode = getattr(mode, "value", mode)
+    if isinstance(fill, dict) or fill is None:
+        return None
+    padding = t.padding
+    if v2 and padding is not None:          # v2 keeps [left, right, top, bottom]
+        left, right, top, bottom = (int(v) for v in padding)
+        padding = (left, top, right, bottom)
+        if t.pad_if_needed and mode in ("reflect", "symmetric"):
+            return None
+    return {"padding": padding, "pad_if_needed": bool(t.pad_if_needed), "fill": fill, "padding_mode": mode}
 
 
 def _timm_step(t: Any, name: str, st: _State) -> bool:

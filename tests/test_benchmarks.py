@@ -102,8 +102,9 @@ def test_device_policy_fidelity_quick():
         return
     rows = [[c.strip() for c in line.strip("|").split("|")] for line in out.splitlines()
             if line.startswith("| `") and "by operation" not in line]
-    assert [r[0] for r in rows] == [f"`{p}` {v}" for p in ("TrivialAugmentWide", "RandAugment", "AutoAugment",
-                                                          "AugMix") for v in ("v1", "v2")], out
+    policies = ("TrivialAugmentWide", "RandAugment", "AutoAugment", "AugMix")
+    assert [r[0] for r in rows] == [f"`{p}` {v}" for p in policies for v in ("v1", "v2")] + [
+        f"`{p}` {v}, given a tensor" for p in policies for v in ("v1", "v2")], out
     assert all(int(r[1]) == 8 and float(r[3]) >= 0 for r in rows), out
     for line in out.splitlines():
         if line.startswith(("| shear", "| quarter", "| Identity")):
@@ -193,12 +194,14 @@ def test_device_workers_quick(tmp_path):
                           "ColorJitter to the device", "RandomErasing to the device", "RandomErasing noise",
                           "RandomErasing noise on the CPU path", "TrivialAugmentWide",
                           "TrivialAugmentWide on the CPU path", "TrivialAugmentWide to the device", "GaussianBlur",
-                          "GaussianBlur on the CPU path", "AugMix", "AugMix on the CPU path"], out
+                          "GaussianBlur on the CPU path", "AugMix", "AugMix on the CPU path",
+                          "TrivialAugmentWide given a tensor", "TrivialAugmentWide given a tensor on the CPU path",
+                          "TrivialAugmentWide given a tensor to the device"], out
     for name, r in rows.items():
         [run] = r["runs"]
         assert run["images"] >= 288 and run["us_per_image"] > 0, (name, run)
         on_batch_path = ("files", "node cache", "workers' share", "data checked", "ColorJitter", "RandomErasing",
-                         "TrivialAugmentWide", "GaussianBlur", "AugMix")
+                         "TrivialAugmentWide", "GaussianBlur", "AugMix", "TrivialAugmentWide given a tensor")
         assert run["batch_reads"] == (name in on_batch_path), (name, run)
         assert run["device_split"].startswith("split") == name.endswith("to the device"), (name, run)
         # the share's samples are prepared on the CPU path (the batch path hands them to the per-sample one)

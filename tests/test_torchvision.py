@@ -129,9 +129,11 @@ def test_parameters_are_read_from_public_attributes(tf, kinds):
     # PIL's lanczos has no tensor kernel in coordl: nothing fuses, everything runs as written
     (V1.Compose([V1.Resize(20, interpolation=V1.InterpolationMode.LANCZOS), V1.ToTensor()]), (),
      ("Resize", "ToTensor")),
-    # padding is not fused
+    # a padded crop fuses on a PIL image (as PIL pads it), not on a tensor (torch's padding)
     (V2.Compose([V2.RandomResizedCrop(20), V2.RandomCrop(16, padding=2), V2.PILToTensor()]),
-     ("RandomResizedCrop",), ("RandomCrop", "PILToTensor")),
+     ("RandomResizedCrop", "RandomCrop", "PILToTensor"), ()),
+    (V2.Compose([V2.PILToTensor(), V2.RandomResizedCrop(20), V2.RandomCrop(16, padding=2)]),
+     ("PILToTensor", "RandomResizedCrop"), ("RandomCrop",)),
     # an unknown transform ends the fused prefix
     (V1.Compose([V1.RandomResizedCrop(20), V1.ColorJitter(0.3), V1.ToTensor(), V1.Normalize(MEAN, STD)]),
      ("RandomResizedCrop",), ("ColorJitter", "ToTensor", "Normalize")),

@@ -528,6 +528,39 @@ def test_random_crop_is_the_same_window_on_pil_and_tensor_and_refuses_small_imag
         T.RandomCrop(60)(img)
 
 
+@pytest.mark.parametrize("kw", [dict(padding=4), dict(padding=(1, 2, 3, 4), fill=(9, 80, 200)),
+                                dict(padding=(2, 5), padding_mode="reflect"), dict(pad_if_needed=True, fill=7.9),
+                                dict(padding=3, pad_if_needed=True, padding_mode="symmetric"),
+                                dict(pad_if_needed=True, padding_mode="edge")])
+def test_a_padded_random_crop_is_the_same_window_on_pil_and_tensor(kw):
+    """Padding (then padding where needed) before the draw: the same window
+    of the same padded image on a PIL image and its tensor; an image
+    smaller than the crop fits with ``pad_if_needed``; the fill truncated
+    to an int, as PIL takes it; a spec that tells paddings apart."""
+    img = rgb(30, 22)
+    x = T.PILToTensor()(img)
+    crop = T.RandomCrop((26, 34) if kw.get("pad_if_needed") else (12, 20), **kw)
+    for i in range(20):
+        with sample_rng(2, 0, i):
+            a = T.PILToTensor()(crop(img))
+        with sample_rng(2, 0, i):
+            b = crop(x)
+        assert a.shape == b.shape == (3, *crop.size) and torch.equal(a, b)
+    if kw.get("fill") == 7.9:
+        assert crop.fill == 7 and int(crop._padded(x)[:, 0, 0].unique()) == 7
+    assert T.RandomCrop(12, **kw).spec() != T.RandomCrop(12).spec()
+    assert T.RandomCrop(12, padding=None).spec() == T.RandomCrop(12).spec()
+
+
+@pytest.mark.parametrize("kw,err", [(dict(padding=-1), ValueError), (dict(padding=(1, 2, 3)), ValueError),
+                                    (dict(padding="4"), TypeError), (dict(fill=256), ValueError),
+                                    (dict(fill=(1, None, 3)), ValueError), (dict(padding_mode="wrap"), ValueError),
+                                    (dict(pad_if_needed=1), TypeError)])
+def test_a_random_crops_padding_arguments_are_checked(kw, err):
+    with pytest.raises(err, match=next(iter(kw))):
+        T.RandomCrop(8, **kw)
+
+
 def test_to_dtype_scales_integers_only():
     x = torch.tensor([[[0, 255, 51]]], dtype=torch.uint8)
     assert torch.equal(T.ToDtype(torch.float32, scale=True)(x), x.float() / 255)

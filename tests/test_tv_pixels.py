@@ -485,3 +485,61 @@ def test_the_device_tail_of_a_v2_conversion_is_torchvisions_bit_for_bit():
     assert torch.equal(DeviceTail(norm, reciprocal=True)(x), v2.as_subclass(torch.Tensor))
     assert torch.equal(DeviceTail(norm)(x), v1)
     assert not torch.equal(v1, v2.as_subclass(torch.Tensor))      # the two arithmetics do differ
+
+
+PADDED = {"cifar": dict(padding=4), "reflect": dict(padding=(3, 7), padding_mode="reflect"),
+          "edge_needed": dict(padding=2, pad_if_needed=True, padding_mode="edge"),
+          "fill_needed": dict(padding=(1, 2, 3, 4), pad_if_needed=True, fill=(255, 128.7, 3)),
+          "symmetric_needed": dict(padding=5, pad_if_needed=True, padding_mode="symmetric")}
+
+
+# v2 pads once by padding and what is needed, which a reflection tells apart: not fused (the test below)
+@pytest.mark.parametrize("case,kind", [(c, k) for c in PADDED for k in ("v1", "v2")
+                                       if (c, k) != ("symmetric_needed", "v2")])
+def test_a_padded_random_crop_fuses_with_torchvisions_pixels(images, case, kind):
+    """``RandomCrop(size, padding=4)`` (the CIFAR-style recipe) and its
+    other paddings on a PIL image fuse: coordl's decode of sample k draws
+    its window from the sample's generator, and torchvision's own pad of
+    the PIL image (then, where needed, its pads of the width and the
+    height), cropped at that window, flipped and converted, gives the same
+    values bit for bit; a crop larger than the image pads where
+    ``pad_if_needed`` asks."""
+    kw = PADDED[case]
+    M, F = (V1, F1) if kind == "v1" else (V2, F2)
+    size = 600 if "needed" in case else 40
+    tf = M.Compose([M.RandomCrop(size, **kw), M.RandomHorizontalFlip(), M.PILToTensor()])
+    fused, names, rest = translate(tf)
+    assert rest == () and names[0] == "RandomCrop", (names, rest)
+    for path in images[:3]:
+        raw, pil = _read(path), _pil(path)
+        mode = kw.get("padding_mode", "constant")
+        padded = F1.pad(pil, list(kw["padding"]) if isinstance(kw["padding"], tuple) else kw["padding"],
+                        kw.get("fill", 0), mode)
+        if kw.get("pad_if_needed") and padded.width < size:
+            padded = F1.pad(padded, [size - padded.width, 0], kw.get("fill", 0), mode)
+        if kw.get("pad_if_needed") and padded.height < size:
+            padded = F1.pad(padded, [0, size - padded.height], kw.get("fill", 0), mode)
+        for k in range(4):
+            with _rng.sample_rng(5, 0, k):
+                got = fused.from_bytes(raw)
+            g = _rng.derive(5, 0, k)
+            top, left = g.randint(0, padded.height - size), g.randint(0, padded.width - size)
+            want = F1.pil_to_tensor(F1.crop(padded, top, left, size, size))
+            want = want.flip(-1) if g.random() < 0.5 else want
+            assert torch.equal(got, want), (path, k)
+
+
+def test_what_a_padded_crop_cannot_fuse_runs_as_written():
+    """v2 padding by ``padding`` and where needed with a reflection (one pad
+    by the sum), a fill by type, and a padded crop of a tensor: run as
+    written; ``decode="device"`` refuses a padded crop, naming it."""
+    assert translate(V2.Compose([V2.RandomCrop(50, padding=2, pad_if_needed=True, padding_mode="reflect"),
+                                 V2.PILToTensor()]))[2][0] == "RandomCrop"
+    assert translate(V2.Compose([V2.RandomCrop(50, padding=2, fill={Image.Image: 3}),
+                                 V2.PILToTensor()]))[2][0] == "RandomCrop"
+    assert translate(V1.Compose([V1.PILToTensor(), V1.RandomCrop(50, padding=2)]))[2] == ("RandomCrop",)
+    assert translate(V1.Compose([V1.RandomCrop(50, padding=2, fill=300), V1.PILToTensor()]))[2][0] == "RandomCrop"
+    from coordl.device.encoded import plan_for
+
+    with pytest.raises(ValueError, match=r"pads the image before cropping"):
+        plan_for(T.Compose([T.RandomCrop(32, padding=4), T.ToTensor()]))

@@ -359,6 +359,9 @@ def plan_for(transform) -> DecodePlan:
                               "use bilinear or bicubic")
             resize = t
         elif tt in (T.CenterCrop, T.RandomCrop):
+            if tt is T.RandomCrop and (t.padding is not None or t.pad_if_needed):
+                raise _refuse(f"step {i} ({t!r}) pads the image before cropping, which the device stage does not",
+                              "use decode='cpu' (with device=, uint8 images still go to the device)")
             if crop is not None:
                 raise _refuse(f"step {i} ({t!r}) is a second crop after {crop!r}")
             crop = t
