@@ -10,6 +10,15 @@ Recipes (``--recipes``, comma-separated; default all):
     auto_augment_policy=..., use_v2=...))`` and
     ``DataLoader(ds, batch_size, sampler=RandomSampler(ds), num_workers,
     pin_memory=True, collate_fn=default_collate)``.
+``train_v1_tensor_ta``, ``train_v2_tensor_ta``
+    the same with ``--auto-augment ta_wide --backend tensor``
+    (``backend="tensor"``: ``PILToTensor`` before the crop).
+``cifar_v1``, ``cifar_v2``
+    the CIFAR-style tutorial recipe on an ``ImageFolder``:
+    ``RandomCrop(size, padding=4)``, ``RandomHorizontalFlip()``,
+    ``ToTensor()`` (v2: ``ToImage()``, ``ToDtype(torch.float32,
+    scale=True)``), ``Normalize``, ``shuffle=True`` (give it a folder of
+    small images and ``--size`` their side).
 ``eval_v1``, ``eval_v2``
     its validation loader: ``ClassificationPresetEval(crop_size=224,
     resize_size=256)``, ``sampler=SequentialSampler(ds)``, ``pin_memory=True``.
@@ -71,8 +80,10 @@ import common  # noqa: E402
 
 MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 POLICIES = {"": None, "_ra": "ra", "_ta": "ta_wide", "_augmix": "augmix"}
-RECIPES = ([f"train_{v}{p}" for p in POLICIES for v in ("v1", "v2")] + ["eval_v1", "eval_v2"]
-           + ["timm_train", "timm_train_script", "timm_train_cj_prob", "timm_train_aa", "timm_eval"])
+RECIPES = ([f"train_{v}{p}" for p in POLICIES for v in ("v1", "v2")] + ["train_v1_tensor_ta", "train_v2_tensor_ta"]
+           + ["eval_v1", "eval_v2"]
+           + ["timm_train", "timm_train_script", "timm_train_cj_prob", "timm_train_aa", "timm_eval"]
+           + ["cifar_v1", "cifar_v2"])
 
 
 def _cpu() -> float:
@@ -84,20 +95,22 @@ def _cpu() -> float:
 class PresetTrain:
     """The reference training preset's structure (see the module docstring)."""
 
-    def __init__(self, *, crop_size, auto_augment_policy=None, use_v2=False):
+    def __init__(self, *, crop_size, auto_augment_policy=None, use_v2=False, backend="pil"):
         common.torchvision()
         if use_v2:
             from torchvision.transforms import v2 as M
         else:
             from torchvision import transforms as M
-        steps = [M.RandomResizedCrop(crop_size, antialias=True), M.RandomHorizontalFlip(0.5)]
+        steps = [M.PILToTensor()] if backend == "tensor" else []
+        steps += [M.RandomResizedCrop(crop_size, antialias=True), M.RandomHorizontalFlip(0.5)]
         if auto_augment_policy == "ra":
             steps.append(M.RandAugment())
         elif auto_augment_policy == "ta_wide":
             steps.append(M.TrivialAugmentWide())
         elif auto_augment_policy == "augmix":
             steps.append(M.AugMix())
-        steps.append(M.PILToTensor())
+        if backend != "tensor":
+            steps.append(M.PILToTensor())
         steps.append(M.ToDtype(torch.float, scale=True) if use_v2 else M.ConvertImageDtype(torch.float))
         steps.append(M.Normalize(mean=MEAN, std=STD))
         if use_v2:
@@ -159,6 +172,16 @@ def build(recipe: str, root: str, size: int, presets, cls, batch_size: int, work
         return ds, cls(ds, batch_size=batch_size, shuffle=training, num_workers=workers)
     use_v2 = "_v2" in recipe
     kw = {"use_v2": True} if use_v2 else {}
+    if recipe.startswith("cifar"):
+        M = importlib.import_module("torchvision.transforms.v2" if use_v2 else "torchvision.transforms")
+        conv = [M.ToImage(), M.ToDtype(torch.float32, scale=True)] if use_v2 else [M.ToTensor()]
+        ds = tv.datasets.ImageFolder(root, transform=M.Compose([M.RandomCrop(size, padding=4),
+                                                                M.RandomHorizontalFlip(), *conv,
+                                                                M.Normalize(MEAN, STD)]))
+        return ds, cls(ds, batch_size=batch_size, shuffle=True, num_workers=workers)
+    if "_tensor" in recipe:
+        kw["backend"] = "tensor"
+        recipe = recipe.replace("_tensor", "")
     if recipe.startswith("train"):
         policy = POLICIES["_" + recipe.split("_", 2)[2] if recipe.count("_") == 2 else ""]
         make = train_cls if (has_v2 or not use_v2) else PresetTrain
