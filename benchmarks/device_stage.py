@@ -37,7 +37,10 @@ each apart, on the batches a real pass hands the stage:
   image: the host's time, and on a GPU the device's own; ``AugMix``: its
   ``AugMix()`` (``augmix``) the same way (torchvision's own tensor
   functions on the rows that drew each operation, then the mix), and how
-  far 32 of its rows are from the CPU's mix of the same draws;
+  far 32 of its rows are from the CPU's mix of the same draws; and
+  ``TrivialAugmentWide`` given a tensor (``--backend tensor``: its
+  operations torchvision's tensor functions, the rows that drew the same
+  one taken together), the same way;
 * ``RandomErasing``: ``RandomErasing(0.5)``'s rectangles (torchvision's
   default draws: half the rows, 2-33% of the image) set on a float batch
   of the output size after the tail (``coordl.device.erase``), a copy
@@ -362,13 +365,15 @@ def _ops_time(dj, y: torch.Tensor, ops: list, device: torch.device, repeats: int
 
 
 def policy_time(device: torch.device, size: int, batch: int, repeats: int,
-                name: str = "TrivialAugmentWide") -> dict | None:
+                name: str = "TrivialAugmentWide", on_tensor: bool = False) -> dict | None:
     """torchvision's ``TrivialAugmentWide()`` (v1, the reference recipe's
     ``ta_wide``), or its ``AugMix()`` (``augmix``), on the device
     (``coordl.device.pil_ops`` through ``coordl.device.jitter``) per image,
     each row with the operations the step draws for it, on a uint8 batch of
     ``size`` x ``size`` photos' worth of noise: as :func:`jitter_time`
-    (None without torchvision)."""
+    (None without torchvision).  ``on_tensor``: the step given a tensor
+    (``--backend tensor``; bilinear, the preset's default), its operations
+    torchvision's tensor functions, compared with the CPU's as AugMix's."""
     import common
 
     from coordl import tvcompat
@@ -377,8 +382,12 @@ def policy_time(device: torch.device, size: int, batch: int, repeats: int,
     tv = common.torchvision()
     if tv is None:
         return None
-    t = getattr(tv.transforms, name)()
-    policy = tvcompat.device_step_of(t)
+    if on_tensor:
+        t = getattr(tv.transforms, name)(interpolation=tv.transforms.InterpolationMode.BILINEAR)
+        policy = tvcompat.tensor_step_of(t)
+    else:
+        t = getattr(tv.transforms, name)()
+        policy = tvcompat.device_step_of(t)
     g = torch.Generator().manual_seed(size + 1)
     y = torch.randint(0, 256, (batch, 3, size, size), dtype=torch.uint8, generator=g).to(device)
     state = torch.get_rng_state()
@@ -388,10 +397,15 @@ def policy_time(device: torch.device, size: int, batch: int, repeats: int,
     dj = DeviceJitter(device)
     got = dj(y.clone(), ops)                     # the first use of each kind: its check
     row = _ops_time(dj, y, ops, device, repeats)
-    if name == "AugMix":     # torchvision's functions on this device against the CPU path's mix, 32 rows
+    if name == "AugMix" or on_tensor:     # torchvision's functions on this device against the CPU's, 32 rows
         from coordl.decode import augmix
 
-        d = torch.stack([(got[r].cpu().int() - augmix.on_planes(y[r].cpu(), ops[r][0][1]).int()).abs()
+        def on_cpu(x, row_ops):
+            for _, value in row_ops:
+                x = augmix.on_planes(x, value)
+            return x
+
+        d = torch.stack([(got[r].cpu().int() - on_cpu(y[r].cpu(), ops[r]).int()).abs()
                          for r in range(min(32, batch))])
         row["vs_cpu"] = {"max": int(d.max()), "share": float((d > 0).float().mean())}
     return row
@@ -572,10 +586,12 @@ def main(argv=None) -> int:
                       "us/image on the host" + (f", {j['device_us']:.2f} on the GPU alone" if "device_us" in j else "")
                       + ("" if all(j["exact"].values()) else f" (kinds on the CPU path's code: {j['exact']})"),
                       flush=True)
-            for key, name in (("policy", "TrivialAugmentWide"), ("augmix", "AugMix")):
-                r[key] = j = policy_time(device, size, args.batch_size, args.repeats, name)
+            for key, name, tensor in (("policy", "TrivialAugmentWide", False), ("augmix", "AugMix", False),
+                                      ("policy_tensor", "TrivialAugmentWide", True)):
+                r[key] = j = policy_time(device, size, args.batch_size, args.repeats, name, tensor)
                 if j is not None:
-                    print(f"          {name}() after the geometry: {j['host_us']:.2f} us/image on the host"
+                    print(f"          {name}(){' given a tensor' if tensor else ''} after the geometry: "
+                          f"{j['host_us']:.2f} us/image on the host"
                           + (f", {j['device_us']:.2f} on the GPU alone" if "device_us" in j else "")
                           + (f"; against the CPU's mix: {j['vs_cpu']['share']:.2e} of the values differ, by at "
                              f"most {j['vs_cpu']['max']}" if "vs_cpu" in j else "")

@@ -95,6 +95,9 @@ def test_device_stage_quick(tmp_path):
         assert "TrivialAugmentWide() after the geometry" in out
         assert r["augmix"]["host_us"] > 0 and all(r["augmix"]["exact"].values()) and "AugMix() after" in out, r
         assert r["augmix"]["vs_cpu"] == {"max": 0, "share": 0.0}, r      # the CPU's own functions here
+        t = r["policy_tensor"]
+        assert t["host_us"] > 0 and t["vs_cpu"] == {"max": 0, "share": 0.0}, r
+        assert "TrivialAugmentWide() given a tensor after the geometry" in out
 
 
 def test_device_policy_fidelity_quick():
