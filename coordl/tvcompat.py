@@ -486,7 +486,10 @@ class OnPlanes:
     @classmethod
     def probe(cls, user_cls: type, v2: bool, kw: dict) -> tuple:
         """``(the user's class made with kw, this class over it)``: what
-        :meth:`exact` checks on probe images."""
+        :meth:`exact` checks on probe images (an ``interpolation`` named by
+        its value)."""
+        if "interpolation" in kw:
+            kw = {**kw, "interpolation": sys.modules["torchvision.transforms"].InterpolationMode(kw["interpolation"])}
         t = user_cls(**kw)
         return t, cls(t, v2)
 
@@ -1122,16 +1125,9 @@ def _pil_blur_op(call: tuple | None, name: str) -> list:
 
 class _DrawnApart(OnPlanes):
     """A step whose draws ``decode="device"`` makes apart from its call
-    (:meth:`draw`), checked against the user's class on probe images (whose
-    ``interpolation`` a probe names by its value); on the CPU path it runs
-    as written (or as another :class:`OnPlanes` of its own)."""
-
-    @classmethod
-    def probe(cls, user_cls: type, v2: bool, kw: dict) -> tuple:
-        kw = dict(kw)
-        if "interpolation" in kw:
-            kw["interpolation"] = sys.modules["torchvision.transforms"].InterpolationMode(kw["interpolation"])
-        return super().probe(user_cls, v2, kw)
+    (:meth:`draw`), checked against the user's class on probe images; on
+    the CPU path it runs as written (or as another :class:`OnPlanes` of its
+    own)."""
 
     def exact(self) -> bool:
         return False
@@ -1427,13 +1423,6 @@ class _OnTensor:
     on_tensor = True
     how = ("given the uint8 tensor: its draws made apart from its call, its operations torchvision's own tensor "
            "functions on the device")
-
-    @classmethod
-    def probe(cls, user_cls: type, v2: bool, kw: dict) -> tuple:
-        kw = dict(kw)
-        if "interpolation" in kw:
-            kw["interpolation"] = sys.modules["torchvision.transforms"].InterpolationMode(kw["interpolation"])
-        return super().probe(user_cls, v2, kw)
 
     def _tensor_mode(self) -> int:
         """The index in ``augmix.MODES`` of the user's interpolation (else
