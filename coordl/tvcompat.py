@@ -1449,7 +1449,7 @@ class _PolicyOnTensor(_OnTensor):
 
         super().__init__(user, v2)
         self.mode = self._tensor_mode()
-        if not augmix.fits(1, self.most):
+        if not augmix.fits(1, max(self.most, 1)):      # RandAugment(num_ops=0) draws nothing
             raise ValueError(f"{_name(user)} with {self.most} operations a call, more than a record carries")
         self.most, self.affines = 1, 2             # one AUGMIX value: two of the record's parameter slots
 

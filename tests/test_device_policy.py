@@ -1017,6 +1017,7 @@ def test_a_policy_given_a_tensor_the_device_cannot_run_is_not_taken():
     assert tvcompat.tensor_step_of(V.AutoAugment(fill=4)) is None
     assert tvcompat.tensor_step_of(V.RandAugment(num_ops=13)) is None
     assert tvcompat.tensor_step_of(V.RandAugment(num_ops=12)) is not None
+    assert tvcompat.tensor_step_of(V2.RandAugment(num_ops=0)).draw((8, 8)) == []
     assert tvcompat.tensor_step_of(V.ColorJitter(0.3)) is None
     assert tvcompat.tensor_step_of(V.RandomRotation(5)) is None
 
