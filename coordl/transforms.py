@@ -226,9 +226,14 @@ class _Resampling(Transform):
     ``_on_tensor``: the step stands for one that torchvision runs on a uint8
     tensor (set by coordl.tvcompat for steps after ``ToImage``/``PILToTensor``),
     so the fused decode resizes with torch's kernel, as torchvision does
-    there, rather than with PIL's arithmetic."""
+    there, rather than with PIL's arithmetic.  ``_in_float``: moreover
+    torchvision resizes that tensor as its v1 functions do, in float32,
+    clipped (bicubic) and rounded once (v1's bicubic, timm's steps on a
+    tensor), so the fused decode does too, rather than with torch's uint8
+    kernel, which clips between its passes."""
 
     _on_tensor = False
+    _in_float = False
     draft = False
 
     def _set_draft(self, draft: Any) -> None:
@@ -244,7 +249,8 @@ class _Resampling(Transform):
 
     def spec(self) -> tuple:
         base = super().spec()
-        return base + (("on_tensor", True),) if self._on_tensor else base
+        base = base + (("on_tensor", True),) if self._on_tensor else base
+        return base + (("in_float", True),) if self._in_float else base
 
 
 def modes_of(t: Any) -> tuple:
@@ -781,7 +787,8 @@ def _resample(arr: np.ndarray, box: tuple, out: tuple[int, int], t: Any, mode: A
         if (h, w) == (oh, ow):
             return torch.from_numpy(crop).permute(2, 0, 1)
         if t._on_tensor or not _filtered(mode, t.antialias):
-            return _resize_tensor(torch.from_numpy(crop).permute(2, 0, 1), oh, ow, mode, t.antialias)
+            return _resize_tensor(torch.from_numpy(crop).permute(2, 0, 1), oh, ow, mode, t.antialias,
+                                  t._in_float)
         y = _rs.pil_resize(crop, out, mode.value)
         return torch.from_numpy(y).permute(2, 0, 1)
     # a reduced-scale decode (only for filtered resizes): the decoded pixels the box touches

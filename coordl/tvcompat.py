@@ -1973,7 +1973,7 @@ def _flatten(transform: Any, through: list | None = None, depth: int = 0) -> lis
     return [transform]
 
 
-def _interp(value: Any, on_pil: bool, antialias: bool, v2: bool) -> T.InterpolationMode | None:
+def _interp(value: Any, on_pil: bool) -> T.InterpolationMode | None:
     """coordl's interpolation for torchvision's ``value``, or None when coordl's
     fused decode does not compute what torchvision computes with it."""
     name = getattr(value, "value", value)
@@ -1991,9 +1991,10 @@ def _interp(value: Any, on_pil: bool, antialias: bool, v2: bool) -> T.Interpolat
     if name == "nearest-exact" and not on_pil:
         return T.InterpolationMode.NEAREST_EXACT
     # bicubic: PIL's on a PIL image (computed exactly); on a uint8 tensor v2 runs torch's uint8
-    # kernel, which the fused path runs too, but v1 resizes in float32 without clipping between
-    # the passes (up to ~26 levels from the uint8 kernel), so v1's is run as written
-    if name == "bicubic" and (on_pil or v2):
+    # kernel, which the fused path runs too, and v1 resizes in float32 without clipping between
+    # the passes (up to ~26 levels from the uint8 kernel), which the fused path then does too
+    # (the step's _in_float, set by the caller)
+    if name == "bicubic":
         return T.InterpolationMode.BICUBIC
     return None
 
@@ -2040,7 +2041,7 @@ def _step(t: Any, st: _State) -> bool:
             return True
         if name in ("RandomResizedCrop", "Resize") and geometric_ok:
             aa = True if on_pil else bool(getattr(t, "antialias", True))
-            mode = _interp(t.interpolation, on_pil, aa, kind[0] == "v2")
+            mode = _interp(t.interpolation, on_pil)
             if mode is None:
                 return False
             if name == "RandomResizedCrop":
@@ -2049,8 +2050,10 @@ def _step(t: Any, st: _State) -> bool:
                 step = T.RandomResizedCrop(_size(t.size), tuple(t.scale), tuple(t.ratio), mode, aa)
             else:
                 step = T.Resize(_size(t.size), mode, getattr(t, "max_size", None), aa)
-            # on a uint8 tensor torchvision resizes with torch's kernel: so does the fused path
+            # on a uint8 tensor torchvision resizes with torch's kernel: so does the fused path; v1's
+            # bicubic in float32, rounded once
             step._on_tensor = not on_pil
+            step._in_float = not on_pil and kind[0] == "v1" and mode is T.InterpolationMode.BICUBIC
             st.geo.append(step)
             return True
         if name == "CenterCrop" and geometric_ok:
@@ -2147,13 +2150,16 @@ def _timm_step(t: Any, name: str, st: _State) -> bool:
             if isinstance(t.interpolation, (tuple, list)):   # interpolation="random": drawn per call
                 if not t.interpolation:
                     return False
-                modes = [_interp(m, on_pil, True, False) for m in t.interpolation]
+                modes = [_interp(m, on_pil) for m in t.interpolation]
                 mode = None if None in modes else tuple(modes)
             else:
-                mode = _interp(t.interpolation, on_pil, True, False)
+                mode = _interp(t.interpolation, on_pil)
             if mode is None or not (_ordered(t.scale) and _ordered(t.ratio)):
                 return False
-            st.geo.append(T.RandomResizedCrop(_size(t.size), tuple(t.scale), tuple(t.ratio), mode, True))
+            step = T.RandomResizedCrop(_size(t.size), tuple(t.scale), tuple(t.ratio), mode, True)
+            # on a tensor timm calls torchvision's v1 resized_crop: torch's kernel in float32, rounded once
+            step._on_tensor = step._in_float = not on_pil
+            st.geo.append(step)
             return True
         if name == "CenterCropOrPad" and geometric_ok:
             if t.fill != 0 or t.padding_mode != "constant":

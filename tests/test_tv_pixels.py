@@ -543,3 +543,44 @@ def test_what_a_padded_crop_cannot_fuse_runs_as_written():
 
     with pytest.raises(ValueError, match=r"pads the image before cropping"):
         plan_for(T.Compose([T.RandomCrop(32, padding=4), T.ToTensor()]))
+
+
+@pytest.mark.parametrize("step", ["v1_rrc_bicubic", "v1_resize_bicubic", "timm_rrc_bilinear", "timm_rrc_bicubic"])
+def test_a_v1_resize_of_a_tensor_fuses_in_float_with_torchvisions_pixels(images, step):
+    """torchvision's v1 resizes a uint8 tensor in float32, clipped and
+    rounded once (its bicubic passes are not clipped between them, up to
+    ~26 levels from a uint8 kernel), and timm's RandomResizedCropAndInterpolation
+    on a tensor calls v1's resized_crop: the fused decode computes the same,
+    bit for bit (the same window, its generator's draws); decode="device"
+    refuses it, naming it."""
+    if step.startswith("timm"):
+        pytest.importorskip("timm", reason="timm is not installed (pip install timm)")
+    cubic = IM.BICUBIC if step.endswith("bicubic") else IM.BILINEAR
+    if step.startswith("timm"):
+        from timm.data.transforms import RandomResizedCropAndInterpolation
+
+        resize = RandomResizedCropAndInterpolation(48, interpolation="bicubic" if cubic is IM.BICUBIC else "bilinear")
+    elif step == "v1_rrc_bicubic":
+        resize = V1.RandomResizedCrop(48, interpolation=cubic, antialias=True)
+    else:
+        resize = V1.Resize((41, 52), interpolation=cubic, antialias=True)
+    tf = V1.Compose([V1.PILToTensor(), resize])
+    fused, names, rest = translate(tf)
+    assert rest == () and fused.transforms[0]._in_float, (names, rest)
+    rrc = fused.transforms[0]
+    for path in images[:3]:
+        raw, x = _read(path), F1.pil_to_tensor(_pil(path))
+        for k in range(4):
+            with _rng.sample_rng(3, 0, k):
+                got = fused.from_bytes(raw)
+            if type(rrc) is T.Resize:
+                want = F1.resize(x, [41, 52], cubic, antialias=True)
+            else:
+                g = _rng.derive(3, 0, k)
+                box = _draw_box(x.shape[1], x.shape[2], rrc.scale, rrc.ratio, g)
+                want = F1.resized_crop(x, *box, [48, 48], cubic, antialias=True)
+            assert got.dtype == torch.uint8 and torch.equal(got, want), (path, k, _levels(got, want, False))
+    from coordl.device.encoded import plan_for
+
+    with pytest.raises(ValueError, match=r"resizes a tensor in float32"):
+        plan_for(fused)

@@ -109,14 +109,18 @@ def _hw(img: Any) -> tuple[int, int]:
 
 
 def _resize_tensor(x: torch.Tensor, h: int, w: int, mode: InterpolationMode,
-                   antialias: bool | None) -> torch.Tensor:
+                   antialias: bool | None, in_float: bool = False) -> torch.Tensor:
+    """``x`` resized to (h, w) by torch's kernels: a uint8 image by torch's
+    uint8 kernel (v2's arithmetic), or with ``in_float`` in float32, clipped
+    and rounded once (v1's tensor resize, whose bicubic passes are not
+    clipped between them)."""
     if mode.value not in _TENSOR_MODES:
         raise _bad("interpolation", f"one of {_TENSOR_MODES} for tensors", mode.value)
     if tuple(x.shape[-2:]) == (h, w):
         return x
     smooth = mode.value in ("bilinear", "bicubic")
     kw = {"align_corners": False, "antialias": bool(antialias)} if smooth else {}
-    if x.dtype == torch.uint8 and x.ndim == 3 and mode.value in ("bilinear", "bicubic", "nearest"):
+    if x.dtype == torch.uint8 and x.ndim == 3 and mode.value in ("bilinear", "bicubic", "nearest") and not in_float:
         # torch's native uint8 kernels (vectorized, PIL-like rounding): no float round trip
         y = F.interpolate(x.unsqueeze(0), size=(h, w), mode=mode.value, **kw)
         return y[0]

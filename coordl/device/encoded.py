@@ -352,6 +352,10 @@ def plan_for(transform) -> DecodePlan:
             if resize is not None or crop is not None:
                 raise _refuse(f"step {i} ({t!r}) comes after {(resize or crop)!r}: the device stage crops, resizes "
                               "once, then crops")
+            if t._in_float:
+                raise _refuse(f"step {i} ({t!r}) resizes a tensor in float32 and rounds once, as torchvision's v1 "
+                              "functions do on a tensor, which the device stage does not",
+                              "use decode='cpu', or v2's transforms (torch's uint8 kernel)")
             bad = [m.value for m in T.modes_of(t) if m.value not in _TENSOR_MODES]
             if bad:
                 raise _refuse(f"step {i} ({t!r}) resamples with {bad[0]!r}, which torch's tensor "
