@@ -13,6 +13,9 @@ Recipes (``--recipes``, comma-separated; default all):
 ``train_v1_tensor_ta``, ``train_v2_tensor_ta``
     the same with ``--auto-augment ta_wide --backend tensor``
     (``backend="tensor"``: ``PILToTensor`` before the crop).
+``train_v1_tensor_bicubic``
+    the v1 training loader with ``--backend tensor --interpolation bicubic``
+    (the crop of the tensor resized in float32, as v1 resizes a tensor).
 ``cifar_v1``, ``cifar_v2``
     the CIFAR-style tutorial recipe on an ``ImageFolder``:
     ``RandomCrop(size, padding=4)``, ``RandomHorizontalFlip()``,
@@ -80,7 +83,8 @@ import common  # noqa: E402
 
 MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 POLICIES = {"": None, "_ra": "ra", "_ta": "ta_wide", "_augmix": "augmix"}
-RECIPES = ([f"train_{v}{p}" for p in POLICIES for v in ("v1", "v2")] + ["train_v1_tensor_ta", "train_v2_tensor_ta"]
+RECIPES = ([f"train_{v}{p}" for p in POLICIES for v in ("v1", "v2")]
+           + ["train_v1_tensor_ta", "train_v2_tensor_ta", "train_v1_tensor_bicubic"]
            + ["eval_v1", "eval_v2"]
            + ["timm_train", "timm_train_script", "timm_train_cj_prob", "timm_train_aa", "timm_eval"]
            + ["cifar_v1", "cifar_v2"])
@@ -95,14 +99,16 @@ def _cpu() -> float:
 class PresetTrain:
     """The reference training preset's structure (see the module docstring)."""
 
-    def __init__(self, *, crop_size, auto_augment_policy=None, use_v2=False, backend="pil"):
+    def __init__(self, *, crop_size, auto_augment_policy=None, use_v2=False, backend="pil", interpolation=None):
         common.torchvision()
         if use_v2:
             from torchvision.transforms import v2 as M
         else:
             from torchvision import transforms as M
+        interpolation = interpolation or M.InterpolationMode.BILINEAR
         steps = [M.PILToTensor()] if backend == "tensor" else []
-        steps += [M.RandomResizedCrop(crop_size, antialias=True), M.RandomHorizontalFlip(0.5)]
+        steps += [M.RandomResizedCrop(crop_size, interpolation=interpolation, antialias=True),
+                  M.RandomHorizontalFlip(0.5)]
         if auto_augment_policy == "ra":
             steps.append(M.RandAugment())
         elif auto_augment_policy == "ta_wide":
@@ -182,6 +188,9 @@ def build(recipe: str, root: str, size: int, presets, cls, batch_size: int, work
     if "_tensor" in recipe:
         kw["backend"] = "tensor"
         recipe = recipe.replace("_tensor", "")
+    if recipe.endswith("_bicubic"):
+        kw["interpolation"] = tv.transforms.InterpolationMode.BICUBIC
+        recipe = recipe[:-len("_bicubic")]
     if recipe.startswith("train"):
         policy = POLICIES["_" + recipe.split("_", 2)[2] if recipe.count("_") == 2 else ""]
         make = train_cls if (has_v2 or not use_v2) else PresetTrain
