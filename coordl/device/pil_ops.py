@@ -275,25 +275,27 @@ def _pil_blur(x: torch.Tensor, values: list) -> torch.Tensor:
         idx = upload(np.array(rows, dtype=np.int64), x.device)
         part = x.index_select(0, idx)
         if box is not None:
-            for dim in (3, 2):
-                for _ in range(3):
-                    part = _box_pass(part, dim, *box)
+            for _ in range(3):                      # along the rows
+                part = _box_pass(part, *box)
+            part = part.transpose(2, 3)             # the columns as rows: each pass reads its line from this view
+            for _ in range(3):
+                part = _box_pass(part, *box)
+            part = part.transpose(2, 3)
         out.index_copy_(0, idx, part)
     return out
 
 
-def _box_pass(x: torch.Tensor, dim: int, n: int, ww: int, fw: int) -> torch.Tensor:
-    """One of PIL's box-blur passes along ``dim`` (3: the rows, 2: the
-    columns) of a uint8 (k, c, h, w) batch."""
-    t = x.transpose(dim, 3) if dim != 3 else x
-    size = t.shape[3]
+def _box_pass(x: torch.Tensor, n: int, ww: int, fw: int) -> torch.Tensor:
+    """One of PIL's box-blur passes along the last dimension of a uint8
+    (k, c, h, w) batch (or a view of one with its columns as rows: the
+    line is gathered into a new tensor either way)."""
+    size = x.shape[3]
     at = torch.arange(-n - 1, size + n + 1, device=x.device).clamp_(0, size - 1)
-    line = t.index_select(3, at).to(torch.int64)                   # the line, n + 1 pixels repeated each side
+    line = x.index_select(3, at).to(torch.int64)                   # the line, n + 1 pixels repeated each side
     sums = torch.nn.functional.pad(line.cumsum(3), (1, 0))
     window = sums[..., 2 * n + 2:2 * n + 2 + size] - sums[..., 1:1 + size]     # x - n .. x + n
     past = line[..., :size] + line[..., 2 * n + 2:2 * n + 2 + size]          # x - n - 1 and x + n + 1
-    got = ((window * ww + past * fw + (1 << 23)) >> 24).to(torch.uint8)
-    return (got.transpose(dim, 3) if dim != 3 else got).contiguous()
+    return ((window * ww + past * fw + (1 << 23)) >> 24).to(torch.uint8)
 
 
 def _coord(v: float) -> int:
