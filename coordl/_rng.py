@@ -25,16 +25,27 @@ _MASK64 = (1 << 64) - 1
 _local = threading.local()
 
 
-def derive(seed: int, epoch: int, index: int) -> random.Random:
+_AGAIN_SHIFT = 194      # above the batch and user bits below: a repeat's key is no other generator's
+
+
+def _key(seed: int, epoch: int, index: int, again: int = 0) -> int:
+    key = ((seed & _MASK64) << 128) | ((epoch & _MASK64) << 64) | (index & _MASK64)
+    return key | ((again & _MASK64) << _AGAIN_SHIFT) if again else key
+
+
+def derive(seed: int, epoch: int, index: int, again: int = 0) -> random.Random:
     """The generator for sample ``index`` of epoch ``epoch`` under ``seed``.
 
     ``random.Random`` seeded from one big integer built from the three values:
     distinct triples give distinct seeds, the result is identical on every
     platform and Python version that keeps the Mersenne Twister seeding rule,
     and drawing from it costs ~50 ns (a torch.Generator draw costs ~2 us).
+    ``again``: how many times the index came before in the pass's order (a
+    sampler that repeats indices: repeated augmentation, sampling with
+    replacement), so that each time draws anew, as under torch; 0, the
+    first time, keeps the triple's generator.
     """
-    key = ((seed & _MASK64) << 128) | ((epoch & _MASK64) << 64) | (index & _MASK64)
-    return random.Random(key)
+    return random.Random(_key(seed, epoch, index, again))
 
 
 class TorchRandom:
@@ -62,16 +73,16 @@ def current():
 
 
 class sample_rng:
-    """``with sample_rng(seed, epoch, index) as g``: make ``g = derive(seed,
-    epoch, index)`` the current generator in this thread, the previous one
-    back on exit.  A class rather than a ``@contextmanager`` generator: it is
+    """``with sample_rng(seed, epoch, index[, again]) as g``: make ``g =
+    derive(seed, epoch, index, again)`` the current generator in this
+    thread, the previous one back on exit.  A class rather than a ``@contextmanager`` generator: it is
     entered once per sample, and this costs a third as much."""
 
     __slots__ = ("g", "prev", "key")
 
-    def __init__(self, seed: int, epoch: int, index: int) -> None:
-        self.key = (seed, epoch, index)
-        self.g = derive(seed, epoch, index)
+    def __init__(self, seed: int, epoch: int, index: int, again: int = 0) -> None:
+        self.key = (seed, epoch, index, again)
+        self.g = derive(seed, epoch, index, again)
 
     def __enter__(self) -> random.Random:
         self.prev = (getattr(_local, "rng", None), getattr(_local, "key", None))
@@ -226,8 +237,7 @@ class seeded_user_steps:
         if key is None or getattr(_local, "user_seeded", False):
             self.states = None
             return self
-        seed, epoch, index = key
-        g = random.Random(_USER_KEY | ((seed & _MASK64) << 128) | ((epoch & _MASK64) << 64) | (index & _MASK64))
+        g = random.Random(_USER_KEY | _key(*key))
         self.states = _Globals(g, self.numpy)
         _local.user_seeded = True
         return self

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Any, Iterator
 
 import numpy as np
 import torch
@@ -136,6 +136,13 @@ class EpochPlan:
             return [(k, [int(idx[k])]) for k in ks]
         return [(k, idx[k * bs:(k + 1) * bs].tolist()) for k in ks]
 
+    def again(self, epoch: int, ks) -> None:
+        """For each step of :meth:`steps`, how many times each of its
+        indices came before in the epoch's order: None, as a rank's order
+        never repeats an index (a permutation; DistributedSampler's padding
+        repeats the head on other ranks)."""
+        return None
+
     def batches(self, epoch: int, start: int = 0) -> Iterator[list[int]]:
         """Batches ``start, start+1, ...`` of ``epoch`` as lists of ints
         (single ints when ``batch_size`` is None)."""
@@ -161,12 +168,13 @@ class IndexOrder:
     index (no batching: ``batch_size=None`` with a ``sampler``).
     """
 
-    __slots__ = ("indices", "lengths", "_offsets")
+    __slots__ = ("indices", "lengths", "_offsets", "_again")
 
     def __init__(self, indices: np.ndarray, lengths: np.ndarray | None) -> None:
         self.indices = np.ascontiguousarray(indices, dtype=np.int64)
         self.lengths = None if lengths is None else np.ascontiguousarray(lengths, dtype=np.int64)
         self._offsets = None
+        self._again: Any = False        # not computed yet
 
     def __getstate__(self):
         return self.indices, self.lengths
@@ -174,6 +182,7 @@ class IndexOrder:
     def __setstate__(self, state) -> None:
         self.indices, self.lengths = state
         self._offsets = None
+        self._again = False
 
     @classmethod
     def from_steps(cls, steps, batched: bool, num_samples: int) -> "IndexOrder":
@@ -220,6 +229,36 @@ class IndexOrder:
 
     def step(self, k: int) -> list[int]:
         return self.steps(0, [k])[0][1]
+
+    def repeats(self) -> np.ndarray | None:
+        """For each position of the order, how many times its index came
+        before (a sampler drawing with replacement, or repeating each index
+        for repeated augmentation), or None where no index repeats: so a
+        repeat draws its own augmentation, as under torch
+        (``coordl._rng.derive``'s ``again``).  Made once per process."""
+        if self._again is False:
+            idx, got = self.indices, None
+            if len(idx) and int(np.bincount(idx - idx.min()).max()) > 1:
+                order = np.argsort(idx, kind="stable")
+                s = idx[order]
+                pos = np.arange(len(idx))
+                first = np.maximum.accumulate(np.where(np.r_[True, s[1:] != s[:-1]], pos, 0))
+                got = np.empty(len(idx), dtype=np.int64)
+                got[order] = pos - first
+            self._again = got
+        return self._again
+
+    def again(self, epoch: int, ks) -> list | None:
+        """For each step of :meth:`steps`, how many times each of its
+        indices came before in the pass's order (:meth:`repeats`), or None
+        where no index repeats."""
+        rep = self.repeats()
+        if rep is None:
+            return None
+        if self.lengths is None:
+            return [[int(rep[k])] for k in ks]
+        offs = self._offs()
+        return [rep[offs[k]:offs[k + 1]].tolist() for k in ks]
 
     def same_as(self, other: "IndexOrder") -> bool:
         if (self.lengths is None) != (other.lengths is None):

@@ -397,6 +397,25 @@ def test_samplers_drop_last_and_resume_are_the_per_sample_paths(photos):
     _same([resumed(True)], [resumed(False)])
 
 
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_repeated_index_draws_anew_on_the_batch_path_too(photos, workers):
+    """A sampler that repeats an index (repeated augmentation): each repeat
+    its own crop and flip, in the same batch or the next, with the batch
+    path (the extension's draws are a first time's only: repeats draw in
+    Python) as with the per-sample path."""
+    ds = coordl.ImageFolder(photos, _rrc())
+    order = [i for i in range(9) for _ in range(3)]
+    got, _, _ = _run(ds, True, batch_size=4, sampler=order, shuffle=False, num_workers=workers)
+    want, _, _ = _run(ds, False, batch_size=4, sampler=order, shuffle=False, num_workers=workers)
+    _same(got, want)
+    rows = torch.cat([x for x, _ in got[0]])
+    for i in range(9):
+        a, b, c = rows[3 * i:3 * i + 3]
+        assert not torch.equal(a, b) and not torch.equal(b, c) and not torch.equal(a, c), i
+    first, _, _ = _run(ds, True, batch_size=3, sampler=list(range(9)), shuffle=False, num_workers=workers)
+    assert torch.equal(torch.cat([x for x, _ in first[0]]), rows[::3])     # the first time: the index's own
+
+
 def test_without_workers_next_builds_only_the_batch_it_returns(photos, monkeypatch):
     """num_workers=0: the batches are built in next() itself, so building
     one ahead would only delay the one asked for."""

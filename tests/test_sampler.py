@@ -266,3 +266,110 @@ def test_pin_memory_and_the_node_cache_with_a_sampler(tmp_path):
     list(L), list(L)
     e0, e1 = L.stats().epochs
     assert e0.bytes_from_storage > 0 and e1.bytes_from_cache == e0.bytes_from_storage
+
+
+class RepeatedAugmentation(torch.utils.data.Sampler):
+    """Each index ``times`` times in a row (the shape of torchvision's
+    reference ``RASampler``, without its distribution across ranks)."""
+
+    def __init__(self, n: int, times: int = 3):
+        self.n, self.times = n, times
+
+    def __iter__(self):
+        return iter([i for i in range(self.n) for _ in range(self.times)])
+
+    def __len__(self) -> int:
+        return self.n * self.times
+
+
+def _draws_by_index(batches) -> dict:
+    out: dict = {}
+    for b in batches:
+        for value, draw, _ in b[0].tolist():
+            out.setdefault(value, []).append(draw)
+    return out
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+@pytest.mark.parametrize("name", ["repeated", "weighted", "random_replacement"])
+def test_a_repeated_index_draws_its_own_augmentation_each_time(num_workers, name):
+    """A sampler that repeats an index within a pass (repeated augmentation,
+    sampling with replacement: each draw of torch's DataLoader a new one)
+    gets a new augmentation each time: the first time the one the index
+    gets in a pass without repeats, the next ones each their own; the same
+    for any number of workers, and after a resume mid-pass."""
+    ds = TwoStageToy(N)
+    sampler = {"repeated": lambda: RepeatedAugmentation(N),
+               "weighted": lambda: WeightedRandomSampler([1.0] * 3 + [0.01] * (N - 3), 30,
+                                                         generator=torch.Generator().manual_seed(2)),
+               "random_replacement": lambda: RandomSampler(ds, replacement=True, num_samples=40,
+                                                           generator=torch.Generator().manual_seed(5))}[name]
+
+    def make(workers):
+        return DataLoader(ds, batch_size=4, sampler=sampler(), num_workers=workers, seed=7)
+
+    batches = list(make(num_workers))
+    by = _draws_by_index(batches)
+    assert any(len(d) > 1 for d in by.values()), by
+    for value, draws in by.items():
+        assert len(set(draws)) == len(draws), (value, draws)      # each time its own draw
+    once = _draws_by_index(DataLoader(ds, batch_size=4, sampler=SequentialSampler(ds), seed=7))
+    assert all(draws[0] == once[value][0] for value, draws in by.items())   # the first time: the index's own
+    assert all(torch.equal(a[0], b[0]) for a, b in zip(batches, make(0 if num_workers else 2)))
+    a = make(num_workers)
+    it = iter(a)
+    got = [next(it)[0] for _ in range(2)]
+    state = pickle.loads(pickle.dumps(a.state_dict()))
+    del it, a
+    gc.collect()
+    b = make(num_workers)
+    b.load_state_dict(state)
+    got += [x[0] for x in b]
+    assert len(got) == len(batches) and all(torch.equal(x, y[0]) for x, y in zip(got, batches))
+
+
+def test_the_repeats_of_an_order_are_counted_position_by_position():
+    from coordl.plan import IndexOrder
+
+    order = IndexOrder.from_steps([[4, 1, 4], [2, 4], [1]], True, 6)
+    assert order.repeats().tolist() == [0, 0, 1, 0, 2, 1]
+    assert order.again(0, [1, 2]) == [[0, 2], [1]]
+    assert IndexOrder.from_steps([3, 0, 5], False, 6).repeats() is None
+    assert IndexOrder.from_steps([3, -3, 5], False, 6).again(0, [0, 1]) == [[0], [1]]   # -3 is 3
+    order = pickle.loads(pickle.dumps(IndexOrder.from_steps([1, 1], False, 6)))
+    assert order.again(0, [0, 1]) == [[0], [1]]
+
+
+@pytest.mark.parametrize("num_workers,batch_size", [(0, 2), (2, 3), (0, None)])
+def test_a_repeated_index_draws_anew_on_torchs_machinery_too(num_workers, batch_size):
+    """A sampler without a length (torch's machinery, coordl's prep step)
+    that repeats indices: each repeat its own draw, the first time the
+    index's own; a resumed pass counts the steps it skips."""
+    ds = TwoStageToy(N)
+
+    class Unsized(torch.utils.data.Sampler):
+        def __iter__(self):
+            return iter([5, 5, 1, 5, 1, 9, 2, 9])
+
+    def make():
+        return DataLoader(ds, batch_size=batch_size, sampler=Unsized(), num_workers=num_workers, seed=4)
+
+    L = make()
+    assert L.stats().path == "torch"
+    batches = list(L)
+    rows = torch.cat([b[0].reshape(-1, 3) for b in batches])
+    by = _draws_by_index([(rows, None)])
+    assert sorted(by) == [1, 2, 5, 9] and len(by[5]) == 3
+    assert all(len(set(d)) == len(d) for d in by.values()), by
+    once = _draws_by_index(DataLoader(ds, batch_size=4, sampler=SequentialSampler(ds), seed=4))
+    assert all(d[0] == once[i][0] for i, d in by.items())
+    a = make()
+    it = iter(a)
+    head = [next(it)]
+    state = a.state_dict()
+    del it, a
+    gc.collect()
+    b = make()
+    b.load_state_dict(state)
+    got = torch.cat([x[0].reshape(-1, 3) for x in head + list(b)])
+    assert torch.equal(got, rows)

@@ -327,6 +327,7 @@ class BatchReads:
         draw, draw_after, device_size = self.plan.draw, self.plan.draw_after, self.plan.device_size
         seed, epoch = eng.seed, eng.epoch
         n, indices, st, slots = b.n, b.indices, b.stats, eng.slots
+        again = b.again or [0] * n      # per row, how many times its index came before in the pass
         clock = time.perf_counter
         layout = self._layout(n)
         rec_t, lab_t = _collate.views(layout, buf)
@@ -368,8 +369,8 @@ class BatchReads:
                             rec[j, :INDEX] = geo
                             rec[j, INDEX:] = BLANK_TAIL
                             rec[j, INDEX] = i
-                        elif native is None:
-                            g = derive(seed, epoch, i)
+                        elif native is None or again[j]:     # the extension draws a first time's only
+                            g = derive(seed, epoch, i, again[j])
                             rec[j, :INDEX] = [ON_DEVICE, h, w, *draw(h, w, g)]
                             rec[j, INDEX:] = tail_fields(i, *draw_after(g)[:2])
                         else:
@@ -387,7 +388,7 @@ class BatchReads:
                 data = raw.tobytes()
             # the per-sample path: the dataset's prep (the CPU decode, its errors, on_error)
             try:
-                sample = prep_sample(self.prep, seed, epoch, i, data, err, st, eng.on_error)
+                sample = prep_sample(self.prep, seed, epoch, i, data, err, st, eng.on_error, again[j])
             except SampleError as e:
                 _settle(futures)    # no read thread writes into the slot once it is given back
                 slots.release(slot)

@@ -51,11 +51,12 @@ class _Builder:
     """One batch being assembled, rows in plan order, samples in any order."""
 
     __slots__ = ("k", "indices", "n", "done", "layout", "slot", "targets", "dests", "samples",
-                 "ok", "stats", "copy", "failed", "marks", "payloads", "after")
+                 "ok", "stats", "copy", "failed", "marks", "payloads", "after", "again")
 
-    def __init__(self, k: int, indices: list[int], copy: bool) -> None:
+    def __init__(self, k: int, indices: list[int], copy: bool, again: list[int] | None = None) -> None:
         self.k = k
         self.indices = indices
+        self.again = again              # per row, how many times its index came before in the pass (or None)
         self.n = len(indices)
         self.done = 0
         self.layout = None
@@ -119,6 +120,7 @@ class Engine:
         sizes = getattr(dataset, "sizes", None)
         self._size_of = (lambda i: int(sizes[i])) if isinstance(sizes, np.ndarray) else None
         self.pass_id = None
+        self.again: list | None = None         # per batch of the pass, plan.again's
         self.fetcher: Fetcher | None = None
         self.at: tuple = ("idle", None, None)  # (stage, batch, sample): names a failure
 
@@ -136,6 +138,8 @@ class Engine:
         ks = pass_steps(plan.num_batches, start, skip)[worker_id::num_workers]
         # an EpochPlan, or an IndexOrder (the steps a user's sampler yielded for this pass)
         self.my = plan.steps(epoch, ks)
+        # a user's sampler may repeat an index (with replacement, repeated augmentation): each time draws anew
+        self.again = plan.again(epoch, ks)
         for k, ind in self.my:
             if not ind:     # an empty step of a batch sampler: collated as torch would, at once
                 self._empty_step(k)
@@ -229,7 +233,7 @@ class Engine:
                 self.built += 1
                 k, indices = self.my[pos]
                 if indices:
-                    self._batches.build(self, _Builder(k, indices, copy=False))
+                    self._batches.build(self, _Builder(k, indices, copy=False, again=self._again_at(pos)))
                     self.at = ("idle", None, None)
                 if interrupt is not None and interrupt():
                     return
@@ -248,7 +252,7 @@ class Engine:
         k, indices = self.my[pos]
         b = self.builders.get(pos)
         if b is None:
-            b = self.builders[pos] = _Builder(k, indices, copy=not self.in_place)
+            b = self.builders[pos] = _Builder(k, indices, copy=not self.in_place, again=self._again_at(pos))
         st = b.stats
         i = f.index
         self.at = ("preparing", k, i)
@@ -260,7 +264,7 @@ class Engine:
                     st.record_read(f.source, f.nbytes)
                 try:
                     sample = prep_sample(self.dataset, self.seed, self.epoch, i, f.data, f.error,
-                                         st, self.on_error)
+                                         st, self.on_error, b.again[j] if b.again is not None else 0)
                 except SampleError as e:
                     self._fail(b)
                     self.sample_failed(k, e)
@@ -292,6 +296,12 @@ class Engine:
                 self.at = ("collating", k, None)
                 self._finish(b)
         self.at = ("idle", None, None)
+
+    def _again_at(self, pos: int) -> list[int] | None:
+        """How many times each index of the batch at ``pos`` came before in
+        the pass, or None where none did."""
+        again = self.again[pos] if self.again is not None else None
+        return again if again is not None and any(again) else None
 
     def _encoded_row(self, b: _Builder, j: int, i: int, paths: tuple) -> None:
         """decode="device": keep row ``j``'s payloads; every row of a batch

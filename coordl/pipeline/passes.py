@@ -100,16 +100,19 @@ class _PassSampler:
         L = self._loader_ref()
         p = L._pass
         epoch, start, skip = p.epoch, p.start, p.skip
+        tag = L._mode.tag_tasks
         if L._plan is not None:
             it = L._plan.batches(epoch, start)
+            if tag:
+                it = ((x, None) for x in it)     # a rank's plan never repeats an index
         else:
             it = _torch_steps(
                 _TorchDataLoader._index_sampler.fget(L), L._rng_generators(), p,
-                start if L._dataset_kind != _DatasetKind.Iterable else 0,
+                start if L._dataset_kind != _DatasetKind.Iterable else 0, counted=tag,
             )
         if skip:
             it = _without(it, start, skip)
-        return _tag(epoch, it) if L._mode.tag_tasks else it
+        return _tag(epoch, it) if tag else it
 
 
 def _without(steps, start: int, skip: frozenset):
@@ -119,12 +122,34 @@ def _without(steps, start: int, skip: frozenset):
 
 
 def _tag(epoch: int, steps):
+    for x, again in steps:
+        yield Task(epoch, x, again)
+
+
+def _counted(steps):
+    """``(step, again)`` for each step (an index, or a list of them):
+    ``again`` how many times each index came before in the pass (an int, or
+    a list), None while no index has repeated."""
+    seen: dict = {}
+    repeated = False
     for x in steps:
-        yield Task(epoch, x)
+        if isinstance(x, (list, tuple)):
+            again = []
+            for i in x:
+                n = seen.get(i, 0)
+                again.append(n)
+                seen[i] = n + 1
+            repeated = repeated or any(again)
+        else:
+            again = seen.get(x, 0)
+            seen[x] = again + 1
+            repeated = repeated or bool(again)
+        yield x, (again if repeated else None)
 
 
-def _torch_steps(index_sampler, gens: list, p: _Pass, start: int):
-    """torch's own index sampler for this pass, skipping ``start`` steps.
+def _torch_steps(index_sampler, gens: list, p: _Pass, start: int, counted: bool = False):
+    """torch's own index sampler for this pass, skipping ``start`` steps;
+    with ``counted``, :func:`_counted`'s pairs (the skipped steps counted).
 
     The RNG states the sampler draws from are captured just before its first
     draw (so a state dict can replay the same order) or, when resuming, set to
@@ -148,6 +173,8 @@ def _torch_steps(index_sampler, gens: list, p: _Pass, start: int):
     if first is _END:
         return
     steps = itertools.chain((first,), it)
+    if counted:
+        steps = _counted(steps)
     if start:
         steps = itertools.islice(steps, start, None)
     yield from steps

@@ -4,7 +4,8 @@ the torch-machinery adapter (``torch_path.TwoStageFetch``).
 
 It runs ``dataset.prep(raw, i)`` under the sample's own generator (keyed by
 seed, epoch and index, so a sample gets the same augmentation wherever and
-whenever it is prepared), times it, counts it, and turns a failure of
+whenever it is prepared; and by how many times the index came before in
+the pass, where a sampler repeats it), times it, counts it, and turns a failure of
 either stage (reading, preparing) into the loader's one error policy:
 ``on_error="raise"`` raises ``SampleError[T]`` naming stage, index and path,
 chained from the original; ``"skip"`` records ``(index, path, why)`` in the
@@ -36,14 +37,15 @@ def failed(dataset, i: int, stage: str, err: BaseException, stats: BatchStats, o
 
 
 def prep_sample(dataset, seed: int, epoch: int, i: int, raw, read_error: BaseException | None,
-                stats: BatchStats, on_error: str):
+                stats: BatchStats, on_error: str, again: int = 0):
     """Sample ``i`` prepared from ``raw`` (or the failure of its read,
-    ``read_error``), or :data:`SKIP`; see the module docstring."""
+    ``read_error``), or :data:`SKIP`; see the module docstring.  ``again``:
+    how many times ``i`` came before in the pass (``coordl._rng.derive``)."""
     if read_error is not None:
         return failed(dataset, i, "reading", read_error, stats, on_error)
     t0 = time.perf_counter()
     try:
-        with sample_rng(seed, epoch, i):
+        with sample_rng(seed, epoch, i, again):
             sample = dataset.prep(raw, i)
     except Exception as e:
         return failed(dataset, i, "preparing", e, stats, on_error)

@@ -30,16 +30,19 @@ __all__ = ["Task", "Envelope", "TwoStageFetch", "CollateEnvelope", "TensorBatchF
 
 
 class Task:
-    """One step of a pass: the epoch and the index (or list of indices)."""
+    """One step of a pass: the epoch and the index (or list of indices), and
+    how many times each came before in the pass (``again``: None where none
+    did; see ``coordl._rng.derive``)."""
 
-    __slots__ = ("epoch", "indices")
+    __slots__ = ("epoch", "indices", "again")
 
-    def __init__(self, epoch: int, indices) -> None:
+    def __init__(self, epoch: int, indices, again=None) -> None:
         self.epoch = epoch
         self.indices = indices
+        self.again = again
 
     def __reduce__(self):
-        return (Task, (self.epoch, self.indices))
+        return (Task, (self.epoch, self.indices, self.again))
 
     def __repr__(self) -> str:
         return f"Task(epoch={self.epoch}, indices={self.indices!r})"
@@ -96,11 +99,11 @@ class TwoStageFetch(torch.utils.data.Dataset):
     def __len__(self) -> int:
         return len(self.dataset)
 
-    def _run(self, epoch: int, indices, single: bool) -> Prepared:
+    def _run(self, epoch: int, indices, single: bool, again=None) -> Prepared:
         ds, out = self.dataset, Prepared(epoch, single)
         st = out.stats
         clock = time.perf_counter
-        for i in indices:
+        for j, i in enumerate(indices):
             t0 = clock()
             if self.generic:
                 try:
@@ -124,19 +127,21 @@ class TwoStageFetch(torch.utils.data.Dataset):
                 st.fetch_s += clock() - t0
                 if err is None:
                     st.record_read("storage", n)
-                sample = prep_sample(ds, self.seed, epoch, i, raw, err, st, self.on_error)
+                sample = prep_sample(ds, self.seed, epoch, i, raw, err, st, self.on_error,
+                                     again[j] if again is not None else 0)
             if sample is not SKIP:
                 out.samples.append(sample)
         return out
 
     def __getitems__(self, task) -> Prepared:
         if type(task) is Task:
-            return self._run(task.epoch, task.indices, single=False)
+            return self._run(task.epoch, task.indices, single=False, again=task.again)
         return self._run(-1, task, single=False)
 
     def __getitem__(self, task) -> Prepared:
         if type(task) is Task:
-            return self._run(task.epoch, (task.indices,), single=True)
+            return self._run(task.epoch, (task.indices,), single=True,
+                             again=None if task.again is None else (task.again,))
         return self._run(-1, (task,), single=True)
 
 
