@@ -54,7 +54,7 @@ from .decode.ops import (  # noqa: F401 (InterpolationMode and resized_crop are 
 
 __all__ = [
     "InterpolationMode", "Transform", "Compose", "RandomResizedCrop", "RandomHorizontalFlip",
-    "RandomVerticalFlip", "Resize", "CenterCrop", "RandomCrop", "PILToTensor", "ToTensor", "ToDtype", "Normalize",
+    "RandomVerticalFlip", "Resize", "CenterCrop", "RandomCrop", "Pad", "PILToTensor", "ToTensor", "ToDtype", "Normalize",
     "resized_crop", "spec_of",
 ]
 
@@ -460,13 +460,7 @@ class RandomCrop(Transform):
         if not isinstance(pad_if_needed, bool):
             raise _bad("pad_if_needed", "a bool", pad_if_needed, TypeError)
         self.pad_if_needed = pad_if_needed
-        vals = list(fill) if _is_seq(fill) else [fill]
-        if not vals or not all(_is_num(v) and 0 <= int(v) <= 255 for v in vals):
-            raise _bad("fill", "a number or a sequence of numbers in 0..255", fill)
-        self.fill = tuple(int(v) for v in vals) if _is_seq(fill) else int(fill)
-        if padding_mode not in self.MODES:
-            raise _bad("padding_mode", f"one of {self.MODES}", padding_mode)
-        self.padding_mode = padding_mode
+        self.fill, self.padding_mode = _check_fill(fill), _check_padding_mode(padding_mode)
 
     def __call__(self, img: Any) -> Any:
         if self.padding is not None or self.pad_if_needed:
@@ -481,31 +475,68 @@ class RandomCrop(Transform):
     def _padded(self, img: Any) -> Any:
         """``img`` padded as torchvision pads it before drawing the crop:
         ``padding``, then the width, then the height where ``pad_if_needed``."""
-        pil = isinstance(img, Image.Image)
-        x = np.asarray(img) if pil else img
-        if pil and x.ndim == 2:
-            x = x[None]
-        elif pil:
-            x = x.transpose(2, 0, 1)
-        if self.padding is not None:
-            x = _pad(x, self.padding, self.fill, self.padding_mode)
-        h, w = self.size
-        if self.pad_if_needed and x.shape[-1] < w:
-            d = w - x.shape[-1]
-            x = _pad(x, (d, 0, d, 0), self.fill, self.padding_mode)
-        if self.pad_if_needed and x.shape[-2] < h:
-            d = h - x.shape[-2]
-            x = _pad(x, (0, d, 0, d), self.fill, self.padding_mode)
-        if pil:
-            a = np.ascontiguousarray(np.asarray(x).transpose(1, 2, 0))
-            return Image.fromarray(a[..., 0] if a.shape[-1] == 1 else a, img.mode)
-        return x
+        def pads(x):
+            if self.padding is not None:
+                x = _pad(x, self.padding, self.fill, self.padding_mode)
+            h, w = self.size
+            if self.pad_if_needed and x.shape[-1] < w:
+                d = w - x.shape[-1]
+                x = _pad(x, (d, 0, d, 0), self.fill, self.padding_mode)
+            if self.pad_if_needed and x.shape[-2] < h:
+                d = h - x.shape[-2]
+                x = _pad(x, (0, d, 0, d), self.fill, self.padding_mode)
+            return x
+        return _on_planes(img, pads)
 
     def _params(self) -> dict[str, Any]:
         if self.padding is None and not self.pad_if_needed:
             return {"size": self.size}
         return {"size": self.size, "padding": self.padding, "pad_if_needed": self.pad_if_needed,
                 "fill": self.fill, "padding_mode": self.padding_mode}
+
+
+class Pad(Transform):
+    """Pad the image by ``padding`` (an int, or 2 or 4 non-negative ints:
+    left and right then top and bottom, or left, top, right, bottom) with
+    ``padding_mode`` ``"constant"`` (``fill``: a number or one per channel,
+    truncated to an int), ``"edge"``, ``"reflect"`` or ``"symmetric"``: as
+    torchvision pads a PIL image."""
+
+    def __init__(self, padding: Any, fill: Any = 0, padding_mode: str = "constant"):
+        self.padding = _check_padding(padding)
+        self.fill, self.padding_mode = _check_fill(fill), _check_padding_mode(padding_mode)
+
+    def __call__(self, img: Any) -> Any:
+        return _on_planes(img, lambda x: _pad(x, self.padding, self.fill, self.padding_mode))
+
+    def _params(self) -> dict[str, Any]:
+        return {"padding": self.padding, "fill": self.fill, "padding_mode": self.padding_mode}
+
+
+def _on_planes(img: Any, fn: Callable) -> Any:
+    """``fn`` of the (C, H, W) planes of ``img`` (a PIL image, whose result
+    is made a PIL image of its mode, or a tensor)."""
+    if not isinstance(img, Image.Image):
+        return fn(img)
+    x = np.asarray(img)
+    x = fn(x[None] if x.ndim == 2 else x.transpose(2, 0, 1))
+    a = np.ascontiguousarray(np.asarray(x).transpose(1, 2, 0))
+    return Image.fromarray(a[..., 0] if a.shape[-1] == 1 else a, img.mode)
+
+
+def _check_fill(fill: Any) -> Any:
+    """A padding's fill: an int, or a tuple of ints (each truncated, as PIL
+    takes it), in 0..255."""
+    vals = list(fill) if _is_seq(fill) else [fill]
+    if not vals or not all(_is_num(v) and 0 <= int(v) <= 255 for v in vals):
+        raise _bad("fill", "a number or a sequence of numbers in 0..255", fill)
+    return tuple(int(v) for v in vals) if _is_seq(fill) else int(fill)
+
+
+def _check_padding_mode(mode: Any) -> str:
+    if mode not in RandomCrop.MODES:
+        raise _bad("padding_mode", f"one of {RandomCrop.MODES}", mode)
+    return mode
 
 
 def _check_padding(padding: Any) -> tuple[int, int, int, int] | None:
@@ -653,7 +684,7 @@ class Normalize(Transform):
 # --------------------------------------------------------------------------
 # Fused decode: bytes -> tensor without PIL images in between.
 
-_GEOMETRIC = (RandomResizedCrop, Resize, CenterCrop, RandomCrop, RandomHorizontalFlip, RandomVerticalFlip)
+_GEOMETRIC = (RandomResizedCrop, Resize, CenterCrop, RandomCrop, Pad, RandomHorizontalFlip, RandomVerticalFlip)
 
 
 def _fusable(ts: list) -> bool:

@@ -2068,6 +2068,11 @@ def _step(t: Any, st: _State) -> bool:
                 return True
             st.geo.append(T.RandomCrop(_size(t.size)))
             return True
+        if name == "Pad" and on_pil:            # as torchvision pads a PIL image (a v2 fill by type: as written)
+            if isinstance(t.fill, dict) or t.fill is None:
+                return False
+            st.geo.append(T.Pad(t.padding, t.fill, getattr(t.padding_mode, "value", t.padding_mode)))
+            return True
         if name == "RandomHorizontalFlip":
             # a flip commutes with the conversions and Normalize that may precede it
             st.geo.append(T.RandomHorizontalFlip(float(t.p)))

@@ -552,6 +552,21 @@ def test_a_padded_random_crop_is_the_same_window_on_pil_and_tensor(kw):
     assert T.RandomCrop(12, padding=None).spec() == T.RandomCrop(12).spec()
 
 
+@pytest.mark.parametrize("kw", [dict(padding=3), dict(padding=(2, 5), padding_mode="reflect", fill=4),
+                                dict(padding=(1, 0, 2, 3), fill=(9, 80, 200)), dict(padding=4, padding_mode="edge")])
+def test_pad_is_the_same_on_pil_and_tensor(kw):
+    img = rgb(17, 11)
+    pad = T.Pad(**kw)
+    a = T.PILToTensor()(pad(img))
+    b = pad(T.PILToTensor()(img))
+    left, top, right, bottom = pad.padding
+    assert torch.equal(a, b) and a.shape == (3, 11 + top + bottom, 17 + left + right)
+    assert torch.equal(b[:, top:top + 11, left:left + 17], T.PILToTensor()(img))
+    assert pad.spec() != T.Pad(1).spec() and T.Pad(**kw).spec() == pad.spec()
+    with pytest.raises(ValueError, match="padding_mode"):
+        T.Pad(2, padding_mode="circular")
+
+
 @pytest.mark.parametrize("kw,err", [(dict(padding=-1), ValueError), (dict(padding=(1, 2, 3)), ValueError),
                                     (dict(padding="4"), TypeError), (dict(fill=256), ValueError),
                                     (dict(fill=(1, None, 3)), ValueError), (dict(padding_mode="wrap"), ValueError),

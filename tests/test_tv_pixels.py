@@ -541,7 +541,7 @@ def test_what_a_padded_crop_cannot_fuse_runs_as_written():
     assert translate(V1.Compose([V1.RandomCrop(50, padding=2, fill=300), V1.PILToTensor()]))[2][0] == "RandomCrop"
     from coordl.device.encoded import plan_for
 
-    with pytest.raises(ValueError, match=r"pads the image before cropping"):
+    with pytest.raises(ValueError, match=r"pads the image"):
         plan_for(T.Compose([T.RandomCrop(32, padding=4), T.ToTensor()]))
 
 
@@ -584,3 +584,31 @@ def test_a_v1_resize_of_a_tensor_fuses_in_float_with_torchvisions_pixels(images,
 
     with pytest.raises(ValueError, match=r"resizes a tensor in float32"):
         plan_for(fused)
+
+
+@pytest.mark.parametrize("kind", ["v1", "v2"])
+@pytest.mark.parametrize("kw", [dict(padding=4), dict(padding=(3, 1), padding_mode="reflect"),
+                                dict(padding=[1, 2, 3, 4], fill=(200, 7, 90)), dict(padding=5, padding_mode="edge"),
+                                dict(padding=2, padding_mode="symmetric", fill=9)])
+def test_a_pad_fuses_with_torchvisions_pixels(images, kw, kind):
+    """``Pad`` on a PIL image, then a ``RandomCrop`` (the other CIFAR-style
+    recipe, ``Pad(4, padding_mode="reflect")`` first): fused, the planes
+    padded as torchvision's PIL pad pads, bit for bit; decode="device"
+    refuses it, naming it."""
+    M = V1 if kind == "v1" else V2
+    tf = M.Compose([M.Pad(**kw), M.RandomCrop(40), M.PILToTensor()])
+    fused, names, rest = translate(tf)
+    assert rest == () and names[:2] == ("Pad", "RandomCrop"), (names, rest)
+    for path in images[:2]:
+        raw, pil = _read(path), _pil(path)
+        padded = F1.pad(pil, kw["padding"], kw.get("fill", 0), kw.get("padding_mode", "constant"))
+        for k in range(3):
+            with _rng.sample_rng(9, 0, k):
+                got = fused.from_bytes(raw)
+            g = _rng.derive(9, 0, k)
+            top, left = g.randint(0, padded.height - 40), g.randint(0, padded.width - 40)
+            assert torch.equal(got, F1.pil_to_tensor(F1.crop(padded, top, left, 40, 40))), (path, k)
+    from coordl.device.encoded import plan_for
+
+    with pytest.raises(ValueError, match=r"Pad\(.*pads the image"):
+        plan_for(T.Compose([T.Resize(48), T.Pad(4), T.CenterCrop(32), T.ToTensor()]))

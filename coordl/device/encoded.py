@@ -342,7 +342,7 @@ def plan_for(transform) -> DecodePlan:
     else:
         raise _refuse(f"it is a {type(transform).__module__}.{type(transform).__qualname__}, not a "
                       "coordl.transforms.Compose (or a torchvision Compose of the supported steps)")
-    geometric = (T.RandomResizedCrop, T.Resize, T.CenterCrop, T.RandomCrop, T.RandomHorizontalFlip,
+    geometric = (T.RandomResizedCrop, T.Resize, T.CenterCrop, T.RandomCrop, T.Pad, T.RandomHorizontalFlip,
                  T.RandomVerticalFlip)
     steps, resize, crop = [], None, None
     i = 0
@@ -362,9 +362,9 @@ def plan_for(transform) -> DecodePlan:
                               f"kernels do not have (they have {', '.join(_TENSOR_MODES)})",
                               "use bilinear or bicubic")
             resize = t
-        elif tt in (T.CenterCrop, T.RandomCrop):
-            if tt is T.RandomCrop and (t.padding is not None or t.pad_if_needed):
-                raise _refuse(f"step {i} ({t!r}) pads the image before cropping, which the device stage does not",
+        elif tt in (T.CenterCrop, T.RandomCrop, T.Pad):
+            if tt is T.Pad or (tt is T.RandomCrop and (t.padding is not None or t.pad_if_needed)):
+                raise _refuse(f"step {i} ({t!r}) pads the image, which the device stage does not",
                               "use decode='cpu' (with device=, uint8 images still go to the device)")
             if crop is not None:
                 raise _refuse(f"step {i} ({t!r}) is a second crop after {crop!r}")
