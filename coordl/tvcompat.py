@@ -282,9 +282,8 @@ class TorchvisionPipeline:
                 return f"{_name(self.erase.user)}'s draws cannot be made apart from its call here"
             if self.erase.noise:
                 return f"{_name(self.erase.user)} erases with noise, drawn on the CPU per pixel"
-        steps, image_type = self._conversion()
-        if not steps or type(steps[0]) is not T.ToTensor or image_type is not None or any(
-                type(t) is not T.Normalize for t in steps[1:]):
+        got = self._normalized()
+        if got is None or got[1] is not None:
             return "the steps after the ones run as written are not ToTensor() and Normalize()s"
         return None
 
@@ -305,10 +304,18 @@ class TorchvisionPipeline:
         st = self._tensor_state()
         return ([st.to_tensor] + st.post, st.image_type) if st is not None else ([], None)
 
+    def _normalized(self) -> tuple | None:
+        """:meth:`_conversion` where it is coordl's ``ToTensor`` then
+        ``Normalize``s, else None."""
+        steps, image_type = self._conversion()
+        if steps and type(steps[0]) is T.ToTensor and all(type(t) is T.Normalize for t in steps[1:]):
+            return steps, image_type
+        return None
+
     def split_conversion(self) -> list:
         """coordl's ``ToTensor`` then ``Normalize``s after the steps run as
         written (:meth:`split_refusal` None)."""
-        return self._conversion()[0]
+        return self._normalized()[0]
 
     def split_jitters(self) -> list | None:
         """The ``ColorJitterOnPlanes`` of the steps run as written when they
@@ -395,13 +402,7 @@ class TorchvisionPipeline:
         where :attr:`post` is a conversion of the fused uint8 tensor to
         float and ``Normalize``s (:meth:`on_tensor`), else None; made once."""
         if "_tensor_post" not in self.__dict__:
-            got = None
-            if self.on_tensor():
-                st = self._tensor_state()
-                if st is not None and type(st.to_tensor) is T.ToTensor and all(
-                        type(t) is T.Normalize for t in st.post):
-                    got = ([st.to_tensor] + st.post, st.image_type)
-            self._tensor_post = got
+            self._tensor_post = self._normalized() if self.on_tensor() else None
         return self._tensor_post
 
     def spec(self) -> tuple:
