@@ -75,8 +75,9 @@ def current():
 class sample_rng:
     """``with sample_rng(seed, epoch, index[, again]) as g``: make ``g =
     derive(seed, epoch, index, again)`` the current generator in this
-    thread, the previous one back on exit.  A class rather than a ``@contextmanager`` generator: it is
-    entered once per sample, and this costs a third as much."""
+    thread, the previous one back on exit.  A class rather than a
+    ``@contextmanager`` generator: it is entered once per sample, and this
+    costs a third as much."""
 
     __slots__ = ("g", "prev", "key")
 

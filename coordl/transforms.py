@@ -54,7 +54,8 @@ from .decode.ops import (  # noqa: F401 (InterpolationMode and resized_crop are 
 
 __all__ = [
     "InterpolationMode", "Transform", "Compose", "RandomResizedCrop", "RandomHorizontalFlip",
-    "RandomVerticalFlip", "Resize", "CenterCrop", "RandomCrop", "Pad", "PILToTensor", "ToTensor", "ToDtype", "Normalize",
+    "RandomVerticalFlip", "Resize", "CenterCrop", "RandomCrop", "Pad", "PILToTensor", "ToTensor", "ToDtype",
+    "Normalize",
     "resized_crop", "spec_of",
 ]
 
