@@ -373,8 +373,7 @@ class TorchvisionPipeline:
         or PILToTensor, Normalize...]`` where they are ``ConvertImageDtype``
         or ``ToDtype(float32, scale=True)`` then ``Normalize``s (then
         ``ToPureTensor``), or nothing (the uint8 image); else None."""
-        st = self._tensor_state()
-        return [st.to_tensor] + st.post if st is not None else None
+        return (self._conversion()[0] or None) if self.on_tensor() else None
 
     def _tensor_state(self) -> "_State | None":
         st = _State()

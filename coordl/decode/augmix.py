@@ -24,9 +24,10 @@ magnitudes are float32 or integer tensors' elements), and :func:`apply`
 computes the result on a batch of rows, each with its own value, on any
 device (an auto-augment policy given a tensor is such a value too: its
 operations one chain of weight 1 over the image's weight 0, whose mix is
-the chain's result exactly): the operations with torchvision's own functions (the rows drawing
-the same operation at the same step taken together), the mix with the
-same single-precision products and sums as torchvision's, row by row.  On
+the chain's result exactly): the operations with torchvision's own
+functions (the rows drawing the same operation at the same step taken
+together), the mix with the same single-precision products and sums as
+torchvision's, row by row.  On
 the CPU its values are torchvision's own; on a GPU torchvision's functions
 run there (their sampling and convolution round as the GPU does), within a
 stated tolerance (``coordl.device.pil_ops.TOLERANCE``, checked on probe

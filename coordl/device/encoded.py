@@ -445,8 +445,7 @@ def _with_jitter(pipeline) -> tuple[list, list]:
     if others or not user or fused is None or type(fused.transforms[-1]) is not T.PILToTensor:
         names = ", ".join(others or [type(u).__name__ for u in user + list(pipeline.post)])   # the user's steps
         fix = "remove them from the transform"
-        if fused is not None and not pipeline.to_pil and set(others) & {"TrivialAugmentWide", "RandAugment",
-                                                                          "AutoAugment", "AugMix"}:
+        if pipeline.on_tensor() and set(others) & {"TrivialAugmentWide", "RandAugment", "AutoAugment", "AugMix"}:
             fix = ("given a tensor (PILToTensor before them), the device runs torchvision's auto-augment policies "
                    "and AugMix interpolating with nearest or bilinear (torchvision's own tensor functions refuse "
                    "the others) and without a fill: " + fix)
@@ -468,12 +467,13 @@ def _with_jitter(pipeline) -> tuple[list, list]:
                       "translations, rotations or blurs a sample (an AugMix counts two, a perspective map two, "
                       "timm's AugMix as many as its chains' operations may need), the most the device stage "
                       "carries", "keep fewer such operations a sample")
-    if not pipeline.to_pil:
+    if pipeline.on_tensor():
         conversion = pipeline.post_on_tensor()
         if conversion is None:
-            raise _refuse(f"after {type(user[-1]).__name__} the steps {', '.join(type(t).__name__ for t in pipeline.post)}"
-                          " run as written: on a uint8 tensor the device stage needs ConvertImageDtype(torch.float) or "
-                          "ToDtype(torch.float32, scale=True) [+ Normalize(...)s], or nothing")
+            after = ", ".join(type(t).__name__ for t in pipeline.post)
+            raise _refuse(f"after {type(user[-1]).__name__} the steps {after} run as written: on a uint8 tensor the "
+                          "device stage needs ConvertImageDtype(torch.float) or ToDtype(torch.float32, scale=True) "
+                          "[+ Normalize(...)s], or nothing")
         return list(fused.transforms[:-1]) + conversion, jitters
     if pipeline.post_fused is None:
         what = (f"after ColorJitter the steps {', '.join(type(t).__name__ for t in pipeline.post)} run as "
