@@ -1348,10 +1348,7 @@ class AugMixOnDevice(_DrawnApart):
         from .decode import augmix
 
         super().__init__(user, v2)
-        mode = getattr(user.interpolation, "value", user.interpolation)
-        if mode not in augmix.MODES:
-            raise ValueError(f"AugMix interpolating with {mode}")
-        self.mode = augmix.MODES.index(mode)
+        self.mode = _function_mode(user)
         width, depth = int(user.mixture_width), int(user.chain_depth)
         if not augmix.fits(width, depth if depth > 0 else 3) or not 1 <= int(user.severity) <= 10:
             raise ValueError(f"AugMix with {width} chains of depth {depth}, more than a record carries")
@@ -1424,17 +1421,22 @@ class _OnTensor:
     how = ("given the uint8 tensor: its draws made apart from its call, its operations torchvision's own tensor "
            "functions on the device")
 
-    def _tensor_mode(self) -> int:
-        """The index in ``augmix.MODES`` of the user's interpolation (else
-        ValueError), where it fills nothing (else ValueError)."""
-        from .decode import augmix
+    def __init__(self, user: Any, v2: bool):
+        super().__init__(user, v2)
+        if _has_fill(user, v2):          # the device's functions fill nothing
+            raise ValueError(f"{_name(user)} on a tensor with a fill")
+        self.mode = _function_mode(user)
 
-        mode = getattr(self.user.interpolation, "value", self.user.interpolation)
-        if mode not in augmix.MODES:
-            raise ValueError(f"{_name(self.user)} on a tensor interpolating with {mode}")
-        if _has_fill(self.user, self.v2):
-            raise ValueError(f"{_name(self.user)} on a tensor with a fill")
-        return augmix.MODES.index(mode)
+
+def _function_mode(user: Any) -> int:
+    """The index in ``augmix.MODES`` of ``user``'s interpolation, which
+    torchvision's tensor functions run (else ValueError)."""
+    from .decode import augmix
+
+    mode = getattr(user.interpolation, "value", user.interpolation)
+    if mode not in augmix.MODES:
+        raise ValueError(f"{_name(user)} interpolating with {mode} on a tensor")
+    return augmix.MODES.index(mode)
 
 
 class _PolicyOnTensor(_OnTensor):
@@ -1448,7 +1450,6 @@ class _PolicyOnTensor(_OnTensor):
         from .decode import augmix
 
         super().__init__(user, v2)
-        self.mode = self._tensor_mode()
         if not augmix.fits(1, max(self.most, 1)):      # RandAugment(num_ops=0) draws nothing
             raise ValueError(f"{_name(user)} with {self.most} operations a call, more than a record carries")
         self.most, self.affines = 1, 2             # one AUGMIX value: two of the record's parameter slots

@@ -1015,6 +1015,8 @@ def test_a_policy_given_a_tensor_the_device_cannot_run_is_not_taken():
     assert tvcompat.tensor_step_of(V.TrivialAugmentWide(interpolation=V.InterpolationMode.BICUBIC)) is None
     assert tvcompat.tensor_step_of(V2.RandAugment(fill=[1, 2, 3])) is None
     assert tvcompat.tensor_step_of(V.AutoAugment(fill=4)) is None
+    assert tvcompat.tensor_step_of(V.AugMix(fill=[1, 2, 3])) is None and tvcompat.tensor_step_of(V2.AugMix(fill=7)) is None
+    assert tvcompat.tensor_step_of(V2.AugMix()) is not None
     assert tvcompat.tensor_step_of(V.RandAugment(num_ops=13)) is None
     assert tvcompat.tensor_step_of(V.RandAugment(num_ops=12)) is not None
     assert tvcompat.tensor_step_of(V2.RandAugment(num_ops=0)).draw((8, 8)) == []
