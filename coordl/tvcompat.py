@@ -68,6 +68,7 @@ from PIL import Image
 
 from . import _rng
 from . import datasets as _datasets
+from . import timmcompat
 from . import transforms as T
 from .datasets import TwoStageFolder, pil_decode
 
@@ -2449,8 +2450,11 @@ def draft_note(transform: Any) -> str | None:
 
 def adapt(dataset: Any, jpeg_draft: bool = False) -> tuple[Any, Decision | None]:
     """``(dataset the loader runs, decision)``: ``decision`` is None for
-    datasets that do not come from torchvision (returned as they are).
+    datasets that come neither from torchvision nor from timm's
+    ``ImageDataset`` (``coordl.timmcompat``; returned as they are).
     ``jpeg_draft``: the loader's option of that name (see :func:`translate`)."""
+    if timmcompat.is_timm_dataset(dataset):
+        return _adapt_timm(dataset, jpeg_draft)
     if not from_torchvision(dataset):
         if jpeg_draft:
             warnings.warn("jpeg_draft=True applies to torchvision's ImageFolder/DatasetFolder only and has no "
@@ -2471,14 +2475,54 @@ def adapt(dataset: Any, jpeg_draft: bool = False) -> tuple[Any, Decision | None]
         adapted = TorchvisionFolder(dataset, transform)
     except (TypeError, ValueError) as e:  # a subclass's make_dataset gave other kinds of samples
         return dataset, Decision("torch", f"its samples are not (path, class index) pairs ({e})")
-    what = describe_translation(dataset.transform, transform, fused, as_written, through)
+    what = describe_adapted(dataset.transform, transform, fused, as_written, through, jpeg_draft)
+    reason = f"torchvision's {_name(dataset)} read as raw file bytes, decoded by coordl; {what}"
+    return adapted, Decision("coordl", reason, fused, as_written)
+
+
+def describe_adapted(given: Any, transform: Any, fused: tuple, as_written: tuple, through: list,
+                     jpeg_draft: bool) -> str:
+    """:func:`describe_translation` of a folder's translated ``transform``
+    (from the user's ``given``), with what the reduced-scale JPEG decode
+    does or, asked for (``jpeg_draft``), why it does nothing."""
+    what = describe_translation(given, transform, fused, as_written, through)
     note = draft_note(transform)
     if note is not None:
         what += f"; {note}"
     elif jpeg_draft:
         what += ("; jpeg_draft=True has no effect: the first fused step is no antialiased bilinear or bicubic "
                  "Resize/RandomResizedCrop, so every image is decoded at full size")
-    reason = f"torchvision's {_name(dataset)} read as raw file bytes, decoded by coordl; {what}"
+    return what
+
+
+def _adapt_timm(dataset: Any, jpeg_draft: bool) -> tuple[Any, Decision]:
+    """:func:`adapt` of timm's ``ImageDataset`` (``coordl.timmcompat``):
+    its RGB images' transform translated as a torchvision folder's, any
+    other's run as written."""
+    why = timmcompat.why_not(dataset)
+    if why is not None:
+        return dataset, Decision("torch", why)
+    rgb = getattr(dataset, "input_img_mode", "RGB") == "RGB" and not getattr(dataset, "load_bytes", False)
+    through: list = []
+    if dataset.transform is None:
+        transform, fused, as_written = None, (), ()
+    elif rgb:
+        transform, fused, as_written = translate_steps(_flatten(dataset.transform, through), jpeg_draft)
+    else:
+        transform, fused, as_written = dataset.transform, (), (_name(dataset.transform),)
+    try:
+        adapted = timmcompat.TimmImageFolder(dataset, transform)
+    except (TypeError, ValueError) as e:
+        return dataset, Decision("torch", f"its reader's samples are not (path, class index) pairs ({e})")
+    if rgb:
+        what = describe_adapted(dataset.transform, transform, fused, as_written, through, jpeg_draft)
+    else:
+        given = "the file's bytes (load_bytes=True)" if dataset.load_bytes else \
+            f"images in mode {dataset.input_img_mode!r}"
+        what = f"its transform as written, given {given}"
+        if jpeg_draft:
+            what += "; jpeg_draft=True has no effect: coordl decodes only RGB images itself"
+    reason = f"timm's {type(dataset).__name__} read as raw file bytes, decoded by coordl; {what}"
     return adapted, Decision("coordl", reason, fused, as_written)
 
 

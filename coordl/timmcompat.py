@@ -1,0 +1,193 @@
+"""timm's image folder dataset on coordl's pipeline, unchanged.
+
+timm's training script builds its dataset with ``timm.data.create_dataset``:
+for a folder of images, an ``ImageDataset`` over a ``ReaderImageFolder``
+(the reader scans the folder; the dataset opens each file with PIL,
+converts it to ``input_img_mode`` and applies ``transform``).  Given one,
+``coordl.DataLoader`` runs a :class:`TimmImageFolder` instead, as it runs a
+torchvision folder (``coordl.tvcompat.adapt`` makes it): ``raw(i)`` reads the file's
+bytes (the node cache, peers and shared reads apply), ``prep`` decodes and
+transforms them.  With ``input_img_mode="RGB"`` (timm's default) the
+transform is translated as a torchvision one is (timm's
+``create_transform`` recipes are torchvision's transforms and timm's own,
+which ``coordl.tvcompat`` recognizes), so the fused crop-window decode runs
+it; with another mode, or ``load_bytes=True``, the transform runs as
+written on what timm gives it.
+
+What timm's ``__getitem__`` does that a plain folder does not is kept: a
+file that cannot be opened or decoded (an ``OSError``: PIL's
+``UnidentifiedImageError``, a truncated image) is skipped, a warning
+logged on timm's logger, and the next index's sample delivered in its
+place, up to the dataset's retry count, after which ``RuntimeError`` says
+so.  The sample's draws stay those of its own (seed, epoch, index).
+
+Anything else stays on torch's machinery, the reason in
+``loader.stats().path_reason``: another reader (a tar file, Hugging Face,
+TFDS, WebDataset), a subclass that overrides ``__getitem__`` or
+``__len__``, ``additional_features``.  Nothing here imports timm: its
+classes are recognized by module and name.
+"""
+from __future__ import annotations
+
+import functools
+import io
+import logging
+import os
+from types import SimpleNamespace
+from typing import Any
+
+from PIL import Image
+
+from .datasets import TwoStageFolder, pil_loader
+
+__all__ = ["TimmImageFolder", "is_timm_dataset", "why_not"]
+
+_DATASET = ("timm.data.dataset", "ImageDataset")
+_READER = ("timm.data.readers.reader_image_folder", "ReaderImageFolder")
+
+
+def _base(cls: type, module: str, name: str) -> type | None:
+    for c in cls.__mro__:
+        if c.__module__ == module and c.__name__ == name:
+            return c
+    return None
+
+
+def is_timm_dataset(obj: Any) -> bool:
+    """``obj`` is timm's ``ImageDataset`` or a subclass of it."""
+    return _base(type(obj), *_DATASET) is not None
+
+
+def why_not(ds: Any) -> str | None:
+    """Why timm's ``ds`` cannot run on coordl's pipeline, or None."""
+    cls = type(ds)
+    base = _base(cls, *_DATASET)
+    for attr in ("__getitem__", "__len__"):
+        if getattr(cls, attr) is not getattr(base, attr):
+            return f"{cls.__name__} overrides {attr}, which coordl cannot prove equivalent to raw bytes + prep"
+    reader = getattr(ds, "reader", None)
+    rcls = type(reader)
+    rbase = _base(rcls, *_READER)
+    if rbase is None:
+        return (f"timm's {cls.__name__} reads through {rcls.__name__}, not a folder of image files "
+                "(ReaderImageFolder), so coordl has no file bytes to cache and share for it")
+    for attr in ("__getitem__", "__len__"):
+        if getattr(rcls, attr) is not getattr(rbase, attr):
+            return f"its reader {rcls.__name__} overrides {attr}"
+    retries = getattr(ds, "_max_retries", None)
+    if isinstance(retries, bool) or not isinstance(retries, int) or retries < 1:
+        return (f"this timm's {cls.__name__} has no retry count of its own (_max_retries; timm 1.0 and later), "
+                "so coordl cannot tell how it skips a file it cannot open")
+    if getattr(ds, "additional_features", None) is not None:
+        return "it returns additional_features, which coordl's folder does not read"
+    for attr in ("transform", "target_transform"):
+        fn = getattr(ds, attr, None)
+        if fn is not None and not callable(fn):
+            return f"its {attr} {fn!r} is not callable, so coordl cannot run it"
+    samples = getattr(reader, "samples", None)
+    if not isinstance(samples, (list, tuple)) or not isinstance(getattr(reader, "root", None), (str, os.PathLike)):
+        return "its reader has no list of samples under a root"
+    return None
+
+
+def _open_as(mode: str | None, raw) -> Any:
+    """timm's decode of a file given its bytes: ``Image.open`` then, with a
+    mode, ``convert(mode)`` (every pixel decoded, so a corrupt file fails
+    here); without one, the image as opened (decoded when first used)."""
+    img = Image.open(io.BytesIO(raw))
+    return img.convert(mode) if mode else img
+
+
+def _as_bytes(raw) -> bytes:
+    """``load_bytes=True``: the file's bytes, as ``bytes`` (timm's ``read()``)."""
+    return raw if type(raw) is bytes else bytes(raw)
+
+
+class TimmImageFolder(TwoStageFolder):
+    """timm's ``ImageDataset`` over a ``ReaderImageFolder`` as a coordl
+    two-stage dataset, made by ``coordl.tvcompat.adapt``: the reader's samples, root
+    and ``class_to_idx``, the dataset's ``transform`` (translated where the
+    images are RGB) and ``target_transform``; ``filename`` and
+    ``filenames`` as timm's.  A sample whose file cannot be opened is
+    replaced by the next one's, as timm's dataset does (see the module's
+    docstring).  Keeps no reference to the original dataset or reader."""
+
+    def __init__(self, dataset: Any, transform: Any):
+        reader = dataset.reader
+        mode = getattr(dataset, "input_img_mode", "RGB")
+        self.load_bytes = bool(getattr(dataset, "load_bytes", False))
+        self.input_img_mode = mode
+        if self.load_bytes:
+            decode = _as_bytes
+        elif mode == "RGB":
+            decode = None           # coordl's pil_decode: the fused decode path
+        else:
+            decode = functools.partial(_open_as, mode or None)
+        class_to_idx = dict(getattr(reader, "class_to_idx", {}) or {})
+        like = SimpleNamespace(
+            samples=reader.samples, loader=pil_loader, transform=transform,
+            target_transform=getattr(dataset, "target_transform", None), root=os.fspath(reader.root),
+            classes=[c for c, _ in sorted(class_to_idx.items(), key=lambda kv: kv[1])],
+            class_to_idx=class_to_idx)
+        super().__init__(like, decode)
+        self._source = type(dataset).__name__
+        self._logger = type(dataset).__module__
+        self._retries = int(dataset._max_retries)
+
+    def _repr_name(self) -> str:
+        return f"{type(self).__name__}(timm {self._source})"
+
+    # -- timm's skip of a file that cannot be opened -------------------------
+
+    def _opens(self, raw) -> bool:
+        """Whether timm's dataset opens (and converts) these bytes."""
+        if self.load_bytes:
+            return True
+        try:
+            _open_as(self.input_img_mode or None, raw)
+        except OSError:
+            return False
+        return True
+
+    def _prep_seeded(self, raw, index: int):
+        try:
+            return super()._prep_seeded(raw, index)
+        except Exception as e:  # noqa: BLE001 - timm's own error where its dataset would have opened the file
+            if self._opens(raw):
+                raise
+            first = e
+        return self._next_that_opens(self._check_index(index), first)
+
+    def _next_that_opens(self, index: int, error: BaseException):
+        """timm's loop after the file of ``index`` failed with ``error``: the
+        next index's file, read and opened here, then transformed; each
+        failure logged; ``RuntimeError`` after the dataset's retry count."""
+        log = logging.getLogger(self._logger)
+        n = len(self)
+        for _ in range(self._retries - 1):
+            log.warning("Skipped sample (index %d). %s", index, error)
+            index = (index + 1) % n
+            try:
+                img = self._decode(self._raw(index))     # timm's open and convert (pil_decode for RGB)
+            except OSError as e:
+                error = e
+                continue
+            return self._finish(img, index)
+        log.warning("Skipped sample (index %d). %s", index, error)
+        raise RuntimeError(f"Failed to load {self._retries} consecutive samples")
+
+    # -- timm's reader's names -----------------------------------------------
+
+    def filename(self, index: int, basename: bool = False, absolute: bool = False) -> str:
+        """The file of sample ``index``: relative to the root (default), its
+        base name, or its absolute path, as timm's reader names it."""
+        path = self._path(self._check_index(index))
+        if basename:
+            return os.path.basename(path)
+        if not absolute:
+            return os.path.relpath(path, self.root)
+        return path
+
+    def filenames(self, basename: bool = False, absolute: bool = False) -> list[str]:
+        """:meth:`filename` of every sample, in order."""
+        return [self.filename(i, basename, absolute) for i in range(len(self))]

@@ -1,0 +1,228 @@
+"""timm's ``ImageDataset`` (what ``timm.data.create_dataset`` makes of a
+folder) on coordl's pipeline: read as raw bytes and decoded by coordl, its
+transforms fused as torchvision's are, timm's skip of a file it cannot
+open kept; other readers stay on torch's machinery."""
+import logging
+import os
+import shutil
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from _torchvision import import_torchvision  # noqa: E402
+
+if import_torchvision() is None:
+    pytest.skip("torchvision is not installed (pip install coordl[test])", allow_module_level=True)
+timm = pytest.importorskip("timm", reason="timm is not installed (pip install timm)")
+
+from timm.data import create_dataset, create_loader, create_transform  # noqa: E402
+from timm.data.dataset import ImageDataset  # noqa: E402
+from timm.data.readers.reader import Reader  # noqa: E402
+from torchvision import datasets as D  # noqa: E402
+
+import coordl  # noqa: E402
+from coordl.timmcompat import TimmImageFolder  # noqa: E402
+
+# timm's own dataset, read here as the reference, leaves each file it opened to the garbage collector
+pytestmark = [pytest.mark.filterwarnings("ignore:Exception ignored in. <_io.FileIO:pytest.PytestUnraisableExceptionWarning"),
+              pytest.mark.filterwarnings("ignore:unclosed file:ResourceWarning")]
+
+
+@pytest.fixture(scope="module")
+def photos(photo_folder):
+    return photo_folder("timm_ds", num_images=30, num_classes=3, mean_kb=3, image_size=(64, 48), seed=11)
+
+
+def timm_folder(root, **kw):
+    return create_dataset("", root=root, split="", **kw)
+
+
+def same_samples_folder(ds, transform):
+    """torchvision's ImageFolder over timm's dataset's samples, in timm's order."""
+    tv = D.ImageFolder(ds.reader.root, transform=transform)
+    tv.samples = tv.imgs = list(ds.reader.samples)
+    tv.targets = [t for _, t in tv.samples]
+    return tv
+
+
+def batches(loader):
+    return [(x.clone(), y.clone()) for x, y in loader]
+
+
+def equal(a, b):
+    return len(a) == len(b) and all(torch.equal(p[0], q[0]) and torch.equal(p[1], q[1]) for p, q in zip(a, b))
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_timms_eval_recipe_is_timms_own_batches_on_coordls_pipeline(photos, num_workers):
+    ds = timm_folder(photos)
+    ds.transform = create_transform(40, is_training=False)
+    L = coordl.DataLoader(ds, batch_size=8, num_workers=num_workers)
+    assert L.stats().path == "coordl", L.stats().path_reason
+    assert L.stats().path_reason.startswith("timm's ImageDataset read as raw file bytes, decoded by coordl; fused")
+    assert isinstance(L.dataset, TimmImageFolder)
+    want = batches(torch.utils.data.DataLoader(ds, batch_size=8))
+    assert equal(batches(L), want)
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+@pytest.mark.parametrize("kw", [{}, {"auto_augment": "rand-m9-mstd0.5-inc1", "re_prob": 0.25},
+                                {"interpolation": "random", "color_jitter": 0.4}], ids=["default", "ra", "jitter"])
+def test_timms_train_recipe_draws_as_torchvisions_folder_of_the_same_samples(photos, num_workers, kw):
+    """Training draws from (seed, epoch, index): coordl over timm's dataset
+    gives what coordl gives over torchvision's folder of the same files in
+    the same order (whose pixels tests/test_timm.py checks against timm's
+    own transforms)."""
+    ds = timm_folder(photos, is_training=True)
+    ds.transform = create_transform(40, is_training=True, **kw)
+    tv = same_samples_folder(ds, ds.transform)
+    a = coordl.DataLoader(ds, batch_size=8, shuffle=True, seed=5, num_workers=num_workers, drop_last=True)
+    b = coordl.DataLoader(tv, batch_size=8, shuffle=True, seed=5, num_workers=num_workers, drop_last=True)
+    assert a.stats().path == "coordl"
+    assert a.stats().path_reason.split("; ", 1)[1] == b.stats().path_reason.split("; ", 1)[1]
+    for _ in range(2):
+        assert equal(batches(a), batches(b))
+
+
+def test_timms_create_loader_runs_on_coordl_when_torchs_dataloader_is_coordls(photos, monkeypatch):
+    """timm's own ``create_loader`` (its prefetcher's ``fast_collate`` and
+    uint8 samples) looks ``torch.utils.data.DataLoader`` up when called."""
+    ds = timm_folder(photos)
+    want = [x for x, _ in create_loader(ds, input_size=(3, 32, 32), batch_size=8, device=torch.device("cpu"))]
+    monkeypatch.setattr(torch.utils.data, "DataLoader", coordl.DataLoader)
+    loader = create_loader(ds, input_size=(3, 32, 32), batch_size=8, num_workers=2, device=torch.device("cpu"))
+    assert isinstance(loader.loader, coordl.DataLoader) and loader.loader.stats().path == "coordl"
+    got = [x for x, _ in loader]
+    assert len(got) == len(want) and all(torch.equal(p, q) for p, q in zip(got, want))
+
+
+def test_filenames_classes_and_repr_are_timms(photos):
+    ds = timm_folder(photos)
+    mine = coordl.DataLoader(ds, batch_size=4).dataset
+    assert len(mine) == len(ds)
+    for kw in ({}, {"basename": True}, {"absolute": True}):
+        assert mine.filenames(**kw) == ds.filenames(**kw)
+        assert mine.filename(7, **kw) == ds.filename(7, **kw)
+    assert mine.class_to_idx == ds.reader.class_to_idx
+    assert [mine.class_to_idx[c] for c in mine.classes] == list(range(len(mine.classes)))
+    assert "TimmImageFolder(timm ImageDataset)" in repr(mine)
+
+
+@pytest.mark.parametrize("kw", [{"input_img_mode": "L"}, {"input_img_mode": None}, {"load_bytes": True}],
+                         ids=["gray", "no-mode", "bytes"])
+def test_other_modes_run_the_transform_as_written_on_what_timm_gives_it(photos, kw):
+    seen = []
+
+    def tf(x):
+        seen.append(type(x).__name__)
+        if isinstance(x, bytes):
+            return torch.tensor(len(x))
+        return torch.tensor(np.asarray(x.resize((4, 3))), dtype=torch.int64)
+
+    ds = ImageDataset(photos, transform=tf, **kw)
+    L = coordl.DataLoader(ds, batch_size=5)
+    assert L.stats().path == "coordl" and "its transform as written" in L.stats().path_reason
+    want = batches(torch.utils.data.DataLoader(ds, batch_size=5))
+    assert equal(batches(L), want)
+    assert set(seen) == {"bytes"} if kw.get("load_bytes") else {"Image", "JpegImageFile"} >= set(seen)
+
+
+def _spoil(root, names, how):
+    for name in names:
+        path = os.path.join(root, name)
+        with open(path, "rb") as f:
+            data = f.read()
+        with open(path, "wb") as f:
+            f.write(data[: len(data) // 3] if how == "truncated" else b"not an image at all")
+
+
+@pytest.mark.parametrize("how", ["garbage", "truncated"])
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_a_file_timm_cannot_open_is_skipped_for_the_next_as_timm_does(photos, tmp_path, how, num_workers, caplog):
+    root = str(tmp_path / "photos")
+    shutil.copytree(photos, root)
+    ds = timm_folder(root)
+    ds.transform = create_transform(32, is_training=False)
+    bad = [3, 4, len(ds) - 1]             # two in a row, and the last one (whose next is the first)
+    _spoil(root, [ds.filename(i) for i in bad], how)
+    def skipped():
+        return [r.getMessage().split(".")[0] for r in caplog.records if r.name == "timm.data.dataset"]
+
+    with caplog.at_level(logging.WARNING, logger="timm.data.dataset"):
+        want = batches(torch.utils.data.DataLoader(ds, batch_size=6))
+        timms = skipped()
+        caplog.clear()
+        got = batches(coordl.DataLoader(ds, batch_size=6, num_workers=num_workers))
+    assert torch.equal(want[0][0][3], want[0][0][5]) and torch.equal(want[-1][0][-1], want[0][0][0])
+    assert equal(got, want)
+    # sample 3 tried 3 and 4, sample 4 tried 4, sample 29 tried 29: each logged, as timm logs it
+    assert timms == ["Skipped sample (index 3)", "Skipped sample (index 4)", "Skipped sample (index 4)",
+                     "Skipped sample (index 29)"]
+    if num_workers == 0:     # (workers log in their own processes)
+        assert skipped() == timms
+
+
+def test_more_bad_files_in_a_row_than_timm_retries_fail_as_timms(photos, tmp_path):
+    root = str(tmp_path / "photos")
+    shutil.copytree(photos, root)
+    ds = timm_folder(root)
+    ds.transform = create_transform(32, is_training=False)
+    ds._max_retries = 3
+    _spoil(root, [ds.filename(i) for i in (6, 7, 8)], "garbage")
+    with pytest.raises(RuntimeError, match="Failed to load 3 consecutive samples"):
+        ds[6]
+    with pytest.raises(RuntimeError, match="Failed to load 3 consecutive samples"):
+        list(coordl.DataLoader(ds, batch_size=4))
+    ds._max_retries = 4       # the fourth try opens sample 9
+    assert equal(batches(coordl.DataLoader(ds, batch_size=4)), batches(torch.utils.data.DataLoader(ds, batch_size=4)))
+
+
+def test_decode_on_the_device_takes_timms_dataset(photos, cpu_device):
+    ds = timm_folder(photos, is_training=True)
+    ds.transform = create_transform(32, is_training=True)
+    tv = same_samples_folder(ds, ds.transform)
+    kw = dict(batch_size=8, seed=2, device="cpu", decode="device")
+    a = coordl.DataLoader(ds, **kw)
+    assert equal(batches(a), batches(coordl.DataLoader(tv, **kw)))
+    assert a.stats().device_decode_images == len(ds)
+
+
+def test_what_coordl_cannot_read_as_files_stays_on_torchs_machinery(photos, tmp_path):
+    class Own(ImageDataset):
+        def __getitem__(self, i):
+            return super().__getitem__(i)
+
+    L = coordl.DataLoader(Own(photos), batch_size=4)
+    assert L.stats().path == "torch" and "Own overrides __getitem__" in L.stats().path_reason
+    class Listed(Reader):          # not a folder of files: a tar file, Hugging Face, TFDS, WebDataset...
+        def __init__(self, samples):
+            super().__init__()
+            self.samples = samples
+
+        def __getitem__(self, i):
+            return open(self.samples[i][0], "rb"), self.samples[i][1]
+
+        def __len__(self):
+            return len(self.samples)
+
+    listed = ImageDataset(photos, reader=Listed(timm_folder(photos).reader.samples[:8]), transform=lambda x: 0)
+    L = coordl.DataLoader(listed, batch_size=4)
+    assert L.stats().path == "torch" and "reads through Listed, not a folder" in L.stats().path_reason
+    assert [b[0].tolist() for b in L] == [[0] * 4] * 2
+    old = ImageDataset(photos)
+    del old._max_retries
+    L = coordl.DataLoader(old, batch_size=4)
+    assert L.stats().path == "torch" and "_max_retries" in L.stats().path_reason
+
+
+def test_a_transform_assigned_after_the_loader_is_made_runs_at_the_next_pass(photos):
+    ds = timm_folder(photos)
+    ds.transform = create_transform(32, is_training=False)
+    L = coordl.DataLoader(ds, batch_size=10)
+    assert next(iter(L))[0].shape[-1] == 32
+    ds.transform = create_transform(24, is_training=False)
+    assert equal(batches(L), batches(torch.utils.data.DataLoader(ds, batch_size=10)))
