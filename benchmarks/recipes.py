@@ -37,6 +37,17 @@ Recipes (``--recipes``, comma-separated; default all):
 ``timm_train_aa``
     the training transform with ``auto_augment="rand-m9-mstd0.5"`` (timm's
     ``RandAugment``, its recipes' ``--aa``).
+``timm_ds_train``, ``timm_ds_eval``
+    timm's own dataset and loader, as its ``train.py`` and ``validate.py``
+    build them: ``timm.data.create_dataset("", root)`` (an ``ImageDataset``
+    over a ``ReaderImageFolder``) and ``timm.data.create_loader(ds,
+    input_size=(3, size, size), is_training=...)`` with its defaults (the
+    prefetcher's ``fast_collate`` and uint8 samples, persistent workers;
+    training: ``train.py``'s random interpolation and ``color_jitter=0.4``,
+    the last partial batch dropped; evaluation: bicubic with
+    ``crop_pct=0.95``, timm's ResNet-50 weights' settings), with
+    ``torch.utils.data.DataLoader`` pointed at the loader under test while
+    ``create_loader`` runs (it looks the name up when called).
 
 The preset classes come from ``--presets PATH``, a copy of torchvision's
 ``references/classification/presets.py`` (not shipped with coordl: fetch
@@ -65,6 +76,7 @@ Writes bench_out/recipes.json.
 from __future__ import annotations
 
 import argparse
+import collections
 import gc
 import importlib.util
 import inspect
@@ -87,6 +99,7 @@ RECIPES = ([f"train_{v}{p}" for p in POLICIES for v in ("v1", "v2")]
            + ["train_v1_tensor_ta", "train_v2_tensor_ta", "train_v1_tensor_bicubic"]
            + ["eval_v1", "eval_v2"]
            + ["timm_train", "timm_train_script", "timm_train_cj_prob", "timm_train_aa", "timm_eval"]
+           + ["timm_ds_train", "timm_ds_eval"]
            + ["cifar_v1", "cifar_v2"])
 
 
@@ -165,6 +178,20 @@ def build(recipe: str, root: str, size: int, presets, cls, batch_size: int, work
     from torch.utils.data import RandomSampler, SequentialSampler, default_collate
 
     train_cls, eval_cls, has_v2, _ = presets
+    if recipe.startswith("timm_ds"):
+        from timm.data import create_dataset, create_loader
+
+        training = recipe == "timm_ds_train"
+        ds = create_dataset("", root=root, split="", is_training=training)
+        kw = ({"interpolation": "random", "color_jitter": 0.4} if training
+              else {"interpolation": "bicubic", "crop_pct": 0.95})
+        torch_loader = torch.utils.data.DataLoader
+        torch.utils.data.DataLoader = cls
+        try:
+            return ds, create_loader(ds, input_size=(3, size, size), batch_size=batch_size, is_training=training,
+                                     num_workers=workers, device=torch.device("cpu"), **kw)
+        finally:
+            torch.utils.data.DataLoader = torch_loader
     if recipe.startswith("timm"):
         from timm.data import create_transform
 
@@ -202,6 +229,14 @@ def build(recipe: str, root: str, size: int, presets, cls, batch_size: int, work
     return ds, cls(ds, batch_size=batch_size, sampler=SequentialSampler(ds), num_workers=workers, pin_memory=True)
 
 
+def _each_once(ds, labels: torch.Tensor, batch_size: int, drop_last: bool) -> bool:
+    """An epoch's ``labels`` are the dataset's targets, each sample at most
+    once, all of them but a dropped last partial batch's."""
+    targets = ds.targets if hasattr(ds, "targets") else [t for _, t in ds.reader.samples]   # timm's reader
+    n = len(targets) // batch_size * batch_size if drop_last else len(targets)
+    return len(labels) == n and not collections.Counter(labels.tolist()) - collections.Counter(targets)
+
+
 def run(args) -> dict:
     import coordl
 
@@ -223,9 +258,11 @@ def run(args) -> dict:
                     count, _sec, lab = common.epoch(loader)
                     n += count
                     labels.append(lab)
-                    once = once and common.every_sample_once(ds, lab)
+                    once = once and _each_once(ds, lab, args.batch_size, recipe == "timm_ds_train")
                 sec = time.perf_counter() - t0
-                path = (lambda s: f"{s.path}: {s.path_reason}")(loader.stats()) if name == "coordl" else "torch"
+                inner = getattr(loader, "loader", loader)       # timm's PrefetchLoader holds the DataLoader
+                path = (lambda s: f"{s.path}: {s.path_reason}")(inner.stats()) if name == "coordl" else "torch"
+                del inner
                 del loader
                 gc.collect()
                 time.sleep(0.5)     # the workers exit and are reaped: their CPU is then counted
