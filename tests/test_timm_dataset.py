@@ -226,3 +226,17 @@ def test_a_transform_assigned_after_the_loader_is_made_runs_at_the_next_pass(pho
     assert next(iter(L))[0].shape[-1] == 32
     ds.transform = create_transform(24, is_training=False)
     assert equal(batches(L), batches(torch.utils.data.DataLoader(ds, batch_size=10)))
+
+
+def test_jobs_sharing_prep_get_what_they_get_alone(photos, daemon_env):
+    # a transform coordl translates whole: the daemon's workers then unpickle it without torchvision, whose
+    # wheel imports only beside torch's CUDA build (tests/_torchvision.py)
+    def make():
+        ds = timm_folder(photos)
+        ds.transform = create_transform(32, is_training=False)
+        return ds
+
+    alone = batches(coordl.DataLoader(make(), batch_size=8, seed=4))
+    L = coordl.DataLoader(make(), batch_size=8, seed=4, share=True)
+    assert equal(batches(L), alone)
+    assert L.stats().samples_shared > 0, L.stats()
