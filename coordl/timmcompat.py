@@ -38,6 +38,7 @@ from typing import Any
 
 from PIL import Image
 
+from .base.foreign import class_named, why_not_callable, why_overridden
 from .datasets import TwoStageFolder, pil_loader
 
 __all__ = ["TimmImageFolder", "is_timm_dataset", "why_not"]
@@ -46,44 +47,35 @@ _DATASET = ("timm.data.dataset", "ImageDataset")
 _READER = ("timm.data.readers.reader_image_folder", "ReaderImageFolder")
 
 
-def _base(cls: type, module: str, name: str) -> type | None:
-    for c in cls.__mro__:
-        if c.__module__ == module and c.__name__ == name:
-            return c
-    return None
-
-
 def is_timm_dataset(obj: Any) -> bool:
     """``obj`` is timm's ``ImageDataset`` or a subclass of it."""
-    return _base(type(obj), *_DATASET) is not None
+    return class_named(type(obj), *_DATASET) is not None
 
 
 def why_not(ds: Any) -> str | None:
     """Why timm's ``ds`` cannot run on coordl's pipeline, or None."""
     cls = type(ds)
-    base = _base(cls, *_DATASET)
-    for attr in ("__getitem__", "__len__"):
-        if getattr(cls, attr) is not getattr(base, attr):
-            return f"{cls.__name__} overrides {attr}, which coordl cannot prove equivalent to raw bytes + prep"
+    why = why_overridden(cls, class_named(cls, *_DATASET))
+    if why is not None:
+        return why
     reader = getattr(ds, "reader", None)
     rcls = type(reader)
-    rbase = _base(rcls, *_READER)
+    rbase = class_named(rcls, *_READER)
     if rbase is None:
         return (f"timm's {cls.__name__} reads through {rcls.__name__}, not a folder of image files "
                 "(ReaderImageFolder), so coordl has no file bytes to cache and share for it")
-    for attr in ("__getitem__", "__len__"):
-        if getattr(rcls, attr) is not getattr(rbase, attr):
-            return f"its reader {rcls.__name__} overrides {attr}"
+    why = why_overridden(rcls, rbase, what=f"its reader {rcls.__name__}")
+    if why is not None:
+        return why
     retries = getattr(ds, "_max_retries", None)
     if isinstance(retries, bool) or not isinstance(retries, int) or retries < 1:
         return (f"this timm's {cls.__name__} has no retry count of its own (_max_retries; timm 1.0 and later), "
                 "so coordl cannot tell how it skips a file it cannot open")
     if getattr(ds, "additional_features", None) is not None:
         return "it returns additional_features, which coordl's folder does not read"
-    for attr in ("transform", "target_transform"):
-        fn = getattr(ds, attr, None)
-        if fn is not None and not callable(fn):
-            return f"its {attr} {fn!r} is not callable, so coordl cannot run it"
+    why = why_not_callable(ds)
+    if why is not None:
+        return why
     samples = getattr(reader, "samples", None)
     if not isinstance(samples, (list, tuple)) or not isinstance(getattr(reader, "root", None), (str, os.PathLike)):
         return "its reader has no list of samples under a root"

@@ -69,6 +69,7 @@ from PIL import Image
 from . import _rng
 from . import datasets as _datasets
 from . import timmcompat
+from .base.foreign import class_named, why_not_callable, why_overridden
 from . import transforms as T
 from .datasets import TwoStageFolder, pil_decode
 
@@ -100,13 +101,6 @@ def from_torchvision(obj: Any) -> bool:
                for c in type(obj).__mro__)
 
 
-def _base(cls: type, module: str, name: str) -> type | None:
-    for c in cls.__mro__:
-        if c.__module__ == module and c.__name__ == name:
-            return c
-    return None
-
-
 def _name(obj: Any) -> str:
     return type(obj.user if isinstance(obj, OnPlanes) else obj).__name__
 
@@ -115,13 +109,13 @@ def _name(obj: Any) -> str:
 def _why_not(ds: Any) -> str | None:
     """Why ``ds`` (a torchvision object) cannot run on coordl's pipeline, or None."""
     cls = type(ds)
-    base = _base(cls, _FOLDER_MODULE, "DatasetFolder")
+    base = class_named(cls, _FOLDER_MODULE, "DatasetFolder")
     if base is None:
         return (f"torchvision's {cls.__name__} is not a DatasetFolder/ImageFolder, so coordl has no file "
                 "bytes to cache and share for it")
-    for attr in ("__getitem__", "__len__"):
-        if getattr(cls, attr) is not getattr(base, attr):
-            return f"{cls.__name__} overrides {attr}, which coordl cannot prove equivalent to raw bytes + prep"
+    why = why_overridden(cls, base)
+    if why is not None:
+        return why
     folder = sys.modules.get(_FOLDER_MODULE)
     loader = getattr(ds, "loader", None)
     if folder is None or loader not in (getattr(folder, "pil_loader", None), getattr(folder, "default_loader", None)):
@@ -132,11 +126,7 @@ def _why_not(ds: Any) -> str | None:
         backend = tv.get_image_backend() if tv is not None and hasattr(tv, "get_image_backend") else "PIL"
         if backend != "PIL":
             return f"torchvision's image backend is {backend!r}, not PIL"
-    for attr in ("transform", "target_transform"):
-        fn = getattr(ds, attr, None)
-        if fn is not None and not callable(fn):
-            return f"its {attr} {fn!r} is not callable, so coordl cannot run it"
-    return None
+    return why_not_callable(ds)
 
 
 class TorchvisionFolder(TwoStageFolder):
@@ -2580,7 +2570,7 @@ def _torch_reason(loader: Any) -> str:
            "dataset[i] as written")
     parts = ([ds.dataset] if isinstance(ds, Subset) else list(ds.datasets) if isinstance(ds, ConcatDataset)
              else [])
-    folders = [_name(d) for d in parts if from_torchvision(d) and _base(type(d), _FOLDER_MODULE, "DatasetFolder")]
+    folders = [_name(d) for d in parts if from_torchvision(d) and class_named(type(d), _FOLDER_MODULE, "DatasetFolder")]
     if folders and isinstance(ds, Subset):
         why += (f". It is a Subset of torchvision's {folders[0]}, which coordl reads as raw file bytes "
                 "only when it is the loader's dataset itself: pass the folder with "

@@ -8,7 +8,10 @@
   destroys) an object it inherited, a CUDA tensor in the parent's garbage
   above all; and the at-fork hook that keeps a zero-copy batch's bytes in a
   forked child (the pipeline retires its slots, sharing gives its views
-  private pages).
+  private pages);
+- ``foreign``: other libraries' classes (torchvision's folders, timm's
+  dataset) recognized by module and name, and why one cannot be read as
+  raw bytes + prep.
 
 They import nothing of coordl, so the cache, the pipeline, the device path
 and the loader can all use them without an import running up a layer.
