@@ -28,7 +28,8 @@ from typing import TypeVar
 
 import torch
 import torch.distributed as dist
-from torch.utils.data import DataLoader as _TorchDataLoader
+# torch's class from its own module: a script may point torch.utils.data.DataLoader at coordl's
+from torch.utils.data.dataloader import DataLoader as _TorchDataLoader
 from torch.utils.data.dataloader import _DatasetKind
 
 from .base import reaper as _reaper

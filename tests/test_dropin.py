@@ -129,3 +129,43 @@ def test_nested_tensor_batches_delivered_like_torch(num_workers, batch_size):
     stats = L.stats()
     assert stats.batches == len(want)
     assert stats.samples == 6  # two batches of 3, or one sample per step
+
+
+# A script may point torch's name at coordl's class (torch.utils.data.DataLoader = coordl.DataLoader), so
+# that code it does not own (timm's create_loader, a trainer's) builds coordl's loaders: coordl's own calls of
+# torch's DataLoader must still reach torch's class, on every path.
+_SWAPPED = """
+import sys, torch
+sys.path.insert(0, %r)
+import coordl
+torch.utils.data.DataLoader = coordl.DataLoader
+from torch.utils.data import RandomSampler, TensorDataset
+from toydata import Plain, TwoStageToy
+ds = TwoStageToy(24)
+cases = [lambda: coordl.DataLoader(ds, batch_size=4, sampler=RandomSampler(ds, generator=torch.Generator().manual_seed(1))),
+         lambda: coordl.DataLoader(ds, batch_size=4, sampler=RandomSampler(ds, generator=torch.Generator().manual_seed(1)),
+                                   num_workers=2),
+         lambda: coordl.DataLoader(ds, batch_size=4, shuffle=True, seed=1),
+         lambda: coordl.DataLoader(Plain(24), batch_size=4, shuffle=True, num_workers=2),
+         lambda: coordl.DataLoader(TensorDataset(torch.arange(24)), batch_size=4, shuffle=True)]
+for make in cases:
+    a = make()
+    assert len(list(a)) == 6
+    it = iter(a)
+    next(it)
+    state = a.state_dict()
+    b = make()
+    b.load_state_dict(state)
+    assert len(list(b)) == 5
+print("ok")
+"""
+
+
+def test_a_script_that_points_torchs_name_at_coordls_loader_still_loads():
+    import os
+    import subprocess
+    import sys
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    r = subprocess.run([sys.executable, "-c", _SWAPPED % here], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-3000:]

@@ -27,7 +27,8 @@ import os
 import warnings
 
 import torch
-from torch.utils.data import DataLoader as _TorchDataLoader
+# torch's class from its own module: a script may point torch.utils.data.DataLoader at coordl's
+from torch.utils.data.dataloader import DataLoader as _TorchDataLoader
 from torch.utils.data import TensorDataset
 
 from ..device import pin as _pin
@@ -290,13 +291,11 @@ def sampler_order(loader):
     record of the epoch's order is what the pass runs: when the sampler
     now yields another order (randomness coordl does not save, e.g.
     Python's ``random``), a warning says so."""
-    from torch.utils.data import DataLoader as _Torch
-
     from ..plan import IndexOrder
     from .passes import _torch_steps
 
     p = loader._pass
-    steps = _torch_steps(_Torch._index_sampler.fget(loader), loader._rng_generators(), p, 0)
+    steps = _torch_steps(_TorchDataLoader._index_sampler.fget(loader), loader._rng_generators(), p, 0)
     order = IndexOrder.from_steps(steps, loader._auto_collation, len(loader.dataset))
     saved, p.order_restore = p.order_restore, None
     if saved is not None and not order.same_as(saved):

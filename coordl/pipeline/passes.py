@@ -18,7 +18,8 @@ from typing import Any
 import torch
 # the loader a pass belongs to is given to it (a coordl.DataLoader, typed as torch's base
 # class): this module never imports the layer above it
-from torch.utils.data import DataLoader as _TorchDataLoader
+# torch's class from its own module: a script may point torch.utils.data.DataLoader at coordl's
+from torch.utils.data.dataloader import DataLoader as _TorchDataLoader
 from torch.utils.data.dataloader import _DatasetKind
 
 from ..device import pin as _pin
