@@ -158,6 +158,32 @@ def test_resets_and_busy_answers_are_retried(folder, read_path):
         srv.stop()
 
 
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_retries_draw_nothing_from_pythons_global_generator(folder, read_path, num_workers):
+    """The backoff's jitter has a generator of its own: Python's global one
+    is the user's (their sampler, their transforms, which coordl seeds per
+    sample in the thread that prepares it), and a fetch thread drawing from
+    it while a sample's transform runs would change that sample."""
+    import random
+
+    srv = _Flaky(folder)
+    try:
+        def draws(img):                  # a step of the user's that draws from Python's generator
+            return torch.tensor([random.random()])
+
+        tf = T.Compose([T.PILToTensor(), draws])
+        remote = coordl.ImageFolder(f"http://127.0.0.1:{srv.port}/photos", transform=tf)
+        local = coordl.ImageFolder(os.path.join(folder, "photos"), transform=tf)
+        random.seed(3)
+        state = random.getstate()
+        got = _batches(remote, num_workers=num_workers)
+        assert random.getstate() == state        # the pass left the user's generator where it was
+        _same(_batches(local), got)
+        assert sum(c for p, c in srv.counts.items() if p.endswith(".jpg")) > len(local)   # it retried
+    finally:
+        srv.stop()
+
+
 def test_a_server_that_refuses_until_it_starts(folder, read_path, monkeypatch):
     """Connection refused (nothing listens yet): retried with backoff until
     the server is up."""

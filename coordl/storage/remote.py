@@ -59,7 +59,6 @@ import collections
 import errno
 import os
 import random
-import re
 import threading
 import time
 import urllib.parse
@@ -320,8 +319,14 @@ def limiter(url: str) -> HostLimiter:
 
 # -- retries and errors -----------------------------------------------------------
 
+# the jitter's own generator: Python's global one is the user's (their sampler; their transforms, which
+# coordl seeds per sample in the thread that prepares it while fetch threads retry beside it)
+_jitter = random.Random()
+os.register_at_fork(after_in_child=_jitter.seed)   # each worker its own jitter, as Python reseeds its global one
+
+
 def _backoff(attempt: int) -> float:
-    return min(BACKOFF_MAX_S, BACKOFF_S * (2 ** attempt)) * random.uniform(0.5, 1.0)
+    return min(BACKOFF_MAX_S, BACKOFF_S * (2 ** attempt)) * _jitter.uniform(0.5, 1.0)
 
 
 _WHAT = {"timeout": "timed out", "connect": "could not connect", "reset": "lost the connection",
