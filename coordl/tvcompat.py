@@ -2570,14 +2570,22 @@ def _torch_reason(loader: Any) -> str:
            "dataset[i] as written")
     parts = ([ds.dataset] if isinstance(ds, Subset) else list(ds.datasets) if isinstance(ds, ConcatDataset)
              else [])
-    folders = [_name(d) for d in parts if from_torchvision(d) and class_named(type(d), _FOLDER_MODULE, "DatasetFolder")]
+    folders = [f for f in map(_folder_named, parts) if f is not None]
     if folders and isinstance(ds, Subset):
-        why += (f". It is a Subset of torchvision's {folders[0]}, which coordl reads as raw file bytes "
+        why += (f". It is a Subset of {folders[0]}, which coordl reads as raw file bytes "
                 "only when it is the loader's dataset itself: pass the folder with "
                 "sampler=SubsetRandomSampler(indices) (shuffled) or sampler=indices (in order) to read "
                 "those samples on coordl's pipeline")
     elif folders:
-        why += (f". It is a ConcatDataset of torchvision's {', '.join(folders)}; coordl reads a "
-                "torchvision folder as raw file bytes only when it is the loader's dataset itself "
+        why += (f". It is a ConcatDataset of {', '.join(folders)}; coordl reads a "
+                "folder as raw file bytes only when it is the loader's dataset itself "
                 "(one folder whose root holds them all, or coordl.ImageFolder, reads on coordl's pipeline)")
     return why
+
+
+def _folder_named(ds: Any) -> str | None:
+    """``"torchvision's ImageFolder"``, ``"timm's ImageDataset"``: the
+    words for a folder :func:`adapt` would read as raw bytes, else None."""
+    if from_torchvision(ds) and class_named(type(ds), _FOLDER_MODULE, "DatasetFolder"):
+        return f"torchvision's {_name(ds)}"
+    return f"timm's {_name(ds)}" if timmcompat.is_timm_dataset(ds) else None

@@ -240,3 +240,10 @@ def test_jobs_sharing_prep_get_what_they_get_alone(photos, daemon_env):
     L = coordl.DataLoader(make(), batch_size=8, seed=4, share=True)
     assert equal(batches(L), alone)
     assert L.stats().samples_shared > 0, L.stats()
+
+
+def test_a_subset_of_timms_dataset_says_how_to_read_it_on_coordls_pipeline(photos):
+    ds = timm_folder(photos)
+    part, _ = torch.utils.data.random_split(ds, [10, len(ds) - 10], generator=torch.Generator().manual_seed(0))
+    s = coordl.DataLoader(part, batch_size=4).stats()
+    assert s.path == "torch" and "Subset of timm's ImageDataset" in s.path_reason and "sampler=" in s.path_reason
