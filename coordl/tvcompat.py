@@ -2571,6 +2571,10 @@ def _torch_reason(loader: Any) -> str:
     parts = ([ds.dataset] if isinstance(ds, Subset) else list(ds.datasets) if isinstance(ds, ConcatDataset)
              else [])
     folders = [f for f in map(_folder_named, parts) if f is not None]
+    if len({owner for owner, _ in folders}) == 1:       # "torchvision's ImageFolder, ImageFolder"
+        folders = [f"{folders[0][0]} {', '.join(name for _, name in folders)}"]
+    else:
+        folders = [f"{owner} {name}" for owner, name in folders]
     if folders and isinstance(ds, Subset):
         why += (f". It is a Subset of {folders[0]}, which coordl reads as raw file bytes "
                 "only when it is the loader's dataset itself: pass the folder with "
@@ -2583,9 +2587,10 @@ def _torch_reason(loader: Any) -> str:
     return why
 
 
-def _folder_named(ds: Any) -> str | None:
-    """``"torchvision's ImageFolder"``, ``"timm's ImageDataset"``: the
-    words for a folder :func:`adapt` would read as raw bytes, else None."""
+def _folder_named(ds: Any) -> tuple[str, str] | None:
+    """``("torchvision's", "ImageFolder")``, ``("timm's", "ImageDataset")``:
+    whose folder :func:`adapt` would read as raw bytes ``ds`` is, and its
+    class's name; else None."""
     if from_torchvision(ds) and class_named(type(ds), _FOLDER_MODULE, "DatasetFolder"):
-        return f"torchvision's {_name(ds)}"
-    return f"timm's {_name(ds)}" if timmcompat.is_timm_dataset(ds) else None
+        return "torchvision's", _name(ds)
+    return ("timm's", _name(ds)) if timmcompat.is_timm_dataset(ds) else None
