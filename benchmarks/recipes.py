@@ -37,6 +37,12 @@ Recipes (``--recipes``, comma-separated; default all):
 ``timm_train_aa``
     the training transform with ``auto_augment="rand-m9-mstd0.5"`` (timm's
     ``RandAugment``, its recipes' ``--aa``).
+``food101_train``, ``food101_eval``
+    ``train_v1`` and ``eval_v1``'s presets on torchvision's ``Food101``
+    (a list of image files and class indices, as its ``Flowers102``,
+    ``DTD``, ``StanfordCars``... are) listing the root's files, set as its
+    constructor sets them (the real one needs its download), with
+    ``shuffle=True`` / ``False``.
 ``timm_ds_train``, ``timm_ds_eval``
     timm's own dataset and loader, as its ``train.py`` and ``validate.py``
     build them: ``timm.data.create_dataset("", root)`` (an ``ImageDataset``
@@ -99,7 +105,7 @@ RECIPES = ([f"train_{v}{p}" for p in POLICIES for v in ("v1", "v2")]
            + ["train_v1_tensor_ta", "train_v2_tensor_ta", "train_v1_tensor_bicubic"]
            + ["eval_v1", "eval_v2"]
            + ["timm_train", "timm_train_script", "timm_train_cj_prob", "timm_train_aa", "timm_eval"]
-           + ["timm_ds_train", "timm_ds_eval"]
+           + ["timm_ds_train", "timm_ds_eval", "food101_train", "food101_eval"]
            + ["cifar_v1", "cifar_v2"])
 
 
@@ -192,6 +198,17 @@ def build(recipe: str, root: str, size: int, presets, cls, batch_size: int, work
                                      num_workers=workers, device=torch.device("cpu"), **kw)
         finally:
             torch.utils.data.DataLoader = torch_loader
+    if recipe.startswith("food101"):
+        training = recipe == "food101_train"
+        make = train_cls if training else eval_cls
+        tf = make(crop_size=size) if training else make(crop_size=size, resize_size=size * 256 // 224)
+        ds = tv.datasets.Food101.__new__(tv.datasets.Food101)
+        tv.datasets.vision.VisionDataset.__init__(ds, root, transform=tf)
+        samples = tv.datasets.ImageFolder(root).samples
+        ds._image_files, ds._labels = [p for p, _ in samples], [t for _, t in samples]
+        ds.loader = tv.datasets.folder.default_loader
+        ds.targets = ds._labels        # for the benchmark's check of the labels
+        return ds, cls(ds, batch_size=batch_size, shuffle=training, num_workers=workers)
     if recipe.startswith("timm"):
         from timm.data import create_transform
 

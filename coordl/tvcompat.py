@@ -2,7 +2,9 @@
 
 ``coordl.DataLoader(dataset)`` calls :func:`adapt` first.  When ``dataset``
 is torchvision's ``DatasetFolder``/``ImageFolder`` (or a subclass that keeps
-their ``__getitem__``, ``__len__`` and a known ``loader``), the loader runs a
+their ``__getitem__``, ``__len__`` and a known ``loader``), or one of its
+datasets of listed image files (``Food101``, ``Flowers102``... :data:`_FILE_LISTS`),
+or timm's ``ImageDataset`` (``coordl.timmcompat``), the loader runs a
 :class:`TorchvisionFolder` instead: a two-stage copy of it (``raw(i)`` = the
 bytes of the file at ``samples[i][0]``, ``prep`` = decode + transform, target
 = ``samples[i][1]`` through ``target_transform`` as written), whose transform
@@ -106,9 +108,49 @@ def _name(obj: Any) -> str:
 
 
 # ------------------------------------------------------------------ dataset
+# torchvision's datasets that are a list of image files and class indices rather than a folder per class:
+# the class's name -> (the names its __getitem__ reads, exactly: its list, loader(path) or PIL's open and
+# convert("RGB"), transform, target_transform; whether it tests its transforms by truth, "if self.transform:")
+_LISTED = ("_image_files", "_labels", "loader", "transform", "target_transform")
+_PAIRS = ("_samples", "loader", "transform", "target_transform")
+_FILE_LISTS = {**{name: (_LISTED, True) for name in ("Food101", "Flowers102", "DTD", "FGVCAircraft", "SUN397")},
+               "RenderedSST2": (_PAIRS, True), "StanfordCars": (_PAIRS, False), "Imagenette": (_PAIRS, False),
+               "GTSRB": (("_samples", "PIL", "Image", "open", "convert", "transform", "target_transform"), False)}
+
+
+def _file_list(ds: Any) -> tuple[type, tuple, bool] | None:
+    """``(torchvision's class, the names its __getitem__ reads, tests by
+    truth)`` when ``ds`` is one of torchvision's datasets of listed image
+    files (:data:`_FILE_LISTS`), else None."""
+    for c in type(ds).__mro__:
+        if c.__module__.startswith("torchvision.datasets.") and c.__name__ in _FILE_LISTS:
+            return (c, *_FILE_LISTS[c.__name__])
+    return None
+
+
+def _listed_samples(ds: Any) -> list:
+    """The ``(path, class index)`` pairs of a dataset of listed files."""
+    if hasattr(ds, "_image_files"):
+        return list(zip(ds._image_files, ds._labels))
+    return list(ds._samples)
+
+
 def _why_not(ds: Any) -> str | None:
     """Why ``ds`` (a torchvision object) cannot run on coordl's pipeline, or None."""
     cls = type(ds)
+    listed = _file_list(ds)
+    if listed is not None:
+        base, names, _ = listed
+        why = why_overridden(cls, base)
+        if why is not None:
+            return why
+        got = base.__getitem__.__code__.co_names
+        if set(got) != set(names):
+            return (f"this torchvision's {base.__name__}.__getitem__ reads {', '.join(got)}, not what coordl "
+                    f"reads as raw bytes + prep ({', '.join(names)})")
+        if "loader" not in names:
+            return why_not_callable(ds)     # PIL's open and convert("RGB"): torchvision's pil_loader
+        return _why_not_loader(ds)
     base = class_named(cls, _FOLDER_MODULE, "DatasetFolder")
     if base is None:
         return (f"torchvision's {cls.__name__} is not a DatasetFolder/ImageFolder, so coordl has no file "
@@ -116,6 +158,11 @@ def _why_not(ds: Any) -> str | None:
     why = why_overridden(cls, base)
     if why is not None:
         return why
+    return _why_not_loader(ds)
+
+
+def _why_not_loader(ds: Any) -> str | None:
+    """Why ``ds``'s ``loader`` (and transforms) keep it off coordl's pipeline, or None."""
     folder = sys.modules.get(_FOLDER_MODULE)
     loader = getattr(ds, "loader", None)
     if folder is None or loader not in (getattr(folder, "pil_loader", None), getattr(folder, "default_loader", None)):
@@ -138,9 +185,10 @@ class TorchvisionFolder(TwoStageFolder):
     runs as written).  Keeps no reference to the original dataset or to the
     transforms it replaced."""
 
-    def __init__(self, dataset: Any, transform: Any):
+    def __init__(self, dataset: Any, transform: Any, source: str | None = None):
         super().__init__(dataset)
         self.transform = transform
+        self._source = source or self._source
         # coordl's function of the same name and result: the dataset then pickles (workers under
         # spawn, the node daemon) without torchvision whenever its transforms were all translated
         self.loader = _datasets.pil_loader if self.loader.__name__ == "pil_loader" else _datasets.default_loader
@@ -2452,22 +2500,42 @@ def adapt(dataset: Any, jpeg_draft: bool = False) -> tuple[Any, Decision | None]
                           "or RandomResizedCrop", stacklevel=3)
         return dataset, None
     why = _why_not(dataset)
-    if why is None and getattr(dataset, "samples", None) is None:
+    listed = _file_list(dataset)
+    if why is None and listed is None and getattr(dataset, "samples", None) is None:
         why = "it has no samples"
     if why is not None:
         return dataset, Decision("torch", why)
+    given = dataset.transform
+    if listed is not None and listed[2] and not given:     # "if self.transform:": a falsy one is not run
+        given = None
     through: list = []
-    if dataset.transform is None:
+    if given is None:
         transform, fused, as_written = None, (), ()
     else:
-        transform, fused, as_written = translate_steps(_flatten(dataset.transform, through), jpeg_draft)
+        transform, fused, as_written = translate_steps(_flatten(given, through), jpeg_draft)
     try:
-        adapted = TorchvisionFolder(dataset, transform)
-    except (TypeError, ValueError) as e:  # a subclass's make_dataset gave other kinds of samples
+        adapted = TorchvisionFolder(dataset if listed is None else _as_folder(dataset, listed[2]), transform,
+                                    source=type(dataset).__name__)
+    except (TypeError, ValueError, AttributeError) as e:  # a subclass's make_dataset gave other kinds of samples
         return dataset, Decision("torch", f"its samples are not (path, class index) pairs ({e})")
-    what = describe_adapted(dataset.transform, transform, fused, as_written, through, jpeg_draft)
+    what = describe_adapted(given, transform, fused, as_written, through, jpeg_draft)
     reason = f"torchvision's {_name(dataset)} read as raw file bytes, decoded by coordl; {what}"
     return adapted, Decision("coordl", reason, fused, as_written)
+
+
+def _as_folder(ds: Any, by_truth: bool) -> Any:
+    """One of torchvision's datasets of listed files (:func:`_file_list`)
+    as the folder :class:`TorchvisionFolder` copies: its ``(path, class
+    index)`` pairs as ``samples``, its ``loader`` (PIL's decode to RGB
+    where it has none), its ``target_transform`` (None where it tests it
+    by truth and it is falsy), ``root``, ``classes`` and ``class_to_idx``."""
+    from types import SimpleNamespace
+
+    target = ds.target_transform if not by_truth or ds.target_transform else None
+    return SimpleNamespace(samples=_listed_samples(ds), loader=getattr(ds, "loader", _datasets.pil_loader),
+                           transform=ds.transform, target_transform=target, root=getattr(ds, "root", None),
+                           classes=list(getattr(ds, "classes", []) or []),
+                           class_to_idx=dict(getattr(ds, "class_to_idx", {}) or {}))
 
 
 def describe_adapted(given: Any, transform: Any, fused: tuple, as_written: tuple, through: list,
@@ -2591,6 +2659,6 @@ def _folder_named(ds: Any) -> tuple[str, str] | None:
     """``("torchvision's", "ImageFolder")``, ``("timm's", "ImageDataset")``:
     whose folder :func:`adapt` would read as raw bytes ``ds`` is, and its
     class's name; else None."""
-    if from_torchvision(ds) and class_named(type(ds), _FOLDER_MODULE, "DatasetFolder"):
+    if from_torchvision(ds) and (class_named(type(ds), _FOLDER_MODULE, "DatasetFolder") or _file_list(ds)):
         return "torchvision's", _name(ds)
     return ("timm's", _name(ds)) if timmcompat.is_timm_dataset(ds) else None

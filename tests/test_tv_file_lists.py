@@ -1,0 +1,119 @@
+"""torchvision's datasets that list image files with class indices (Food101,
+Flowers102, DTD, FGVCAircraft, SUN397, RenderedSST2, StanfordCars,
+Imagenette, GTSRB: the fine-tuning sets of torchvision's and timm's
+recipes) on coordl's pipeline, read as raw bytes as a folder is.  Each is
+made as its constructor leaves it (its list over synthetic files), since
+the real ones need downloads."""
+import os
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from _torchvision import import_torchvision  # noqa: E402
+
+if import_torchvision() is None:
+    pytest.skip("torchvision is not installed (pip install coordl[test])", allow_module_level=True)
+
+import torchvision  # noqa: E402
+from torchvision import datasets as D  # noqa: E402
+from torchvision import transforms as T  # noqa: E402
+from torchvision.datasets.vision import VisionDataset  # noqa: E402
+
+import coordl  # noqa: E402
+from coordl import tvcompat  # noqa: E402
+
+NAMES = ["Food101", "Flowers102", "DTD", "FGVCAircraft", "SUN397", "RenderedSST2", "StanfordCars", "Imagenette",
+         "GTSRB"]
+
+
+@pytest.fixture(scope="module")
+def photos(photo_folder):
+    return photo_folder("tv_lists", num_images=20, num_classes=3, mean_kb=3, image_size=(56, 40), seed=3)
+
+
+def listed(name, root, transform=None, target_transform=None, cls=None):
+    """torchvision's ``name`` as its constructor leaves it, listing ``root``'s files."""
+    cls = cls or getattr(D, name)
+    ds = cls.__new__(cls)
+    VisionDataset.__init__(ds, root, transform=transform, target_transform=target_transform)
+    samples = D.ImageFolder(root).samples
+    names = cls.__getitem__.__code__.co_names
+    if "_image_files" in names:
+        ds._image_files, ds._labels = [p for p, _ in samples], [t for _, t in samples]
+    else:
+        ds._samples = list(samples)
+    if "loader" in names:
+        ds.loader = torchvision.datasets.folder.default_loader
+    return ds
+
+
+def batches(loader):
+    return [(x.clone(), y.clone()) for x, y in loader]
+
+
+def equal(a, b):
+    return len(a) == len(b) and all(torch.equal(p[0], q[0]) and torch.equal(p[1], q[1]) for p, q in zip(a, b))
+
+
+EVAL = T.Compose([T.Resize(40), T.CenterCrop(32), T.ToTensor(), T.Normalize([0.5] * 3, [0.25] * 3)])
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_each_is_read_as_raw_bytes_and_gives_torchs_batches(photos, name):
+    ds = listed(name, photos, EVAL)
+    L = coordl.DataLoader(ds, batch_size=8)
+    s = L.stats()
+    assert s.path == "coordl" and s.path_reason.startswith(f"torchvision's {name} read as raw file bytes"), s
+    assert f"TorchvisionFolder(torchvision {name})" in repr(L.dataset)
+    assert equal(batches(L), batches(torch.utils.data.DataLoader(ds, batch_size=8)))
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_training_draws_as_the_folder_of_the_same_files(photos, num_workers):
+    tf = T.Compose([T.RandomResizedCrop(24), T.RandomHorizontalFlip(), T.ColorJitter(0.3, 0.3, 0.3), T.ToTensor()])
+    kw = dict(batch_size=6, shuffle=True, seed=9, num_workers=num_workers)
+    got = batches(coordl.DataLoader(listed("Food101", photos, tf), **kw))
+    assert equal(got, batches(coordl.DataLoader(D.ImageFolder(photos, transform=tf), **kw)))
+
+
+class _Falsy:
+    """A transform that tests false (``len() == 0``): the datasets that test
+    theirs by truth (``if self.transform:``) never call it."""
+
+    def __len__(self):
+        return 0
+
+    def __call__(self, x):
+        raise AssertionError("called")
+
+
+def test_a_falsy_transform_is_not_run_where_torchvision_tests_it_by_truth(photos):
+    ds = listed("Food101", photos, _Falsy(), _Falsy())
+    L = coordl.DataLoader(ds, batch_size=None)
+    assert L.stats().path == "coordl"
+    for (a, ya), (b, yb) in zip(L, torch.utils.data.DataLoader(ds, batch_size=None)):
+        assert np.array_equal(np.asarray(a), np.asarray(b)) and ya == yb
+
+
+def test_what_coordl_cannot_prove_equivalent_stays_on_torchs_machinery(photos, monkeypatch):
+    class Own(D.Food101):
+        def __getitem__(self, i):
+            return super().__getitem__(i)
+
+    s = coordl.DataLoader(listed("Food101", photos, EVAL, cls=Own), batch_size=4).stats()
+    assert s.path == "torch" and "Own overrides __getitem__" in s.path_reason
+    ds = listed("Flowers102", photos, EVAL)
+    ds.loader = lambda path: torchvision.datasets.folder.pil_loader(path).convert("L")
+    s = coordl.DataLoader(ds, batch_size=4).stats()
+    assert s.path == "torch" and "is not torchvision's default_loader/pil_loader" in s.path_reason
+    # another torchvision whose __getitem__ reads something else
+    monkeypatch.setitem(tvcompat._FILE_LISTS, "DTD", (("_image_files", "_labels", "loader", "transforms"), True))
+    s = coordl.DataLoader(listed("DTD", photos, EVAL), batch_size=4).stats()
+    assert s.path == "torch" and "DTD.__getitem__ reads _image_files, _labels, loader" in s.path_reason
+    part = torch.utils.data.Subset(listed("GTSRB", photos, EVAL), [1, 2, 3])
+    s = coordl.DataLoader(part, batch_size=4).stats()
+    assert s.path == "torch" and "Subset of torchvision's GTSRB" in s.path_reason
