@@ -128,10 +128,11 @@ def _file_list(ds: Any) -> tuple[type, tuple, bool] | None:
     return None
 
 
-def _listed_samples(ds: Any) -> list:
-    """The ``(path, class index)`` pairs of a dataset of listed files."""
-    if hasattr(ds, "_image_files"):
-        return list(zip(ds._image_files, ds._labels))
+def _listed_samples(ds: Any, names: tuple) -> list:
+    """The ``(path, class index)`` pairs of a dataset of listed files whose
+    ``__getitem__`` reads ``names``."""
+    if "_image_files" in names:
+        return list(zip(ds._image_files, ds._labels, strict=True))
     return list(ds._samples)
 
 
@@ -2514,7 +2515,7 @@ def adapt(dataset: Any, jpeg_draft: bool = False) -> tuple[Any, Decision | None]
     else:
         transform, fused, as_written = translate_steps(_flatten(given, through), jpeg_draft)
     try:
-        adapted = TorchvisionFolder(dataset if listed is None else _as_folder(dataset, listed[2]), transform,
+        adapted = TorchvisionFolder(dataset if listed is None else _as_folder(dataset, *listed[1:]), transform,
                                     source=type(dataset).__name__)
     except (TypeError, ValueError, AttributeError) as e:  # a subclass's make_dataset gave other kinds of samples
         return dataset, Decision("torch", f"its samples are not (path, class index) pairs ({e})")
@@ -2523,7 +2524,7 @@ def adapt(dataset: Any, jpeg_draft: bool = False) -> tuple[Any, Decision | None]
     return adapted, Decision("coordl", reason, fused, as_written)
 
 
-def _as_folder(ds: Any, by_truth: bool) -> Any:
+def _as_folder(ds: Any, names: tuple, by_truth: bool) -> Any:
     """One of torchvision's datasets of listed files (:func:`_file_list`)
     as the folder :class:`TorchvisionFolder` copies: its ``(path, class
     index)`` pairs as ``samples``, its ``loader`` (PIL's decode to RGB
@@ -2532,7 +2533,7 @@ def _as_folder(ds: Any, by_truth: bool) -> Any:
     from types import SimpleNamespace
 
     target = ds.target_transform if not by_truth or ds.target_transform else None
-    return SimpleNamespace(samples=_listed_samples(ds), loader=getattr(ds, "loader", _datasets.pil_loader),
+    return SimpleNamespace(samples=_listed_samples(ds, names), loader=getattr(ds, "loader", _datasets.pil_loader),
                            transform=ds.transform, target_transform=target, root=getattr(ds, "root", None),
                            classes=list(getattr(ds, "classes", []) or []),
                            class_to_idx=dict(getattr(ds, "class_to_idx", {}) or {}))
