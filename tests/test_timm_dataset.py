@@ -247,3 +247,21 @@ def test_a_subset_of_timms_dataset_says_how_to_read_it_on_coordls_pipeline(photo
     part, _ = torch.utils.data.random_split(ds, [10, len(ds) - 10], generator=torch.Generator().manual_seed(0))
     s = coordl.DataLoader(part, batch_size=4).stats()
     assert s.path == "torch" and "Subset of timm's ImageDataset" in s.path_reason and "sampler=" in s.path_reason
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_a_pass_resumed_mid_epoch_delivers_the_rest_exactly(photos, num_workers):
+    def make():
+        ds = timm_folder(photos, is_training=True)
+        ds.transform = create_transform(32, is_training=True, color_jitter=0.4)
+        return coordl.DataLoader(ds, batch_size=4, shuffle=True, seed=6, num_workers=num_workers)
+
+    whole = batches(make())
+    a = make()
+    it = iter(a)
+    head = [(x.clone(), y.clone()) for x, y in (next(it), next(it), next(it))]
+    state = a.state_dict()
+    del it
+    b = make()
+    b.load_state_dict(state)
+    assert equal(head + batches(b), whole)
