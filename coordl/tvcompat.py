@@ -109,29 +109,40 @@ def _name(obj: Any) -> str:
 
 # ------------------------------------------------------------------ dataset
 # torchvision's datasets that are a list of image files and class indices rather than a folder per class:
-# the class's name -> (the names its __getitem__ reads, exactly: its list, loader(path) or PIL's open and
-# convert("RGB"), transform, target_transform; whether it tests its transforms by truth, "if self.transform:")
-_LISTED = ("_image_files", "_labels", "loader", "transform", "target_transform")
-_PAIRS = ("_samples", "loader", "transform", "target_transform")
-_FILE_LISTS = {**{name: (_LISTED, True) for name in ("Food101", "Flowers102", "DTD", "FGVCAircraft", "SUN397")},
+# the class's name -> (where its list is: files beside labels, or (path, class) pairs; whether it tests its
+# transforms by truth, "if self.transform:").  Its __getitem__ must read exactly the list's names, its decode's
+# (_DECODES: loader(path), or PIL's open and convert("RGB") as torchvision before its loader argument did),
+# transform and target_transform.
+_FILES, _PAIRS = ("_image_files", "_labels"), ("_samples",)
+_FILE_LISTS = {**{name: (_FILES, True) for name in ("Food101", "Flowers102", "DTD", "FGVCAircraft", "SUN397")},
                "RenderedSST2": (_PAIRS, True), "StanfordCars": (_PAIRS, False), "Imagenette": (_PAIRS, False),
-               "GTSRB": (("_samples", "PIL", "Image", "open", "convert", "transform", "target_transform"), False)}
+               "GTSRB": (_PAIRS, False)}
+_DECODES = (("loader",), ("PIL", "Image", "open", "convert"))
 
 
 def _file_list(ds: Any) -> tuple[type, tuple, bool] | None:
-    """``(torchvision's class, the names its __getitem__ reads, tests by
-    truth)`` when ``ds`` is one of torchvision's datasets of listed image
-    files (:data:`_FILE_LISTS`), else None."""
+    """``(torchvision's class, where its list is, tests by truth)`` when
+    ``ds`` is one of torchvision's datasets of listed image files
+    (:data:`_FILE_LISTS`), else None."""
     for c in type(ds).__mro__:
         if c.__module__.startswith("torchvision.datasets.") and c.__name__ in _FILE_LISTS:
             return (c, *_FILE_LISTS[c.__name__])
     return None
 
 
-def _listed_samples(ds: Any, names: tuple) -> list:
-    """The ``(path, class index)`` pairs of a dataset of listed files whose
-    ``__getitem__`` reads ``names``."""
-    if "_image_files" in names:
+def _reads_as_listed(base: type, where: tuple) -> bool:
+    """``base.__getitem__`` reads the list at ``where``, decodes with a
+    ``loader`` or PIL's ``convert("RGB")``, then its transforms, and
+    nothing else."""
+    code = base.__getitem__.__code__
+    names = set(code.co_names)
+    return any(names == {*where, *decode, "transform", "target_transform"} and ("loader" in decode or "RGB" in
+               code.co_consts) for decode in _DECODES)
+
+
+def _listed_samples(ds: Any, where: tuple) -> list:
+    """The ``(path, class index)`` pairs of a dataset of files listed at ``where``."""
+    if where == _FILES:
         return list(zip(ds._image_files, ds._labels, strict=True))
     return list(ds._samples)
 
@@ -141,15 +152,15 @@ def _why_not(ds: Any) -> str | None:
     cls = type(ds)
     listed = _file_list(ds)
     if listed is not None:
-        base, names, _ = listed
+        base, where, _ = listed
         why = why_overridden(cls, base)
         if why is not None:
             return why
-        got = base.__getitem__.__code__.co_names
-        if set(got) != set(names):
-            return (f"this torchvision's {base.__name__}.__getitem__ reads {', '.join(got)}, not what coordl "
-                    f"reads as raw bytes + prep ({', '.join(names)})")
-        if "loader" not in names:
+        if not _reads_as_listed(base, where):
+            return (f"this torchvision's {base.__name__}.__getitem__ reads "
+                    f"{', '.join(base.__getitem__.__code__.co_names)}, not what coordl reads as raw bytes + prep "
+                    f"({', '.join(where)}, a loader or PIL's convert('RGB'), transform, target_transform)")
+        if "loader" not in base.__getitem__.__code__.co_names:
             return why_not_callable(ds)     # PIL's open and convert("RGB"): torchvision's pil_loader
         return _why_not_loader(ds)
     base = class_named(cls, _FOLDER_MODULE, "DatasetFolder")
@@ -2524,7 +2535,7 @@ def adapt(dataset: Any, jpeg_draft: bool = False) -> tuple[Any, Decision | None]
     return adapted, Decision("coordl", reason, fused, as_written)
 
 
-def _as_folder(ds: Any, names: tuple, by_truth: bool) -> Any:
+def _as_folder(ds: Any, where: tuple, by_truth: bool) -> Any:
     """One of torchvision's datasets of listed files (:func:`_file_list`)
     as the folder :class:`TorchvisionFolder` copies: its ``(path, class
     index)`` pairs as ``samples``, its ``loader`` (PIL's decode to RGB
@@ -2533,7 +2544,7 @@ def _as_folder(ds: Any, names: tuple, by_truth: bool) -> Any:
     from types import SimpleNamespace
 
     target = ds.target_transform if not by_truth or ds.target_transform else None
-    return SimpleNamespace(samples=_listed_samples(ds, names), loader=getattr(ds, "loader", _datasets.pil_loader),
+    return SimpleNamespace(samples=_listed_samples(ds, where), loader=getattr(ds, "loader", _datasets.pil_loader),
                            transform=ds.transform, target_transform=target, root=getattr(ds, "root", None),
                            classes=list(getattr(ds, "classes", []) or []),
                            class_to_idx=dict(getattr(ds, "class_to_idx", {}) or {}))

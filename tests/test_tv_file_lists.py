@@ -8,6 +8,7 @@ import os
 import sys
 
 import numpy as np
+import PIL.Image
 import pytest
 import torch
 
@@ -24,7 +25,6 @@ from torchvision import transforms as T  # noqa: E402
 from torchvision.datasets.vision import VisionDataset  # noqa: E402
 
 import coordl  # noqa: E402
-from coordl import tvcompat  # noqa: E402
 
 NAMES = ["Food101", "Flowers102", "DTD", "FGVCAircraft", "SUN397", "RenderedSST2", "StanfordCars", "Imagenette",
          "GTSRB"]
@@ -80,6 +80,49 @@ def test_training_draws_as_the_folder_of_the_same_files(photos, num_workers):
     assert equal(got, batches(coordl.DataLoader(D.ImageFolder(photos, transform=tf), **kw)))
 
 
+class _OtherDTD(VisionDataset):
+    """A torchvision whose DTD reads more than the one coordl knows."""
+
+    def __getitem__(self, idx):
+        image = self.loader(self._image_files[idx]).crop((0, 0, 8, 8))
+        return self.transform(image), self.target_transform(self._labels[idx])
+
+    def __len__(self):
+        return len(self._image_files)
+
+
+_OtherDTD.__name__ = _OtherDTD.__qualname__ = "DTD"
+_OtherDTD.__module__ = "torchvision.datasets.dtd"
+
+
+class _OlderFood101(VisionDataset):
+    """Food101 as torchvision wrote it before its loader argument: PIL's
+    open and convert("RGB") (what ``default_loader`` does)."""
+
+    def __getitem__(self, idx):
+        image_file, label = self._image_files[idx], self._labels[idx]
+        image = PIL.Image.open(image_file).convert("RGB")
+        if self.transform:
+            image = self.transform(image)
+        if self.target_transform:
+            label = self.target_transform(label)
+        return image, label
+
+    def __len__(self):
+        return len(self._image_files)
+
+
+_OlderFood101.__name__ = _OlderFood101.__qualname__ = "Food101"
+_OlderFood101.__module__ = "torchvision.datasets.food101"
+
+
+def test_an_older_torchvisions_pil_decode_is_read_as_raw_bytes_too(photos):
+    ds = listed("Food101", photos, EVAL, cls=_OlderFood101)
+    L = coordl.DataLoader(ds, batch_size=8, num_workers=2)
+    assert L.stats().path == "coordl", L.stats().path_reason
+    assert equal(batches(L), batches(torch.utils.data.DataLoader(ds, batch_size=8)))
+
+
 class _Falsy:
     """A transform that tests false (``len() == 0``): the datasets that test
     theirs by truth (``if self.transform:``) never call it."""
@@ -99,7 +142,7 @@ def test_a_falsy_transform_is_not_run_where_torchvision_tests_it_by_truth(photos
         assert np.array_equal(np.asarray(a), np.asarray(b)) and ya == yb
 
 
-def test_what_coordl_cannot_prove_equivalent_stays_on_torchs_machinery(photos, monkeypatch):
+def test_what_coordl_cannot_prove_equivalent_stays_on_torchs_machinery(photos):
     class Own(D.Food101):
         def __getitem__(self, i):
             return super().__getitem__(i)
@@ -110,10 +153,9 @@ def test_what_coordl_cannot_prove_equivalent_stays_on_torchs_machinery(photos, m
     ds.loader = lambda path: torchvision.datasets.folder.pil_loader(path).convert("L")
     s = coordl.DataLoader(ds, batch_size=4).stats()
     assert s.path == "torch" and "is not torchvision's default_loader/pil_loader" in s.path_reason
-    # another torchvision whose __getitem__ reads something else
-    monkeypatch.setitem(tvcompat._FILE_LISTS, "DTD", (("_image_files", "_labels", "loader", "transforms"), True))
-    s = coordl.DataLoader(listed("DTD", photos, EVAL), batch_size=4).stats()
-    assert s.path == "torch" and "DTD.__getitem__ reads _image_files, _labels, loader" in s.path_reason
+    # another torchvision's, whose __getitem__ reads something else
+    s = coordl.DataLoader(listed("DTD", photos, EVAL, cls=_OtherDTD), batch_size=4).stats()
+    assert s.path == "torch" and "DTD.__getitem__ reads loader, _image_files, crop" in s.path_reason
     part = torch.utils.data.Subset(listed("GTSRB", photos, EVAL), [1, 2, 3])
     s = coordl.DataLoader(part, batch_size=4).stats()
     assert s.path == "torch" and "Subset of torchvision's GTSRB" in s.path_reason
