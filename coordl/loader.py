@@ -1049,11 +1049,13 @@ def _transforms_seen(ds) -> tuple:
     """What decides a torchvision dataset's translation: its transform and
     target_transform objects, and their descriptions (their parameters:
     ``coordl.transforms.spec_of``), so that one assigned anew or changed in
-    place reads as changed."""
+    place reads as changed; and its joint ``transforms`` object (what
+    ``Places365`` and ``OxfordIIITPet`` apply)."""
     from .transforms import spec_of
 
     t, tt = ds.transform, ds.target_transform
-    return (id(t), spec_of(t) if t is not None else None, id(tt), spec_of(tt) if tt is not None else None)
+    return (id(t), spec_of(t) if t is not None else None, id(tt), spec_of(tt) if tt is not None else None,
+            id(getattr(ds, "transforms", None)))
 
 
 def _has_len(sampler) -> bool:

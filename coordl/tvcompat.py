@@ -110,19 +110,26 @@ def _name(obj: Any) -> str:
 # ------------------------------------------------------------------ dataset
 # torchvision's datasets that are a list of image files and class indices rather than a folder per class:
 # the class's name -> (where its list is: files beside labels, or (path, class) pairs; whether it tests its
-# transforms by truth, "if self.transform:").  Its __getitem__ must read exactly the list's names, its decode's
-# (_DECODES: loader(path), or PIL's open and convert("RGB") as torchvision before its loader argument did),
-# transform and target_transform.
-_FILES, _PAIRS = ("_image_files", "_labels"), ("_samples",)
-_FILE_LISTS = {**{name: (_FILES, True) for name in ("Food101", "Flowers102", "DTD", "FGVCAircraft", "SUN397")},
-               "RenderedSST2": (_PAIRS, True), "StanfordCars": (_PAIRS, False), "Imagenette": (_PAIRS, False),
-               "GTSRB": (_PAIRS, False)}
+# transforms by truth, "if self.transform:"; whether it applies them through its joint ``transforms``, the
+# StandardTransform of transform and target_transform that torchvision's VisionDataset makes).  Its
+# __getitem__ must read exactly the list's names, its decode's (_DECODES: loader(path), or PIL's open and
+# convert("RGB") as torchvision before its loader argument did) and its transforms'; OxfordIIITPet's,
+# which also picks its target by type, exactly _PETS (one category target type is taken).
+_FILES, _PAIRS, _IMGS, _PETS_LIST = ("_image_files", "_labels"), ("_samples",), ("imgs",), ("_images", "_labels")
+_FILE_LISTS = {**{name: (_FILES, True, False) for name in ("Food101", "Flowers102", "DTD", "FGVCAircraft",
+                                                            "SUN397")},
+               "RenderedSST2": (_PAIRS, True, False), "StanfordCars": (_PAIRS, False, False),
+               "Imagenette": (_PAIRS, False, False), "GTSRB": (_PAIRS, False, False),
+               "Places365": (_IMGS, False, True), "OxfordIIITPet": (_PETS_LIST, False, True)}
 _DECODES = (("loader",), ("PIL", "Image", "open", "convert"))
+_PETS = {"Image", "open", "_images", "convert", "_target_types", "append", "_labels", "_bin_labels", "_segs", "len",
+         "tuple", "transforms"}
+_PET_TARGETS = {"category": "_labels", "binary-category": "_bin_labels"}
 
 
-def _file_list(ds: Any) -> tuple[type, tuple, bool] | None:
-    """``(torchvision's class, where its list is, tests by truth)`` when
-    ``ds`` is one of torchvision's datasets of listed image files
+def _file_list(ds: Any) -> tuple[type, tuple, bool, bool] | None:
+    """``(torchvision's class, where its list is, tests by truth, joint)``
+    when ``ds`` is one of torchvision's datasets of listed image files
     (:data:`_FILE_LISTS`), else None."""
     for c in type(ds).__mro__:
         if c.__module__.startswith("torchvision.datasets.") and c.__name__ in _FILE_LISTS:
@@ -130,21 +137,39 @@ def _file_list(ds: Any) -> tuple[type, tuple, bool] | None:
     return None
 
 
-def _reads_as_listed(base: type, where: tuple) -> bool:
+def _reads_as_listed(base: type, where: tuple, joint: bool) -> bool:
     """``base.__getitem__`` reads the list at ``where``, decodes with a
     ``loader`` or PIL's ``convert("RGB")``, then its transforms, and
     nothing else."""
     code = base.__getitem__.__code__
     names = set(code.co_names)
-    return any(names == {*where, *decode, "transform", "target_transform"} and ("loader" in decode or "RGB" in
-               code.co_consts) for decode in _DECODES)
+    if where is _PETS_LIST:
+        return names == _PETS and "RGB" in code.co_consts
+    transforms = ("transforms",) if joint else ("transform", "target_transform")
+    return any(names == {*where, *decode, *transforms} and ("loader" in decode or "RGB" in code.co_consts)
+               for decode in _DECODES)
 
 
 def _listed_samples(ds: Any, where: tuple) -> list:
     """The ``(path, class index)`` pairs of a dataset of files listed at ``where``."""
     if where == _FILES:
         return list(zip(ds._image_files, ds._labels, strict=True))
-    return list(ds._samples)
+    if where is _PETS_LIST:
+        return list(zip(ds._images, getattr(ds, _PET_TARGETS[ds._target_types[0]]), strict=True))
+    return list(ds.imgs if where == _IMGS else ds._samples)
+
+
+def _listed_transforms(ds: Any, by_truth: bool, joint: bool) -> tuple[Any, Any]:
+    """``(transform, target_transform)`` a dataset of listed files applies:
+    its joint ``transforms``' (a StandardTransform's) where it applies
+    those, None for one it tests by truth that is falsy."""
+    if joint:
+        t = ds.transforms
+        return (None, None) if t is None else (t.transform, t.target_transform)
+    transform, target = ds.transform, ds.target_transform
+    if by_truth:
+        transform, target = transform or None, target or None
+    return transform, target
 
 
 def _why_not(ds: Any) -> str | None:
@@ -152,14 +177,29 @@ def _why_not(ds: Any) -> str | None:
     cls = type(ds)
     listed = _file_list(ds)
     if listed is not None:
-        base, where, _ = listed
+        base, where, _, joint = listed
         why = why_overridden(cls, base)
         if why is not None:
             return why
-        if not _reads_as_listed(base, where):
+        if not _reads_as_listed(base, where, joint):
             return (f"this torchvision's {base.__name__}.__getitem__ reads "
                     f"{', '.join(base.__getitem__.__code__.co_names)}, not what coordl reads as raw bytes + prep "
-                    f"({', '.join(where)}, a loader or PIL's convert('RGB'), transform, target_transform)")
+                    f"({', '.join(where)}, a loader or PIL's convert('RGB'), "
+                    f"{'transforms' if joint else 'transform, target_transform'})")
+        if where is _PETS_LIST and list(getattr(ds, "_target_types", ())) not in ([k] for k in _PET_TARGETS):
+            return (f"its target_types {ds._target_types!r} are not one class index (\"category\" or "
+                    "\"binary-category\"), so coordl has no class index per file to read")
+        if joint:
+            t = ds.transforms
+            std = class_named(type(t), "torchvision.datasets.vision", "StandardTransform")
+            if t is not None and (std is None or type(t).__call__ is not std.__call__):
+                return (f"its transforms {_name(t)} take the image and the target together; coordl runs them only "
+                        "as torchvision's StandardTransform of a transform and a target_transform (what "
+                        "transform= and target_transform= make)")
+            if t is not None:
+                why = why_not_callable(t)
+                if why is not None:
+                    return why
         if "loader" not in base.__getitem__.__code__.co_names:
             return why_not_callable(ds)     # PIL's open and convert("RGB"): torchvision's pil_loader
         return _why_not_loader(ds)
@@ -2517,17 +2557,17 @@ def adapt(dataset: Any, jpeg_draft: bool = False) -> tuple[Any, Decision | None]
         why = "it has no samples"
     if why is not None:
         return dataset, Decision("torch", why)
-    given = dataset.transform
-    if listed is not None and listed[2] and not given:     # "if self.transform:": a falsy one is not run
-        given = None
+    given, target = dataset.transform, None
+    if listed is not None:
+        given, target = _listed_transforms(dataset, *listed[2:])
     through: list = []
     if given is None:
         transform, fused, as_written = None, (), ()
     else:
         transform, fused, as_written = translate_steps(_flatten(given, through), jpeg_draft)
     try:
-        adapted = TorchvisionFolder(dataset if listed is None else _as_folder(dataset, *listed[1:]), transform,
-                                    source=type(dataset).__name__)
+        adapted = TorchvisionFolder(dataset if listed is None else _as_folder(dataset, listed[1], given, target),
+                                    transform, source=type(dataset).__name__)
     except (TypeError, ValueError, AttributeError) as e:  # a subclass's make_dataset gave other kinds of samples
         return dataset, Decision("torch", f"its samples are not (path, class index) pairs ({e})")
     what = describe_adapted(given, transform, fused, as_written, through, jpeg_draft)
@@ -2535,17 +2575,17 @@ def adapt(dataset: Any, jpeg_draft: bool = False) -> tuple[Any, Decision | None]
     return adapted, Decision("coordl", reason, fused, as_written)
 
 
-def _as_folder(ds: Any, where: tuple, by_truth: bool) -> Any:
+def _as_folder(ds: Any, where: tuple, transform: Any, target: Any) -> Any:
     """One of torchvision's datasets of listed files (:func:`_file_list`)
     as the folder :class:`TorchvisionFolder` copies: its ``(path, class
     index)`` pairs as ``samples``, its ``loader`` (PIL's decode to RGB
-    where it has none), its ``target_transform`` (None where it tests it
-    by truth and it is falsy), ``root``, ``classes`` and ``class_to_idx``."""
+    where it has none), the transforms it applies
+    (:func:`_listed_transforms`), ``root``, ``classes`` and
+    ``class_to_idx``."""
     from types import SimpleNamespace
 
-    target = ds.target_transform if not by_truth or ds.target_transform else None
     return SimpleNamespace(samples=_listed_samples(ds, where), loader=getattr(ds, "loader", _datasets.pil_loader),
-                           transform=ds.transform, target_transform=target, root=getattr(ds, "root", None),
+                           transform=transform, target_transform=target, root=getattr(ds, "root", None),
                            classes=list(getattr(ds, "classes", []) or []),
                            class_to_idx=dict(getattr(ds, "class_to_idx", {}) or {}))
 

@@ -27,7 +27,7 @@ from torchvision.datasets.vision import VisionDataset  # noqa: E402
 import coordl  # noqa: E402
 
 NAMES = ["Food101", "Flowers102", "DTD", "FGVCAircraft", "SUN397", "RenderedSST2", "StanfordCars", "Imagenette",
-         "GTSRB"]
+         "GTSRB", "Places365", "OxfordIIITPet"]
 
 
 @pytest.fixture(scope="module")
@@ -44,6 +44,11 @@ def listed(name, root, transform=None, target_transform=None, cls=None):
     names = cls.__getitem__.__code__.co_names
     if "_image_files" in names:
         ds._image_files, ds._labels = [p for p, _ in samples], [t for _, t in samples]
+    elif "imgs" in names:                                       # Places365
+        ds.imgs, ds.targets = list(samples), [t for _, t in samples]
+    elif "_images" in names:                                    # OxfordIIITPet
+        ds._images, ds._labels = [p for p, _ in samples], [t for _, t in samples]
+        ds._bin_labels, ds._segs, ds._target_types = [t % 2 for _, t in samples], [], ["category"]
     else:
         ds._samples = list(samples)
     if "loader" in names:
@@ -121,6 +126,38 @@ def test_an_older_torchvisions_pil_decode_is_read_as_raw_bytes_too(photos):
     L = coordl.DataLoader(ds, batch_size=8, num_workers=2)
     assert L.stats().path == "coordl", L.stats().path_reason
     assert equal(batches(L), batches(torch.utils.data.DataLoader(ds, batch_size=8)))
+
+
+@pytest.mark.parametrize("name", ["Places365", "OxfordIIITPet"])
+def test_a_joint_transforms_is_read_as_the_standard_transform_it_is(photos, name):
+    """Places365 and OxfordIIITPet apply ``self.transforms`` (the
+    StandardTransform torchvision makes of transform and target_transform):
+    a transform assigned to ``transform`` afterwards is not theirs, one
+    assigned to ``transforms`` is, at the next pass."""
+    ds = listed(name, photos, EVAL, target_transform=lambda t: t + 100)
+    L = coordl.DataLoader(ds, batch_size=8)
+    assert L.stats().path == "coordl"
+    assert equal(batches(L), batches(torch.utils.data.DataLoader(ds, batch_size=8)))
+    ds.transform = T.Compose([T.Resize(20), T.CenterCrop(16), T.ToTensor()])      # not applied by the dataset
+    assert equal(batches(L), batches(torch.utils.data.DataLoader(ds, batch_size=8)))
+    ds.transforms = torchvision.datasets.vision.StandardTransform(ds.transform, None)
+    got = batches(L)
+    assert got[0][0].shape[-1] == 16 and equal(got, batches(torch.utils.data.DataLoader(ds, batch_size=8)))
+
+
+def test_pets_other_targets_and_joint_transforms_stay_on_torchs_machinery(photos):
+    ds = listed("OxfordIIITPet", photos, EVAL)
+    ds._target_types = ["binary-category"]
+    L = coordl.DataLoader(ds, batch_size=8)
+    assert L.stats().path == "coordl"
+    assert equal(batches(L), batches(torch.utils.data.DataLoader(ds, batch_size=8)))
+    ds._target_types = ["category", "segmentation"]
+    s = coordl.DataLoader(ds, batch_size=8).stats()
+    assert s.path == "torch" and "target_types ['category', 'segmentation'] are not one class index" in s.path_reason
+    ds = listed("Places365", photos)
+    ds.transforms = lambda image, target: (EVAL(image), target)
+    s = coordl.DataLoader(ds, batch_size=8).stats()
+    assert s.path == "torch" and "take the image and the target together" in s.path_reason
 
 
 class _Falsy:
