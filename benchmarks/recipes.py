@@ -43,6 +43,12 @@ Recipes (``--recipes``, comma-separated; default all):
     ``DTD``, ``StanfordCars``... are) listing the root's files, set as its
     constructor sets them (the real one needs its download), with
     ``shuffle=True`` / ``False``.
+``cifar10_v1``, ``cifar10_v2``
+    the CIFAR tutorial recipe (``cifar_v1``/``cifar_v2``'s transform,
+    ``shuffle=True``) on torchvision's ``CIFAR10``, whose images are an
+    array in memory: made as its constructor leaves it, over 10,000
+    random 32x32 images (the real one needs its download; the transform's
+    cost does not depend on the pixels).
 ``timm_ds_train``, ``timm_ds_eval``
     timm's own dataset and loader, as its ``train.py`` and ``validate.py``
     build them: ``timm.data.create_dataset("", root)`` (an ``ImageDataset``
@@ -95,6 +101,7 @@ import warnings
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 import common  # noqa: E402
@@ -105,7 +112,7 @@ RECIPES = ([f"train_{v}{p}" for p in POLICIES for v in ("v1", "v2")]
            + ["train_v1_tensor_ta", "train_v2_tensor_ta", "train_v1_tensor_bicubic"]
            + ["eval_v1", "eval_v2"]
            + ["timm_train", "timm_train_script", "timm_train_cj_prob", "timm_train_aa", "timm_eval"]
-           + ["timm_ds_train", "timm_ds_eval", "food101_train", "food101_eval"]
+           + ["timm_ds_train", "timm_ds_eval", "food101_train", "food101_eval", "cifar10_v1", "cifar10_v2"]
            + ["cifar_v1", "cifar_v2"])
 
 
@@ -225,9 +232,18 @@ def build(recipe: str, root: str, size: int, presets, cls, batch_size: int, work
     if recipe.startswith("cifar"):
         M = importlib.import_module("torchvision.transforms.v2" if use_v2 else "torchvision.transforms")
         conv = [M.ToImage(), M.ToDtype(torch.float32, scale=True)] if use_v2 else [M.ToTensor()]
-        ds = tv.datasets.ImageFolder(root, transform=M.Compose([M.RandomCrop(size, padding=4),
-                                                                M.RandomHorizontalFlip(), *conv,
-                                                                M.Normalize(MEAN, STD)]))
+        in_memory = recipe.startswith("cifar10_")
+        tf = M.Compose([M.RandomCrop(32 if in_memory else size, padding=4), M.RandomHorizontalFlip(), *conv,
+                        M.Normalize(MEAN, STD)])
+        if in_memory:
+            ds = tv.datasets.CIFAR10.__new__(tv.datasets.CIFAR10)
+            tv.datasets.vision.VisionDataset.__init__(ds, root, transform=tf)
+            rng = np.random.default_rng(0)
+            ds.data = rng.integers(0, 256, (10_000, 32, 32, 3), dtype=np.uint8)
+            ds.targets = [int(t) for t in rng.integers(0, 10, len(ds.data))]
+            ds.train = True
+            return ds, cls(ds, batch_size=batch_size, shuffle=True, num_workers=workers)
+        ds = tv.datasets.ImageFolder(root, transform=tf)
         return ds, cls(ds, batch_size=batch_size, shuffle=True, num_workers=workers)
     if "_tensor" in recipe:
         kw["backend"] = "tensor"

@@ -155,6 +155,12 @@ class Compose(Transform):
         fused (see ``decode_and_apply``)."""
         return decode_and_apply(self.transforms, raw)
 
+    def from_planes(self, x: torch.Tensor) -> Any:
+        """Apply this pipeline to a decoded RGB image's uint8 ``(3, H, W)``
+        planes without a PIL image, or NotImplemented when the pipeline
+        can't be fused (see ``apply_to_planes``)."""
+        return apply_to_planes(self.transforms, x)
+
     def __repr__(self) -> str:
         return type(self).__name__ + "(" + "".join(f"\n    {t!r}" for t in self.transforms) + "\n)"
 
@@ -743,6 +749,25 @@ def decode_and_apply(transforms: list, raw) -> Any:
     else:
         x = torch.from_numpy(_decode.decode_rgb(raw)).permute(2, 0, 1)
         rest = transforms
+    return _apply_to_planes(rest, x)
+
+
+def apply_to_planes(transforms: list, x: torch.Tensor) -> Any:
+    """Run a fusable pipeline on a decoded RGB image's planes (a uint8
+    ``(3, H, W)`` tensor, as ``decode_and_apply`` holds the image after
+    decoding it); NotImplemented if the pipeline isn't fusable.  The same
+    draws and pixels as the pipeline called on the PIL image of those
+    planes (``Image.fromarray``)."""
+    if not _fusable(transforms):
+        return NotImplemented
+    return _apply_to_planes(transforms, x)
+
+
+def _apply_to_planes(rest: list, x: torch.Tensor) -> Any:
+    """The steps of a fusable pipeline after its decode (and the resize or
+    crop the decode made), on the planes ``x``."""
+    from .decode import jpeg as _decode
+
     flip = False  # a drawn flip not yet applied: it is folded into the conversion below when it can be
     for k, t in enumerate(rest):
         tt = type(t)

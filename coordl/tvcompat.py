@@ -9,7 +9,10 @@ or timm's ``ImageDataset`` (``coordl.timmcompat``), the loader runs a
 bytes of the file at ``samples[i][0]``, ``prep`` = decode + transform, target
 = ``samples[i][1]`` through ``target_transform`` as written), whose transform
 is the user's pipeline read from its public attributes (:func:`translate`)
-into coordl's own transforms, so the fused crop-window decode runs it.
+into coordl's own transforms, so the fused crop-window decode runs it.  Its
+``CIFAR10``/``CIFAR100`` (images in memory) become a
+:class:`TorchvisionArrays`: each image's row of the array is its raw bytes,
+and the translated transform runs on its planes.
 
 Nothing here imports torchvision: objects are recognized by the module and
 name of their class, and torchvision's functions and classes are looked up in
@@ -57,6 +60,7 @@ import functools
 import logging
 import math
 import numbers
+import operator
 import random
 import sys
 import threading
@@ -249,6 +253,116 @@ class TorchvisionFolder(TwoStageFolder):
         return f"{type(self).__name__}(torchvision {self._source})"
 
 
+# torchvision's datasets of images held in memory, an (N, H, W, 3) uint8 array: the class's name -> what its
+# __getitem__ reads, exactly (the row and its target, PIL's fromarray, the transforms)
+_ARRAYS = {"CIFAR10": frozenset({"data", "targets", "Image", "fromarray", "transform", "target_transform"})}
+_ARRAYS_MODULE = "torchvision.datasets.cifar"
+
+
+def _arrays_base(ds: Any) -> type | None:
+    """torchvision's class of ``ds`` in :data:`_ARRAYS` (``CIFAR100`` is a
+    ``CIFAR10``), else None."""
+    for name in _ARRAYS:
+        base = class_named(type(ds), _ARRAYS_MODULE, name)
+        if base is not None:
+            return base
+    return None
+
+
+def _why_not_arrays(ds: Any, base: type) -> str | None:
+    """Why torchvision's dataset of images in memory ``ds`` cannot run on
+    coordl's pipeline, or None."""
+    why = why_overridden(type(ds), base)
+    if why is not None:
+        return why
+    names = base.__getitem__.__code__.co_names
+    if set(names) != _ARRAYS[base.__name__]:
+        return (f"this torchvision's {base.__name__}.__getitem__ reads {', '.join(names)}, not what coordl reads "
+                f"as raw bytes + prep ({', '.join(sorted(_ARRAYS[base.__name__]))})")
+    data, targets = getattr(ds, "data", None), getattr(ds, "targets", None)
+    if not (isinstance(data, np.ndarray) and data.dtype == np.uint8 and data.ndim == 4 and data.shape[3] == 3):
+        return "its data is not an (N, H, W, 3) uint8 array of RGB images"
+    try:
+        if len(targets) != len(data) or not all(isinstance(t, (int, np.integer)) for t in targets):
+            return "its targets are not one class index per image"
+    except TypeError:
+        return "its targets are not one class index per image"
+    return why_not_callable(ds)
+
+
+class TorchvisionArrays:
+    """torchvision's ``CIFAR10``/``CIFAR100`` (images held in memory) as a
+    coordl two-stage dataset, made by :func:`adapt`: ``raw(i)`` is image
+    ``i``'s row of the array (its ``H * W * 3`` bytes), ``prep`` applies
+    the translated transform to its planes, as torchvision applies the
+    transform to ``Image.fromarray`` of the row (the fused steps without a
+    PIL image, ``coordl.transforms.apply_to_planes``), and the target is
+    ``targets[i]`` through ``target_transform``.  ``data``, ``targets``,
+    ``classes``, ``class_to_idx``, ``root`` and ``train`` as in the
+    original; the array is shared with it, not copied.  No ``fingerprint``:
+    there are no stored bytes for the node cache to keep."""
+
+    def __init__(self, dataset: Any, transform: Any):
+        self.data = dataset.data
+        self.targets = list(dataset.targets)
+        self._targets = np.asarray(self.targets, dtype=np.int64)
+        self.transform = transform
+        self.target_transform = dataset.target_transform
+        self.classes = list(getattr(dataset, "classes", []) or [])
+        self.class_to_idx = dict(getattr(dataset, "class_to_idx", {}) or {})
+        self.root = getattr(dataset, "root", None)
+        self.train = getattr(dataset, "train", None)
+        self._source = type(dataset).__name__
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def _check_index(self, index) -> int:
+        i = operator.index(index)
+        n = len(self.data)
+        if not -n <= i < n:
+            raise IndexError(f"index {index} is out of range for {self._source} with {n} images")
+        return i % n
+
+    def raw(self, index: int) -> bytearray:
+        """Image ``index``'s row of the array, its ``H * W * 3`` bytes."""
+        return bytearray(self.data[self._check_index(index)].tobytes())
+
+    def prep(self, raw, index: int) -> tuple[Any, Any]:
+        """``(transform(image), target_transform(target))`` of image
+        ``index`` from its bytes ``raw``."""
+        if T.foreign(self.transform) or T.foreign(self.target_transform):
+            with _rng.seeded_user_steps(T.draws_numpy(self.transform) or T.draws_numpy(self.target_transform)):
+                return self._prep(raw, index)
+        return self._prep(raw, index)
+
+    def _prep(self, raw, index: int) -> tuple[Any, Any]:
+        i = self._check_index(index)
+        h, w = self.data.shape[1:3]
+        planes = torch.frombuffer(raw, dtype=torch.uint8).view(h, w, 3).permute(2, 0, 1)
+        fused = getattr(self.transform, "from_planes", None)
+        sample = fused(planes) if fused is not None else NotImplemented
+        if sample is NotImplemented:
+            sample = Image.fromarray(planes.permute(1, 2, 0).numpy())
+            if self.transform is not None:
+                sample = self.transform(sample)
+        target = int(self._targets[i])
+        if self.target_transform is not None:
+            target = self.target_transform(target)
+        return sample, target
+
+    def __getitem__(self, index: int) -> tuple[Any, Any]:
+        return self.prep(self.raw(index), index)
+
+    def describe(self, index: int) -> str:
+        """``CIFAR10[i]``: where sample ``index`` is."""
+        return f"{self._source}[{self._check_index(index)}]"
+
+    def __repr__(self) -> str:
+        return (f"Dataset {type(self).__name__}(torchvision {self._source})\n    Number of datapoints: {len(self)}"
+                f"\n    Transform: {self.transform!r}")
+
+
 class TorchvisionPipeline:
     """A translated transform with a part that runs as written.
 
@@ -284,6 +398,14 @@ class TorchvisionPipeline:
         x = self.fused.from_bytes(raw) if self.fused is not None else NotImplemented
         if x is NotImplemented:
             return self(pil_decode(raw))
+        return self._rest(x)
+
+    def from_planes(self, planes: torch.Tensor) -> Any:
+        """:meth:`from_bytes` of an image already decoded: its uint8 RGB
+        ``(3, H, W)`` planes (``coordl.transforms.apply_to_planes``)."""
+        x = self.fused.from_planes(planes) if self.fused is not None else NotImplemented
+        if x is NotImplemented:
+            return self(_to_pil(planes))
         return self._rest(x)
 
     def __call__(self, img: Any) -> Any:
@@ -2545,6 +2667,9 @@ def adapt(dataset: Any, jpeg_draft: bool = False) -> tuple[Any, Decision | None]
     ``jpeg_draft``: the loader's option of that name (see :func:`translate`)."""
     if timmcompat.is_timm_dataset(dataset):
         return _adapt_timm(dataset, jpeg_draft)
+    base = _arrays_base(dataset)
+    if base is not None:
+        return _adapt_arrays(dataset, base, jpeg_draft)
     if not from_torchvision(dataset):
         if jpeg_draft:
             warnings.warn("jpeg_draft=True applies to torchvision's ImageFolder/DatasetFolder only and has no "
@@ -2572,6 +2697,25 @@ def adapt(dataset: Any, jpeg_draft: bool = False) -> tuple[Any, Decision | None]
         return dataset, Decision("torch", f"its samples are not (path, class index) pairs ({e})")
     what = describe_adapted(given, transform, fused, as_written, through, jpeg_draft)
     reason = f"torchvision's {_name(dataset)} read as raw file bytes, decoded by coordl; {what}"
+    return adapted, Decision("coordl", reason, fused, as_written)
+
+
+def _adapt_arrays(dataset: Any, base: type, jpeg_draft: bool) -> tuple[Any, Decision]:
+    """:func:`adapt` of torchvision's ``CIFAR10``/``CIFAR100``
+    (:class:`TorchvisionArrays`)."""
+    why = _why_not_arrays(dataset, base)
+    if why is not None:
+        return dataset, Decision("torch", why)
+    through: list = []
+    if dataset.transform is None:
+        transform, fused, as_written = None, (), ()
+    else:
+        transform, fused, as_written = translate_steps(_flatten(dataset.transform, through))
+    adapted = TorchvisionArrays(dataset, transform)
+    what = describe_translation(dataset.transform, transform, fused, as_written, through)
+    if jpeg_draft:
+        what += "; jpeg_draft=True has no effect: the images are decoded already"
+    reason = f"torchvision's {_name(dataset)} read from its array in memory, transformed by coordl; {what}"
     return adapted, Decision("coordl", reason, fused, as_written)
 
 
@@ -2696,8 +2840,8 @@ def _torch_reason(loader: Any) -> str:
     else:
         folders = [f"{owner} {name}" for owner, name in folders]
     if folders and isinstance(ds, Subset):
-        why += (f". It is a Subset of {folders[0]}, which coordl reads as raw file bytes "
-                "only when it is the loader's dataset itself: pass the folder with "
+        why += (f". It is a Subset of {folders[0]}, which coordl reads on its pipeline "
+                "only when it is the loader's dataset itself: pass that dataset with "
                 "sampler=SubsetRandomSampler(indices) (shuffled) or sampler=indices (in order) to read "
                 "those samples on coordl's pipeline")
     elif folders:
@@ -2709,8 +2853,9 @@ def _torch_reason(loader: Any) -> str:
 
 def _folder_named(ds: Any) -> tuple[str, str] | None:
     """``("torchvision's", "ImageFolder")``, ``("timm's", "ImageDataset")``:
-    whose folder :func:`adapt` would read as raw bytes ``ds`` is, and its
-    class's name; else None."""
-    if from_torchvision(ds) and (class_named(type(ds), _FOLDER_MODULE, "DatasetFolder") or _file_list(ds)):
+    whose dataset :func:`adapt` would read on coordl's pipeline ``ds`` is,
+    and its class's name; else None."""
+    if from_torchvision(ds) and (class_named(type(ds), _FOLDER_MODULE, "DatasetFolder") or _file_list(ds)
+                                 or _arrays_base(ds)):
         return "torchvision's", _name(ds)
     return ("timm's", _name(ds)) if timmcompat.is_timm_dataset(ds) else None

@@ -1,0 +1,164 @@
+"""torchvision's CIFAR10 and CIFAR100 (images held in memory) on coordl's
+pipeline: each image's row of the array is its raw bytes, the translated
+transform runs on its planes without a PIL image.  Each dataset is made as
+its constructor leaves it, over random pixels (the real ones need their
+download)."""
+import os
+import random
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from _torchvision import import_torchvision  # noqa: E402
+
+if import_torchvision() is None:
+    pytest.skip("torchvision is not installed (pip install coordl[test])", allow_module_level=True)
+
+import torchvision  # noqa: E402
+from PIL import Image  # noqa: E402
+from torchvision import transforms as T  # noqa: E402
+from torchvision.transforms import v2 as V2  # noqa: E402
+from torchvision.datasets.vision import VisionDataset  # noqa: E402
+
+import coordl  # noqa: E402
+from coordl import _rng  # noqa: E402
+from coordl.tvcompat import TorchvisionArrays, translate  # noqa: E402
+
+MEAN, STD = (0.49, 0.48, 0.45), (0.25, 0.24, 0.26)
+TRAIN = T.Compose([T.RandomCrop(32, padding=4), T.RandomHorizontalFlip(), T.ToTensor(), T.Normalize(MEAN, STD)])
+EVAL = T.Compose([T.ToTensor(), T.Normalize(MEAN, STD)])
+
+
+def cifar(transform=None, n=40, cls=torchvision.datasets.CIFAR10, size=(32, 32), target_transform=None):
+    ds = cls.__new__(cls)
+    VisionDataset.__init__(ds, "/nonexistent", transform=transform, target_transform=target_transform)
+    rng = np.random.default_rng(n)
+    ds.data = rng.integers(0, 256, (n, *size, 3), dtype=np.uint8)
+    ds.targets = [int(t) for t in rng.integers(0, 10, n)]
+    ds.train = True
+    return ds
+
+
+def batches(loader):
+    return [(x.clone(), y.clone()) for x, y in loader]
+
+
+def equal(a, b):
+    return len(a) == len(b) and all(torch.equal(p[0], q[0]) and torch.equal(p[1], q[1]) for p, q in zip(a, b))
+
+
+@pytest.mark.parametrize("cls", [torchvision.datasets.CIFAR10, torchvision.datasets.CIFAR100])
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_the_eval_recipe_is_torchs_batches_read_from_the_array(cls, num_workers):
+    ds = cifar(EVAL, cls=cls)
+    L = coordl.DataLoader(ds, batch_size=8, num_workers=num_workers)
+    s = L.stats()
+    assert s.path == "coordl" and s.path_reason.startswith(f"torchvision's {cls.__name__} read from its array"), s
+    assert isinstance(L.dataset, TorchvisionArrays) and L.dataset.data is ds.data      # shared, not copied
+    assert equal(batches(L), batches(torch.utils.data.DataLoader(ds, batch_size=8)))
+
+
+@pytest.mark.parametrize("tf", [TRAIN, T.Compose([T.RandomResizedCrop(24), T.RandomHorizontalFlip(), T.ToTensor()]),
+                                V2.Compose([V2.RandomCrop(32, padding=4, padding_mode="reflect"),
+                                            V2.RandomHorizontalFlip(), V2.ToImage(),
+                                            V2.ToDtype(torch.float32, scale=True), V2.Normalize(MEAN, STD)])],
+                         ids=["cifar", "rrc", "v2-reflect"])
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_training_draws_and_pixels_are_those_of_the_pil_image_of_each_row(tf, num_workers):
+    """The planes path gives what the translated transform gives on
+    ``Image.fromarray`` of the row (what torchvision's CIFAR10 hands its
+    transform) for the sample's (seed, epoch, index)."""
+    ds = cifar(tf)
+    L = coordl.DataLoader(ds, batch_size=len(ds), seed=4, num_workers=num_workers)
+    out = translate(tf)[0]
+    for epoch in range(2):
+        (x, y), = batches(L)
+        for i in range(len(ds)):
+            with _rng.sample_rng(4, epoch, i):
+                want = out(Image.fromarray(ds.data[i]))
+            assert torch.equal(x[i], want), (epoch, i)
+            assert y[i] == ds.targets[i]
+
+
+def test_no_transform_gives_torchvisions_pil_images_and_the_target_transform_runs():
+    ds = cifar(None, target_transform=lambda t: t * 10)
+    for (a, ya), (b, yb) in zip(coordl.DataLoader(ds, batch_size=None),
+                                torch.utils.data.DataLoader(ds, batch_size=None)):
+        assert isinstance(a, Image.Image) and np.array_equal(np.asarray(a), np.asarray(b)) and ya == yb
+
+
+def test_a_step_of_the_users_draws_from_the_samples_seeded_generators():
+    def noisy(img):
+        return img + random.random()
+
+    ds = cifar(T.Compose([T.ToTensor(), noisy]))
+    a = batches(coordl.DataLoader(ds, batch_size=8, seed=2))
+    b = batches(coordl.DataLoader(ds, batch_size=8, seed=2, num_workers=2))
+    assert equal(a, b)
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_a_pass_resumed_mid_epoch_delivers_the_rest_exactly(num_workers):
+    def make():
+        return coordl.DataLoader(cifar(TRAIN), batch_size=4, shuffle=True, seed=3, num_workers=num_workers)
+
+    whole = batches(make())
+    a = make()
+    it = iter(a)
+    head = [(x.clone(), y.clone()) for x, y in (next(it), next(it))]
+    state = a.state_dict()
+    del it
+    b = make()
+    b.load_state_dict(state)
+    assert equal(head + batches(b), whole)
+
+
+def test_the_device_split_gives_the_cpu_paths_batches(cpu_device):
+    tf = T.Compose([T.RandomCrop(28), T.RandomHorizontalFlip(), T.ColorJitter(0.3, 0.3), T.ToTensor(),
+                    T.Normalize(MEAN, STD)])
+    want = batches(coordl.DataLoader(cifar(tf), batch_size=8, seed=5))
+    L = coordl.DataLoader(cifar(tf), batch_size=8, seed=5, device="cpu", num_workers=2)
+    assert equal(batches(L), want)
+    assert L.stats().device_split.startswith("split: uint8 images travel"), L.stats().device_split
+
+
+class _OtherCIFAR10(VisionDataset):
+    """A torchvision whose CIFAR10 reads more than the one coordl knows."""
+
+    def __getitem__(self, index):
+        img = Image.fromarray(self.data[index]).rotate(90)
+        return self.transform(img), self.target_transform(self.targets[index])
+
+    def __len__(self):
+        return len(self.data)
+
+
+_OtherCIFAR10.__name__ = _OtherCIFAR10.__qualname__ = "CIFAR10"
+_OtherCIFAR10.__module__ = "torchvision.datasets.cifar"
+
+
+def test_what_coordl_cannot_prove_equivalent_stays_on_torchs_machinery():
+    class Own(torchvision.datasets.CIFAR10):
+        def __getitem__(self, i):
+            return super().__getitem__(i)
+
+    s = coordl.DataLoader(cifar(EVAL, cls=Own), batch_size=4).stats()
+    assert s.path == "torch" and "Own overrides __getitem__" in s.path_reason
+    s = coordl.DataLoader(cifar(EVAL, cls=_OtherCIFAR10), batch_size=4).stats()
+    assert s.path == "torch" and "CIFAR10.__getitem__ reads Image, fromarray, data, rotate" in s.path_reason
+    ds = cifar(EVAL)
+    ds.data = ds.data.astype(np.float32)
+    s = coordl.DataLoader(ds, batch_size=4).stats()
+    assert s.path == "torch" and "not an (N, H, W, 3) uint8 array" in s.path_reason
+    with pytest.raises(ValueError, match="fingerprint"):
+        coordl.DataLoader(cifar(EVAL), batch_size=4, cache_size="1MiB")
+
+
+def test_a_random_split_says_how_to_read_its_part_on_coordls_pipeline():
+    part, _ = torch.utils.data.random_split(cifar(EVAL), [30, 10], generator=torch.Generator().manual_seed(0))
+    s = coordl.DataLoader(part, batch_size=4).stats()
+    assert s.path == "torch" and "Subset of torchvision's CIFAR10" in s.path_reason and "sampler=" in s.path_reason
