@@ -253,17 +253,22 @@ class TorchvisionFolder(TwoStageFolder):
         return f"{type(self).__name__}(torchvision {self._source})"
 
 
-# torchvision's datasets of images held in memory, an (N, H, W, 3) uint8 array: the class's name -> what its
-# __getitem__ reads, exactly (the row and its target, PIL's fromarray, the transforms)
-_ARRAYS = {"CIFAR10": frozenset({"data", "targets", "Image", "fromarray", "transform", "target_transform"})}
-_ARRAYS_MODULE = "torchvision.datasets.cifar"
+# torchvision's datasets of RGB images held in memory, a uint8 array of them: the class's name -> (its module;
+# what its __getitem__ reads, exactly: the row and its target, PIL's fromarray (of the row transposed from
+# (3, H, W)), the transforms; the layout of a row; where the targets are)
+_ARRAYS = {
+    "CIFAR10": ("torchvision.datasets.cifar",
+                frozenset({"data", "targets", "Image", "fromarray", "transform", "target_transform"}), "hwc", "targets"),
+    **{name: (f"torchvision.datasets.{name.lower()}",
+              frozenset({"data", "int", "labels", "Image", "fromarray", "np", "transpose", "transform",
+                         "target_transform"}), "chw", "labels") for name in ("SVHN", "STL10")}}
 
 
 def _arrays_base(ds: Any) -> type | None:
     """torchvision's class of ``ds`` in :data:`_ARRAYS` (``CIFAR100`` is a
     ``CIFAR10``), else None."""
-    for name in _ARRAYS:
-        base = class_named(type(ds), _ARRAYS_MODULE, name)
+    for name, (module, *_) in _ARRAYS.items():
+        base = class_named(type(ds), module, name)
         if base is not None:
             return base
     return None
@@ -275,43 +280,53 @@ def _why_not_arrays(ds: Any, base: type) -> str | None:
     why = why_overridden(type(ds), base)
     if why is not None:
         return why
+    _, reads, layout, where = _ARRAYS[base.__name__]
     names = base.__getitem__.__code__.co_names
-    if set(names) != _ARRAYS[base.__name__]:
+    if set(names) != reads:
         return (f"this torchvision's {base.__name__}.__getitem__ reads {', '.join(names)}, not what coordl reads "
-                f"as raw bytes + prep ({', '.join(sorted(_ARRAYS[base.__name__]))})")
-    data, targets = getattr(ds, "data", None), getattr(ds, "targets", None)
-    if not (isinstance(data, np.ndarray) and data.dtype == np.uint8 and data.ndim == 4 and data.shape[3] == 3):
-        return "its data is not an (N, H, W, 3) uint8 array of RGB images"
+                f"as raw bytes + prep ({', '.join(sorted(reads))})")
+    data, targets = getattr(ds, "data", None), getattr(ds, where, None)
+    if not (isinstance(data, np.ndarray) and data.dtype == np.uint8 and data.ndim == 4
+            and data.shape[3 if layout == "hwc" else 1] == 3):
+        shape = "(N, H, W, 3)" if layout == "hwc" else "(N, 3, H, W)"
+        return f"its data is not an {shape} uint8 array of RGB images"
+    if targets is None:
+        return f"it has no {where} (an unlabeled split)"
     try:
         if len(targets) != len(data) or not all(isinstance(t, (int, np.integer)) for t in targets):
-            return "its targets are not one class index per image"
+            return f"its {where} are not one class index per image"
     except TypeError:
-        return "its targets are not one class index per image"
+        return f"its {where} are not one class index per image"
     return why_not_callable(ds)
 
 
 class TorchvisionArrays:
-    """torchvision's ``CIFAR10``/``CIFAR100`` (images held in memory) as a
-    coordl two-stage dataset, made by :func:`adapt`: ``raw(i)`` is image
-    ``i``'s row of the array (its ``H * W * 3`` bytes), ``prep`` applies
-    the translated transform to its planes, as torchvision applies the
-    transform to ``Image.fromarray`` of the row (the fused steps without a
-    PIL image, ``coordl.transforms.apply_to_planes``), and the target is
-    ``targets[i]`` through ``target_transform``.  ``data``, ``targets``,
-    ``classes``, ``class_to_idx``, ``root`` and ``train`` as in the
-    original; the array is shared with it, not copied.  No ``fingerprint``:
-    there are no stored bytes for the node cache to keep."""
+    """torchvision's ``CIFAR10``/``CIFAR100``, ``SVHN`` and ``STL10``
+    (images held in memory) as a coordl two-stage dataset, made by
+    :func:`adapt`: ``raw(i)`` is image ``i``'s row of the array (its
+    ``H * W * 3`` bytes), ``prep`` applies the translated transform to its
+    planes, as torchvision applies the transform to ``Image.fromarray`` of
+    the row (the fused steps without a PIL image,
+    ``coordl.transforms.apply_to_planes``), and the target is the row's
+    class index (``targets[i]``, ``labels[i]``) through
+    ``target_transform``.  ``data``, ``targets`` or ``labels``,
+    ``classes``, ``class_to_idx``, ``root`` and ``train`` or ``split`` as in
+    the original; the array is shared with it, not copied.  No
+    ``fingerprint``: there are no stored bytes for the node cache to keep."""
 
-    def __init__(self, dataset: Any, transform: Any):
+    def __init__(self, dataset: Any, transform: Any, layout: str = "hwc", where: str = "targets"):
         self.data = dataset.data
-        self.targets = list(dataset.targets)
-        self._targets = np.asarray(self.targets, dtype=np.int64)
+        setattr(self, where, getattr(dataset, where))
+        self._targets = np.asarray(getattr(dataset, where), dtype=np.int64)
+        self._layout = layout
         self.transform = transform
         self.target_transform = dataset.target_transform
         self.classes = list(getattr(dataset, "classes", []) or [])
         self.class_to_idx = dict(getattr(dataset, "class_to_idx", {}) or {})
         self.root = getattr(dataset, "root", None)
-        self.train = getattr(dataset, "train", None)
+        for name in ("train", "split"):
+            if hasattr(dataset, name):
+                setattr(self, name, getattr(dataset, name))
         self._source = type(dataset).__name__
 
     def __len__(self) -> int:
@@ -338,8 +353,11 @@ class TorchvisionArrays:
 
     def _prep(self, raw, index: int) -> tuple[Any, Any]:
         i = self._check_index(index)
-        h, w = self.data.shape[1:3]
-        planes = torch.frombuffer(raw, dtype=torch.uint8).view(h, w, 3).permute(2, 0, 1)
+        row = torch.frombuffer(raw, dtype=torch.uint8)
+        if self._layout == "hwc":
+            planes = row.view(*self.data.shape[1:3], 3).permute(2, 0, 1)
+        else:
+            planes = row.view(3, *self.data.shape[2:4])
         fused = getattr(self.transform, "from_planes", None)
         sample = fused(planes) if fused is not None else NotImplemented
         if sample is NotImplemented:
@@ -2711,7 +2729,7 @@ def _adapt_arrays(dataset: Any, base: type, jpeg_draft: bool) -> tuple[Any, Deci
         transform, fused, as_written = None, (), ()
     else:
         transform, fused, as_written = translate_steps(_flatten(dataset.transform, through))
-    adapted = TorchvisionArrays(dataset, transform)
+    adapted = TorchvisionArrays(dataset, transform, *_ARRAYS[base.__name__][2:])
     what = describe_translation(dataset.transform, transform, fused, as_written, through)
     if jpeg_draft:
         what += "; jpeg_draft=True has no effect: the images are decoded already"

@@ -34,13 +34,25 @@ EVAL = T.Compose([T.ToTensor(), T.Normalize(MEAN, STD)])
 
 
 def cifar(transform=None, n=40, cls=torchvision.datasets.CIFAR10, size=(32, 32), target_transform=None):
+    """``cls`` as its constructor leaves it over ``n`` random images: CIFAR's
+    (N, H, W, 3) rows and target list, SVHN's and STL10's (N, 3, H, W) rows
+    and label array."""
     ds = cls.__new__(cls)
     VisionDataset.__init__(ds, "/nonexistent", transform=transform, target_transform=target_transform)
     rng = np.random.default_rng(n)
-    ds.data = rng.integers(0, 256, (n, *size, 3), dtype=np.uint8)
-    ds.targets = [int(t) for t in rng.integers(0, 10, n)]
-    ds.train = True
+    if issubclass(cls, torchvision.datasets.CIFAR10):
+        ds.data = rng.integers(0, 256, (n, *size, 3), dtype=np.uint8)
+        ds.targets = [int(t) for t in rng.integers(0, 10, n)]
+        ds.train = True
+    else:
+        ds.data = rng.integers(0, 256, (n, 3, *size), dtype=np.uint8)
+        ds.labels = rng.integers(0, 10, n).astype(np.int64 if cls is torchvision.datasets.SVHN else np.uint8)
+        ds.split = "train"
     return ds
+
+
+def targets_of(ds):
+    return ds.targets if hasattr(ds, "targets") else ds.labels
 
 
 def batches(loader):
@@ -51,7 +63,11 @@ def equal(a, b):
     return len(a) == len(b) and all(torch.equal(p[0], q[0]) and torch.equal(p[1], q[1]) for p, q in zip(a, b))
 
 
-@pytest.mark.parametrize("cls", [torchvision.datasets.CIFAR10, torchvision.datasets.CIFAR100])
+CLASSES = [torchvision.datasets.CIFAR10, torchvision.datasets.CIFAR100, torchvision.datasets.SVHN,
+           torchvision.datasets.STL10]
+
+
+@pytest.mark.parametrize("cls", CLASSES, ids=lambda c: c.__name__)
 @pytest.mark.parametrize("num_workers", [0, 2])
 def test_the_eval_recipe_is_torchs_batches_read_from_the_array(cls, num_workers):
     ds = cifar(EVAL, cls=cls)
@@ -68,20 +84,23 @@ def test_the_eval_recipe_is_torchs_batches_read_from_the_array(cls, num_workers)
                                             V2.ToDtype(torch.float32, scale=True), V2.Normalize(MEAN, STD)])],
                          ids=["cifar", "rrc", "v2-reflect"])
 @pytest.mark.parametrize("num_workers", [0, 2])
-def test_training_draws_and_pixels_are_those_of_the_pil_image_of_each_row(tf, num_workers):
+@pytest.mark.parametrize("cls", [torchvision.datasets.CIFAR10, torchvision.datasets.SVHN], ids=lambda c: c.__name__)
+def test_training_draws_and_pixels_are_those_of_the_pil_image_of_each_row(tf, num_workers, cls):
     """The planes path gives what the translated transform gives on
     ``Image.fromarray`` of the row (what torchvision's CIFAR10 hands its
-    transform) for the sample's (seed, epoch, index)."""
-    ds = cifar(tf)
+    transform; SVHN's row transposed to (H, W, 3)) for the sample's (seed,
+    epoch, index)."""
+    ds = cifar(tf, cls=cls)
     L = coordl.DataLoader(ds, batch_size=len(ds), seed=4, num_workers=num_workers)
     out = translate(tf)[0]
     for epoch in range(2):
         (x, y), = batches(L)
         for i in range(len(ds)):
+            row = ds.data[i] if cls is torchvision.datasets.CIFAR10 else np.transpose(ds.data[i], (1, 2, 0))
             with _rng.sample_rng(4, epoch, i):
-                want = out(Image.fromarray(ds.data[i]))
+                want = out(Image.fromarray(row))
             assert torch.equal(x[i], want), (epoch, i)
-            assert y[i] == ds.targets[i]
+            assert y[i] == targets_of(ds)[i]
 
 
 def test_no_transform_gives_torchvisions_pil_images_and_the_target_transform_runs():
@@ -156,6 +175,10 @@ def test_what_coordl_cannot_prove_equivalent_stays_on_torchs_machinery():
     assert s.path == "torch" and "not an (N, H, W, 3) uint8 array" in s.path_reason
     with pytest.raises(ValueError, match="fingerprint"):
         coordl.DataLoader(cifar(EVAL), batch_size=4, cache_size="1MiB")
+    unlabeled = cifar(EVAL, cls=torchvision.datasets.STL10)
+    unlabeled.labels = None
+    s = coordl.DataLoader(unlabeled, batch_size=4).stats()
+    assert s.path == "torch" and "it has no labels (an unlabeled split)" in s.path_reason
 
 
 def test_a_random_split_says_how_to_read_its_part_on_coordls_pipeline():
