@@ -353,7 +353,9 @@ class TorchvisionArrays:
 
     def _prep(self, raw, index: int) -> tuple[Any, Any]:
         i = self._check_index(index)
-        row = torch.frombuffer(raw, dtype=torch.uint8)
+        # (a bytearray from raw(); other bytes, such as a read-only view of shared staging, copied: torch views
+        # only writable memory without a warning)
+        row = torch.frombuffer(raw if isinstance(raw, bytearray) else bytearray(raw), dtype=torch.uint8)
         if self._layout == "hwc":
             planes = row.view(*self.data.shape[1:3], 3).permute(2, 0, 1)
         else:

@@ -185,3 +185,15 @@ def test_a_random_split_says_how_to_read_its_part_on_coordls_pipeline():
     part, _ = torch.utils.data.random_split(cifar(EVAL), [30, 10], generator=torch.Generator().manual_seed(0))
     s = coordl.DataLoader(part, batch_size=4).stats()
     assert s.path == "torch" and "Subset of torchvision's CIFAR10" in s.path_reason and "sampler=" in s.path_reason
+
+
+def test_prep_takes_the_rows_bytes_in_any_form():
+    """Shared staging hands prep a read-only view of the bytes: the same
+    sample, without torch's warning about memory it cannot write."""
+    L = coordl.DataLoader(cifar(EVAL), batch_size=4)
+    ds = L.dataset
+    raw = ds.raw(3)
+    want = ds.prep(raw, 3)
+    for form in (bytes(raw), memoryview(bytes(raw))):
+        got = ds.prep(form, 3)
+        assert torch.equal(got[0], want[0]) and got[1] == want[1]
