@@ -420,6 +420,13 @@ class DataLoader(_TorchDataLoader[_T_co]):
                 f"decode='device' runs in coordl's pipeline (a two-stage dataset such as coordl.ImageFolder or "
                 f"torchvision's ImageFolder, read in coordl's epoch plan), but this loader cannot use it: {why}. "
                 "Use decode='cpu'")
+        from .tvcompat import TorchvisionArrays
+
+        if isinstance(dataset, TorchvisionArrays):
+            raise ValueError(
+                f"decode='device' decodes the JPEG files of a batch on the device, but {dataset._source}'s images "
+                "are already decoded, in an array in memory: there is nothing to decode. Pass device= without "
+                "decode='device' (the device split: uint8 images travel and are converted on the device)")
         if not self._auto_collation:
             raise ValueError(
                 "decode='device' needs batches (a batch_size or a batch_sampler: the device stage decodes the "

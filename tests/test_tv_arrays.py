@@ -175,6 +175,8 @@ def test_what_coordl_cannot_prove_equivalent_stays_on_torchs_machinery():
     assert s.path == "torch" and "not an (N, H, W, 3) uint8 array" in s.path_reason
     with pytest.raises(ValueError, match="fingerprint"):
         coordl.DataLoader(cifar(EVAL), batch_size=4, cache_size="1MiB")
+    with pytest.raises(ValueError, match="already decoded, in an array in memory.*Pass device= without"):
+        coordl.DataLoader(cifar(EVAL), batch_size=4, device="cpu", decode="device")
     unlabeled = cifar(EVAL, cls=torchvision.datasets.STL10)
     unlabeled.labels = None
     s = coordl.DataLoader(unlabeled, batch_size=4).stats()
