@@ -49,6 +49,11 @@ Recipes (``--recipes``, comma-separated; default all):
     array in memory: made as its constructor leaves it, over 10,000
     random 32x32 images (the real one needs its download; the transform's
     cost does not depend on the pixels).
+``mnist``
+    PyTorch's MNIST example's loader on torchvision's ``MNIST`` (images in
+    memory, a tensor): ``ToTensor()``, ``Normalize((0.1307,), (0.3081,))``,
+    ``shuffle=True``, made as its constructor leaves it over 60,000 random
+    28x28 images.
 ``timm_ds_train``, ``timm_ds_eval``
     timm's own dataset and loader, as its ``train.py`` and ``validate.py``
     build them: ``timm.data.create_dataset("", root)`` (an ``ImageDataset``
@@ -112,7 +117,7 @@ RECIPES = ([f"train_{v}{p}" for p in POLICIES for v in ("v1", "v2")]
            + ["train_v1_tensor_ta", "train_v2_tensor_ta", "train_v1_tensor_bicubic"]
            + ["eval_v1", "eval_v2"]
            + ["timm_train", "timm_train_script", "timm_train_cj_prob", "timm_train_aa", "timm_eval"]
-           + ["timm_ds_train", "timm_ds_eval", "food101_train", "food101_eval", "cifar10_v1", "cifar10_v2"]
+           + ["timm_ds_train", "timm_ds_eval", "food101_train", "food101_eval", "cifar10_v1", "cifar10_v2", "mnist"]
            + ["cifar_v1", "cifar_v2"])
 
 
@@ -205,6 +210,16 @@ def build(recipe: str, root: str, size: int, presets, cls, batch_size: int, work
                                      num_workers=workers, device=torch.device("cpu"), **kw)
         finally:
             torch.utils.data.DataLoader = torch_loader
+    if recipe == "mnist":
+        T1 = tv.transforms
+        ds = tv.datasets.MNIST.__new__(tv.datasets.MNIST)
+        tv.datasets.vision.VisionDataset.__init__(
+            ds, root, transform=T1.Compose([T1.ToTensor(), T1.Normalize((0.1307,), (0.3081,))]))
+        g = torch.Generator().manual_seed(0)
+        ds.data = torch.randint(0, 256, (60_000, 28, 28), dtype=torch.uint8, generator=g)
+        ds.targets = torch.randint(0, 10, (60_000,), generator=g)
+        ds.train = True
+        return ds, cls(ds, batch_size=batch_size, shuffle=True, num_workers=workers)
     if recipe.startswith("food101"):
         training = recipe == "food101_train"
         make = train_cls if training else eval_cls
@@ -266,6 +281,7 @@ def _each_once(ds, labels: torch.Tensor, batch_size: int, drop_last: bool) -> bo
     """An epoch's ``labels`` are the dataset's targets, each sample at most
     once, all of them but a dropped last partial batch's."""
     targets = ds.targets if hasattr(ds, "targets") else [t for _, t in ds.reader.samples]   # timm's reader
+    targets = targets.tolist() if isinstance(targets, torch.Tensor) else targets
     n = len(targets) // batch_size * batch_size if drop_last else len(targets)
     return len(labels) == n and not collections.Counter(labels.tolist()) - collections.Counter(targets)
 

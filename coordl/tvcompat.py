@@ -253,15 +253,20 @@ class TorchvisionFolder(TwoStageFolder):
         return f"{type(self).__name__}(torchvision {self._source})"
 
 
-# torchvision's datasets of RGB images held in memory, a uint8 array of them: the class's name -> (its module;
-# what its __getitem__ reads, exactly: the row and its target, PIL's fromarray (of the row transposed from
-# (3, H, W)), the transforms; the layout of a row; where the targets are)
+# torchvision's datasets of images held in memory, a uint8 array of them: the class's name -> (its module;
+# what its __getitem__ reads, exactly (one of these): the row and its target, PIL's fromarray (of the row
+# transposed from (3, H, W); of a gray row, as mode "L", through torchvision's own helper or PIL's), the
+# transforms; the layout of a row; where the targets are)
+_MNIST_READS = frozenset({"data", "int", "targets", "numpy", "transform", "target_transform"})
 _ARRAYS = {
     "CIFAR10": ("torchvision.datasets.cifar",
-                frozenset({"data", "targets", "Image", "fromarray", "transform", "target_transform"}), "hwc", "targets"),
+                (frozenset({"data", "targets", "Image", "fromarray", "transform", "target_transform"}),), "hwc",
+                "targets"),
     **{name: (f"torchvision.datasets.{name.lower()}",
-              frozenset({"data", "int", "labels", "Image", "fromarray", "np", "transpose", "transform",
-                         "target_transform"}), "chw", "labels") for name in ("SVHN", "STL10")}}
+              (frozenset({"data", "int", "labels", "Image", "fromarray", "np", "transpose", "transform",
+                          "target_transform"}),), "chw", "labels") for name in ("SVHN", "STL10")},
+    "MNIST": ("torchvision.datasets.mnist", (_MNIST_READS | {"_Image_fromarray"}, _MNIST_READS | {"Image", "fromarray"}),
+              "gray", "targets")}
 
 
 def _arrays_base(ds: Any) -> type | None:
@@ -281,30 +286,32 @@ def _why_not_arrays(ds: Any, base: type) -> str | None:
     if why is not None:
         return why
     _, reads, layout, where = _ARRAYS[base.__name__]
-    names = base.__getitem__.__code__.co_names
-    if set(names) != reads:
-        return (f"this torchvision's {base.__name__}.__getitem__ reads {', '.join(names)}, not what coordl reads "
-                f"as raw bytes + prep ({', '.join(sorted(reads))})")
+    code = base.__getitem__.__code__
+    if set(code.co_names) not in reads or (layout == "gray" and "L" not in code.co_consts):
+        return (f"this torchvision's {base.__name__}.__getitem__ reads {', '.join(code.co_names)}, not what coordl "
+                f"reads as raw bytes + prep ({', '.join(sorted(reads[0]))})")
     data, targets = getattr(ds, "data", None), getattr(ds, where, None)
-    if not (isinstance(data, np.ndarray) and data.dtype == np.uint8 and data.ndim == 4
-            and data.shape[3 if layout == "hwc" else 1] == 3):
-        shape = "(N, H, W, 3)" if layout == "hwc" else "(N, 3, H, W)"
-        return f"its data is not an {shape} uint8 array of RGB images"
+    shape = {"hwc": "(N, H, W, 3)", "chw": "(N, 3, H, W)", "gray": "(N, H, W)"}[layout]
+    if not (isinstance(data, (np.ndarray, torch.Tensor)) and data.dtype in (np.uint8, torch.uint8)
+            and data.ndim == len(shape.split(",")) and (layout == "gray" or data.shape[3 if layout == "hwc" else 1] == 3)):
+        return f"its data is not an {shape} uint8 array of {'gray' if layout == 'gray' else 'RGB'} images"
     if targets is None:
         return f"it has no {where} (an unlabeled split)"
     try:
-        if len(targets) != len(data) or not all(isinstance(t, (int, np.integer)) for t in targets):
-            return f"its {where} are not one class index per image"
-    except TypeError:
+        labels = np.asarray(targets)
+    except (TypeError, ValueError):
+        labels = None
+    if labels is None or labels.ndim != 1 or len(labels) != len(data) or labels.dtype.kind not in "iu":
         return f"its {where} are not one class index per image"
     return why_not_callable(ds)
 
 
 class TorchvisionArrays:
-    """torchvision's ``CIFAR10``/``CIFAR100``, ``SVHN`` and ``STL10``
-    (images held in memory) as a coordl two-stage dataset, made by
-    :func:`adapt`: ``raw(i)`` is image ``i``'s row of the array (its
-    ``H * W * 3`` bytes), ``prep`` applies the translated transform to its
+    """torchvision's ``CIFAR10``/``CIFAR100``, ``SVHN``, ``STL10`` and
+    ``MNIST`` (and ``FashionMNIST``, ``KMNIST``, ``EMNIST``: images held in
+    memory) as a coordl two-stage dataset, made by :func:`adapt`:
+    ``raw(i)`` is image ``i``'s row of the array (its ``H * W * 3`` bytes,
+    ``H * W`` for a gray one), ``prep`` applies the translated transform to its
     planes, as torchvision applies the transform to ``Image.fromarray`` of
     the row (the fused steps without a PIL image,
     ``coordl.transforms.apply_to_planes``), and the target is the row's
@@ -316,7 +323,7 @@ class TorchvisionArrays:
 
     def __init__(self, dataset: Any, transform: Any, layout: str = "hwc", where: str = "targets"):
         self.data = dataset.data
-        setattr(self, where, getattr(dataset, where))
+        setattr(self, where, getattr(dataset, where))        # (a list, an array, a tensor: as the dataset has it)
         self._targets = np.asarray(getattr(dataset, where), dtype=np.int64)
         self._layout = layout
         self.transform = transform
@@ -340,8 +347,8 @@ class TorchvisionArrays:
         return i % n
 
     def raw(self, index: int) -> bytearray:
-        """Image ``index``'s row of the array, its ``H * W * 3`` bytes."""
-        return bytearray(self.data[self._check_index(index)].tobytes())
+        """Image ``index``'s row of the array, its ``H * W * 3`` bytes (``H * W`` for a gray one)."""
+        return bytearray(np.asarray(self.data[self._check_index(index)]).tobytes())
 
     def prep(self, raw, index: int) -> tuple[Any, Any]:
         """``(transform(image), target_transform(target))`` of image
@@ -358,12 +365,14 @@ class TorchvisionArrays:
         row = torch.frombuffer(raw if isinstance(raw, bytearray) else bytearray(raw), dtype=torch.uint8)
         if self._layout == "hwc":
             planes = row.view(*self.data.shape[1:3], 3).permute(2, 0, 1)
+        elif self._layout == "gray":
+            planes = row.view(1, *self.data.shape[1:3])
         else:
             planes = row.view(3, *self.data.shape[2:4])
         fused = getattr(self.transform, "from_planes", None)
         sample = fused(planes) if fused is not None else NotImplemented
         if sample is NotImplemented:
-            sample = Image.fromarray(planes.permute(1, 2, 0).numpy())
+            sample = _to_pil(planes)         # Image.fromarray's image of the row (mode L for a gray one)
             if self.transform is not None:
                 sample = self.transform(sample)
         target = int(self._targets[i])

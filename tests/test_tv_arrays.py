@@ -40,7 +40,12 @@ def cifar(transform=None, n=40, cls=torchvision.datasets.CIFAR10, size=(32, 32),
     ds = cls.__new__(cls)
     VisionDataset.__init__(ds, "/nonexistent", transform=transform, target_transform=target_transform)
     rng = np.random.default_rng(n)
-    if issubclass(cls, torchvision.datasets.CIFAR10):
+    if issubclass(cls, torchvision.datasets.MNIST):          # a uint8 tensor of gray images, a tensor of targets
+        g = torch.Generator().manual_seed(n)
+        ds.data = torch.randint(0, 256, (n, *size), dtype=torch.uint8, generator=g)
+        ds.targets = torch.randint(0, 10, (n,), generator=g)
+        ds.train = True
+    elif issubclass(cls, torchvision.datasets.CIFAR10):
         ds.data = rng.integers(0, 256, (n, *size, 3), dtype=np.uint8)
         ds.targets = [int(t) for t in rng.integers(0, 10, n)]
         ds.train = True
@@ -53,6 +58,41 @@ def cifar(transform=None, n=40, cls=torchvision.datasets.CIFAR10, size=(32, 32),
 
 def targets_of(ds):
     return ds.targets if hasattr(ds, "targets") else ds.labels
+
+
+def row_image(ds, i):
+    """The PIL image torchvision's ``__getitem__`` makes of row ``i``."""
+    if isinstance(ds, torchvision.datasets.MNIST):
+        return Image.fromarray(ds.data[i].numpy()).convert("L")
+    if isinstance(ds, torchvision.datasets.CIFAR10):
+        return Image.fromarray(ds.data[i])
+    return Image.fromarray(np.transpose(ds.data[i], (1, 2, 0)))
+
+
+GRAY = [torchvision.datasets.MNIST, torchvision.datasets.FashionMNIST, torchvision.datasets.KMNIST]
+
+
+@pytest.mark.parametrize("cls", GRAY, ids=lambda c: c.__name__)
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_mnists_gray_images_are_torchs_batches_read_from_the_tensor(cls, num_workers):
+    ds = cifar(T.Compose([T.ToTensor(), T.Normalize((0.1307,), (0.3081,))]), cls=cls, size=(28, 28))
+    L = coordl.DataLoader(ds, batch_size=8, num_workers=num_workers)
+    assert L.stats().path == "coordl", L.stats().path_reason
+    assert equal(batches(L), batches(torch.utils.data.DataLoader(ds, batch_size=8)))
+
+
+@pytest.mark.parametrize("tf", [T.Compose([T.RandomCrop(28, padding=2), T.ToTensor()]),
+                                T.Compose([T.RandomRotation(10), T.ToTensor(), T.Normalize((0.5,), (0.5,))])],
+                         ids=["padded-crop", "rotation-as-written"])
+def test_mnists_training_draws_and_pixels_are_those_of_the_l_image_of_each_row(tf):
+    ds = cifar(tf, cls=torchvision.datasets.MNIST, size=(28, 28))
+    (x, y), = batches(coordl.DataLoader(ds, batch_size=len(ds), seed=8, num_workers=2))
+    out = translate(tf)[0]
+    for i in range(len(ds)):
+        with _rng.sample_rng(8, 0, i):
+            want = out(row_image(ds, i))
+        assert torch.equal(x[i], want), i
+        assert y[i] == ds.targets[i]
 
 
 def batches(loader):
@@ -96,18 +136,19 @@ def test_training_draws_and_pixels_are_those_of_the_pil_image_of_each_row(tf, nu
     for epoch in range(2):
         (x, y), = batches(L)
         for i in range(len(ds)):
-            row = ds.data[i] if cls is torchvision.datasets.CIFAR10 else np.transpose(ds.data[i], (1, 2, 0))
             with _rng.sample_rng(4, epoch, i):
-                want = out(Image.fromarray(row))
+                want = out(row_image(ds, i))
             assert torch.equal(x[i], want), (epoch, i)
             assert y[i] == targets_of(ds)[i]
 
 
-def test_no_transform_gives_torchvisions_pil_images_and_the_target_transform_runs():
-    ds = cifar(None, target_transform=lambda t: t * 10)
+@pytest.mark.parametrize("cls", [torchvision.datasets.CIFAR10, torchvision.datasets.MNIST], ids=lambda c: c.__name__)
+def test_no_transform_gives_torchvisions_pil_images_and_the_target_transform_runs(cls):
+    ds = cifar(None, cls=cls, target_transform=lambda t: t * 10)
     for (a, ya), (b, yb) in zip(coordl.DataLoader(ds, batch_size=None),
                                 torch.utils.data.DataLoader(ds, batch_size=None)):
-        assert isinstance(a, Image.Image) and np.array_equal(np.asarray(a), np.asarray(b)) and ya == yb
+        assert isinstance(a, Image.Image) and a.mode == b.mode and np.array_equal(np.asarray(a), np.asarray(b))
+        assert ya == yb
 
 
 def test_a_step_of_the_users_draws_from_the_samples_seeded_generators():
