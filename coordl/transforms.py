@@ -156,9 +156,9 @@ class Compose(Transform):
         return decode_and_apply(self.transforms, raw)
 
     def from_planes(self, x: torch.Tensor) -> Any:
-        """Apply this pipeline to a decoded RGB image's uint8 ``(3, H, W)``
-        planes without a PIL image, or NotImplemented when the pipeline
-        can't be fused (see ``apply_to_planes``)."""
+        """Apply this pipeline to a decoded image's uint8 ``(C, H, W)``
+        planes (3 for RGB, 1 for L) without a PIL image, or NotImplemented
+        when the pipeline can't be fused (see ``apply_to_planes``)."""
         return apply_to_planes(self.transforms, x)
 
     def __repr__(self) -> str:
@@ -753,11 +753,11 @@ def decode_and_apply(transforms: list, raw) -> Any:
 
 
 def apply_to_planes(transforms: list, x: torch.Tensor) -> Any:
-    """Run a fusable pipeline on a decoded RGB image's planes (a uint8
-    ``(3, H, W)`` tensor, as ``decode_and_apply`` holds the image after
-    decoding it); NotImplemented if the pipeline isn't fusable.  The same
-    draws and pixels as the pipeline called on the PIL image of those
-    planes (``Image.fromarray``)."""
+    """Run a fusable pipeline on a decoded image's planes (a uint8
+    ``(C, H, W)`` tensor, 3 planes for RGB as ``decode_and_apply`` holds the
+    image after decoding it, 1 for a gray L image); NotImplemented if the
+    pipeline isn't fusable.  The same draws and pixels as the pipeline
+    called on the PIL image of those planes (``Image.fromarray``)."""
     if not _fusable(transforms):
         return NotImplemented
     return _apply_to_planes(transforms, x)

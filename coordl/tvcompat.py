@@ -430,8 +430,8 @@ class TorchvisionPipeline:
         return self._rest(x)
 
     def from_planes(self, planes: torch.Tensor) -> Any:
-        """:meth:`from_bytes` of an image already decoded: its uint8 RGB
-        ``(3, H, W)`` planes (``coordl.transforms.apply_to_planes``)."""
+        """:meth:`from_bytes` of an image already decoded: its uint8
+        ``(C, H, W)`` planes, RGB or L (``coordl.transforms.apply_to_planes``)."""
         x = self.fused.from_planes(planes) if self.fused is not None else NotImplemented
         if x is NotImplemented:
             return self(_to_pil(planes))
