@@ -185,16 +185,11 @@ class _FolderBase(SampleTable):
         return self._store.read_many([self._path(self._check_index(i)) for i in indices])
 
     def _prep(self, raw: bytes, index: int) -> tuple[Any, Any]:
-        from .transforms import draws_numpy, foreign
+        from .transforms import seeded_for
 
-        if foreign(self.transform) or foreign(self.target_transform) or foreign(self._decode):
-            # callables not coordl's draw from the global generators: seeded by the sample, once for all
-            from ._rng import seeded_user_steps
-
-            with seeded_user_steps(draws_numpy(self.transform) or draws_numpy(self.target_transform)
-                                   or draws_numpy(self._decode)):
-                return self._prep_seeded(raw, index)
-        return self._prep_seeded(raw, index)
+        # callables not coordl's draw from the global generators: seeded by the sample, once for all
+        with seeded_for(self.transform, self.target_transform, self._decode):
+            return self._prep_seeded(raw, index)
 
     def _prep_seeded(self, raw: bytes, index: int) -> tuple[Any, Any]:
         i = self._check_index(index)

@@ -19,6 +19,8 @@ how ``Compose`` accepts arbitrary callables as children.
 """
 from __future__ import annotations
 
+import contextlib
+
 import hashlib
 import marshal
 import re
@@ -209,6 +211,21 @@ def _draws_numpy(t) -> bool:
         lambd = getattr(t, "lambd", None)
         return any(draws_numpy(s) for s in steps) or (lambd is not None and draws_numpy(lambd))
     return True
+
+
+def seeded_for(*fns) -> Any:
+    """The scope a sample's ``fns`` (a dataset's transform,
+    target_transform, decode; None for one it has not) run in: where one of
+    them is not coordl's, :class:`coordl._rng.seeded_user_steps` (their
+    draws from the global generators seeded once by the sample; numpy's
+    where one may draw from it), else nothing."""
+    for f in fns:           # (a loop: asked once per sample)
+        if foreign(f):
+            return _rng.seeded_user_steps(any(draws_numpy(f) for f in fns))
+    return _NO_SCOPE
+
+
+_NO_SCOPE = contextlib.nullcontext()     # reusable: it holds nothing
 
 
 def run_steps(steps, img: Any) -> Any:

@@ -353,10 +353,8 @@ class TorchvisionArrays:
     def prep(self, raw, index: int) -> tuple[Any, Any]:
         """``(transform(image), target_transform(target))`` of image
         ``index`` from its bytes ``raw``."""
-        if T.foreign(self.transform) or T.foreign(self.target_transform):
-            with _rng.seeded_user_steps(T.draws_numpy(self.transform) or T.draws_numpy(self.target_transform)):
-                return self._prep(raw, index)
-        return self._prep(raw, index)
+        with T.seeded_for(self.transform, self.target_transform):
+            return self._prep(raw, index)
 
     def _prep(self, raw, index: int) -> tuple[Any, Any]:
         i = self._check_index(index)
