@@ -2712,11 +2712,7 @@ def adapt(dataset: Any, jpeg_draft: bool = False) -> tuple[Any, Decision | None]
     given, target = dataset.transform, None
     if listed is not None:
         given, target = _listed_transforms(dataset, *listed[2:])
-    through: list = []
-    if given is None:
-        transform, fused, as_written = None, (), ()
-    else:
-        transform, fused, as_written = translate_steps(_flatten(given, through), jpeg_draft)
+    transform, fused, as_written, through = _translated(given, jpeg_draft)
     try:
         adapted = TorchvisionFolder(dataset if listed is None else _as_folder(dataset, listed[1], given, target),
                                     transform, source=type(dataset).__name__)
@@ -2727,17 +2723,23 @@ def adapt(dataset: Any, jpeg_draft: bool = False) -> tuple[Any, Decision | None]
     return adapted, Decision("coordl", reason, fused, as_written)
 
 
+def _translated(given: Any, jpeg_draft: bool = False) -> tuple[Any, tuple, tuple, list]:
+    """``(coordl transform, fused names, as-written names, wrappers read
+    through)`` of a dataset's transform ``given`` (:func:`translate_steps`
+    of its flattened steps; None for None)."""
+    through: list = []
+    if given is None:
+        return None, (), (), through
+    return (*translate_steps(_flatten(given, through), jpeg_draft), through)
+
+
 def _adapt_arrays(dataset: Any, base: type, jpeg_draft: bool) -> tuple[Any, Decision]:
     """:func:`adapt` of torchvision's ``CIFAR10``/``CIFAR100``
     (:class:`TorchvisionArrays`)."""
     why = _why_not_arrays(dataset, base)
     if why is not None:
         return dataset, Decision("torch", why)
-    through: list = []
-    if dataset.transform is None:
-        transform, fused, as_written = None, (), ()
-    else:
-        transform, fused, as_written = translate_steps(_flatten(dataset.transform, through))
+    transform, fused, as_written, through = _translated(dataset.transform)
     adapted = TorchvisionArrays(dataset, transform, *_ARRAYS[base.__name__][2:])
     what = describe_translation(dataset.transform, transform, fused, as_written, through)
     if jpeg_draft:
@@ -2784,13 +2786,10 @@ def _adapt_timm(dataset: Any, jpeg_draft: bool) -> tuple[Any, Decision]:
     if why is not None:
         return dataset, Decision("torch", why)
     rgb = getattr(dataset, "input_img_mode", "RGB") == "RGB" and not getattr(dataset, "load_bytes", False)
-    through: list = []
-    if dataset.transform is None:
-        transform, fused, as_written = None, (), ()
-    elif rgb:
-        transform, fused, as_written = translate_steps(_flatten(dataset.transform, through), jpeg_draft)
+    if rgb or dataset.transform is None:
+        transform, fused, as_written, through = _translated(dataset.transform, jpeg_draft)
     else:
-        transform, fused, as_written = dataset.transform, (), (_name(dataset.transform),)
+        transform, fused, as_written, through = dataset.transform, (), (_name(dataset.transform),), []
     try:
         adapted = timmcompat.TimmImageFolder(dataset, transform)
     except (TypeError, ValueError) as e:
