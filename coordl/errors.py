@@ -17,6 +17,7 @@ from __future__ import annotations
 import copyreg
 import pickle
 import threading
+from .base import forks as _forks
 
 __all__ = ["SampleError", "SkippedSampleWarning", "StateError", "sample_error",
            "sample_error_type", "Failure"]
@@ -62,7 +63,7 @@ class StateError(ValueError):
 
 
 _types: dict[type, type] = {}
-_types_lock = threading.RLock()  # a probed constructor may itself raise a SampleError
+_types_lock = _forks.worker_safe(threading.RLock())  # a probed constructor may itself raise a SampleError
 _PROBE = "coordl probe message"
 
 

@@ -78,6 +78,7 @@ from . import timmcompat
 from .base.foreign import class_named, why_not_callable, why_overridden
 from . import transforms as T
 from .datasets import TwoStageFolder, pil_decode
+from .base import forks as _forks
 
 __all__ = ["Decision", "TorchvisionFolder", "TorchvisionPipeline", "adapt", "translate", "translate_steps",
            "holder_attribute", "from_torchvision", "describe_path", "record_path", "draft_note"]
@@ -2043,7 +2044,7 @@ def erasing_of(t: Any) -> "ErasingOnTensor | None":
     return ErasingOnTensor(t, kind[0], tuple(float(v) for v in value))
 
 
-_agree_lock = threading.Lock()
+_agree_lock = _forks.worker_safe(threading.Lock())
 _agree: dict = {}
 
 

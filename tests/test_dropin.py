@@ -169,3 +169,46 @@ def test_a_script_that_points_torchs_name_at_coordls_loader_still_loads():
     here = os.path.dirname(os.path.abspath(__file__))
     r = subprocess.run([sys.executable, "-c", _SWAPPED % here], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-3000:]
+
+
+# numpy's global generator holds a lock while it draws or is seeded, the GIL released: a worker forked
+# while another thread of the process holds it (a loader iterated in another thread, whose samples' steps
+# coordl seeds numpy's generator for) inherits it held, and seeding its own generator waited forever; the
+# same for coordl's own module locks that workers take (the agreement checks', the kernels' tables').
+_NUMPY_HELD = """
+import sys, threading
+sys.path.insert(0, %r)
+import numpy as np, coordl
+from coordl import tvcompat
+from toydata import TwoStageToy
+held, done = threading.Event(), threading.Event()
+
+class Locking(TwoStageToy):
+    def prep(self, raw, i):
+        with tvcompat._agree_lock:      # as a worker's first agreement check takes it
+            return super().prep(raw, i)
+
+def hold():
+    with np.random.mtrand._rand._bit_generator.lock, tvcompat._agree_lock:
+        held.set()
+        done.wait(60)
+
+threading.Thread(target=hold, daemon=True).start()
+held.wait()
+n = len(list(coordl.DataLoader(Locking(16), batch_size=4, num_workers=2, seed=0)))
+done.set()
+print("ok", n)
+"""
+
+
+def test_workers_start_while_another_thread_holds_numpys_generator():
+    import os
+    import subprocess
+    import sys
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    try:
+        r = subprocess.run([sys.executable, "-c", _NUMPY_HELD % here], capture_output=True, text=True, timeout=60)
+    except subprocess.TimeoutExpired:
+        pytest.fail("the loader's workers never delivered: they waited for a lock another thread held at the fork")
+    assert r.returncode == 0 and r.stdout.split() == ["ok", "4"], r.stderr[-3000:]

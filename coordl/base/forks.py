@@ -59,7 +59,7 @@ import os
 import threading
 import traceback
 
-__all__ = ["starting_workers", "lock", "on_fork"]
+__all__ = ["starting_workers", "lock", "on_fork", "worker_safe"]
 
 # ---------------------------------------------------------------- zero-copy views
 lock = threading.RLock()
@@ -99,6 +99,9 @@ def _after_in_child() -> None:
     if _depth == 0:
         return          # a fork of someone else's: nothing of ours to do
     _guard = threading.Lock()   # the parent's may have been held by another thread
+    for lk in _worker_locks:
+        lk._at_fork_reinit()
+    _numpy_generator_unheld()
     _depth = 0
     gc.freeze()                 # inherited objects are never collected here
     if _was_enabled:
@@ -106,6 +109,37 @@ def _after_in_child() -> None:
 
 
 os.register_at_fork(before=_before, after_in_parent=_release, after_in_child=_after_in_child)
+
+
+_worker_locks: list = []
+
+
+def worker_safe(lk):
+    """``lk`` (a module's lock that workers take too), made free again in
+    each worker coordl forks: another thread of the parent may hold it at
+    the fork, and the worker's copy would stay held by a thread the worker
+    does not have (its next acquire waiting forever).  Returns ``lk``."""
+    _worker_locks.append(lk)
+    return lk
+
+
+def _numpy_generator_unheld() -> None:
+    """In a worker just forked: numpy's global generator's lock made free.
+    numpy holds it while it draws or is seeded, the GIL released, so
+    another thread of the parent (a loader iterated there, whose samples'
+    steps coordl seeds numpy's generator for) may hold it at the fork; the
+    worker's copy would stay held by a thread the worker does not have, and
+    the worker's seeding of that generator would wait forever.  The state
+    it guards is seeded anew right after (the worker's seed), so whatever
+    that thread was doing to it does not matter."""
+    import sys
+
+    np = sys.modules.get("numpy")
+    lock = getattr(getattr(getattr(getattr(np, "random", None), "mtrand", None), "_rand", None), "_bit_generator", None)
+    lock = getattr(lock, "lock", None)
+    reinit = getattr(lock, "_at_fork_reinit", None)
+    if reinit is not None:
+        reinit()
 
 
 @contextlib.contextmanager

@@ -21,12 +21,13 @@ import os
 import queue
 import threading
 import traceback
+from . import forks
 
 __all__ = ["start", "later", "flush", "running"]
 
 _q: queue.SimpleQueue = queue.SimpleQueue()
 _thread: list = []   # [thread, pid] of this process's reaper
-_lock = threading.Lock()
+_lock = forks.worker_safe(threading.Lock())
 
 
 def start() -> None:

@@ -23,6 +23,7 @@ import numpy as np
 from PIL import Image, ImageEnhance
 
 from . import extensions
+from ..base import forks as _forks
 
 __all__ = ["BRIGHTNESS", "CONTRAST", "SATURATION", "HUE", "SHARPNESS", "POSTERIZE", "SOLARIZE", "AUTOCONTRAST",
            "EQUALIZE", "INVERT", "AFFINE", "TRANSPOSE", "SOLARIZE_ADD", "BLUR", "AUGMIX", "PERSPECTIVE", "PIL_BLUR",
@@ -271,7 +272,7 @@ def _check() -> bool:
     return True
 
 
-_lock = threading.Lock()
+_lock = _forks.worker_safe(threading.Lock())
 _checked: list = []  # [] until checked, then [bool]
 
 

@@ -29,6 +29,7 @@ import numpy as np
 from PIL import Image
 
 from . import extensions
+from ..base import forks as _forks
 
 __all__ = ["FILTERS", "pil_resize", "exact_kernel", "window_kernel"]
 
@@ -57,7 +58,7 @@ _RULES: tuple[Callable[[int, int, int, int], bool], ...] = (_horizontal_first,
 _PROBES = ((40, 24, 16, 22), (36, 20, 12, 30), (24, 40, 22, 16), (30, 30, 20, 20), (12, 10, 30, 25),
            (50, 9, 20, 7))
 
-_lock = threading.Lock()
+_lock = _forks.worker_safe(threading.Lock())
 _rule: list = []  # [] until checked, then [rule or None]
 
 

@@ -52,6 +52,7 @@ from ..decode.color import BRIGHTNESS, CONTRAST, HUE, KERNEL_CODES, SATURATION, 
 from . import pil_ops
 from .pil_ops import _blend
 from .launch import launch, upload
+from ..base import forks as _forks
 
 __all__ = ["DeviceJitter", "host_jitter"]
 
@@ -66,7 +67,7 @@ _KIND.update({code: _OWN + code for code in pil_ops.CODES})
 # timm's AugMix: its chains through these same operations, then its mix (DeviceJitter._timm_mix)
 _TIMM_MIX = _KIND[TIMM_AUGMIX] = _OWN + TIMM_AUGMIX
 
-_tables_lock = threading.Lock()
+_tables_lock = _forks.worker_safe(threading.Lock())
 _tables: dict = {}      # device -> (to_hsv, from_hsv) there, once made (int32, 2**24 packed colours each)
 
 

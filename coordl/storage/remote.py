@@ -65,6 +65,7 @@ import urllib.parse
 from typing import Callable
 
 from ..base.units import env_number
+from ..base import forks as _forks
 
 __all__ = ["HostLimiter", "limiter", "call", "call_many", "classify", "RemoteStatusError",
            "timeout_s", "retries"]
@@ -286,7 +287,7 @@ class HostLimiter:
 
 
 _limiters: dict = {}
-_limiters_lock = threading.Lock()
+_limiters_lock = _forks.worker_safe(threading.Lock())
 
 
 def _forget_after_fork() -> None:
