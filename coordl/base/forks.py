@@ -27,7 +27,15 @@ process aborts (``CUDA error: initialization error`` thrown from
   holds no device state: see coordl.device, "Workers never see GPU state").
 
 The frozen objects cost nothing in the child: their pages stay shared with
-the parent (a collection would have touched them, copying them).  Children
+the parent (a collection would have touched them, copying them).
+
+In such a child the locks a worker takes are also made free again: numpy's
+global generator's (numpy holds it with the GIL released, and coordl seeds
+that generator per sample, so a loader iterated in another thread may hold
+it at the fork; the worker reseeds the generator right after) and coordl's
+own module locks, registered with :func:`worker_safe`.  Otherwise a lock
+held at the fork by a thread the child does not have stays held there for
+ever, and the worker hangs at its first use of it.  Children
 started with ``spawn`` or ``forkserver`` inherit no objects; the guard does
 nothing for them but hold the parent's collector off while they start.
 
