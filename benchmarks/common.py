@@ -11,6 +11,12 @@ built over the same files with the same pipeline and the same parallelism.
 * dali: NVIDIA DALI in CPU mode (``device_id=None``), ``fn.readers.file`` ->
   ``fn.decoders.image_random_crop`` -> ``fn.resize`` -> ``fn.crop_mirror_normalize``
   (uint8 CHW, random mirror), ``num_threads`` = workers.
+* spdl: Meta's SPDL (``spdl.pipeline`` + ``spdl.io``, FFmpeg's decoder):
+  a thread pipeline as SPDL's examples build it, ``num_threads`` = workers:
+  each file read and demuxed, the crop and flip drawn as torchvision draws
+  them from the header's size, then decoded through FFmpeg's filter graph
+  (``crop``, bilinear ``scale``, ``hflip``, ``rgb24``); batches of frames
+  converted to one array and made uint8 CHW in the pipeline's threads.
 * coordl: ``coordl.DataLoader(coordl.ImageFolder(...))`` with
   ``coordl.transforms``, ``num_workers`` = workers.
 
@@ -36,7 +42,7 @@ from PIL import Image
 import coordl
 from coordl import transforms as T
 
-__all__ = ["TorchStyleFolder", "make_loader", "LOADERS", "dali_available", "time_epochs",
+__all__ = ["TorchStyleFolder", "make_loader", "LOADERS", "dali_available", "spdl_available", "time_epochs",
            "single_core_rate", "warm_page_cache", "torchvision", "image_folder", "epoch", "every_sample_once",
            "round_ratios", "QUICK", "run_and_save"]
 
@@ -121,6 +127,90 @@ class DaliLoader:
             yield out[0]["images"], out[0]["labels"]
 
 
+def spdl_available() -> bool:
+    try:
+        import spdl.pipeline  # noqa: F401
+        from spdl.io.lib import _libspdl
+
+        _libspdl.make_demuxer   # loads FFmpeg's shared libraries: fails where they are missing
+        return True
+    except Exception:
+        return False
+
+
+class SpdlLoader:
+    """SPDL's thread pipeline yielding (images, labels) torch tensors per batch:
+    read + demux + draw + decode with FFmpeg's filter graph in ``threads``
+    threads, then batches converted to uint8 NCHW in the pipeline's own thread."""
+
+    def __init__(self, root: str, batch_size: int, threads: int, size: int = 224, seed: int = 0):
+        self.samples = TorchStyleFolder(root, size).samples
+        self.batch_size, self.threads, self.size, self.seed = batch_size, threads, size, seed
+        self.epoch = 0
+
+    def _load(self, item):
+        import spdl.io
+
+        i, (path, label) = item
+        with open(path, "rb") as f:
+            data = f.read()
+        packets = spdl.io.demux_image(data)
+        w, h = packets.width, packets.height
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch * 10_007 + i)
+        top, left, ch, cw = _rrc_params(w, h, g)
+        flip = ",hflip" if torch.rand(1, generator=g).item() < 0.5 else ""
+        desc = f"crop={cw}:{ch}:{left}:{top},scale={self.size}:{self.size}:flags=bilinear{flip},format=rgb24"
+        return spdl.io.decode_packets(packets, filter_desc=desc), label
+
+    @staticmethod
+    def _collate(items):
+        import spdl.io
+
+        frames = [f for f, _ in items]
+        hwc = spdl.io.to_torch(spdl.io.convert_frames(frames))
+        return hwc.permute(0, 3, 1, 2).contiguous(), torch.tensor([l for _, l in items])
+
+    def __iter__(self):
+        from spdl.pipeline import PipelineBuilder
+
+        order = np.random.default_rng(self.seed + self.epoch).permutation(len(self.samples)).tolist()
+        pipeline = (PipelineBuilder()
+                    .add_source([(i, self.samples[i]) for i in order])
+                    .pipe(self._load, concurrency=self.threads)
+                    .aggregate(self.batch_size)
+                    .pipe(self._collate)
+                    .add_sink(2)
+                    .build(num_threads=self.threads))
+        self.epoch += 1
+        with pipeline.auto_stop():
+            yield from pipeline.get_iterator(timeout=600)
+
+
+def _rrc_params(width: int, height: int, g: torch.Generator, scale=(0.08, 1.0), ratio=(3 / 4, 4 / 3)):
+    """torchvision's RandomResizedCrop draw (10 tries, then the central fallback) from ``g``."""
+    import math
+
+    area = width * height
+    log_ratio = torch.log(torch.tensor(ratio))
+    for _ in range(10):
+        target_area = area * torch.empty(1).uniform_(scale[0], scale[1], generator=g).item()
+        aspect = math.exp(torch.empty(1).uniform_(log_ratio[0], log_ratio[1], generator=g).item())
+        w = int(round(math.sqrt(target_area * aspect)))
+        h = int(round(math.sqrt(target_area / aspect)))
+        if 0 < w <= width and 0 < h <= height:
+            i = torch.randint(0, height - h + 1, size=(1,), generator=g).item()
+            j = torch.randint(0, width - w + 1, size=(1,), generator=g).item()
+            return i, j, h, w
+    in_ratio = width / height
+    if in_ratio < min(ratio):
+        w, h = width, int(round(width / min(ratio)))
+    elif in_ratio > max(ratio):
+        h, w = height, int(round(height * max(ratio)))
+    else:
+        w, h = width, height
+    return (height - h) // 2, (width - w) // 2, h, w
+
+
 def make_loader(kind: str, root: str, workers: int, batch_size: int, seed: int = 0, **extra):
     if kind == "torch":
         return torch.utils.data.DataLoader(TorchStyleFolder(root), batch_size=batch_size, shuffle=True,
@@ -133,10 +223,12 @@ def make_loader(kind: str, root: str, workers: int, batch_size: int, seed: int =
                                  num_workers=workers, persistent_workers=workers > 0, seed=seed, **extra)
     if kind == "dali":
         return DaliLoader(root, batch_size, max(1, workers), seed=seed + 1)
+    if kind == "spdl":
+        return SpdlLoader(root, batch_size, max(1, workers), seed=seed + 1)
     raise ValueError(f"loader should be one of {LOADERS}, but got loader={kind!r}")
 
 
-LOADERS = ("torch", "dali", "coordl")
+LOADERS = ("torch", "dali", "spdl", "coordl")
 
 
 def time_epochs(loader, epochs: int) -> list[tuple[int, float]]:
@@ -162,8 +254,8 @@ def single_core_rate(kind: str, root: str, n: int) -> float:
 
 
 def _single_core_rate(kind: str, root: str, n: int) -> float:
-    if kind == "dali":
-        loader = make_loader("dali", root, 1, 32)
+    if kind in ("dali", "spdl"):
+        loader = make_loader(kind, root, 1, 32)
         res = time_epochs(loader, 2)[1:]
         return sum(r[0] for r in res) / sum(r[1] for r in res)
     ds = TorchStyleFolder(root) if kind == "torch" else coordl_dataset(root)

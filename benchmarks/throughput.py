@@ -1,4 +1,4 @@
-"""Images/s of torch's DataLoader, DALI (CPU) and coordl on the same JPEG
+"""Images/s of torch's DataLoader, DALI (CPU), SPDL and coordl on the same JPEG
 folder, same pipeline (RandomResizedCrop(224) + flip -> uint8 CHW), same
 number of workers/threads, warm page cache, one run side by side.
 
@@ -73,6 +73,10 @@ def run(args) -> list[dict]:
     if "dali" in loaders and not common.dali_available():
         print("DALI is not installed (pip install -e '.[dali]'): skipping it")
         loaders.remove("dali")
+    if "spdl" in loaders and not common.spdl_available():
+        print("SPDL is not installed, or FFmpeg's shared libraries are missing (pip install spdl; "
+              "apt-get install libavcodec59 libavformat59 libavfilter8 libswscale6): skipping it")
+        loaders.remove("spdl")
     nbytes = common.warm_page_cache(args.root)
     n_files = sum(len(f) for _, _, f in os.walk(args.root))
     print(f"dataset: {args.root}: {n_files} files, {nbytes / 2**20:.1f} MiB "
@@ -112,15 +116,17 @@ def run(args) -> list[dict]:
     for r in rows:
         r["vs_torch"] = r["images_per_s"] / base["torch"] if "torch" in base else float("nan")
         r["vs_dali"] = r["images_per_s"] / base["dali"] if "dali" in base else float("nan")
+        r["vs_spdl"] = r["images_per_s"] / base["spdl"] if "spdl" in base else float("nan")
     return rows
 
 
 def report(rows: list[dict], args) -> None:
     print(f"\n{'loader':<10}{'images/s':>10}{'1-core/s':>10}{'effic.':>8}{'vs torch':>10}{'vs DALI':>9}"
-          f"{'peak MiB':>10}")
+          f"{'vs SPDL':>9}{'peak MiB':>10}")
     for r in rows:
         print(f"{r['loader']:<10}{r['images_per_s']:>10.1f}{r['single_core_images_per_s']:>10.1f}"
-              f"{r['efficiency']:>8.0%}{r['vs_torch']:>10.2f}{r['vs_dali']:>9.2f}{r['peak_mem_mib']:>10.1f}")
+              f"{r['efficiency']:>8.0%}{r['vs_torch']:>10.2f}{r['vs_dali']:>9.2f}{r['vs_spdl']:>9.2f}"
+              f"{r['peak_mem_mib']:>10.1f}")
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, "throughput.csv")
     with open(path, "w", newline="") as f:
@@ -133,7 +139,7 @@ def report(rows: list[dict], args) -> None:
         return
     fig, ax = plt.subplots(figsize=(6, 3.5))
     names = [r["loader"] for r in rows]
-    ax.bar(names, [r["images_per_s"] for r in rows], color=["#888", "#76b900", "#1f77b4"][: len(rows)])
+    ax.bar(names, [r["images_per_s"] for r in rows], color=[{"torch": "#888", "dali": "#76b900", "spdl": "#9467bd"}.get(n, "#1f77b4") for n in names])
     ax.bar(names, [args.workers * r["single_core_images_per_s"] for r in rows], fill=False,
            edgecolor="black", linestyle="--", label="workers x single-core rate")
     ax.set_ylabel("images/s")
