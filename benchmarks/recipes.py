@@ -25,6 +25,12 @@ Recipes (``--recipes``, comma-separated; default all):
 ``eval_v1``, ``eval_v2``
     its validation loader: ``ClassificationPresetEval(crop_size=224,
     resize_size=256)``, ``sampler=SequentialSampler(ds)``, ``pin_memory=True``.
+``eval_weights``
+    its validation loader with ``--weights`` (``--test-only``): the
+    pretrained weights' own preset, ``weights.transforms(antialias=True)``
+    (``ImageClassification``; ResNet-50's V2 weights' sizes, resize 232 of
+    crop 224, scaled with ``--size``), ``SequentialSampler``,
+    ``pin_memory=True``.
 ``timm_train``, ``timm_eval``
     ``timm.data.create_transform(224, is_training=...)`` (timm's defaults)
     on ``ImageFolder``, ``shuffle=True`` / ``False``.
@@ -115,7 +121,7 @@ MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 POLICIES = {"": None, "_ra": "ra", "_ta": "ta_wide", "_augmix": "augmix"}
 RECIPES = ([f"train_{v}{p}" for p in POLICIES for v in ("v1", "v2")]
            + ["train_v1_tensor_ta", "train_v2_tensor_ta", "train_v1_tensor_bicubic"]
-           + ["eval_v1", "eval_v2"]
+           + ["eval_v1", "eval_v2", "eval_weights"]
            + ["timm_train", "timm_train_script", "timm_train_cj_prob", "timm_train_aa", "timm_eval"]
            + ["timm_ds_train", "timm_ds_eval", "food101_train", "food101_eval", "cifar10_v1", "cifar10_v2", "mnist"]
            + ["cifar_v1", "cifar_v2"])
@@ -242,6 +248,14 @@ def build(recipe: str, root: str, size: int, presets, cls, batch_size: int, work
               "timm_train_aa": {"auto_augment": "rand-m9-mstd0.5"}}.get(recipe, {})
         ds = tv.datasets.ImageFolder(root, transform=create_transform(size, is_training=training, **kw))
         return ds, cls(ds, batch_size=batch_size, shuffle=training, num_workers=workers)
+    if recipe == "eval_weights":
+        from torchvision.transforms._presets import ImageClassification
+
+        # what ResNet50_Weights.IMAGENET1K_V2.transforms(antialias=True) makes (no download needed)
+        tf = ImageClassification(crop_size=size, resize_size=size * 232 // 224, antialias=True)
+        ds = tv.datasets.ImageFolder(root, tf)
+        return ds, cls(ds, batch_size=batch_size, sampler=SequentialSampler(ds), num_workers=workers,
+                       pin_memory=True)
     use_v2 = "_v2" in recipe
     kw = {"use_v2": True} if use_v2 else {}
     if recipe.startswith("cifar"):

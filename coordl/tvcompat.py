@@ -2195,17 +2195,71 @@ def holder_attribute(obj: Any) -> str | None:
     return attr
 
 
+# What the forward of torchvision's classification preset (``weights.transforms()``,
+# ``torchvision.transforms._presets.ImageClassification``) reads: resize, center crop, PIL to tensor
+# when it is given a PIL image, convert to float, normalize.  Another forward stays as written.
+_PRESET_NAMES = frozenset({"F", "resize", "resize_size", "interpolation", "antialias", "center_crop", "crop_size",
+                           "isinstance", "Tensor", "pil_to_tensor", "convert_image_dtype", "torch", "float",
+                           "normalize", "mean", "std"})
+
+
+class PresetToTensor:
+    """The preset's own conversion step: ``pil_to_tensor`` of a PIL image, a
+    tensor as it is (what ``ImageClassification.forward`` does)."""
+
+    def __call__(self, img: Any) -> Any:
+        if isinstance(img, torch.Tensor):
+            return img
+        return sys.modules["torchvision.transforms.functional"].pil_to_tensor(img)
+
+    def __repr__(self) -> str:
+        return "PresetToTensor()"
+
+
+def _preset_steps(t: Any) -> list | None:
+    """torchvision's ``ImageClassification`` preset as the v1 steps its
+    forward runs (``Resize``, ``CenterCrop``, :class:`PresetToTensor`,
+    ``ConvertImageDtype(float)``, ``Normalize``), each called with the
+    arguments the forward passes, so the same function calls in the same
+    order; None for anything else, a subclass, a forward of other names, or
+    a module with forward hooks (those run as written)."""
+    cls = type(t)
+    if cls.__module__ != "torchvision.transforms._presets" or cls.__name__ != "ImageClassification":
+        return None
+    v1 = sys.modules.get("torchvision.transforms")
+    fwd = getattr(getattr(cls, "forward", None), "__code__", None)
+    if v1 is None or fwd is None or set(fwd.co_names) != _PRESET_NAMES:
+        return None
+    hooks = sys.modules.get("torch.nn.modules.module")
+    if any(getattr(t, h, None) for h in ("_forward_hooks", "_forward_pre_hooks")) or any(
+            getattr(hooks, h, None) for h in ("_global_forward_hooks", "_global_forward_pre_hooks")):
+        return None
+    try:
+        return [v1.Resize(list(t.resize_size), interpolation=t.interpolation, antialias=t.antialias),
+                v1.CenterCrop(list(t.crop_size)), PresetToTensor(), v1.ConvertImageDtype(torch.float),
+                v1.Normalize(list(t.mean), list(t.std))]
+    except (TypeError, ValueError, AttributeError):
+        return None
+
+
 def _flatten(transform: Any, through: list | None = None, depth: int = 0) -> list:
-    """The steps of ``transform``: a torchvision ``Compose`` is opened, and
-    an object that only hands its argument to a transform it holds
-    (:func:`holder_attribute`) is read through to it (its class name then
-    goes to ``through``)."""
+    """The steps of ``transform``: a torchvision ``Compose`` is opened, the
+    classification preset of torchvision's weights (:func:`_preset_steps`)
+    is read as its steps, and an object that only hands its argument to a
+    transform it holds (:func:`holder_attribute`) is read through to it (its
+    class name then goes to ``through``)."""
     k = _kind(transform)
     if k is not None and k[0] != "timm" and k[1] == "Compose":
         out: list = []
         for t in transform.transforms:
             out.extend(_flatten(t, through, depth + 1))
         return out
+    if k is not None and k[1] == "ImageClassification":
+        steps = _preset_steps(transform)
+        if steps is not None:
+            if through is not None:
+                through.append(f"{_name(transform)} as {', '.join(_name(s) for s in steps)}")
+            return steps
     if k is None and depth < 8 and not isinstance(transform, T.Transform):
         attr = holder_attribute(transform)
         if attr is not None:
@@ -2268,6 +2322,10 @@ class _State:
 
 def _step(t: Any, st: _State) -> bool:
     """Translate one torchvision or timm transform into ``st``; False if it cannot be."""
+    if type(t) is PresetToTensor:
+        if st.stage == "pil":
+            st.to_tensor, st.stage = T.PILToTensor(), "u8"
+        return st.stage == "u8"           # a uint8 tensor goes on as it is
     kind = _kind(t)
     if kind is None:
         return False
