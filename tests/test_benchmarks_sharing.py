@@ -131,12 +131,15 @@ def test_gpu_smoke(tmp_path):
     assert list(a["rows"]) == names, a
     for name, by_workers in a["rows"].items():
         assert list(by_workers) == [str(w) for w in a["workers"]], by_workers
-        for r in by_workers.values():
+        for w, r in by_workers.items():
             if name == "dali" and not dali["ran"]:
                 assert r == {"skipped": dali["skipped"]}
                 continue
             if name in NEEDS_NVIMGCODEC and "skipped" in r:
-                assert "nvidia.nvimgcodec does not import" in r["skipped"], r
+                # where nvImageCodec imports (DALI's wheel brings it), a row measured from 4 workers on
+                # skips the smoke run's 1 and 2 for that reason first
+                assert "nvidia.nvimgcodec does not import" in r["skipped"] or (
+                    int(w) < 4 and r["skipped"] == "measured at 4 to any number of workers"), r
                 continue
             if name == "coordl-decode-workers":     # from 4 workers in (a); --smoke runs 1 and 2 (part (b) runs it)
                 assert r["skipped"] == "measured at 4 to any number of workers", r
