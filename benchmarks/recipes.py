@@ -31,6 +31,12 @@ Recipes (``--recipes``, comma-separated; default all):
     (``ImageClassification``; ResNet-50's V2 weights' sizes, resize 232 of
     crop 224, scaled with ``--size``), ``SequentialSampler``,
     ``pin_memory=True``.
+``clip_eval``
+    OpenAI CLIP's image preprocessing (its ``_transform(224)``, which
+    open_clip's eval transform repeats): ``Resize(224, bicubic)``,
+    ``CenterCrop(224)``, a function returning ``image.convert("RGB")``,
+    ``ToTensor()``, ``Normalize`` with CLIP's statistics, on
+    ``ImageFolder``, ``shuffle=False`` (zero-shot evaluation, linear probes).
 ``timm_train``, ``timm_eval``
     ``timm.data.create_transform(224, is_training=...)`` (timm's defaults)
     on ``ImageFolder``, ``shuffle=True`` / ``False``.
@@ -118,10 +124,16 @@ import torch  # noqa: E402
 import common  # noqa: E402
 
 MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
+CLIP_MEAN, CLIP_STD = (0.48145466, 0.4578275, 0.40821073), (0.26862954, 0.26130258, 0.27577711)
+
+
+def _convert_image_to_rgb(image):
+    """The conversion CLIP's preprocessing puts between its crop and ToTensor."""
+    return image.convert("RGB")
 POLICIES = {"": None, "_ra": "ra", "_ta": "ta_wide", "_augmix": "augmix"}
 RECIPES = ([f"train_{v}{p}" for p in POLICIES for v in ("v1", "v2")]
            + ["train_v1_tensor_ta", "train_v2_tensor_ta", "train_v1_tensor_bicubic"]
-           + ["eval_v1", "eval_v2", "eval_weights"]
+           + ["eval_v1", "eval_v2", "eval_weights", "clip_eval"]
            + ["timm_train", "timm_train_script", "timm_train_cj_prob", "timm_train_aa", "timm_eval"]
            + ["timm_ds_train", "timm_ds_eval", "food101_train", "food101_eval", "cifar10_v1", "cifar10_v2", "mnist"]
            + ["cifar_v1", "cifar_v2"])
@@ -248,6 +260,12 @@ def build(recipe: str, root: str, size: int, presets, cls, batch_size: int, work
               "timm_train_aa": {"auto_augment": "rand-m9-mstd0.5"}}.get(recipe, {})
         ds = tv.datasets.ImageFolder(root, transform=create_transform(size, is_training=training, **kw))
         return ds, cls(ds, batch_size=batch_size, shuffle=training, num_workers=workers)
+    if recipe == "clip_eval":
+        T1 = tv.transforms
+        tf = T1.Compose([T1.Resize(size, interpolation=T1.InterpolationMode.BICUBIC), T1.CenterCrop(size),
+                         _convert_image_to_rgb, T1.ToTensor(), T1.Normalize(CLIP_MEAN, CLIP_STD)])
+        ds = tv.datasets.ImageFolder(root, tf)
+        return ds, cls(ds, batch_size=batch_size, shuffle=False, num_workers=workers)
     if recipe == "eval_weights":
         from torchvision.transforms._presets import ImageClassification
 

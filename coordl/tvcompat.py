@@ -64,6 +64,7 @@ import operator
 import random
 import sys
 import threading
+import types
 import warnings
 from dataclasses import dataclass
 from typing import Any
@@ -109,6 +110,8 @@ def from_torchvision(obj: Any) -> bool:
 
 
 def _name(obj: Any) -> str:
+    if isinstance(obj, types.FunctionType):      # a def or lambda in a Compose: its own name
+        return obj.__name__
     return type(obj.user if isinstance(obj, OnPlanes) else obj).__name__
 
 
@@ -2242,6 +2245,35 @@ def _preset_steps(t: Any) -> list | None:
         return None
 
 
+def converts_to_rgb(fn: Any) -> bool:
+    """Whether ``fn`` is a plain function (a ``def`` or a ``lambda``, also
+    inside torchvision's ``Lambda``) of one argument whose whole body is
+    ``return x.convert("RGB")`` (read from its bytecode: load the argument,
+    load its ``convert``, load the constant ``"RGB"``, call with that one
+    argument, return; nothing else).  OpenAI's CLIP and open_clip put such a
+    function between their crop and ``ToTensor``; on an RGB PIL image PIL's
+    ``convert("RGB")`` is a copy, the same pixels."""
+    import dis
+
+    k = _kind(fn)
+    if k is not None and k[1] == "Lambda" and k[0] in ("v1", "v2"):
+        fn = getattr(fn, "lambd", None)
+    if type(fn) is not types.FunctionType:
+        return False
+    code = fn.__code__
+    flags = code.co_flags & (0x04 | 0x08 | 0x20 | 0x80 | 0x100 | 0x200)  # *args **kw generator coroutine...
+    if code.co_argcount != 1 or code.co_kwonlyargcount or flags or code.co_freevars or code.co_cellvars:
+        return False
+    ops = []
+    for ins in dis.get_instructions(fn):
+        if ins.opname in _NOISE_OPS:
+            continue
+        ops.append(("LOAD_FAST" if ins.opname in _LOAD_FAST else ins.opname, ins.argval))
+    return (len(ops) == 5 and ops[0] == ("LOAD_FAST", code.co_varnames[0])
+            and ops[1] in (("LOAD_ATTR", "convert"), ("LOAD_METHOD", "convert"))
+            and ops[2] == ("LOAD_CONST", "RGB") and ops[3] == ("CALL", 1) and ops[4][0] == "RETURN_VALUE")
+
+
 def _flatten(transform: Any, through: list | None = None, depth: int = 0) -> list:
     """The steps of ``transform``: a torchvision ``Compose`` is opened, the
     classification preset of torchvision's weights (:func:`_preset_steps`)
@@ -2315,6 +2347,7 @@ class _State:
     to_tensor: Any = None               # coordl PILToTensor or ToTensor
     post: list = None                   # coordl ToDtype/Normalize
     image_type: type | None = None      # tv_tensors.Image after v2.ToImage
+    rgb: bool = True                    # the images are RGB (not gray: torchvision's MNIST family)
 
     def __post_init__(self):
         self.geo, self.post = [], []
@@ -2326,6 +2359,8 @@ def _step(t: Any, st: _State) -> bool:
         if st.stage == "pil":
             st.to_tensor, st.stage = T.PILToTensor(), "u8"
         return st.stage == "u8"           # a uint8 tensor goes on as it is
+    if st.stage == "pil" and st.rgb and converts_to_rgb(t):
+        return True                       # the fused decode's image is RGB: the same pixels
     kind = _kind(t)
     if kind is None:
         return False
@@ -2676,13 +2711,14 @@ def _on_planes(t: Any) -> Any:
     return mine if mine.exact() else t
 
 
-def translate(transform: Any, draft: bool = False) -> tuple[Any, tuple[str, ...], tuple[str, ...]]:
+def translate(transform: Any, draft: bool = False, rgb: bool = True) -> tuple[Any, tuple[str, ...], tuple[str, ...]]:
     """``(coordl transform, fused names, as-written names)`` for a torchvision
     transform (or any callable, or None): the longest prefix coordl can fuse,
     then the rest as written.  ``draft``: let the fused decode start at a
     reduced JPEG DCT scale where the first fused step is a filtered resize
-    (``draft=True`` on it; the loader's ``jpeg_draft``)."""
-    return translate_steps(_flatten(transform), draft) if transform is not None else (None, (), ())
+    (``draft=True`` on it; the loader's ``jpeg_draft``).  ``rgb``: the images
+    it will be given are RGB (False for gray ones)."""
+    return translate_steps(_flatten(transform), draft, rgb) if transform is not None else (None, (), ())
 
 
 def describe_translation(transform: Any, out: Any, fused: tuple, as_written: tuple, through: list) -> str:
@@ -2709,9 +2745,9 @@ def describe_translation(transform: Any, out: Any, fused: tuple, as_written: tup
     return what
 
 
-def translate_steps(steps: list, draft: bool = False) -> tuple[Any, tuple[str, ...], tuple[str, ...]]:
+def translate_steps(steps: list, draft: bool = False, rgb: bool = True) -> tuple[Any, tuple[str, ...], tuple[str, ...]]:
     """:func:`translate` of a flat list of steps."""
-    st = _State()
+    st = _State(rgb=rgb)
     n = 0
     while n < len(steps) and _step(steps[n], st):
         n += 1
@@ -2782,14 +2818,14 @@ def adapt(dataset: Any, jpeg_draft: bool = False) -> tuple[Any, Decision | None]
     return adapted, Decision("coordl", reason, fused, as_written)
 
 
-def _translated(given: Any, jpeg_draft: bool = False) -> tuple[Any, tuple, tuple, list]:
+def _translated(given: Any, jpeg_draft: bool = False, rgb: bool = True) -> tuple[Any, tuple, tuple, list]:
     """``(coordl transform, fused names, as-written names, wrappers read
     through)`` of a dataset's transform ``given`` (:func:`translate_steps`
-    of its flattened steps; None for None)."""
+    of its flattened steps; None for None); ``rgb``: its images are RGB."""
     through: list = []
     if given is None:
         return None, (), (), through
-    return (*translate_steps(_flatten(given, through), jpeg_draft), through)
+    return (*translate_steps(_flatten(given, through), jpeg_draft, rgb), through)
 
 
 def _adapt_arrays(dataset: Any, base: type, jpeg_draft: bool) -> tuple[Any, Decision]:
@@ -2798,7 +2834,7 @@ def _adapt_arrays(dataset: Any, base: type, jpeg_draft: bool) -> tuple[Any, Deci
     why = _why_not_arrays(dataset, base)
     if why is not None:
         return dataset, Decision("torch", why)
-    transform, fused, as_written, through = _translated(dataset.transform)
+    transform, fused, as_written, through = _translated(dataset.transform, rgb=_ARRAYS[base.__name__][2] != "gray")
     adapted = TorchvisionArrays(dataset, transform, *_ARRAYS[base.__name__][2:])
     what = describe_translation(dataset.transform, transform, fused, as_written, through)
     if jpeg_draft:

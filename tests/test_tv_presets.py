@@ -1,12 +1,16 @@
 """torchvision's classification preset, what ``weights.transforms()`` gives
 for every pretrained classifier (``torchvision.transforms._presets.
 ImageClassification``: resize, center crop, to tensor, to float,
-normalize), read as those steps and fused: torchvision's own batches."""
+normalize), read as those steps and fused: torchvision's own batches.  And
+the ``convert("RGB")`` function that OpenAI's CLIP and open_clip put in
+their preprocessing, taken as the copy it is of an RGB image."""
 import os
 import sys
 
+import numpy as np
 import pytest
 import torch
+from PIL import Image
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
@@ -15,8 +19,11 @@ from _torchvision import import_torchvision  # noqa: E402
 if import_torchvision() is None:
     pytest.skip("torchvision is not installed (pip install coordl[test])", allow_module_level=True)
 
+import torchvision  # noqa: E402
 from torchvision import datasets as D  # noqa: E402
 from torchvision import transforms as T  # noqa: E402
+from torchvision.datasets.vision import VisionDataset  # noqa: E402
+from torchvision.transforms import v2  # noqa: E402
 from torchvision.transforms import InterpolationMode  # noqa: E402
 from torchvision.transforms._presets import ImageClassification  # noqa: E402
 
@@ -153,3 +160,111 @@ def test_decode_on_the_device_takes_the_preset(photos, cpu_device):
         assert x.shape == a.shape and torch.equal(y, b)
         levels = (x - a).abs() * std255
         assert levels.mean().item() <= DECODE_MEAN and levels.max().item() <= DECODE_MAX
+
+
+# ------------------------------------------------------------ CLIP's conversion to RGB
+def _convert_image_to_rgb(image):          # as OpenAI's CLIP writes it
+    return image.convert("RGB")
+
+
+def _convert_to_rgb(image):                # as open_clip writes it
+    return image.convert('RGB')
+
+
+CLIP_NORM = T.Normalize((0.48145466, 0.4578275, 0.40821073), (0.26862954, 0.26130258, 0.27577711))
+
+
+@pytest.mark.parametrize("convert", [_convert_image_to_rgb, _convert_to_rgb, T.Lambda(lambda im: im.convert("RGB")),
+                                     v2.Lambda(lambda im: im.convert("RGB"))],
+                         ids=["clip", "open_clip", "Lambda", "v2.Lambda"])
+def test_clips_eval_preprocessing_fuses_and_gives_torchvisions_batches(photos, convert):
+    tf = T.Compose([T.Resize(40, interpolation=T.InterpolationMode.BICUBIC), T.CenterCrop(40), convert,
+                    T.ToTensor(), CLIP_NORM])
+    ds = D.ImageFolder(photos, tf)
+    L = coordl.DataLoader(ds, batch_size=4, num_workers=2)
+    reason = L.stats().path_reason
+    assert "fused Resize, CenterCrop, " in reason and "ToTensor, Normalize" in reason, reason
+    assert "as written" not in reason, reason
+    for (x, y), (a, b) in zip(batches(L), torch_batches(ds)):
+        assert torch.equal(x, a) and torch.equal(y, b)
+
+
+def test_open_clips_training_preprocessing_draws_and_gives_what_it_gives_without_the_conversion(photos):
+    """RandomResizedCrop(scale=(0.9, 1.0), bicubic), the conversion, ToTensor,
+    Normalize: the same draws and pixels as the same pipeline without the
+    conversion (a copy of an RGB image)."""
+    def tf(*convert):
+        return T.Compose([T.RandomResizedCrop(40, scale=(0.9, 1.0), interpolation=T.InterpolationMode.BICUBIC),
+                          *convert, T.ToTensor(), CLIP_NORM])
+
+    with_it = coordl.DataLoader(D.ImageFolder(photos, tf(_convert_to_rgb)), batch_size=4, shuffle=True, seed=3)
+    without = coordl.DataLoader(D.ImageFolder(photos, tf()), batch_size=4, shuffle=True, seed=3)
+    assert "fused RandomResizedCrop, _convert_to_rgb, ToTensor, Normalize" in with_it.stats().path_reason
+    for (x, y), (a, b) in zip(batches(with_it), batches(without)):
+        assert torch.equal(x, a) and torch.equal(y, b)
+
+
+def _mnist(transform, n=12):
+    ds = torchvision.datasets.MNIST.__new__(torchvision.datasets.MNIST)
+    VisionDataset.__init__(ds, "/nonexistent", transform=transform)
+    g = torch.Generator().manual_seed(n)
+    ds.data = torch.randint(0, 256, (n, 28, 28), dtype=torch.uint8, generator=g)
+    ds.targets = torch.randint(0, 10, (n,), generator=g)
+    ds.train = True
+    return ds
+
+
+def test_the_conversion_of_a_gray_image_runs_as_written():
+    """MNIST's images are gray: ``convert("RGB")`` makes three channels of
+    them (a recipe for pretrained networks), so it is not dropped."""
+    ds = _mnist(T.Compose([T.Lambda(lambda im: im.convert("RGB")), T.ToTensor()]))
+    L = coordl.DataLoader(ds, batch_size=4)
+    reason = L.stats().path_reason
+    assert "fused nothing; as written: Lambda, ToTensor" in reason, reason
+    got, want = batches(L), torch_batches(ds)
+    assert got[0][0].shape == (4, 3, 28, 28)
+    for (x, y), (a, b) in zip(got, want):
+        assert torch.equal(x, a) and torch.equal(y, b)
+
+
+def _to_gray(image):
+    return image.convert("L")
+
+
+def _convert_and_more(image):
+    return image.convert("RGB").rotate(90)
+
+
+def _convert_with_default(image, mode="RGB"):
+    return image.convert(mode)
+
+
+@pytest.mark.parametrize("fn", [_to_gray, _convert_and_more, _convert_with_default,
+                                lambda im, mode="RGB": im.convert(mode)],
+                         ids=["to L", "and more", "default mode", "lambda with default"])
+def test_other_functions_run_as_written(photos, fn):
+    ds = D.ImageFolder(photos, T.Compose([T.Resize(40), T.CenterCrop(40), fn, T.PILToTensor()]))
+    L = coordl.DataLoader(ds, batch_size=4)
+    reason = L.stats().path_reason
+    assert f"fused Resize, CenterCrop; as written: {fn.__name__}, PILToTensor" in reason, reason
+    for (x, y), (a, b) in zip(batches(L), torch_batches(ds)):
+        assert torch.equal(x, a) and torch.equal(y, b)
+
+
+def test_the_conversion_of_a_tensor_fails_as_it_does_under_torch(photos):
+    ds = D.ImageFolder(photos, T.Compose([T.Resize(40), T.PILToTensor(), _convert_to_rgb]))
+    L = coordl.DataLoader(ds, batch_size=4)
+    assert "fused Resize, PILToTensor; as written: _convert_to_rgb" in L.stats().path_reason
+    with pytest.raises(AttributeError, match="convert"):
+        next(iter(torch.utils.data.DataLoader(ds, batch_size=4)))
+    with pytest.raises(Exception, match="convert"):
+        next(iter(L))
+
+
+def test_the_rgb_copy_is_pil_s(photos):
+    """What the conversion is taken for: PIL's convert("RGB") of an RGB image
+    is a copy with the same pixels."""
+    path = D.ImageFolder(photos).samples[0][0]
+    with Image.open(path) as im:
+        rgb = im.convert("RGB")
+    assert rgb.mode == "RGB" and np.array_equal(np.asarray(rgb.convert("RGB")), np.asarray(rgb))
