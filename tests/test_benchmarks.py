@@ -29,10 +29,11 @@ def test_recipes_quick(tmp_path):
     if importlib.util.find_spec("torchvision") is None:
         pytest.skip("torchvision is not installed (pip install coordl[test])")
     _script("recipes.py", "--quick", "--recipes",
-            "train_v1,train_v2_ra,eval_v2,eval_weights,train_v2_tensor_ta,cifar_v1,timm_ds_eval", "--out", str(tmp_path))
+            "train_v1,train_v2_ra,eval_v2,eval_weights,clip_eval,train_v2_tensor_ta,cifar_v1,timm_ds_eval", "--out",
+            str(tmp_path))
     res = json.loads((tmp_path / "recipes.json").read_text())
-    assert set(res["summary"]) == {"train_v1", "train_v2_ra", "eval_v2", "eval_weights", "train_v2_tensor_ta", "cifar_v1",
-                                   "timm_ds_eval"}
+    assert set(res["summary"]) == {"train_v1", "train_v2_ra", "eval_v2", "eval_weights", "clip_eval", "train_v2_tensor_ta",
+                                   "cifar_v1", "timm_ds_eval"}
     for name, s in res["summary"].items():
         # cifar_v1 shuffles (shuffle=True): each side with its own generator
         assert s["every_sample_once"] and (s["same_labels_as_torch"] or name == "cifar_v1"), (name, s)
@@ -40,6 +41,7 @@ def test_recipes_quick(tmp_path):
     assert "read through PresetTrain.transforms" in res["summary"]["train_v1"]["path"]
     assert "fused PILToTensor, RandomResizedCrop" in res["summary"]["train_v2_tensor_ta"]["path"]
     assert "read through ImageClassification as" in res["summary"]["eval_weights"]["path"]
+    assert "fused Resize, CenterCrop, _convert_image_to_rgb, ToTensor" in res["summary"]["clip_eval"]["path"]
     assert "fused RandomCrop, RandomHorizontalFlip, ToTensor, Normalize" in res["summary"]["cifar_v1"]["path"]
     assert res["summary"]["timm_ds_eval"]["path"].startswith("coordl: timm's ImageDataset read as raw file bytes")
 
