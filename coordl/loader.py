@@ -53,6 +53,11 @@ _STATE_VERSION = 3  # 2 added "done", 3 "dataset"; states of versions 1 and 2 st
 _REAPER_WAIT = 10.0
 
 
+# the keyword arguments DataLoader adds to torch's
+_OWN_ARGUMENTS = ("seed", "cache_size", "device", "decode", "on_error", "rank", "world_size", "read_ahead",
+                  "fetch_threads", "cache_checksum", "cache_keep_warm", "share", "peers", "progress", "jpeg_draft")
+
+
 class DataLoader(_TorchDataLoader[_T_co]):
     """A drop-in ``torch.utils.data.DataLoader`` that stops training waiting for data.
 
@@ -247,6 +252,7 @@ class DataLoader(_TorchDataLoader[_T_co]):
     ) -> None:
         from .tvcompat import adapt, record_path
 
+        given = {name: value for name, value in locals().items() if name in _OWN_ARGUMENTS}
         if not isinstance(jpeg_draft, bool):
             raise TypeError(f"jpeg_draft should be a bool, but got jpeg_draft={jpeg_draft!r}")
         # torchvision's ImageFolder/DatasetFolder -> coordl's two-stage dataset (see coordl/tvcompat.py)
@@ -284,6 +290,11 @@ class DataLoader(_TorchDataLoader[_T_co]):
         self._pass_sampler = _PassSampler(self)
         self._counters = Counters()
         record_path(self, tv_decision)
+        # coordl's own arguments, as given, under their names in the instance's dictionary (where one is a
+        # property, the property still answers reads): tools that build a loader again from its attributes,
+        # with a sampler of their own, find them there as they find torch's (PyTorch Lightning, putting a
+        # DistributedSampler into a loader passed to Trainer.fit)
+        self.__dict__.update(given)
 
     # ------------------------------------------------- the steps of __init__
     # Warnings raised here name the user's call: stacklevel 3 (step, __init__, caller).

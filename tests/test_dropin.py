@@ -1,5 +1,10 @@
-"""Drop-in gaps found with torch's own DataLoader tests:
-generic subscription, torch's iterator attributes, nested-tensor batches."""
+"""Drop-in gaps found with torch's own DataLoader tests and with the tools
+around it: generic subscription, torch's iterator attributes, nested-tensor
+batches, a script pointing torch's name at coordl's class, a loader built
+again from its attributes (PyTorch Lightning's sampler injection)."""
+import inspect
+import os
+import sys
 from typing import List
 
 import pytest
@@ -212,3 +217,89 @@ def test_workers_start_while_another_thread_holds_numpys_generator():
     except subprocess.TimeoutExpired:
         pytest.fail("the loader's workers never delivered: they waited for a lock another thread held at the fork")
     assert r.returncode == 0 and r.stdout.split() == ["ok", "4"], r.stderr[-3000:]
+
+
+# ------------------------------------------------- a loader built again from its attributes
+# Tools that put a sampler of their own into a loader they did not see built (PyTorch Lightning, for
+# DistributedSampler under DDP, when the loader is passed to Trainer.fit) build it again from the
+# __init__ parameters found among its attributes whose values are not the defaults, with the new
+# sampler in place of the old one; coordl's own arguments must be among those names, or the copy
+# silently loses them (its cache, its seed, its device...).
+COORDL_ARGS = dict(seed=11, cache_size="8MiB", device="cpu", on_error="skip", rank=0, world_size=1,
+                   read_ahead="4MiB", fetch_threads=3, cache_checksum=True, cache_keep_warm=2.0)
+
+
+def _rebuilt(loader, sampler):
+    """The loader built again as such a tool builds it (Lightning's rule, written here)."""
+    import inspect
+
+    attrs = {k: v for k, v in vars(loader).items() if not k.startswith("_")}
+    params = inspect.signature(type(loader).__init__).parameters
+    kw = {n: attrs[n] for n, p in params.items() if n in attrs and p.default is not attrs[n]}
+    kw.pop("batch_sampler", None)          # torch's own, made of batch_size and drop_last
+    kw.update(sampler=sampler, shuffle=False)
+    return type(loader)(**kw)
+
+
+@pytest.fixture
+def folder(photo_folder):
+    return photo_folder("rebuilt", num_images=12, num_classes=2, mean_kb=2, image_size=(24, 20), seed=2)
+
+
+def _drop_caches():
+    """cache_keep_warm keeps the caches after their loaders: cleared here, as `coordl cache clear` does."""
+    from coordl import cache as C
+    from coordl.testing import settle
+
+    settle()
+    for c in C.list_caches():
+        C.clear_caches(c.name)
+
+
+def _check_rebuilt(loader, again, sampler):
+    assert type(again) is DataLoader and again.seed == 11 and again.cache_size == loader.cache_size == 8 * 2 ** 20
+    assert again.on_error == "skip" and vars(again)["device"] == "cpu" and again._fetch_threads == 3
+    assert again._read_ahead == 4 * 2 ** 20 and again._cache_opts == (True, 2.0)
+    assert again.batch_size == 4 and again.sampler is sampler
+    labels = [int(t) for _, y in again for t in y]
+    assert labels == [loader.dataset.targets[i] for i in sampler]
+
+
+def test_coordls_arguments_are_attributes_of_their_names_for_tools_that_build_the_loader_again(folder):
+    ds = coordl.ImageFolder(folder, transform=coordl.transforms.PILToTensor())
+    loader = DataLoader(ds, batch_size=4, shuffle=True, **COORDL_ARGS)
+    got = vars(loader)
+    for name, value in COORDL_ARGS.items():
+        assert name in got and got[name] == value, (name, got.get(name))
+    # the properties of those names still answer what the loader runs with
+    assert loader.seed == 11 and loader.cache_size == 8 * 2 ** 20 and loader.device is None   # "cpu": none
+    sampler = torch.utils.data.distributed.DistributedSampler(ds, num_replicas=2, rank=1, shuffle=True, seed=5)
+    again = _rebuilt(loader, sampler)
+    _check_rebuilt(loader, again, sampler)
+    del again, loader
+    _drop_caches()
+
+
+def test_lightning_injecting_its_sampler_keeps_coordls_arguments(folder):
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from _torchvision import import_torchvision
+
+    import_torchvision()          # lightning imports torchmetrics, which imports torchvision
+    pytest.importorskip("lightning")
+    from lightning.pytorch.utilities.data import _update_dataloader
+
+    ds = coordl.ImageFolder(folder, transform=coordl.transforms.PILToTensor())
+    loader = DataLoader(ds, batch_size=4, shuffle=True, **COORDL_ARGS)
+    sampler = torch.utils.data.distributed.DistributedSampler(ds, num_replicas=2, rank=0, shuffle=True, seed=5)
+    again = _update_dataloader(loader, sampler)
+    _check_rebuilt(loader, again, sampler)
+    del again, loader
+    _drop_caches()
+
+
+def test_a_loader_with_defaults_hands_nothing_more_to_a_rebuild():
+    loader = DataLoader(TwoStageToy(8), batch_size=4)
+    params = inspect.signature(DataLoader.__init__).parameters
+    extras = set(COORDL_ARGS) | {"decode", "share", "peers", "progress", "jpeg_draft"}
+    assert extras <= set(vars(loader))
+    assert not {k for k in extras if vars(loader)[k] is not params[k].default}
