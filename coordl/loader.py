@@ -22,6 +22,7 @@ How a loader decides what to do (see docs/architecture.md for the diagram):
 from __future__ import annotations
 
 import contextlib
+import inspect
 import warnings
 import weakref
 from typing import TypeVar
@@ -252,7 +253,8 @@ class DataLoader(_TorchDataLoader[_T_co]):
     ) -> None:
         from .tvcompat import adapt, record_path
 
-        given = {name: value for name, value in locals().items() if name in _OWN_ARGUMENTS}
+        # every argument as given (the user's own dataset among them): what pickling builds again from
+        self._built_with = {name: value for name, value in locals().items() if name in _INIT_PARAMETERS}
         if not isinstance(jpeg_draft, bool):
             raise TypeError(f"jpeg_draft should be a bool, but got jpeg_draft={jpeg_draft!r}")
         # torchvision's ImageFolder/DatasetFolder -> coordl's two-stage dataset (see coordl/tvcompat.py)
@@ -294,7 +296,18 @@ class DataLoader(_TorchDataLoader[_T_co]):
         # property, the property still answers reads): tools that build a loader again from its attributes,
         # with a sampler of their own, find them there as they find torch's (PyTorch Lightning, putting a
         # DistributedSampler into a loader passed to Trainer.fit)
-        self.__dict__.update(given)
+        self.__dict__.update({name: self._built_with[name] for name in _OWN_ARGUMENTS})
+
+    def __reduce__(self):
+        """A loader pickles (and copies) as what builds it again: the
+        arguments it was built with, the seed, rank and world size it took
+        (so that the copy delivers the same batches without asking anyone
+        for them), and its :meth:`state_dict`, so that the copy goes on
+        where this loader is (mid-epoch: the batches not yet delivered).
+        Its workers, node cache and connections are not copied: the copy
+        opens its own.  As under torch, what it was given must pickle."""
+        args = dict(self._built_with, seed=self._seed, rank=self._rank, world_size=self._world_size)
+        return _built_again, (type(self), args, self.state_dict())
 
     # ------------------------------------------------- the steps of __init__
     # Warnings raised here name the user's call: stacklevel 3 (step, __init__, caller).
@@ -1074,6 +1087,17 @@ def _transforms_seen(ds) -> tuple:
     t, tt = ds.transform, ds.target_transform
     return (id(t), spec_of(t) if t is not None else None, id(tt), spec_of(tt) if tt is not None else None,
             id(getattr(ds, "transforms", None)))
+
+
+# DataLoader.__init__'s parameters, torch's and coordl's
+_INIT_PARAMETERS = tuple(inspect.signature(DataLoader.__init__).parameters)[1:]
+
+
+def _built_again(cls, args: dict, state: dict) -> "DataLoader":
+    """A pickled loader (:meth:`DataLoader.__reduce__`): built with its arguments, then at its state."""
+    loader = cls(**args)
+    loader.load_state_dict(state)
+    return loader
 
 
 def _has_len(sampler) -> bool:

@@ -303,3 +303,88 @@ def test_a_loader_with_defaults_hands_nothing_more_to_a_rebuild():
     extras = set(COORDL_ARGS) | {"decode", "share", "peers", "progress", "jpeg_draft"}
     assert extras <= set(vars(loader))
     assert not {k for k in extras if vars(loader)[k] is not params[k].default}
+
+
+# ------------------------------------------------- pickling and copying a loader
+# torch's loader pickles (Lightning's ddp_spawn sends the loaders given to Trainer.fit to the processes it
+# spawns; copy.deepcopy copies them): coordl's pickles as the arguments it was built with and its state.
+def _batches(loader):
+    return [(x.clone(), y.clone()) for x, y in loader]
+
+
+def _same(a, b):
+    return len(a) == len(b) and all(torch.equal(p[0], q[0]) and torch.equal(p[1], q[1]) for p, q in zip(a, b))
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_a_loader_pickles_and_its_copy_delivers_the_same_batches(num_workers):
+    import pickle
+
+    loader = DataLoader(TwoStageToy(30), batch_size=4, shuffle=True, num_workers=num_workers)
+    copy = pickle.loads(pickle.dumps(loader))
+    assert type(copy) is DataLoader and copy is not loader and copy.seed == loader.seed
+    for _ in range(2):
+        assert _same(_batches(copy), _batches(loader))
+    del copy, loader
+
+
+def test_a_loader_pickled_mid_epoch_goes_on_where_it_was():
+    import pickle
+
+    loader = DataLoader(TwoStageToy(30), batch_size=4, shuffle=True)
+    it = iter(loader)
+    first = [next(it), next(it)]
+    copy = pickle.loads(pickle.dumps(loader))
+    rest = _batches(it)
+    assert len(first) + len(rest) == 8
+    assert _same(_batches(copy), rest)           # the copy's first pass: the batches not yet delivered
+    assert _same(_batches(copy), _batches(loader))
+    del it
+
+
+def test_a_copy_of_a_loader_over_a_plain_dataset_is_torchs_copy():
+    """Torch's machinery: the copy's order is what torch's copy gives (the
+    generator goes with it, at its state)."""
+    import copy as copymod
+
+    ds = TensorDataset(torch.arange(20), torch.arange(20) % 3)
+    torch_loader = TorchDataLoader(ds, batch_size=3, shuffle=True, generator=torch.Generator().manual_seed(4))
+    mine = DataLoader(ds, batch_size=3, shuffle=True, generator=torch.Generator().manual_seed(4))
+    assert _same(_batches(mine), _batches(torch_loader))
+    theirs, ours = copymod.deepcopy(torch_loader), copymod.deepcopy(mine)
+    assert type(ours) is DataLoader and ours.stats().path == "torch"
+    for _ in range(2):
+        assert _same(_batches(ours), _batches(theirs))
+
+
+def test_a_torchvision_loader_pickles_with_its_users_dataset(photo_folder):
+    import pickle
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from _torchvision import import_torchvision
+
+    tv = import_torchvision()
+    if tv is None:
+        pytest.skip("torchvision is not installed (pip install coordl[test])")
+    from torchvision import datasets, transforms as T
+
+    root = photo_folder("pickled", num_images=10, num_classes=2, mean_kb=2, image_size=(30, 24), seed=6)
+    ds = datasets.ImageFolder(root, T.Compose([T.RandomResizedCrop(16), T.ToTensor()]))
+    loader = DataLoader(ds, batch_size=4, shuffle=True, seed=2)
+    copy = pickle.loads(pickle.dumps(loader))
+    assert copy.stats().path == "coordl" and copy.stats().path_reason == loader.stats().path_reason
+    assert _same(_batches(copy), _batches(loader))
+    ds.transform = T.Compose([T.CenterCrop(12), T.ToTensor()])      # followed by the original...
+    assert _batches(loader)[0][0].shape[-1] == 12
+    assert _batches(copy)[0][0].shape[-1] == 16                       # ...not by the copy, which has its own
+    del copy, loader
+
+
+def test_what_does_not_pickle_fails_as_under_torch():
+    import pickle
+
+    ds = TensorDataset(torch.arange(8))
+    with pytest.raises(Exception) as theirs:
+        pickle.dumps(TorchDataLoader(ds, collate_fn=lambda b: b))
+    with pytest.raises(type(theirs.value)):
+        pickle.dumps(DataLoader(ds, collate_fn=lambda b: b))
