@@ -4,7 +4,8 @@
 
 The names below are imported on first use: a process that only runs the
 node daemon's hub or the command line (``coordl daemon status``) never
-imports torch.
+imports torch.  In a process that has imported torch already, the
+DataLoader's module is imported with the package.
 """
 from __future__ import annotations
 
@@ -70,3 +71,10 @@ class _Package(_types.ModuleType):
 
 
 _sys.modules[__name__].__class__ = _Package
+
+if "torch" in _sys.modules:
+    # a training process (torch is imported already): the DataLoader class exists from here on, as torch's
+    # subclasses do once imported, so that tools which patch every subclass of torch's DataLoader for a
+    # while (PyTorch Lightning, around its *_dataloader hooks, to record the arguments each is built with)
+    # find it even when the script first names coordl.DataLoader inside such a hook
+    _importlib.import_module(".loader", __name__)

@@ -264,10 +264,14 @@ class DataLoader(_TorchDataLoader[_T_co]):
         # changed in place, is translated at the next pass (_follow_torchvision), as torch would run it
         self._tv_source = (source, _transforms_seen(source), jpeg_draft) \
             if tv_decision is not None and tv_decision.path == "coordl" else None
+        # by keyword: a tool that records the arguments of torch's __init__ to build the loader again with
+        # one of them replaced (PyTorch Lightning's sampler injection, when it did not see this class's own
+        # __init__) then replaces it, where positional ones would be given twice
         super().__init__(
-            dataset, batch_size, shuffle, sampler, batch_sampler, num_workers, collate_fn,
-            pin_memory, drop_last, timeout, worker_init_fn, multiprocessing_context, generator,
-            prefetch_factor=prefetch_factor, persistent_workers=persistent_workers,
+            dataset=dataset, batch_size=batch_size, shuffle=shuffle, sampler=sampler, batch_sampler=batch_sampler,
+            num_workers=num_workers, collate_fn=collate_fn, pin_memory=pin_memory, drop_last=drop_last,
+            timeout=timeout, worker_init_fn=worker_init_fn, multiprocessing_context=multiprocessing_context,
+            generator=generator, prefetch_factor=prefetch_factor, persistent_workers=persistent_workers,
             pin_memory_device=pin_memory_device, in_order=in_order,
         )
         seed = self._check_options(

@@ -388,3 +388,82 @@ def test_what_does_not_pickle_fails_as_under_torch():
         pickle.dumps(TorchDataLoader(ds, collate_fn=lambda b: b))
     with pytest.raises(type(theirs.value)):
         pickle.dumps(DataLoader(ds, collate_fn=lambda b: b))
+
+
+def test_torchs_init_gets_every_argument_by_keyword(monkeypatch):
+    """A tool that records the arguments of torch's __init__ (Lightning, when it
+    could not wrap coordl's own) replaces the sampler among them: positional
+    ones would then be given twice ("got multiple values for argument
+    'sampler'")."""
+    seen = []
+    torch_init = TorchDataLoader.__init__
+
+    def recording(self, *args, **kwargs):
+        seen.append((args, set(kwargs)))
+        torch_init(self, *args, **kwargs)
+
+    monkeypatch.setattr(TorchDataLoader, "__init__", recording)
+    DataLoader(TwoStageToy(8), batch_size=4, shuffle=True, seed=1)
+    assert len(seen) == 1 and seen[0][0] == () and {"dataset", "sampler", "batch_size"} <= seen[0][1], seen
+
+
+def test_the_loader_class_exists_once_coordl_is_imported_after_torch():
+    """So that a tool patching torch's DataLoader subclasses for a while
+    (Lightning around its *_dataloader hooks) finds it, even when the script
+    first names coordl.DataLoader inside such a hook; without torch imported
+    first, ``import coordl`` still imports no torch."""
+    import subprocess
+
+    code = ("import sys\n"
+            "import coordl\n"
+            "assert 'torch' not in sys.modules and 'coordl.loader' not in sys.modules\n"
+            "import torch\n"
+            "import importlib; importlib.reload(coordl)\n"
+            "assert 'coordl.loader' in sys.modules\n"
+            "from torch.utils.data import DataLoader\n"
+            "assert sys.modules['coordl.loader'].DataLoader in DataLoader.__subclasses__()\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+
+
+_HOOK_JOB = """
+import sys
+sys.path.insert(0, {tests!r})
+from _torchvision import import_torchvision
+import_torchvision()
+import torch
+import lightning
+import coordl                        # coordl.DataLoader first named inside the hook, below
+from lightning.fabric.utilities.data import _replace_dunder_methods
+from lightning.pytorch.utilities.data import _update_dataloader
+from torch.utils.data import BatchSampler, DataLoader, DistributedSampler
+
+ds = coordl.ImageFolder({root!r}, transform=coordl.transforms.PILToTensor())
+with _replace_dunder_methods(DataLoader, "dataset"), _replace_dunder_methods(BatchSampler):
+    loader = coordl.DataLoader(ds, batch_size=4, shuffle=True, seed=11, read_ahead="4MiB", fetch_threads=3)
+sampler = DistributedSampler(ds, num_replicas=2, rank=1, shuffle=True, seed=5)
+again = _update_dataloader(loader, sampler)
+assert type(again) is coordl.DataLoader and again.sampler is sampler, again
+assert again.seed == 11 and again._read_ahead == 4 * 2 ** 20 and again._fetch_threads == 3
+assert [int(t) for _, y in again for t in y] == [ds.targets[i] for i in sampler]
+print("ok")
+"""
+
+
+def test_lightning_rebuilding_a_loader_made_in_its_hook_keeps_coordls_arguments(folder):
+    """A LightningModule's train_dataloader() naming coordl.DataLoader for the
+    first time in the process: Lightning records its arguments and builds it
+    again with a DistributedSampler (this failed with "got multiple values for
+    argument 'sampler'" when the class did not exist yet as Lightning began
+    recording)."""
+    import subprocess
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    sys.path.insert(0, here)
+    from _torchvision import import_torchvision
+
+    import_torchvision()
+    pytest.importorskip("lightning")
+    r = subprocess.run([sys.executable, "-c", _HOOK_JOB.format(tests=here, root=str(folder))],
+                       capture_output=True, text=True, timeout=240)
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]
