@@ -467,3 +467,68 @@ def test_lightning_rebuilding_a_loader_made_in_its_hook_keeps_coordls_arguments(
     r = subprocess.run([sys.executable, "-c", _HOOK_JOB.format(tests=here, root=str(folder))],
                        capture_output=True, text=True, timeout=240)
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]
+
+
+_CKPT_JOB = """
+import glob, sys, tempfile
+sys.path.insert(0, {tests!r})
+from _torchvision import import_torchvision
+import_torchvision()
+import torch
+import lightning as L
+from lightning.pytorch.callbacks import ModelCheckpoint
+import coordl
+
+
+class M(L.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.layer = torch.nn.Linear(3 * 8 * 8, 2)
+        self.seen = []
+
+    def training_step(self, batch, i):
+        x, y = batch
+        self.seen.append(y.tolist())
+        return torch.nn.functional.cross_entropy(self.layer(x.float().flatten(1)), y)
+
+    def train_dataloader(self):
+        tf = coordl.transforms.Compose([coordl.transforms.RandomResizedCrop(8), coordl.transforms.PILToTensor()])
+        return coordl.DataLoader(coordl.ImageFolder({root!r}, transform=tf), batch_size=2, shuffle=True,
+                                 num_workers={workers})
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), 0.1)
+
+
+kw = dict(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False, enable_model_summary=False,
+          max_epochs=2)
+where = tempfile.mkdtemp()
+torch.manual_seed(0)
+whole = M()
+L.Trainer(callbacks=[ModelCheckpoint(dirpath=where, every_n_train_steps=8, save_top_k=-1)], **kw).fit(whole)
+ckpt = [p for p in glob.glob(where + "/*.ckpt") if "step=8" in p][0]      # mid-epoch 1 (6 batches an epoch)
+torch.manual_seed(1)                                                       # another process's state
+rest = M()
+L.Trainer(enable_checkpointing=False, **kw).fit(rest, ckpt_path=ckpt)
+assert len(whole.seen) == 12 and rest.seen == whole.seen[8:], (whole.seen, rest.seen)
+print("ok")
+"""
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_lightning_resumes_mid_epoch_from_its_checkpoint_exactly(folder, workers):
+    """A Lightning checkpoint saved mid-epoch holds the loader's state_dict
+    (coordl's loader is stateful for Lightning): training resumed from it
+    delivers exactly the batches the uninterrupted run delivered after it
+    (torch's loader, reshuffled on resume, does not)."""
+    import subprocess
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    sys.path.insert(0, here)
+    from _torchvision import import_torchvision
+
+    import_torchvision()
+    pytest.importorskip("lightning")
+    r = subprocess.run([sys.executable, "-c", _CKPT_JOB.format(tests=here, root=str(folder), workers=workers)],
+                       capture_output=True, text=True, timeout=240)
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]
