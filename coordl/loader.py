@@ -264,6 +264,8 @@ class DataLoader(_TorchDataLoader[_T_co]):
         # changed in place, is translated at the next pass (_follow_torchvision), as torch would run it
         self._tv_source = (source, _transforms_seen(source), jpeg_draft) \
             if tv_decision is not None and tv_decision.path == "coordl" else None
+        # the translated transform coordl set on its copy: another one there was assigned by the user
+        self._tv_set = dataset.transform if self._tv_source is not None else None
         # by keyword: a tool that records the arguments of torch's __init__ to build the loader again with
         # one of them replaced (PyTorch Lightning's sampler injection, when it did not see this class's own
         # __init__) then replaces it, where positional ones would be given twice
@@ -722,12 +724,19 @@ class DataLoader(_TorchDataLoader[_T_co]):
         dataset since the last pass, or changed in place (a crop's size set
         anew: progressive resizing): translated now, so this pass runs it,
         as torch's loader would (the workers of a pass get the dataset as it
-        is then; persistent ones keep theirs, as under torch)."""
+        is then; persistent ones keep theirs, as under torch).  A transform
+        assigned to ``loader.dataset`` (coordl's copy) is translated too
+        (:func:`coordl.tvcompat.follow_assigned`)."""
         src = self._tv_source
         if src is None:
             return
         ds, seen, draft = src
         if _transforms_seen(ds) == seen:
+            if self.dataset.transform is not self._tv_set:
+                from .tvcompat import follow_assigned
+
+                follow_assigned(self, draft)
+                self._tv_set = self.dataset.transform
             return
         from .tvcompat import adapt, record_path
 
@@ -738,6 +747,7 @@ class DataLoader(_TorchDataLoader[_T_co]):
                              ": give it a callable, or make a new DataLoader")
         self.dataset.transform, self.dataset.target_transform = adapted.transform, adapted.target_transform
         self._tv_source = (ds, _transforms_seen(ds), draft)
+        self._tv_set = self.dataset.transform
         record_path(self, decision)
 
     # ---------------------------------------------------------------- torch hooks

@@ -2858,6 +2858,33 @@ def _as_folder(ds: Any, where: tuple, transform: Any, target: Any) -> Any:
                            class_to_idx=dict(getattr(ds, "class_to_idx", {}) or {}))
 
 
+def follow_assigned(loader: Any, jpeg_draft: bool) -> None:
+    """A transform the user assigned to ``loader.dataset`` itself (coordl's
+    copy of their torchvision dataset: under torch that would be their own
+    dataset) since the last pass: a torchvision (or timm) transform, meant
+    for what the dataset's own transform gets, is translated as that one is,
+    so that it fuses; one of coordl's own, or of a copy coordl did not make
+    (timm's dataset's), runs as assigned.  ``path_reason`` says which."""
+    mine, given = loader.dataset, loader.dataset.transform
+    if type(mine) is TorchvisionArrays:
+        rgb, jpeg_draft = mine._layout != "gray", False
+        where = f"torchvision's {mine._source} read from its array in memory, transformed by coordl"
+    elif type(mine) is TorchvisionFolder:
+        rgb, where = True, f"torchvision's {mine._source} read as raw file bytes, decoded by coordl"
+    else:
+        return
+    if given is None or type(given).__module__.split(".")[0] == "coordl":
+        what = "no transform" if given is None else f"{_name(given)}, coordl's, run as assigned"
+        record_path(loader, Decision("coordl", f"{where}; the transform assigned to loader.dataset: {what}"))
+        return
+    transform, fused, as_written, through = _translated(given, jpeg_draft, rgb)
+    mine.transform = transform
+    what = describe_adapted(given, transform, fused, as_written, through, jpeg_draft) \
+        if type(mine) is TorchvisionFolder else describe_translation(given, transform, fused, as_written, through)
+    record_path(loader, Decision("coordl", f"{where}; the transform assigned to loader.dataset: {what}", fused,
+                                 as_written))
+
+
 def describe_adapted(given: Any, transform: Any, fused: tuple, as_written: tuple, through: list,
                      jpeg_draft: bool) -> str:
     """:func:`describe_translation` of a folder's translated ``transform``

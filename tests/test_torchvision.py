@@ -606,6 +606,32 @@ def test_a_transform_assigned_to_torchvisions_dataset_takes_effect_at_the_next_p
     assert "as written: ColorJitter" in L.stats().path_reason
 
 
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_transform_assigned_to_the_loaders_dataset_is_translated_at_the_next_pass(photos, workers):
+    """Under torch ``loader.dataset`` is the user's dataset, and progressive
+    resizing may assign its transform there: on coordl's copy a torchvision
+    transform assigned so is translated as the dataset's own (it fuses),
+    gives torch's batches, and path_reason says what runs now; one of
+    coordl's own runs as assigned."""
+    ds = D.ImageFolder(photos, transform=V1.Compose([V1.Resize((16, 16)), V1.ToTensor()]))
+    L = coordl.DataLoader(ds, batch_size=5, num_workers=workers)
+    assert next(iter(L))[0].shape == (5, 3, 16, 16)
+    new = V1.Compose([V1.Resize(14), V1.CenterCrop((10, 12)), V1.ToTensor()])
+    L.dataset.transform = new
+    got = [x for x, _ in L]
+    want = [x for x, _ in torch.utils.data.DataLoader(D.ImageFolder(photos, transform=new), batch_size=5)]
+    assert len(got) == len(want) and all(torch.equal(a, b) for a, b in zip(got, want))
+    reason = L.stats().path_reason
+    assert "the transform assigned to loader.dataset: fused Resize, CenterCrop, ToTensor" in reason, reason
+    assert type(L.dataset.transform) is coordl.transforms.Compose
+    mine = coordl.transforms.Compose([coordl.transforms.CenterCrop(8), coordl.transforms.PILToTensor()])
+    L.dataset.transform = mine
+    assert next(iter(L))[0].shape == (5, 3, 8, 8) and L.dataset.transform is mine
+    assert "the transform assigned to loader.dataset: Compose, coordl's, run as assigned" in L.stats().path_reason
+    ds.transform = V1.Compose([V1.Resize((6, 6)), V1.ToTensor()])     # the user's own dataset's, again
+    assert next(iter(L))[0].shape == (5, 3, 6, 6) and "assigned to loader.dataset" not in L.stats().path_reason
+
+
 def test_a_transform_changed_in_place_takes_effect_at_the_next_pass(photos):
     """Progressive resizing by changing the user's crop in place, as under
     torch: the next pass translates the transform again."""

@@ -268,3 +268,19 @@ def test_the_rgb_copy_is_pil_s(photos):
     with Image.open(path) as im:
         rgb = im.convert("RGB")
     assert rgb.mode == "RGB" and np.array_equal(np.asarray(rgb.convert("RGB")), np.asarray(rgb))
+
+
+def test_a_conversion_assigned_to_a_gray_datasets_loader_runs_as_written():
+    """The same on a transform assigned to ``loader.dataset`` (coordl's copy of
+    MNIST): translated as a gray dataset's, the conversion kept."""
+    ds = _mnist(T.Compose([T.ToTensor()]))
+    L = coordl.DataLoader(ds, batch_size=4)
+    assert next(iter(L))[0].shape == (4, 1, 28, 28)
+    new = T.Compose([T.CenterCrop(20), _convert_to_rgb, T.ToTensor()])
+    L.dataset.transform = new
+    got = batches(L)
+    reason = L.stats().path_reason
+    assert "the transform assigned to loader.dataset: fused CenterCrop; as written: _convert_to_rgb" in reason, reason
+    ds.transform = new
+    for (x, y), (a, b) in zip(got, torch_batches(ds)):
+        assert x.shape == (4, 3, 20, 20) and torch.equal(x, a) and torch.equal(y, b)
