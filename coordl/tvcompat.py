@@ -2154,6 +2154,27 @@ _NOISE_OPS = frozenset({"RESUME", "PUSH_NULL", "PRECALL", "CACHE", "NOP", "NOT_T
 _LOAD_FAST = frozenset({"LOAD_FAST", "LOAD_FAST_CHECK", "LOAD_FAST_BORROW"})
 
 
+def _plain_function(fn: Any, nargs: int) -> bool:
+    """Whether ``fn`` is a Python function of exactly ``nargs`` positional
+    arguments and nothing else: no keyword-only or variable arguments, not
+    a generator or coroutine, no closure."""
+    if not isinstance(fn, types.FunctionType):
+        return False
+    code = fn.__code__
+    flags = code.co_flags & (0x04 | 0x08 | 0x20 | 0x80 | 0x100 | 0x200)  # *args **kw generator coroutine...
+    return code.co_argcount == nargs and not (code.co_kwonlyargcount or flags or code.co_freevars
+                                              or code.co_cellvars)
+
+
+def _ops(fn: Any) -> list[tuple[str, Any]]:
+    """``fn``'s bytecode as ``(operation, argument)`` pairs, without the
+    interpreter's bookkeeping, every kind of local load as ``LOAD_FAST``."""
+    import dis
+
+    return [("LOAD_FAST" if ins.opname in _LOAD_FAST else ins.opname, ins.argval)
+            for ins in dis.get_instructions(fn) if ins.opname not in _NOISE_OPS]
+
+
 def holder_attribute(obj: Any) -> str | None:
     """The name of the attribute ``obj`` only hands its argument to, or None.
 
@@ -2165,24 +2186,12 @@ def holder_attribute(obj: Any) -> str | None:
     other descriptor of the class).  torchvision's reference presets
     (``ClassificationPresetTrain``/``Eval``: ``return self.transforms(img)``)
     are such objects."""
-    import dis
-    import types
-
     cls = type(obj)
     fn = getattr(cls, "__call__", None)
-    if not isinstance(fn, types.FunctionType) or cls.__getattribute__ is not object.__getattribute__:
+    if not _plain_function(fn, 2) or cls.__getattribute__ is not object.__getattribute__:
         return None
-    code = fn.__code__
-    flags = code.co_flags & (0x04 | 0x08 | 0x20 | 0x80 | 0x100 | 0x200)  # *args **kw generator coroutine...
-    if code.co_argcount != 2 or code.co_kwonlyargcount or flags or code.co_freevars or code.co_cellvars:
-        return None
-    me, arg = code.co_varnames[:2]
-    ops = []
-    for ins in dis.get_instructions(fn):
-        if ins.opname in _NOISE_OPS:
-            continue
-        name = "LOAD_FAST" if ins.opname in _LOAD_FAST else ins.opname
-        ops.append((name, ins.argval))
+    me, arg = fn.__code__.co_varnames[:2]
+    ops = _ops(fn)
     if len(ops) != 5 or ops[0] != ("LOAD_FAST", me) or ops[2] != ("LOAD_FAST", arg):
         return None
     if ops[1][0] not in ("LOAD_ATTR", "LOAD_METHOD"):
@@ -2253,23 +2262,13 @@ def converts_to_rgb(fn: Any) -> bool:
     argument, return; nothing else).  OpenAI's CLIP and open_clip put such a
     function between their crop and ``ToTensor``; on an RGB PIL image PIL's
     ``convert("RGB")`` is a copy, the same pixels."""
-    import dis
-
     k = _kind(fn)
     if k is not None and k[1] == "Lambda" and k[0] in ("v1", "v2"):
         fn = getattr(fn, "lambd", None)
-    if type(fn) is not types.FunctionType:
+    if type(fn) is not types.FunctionType or not _plain_function(fn, 1):
         return False
-    code = fn.__code__
-    flags = code.co_flags & (0x04 | 0x08 | 0x20 | 0x80 | 0x100 | 0x200)  # *args **kw generator coroutine...
-    if code.co_argcount != 1 or code.co_kwonlyargcount or flags or code.co_freevars or code.co_cellvars:
-        return False
-    ops = []
-    for ins in dis.get_instructions(fn):
-        if ins.opname in _NOISE_OPS:
-            continue
-        ops.append(("LOAD_FAST" if ins.opname in _LOAD_FAST else ins.opname, ins.argval))
-    return (len(ops) == 5 and ops[0] == ("LOAD_FAST", code.co_varnames[0])
+    ops = _ops(fn)
+    return (len(ops) == 5 and ops[0] == ("LOAD_FAST", fn.__code__.co_varnames[0])
             and ops[1] in (("LOAD_ATTR", "convert"), ("LOAD_METHOD", "convert"))
             and ops[2] == ("LOAD_CONST", "RGB") and ops[3] == ("CALL", 1) and ops[4][0] == "RETURN_VALUE")
 
