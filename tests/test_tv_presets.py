@@ -284,3 +284,20 @@ def test_a_conversion_assigned_to_a_gray_datasets_loader_runs_as_written():
     ds.transform = new
     for (x, y), (a, b) in zip(got, torch_batches(ds)):
         assert x.shape == (4, 3, 20, 20) and torch.equal(x, a) and torch.equal(y, b)
+
+
+@pytest.mark.parametrize("which", ["preset", "clip"])
+def test_jobs_sharing_prep_get_what_they_get_alone(photos, daemon_env, which):
+    """Both translate whole, so the node daemon's workers unpickle them
+    without torchvision (or the script's own function)."""
+    def make():
+        tf = ImageClassification(crop_size=40, resize_size=46) if which == "preset" else T.Compose(
+            [T.Resize(40, interpolation=T.InterpolationMode.BICUBIC), T.CenterCrop(40), _convert_image_to_rgb,
+             T.ToTensor(), CLIP_NORM])
+        return D.ImageFolder(photos, tf)
+
+    alone = batches(coordl.DataLoader(make(), batch_size=4, seed=4))
+    L = coordl.DataLoader(make(), batch_size=4, seed=4, share=True)
+    got = batches(L)
+    assert len(got) == len(alone) and all(torch.equal(x, a) and torch.equal(y, b) for (x, y), (a, b) in zip(got, alone))
+    assert L.stats().samples_shared > 0, L.stats()
