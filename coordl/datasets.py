@@ -27,8 +27,10 @@ a function of the file's *bytes*, which coordl calls ``decode``:
   converts to RGB (``pil_decode``), exactly what torchvision's
   ``default_loader`` returns; ``DatasetFolder``'s sample is the file's bytes.
 * ``loader`` given, ``decode=None``: if ``loader`` is a default PIL loader
-  (a function named ``default_loader`` or ``pil_loader``, ours or
-  torchvision's) the dataset decodes with ``pil_decode``.  Otherwise it
+  (``default_loader`` or ``pil_loader``, ours or torchvision's, or a
+  function of the user's written as one: PIL's open, then
+  ``convert("RGB")``, recognized by its code, not its name) the dataset
+  decodes with ``pil_decode``.  Otherwise it
   cannot decode bytes: it is **not** two-stage (``raw``/``prep`` raise
   ``AttributeError``, ``coordl.protocol.is_two_stage`` is False) and
   ``__getitem__`` calls ``loader(path)`` like torchvision.
@@ -446,8 +448,9 @@ def two_stage(dataset: Any, decode: Callable[[bytes], Any] | None = None) -> Two
 
     ``dataset`` needs ``samples`` (``(path, class_index)`` pairs), ``loader``,
     ``transform`` and ``target_transform``.  When its loader is torchvision's
-    default (a function named ``default_loader`` or ``pil_loader``) the bytes
-    are decoded with PIL to RGB; for any other loader pass ``decode``, a
+    default (``default_loader`` or ``pil_loader``, or a function written as
+    one: PIL's open, then ``convert("RGB")``) the bytes are decoded with PIL
+    to RGB; for any other loader pass ``decode``, a
     callable taking the file's bytes and returning what ``loader(path)``
     returns.  Returns a new :class:`TwoStageFolder`; ``dataset`` is not
     modified.

@@ -76,9 +76,10 @@ from PIL import Image
 from . import _rng
 from . import datasets as _datasets
 from . import timmcompat
-from .base.foreign import class_named, why_not_callable, why_overridden
+from .base.foreign import class_named, instructions, plain_function, why_not_callable, why_overridden
 from . import transforms as T
 from .datasets import TwoStageFolder, pil_decode
+from .decode.loaders import _is_default_pil_loader
 from .base import forks as _forks
 
 __all__ = ["Decision", "TorchvisionFolder", "TorchvisionPipeline", "adapt", "translate", "translate_steps",
@@ -225,9 +226,11 @@ def _why_not_loader(ds: Any) -> str | None:
     """Why ``ds``'s ``loader`` (and transforms) keep it off coordl's pipeline, or None."""
     folder = sys.modules.get(_FOLDER_MODULE)
     loader = getattr(ds, "loader", None)
-    if folder is None or loader not in (getattr(folder, "pil_loader", None), getattr(folder, "default_loader", None)):
-        return (f"its loader {loader!r} is not torchvision's default_loader/pil_loader, so coordl cannot "
-                "decode the file's bytes the same way (coordl.ImageFolder(..., decode=...) can)")
+    if folder is None or (loader not in (getattr(folder, "pil_loader", None), getattr(folder, "default_loader", None))
+                          and not _is_default_pil_loader(loader)):
+        return (f"its loader {loader!r} is not torchvision's default_loader/pil_loader (or a function written as "
+                "one: PIL's open, then convert('RGB')), so coordl cannot decode the file's bytes the same way "
+                "(coordl.ImageFolder(..., decode=...) can)")
     if loader is getattr(folder, "default_loader", None):
         tv = sys.modules.get("torchvision")
         backend = tv.get_image_backend() if tv is not None and hasattr(tv, "get_image_backend") else "PIL"
@@ -251,7 +254,9 @@ class TorchvisionFolder(TwoStageFolder):
         self._source = source or self._source
         # coordl's function of the same name and result: the dataset then pickles (workers under
         # spawn, the node daemon) without torchvision whenever its transforms were all translated
-        self.loader = _datasets.pil_loader if self.loader.__name__ == "pil_loader" else _datasets.default_loader
+        folder = sys.modules.get(_FOLDER_MODULE)
+        self.loader = _datasets.default_loader if self.loader is getattr(folder, "default_loader", None) \
+            else _datasets.pil_loader
 
     def _repr_name(self) -> str:
         return f"{type(self).__name__}(torchvision {self._source})"
@@ -2149,32 +2154,6 @@ def _kind(t: Any) -> tuple[str, str] | None:
     return None
 
 
-# opcodes that carry no meaning for what a function does (the interpreter's bookkeeping)
-_NOISE_OPS = frozenset({"RESUME", "PUSH_NULL", "PRECALL", "CACHE", "NOP", "NOT_TAKEN"})
-_LOAD_FAST = frozenset({"LOAD_FAST", "LOAD_FAST_CHECK", "LOAD_FAST_BORROW"})
-
-
-def _plain_function(fn: Any, nargs: int) -> bool:
-    """Whether ``fn`` is a Python function of exactly ``nargs`` positional
-    arguments and nothing else: no keyword-only or variable arguments, not
-    a generator or coroutine, no closure."""
-    if not isinstance(fn, types.FunctionType):
-        return False
-    code = fn.__code__
-    flags = code.co_flags & (0x04 | 0x08 | 0x20 | 0x80 | 0x100 | 0x200)  # *args **kw generator coroutine...
-    return code.co_argcount == nargs and not (code.co_kwonlyargcount or flags or code.co_freevars
-                                              or code.co_cellvars)
-
-
-def _ops(fn: Any) -> list[tuple[str, Any]]:
-    """``fn``'s bytecode as ``(operation, argument)`` pairs, without the
-    interpreter's bookkeeping, every kind of local load as ``LOAD_FAST``."""
-    import dis
-
-    return [("LOAD_FAST" if ins.opname in _LOAD_FAST else ins.opname, ins.argval)
-            for ins in dis.get_instructions(fn) if ins.opname not in _NOISE_OPS]
-
-
 def holder_attribute(obj: Any) -> str | None:
     """The name of the attribute ``obj`` only hands its argument to, or None.
 
@@ -2188,10 +2167,10 @@ def holder_attribute(obj: Any) -> str | None:
     are such objects."""
     cls = type(obj)
     fn = getattr(cls, "__call__", None)
-    if not _plain_function(fn, 2) or cls.__getattribute__ is not object.__getattribute__:
+    if not plain_function(fn, 2) or cls.__getattribute__ is not object.__getattribute__:
         return None
     me, arg = fn.__code__.co_varnames[:2]
-    ops = _ops(fn)
+    ops = instructions(fn)
     if len(ops) != 5 or ops[0] != ("LOAD_FAST", me) or ops[2] != ("LOAD_FAST", arg):
         return None
     if ops[1][0] not in ("LOAD_ATTR", "LOAD_METHOD"):
@@ -2265,9 +2244,9 @@ def converts_to_rgb(fn: Any) -> bool:
     k = _kind(fn)
     if k is not None and k[1] == "Lambda" and k[0] in ("v1", "v2"):
         fn = getattr(fn, "lambd", None)
-    if type(fn) is not types.FunctionType or not _plain_function(fn, 1):
+    if type(fn) is not types.FunctionType or not plain_function(fn, 1):
         return False
-    ops = _ops(fn)
+    ops = instructions(fn)
     return (len(ops) == 5 and ops[0] == ("LOAD_FAST", fn.__code__.co_varnames[0])
             and ops[1] in (("LOAD_ATTR", "convert"), ("LOAD_METHOD", "convert"))
             and ops[2] == ("LOAD_CONST", "RGB") and ops[3] == ("CALL", 1) and ops[4][0] == "RETURN_VALUE")

@@ -522,3 +522,38 @@ def test_synth_cli(tmp_path, capsys):
         os.path.join("class_00", "img_000000.jpg"), os.path.join("class_00", "img_000002.jpg"),
         os.path.join("class_01", "img_000001.jpg"), os.path.join("class_01", "img_000003.jpg")]
     assert "4 JPEGs" in capsys.readouterr().out
+
+
+# ------------------------------------------------- a user's loader, read by its code
+def pil_loader(path):                       # named as torchvision's, but gray
+    with open(path, "rb") as f:
+        img = Image.open(f)
+        return img.convert("L")
+
+
+def _rgb_copy(path):                        # torchvision's pil_loader, copied under another name
+    # open path as file to avoid ResourceWarning
+    with open(path, "rb") as f:
+        img = Image.open(f)
+        return img.convert("RGB")
+
+
+def test_a_loader_named_pil_loader_that_converts_to_gray_is_run_as_written(photo_folder):
+    """A loader is known by what its code does, not by its name: a gray
+    ``pil_loader`` of the user's gave RGB samples (coordl decoded as
+    torchvision's)."""
+    root = photo_folder("gray_loader", num_images=4, num_classes=2, mean_kb=2, image_size=(20, 14), seed=1)
+    ds = D.ImageFolder(root, loader=pil_loader)
+    assert not is_two_stage(ds)
+    img, _ = ds[0]
+    assert img.mode == "L" and np.array_equal(np.asarray(img), np.asarray(pil_loader(ds.samples[0][0])))
+    with pytest.raises(TypeError, match="decode should be a callable"):
+        D.two_stage(ds)
+
+
+def test_a_copy_of_torchvisions_pil_loader_is_known_by_its_code(photo_folder):
+    root = photo_folder("rgb_loader", num_images=4, num_classes=2, mean_kb=2, image_size=(20, 14), seed=2)
+    ds = D.ImageFolder(root, loader=_rgb_copy)
+    assert is_two_stage(ds)
+    img, _ = ds.prep(ds.raw(1), 1)
+    assert img.mode == "RGB" and np.array_equal(np.asarray(img), np.asarray(_rgb_copy(ds.samples[1][0])))

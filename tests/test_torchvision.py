@@ -13,6 +13,7 @@ import textwrap
 import numpy as np
 import pytest
 import torch
+import PIL.Image as PImage
 from PIL import Image
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -672,3 +673,58 @@ def test_the_conversion_after_steps_given_a_tensor_is_coordls_with_torchvisions_
     # something else after the steps: as written
     other = translate(M.Compose(steps[:4] + [M.Normalize(MEAN, STD), M.ConvertImageDtype(torch.float64)]))[0]
     assert other._post_for_tensor() is None
+
+
+# ------------------------------------------------- loaders of the user's own, read by their code
+
+
+def _tv_copy(path):
+    # open path as file to avoid ResourceWarning (https://github.com/python-pillow/Pillow/issues/835)
+    with open(path, "rb") as f:
+        img = Image.open(f)
+        return img.convert("RGB")
+
+
+def _nested(p):
+    with open(p, 'rb') as fh:
+        with Image.open(fh) as im:
+            return im.convert('RGB')
+
+
+def _after_with(path):
+    with open(path, 'rb') as f:
+        img: PImage.Image = PImage.open(f).convert('RGB')
+    return img
+
+
+def _gray(path):
+    with open(path, "rb") as f:
+        img = Image.open(f)
+        return img.convert("L")
+
+
+def _mode(path, mode="RGB"):
+    return Image.open(path).convert(mode)
+
+
+@pytest.mark.parametrize("loader", [_tv_copy, _nested, _after_with, lambda p: Image.open(p).convert("RGB")],
+                         ids=["torchvision's, copied", "nested with", "after the with", "lambda"])
+def test_a_loader_written_as_torchvisions_pil_loader_runs_on_coordls_pipeline(photos, loader):
+    tf = V1.Compose([V1.Resize(16), V1.CenterCrop(16), V1.ToTensor()])
+    ds = D.ImageFolder(photos, tf, loader=loader)
+    L = coordl.DataLoader(ds, batch_size=5)
+    s = L.stats()
+    assert s.path == "coordl" and "fused Resize, CenterCrop, ToTensor" in s.path_reason, s
+    got, want = list(L), list(torch.utils.data.DataLoader(ds, batch_size=5))
+    assert len(got) == len(want) and all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+                                         for a, b in zip(got, want))
+
+
+@pytest.mark.parametrize("loader", [_gray, _mode], ids=["gray", "mode as an argument"])
+def test_other_loaders_stay_on_torchs_machinery(photos, loader):
+    ds = D.ImageFolder(photos, V1.Compose([V1.Resize(16), V1.CenterCrop(16), V1.ToTensor()]), loader=loader)
+    L = coordl.DataLoader(ds, batch_size=5)
+    s = L.stats()
+    assert s.path == "torch" and "is not torchvision's default_loader/pil_loader" in s.path_reason, s
+    got, want = list(L), list(torch.utils.data.DataLoader(ds, batch_size=5))
+    assert all(torch.equal(a[0], b[0]) for a, b in zip(got, want))

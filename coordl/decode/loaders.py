@@ -111,8 +111,60 @@ class _DecodingLoader:
         return f"{type(self).__name__}({self.decode!r})"
 
 
+# The ways of writing torchvision's pil_loader seen in users' code ("open the file, decode it with PIL,
+# convert it to RGB"): a user's path loader whose code, read instruction by instruction, is one of these
+# (compiled here, by the same interpreter) with the same objects behind its module's names (the builtin
+# open, PIL's Image module, whatever the module calls it) decodes as coordl's pil_loader does.
+_RGB_LOADERS = (
+    "def loader(path):\n    with open(path, 'rb') as f:\n        img = Image.open(f)\n"
+    "        return img.convert('RGB')\n",
+    "def loader(path):\n    with open(path, 'rb') as f:\n        with Image.open(f) as img:\n"
+    "            return img.convert('RGB')\n",
+    "def loader(path):\n    with open(path, 'rb') as f:\n        return Image.open(f).convert('RGB')\n",
+    "def loader(path):\n    with open(path, 'rb') as f:\n        img = Image.open(f).convert('RGB')\n"
+    "    return img\n",
+    "def loader(path):\n    with open(path, 'rb') as f:\n        img = Image.open(f).convert('RGB')\n"
+    "        return img\n",
+    "def loader(path):\n    return Image.open(path).convert('RGB')\n",
+)
+_rgb_shapes: list | None = None
+
+
+def _rgb_loader_shapes() -> list:
+    global _rgb_shapes
+    if _rgb_shapes is None:
+        import builtins
+
+        from ..base.foreign import instructions
+
+        shapes = []
+        for src in _RGB_LOADERS:
+            scope = {"Image": Image, "__builtins__": builtins}
+            exec(compile(src, "<coordl's reading of a PIL loader>", "exec"), scope)   # noqa: S102 - our source
+            shapes.append(instructions(scope["loader"], resolve=True))
+        _rgb_shapes = shapes
+    return _rgb_shapes
+
+
 def _is_default_pil_loader(loader: Any) -> bool:
-    return getattr(loader, "__name__", None) in _DEFAULT_LOADER_NAMES
+    """Whether the path loader ``loader`` decodes a file as torchvision's
+    ``pil_loader`` does (PIL's decode, converted to RGB): coordl's own
+    ``pil_loader``/``default_loader``, torchvision's, or a function of the
+    user's whose code is one of the ways of writing it (``_RGB_LOADERS``).
+    A function named so that does anything else (a gray ``convert("L")``)
+    is not."""
+    if loader is pil_loader or loader is default_loader:
+        return True
+    if getattr(loader, "__module__", None) == "torchvision.datasets.folder":
+        return getattr(loader, "__name__", None) in _DEFAULT_LOADER_NAMES
+    from ..base.foreign import instructions, plain_function
+
+    if not plain_function(loader, 1):
+        return False
+    try:
+        return instructions(loader, resolve=True) in _rgb_loader_shapes()
+    except (ValueError, TypeError):    # code this reading does not know: not recognized
+        return False
 
 
 def _check_decode(decode: Any) -> None:
