@@ -239,12 +239,12 @@ def main(argv=None) -> int:
         ap.error(f"--settings names none of {', '.join(SETTINGS)}")
     tmp = None
     if args.quick:
-        args.images, args.batch, args.repeats = 288, 4, 1
+        args.images, args.batch, args.repeats = 96, 4, 1
     if args.root is None:
         sys.path.insert(0, os.path.dirname(HERE))
         from coordl.synth import make_image_folder
         tmp = tempfile.TemporaryDirectory(prefix="coordl-device-workers-")
-        args.root = make_image_folder(os.path.join(tmp.name, "photos"), num_images=400 if args.quick else 2000,
+        args.root = make_image_folder(os.path.join(tmp.name, "photos"), num_images=128 if args.quick else 2000,
                                       image_size=(64, 48) if args.quick else None, workers=2)
     runs: dict = {s: [] for s in settings}
     try:
