@@ -219,8 +219,8 @@ def seeded_for(*fns) -> Any:
     them is not coordl's, :class:`coordl._rng.seeded_user_steps` (their
     draws from the global generators seeded once by the sample; numpy's
     where one may draw from it), else nothing."""
-    for f in fns:           # (a loop: asked once per sample)
-        if foreign(f):
+    for fn in fns:          # (a loop: asked once per sample)
+        if foreign(fn):
             return _rng.seeded_user_steps(any(draws_numpy(f) for f in fns))
     return _NO_SCOPE
 

@@ -226,8 +226,7 @@ def _why_not_loader(ds: Any) -> str | None:
     """Why ``ds``'s ``loader`` (and transforms) keep it off coordl's pipeline, or None."""
     folder = sys.modules.get(_FOLDER_MODULE)
     loader = getattr(ds, "loader", None)
-    if folder is None or (loader not in (getattr(folder, "pil_loader", None), getattr(folder, "default_loader", None))
-                          and not _is_default_pil_loader(loader)):
+    if not _is_default_pil_loader(loader):
         return (f"its loader {loader!r} is not torchvision's default_loader/pil_loader (or a function written as "
                 "one: PIL's open, then convert('RGB')), so coordl cannot decode the file's bytes the same way "
                 "(coordl.ImageFolder(..., decode=...) can)")
@@ -357,7 +356,7 @@ class TorchvisionArrays:
 
     def raw(self, index: int) -> bytearray:
         """Image ``index``'s row of the array, its ``H * W * 3`` bytes (``H * W`` for a gray one)."""
-        return bytearray(np.asarray(self.data[self._check_index(index)]).tobytes())
+        return bytearray(np.ascontiguousarray(self.data[self._check_index(index)]))   # one copy
 
     def prep(self, raw, index: int) -> tuple[Any, Any]:
         """``(transform(image), target_transform(target))`` of image
@@ -2244,7 +2243,7 @@ def converts_to_rgb(fn: Any) -> bool:
     k = _kind(fn)
     if k is not None and k[1] == "Lambda" and k[0] in ("v1", "v2"):
         fn = getattr(fn, "lambd", None)
-    if type(fn) is not types.FunctionType or not plain_function(fn, 1):
+    if not plain_function(fn, 1):
         return False
     ops = instructions(fn)
     return (len(ops) == 5 and ops[0] == ("LOAD_FAST", fn.__code__.co_varnames[0])
@@ -2792,8 +2791,14 @@ def adapt(dataset: Any, jpeg_draft: bool = False) -> tuple[Any, Decision | None]
     except (TypeError, ValueError, AttributeError) as e:  # a subclass's make_dataset gave other kinds of samples
         return dataset, Decision("torch", f"its samples are not (path, class index) pairs ({e})")
     what = describe_adapted(given, transform, fused, as_written, through, jpeg_draft)
-    reason = f"torchvision's {_name(dataset)} read as raw file bytes, decoded by coordl; {what}"
-    return adapted, Decision("coordl", reason, fused, as_written)
+    return adapted, Decision("coordl", f"{_read_as(_name(dataset), arrays=False)}; {what}", fused, as_written)
+
+
+def _read_as(name: str, arrays: bool) -> str:
+    """How ``path_reason`` says coordl reads torchvision's dataset ``name``."""
+    if arrays:
+        return f"torchvision's {name} read from its array in memory, transformed by coordl"
+    return f"torchvision's {name} read as raw file bytes, decoded by coordl"
 
 
 def _translated(given: Any, jpeg_draft: bool = False, rgb: bool = True) -> tuple[Any, tuple, tuple, list]:
@@ -2817,8 +2822,7 @@ def _adapt_arrays(dataset: Any, base: type, jpeg_draft: bool) -> tuple[Any, Deci
     what = describe_translation(dataset.transform, transform, fused, as_written, through)
     if jpeg_draft:
         what += "; jpeg_draft=True has no effect: the images are decoded already"
-    reason = f"torchvision's {_name(dataset)} read from its array in memory, transformed by coordl; {what}"
-    return adapted, Decision("coordl", reason, fused, as_written)
+    return adapted, Decision("coordl", f"{_read_as(_name(dataset), arrays=True)}; {what}", fused, as_written)
 
 
 def _as_folder(ds: Any, where: tuple, transform: Any, target: Any) -> Any:
@@ -2844,21 +2848,20 @@ def follow_assigned(loader: Any, jpeg_draft: bool) -> None:
     so that it fuses; one of coordl's own, or of a copy coordl did not make
     (timm's dataset's), runs as assigned.  ``path_reason`` says which."""
     mine, given = loader.dataset, loader.dataset.transform
-    if type(mine) is TorchvisionArrays:
-        rgb, jpeg_draft = mine._layout != "gray", False
-        where = f"torchvision's {mine._source} read from its array in memory, transformed by coordl"
-    elif type(mine) is TorchvisionFolder:
-        rgb, where = True, f"torchvision's {mine._source} read as raw file bytes, decoded by coordl"
-    else:
+    arrays = type(mine) is TorchvisionArrays
+    if not arrays and type(mine) is not TorchvisionFolder:
         return
+    rgb = not arrays or mine._layout != "gray"
+    jpeg_draft = jpeg_draft and not arrays
+    where = _read_as(mine._source, arrays)
     if given is None or type(given).__module__.split(".")[0] == "coordl":
         what = "no transform" if given is None else f"{_name(given)}, coordl's, run as assigned"
         record_path(loader, Decision("coordl", f"{where}; the transform assigned to loader.dataset: {what}"))
         return
     transform, fused, as_written, through = _translated(given, jpeg_draft, rgb)
     mine.transform = transform
-    what = describe_adapted(given, transform, fused, as_written, through, jpeg_draft) \
-        if type(mine) is TorchvisionFolder else describe_translation(given, transform, fused, as_written, through)
+    what = describe_translation(given, transform, fused, as_written, through) if arrays else \
+        describe_adapted(given, transform, fused, as_written, through, jpeg_draft)
     record_path(loader, Decision("coordl", f"{where}; the transform assigned to loader.dataset: {what}", fused,
                                  as_written))
 
