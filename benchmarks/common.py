@@ -150,15 +150,16 @@ class SpdlLoader:
 
     def _load(self, item):
         import spdl.io
+        from coordl._rng import current, sample_rng
 
-        i, (path, label) = item
+        epoch, i, (path, label) = item
         with open(path, "rb") as f:
             data = f.read()
         packets = spdl.io.demux_image(data)
-        w, h = packets.width, packets.height
-        g = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch * 10_007 + i)
-        top, left, ch, cw = _rrc_params(w, h, g)
-        flip = ",hflip" if torch.rand(1, generator=g).item() < 0.5 else ""
+        with sample_rng(self.seed, epoch, i):       # torchvision's draws, from the sample's own generator
+            top, left, ch, cw = T.RandomResizedCrop.get_params((packets.width, packets.height), (0.08, 1.0),
+                                                               (3 / 4, 4 / 3))
+            flip = ",hflip" if current().random() < 0.5 else ""
         desc = f"crop={cw}:{ch}:{left}:{top},scale={self.size}:{self.size}:flags=bilinear{flip},format=rgb24"
         return spdl.io.decode_packets(packets, filter_desc=desc), label
 
@@ -173,42 +174,17 @@ class SpdlLoader:
     def __iter__(self):
         from spdl.pipeline import PipelineBuilder
 
-        order = np.random.default_rng(self.seed + self.epoch).permutation(len(self.samples)).tolist()
+        epoch, self.epoch = self.epoch, self.epoch + 1
+        order = np.random.default_rng(self.seed + epoch).permutation(len(self.samples)).tolist()
         pipeline = (PipelineBuilder()
-                    .add_source([(i, self.samples[i]) for i in order])
+                    .add_source([(epoch, i, self.samples[i]) for i in order])
                     .pipe(self._load, concurrency=self.threads)
                     .aggregate(self.batch_size)
                     .pipe(self._collate)
                     .add_sink(2)
                     .build(num_threads=self.threads))
-        self.epoch += 1
         with pipeline.auto_stop():
             yield from pipeline.get_iterator(timeout=600)
-
-
-def _rrc_params(width: int, height: int, g: torch.Generator, scale=(0.08, 1.0), ratio=(3 / 4, 4 / 3)):
-    """torchvision's RandomResizedCrop draw (10 tries, then the central fallback) from ``g``."""
-    import math
-
-    area = width * height
-    log_ratio = torch.log(torch.tensor(ratio))
-    for _ in range(10):
-        target_area = area * torch.empty(1).uniform_(scale[0], scale[1], generator=g).item()
-        aspect = math.exp(torch.empty(1).uniform_(log_ratio[0], log_ratio[1], generator=g).item())
-        w = int(round(math.sqrt(target_area * aspect)))
-        h = int(round(math.sqrt(target_area / aspect)))
-        if 0 < w <= width and 0 < h <= height:
-            i = torch.randint(0, height - h + 1, size=(1,), generator=g).item()
-            j = torch.randint(0, width - w + 1, size=(1,), generator=g).item()
-            return i, j, h, w
-    in_ratio = width / height
-    if in_ratio < min(ratio):
-        w, h = width, int(round(width / min(ratio)))
-    elif in_ratio > max(ratio):
-        h, w = height, int(round(height * max(ratio)))
-    else:
-        w, h = width, height
-    return (height - h) // 2, (width - w) // 2, h, w
 
 
 def make_loader(kind: str, root: str, workers: int, batch_size: int, seed: int = 0, **extra):
