@@ -250,6 +250,43 @@ print("OK")
             (r.returncode, r.stderr[-3000:])
 
 
+@pytest.mark.parametrize("decode", ["device", "cpu"])
+def test_a_pass_left_early_wakes_its_threads_waiting_on_a_full_queue(tmp_path, decode):
+    """A loop that breaks while the pin (and decode) threads wait to put a
+    batch into their full queues: the next pass, and the interpreter's exit,
+    wake them there rather than waiting for their next poll.  The poll is
+    made longer than the child's timeout: a thread left to it hangs the
+    child."""
+    from coordl.synth import make_image_folder
+    from coordl.testing import run_in_child
+
+    root = make_image_folder(str(tmp_path / "photos"), num_images=96, num_classes=2, mean_kb=4,
+                             image_size=(64, 48), seed=4)
+    code = f"""
+import time
+import coordl
+from coordl import transforms as T
+from coordl.device import delivery as D, pin
+D.CPU_TEST_DEVICE = True
+pin._POLL = 600.0
+ds = coordl.ImageFolder({root!r}, T.Compose([T.RandomResizedCrop(32), T.ToTensor()]))
+L = coordl.DataLoader(ds, batch_size=4, num_workers=1, device="cpu", decode={decode!r}, persistent_workers=True)
+seen = []
+for epoch in range(3):
+    for k, (x, y) in enumerate(L):
+        if k == 2:
+            break
+        seen.append(y.tolist())
+    time.sleep(0.5)                # every queue full, each thread waiting to put
+it = iter(L)
+next(it)
+time.sleep(0.5)
+print("OK", len(seen))
+"""
+    r = run_in_child(code, timeout=60)
+    assert r.returncode == 0 and "OK 6" in r.stdout, (r.returncode, r.stderr[-3000:])
+
+
 def test_a_loader_in_a_thread_that_outlives_the_main_one_is_not_stopped(tmp_path):
     """The stop at the interpreter's exit runs after Python has joined the
     non-daemon threads: a training thread still iterating when the main

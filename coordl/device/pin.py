@@ -51,12 +51,25 @@ def _stop_running_threads() -> None:
     harmless and may be left waiting past the bounded wait."""
     with _running_lock:
         running = list(_running.items())
-    for _, stop in running:
-        stop.set()
+    for _, (stop, q) in running:
+        _halt(stop, q)
     deadline = time.monotonic() + _EXIT_WAIT
     for t, _ in running:
         if t is not threading.current_thread():
             t.join(max(0.0, deadline - time.monotonic()))
+
+
+def _halt(stop: threading.Event, q: queue.Queue) -> None:
+    """Stop a pin (or decode) thread and wake it where it may wait on its own
+    queue: called where its consumer is done with the pass, so what the queue
+    holds is dropped, and a put into the full queue returns at once rather
+    than at its next poll (the thread then sees the flag and ends)."""
+    stop.set()
+    while True:
+        try:
+            q.get_nowait()
+        except queue.Empty:
+            return
 
 
 _exit_hook = False
@@ -231,7 +244,7 @@ class PinThread:
                                         name=name, daemon=True)
         _ensure_exit_hook()
         with _running_lock:
-            _running[self._thread] = self._stop
+            _running[self._thread] = (self._stop, self._q)
         self._thread.start()
         # the finalizer only sets a flag; the pin thread acts on it
         self._final = weakref.finalize(self, self._stop.set)
@@ -275,13 +288,19 @@ class PinThread:
         return self._inner.worker_processes()
 
     @property
+    def halting(self) -> tuple:
+        """``(stop flag, queue, thread)``: what :func:`_halt` and a join need
+        to end this thread, without holding this object."""
+        return self._stop, self._q, self._thread
+
+    @property
     def base_seed(self):
         return getattr(self._inner, "base_seed", None)
 
     def shutdown_workers(self) -> None:
         # Let the pin thread leave the pool first (it stops after the batch it
         # is waiting for): closing pipes another thread is polling is unsafe.
-        self._stop.set()
+        _halt(self._stop, self._q)
         self._ended = True
         self._thread.join(_STOP_WAIT)
         self._inner.shutdown_workers()

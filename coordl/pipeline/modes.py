@@ -145,7 +145,7 @@ class PipelineMode:
         self.from_sampler = from_sampler
         self.pool = None
         self.pool_split = None  # the device split the persistent pool prepares (coordl.device)
-        self._pin_prev = None  # [(stop event, thread)] of the last pass's pin (and decode) threads
+        self._pin_prev = None  # [(stop event, queue, thread)] of the last pass's pin (and decode) threads
         self._stash = None     # slots kept between the pools of passes (workers not persistent)
 
     def exact_steps(self, loader) -> bool:
@@ -169,9 +169,9 @@ class PipelineMode:
         be waiting in the pool for a batch of its abandoned pass) must be gone
         before the next pass begins, or it could take that pass's batches."""
         prev, self._pin_prev = self._pin_prev, None
-        for stop, _ in prev or ():
-            stop.set()
-        for _, thread in prev or ():
+        for stop, q, _ in prev or ():     # each woken where it waits on its full queue
+            _pin._halt(stop, q)
+        for _, _, thread in prev or ():
             while thread.is_alive():
                 thread.join(_pin._POLL)
 
@@ -198,12 +198,11 @@ class PipelineMode:
                 decoding = _pin.PinThread(fetching, depth=1, stage=loader._decode_envelope,
                                           name="coordl-device-decode")
                 pinner = _pin.PinThread(decoding, depth=loader.prefetch_factor or 2, stage=loader._stage_envelope)
-                self._pin_prev = [(pinner._stop, pinner._thread), (decoding._stop, decoding._thread),
-                                  (fetching._stop, fetching._thread)]
+                self._pin_prev = [pinner.halting, decoding.halting, fetching.halting]
                 return pinner
             # the copy to the device starts one batch ahead, in the pin thread
             pinner = _pin.PinThread(inner, depth=loader.prefetch_factor or 2, stage=loader._stage_envelope)
-            self._pin_prev = [(pinner._stop, pinner._thread)]
+            self._pin_prev = [pinner.halting]
             return pinner
         if not loader.pin_memory:
             return inner
@@ -215,7 +214,7 @@ class PipelineMode:
         if loader.num_workers == 0:
             return _pin.PinInline(inner)
         pinner = _pin.PinThread(inner, depth=loader.prefetch_factor or 2)
-        self._pin_prev = [(pinner._stop, pinner._thread)]
+        self._pin_prev = [pinner.halting]
         return pinner
 
     def _pipeline_iter(self, loader, epoch: int, start: int, skip: frozenset):
