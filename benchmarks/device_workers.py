@@ -130,7 +130,7 @@ class Instant:   # the main process's decoder: returns at once
 DD.decoder_for = lambda device, **kw: Instant(device)
 DD.DecodeStage._check = staticmethod(lambda img, rec: None)
 DD.DecodeStage.finish = lambda self, p: {{path: torch.zeros(len(p.keep), 3, 2, 2) for path in p.paths}}
-tf = T.Compose([T.RandomResizedCrop(224), T.RandomHorizontalFlip(), T.ToTensor(),
+tf = T.Compose([T.RandomResizedCrop({crop}), T.RandomHorizontalFlip(), T.ToTensor(),
                 T.Normalize([0.485, 0.456, 0.406], [0.229, 0.224, 0.225])])
 ds = coordl.ImageFolder({root!r}, tf)
 setting, images, batch = {where!r}, {images}, {batch}
@@ -155,7 +155,7 @@ if setting.startswith(("ColorJitter", "RandomErasing")):  # timm's default train
     common.torchvision()
     from torchvision import datasets, transforms as V
     ds = datasets.ImageFolder({root!r}, transform=V.Compose([
-        V.RandomResizedCrop(224), V.RandomHorizontalFlip(), V.ColorJitter(0.4, 0.4, 0.4), V.ToTensor(),
+        V.RandomResizedCrop({crop}), V.RandomHorizontalFlip(), V.ColorJitter(0.4, 0.4, 0.4), V.ToTensor(),
         V.Normalize([0.485, 0.456, 0.406], [0.229, 0.224, 0.225])]
         + ([V.RandomErasing(0.25, value="random" if "noise" in setting else 0)]
            if setting.startswith("RandomErasing") else [])))
@@ -165,7 +165,7 @@ if setting.startswith("GaussianBlur"):   # timm's gaussian_blur_prob=0.5: Random
     common.torchvision()
     from torchvision import datasets, transforms as V
     ds = datasets.ImageFolder({root!r}, transform=V.Compose([
-        V.RandomResizedCrop(224), V.RandomHorizontalFlip(),
+        V.RandomResizedCrop({crop}), V.RandomHorizontalFlip(),
         V.RandomApply([V.GaussianBlur(23, sigma=(0.1, 2.0))], p=0.5), V.ToTensor(),
         V.Normalize([0.485, 0.456, 0.406], [0.229, 0.224, 0.225])]))
 if setting.startswith(("TrivialAugmentWide", "AugMix")):   # the reference training preset, --auto-augment
@@ -174,12 +174,12 @@ if setting.startswith(("TrivialAugmentWide", "AugMix")):   # the reference train
     common.torchvision()
     from torchvision import datasets, transforms as V
     ds = datasets.ImageFolder({root!r}, transform=V.Compose([
-        V.RandomResizedCrop(224), V.RandomHorizontalFlip(),
+        V.RandomResizedCrop({crop}), V.RandomHorizontalFlip(),
         V.AugMix() if setting.startswith("AugMix") else V.TrivialAugmentWide(), V.PILToTensor(),
         V.ConvertImageDtype(torch.float), V.Normalize([0.485, 0.456, 0.406], [0.229, 0.224, 0.225])]))
     if "given a tensor" in setting:       # the preset's backend="tensor": PILToTensor before the crop
         ds = datasets.ImageFolder({root!r}, transform=V.Compose([
-            V.PILToTensor(), V.RandomResizedCrop(224, antialias=True), V.RandomHorizontalFlip(),
+            V.PILToTensor(), V.RandomResizedCrop({crop}, antialias=True), V.RandomHorizontalFlip(),
             V.TrivialAugmentWide(interpolation=V.InterpolationMode.BILINEAR), V.ConvertImageDtype(torch.float),
             V.Normalize([0.485, 0.456, 0.406], [0.229, 0.224, 0.225])]))
 on_device = dict(device="cpu", decode="device") if setting not in {cpu_path!r} else {{}}
@@ -212,10 +212,10 @@ print("RESULT", json.dumps({{"us_per_image": (k1 - k0) / n * 1e6, "images_per_s"
 """
 
 
-def measure(root: str, setting: str, images: int, batch: int) -> dict:
+def measure(root: str, setting: str, images: int, batch: int, crop: int = 224) -> dict:
     where, _, per_sample = setting.partition(", ")
     code = _CHILD.format(repo=os.path.dirname(HERE), benchmarks=HERE, root=root, where=where,
-                         batch_reads=not per_sample, images=images, batch=batch, cpu_path=CPU_PATH)
+                         batch_reads=not per_sample, images=images, batch=batch, cpu_path=CPU_PATH, crop=crop)
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
     line = next((x for x in r.stdout.splitlines() if x.startswith("RESULT ")), None)
     if r.returncode != 0 or line is None:
@@ -238,19 +238,20 @@ def main(argv=None) -> int:
     if not settings:
         ap.error(f"--settings names none of {', '.join(SETTINGS)}")
     tmp = None
-    if args.quick:
-        args.images, args.batch, args.repeats = 96, 4, 1
+    crop = 224
+    if args.quick:       # a smoke run: every setting's path, little of its arithmetic
+        args.images, args.batch, args.repeats, crop = 32, 4, 1, 32
     if args.root is None:
         sys.path.insert(0, os.path.dirname(HERE))
         from coordl.synth import make_image_folder
         tmp = tempfile.TemporaryDirectory(prefix="coordl-device-workers-")
-        args.root = make_image_folder(os.path.join(tmp.name, "photos"), num_images=128 if args.quick else 2000,
+        args.root = make_image_folder(os.path.join(tmp.name, "photos"), num_images=48 if args.quick else 2000,
                                       image_size=(64, 48) if args.quick else None, workers=2)
     runs: dict = {s: [] for s in settings}
     try:
         for _ in range(args.repeats):           # interleaved: the machine's drift falls on every setting
             for s in settings:
-                runs[s].append(measure(args.root, s, args.images, args.batch))
+                runs[s].append(measure(args.root, s, args.images, args.batch, crop))
     finally:
         if tmp is not None:
             tmp.cleanup()

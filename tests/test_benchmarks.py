@@ -211,7 +211,8 @@ def test_device_workers_quick(tmp_path):
                           "TrivialAugmentWide given a tensor to the device"], out
     for name, r in rows.items():
         [run] = r["runs"]
-        assert run["images"] >= 96 and run["us_per_image"] > 0, (name, run)
+        # the workers' CPU comes in clock ticks (10 ms): a smoke run's few images may show none
+        assert run["images"] >= 32 and run["us_per_image"] >= 0, (name, run)
         on_batch_path = ("files", "node cache", "workers' share", "data checked", "ColorJitter", "RandomErasing",
                          "TrivialAugmentWide", "GaussianBlur", "AugMix", "TrivialAugmentWide given a tensor")
         assert run["batch_reads"] == (name in on_batch_path), (name, run)

@@ -46,7 +46,7 @@ def test_the_kernels_resize_bicubic_and_a_drawn_mode_as_the_per_image_geometry()
             stage = DD.DecodeStage(torch.device("cpu"), plan, DD.HostDecoder(), "raise", str)
             imgs, recs = [], []
             for k in range(8):
-                H, W = int(rng.integers(6, 110)), int(rng.integers(6, 110))
+                H, W = int(rng.integers(6, 64)), int(rng.integers(6, 64))
                 h, w = int(rng.integers(1, H + 1)), int(rng.integers(1, W + 1))
                 t, l = int(rng.integers(0, H - h + 1)), int(rng.integers(0, W - w + 1))
                 imgs.append(torch.from_numpy(rng.integers(0, 256, (3, H, W), dtype=np.uint8)))
@@ -95,7 +95,7 @@ def test_the_kernels_rows_are_the_per_image_geometrys():
             oh, ow = plan.size
             imgs, recs = [], []
             for k in range(n):
-                H, W = int(rng.integers(6, 110)), int(rng.integers(6, 110))
+                H, W = int(rng.integers(6, 64)), int(rng.integers(6, 64))
                 if hwc and k % 2:
                     img = torch.from_numpy(rng.integers(0, 256, (H, W, 3), dtype=np.uint8)).permute(2, 0, 1)
                 else:
@@ -242,7 +242,7 @@ def test_the_kernels_tail_is_the_device_tails_arithmetic_bit_for_bit(kind):
         rng = np.random.default_rng(9)
         imgs, recs = [], []
         for k in range(5):
-            H, W = int(rng.integers(20, 90)), int(rng.integers(20, 90))
+            H, W = int(rng.integers(18, 44)), int(rng.integers(18, 44))
             imgs.append(torch.from_numpy(rng.integers(0, 256, (3, H, W), dtype=np.uint8)))
             recs.append([0, H, W, 0, 0, H, W, 17, 19, 0, 0, 17, 19, k % 2, 0, 0, k, 3])
         items = [(j, a, r) for j, (a, r) in enumerate(zip(imgs, recs))]
