@@ -125,12 +125,13 @@ def pytest_configure(config):
 # these go first and the many short modules fill in around them (setup.cfg
 # turns off xdist's own order, by number of tests, which put them last).
 LONG_MODULES = [
-    "test_benchmarks.py", "test_share.py", "test_benchmarks_sharing.py", "test_daemon_robust.py", "test_peers.py",
-    "test_share_code.py", "test_daemon_pool.py", "test_cache_lifetime.py", "test_pipeline_lifetime.py",
-    "test_analyze.py", "test_resume.py", "test_readme.py", "test_torchvision.py", "test_conformance.py",
-    "test_worker_device_state.py", "test_share_pins.py", "test_seed_agreement.py", "test_native_store.py",
-    "test_peers_protocol.py", "test_remote.py", "test_crash.py", "test_docs.py", "test_loader.py", "test_sampler.py",
-    "test_leak_fixture.py", "test_s3.py", "test_errors.py", "test_on_planes.py", "test_codeid.py", "test_cache.py",
+    "test_benchmarks.py", "test_device_geometry_kernel.py", "test_share.py", "test_benchmarks_sharing.py",
+    "test_daemon_robust.py", "test_device_policy.py", "test_daemon_pool.py", "test_peers.py", "test_share_code.py",
+    "test_resume.py", "test_analyze.py", "test_readme.py", "test_cache_lifetime.py", "test_torchvision.py",
+    "test_peers_protocol.py", "test_device_jitter.py", "test_pin.py", "test_pipeline_lifetime.py",
+    "test_conformance.py", "test_share_pins.py", "test_worker_device_state.py", "test_remote.py",
+    "test_native_store.py", "test_leak_fixture.py", "test_dropin.py", "test_seed_agreement.py", "test_sampler.py",
+    "test_s3.py",
 ]
 
 
