@@ -77,6 +77,13 @@ Recipes (``--recipes``, comma-separated; default all):
     ``crop_pct=0.95``, timm's ResNet-50 weights' settings), with
     ``torch.utils.data.DataLoader`` pointed at the loader under test while
     ``create_loader`` runs (it looks the name up when called).
+``timm_ds_augmix``
+    ``train.py --aug-splits 3 --jsd-loss --aa augmix-m3-w3`` (AugMix with
+    the JSD loss): timm's ``AugMixDataset(create_dataset(...),
+    num_splits=3)`` and ``create_loader(..., num_aug_splits=3,
+    auto_augment="augmix-m3-w3")``, otherwise as ``timm_ds_train``; each
+    sample is three views (the clean one and two through AugMix), which
+    ``fast_collate`` lays one after another: images count views.
 
 The preset classes come from ``--presets PATH``, a copy of torchvision's
 ``references/classification/presets.py`` (not shipped with coordl: fetch
@@ -130,12 +137,13 @@ CLIP_MEAN, CLIP_STD = (0.48145466, 0.4578275, 0.40821073), (0.26862954, 0.261302
 def _convert_image_to_rgb(image):
     """The conversion CLIP's preprocessing puts between its crop and ToTensor."""
     return image.convert("RGB")
+VIEWS = {"timm_ds_augmix": 3}      # the views of each sample (timm's AugMixDataset)
 POLICIES = {"": None, "_ra": "ra", "_ta": "ta_wide", "_augmix": "augmix"}
 RECIPES = ([f"train_{v}{p}" for p in POLICIES for v in ("v1", "v2")]
            + ["train_v1_tensor_ta", "train_v2_tensor_ta", "train_v1_tensor_bicubic"]
            + ["eval_v1", "eval_v2", "eval_weights", "clip_eval"]
            + ["timm_train", "timm_train_script", "timm_train_cj_prob", "timm_train_aa", "timm_eval"]
-           + ["timm_ds_train", "timm_ds_eval", "food101_train", "food101_eval", "cifar10_v1", "cifar10_v2", "mnist"]
+           + ["timm_ds_train", "timm_ds_eval", "timm_ds_augmix", "food101_train", "food101_eval", "cifar10_v1", "cifar10_v2", "mnist"]
            + ["cifar_v1", "cifar_v2"])
 
 
@@ -217,10 +225,15 @@ def build(recipe: str, root: str, size: int, presets, cls, batch_size: int, work
     if recipe.startswith("timm_ds"):
         from timm.data import create_dataset, create_loader
 
-        training = recipe == "timm_ds_train"
+        training = recipe != "timm_ds_eval"
         ds = create_dataset("", root=root, split="", is_training=training)
         kw = ({"interpolation": "random", "color_jitter": 0.4} if training
               else {"interpolation": "bicubic", "crop_pct": 0.95})
+        if recipe == "timm_ds_augmix":
+            from timm.data import AugMixDataset
+
+            ds = AugMixDataset(ds, num_splits=VIEWS[recipe])
+            kw.update(num_aug_splits=VIEWS[recipe], auto_augment="augmix-m3-w3")
         torch_loader = torch.utils.data.DataLoader
         torch.utils.data.DataLoader = cls
         try:
@@ -309,13 +322,16 @@ def build(recipe: str, root: str, size: int, presets, cls, batch_size: int, work
     return ds, cls(ds, batch_size=batch_size, sampler=SequentialSampler(ds), num_workers=workers, pin_memory=True)
 
 
-def _each_once(ds, labels: torch.Tensor, batch_size: int, drop_last: bool) -> bool:
+def _each_once(ds, labels: torch.Tensor, batch_size: int, drop_last: bool, views: int = 1) -> bool:
     """An epoch's ``labels`` are the dataset's targets, each sample at most
-    once, all of them but a dropped last partial batch's."""
+    once (in each of its ``views``), all of them but a dropped last partial
+    batch's."""
+    ds = getattr(ds, "dataset", ds) if views > 1 else ds     # timm's AugMixDataset wraps its ImageDataset
     targets = ds.targets if hasattr(ds, "targets") else [t for _, t in ds.reader.samples]   # timm's reader
     targets = targets.tolist() if isinstance(targets, torch.Tensor) else targets
     n = len(targets) // batch_size * batch_size if drop_last else len(targets)
-    return len(labels) == n and not collections.Counter(labels.tolist()) - collections.Counter(targets)
+    want = collections.Counter({t: views * c for t, c in collections.Counter(targets).items()})
+    return len(labels) == views * n and not collections.Counter(labels.tolist()) - want
 
 
 def run(args) -> dict:
@@ -339,7 +355,8 @@ def run(args) -> dict:
                     count, _sec, lab = common.epoch(loader)
                     n += count
                     labels.append(lab)
-                    once = once and _each_once(ds, lab, args.batch_size, recipe == "timm_ds_train")
+                    once = once and _each_once(ds, lab, args.batch_size, recipe in ("timm_ds_train", "timm_ds_augmix"),
+                                               VIEWS.get(recipe, 1))
                 sec = time.perf_counter() - t0
                 inner = getattr(loader, "loader", loader)       # timm's PrefetchLoader holds the DataLoader
                 path = (lambda s: f"{s.path}: {s.path_reason}")(inner.stats()) if name == "coordl" else "torch"

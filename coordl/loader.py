@@ -457,6 +457,11 @@ class DataLoader(_TorchDataLoader[_T_co]):
                 f"decode='device' decodes the JPEG files of a batch on the device, but {dataset._source}'s images "
                 "are already decoded, in an array in memory: there is nothing to decode. Pass device= without "
                 "decode='device' (the device split: uint8 images travel and are converted on the device)")
+        if getattr(dataset, "views_after_transform", False):
+            raise ValueError(
+                f"decode='device' decodes each image of a batch on the device into one tensor, but "
+                f"{dataset._source} makes several views of each image after its transform, on the CPU. Pass "
+                "device= without decode='device' (the batches are copied to the device), or use decode='cpu'")
         if not self._auto_collation:
             raise ValueError(
                 "decode='device' needs batches (a batch_size or a batch_sampler: the device stage decodes the "
@@ -746,6 +751,8 @@ class DataLoader(_TorchDataLoader[_T_co]):
                              f"be run on coordl's pipeline, where the loader runs it ({decision.reason if decision else ''})"
                              ": give it a callable, or make a new DataLoader")
         self.dataset.transform, self.dataset.target_transform = adapted.transform, adapted.target_transform
+        if hasattr(adapted, "_mix"):     # timm's AugMixDataset: its augmentation, normalize and views too
+            self.dataset._mix = adapted._mix
         self._tv_source = (ds, _transforms_seen(ds), draft)
         self._tv_set = self.dataset.transform
         record_path(self, decision)
@@ -1095,12 +1102,15 @@ def _transforms_seen(ds) -> tuple:
     target_transform objects, and their descriptions (their parameters:
     ``coordl.transforms.spec_of``), so that one assigned anew or changed in
     place reads as changed; and its joint ``transforms`` object (what
-    ``Places365`` and ``OxfordIIITPet`` apply)."""
+    ``Places365`` and ``OxfordIIITPet`` apply); for timm's ``AugMixDataset``
+    (which has no target_transform of its own), its augmentation,
+    normalize and number of views."""
     from .transforms import spec_of
 
-    t, tt = ds.transform, ds.target_transform
+    t, tt = ds.transform, getattr(ds, "target_transform", None)
     return (id(t), spec_of(t) if t is not None else None, id(tt), spec_of(tt) if tt is not None else None,
-            id(getattr(ds, "transforms", None)))
+            id(getattr(ds, "transforms", None)), id(getattr(ds, "augmentation", None)),
+            id(getattr(ds, "normalize", None)), getattr(ds, "num_splits", None))
 
 
 # DataLoader.__init__'s parameters, torch's and coordl's

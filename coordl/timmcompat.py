@@ -21,14 +21,24 @@ logged on timm's logger, and the next index's sample delivered in its
 place, up to the dataset's retry count, after which ``RuntimeError`` says
 so.  The sample's draws stay those of its own (seed, epoch, index).
 
+timm's ``AugMixDataset`` (its ``train.py`` with ``--aug-splits``, for
+AugMix with the JSD loss) over such a dataset runs as
+:class:`TimmAugMixFolder`: the folder's sample as above (the transform it
+holds, the first of the three ``create_transform(..., separate=True)``
+makes, translated and fused), then ``AugMixDataset``'s own
+``__getitem__``, as written, on that sample: the clean view normalized, and
+``num_splits - 1`` views through its ``augmentation`` then normalized.
+
 Anything else stays on torch's machinery, the reason in
 ``loader.stats().path_reason``: another reader (a tar file, Hugging Face,
 TFDS, WebDataset), a subclass that overrides ``__getitem__`` or
-``__len__``, ``additional_features``.  Nothing here imports timm: its
-classes are recognized by module and name.
+``__len__``, ``additional_features``, an ``AugMixDataset`` over any other
+dataset.  Nothing here imports timm: its classes are recognized by module
+and name.
 """
 from __future__ import annotations
 
+import copy
 import functools
 import io
 import logging
@@ -41,15 +51,39 @@ from PIL import Image
 from .base.foreign import class_named, why_not_callable, why_overridden
 from .datasets import TwoStageFolder, pil_loader
 
-__all__ = ["TimmImageFolder", "is_timm_dataset", "why_not"]
+__all__ = ["TimmAugMixFolder", "TimmImageFolder", "is_timm_augmix", "is_timm_dataset", "why_not", "why_not_augmix"]
 
 _DATASET = ("timm.data.dataset", "ImageDataset")
+_AUGMIX = ("timm.data.dataset", "AugMixDataset")
 _READER = ("timm.data.readers.reader_image_folder", "ReaderImageFolder")
 
 
 def is_timm_dataset(obj: Any) -> bool:
     """``obj`` is timm's ``ImageDataset`` or a subclass of it."""
     return class_named(type(obj), *_DATASET) is not None
+
+
+def is_timm_augmix(obj: Any) -> bool:
+    """``obj`` is timm's ``AugMixDataset`` or a subclass of it."""
+    return class_named(type(obj), *_AUGMIX) is not None
+
+
+def why_not_augmix(mix: Any) -> str | None:
+    """Why timm's ``AugMixDataset`` ``mix`` cannot run on coordl's pipeline
+    (the dataset it wraps aside: :func:`why_not`), or None."""
+    cls = type(mix)
+    why = why_overridden(cls, class_named(cls, *_AUGMIX))
+    if why is not None:
+        return why
+    splits = getattr(mix, "num_splits", None)
+    if isinstance(splits, bool) or not isinstance(splits, int) or splits < 1:
+        return f"its num_splits is {splits!r}, not a whole number of views"
+    if splits > 1 and not callable(getattr(mix, "augmentation", None)):
+        return "it has no augmentation for its augmented views (its transform was not set to three transforms)"
+    if not is_timm_dataset(getattr(mix, "dataset", None)):
+        return (f"it wraps {type(getattr(mix, 'dataset', None)).__name__}, not timm's ImageDataset of a folder, "
+                "which is what coordl reads under it")
+    return None
 
 
 def why_not(ds: Any) -> str | None:
@@ -183,3 +217,66 @@ class TimmImageFolder(TwoStageFolder):
     def filenames(self, basename: bool = False, absolute: bool = False) -> list[str]:
         """:meth:`filename` of every sample, in order."""
         return [self.filename(i, basename, absolute) for i in range(len(self))]
+
+
+class _Prepared:
+    """Stands for the dataset inside ``AugMixDataset.__getitem__``: what
+    coordl's folder prepared for the index, handed back as is."""
+
+    __slots__ = ("sample",)
+
+    def __init__(self, sample: tuple) -> None:
+        self.sample = sample
+
+    def __getitem__(self, index: int) -> tuple:
+        return self.sample
+
+    def __len__(self) -> int:
+        return 1
+
+
+class TimmAugMixFolder(TimmImageFolder):
+    """timm's ``AugMixDataset`` over an ``ImageDataset`` of a folder (see
+    the module's docstring): :class:`TimmImageFolder`'s sample, then the
+    wrapper's own ``__getitem__`` on it, with its ``augmentation``,
+    ``normalize`` and ``num_splits``.  All of a sample's draws (the fused
+    crop and flip, each view's augmentation) come from its (seed, epoch,
+    index).  Keeps a copy of the wrapper without the dataset it wraps.
+
+    ``decode="device"`` and the device split do not apply: each sample is
+    several views, made on the CPU."""
+
+    #: the sample is more than the transform's output: no device split
+    views_after_transform = True
+
+    def __init__(self, mix: Any, transform: Any):
+        super().__init__(mix.dataset, transform)
+        self._mix = copy.copy(mix)      # timm's own object, its __getitem__ run as written
+        self._mix.__dict__["dataset"] = None
+        self._source = f"{type(mix).__name__} of {self._source}"
+
+    @property
+    def num_splits(self) -> int:
+        """The views of each sample: the clean one and ``num_splits - 1`` augmented."""
+        return self._mix.num_splits
+
+    @property
+    def augmentation(self) -> Any:
+        return self._mix.augmentation
+
+    @property
+    def normalize(self) -> Any:
+        return self._mix.normalize
+
+    def _prep(self, raw, index: int):
+        from .transforms import seeded_for
+
+        mix = self._mix
+        with seeded_for(self.transform, self.target_transform, self._decode, mix.augmentation, mix.normalize):
+            return self._prep_seeded(raw, index)
+
+    def _prep_seeded(self, raw, index: int):
+        sample = super()._prep_seeded(raw, index)
+        mix = copy.copy(self._mix)
+        mix.__dict__["dataset"] = _Prepared(sample)
+        return type(mix).__getitem__(mix, index)

@@ -2766,6 +2766,11 @@ def adapt(dataset: Any, jpeg_draft: bool = False) -> tuple[Any, Decision | None]
     ``jpeg_draft``: the loader's option of that name (see :func:`translate`)."""
     if timmcompat.is_timm_dataset(dataset):
         return _adapt_timm(dataset, jpeg_draft)
+    if timmcompat.is_timm_augmix(dataset):
+        why = timmcompat.why_not_augmix(dataset)
+        if why is not None:
+            return dataset, Decision("torch", f"timm's {type(dataset).__name__}: {why}")
+        return _adapt_timm(dataset.dataset, jpeg_draft, mix=dataset)
     base = _arrays_base(dataset)
     if base is not None:
         return _adapt_arrays(dataset, base, jpeg_draft)
@@ -2881,12 +2886,16 @@ def describe_adapted(given: Any, transform: Any, fused: tuple, as_written: tuple
     return what
 
 
-def _adapt_timm(dataset: Any, jpeg_draft: bool) -> tuple[Any, Decision]:
+def _adapt_timm(dataset: Any, jpeg_draft: bool, mix: Any = None) -> tuple[Any, Decision]:
     """:func:`adapt` of timm's ``ImageDataset`` (``coordl.timmcompat``):
     its RGB images' transform translated as a torchvision folder's, any
-    other's run as written."""
+    other's run as written.  ``mix``: timm's ``AugMixDataset`` wrapping
+    ``dataset`` (:class:`~coordl.timmcompat.TimmAugMixFolder`)."""
     why = timmcompat.why_not(dataset)
     if why is not None:
+        if mix is not None:
+            why = f"timm's {type(mix).__name__} over {type(dataset).__name__}: {why}"
+            dataset = mix
         return dataset, Decision("torch", why)
     rgb = getattr(dataset, "input_img_mode", "RGB") == "RGB" and not getattr(dataset, "load_bytes", False)
     if rgb or dataset.transform is None:
@@ -2894,9 +2903,11 @@ def _adapt_timm(dataset: Any, jpeg_draft: bool) -> tuple[Any, Decision]:
     else:
         transform, fused, as_written, through = dataset.transform, (), (_name(dataset.transform),), []
     try:
-        adapted = timmcompat.TimmImageFolder(dataset, transform)
+        adapted = timmcompat.TimmImageFolder(dataset, transform) if mix is None else \
+            timmcompat.TimmAugMixFolder(mix, transform)
     except (TypeError, ValueError) as e:
-        return dataset, Decision("torch", f"its reader's samples are not (path, class index) pairs ({e})")
+        return dataset if mix is None else mix, \
+            Decision("torch", f"its reader's samples are not (path, class index) pairs ({e})")
     if rgb:
         what = describe_adapted(dataset.transform, transform, fused, as_written, through, jpeg_draft)
     else:
@@ -2906,6 +2917,14 @@ def _adapt_timm(dataset: Any, jpeg_draft: bool) -> tuple[Any, Decision]:
         if jpeg_draft:
             what += "; jpeg_draft=True has no effect: coordl decodes only RGB images itself"
     reason = f"timm's {type(dataset).__name__} read as raw file bytes, decoded by coordl; {what}"
+    if mix is not None:
+        def named(t):
+            steps = getattr(t, "transforms", None)
+            return f"{_name(t)}({', '.join(map(_name, steps))})" if isinstance(steps, (list, tuple)) else _name(t)
+        views = f"the clean view and {mix.num_splits - 1} through {named(mix.augmentation)}" \
+            if mix.num_splits > 1 else "the clean view"
+        reason = (f"timm's {type(mix).__name__} over {reason}; then its own __getitem__ as written: {views}, "
+                  f"each through {named(mix.normalize) if mix.normalize is not None else 'no normalize'}")
     return adapted, Decision("coordl", reason, fused, as_written)
 
 

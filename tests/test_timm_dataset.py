@@ -265,3 +265,141 @@ def test_a_pass_resumed_mid_epoch_delivers_the_rest_exactly(photos, num_workers)
     b = make()
     b.load_state_dict(state)
     assert equal(head + batches(b), whole)
+
+
+# -- timm's AugMixDataset (train.py --aug-splits N): several views of each sample ----------------------------
+
+def augmix_folder(root, splits=3, size=32, **kw):
+    from timm.data import AugMixDataset
+
+    mix = AugMixDataset(timm_folder(root, is_training=True), num_splits=splits)
+    mix.transform = create_transform(size, is_training=True, separate=True, **kw)
+    return mix
+
+
+def view_batches(loader):
+    return [([v.clone() for v in x], y.clone()) for x, y in loader]
+
+
+def views_equal(a, b):
+    return len(a) == len(b) and all(len(p[0]) == len(q[0]) and all(torch.equal(u, v) for u, v in zip(p[0], q[0]))
+                                    and torch.equal(p[1], q[1]) for p, q in zip(a, b))
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_timms_augmix_dataset_runs_on_coordls_pipeline_with_torchs_batch_structure(photos, num_workers):
+    mix = augmix_folder(photos, auto_augment="augmix-m3-w3")
+    L = coordl.DataLoader(mix, batch_size=8, num_workers=num_workers, seed=3)
+    s = L.stats()
+    assert s.path == "coordl", s.path_reason
+    assert s.path_reason.startswith("timm's AugMixDataset over timm's ImageDataset read as raw file bytes"), s.path_reason
+    assert "fused RandomResizedCropAndInterpolation, RandomHorizontalFlip" in s.path_reason
+    assert "the clean view and 2 through Compose(AugMixAugment), each through Compose(MaybeToTensor, Normalize)" \
+        in s.path_reason, s.path_reason
+    got = view_batches(L)
+    want = view_batches(torch.utils.data.DataLoader(mix, batch_size=8))
+    assert len(got) == len(want)
+    for (gx, gy), (wx, wy) in zip(got, want):
+        assert type(gx) is type(wx) and len(gx) == len(wx) == 3
+        assert [(v.shape, v.dtype) for v in gx] == [(v.shape, v.dtype) for v in wx]
+        assert torch.equal(gy, wy)
+        assert not torch.equal(gx[0], gx[1]) and not torch.equal(gx[1], gx[2])    # each view drawn apart
+    again = coordl.DataLoader(augmix_folder(photos, auto_augment="augmix-m3-w3"), batch_size=8, seed=3,
+                              num_workers=2 - num_workers)
+    assert views_equal(view_batches(again), got)        # (seed, epoch, index), whatever the workers
+
+
+def test_timms_augmix_views_are_the_folders_sample_then_its_augmentation(photos):
+    """The clean view is what coordl's folder gives with the first transform
+    then normalize; a view through an augmentation that draws nothing is
+    that folder's sample with the augmentation between them."""
+    from torchvision import transforms as V
+
+    mix = augmix_folder(photos)
+    first, _, last = create_transform(32, is_training=True, separate=True)
+    mix.augmentation = V.Compose([V.Grayscale(3), V.RandomVerticalFlip(1.0)])   # draws nothing
+    got = view_batches(coordl.DataLoader(mix, batch_size=6, shuffle=True, seed=8))
+    clean = timm_folder(photos, is_training=True)
+    clean.transform = V.Compose(list(first.transforms) + list(last.transforms))
+    through = timm_folder(photos, is_training=True)
+    through.transform = V.Compose(list(first.transforms) + list(mix.augmentation.transforms) + list(last.transforms))
+    want0 = batches(coordl.DataLoader(clean, batch_size=6, shuffle=True, seed=8))
+    want1 = batches(coordl.DataLoader(through, batch_size=6, shuffle=True, seed=8))
+    assert len(got) == len(want0) == len(want1)
+    for (x, y), (c, cy), (t, ty) in zip(got, want0, want1):
+        assert torch.equal(y, cy) and torch.equal(y, ty)
+        assert torch.equal(x[0], c) and torch.equal(x[1], t) and torch.equal(x[2], t)
+
+
+def test_timms_augmix_dataset_in_timms_create_loader_with_its_prefetcher(photos, monkeypatch):
+    """timm's train.py with --aug-splits: ``create_loader`` sets the three
+    transforms and collates the views with ``fast_collate`` (one batch, the
+    views one after another)."""
+    from timm.data import AugMixDataset
+
+    monkeypatch.setattr(torch.utils.data, "DataLoader", coordl.DataLoader)
+    mix = AugMixDataset(timm_folder(photos, is_training=True), num_splits=2)
+    loader = create_loader(mix, input_size=(3, 32, 32), batch_size=6, is_training=True, num_aug_splits=2,
+                           num_workers=2, device=torch.device("cpu"))
+    assert isinstance(loader.loader, coordl.DataLoader) and loader.loader.stats().path == "coordl", \
+        loader.loader.stats().path_reason
+    x, y = next(iter(loader))
+    assert x.shape == (12, 3, 32, 32) and y.shape == (12,) and torch.equal(y[:6], y[6:])
+
+
+def test_timms_augmix_dataset_on_the_device(photos, cpu_device):
+    mix = augmix_folder(photos)
+    with pytest.raises(ValueError, match="several views of each image after its transform"):
+        coordl.DataLoader(mix, batch_size=8, device="cpu", decode="device")
+    L = coordl.DataLoader(mix, batch_size=8, device="cpu", seed=1)
+    got = view_batches(L)
+    assert L.stats().device_split.startswith("not split (TimmAugMixFolder's samples are several views")
+    assert views_equal(got, view_batches(coordl.DataLoader(augmix_folder(photos), batch_size=8, seed=1)))
+
+
+def test_timms_augmix_dataset_over_what_coordl_cannot_read_stays_on_torchs_machinery(photos):
+    from timm.data import AugMixDataset
+
+    mix = AugMixDataset(D.ImageFolder(photos), num_splits=2)
+    mix.transform = create_transform(32, is_training=True, separate=True)
+    s = coordl.DataLoader(mix, batch_size=4).stats()
+    assert s.path == "torch" and "AugMixDataset: it wraps ImageFolder, not timm's ImageDataset" in s.path_reason
+
+    class Own(AugMixDataset):
+        def __getitem__(self, i):
+            return super().__getitem__(i)
+
+    s = coordl.DataLoader(Own(timm_folder(photos), num_splits=2), batch_size=4).stats()
+    assert s.path == "torch" and "Own overrides __getitem__" in s.path_reason
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_timms_augmix_pass_resumed_mid_epoch_delivers_the_rest_exactly(photos, num_workers):
+    def make():
+        return coordl.DataLoader(augmix_folder(photos, auto_augment="augmix-m3-w3"), batch_size=4, shuffle=True,
+                                 seed=6, num_workers=num_workers)
+
+    whole = view_batches(make())
+    a = make()
+    it = iter(a)
+    head = [([v.clone() for v in x], y.clone()) for x, y in (next(it), next(it), next(it))]
+    state = a.state_dict()
+    del it
+    b = make()
+    b.load_state_dict(state)
+    assert views_equal(head + view_batches(b), whole)
+
+
+def test_timms_augmix_jobs_sharing_prep_get_what_they_get_alone(photos, daemon_env):
+    """The node daemon's workers unpickle timm's augmentation and
+    normalize, which import torchvision as a plain interpreter does: where
+    that fails (torchvision's wheel beside torch's CPU build,
+    tests/_torchvision.py) the job warns and prepares for itself."""
+    import subprocess
+
+    if subprocess.run([sys.executable, "-c", "import torchvision"], capture_output=True).returncode != 0:
+        pytest.skip("torchvision does not import in a plain interpreter here, as the daemon's workers import it")
+    alone = view_batches(coordl.DataLoader(augmix_folder(photos), batch_size=8, seed=4))
+    L = coordl.DataLoader(augmix_folder(photos), batch_size=8, seed=4, share=True)
+    assert views_equal(view_batches(L), alone)
+    assert L.stats().samples_shared > 0, L.stats()
