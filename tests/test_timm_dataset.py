@@ -403,3 +403,20 @@ def test_timms_augmix_jobs_sharing_prep_get_what_they_get_alone(photos, daemon_e
     L = coordl.DataLoader(augmix_folder(photos), batch_size=8, seed=4, share=True)
     assert views_equal(view_batches(L), alone)
     assert L.stats().samples_shared > 0, L.stats()
+
+
+def test_timms_augmix_transforms_assigned_after_the_loader_is_made_run_at_the_next_pass(photos):
+    from torchvision import transforms as V
+
+    mix = augmix_folder(photos, splits=2)
+    L = coordl.DataLoader(mix, batch_size=10, seed=2)
+    assert [v.shape[-1] for v in next(iter(L))[0]] == [32, 32]
+    mix.transform = create_transform(24, is_training=True, separate=True)     # as create_loader sets them
+    assert [v.shape[-1] for v in next(iter(L))[0]] == [24, 24]
+    mix.augmentation = V.Compose([V.Grayscale(3)])
+    x, _ = next(iter(L))
+    mean, std = torch.tensor([0.485, 0.456, 0.406]), torch.tensor([0.229, 0.224, 0.225])    # timm's normalize
+    pixels = [v * std[:, None, None] + mean[:, None, None] for v in x]
+    assert torch.allclose(pixels[1][:, 0], pixels[1][:, 1], atol=1e-5)        # gray: every channel the same
+    assert not torch.allclose(pixels[0][:, 0], pixels[0][:, 1], atol=1e-5)
+    assert "the clean view and 1 through Compose(Grayscale)" in L.stats().path_reason, L.stats().path_reason
