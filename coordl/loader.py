@@ -782,9 +782,15 @@ class DataLoader(_TorchDataLoader[_T_co]):
         bucket = self._counters.begin_pass(epoch, resumed=start > 0 or bool(skip))
         if self._device is not None and type(self._mode) is not PipelineMode:
             self._split_for_pass()   # nothing split: stats() says why
+        prev = p.owner() if p.owner is not None else None
         inner = self._mode.start_pass(self, epoch, start, skip)
         ff = start if self._dataset_kind == _DatasetKind.Iterable else 0
         it = _LoaderIter(self, inner, epoch, ff, start, skip, bucket)
+        if prev is not None and self.persistent_workers and type(self._mode) is PipelineMode:
+            # torch's iter() of a loader with persistent workers resets and returns its one iterator: an
+            # earlier one the user still holds is that same object, and goes on with the new pass (the
+            # pool's batches are now the new pass's; read through the old one, they would never reach it)
+            prev._successor = it
         p.owner = weakref.ref(it)
         return it
 

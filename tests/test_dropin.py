@@ -103,6 +103,41 @@ def test_shutdown_persistent_workers_next_pass_works(persistent):
     assert len(list(L)) == 6 and len(list(L2)) == 6
 
 
+def test_an_earlier_iterator_used_after_a_new_pass_began_behaves_as_torchs():
+    """``a = iter(L); next(a); b = iter(L); next(b)``, then ``a`` read to
+    its end: torch's iter() of a loader with persistent workers resets and
+    returns its one iterator, so ``a`` goes on with ``b``'s pass (15 more
+    batches, ``b`` then done); without them the two passes are apart (15
+    and 16).  coordl's ``a`` read the pool's batches meant for ``b``, which
+    then waited for them forever."""
+    from coordl.testing import run_in_child
+
+    code = """
+import sys
+import torch
+from torch.utils.data.dataloader import DataLoader as Torch
+import coordl
+sys.path.insert(0, {tests!r})
+from toydata import TwoStageToy
+for persistent in (False, True):
+    for cls in (Torch, coordl.DataLoader):
+        L = cls(TwoStageToy(64), batch_size=4, num_workers=1, persistent_workers=persistent)
+        a = iter(L)
+        first = next(a)[0][:, 0]
+        b = iter(L)
+        second = next(b)[0][:, 0]
+        rest_a = [x[:, 0] for x, _ in a]
+        rest_b = [x[:, 0] for x, _ in b]
+        labels = sorted(torch.cat([second] + (rest_a if persistent else []) + rest_b).tolist())
+        print("ROW", persistent, cls.__module__.split(".")[0], len(rest_a), len(rest_b), labels == list(range(64)))
+"""
+    r = run_in_child(code.format(tests=os.path.dirname(os.path.abspath(__file__))), timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = [line.split()[1:] for line in r.stdout.splitlines() if line.startswith("ROW ")]
+    assert rows == [["False", "torch", "15", "15", "True"], ["False", "coordl", "15", "15", "True"],
+                    ["True", "torch", "15", "0", "True"], ["True", "coordl", "15", "0", "True"]], r.stdout
+
+
 def _nested_collate(samples):
     return torch.nested.nested_tensor(list(samples))
 

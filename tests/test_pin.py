@@ -287,6 +287,39 @@ print("OK", len(seen))
     assert r.returncode == 0 and "OK 6" in r.stdout, (r.returncode, r.stderr[-3000:])
 
 
+def test_an_iterator_whose_pass_a_newer_one_ended_says_so(tmp_path):
+    """With device= (a pin thread per pass) a loader runs one pass at a
+    time: an earlier iterator read after ``iter(loader)`` began another pass
+    says why it ended, and the newer pass delivers every batch."""
+    from coordl.synth import make_image_folder
+    from coordl.testing import run_in_child
+
+    root = make_image_folder(str(tmp_path / "photos"), num_images=40, num_classes=2, mean_kb=4,
+                             image_size=(64, 48), seed=5)
+    code = f"""
+import coordl
+from coordl import transforms as T
+from coordl.device import delivery as D
+D.CPU_TEST_DEVICE = True
+ds = coordl.ImageFolder({root!r}, T.Compose([T.RandomResizedCrop(32), T.ToTensor()]))
+for decode in ("cpu", "device"):
+    L = coordl.DataLoader(ds, batch_size=4, num_workers=1, device="cpu", decode=decode, seed=0)
+    a = iter(L)
+    next(a)
+    b = iter(L)
+    next(b)
+    try:
+        next(a)
+    except RuntimeError as e:
+        print("OLD", decode, "newer pass of the same loader began" in str(e))
+    print("NEW", decode, 1 + sum(1 for _ in b))
+"""
+    r = run_in_child(code, timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert [x for x in r.stdout.splitlines() if x.startswith(("OLD", "NEW"))] == \
+        ["OLD cpu True", "NEW cpu 10", "OLD device True", "NEW device 10"], r.stdout
+
+
 def test_a_loader_in_a_thread_that_outlives_the_main_one_is_not_stopped(tmp_path):
     """The stop at the interpreter's exit runs after Python has joined the
     non-daemon threads: a training thread still iterating when the main

@@ -265,6 +265,11 @@ class PinThread:
             except queue.Empty:
                 if not self._thread.is_alive() and self._q.empty():
                     self._ended = True
+                    if self._stop.is_set():     # stopped from outside: a newer pass of the loader began
+                        raise RuntimeError(
+                            "coordl: this iterator's pass ended when a newer pass of the same loader began "
+                            "(iter(loader) again): with device= or pin_memory a loader runs one pass at a time; "
+                            "take the batches from the newest iterator, or give each pass a loader of its own")
                     name = self._thread.name
                     hint = ("; pass pin_memory=False to deliver unpinned batches" if name == "coordl-pin-memory"
                             else "")

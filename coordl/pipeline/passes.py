@@ -213,14 +213,21 @@ class _LoaderIter:
         self._pass_samples = 0     # this pass's own samples and wait, for the bar
         self._pass_wait = 0.0
         self._start_done = start + len(skip)   # steps of the epoch done before this pass
+        # the iterator of a newer pass over the same persistent workers (DataLoader.__iter__): this one then
+        # is that one, as torch's iter() returns its one iterator reset
+        self._successor: _LoaderIter | None = None
 
     def __iter__(self) -> "_LoaderIter":
         return self
 
     def __len__(self) -> int:
+        if self._successor is not None:
+            return len(self._successor)
         return len(self._inner)
 
     def __next__(self) -> Any:
+        if self._successor is not None:
+            return next(self._successor)
         L = self._loader
         counters = L._counters
         clock = time.perf_counter
@@ -334,6 +341,8 @@ class _LoaderIter:
 
     def _shutdown_workers(self) -> None:
         """Stop this pass's worker processes now (torch's name); the pass ends."""
+        if self._successor is not None:
+            return self._successor._shutdown_workers()
         self._stopped = True
         inner = self._inner
         fn = getattr(inner, "shutdown_workers", None) or getattr(inner, "_shutdown_workers", None)
