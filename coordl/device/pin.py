@@ -308,4 +308,5 @@ class PinThread:
         _halt(self._stop, self._q)
         self._ended = True
         self._thread.join(_STOP_WAIT)
+        _halt(self._stop, self._q)      # what it put between its check of the flag and its end
         self._inner.shutdown_workers()

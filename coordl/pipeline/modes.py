@@ -174,6 +174,8 @@ class PipelineMode:
         for _, _, thread in prev or ():
             while thread.is_alive():
                 thread.join(_pin._POLL)
+        for stop, q, _ in prev or ():     # and what one put between its check of the flag and its end
+            _pin._halt(stop, q)
 
     def _pin(self, loader, inner):
         """Pin the pipeline's batches when asked (torch's machinery pins in
