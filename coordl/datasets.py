@@ -216,6 +216,12 @@ class _FolderBase(SampleTable):
             target = self.target_transform(target)
         return sample, target
 
+    def take_transforms(self, other: Any) -> None:
+        """Run from the next pass what ``other`` runs: a copy of the same
+        dataset adapted anew (``coordl.tvcompat.adapt``) after the user
+        assigned a transform to the original."""
+        self.transform, self.target_transform = other.transform, other.target_transform
+
     def describe(self, index: int) -> str:
         """The path of sample ``index``."""
         return self._path(self._check_index(index))

@@ -750,9 +750,7 @@ class DataLoader(_TorchDataLoader[_T_co]):
             raise ValueError(f"the transform or target_transform assigned to the loader's torchvision dataset cannot "
                              f"be run on coordl's pipeline, where the loader runs it ({decision.reason if decision else ''})"
                              ": give it a callable, or make a new DataLoader")
-        self.dataset.transform, self.dataset.target_transform = adapted.transform, adapted.target_transform
-        if hasattr(adapted, "_mix"):     # timm's AugMixDataset: its augmentation, normalize and views too
-            self.dataset._mix = adapted._mix
+        self.dataset.take_transforms(adapted)
         self._tv_source = (ds, _transforms_seen(ds), draft)
         self._tv_set = self.dataset.transform
         record_path(self, decision)

@@ -268,6 +268,11 @@ class TimmAugMixFolder(TimmImageFolder):
     def normalize(self) -> Any:
         return self._mix.normalize
 
+    def take_transforms(self, other: "TimmAugMixFolder") -> None:
+        """The first transform and the wrapper's augmentation, normalize and views."""
+        super().take_transforms(other)
+        self._mix = other._mix
+
     def _prep(self, raw, index: int):
         from .transforms import seeded_for
 

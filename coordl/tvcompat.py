@@ -389,6 +389,10 @@ class TorchvisionArrays:
     def __getitem__(self, index: int) -> tuple[Any, Any]:
         return self.prep(self.raw(index), index)
 
+    def take_transforms(self, other: Any) -> None:
+        """Run from the next pass what ``other`` (this dataset adapted anew) runs."""
+        self.transform, self.target_transform = other.transform, other.target_transform
+
     def describe(self, index: int) -> str:
         """``CIFAR10[i]``: where sample ``index`` is."""
         return f"{self._source}[{self._check_index(index)}]"

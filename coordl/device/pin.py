@@ -72,6 +72,23 @@ def _halt(stop: threading.Event, q: queue.Queue) -> None:
             return
 
 
+def stop_threads(halting: list, wait: float | None = None) -> None:
+    """End the threads of ``halting`` (:attr:`PinThread.halting` of each):
+    all stopped and woken first, then each joined (for ``wait`` seconds,
+    or until it ends), then their queues emptied again of what one put
+    between its check of the flag and its end."""
+    for stop, q, _ in halting:
+        _halt(stop, q)
+    for _, _, thread in halting:
+        if wait is not None:
+            thread.join(wait)
+            continue
+        while thread.is_alive():        # in steps: the main thread still takes signals
+            thread.join(_POLL)
+    for stop, q, _ in halting:
+        _halt(stop, q)
+
+
 _exit_hook = False
 
 
@@ -305,8 +322,6 @@ class PinThread:
     def shutdown_workers(self) -> None:
         # Let the pin thread leave the pool first (it stops after the batch it
         # is waiting for): closing pipes another thread is polling is unsafe.
-        _halt(self._stop, self._q)
         self._ended = True
-        self._thread.join(_STOP_WAIT)
-        _halt(self._stop, self._q)      # what it put between its check of the flag and its end
+        stop_threads([self.halting], _STOP_WAIT)
         self._inner.shutdown_workers()

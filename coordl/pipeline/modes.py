@@ -169,13 +169,7 @@ class PipelineMode:
         be waiting in the pool for a batch of its abandoned pass) must be gone
         before the next pass begins, or it could take that pass's batches."""
         prev, self._pin_prev = self._pin_prev, None
-        for stop, q, _ in prev or ():     # each woken where it waits on its full queue
-            _pin._halt(stop, q)
-        for _, _, thread in prev or ():
-            while thread.is_alive():
-                thread.join(_pin._POLL)
-        for stop, q, _ in prev or ():     # and what one put between its check of the flag and its end
-            _pin._halt(stop, q)
+        _pin.stop_threads(prev or [])
 
     def _pin(self, loader, inner):
         """Pin the pipeline's batches when asked (torch's machinery pins in
