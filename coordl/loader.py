@@ -784,10 +784,11 @@ class DataLoader(_TorchDataLoader[_T_co]):
         inner = self._mode.start_pass(self, epoch, start, skip)
         ff = start if self._dataset_kind == _DatasetKind.Iterable else 0
         it = _LoaderIter(self, inner, epoch, ff, start, skip, bucket)
-        if prev is not None and self.persistent_workers and type(self._mode) is PipelineMode:
+        if prev is not None and self.persistent_workers and isinstance(self._mode, PipelineMode):
             # torch's iter() of a loader with persistent workers resets and returns its one iterator: an
             # earlier one the user still holds is that same object, and goes on with the new pass (the
-            # pool's batches are now the new pass's; read through the old one, they would never reach it)
+            # pool's batches are now the new pass's; read through the old one, they would never reach it).
+            # With share=True the same: the new pass ended the old one's stream (ShareMode._end_last_pass)
             prev._successor = it
         p.owner = weakref.ref(it)
         return it

@@ -548,3 +548,29 @@ def test_an_unpicklable_transform_warns_with_the_remedy(photos, daemon_env):
                                          r"\(or as a class with __call__\)"):
         got = list(ld)
     assert len(got) == 6 and ld.stats().samples_shared == 0
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_an_earlier_iterator_goes_on_with_the_newer_pass_as_torchs_does(photos, daemon_env, num_workers):
+    """``a = iter(L); next(a); b = iter(L); next(b)``, then ``a`` and ``b``
+    read to their ends.  With persistent workers torch's iter() resets and
+    returns its one iterator, so ``a`` goes on with ``b``'s pass and ``b``
+    then has nothing left; without them the two passes are apart.  Sharing
+    changes neither: the batches are those of ``share=False``'s epochs."""
+    ref = reference(photos, epochs=2)
+    persistent = num_workers > 0
+    L = coordl.DataLoader(dataset(photos), batch_size=8, seed=7, share=True, num_workers=num_workers,
+                          persistent_workers=persistent)
+    a = iter(L)
+    first = next(a)
+    b = iter(L)
+    second = next(b)
+    rest_a, rest_b = list(a), list(b)
+    assert same([first], ref[0][:1])
+    if persistent:
+        assert (len(rest_a), len(rest_b)) == (5, 0)
+        assert same([second] + rest_a, ref[1])
+    else:
+        assert (len(rest_a), len(rest_b)) == (5, 5)
+        assert same(rest_a, ref[0][1:]) and same([second] + rest_b, ref[1])
+    assert L.stats().samples_shared > 0
