@@ -52,6 +52,7 @@ _STATE_VERSION = 3  # 2 added "done", 3 "dataset"; states of versions 1 and 2 st
 #: the most a loader attaching the node cache waits for the clean-ups queued before it (a dropped loader's
 #: hold, its workers' stop); past it, it attaches as things are
 _REAPER_WAIT = 10.0
+_NOT_SPLIT_SHARED = "not split (share=True: the node daemon prepares samples whole): images are converted on the CPU"
 
 
 # the keyword arguments DataLoader adds to torch's
@@ -802,15 +803,20 @@ class DataLoader(_TorchDataLoader[_T_co]):
             d = self._delivery = DeviceDelivery(self._device, tail=self._device_tail)
         return d
 
-    def _split_for_pass(self, split=None):
+    def _split_for_pass(self, split=None, dataset=None):
         """What coordl's pipeline prepares in a pass that builds its prep now
         (``split=None``: split the dataset's transform as it is now, so an
         assignment to ``dataset.transform`` takes effect at the next pass),
         or in one that reuses persistent workers (``split``: theirs).
-        Returns the split (coordl.device.Split)."""
+        ``dataset``: that of the pass, where it is not ``self.dataset`` (with
+        ``share=True``, persistent workers' copy as they started;
+        coordl.daemon.member).  Returns the split (coordl.device.Split)."""
         from .device import delivery as _dev
         from .pipeline.collate import is_default_collate
 
+        if split is None and dataset is not None:
+            # only with share=True, where nothing is split
+            split = _dev.Split(dataset, None, _NOT_SPLIT_SHARED if self._device is not None else "")
         if split is None:
             if self._device is None:
                 split = _dev.Split(self.dataset, None, "")
@@ -819,8 +825,7 @@ class DataLoader(_TorchDataLoader[_T_co]):
                                                        "raw/prep, or a sampler without a length): images are "
                                                        "converted on the CPU")
             elif type(self._mode) is not PipelineMode:
-                split = _dev.Split(self.dataset, None, "not split (share=True: the node daemon prepares "
-                                                       "samples whole): images are converted on the CPU")
+                split = _dev.Split(self.dataset, None, _NOT_SPLIT_SHARED)
             elif self._decode != "device" and (not is_default_collate(self.collate_fn) or not self._auto_collation):
                 split = _dev.Split(self.dataset, None, "not split (a collate_fn or batch_size=None: where the "
                                                        "images land is unknown): images are converted on the CPU")

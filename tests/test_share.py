@@ -574,3 +574,42 @@ def test_an_earlier_iterator_goes_on_with_the_newer_pass_as_torchs_does(photos, 
         assert (len(rest_a), len(rest_b)) == (5, 5)
         assert same(rest_a, ref[0][1:]) and same([second] + rest_b, ref[1])
     assert L.stats().samples_shared > 0
+
+
+def _four_passes(root, share, num_workers, persistent):
+    """Four passes, the transform changed before each of the last three as
+    progressive resizing changes it: in place, assigned to the dataset
+    given, assigned to ``loader.dataset``."""
+    tf = T.Compose([T.RandomResizedCrop(32), T.RandomHorizontalFlip(), T.PILToTensor()])
+    ds = coordl.ImageFolder(root, transform=tf)
+    L = coordl.DataLoader(ds, batch_size=8, seed=7, share=share, num_workers=num_workers,
+                          persistent_workers=persistent)
+    out = [list(L)]
+    tf.transforms[0].size = (24, 24)
+    out.append(list(L))
+    ds.transform = T.Compose([T.RandomResizedCrop(20), T.PILToTensor()])
+    out.append(list(L))
+    L.dataset.transform = T.Compose([T.RandomResizedCrop(16), T.RandomHorizontalFlip(), T.PILToTensor()])
+    out.append(list(L))
+    return L, out
+
+
+@pytest.mark.parametrize("num_workers,persistent", [(0, False), (2, False), (2, True)])
+def test_a_transform_changed_between_passes_is_shared_as_changed(photos, daemon_env, num_workers, persistent):
+    """A transform changed between passes (in place, or assigned) is the
+    next pass's, shared as it is then, as ``share=False`` gives it: not
+    the one the loader joined its group with, not refused as if the
+    daemon ran other code.  Persistent workers prepare with the dataset
+    they started with, as torch's do, shared or not."""
+    import warnings
+
+    _, ref = _four_passes(photos, False, num_workers, persistent)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")   # no "differs from this job's own"
+        L, got = _four_passes(photos, True, num_workers, persistent)
+    sizes = [e[0][0].shape[-1] for e in ref]
+    assert sizes == ([32] * 4 if persistent else [32, 24, 20, 16])
+    for k in range(4):
+        assert same(got[k], ref[k]), k
+    # every pass shared (each group's first sample is prepared by the job itself, for its layout)
+    assert all(e.samples_shared >= 47 for e in L.stats().epochs), [e.samples_shared for e in L.stats().epochs]

@@ -77,6 +77,10 @@ def share_requested(share) -> bool:
     return share
 
 
+def _digest(blob: bytes) -> str:
+    return hashlib.blake2b(blob, digest_size=20).hexdigest()
+
+
 def _job_name() -> str:
     name = os.environ.get("COORDL_JOB_NAME")
     if name:
@@ -102,6 +106,8 @@ class ShareMode(PipelineMode):
         self.told: set[str] = set()       # reasons of the daemon's temporary failures already warned about
         self._hung: tuple | None = None   # (socket id, when) of a daemon that did not answer
         self._last_box: list | None = None   # the latest SharedIter's pass (its _PassState, in a box)
+        self._joined: str | None = None   # the digest of the pickled dataset of the last join (and layout1)
+        self._started = None   # with persistent workers: the dataset they prepare, as they started (a copy)
 
     def start_pass(self, loader, epoch: int, start: int, skip: frozenset):
         self._stop_pin_thread()
@@ -131,6 +137,30 @@ class ShareMode(PipelineMode):
         super().adopt_seed(loader, seed)
         self.drop_link()            # the group is keyed by the seed
         self.layout1 = None
+        self._started = None        # the workers start again, with the dataset as it is then
+
+    def pass_dataset(self, loader):
+        """The dataset this pass prepares, here and in the daemon: as it is
+        now (a transform changed in place or assigned since the last pass is
+        this one's); with persistent workers, the copy made when they
+        started, as torch's persistent workers keep the dataset they were
+        started with.  Shared or not, the same samples."""
+        if not (loader.persistent_workers and loader.num_workers):
+            return loader.dataset
+        pool = self.pool
+        if pool is not None and not pool.closed:
+            return self.pool_split.dataset
+        if self._started is None:
+            try:
+                self._started = pickle.loads(pickle.dumps(loader.dataset, protocol=pickle.HIGHEST_PROTOCOL))
+            except Exception:
+                return loader.dataset   # it cannot be sent to the daemon: the workers, forked, copy it
+        return self._started
+
+    def _new_split(self, loader):
+        if loader.persistent_workers and loader.num_workers:
+            return loader._split_for_pass(dataset=self.pass_dataset(loader))
+        return super()._new_split(loader)
 
     def drop_link(self) -> None:
         if self.link is not None:
@@ -145,7 +175,7 @@ class ShareMode(PipelineMode):
 
     def reader(self, loader):
         if self._reader is None:
-            self._reader = _make_reader(loader.dataset, loader._cache, loader._peers)[0]
+            self._reader = _make_reader(self.pass_dataset(loader), loader._cache, loader._peers)[0]
         return self._reader
 
     def prep_here(self, loader, epoch: int, i: int, st: BatchStats):
@@ -159,7 +189,7 @@ class ShareMode(PipelineMode):
         st.fetch_s += time.perf_counter() - t0
         if err is None:
             st.record_read(src, len(data))
-        return prep_sample(loader.dataset, loader.seed, epoch, i, data, err, st, loader.on_error)
+        return prep_sample(self.pass_dataset(loader), loader.seed, epoch, i, data, err, st, loader.on_error)
 
     def _shared_iter(self, loader, epoch: int, start: int, skip: frozenset):
         plan = loader.plan
@@ -168,6 +198,13 @@ class ShareMode(PipelineMode):
             return None
         if self.link is not None and not self.link.alive:
             self.drop_link()
+        blob = self._blob(loader)
+        if blob is None:
+            return None
+        if self.link is not None and _digest(blob) != self._joined:
+            # the dataset changed since the group was joined (a transform changed in place or assigned, as
+            # progressive resizing does): the group of the dataset as it is now, with its own layout
+            self.drop_link()
         if self.link is None and self._hung is not None:
             from . import server
 
@@ -175,7 +212,7 @@ class ShareMode(PipelineMode):
                     and time.monotonic() - self._hung[1] < _RETRY_HUNG * _timeout()):
                 return None      # the same daemon did not answer a moment ago: not another timeout now
             self._hung = None
-        if self.link is None and not self._connect(loader, epoch, steps[0]):
+        if self.link is None and not self._connect(loader, epoch, steps[0], blob):
             return None
         try:
             return SharedIter(self, loader, epoch, steps)
@@ -185,11 +222,30 @@ class ShareMode(PipelineMode):
                           stacklevel=4)
             return None
 
-    def _connect(self, loader, epoch: int, first_step: int) -> bool:
+    def _blob(self, loader) -> bytes | None:
+        """The pass's dataset pickled for the daemon, or None (with one
+        warning, and this loader never asks again) when it cannot be."""
+        try:
+            return pickle.dumps(self.pass_dataset(loader), protocol=pickle.HIGHEST_PROTOCOL)
+        except Exception as e:
+            self.off = (f"the dataset cannot be pickled for the daemon ({type(e).__name__}: {e}): define "
+                        "every function it holds (its transform's steps included) with def at module level "
+                        "(or as a class with __call__), not as a lambda or inside another function")
+            warnings.warn(f"coordl: share=True: {self.off}; this loader prepares in the job", stacklevel=5)
+            return None
+
+    def _connect(self, loader, epoch: int, first_step: int, blob: bytes | None = None) -> bool:
         from . import server
 
         plan = loader.plan
-        ds = loader.dataset
+        ds = self.pass_dataset(loader)
+        if blob is None:
+            blob = self._blob(loader)
+            if blob is None:
+                return False
+        if _digest(blob) != self._joined:   # another dataset (or transform) than the last join's
+            self.layout1, self._first, self._reader = None, None, None
+            self._joined = _digest(blob)
         if self.layout1 is None:
             bs = plan.batch_size or 1
             pos = first_step * bs if plan.batch_size else first_step
@@ -209,14 +265,6 @@ class ShareMode(PipelineMode):
                 return False
             self.layout1 = layout
             self._first = (epoch * plan.samples_per_epoch + pos, sample, st)
-        try:
-            blob = pickle.dumps(ds, protocol=pickle.HIGHEST_PROTOCOL)
-        except Exception as e:
-            self.off = (f"the dataset cannot be pickled for the daemon ({type(e).__name__}: {e}): define "
-                        "every function it holds (its transform's steps included) with def at module level "
-                        "(or as a class with __call__), not as a lambda or inside another function")
-            warnings.warn(f"coordl: share=True: {self.off}; this loader prepares in the job", stacklevel=5)
-            return False
         try:   # the code the dataset and its transforms run: a group runs one code
             code, code_desc = identity_of(ds)
         except Exception as e:
@@ -234,7 +282,7 @@ class ShareMode(PipelineMode):
         if cache is not None:
             cache["shm_dir"] = shm_dir
         key = hashlib.blake2b(json.dumps([
-            code, fp, hashlib.blake2b(blob, digest_size=20).hexdigest(), plan.seed,
+            code, fp, self._joined, plan.seed,
             plan.shuffle, plan.rank, plan.world_size, plan.num_samples,
             plan.drop_last if plan.world_size > 1 else False, digest, shm_dir]).encode(),
             digest_size=20).hexdigest()

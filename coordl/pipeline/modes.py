@@ -240,7 +240,7 @@ class PipelineMode:
         if pool is not None and not pool.closed:
             loader._split_for_pass(self.pool_split)  # persistent workers prepare as when they started
         else:
-            split = loader._split_for_pass()
+            split = self._new_split(loader)
             cfg["base_seed"] = int(torch.empty((), dtype=torch.int64).random_(generator=loader.generator).item())
             ctx = loader.multiprocessing_context
             if ctx is None:
@@ -261,6 +261,10 @@ class PipelineMode:
             raise
         return PipelineIter(pool, order, epoch, start, loader.in_order,
                             owns_pool=not loader.persistent_workers, skip=skip)
+
+    def _new_split(self, loader):
+        """What a pass that starts its workers prepares: the dataset as it is now."""
+        return loader._split_for_pass()
 
     def _order(self, loader):
         """This pass's order: the epoch plan, or the sampler's (:meth:`sampler_order`)."""

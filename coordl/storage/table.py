@@ -87,6 +87,11 @@ class SampleTable:
     """
 
     _store = None  # an FsspecStore for URL roots (reads through obstore when it can)
+
+    def __getstate__(self) -> dict:
+        # the digests are computed when first asked and kept: a cache of this process's, never part of what
+        # travels or is compared (share=True keys its group by the pickled dataset, at every pass)
+        return {**self.__dict__, "_fingerprint": None, "_sample_digest": None}
     # -- storage ----------------------------------------------------------
 
     def _set_table(self, prefix: str, names: list[bytes], targets, sizes, mtimes, versions=None) -> None:
