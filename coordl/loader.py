@@ -267,6 +267,7 @@ class DataLoader(_TorchDataLoader[_T_co]):
             if tv_decision is not None and tv_decision.path == "coordl" else None
         # the translated transform coordl set on its copy: another one there was assigned by the user
         self._tv_set = dataset.transform if self._tv_source is not None else None
+        self._tv_assigned = None  # (the user's transform assigned to loader.dataset, its spec) once translated
         # by keyword: a tool that records the arguments of torch's __init__ to build the loader again with
         # one of them replaced (PyTorch Lightning's sampler injection, when it did not see this class's own
         # __init__) then replaces it, where positional ones would be given twice
@@ -738,10 +739,15 @@ class DataLoader(_TorchDataLoader[_T_co]):
             return
         ds, seen, draft = src
         if _transforms_seen(ds) == seen:
+            given = self._tv_assigned
+            if self.dataset.transform is self._tv_set and given is not None and _spec(given[0]) != given[1]:
+                self.dataset.transform = given[0]   # the user's assigned object, changed in place: translated again
             if self.dataset.transform is not self._tv_set:
                 from .tvcompat import follow_assigned
 
-                follow_assigned(self, draft)
+                given = self.dataset.transform
+                translated = follow_assigned(self, draft)
+                self._tv_assigned = (given, _spec(given)) if translated else None
                 self._tv_set = self.dataset.transform
             return
         from .tvcompat import adapt, record_path
@@ -754,6 +760,7 @@ class DataLoader(_TorchDataLoader[_T_co]):
         self.dataset.take_transforms(adapted)
         self._tv_source = (ds, _transforms_seen(ds), draft)
         self._tv_set = self.dataset.transform
+        self._tv_assigned = None
         record_path(self, decision)
 
     # ---------------------------------------------------------------- torch hooks
@@ -1105,6 +1112,12 @@ class DataLoader(_TorchDataLoader[_T_co]):
             return len(batch)
         except TypeError:
             return 1
+
+
+def _spec(t):
+    from .transforms import spec_of
+
+    return spec_of(t) if t is not None else None
 
 
 def _transforms_seen(ds) -> tuple:

@@ -2849,30 +2849,33 @@ def _as_folder(ds: Any, where: tuple, transform: Any, target: Any) -> Any:
                            class_to_idx=dict(getattr(ds, "class_to_idx", {}) or {}))
 
 
-def follow_assigned(loader: Any, jpeg_draft: bool) -> None:
+def follow_assigned(loader: Any, jpeg_draft: bool) -> bool:
     """A transform the user assigned to ``loader.dataset`` itself (coordl's
     copy of their torchvision dataset: under torch that would be their own
     dataset) since the last pass: a torchvision (or timm) transform, meant
     for what the dataset's own transform gets, is translated as that one is,
     so that it fuses; one of coordl's own, or of a copy coordl did not make
-    (timm's dataset's), runs as assigned.  ``path_reason`` says which."""
+    (timm's dataset's), runs as assigned.  ``path_reason`` says which.
+    True when it was translated (the loader then follows the user's object
+    changed in place, as its own transform's)."""
     mine, given = loader.dataset, loader.dataset.transform
     arrays = type(mine) is TorchvisionArrays
     if not arrays and type(mine) is not TorchvisionFolder:
-        return
+        return False
     rgb = not arrays or mine._layout != "gray"
     jpeg_draft = jpeg_draft and not arrays
     where = _read_as(mine._source, arrays)
     if given is None or type(given).__module__.split(".")[0] == "coordl":
         what = "no transform" if given is None else f"{_name(given)}, coordl's, run as assigned"
         record_path(loader, Decision("coordl", f"{where}; the transform assigned to loader.dataset: {what}"))
-        return
+        return False
     transform, fused, as_written, through = _translated(given, jpeg_draft, rgb)
     mine.transform = transform
     what = describe_translation(given, transform, fused, as_written, through) if arrays else \
         describe_adapted(given, transform, fused, as_written, through, jpeg_draft)
     record_path(loader, Decision("coordl", f"{where}; the transform assigned to loader.dataset: {what}", fused,
                                  as_written))
+    return True
 
 
 def describe_adapted(given: Any, transform: Any, fused: tuple, as_written: tuple, through: list,

@@ -633,6 +633,35 @@ def test_a_transform_assigned_to_the_loaders_dataset_is_translated_at_the_next_p
     assert next(iter(L))[0].shape == (5, 3, 6, 6) and "assigned to loader.dataset" not in L.stats().path_reason
 
 
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_transform_assigned_to_the_loaders_dataset_then_changed_in_place_is_followed(photos, workers):
+    """Progressive resizing on a transform the user assigned to
+    ``loader.dataset``, then changed in place (its crop's size set anew):
+    under torch the next pass runs it as changed; coordl's translation of
+    it, made when it was assigned, is made again from the changed object."""
+    ds = D.ImageFolder(photos, transform=V1.Compose([V1.Resize((16, 16)), V1.ToTensor()]))
+    L = coordl.DataLoader(ds, batch_size=5, num_workers=workers)
+    T_ = torch.utils.data.DataLoader(D.ImageFolder(photos, transform=ds.transform), batch_size=5,
+                                     num_workers=workers)
+    for loader in (T_, L):
+        assert next(iter(loader))[0].shape == (5, 3, 16, 16)
+    rrc = V1.RandomResizedCrop(20)
+    new = V1.Compose([rrc, V1.ToTensor()])
+    shapes = []
+    for loader in (T_, L):
+        rrc.size = (20, 20)
+        loader.dataset.transform = new
+        s = [next(iter(loader))[0].shape[-2:]]
+        rrc.size = (12, 14)
+        s.append(next(iter(loader))[0].shape[-2:])
+        new.transforms.insert(1, V1.CenterCrop((8, 6)))
+        s.append(next(iter(loader))[0].shape[-2:])
+        del new.transforms[1]
+        shapes.append(s)
+    assert shapes[0] == [(20, 20), (12, 14), (8, 6)] and shapes[1] == shapes[0], shapes
+    assert "the transform assigned to loader.dataset: fused RandomResizedCrop" in L.stats().path_reason
+
+
 def test_a_transform_changed_in_place_takes_effect_at_the_next_pass(photos):
     """Progressive resizing by changing the user's crop in place, as under
     torch: the next pass translates the transform again."""
