@@ -144,7 +144,7 @@ RECIPES = ([f"train_{v}{p}" for p in POLICIES for v in ("v1", "v2")]
            + ["eval_v1", "eval_v2", "eval_weights", "clip_eval"]
            + ["timm_train", "timm_train_script", "timm_train_cj_prob", "timm_train_aa", "timm_eval"]
            + ["timm_ds_train", "timm_ds_eval", "timm_ds_augmix", "food101_train", "food101_eval", "cifar10_v1", "cifar10_v2", "mnist"]
-           + ["cifar_v1", "cifar_v2"])
+           + ["cifar_v1", "cifar_v2", "split_train", "split_eval"])
 
 
 def _cpu() -> float:
@@ -273,6 +273,17 @@ def build(recipe: str, root: str, size: int, presets, cls, batch_size: int, work
               "timm_train_aa": {"auto_augment": "rand-m9-mstd0.5"}}.get(recipe, {})
         ds = tv.datasets.ImageFolder(root, transform=create_transform(size, is_training=training, **kw))
         return ds, cls(ds, batch_size=batch_size, shuffle=training, num_workers=workers)
+    if recipe.startswith("split_"):
+        # one folder split by torch's random_split, as many scripts make their training and validation sets
+        T1 = tv.transforms
+        training = recipe == "split_train"
+        tf = T1.Compose([T1.RandomResizedCrop(size), T1.RandomHorizontalFlip(), T1.ToTensor(), T1.Normalize(MEAN, STD)]
+                        if training else [T1.Resize(size * 256 // 224), T1.CenterCrop(size), T1.ToTensor(),
+                                          T1.Normalize(MEAN, STD)])
+        parts = torch.utils.data.random_split(tv.datasets.ImageFolder(root, tf), [0.8, 0.2],
+                                              generator=torch.Generator().manual_seed(0))
+        ds = parts[0] if training else parts[1]
+        return ds, cls(ds, batch_size=batch_size, shuffle=training, num_workers=workers)
     if recipe == "clip_eval":
         T1 = tv.transforms
         tf = T1.Compose([T1.Resize(size, interpolation=T1.InterpolationMode.BICUBIC), T1.CenterCrop(size),
@@ -327,7 +338,10 @@ def _each_once(ds, labels: torch.Tensor, batch_size: int, drop_last: bool, views
     once (in each of its ``views``), all of them but a dropped last partial
     batch's."""
     ds = getattr(ds, "dataset", ds) if views > 1 else ds     # timm's AugMixDataset wraps its ImageDataset
-    targets = ds.targets if hasattr(ds, "targets") else [t for _, t in ds.reader.samples]   # timm's reader
+    if isinstance(ds, torch.utils.data.Subset):
+        targets = [ds.dataset.targets[i] for i in ds.indices]
+    else:
+        targets = ds.targets if hasattr(ds, "targets") else [t for _, t in ds.reader.samples]   # timm's reader
     targets = targets.tolist() if isinstance(targets, torch.Tensor) else targets
     n = len(targets) // batch_size * batch_size if drop_last else len(targets)
     want = collections.Counter({t: views * c for t, c in collections.Counter(targets).items()})

@@ -263,10 +263,11 @@ class DataLoader(_TorchDataLoader[_T_co]):
         dataset, tv_decision = adapt(dataset, jpeg_draft=jpeg_draft)
         # the user's torchvision dataset, and the transforms it had when translated: one assigned to it later, or
         # changed in place, is translated at the next pass (_follow_torchvision), as torch would run it
-        self._tv_source = (source, _transforms_seen(source), jpeg_draft) \
+        # (in a Subset, the dataset inside: coordl.subsets)
+        self._tv_source = (_inner(source), _transforms_seen(_inner(source)), jpeg_draft) \
             if tv_decision is not None and tv_decision.path == "coordl" else None
         # the translated transform coordl set on its copy: another one there was assigned by the user
-        self._tv_set = dataset.transform if self._tv_source is not None else None
+        self._tv_set = _inner(dataset).transform if self._tv_source is not None else None
         self._tv_assigned = None  # (the user's transform assigned to loader.dataset, its spec) once translated
         # by keyword: a tool that records the arguments of torch's __init__ to build the loader again with
         # one of them replaced (PyTorch Lightning's sampler injection, when it did not see this class's own
@@ -738,17 +739,18 @@ class DataLoader(_TorchDataLoader[_T_co]):
         if src is None:
             return
         ds, seen, draft = src
+        mine = _inner(self.dataset)    # coordl's copy of the user's dataset (in a Subset, the one inside)
         if _transforms_seen(ds) == seen:
             given = self._tv_assigned
-            if self.dataset.transform is self._tv_set and given is not None and _spec(given[0]) != given[1]:
-                self.dataset.transform = given[0]   # the user's assigned object, changed in place: translated again
-            if self.dataset.transform is not self._tv_set:
+            if mine.transform is self._tv_set and given is not None and _spec(given[0]) != given[1]:
+                mine.transform = given[0]   # the user's assigned object, changed in place: translated again
+            if mine.transform is not self._tv_set:
                 from .tvcompat import follow_assigned
 
-                given = self.dataset.transform
-                translated = follow_assigned(self, draft)
+                given = mine.transform
+                translated = follow_assigned(self, draft, mine)
                 self._tv_assigned = (given, _spec(given)) if translated else None
-                self._tv_set = self.dataset.transform
+                self._tv_set = mine.transform
             return
         from .tvcompat import adapt, record_path
 
@@ -757,10 +759,14 @@ class DataLoader(_TorchDataLoader[_T_co]):
             raise ValueError(f"the transform or target_transform assigned to the loader's torchvision dataset cannot "
                              f"be run on coordl's pipeline, where the loader runs it ({decision.reason if decision else ''})"
                              ": give it a callable, or make a new DataLoader")
-        self.dataset.take_transforms(adapted)
+        mine.take_transforms(adapted)
         self._tv_source = (ds, _transforms_seen(ds), draft)
-        self._tv_set = self.dataset.transform
+        self._tv_set = mine.transform
         self._tv_assigned = None
+        if mine is not self.dataset:
+            import dataclasses
+
+            decision = dataclasses.replace(decision, reason=f"a Subset of {decision.reason}")
         record_path(self, decision)
 
     # ---------------------------------------------------------------- torch hooks
@@ -1112,6 +1118,16 @@ class DataLoader(_TorchDataLoader[_T_co]):
             return len(batch)
         except TypeError:
             return 1
+
+
+def _inner(ds):
+    """The dataset inside torch's ``Subset``\ s (coordl's TwoStageSubset
+    among them), or ``ds``."""
+    from torch.utils.data import Subset
+
+    while isinstance(ds, Subset):
+        ds = ds.dataset
+    return ds
 
 
 def _spec(t):

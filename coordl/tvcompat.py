@@ -2767,7 +2767,11 @@ def adapt(dataset: Any, jpeg_draft: bool = False) -> tuple[Any, Decision | None]
     """``(dataset the loader runs, decision)``: ``decision`` is None for
     datasets that come neither from torchvision nor from timm's
     ``ImageDataset`` (``coordl.timmcompat``; returned as they are).
-    ``jpeg_draft``: the loader's option of that name (see :func:`translate`)."""
+    ``jpeg_draft``: the loader's option of that name (see :func:`translate`).
+    torch's ``Subset`` (``random_split``'s parts) of a dataset read on
+    coordl's pipeline is a :class:`coordl.subsets.TwoStageSubset` of it."""
+    if type(dataset) is torch.utils.data.Subset:   # torch's own: a subclass may pick its samples otherwise
+        return _adapt_subset(dataset, jpeg_draft)
     if timmcompat.is_timm_dataset(dataset):
         return _adapt_timm(dataset, jpeg_draft)
     if timmcompat.is_timm_augmix(dataset):
@@ -2801,6 +2805,27 @@ def adapt(dataset: Any, jpeg_draft: bool = False) -> tuple[Any, Decision | None]
         return dataset, Decision("torch", f"its samples are not (path, class index) pairs ({e})")
     what = describe_adapted(given, transform, fused, as_written, through, jpeg_draft)
     return adapted, Decision("coordl", f"{_read_as(_name(dataset), arrays=False)}; {what}", fused, as_written)
+
+
+def _adapt_subset(subset: Any, jpeg_draft: bool) -> tuple[Any, Decision | None]:
+    """:func:`adapt` of torch's ``Subset``: a :class:`~coordl.subsets.TwoStageSubset`
+    of the dataset inside as adapted, where that one is two-stage."""
+    from .protocol import is_two_stage
+    from .subsets import TwoStageSubset
+
+    inner, decision = adapt(subset.dataset, jpeg_draft)
+    if (decision is not None and decision.path != "coordl") or not is_two_stage(inner):
+        if decision is None:
+            return subset, None   # torch's machinery, as for any dataset without raw/prep (_torch_reason)
+        return subset, Decision("torch", f"a Subset of {_name(subset.dataset)}, which runs on torch's machinery: "
+                                         f"{decision.reason}")
+    try:
+        adapted = TwoStageSubset(inner, subset.indices)
+    except (TypeError, ValueError) as e:
+        return subset, Decision("torch", f"a Subset whose indices coordl cannot read ({e})")
+    if decision is None:
+        return adapted, None
+    return adapted, Decision("coordl", f"a Subset of {decision.reason}", decision.fused, decision.as_written)
 
 
 def _read_as(name: str, arrays: bool) -> str:
@@ -2849,7 +2874,7 @@ def _as_folder(ds: Any, where: tuple, transform: Any, target: Any) -> Any:
                            class_to_idx=dict(getattr(ds, "class_to_idx", {}) or {}))
 
 
-def follow_assigned(loader: Any, jpeg_draft: bool) -> bool:
+def follow_assigned(loader: Any, jpeg_draft: bool, mine: Any = None) -> bool:
     """A transform the user assigned to ``loader.dataset`` itself (coordl's
     copy of their torchvision dataset: under torch that would be their own
     dataset) since the last pass: a torchvision (or timm) transform, meant
@@ -2857,8 +2882,10 @@ def follow_assigned(loader: Any, jpeg_draft: bool) -> bool:
     so that it fuses; one of coordl's own, or of a copy coordl did not make
     (timm's dataset's), runs as assigned.  ``path_reason`` says which.
     True when it was translated (the loader then follows the user's object
-    changed in place, as its own transform's)."""
-    mine, given = loader.dataset, loader.dataset.transform
+    changed in place, as its own transform's).  ``mine``: that copy, where
+    it is not ``loader.dataset`` itself (the dataset inside a Subset)."""
+    mine = loader.dataset if mine is None else mine
+    given = mine.transform
     arrays = type(mine) is TorchvisionArrays
     if not arrays and type(mine) is not TorchvisionFolder:
         return False
@@ -2970,7 +2997,7 @@ def _torch_reason(loader: Any) -> str:
     """Why a dataset that is not a torchvision folder runs on torch's
     machinery, in words (and, for a wrapper of torchvision folders, what
     keeps coordl's pipeline)."""
-    from torch.utils.data import ConcatDataset, IterableDataset, Subset
+    from torch.utils.data import ConcatDataset, IterableDataset
 
     ds, mode = loader.dataset, loader._mode
     name = type(ds).__name__
@@ -2987,19 +3014,14 @@ def _torch_reason(loader: Any) -> str:
         return f"{name} is an IterableDataset: its own iterator gives the samples, so torch's machinery runs it"
     why = (f"{name} has no raw/prep (it is not a two-stage dataset), so torch's machinery runs "
            "dataset[i] as written")
-    parts = ([ds.dataset] if isinstance(ds, Subset) else list(ds.datasets) if isinstance(ds, ConcatDataset)
-             else [])
+    # (torch's Subset of a folder reads on coordl's pipeline, or says why not: _adapt_subset)
+    parts = list(ds.datasets) if isinstance(ds, ConcatDataset) else []
     folders = [f for f in map(_folder_named, parts) if f is not None]
     if len({owner for owner, _ in folders}) == 1:       # "torchvision's ImageFolder, ImageFolder"
         folders = [f"{folders[0][0]} {', '.join(name for _, name in folders)}"]
     else:
         folders = [f"{owner} {name}" for owner, name in folders]
-    if folders and isinstance(ds, Subset):
-        why += (f". It is a Subset of {folders[0]}, which coordl reads on its pipeline "
-                "only when it is the loader's dataset itself: pass that dataset with "
-                "sampler=SubsetRandomSampler(indices) (shuffled) or sampler=indices (in order) to read "
-                "those samples on coordl's pipeline")
-    elif folders:
+    if folders:
         why += (f". It is a ConcatDataset of {', '.join(folders)}; coordl reads a "
                 "folder as raw file bytes only when it is the loader's dataset itself "
                 "(one folder whose root holds them all, or coordl.ImageFolder, reads on coordl's pipeline)")

@@ -1,0 +1,143 @@
+"""torch's ``Subset`` of a two-stage dataset, two-stage itself.
+
+``torch.utils.data.random_split(dataset, ...)`` and ``Subset(dataset,
+indices)`` are how most scripts split one folder into training and
+validation sets.  A loader given such a part runs it on coordl's pipeline
+when the dataset inside is two-stage (``coordl.ImageFolder``) or is read as
+one (torchvision's folders, through ``coordl.tvcompat.adapt``):
+:class:`TwoStageSubset` is that ``Subset`` (the same ``dataset`` and
+``indices`` attributes, ``isinstance`` of torch's class), whose sample ``i``
+is the inner dataset's sample ``indices[i]``, read by its ``raw`` and
+prepared by its ``prep``.  A sample's random draws come from (seed, epoch,
+``i``) as any two-stage dataset's: its position in the subset, which the
+loader's plan orders.
+"""
+from __future__ import annotations
+
+import hashlib
+import operator
+from typing import Any
+
+import numpy as np
+from torch.utils.data import Subset
+
+from .protocol import describe as _describe, is_two_stage
+
+__all__ = ["TwoStageSubset"]
+
+
+class TwoStageSubset(Subset):
+    """``Subset(dataset, indices)`` of a two-stage ``dataset``: the protocol's
+    ``raw``, ``prep``, ``describe``, ``sizes``, ``fingerprint()`` (and
+    ``raw_uncached``/``raw_many`` where the inner dataset has them) over the
+    chosen samples.  ``indices`` are read once, here (a list changed in
+    place afterwards is not followed).
+
+    ``transform`` reads the inner dataset's; setting it (as the device
+    stages do on their copies) sets it on a copy of the inner dataset, so
+    the dataset this subset was made from is never modified."""
+
+    def __init__(self, dataset: Any, indices) -> None:
+        if not is_two_stage(dataset):
+            raise TypeError(f"TwoStageSubset needs a two-stage dataset (raw/prep), but got {type(dataset).__name__}")
+        n = len(dataset)
+        try:
+            idx = np.array([operator.index(i) for i in indices], dtype=np.int64)
+        except TypeError as e:
+            raise TypeError(f"a Subset's indices should be integers ({e})") from None
+        if idx.size and (idx.min() < -n or idx.max() >= n):
+            raise ValueError(f"a Subset's indices should lie in [-{n}, {n}) for a dataset of {n} samples, but "
+                             f"they span [{int(idx.min())}, {int(idx.max())}]")
+        idx[idx < 0] += n
+        super().__init__(dataset, indices)
+        self._map = idx
+
+    def _base(self, index: int) -> int:
+        return int(self._map[index])
+
+    # -- the two-stage protocol -------------------------------------------
+    def raw(self, index: int) -> bytes:
+        return self.dataset.raw(self._base(index))
+
+    def prep(self, raw: bytes, index: int) -> Any:
+        return self.dataset.prep(raw, self._base(index))
+
+    def describe(self, index: int) -> str:
+        return _describe(self.dataset, self._base(index))
+
+    @property
+    def raw_uncached(self):
+        read = self.dataset.raw_uncached      # AttributeError where the inner dataset has none
+        return lambda index: read(self._base(index))
+
+    @property
+    def raw_many(self):
+        read = self.dataset.raw_many
+        return lambda indices: read([self._base(i) for i in indices])
+
+    @property
+    def sizes(self):
+        sizes = getattr(self.dataset, "sizes", None)
+        return sizes[self._map] if isinstance(sizes, np.ndarray) else None
+
+    @property
+    def fingerprint(self):
+        inner = self.dataset.fingerprint      # AttributeError where the inner dataset has none
+        return lambda: self._digest(b"fingerprint", inner())
+
+    @property
+    def sample_digest(self):
+        inner = self.dataset.sample_digest
+        return lambda: self._digest(b"samples", inner())
+
+    def _digest(self, kind: bytes, inner: str) -> str:
+        h = hashlib.blake2b(digest_size=16)
+        h.update(b"coordl.TwoStageSubset\0" + kind + b"\0" + str(inner).encode() + b"\0")
+        h.update(self._map.astype("<i8").tobytes())
+        return h.hexdigest()
+
+    # -- transforms: the inner dataset's ----------------------------------
+    @property
+    def transform(self):
+        return getattr(self.dataset, "transform", None)
+
+    @transform.setter
+    def transform(self, value) -> None:
+        self._own_copy().transform = value
+
+    @property
+    def target_transform(self):
+        return getattr(self.dataset, "target_transform", None)
+
+    @target_transform.setter
+    def target_transform(self, value) -> None:
+        self._own_copy().target_transform = value
+
+    def _own_copy(self):
+        """The inner dataset, copied (shallow) the first time this subset
+        changes it: the one it was made from, which a copy of this subset
+        shares, stays as it is."""
+        import copy
+
+        if not self.__dict__.get("_owns", False):
+            self.dataset = copy.copy(self.dataset)
+            self._owns = True
+        return self.dataset
+
+    def __copy__(self):
+        new = object.__new__(type(self))
+        new.__dict__.update(self.__dict__)
+        new._owns = False        # the copy shares the inner dataset until it changes it
+        return new
+
+    @property
+    def views_after_transform(self) -> bool:
+        return bool(getattr(self.dataset, "views_after_transform", False))
+
+    def take_transforms(self, other: "TwoStageSubset") -> None:
+        """What a newly adapted copy runs (``coordl.tvcompat.adapt``), from the next pass."""
+        inner = other.dataset if isinstance(other, TwoStageSubset) else other
+        self._own_copy().take_transforms(inner)
+
+    def __repr__(self) -> str:
+        return f"TwoStageSubset({len(self)} of {self.dataset!r})"
