@@ -1121,8 +1121,8 @@ class DataLoader(_TorchDataLoader[_T_co]):
 
 
 def _inner(ds):
-    """The dataset inside torch's ``Subset``\ s (coordl's TwoStageSubset
-    among them), or ``ds``."""
+    """The dataset inside torch's ``Subset`` (and coordl's TwoStageSubset),
+    however deep, or ``ds``."""
     from torch.utils.data import Subset
 
     while isinstance(ds, Subset):
