@@ -455,15 +455,16 @@ class DataLoader(_TorchDataLoader[_T_co]):
                 "Use decode='cpu'")
         from .tvcompat import TorchvisionArrays
 
-        if isinstance(dataset, TorchvisionArrays):
+        base = _inner(dataset)     # (in a Subset, the dataset inside)
+        if isinstance(base, TorchvisionArrays):
             raise ValueError(
-                f"decode='device' decodes the JPEG files of a batch on the device, but {dataset._source}'s images "
+                f"decode='device' decodes the JPEG files of a batch on the device, but {base._source}'s images "
                 "are already decoded, in an array in memory: there is nothing to decode. Pass device= without "
                 "decode='device' (the device split: uint8 images travel and are converted on the device)")
-        if getattr(dataset, "views_after_transform", False):
+        if getattr(base, "views_after_transform", False):
             raise ValueError(
                 f"decode='device' decodes each image of a batch on the device into one tensor, but "
-                f"{dataset._source} makes several views of each image after its transform, on the CPU. Pass "
+                f"{base._source} makes several views of each image after its transform, on the CPU. Pass "
                 "device= without decode='device' (the batches are copied to the device), or use decode='cpu'")
         if not self._auto_collation:
             raise ValueError(

@@ -224,7 +224,7 @@ def test_what_coordl_cannot_prove_equivalent_stays_on_torchs_machinery():
     assert s.path == "torch" and "it has no labels (an unlabeled split)" in s.path_reason
 
 
-def test_a_random_split_part_reads_on_coordls_pipeline():
+def test_a_random_split_part_reads_on_coordls_pipeline(cpu_device):
     part, _ = torch.utils.data.random_split(cifar(EVAL), [30, 10], generator=torch.Generator().manual_seed(0))
     L = coordl.DataLoader(part, batch_size=4)
     s = L.stats()
@@ -232,6 +232,14 @@ def test_a_random_split_part_reads_on_coordls_pipeline():
     want = list(torch.utils.data.DataLoader(part, batch_size=4))
     got = list(L)
     assert len(got) == len(want) and all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(got, want))
+    split = coordl.DataLoader(part, batch_size=4, device="cpu", num_workers=2)
+    got = list(split)
+    assert split.stats().device_split.startswith("split")
+    assert len(got) == len(want) and all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(got, want))
+    with pytest.raises(ValueError, match="CIFAR10's images are already decoded, in an array in memory"):
+        coordl.DataLoader(part, batch_size=4, device="cpu", decode="device")
+    with pytest.raises(ValueError, match="fingerprint"):
+        coordl.DataLoader(part, batch_size=4, cache_size="1MiB")
 
 
 def test_prep_takes_the_rows_bytes_in_any_form():
