@@ -18,7 +18,7 @@ LAYERS = [
     ("base", ["coordl.errors", "coordl.stats", "coordl.plan", "coordl.protocol", "coordl._rng",
               "coordl.base", "coordl.synth"]),
     ("storage, decode", ["coordl.storage", "coordl._remote", "coordl.decode"]),
-    ("datasets, transforms", ["coordl.datasets", "coordl.transforms", "coordl.timmcompat"]),
+    ("datasets, transforms", ["coordl.datasets", "coordl.transforms", "coordl.timmcompat", "coordl.subsets"]),
     ("cache", ["coordl.cache"]),
     ("device", ["coordl.device"]),
     ("pipeline", ["coordl.pipeline"]),

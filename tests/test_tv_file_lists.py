@@ -193,6 +193,11 @@ def test_what_coordl_cannot_prove_equivalent_stays_on_torchs_machinery(photos):
     # another torchvision's, whose __getitem__ reads something else
     s = coordl.DataLoader(listed("DTD", photos, EVAL, cls=_OtherDTD), batch_size=4).stats()
     assert s.path == "torch" and "DTD.__getitem__ reads loader, _image_files, crop" in s.path_reason
+    # a Subset of one that reads on coordl's pipeline reads on it too (coordl.subsets); of one that does not, not
     part = torch.utils.data.Subset(listed("GTSRB", photos, EVAL), [1, 2, 3])
     s = coordl.DataLoader(part, batch_size=4).stats()
-    assert s.path == "torch" and "Subset of torchvision's GTSRB" in s.path_reason
+    assert s.path == "coordl" and s.path_reason.startswith("a Subset of torchvision's GTSRB read as raw file bytes")
+    part = torch.utils.data.Subset(listed("Food101", photos, EVAL, cls=Own), [1, 2, 3])
+    s = coordl.DataLoader(part, batch_size=4).stats()
+    assert s.path == "torch" and "a Subset of Own, which runs on torch's machinery: " in s.path_reason
+    assert "Own overrides __getitem__" in s.path_reason
