@@ -261,14 +261,18 @@ class DataLoader(_TorchDataLoader[_T_co]):
         # torchvision's ImageFolder/DatasetFolder -> coordl's two-stage dataset (see coordl/tvcompat.py)
         source = dataset
         dataset, tv_decision = adapt(dataset, jpeg_draft=jpeg_draft)
-        # the user's torchvision dataset, and the transforms it had when translated: one assigned to it later, or
-        # changed in place, is translated at the next pass (_follow_torchvision), as torch would run it
-        # (in a Subset, the dataset inside: coordl.subsets)
-        self._tv_source = (_inner(source), _transforms_seen(_inner(source)), jpeg_draft) \
-            if tv_decision is not None and tv_decision.path == "coordl" else None
-        # the translated transform coordl set on its copy: another one there was assigned by the user
-        self._tv_set = _inner(dataset).transform if self._tv_source is not None else None
-        self._tv_assigned = None  # (the user's transform assigned to loader.dataset, its spec) once translated
+        # the user's dataset, which of its datasets coordl translated (itself, or those inside its Subsets and
+        # ConcatDatasets: _leaves), and their transforms then: one assigned to them later, or changed in place, is
+        # translated at the next pass (_follow_torchvision), as torch would run it
+        self._tv_source = None
+        followed: list = []
+        if tv_decision is not None and tv_decision.path == "coordl":
+            users = _leaves(source)
+            followed = [k for k, (u, m) in enumerate(zip(users, _leaves(dataset))) if u is not m]
+            self._tv_source = (source, followed, [_transforms_seen(users[k]) for k in followed], jpeg_draft)
+        # the translated transforms coordl set on its copies (by leaf): another one there was assigned by the user
+        self._tv_set = {k: _leaves(dataset)[k].transform for k in followed}
+        self._tv_assigned: dict = {}  # leaf -> (the user's transform assigned to coordl's copy, its spec), translated
         # by keyword: a tool that records the arguments of torch's __init__ to build the loader again with
         # one of them replaced (PyTorch Lightning's sampler injection, when it did not see this class's own
         # __init__) then replaces it, where positional ones would be given twice
@@ -456,6 +460,11 @@ class DataLoader(_TorchDataLoader[_T_co]):
         from .tvcompat import TorchvisionArrays
 
         base = _inner(dataset)     # (in a Subset, the dataset inside)
+        if isinstance(base, torch.utils.data.ConcatDataset):
+            raise ValueError(
+                "decode='device' runs one transform over the images of a batch on the device, but this loader's "
+                "dataset is a ConcatDataset, whose parts each run their own. Pass device= without decode='device' "
+                "(the batches are copied to the device), or use decode='cpu'")
         if isinstance(base, TorchvisionArrays):
             raise ValueError(
                 f"decode='device' decodes the JPEG files of a batch on the device, but {base._source}'s images "
@@ -739,35 +748,35 @@ class DataLoader(_TorchDataLoader[_T_co]):
         src = self._tv_source
         if src is None:
             return
-        ds, seen, draft = src
-        mine = _inner(self.dataset)    # coordl's copy of the user's dataset (in a Subset, the one inside)
-        if _transforms_seen(ds) == seen:
-            given = self._tv_assigned
-            if mine.transform is self._tv_set and given is not None and _spec(given[0]) != given[1]:
-                mine.transform = given[0]   # the user's assigned object, changed in place: translated again
-            if mine.transform is not self._tv_set:
-                from .tvcompat import follow_assigned
+        source, followed, seen, draft = src
+        users, mine = _leaves(source), _leaves(self.dataset)   # the user's datasets, coordl's copies of them
+        now = [_transforms_seen(users[k]) for k in followed]
+        if now == seen:
+            for k in followed:
+                m, given = mine[k], self._tv_assigned.get(k)
+                if m.transform is self._tv_set[k] and given is not None and _spec(given[0]) != given[1]:
+                    m.transform = given[0]   # the user's assigned object, changed in place: translated again
+                if m.transform is not self._tv_set[k]:
+                    from .tvcompat import follow_assigned
 
-                given = mine.transform
-                translated = follow_assigned(self, draft, mine)
-                self._tv_assigned = (given, _spec(given)) if translated else None
-                self._tv_set = mine.transform
+                    given = m.transform
+                    translated = follow_assigned(self, draft, m)
+                    self._tv_assigned[k] = (given, _spec(given)) if translated else None
+                    self._tv_set[k] = m.transform
             return
         from .tvcompat import adapt, record_path
 
-        adapted, decision = adapt(ds, jpeg_draft=draft)
+        adapted, decision = adapt(source, jpeg_draft=draft)
         if decision is None or decision.path != "coordl":
             raise ValueError(f"the transform or target_transform assigned to the loader's torchvision dataset cannot "
                              f"be run on coordl's pipeline, where the loader runs it ({decision.reason if decision else ''})"
                              ": give it a callable, or make a new DataLoader")
-        mine.take_transforms(adapted)
-        self._tv_source = (ds, _transforms_seen(ds), draft)
-        self._tv_set = mine.transform
-        self._tv_assigned = None
-        if mine is not self.dataset:
-            import dataclasses
-
-            decision = dataclasses.replace(decision, reason=f"a Subset of {decision.reason}")
+        fresh = _leaves(adapted)
+        for k in followed:
+            mine[k].take_transforms(fresh[k])
+        self._tv_source = (source, followed, now, draft)
+        self._tv_set = {k: mine[k].transform for k in followed}
+        self._tv_assigned = {}
         record_path(self, decision)
 
     # ---------------------------------------------------------------- torch hooks
@@ -1129,6 +1138,17 @@ def _inner(ds):
     while isinstance(ds, Subset):
         ds = ds.dataset
     return ds
+
+
+def _leaves(ds) -> list:
+    """The datasets inside torch's ``Subset`` and ``ConcatDataset`` (and
+    coordl's two-stage ones of them), in order, or ``[ds]``."""
+    from torch.utils.data import ConcatDataset
+
+    ds = _inner(ds)
+    if isinstance(ds, ConcatDataset):
+        return [leaf for d in ds.datasets for leaf in _leaves(d)]
+    return [ds]
 
 
 def _spec(t):

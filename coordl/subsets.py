@@ -1,4 +1,5 @@
-"""torch's ``Subset`` of a two-stage dataset, two-stage itself.
+"""torch's ``Subset`` and ``ConcatDataset`` of two-stage datasets, two-stage
+themselves.
 
 ``torch.utils.data.random_split(dataset, ...)`` and ``Subset(dataset,
 indices)`` are how most scripts split one folder into training and
@@ -11,19 +12,24 @@ is the inner dataset's sample ``indices[i]``, read by its ``raw`` and
 prepared by its ``prep``.  A sample's random draws come from (seed, epoch,
 ``i``) as any two-stage dataset's: its position in the subset, which the
 loader's plan orders.
+
+:class:`TwoStageConcat` is torch's ``ConcatDataset`` of two-stage datasets
+(folders combined into one training set): sample ``i`` is the part's that
+holds it, as torch's class finds it.
 """
 from __future__ import annotations
 
+import bisect
 import hashlib
 import operator
 from typing import Any
 
 import numpy as np
-from torch.utils.data import Subset
+from torch.utils.data import ConcatDataset, Subset
 
 from .protocol import describe as _describe, is_two_stage
 
-__all__ = ["TwoStageSubset"]
+__all__ = ["TwoStageSubset", "TwoStageConcat"]
 
 
 class TwoStageSubset(Subset):
@@ -141,3 +147,103 @@ class TwoStageSubset(Subset):
 
     def __repr__(self) -> str:
         return f"TwoStageSubset({len(self)} of {self.dataset!r})"
+
+
+class TwoStageConcat(ConcatDataset):
+    """``ConcatDataset(datasets)`` of two-stage datasets: the protocol's
+    ``raw``, ``prep``, ``describe``, ``sizes``, ``fingerprint()`` (and
+    ``raw_uncached``/``raw_many`` where every part has them), each sample
+    read and prepared by the part that holds it.  The parts keep their own
+    transforms: there is no one ``transform`` (the device split converts
+    on the CPU; ``decode="device"`` is refused)."""
+
+    def __init__(self, datasets) -> None:
+        super().__init__(datasets)
+        for d in self.datasets:
+            if not is_two_stage(d):
+                raise TypeError(f"TwoStageConcat needs two-stage datasets (raw/prep), but got {type(d).__name__}")
+
+    def _locate(self, index: int) -> tuple[int, int]:
+        """``(part's number, index in it)`` of sample ``index``, as torch's class finds it."""
+        n = len(self)
+        if index < 0:
+            if -index > n:
+                raise ValueError("absolute value of index should not exceed dataset length")
+            index += n
+        if index >= n:
+            raise IndexError(f"index {index} is out of range for {n} samples")
+        k = bisect.bisect_right(self.cumulative_sizes, index)
+        return k, index - (self.cumulative_sizes[k - 1] if k else 0)
+
+    def _each(self, name: str) -> list:
+        """Every part's ``name`` (AttributeError where one has none)."""
+        return [getattr(d, name) for d in self.datasets]
+
+    # -- the two-stage protocol -------------------------------------------
+    def raw(self, index: int) -> bytes:
+        k, j = self._locate(index)
+        return self.datasets[k].raw(j)
+
+    def prep(self, raw: bytes, index: int) -> Any:
+        k, j = self._locate(index)
+        return self.datasets[k].prep(raw, j)
+
+    def describe(self, index: int) -> str:
+        k, j = self._locate(index)
+        return _describe(self.datasets[k], j)
+
+    @property
+    def raw_uncached(self):
+        reads = self._each("raw_uncached")
+
+        def read(index: int) -> bytes:
+            k, j = self._locate(index)
+            return reads[k](j)
+        return read
+
+    @property
+    def raw_many(self):
+        reads = self._each("raw_many")
+
+        def read(indices: list) -> list:
+            out: list = [None] * len(indices)
+            by_part: dict = {}
+            for r, i in enumerate(indices):
+                k, j = self._locate(i)
+                by_part.setdefault(k, []).append((r, j))
+            for k, rows in by_part.items():
+                for (r, _), got in zip(rows, reads[k]([j for _, j in rows])):
+                    out[r] = got
+            return out
+        return read
+
+    @property
+    def sizes(self):
+        parts = [getattr(d, "sizes", None) for d in self.datasets]
+        if not all(isinstance(s, np.ndarray) for s in parts):
+            return None
+        return np.concatenate([s.astype(np.int64, copy=False) for s in parts]) if parts else np.zeros(0, np.int64)
+
+    @property
+    def fingerprint(self):
+        inner = self._each("fingerprint")
+        return lambda: self._digest(b"fingerprint", [f() for f in inner])
+
+    @property
+    def sample_digest(self):
+        inner = self._each("sample_digest")
+        return lambda: self._digest(b"samples", [f() for f in inner])
+
+    def _digest(self, kind: bytes, parts: list) -> str:
+        h = hashlib.blake2b(digest_size=16)
+        h.update(b"coordl.TwoStageConcat\0" + kind + b"\0")
+        for p, n in zip(parts, self.cumulative_sizes):
+            h.update(str(p).encode() + b"\0" + str(n).encode() + b"\0")
+        return h.hexdigest()
+
+    @property
+    def views_after_transform(self) -> bool:
+        return any(getattr(d, "views_after_transform", False) for d in self.datasets)
+
+    def __repr__(self) -> str:
+        return f"TwoStageConcat({', '.join(repr(d) for d in self.datasets)})"

@@ -2769,9 +2769,13 @@ def adapt(dataset: Any, jpeg_draft: bool = False) -> tuple[Any, Decision | None]
     ``ImageDataset`` (``coordl.timmcompat``; returned as they are).
     ``jpeg_draft``: the loader's option of that name (see :func:`translate`).
     torch's ``Subset`` (``random_split``'s parts) of a dataset read on
-    coordl's pipeline is a :class:`coordl.subsets.TwoStageSubset` of it."""
+    coordl's pipeline is a :class:`coordl.subsets.TwoStageSubset` of it, and
+    its ``ConcatDataset`` of such datasets a
+    :class:`~coordl.subsets.TwoStageConcat` of them."""
     if type(dataset) is torch.utils.data.Subset:   # torch's own: a subclass may pick its samples otherwise
         return _adapt_subset(dataset, jpeg_draft)
+    if type(dataset) is torch.utils.data.ConcatDataset:
+        return _adapt_concat(dataset, jpeg_draft)
     if timmcompat.is_timm_dataset(dataset):
         return _adapt_timm(dataset, jpeg_draft)
     if timmcompat.is_timm_augmix(dataset):
@@ -2826,6 +2830,32 @@ def _adapt_subset(subset: Any, jpeg_draft: bool) -> tuple[Any, Decision | None]:
     if decision is None:
         return adapted, None
     return adapted, Decision("coordl", f"a Subset of {decision.reason}", decision.fused, decision.as_written)
+
+
+def _adapt_concat(concat: Any, jpeg_draft: bool) -> tuple[Any, Decision | None]:
+    """:func:`adapt` of torch's ``ConcatDataset``: a :class:`~coordl.subsets.TwoStageConcat`
+    of its parts as adapted, where every one is two-stage."""
+    from .protocol import is_two_stage
+    from .subsets import TwoStageConcat
+
+    parts, decisions = zip(*(adapt(d, jpeg_draft) for d in concat.datasets)) if concat.datasets else ((), ())
+    why = next((f"part {k} ({_name(d)}): {dec.reason}" for k, (d, dec) in enumerate(zip(concat.datasets, decisions))
+                if dec is not None and dec.path != "coordl"), None)
+    if why is None:
+        why = next((f"part {k} ({_name(d)}) has no raw/prep (it is not a two-stage dataset)"
+                    for k, (d, p) in enumerate(zip(concat.datasets, parts)) if not is_two_stage(p)), None)
+    if why is not None or not parts:
+        if all(dec is None for dec in decisions):
+            return concat, None   # torch's machinery, as for any dataset without raw/prep (_torch_reason)
+        return concat, Decision("torch", f"a ConcatDataset whose {why}: it runs on torch's machinery")
+    adapted = TwoStageConcat(parts)
+    if all(dec is None for dec in decisions):
+        return adapted, None
+    said = [dec.reason if dec is not None else f"{_name(d)}, two-stage"
+            for d, dec in zip(concat.datasets, decisions)]
+    fused = tuple(dict.fromkeys(n for dec in decisions if dec is not None for n in dec.fused))
+    as_written = tuple(dict.fromkeys(n for dec in decisions if dec is not None for n in dec.as_written))
+    return adapted, Decision("coordl", f"a ConcatDataset of {len(said)}: " + "; and ".join(said), fused, as_written)
 
 
 def _read_as(name: str, arrays: bool) -> str:
@@ -2997,7 +3027,7 @@ def _torch_reason(loader: Any) -> str:
     """Why a dataset that is not a torchvision folder runs on torch's
     machinery, in words (and, for a wrapper of torchvision folders, what
     keeps coordl's pipeline)."""
-    from torch.utils.data import ConcatDataset, IterableDataset
+    from torch.utils.data import ConcatDataset, IterableDataset, Subset
 
     ds, mode = loader.dataset, loader._mode
     name = type(ds).__name__
@@ -3014,17 +3044,18 @@ def _torch_reason(loader: Any) -> str:
         return f"{name} is an IterableDataset: its own iterator gives the samples, so torch's machinery runs it"
     why = (f"{name} has no raw/prep (it is not a two-stage dataset), so torch's machinery runs "
            "dataset[i] as written")
-    # (torch's Subset of a folder reads on coordl's pipeline, or says why not: _adapt_subset)
-    parts = list(ds.datasets) if isinstance(ds, ConcatDataset) else []
+    # (torch's own Subset and ConcatDataset of folders read on coordl's pipeline, or say why not: _adapt_subset,
+    # _adapt_concat; what is left here is a subclass of theirs)
+    parts = list(ds.datasets) if isinstance(ds, ConcatDataset) else [ds.dataset] if isinstance(ds, Subset) else []
     folders = [f for f in map(_folder_named, parts) if f is not None]
     if len({owner for owner, _ in folders}) == 1:       # "torchvision's ImageFolder, ImageFolder"
         folders = [f"{folders[0][0]} {', '.join(name for _, name in folders)}"]
     else:
         folders = [f"{owner} {name}" for owner, name in folders]
     if folders:
-        why += (f". It is a ConcatDataset of {', '.join(folders)}; coordl reads a "
-                "folder as raw file bytes only when it is the loader's dataset itself "
-                "(one folder whose root holds them all, or coordl.ImageFolder, reads on coordl's pipeline)")
+        kind = "ConcatDataset" if isinstance(ds, ConcatDataset) else "Subset"
+        why += (f". It is a subclass of torch's {kind}, of {', '.join(folders)}: coordl reads torch's own "
+                f"{kind} of such datasets on its pipeline, not a subclass, which may pick its samples otherwise")
     return why
 
 

@@ -159,3 +159,64 @@ def test_shared_prep_serves_a_subset(photos, daemon_env):
         L = coordl.DataLoader(sub, batch_size=4, seed=9, share=True)
         got = list(L)
     assert _same(got, want) and L.stats().samples_shared >= len(sub) - 1
+
+
+# ---------------------------------------------------------------- ConcatDataset
+@pytest.fixture(scope="module")
+def more_photos(photo_folder):
+    return photo_folder("subsets2", num_images=12, num_classes=3, mean_kb=3, image_size=(40, 56), seed=6)
+
+
+@pytest.mark.skipif(tv is None, reason="torchvision is not installed")
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_concat_of_folders_gives_torchs_batches_and_follows_each_parts_transform(photos, more_photos, workers):
+    from torch.utils.data import ConcatDataset
+    from torchvision import datasets as D
+    from torchvision import transforms as V1
+
+    a = D.ImageFolder(photos, transform=V1.Compose([V1.Resize((16, 16)), V1.ToTensor()]))
+    b = coordl.ImageFolder(more_photos, transform=T.Compose([T.Resize((16, 16)), T.ToTensor()]))
+    cat = ConcatDataset([a, Subset(b, [0, 11, 3, 4])])
+    L = coordl.DataLoader(cat, batch_size=5, num_workers=workers)
+    T_ = torch.utils.data.DataLoader(cat, batch_size=5, num_workers=workers)
+    assert _same(list(L), list(T_)) and len(L.dataset) == 34 and L.dataset.describe(31) == b.describe(11)
+    assert isinstance(L.dataset, ConcatDataset) and L.stats().path == "coordl"
+    a.transform = V1.Compose([V1.Resize((10, 12)), V1.ToTensor()])     # the first part's, as under torch
+    b.transform = T.Compose([T.Resize((10, 12)), T.ToTensor()])
+    assert _same(list(L), list(T_))
+    a.transform.transforms[0].size = (8, 6)
+    b.transform.transforms[0].size = (8, 6)
+    got = list(L)
+    assert _same(got, list(T_)) and got[0][0].shape[-2:] == (8, 6)
+
+
+def test_a_concat_draws_resumes_and_caches_as_one_dataset(photos, more_photos):
+    from torch.utils.data import ConcatDataset
+
+    a = coordl.ImageFolder(photos, transform=_random())
+    b = coordl.ImageFolder(more_photos, transform=_random(12))
+    cat = ConcatDataset([a, b, a])
+    kw = dict(batch_size=8, shuffle=True, seed=5, collate_fn=lambda s: s)     # the parts' sizes differ
+    want = list(coordl.DataLoader(cat, **kw))
+    assert sorted(y for batch in want for _, y in batch) == sorted(a.targets * 2 + b.targets)
+    two = coordl.DataLoader(cat, num_workers=2, **kw)
+    it = iter(two)
+    got = [next(it) for _ in range(3)]
+    state = two.state_dict()
+    del it
+    R = coordl.DataLoader(cat, num_workers=2, **kw)
+    R.load_state_dict(state)
+    got += list(R)
+    assert len(got) == len(want) and all(
+        len(x) == len(y) and all(torch.equal(p[0], q[0]) and p[1] == q[1] for p, q in zip(x, y)) for x, y in zip(got, want))
+    C = coordl.DataLoader(cat, batch_size=8, seed=5, collate_fn=lambda s: s, cache_size="8MiB")
+    list(C)
+    list(C)
+    assert C.stats().epochs[1].samples_from_cache == len(cat)
+    assert C.dataset.fingerprint() != coordl.DataLoader(ConcatDataset([a, b]), batch_size=8).dataset.fingerprint()
+    assert list(C.dataset.sizes) == list(a.sizes) + list(b.sizes) + list(a.sizes)
+    del C
+    with pytest.raises(ValueError, match="a ConcatDataset, whose parts each run their own"):
+        coordl.DataLoader(cat, batch_size=4, device="cpu", decode="device")
+    bad = coordl.DataLoader(ConcatDataset([a, torch.utils.data.TensorDataset(torch.arange(3))]), batch_size=4)
+    assert bad.stats().path == "torch"

@@ -287,7 +287,7 @@ def test_random_transforms_run_as_written_are_reproducible_too(photos):
     assert all(torch.equal(x[0], y[0]) and torch.equal(x[1], y[1]) for x, y in zip(a, b))
 
 
-def test_a_subset_of_a_torchvision_folder_reads_on_coordls_pipeline_and_a_concat_says_why(photos):
+def test_a_subset_or_concat_of_a_torchvision_folder_reads_on_coordls_pipeline_and_a_subclass_says_why(photos):
     ds = D.ImageFolder(photos, transform=v1_pipeline(16))
     sub = torch.utils.data.Subset(ds, list(range(0, 30, 2)))
     s = coordl.DataLoader(sub, batch_size=4).stats()
@@ -295,7 +295,15 @@ def test_a_subset_of_a_torchvision_folder_reads_on_coordls_pipeline_and_a_concat
                                                            "bytes, decoded by coordl; fused RandomResizedCrop"), s
     cat = torch.utils.data.ConcatDataset([ds, ds])
     s = coordl.DataLoader(cat, batch_size=4).stats()
-    assert s.path == "torch" and "ConcatDataset of torchvision's ImageFolder, ImageFolder" in s.path_reason, s
+    assert s.path == "coordl" and s.path_reason.startswith("a ConcatDataset of 2: torchvision's ImageFolder read as "
+                                                           "raw file bytes"), s
+
+    class Mine(torch.utils.data.ConcatDataset):
+        pass
+
+    s = coordl.DataLoader(Mine([ds, ds]), batch_size=4).stats()
+    assert s.path == "torch" and "a subclass of torch's ConcatDataset, of torchvision's ImageFolder, ImageFolder: " \
+        "coordl reads torch's own ConcatDataset" in s.path_reason, s
     s = coordl.DataLoader(torch.utils.data.TensorDataset(torch.arange(4)), batch_size=2).stats()
     assert "TensorDataset" in s.path_reason and "mode" not in s.path_reason, s
 
