@@ -849,6 +849,9 @@ class DataLoader(_TorchDataLoader[_T_co]):
                                                        "converted on the CPU")
             elif type(self._mode) is not PipelineMode:
                 split = _dev.Split(self.dataset, None, _NOT_SPLIT_SHARED)
+            elif isinstance(_inner(self.dataset), torch.utils.data.ConcatDataset):
+                split = _dev.Split(self.dataset, None, "not split (a ConcatDataset, whose parts each run their own "
+                                                       "transform): images are converted on the CPU")
             elif self._decode != "device" and (not is_default_collate(self.collate_fn) or not self._auto_collation):
                 split = _dev.Split(self.dataset, None, "not split (a collate_fn or batch_size=None: where the "
                                                        "images land is unknown): images are converted on the CPU")

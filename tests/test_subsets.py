@@ -190,7 +190,7 @@ def test_a_concat_of_folders_gives_torchs_batches_and_follows_each_parts_transfo
     assert _same(got, list(T_)) and got[0][0].shape[-2:] == (8, 6)
 
 
-def test_a_concat_draws_resumes_and_caches_as_one_dataset(photos, more_photos):
+def test_a_concat_draws_resumes_and_caches_as_one_dataset(photos, more_photos, cpu_device):
     from torch.utils.data import ConcatDataset
 
     a = coordl.ImageFolder(photos, transform=_random())
@@ -216,6 +216,9 @@ def test_a_concat_draws_resumes_and_caches_as_one_dataset(photos, more_photos):
     assert C.dataset.fingerprint() != coordl.DataLoader(ConcatDataset([a, b]), batch_size=8).dataset.fingerprint()
     assert list(C.dataset.sizes) == list(a.sizes) + list(b.sizes) + list(a.sizes)
     del C
+    D = coordl.DataLoader(ConcatDataset([a, a]), batch_size=4, seed=5, device="cpu")
+    assert _same(list(D), list(coordl.DataLoader(ConcatDataset([a, a]), batch_size=4, seed=5)))
+    assert D.stats().device_split.startswith("not split (a ConcatDataset")
     with pytest.raises(ValueError, match="a ConcatDataset, whose parts each run their own"):
         coordl.DataLoader(cat, batch_size=4, device="cpu", decode="device")
     bad = coordl.DataLoader(ConcatDataset([a, torch.utils.data.TensorDataset(torch.arange(3))]), batch_size=4)
