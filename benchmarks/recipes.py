@@ -144,7 +144,7 @@ RECIPES = ([f"train_{v}{p}" for p in POLICIES for v in ("v1", "v2")]
            + ["eval_v1", "eval_v2", "eval_weights", "clip_eval"]
            + ["timm_train", "timm_train_script", "timm_train_cj_prob", "timm_train_aa", "timm_eval"]
            + ["timm_ds_train", "timm_ds_eval", "timm_ds_augmix", "food101_train", "food101_eval", "cifar10_v1", "cifar10_v2", "mnist"]
-           + ["cifar_v1", "cifar_v2", "split_train", "split_eval"])
+           + ["cifar_v1", "cifar_v2", "split_train", "split_eval", "concat_train"])
 
 
 def _cpu() -> float:
@@ -284,6 +284,20 @@ def build(recipe: str, root: str, size: int, presets, cls, batch_size: int, work
                                               generator=torch.Generator().manual_seed(0))
         ds = parts[0] if training else parts[1]
         return ds, cls(ds, batch_size=batch_size, shuffle=training, num_workers=workers)
+    if recipe == "concat_train":
+        # folders combined into one training set with torch's ConcatDataset (here the folder's two halves of
+        # classes, listed as two folders of their own would be)
+        T1 = tv.transforms
+        tf = T1.Compose([T1.RandomResizedCrop(size), T1.RandomHorizontalFlip(), T1.ToTensor(), T1.Normalize(MEAN, STD)])
+        classes = sorted(d.name for d in os.scandir(root) if d.is_dir())
+        half = len(classes) // 2
+
+        def only(names):
+            return lambda path: os.path.basename(os.path.dirname(path)) in names and path.lower().endswith(".jpg")
+
+        ds = torch.utils.data.ConcatDataset([tv.datasets.ImageFolder(root, tf, is_valid_file=only(classes[:half]), allow_empty=True),
+                                             tv.datasets.ImageFolder(root, tf, is_valid_file=only(classes[half:]), allow_empty=True)])
+        return ds, cls(ds, batch_size=batch_size, shuffle=True, num_workers=workers)
     if recipe == "clip_eval":
         T1 = tv.transforms
         tf = T1.Compose([T1.Resize(size, interpolation=T1.InterpolationMode.BICUBIC), T1.CenterCrop(size),
@@ -340,6 +354,8 @@ def _each_once(ds, labels: torch.Tensor, batch_size: int, drop_last: bool, views
     ds = getattr(ds, "dataset", ds) if views > 1 else ds     # timm's AugMixDataset wraps its ImageDataset
     if isinstance(ds, torch.utils.data.Subset):
         targets = [ds.dataset.targets[i] for i in ds.indices]
+    elif isinstance(ds, torch.utils.data.ConcatDataset):
+        targets = [t for d in ds.datasets for t in d.targets]
     else:
         targets = ds.targets if hasattr(ds, "targets") else [t for _, t in ds.reader.samples]   # timm's reader
     targets = targets.tolist() if isinstance(targets, torch.Tensor) else targets
