@@ -47,10 +47,14 @@ class TwoStageSubset(Subset):
         if not is_two_stage(dataset):
             raise TypeError(f"TwoStageSubset needs a two-stage dataset (raw/prep), but got {type(dataset).__name__}")
         n = len(dataset)
-        try:
-            idx = np.array([operator.index(i) for i in indices], dtype=np.int64)
-        except TypeError as e:
-            raise TypeError(f"a Subset's indices should be integers ({e})") from None
+        idx = np.asarray(indices) if isinstance(indices, (list, tuple, range, np.ndarray)) else None
+        if idx is not None and idx.ndim == 1 and idx.dtype.kind in "iu":
+            idx = idx.astype(np.int64)        # (a copy: the user's array stays theirs)
+        else:
+            try:
+                idx = np.array([operator.index(i) for i in indices], dtype=np.int64)
+            except TypeError as e:
+                raise TypeError(f"a Subset's indices should be integers ({e})") from None
         if idx.size and (idx.min() < -n or idx.max() >= n):
             raise ValueError(f"a Subset's indices should lie in [-{n}, {n}) for a dataset of {n} samples, but "
                              f"they span [{int(idx.min())}, {int(idx.max())}]")
