@@ -292,12 +292,13 @@ def image_folder(args, prefix: str, **make) -> str:
 
 
 def epoch(loader, per_batch=None) -> tuple[int, float, torch.Tensor]:
-    """One pass over ``loader`` (batches of images and targets): (images,
-    seconds, the targets in the order delivered); ``per_batch(images)`` runs
-    on each batch, inside the timing."""
+    """One pass over ``loader`` (batches of images and targets, and anything
+    after them): (images, seconds, the targets in the order delivered);
+    ``per_batch(images)`` runs on each batch, inside the timing."""
     n, labels = 0, []
     t0 = time.perf_counter()
-    for images, targets in loader:
+    for batch in loader:
+        images, targets = batch[0], batch[1]
         n += images.shape[0]
         labels.append(targets)
         if per_batch is not None:

@@ -144,7 +144,25 @@ RECIPES = ([f"train_{v}{p}" for p in POLICIES for v in ("v1", "v2")]
            + ["eval_v1", "eval_v2", "eval_weights", "clip_eval"]
            + ["timm_train", "timm_train_script", "timm_train_cj_prob", "timm_train_aa", "timm_eval"]
            + ["timm_ds_train", "timm_ds_eval", "timm_ds_augmix", "food101_train", "food101_eval", "cifar10_v1", "cifar10_v2", "mnist"]
-           + ["cifar_v1", "cifar_v2", "split_train", "split_eval", "concat_train"])
+           + ["cifar_v1", "cifar_v2", "split_train", "split_eval", "concat_train", "eval_paths"])
+
+
+_WITH_PATHS: list = []
+
+
+def _with_paths(tv):
+    """``ImageFolderWithPaths`` as scripts write it (made once, at module level for the workers)."""
+    if not _WITH_PATHS:
+        class ImageFolderWithPaths(tv.datasets.ImageFolder):
+            def __getitem__(self, index):
+                original_tuple = super().__getitem__(index)
+                path = self.imgs[index][0]
+                return original_tuple + (path,)
+
+        ImageFolderWithPaths.__qualname__ = "ImageFolderWithPaths"
+        globals()["ImageFolderWithPaths"] = ImageFolderWithPaths
+        _WITH_PATHS.append(ImageFolderWithPaths)
+    return _WITH_PATHS[0]
 
 
 def _cpu() -> float:
@@ -284,6 +302,13 @@ def build(recipe: str, root: str, size: int, presets, cls, batch_size: int, work
                                               generator=torch.Generator().manual_seed(0))
         ds = parts[0] if training else parts[1]
         return ds, cls(ds, batch_size=batch_size, shuffle=training, num_workers=workers)
+    if recipe == "eval_paths":
+        # the evaluation loader of a script that writes its predictions per file: an ImageFolder subclass
+        # returning each image's path beside it
+        T1 = tv.transforms
+        tf = T1.Compose([T1.Resize(size * 256 // 224), T1.CenterCrop(size), T1.ToTensor(), T1.Normalize(MEAN, STD)])
+        ds = _with_paths(tv)(root, tf)
+        return ds, cls(ds, batch_size=batch_size, shuffle=False, num_workers=workers)
     if recipe == "concat_train":
         # folders combined into one training set with torch's ConcatDataset (here the folder's two halves of
         # classes, listed as two folders of their own would be)

@@ -473,7 +473,8 @@ class DataLoader(_TorchDataLoader[_T_co]):
         if getattr(base, "views_after_transform", False):
             raise ValueError(
                 f"decode='device' decodes each image of a batch on the device into one tensor, but "
-                f"{base._source} makes several views of each image after its transform, on the CPU. Pass "
+                f"{base._source} runs code of its own on each image after its transform, on the CPU (several "
+                "views of it, or a subclass's own __getitem__). Pass "
                 "device= without decode='device' (the batches are copied to the device), or use decode='cpu'")
         if not self._auto_collation:
             raise ValueError(

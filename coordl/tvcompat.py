@@ -56,6 +56,7 @@ The rules (docs/guide/torchvision.md gives them with the measured tolerances):
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import logging
 import math
@@ -216,10 +217,25 @@ def _why_not(ds: Any) -> str | None:
     if base is None:
         return (f"torchvision's {cls.__name__} is not a DatasetFolder/ImageFolder, so coordl has no file "
                 "bytes to cache and share for it")
-    why = why_overridden(cls, base)
+    # a __getitem__ of its own that reaches torchvision's runs as written (TorchvisionSubclassFolder)
+    why = why_overridden(cls, base, attrs=("__len__",) if _own_getitem(cls, base) is not None else
+                         ("__getitem__", "__len__"))
     if why is not None:
         return why
     return _why_not_loader(ds)
+
+
+def _own_getitem(cls: type, base: type) -> Any:
+    """torchvision's ``DatasetFolder.__getitem__`` where ``cls`` (a subclass
+    of ``base``, that class) overrides it with a Python method of its own
+    that reaches it (``super().__getitem__``): :class:`TorchvisionSubclassFolder`
+    runs such a method as written.  Else None."""
+    fn, theirs = cls.__getitem__, base.__getitem__
+    if fn is theirs or not isinstance(fn, types.FunctionType) or not isinstance(theirs, types.FunctionType):
+        return None
+    if (fn.__module__ or "").split(".")[0] == "torchvision" or "__getitem__" not in fn.__code__.co_names:
+        return None
+    return theirs
 
 
 def _why_not_loader(ds: Any) -> str | None:
@@ -259,6 +275,87 @@ class TorchvisionFolder(TwoStageFolder):
 
     def _repr_name(self) -> str:
         return f"{type(self).__name__}(torchvision {self._source})"
+
+
+class TorchvisionSubclassFolder(TorchvisionFolder):
+    """A subclass of torchvision's ``DatasetFolder``/``ImageFolder`` whose
+    own ``__getitem__`` calls torchvision's (``super().__getitem__(index)``)
+    and adds to it: the widespread ``ImageFolderWithPaths`` returning the
+    file's path, or the index, beside the image.  The image is prepared on
+    coordl's pipeline as the folder's (its bytes read ahead, cached,
+    shared; the transform fused); then the subclass's ``__getitem__`` runs
+    as written on a copy of the user's dataset, where torchvision's
+    ``DatasetFolder.__getitem__`` reading the sample's own file, the first
+    time and from that method only, gets that image through its loader and
+    transform (:class:`_Handover`).  Any other read (another index, a second
+    call, the subclass's own use of ``self.loader``) runs as written.
+
+    Keeps a copy of the user's dataset (its lists of samples: the method may
+    read them), as torch's workers do.  The sample is the subclass's, so
+    nothing is split for the device and ``decode="device"`` is refused."""
+
+    #: the sample is more than the transform's output: no device split, no decode="device"
+    views_after_transform = True
+
+    def __init__(self, dataset: Any, transform: Any, source: str | None = None, getitem: Any = None):
+        super().__init__(dataset, transform, source)
+        self._user = copy.copy(dataset)
+        self._getitem_code = getitem.__code__     # torchvision's DatasetFolder.__getitem__
+
+    def take_transforms(self, other: "TorchvisionSubclassFolder") -> None:
+        super().take_transforms(other)
+        self._user = other._user
+
+    def _prep(self, raw, index: int):
+        from .transforms import seeded_for
+
+        # the subclass's method may draw too (Python's, numpy's generators): seeded by the sample as the rest
+        with seeded_for(self.transform, self.target_transform, self._decode, type(self._user).__getitem__):
+            return self._prep_seeded(raw, index)
+
+    def _prep_seeded(self, raw, index: int):
+        i = self._check_index(index)
+        img = None
+        fused = getattr(self.transform, "from_bytes", None) if self._decode is pil_decode else None
+        if fused is not None:
+            img = fused(raw)
+        if img is None or img is NotImplemented:
+            img = self._decode(raw)
+            if self.transform is not None:
+                img = self.transform(img)
+        stand = copy.copy(self._user)
+        hand = _Handover(img, stand.samples[i][0], self._getitem_code, stand.loader, self.transform)
+        stand.__dict__["loader"] = hand.loader
+        if self.transform is not None:
+            stand.__dict__["transform"] = hand.transform
+        return type(stand).__getitem__(stand, index)
+
+
+class _Handover:
+    """The image coordl prepared, handed to torchvision's
+    ``DatasetFolder.__getitem__`` (``code``) when it reads ``path`` the first
+    time: its loader gives a token that its transform turns into the image
+    (or, without a transform, the image itself).  Every other call runs the
+    real loader, and the transform (coordl's translation of the user's) as
+    written."""
+
+    __slots__ = ("img", "path", "code", "real_loader", "real_transform", "token")
+
+    def __init__(self, img, path, code, real_loader, real_transform) -> None:
+        self.img, self.path, self.code = img, path, code
+        self.real_loader, self.real_transform = real_loader, real_transform
+        self.token = None
+
+    def loader(self, path):
+        if self.token is None and path == self.path and sys._getframe(1).f_code is self.code:
+            self.token = object()
+            return self.token if self.real_transform is not None else self.img
+        return self.real_loader(path)
+
+    def transform(self, x):
+        if x is self.token and x is not None:
+            return self.img
+        return self.real_transform(x)
 
 
 # torchvision's datasets of images held in memory, a uint8 array of them: the class's name -> (its module;
@@ -2802,12 +2899,21 @@ def adapt(dataset: Any, jpeg_draft: bool = False) -> tuple[Any, Decision | None]
     if listed is not None:
         given, target = _listed_transforms(dataset, *listed[2:])
     transform, fused, as_written, through = _translated(given, jpeg_draft)
+    own = None
+    if listed is None:
+        base = class_named(type(dataset), _FOLDER_MODULE, "DatasetFolder")
+        own = _own_getitem(type(dataset), base) if base is not None else None
     try:
-        adapted = TorchvisionFolder(dataset if listed is None else _as_folder(dataset, listed[1], given, target),
-                                    transform, source=type(dataset).__name__)
+        if own is not None:
+            adapted = TorchvisionSubclassFolder(dataset, transform, source=type(dataset).__name__, getitem=own)
+        else:
+            adapted = TorchvisionFolder(dataset if listed is None else _as_folder(dataset, listed[1], given, target),
+                                        transform, source=type(dataset).__name__)
     except (TypeError, ValueError, AttributeError) as e:  # a subclass's make_dataset gave other kinds of samples
         return dataset, Decision("torch", f"its samples are not (path, class index) pairs ({e})")
     what = describe_adapted(given, transform, fused, as_written, through, jpeg_draft)
+    if own is not None:
+        what += f"; then {type(dataset).__qualname__}.__getitem__ as written, on each sample's prepared image"
     return adapted, Decision("coordl", f"{_read_as(_name(dataset), arrays=False)}; {what}", fused, as_written)
 
 

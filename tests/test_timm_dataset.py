@@ -351,11 +351,13 @@ def test_timms_augmix_dataset_in_timms_create_loader_with_its_prefetcher(photos,
 
 def test_timms_augmix_dataset_on_the_device(photos, cpu_device):
     mix = augmix_folder(photos)
-    with pytest.raises(ValueError, match="several views of each image after its transform"):
+    with pytest.raises(ValueError, match="runs code of its own on each image after its transform, on the CPU "
+                                         "\\(several views"):
         coordl.DataLoader(mix, batch_size=8, device="cpu", decode="device")
     L = coordl.DataLoader(mix, batch_size=8, device="cpu", seed=1)
     got = view_batches(L)
-    assert L.stats().device_split.startswith("not split (TimmAugMixFolder's samples are several views")
+    assert L.stats().device_split.startswith("not split (TimmAugMixFolder's samples are made after its transform, "
+                                             "on the CPU (several views")
     assert views_equal(got, view_batches(coordl.DataLoader(augmix_folder(photos), batch_size=8, seed=1)))
 
 

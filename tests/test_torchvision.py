@@ -310,9 +310,11 @@ def test_a_subset_or_concat_of_a_torchvision_folder_reads_on_coordls_pipeline_an
 
 # --------------------------------------------------------- fallbacks
 class OwnGetItem(D.ImageFolder):
+    """Its own read, not torchvision's __getitem__ (one that calls it reads on coordl's pipeline: WithPaths)."""
+
     def __getitem__(self, i):
-        x, y = super().__getitem__(i)
-        return x, y + 100
+        path, y = self.samples[i]
+        return self.transform(self.loader(path)), y + 100
 
 
 def _own_loader(path):
@@ -765,3 +767,99 @@ def test_other_loaders_stay_on_torchs_machinery(photos, loader):
     assert s.path == "torch" and "is not torchvision's default_loader/pil_loader" in s.path_reason, s
     got, want = list(L), list(torch.utils.data.DataLoader(ds, batch_size=5))
     assert all(torch.equal(a[0], b[0]) for a, b in zip(got, want))
+
+
+class WithPaths(D.ImageFolder):
+    """The widespread subclass returning the file's path beside the image."""
+
+    def __getitem__(self, index):
+        original_tuple = super().__getitem__(index)
+        path = self.imgs[index][0]
+        return original_tuple + (path,)
+
+
+class WithIndex(D.ImageFolder):
+    def __getitem__(self, index):
+        img, target = super(WithIndex, self).__getitem__(index)
+        return img, target, index
+
+
+class TwoViews(D.ImageFolder):
+    """Two calls of torchvision's __getitem__: the second runs as written."""
+
+    def __getitem__(self, index):
+        a, t = super().__getitem__(index)
+        b, _ = super().__getitem__(index)
+        c, _ = super().__getitem__((index + 1) % len(self))
+        return torch.stack([a, b, c]), t
+
+
+class OwnLoad(D.ImageFolder):
+    """Its own read of the file with self.loader, and torchvision's __getitem__ too."""
+
+    def __getitem__(self, index):
+        img, t = super().__getitem__(index)
+        again = self.transform(self.loader(self.samples[index][0]))
+        return img, t, again
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_subclass_adding_to_torchvisions_getitem_reads_on_coordls_pipeline(photos, workers):
+    """``ImageFolderWithPaths`` and its kin: the image prepared on coordl's
+    pipeline, then the subclass's own ``__getitem__`` as written; torch's
+    batches where nothing draws."""
+    eval_tf = V1.Compose([V1.Resize(20), V1.CenterCrop((16, 18)), V1.ToTensor()])
+    for cls in (WithPaths, WithIndex, TwoViews, OwnLoad):
+        ds = cls(photos, transform=eval_tf)
+        L = coordl.DataLoader(ds, batch_size=4, num_workers=workers)
+        want = list(torch.utils.data.DataLoader(ds, batch_size=4))
+        got = list(L)
+        s = L.stats()
+        assert s.path == "coordl" and f"then {cls.__qualname__}.__getitem__ as written" in s.path_reason, s
+        assert len(got) == len(want)
+        for a, b in zip(got, want):
+            assert len(a) == len(b)
+            for x, y in zip(a, b):
+                assert torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y, cls
+
+
+def test_a_subclass_getitem_draws_the_same_with_any_workers_and_resumes(photos):
+    ds = WithPaths(photos, transform=v1_pipeline(16))
+    kw = dict(batch_size=4, shuffle=True, seed=3)
+    want = list(coordl.DataLoader(ds, **kw))
+    assert sorted(p for b in want for p in b[2]) == sorted(p for p, _ in ds.imgs)
+    L = coordl.DataLoader(ds, num_workers=2, **kw)
+    it = iter(L)
+    got = [next(it) for _ in range(3)]
+    state = L.state_dict()
+    del it
+    R = coordl.DataLoader(ds, num_workers=2, **kw)
+    R.load_state_dict(state)
+    got += list(R)
+    assert len(got) == len(want)
+    for a, b in zip(got, want):
+        assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) and a[2] == b[2]
+    # the path is the image's: the label of each path is its folder's
+    for x, y, paths in want:
+        assert [ds.class_to_idx[os.path.basename(os.path.dirname(p))] for p in paths] == y.tolist()
+
+
+def test_a_subclass_getitem_that_does_not_reach_torchvisions_or_overrides_len_stays_on_torch(photos, cpu_device):
+    class OwnRead(D.ImageFolder):
+        def __getitem__(self, index):
+            path, target = self.samples[index]
+            return self.transform(Image.open(path).convert("RGB")), target
+
+    class Shorter(WithPaths):
+        def __len__(self):
+            return 5
+
+    for cls, why in ((OwnRead, "OwnRead overrides __getitem__"), (Shorter, "Shorter overrides __len__")):
+        s = coordl.DataLoader(cls(photos, transform=v1_pipeline(16)), batch_size=4).stats()
+        assert s.path == "torch" and why in s.path_reason, s
+    with pytest.raises(ValueError, match="a subclass's own __getitem__"):
+        coordl.DataLoader(WithPaths(photos, transform=v1_pipeline(16)), batch_size=4, device="cpu", decode="device")
+    L = coordl.DataLoader(WithPaths(photos, transform=v1_pipeline(16)), batch_size=4, device="cpu")
+    x, y, p = next(iter(L))
+    assert L.stats().device_split.startswith("not split (TorchvisionSubclassFolder's samples are made after")
+    assert x.shape == (4, 3, 16, 16) and len(p) == 4

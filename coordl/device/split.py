@@ -497,7 +497,8 @@ def split_for_device(dataset, device=None) -> Split:
         return Split(dataset, None, f"not split ({why}): images are converted on the CPU")
 
     if getattr(dataset, "views_after_transform", False):
-        return no(f"{type(dataset).__name__}'s samples are several views made after its transform")
+        return no(f"{type(dataset).__name__}'s samples are made after its transform, on the CPU (several views, "
+                  "or a subclass's own __getitem__)")
     tf = getattr(dataset, "transform", None)
     if type(tf).__name__ == "TorchvisionPipeline":     # a translated torchvision transform (coordl.tvcompat)
         return _split_pipeline(dataset, tf, device, no)
