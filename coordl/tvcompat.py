@@ -290,16 +290,18 @@ class TorchvisionSubclassFolder(TorchvisionFolder):
     transform (:class:`_Handover`).  Any other read (another index, a second
     call, the subclass's own use of ``self.loader``) runs as written.
 
-    Keeps a copy of the user's dataset (its lists of samples: the method may
-    read them), as torch's workers do.  The sample is the subclass's, so
-    nothing is split for the device and ``decode="device"`` is refused."""
+    Keeps the user's dataset itself (its lists of samples, and whatever else
+    the method reads, as it is when a pass starts its workers: as torch's
+    workers get it), and copies it per sample.  The sample is the
+    subclass's, so nothing is split for the device and ``decode="device"``
+    is refused."""
 
     #: the sample is more than the transform's output: no device split, no decode="device"
     views_after_transform = True
 
     def __init__(self, dataset: Any, transform: Any, source: str | None = None, getitem: Any = None):
         super().__init__(dataset, transform, source)
-        self._user = copy.copy(dataset)
+        self._user = dataset
         self._getitem_code = getitem.__code__     # torchvision's DatasetFolder.__getitem__
 
     def take_transforms(self, other: "TorchvisionSubclassFolder") -> None:

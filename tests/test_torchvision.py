@@ -823,6 +823,22 @@ def test_a_subclass_adding_to_torchvisions_getitem_reads_on_coordls_pipeline(pho
                 assert torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y, cls
 
 
+class Switch(D.ImageFolder):
+    def __getitem__(self, index):
+        img, target = super().__getitem__(index)
+        return (img, target, index) if self.with_index else (img, target)
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_what_a_subclass_getitem_reads_of_the_dataset_is_as_it_is_at_each_pass(photos, workers):
+    ds = Switch(photos, transform=V1.Compose([V1.Resize((8, 8)), V1.PILToTensor()]))
+    ds.with_index = True
+    L = coordl.DataLoader(ds, batch_size=4, num_workers=workers)
+    assert len(next(iter(L))) == 3
+    ds.with_index = False     # as torch's workers of the next pass see it
+    assert len(next(iter(L))) == 2 == len(next(iter(torch.utils.data.DataLoader(ds, batch_size=4))))
+
+
 def test_a_subclass_getitem_draws_the_same_with_any_workers_and_resumes(photos):
     ds = WithPaths(photos, transform=v1_pipeline(16))
     kw = dict(batch_size=4, shuffle=True, seed=3)
