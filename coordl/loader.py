@@ -273,6 +273,7 @@ class DataLoader(_TorchDataLoader[_T_co]):
         # the translated transforms coordl set on its copies (by leaf): another one there was assigned by the user
         self._tv_set = {k: _leaves(dataset)[k].transform for k in followed}
         self._tv_assigned: dict = {}  # leaf -> (the user's transform assigned to coordl's copy, its spec), translated
+        self._wraps = dataset is not source   # coordl reads a copy of the user's dataset (_check_source)
         # by keyword: a tool that records the arguments of torch's __init__ to build the loader again with
         # one of them replaced (PyTorch Lightning's sampler injection, when it did not see this class's own
         # __init__) then replaces it, where positional ones would be given twice
@@ -738,6 +739,36 @@ class DataLoader(_TorchDataLoader[_T_co]):
         p.next_epoch = epoch
         p.active = False
 
+    def _check_source(self) -> None:
+        """The user's Subsets still choose the samples this loader's copies
+        read, and the datasets coordl translated still have as many: torch's
+        loader would read them as they are now, coordl read them when it was
+        made, so a change is an error that says so rather than a pass over
+        what no longer is."""
+        from torch.utils.data import ConcatDataset, Subset
+
+        from .subsets import TwoStageConcat, TwoStageSubset
+
+        def walk(user, mine) -> None:
+            if isinstance(mine, TwoStageSubset) and isinstance(user, Subset):
+                if not mine.reads(user.indices):
+                    raise ValueError(
+                        f"the indices of the Subset given to this DataLoader changed since the loader was made "
+                        f"({len(mine._map)} samples then, {len(user.indices)} now): coordl reads a Subset's "
+                        "indices when the loader is made; make a new DataLoader over the changed Subset")
+                walk(user.dataset, mine.dataset)
+            elif isinstance(mine, TwoStageConcat) and isinstance(user, ConcatDataset):
+                for u, m in zip(user.datasets, mine.datasets):
+                    walk(u, m)
+            elif user is not mine and hasattr(user, "__len__") and len(user) != len(mine):
+                raise ValueError(
+                    f"{type(user).__name__} given to this DataLoader has {len(user)} samples now, {len(mine)} when "
+                    "the loader was made: coordl reads a torchvision dataset's samples when the loader is made; make "
+                    "a new DataLoader over the changed dataset")
+
+        if self._wraps:
+            walk(self._built_with["dataset"], self.dataset)
+
     def _follow_torchvision(self) -> None:
         """A transform or target_transform assigned to the user's torchvision
         dataset since the last pass, or changed in place (a crop's size set
@@ -782,6 +813,7 @@ class DataLoader(_TorchDataLoader[_T_co]):
 
     # ---------------------------------------------------------------- torch hooks
     def __iter__(self):
+        self._check_source()
         self._follow_torchvision()
         if self._peer_server is not None:
             self._peer_server.ensure()   # served again if the node daemon serving it died

@@ -37,7 +37,8 @@ class TwoStageSubset(Subset):
     ``raw``, ``prep``, ``describe``, ``sizes``, ``fingerprint()`` (and
     ``raw_uncached``/``raw_many`` where the inner dataset has them) over the
     chosen samples.  ``indices`` are read once, here (a list changed in
-    place afterwards is not followed).
+    place afterwards is not followed: the loader checks at each pass,
+    :meth:`reads`, and says so).
 
     ``transform`` reads the inner dataset's; setting it (as the device
     stages do on their copies) sets it on a copy of the inner dataset, so
@@ -64,6 +65,20 @@ class TwoStageSubset(Subset):
 
     def _base(self, index: int) -> int:
         return int(self._map[index])
+
+    def reads(self, indices) -> bool:
+        """Whether ``indices`` (the user's Subset's, at a later pass) are
+        still the ones this subset reads."""
+        try:
+            if len(indices) != len(self._map):
+                return False
+            got = np.asarray(indices)
+        except (TypeError, ValueError):
+            return False
+        if got.ndim != 1 or (got.size and got.dtype.kind not in "iub"):
+            return False
+        n = len(self.dataset)
+        return bool(np.array_equal(np.where(got < 0, got + n, got), self._map))
 
     # -- the two-stage protocol -------------------------------------------
     def raw(self, index: int) -> bytes:

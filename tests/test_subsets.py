@@ -223,3 +223,29 @@ def test_a_concat_draws_resumes_and_caches_as_one_dataset(photos, more_photos, c
         coordl.DataLoader(cat, batch_size=4, device="cpu", decode="device")
     bad = coordl.DataLoader(ConcatDataset([a, torch.utils.data.TensorDataset(torch.arange(3))]), batch_size=4)
     assert bad.stats().path == "torch"
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_subset_or_folder_changed_after_the_loader_was_made_is_an_error_not_a_stale_pass(photos, workers):
+    """Under torch the next pass reads a Subset's indices (or a folder's
+    samples) as they are then; coordl read them when the loader was made,
+    so a change says so instead of delivering what no longer is."""
+    ds = coordl.ImageFolder(photos, transform=_random())
+    labeled = Subset(ds, [0, 1, 2, 3])
+    L = coordl.DataLoader(labeled, batch_size=2, seed=1, num_workers=workers)
+    assert len(list(L)) == 2
+    labeled.indices[0] = 0          # the same indices: fine
+    assert len(list(L)) == 2
+    labeled.indices.extend([7, 8])  # an active-learning round grows its labeled set in place
+    with pytest.raises(ValueError, match=r"indices of the Subset given to this DataLoader changed .*\(4 samples then, "
+                                         r"6 now\).*make a new DataLoader"):
+        iter(L)
+    assert len(list(coordl.DataLoader(labeled, batch_size=2, seed=1, num_workers=workers))) == 3
+    if tv is not None:
+        from torchvision import datasets as D
+
+        folder = D.ImageFolder(photos)
+        L = coordl.DataLoader(folder, batch_size=4, collate_fn=lambda s: s)
+        folder.samples = folder.samples[:10]
+        with pytest.raises(ValueError, match="ImageFolder given to this DataLoader has 10 samples now, 30 when"):
+            iter(L)
