@@ -760,11 +760,14 @@ class DataLoader(_TorchDataLoader[_T_co]):
             elif isinstance(mine, TwoStageConcat) and isinstance(user, ConcatDataset):
                 for u, m in zip(user.datasets, mine.datasets):
                     walk(u, m)
-            elif user is not mine and hasattr(user, "__len__") and len(user) != len(mine):
-                raise ValueError(
-                    f"{type(user).__name__} given to this DataLoader has {len(user)} samples now, {len(mine)} when "
-                    "the loader was made: coordl reads a torchvision dataset's samples when the loader is made; make "
-                    "a new DataLoader over the changed dataset")
+            elif user is not mine and hasattr(user, "__len__"):
+                if len(user) != len(mine):
+                    raise ValueError(
+                        f"{type(user).__name__} given to this DataLoader has {len(user)} samples now, {len(mine)} "
+                        "when the loader was made: coordl reads a torchvision dataset's samples when the loader is "
+                        "made; make a new DataLoader over the changed dataset")
+                if callable(getattr(mine, "follow", None)):
+                    mine.follow(user)     # torchvision's images in memory: their labels as they are now
 
         if self._wraps:
             walk(self._built_with["dataset"], self.dataset)

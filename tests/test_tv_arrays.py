@@ -252,3 +252,30 @@ def test_prep_takes_the_rows_bytes_in_any_form():
     for form in (bytes(raw), memoryview(bytes(raw))):
         got = ds.prep(form, 3)
         assert torch.equal(got[0], want[0]) and got[1] == want[1]
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_labels_and_images_changed_between_passes_are_the_next_passs(workers):
+    """Label correction between epochs (in place, or a list assigned anew)
+    and an array assigned anew: torch's next pass reads them as they are
+    then, and so does coordl's; a different number of images is an error
+    that says to make a new loader."""
+    ds = cifar(EVAL, n=24)
+    T_ = torch.utils.data.DataLoader(ds, batch_size=8, num_workers=workers)
+    L = coordl.DataLoader(ds, batch_size=8, num_workers=workers)
+
+    def both_equal():
+        a, b = list(T_), list(L)
+        return len(a) == len(b) == 3 and all(torch.equal(x[0], y[0]) and torch.equal(x[1], y[1]) for x, y in zip(a, b))
+
+    assert both_equal()
+    ds.targets[3] = (ds.targets[3] + 1) % 10            # in place
+    assert both_equal()
+    ds.targets = [(t + 2) % 10 for t in ds.targets]     # assigned anew
+    assert both_equal()
+    ds.data = np.ascontiguousarray(ds.data[::-1])       # images assigned anew
+    assert both_equal()
+    ds.data = ds.data[:16]
+    ds.targets = ds.targets[:16]
+    with pytest.raises(ValueError, match="CIFAR10 given to this DataLoader has 16 samples now, 24 when"):
+        iter(L)
