@@ -302,7 +302,7 @@ class TorchvisionSubclassFolder(TorchvisionFolder):
     def __init__(self, dataset: Any, transform: Any, source: str | None = None, getitem: Any = None):
         super().__init__(dataset, transform, source)
         self._user = dataset
-        self._getitem_code = getitem.__code__     # torchvision's DatasetFolder.__getitem__
+        self._getitem = getitem     # torchvision's DatasetFolder.__getitem__ (pickled by name, for spawn)
 
     def take_transforms(self, other: "TorchvisionSubclassFolder") -> None:
         super().take_transforms(other)
@@ -326,7 +326,7 @@ class TorchvisionSubclassFolder(TorchvisionFolder):
             if self.transform is not None:
                 img = self.transform(img)
         stand = copy.copy(self._user)
-        hand = _Handover(img, stand.samples[i][0], self._getitem_code, stand.loader, self.transform)
+        hand = _Handover(img, stand.samples[i][0], self._getitem.__code__, stand.loader, self.transform)
         stand.__dict__["loader"] = hand.loader
         if self.transform is not None:
             stand.__dict__["transform"] = hand.transform

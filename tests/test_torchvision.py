@@ -817,6 +817,8 @@ def test_a_subclass_adding_to_torchvisions_getitem_reads_on_coordls_pipeline(pho
         s = L.stats()
         assert s.path == "coordl" and f"then {cls.__qualname__}.__getitem__ as written" in s.path_reason, s
         assert len(got) == len(want)
+        again = pickle.loads(pickle.dumps(L.dataset))     # as spawn's workers and the node daemon get it
+        assert str(again.prep(again.raw(5), 5)) == str(L.dataset.prep(L.dataset.raw(5), 5))
         for a, b in zip(got, want):
             assert len(a) == len(b)
             for x, y in zip(a, b):
