@@ -12,6 +12,7 @@ from torch.utils.data import Subset, random_split
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
+from _resume_check import whole_and_resumed  # noqa: E402
 from _torchvision import import_torchvision  # noqa: E402
 
 import coordl  # noqa: E402
@@ -58,21 +59,13 @@ def test_a_subset_of_coordls_folder_draws_the_same_with_any_workers_and_resumes(
     ds = coordl.ImageFolder(photos, transform=_random())
     idx = [3, 0, 29, -1, 7, 12, 12, 5, 20, 1, 2]
     sub = Subset(ds, idx)
-    kw = dict(batch_size=3, shuffle=True, seed=4)
-    ref = coordl.DataLoader(sub, **kw)
-    ref.set_epoch(1)
+    ref = coordl.DataLoader(sub, batch_size=3, shuffle=True, seed=4)
     want = list(ref)
     assert isinstance(ref.dataset, TwoStageSubset) and ref.stats().path == "coordl"
     assert sorted(torch.cat([y for _, y in want]).tolist()) == sorted(ds.targets[i] for i in idx)
-    L = coordl.DataLoader(sub, num_workers=workers, **kw)
-    L.set_epoch(1)
-    it = iter(L)
-    got = [next(it) for _ in range(2)]
-    state = L.state_dict()
-    del it
-    R = coordl.DataLoader(sub, num_workers=workers, **kw)
-    R.load_state_dict(state)
-    assert _same(got + list(R), want)
+    whole, resumed = whole_and_resumed(lambda seed=4: coordl.DataLoader(sub, batch_size=3, shuffle=True, seed=seed,
+                                                                        num_workers=workers), 2)
+    assert _same(whole, want) and _same(resumed, want)
     assert ref.dataset.describe(3) == ds.describe(29)
 
 
@@ -199,14 +192,7 @@ def test_a_concat_draws_resumes_and_caches_as_one_dataset(photos, more_photos, c
     kw = dict(batch_size=8, shuffle=True, seed=5, collate_fn=lambda s: s)     # the parts' sizes differ
     want = list(coordl.DataLoader(cat, **kw))
     assert sorted(y for batch in want for _, y in batch) == sorted(a.targets * 2 + b.targets)
-    two = coordl.DataLoader(cat, num_workers=2, **kw)
-    it = iter(two)
-    got = [next(it) for _ in range(3)]
-    state = two.state_dict()
-    del it
-    R = coordl.DataLoader(cat, num_workers=2, **kw)
-    R.load_state_dict(state)
-    got += list(R)
+    _, got = whole_and_resumed(lambda seed=5: coordl.DataLoader(cat, num_workers=2, **{**kw, "seed": seed}), 3)
     assert len(got) == len(want) and all(
         len(x) == len(y) and all(torch.equal(p[0], q[0]) and p[1] == q[1] for p, q in zip(x, y)) for x, y in zip(got, want))
     C = coordl.DataLoader(cat, batch_size=8, seed=5, collate_fn=lambda s: s, cache_size="8MiB")

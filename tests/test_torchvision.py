@@ -842,18 +842,13 @@ def test_what_a_subclass_getitem_reads_of_the_dataset_is_as_it_is_at_each_pass(p
 
 
 def test_a_subclass_getitem_draws_the_same_with_any_workers_and_resumes(photos):
+    from _resume_check import whole_and_resumed
+
     ds = WithPaths(photos, transform=v1_pipeline(16))
-    kw = dict(batch_size=4, shuffle=True, seed=3)
-    want = list(coordl.DataLoader(ds, **kw))
+    want = list(coordl.DataLoader(ds, batch_size=4, shuffle=True, seed=3))
     assert sorted(p for b in want for p in b[2]) == sorted(p for p, _ in ds.imgs)
-    L = coordl.DataLoader(ds, num_workers=2, **kw)
-    it = iter(L)
-    got = [next(it) for _ in range(3)]
-    state = L.state_dict()
-    del it
-    R = coordl.DataLoader(ds, num_workers=2, **kw)
-    R.load_state_dict(state)
-    got += list(R)
+    _, got = whole_and_resumed(lambda seed=3: coordl.DataLoader(ds, batch_size=4, shuffle=True, seed=seed,
+                                                                num_workers=2), 3)
     assert len(got) == len(want)
     for a, b in zip(got, want):
         assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) and a[2] == b[2]
