@@ -274,6 +274,8 @@ class DataLoader(_TorchDataLoader[_T_co]):
         self._tv_set = {k: _leaves(dataset)[k].transform for k in followed}
         self._tv_assigned: dict = {}  # leaf -> (the user's transform assigned to coordl's copy, its spec), translated
         self._wraps = dataset is not source   # coordl reads a copy of the user's dataset (_check_source)
+        # the user's folders' lists of samples (by leaf), as coordl read them: one assigned anew is looked at
+        self._samples_seen = {k: getattr(_leaves(source)[k], "samples", None) for k in followed}
         # by keyword: a tool that records the arguments of torch's __init__ to build the loader again with
         # one of them replaced (PyTorch Lightning's sampler injection, when it did not see this class's own
         # __init__) then replaces it, where positional ones would be given twice
@@ -771,6 +773,14 @@ class DataLoader(_TorchDataLoader[_T_co]):
 
         if self._wraps:
             walk(self._built_with["dataset"], self.dataset)
+        src = self._tv_source
+        if src is not None:
+            users, mine = _leaves(src[0]), _leaves(self.dataset)
+            for k, seen in self._samples_seen.items():
+                now = getattr(users[k], "samples", None)
+                if now is not seen and callable(getattr(mine[k], "follow_samples", None)):
+                    mine[k].follow_samples(now)     # relabelled: the labels as they are now, as torch reads them
+                    self._samples_seen[k] = now
 
     def _follow_torchvision(self) -> None:
         """A transform or target_transform assigned to the user's torchvision

@@ -62,6 +62,7 @@ import logging
 import math
 import numbers
 import operator
+import os
 import random
 import sys
 import threading
@@ -275,6 +276,23 @@ class TorchvisionFolder(TwoStageFolder):
 
     def _repr_name(self) -> str:
         return f"{type(self).__name__}(torchvision {self._source})"
+
+    def follow_samples(self, samples) -> None:
+        """The user's dataset's ``samples`` list assigned anew since the
+        last pass: its labels are taken (torch's next pass reads them); other
+        files are an error that says to make a new loader.  Asked only when
+        the list is another object (the loader keeps the one it saw)."""
+        norm = os.path.normpath
+        try:
+            pairs = [(os.fsdecode(os.fspath(p)), operator.index(t)) for p, t in samples]
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"the samples of the {self._source} given to this DataLoader were assigned anew and are "
+                             f"not (path, class index) pairs ({e}): make a new DataLoader") from None
+        if len(pairs) != len(self) or any(norm(p) != norm(self._path(i)) for i, (p, _) in enumerate(pairs)):
+            raise ValueError(f"the samples of the {self._source} given to this DataLoader were assigned anew with other "
+                             "files: coordl reads a folder's files when the loader is made; make a new DataLoader over "
+                             "the changed dataset")
+        self._targets = np.asarray([t for _, t in pairs], dtype=np.int64)
 
 
 class TorchvisionSubclassFolder(TorchvisionFolder):

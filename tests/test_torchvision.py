@@ -876,3 +876,26 @@ def test_a_subclass_getitem_that_does_not_reach_torchvisions_or_overrides_len_st
     x, y, p = next(iter(L))
     assert L.stats().device_split.startswith("not split (TorchvisionSubclassFolder's samples are made after")
     assert x.shape == (4, 3, 16, 16) and len(p) == 4
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_folder_relabelled_between_passes_gives_the_new_labels(photos, workers):
+    """Its ``samples`` assigned anew with other labels (label noise or
+    correction between epochs): torch's next pass reads them, and so does
+    coordl's; other files are an error that says to make a new loader."""
+    for cls in (D.ImageFolder, WithPaths):
+        ds = cls(photos, transform=V1.Compose([V1.Resize((8, 8)), V1.PILToTensor()]))
+        T_ = torch.utils.data.DataLoader(ds, batch_size=8, num_workers=workers)
+        L = coordl.DataLoader(ds, batch_size=8, num_workers=workers)
+        assert [b[1].tolist() for b in L] == [b[1].tolist() for b in T_]
+        ds.samples = [(p, (t + 1) % 3) for p, t in ds.samples]
+        got, want = [b[1].tolist() for b in L], [b[1].tolist() for b in T_]
+        assert got == want and got != [b[1].tolist() for b in coordl.DataLoader(cls(photos), batch_size=8,
+                                                                               collate_fn=_labels_only)]
+        ds.samples = ds.samples[1:] + ds.samples[:1]
+        with pytest.raises(ValueError, match="assigned anew with other files"):
+            iter(L)
+
+
+def _labels_only(batch):
+    return None, torch.tensor([t for _, t, *_ in batch])
