@@ -25,6 +25,7 @@ import operator
 from typing import Any
 
 import numpy as np
+import torch
 from torch.utils.data import ConcatDataset, Subset
 
 from .protocol import describe as _describe, is_two_stage
@@ -48,7 +49,12 @@ class TwoStageSubset(Subset):
         if not is_two_stage(dataset):
             raise TypeError(f"TwoStageSubset needs a two-stage dataset (raw/prep), but got {type(dataset).__name__}")
         n = len(dataset)
-        idx = np.asarray(indices) if isinstance(indices, (list, tuple, range, np.ndarray)) else None
+        if isinstance(indices, torch.Tensor):
+            idx = indices.detach().cpu().numpy()
+        elif isinstance(indices, (list, tuple, range, np.ndarray)):
+            idx = np.asarray(indices)
+        else:
+            idx = None
         if idx is not None and idx.ndim == 1 and idx.dtype.kind in "iu":
             idx = idx.astype(np.int64)        # (a copy: the user's array stays theirs)
         else:
@@ -72,7 +78,7 @@ class TwoStageSubset(Subset):
         try:
             if len(indices) != len(self._map):
                 return False
-            got = np.asarray(indices)
+            got = indices.detach().cpu().numpy() if isinstance(indices, torch.Tensor) else np.asarray(indices)
         except (TypeError, ValueError):
             return False
         if got.ndim != 1 or (got.size and got.dtype.kind not in "iub"):

@@ -71,6 +71,10 @@ def test_a_subset_of_coordls_folder_draws_the_same_with_any_workers_and_resumes(
 
 def test_a_subset_of_a_subset_and_its_errors(photos):
     ds = coordl.ImageFolder(photos, transform=_random())
+    by_tensor = coordl.DataLoader(Subset(ds, torch.tensor([5, 2, 9])), batch_size=3, seed=1)   # indices as a tensor
+    assert isinstance(by_tensor.dataset, TwoStageSubset) and next(iter(by_tensor))[1].tolist() == \
+        [ds.targets[5], ds.targets[2], ds.targets[9]]
+    assert len(list(by_tensor)) == 1        # the next pass's check reads the tensor too
     inner = Subset(ds, list(range(10, 30)))
     L = coordl.DataLoader(Subset(inner, [0, 19, 5]), batch_size=3, seed=1)
     (x, y), = list(L)
