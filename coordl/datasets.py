@@ -195,18 +195,20 @@ class _FolderBase(SampleTable):
 
     def _prep_seeded(self, raw: bytes, index: int) -> tuple[Any, Any]:
         i = self._check_index(index)
-        if self._decode is pil_decode:
-            # coordl's own pipelines decode and transform in one step (see
-            # coordl.transforms.decode_and_apply): same draws, no PIL images
-            fused = getattr(self.transform, "from_bytes", None)
-            if fused is not None:
-                sample = fused(raw)
-                if sample is not NotImplemented:
-                    target = int(self._targets[i])
-                    if self.target_transform is not None:
-                        target = self.target_transform(target)
-                    return sample, target
+        sample = self._fused_image(raw)
+        if sample is not NotImplemented:
+            target = int(self._targets[i])
+            if self.target_transform is not None:
+                target = self.target_transform(target)
+            return sample, target
         return self._finish(self._decode(raw), i)
+
+    def _fused_image(self, raw: bytes) -> Any:
+        """``transform(decode(raw))`` in one step where coordl's pipeline
+        can (see coordl.transforms.decode_and_apply: same draws, no PIL
+        image), else NotImplemented."""
+        fused = getattr(self.transform, "from_bytes", None) if self._decode is pil_decode else None
+        return fused(raw) if fused is not None else NotImplemented
 
     def _finish(self, sample: Any, i: int) -> tuple[Any, Any]:
         target = int(self._targets[i])

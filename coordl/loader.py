@@ -266,16 +266,16 @@ class DataLoader(_TorchDataLoader[_T_co]):
         # translated at the next pass (_follow_torchvision), as torch would run it
         self._tv_source = None
         followed: list = []
+        users, mine = _leaves(source), _leaves(dataset)
         if tv_decision is not None and tv_decision.path == "coordl":
-            users = _leaves(source)
-            followed = [k for k, (u, m) in enumerate(zip(users, _leaves(dataset))) if u is not m]
+            followed = [k for k, (u, m) in enumerate(zip(users, mine)) if u is not m]
             self._tv_source = (source, followed, [_transforms_seen(users[k]) for k in followed], jpeg_draft)
         # the translated transforms coordl set on its copies (by leaf): another one there was assigned by the user
-        self._tv_set = {k: _leaves(dataset)[k].transform for k in followed}
+        self._tv_set = {k: mine[k].transform for k in followed}
         self._tv_assigned: dict = {}  # leaf -> (the user's transform assigned to coordl's copy, its spec), translated
         self._wraps = dataset is not source   # coordl reads a copy of the user's dataset (_check_source)
         # the user's folders' lists of samples (by leaf), as coordl read them: one assigned anew is looked at
-        self._samples_seen = {k: getattr(_leaves(source)[k], "samples", None) for k in followed}
+        self._samples_seen = {k: getattr(users[k], "samples", None) for k in followed}
         # by keyword: a tool that records the arguments of torch's __init__ to build the loader again with
         # one of them replaced (PyTorch Lightning's sampler injection, when it did not see this class's own
         # __init__) then replaces it, where positional ones would be given twice

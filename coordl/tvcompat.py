@@ -335,11 +335,8 @@ class TorchvisionSubclassFolder(TorchvisionFolder):
 
     def _prep_seeded(self, raw, index: int):
         i = self._check_index(index)
-        img = None
-        fused = getattr(self.transform, "from_bytes", None) if self._decode is pil_decode else None
-        if fused is not None:
-            img = fused(raw)
-        if img is None or img is NotImplemented:
+        img = self._fused_image(raw)
+        if img is NotImplemented:
             img = self._decode(raw)
             if self.transform is not None:
                 img = self.transform(img)

@@ -198,10 +198,10 @@ class ShareMode(PipelineMode):
             return None
         if self.link is not None and not self.link.alive:
             self.drop_link()
-        blob = self._blob(loader)
-        if blob is None:
+        pickled = self._blob(loader)
+        if pickled is None:
             return None
-        if self.link is not None and _digest(blob) != self._joined:
+        if self.link is not None and pickled[1] != self._joined:
             # the dataset changed since the group was joined (a transform changed in place or assigned, as
             # progressive resizing does): the group of the dataset as it is now, with its own layout
             self.drop_link()
@@ -212,7 +212,7 @@ class ShareMode(PipelineMode):
                     and time.monotonic() - self._hung[1] < _RETRY_HUNG * _timeout()):
                 return None      # the same daemon did not answer a moment ago: not another timeout now
             self._hung = None
-        if self.link is None and not self._connect(loader, epoch, steps[0], blob):
+        if self.link is None and not self._connect(loader, epoch, steps[0], pickled):
             return None
         try:
             return SharedIter(self, loader, epoch, steps)
@@ -222,11 +222,13 @@ class ShareMode(PipelineMode):
                           stacklevel=4)
             return None
 
-    def _blob(self, loader) -> bytes | None:
-        """The pass's dataset pickled for the daemon, or None (with one
-        warning, and this loader never asks again) when it cannot be."""
+    def _blob(self, loader) -> tuple[bytes, str] | None:
+        """The pass's dataset pickled for the daemon, and its digest (hashed
+        once a pass: an ImageNet-sized table pickles to about 70 MB), or None
+        (with one warning, and this loader never asks again) when it cannot be."""
         try:
-            return pickle.dumps(self.pass_dataset(loader), protocol=pickle.HIGHEST_PROTOCOL)
+            blob = pickle.dumps(self.pass_dataset(loader), protocol=pickle.HIGHEST_PROTOCOL)
+            return blob, _digest(blob)
         except Exception as e:
             self.off = (f"the dataset cannot be pickled for the daemon ({type(e).__name__}: {e}): define "
                         "every function it holds (its transform's steps included) with def at module level "
@@ -234,18 +236,19 @@ class ShareMode(PipelineMode):
             warnings.warn(f"coordl: share=True: {self.off}; this loader prepares in the job", stacklevel=5)
             return None
 
-    def _connect(self, loader, epoch: int, first_step: int, blob: bytes | None = None) -> bool:
+    def _connect(self, loader, epoch: int, first_step: int, pickled: tuple[bytes, str] | None = None) -> bool:
         from . import server
 
         plan = loader.plan
         ds = self.pass_dataset(loader)
-        if blob is None:
-            blob = self._blob(loader)
-            if blob is None:
+        if pickled is None:
+            pickled = self._blob(loader)
+            if pickled is None:
                 return False
-        if _digest(blob) != self._joined:   # another dataset (or transform) than the last join's
+        blob, digest_of_blob = pickled
+        if digest_of_blob != self._joined:   # another dataset (or transform) than the last join's
             self.layout1, self._first, self._reader = None, None, None
-            self._joined = _digest(blob)
+            self._joined = digest_of_blob
         if self.layout1 is None:
             bs = plan.batch_size or 1
             pos = first_step * bs if plan.batch_size else first_step

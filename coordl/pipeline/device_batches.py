@@ -168,7 +168,7 @@ def batch_reads_for(dataset, *, cache, peers, in_place: bool, batch_size) -> "Ba
         return None
     cls = type(ds)
     stock = [(_FolderBase, n) for n in ("__getitem__", "prep", "raw", "raw_uncached", "_prep", "_raw", "_read",
-                                        "_raw_uncached", "_finish")]
+                                        "_raw_uncached", "_finish", "_fused_image")]
     stock += [(SampleTable, n) for n in ("_path", "_check_index", "sizes")]
     if any(getattr(cls, n) is not getattr(base, n) or n in vars(ds) for base, n in stock):
         return None     # a subclass's, or an instance's own, method
