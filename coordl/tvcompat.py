@@ -81,7 +81,9 @@ from . import timmcompat
 from .base.foreign import class_named, instructions, plain_function, why_not_callable, why_overridden
 from . import transforms as T
 from .datasets import TwoStageFolder, pil_decode
+from .decode import jpeg as _jpeg
 from .decode.loaders import _is_default_pil_loader
+from .decode.tvio import TorchvisionDecode, torchvision_loader
 from .base import forks as _forks
 
 __all__ = ["Decision", "TorchvisionFolder", "TorchvisionPipeline", "adapt", "translate", "translate_steps",
@@ -226,6 +228,17 @@ def _why_not(ds: Any) -> str | None:
     return _why_not_loader(ds)
 
 
+def _fuses_whole(tf: Any) -> bool:
+    """Whether ``tf.from_bytes`` (a folder's translated transform, or a
+    device stage's wrapper of it) decodes with coordl's JPEG decode: a
+    translation whose fused part coordl runs from the bytes, not one that
+    would decode with PIL."""
+    fused = tf.fused if type(tf) is TorchvisionPipeline else tf
+    if type(fused) is T.Compose:
+        return T._fusable(fused.transforms)
+    return fused is not None and hasattr(tf, "from_bytes")
+
+
 def _own_getitem(cls: type, base: type) -> Any:
     """torchvision's ``DatasetFolder.__getitem__`` where ``cls`` (a subclass
     of ``base``, that class) overrides it with a Python method of its own
@@ -243,10 +256,13 @@ def _why_not_loader(ds: Any) -> str | None:
     """Why ``ds``'s ``loader`` (and transforms) keep it off coordl's pipeline, or None."""
     folder = sys.modules.get(_FOLDER_MODULE)
     loader = getattr(ds, "loader", None)
+    if torchvision_loader(loader) is not None:
+        return why_not_callable(ds)
     if not _is_default_pil_loader(loader):
         return (f"its loader {loader!r} is not torchvision's default_loader/pil_loader (or a function written as "
-                "one: PIL's open, then convert('RGB')), so coordl cannot decode the file's bytes the same way "
-                "(coordl.ImageFolder(..., decode=...) can)")
+                "one: PIL's open, then convert('RGB')), nor torchvision.io's decode_image/read_image (or a "
+                "functools.partial of one giving its mode), so coordl cannot decode the file's bytes the same "
+                "way (coordl.ImageFolder(..., decode=...) can)")
     if loader is getattr(folder, "default_loader", None):
         tv = sys.modules.get("torchvision")
         backend = tv.get_image_backend() if tv is not None and hasattr(tv, "get_image_backend") else "PIL"
@@ -262,17 +278,56 @@ class TorchvisionFolder(TwoStageFolder):
     ``target_transform`` as in the original, ``transform`` its translation
     (a coordl ``Compose``, or a :class:`TorchvisionPipeline` when part of it
     runs as written).  Keeps no reference to the original dataset or to the
-    transforms it replaced."""
+    transforms it replaced, but for a ``loader`` that is torchvision.io's
+    ``decode_image`` or ``read_image`` (:mod:`coordl.decode.tvio`): then the
+    translation is given the uint8 tensor that loader returns, and the
+    user's transform (``written``) runs as written on the images it returns
+    with other than 3 channels (a grey JPEG, a PNG with alpha, under the
+    default mode).  Each file is decoded by coordl where that gives
+    torchvision's pixels (``TorchvisionDecode.fusable``), else by
+    torchvision's function."""
 
-    def __init__(self, dataset: Any, transform: Any, source: str | None = None):
-        super().__init__(dataset)
+    def __init__(self, dataset: Any, transform: Any, source: str | None = None, written: Any = None):
+        tensor = torchvision_loader(dataset.loader)
+        super().__init__(dataset, decode=tensor)
         self.transform = transform
         self._source = source or self._source
+        self._written = written if tensor is not None else None
+        if tensor is not None:
+            return          # its loader stays the user's (torchvision's function: pickled by name)
         # coordl's function of the same name and result: the dataset then pickles (workers under
         # spawn, the node daemon) without torchvision whenever its transforms were all translated
         folder = sys.modules.get(_FOLDER_MODULE)
         self.loader = _datasets.default_loader if self.loader is getattr(folder, "default_loader", None) \
             else _datasets.pil_loader
+
+    def _fused_image(self, raw) -> Any:
+        dec = self._decode
+        if type(dec) is not TorchvisionDecode:
+            return super()._fused_image(raw)
+        tf = self.transform
+        if dec.fusable(raw):
+            if tf is None:
+                return torch.from_numpy(_jpeg.decode_rgb(raw)).permute(2, 0, 1)
+            if _fuses_whole(tf):
+                return tf.from_bytes(raw)
+        x = dec(raw)            # torchvision's own decode (and its error)
+        if tf is None:
+            return x
+        if isinstance(x, torch.Tensor) and x.dtype == torch.uint8 and x.ndim == 3 and x.shape[0] == 3:
+            planes = getattr(tf, "from_planes", None)
+            if planes is None:
+                return tf(x)    # a stage's wrapper of the translation (the device's), given the tensor
+            out = planes(x)
+            if out is not NotImplemented:
+                return out
+        # not an RGB image (a grey or CMYK JPEG, a PNG with alpha): the user's transform as written, on it
+        with _rng.seeded_user_steps(T.draws_numpy(self._written)):
+            return self._written(x)
+
+    def take_transforms(self, other: Any) -> None:
+        super().take_transforms(other)
+        self._written = getattr(other, "_written", None)
 
     def _repr_name(self) -> str:
         return f"{type(self).__name__}(torchvision {self._source})"
@@ -317,8 +372,9 @@ class TorchvisionSubclassFolder(TorchvisionFolder):
     #: the sample is more than the transform's output: no device split, no decode="device"
     views_after_transform = True
 
-    def __init__(self, dataset: Any, transform: Any, source: str | None = None, getitem: Any = None):
-        super().__init__(dataset, transform, source)
+    def __init__(self, dataset: Any, transform: Any, source: str | None = None, getitem: Any = None,
+                 written: Any = None):
+        super().__init__(dataset, transform, source, written)
         self._user = dataset
         self._getitem = getitem     # torchvision's DatasetFolder.__getitem__ (pickled by name, for spawn)
 
@@ -341,7 +397,10 @@ class TorchvisionSubclassFolder(TorchvisionFolder):
             if self.transform is not None:
                 img = self.transform(img)
         stand = copy.copy(self._user)
-        hand = _Handover(img, stand.samples[i][0], self._getitem.__code__, stand.loader, self.transform)
+        # another read runs the user's transform as written where the loader is torchvision.io's (the
+        # translation is given the loader's tensors only through _fused_image)
+        hand = _Handover(img, stand.samples[i][0], self._getitem.__code__, stand.loader,
+                         self.transform if self._written is None else self._written)
         stand.__dict__["loader"] = hand.loader
         if self.transform is not None:
             stand.__dict__["transform"] = hand.transform
@@ -2479,6 +2538,8 @@ def _step(t: Any, st: _State) -> bool:
     on_pil = st.stage == "pil"
     geometric_ok = st.stage in ("pil", "u8")
     try:
+        if name == "RGB" and kind[0] == "v2" and st.rgb:
+            return True         # an RGB image (the fused path's, always) is returned as it is
         if name == "ToPureTensor" and kind[0] == "v2":
             # a plain tensor (or the PIL image, unchanged) from here: drop the tv_tensors wrapper
             st.image_type = None
@@ -2854,9 +2915,14 @@ def describe_translation(transform: Any, out: Any, fused: tuple, as_written: tup
     return what
 
 
-def translate_steps(steps: list, draft: bool = False, rgb: bool = True) -> tuple[Any, tuple[str, ...], tuple[str, ...]]:
-    """:func:`translate` of a flat list of steps."""
+def translate_steps(steps: list, draft: bool = False, rgb: bool = True,
+                    tensor: bool = False) -> tuple[Any, tuple[str, ...], tuple[str, ...]]:
+    """:func:`translate` of a flat list of steps; ``tensor``: the steps are
+    given a uint8 ``(3, H, W)`` tensor (a folder whose loader is
+    torchvision.io's ``decode_image``), not a PIL image."""
     st = _State(rgb=rgb)
+    if tensor:
+        st.stage, st.to_tensor = "u8", T.PILToTensor()     # the decoded planes as a tensor: nothing to convert
     n = 0
     while n < len(steps) and _step(steps[n], st):
         n += 1
@@ -2929,20 +2995,22 @@ def adapt(dataset: Any, jpeg_draft: bool = False) -> tuple[Any, Decision | None]
     given, target = dataset.transform, None
     if listed is not None:
         given, target = _listed_transforms(dataset, *listed[2:])
-    transform, fused, as_written, through = _translated(given, jpeg_draft)
+    tensor = torchvision_loader(getattr(dataset, "loader", None))
+    transform, fused, as_written, through = _translated(given, jpeg_draft, tensor=tensor is not None)
     own = None
     if listed is None:
         base = class_named(type(dataset), _FOLDER_MODULE, "DatasetFolder")
         own = _own_getitem(type(dataset), base) if base is not None else None
     try:
         if own is not None:
-            adapted = TorchvisionSubclassFolder(dataset, transform, source=type(dataset).__name__, getitem=own)
+            adapted = TorchvisionSubclassFolder(dataset, transform, source=type(dataset).__name__, getitem=own,
+                                                written=given)
         else:
             adapted = TorchvisionFolder(dataset if listed is None else _as_folder(dataset, listed[1], given, target),
-                                        transform, source=type(dataset).__name__)
+                                        transform, source=type(dataset).__name__, written=given)
     except (TypeError, ValueError, AttributeError) as e:  # a subclass's make_dataset gave other kinds of samples
         return dataset, Decision("torch", f"its samples are not (path, class index) pairs ({e})")
-    what = describe_adapted(given, transform, fused, as_written, through, jpeg_draft)
+    what = describe_adapted(given, transform, fused, as_written, through, jpeg_draft, tensor)
     if own is not None:
         what += f"; then {type(dataset).__qualname__}.__getitem__ as written, on each sample's prepared image"
     return adapted, Decision("coordl", f"{_read_as(_name(dataset), arrays=False)}; {what}", fused, as_written)
@@ -3002,14 +3070,16 @@ def _read_as(name: str, arrays: bool) -> str:
     return f"torchvision's {name} read as raw file bytes, decoded by coordl"
 
 
-def _translated(given: Any, jpeg_draft: bool = False, rgb: bool = True) -> tuple[Any, tuple, tuple, list]:
+def _translated(given: Any, jpeg_draft: bool = False, rgb: bool = True,
+                tensor: bool = False) -> tuple[Any, tuple, tuple, list]:
     """``(coordl transform, fused names, as-written names, wrappers read
     through)`` of a dataset's transform ``given`` (:func:`translate_steps`
-    of its flattened steps; None for None); ``rgb``: its images are RGB."""
+    of its flattened steps; None for None); ``rgb``: its images are RGB;
+    ``tensor``: they come as uint8 tensors (torchvision.io's decode)."""
     through: list = []
     if given is None:
         return None, (), (), through
-    return (*translate_steps(_flatten(given, through), jpeg_draft, rgb), through)
+    return (*translate_steps(_flatten(given, through), jpeg_draft, rgb, tensor), through)
 
 
 def _adapt_arrays(dataset: Any, base: type, jpeg_draft: bool) -> tuple[Any, Decision]:
@@ -3063,21 +3133,32 @@ def follow_assigned(loader: Any, jpeg_draft: bool, mine: Any = None) -> bool:
         what = "no transform" if given is None else f"{_name(given)}, coordl's, run as assigned"
         record_path(loader, Decision("coordl", f"{where}; the transform assigned to loader.dataset: {what}"))
         return False
-    transform, fused, as_written, through = _translated(given, jpeg_draft, rgb)
+    tensor = None if arrays else mine._decode
+    tensor = tensor if type(tensor) is TorchvisionDecode else None
+    transform, fused, as_written, through = _translated(given, jpeg_draft, rgb, tensor is not None)
     mine.transform = transform
+    if tensor is not None:
+        mine._written = given
     what = describe_translation(given, transform, fused, as_written, through) if arrays else \
-        describe_adapted(given, transform, fused, as_written, through, jpeg_draft)
+        describe_adapted(given, transform, fused, as_written, through, jpeg_draft, tensor)
     record_path(loader, Decision("coordl", f"{where}; the transform assigned to loader.dataset: {what}", fused,
                                  as_written))
     return True
 
 
 def describe_adapted(given: Any, transform: Any, fused: tuple, as_written: tuple, through: list,
-                     jpeg_draft: bool) -> str:
+                     jpeg_draft: bool, tensor: "TorchvisionDecode | None" = None) -> str:
     """:func:`describe_translation` of a folder's translated ``transform``
     (from the user's ``given``), with what the reduced-scale JPEG decode
-    does or, asked for (``jpeg_draft``), why it does nothing."""
+    does or, asked for (``jpeg_draft``), why it does nothing; ``tensor``:
+    the folder's loader, where it is torchvision.io's."""
     what = describe_translation(given, transform, fused, as_written, through)
+    if tensor is not None:
+        how = ("JPEGs of 3 colour components" + (" or grey" if tensor.mode_name == "RGB" else "")
+               + " decoded by coordl (the same pixels, checked here), other files by it"
+               if tensor.fused_decode() else "every file decoded by it")
+        what = (f"loader {tensor.describe()} ({how}; the transform as written on images of other than 3 "
+                f"channels); {what}")
     note = draft_note(transform)
     if note is not None:
         what += f"; {note}"

@@ -521,6 +521,18 @@ class EncodedCompose:
         # not for the device decoder: the CPU path, its draws and its errors (PIL's)
         return self._on_cpu(decode_and_apply(plan.prefix, raw), cap)
 
+    def from_planes(self, planes):
+        """An image the dataset decoded itself, as uint8 ``(C, H, W)``
+        planes (a folder whose loader is torchvision.io's, for a file
+        coordl does not decode as it does): the CPU path from there, as
+        :meth:`from_bytes` takes it for a file the device does not decode."""
+        cap = getattr(_local, "capture", None)
+        if cap is None:
+            return self.full.from_planes(planes)
+        from ..transforms import apply_to_planes
+
+        return self._on_cpu(apply_to_planes(self.plan.prefix, planes), cap)
+
     def _on_cpu(self, x, cap):
         """The uint8 image the CPU path made up to the jitter, jittered here
         with the sample's operations (as the CPU path draws and computes
