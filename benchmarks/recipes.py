@@ -49,6 +49,16 @@ Recipes (``--recipes``, comma-separated; default all):
 ``timm_train_aa``
     the training transform with ``auto_augment="rand-m9-mstd0.5"`` (timm's
     ``RandAugment``, its recipes' ``--aa``).
+``decode_image_train``, ``decode_image_eval``
+    a v2 script that feeds its transforms tensors: ``ImageFolder(root, tf,
+    loader=torchvision.io.decode_image)`` with ``v2.RandomResizedCrop(size,
+    antialias=True)``, ``v2.RandomHorizontalFlip()``,
+    ``v2.ToDtype(torch.float32, scale=True)``, ``v2.Normalize``,
+    ``shuffle=True``; and its evaluation with
+    ``loader=functools.partial(decode_image, mode=ImageReadMode.RGB)``,
+    ``v2.Resize(size * 256 // 224, antialias=True)``, ``v2.CenterCrop``,
+    the same conversion, ``shuffle=False``.  Left out where torchvision's
+    image decoders do not load (torchvision beside torch's CPU build).
 ``food101_train``, ``food101_eval``
     ``train_v1`` and ``eval_v1``'s presets on torchvision's ``Food101``
     (a list of image files and class indices, as its ``Flowers102``,
@@ -144,7 +154,8 @@ RECIPES = ([f"train_{v}{p}" for p in POLICIES for v in ("v1", "v2")]
            + ["eval_v1", "eval_v2", "eval_weights", "clip_eval"]
            + ["timm_train", "timm_train_script", "timm_train_cj_prob", "timm_train_aa", "timm_eval"]
            + ["timm_ds_train", "timm_ds_eval", "timm_ds_augmix", "food101_train", "food101_eval", "cifar10_v1", "cifar10_v2", "mnist"]
-           + ["cifar_v1", "cifar_v2", "split_train", "split_eval", "concat_train", "eval_paths"])
+           + ["cifar_v1", "cifar_v2", "split_train", "split_eval", "concat_train", "eval_paths"]
+           + ["decode_image_train", "decode_image_eval"])
 
 
 _WITH_PATHS: list = []
@@ -302,6 +313,19 @@ def build(recipe: str, root: str, size: int, presets, cls, batch_size: int, work
                                               generator=torch.Generator().manual_seed(0))
         ds = parts[0] if training else parts[1]
         return ds, cls(ds, batch_size=batch_size, shuffle=training, num_workers=workers)
+    if recipe.startswith("decode_image"):
+        import functools
+
+        from torchvision.io import ImageReadMode, decode_image
+        from torchvision.transforms import v2
+
+        training = recipe == "decode_image_train"
+        first = [v2.RandomResizedCrop(size, antialias=True), v2.RandomHorizontalFlip()] if training else \
+            [v2.Resize(size * 256 // 224, antialias=True), v2.CenterCrop(size)]
+        tf = v2.Compose(first + [v2.ToDtype(torch.float32, scale=True), v2.Normalize(MEAN, STD)])
+        loader = decode_image if training else functools.partial(decode_image, mode=ImageReadMode.RGB)
+        ds = tv.datasets.ImageFolder(root, tf, loader=loader)
+        return ds, cls(ds, batch_size=batch_size, shuffle=training, num_workers=workers)
     if recipe == "eval_paths":
         # the evaluation loader of a script that writes its predictions per file: an ImageFolder subclass
         # returning each image's path beside it
@@ -451,6 +475,24 @@ def run(args) -> dict:
                          "cpus": os.cpu_count(), "torch": torch.__version__}}
 
 
+def _tv_decodes() -> bool:
+    """Whether torchvision's ``decode_image`` decodes here."""
+    import io
+
+    from PIL import Image
+
+    tv = common.torchvision()
+    buf = io.BytesIO()
+    Image.new("RGB", (8, 8)).save(buf, "JPEG")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            tv.io.decode_image(torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8))
+    except (RuntimeError, AttributeError):
+        return False
+    return True
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--root", default=None, help="ImageFolder root (default: generate one)")
@@ -472,6 +514,9 @@ def main(argv=None) -> int:
     if any(r.startswith("timm") for r in args.recipes) and importlib.util.find_spec("timm") is None:
         print("timm is not installed (pip install timm): its recipes are left out", file=sys.stderr)
         args.recipes = [r for r in args.recipes if not r.startswith("timm")]
+    if any(r.startswith("decode_image") for r in args.recipes) and not _tv_decodes():
+        print("torchvision's image decoders do not load here: the decode_image recipes are left out", file=sys.stderr)
+        args.recipes = [r for r in args.recipes if not r.startswith("decode_image")]
     if args.quick:
         vars(args).update(common.QUICK)
     warnings.filterwarnings("ignore", message=".*'pin_memory' argument is set as true but no accelerator.*")
