@@ -282,3 +282,14 @@ def test_pickled_the_dataset_keeps_its_loader(jpegs):
         L = coordl.DataLoader(ds, batch_size=4)
         copy = pickle.loads(pickle.dumps(L.dataset))
         assert _same([copy[i] for i in range(4)], [ds[i] for i in range(4)])
+
+
+def test_a_dataset_of_listed_files_with_the_loader_gives_torchs_samples(mixed, decode_image):
+    ds = tv.datasets.Food101.__new__(tv.datasets.Food101)
+    tv.datasets.vision.VisionDataset.__init__(ds, mixed, transform=_eval(normalize=False))
+    samples = tv.datasets.ImageFolder(mixed).samples
+    ds._image_files, ds._labels = [p for p, _ in samples], [t for _, t in samples]
+    ds.loader = decode_image
+    L = coordl.DataLoader(ds, batch_size=None, num_workers=2)
+    assert _same(list(L), list(torch.utils.data.DataLoader(ds, batch_size=None)))
+    assert L.stats().path == "coordl" and "loader torchvision.io.decode_image" in L.stats().path_reason
