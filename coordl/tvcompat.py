@@ -307,10 +307,13 @@ class TorchvisionFolder(TwoStageFolder):
             return super()._fused_image(raw)
         tf = self.transform
         if dec.fusable(raw):
-            if tf is None:
-                return torch.from_numpy(_jpeg.decode_rgb(raw)).permute(2, 0, 1)
-            if _fuses_whole(tf):
-                return tf.from_bytes(raw)
+            try:
+                if tf is None:
+                    return torch.from_numpy(_jpeg.decode_rgb(raw)).permute(2, 0, 1)
+                if _fuses_whole(tf):
+                    return tf.from_bytes(raw)
+            except Exception:  # noqa: BLE001 - a stream coordl's decode refuses: torchvision's decides, as under torch
+                pass
         x = dec(raw)            # torchvision's own decode (and its error)
         if tf is None:
             return x

@@ -293,3 +293,21 @@ def test_a_dataset_of_listed_files_with_the_loader_gives_torchs_samples(mixed, d
     L = coordl.DataLoader(ds, batch_size=None, num_workers=2)
     assert _same(list(L), list(torch.utils.data.DataLoader(ds, batch_size=None)))
     assert L.stats().path == "coordl" and "loader torchvision.io.decode_image" in L.stats().path_reason
+
+
+def test_a_jpeg_coordls_decode_refuses_is_decoded_by_the_loader(monkeypatch, jpegs, decode_image):
+    """Where coordl's decode raises on a file it took for its own (a stream
+    libjpeg-turbo reads with a warning in one build and refuses in another),
+    torchvision's function decodes it, and gives its result or its error."""
+    from coordl.decode import jpeg
+
+    ds = tv.datasets.ImageFolder(jpegs, _eval(), loader=decode_image)
+    L = coordl.DataLoader(ds, batch_size=4)
+    want = list(torch.utils.data.DataLoader(ds, batch_size=4))
+
+    def refuse(*a, **k):
+        raise OSError("broken data stream when reading image file")
+
+    monkeypatch.setattr(jpeg, "decode_rgb_crop", refuse)
+    monkeypatch.setattr(jpeg, "decode_rgb", refuse)
+    assert _same(list(L), want)
