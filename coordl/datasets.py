@@ -30,7 +30,10 @@ a function of the file's *bytes*, which coordl calls ``decode``:
   (``default_loader`` or ``pil_loader``, ours or torchvision's, or a
   function of the user's written as one: PIL's open, then
   ``convert("RGB")``, recognized by its code, not its name) the dataset
-  decodes with ``pil_decode``.  Otherwise it
+  decodes with ``pil_decode``; if it is torchvision.io's ``decode_image``
+  or ``read_image`` (or a ``functools.partial`` of one giving its mode),
+  with that function's decode of the bytes
+  (``coordl.decode.tvio.TorchvisionDecode``).  Otherwise it
   cannot decode bytes: it is **not** two-stage (``raw``/``prep`` raise
   ``AttributeError``, ``coordl.protocol.is_two_stage`` is False) and
   ``__getitem__`` calls ``loader(path)`` like torchvision.
@@ -64,6 +67,7 @@ from .decode.loaders import (  # noqa: F401 (public names of this module)
     pil_loader,
     read_bytes,
 )
+from .decode.tvio import torchvision_loader
 from .storage import FsspecStore, is_url
 from .storage.listing import (  # noqa: F401 (public names of this module)
     IMG_EXTENSIONS,
@@ -348,7 +352,8 @@ class DatasetFolder(_FolderBase):
             return (default_loader if decode is pil_decode else _DecodingLoader(decode)), decode
         if _is_default_pil_loader(loader):
             return loader, pil_decode
-        return loader, None  # a custom path loader: not two-stage
+        tensor = torchvision_loader(loader)     # torchvision.io's decode_image/read_image: the same decode of bytes
+        return loader, tensor  # else (None) a custom path loader: not two-stage
 
     @staticmethod
     def make_dataset(directory: str, class_to_idx: dict[str, int],
@@ -427,6 +432,8 @@ class TwoStageFolder(_FolderBase):
                     f"has no {name!r}")
         loader = dataset.loader
         _check_decode(decode)
+        if decode is None and not _is_default_pil_loader(loader):
+            decode = torchvision_loader(loader)     # torchvision.io's decode_image/read_image, of the bytes
         if decode is None:
             if not _is_default_pil_loader(loader):
                 raise TypeError(

@@ -311,3 +311,13 @@ def test_a_jpeg_coordls_decode_refuses_is_decoded_by_the_loader(monkeypatch, jpe
     monkeypatch.setattr(jpeg, "decode_rgb_crop", refuse)
     monkeypatch.setattr(jpeg, "decode_rgb", refuse)
     assert _same(list(L), want)
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_coordls_own_folder_with_the_loader_is_two_stage_with_its_samples(mixed, decode_image, workers):
+    ds = coordl.ImageFolder(mixed, _eval(normalize=False), loader=decode_image)
+    theirs = tv.datasets.ImageFolder(mixed, _eval(normalize=False), loader=decode_image)
+    assert ds.is_two_stage and coordl.datasets.two_stage(theirs).is_two_stage
+    L = coordl.DataLoader(ds, batch_size=None, num_workers=workers)
+    assert _same(list(L), list(torch.utils.data.DataLoader(theirs, batch_size=None)))
+    assert L.stats().path == "coordl"
