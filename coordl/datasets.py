@@ -67,7 +67,7 @@ from .decode.loaders import (  # noqa: F401 (public names of this module)
     pil_loader,
     read_bytes,
 )
-from .decode.tvio import torchvision_loader
+from .decode.tvio import TorchvisionDecode, torchvision_loader
 from .storage import FsspecStore, is_url
 from .storage.listing import (  # noqa: F401 (public names of this module)
     IMG_EXTENSIONS,
@@ -211,7 +211,10 @@ class _FolderBase(SampleTable):
         """``transform(decode(raw))`` in one step where coordl's pipeline
         can (see coordl.transforms.decode_and_apply: same draws, no PIL
         image), else NotImplemented."""
-        fused = getattr(self.transform, "from_bytes", None) if self._decode is pil_decode else None
+        if self._decode is not pil_decode:
+            tensor = getattr(self, "_tensor_image", None)   # coordl.tvcompat's folder with torchvision.io's loader
+            return tensor(raw) if tensor is not None and type(self._decode) is TorchvisionDecode else NotImplemented
+        fused = getattr(self.transform, "from_bytes", None)
         return fused(raw) if fused is not None else NotImplemented
 
     def _finish(self, sample: Any, i: int) -> tuple[Any, Any]:

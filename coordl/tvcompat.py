@@ -301,10 +301,11 @@ class TorchvisionFolder(TwoStageFolder):
         self.loader = _datasets.default_loader if self.loader is getattr(folder, "default_loader", None) \
             else _datasets.pil_loader
 
-    def _fused_image(self, raw) -> Any:
+    def _tensor_image(self, raw) -> Any:
+        """``_fused_image`` where the loader is torchvision.io's (the stock
+        ``_FolderBase._fused_image`` hands it over; the device stage's
+        batch reads, which take the PIL loader's folders, know that one)."""
         dec = self._decode
-        if type(dec) is not TorchvisionDecode:
-            return super()._fused_image(raw)
         tf = self.transform
         if dec.fusable(raw):
             try:
@@ -401,7 +402,7 @@ class TorchvisionSubclassFolder(TorchvisionFolder):
                 img = self.transform(img)
         stand = copy.copy(self._user)
         # another read runs the user's transform as written where the loader is torchvision.io's (the
-        # translation is given the loader's tensors only through _fused_image)
+        # translation is given the loader's tensors only through _tensor_image)
         hand = _Handover(img, stand.samples[i][0], self._getitem.__code__, stand.loader,
                          self.transform if self._written is None else self._written)
         stand.__dict__["loader"] = hand.loader
