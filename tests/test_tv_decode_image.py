@@ -321,3 +321,19 @@ def test_coordls_own_folder_with_the_loader_is_two_stage_with_its_samples(mixed,
     L = coordl.DataLoader(ds, batch_size=None, num_workers=workers)
     assert _same(list(L), list(torch.utils.data.DataLoader(theirs, batch_size=None)))
     assert L.stats().path == "coordl"
+
+
+def test_resume_mid_epoch_and_the_node_cache_work_on_it(mixed, decode_image):
+    from _resume_check import whole_and_resumed
+
+    v2 = _v2()
+    tf = v2.Compose([v2.RandomResizedCrop(24), v2.RandomHorizontalFlip(), v2.ToDtype(torch.float32, scale=True)])
+    ds = tv.datasets.ImageFolder(mixed, tf, loader=decode_image)
+    whole, resumed = whole_and_resumed(lambda seed=4: coordl.DataLoader(ds, batch_size=None, shuffle=True, seed=seed,
+                                                                        num_workers=2), 4)
+    assert _same(whole, resumed) and len(whole) == 9
+    L = coordl.DataLoader(ds, batch_size=None, shuffle=True, seed=4, cache_size="8MiB")
+    first, second = list(L), list(L)
+    st = L.stats()
+    assert st.epochs[1].samples_from_cache == 9 and st.epochs[1].samples_from_storage == 0
+    assert [x.shape for x, _ in first] == [x.shape for x, _ in whole] and len(second) == 9
