@@ -119,19 +119,24 @@ def test_the_fused_decode_and_crop_are_the_default_loaders_given_a_tensor(jpegs,
     assert _same(ours, list(ref)) and len(ours) == 4
 
 
-@pytest.mark.parametrize("mode", [None, "RGB"])
+@pytest.mark.parametrize("mode", [None, "RGB", "GRAY", "exif"])
 @pytest.mark.parametrize("workers", [0, 2])
 def test_every_kind_of_file_gives_torchs_sample(mixed, decode_image, mode, workers):
-    loader = decode_image if mode is None else functools.partial(
-        decode_image, mode=sys.modules["torchvision.io.image"].ImageReadMode.RGB)
+    modes = sys.modules["torchvision.io.image"].ImageReadMode
+    loader = {None: decode_image, "RGB": functools.partial(decode_image, mode=modes.RGB),
+              "GRAY": functools.partial(decode_image, mode=modes.GRAY),
+              "exif": functools.partial(decode_image, apply_exif_orientation=True)}[mode]
     ds = tv.datasets.ImageFolder(mixed, _eval(normalize=False), loader=loader)
     want = list(torch.utils.data.DataLoader(ds, batch_size=None))
     L = coordl.DataLoader(ds, batch_size=None, num_workers=workers)
     got = list(L)
     assert _same(got, want)
     channels = [x.shape[0] for x, _ in got]
-    assert channels == ([3] * 9 if mode else [3, 3, 3, 3, 1, 4, 3, 4, 3]), channels
-    assert L.stats().path == "coordl"
+    assert channels == {"RGB": [3] * 9, "GRAY": [1] * 9}.get(mode, [3, 3, 3, 3, 1, 4, 3, 4, 3]), channels
+    st = L.stats()
+    assert st.path == "coordl"
+    # another mode, or the EXIF orientation applied: every file decoded by torchvision's function
+    assert ("every file decoded by it" in st.path_reason) == (mode in ("GRAY", "exif")), st.path_reason
 
 
 def test_random_steps_on_other_files_draw_by_the_sample(mixed, decode_image):
