@@ -1214,3 +1214,48 @@ def test_noise_erasing_on_the_gpu_is_the_cpu_paths(mixed_jpegs, which):
         erased += int(m.sum())
         assert torch.equal(a[m], b[m])
     assert erased > 0 and "noise" in L.stats().device_decode
+
+
+@needs_cuda
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_folder_read_by_decode_image_decodes_on_the_gpu_within_the_bound(mixed_jpegs, workers):
+    """torchvision's ``ImageFolder(loader=partial(decode_image, mode=RGB))``
+    with a v2 tensor pipeline and ``decode="device"``: the JPEGs decoded on
+    the GPU within the bound of the CPU path (coordl's own, the same draws);
+    the CMYK JPEG and the PNG decoded by torchvision's function in the
+    workers, their very pixels."""
+    import functools
+
+    import sys
+    sys.path.insert(0, HERE)
+    from _torchvision import import_torchvision
+
+    tv = import_torchvision()
+    if tv is None:
+        pytest.skip("torchvision is not installed")
+    from torchvision.io import ImageReadMode, decode_image
+    from torchvision.transforms import v2
+
+    tf = v2.Compose([v2.RandomResizedCrop(224, antialias=True), v2.RandomHorizontalFlip(),
+                     v2.ToDtype(torch.float32, scale=True), v2.Normalize(NORM.mean, NORM.std)])
+    ds = tv.datasets.ImageFolder(mixed_jpegs, tf, loader=functools.partial(decode_image, mode=ImageReadMode.RGB))
+    names = [os.path.basename(p) for p, _ in ds.samples]
+    kw = dict(batch_size=6, seed=8, shuffle=False, num_workers=workers)
+    cpu = list(coordl.DataLoader(ds, **kw))
+    L = coordl.DataLoader(ds, device="cuda", decode="device", **kw)
+    got = list(L)
+    torch.cuda.synchronize()
+    row = 0
+    for (a, y), (b, y2) in zip(cpu, got):
+        assert b.is_cuda and torch.equal(y, y2.cpu()) and b.shape == a.shape
+        b = b.cpu()
+        for k in range(len(y)):
+            d = _levels(a[k:k + 1], b[k:k + 1])
+            if names[row + k] in ("cmyk.jpg", "png.jpg"):
+                assert float(d.max()) == 0, names[row + k]
+            elif names[row + k] != "corrupt.jpg":
+                assert float(d.mean()) <= DECODE_MEAN and float(d.max()) <= DECODE_MAX, names[row + k]
+        row += len(y)
+    st = L.stats()
+    assert st.path == "coordl" and st.device_decode_images + st.device_decode_cpu_images == len(ds)
+    assert 2 <= st.device_decode_cpu_images <= 3
