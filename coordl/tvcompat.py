@@ -307,6 +307,8 @@ class TorchvisionFolder(TwoStageFolder):
         batch reads, which take the PIL loader's folders, know that one)."""
         dec = self._decode
         tf = self.transform
+        if tf is not None and tf is self._written:
+            return tf(dec(raw))     # a transform of coordl's assigned to loader.dataset: run as assigned
         if dec.fusable(raw):
             try:
                 if tf is None:
@@ -3133,12 +3135,15 @@ def follow_assigned(loader: Any, jpeg_draft: bool, mine: Any = None) -> bool:
     rgb = not arrays or mine._layout != "gray"
     jpeg_draft = jpeg_draft and not arrays
     where = _read_as(mine._source, arrays)
-    if given is None or type(given).__module__.split(".")[0] == "coordl":
-        what = "no transform" if given is None else f"{_name(given)}, coordl's, run as assigned"
-        record_path(loader, Decision("coordl", f"{where}; the transform assigned to loader.dataset: {what}"))
-        return False
     tensor = None if arrays else mine._decode
     tensor = tensor if type(tensor) is TorchvisionDecode else None
+    if given is None or type(given).__module__.split(".")[0] == "coordl":
+        what = "no transform" if given is None else f"{_name(given)}, coordl's, run as assigned"
+        if tensor is not None:
+            mine._written = given       # on the loader's tensor, every file (TorchvisionFolder._tensor_image)
+            what += " on the tensor of the loader, which decodes every file"
+        record_path(loader, Decision("coordl", f"{where}; the transform assigned to loader.dataset: {what}"))
+        return False
     transform, fused, as_written, through = _translated(given, jpeg_draft, rgb, tensor is not None)
     mine.transform = transform
     if tensor is not None:

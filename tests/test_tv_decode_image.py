@@ -342,3 +342,18 @@ def test_resume_mid_epoch_and_the_node_cache_work_on_it(mixed, decode_image):
     st = L.stats()
     assert st.epochs[1].samples_from_cache == 9 and st.epochs[1].samples_from_storage == 0
     assert [x.shape for x, _ in first] == [x.shape for x, _ in whole] and len(second) == 9
+
+
+def test_a_transform_of_coordls_assigned_to_loader_dataset_runs_on_the_loaders_tensor(mixed, decode_image):
+    from coordl import transforms as T
+
+    ds = tv.datasets.ImageFolder(mixed, _eval(normalize=False), loader=decode_image)
+    L = coordl.DataLoader(ds, batch_size=None, num_workers=2)
+    list(L)
+    mine = T.Compose([T.CenterCrop(20), T.ToDtype(torch.float32, scale=True)])
+    L.dataset.transform = mine
+    got = list(L)
+    want = [(mine(decode_image(p)), t) for p, t in ds.samples]
+    assert _same(got, want)
+    assert [x.shape[0] for x, _ in got] == [3, 3, 3, 3, 1, 4, 3, 4, 3]
+    assert "coordl's, run as assigned on the tensor of the loader" in L.stats().path_reason
