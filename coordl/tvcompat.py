@@ -327,6 +327,11 @@ class TorchvisionFolder(TwoStageFolder):
             out = planes(x)
             if out is not NotImplemented:
                 return out
+        if getattr(tf, "plan", None) is not None:   # decode="device"'s stage (coordl.device.encoded.EncodedCompose)
+            got = f"{tuple(x.shape)} {x.dtype}" if isinstance(x, torch.Tensor) else type(x).__name__
+            raise ValueError(f"decode='device' makes uint8 RGB images, but {dec.describe()} decodes this file to a "
+                             f"{got} image (its mode is {dec.mode_name}): give the folder "
+                             "loader=functools.partial(decode_image, mode=ImageReadMode.RGB), or use decode='cpu'")
         # not an RGB image (a grey or CMYK JPEG, a PNG with alpha): the user's transform as written, on it
         with _rng.seeded_user_steps(T.draws_numpy(self._written)):
             return self._written(x)

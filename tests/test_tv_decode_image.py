@@ -357,3 +357,39 @@ def test_a_transform_of_coordls_assigned_to_loader_dataset_runs_on_the_loaders_t
     assert _same(got, want)
     assert [x.shape[0] for x, _ in got] == [3, 3, 3, 3, 1, 4, 3, 4, 3]
     assert "coordl's, run as assigned on the tensor of the loader" in L.stats().path_reason
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_decode_on_the_device_reads_a_batch_at_a_time_as_the_per_sample_path(mixed, decode_image, cpu_device,
+                                                                             workers):
+    """The workers' batch reads (coordl.pipeline.device_batches) take the
+    JPEGs coordl decodes and hand the other files to the per-sample path:
+    the same batches and statistics as the per-sample path alone."""
+    from coordl.pipeline import device_batches as BR
+
+    rgb = functools.partial(decode_image, mode=sys.modules["torchvision.io.image"].ImageReadMode.RGB)
+    ds = tv.datasets.ImageFolder(mixed, _train(), loader=rgb)
+    out = {}
+    for enabled in (True, False):
+        old, BR.ENABLED = BR.ENABLED, enabled
+        try:
+            L = coordl.DataLoader(ds, batch_size=3, seed=1, shuffle=True, device="cpu", decode="device",
+                                  num_workers=workers, persistent_workers=bool(workers))
+            batches = [list(L) for _ in range(2)]
+            used = {s["batch_reads"] for s in L._mode.pool.worker_stats()} if workers else None
+            st = L.stats()
+            out[enabled] = (batches, st.device_decode_images, st.device_decode_cpu_images, used)
+            del L
+        finally:
+            BR.ENABLED = old
+    (got, dev, cpu, used), (want, dev2, cpu2, _) = out[True], out[False]
+    assert all(_same(a, b) for a, b in zip(got, want)) and (dev, cpu) == (dev2, cpu2)
+    assert cpu == 2 * 3 and dev == 2 * 6      # CMYK and the PNGs through torchvision's function, each pass
+    if workers:
+        assert used == {True}
+
+
+def test_decode_on_the_device_refuses_a_file_of_other_channels_saying_what_to_do(mixed, decode_image, cpu_device):
+    ds = tv.datasets.ImageFolder(mixed, _train(), loader=decode_image)
+    with pytest.raises(ValueError, match=r"mode=ImageReadMode.RGB\), or use decode='cpu'"):
+        list(coordl.DataLoader(ds, batch_size=3, device="cpu", decode="device"))

@@ -7,7 +7,9 @@ per-sample machinery around it (a fetch thread's hand-off, the sample's
 generator context, the dataset's ``prep``, the search for its record, the
 row write, then one more copy of the bytes into the batch's blob) cost
 several times that.  For a dataset whose every step is known, coordl's own
-folder datasets (and torchvision's, recognized) with their stock ``prep``
+folder datasets (and torchvision's, recognized; with torchvision.io's
+``decode_image`` as the loader, the JPEGs coordl decodes as it does, the
+other files going to the per-sample path) with their stock ``prep``
 and ``raw``, local files and no ``target_transform``, the engine hands each
 batch here instead: the files are read straight into the blob slot (one
 ``preadv`` each, the GIL released; from slow storage, a batch's reads in
@@ -159,6 +161,7 @@ def batch_reads_for(dataset, *, cache, peers, in_place: bool, batch_size) -> "Ba
         return None
     from ..datasets import _FolderBase
     from ..decode.loaders import pil_decode
+    from ..decode.tvio import TorchvisionDecode
     from ..storage.table import SampleTable
 
     ds = dataset._split_ds
@@ -172,9 +175,11 @@ def batch_reads_for(dataset, *, cache, peers, in_place: bool, batch_size) -> "Ba
     stock += [(SampleTable, n) for n in ("_path", "_check_index", "sizes")]
     if any(getattr(cls, n) is not getattr(base, n) or n in vars(ds) for base, n in stock):
         return None     # a subclass's, or an instance's own, method
-    if ds._store is not None or ds._decode is not pil_decode or ds.target_transform is not None \
-            or not ds._two_stage_ok():
+    if ds._store is not None or ds.target_transform is not None or not ds._two_stage_ok():
         return None
+    if ds._decode is not pil_decode and not (type(ds._decode) is TorchvisionDecode and ds._decode.fused_decode()
+                                             and getattr(ds, "_tensor_image", None) is not None):
+        return None     # (torchvision's folder with torchvision.io's loader: its other files take the per-sample path)
     sizes, targets = ds.sizes, getattr(ds, "_targets", None)
     if not isinstance(sizes, np.ndarray) or not isinstance(targets, np.ndarray) or targets.dtype.kind not in "iu":
         return None
@@ -230,6 +235,8 @@ class BatchReads:
         self._fixed = None if _draws_anything(self.plan) else {}
         self._pool = None             # reads of slow storage: a ThreadPoolExecutor (close())
         self._slow = False            # the last batch's reads were slow: read this one through the pool
+        # a loader of torchvision.io's: only the JPEGs coordl decodes as it does go to the device from here
+        self._fusable = getattr(ds._decode, "fusable", None)
 
     def close(self) -> None:
         """Let the read threads go (the pass ended); a later batch starts them again where needed."""
@@ -325,6 +332,7 @@ class BatchReads:
 
         derive = _lazy()[0].derive
         draw, draw_after, device_size = self.plan.draw, self.plan.draw_after, self.plan.device_size
+        fusable = self._fusable
         seed, epoch = eng.seed, eng.epoch
         n, indices, st, slots = b.n, b.indices, b.stats, eng.slots
         again = b.again or [0] * n      # per row, how many times its index came before in the pass
@@ -357,7 +365,8 @@ class BatchReads:
                 st.record_read(source, size if data is None else len(data))
             if data is None and err is None:
                 try:
-                    size = device_size(raw, i)      # None: the CPU path, below, as a fallback
+                    # None: the CPU path, below, as a fallback (also for a file coordl leaves to torchvision.io)
+                    size = device_size(raw, i) if fusable is None or fusable(raw) else None
                     if size is not None:
                         h, w = size
                         if fixed is not None:      # nothing random: the geometry is the size's
