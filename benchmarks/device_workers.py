@@ -63,7 +63,13 @@ the figures are the workers' own path, per image, in these settings:
   the bytes (the per-sample path), against ``RandomErasing noise on the
   CPU path``.
 
-``files`` and ``node cache`` run twice: with the batch path (a plain
+* ``decode_image`` (only when ``--settings`` names it: torchvision's
+  decoders must load): ``files`` through torchvision's ``ImageFolder``
+  with ``loader=functools.partial(decode_image, mode=ImageReadMode.RGB)``
+  and v2's ``RandomResizedCrop``, flip, ``ToDtype``, ``Normalize`` on the
+  tensor (coordl decodes its JPEGs as torchvision's function does).
+
+``files``, ``node cache`` and ``decode_image`` run twice: with the batch path (a plain
 folder's batch read and recorded at once, ``coordl.pipeline.device_batches``,
 what such a dataset gets) and with the per-sample path (the same engine
 with the batch path off), side by side.
@@ -94,6 +100,8 @@ SETTINGS = ("files", "files, per sample", "node cache", "node cache, per sample"
             "TrivialAugmentWide on the CPU path", "TrivialAugmentWide to the device", "GaussianBlur",
             "GaussianBlur on the CPU path", "AugMix", "AugMix on the CPU path", "TrivialAugmentWide given a tensor",
             "TrivialAugmentWide given a tensor on the CPU path", "TrivialAugmentWide given a tensor to the device")
+# selected by --settings only: torchvision's decoders must load (not beside torch's CPU build)
+EXTRA = ("decode_image", "decode_image, per sample")
 CPU_PATH = ("the CPU path", "ColorJitter on the CPU path", "RandomErasing on the CPU path",
             "RandomErasing noise on the CPU path", "TrivialAugmentWide on the CPU path", "GaussianBlur on the CPU path",
             "AugMix on the CPU path", "TrivialAugmentWide given a tensor on the CPU path")
@@ -182,6 +190,18 @@ if setting.startswith(("TrivialAugmentWide", "AugMix")):   # the reference train
             V.PILToTensor(), V.RandomResizedCrop({crop}, antialias=True), V.RandomHorizontalFlip(),
             V.TrivialAugmentWide(interpolation=V.InterpolationMode.BILINEAR), V.ConvertImageDtype(torch.float),
             V.Normalize([0.485, 0.456, 0.406], [0.229, 0.224, 0.225])]))
+if setting == "decode_image":      # a v2 script's folder: loader=partial(decode_image, mode=RGB), v2 on the tensor
+    sys.path.insert(0, {benchmarks!r})
+    import functools
+    import common
+    common.torchvision()
+    from torchvision import datasets
+    from torchvision.io import ImageReadMode, decode_image
+    from torchvision.transforms import v2
+    ds = datasets.ImageFolder({root!r}, loader=functools.partial(decode_image, mode=ImageReadMode.RGB),
+                              transform=v2.Compose([v2.RandomResizedCrop({crop}, antialias=True),
+                                                    v2.RandomHorizontalFlip(), v2.ToDtype(torch.float32, scale=True),
+                                                    v2.Normalize([0.485, 0.456, 0.406], [0.229, 0.224, 0.225])]))
 on_device = dict(device="cpu", decode="device") if setting not in {cpu_path!r} else {{}}
 if setting.endswith("to the device"):     # decode="cpu", the device split (the CPU standing in)
     on_device = dict(device="cpu")
@@ -234,9 +254,9 @@ def main(argv=None) -> int:
     ap.add_argument("--settings", default=";".join(SETTINGS),
                     help="the settings to run, separated by semicolons (default: all)")
     args = ap.parse_args(argv)
-    settings = [s for s in SETTINGS if s in args.settings.split(";")]
+    settings = [s for s in SETTINGS + EXTRA if s in args.settings.split(";")]
     if not settings:
-        ap.error(f"--settings names none of {', '.join(SETTINGS)}")
+        ap.error(f"--settings names none of {', '.join(SETTINGS + EXTRA)}")
     tmp = None
     crop = 224
     if args.quick:       # a smoke run: every setting's path, little of its arithmetic
