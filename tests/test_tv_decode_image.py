@@ -232,7 +232,7 @@ def test_the_device_split_gives_torchs_batches(jpegs, decode_image, cpu_device):
     ds = tv.datasets.ImageFolder(jpegs, _eval(), loader=decode_image)
     L = coordl.DataLoader(ds, batch_size=4, num_workers=2, device="cpu")
     assert _same(list(L), list(torch.utils.data.DataLoader(ds, batch_size=4)))
-    assert "split" in L.stats().path_reason or L.stats().path == "coordl"
+    assert L.stats().path == "coordl" and L.stats().device_split.startswith("split"), L.stats().device_split
 
 
 def test_decode_on_the_device_reads_every_file_as_the_default_loaders_tensor(mixed, decode_image, cpu_device):
@@ -271,7 +271,9 @@ def test_the_check_of_the_decode_is_made_once_and_can_say_no(monkeypatch, jpegs,
     ds = tv.datasets.ImageFolder(jpegs, _eval(), loader=other)
     L = coordl.DataLoader(ds, batch_size=4)
     assert "every file decoded by it" in L.stats().path_reason
+    before = len(calls)
     assert _same(list(L), list(torch.utils.data.DataLoader(ds, batch_size=4)))
+    assert len(calls) - before == 2 * len(ds)        # each file decoded by it, on coordl's side as on torch's
     assert tvio.agrees(other) is False
 
 
