@@ -290,7 +290,8 @@ print("OK", len(seen))
 def test_an_iterator_whose_pass_a_newer_one_ended_says_so(tmp_path):
     """With device= (a pin thread per pass) a loader runs one pass at a
     time: an earlier iterator read after ``iter(loader)`` began another pass
-    says why it ended, and the newer pass delivers every batch."""
+    says why it ended, at once (the poll is made longer than the child's
+    timeout), and the newer pass delivers every batch."""
     from coordl.synth import make_image_folder
     from coordl.testing import run_in_child
 
@@ -299,8 +300,9 @@ def test_an_iterator_whose_pass_a_newer_one_ended_says_so(tmp_path):
     code = f"""
 import coordl
 from coordl import transforms as T
-from coordl.device import delivery as D
+from coordl.device import delivery as D, pin
 D.CPU_TEST_DEVICE = True
+pin._POLL = 600.0
 ds = coordl.ImageFolder({root!r}, T.Compose([T.RandomResizedCrop(32), T.ToTensor()]))
 for decode in ("cpu", "device"):
     L = coordl.DataLoader(ds, batch_size=4, num_workers=1, device="cpu", decode=decode, seed=0)

@@ -59,6 +59,11 @@ def _stop_running_threads() -> None:
             t.join(max(0.0, deadline - time.monotonic()))
 
 
+# put by stop_threads into the queue of a thread that ended: its consumer, waiting on that queue (the pin
+# thread on the decode thread's), wakes and sees the flag rather than at its next poll
+_WAKE = ("wake", None)
+
+
 def _halt(stop: threading.Event, q: queue.Queue) -> None:
     """Stop a pin (or decode) thread and wake it where it may wait on its own
     queue: called where its consumer is done with the pass, so what the queue
@@ -74,18 +79,29 @@ def _halt(stop: threading.Event, q: queue.Queue) -> None:
 
 def stop_threads(halting: list, wait: float | None = None) -> None:
     """End the threads of ``halting`` (:attr:`PinThread.halting` of each):
-    all stopped and woken first, then each joined (for ``wait`` seconds,
-    or until it ends), then their queues emptied again of what one put
-    between its check of the flag and its end."""
+    all stopped and woken first, then joined (for ``wait`` seconds in all,
+    or until they end), each one's queue emptied again as it ends (of what
+    it put between its check of the flag and its end) and given a wake-up
+    for a consumer waiting on it."""
     for stop, q, _ in halting:
         _halt(stop, q)
-    for _, _, thread in halting:
-        if wait is not None:
-            thread.join(wait)
-            continue
-        while thread.is_alive():        # in steps: the main thread still takes signals
-            thread.join(_POLL)
-    for stop, q, _ in halting:
+    # Joined together, in short steps (the main thread still takes signals): as each ends, its queue is
+    # emptied and given _WAKE, which no thread of its puts behind, so that a consumer waiting on it (a
+    # stacked thread reading this one) wakes at once and ends in turn.
+    deadline = None if wait is None else time.monotonic() + wait
+    pending = list(halting)
+    while pending:
+        for h in [h for h in pending if not h[2].is_alive()]:
+            _halt(*h[:2])
+            try:
+                h[1].put_nowait(_WAKE)
+            except queue.Full:
+                pass
+            pending.remove(h)
+        if not pending or (deadline is not None and time.monotonic() >= deadline):
+            break
+        pending[0][2].join(0.01)
+    for stop, q, _ in pending:
         _halt(stop, q)
 
 
@@ -276,17 +292,20 @@ class PinThread:
         if self._ended:
             raise StopIteration
         while True:
+            if self._stop.is_set():     # stopped from outside: a newer pass of the loader began (its queue emptied)
+                self._ended = True
+                raise RuntimeError(
+                    "coordl: this iterator's pass ended when a newer pass of the same loader began "
+                    "(iter(loader) again): with device= or pin_memory a loader runs one pass at a time; "
+                    "take the batches from the newest iterator, or give each pass a loader of its own")
             try:
                 kind, value = self._q.get(timeout=_POLL)
-                break
+                if not self._stop.is_set():
+                    break
+                continue            # stopped: what it took is dropped (_WAKE among them), the flag says why
             except queue.Empty:
                 if not self._thread.is_alive() and self._q.empty():
                     self._ended = True
-                    if self._stop.is_set():     # stopped from outside: a newer pass of the loader began
-                        raise RuntimeError(
-                            "coordl: this iterator's pass ended when a newer pass of the same loader began "
-                            "(iter(loader) again): with device= or pin_memory a loader runs one pass at a time; "
-                            "take the batches from the newest iterator, or give each pass a loader of its own")
                     name = self._thread.name
                     hint = ("; pass pin_memory=False to deliver unpinned batches" if name == "coordl-pin-memory"
                             else "")
