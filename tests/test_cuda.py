@@ -408,6 +408,18 @@ def _decode_pipeline(kind):
     return T.Compose([T.Resize(256), T.CenterCrop(224), T.PILToTensor()])
 
 
+def _cpu_and_gpu_decode(ds, workers):
+    """``(file names, the loaders' arguments, the CPU path's batches, the
+    decode="device" loader on CUDA, its batches)`` of ``ds`` in order."""
+    names = [os.path.basename(p) for p, _ in ds.samples]
+    kw = dict(batch_size=6, seed=8, shuffle=False, num_workers=workers)
+    cpu = list(coordl.DataLoader(ds, **kw))
+    L = coordl.DataLoader(ds, device="cuda", decode="device", **kw)
+    got = list(L)
+    torch.cuda.synchronize()
+    return names, kw, cpu, L, got
+
+
 def _levels(a, b):
     if a.dtype == torch.uint8:
         return (a.int() - b.int()).abs().float()
@@ -430,12 +442,7 @@ def test_decode_on_the_gpu_is_the_cpu_path_within_the_documented_bound(mixed_jpe
         pytest.importorskip("nvidia.nvimgcodec")
     monkeypatch.setenv("COORDL_DEVICE_DECODER", decoder)
     ds = coordl.ImageFolder(mixed_jpegs, _decode_pipeline(kind))
-    names = [os.path.basename(p) for p, _ in ds.samples]
-    kw = dict(batch_size=6, seed=8, shuffle=False, num_workers=workers)
-    cpu = list(coordl.DataLoader(ds, **kw))
-    L = coordl.DataLoader(ds, device="cuda", decode="device", **kw)
-    got = list(L)
-    torch.cuda.synchronize()
+    names, kw, cpu, L, got = _cpu_and_gpu_decode(ds, workers)
     # the stand-in of each named decoder (its chroma upsampling; a split's shares as the GPU's)
     stand_in = list(coordl.DataLoader(ds, device="cpu", decode="device", **kw))
     assert len(got) == len(cpu) == len(stand_in)
@@ -1239,12 +1246,7 @@ def test_a_folder_read_by_decode_image_decodes_on_the_gpu_within_the_bound(mixed
     tf = v2.Compose([v2.RandomResizedCrop(224, antialias=True), v2.RandomHorizontalFlip(),
                      v2.ToDtype(torch.float32, scale=True), v2.Normalize(NORM.mean, NORM.std)])
     ds = tv.datasets.ImageFolder(mixed_jpegs, tf, loader=functools.partial(decode_image, mode=ImageReadMode.RGB))
-    names = [os.path.basename(p) for p, _ in ds.samples]
-    kw = dict(batch_size=6, seed=8, shuffle=False, num_workers=workers)
-    cpu = list(coordl.DataLoader(ds, **kw))
-    L = coordl.DataLoader(ds, device="cuda", decode="device", **kw)
-    got = list(L)
-    torch.cuda.synchronize()
+    names, _, cpu, L, got = _cpu_and_gpu_decode(ds, workers)
     row = 0
     for (a, y), (b, y2) in zip(cpu, got):
         assert b.is_cuda and torch.equal(y, y2.cpu()) and b.shape == a.shape
