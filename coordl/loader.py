@@ -778,8 +778,12 @@ class DataLoader(_TorchDataLoader[_T_co]):
             users, mine = _leaves(src[0]), _leaves(self.dataset)
             for k, seen in self._samples_seen.items():
                 now = getattr(users[k], "samples", None)
-                if now is not seen and callable(getattr(mine[k], "follow_samples", None)):
-                    mine[k].follow_samples(now)     # relabelled: the labels as they are now, as torch reads them
+                if now is None or not callable(getattr(mine[k], "follow_samples", None)):
+                    continue        # (a dataset of listed files has no samples list: its list is read once)
+                # relabelled (a list assigned anew, or its labels changed in place): the labels as they are
+                # now, as torch reads them
+                if now is not seen or not mine[k].same_labels(now):
+                    mine[k].follow_samples(now)
                     self._samples_seen[k] = now
 
     def _follow_torchvision(self) -> None:

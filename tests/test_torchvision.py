@@ -893,8 +893,25 @@ def test_a_folder_relabelled_between_passes_gives_the_new_labels(photos, workers
         assert got == want and got != [b[1].tolist() for b in coordl.DataLoader(cls(photos), batch_size=8,
                                                                                collate_fn=_labels_only)]
         ds.samples = ds.samples[1:] + ds.samples[:1]
-        with pytest.raises(ValueError, match="assigned anew with other files"):
+        with pytest.raises(ValueError, match="changed since the last pass \\(assigned anew or in place\\) to other files"):
             iter(L)
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_folder_relabelled_in_place_gives_the_new_labels(photos, workers):
+    """Labels changed in the ``samples`` list itself (``ds.samples[i] =
+    (path, label)``): torch's next pass reads them, and so does coordl's."""
+    ds = D.ImageFolder(photos, transform=V1.Compose([V1.Resize((8, 8)), V1.PILToTensor()]))
+    T_ = torch.utils.data.DataLoader(ds, batch_size=8, num_workers=workers)
+    L = coordl.DataLoader(ds, batch_size=8, num_workers=workers)
+    before = [b[1].tolist() for b in L]
+    for i in (0, 5, len(ds) - 1):
+        ds.samples[i] = (ds.samples[i][0], (ds.samples[i][1] + 1) % 3)
+    got, want = [b[1].tolist() for b in L], [b[1].tolist() for b in T_]
+    assert got == want and got != before
+    ds.samples[2] = (ds.samples[2][0], "cat")           # not a class index: the error of a list assigned anew
+    with pytest.raises(ValueError, match="are not \\(path, class index\\) pairs"):
+        iter(L)
 
 
 def _labels_only(batch):
