@@ -236,7 +236,7 @@ def _fuses_whole(tf: Any) -> bool:
     fused = tf.fused if type(tf) is TorchvisionPipeline else tf
     if type(fused) is T.Compose:
         return T._fusable(fused.transforms)
-    return fused is not None and hasattr(tf, "from_bytes")
+    return fused is not None and hasattr(fused, "from_bytes")   # a stage's wrapper: its own CPU path
 
 
 def _own_getitem(cls: type, base: type) -> Any:
@@ -320,18 +320,18 @@ class TorchvisionFolder(TwoStageFolder):
         x = dec(raw)            # torchvision's own decode (and its error)
         if tf is None:
             return x
-        if isinstance(x, torch.Tensor) and x.dtype == torch.uint8 and x.ndim == 3 and x.shape[0] == 3:
+        if isinstance(x, torch.Tensor):
             planes = getattr(tf, "from_planes", None)
-            if planes is None:
-                return tf(x)    # a stage's wrapper of the translation (the device's), given the tensor
-            out = planes(x)
-            if out is not NotImplemented:
-                return out
-        if getattr(tf, "plan", None) is not None:   # decode="device"'s stage (coordl.device.encoded.EncodedCompose)
-            got = f"{tuple(x.shape)} {x.dtype}" if isinstance(x, torch.Tensor) else type(x).__name__
-            raise ValueError(f"decode='device' makes uint8 RGB images, but {dec.describe()} decodes this file to a "
-                             f"{got} image (its mode is {dec.mode_name}): give the folder "
-                             "loader=functools.partial(decode_image, mode=ImageReadMode.RGB), or use decode='cpu'")
+            # an RGB image goes on from its planes (a device split's wrapper, without from_planes, is given the
+            # tensor); another goes to decode="device"'s stage, which refuses it, but not to the translation,
+            # whose planes are PIL's (an L image's are not a one-channel tensor's)
+            rgb = x.dtype == torch.uint8 and x.ndim == 3 and x.shape[0] == 3
+            if rgb or (planes is not None and type(tf) not in (T.Compose, TorchvisionPipeline)):
+                if planes is None:
+                    return tf(x)
+                out = planes(x)
+                if out is not NotImplemented:
+                    return out
         # not an RGB image (a grey or CMYK JPEG, a PNG with alpha): the user's transform as written, on it
         with _rng.seeded_user_steps(T.draws_numpy(self._written)):
             return self._written(x)

@@ -531,6 +531,8 @@ class EncodedCompose:
             return self.full.from_planes(planes)
         from ..transforms import apply_to_planes
 
+        if planes.dtype != torch.uint8 or planes.ndim != 3 or planes.shape[0] != 3:
+            raise _not_rgb("the dataset decoded", planes, "(3, H, W)")
         return self._on_cpu(apply_to_planes(self.plan.prefix, planes), cap)
 
     def _on_cpu(self, x, cap):
@@ -540,10 +542,7 @@ class EncodedCompose:
         in the record."""
         oh, ow = self.plan.size
         if not isinstance(x, torch.Tensor) or x.dtype != torch.uint8 or tuple(x.shape) != (3, oh, ow):
-            got = f"{x.dtype} {tuple(x.shape)}" if isinstance(x, torch.Tensor) else type(x).__name__
-            raise ValueError(f"decode='device': the CPU path made a {got} image where a uint8 (3, {oh}, {ow}) RGB "
-                             "image was expected (a grayscale or RGBA image the dataset decoded itself?); "
-                             "convert it to RGB, or use decode='cpu'")
+            raise _not_rgb("the CPU path made", x, f"(3, {oh}, {ow})")
         ops, rects, noise = self.plan.draw_after(_lazy()[0].current())
         x = self.plan.jitter_on_cpu(x.contiguous(), ops).contiguous()
         return _capture([ON_CPU, oh, ow] + [0] * (VFLIP - SRC_W), x if noise is None else (x, noise), cap, (), rects)
@@ -553,6 +552,15 @@ class EncodedCompose:
 
     def __repr__(self) -> str:
         return f"encoded({self.full!r})"
+
+
+def _not_rgb(who: str, x, want: str) -> ValueError:
+    """The refusal of an image that is not the uint8 RGB image the device stage goes on from."""
+    got = f"{x.dtype} {tuple(x.shape)}" if isinstance(x, torch.Tensor) else type(x).__name__
+    return ValueError(f"decode='device': {who} a {got} image where a uint8 {want} RGB image was expected (a "
+                      "grayscale or RGBA image the dataset decoded itself?): convert it to RGB; a folder whose "
+                      "loader is torchvision.io's decode_image can be given "
+                      "loader=functools.partial(decode_image, mode=ImageReadMode.RGB), or use decode='cpu'")
 
 
 _LAZY: tuple = ()
