@@ -37,6 +37,7 @@ _MODULES = ("torchvision.io.image", "torchvision.io")
 _NAMES = ("decode_image", "read_image")
 _KEYWORDS = frozenset({"mode", "apply_exif_orientation"})
 _AGREES: dict = {}          # id(decode function) -> (the function, whether coordl's decode gives its pixels)
+_UNREAD = object()          # a header not read yet (None is a header that could not be read)
 
 
 def torchvision_loader(loader: Any) -> "TorchvisionDecode | None":
@@ -93,12 +94,14 @@ class TorchvisionDecode:
         two decoders agree here (:func:`agrees`)."""
         return self.mode_name in ("UNCHANGED", "RGB") and self.exif is False and agrees(self.decode)
 
-    def fusable(self, raw) -> bool:
+    def fusable(self, raw, hdr: Any = _UNREAD) -> bool:
         """Whether coordl's decode of ``raw`` gives torchvision's uint8
-        RGB planes for it (see the module docstring)."""
+        RGB planes for it (see the module docstring).  ``hdr``: its
+        ``coordl.decode.jpeg._header``, where the caller has read it."""
         from . import jpeg
 
-        hdr = jpeg._header(raw)
+        if hdr is _UNREAD:
+            hdr = jpeg._header(raw)
         if hdr is None or not jpeg._ends_with_eoi(raw):
             return False
         space = hdr[2]

@@ -54,6 +54,7 @@ __all__ = ["RECORD", "ON_DEVICE", "ON_CPU", "DecodePlan", "plan_for", "DecodePre
 # (coordl.decode.augmix.pack), and so does a perspective map (eight doubles' bits, then the fill and filter);
 # timm's AugMix takes as many as its chains need (_pack_timm_augmix)
 MAX_OPS, MAX_RECTS, MAX_AFFINES = 8, 4, 12
+_UNREAD = object()      # DecodePlan.device_size's header not read yet (None: a header that could not be read)
 (KIND, SRC_H, SRC_W, T1, L1, H1, W1, RH, RW, T2, L2, H2, W2, FLIP, MODE, VFLIP, INDEX, CHANNELS, N_OPS) = range(19)
 OPS = N_OPS + 1
 N_RECTS = OPS + 2 * MAX_OPS
@@ -123,17 +124,20 @@ class DecodePlan:
         consecutive indices, and a shuffled batch on average, has the share."""
         return self.cpu_share > 0 and ((int(index) * _GOLDEN) & _MASK64) < self.cpu_share * _TWO64
 
-    def device_size(self, raw, index: int):
+    def device_size(self, raw, index: int, hdr=_UNREAD):
         """``(height, width)`` where the device decoder takes sample
         ``index``'s JPEG ``raw``, else None (the CPU path: the workers'
         share, not a JPEG, CMYK/YCCK, no end-of-image marker, and with
         :attr:`check_data` entropy-coded data that ends early or is corrupt,
         which a GPU decoder would decode in part).  Raises PIL's
-        decompression-bomb error before any pixel exists, as the CPU path."""
+        decompression-bomb error before any pixel exists, as the CPU path.
+        ``hdr``: ``raw``'s ``coordl.decode.jpeg._header``, where the caller
+        has read it."""
         jpeg = _lazy()[1]
         if self.cpu_share and self.on_cpu(index):
             return None
-        hdr = jpeg._header(raw)
+        if hdr is _UNREAD:
+            hdr = jpeg._header(raw)
         if hdr is None or hdr[2] not in jpeg._FAST_COLORSPACES or not jpeg._ends_with_eoi(raw):
             return None
         height, width = int(hdr[0]), int(hdr[1])

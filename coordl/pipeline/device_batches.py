@@ -332,7 +332,7 @@ class BatchReads:
 
         derive = _lazy()[0].derive
         draw, draw_after, device_size = self.plan.draw, self.plan.draw_after, self.plan.device_size
-        fusable = self._fusable
+        fusable, header = self._fusable, _lazy()[1]._header
         seed, epoch = eng.seed, eng.epoch
         n, indices, st, slots = b.n, b.indices, b.stats, eng.slots
         again = b.again or [0] * n      # per row, how many times its index came before in the pass
@@ -365,8 +365,13 @@ class BatchReads:
                 st.record_read(source, size if data is None else len(data))
             if data is None and err is None:
                 try:
-                    # None: the CPU path, below, as a fallback (also for a file coordl leaves to torchvision.io)
-                    size = device_size(raw, i) if fusable is None or fusable(raw) else None
+                    # None: the CPU path, below, as a fallback (also for a file coordl leaves to torchvision.io;
+                    # the header read once for both questions)
+                    if fusable is None:
+                        size = device_size(raw, i)
+                    else:
+                        hdr = header(raw)
+                        size = device_size(raw, i, hdr) if fusable(raw, hdr) else None
                     if size is not None:
                         h, w = size
                         if fixed is not None:      # nothing random: the geometry is the size's
