@@ -119,14 +119,6 @@ class TorchvisionDecode:
             args.append(f"apply_exif_orientation={self.exif!r}")
         return f"torchvision.io.{self.via}" + (f"({', '.join(args)})" if args else "")
 
-    def __eq__(self, other: object) -> bool:
-        if not isinstance(other, TorchvisionDecode):
-            return NotImplemented
-        return (self.decode, self.mode_name, self.exif) == (other.decode, other.mode_name, other.exif)
-
-    def __hash__(self) -> int:
-        return hash((self.mode_name, bool(self.exif)))
-
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.describe()})"
 
