@@ -343,21 +343,11 @@ class TorchvisionFolder(TwoStageFolder):
     def _repr_name(self) -> str:
         return f"{type(self).__name__}(torchvision {self._source})"
 
-    def same_labels(self, samples) -> bool:
-        """Whether ``samples`` (the user's list, the same object as when
-        last read: changed in place, perhaps) still has this copy's labels
-        (70 ms for 1.28M samples, once a pass)."""
-        try:
-            labels = np.fromiter((t for _, t in samples), dtype=np.int64, count=len(samples))
-        except (TypeError, ValueError):
-            return False    # not (path, class index) pairs any more: follow_samples says so
-        return bool(np.array_equal(labels, self._targets))
-
     def follow_samples(self, samples) -> None:
         """The user's dataset's ``samples`` list assigned anew since the
-        last pass, or its labels changed in place (:meth:`same_labels`): its
-        labels are taken (torch's next pass reads them); other files are an
-        error that says to make a new loader."""
+        last pass, or an item of it replaced (the loader compares a copy of
+        its items each pass): its labels are taken (torch's next pass reads
+        them); other files are an error that says to make a new loader."""
         norm = os.path.normpath
         try:
             pairs = [(os.fsdecode(os.fspath(p)), operator.index(t)) for p, t in samples]

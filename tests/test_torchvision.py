@@ -914,5 +914,19 @@ def test_a_folder_relabelled_in_place_gives_the_new_labels(photos, workers):
         iter(L)
 
 
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_file_swapped_in_place_under_its_label_is_an_error_not_the_old_file(photos, workers):
+    """``ds.samples[i] = (other_path, same_label)``: torch's next pass reads
+    the other file.  coordl read the folder's files when the loader was
+    made, so it says so, rather than deliver the old file's pixels."""
+    ds = D.ImageFolder(photos, transform=V1.Compose([V1.Resize((8, 8)), V1.PILToTensor()]))
+    L = coordl.DataLoader(ds, batch_size=8, num_workers=workers)
+    assert sum(len(b[1]) for b in L) == len(ds)
+    i = next(k for k in range(1, len(ds)) if ds.samples[k][1] == ds.samples[0][1])
+    ds.samples[0] = (ds.samples[i][0], ds.samples[0][1])     # the same label, another file
+    with pytest.raises(ValueError, match="changed since the last pass \\(assigned anew or in place\\) to other files"):
+        iter(L)
+
+
 def _labels_only(batch):
     return None, torch.tensor([t for _, t, *_ in batch])
