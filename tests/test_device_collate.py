@@ -101,7 +101,10 @@ class Shaped(FolderTwoStage):
         if self.kind == "namedtuple":
             return Pair(img, np.float32(i) * np.ones(2, np.float32))
         if self.kind == "dict":
-            return {"image": img, "weight": i / 2, "name": f"s{i}"}    # a string: the copy path
+            return {"image": img, "weight": i / 2, "name": f"s{i}"}    # a string: gathered as default_collate does
+        if self.kind == "dict_order":   # keys in another order every other sample: the copy path
+            d = {"image": img, "weight": i / 2, "name": f"s{i}"}
+            return d if i % 2 == 0 else dict(reversed(d.items()))
         raise AssertionError(self.kind)
 
 
@@ -115,14 +118,17 @@ def _record(batch):
 def test_the_collate_gets_the_samples_the_dataset_returned(photos, cpu_device, exact, workers):
     for kind, want in (("tuple", ("tuple", ["Tensor", "int"])),
                        ("namedtuple", ("Pair", ["Tensor", "ndarray"])),
-                       # the copy path (a string in the sample): default collation's structure, split by row
-                       ("dict", ("dict", ["Tensor", "Tensor", "str"]))):
+                       ("dict", ("dict", ["Tensor", "float", "str"])),
+                       # the copy path (samples of two structures): default collation's, split by row
+                       ("dict_order", ("dict", ["Tensor", "Tensor", "str"]))):
         ds = Shaped(photos, kind)
-        cpu, dev, _ = _both(ds, _record, workers)
+        # (in order for dict_order, so that every batch holds both structures)
+        cpu, dev, _ = _both(ds, _record, workers, shuffle=kind != "dict_order")
         for (_, a), (seen, b) in zip(cpu, dev):
-            assert all((name, [t for t, _ in leaves]) == want for name, leaves in seen), (kind, seen)
+            order = sorted if kind == "dict_order" else list    # (the batch's first sample gives the keys' order)
+            assert all((name, order(t for t, _ in leaves)) == want for name, leaves in seen), (kind, seen)
             assert len(seen) == 4
-            if kind == "dict":
+            if kind.startswith("dict"):
                 assert a["name"] == b["name"] and torch.equal(a["weight"], b["weight"])
                 a, b = a["image"], b["image"]
             elif kind == "namedtuple":

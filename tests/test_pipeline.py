@@ -5,12 +5,14 @@ import os
 import random
 import threading
 import time
+import warnings
 
 import numpy as np
 import pytest
 import torch
 from torch.utils.data import default_collate
 
+import coordl
 from coordl import DataLoader
 from coordl.pipeline import collate as _collate
 from coordl.pipeline.readahead import Fetcher
@@ -127,6 +129,8 @@ def test_leaves_of_refuses_tensors_of_another_kind():
 
 def test_unsupported_samples_take_copy_path():
     assert _collate.layout_of(("a string", 1), 2) is None
+    assert _collate.layout_of(("a string", b"bytes"), 2, objs=True) is None    # nothing for the buffer
+    assert _collate.layout_of((None, 1), 2, objs=True) is None                  # default_collate refuses None
 
     class Strs(TwoStageToy):
         def prep(self, raw, i):
@@ -135,6 +139,96 @@ def test_unsupported_samples_take_copy_path():
     L = DataLoader(Strs(6), batch_size=3, seed=0, num_workers=2)
     out = list(L)
     assert out[0][0] == default_collate([("s0", 0), ("s1", 1), ("s2", 2)])[0] and torch.equal(out[1][1], torch.tensor([3, 4, 5]))
+
+
+def _same_batch(a, b):
+    assert type(a) is type(b), (type(a), type(b))
+    if isinstance(a, torch.Tensor):
+        assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys()
+        for k in a:
+            _same_batch(a[k], b[k])
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b)
+        for x, y in zip(a, b):
+            _same_batch(x, y)
+    else:
+        assert a == b, (a, b)
+
+
+def test_string_leaves_are_collated_in_place_as_default_collate_gathers_them():
+    """A str or bytes beside the tensors (a file's path, a caption): the
+    tensors go into the buffer in any row order and the strings into the
+    batch's lists, which travel pickled with the layout; the batch is
+    default_collate's, and rows taken back to the copy path keep them."""
+    samples = [(torch.full((2, 3), r, dtype=torch.uint8), r, f"/data/{r}.jpg",
+                {"caption": f"c{r}", "raw": bytes([r])}) for r in range(4)]
+    lay = _collate.layout_of(samples[0], 4, objs=True)
+    assert [l.kind for l in lay.leaves] == ["tensor", "int", "obj", "obj", "obj"]
+    buf = np.zeros(lay.nbytes, dtype=np.uint8)
+    targets = _collate.views(lay, buf)
+    dests = _collate.row_targets(lay, targets)
+    for r in (2, 0, 3, 1):
+        _collate.write_row(dests, r, lay.leaves_of(samples[r]))
+    import pickle
+    sent = pickle.loads(pickle.dumps(lay))      # as a worker's batch message carries it
+    _same_batch(_collate.build(sent.template, _collate.views(sent, buf)), default_collate(samples))
+    _same_batch(_collate.build(sent.template, _collate.views(sent, buf, 3)), default_collate(samples[:3]))
+    back = _collate.rows_as_samples(lay, targets, [1, 3])
+    assert back[0][2:] == samples[1][2:] and back[1][3] == samples[3][3]
+    # a sample whose string is a number there, or missing, is not of the layout (the copy path takes the batch)
+    assert lay.leaves_of((samples[0][0], 0, 5, samples[0][3])) is None
+    assert lay.leaves_of((samples[0][0], 0, None, samples[0][3])) is None
+    assert lay.leaves_of((samples[0][0], "0", "p", samples[0][3])) is None
+    assert _collate.layout_of(samples[0], 4) is None    # not asked for: the copy path, as before
+
+
+class _WithPath(TwoStageToy):
+    """A sample with its file's path, as ImageFolderWithPaths returns it;
+    index 3 fails to read (for on_error="skip"); ``switch``: index 5 returns
+    no path, which moves its batch to the copy path midway."""
+
+    def __init__(self, n, switch=False):
+        super().__init__(n)
+        self.switch = switch
+
+    def prep(self, raw, i):
+        x, y = super().prep(raw, i)
+        if i == 3:
+            raise ValueError("a bad file")
+        return (x, y) if self.switch and i == 5 else (x, y, f"/data/class_{i % 3}/{i}.jpg")
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_batches_with_paths_are_written_in_place_and_equal_torchs(num_workers, monkeypatch):
+    ds = _WithPath(23)
+    L = DataLoader(ds, batch_size=5, shuffle=True, seed=3, num_workers=num_workers, on_error="skip")
+    idx = [i for i in plan(23, 3, 0).tolist()]
+    from coordl._rng import sample_rng
+    built = []      # the batches the main process builds from a slot (collated in place, not sent as objects)
+    monkeypatch.setattr(_collate, "build", lambda *a, _b=_collate.build: built.append(1) or _b(*a))
+    with pytest.warns(coordl.SkippedSampleWarning, match="a bad file"):
+        got = list(L)
+    assert len(built) == len(got) == 5
+    want = []
+    for k in range(0, 23, 5):
+        smp = []
+        for i in idx[k:k + 5]:
+            if i != 3:
+                with sample_rng(3, 0, i):
+                    smp.append(ds.prep(ds.raw(i), i))
+        want.append(default_collate(smp))
+    assert len(got) == len(want)
+    for a, b in zip(got, want):
+        _same_batch(a, b)
+    assert L.stats().skipped == 1
+    # a batch whose samples differ in structure midway: torch's collation then fails as it does under torch
+    L2 = DataLoader(_WithPath(10, switch=True), batch_size=10, num_workers=num_workers, on_error="skip")
+    with pytest.raises(RuntimeError, match="each element in list of batch should be of equal size"), \
+            warnings.catch_warnings():
+        warnings.simplefilter("ignore", coordl.SkippedSampleWarning)
+        list(L2)
 
 
 def test_custom_collate_fn_runs_in_workers():

@@ -7,8 +7,13 @@ first sample: each leaf becomes a ``[batch, *shape]`` region of one buffer, and
 each sample is copied into its row as soon as it is prepared, in any order.
 The result is what ``default_collate`` returns (same types, dtypes, shapes and
 values: tuples become lists, namedtuples and dicts keep their type); a test
-checks that.  Anything else (strings, ragged shapes, a custom ``collate_fn``)
-takes the copy path: samples are kept and collated at the end.
+checks that.  A string (or bytes) leaf, which ``default_collate`` gathers
+into a list (a file's path beside its image, a caption), is a leaf of kind
+``"obj"`` with no bytes in the buffer: its values are kept in a list per
+batch that travels with the batch's layout (:attr:`Layout.values`; only
+where the caller asks, ``layout_of(..., objs=True)``).  Anything else
+(``None``, ragged shapes, a custom ``collate_fn``) takes the copy path:
+samples are kept and collated at the end.
 """
 from __future__ import annotations
 
@@ -28,7 +33,7 @@ class _Leaf:
     def __init__(self, dtype: torch.dtype, shape: tuple, kind: str) -> None:
         self.dtype = dtype
         self.shape = shape
-        self.kind = kind  # "tensor", "numpy", "int", "float", "bool"
+        self.kind = kind  # "tensor", "numpy", "int", "float", "bool", "obj" (a str or bytes: no bytes in the buffer)
         self.offset = 0
         self.nbytes = 0
 
@@ -36,17 +41,24 @@ class _Leaf:
 class Layout:
     """Where each leaf of a batch of ``batch_size`` samples lives in a buffer.
 
-    Picklable and small: it travels with every batch message.
+    Picklable and small: it travels with every batch message.  A layout
+    with ``"obj"`` leaves is one batch's: :attr:`values` holds, per such
+    leaf, the list of its rows' values (``None`` where not written yet).
     """
 
-    __slots__ = ("template", "leaves", "batch_size", "nbytes")
+    __slots__ = ("template", "leaves", "batch_size", "nbytes", "values")
 
-    def __init__(self, template, leaves: list[_Leaf], batch_size: int) -> None:
+    def __init__(self, template, leaves: list[_Leaf], batch_size: int, values: dict | None = None) -> None:
         self.template = template
         self.leaves = leaves
         self.batch_size = batch_size
+        self.values = values if values is not None else \
+            {k: [None] * batch_size for k, leaf in enumerate(leaves) if leaf.kind == "obj"}
         off = 0
         for leaf in leaves:
+            if leaf.kind == "obj":
+                leaf.offset = leaf.nbytes = 0
+                continue
             off = (off + _ALIGN - 1) // _ALIGN * _ALIGN
             leaf.offset = off
             per = int(np.prod(leaf.shape, dtype=np.int64)) * _itemsize(leaf.dtype)
@@ -55,18 +67,18 @@ class Layout:
         self.nbytes = max(off, 1)
 
     def __getstate__(self):
-        return (self.template, [(l.dtype, l.shape, l.kind) for l in self.leaves], self.batch_size)
+        return (self.template, [(l.dtype, l.shape, l.kind) for l in self.leaves], self.batch_size, self.values)
 
     def __setstate__(self, state) -> None:
-        template, leaves, bs = state
-        self.__init__(template, [_Leaf(*x) for x in leaves], bs)
+        template, leaves, bs, values = state
+        self.__init__(template, [_Leaf(*x) for x in leaves], bs, values)
 
     def leaves_of(self, sample) -> list | None:
         """``sample``'s leaves when it has exactly this layout's structure and
         shapes, else None.  One flatten per sample, reused by :func:`write_row`."""
         try:
             leaves: list = []
-            template = _flatten(sample, leaves)
+            template = _flatten(sample, leaves, bool(self.values))
         except _Unsupported:
             return None
         if template != self.template or len(leaves) != len(self.leaves):
@@ -88,6 +100,8 @@ def _same(x, leaf: _Leaf) -> bool:
     shortcut for the usual case: a plain CPU tensor where the leaf is one)."""
     if leaf.kind == "tensor" and type(x) is torch.Tensor:
         return x.layout == torch.strided and x.is_cpu and x.dtype == leaf.dtype and x.shape == leaf.shape
+    if leaf.kind == "obj" or isinstance(x, (str, bytes)):
+        return leaf.kind == "obj" and isinstance(x, (str, bytes))
     return _describe(x)[:2] == (leaf.dtype, leaf.shape)
 
 
@@ -95,7 +109,9 @@ def _itemsize(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
-def _describe(x) -> tuple[torch.dtype, tuple, str]:
+def _describe(x) -> tuple[torch.dtype | None, tuple, str]:
+    if isinstance(x, (str, bytes)):
+        return None, (), "obj"
     if isinstance(x, torch.Tensor):
         if x.is_sparse or x.layout != torch.strided or x.device.type != "cpu":
             raise _Unsupported
@@ -113,33 +129,37 @@ def _describe(x) -> tuple[torch.dtype, tuple, str]:
     raise _Unsupported
 
 
-def _flatten(x, leaves: list):
-    """Structure template of ``x`` (hashable, comparable); leaves appended in order."""
-    if isinstance(x, (torch.Tensor, np.ndarray, bool, int, float)):
+def _flatten(x, leaves: list, objs: bool = False):
+    """Structure template of ``x`` (hashable, comparable); leaves appended in
+    order.  ``objs``: a str or bytes is a leaf too."""
+    if isinstance(x, (torch.Tensor, np.ndarray, bool, int, float)) or (objs and isinstance(x, (str, bytes))):
         leaves.append(x)
         return "*"
     if isinstance(x, tuple) and hasattr(x, "_fields"):
-        return ("namedtuple", type(x), tuple(_flatten(v, leaves) for v in x))
+        return ("namedtuple", type(x), tuple(_flatten(v, leaves, objs) for v in x))
     if isinstance(x, tuple):
-        return ("tuple", tuple(_flatten(v, leaves) for v in x))
+        return ("tuple", tuple(_flatten(v, leaves, objs) for v in x))
     if type(x) is list:
-        return ("list", tuple(_flatten(v, leaves) for v in x))
+        return ("list", tuple(_flatten(v, leaves, objs) for v in x))
     if type(x) is dict:
         keys = tuple(x.keys())
-        return ("dict", keys, tuple(_flatten(x[k], leaves) for k in keys))
+        return ("dict", keys, tuple(_flatten(x[k], leaves, objs) for k in keys))
     raise _Unsupported
 
 
-def layout_of(sample, batch_size: int) -> Layout | None:
-    """The in-place layout for samples like ``sample``, or None (copy path)."""
+def layout_of(sample, batch_size: int, objs: bool = False) -> Layout | None:
+    """The in-place layout for samples like ``sample``, or None (copy path).
+    ``objs``: str and bytes leaves are gathered in lists that travel with
+    the layout (a new layout per batch), as ``default_collate`` gathers
+    them; else they take the copy path."""
     leaves: list = []
     try:
-        template = _flatten(sample, leaves)
+        template = _flatten(sample, leaves, objs)
         described = [_describe(x) for x in leaves]
     except _Unsupported:
         return None
-    if not leaves:
-        return None
+    if not any(d[2] != "obj" for d in described):
+        return None     # nothing for the buffer: default_collate's lists cost no more
     return Layout(template, [_Leaf(*d) for d in described], batch_size)
 
 
@@ -147,7 +167,11 @@ def views(layout: Layout, buf: np.ndarray, rows: int | None = None) -> list[torc
     """One tensor per leaf over ``buf`` (a uint8 numpy array), ``rows`` rows each."""
     n = layout.batch_size if rows is None else rows
     out = []
-    for leaf in layout.leaves:
+    for k, leaf in enumerate(layout.leaves):
+        if leaf.kind == "obj":      # the batch's list (the same object, for write_row, until rows are given)
+            vals = layout.values[k]
+            out.append(vals if rows is None else vals[:n])
+            continue
         per = leaf.nbytes // layout.batch_size if layout.batch_size else 0
         region = buf[leaf.offset:leaf.offset + per * n]
         t = torch.from_numpy(region).view(leaf.dtype) if per else torch.empty((0,), dtype=leaf.dtype)
@@ -196,6 +220,9 @@ def rows_as_samples(layout: Layout, targets: list[torch.Tensor], rows) -> list:
     for r in rows:
         vals = []
         for leaf, t in zip(layout.leaves, targets):
+            if leaf.kind == "obj":
+                vals.append(t[r])
+                continue
             x = t[r].clone()
             if leaf.kind in ("int", "float", "bool"):
                 x = x.item()
@@ -217,14 +244,22 @@ def _unflatten(tpl, it, as_sample: bool = False):
         return next(it)
     kind = tpl[0]
     if kind == "namedtuple":
-        return tpl[1](*(_unflatten(t, it, as_sample) for t in tpl[2]))
+        return tpl[1](*(_in_sequence(t, it, as_sample) for t in tpl[2]))
     if kind == "tuple" and as_sample:
         return tuple(_unflatten(t, it, as_sample) for t in tpl[1])
     if kind in ("tuple", "list"):  # default_collate turns tuples into lists
-        return [_unflatten(t, it, as_sample) for t in tpl[1]]
+        return [_in_sequence(t, it, as_sample) for t in tpl[1]]
     if kind == "dict":
         return {k: _unflatten(t, it, as_sample) for k, t in zip(tpl[1], tpl[2])}
     raise AssertionError(tpl)
+
+
+def _in_sequence(tpl, it, as_sample: bool):
+    """``_unflatten`` of an item of a sequence: a str/bytes leaf's values
+    (a list) there are a tuple, as ``default_collate`` transposes a
+    sequence's samples with ``zip`` (in a dict they stay the list it makes)."""
+    x = _unflatten(tpl, it, as_sample)
+    return tuple(x) if tpl == "*" and type(x) is list and not as_sample else x
 
 
 def _leaf_paths(tpl, path: tuple, out: list) -> list:
@@ -265,7 +300,9 @@ def samples_of(device_batch, host_batch, layout: "Layout | None", on_device) -> 
                 columns.append(list(_get(device_batch, path).unbind(0)))
                 continue
             x = _get(host_batch, path)
-            if leaf.kind in ("int", "float", "bool"):
+            if leaf.kind == "obj":
+                columns.append(list(x))
+            elif leaf.kind in ("int", "float", "bool"):
                 columns.append(x.tolist())
             elif leaf.kind == "numpy":
                 columns.append(list(x.numpy().copy()))

@@ -375,7 +375,7 @@ def place(b: _Builder, j: int, sample, slots) -> None:
     written so far included: what torch would do)."""
     if not b.copy:
         if b.layout is None:
-            b.layout = _collate.layout_of(sample, b.n)
+            b.layout = _collate.layout_of(sample, b.n, objs=True)
             if b.layout is not None:
                 b.slot, buf = slots.acquire(b.layout.nbytes)
                 b.targets = _collate.views(b.layout, buf)
@@ -454,7 +454,10 @@ def finish(b: _Builder, collate_fn, batch_size, slots, finish_on_cpu=None, key=N
     else:
         if len(rows) < b.n:  # skipped samples: close the gaps, keep plan order
             for t in b.targets:
-                t[: len(rows)] = t[rows].clone()
+                if type(t) is list:     # a str/bytes leaf's values (views gives the first len(rows))
+                    t[: len(rows)] = [t[r] for r in rows]
+                else:
+                    t[: len(rows)] = t[rows].clone()
         out = ("batch", len(rows))
     if b.payloads is not None and b.stats.device_marks:
         _collate.pack_payloads(b, rows, slots)
