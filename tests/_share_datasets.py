@@ -70,3 +70,14 @@ class SlowInWorker(TwoStageToy):
             while time.process_time() < end:
                 pass
         return super().prep(raw, i)
+
+
+class NumpyLabels(TwoStageToy):
+    """Samples whose label and weight are numpy scalars (a label read from
+    an array or a DataFrame)."""
+
+    def prep(self, raw: bytes, i: int):
+        import numpy as np
+
+        x, y = super().prep(raw, i)
+        return x, np.int64(i % 3), np.float32(i / 4)

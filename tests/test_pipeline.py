@@ -69,6 +69,9 @@ Point = collections.namedtuple("Point", "x y")
     {"img": np.arange(6, dtype=np.float32).reshape(2, 3), "label": 2.5, "ok": True},
     Point(torch.zeros(4, dtype=torch.uint8), [1, 2]),
     [torch.arange(3), (torch.ones(1), 7)],
+    # numpy's scalars (a label read from an array or a DataFrame): tensors of their dtype
+    (torch.ones(2), np.int64(3), np.float32(0.5), np.bool_(True), np.float64(2.5), np.float16(1.5), np.uint8(7),
+     np.complex64(1 + 2j)),
 ])
 def test_in_place_collate_matches_default_collate(sample):
     lay = _collate.layout_of(sample, 3)
@@ -125,6 +128,11 @@ def test_leaves_of_refuses_tensors_of_another_kind():
     assert lay.leaves_of((torch.zeros(2, 3, device="meta"), 5)) is None       # device
     assert lay.leaves_of((torch.zeros(2, 3), 5.0)) is None                     # label kind
     assert lay.leaves_of((torch.nn.Parameter(torch.zeros(2, 3)), 5)) is not None  # subclass: the full check
+    lay = _collate.layout_of((torch.zeros(2, 3), np.int64(1)), 4)
+    assert lay.leaves_of((torch.zeros(2, 3), np.int64(5))) is not None
+    assert lay.leaves_of((torch.zeros(2, 3), np.int32(5))) is None                # another numpy dtype
+    assert lay.leaves_of((torch.zeros(2, 3), 5)) is not None                      # a Python int: int64 too
+    assert _collate.layout_of((torch.zeros(2), np.datetime64("2026-01-01")), 4) is None   # not a number
 
 
 def test_unsupported_samples_take_copy_path():
@@ -182,6 +190,46 @@ def test_string_leaves_are_collated_in_place_as_default_collate_gathers_them():
     assert lay.leaves_of((samples[0][0], 0, None, samples[0][3])) is None
     assert lay.leaves_of((samples[0][0], "0", "p", samples[0][3])) is None
     assert _collate.layout_of(samples[0], 4) is None    # not asked for: the copy path, as before
+
+
+def test_numpy_scalars_are_collated_in_place_and_keep_their_type_when_rows_go_back():
+    samples = [(torch.full((2,), r), np.int64(r), np.float32(r / 4)) for r in range(3)]
+    lay = _collate.layout_of(samples[0], 3)
+    buf = np.zeros(lay.nbytes, dtype=np.uint8)
+    targets = _collate.views(lay, buf)
+    dests = _collate.row_targets(lay, targets)
+    for r in (2, 0, 1):
+        _collate.write_row(dests, r, lay.leaves_of(samples[r]))
+    _same_batch(_collate.build(lay.template, targets), default_collate(samples))
+    back = _collate.rows_as_samples(lay, targets, [2])[0]
+    assert type(back[1]) is np.int64 and back[1] == 2 and type(back[2]) is np.float32 and back[2] == np.float32(0.5)
+    assert [_collate.leaf_bytes(x, l).tobytes() for x, l in zip(lay.leaves_of(samples[1]), lay.leaves)][1:] == \
+        [np.int64(1).tobytes(), np.float32(0.25).tobytes()]
+
+
+class _NumpyLabel(TwoStageToy):
+    def prep(self, raw, i):
+        x, y = super().prep(raw, i)
+        return x, np.int64(i % 3), np.float32(i / 2)
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_numpy_scalar_labels_are_written_in_place_and_equal_torchs(num_workers, monkeypatch):
+    ds = _NumpyLabel(10)
+    built = []
+    monkeypatch.setattr(_collate, "build", lambda *a, _b=_collate.build: built.append(1) or _b(*a))
+    got = list(DataLoader(ds, batch_size=4, num_workers=num_workers, seed=1))
+    from coordl._rng import sample_rng
+    want = []
+    for k in range(0, 10, 4):
+        smp = []
+        for i in range(k, min(k + 4, 10)):
+            with sample_rng(1, 0, i):
+                smp.append(ds.prep(ds.raw(i), i))
+        want.append(default_collate(smp))
+    for a, b in zip(got, want):
+        _same_batch(a, b)
+    assert len(built) == len(got) == 3
 
 
 class _WithPath(TwoStageToy):

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 
+import numpy as np
 import psutil
 import pytest
 import torch
@@ -433,6 +434,22 @@ def test_skipped_samples_and_other_collations_match_without_sharing(daemon_env):
         assert [flat(b) for b in got[0]] == [flat(b) for b in ref[0]], name
         assert [flat(b) for b in got[1]] == [flat(b) for b in ref[1]], name
         assert st.skipped == 4 and st.samples_shared > 0, (name, st)
+
+
+def test_numpy_scalar_labels_are_shared_and_match_without_sharing(daemon_env):
+    """A sample with numpy scalars is staged by the daemon (not turned
+    away as one with no fixed layout): the batches and, for a collate_fn,
+    the samples' types are those without sharing."""
+    sys.path.insert(0, HERE)
+    from _share_datasets import NumpyLabels
+
+    for kw in ({}, {"collate_fn": _identity}):
+        ref = list(coordl.DataLoader(NumpyLabels(20), batch_size=8, seed=3, share=False, **kw))
+        ld = coordl.DataLoader(NumpyLabels(20), batch_size=8, seed=3, share=True, **kw)
+        got = list(ld)
+        assert repr(got) == repr(ref) and ld.stats().samples_shared > 0, (kw, ld.stats())
+        if kw:
+            assert [type(v) for v in got[0][0]] == [torch.Tensor, np.int64, np.float32]
 
 
 def _private_staging_maps() -> int:

@@ -1065,7 +1065,7 @@ _SLOTS = LocalSlots()   # a fresh buffer per batch: the user may keep a batch as
 
 def _sample_from(layout1, leaves) -> object:
     """A staged sample rebuilt with the types ``prep`` returned (tuples stay
-    tuples, numbers stay Python numbers, arrays stay arrays)."""
+    tuples, numbers stay Python or numpy numbers, arrays stay arrays)."""
     out = []
     for leaf, t in zip(layout1.leaves, leaves):
         if leaf.kind == "tensor":
@@ -1076,6 +1076,8 @@ def _sample_from(layout1, leaves) -> object:
             out.append(int(t.item()))
         elif leaf.kind == "float":
             out.append(float(t.item()))
+        elif leaf.kind == "npscalar":
+            out.append(t.numpy().copy()[()])
         else:
             out.append(bool(t.item()))
     return _collate._unflatten(layout1.template, iter(out), as_sample=True)

@@ -2,7 +2,7 @@
 
 ``default_collate`` builds per-sample tensors and then stacks them into a new
 allocation.  When every sample has the same structure of fixed-shape leaves
-(tensors, numpy arrays, Python numbers), the batch layout is known from the
+(tensors, numpy arrays, Python and numpy numbers), the batch layout is known from the
 first sample: each leaf becomes a ``[batch, *shape]`` region of one buffer, and
 each sample is copied into its row as soon as it is prepared, in any order.
 The result is what ``default_collate`` returns (same types, dtypes, shapes and
@@ -33,7 +33,9 @@ class _Leaf:
     def __init__(self, dtype: torch.dtype, shape: tuple, kind: str) -> None:
         self.dtype = dtype
         self.shape = shape
-        self.kind = kind  # "tensor", "numpy", "int", "float", "bool", "obj" (a str or bytes: no bytes in the buffer)
+        # "tensor", "numpy", "int", "float", "bool", "npscalar" (numpy's number or bool), "obj" (a str or
+        # bytes: no bytes in the buffer)
+        self.kind = kind
         self.offset = 0
         self.nbytes = 0
 
@@ -112,6 +114,10 @@ def _itemsize(dtype: torch.dtype) -> int:
 def _describe(x) -> tuple[torch.dtype | None, tuple, str]:
     if isinstance(x, (str, bytes)):
         return None, (), "obj"
+    if isinstance(x, _NP_SCALARS):     # default_collate makes a tensor of their dtype (np.float64 is a float too)
+        if x.dtype.kind not in "biufc":
+            raise _Unsupported
+        return torch.from_numpy(np.empty(0, dtype=x.dtype)).dtype, (), "npscalar"
     if isinstance(x, torch.Tensor):
         if x.is_sparse or x.layout != torch.strided or x.device.type != "cpu":
             raise _Unsupported
@@ -129,10 +135,15 @@ def _describe(x) -> tuple[torch.dtype | None, tuple, str]:
     raise _Unsupported
 
 
+_NP_SCALARS = (np.bool_, np.number)
+_LEAVES = (torch.Tensor, np.ndarray, bool, int, float) + _NP_SCALARS
+_NUMBERS = ("int", "float", "bool", "npscalar")     # leaves written through numpy views (row_targets)
+
+
 def _flatten(x, leaves: list, objs: bool = False):
     """Structure template of ``x`` (hashable, comparable); leaves appended in
     order.  ``objs``: a str or bytes is a leaf too."""
-    if isinstance(x, (torch.Tensor, np.ndarray, bool, int, float)) or (objs and isinstance(x, (str, bytes))):
+    if isinstance(x, _LEAVES) or (objs and isinstance(x, (str, bytes))):
         leaves.append(x)
         return "*"
     if isinstance(x, tuple) and hasattr(x, "_fields"):
@@ -184,7 +195,7 @@ def row_targets(layout: Layout, targets: list[torch.Tensor]) -> list:
     with a numpy view in place of each Python-number leaf (a numpy element
     store costs ~0.1 us, torch's ``t[row] = x`` several; same value and dtype:
     int64, float64 or bool)."""
-    return [t.numpy() if leaf.kind in ("int", "float", "bool") else t
+    return [t.numpy() if leaf.kind in _NUMBERS else t
             for leaf, t in zip(layout.leaves, targets)]
 
 
@@ -196,6 +207,8 @@ def leaf_bytes(x, leaf: _Leaf) -> np.ndarray:
         return x.detach().contiguous().view(-1).view(torch.uint8).numpy() if x.numel() else np.empty(0, np.uint8)
     if isinstance(x, np.ndarray):
         return np.ascontiguousarray(x).reshape(-1).view(np.uint8)
+    if leaf.kind == "npscalar":
+        return np.asarray(x).reshape(1).view(np.uint8)
     return np.asarray([x], dtype={"int": np.int64, "float": np.float64, "bool": np.bool_}[leaf.kind]).view(np.uint8)
 
 
@@ -207,6 +220,8 @@ def write_row(targets: list, row: int, leaves: list) -> None:
             t[row].copy_(x)
         elif isinstance(x, np.ndarray):
             t[row].copy_(torch.from_numpy(np.ascontiguousarray(x)))
+        elif isinstance(x, _NP_SCALARS) and isinstance(t, torch.Tensor):    # (row_targets gives numpy views)
+            t[row] = torch.from_numpy(np.asarray(x))
         else:
             t[row] = x
 
@@ -224,7 +239,9 @@ def rows_as_samples(layout: Layout, targets: list[torch.Tensor], rows) -> list:
                 vals.append(t[r])
                 continue
             x = t[r].clone()
-            if leaf.kind in ("int", "float", "bool"):
+            if leaf.kind == "npscalar":
+                x = x.numpy()[()]
+            elif leaf.kind in _NUMBERS:
                 x = x.item()
             elif leaf.kind == "numpy":
                 x = x.numpy()
@@ -302,7 +319,9 @@ def samples_of(device_batch, host_batch, layout: "Layout | None", on_device) -> 
             x = _get(host_batch, path)
             if leaf.kind == "obj":
                 columns.append(list(x))
-            elif leaf.kind in ("int", "float", "bool"):
+            elif leaf.kind == "npscalar":
+                columns.append(list(x.numpy().copy()))
+            elif leaf.kind in _NUMBERS:
                 columns.append(x.tolist())
             elif leaf.kind == "numpy":
                 columns.append(list(x.numpy().copy()))
