@@ -232,3 +232,25 @@ def test_torchvisions_reference_mixup_cutmix_collate(photos, cpu_device, exact, 
     for (a, y), (b, y2) in zip(cpu, dev):
         assert torch.equal(y, y2) and float(_levels(a, b).max()) <= 1.0 + 1e-3
     assert L.stats().device_decode_images == len(ds) and L.stats().path == "coordl"
+
+
+class _WithPathAndId(Shaped):
+    def prep(self, raw, i):
+        return self.transform.from_bytes(raw), i % 3, f"/data/{i}.jpg", np.int64(i)
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_path_and_a_numpy_id_beside_the_image_reach_the_device_batch(photos, cpu_device, exact, workers):
+    """Without a collate_fn: the batch collated in place (strings in their
+    tuple, numpy scalars as a tensor) goes through the device stage and the
+    device split as default_collate's batch does on the CPU path."""
+    ds = _WithPathAndId(photos, "tuple")
+    kw = {"batch_size": 4, "seed": 7, "shuffle": True, "num_workers": workers}
+    cpu = list(coordl.DataLoader(ds, **kw))
+    dev = list(coordl.DataLoader(ds, device="cpu", decode="device", **kw))
+    split = list(coordl.DataLoader(ds, device="cpu", **kw))
+    assert len(cpu) == len(dev) == len(split) == 5
+    for a, b, c in zip(cpu, dev, split):
+        assert type(a[2]) is tuple and a[2] == b[2] == c[2]
+        assert all(torch.equal(a[k], b[k]) and torch.equal(a[k], c[k]) for k in (1, 3)) and a[3].dtype == torch.int64
+        assert float(_levels(a[0], b[0]).max()) <= 1.0 + 1e-3 and torch.equal(a[0], c[0])
