@@ -80,23 +80,7 @@ def test_in_place_collate_matches_default_collate(sample):
     targets = _collate.views(lay, buf)
     for r in (2, 0, 1):  # any order
         _collate.write_row(targets, r, lay.leaves_of(sample))
-    got = _collate.build(lay.template, targets)
-    want = default_collate([sample] * 3)
-
-    def same(a, b):
-        assert type(a) is type(b), (type(a), type(b))
-        if isinstance(a, torch.Tensor):
-            assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
-        elif isinstance(a, dict):
-            assert a.keys() == b.keys()
-            for k in a:
-                same(a[k], b[k])
-        else:
-            assert len(a) == len(b)
-            for x, y in zip(a, b):
-                same(x, y)
-
-    same(got, want)
+    _same_batch(_collate.build(lay.template, targets), default_collate([sample] * 3))
 
 
 def test_numbers_written_through_row_targets_match_default_collate():
