@@ -100,6 +100,88 @@ def test_timms_create_loader_runs_on_coordl_when_torchs_dataloader_is_coordls(ph
     assert len(got) == len(want) and all(torch.equal(p, q) for p, q in zip(got, want))
 
 
+def _same_batch(a, b):
+    assert type(a) is type(b) and len(a) == len(b), (type(a), type(b))
+    for x, y in zip(a, b):
+        assert x.dtype == y.dtype and x.shape == y.shape and torch.equal(x, y), (x.dtype, y.dtype)
+
+
+def test_fast_collates_batch_of_uint8_images_and_class_indices_is_laid_out_in_place():
+    """timm's ``fast_collate`` of (uint8 image, class index) samples is a
+    tuple of the images stacked and the indices as int64: the in-place
+    layout builds that tuple; other samples have no such layout."""
+    from timm.data.loader import fast_collate
+
+    from coordl.pipeline import collate as C
+
+    assert C.is_fast_collate(fast_collate) and not C.is_fast_collate(None) and not C.is_fast_collate(lambda b: b)
+    rng = np.random.default_rng(0)
+    for img, label in ((lambda r: rng.integers(0, 256, (3, 5, 4), dtype=np.uint8), lambda r: r),
+                       (lambda r: torch.randint(0, 256, (3, 5, 4), dtype=torch.uint8), lambda r: np.int64(r))):
+        samples = [(img(r), label(r)) for r in range(3)]
+        lay = C.layout_of(samples[0], 3, pair=True)
+        buf = np.zeros(lay.nbytes, dtype=np.uint8)
+        targets = C.views(lay, buf)
+        dests = C.row_targets(lay, targets)
+        for r in (1, 2, 0):
+            C.write_row(dests, r, lay.leaves_of(samples[r]))
+        _same_batch(C.build(lay.template, targets), fast_collate(samples))
+        assert lay.leaves_of([samples[0][0], 1]) is None            # a list: fast_collate asserts a tuple
+    img = np.zeros((3, 5, 4), np.uint8)
+    for other in ((img.astype(np.float32), 1), ((img, img), 1), (img, True), (img, 1.0), (img, np.int32(1)),
+                  [img, 1], (img, 1, "path"), (torch.zeros(2, dtype=torch.uint8), torch.tensor(1))):
+        assert C.layout_of(other, 3, pair=True) is None, other
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_fast_collate_batches_are_timms_own_and_collated_in_place(photos, num_workers, monkeypatch):
+    """``coordl.DataLoader(ds, collate_fn=fast_collate)`` over timm's
+    dataset with its prefetcher's transform (uint8 arrays): the eval
+    batches are what timm's own loader collates, bit for bit, each built
+    from a slot in the main process (no second copy of the images)."""
+    from timm.data.loader import fast_collate
+
+    from coordl.pipeline import collate as C
+
+    tf = create_transform(32, is_training=False, use_prefetcher=True)
+    want = list(torch.utils.data.DataLoader(timm_folder(photos, transform=tf), batch_size=8,
+                                            collate_fn=fast_collate))
+    built = []
+    monkeypatch.setattr(C, "build", lambda *a, _b=C.build: built.append(1) or _b(*a))
+    got = list(coordl.DataLoader(timm_folder(photos, transform=tf), batch_size=8, num_workers=num_workers,
+                                 collate_fn=fast_collate))
+    assert len(got) == len(want) == len(built) == 4
+    for a, b in zip(got, want):
+        _same_batch(a, b)
+
+
+def _half(t):
+    return t / 2
+
+
+def _half_odd(t):
+    return t / 2 if t % 2 else t
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_fast_collate_of_other_samples_runs_as_written(photos, num_workers):
+    """Samples whose layout is not fast_collate's (a label that is a float,
+    in every sample or from one sample on) are collated by timm's function
+    itself: its batches, as under torch."""
+    from timm.data.loader import fast_collate
+
+    tf = create_transform(32, is_training=False, use_prefetcher=True)
+    for target in (_half, _half_odd):
+        want = list(torch.utils.data.DataLoader(timm_folder(photos, transform=tf, target_transform=target),
+                                                batch_size=8, collate_fn=fast_collate))
+        L = coordl.DataLoader(timm_folder(photos, transform=tf, target_transform=target), batch_size=8,
+                              num_workers=num_workers, collate_fn=fast_collate)
+        got = list(L)
+        assert L.stats().path == "coordl" and len(got) == len(want) == 4
+        for a, b in zip(got, want):
+            _same_batch(a, b)
+
+
 def test_filenames_classes_and_repr_are_timms(photos):
     ds = timm_folder(photos)
     mine = coordl.DataLoader(ds, batch_size=4).dataset
@@ -240,6 +322,27 @@ def test_jobs_sharing_prep_get_what_they_get_alone(photos, daemon_env):
     L = coordl.DataLoader(make(), batch_size=8, seed=4, share=True)
     assert equal(batches(L), alone)
     assert L.stats().samples_shared > 0, L.stats()
+
+
+def test_jobs_sharing_prep_with_fast_collate_get_timms_batches_in_place(photos, daemon_env, monkeypatch):
+    """timm's prefetcher recipe with share=True: the staged samples are
+    collated in place as fast_collate collates them (a tuple of uint8
+    images and int64 indices), the batches those of share=False."""
+    from timm.data.loader import fast_collate
+
+    from coordl.pipeline import collate as C
+
+    def make():
+        return timm_folder(photos, transform=create_transform(32, is_training=False, use_prefetcher=True))
+
+    alone = list(coordl.DataLoader(make(), batch_size=8, seed=4, collate_fn=fast_collate))
+    built = []
+    monkeypatch.setattr(C, "build", lambda *a, _b=C.build: built.append(1) or _b(*a))
+    L = coordl.DataLoader(make(), batch_size=8, seed=4, share=True, collate_fn=fast_collate)
+    got = list(L)
+    assert len(got) == len(alone) == len(built) == 4 and L.stats().samples_shared > 0, L.stats()
+    for a, b in zip(got, alone):
+        _same_batch(a, b)
 
 
 def test_a_subset_of_timms_dataset_reads_on_coordls_pipeline(photos):

@@ -477,7 +477,13 @@ class SharedIter:
         link = mode.link
         self.window = min(self.window, max(4, link.mm.size() // link.stride // 4))
         self.layout1 = mode.layout1
-        self.in_place = _collate.is_default_collate(loader.collate_fn) and bs is not None
+        # the batch's template where it is collated in place: default_collate's, or that of timm's fast_collate
+        # for its samples (a uint8 image and a class index)
+        l1 = self.layout1
+        self.template = None if l1 is None else l1.template if _collate.is_default_collate(loader.collate_fn) \
+            else _collate.as_pair(l1.template, [(x.dtype, x.shape, x.kind) for x in l1.leaves]) \
+            if _collate.is_fast_collate(loader.collate_fn) else None
+        self.in_place = self.template is not None and bs is not None
         self.verify = self._verify_positions(verify_count())
         # this pass's end, once, however it ends: run out (``_leave``), left for a new pass
         # (``ShareMode.start_pass``), or left and collected (the reaper, through this box)
@@ -789,7 +795,7 @@ class SharedIter:
         b = _Builder(k, [int(self.order[p]) for p in rows], copy=not self.in_place)
         st = b.stats
         if not b.copy:   # the batch layout is the one-sample layout, n rows
-            b.layout = _collate.Layout(l1.template, [_collate._Leaf(x.dtype, x.shape, x.kind) for x in l1.leaves], n)
+            b.layout = _collate.Layout(self.template, [_collate._Leaf(x.dtype, x.shape, x.kind) for x in l1.leaves], n)
             b.slot, buf = _SLOTS.acquire(b.layout.nbytes)
             b.targets = _collate.views(b.layout, buf)
         for j, (i, g) in enumerate(zip(b.indices, gs)):
@@ -943,7 +949,7 @@ class SharedIter:
         st.samples = st.shared = n
         st.zero_copy = 1
         self.mode.count(st)
-        return Envelope(_collate.build(self.layout1.template, leaves), self.epoch, st, k)
+        return Envelope(_collate.build(self.template, leaves), self.epoch, st, k)
 
 
 def _differs(layout1, sample, staged: list) -> str | None:

@@ -17,6 +17,7 @@ samples are kept and collated at the end.
 """
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import numpy as np
@@ -48,10 +49,12 @@ class Layout:
     leaf, the list of its rows' values (``None`` where not written yet).
     """
 
-    __slots__ = ("template", "leaves", "batch_size", "nbytes", "values")
+    __slots__ = ("template", "leaves", "batch_size", "nbytes", "values", "match")
 
     def __init__(self, template, leaves: list[_Leaf], batch_size: int, values: dict | None = None) -> None:
         self.template = template
+        # what a sample's _flatten gives (a "pair" is a tuple sample, collated as one: timm's fast_collate)
+        self.match = ("tuple", template[1]) if template[0] == "pair" else template
         self.leaves = leaves
         self.batch_size = batch_size
         self.values = values if values is not None else \
@@ -83,7 +86,7 @@ class Layout:
             template = _flatten(sample, leaves, bool(self.values))
         except _Unsupported:
             return None
-        if template != self.template or len(leaves) != len(self.leaves):
+        if template != self.match or len(leaves) != len(self.leaves):
             return None
         try:
             if all(_same(x, l) for x, l in zip(leaves, self.leaves)):
@@ -158,11 +161,16 @@ def _flatten(x, leaves: list, objs: bool = False):
     raise _Unsupported
 
 
-def layout_of(sample, batch_size: int, objs: bool = False) -> Layout | None:
+def layout_of(sample, batch_size: int, objs: bool = False, pair: bool = False) -> Layout | None:
     """The in-place layout for samples like ``sample``, or None (copy path).
     ``objs``: str and bytes leaves are gathered in lists that travel with
     the layout (a new layout per batch), as ``default_collate`` gathers
-    them; else they take the copy path."""
+    them; else they take the copy path.  ``pair``: the layout of timm's
+    ``fast_collate`` (:func:`is_fast_collate`) instead of
+    ``default_collate``'s, for a sample that is a tuple of a uint8 image
+    (an array or a CPU tensor) and an integer class index, whose batch it
+    makes as a tuple of the images stacked as they are and the indices as
+    int64 (every version of it); None for any other sample."""
     leaves: list = []
     try:
         template = _flatten(sample, leaves, objs)
@@ -171,7 +179,23 @@ def layout_of(sample, batch_size: int, objs: bool = False) -> Layout | None:
         return None
     if not any(d[2] != "obj" for d in described):
         return None     # nothing for the buffer: default_collate's lists cost no more
+    if pair:
+        template = as_pair(template, described)
+        if template is None:
+            return None
     return Layout(template, [_Leaf(*d) for d in described], batch_size)
+
+
+def as_pair(template, described) -> tuple | None:
+    """The template of timm's ``fast_collate``'s batch for samples of
+    ``template`` whose leaves are ``described`` ((dtype, shape, kind) each),
+    where they are a plain tuple of a uint8 image (an array or a CPU
+    tensor) and an integer class index; else None."""
+    if template != ("tuple", ("*", "*")) or described[0][0] != torch.uint8 \
+            or described[0][2] not in ("tensor", "numpy") or tuple(described[1][:2]) != (torch.int64, ()) \
+            or described[1][2] not in ("int", "npscalar"):
+        return None
+    return ("pair", template[1])
 
 
 def views(layout: Layout, buf: np.ndarray, rows: int | None = None) -> list[torch.Tensor]:
@@ -262,7 +286,7 @@ def _unflatten(tpl, it, as_sample: bool = False):
     kind = tpl[0]
     if kind == "namedtuple":
         return tpl[1](*(_in_sequence(t, it, as_sample) for t in tpl[2]))
-    if kind == "tuple" and as_sample:
+    if (kind == "tuple" and as_sample) or kind == "pair":     # (a pair's batch is a tuple too)
         return tuple(_unflatten(t, it, as_sample) for t in tpl[1])
     if kind in ("tuple", "list"):  # default_collate turns tuples into lists
         return [_in_sequence(t, it, as_sample) for t in tpl[1]]
@@ -367,6 +391,17 @@ def is_default_collate(fn) -> bool:
     from torch.utils.data._utils.collate import default_collate as dc
 
     return fn is None or fn is dc or fn is torch.utils.data.default_collate
+
+
+def is_fast_collate(fn) -> bool:
+    """Whether ``fn`` is timm's ``fast_collate`` (what its ``create_loader``
+    gives the loader with its prefetcher, timm's default): the function
+    of the imported ``timm.data.loader`` itself (looked up there, never
+    imported here).  Its batch of (uint8 image, class index) samples is
+    collated in place (``layout_of(..., pair=True)``); of any other
+    samples it runs as written."""
+    mod = sys.modules.get("timm.data.loader")
+    return fn is not None and mod is not None and fn is getattr(mod, "fast_collate", None)
 
 
 def _bytes_of(x) -> np.ndarray:

@@ -95,7 +95,10 @@ class Engine:
         # device's batch in the main process (coordl.loader's _collate_delivered); an empty step
         # of a batch sampler is still collate_fn([]) here
         self.collate_later = collate_later
-        self.in_place = (collate_later or _collate.is_default_collate(collate_fn)) and batch_size is not None
+        # timm's fast_collate: its batches of (uint8 image, class index) collated in place too (_collate.layout_of)
+        self.pairs = not collate_later and _collate.is_fast_collate(collate_fn)
+        self.in_place = (collate_later or self.pairs or _collate.is_default_collate(collate_fn)) \
+            and batch_size is not None
         self.batch_size = batch_size
         self.prefetch = max(1, prefetch)
         self.fetch_threads = fetch_threads
@@ -350,7 +353,7 @@ class Engine:
         b.samples = None
 
     def _place(self, b: _Builder, j: int, sample) -> None:
-        place(b, j, sample, self.slots)
+        place(b, j, sample, self.slots, self.pairs)
 
     def _finish(self, b: _Builder) -> None:
         try:
@@ -368,14 +371,17 @@ class Engine:
             self.emit("batch", b.k, b.slot, b.layout, out[1], b.stats)
 
 
-def place(b: _Builder, j: int, sample, slots) -> None:
+def place(b: _Builder, j: int, sample, slots, pairs: bool = False) -> None:
     """Put ``sample`` in row ``j`` of batch ``b``: straight into the batch
     buffer (from ``slots``) when it has the batch's fixed layout, else kept
     for collation at the end (switching the batch to that path, rows
-    written so far included: what torch would do)."""
+    written so far included: what torch would do).  ``pairs``: the
+    collate_fn is timm's ``fast_collate``, whose layout only (uint8 image,
+    class index) samples have."""
     if not b.copy:
         if b.layout is None:
-            b.layout = _collate.layout_of(sample, b.n, objs=True)
+            b.layout = _collate.layout_of(sample, b.n, pair=True) if pairs else \
+                _collate.layout_of(sample, b.n, objs=True)
             if b.layout is not None:
                 b.slot, buf = slots.acquire(b.layout.nbytes)
                 b.targets = _collate.views(b.layout, buf)
