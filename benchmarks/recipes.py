@@ -10,6 +10,12 @@ Recipes (``--recipes``, comma-separated; default all):
     auto_augment_policy=..., use_v2=...))`` and
     ``DataLoader(ds, batch_size, sampler=RandomSampler(ds), num_workers,
     pin_memory=True, collate_fn=default_collate)``.
+``train_v2_mixup``
+    ``train_v2`` with ``--mixup-alpha 0.2 --cutmix-alpha 1.0`` (the recipe
+    of ResNet-50's V2 weights): the script's ``collate_fn`` returns
+    ``RandomChoice([MixUp(alpha=0.2), CutMix(alpha=1.0)])(*default_collate(batch))``,
+    new tensors made in the workers, and soft labels (whose column sums
+    are each class's count: the check of every sample once).
 ``train_v1_tensor_ta``, ``train_v2_tensor_ta``
     the same with ``--auto-augment ta_wide --backend tensor``
     (``backend="tensor"``: ``PILToTensor`` before the crop).
@@ -150,7 +156,7 @@ def _convert_image_to_rgb(image):
 VIEWS = {"timm_ds_augmix": 3}      # the views of each sample (timm's AugMixDataset)
 POLICIES = {"": None, "_ra": "ra", "_ta": "ta_wide", "_augmix": "augmix"}
 RECIPES = ([f"train_{v}{p}" for p in POLICIES for v in ("v1", "v2")]
-           + ["train_v1_tensor_ta", "train_v2_tensor_ta", "train_v1_tensor_bicubic"]
+           + ["train_v2_mixup", "train_v1_tensor_ta", "train_v2_tensor_ta", "train_v1_tensor_bicubic"]
            + ["eval_v1", "eval_v2", "eval_weights", "clip_eval"]
            + ["timm_train", "timm_train_script", "timm_train_cj_prob", "timm_train_aa", "timm_eval"]
            + ["timm_ds_train", "timm_ds_eval", "timm_ds_augmix", "food101_train", "food101_eval", "cifar10_v1", "cifar10_v2", "mnist"]
@@ -159,6 +165,21 @@ RECIPES = ([f"train_{v}{p}" for p in POLICIES for v in ("v1", "v2")]
 
 
 _WITH_PATHS: list = []
+
+
+class MixupCollate:
+    """The reference script's ``collate_fn`` under ``--mixup-alpha 0.2
+    --cutmix-alpha 1.0``: ``mixup_cutmix(*default_collate(batch))``, with
+    its v2 transforms (a class here rather than its closure, for spawn)."""
+
+    def __init__(self, num_classes: int) -> None:
+        from torchvision.transforms import v2
+
+        self.mixup_cutmix = v2.RandomChoice([v2.MixUp(alpha=0.2, num_classes=num_classes),
+                                             v2.CutMix(alpha=1.0, num_classes=num_classes)])
+
+    def __call__(self, batch):
+        return self.mixup_cutmix(*torch.utils.data.default_collate(batch))
 
 
 def _with_paths(tv):
@@ -385,12 +406,14 @@ def build(recipe: str, root: str, size: int, presets, cls, batch_size: int, work
     if recipe.endswith("_bicubic"):
         kw["interpolation"] = tv.transforms.InterpolationMode.BICUBIC
         recipe = recipe[:-len("_bicubic")]
+    mixup = recipe.endswith("_mixup")
+    recipe = recipe.removesuffix("_mixup")
     if recipe.startswith("train"):
         policy = POLICIES["_" + recipe.split("_", 2)[2] if recipe.count("_") == 2 else ""]
         make = train_cls if (has_v2 or not use_v2) else PresetTrain
         ds = tv.datasets.ImageFolder(root, make(crop_size=size, auto_augment_policy=policy, **kw))
         return ds, cls(ds, batch_size=batch_size, sampler=RandomSampler(ds), num_workers=workers, pin_memory=True,
-                       collate_fn=default_collate)
+                       collate_fn=MixupCollate(len(ds.classes)) if mixup else default_collate)
     make = eval_cls if (has_v2 or not use_v2) else PresetEval
     ds = tv.datasets.ImageFolder(root, make(crop_size=size, resize_size=size * 256 // 224, **kw))
     return ds, cls(ds, batch_size=batch_size, sampler=SequentialSampler(ds), num_workers=workers, pin_memory=True)
@@ -410,6 +433,9 @@ def _each_once(ds, labels: torch.Tensor, batch_size: int, drop_last: bool, views
     targets = targets.tolist() if isinstance(targets, torch.Tensor) else targets
     n = len(targets) // batch_size * batch_size if drop_last else len(targets)
     want = collections.Counter({t: views * c for t, c in collections.Counter(targets).items()})
+    if labels.dim() == 2:   # mixup's soft labels: a batch's column sums are its classes' counts
+        counts = torch.tensor([want[c] for c in range(labels.shape[1])], dtype=labels.dtype)
+        return len(labels) == views * n and bool(torch.allclose(labels.sum(0), counts, atol=1e-2))
     return len(labels) == views * n and not collections.Counter(labels.tolist()) - want
 
 

@@ -661,3 +661,89 @@ def test_place_into_a_slot_the_caller_laid_out():
     assert finish(b, None, 2, slots) == ("batch", 2)
     got, want = _collate.build(b.layout.template, b.targets), default_collate(samples)
     assert all(a.dtype == w.dtype and torch.equal(a, w) for a, w in zip(got, want))
+
+
+class _Slots:
+    def acquire(self, n):
+        buf = np.zeros(n, np.uint8)
+        return buf, buf
+
+
+def test_a_collate_fns_batch_packed_into_a_slot_is_rebuilt_as_it_was():
+    """Every container kind, dtype and plain value a collate_fn returns
+    comes back with its type, dtype, shape and values."""
+    P = Point
+    batch = {"x": torch.rand(4, 3, 2), "y": (torch.arange(4), "names", None, 1.5, b"raw"),
+             "p": P(torch.zeros(0, 3), torch.tensor(2.5, dtype=torch.bfloat16)),
+             "l": [np.ones(2), torch.tensor([True, False]), torch.tensor([1 + 2j]), np.int64(3)],
+             7: torch.float16, "lam": torch.tensor(0.3)}
+    buf, packed = _collate.pack(batch, _Slots())
+    import pickle
+    got = _collate.unpack(pickle.loads(pickle.dumps(packed)), buf)
+
+    def same(a, b):
+        assert type(a) is type(b), (type(a), type(b))
+        if isinstance(a, torch.Tensor):
+            assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b) and a.is_contiguous()
+        elif isinstance(a, dict):
+            assert list(a) == list(b)
+            for k in a:
+                same(a[k], b[k])
+        elif isinstance(a, (list, tuple)):
+            assert len(a) == len(b)
+            for x, y in zip(a, b):
+                same(x, y)
+        elif isinstance(a, np.ndarray):
+            assert a.dtype == b.dtype and np.array_equal(a, b)
+        else:
+            assert a == b
+    same(got, batch)
+    # the tensors are over the slot (the collated tensors' own memory is not kept)
+    assert got["x"].untyped_storage().data_ptr() != batch["x"].untyped_storage().data_ptr()
+    assert np.shares_memory(got["x"].numpy(), buf)
+
+
+def test_what_packing_cannot_rebuild_exactly_goes_torchs_way():
+    x = torch.rand(4, 3)
+    for batch in (x.t(),                                             # strides of its own
+                  torch.rand(2, 3, 4, 5).to(memory_format=torch.channels_last),
+                  torch.rand(3, requires_grad=True),
+                  torch.nn.Parameter(torch.rand(3)),                # a subclass
+                  [x, x[1:]],                                       # two views of one storage
+                  {"x": x, "meta": object()},                       # an object packing cannot see into
+                  [x, {1, 2}],
+                  "no tensor", [1, 2.5]):
+        assert _collate.pack(batch, _Slots()) is None, batch
+    assert _collate.pack([torch.zeros(0), torch.zeros(0, 2), x], _Slots()) is not None   # empty: no storage to share
+    shared = torch.rand(3).share_memory_()      # default_collate's stack in a worker: torch sends its fd
+    buf, packed = _collate.pack([shared, torch.rand(2)], _Slots())
+    got = _collate.unpack(packed, buf)
+    assert got[0] is shared and packed.spec[1][0][0] == "o"
+
+
+@pytest.mark.parametrize("kw", [{}, {"persistent_workers": True}, {"in_order": False}])
+def test_a_collate_fns_batches_from_workers_are_num_workers_0s(kw, monkeypatch):
+    """A collate_fn making new tensors (mixup's kind): the workers' batches
+    cross in slots and equal those made in the main process; a batch kept
+    keeps its values while the loader goes on."""
+    from toydata import mixing_collate
+
+    R = DataLoader(TwoStageToy(40), batch_size=4, seed=2, collate_fn=mixing_collate)
+    ref = [list(R) for _ in range(2)]
+    unpacked = []
+    monkeypatch.setattr(_collate, "unpack", lambda *a, _u=_collate.unpack: unpacked.append(1) or _u(*a))
+    L = DataLoader(TwoStageToy(40), batch_size=4, seed=2, num_workers=2, collate_fn=mixing_collate, **kw)
+    kept, kept_copy = None, None
+    for epoch in range(2):
+        got = []
+        for k, b in enumerate(L):
+            if epoch == 0 and k == 0:
+                kept, kept_copy = b, [t.clone() for t in b]
+            got.append([t.clone() for t in b])
+        key = (lambda b: b[0][0, 0].item()) if kw.get("in_order") is False else (lambda b: 0)
+        got = sorted(got, key=key) if kw.get("in_order") is False else got
+        want = sorted(ref[epoch], key=key) if kw.get("in_order") is False else ref[epoch]
+        assert len(got) == len(want) == 10
+        assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(got, want))
+    assert len(unpacked) == 20
+    assert all(torch.equal(a, b) for a, b in zip(kept, kept_copy))

@@ -453,7 +453,7 @@ def test_worker_that_died_before_the_pass_began_is_reported_with_its_error():
 
 
 # ---------------------------------------------------------------- forked children
-@pytest.mark.parametrize("placement", ["inline", "workers", "persistent"])
+@pytest.mark.parametrize("placement", ["inline", "workers", "persistent", "workers_collate_fn"])
 def test_a_batch_handed_to_a_forked_child_keeps_its_bytes_there(placement):
     """``mp.Process(target=f, args=(batch,))`` with fork: the child maps the
     parent's memory, so a zero-copy batch there views the same slot.  Once
@@ -464,13 +464,16 @@ def test_a_batch_handed_to_a_forked_child_keeps_its_bytes_there(placement):
     persistent workers keeps for its next pass's workers)."""
     nw = 0 if placement == "inline" else 2
     pw = placement == "persistent"
+    # a collate_fn's batch, its new tensors packed into a slot (collate.pack)
+    fn = "mixing_collate" if placement == "workers_collate_fn" else "None"
     out = _child(f"""
         import gc, json
         from coordl import DataLoader
-        from toydata import TwoStageToy
+        from toydata import TwoStageToy, mixing_collate
         from _fork_check import hand_to_children, mappings
 
-        L = DataLoader(TwoStageToy(400), batch_size=4, seed=0, num_workers={nw}, persistent_workers={pw})
+        L = DataLoader(TwoStageToy(400), batch_size=4, seed=0, num_workers={nw}, persistent_workers={pw},
+                       collate_fn={fn})
         r = hand_to_children(L, "coordl-slot")
         gc.collect()
         pool = L._mode.pool

@@ -431,3 +431,130 @@ def pack_payloads(b, rows: list, slots) -> None:
     b.stats.decoded_cpu += sum(isinstance(p[0] if type(p) is tuple else p, torch.Tensor) for p in items)
     b.stats.device_blob = (slot, total, offsets)
     b.payloads = None
+
+
+# ------------------------------------------------- a collate_fn's batch, packed
+class Packed:
+    """A ``collate_fn``'s batch with its tensors copied into a slot
+    (:func:`pack`): ``spec`` is its structure, each packed tensor an
+    ``("t", offset, dtype, shape)`` there and anything else kept as it is
+    (pickled with the message, as torch sends it); ``nbytes`` the slot's
+    bytes in use.  :func:`unpack` rebuilds the batch over the slot."""
+
+    __slots__ = ("spec", "nbytes")
+
+    def __init__(self, spec, nbytes: int) -> None:
+        self.spec = spec
+        self.nbytes = nbytes
+
+    def __getstate__(self):
+        return self.spec, self.nbytes
+
+    def __setstate__(self, state) -> None:
+        self.spec, self.nbytes = state
+
+
+#: leaves other than tensors that a packed batch may hold (pickled by value, as torch's path sends them)
+_PLAIN = (type(None), bool, int, float, complex, str, bytes, np.ndarray, np.generic, torch.dtype, torch.device)
+
+
+class _NotPacked(Exception):
+    pass
+
+
+def pack(batch, slots) -> "tuple | None":
+    """``(slot, Packed)``: ``batch`` (what a ``collate_fn`` returned in a
+    worker) with each of its tensors copied into one buffer from ``slots``
+    (a worker's shared-memory slot, mapped by the main process already),
+    so that the batch crosses to the main process with one copy into
+    memory that is already there, where torch's pickling makes a new
+    shared-memory segment per tensor (its pages faulted in on both sides).
+    None, and torch's way, for a batch this cannot rebuild exactly: one
+    that holds any object other than lists, tuples, namedtuples, dicts and
+    plain values (:data:`_PLAIN`), or a tensor that is not a plain
+    contiguous CPU tensor without autograd (a subclass, another memory
+    format, a view whose strides matter...), or two tensors over one
+    storage (torch keeps them aliased), or no tensor to pack."""
+    tensors: list = []
+    try:
+        spec = _spec(batch, tensors)
+    except _NotPacked:
+        return None
+    if not tensors:
+        return None
+    ptrs = [t.untyped_storage().data_ptr() for t in tensors if t.numel()]
+    if len(set(ptrs)) != len(ptrs):     # views of one storage: torch's way keeps them aliased
+        return None
+    try:    # each tensor's bytes (a dtype torch cannot view as bytes: torch's way)
+        raw = [t.reshape(-1).view(torch.uint8).numpy() if t.numel() else None for t in tensors]
+    except (RuntimeError, TypeError):
+        return None
+    offsets, off = [], 0
+    for r in raw:
+        off = (off + _ALIGN - 1) // _ALIGN * _ALIGN
+        offsets.append(off)
+        off += 0 if r is None else r.size
+    slot, buf = slots.acquire(max(off, 1))
+    for r, o in zip(raw, offsets):
+        if r is not None:
+            buf[o:o + r.size] = r
+    return slot, Packed(_place_offsets(spec, iter(offsets)), off)
+
+
+def _spec(x, tensors: list):
+    if type(x) is torch.Tensor:
+        if x.is_shared():       # already in shared memory (default_collate's stack in a worker): its fd, as torch
+            return ("o", x)
+        if (x.device.type != "cpu" or x.layout != torch.strided or x.requires_grad or x.is_quantized
+                or x.is_conj() or x.is_neg() or not x.is_contiguous()):
+            raise _NotPacked
+        tensors.append(x)
+        return ("t", None, x.dtype, tuple(x.shape))
+    if isinstance(x, _PLAIN):
+        return ("o", x)
+    if isinstance(x, tuple) and hasattr(x, "_fields"):
+        return ("n", type(x), [_spec(v, tensors) for v in x])
+    if type(x) is tuple:
+        return ("u", [_spec(v, tensors) for v in x])
+    if type(x) is list:
+        return ("l", [_spec(v, tensors) for v in x])
+    if type(x) is dict:
+        return ("d", [(k, _spec(v, tensors)) for k, v in x.items()])
+    raise _NotPacked
+
+
+def _place_offsets(spec, it):
+    kind = spec[0]
+    if kind == "t":
+        return ("t", next(it), spec[2], spec[3])
+    if kind == "o":
+        return spec
+    if kind == "n":
+        return ("n", spec[1], [_place_offsets(s, it) for s in spec[2]])
+    if kind == "d":
+        return ("d", [(k, _place_offsets(s, it)) for k, s in spec[1]])
+    return (kind, [_place_offsets(s, it) for s in spec[1]])
+
+
+def unpack(packed: Packed, buf: np.ndarray):
+    """The batch of :func:`pack`, its tensors over ``buf`` (the slot)."""
+    return _unpack(packed.spec, buf)
+
+
+def _unpack(spec, buf):
+    kind = spec[0]
+    if kind == "t":
+        _, off, dtype, shape = spec
+        n = int(np.prod(shape, dtype=np.int64)) * _itemsize(dtype)
+        if not n:
+            return torch.empty(shape, dtype=dtype)
+        return torch.from_numpy(buf[off:off + n]).view(dtype).view(shape)
+    if kind == "o":
+        return spec[1]
+    if kind == "n":
+        return spec[1](*(_unpack(s, buf) for s in spec[2]))
+    if kind == "u":
+        return tuple(_unpack(s, buf) for s in spec[1])
+    if kind == "l":
+        return [_unpack(s, buf) for s in spec[1]]
+    return {k: _unpack(s, buf) for k, s in spec[1]}

@@ -79,8 +79,9 @@ class Engine:
     ``batch_size``: None (no batching: a step is one sample, converted by
     ``collate_fn``), else batches are collated (0: of any size, from a batch
     sampler).  ``emit(kind, *payload)`` hands results out: ``("batch", k, slot, layout,
-    rows, stats)``, ``("obj", k, batch, stats)``, ``("empty", k, stats)`` or
-    ``("error", k, failure)`` (an :class:`coordl.errors.Failure`).  ``slots`` provides batch buffers:
+    rows, stats)``, ``("obj", k, batch, stats)``, ``("packed", k, slot, packed, stats)``
+    (a worker's: a ``collate_fn``'s batch with its tensors in a slot, :func:`coordl.pipeline.collate.pack`),
+    ``("empty", k, stats)`` or ``("error", k, failure)`` (an :class:`coordl.errors.Failure`).  ``slots`` provides batch buffers:
     ``acquire(nbytes) -> (slot_id, uint8 ndarray)``.
     """
 
@@ -95,6 +96,8 @@ class Engine:
         # device's batch in the main process (coordl.loader's _collate_delivered); an empty step
         # of a batch sampler is still collate_fn([]) here
         self.collate_later = collate_later
+        # a worker process: a collated batch's tensors cross to the main process in a slot (_collate.pack)
+        self.pack = False
         # timm's fast_collate: its batches of (uint8 image, class index) collated in place too (_collate.layout_of)
         self.pairs = not collate_later and _collate.is_fast_collate(collate_fn)
         self.in_place = (collate_later or self.pairs or _collate.is_default_collate(collate_fn)) \
@@ -366,7 +369,11 @@ class Engine:
         if out[0] == "empty":
             self.emit("empty", b.k, b.stats)
         elif out[0] == "obj":
-            self.emit("obj", b.k, out[1], b.stats)
+            packed = _collate.pack(out[1], self.slots) if self.pack else None
+            if packed is not None:
+                self.emit("packed", b.k, packed[0], packed[1], b.stats)
+            else:
+                self.emit("obj", b.k, out[1], b.stats)
         else:
             self.emit("batch", b.k, b.slot, b.layout, out[1], b.stats)
 

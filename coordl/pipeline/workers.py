@@ -11,6 +11,7 @@
                                                    Engine.pump: prep into slot rows
       pool.get(k) <----("slot" + memfd)------------ new slot (once)
                   <----("batch", id, k, slot, layout, rows, stats)
+                  <----("packed", id, k, slot, packed, stats)  (a collate_fn's batch)
       tensors view the slot (zero copy)
       pool.consumed ----("consumed", id, k)------> window advances
       last tensor freed -> finalizer queues the slot;
@@ -323,20 +324,30 @@ class WorkerPool:
             raise msg[3].exception()
         if kind == "batch":
             _, _, k, (sid, gen), layout, rows, stats = msg
-            mgen, mm = self.maps[(w, sid)]
-            assert mgen == gen, "slot generation mismatch"
-            owner = np.frombuffer(mm, dtype=np.uint8, count=layout.nbytes)
-            # only enqueues (see _frees); holds the deque, not the pool
-            f = weakref.finalize(owner, self._frees.append, (w, sid, gen))
-            f.atexit = False
-            with _forks.lock:   # seen by a fork's hook, or made after the fork
-                self._lent[(w, sid, gen)] = f
+            owner = self._lend(w, sid, gen, layout.nbytes)
             batch = _collate.build(layout.template, _collate.views(layout, owner, rows))
             stats.layout = layout
             return batch, self._map_blob(w, stats)
+        if kind == "packed":    # a collate_fn's batch, its tensors in a slot (collate.pack)
+            _, _, k, (sid, gen), packed, stats = msg
+            return _collate.unpack(packed, self._lend(w, sid, gen, packed.nbytes)), self._map_blob(w, stats)
         if kind == "obj":
             return msg[3], self._map_blob(w, msg[4])
         return None, msg[3]  # "empty": every sample skipped
+
+    def _lend(self, w: int, sid: int, gen: int, nbytes: int) -> np.ndarray:
+        """The first ``nbytes`` of worker ``w``'s slot ``sid``, as the array
+        the batch's tensors are made over: the slot goes back to the worker
+        once that array is garbage."""
+        mgen, mm = self.maps[(w, sid)]
+        assert mgen == gen, "slot generation mismatch"
+        owner = np.frombuffer(mm, dtype=np.uint8, count=nbytes)
+        # only enqueues (see _frees); holds the deque, not the pool
+        f = weakref.finalize(owner, self._frees.append, (w, sid, gen))
+        f.atexit = False
+        with _forks.lock:   # seen by a fork's hook, or made after the fork
+            self._lent[(w, sid, gen)] = f
+        return owner
 
     def _map_blob(self, w: int, stats):
         """decode="device": the batch's packed JPEG bytes as a view of their
@@ -370,6 +381,8 @@ def _slots_of(w: int, msg) -> list:
     kind = msg[0]
     if kind == "batch":
         out, stats = [(w,) + tuple(msg[3])], msg[6]
+    elif kind == "packed":
+        out, stats = [(w,) + tuple(msg[3])], msg[5]
     elif kind == "obj":
         out, stats = [], msg[4]
     else:
