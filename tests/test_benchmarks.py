@@ -29,14 +29,16 @@ def test_recipes_quick(tmp_path):
     if importlib.util.find_spec("torchvision") is None:
         pytest.skip("torchvision is not installed (pip install coordl[test])")
     _script("recipes.py", "--quick", "--recipes",
-            "train_v1,train_v2_ra,eval_v2,eval_weights,clip_eval,train_v2_tensor_ta,cifar_v1,timm_ds_eval", "--out",
-            str(tmp_path))
+            "train_v1,train_v2_ra,eval_v2,eval_weights,clip_eval,train_v2_tensor_ta,cifar_v1,timm_ds_eval,train_v2_mixup",
+            "--out", str(tmp_path))
     res = json.loads((tmp_path / "recipes.json").read_text())
     assert set(res["summary"]) == {"train_v1", "train_v2_ra", "eval_v2", "eval_weights", "clip_eval", "train_v2_tensor_ta",
-                                   "cifar_v1", "timm_ds_eval"}
+                                   "cifar_v1", "timm_ds_eval", "train_v2_mixup"}
     for name, s in res["summary"].items():
-        # cifar_v1 shuffles (shuffle=True): each side with its own generator
-        assert s["every_sample_once"] and (s["same_labels_as_torch"] or name == "cifar_v1"), (name, s)
+        # cifar_v1 shuffles (shuffle=True): each side with its own generator; mixup's draws are each side's
+        # own too (its soft labels' column sums are each class's count: every sample once)
+        assert s["every_sample_once"] and (s["same_labels_as_torch"] or name in ("cifar_v1", "train_v2_mixup")), \
+            (name, s)
         assert s["coordl_over_torch"] > 0 and s["path"].startswith("coordl: "), (name, s)
     assert "read through PresetTrain.transforms" in res["summary"]["train_v1"]["path"]
     assert "fused PILToTensor, RandomResizedCrop" in res["summary"]["train_v2_tensor_ta"]["path"]
