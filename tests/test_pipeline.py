@@ -17,6 +17,7 @@ from coordl import DataLoader
 from coordl.pipeline import collate as _collate
 from coordl.pipeline.readahead import Fetcher
 from coordl.plan import plan
+from _collate_helpers import written
 from toydata import TwoStageToy
 
 
@@ -138,13 +139,15 @@ def _same_batch(a, b):
     if isinstance(a, torch.Tensor):
         assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
     elif isinstance(a, dict):
-        assert a.keys() == b.keys()
+        assert list(a) == list(b)
         for k in a:
             _same_batch(a[k], b[k])
     elif isinstance(a, (list, tuple)):
         assert len(a) == len(b)
         for x, y in zip(a, b):
             _same_batch(x, y)
+    elif isinstance(a, np.ndarray):
+        assert a.dtype == b.dtype and np.array_equal(a, b)
     else:
         assert a == b, (a, b)
 
@@ -156,13 +159,8 @@ def test_string_leaves_are_collated_in_place_as_default_collate_gathers_them():
     default_collate's, and rows taken back to the copy path keep them."""
     samples = [(torch.full((2, 3), r, dtype=torch.uint8), r, f"/data/{r}.jpg",
                 {"caption": f"c{r}", "raw": bytes([r])}) for r in range(4)]
-    lay = _collate.layout_of(samples[0], 4, objs=True)
+    lay, buf, targets = written(samples, (2, 0, 3, 1), objs=True)
     assert [l.kind for l in lay.leaves] == ["tensor", "int", "obj", "obj", "obj"]
-    buf = np.zeros(lay.nbytes, dtype=np.uint8)
-    targets = _collate.views(lay, buf)
-    dests = _collate.row_targets(lay, targets)
-    for r in (2, 0, 3, 1):
-        _collate.write_row(dests, r, lay.leaves_of(samples[r]))
     import pickle
     sent = pickle.loads(pickle.dumps(lay))      # as a worker's batch message carries it
     _same_batch(_collate.build(sent.template, _collate.views(sent, buf)), default_collate(samples))
@@ -178,12 +176,7 @@ def test_string_leaves_are_collated_in_place_as_default_collate_gathers_them():
 
 def test_numpy_scalars_are_collated_in_place_and_keep_their_type_when_rows_go_back():
     samples = [(torch.full((2,), r), np.int64(r), np.float32(r / 4)) for r in range(3)]
-    lay = _collate.layout_of(samples[0], 3)
-    buf = np.zeros(lay.nbytes, dtype=np.uint8)
-    targets = _collate.views(lay, buf)
-    dests = _collate.row_targets(lay, targets)
-    for r in (2, 0, 1):
-        _collate.write_row(dests, r, lay.leaves_of(samples[r]))
+    lay, buf, targets = written(samples, (2, 0, 1))
     _same_batch(_collate.build(lay.template, targets), default_collate(samples))
     back = _collate.rows_as_samples(lay, targets, [2])[0]
     assert type(back[1]) is np.int64 and back[1] == 2 and type(back[2]) is np.float32 and back[2] == np.float32(0.5)
@@ -680,24 +673,9 @@ def test_a_collate_fns_batch_packed_into_a_slot_is_rebuilt_as_it_was():
     buf, packed = _collate.pack(batch, _Slots())
     import pickle
     got = _collate.unpack(pickle.loads(pickle.dumps(packed)), buf)
-
-    def same(a, b):
-        assert type(a) is type(b), (type(a), type(b))
-        if isinstance(a, torch.Tensor):
-            assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b) and a.is_contiguous()
-        elif isinstance(a, dict):
-            assert list(a) == list(b)
-            for k in a:
-                same(a[k], b[k])
-        elif isinstance(a, (list, tuple)):
-            assert len(a) == len(b)
-            for x, y in zip(a, b):
-                same(x, y)
-        elif isinstance(a, np.ndarray):
-            assert a.dtype == b.dtype and np.array_equal(a, b)
-        else:
-            assert a == b
-    same(got, batch)
+    _same_batch(got, batch)
+    tensors = [got["x"], got["y"][0], *got["p"], got["l"][1], got["l"][2], got["lam"]]
+    assert all(type(t) is torch.Tensor and t.is_contiguous() for t in tensors)
     # the tensors are over the slot (the collated tensors' own memory is not kept)
     assert got["x"].untyped_storage().data_ptr() != batch["x"].untyped_storage().data_ptr()
     assert np.shares_memory(got["x"].numpy(), buf)

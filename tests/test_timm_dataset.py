@@ -13,6 +13,7 @@ import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
+from _collate_helpers import written  # noqa: E402
 from _torchvision import import_torchvision  # noqa: E402
 
 if import_torchvision() is None:
@@ -119,12 +120,7 @@ def test_fast_collates_batch_of_uint8_images_and_class_indices_is_laid_out_in_pl
     for img, label in ((lambda r: rng.integers(0, 256, (3, 5, 4), dtype=np.uint8), lambda r: r),
                        (lambda r: torch.randint(0, 256, (3, 5, 4), dtype=torch.uint8), lambda r: np.int64(r))):
         samples = [(img(r), label(r)) for r in range(3)]
-        lay = C.layout_of(samples[0], 3, pair=True)
-        buf = np.zeros(lay.nbytes, dtype=np.uint8)
-        targets = C.views(lay, buf)
-        dests = C.row_targets(lay, targets)
-        for r in (1, 2, 0):
-            C.write_row(dests, r, lay.leaves_of(samples[r]))
+        lay, _, targets = written(samples, (1, 2, 0), pair=True)
         _same_batch(C.build(lay.template, targets), fast_collate(samples))
         assert lay.leaves_of([samples[0][0], 1]) is None            # a list: fast_collate asserts a tuple
     img = np.zeros((3, 5, 4), np.uint8)

@@ -436,22 +436,24 @@ def pack_payloads(b, rows: list, slots) -> None:
 # ------------------------------------------------- a collate_fn's batch, packed
 class Packed:
     """A ``collate_fn``'s batch with its tensors copied into a slot
-    (:func:`pack`): ``spec`` is its structure, each packed tensor an
-    ``("t", offset, dtype, shape)`` there and anything else kept as it is
-    (pickled with the message, as torch sends it); ``nbytes`` the slot's
-    bytes in use.  :func:`unpack` rebuilds the batch over the slot."""
+    (:func:`pack`): ``spec`` is its structure, each packed tensor a
+    ``("t", k, dtype, shape)`` there (the ``k``-th, at ``offsets[k]`` of the
+    slot) and anything else kept as it is (pickled with the message, as
+    torch sends it); ``nbytes`` the slot's bytes in use.  :func:`unpack`
+    rebuilds the batch over the slot."""
 
-    __slots__ = ("spec", "nbytes")
+    __slots__ = ("spec", "offsets", "nbytes")
 
-    def __init__(self, spec, nbytes: int) -> None:
+    def __init__(self, spec, offsets: list, nbytes: int) -> None:
         self.spec = spec
+        self.offsets = offsets
         self.nbytes = nbytes
 
     def __getstate__(self):
-        return self.spec, self.nbytes
+        return self.spec, self.offsets, self.nbytes
 
     def __setstate__(self, state) -> None:
-        self.spec, self.nbytes = state
+        self.spec, self.offsets, self.nbytes = state
 
 
 #: leaves other than tensors that a packed batch may hold (pickled by value, as torch's path sends them)
@@ -498,7 +500,7 @@ def pack(batch, slots) -> "tuple | None":
     for r, o in zip(raw, offsets):
         if r is not None:
             buf[o:o + r.size] = r
-    return slot, Packed(_place_offsets(spec, iter(offsets)), off)
+    return slot, Packed(spec, offsets, off)
 
 
 def _spec(x, tensors: list):
@@ -509,7 +511,7 @@ def _spec(x, tensors: list):
                 or x.is_conj() or x.is_neg() or not x.is_contiguous()):
             raise _NotPacked
         tensors.append(x)
-        return ("t", None, x.dtype, tuple(x.shape))
+        return ("t", len(tensors) - 1, x.dtype, tuple(x.shape))
     if isinstance(x, _PLAIN):
         return ("o", x)
     if isinstance(x, tuple) and hasattr(x, "_fields"):
@@ -523,38 +525,25 @@ def _spec(x, tensors: list):
     raise _NotPacked
 
 
-def _place_offsets(spec, it):
-    kind = spec[0]
-    if kind == "t":
-        return ("t", next(it), spec[2], spec[3])
-    if kind == "o":
-        return spec
-    if kind == "n":
-        return ("n", spec[1], [_place_offsets(s, it) for s in spec[2]])
-    if kind == "d":
-        return ("d", [(k, _place_offsets(s, it)) for k, s in spec[1]])
-    return (kind, [_place_offsets(s, it) for s in spec[1]])
-
-
 def unpack(packed: Packed, buf: np.ndarray):
     """The batch of :func:`pack`, its tensors over ``buf`` (the slot)."""
-    return _unpack(packed.spec, buf)
+    return _unpack(packed.spec, packed.offsets, buf)
 
 
-def _unpack(spec, buf):
+def _unpack(spec, offsets, buf):
     kind = spec[0]
     if kind == "t":
-        _, off, dtype, shape = spec
+        _, k, dtype, shape = spec
         n = int(np.prod(shape, dtype=np.int64)) * _itemsize(dtype)
         if not n:
             return torch.empty(shape, dtype=dtype)
-        return torch.from_numpy(buf[off:off + n]).view(dtype).view(shape)
+        return torch.from_numpy(buf[offsets[k]:offsets[k] + n]).view(dtype).view(shape)
     if kind == "o":
         return spec[1]
     if kind == "n":
-        return spec[1](*(_unpack(s, buf) for s in spec[2]))
+        return spec[1](*(_unpack(s, offsets, buf) for s in spec[2]))
     if kind == "u":
-        return tuple(_unpack(s, buf) for s in spec[1])
+        return tuple(_unpack(s, offsets, buf) for s in spec[1])
     if kind == "l":
-        return [_unpack(s, buf) for s in spec[1]]
-    return {k: _unpack(s, buf) for k, s in spec[1]}
+        return [_unpack(s, offsets, buf) for s in spec[1]]
+    return {k: _unpack(s, offsets, buf) for k, s in spec[1]}
