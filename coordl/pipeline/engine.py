@@ -87,7 +87,7 @@ class Engine:
 
     def __init__(self, dataset, *, seed: int, on_error: str, collate_fn, batch_size,
                  prefetch: int, fetch_threads: int, budget_bytes: int, slots, emit: Callable,
-                 worker_id: int = 0, cache=None, peers=None, collate_later: bool = False) -> None:
+                 worker_id: int = 0, cache=None, peers=None, collate_later: bool = False, pack: bool = False) -> None:
         self.dataset = dataset
         self.seed = seed
         self.on_error = on_error
@@ -97,7 +97,7 @@ class Engine:
         # of a batch sampler is still collate_fn([]) here
         self.collate_later = collate_later
         # a worker process: a collated batch's tensors cross to the main process in a slot (_collate.pack)
-        self.pack = False
+        self.pack = pack
         # timm's fast_collate: its batches of (uint8 image, class index) collated in place too (_collate.layout_of)
         self.pairs = not collate_later and _collate.is_fast_collate(collate_fn)
         self.in_place = (collate_later or self.pairs or _collate.is_default_collate(collate_fn)) \

@@ -103,8 +103,7 @@ def _worker_main(w: int, num_workers: int, dataset, cfg: dict, ctrl, res, parent
                     fetch_threads=cfg["fetch_threads"], budget_bytes=cfg["budget"], slots=slots,
                     emit=lambda kind, k, *p: send((kind, engine.pass_id, k) + p), worker_id=w,
                     cache=cfg.get("cache"), peers=cfg.get("peers"),
-                    collate_later=cfg.get("collate_later", False))
-    engine.pack = True
+                    collate_later=cfg.get("collate_later", False), pack=True)
     try:
         _seed_worker(cfg["base_seed"], w, dataset, num_workers)
         if cfg["worker_init_fn"] is not None:
