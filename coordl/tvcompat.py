@@ -1192,6 +1192,25 @@ class PolicyOnDevice(OnPlanes):
     def draws_agree(self) -> bool:
         return _agrees(type(self), type(self.user), self.v2, draws=True)
 
+    def exact(self) -> bool:
+        """Whether :meth:`on_planes` gives the user's own result in this
+        process: coordl's kernels are PIL's here, and the draws and their
+        operations give what the user's class gives on probe images."""
+        from .decode import color
+
+        return color.exact_kernel() and color.exact_ops() and super().exact()
+
+    def on_planes(self, x: torch.Tensor) -> torch.Tensor:
+        """The CPU path: the drawn operations computed on RGB planes by
+        ``coordl.decode.color.apply_ops`` (PIL's arithmetic, no PIL image in
+        between); an L image's through the user's object as written."""
+        from .decode import color
+
+        if x.shape[0] != 3:
+            return T._to_chw(self.user(_to_pil(x)))
+        ops = self.draw((int(x.shape[1]), int(x.shape[2])))
+        return torch.from_numpy(color.apply_ops(x.numpy(), ops))
+
     def draw(self, size: tuple | None = None) -> list:
         """The operations of one call on an image of ``size`` (h, w), drawn
         as the user's object draws them."""
@@ -2866,12 +2885,23 @@ def grayscale_of(t: Any, v2: bool) -> bool:
     return 0.0 <= float(t.p) <= 1.0
 
 
+# what path_reason says of an auto-augment policy on the CPU path's planes
+_POLICY_ON_PLANES = ("with its own draws, each drawn operation computed with PIL's arithmetic by coordl on the "
+                     "decoded planes")
+
+
 def _on_planes(t: Any) -> Any:
     """``t``, or an :class:`OnPlanes` over it when it is torchvision's
     ``ColorJitter`` with ranges as its constructor makes them, or its
     ``AugMix`` with ``fill=None``, and the planes give its result here
     (checked now, once per process, so that workers forked later inherit the
     answer)."""
+    if type(t).__module__ == _TIMM_AA and type(t).__name__ in ("RandAugment", "AutoAugment"):
+        mine = policy_of(t)
+        if mine is None:
+            return t
+        mine.how = _POLICY_ON_PLANES
+        return mine if mine.exact() else t
     kind = _kind(t)
     if kind is None or kind[0] not in ("v1", "v2"):
         return t
@@ -2881,6 +2911,11 @@ def _on_planes(t: Any) -> Any:
             mine = color_jitter_of(t) or random_apply_of(t) or grayscale_of(t)
             if mine is None:
                 return t
+        elif kind[1] in _POLICIES:
+            mine = policy_of(t)
+            if mine is None:
+                return t
+            mine.how = _POLICY_ON_PLANES
         elif kind[1] == "AugMix":
             # a fill is applied by type (v2: a dict of types), and v1 makes floats of it for a tensor only
             if _has_fill(t, v2):

@@ -34,6 +34,7 @@
 
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && defined(__linux__)
@@ -326,6 +327,526 @@ static PyObject *py_jitter(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+
+/* ---- the other operations of the auto-augment policies (pil_op, transform) ---- */
+
+/* PIL's ImageOps tables of one value: posterize's mask (bits 1..8), solarize's
+ * threshold, invert, timm's solarize-add (add 0..255) */
+static void value_table(uint8_t *tab, int code, double value) {
+    for (int i = 0; i < 256; i++) {
+        int v = i;
+        if (code == 5) {
+            int bits = (int)value;
+            v = bits < 8 ? i & (~((1 << (8 - bits)) - 1) & 255) : i;
+        } else if (code == 6) {
+            v = (double)i < value ? i : 255 - i;
+        } else if (code == 9) {
+            v = 255 - i;
+        } else if (code == 12) {
+            int s = i + (int)value;
+            v = i < 128 ? (s > 255 ? 255 : s) : i;
+        }
+        tab[i] = (uint8_t)v;
+    }
+}
+
+TARGETS static void histogram(const uint8_t *p, Py_ssize_t n, int64_t *hist) {
+    memset(hist, 0, 256 * sizeof(int64_t));
+    for (Py_ssize_t i = 0; i < n; i++)
+        hist[p[i]]++;
+}
+
+/* ImageOps.autocontrast (no cutoff) of one plane: its lowest and highest
+ * values stretched to 0..255, int(v * scale + offset) in double, clipped */
+static void autocontrast_table(uint8_t *tab, const int64_t *hist) {
+    int lo = 0, hi = 255;
+    while (lo < 256 && hist[lo] == 0)
+        lo++;
+    while (hi >= 0 && hist[hi] == 0)
+        hi--;
+    if (hi <= lo) {
+        for (int i = 0; i < 256; i++)
+            tab[i] = (uint8_t)i;
+        return;
+    }
+    double scale = 255.0 / (double)(hi - lo);
+    double offset = (double)(-lo) * scale;
+    for (int i = 0; i < 256; i++) {
+        double v = (double)i * scale;
+        v = v + offset;
+        int iv = v <= -1.0 ? -1 : (int)v;   /* int() truncates toward zero; below zero clips to 0 either way */
+        tab[i] = (uint8_t)clip8(iv);
+    }
+}
+
+/* ImageOps.equalize of one plane: (step // 2 + the count below v) // step,
+ * step = (all but the highest value's count) // 255; none when step is 0 */
+static void equalize_table(uint8_t *tab, const int64_t *hist, Py_ssize_t n) {
+    int top = 255;
+    while (top > 0 && hist[top] == 0)
+        top--;
+    int64_t step = ((int64_t)n - hist[top]) / 255;
+    int64_t before = 0;
+    for (int i = 0; i < 256; i++) {
+        int64_t v = step > 0 ? (step / 2 + before) / step : i;
+        tab[i] = (uint8_t)(v > 255 ? 255 : v);
+        before += hist[i];
+    }
+}
+
+/* ImageEnhance.Sharpness of one plane: PIL's 3x3 SMOOTH filter in single
+ * precision (from 0.5, the row below first, each row's products left to
+ * right), clipped and truncated, the border copied; then the blend of the
+ * image with it at alpha.  out apart from src. */
+/* one row of the SMOOTH filter (columns 1..m), the rows as floats */
+TARGETS static void smooth_row(uint8_t *restrict d, const float *restrict below, const float *restrict mid,
+                               const float *restrict above, Py_ssize_t m) {
+    const float k1 = 1.0f / 13.0f, k5 = 5.0f / 13.0f;
+    for (Py_ssize_t x = 1; x <= m; x++) {
+        float ss = 0.5f, r;
+        r = below[x - 1] * k1;
+        r = r + below[x] * k1;
+        r = r + below[x + 1] * k1;
+        ss = ss + r;
+        r = mid[x - 1] * k1;
+        r = r + mid[x] * k5;
+        r = r + mid[x + 1] * k1;
+        ss = ss + r;
+        r = above[x - 1] * k1;
+        r = r + above[x] * k1;
+        r = r + above[x + 1] * k1;
+        ss = ss + r;
+        ss = ss < 0.0f ? 0.0f : ss;
+        ss = ss > 255.0f ? 255.0f : ss;
+        d[x] = (uint8_t)(int)ss;
+    }
+}
+
+TARGETS static void to_float(float *restrict d, const uint8_t *restrict s, Py_ssize_t n) {
+    for (Py_ssize_t i = 0; i < n; i++)
+        d[i] = (float)s[i];
+}
+
+/* blend(a[i], b[i], alpha) */
+TARGETS static void blend_rows(uint8_t *restrict o, const uint8_t *restrict a, const uint8_t *restrict b, Py_ssize_t n,
+                               float alpha) {
+    for (Py_ssize_t i = 0; i < n; i++) {
+        float t = (float)a[i] + alpha * (float)(b[i] - a[i]);
+        t = t < 0.0f ? 0.0f : t;
+        t = t > 255.0f ? 255.0f : t;
+        o[i] = (uint8_t)(int)t;
+    }
+}
+
+static void sharpen_plane(uint8_t *out, const uint8_t *src, Py_ssize_t h, Py_ssize_t w, float alpha) {
+    if (h < 3 || w < 3) {             /* PIL copies an image smaller than the kernel: blend(v, v) is v */
+        memcpy(out, src, (size_t)(h * w));
+        return;
+    }
+    float *rows = malloc(sizeof(float) * (size_t)(3 * w));
+    uint8_t *deg = malloc((size_t)w);
+    if (rows == NULL || deg == NULL) {   /* (a few KB) */
+        free(rows);
+        free(deg);
+        memcpy(out, src, (size_t)(h * w));
+        return;
+    }
+    memcpy(out, src, (size_t)w);
+    memcpy(out + (h - 1) * w, src + (h - 1) * w, (size_t)w);
+    to_float(rows, src, w);
+    to_float(rows + w, src + w, w);
+    for (Py_ssize_t y = 1; y < h - 1; y++) {
+        float *above = rows + ((y - 1) % 3) * w, *mid = rows + (y % 3) * w, *below = rows + ((y + 1) % 3) * w;
+        to_float(below, src + (y + 1) * w, w);
+        const uint8_t *s = src + y * w;
+        deg[0] = s[0];
+        deg[w - 1] = s[w - 1];
+        smooth_row(deg, below, mid, above, w - 2);
+        blend_rows(out + y * w, deg, s, w, alpha);
+    }
+    free(rows);
+    free(deg);
+}
+
+/* one operation of code 4..9 or 12 on C planes of h x w values, src -> out (apart) */
+static void run_pil_op(const uint8_t *src, uint8_t *out, int C, Py_ssize_t h, Py_ssize_t w, int code,
+                       double value) {
+    Py_ssize_t n = h * w;
+    uint8_t tab[256];
+    int64_t hist[256];
+    for (int c = 0; c < C; c++) {
+        const uint8_t *s = src + c * n;
+        uint8_t *o = out + c * n;
+        if (code == 4) {
+            sharpen_plane(o, s, h, w, (float)value);
+            continue;
+        }
+        if (code == 7 || code == 8) {
+            histogram(s, n, hist);
+            if (code == 7)
+                autocontrast_table(tab, hist);
+            else
+                equalize_table(tab, hist, n);
+        } else {
+            value_table(tab, code, value);
+        }
+        table_apart(o, s, n, tab);
+    }
+}
+
+/* PIL's COORD: -1 below zero (and for what is not a number, or past int range: outside either way) */
+static inline Py_ssize_t coord(double v) { return v >= 0.0 && v < 2147483648.0 ? (Py_ssize_t)v : -1; }
+
+static inline int fits(const double *a, double x, double y) {
+    return fabs(x * a[0] + y * a[1] + a[2]) < 32768.0 && fabs(x * a[3] + y * a[4] + a[5]) < 32768.0;
+}
+
+static inline int64_t fix16(double v) { return (int64_t)floor(v * 65536.0 + 0.5); }
+
+/* the nearest-neighbour affine map's source index of each pixel of output row y (-1 outside), PIL's
+ * three ways: a scale by tables accumulated in double (cols, rows: made once, way 0); 16.16 fixed
+ * point where the corners fit (way 1); else the row accumulated in double (way 2) */
+static int nearest_way(const double *a, Py_ssize_t h, Py_ssize_t w, int64_t *fixed, Py_ssize_t *cols,
+                       Py_ssize_t *rows) {
+    if (a[1] == 0.0 && a[3] == 0.0) {
+        double xo = a[2] + a[0] * 0.5;
+        for (Py_ssize_t x = 0; x < w; x++) {
+            cols[x] = coord(xo);
+            xo += a[0];
+        }
+        double yo = a[5] + a[4] * 0.5;
+        for (Py_ssize_t y = 0; y < h; y++) {
+            rows[y] = coord(yo);
+            yo += a[4];
+        }
+        return 0;
+    }
+    double W = (double)w, H = (double)h;
+    if (fits(a, 0, 0) && fits(a, W, H) && fits(a, 0, H) && fits(a, W, 0)) {
+        double t2 = a[2] + a[0] * 0.5;
+        double t5 = a[5] + a[3] * 0.5;
+        fixed[0] = fix16(a[0]);
+        fixed[1] = fix16(a[1]);
+        fixed[2] = fix16(t2 + a[1] * 0.5);
+        fixed[3] = fix16(a[3]);
+        fixed[4] = fix16(a[4]);
+        fixed[5] = fix16(t5 + a[4] * 0.5);
+        return 1;
+    }
+    return 2;
+}
+
+TARGETS static void nearest_row(int32_t *idx, int way, const double *a, const int64_t *f, const Py_ssize_t *cols,
+                                const Py_ssize_t *rows, Py_ssize_t y, Py_ssize_t h, Py_ssize_t w) {
+    if (way == 0) {
+        Py_ssize_t cy = rows[y];
+        for (Py_ssize_t x = 0; x < w; x++) {
+            Py_ssize_t cx = cols[x];
+            idx[x] = cx >= 0 && cx < w && cy >= 0 && cy < h ? (int32_t)(cy * w + cx) : -1;
+        }
+    } else if (way == 1) {
+        int64_t bx = y * f[1] + f[2], by = y * f[4] + f[5];
+        for (Py_ssize_t x = 0; x < w; x++) {
+            int64_t xs = (bx + x * f[0]) >> 16, ys = (by + x * f[3]) >> 16;
+            idx[x] = xs >= 0 && xs < w && ys >= 0 && ys < h ? (int32_t)(ys * w + xs) : -1;
+        }
+    } else {
+        /* the row's start accumulated over the rows before it, as PIL does */
+        double xo = a[2] + a[1] * 0.5, yo = a[5] + a[4] * 0.5;
+        xo = xo + a[0] * 0.5;
+        yo = yo + a[3] * 0.5;
+        for (Py_ssize_t k = 0; k < y; k++) {
+            xo += a[1];
+            yo += a[4];
+        }
+        double xx = xo, yy = yo;
+        for (Py_ssize_t x = 0; x < w; x++) {
+            Py_ssize_t xs = coord(xx), ys = coord(yy);
+            idx[x] = xs >= 0 && xs < w && ys >= 0 && ys < h ? (int32_t)(ys * w + xs) : -1;
+            xx += a[0];
+            yy += a[3];
+        }
+    }
+}
+
+static int nearest_affine(const uint8_t *src, uint8_t *out, int C, Py_ssize_t h, Py_ssize_t w, const double *a,
+                          const uint8_t *fill) {
+    Py_ssize_t n = h * w;
+    int64_t f[6];
+    Py_ssize_t *tabs = malloc(sizeof(Py_ssize_t) * (size_t)(h + w));
+    int32_t *idx = malloc(sizeof(int32_t) * (size_t)w);
+    if (tabs == NULL || idx == NULL) {
+        free(tabs);
+        free(idx);
+        return -1;
+    }
+    int way = nearest_way(a, h, w, f, tabs, tabs + w);
+    for (Py_ssize_t y = 0; y < h; y++) {
+        nearest_row(idx, way, a, f, tabs, tabs + w, y, h, w);
+        for (int c = 0; c < C; c++) {
+            const uint8_t *p = src + c * n;
+            uint8_t *o = out + c * n + y * w;
+            for (Py_ssize_t x = 0; x < w; x++)
+                o[x] = idx[x] >= 0 ? p[idx[x]] : fill[c];
+        }
+    }
+    free(tabs);
+    free(idx);
+    return 0;
+}
+
+/* a point's source through the map (a[0..5], or a[0..7] for a perspective one), as PIL's generic
+ * transform computes it from the pixel's centre */
+static inline void source_point(const double *a, int persp, double X, double Y, double *xin, double *yin) {
+    double u = a[0] * X, v = a[3] * X;
+    u = u + a[1] * Y;
+    v = v + a[4] * Y;
+    u = u + a[2];
+    v = v + a[5];
+    if (persp) {
+        double d = a[6] * X;
+        d = d + a[7] * Y;
+        d = d + 1.0;
+        u = u / d;
+        v = v / d;
+    }
+    *xin = u;
+    *yin = v;
+}
+
+static inline double cubic(double v1, double v2, double v3, double v4, double d) {
+    double p1 = v2;
+    double p2 = -v1 + v3;
+    double p3 = 2 * (v1 - v2) + v3 - v4;
+    double p4 = -v1 + v2 - v3 + v4;
+    return p1 + d * (p2 + d * (p3 + d * p4));
+}
+
+static inline Py_ssize_t clampi(Py_ssize_t v, Py_ssize_t hi) { return v < 0 ? 0 : v > hi ? hi : v; }
+
+/* PIL's generic transform with its bilinear (2) or bicubic (3) filter, or nearest (0) of a
+ * perspective map, on C planes; fill[c] outside */
+/* where one output row's pixels come from, for PIL's generic transform: each pixel's source point
+ * (double precision), then for its filter the source offsets into a plane (rows outside repeat the
+ * last row inside, columns are clipped) and the fractions; in[x] 0 where the fill goes */
+TARGETS static void row_sources(const double *a, int persp, int filter, Py_ssize_t y, Py_ssize_t h, Py_ssize_t w,
+                                int32_t *off, double *fx, double *fy, uint8_t *in) {
+    double Y = (double)y + 0.5;
+    for (Py_ssize_t x = 0; x < w; x++) {
+        double xin, yin;
+        source_point(a, persp, (double)x + 0.5, Y, &xin, &yin);
+        if (filter == 0) {
+            Py_ssize_t xs = coord(xin), ys = coord(yin);
+            in[x] = xs >= 0 && xs < w && ys >= 0 && ys < h;
+            off[x] = in[x] ? (int32_t)(ys * w + xs) : 0;
+            continue;
+        }
+        in[x] = xin >= 0 && xin < (double)w && yin >= 0 && yin < (double)h;
+        if (!in[x]) {
+            fx[x] = fy[x] = 0.0;
+            for (int j = 0; j < 8; j++)
+                off[8 * x + j] = 0;
+            continue;
+        }
+        xin = xin - 0.5;
+        yin = yin - 0.5;
+        double x0 = floor(xin), y0 = floor(yin);
+        fx[x] = xin - x0;
+        fy[x] = yin - y0;
+        Py_ssize_t xi = (Py_ssize_t)x0, yi = (Py_ssize_t)y0;
+        int32_t *o = off + 8 * x;
+        if (filter == 2) {   /* columns xi, xi + 1; rows yi and yi + 1 (or yi again) */
+            Py_ssize_t r0 = clampi(yi, h - 1), r1 = yi + 1 < h ? yi + 1 : r0;
+            o[0] = (int32_t)clampi(xi, w - 1);
+            o[1] = (int32_t)clampi(xi + 1, w - 1);
+            o[2] = (int32_t)(r0 * w);
+            o[3] = (int32_t)(r1 * w);
+        } else {             /* columns xi - 1 .. xi + 2; rows yi - 1 .. yi + 2, each outside the one before */
+            Py_ssize_t r = clampi(yi - 1, h - 1);
+            for (int j = 0; j < 4; j++) {
+                Py_ssize_t yy = yi - 1 + j;
+                if (j > 0 && yy >= 0 && yy < h)
+                    r = yy;
+                o[j] = (int32_t)clampi(xi - 1 + j, w - 1);
+                o[4 + j] = (int32_t)(r * w);
+            }
+        }
+    }
+}
+
+/* PIL's generic transform with its bilinear (2) or bicubic (3) filter, or nearest (0) of a
+ * perspective map, on C planes; fill[c] outside */
+static int filtered(const uint8_t *src, uint8_t *out, int C, Py_ssize_t h, Py_ssize_t w, const double *a, int persp,
+                    int filter, const uint8_t *fill) {
+    Py_ssize_t n = h * w;
+    int32_t *off = malloc(sizeof(int32_t) * 8 * (size_t)w);
+    double *fx = malloc(sizeof(double) * (size_t)w), *fy = malloc(sizeof(double) * (size_t)w);
+    uint8_t *in = malloc((size_t)w);
+    if (off == NULL || fx == NULL || fy == NULL || in == NULL) {
+        free(off); free(fx); free(fy); free(in);
+        return -1;
+    }
+    for (Py_ssize_t y = 0; y < h; y++) {
+        row_sources(a, persp, filter, y, h, w, off, fx, fy, in);
+        for (int c = 0; c < C; c++) {
+            const uint8_t *p = src + c * n;
+            uint8_t *o = out + c * n + y * w;
+            for (Py_ssize_t x = 0; x < w; x++) {
+                if (!in[x]) {
+                    o[x] = fill[c];
+                    continue;
+                }
+                if (filter == 0) {
+                    o[x] = p[off[x]];
+                    continue;
+                }
+                const int32_t *k = off + 8 * x;
+                double dx = fx[x], v;
+                if (filter == 2) {
+                    const uint8_t *r0 = p + k[2], *r1 = p + k[3];
+                    double p0 = r0[k[0]], q0 = r0[k[1]], p1 = r1[k[0]], q1 = r1[k[1]];
+                    double v1 = p0 + (q0 - p0) * dx;
+                    double v2 = p1 + (q1 - p1) * dx;
+                    v = v1 + (v2 - v1) * fy[x];
+                } else {
+                    double rv[4];
+                    for (int j = 0; j < 4; j++) {
+                        const uint8_t *r = p + k[4 + j];
+                        rv[j] = cubic(r[k[0]], r[k[1]], r[k[2]], r[k[3]], dx);
+                    }
+                    v = cubic(rv[0], rv[1], rv[2], rv[3], fy[x]);
+                    v = v < 0.0 ? 0.0 : v > 255.0 ? 255.0 : v;
+                }
+                o[x] = (uint8_t)(int)v;
+            }
+        }
+    }
+    free(off); free(fx); free(fy); free(in);
+    return 0;
+}
+
+static int get_planes(PyObject *src_obj, PyObject *out_obj, Py_buffer *src, Py_buffer *out) {
+    if (PyObject_GetBuffer(src_obj, src, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0)
+        return -1;
+    if (PyObject_GetBuffer(out_obj, out, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE | PyBUF_FORMAT) < 0) {
+        PyBuffer_Release(src);
+        return -1;
+    }
+    const char *why = NULL;
+    if (src->ndim != 3 || src->itemsize != 1 || (src->format != NULL && strcmp(src->format, "B") != 0) ||
+        (src->shape[0] != 1 && src->shape[0] != 3))
+        why = "src should be a C-contiguous uint8 array of shape (C, H, W) with C 1 or 3";
+    else if (out->ndim != 3 || out->itemsize != 1 || (out->format != NULL && strcmp(out->format, "B") != 0) ||
+             out->shape[0] != src->shape[0] || out->shape[1] != src->shape[1] || out->shape[2] != src->shape[2])
+        why = "out should be a C-contiguous uint8 array of src's shape";
+    else if ((char *)out->buf < (char *)src->buf + src->len && (char *)src->buf < (char *)out->buf + out->len)
+        why = "out should not overlap src";
+    if (why != NULL) {
+        PyErr_SetString(PyExc_ValueError, why);
+        PyBuffer_Release(src);
+        PyBuffer_Release(out);
+        return -1;
+    }
+    return 0;
+}
+
+static PyObject *py_pil_op(PyObject *self, PyObject *args) {
+    PyObject *src_obj, *out_obj;
+    int code;
+    double value;
+    Py_buffer src, out;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "OOid:pil_op", &src_obj, &out_obj, &code, &value))
+        return NULL;
+    int ok = (code >= 4 && code <= 9) || code == 12;
+    if (ok && code == 5)
+        ok = value >= 1.0 && value <= 8.0;
+    if (ok && code == 12)
+        ok = value >= 0.0 && value <= 255.0;
+    if (!ok || isnan(value))
+        return PyErr_Format(PyExc_ValueError, "pil_op takes codes 4..9 and 12 with their values, not (%d, %g)",
+                            code, value);
+    if (get_planes(src_obj, out_obj, &src, &out) < 0)
+        return NULL;
+    int C = (int)src.shape[0];
+    Py_BEGIN_ALLOW_THREADS
+    run_pil_op((const uint8_t *)src.buf, (uint8_t *)out.buf, C, src.shape[1], src.shape[2], code, value);
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&src);
+    PyBuffer_Release(&out);
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_transform(PyObject *self, PyObject *args) {
+    PyObject *src_obj, *out_obj, *coeffs, *fill_obj;
+    int filter;
+    Py_buffer src, out;
+    double a[8];
+    uint8_t fill[3] = {0, 0, 0};
+    (void)self;
+    if (!PyArg_ParseTuple(args, "OOOiO:transform", &src_obj, &out_obj, &coeffs, &filter, &fill_obj))
+        return NULL;
+    PyObject *seq = PySequence_Fast(coeffs, "coeffs should be a sequence of 6 or 8 numbers");
+    if (seq == NULL)
+        return NULL;
+    Py_ssize_t m = PySequence_Fast_GET_SIZE(seq);
+    if (m != 6 && m != 8) {
+        Py_DECREF(seq);
+        return PyErr_Format(PyExc_ValueError, "coeffs should hold 6 (affine) or 8 (perspective) numbers, not %zd", m);
+    }
+    for (Py_ssize_t k = 0; k < m; k++) {
+        a[k] = PyFloat_AsDouble(PySequence_Fast_GET_ITEM(seq, k));
+        if (a[k] == -1.0 && PyErr_Occurred()) {
+            Py_DECREF(seq);
+            return NULL;
+        }
+    }
+    Py_DECREF(seq);
+    if (filter != 0 && filter != 2 && filter != 3)
+        return PyErr_Format(PyExc_ValueError, "filter should be 0 (nearest), 2 (bilinear) or 3 (bicubic), not %d",
+                            filter);
+    if (get_planes(src_obj, out_obj, &src, &out) < 0)
+        return NULL;
+    int C = (int)src.shape[0];
+    if (fill_obj != Py_None) {
+        PyObject *fs = PySequence_Fast(fill_obj, "fill should be None or one value per plane");
+        if (fs == NULL || PySequence_Fast_GET_SIZE(fs) != C) {
+            Py_XDECREF(fs);
+            PyBuffer_Release(&src);
+            PyBuffer_Release(&out);
+            if (!PyErr_Occurred())
+                PyErr_SetString(PyExc_ValueError, "fill should be None or one value per plane");
+            return NULL;
+        }
+        for (int c = 0; c < C; c++) {
+            long v = PyLong_AsLong(PySequence_Fast_GET_ITEM(fs, c));
+            if ((v == -1 && PyErr_Occurred()) || v < 0 || v > 255) {
+                Py_DECREF(fs);
+                PyBuffer_Release(&src);
+                PyBuffer_Release(&out);
+                if (!PyErr_Occurred())
+                    PyErr_SetString(PyExc_ValueError, "fill values should be 0..255");
+                return NULL;
+            }
+            fill[c] = (uint8_t)v;
+        }
+        Py_DECREF(fs);
+    }
+    Py_ssize_t h = src.shape[1], w = src.shape[2];
+    int err = 0;
+    Py_BEGIN_ALLOW_THREADS
+    if (m == 6 && filter == 0)
+        err = nearest_affine((const uint8_t *)src.buf, (uint8_t *)out.buf, C, h, w, a, fill);
+    else
+        err = filtered((const uint8_t *)src.buf, (uint8_t *)out.buf, C, h, w, a, m == 8, filter, fill);
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&src);
+    PyBuffer_Release(&out);
+    if (err)
+        return PyErr_NoMemory();
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef color_methods[] = {
     {"jitter", py_jitter, METH_VARARGS,
      "jitter(src, out, ops) -> None\n"
@@ -334,6 +855,20 @@ static PyMethodDef color_methods[] = {
      "and hue rotation (3, shift) of src, a C-contiguous uint8 (C, H, W) array\n"
      "with C 1 or 3, applied in the order of ops, into out (src's shape; src\n"
      "itself allowed).  ValueError on other shapes, types or ops."},
+    {"pil_op", py_pil_op, METH_VARARGS,
+     "pil_op(src, out, code, value) -> None\n"
+     "\n"
+     "PIL's sharpness (4, factor), posterize (5, bits 1..8), solarize (6,\n"
+     "threshold), autocontrast (7), equalize (8), invert (9) or timm's\n"
+     "solarize-add (12, 0..255) of src, a C-contiguous uint8 (C, H, W) array\n"
+     "with C 1 or 3, into out (src's shape, apart from it)."},
+    {"transform", py_transform, METH_VARARGS,
+     "transform(src, out, coeffs, filter, fill) -> None\n"
+     "\n"
+     "PIL's Image.transform of src (as pil_op) by the affine map coeffs (six\n"
+     "numbers) or the perspective one (eight), with PIL's filter 0 (nearest),\n"
+     "2 (bilinear) or 3 (bicubic), fill (None: zeros; else one value per\n"
+     "plane) outside, into out."},
     {NULL, NULL, 0, NULL}};
 
 static struct PyModuleDef color_module = {PyModuleDef_HEAD_INIT, "coordl.decode._color",

@@ -28,7 +28,7 @@ from ..base import forks as _forks
 __all__ = ["BRIGHTNESS", "CONTRAST", "SATURATION", "HUE", "SHARPNESS", "POSTERIZE", "SOLARIZE", "AUTOCONTRAST",
            "EQUALIZE", "INVERT", "AFFINE", "TRANSPOSE", "SOLARIZE_ADD", "BLUR", "AUGMIX", "PERSPECTIVE", "PIL_BLUR",
            "TIMM_AUGMIX", "PERMUTE", "permutation",
-           "KERNEL_CODES", "jitter", "pil_jitter", "exact_kernel",
+           "KERNEL_CODES", "OP_CODES", "jitter", "apply_ops", "pil_jitter", "exact_kernel", "exact_ops",
            "probe_ops"]
 
 log = logging.getLogger(__name__)
@@ -60,6 +60,11 @@ def permutation(value) -> tuple[int, int, int]:
     v = int(value)
     return v // 100 % 10, v // 10 % 10, v % 10
 KERNEL_CODES = frozenset((BRIGHTNESS, CONTRAST, SATURATION, HUE))
+# the other operations the extension runs (:func:`apply_ops`; the affine and perspective maps with PIL's
+# nearest, bilinear and bicubic filters), and those numpy runs exactly (band moves)
+OP_CODES = frozenset((SHARPNESS, POSTERIZE, SOLARIZE, AUTOCONTRAST, EQUALIZE, INVERT, SOLARIZE_ADD, AFFINE,
+                      PERSPECTIVE))
+_MOVES = frozenset((TRANSPOSE, PERMUTE))
 
 
 _ext = extensions.load("_color", log, "colour adjustments run through PIL")
@@ -74,6 +79,73 @@ def jitter(x: np.ndarray, ops) -> np.ndarray:
     out = np.empty_like(src)
     _ext.jitter(src, out, tuple((int(c), float(v)) for c, v in ops))
     return out
+
+
+def apply_ops(x: np.ndarray, ops) -> np.ndarray:
+    """``x`` (a uint8 (C, H, W) array, C 1 or 3) through ``ops`` in order,
+    any of this module's codes, as a new C-contiguous array: the bytes
+    :func:`pil_jitter` gives.  The colour operations, sharpness, the
+    tables and the affine and perspective maps run in the extension (see
+    :func:`exact_ops`), the flips, turns and band orders in numpy; an
+    operation's value the extension does not take (posterize to 0 bits,
+    which this PIL may refuse) and the other codes run through PIL on
+    an image of the planes, its errors PIL's."""
+    out = np.ascontiguousarray(x)
+    k = 0
+    while k < len(ops):
+        code, value = ops[k]
+        if code in KERNEL_CODES:       # a run of colour operations in one call
+            j = k
+            while j < len(ops) and ops[j][0] in KERNEL_CODES:
+                j += 1
+            out = jitter(out, ops[k:j])
+            k = j
+            continue
+        if code in (AFFINE, PERSPECTIVE) and _takes(value, out.shape[0]):
+            n = 6 if code == AFFINE else 8
+            dst = np.empty_like(out)
+            _ext.transform(out, dst, tuple(float(v) for v in value[:n]), int(value[n + 1]), value[n])
+            out = dst
+        elif code in OP_CODES and code not in (AFFINE, PERSPECTIVE) and _value_ok(code, value):
+            dst = np.empty_like(out)
+            _ext.pil_op(out, dst, int(code), float(value))
+            out = dst
+        elif code == TRANSPOSE and 0 <= int(value) <= 6:
+            out = _transposed(out, int(value))
+        elif code == PERMUTE and out.shape[0] == 3:
+            out = np.ascontiguousarray(out[list(permutation(value))])
+        else:
+            out = _planes(pil_jitter(_image(out), [(code, value)]))
+        k += 1
+    return out if out is not x else out.copy()
+
+
+def _takes(value, c: int) -> bool:
+    """An affine or perspective value the extension takes: a filter it runs
+    and a fill of one value per plane (or None)."""
+    fill, f = value[-2], value[-1]
+    return f in (0, 2, 3) and (fill is None or len(fill) == c)
+
+
+def _value_ok(code: int, value) -> bool:
+    if code == POSTERIZE:
+        return 1 <= int(value) <= 8 and int(value) == value
+    if code == SOLARIZE_ADD:
+        return 0 <= int(value) <= 255 and int(value) == value
+    return not np.isnan(float(value))
+
+
+def _transposed(x: np.ndarray, method: int) -> np.ndarray:
+    """PIL's ``Image.transpose(method)`` of the (C, H, W) planes ``x``."""
+    turns = {0: lambda a: a[:, :, ::-1], 1: lambda a: a[:, ::-1], 2: lambda a: np.rot90(a, 1, (1, 2)),
+             3: lambda a: a[:, ::-1, ::-1], 4: lambda a: np.rot90(a, -1, (1, 2)),
+             5: lambda a: a.transpose(0, 2, 1), 6: lambda a: np.rot90(a, 2, (1, 2)).transpose(0, 2, 1)}
+    return np.ascontiguousarray(turns[method](x))
+
+
+def _image(x: np.ndarray) -> Image.Image:
+    """The PIL image (mode L or RGB) whose planes ``x`` are."""
+    return Image.fromarray(x[0] if x.shape[0] == 1 else np.ascontiguousarray(x.transpose(1, 2, 0)))
 
 
 def pil_jitter(img: Image.Image, ops) -> Image.Image:
@@ -274,6 +346,40 @@ def _check() -> bool:
 
 _lock = _forks.worker_safe(threading.Lock())
 _checked: list = []  # [] until checked, then [bool]
+
+
+def _check_ops() -> bool:
+    """True when :func:`apply_ops` gives PIL's bytes for the operations the
+    extension runs (:data:`OP_CODES`) on every probe."""
+    if _ext is None or not hasattr(_ext, "pil_op"):
+        return False
+    rng = random.Random(20261129)
+
+    def noise(*shape):
+        return np.frombuffer(rng.randbytes(int(np.prod(shape))), np.uint8).reshape(shape)
+
+    images = (Image.fromarray(noise(48, 64, 3)), Image.fromarray(noise(17, 19, 3) // 4),
+              Image.fromarray(noise(13, 11)), Image.fromarray(noise(2, 5, 3)))
+    for img in images:
+        planes = _planes(img)
+        for ops in probe_ops(sorted(OP_CODES)):
+            (code, value), = ops
+            if code in (AFFINE, PERSPECTIVE) and not _takes(value, planes.shape[0]):
+                continue        # a fill of three values for an L image: PIL refuses it either way
+            if not np.array_equal(apply_ops(planes, ops), _planes(pil_jitter(img, ops))):
+                log.warning("coordl.decode._color does not reproduce this PIL's %s on a %s image: auto-augment "
+                            "policies run as written (the same pixels, slower)", ops, img.mode)
+                return False
+    return True
+
+
+_checked_ops: list = []
+
+
+def exact_ops() -> bool:
+    """Whether :func:`apply_ops`'s kernels reproduce the installed PIL
+    (checked once per process)."""
+    return extensions.once(_checked_ops, _lock, _check_ops)
 
 
 def exact_kernel() -> bool:
