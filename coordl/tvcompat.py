@@ -1173,10 +1173,14 @@ class PolicyOnDevice(OnPlanes):
     image (:class:`_PILCall`).  Checked once per process against the user's
     class on probe images (PIL's result of the drawn operations is the
     user's, and torch's generator is left as its call leaves it).  On the
-    CPU path the policy runs as written."""
+    CPU path (:meth:`on_planes`) the same draws' operations are computed on
+    the fused decode's planes by ``coordl.decode.color.apply_ops``, PIL's
+    bytes, where that is checked to give the user's result here."""
 
     how = "its draws made apart from its call, its operations computed with PIL's arithmetic on the device"
-    seeds = (tuple(range(160)), ())      # RGB probes only: the device runs RGB images; every operation drawn
+    # RGB probes only: the device runs RGB images.  48 seeds draw every operation of each policy (and most
+    # with both signs) over its probes; the check runs when a loader is made, at about 0.5 ms a seed and probe
+    seeds = (tuple(range(48)), ())
     most = 1                             # operations per call
     affines = 1                          # of them affine maps, at most
     draws_numpy = False                  # draws from numpy's global generator (timm's)
@@ -1224,16 +1228,10 @@ class PolicyOnDevice(OnPlanes):
     def _space_v1(self, *args) -> dict:
         """The user's v1 ``_augmentation_space(*args)``, kept (it depends on
         nothing drawn)."""
-        got = self._spaces.get(args)
-        if got is None:
-            got = self._spaces[args] = self.user._augmentation_space(*args)
-        return got
+        return _kept(self._spaces, args, lambda: self.user._augmentation_space(*args))
 
     def _magnitudes_v2(self, name: str, fn, bins: int, h: int, w: int):
-        key = (name, bins, h, w)
-        if key not in self._spaces:
-            self._spaces[key] = fn(bins, h, w)
-        return self._spaces[key]
+        return _kept(self._spaces, (name, bins, h, w), lambda: fn(bins, h, w))
 
     def _ops(self, name: str, magnitude: float, h: int, w: int) -> list:
         from .decode import color as C
@@ -1247,11 +1245,7 @@ class PolicyOnDevice(OnPlanes):
             return []
         if name in simple:
             return [simple[name]]
-        key = (name, magnitude, h, w)
-        ops = self._calls.get(key)
-        if ops is None:
-            ops = self._calls[key] = self._geometric(name, magnitude, h, w)
-        return ops
+        return _kept(self._calls, (name, magnitude, h, w), lambda: self._geometric(name, magnitude, h, w))
 
     def _geometric(self, name: str, magnitude: float, h: int, w: int) -> list:
         """The operations of the shear, translation or rotation ``name``:
@@ -1265,6 +1259,23 @@ class PolicyOnDevice(OnPlanes):
             sys.modules["torchvision.transforms.autoaugment"]._apply_op(img, name, magnitude, t.interpolation,
                                                                          t.fill)
         return _affine_op(img.call, w, h, _name(t), name)
+
+
+# entries a policy keeps of what depends on the image's size (its magnitudes, its geometric calls): images
+# of many sizes (no crop before the policy) start the memo again rather than grow it
+_KEEP = 4096
+_MISSING = object()
+
+
+def _kept(memo: dict, key: Any, make: Any) -> Any:
+    """``memo[key]``, made by ``make()`` when missing (``memo`` emptied
+    first when it holds :data:`_KEEP` entries)."""
+    got = memo.get(key, _MISSING)
+    if got is _MISSING:
+        if len(memo) >= _KEEP:
+            memo.clear()
+        got = memo[key] = make()
+    return got
 
 
 def _affine_op(call: tuple, w: int, h: int, who: str, name: str) -> list:
@@ -1427,7 +1438,7 @@ class TimmPolicyOnDevice(PolicyOnDevice):
     probes = ({"config": "rand-m9-mstd0.5-inc1"}, {"config": "rand-m7-n3-mstd1.0", "hparams": {"img_mean": (1, 2, 3)}},
               {"config": "original"}, {"config": "v0r", "hparams": {"interpolation": 0}}, {"config": "3a"},
               {"config": "rand-m9-n2-mstd0.5-t3aw"})
-    seeds = (tuple(range(160)), ())
+    seeds = (tuple(range(48)), ())      # every operation and filter drawn over the probes
     draws_numpy = True
 
     def __init__(self, user: Any, v2: bool = False):
@@ -1852,10 +1863,7 @@ class AugMixOnDevice(_DrawnApart):
         if self.v2:
             space = t._AUGMENTATION_SPACE if t.all_ops else t._PARTIAL_AUGMENTATION_SPACE
             name, (fn, signed) = t._get_random_item(space)
-            key = (name, h, w)
-            if key not in self._spaces:
-                self._spaces[key] = fn(t._PARAMETER_MAX, h, w)
-            magnitudes = self._spaces[key]
+            magnitudes = _kept(self._spaces, (name, h, w), lambda: fn(t._PARAMETER_MAX, h, w))
             if magnitudes is None:
                 return name, 0.0
             magnitude = float(magnitudes[int(torch.randint(t.severity, ()))])
@@ -1863,9 +1871,7 @@ class AugMixOnDevice(_DrawnApart):
                 magnitude *= -1
             return name, magnitude
         key = (h, w)
-        space = self._spaces.get(key)
-        if space is None:
-            space = self._spaces[key] = t._augmentation_space(t._PARAMETER_MAX, (h, w))
+        space = _kept(self._spaces, key, lambda: t._augmentation_space(t._PARAMETER_MAX, (h, w)))
         name = list(space)[int(torch.randint(len(space), (1,)).item())]
         magnitudes, signed = space[name]
         magnitude = float(magnitudes[torch.randint(t.severity, (1,), dtype=torch.long)].item()) \

@@ -25,6 +25,14 @@
  *   precision, rounded half up to an integer;
  * - RGB -> HSV and back are PIL's conversions (colorsys' formulas with PIL's
  *   mix of float and double precision and its roundings).
+ * pil_op(src, out, code, value) -> None: ImageEnhance.Sharpness (4), and the
+ * ImageOps tables posterize (5), solarize (6), autocontrast (7), equalize (8),
+ * invert (9) and timm's solarize-add (12), into out (apart from src);
+ * transform(src, out, coeffs, filter, fill) -> None: Image.transform with an
+ * affine map (six coefficients) or a perspective one (eight), PIL's nearest
+ * (its scale, 16.16 fixed-point and double-precision ways), bilinear or
+ * bicubic filter in double precision, fill outside (None: zeros).
+ *
  * coordl/decode/color.py checks this against the installed PIL when first
  * used (built with -ffp-contract=off: no fused multiply-add where PIL's
  * expressions round twice).  The GIL is released while it runs.

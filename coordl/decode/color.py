@@ -12,6 +12,13 @@ bytes on probe images for every operation and a spread of factors
 (:func:`exact_kernel`); where it is not built or differs (another PIL's
 arithmetic, a build that fuses multiply-adds), :func:`exact_kernel` is
 False and callers run PIL itself.
+
+:func:`apply_ops` runs the other operations of the auto-augment policies
+as PIL does (sharpness, posterize, solarize, autocontrast, equalize,
+invert, timm's solarize-add, and ``Image.transform``'s affine and
+perspective maps with PIL's nearest, bilinear and bicubic filters) through
+the same extension, checked the same way (:func:`exact_ops`); the CPU path
+runs a policy's drawn operations with it on the fused decode's planes.
 """
 from __future__ import annotations
 

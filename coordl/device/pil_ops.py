@@ -2,8 +2,9 @@
 policies on a PIL image (``TrivialAugmentWide``, ``RandAugment``,
 ``AutoAugment``), computed on the device as PIL computes them.
 
-On the CPU path an auto-augment policy gets the PIL image of the fused
-crop, and each operation it draws is PIL's: ``ImageEnhance`` (brightness,
+On the CPU path an auto-augment policy gets the planes of the fused crop
+(``coordl.tvcompat.PolicyOnDevice.on_planes``), and each operation it
+draws is PIL's, computed by ``coordl.decode.color.apply_ops``: ``ImageEnhance`` (brightness,
 colour, contrast: :mod:`.jitter`'s blends; sharpness here), ``ImageOps``
 (posterize, solarize, autocontrast, equalize, invert) or
 ``Image.transform``/``Image.transpose`` (shears, translations, rotations).
