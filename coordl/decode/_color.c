@@ -544,8 +544,10 @@ static int nearest_way(const double *a, Py_ssize_t h, Py_ssize_t w, int64_t *fix
     return 2;
 }
 
+/* (way 2: *xo, *yo the row's start, accumulated over the rows before it as PIL does, then moved on) */
 TARGETS static void nearest_row(int32_t *idx, int way, const double *a, const int64_t *f, const Py_ssize_t *cols,
-                                const Py_ssize_t *rows, Py_ssize_t y, Py_ssize_t h, Py_ssize_t w) {
+                                const Py_ssize_t *rows, Py_ssize_t y, Py_ssize_t h, Py_ssize_t w, double *xo,
+                                double *yo) {
     if (way == 0) {
         Py_ssize_t cy = rows[y];
         for (Py_ssize_t x = 0; x < w; x++) {
@@ -559,21 +561,15 @@ TARGETS static void nearest_row(int32_t *idx, int way, const double *a, const in
             idx[x] = xs >= 0 && xs < w && ys >= 0 && ys < h ? (int32_t)(ys * w + xs) : -1;
         }
     } else {
-        /* the row's start accumulated over the rows before it, as PIL does */
-        double xo = a[2] + a[1] * 0.5, yo = a[5] + a[4] * 0.5;
-        xo = xo + a[0] * 0.5;
-        yo = yo + a[3] * 0.5;
-        for (Py_ssize_t k = 0; k < y; k++) {
-            xo += a[1];
-            yo += a[4];
-        }
-        double xx = xo, yy = yo;
+        double xx = *xo, yy = *yo;
         for (Py_ssize_t x = 0; x < w; x++) {
             Py_ssize_t xs = coord(xx), ys = coord(yy);
             idx[x] = xs >= 0 && xs < w && ys >= 0 && ys < h ? (int32_t)(ys * w + xs) : -1;
             xx += a[0];
             yy += a[3];
         }
+        *xo += a[1];
+        *yo += a[4];
     }
 }
 
@@ -589,8 +585,11 @@ static int nearest_affine(const uint8_t *src, uint8_t *out, int C, Py_ssize_t h,
         return -1;
     }
     int way = nearest_way(a, h, w, f, tabs, tabs + w);
+    double xo = a[2] + a[1] * 0.5, yo = a[5] + a[4] * 0.5;
+    xo = xo + a[0] * 0.5;
+    yo = yo + a[3] * 0.5;
     for (Py_ssize_t y = 0; y < h; y++) {
-        nearest_row(idx, way, a, f, tabs, tabs + w, y, h, w);
+        nearest_row(idx, way, a, f, tabs, tabs + w, y, h, w, &xo, &yo);
         for (int c = 0; c < C; c++) {
             const uint8_t *p = src + c * n;
             uint8_t *o = out + c * n + y * w;
@@ -684,7 +683,7 @@ TARGETS static void row_sources(const double *a, int persp, int filter, Py_ssize
 
 /* PIL's generic transform with its bilinear (2) or bicubic (3) filter, or nearest (0) of a
  * perspective map, on C planes; fill[c] outside */
-static int filtered(const uint8_t *src, uint8_t *out, int C, Py_ssize_t h, Py_ssize_t w, const double *a, int persp,
+TARGETS static int filtered(const uint8_t *src, uint8_t *out, int C, Py_ssize_t h, Py_ssize_t w, const double *a, int persp,
                     int filter, const uint8_t *fill) {
     Py_ssize_t n = h * w;
     int32_t *off = malloc(sizeof(int32_t) * 8 * (size_t)w);
@@ -696,6 +695,26 @@ static int filtered(const uint8_t *src, uint8_t *out, int C, Py_ssize_t h, Py_ss
     }
     for (Py_ssize_t y = 0; y < h; y++) {
         row_sources(a, persp, filter, y, h, w, off, fx, fy, in);
+        if (filter == 2) {   /* each pixel's neighbours once for its planes */
+            for (Py_ssize_t x = 0; x < w; x++) {
+                const int32_t *k = off + 8 * x;
+                double dx = fx[x], dy = fy[x];
+                for (int c = 0; c < C; c++) {
+                    uint8_t *o = out + c * n + y * w;
+                    if (!in[x]) {
+                        o[x] = fill[c];
+                        continue;
+                    }
+                    const uint8_t *p = src + c * n;
+                    const uint8_t *r0 = p + k[2], *r1 = p + k[3];
+                    double p0 = r0[k[0]], q0 = r0[k[1]], p1 = r1[k[0]], q1 = r1[k[1]];
+                    double v1 = p0 + (q0 - p0) * dx;
+                    double v2 = p1 + (q1 - p1) * dx;
+                    o[x] = (uint8_t)(int)(v1 + (v2 - v1) * dy);
+                }
+            }
+            continue;
+        }
         for (int c = 0; c < C; c++) {
             const uint8_t *p = src + c * n;
             uint8_t *o = out + c * n + y * w;
