@@ -1179,7 +1179,7 @@ class PolicyOnDevice(OnPlanes):
 
     how = "its draws made apart from its call, its operations computed with PIL's arithmetic on the device"
     # RGB probes only: the device runs RGB images.  48 seeds draw every operation of each policy (and most
-    # with both signs) over its probes; the check runs when a loader is made, at about 0.5 ms a seed and probe
+    # with both signs) over its probes; the check runs when a loader is made, at about 1 ms a seed and probe
     seeds = (tuple(range(48)), ())
     most = 1                             # operations per call
     affines = 1                          # of them affine maps, at most
@@ -2898,8 +2898,11 @@ _POLICY_ON_PLANES = ("with its own draws, each drawn operation computed with PIL
 
 def _on_planes(t: Any) -> Any:
     """``t``, or an :class:`OnPlanes` over it when it is torchvision's
-    ``ColorJitter`` with ranges as its constructor makes them, or its
-    ``AugMix`` with ``fill=None``, and the planes give its result here
+    ``ColorJitter`` with ranges as its constructor makes them, its
+    ``AugMix`` with ``fill=None``, one of its auto-augment policies (or
+    timm's ``RandAugment``/``AutoAugment``: a :class:`PolicyOnDevice`,
+    whose :meth:`~PolicyOnDevice.on_planes` is the CPU path's), and the
+    planes give its result here
     (checked now, once per process, so that workers forked later inherit the
     answer)."""
     if type(t).__module__ == _TIMM_AA and type(t).__name__ in ("RandAugment", "AutoAugment"):

@@ -68,10 +68,9 @@ def permutation(value) -> tuple[int, int, int]:
     return v // 100 % 10, v // 10 % 10, v % 10
 KERNEL_CODES = frozenset((BRIGHTNESS, CONTRAST, SATURATION, HUE))
 # the other operations the extension runs (:func:`apply_ops`; the affine and perspective maps with PIL's
-# nearest, bilinear and bicubic filters), and those numpy runs exactly (band moves)
+# nearest, bilinear and bicubic filters)
 OP_CODES = frozenset((SHARPNESS, POSTERIZE, SOLARIZE, AUTOCONTRAST, EQUALIZE, INVERT, SOLARIZE_ADD, AFFINE,
                       PERSPECTIVE))
-_MOVES = frozenset((TRANSPOSE, PERMUTE))
 
 
 _ext = extensions.load("_color", log, "colour adjustments run through PIL")
