@@ -142,6 +142,33 @@ def test_a_kernel_one_level_off_is_not_used(monkeypatch, caplog):
     assert "does not reproduce this PIL" in caplog.text
 
 
+def _assert_as_written(out, sizes, jpeg_seed, samples, seed):
+    """The translated pipeline ``out`` (steps on the planes, then the
+    conversion) against the same pipeline with the user's steps run as
+    written, through the fused decode of a JPEG of each size, for the same
+    sample draws; the tensors ``out`` gives."""
+    import io
+
+    from coordl import _rng
+    from coordl.synth import render_image
+    from coordl.tvcompat import TorchvisionPipeline
+
+    as_written = TorchvisionPipeline(out.fused, out.to_pil, out.image_type, [t.user for t in out.tail] + out.post)
+    got = []
+    for k, (w, h) in enumerate(sizes):
+        buf = io.BytesIO()
+        render_image(jpeg_seed, k, w, h, 1.5).save(buf, "JPEG", quality=90)
+        raw = buf.getvalue()
+        for i in range(samples):
+            with _rng.sample_rng(seed, 0, i):
+                a = out.from_bytes(raw)
+            with _rng.sample_rng(seed, 0, i):
+                b = as_written.from_bytes(raw)
+            assert type(a) is torch.Tensor and torch.equal(a, b), (w, h, i)
+            got.append(a)
+    return got
+
+
 # ------------------------------------------------- against torchvision's own
 @pytest.fixture(scope="module")
 def tv():
@@ -240,11 +267,7 @@ def test_a_pipeline_with_colorjitter_gives_its_as_written_result(tv, version, tm
     """Through the fused decode: the translated pipeline (ColorJitter on the
     planes, then the conversion) against the same pipeline with the user's
     ColorJitter and conversion run as written, for the same sample draws."""
-    import io
-
-    from coordl import _rng
-    from coordl.synth import render_image
-    from coordl.tvcompat import ColorJitterOnPlanes, TorchvisionPipeline, translate
+    from coordl.tvcompat import ColorJitterOnPlanes, translate
 
     M = tv[0] if version == "v1" else tv[1]
     steps = [M.RandomResizedCrop(48), M.RandomHorizontalFlip(), M.ColorJitter(0.4, 0.4, 0.4, 0.1),
@@ -253,18 +276,8 @@ def test_a_pipeline_with_colorjitter_gives_its_as_written_result(tv, version, tm
         steps += [M.ConvertImageDtype(torch.float32), M.Normalize((0.485, 0.456, 0.406), (0.229, 0.224, 0.225))]
     out = translate(M.Compose(steps))[0]
     assert [type(t) for t in out.tail] == [ColorJitterOnPlanes, ColorJitterOnPlanes]
-    as_written = TorchvisionPipeline(out.fused, out.to_pil, out.image_type, [t.user for t in out.tail] + out.post)
-    for k, (w, h) in enumerate([(67, 45), (1, 40), (40, 1), (301, 199)]):
-        buf = io.BytesIO()
-        render_image(4, k, w, h, 1.5).save(buf, "JPEG", quality=90)
-        raw = buf.getvalue()
-        for i in range(6):
-            with _rng.sample_rng(8, 0, i):
-                a = out.from_bytes(raw)
-            with _rng.sample_rng(8, 0, i):
-                b = as_written.from_bytes(raw)
-            assert type(a) is torch.Tensor and a.dtype == (torch.float32 if version == "v1" else torch.uint8)
-            assert torch.equal(a, b), (w, h, i)
+    for a in _assert_as_written(out, [(67, 45), (1, 40), (40, 1), (301, 199)], 4, 6, 8):
+        assert a.dtype == (torch.float32 if version == "v1" else torch.uint8)
 
 
 def test_where_the_kernel_is_not_exact_colorjitter_runs_as_written(tv, monkeypatch, tmp_path):
@@ -326,11 +339,7 @@ def test_augmix_with_a_fill_runs_as_written(tv):
 
 @pytest.mark.parametrize("version", ["v1", "v2"])
 def test_a_pipeline_with_augmix_gives_its_as_written_result(tv, version):
-    import io
-
-    from coordl import _rng
-    from coordl.synth import render_image
-    from coordl.tvcompat import AugMixOnPlanes, TorchvisionPipeline, translate
+    from coordl.tvcompat import AugMixOnPlanes, translate
 
     M = tv[0] if version == "v1" else tv[1]
     steps = [M.RandomResizedCrop(40), M.RandomHorizontalFlip(), M.AugMix(), M.PILToTensor()]
@@ -338,17 +347,7 @@ def test_a_pipeline_with_augmix_gives_its_as_written_result(tv, version):
         steps += [M.ConvertImageDtype(torch.float32), M.Normalize((0.485, 0.456, 0.406), (0.229, 0.224, 0.225))]
     out = translate(M.Compose(steps))[0]
     assert [type(t) for t in out.tail] == [AugMixOnPlanes]
-    as_written = TorchvisionPipeline(out.fused, out.to_pil, out.image_type, [t.user for t in out.tail] + out.post)
-    for k, (w, h) in enumerate([(67, 45), (1, 40), (301, 199)]):
-        buf = io.BytesIO()
-        render_image(6, k, w, h, 1.5).save(buf, "JPEG", quality=90)
-        raw = buf.getvalue()
-        for i in range(3):
-            with _rng.sample_rng(2, 0, i):
-                a = out.from_bytes(raw)
-            with _rng.sample_rng(2, 0, i):
-                b = as_written.from_bytes(raw)
-            assert type(a) is torch.Tensor and torch.equal(a, b), (w, h, i)
+    _assert_as_written(out, [(67, 45), (1, 40), (301, 199)], 6, 3, 2)
 
 
 def test_messages_name_the_users_steps(tv):
@@ -515,11 +514,7 @@ def test_a_pipeline_with_a_policy_gives_its_as_written_result(tv, version):
     timm's ``rand-m9-mstd0.5-inc1``) through the fused decode: the policy on
     the planes, then the conversion, against the same steps run as written,
     for the same sample draws, and the loader's path_reason says so."""
-    import io
-
-    from coordl import _rng
-    from coordl.synth import render_image
-    from coordl.tvcompat import PolicyOnDevice, TorchvisionPipeline, translate
+    from coordl.tvcompat import PolicyOnDevice, translate
 
     M = tv[1] if version == "v2" else tv[0]
     bilinear = tv[0].InterpolationMode.BILINEAR
@@ -532,17 +527,7 @@ def test_a_pipeline_with_a_policy_gives_its_as_written_result(tv, version):
         steps += [M.ConvertImageDtype(torch.float32), M.Normalize((0.485, 0.456, 0.406), (0.229, 0.224, 0.225))]
     out = translate(M.Compose(steps))[0]
     assert [type(t).__base__ for t in out.tail] == [PolicyOnDevice]
-    as_written = TorchvisionPipeline(out.fused, out.to_pil, out.image_type, [t.user for t in out.tail] + out.post)
-    for k, (w, h) in enumerate([(67, 45), (1, 40), (301, 199)]):
-        buf = io.BytesIO()
-        render_image(3, k, w, h, 1.5).save(buf, "JPEG", quality=90)
-        raw = buf.getvalue()
-        for i in range(12):
-            with _rng.sample_rng(8, 0, i):
-                a = out.from_bytes(raw)
-            with _rng.sample_rng(8, 0, i):
-                b = as_written.from_bytes(raw)
-            assert type(a) is torch.Tensor and torch.equal(a, b), (w, h, i)
+    _assert_as_written(out, [(67, 45), (1, 40), (301, 199)], 3, 12, 8)
 
 
 @needs_ext
