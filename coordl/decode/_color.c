@@ -446,18 +446,17 @@ TARGETS static void blend_rows(uint8_t *restrict o, const uint8_t *restrict a, c
     }
 }
 
-static void sharpen_plane(uint8_t *out, const uint8_t *src, Py_ssize_t h, Py_ssize_t w, float alpha) {
+static int sharpen_plane(uint8_t *out, const uint8_t *src, Py_ssize_t h, Py_ssize_t w, float alpha) {
     if (h < 3 || w < 3) {             /* PIL copies an image smaller than the kernel: blend(v, v) is v */
         memcpy(out, src, (size_t)(h * w));
-        return;
+        return 0;
     }
     float *rows = malloc(sizeof(float) * (size_t)(3 * w));
     uint8_t *deg = malloc((size_t)w);
-    if (rows == NULL || deg == NULL) {   /* (a few KB) */
+    if (rows == NULL || deg == NULL) {
         free(rows);
         free(deg);
-        memcpy(out, src, (size_t)(h * w));
-        return;
+        return -1;
     }
     memcpy(out, src, (size_t)w);
     memcpy(out + (h - 1) * w, src + (h - 1) * w, (size_t)w);
@@ -474,11 +473,12 @@ static void sharpen_plane(uint8_t *out, const uint8_t *src, Py_ssize_t h, Py_ssi
     }
     free(rows);
     free(deg);
+    return 0;
 }
 
 /* one operation of code 4..9 or 12 on C planes of h x w values, src -> out (apart) */
-static void run_pil_op(const uint8_t *src, uint8_t *out, int C, Py_ssize_t h, Py_ssize_t w, int code,
-                       double value) {
+static int run_pil_op(const uint8_t *src, uint8_t *out, int C, Py_ssize_t h, Py_ssize_t w, int code,
+                      double value) {
     Py_ssize_t n = h * w;
     uint8_t tab[256];
     int64_t hist[256];
@@ -486,7 +486,8 @@ static void run_pil_op(const uint8_t *src, uint8_t *out, int C, Py_ssize_t h, Py
         const uint8_t *s = src + c * n;
         uint8_t *o = out + c * n;
         if (code == 4) {
-            sharpen_plane(o, s, h, w, (float)value);
+            if (sharpen_plane(o, s, h, w, (float)value) < 0)
+                return -1;
             continue;
         }
         if (code == 7 || code == 8) {
@@ -500,6 +501,7 @@ static void run_pil_op(const uint8_t *src, uint8_t *out, int C, Py_ssize_t h, Py
         }
         table_apart(o, s, n, tab);
     }
+    return 0;
 }
 
 /* PIL's COORD: -1 below zero (and for what is not a number, or past int range: outside either way) */
@@ -768,6 +770,8 @@ static int get_planes(PyObject *src_obj, PyObject *out_obj, Py_buffer *src, Py_b
         why = "out should be a C-contiguous uint8 array of src's shape";
     else if ((char *)out->buf < (char *)src->buf + src->len && (char *)src->buf < (char *)out->buf + out->len)
         why = "out should not overlap src";
+    else if (src->shape[1] * src->shape[2] >= ((Py_ssize_t)1 << 31))
+        why = "src should have fewer than 2**31 pixels a plane";
     if (why != NULL) {
         PyErr_SetString(PyExc_ValueError, why);
         PyBuffer_Release(src);
@@ -795,12 +799,14 @@ static PyObject *py_pil_op(PyObject *self, PyObject *args) {
                             code, value);
     if (get_planes(src_obj, out_obj, &src, &out) < 0)
         return NULL;
-    int C = (int)src.shape[0];
+    int C = (int)src.shape[0], err;
     Py_BEGIN_ALLOW_THREADS
-    run_pil_op((const uint8_t *)src.buf, (uint8_t *)out.buf, C, src.shape[1], src.shape[2], code, value);
+    err = run_pil_op((const uint8_t *)src.buf, (uint8_t *)out.buf, C, src.shape[1], src.shape[2], code, value);
     Py_END_ALLOW_THREADS
     PyBuffer_Release(&src);
     PyBuffer_Release(&out);
+    if (err)
+        return PyErr_NoMemory();
     Py_RETURN_NONE;
 }
 

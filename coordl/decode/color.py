@@ -107,12 +107,13 @@ def apply_ops(x: np.ndarray, ops) -> np.ndarray:
             out = jitter(out, ops[k:j])
             k = j
             continue
-        if code in (AFFINE, PERSPECTIVE) and _takes(value, out.shape[0]):
+        small = out.shape[1] * out.shape[2] < 1 << 31      # the extension's offsets are 32-bit
+        if code in (AFFINE, PERSPECTIVE) and small and _takes(value, out.shape[0]):
             n = 6 if code == AFFINE else 8
             dst = np.empty_like(out)
             _ext.transform(out, dst, tuple(float(v) for v in value[:n]), int(value[n + 1]), value[n])
             out = dst
-        elif code in OP_CODES and code not in (AFFINE, PERSPECTIVE) and _value_ok(code, value):
+        elif code in OP_CODES and code not in (AFFINE, PERSPECTIVE) and small and _value_ok(code, value):
             dst = np.empty_like(out)
             _ext.pil_op(out, dst, int(code), float(value))
             out = dst
