@@ -2905,7 +2905,7 @@ def _on_planes(t: Any) -> Any:
     planes give its result here
     (checked now, once per process, so that workers forked later inherit the
     answer)."""
-    if type(t).__module__ == _TIMM_AA and type(t).__name__ in ("RandAugment", "AutoAugment"):
+    if type(t).__module__ == _TIMM_AA and type(t).__name__ in ("RandAugment", "AutoAugment", "AugMixAugment"):
         mine = policy_of(t)
         if mine is None:
             return t

@@ -121,10 +121,28 @@ def apply_ops(x: np.ndarray, ops) -> np.ndarray:
             out = _transposed(out, int(value))
         elif code == PERMUTE and out.shape[0] == 3:
             out = np.ascontiguousarray(out[list(permutation(value))])
+        elif code == TIMM_AUGMIX and 0.0 <= float(value[0]) <= 1.0:
+            out = _timm_mix(out, *value)
         else:
             out = _planes(pil_jitter(_image(out), [(code, value)]))
         k += 1
     return out if out is not x else out.copy()
+
+
+def _timm_mix(x: np.ndarray, m: float, weights, chains) -> np.ndarray:
+    """timm's AugMix of the planes ``x``: each chain's operations on ``x``
+    (:func:`apply_ops`), the results summed with the weights in single
+    precision, clipped and truncated, then PIL's blend of ``x`` with that at
+    ``m`` (``a + m * (b - a)`` in single precision, truncated; ``m`` in
+    0..1)."""
+    mixed = np.zeros(x.shape, dtype=np.float32)
+    for weight, chain in zip(weights, chains):
+        mixed += np.float32(weight) * apply_ops(x, chain).astype(np.float32)
+    np.clip(mixed, 0, 255.0, out=mixed)
+    a = x.astype(np.float32)
+    b = mixed.astype(np.uint8).astype(np.float32)
+    out = a + np.float32(m) * (b - a)
+    return out.astype(np.uint8)
 
 
 def _takes(value, c: int) -> bool:
@@ -357,7 +375,8 @@ _checked: list = []  # [] until checked, then [bool]
 
 def _check_ops() -> bool:
     """True when :func:`apply_ops` gives PIL's bytes for the operations the
-    extension runs (:data:`OP_CODES`) on every probe."""
+    extension runs (:data:`OP_CODES`), and timm's AugMix of them, on every
+    probe."""
     if _ext is None or not hasattr(_ext, "pil_op"):
         return False
     rng = random.Random(20261129)
@@ -369,9 +388,10 @@ def _check_ops() -> bool:
               Image.fromarray(noise(13, 11)), Image.fromarray(noise(2, 5, 3)))
     for img in images:
         planes = _planes(img)
-        for ops in probe_ops(sorted(OP_CODES)):
+        for ops in probe_ops(sorted(OP_CODES | {TIMM_AUGMIX})):
             (code, value), = ops
-            if code in (AFFINE, PERSPECTIVE) and not _takes(value, planes.shape[0]):
+            if (code in (AFFINE, PERSPECTIVE) and not _takes(value, planes.shape[0])) or (
+                    code == TIMM_AUGMIX and planes.shape[0] != 3):
                 continue        # a fill of three values for an L image: PIL refuses it either way
             if not np.array_equal(apply_ops(planes, ops), _planes(pil_jitter(img, ops))):
                 log.warning("coordl.decode._color does not reproduce this PIL's %s on a %s image: auto-augment "
