@@ -132,13 +132,24 @@ def test_a_kernel_one_level_off_is_not_used(monkeypatch, caplog):
         def jitter(self, src, out, ops):
             real.jitter(src, out, ops)
             if any(code == C.SATURATION for code, _ in ops):
-                flat = out.reshape(-1)
-                flat[len(flat) // 2] ^= 1
+                _one_level_off(out)
 
-    monkeypatch.setattr(C, "_ext", OffByOne())
-    monkeypatch.setattr(C, "_checked", [])
+    _assert_refused(monkeypatch, caplog, OffByOne(), "_checked", C.exact_kernel)
+
+
+def _one_level_off(out):
+    """One value of ``out``, in the middle, one level off."""
+    flat = out.reshape(-1)
+    flat[len(flat) // 2] ^= 1
+
+
+def _assert_refused(monkeypatch, caplog, fake, memo, check):
+    """With ``fake`` as the extension, ``check`` (its memo ``memo``
+    emptied) says the kernels are not this PIL's, and warns so."""
+    monkeypatch.setattr(C, "_ext", fake)
+    monkeypatch.setattr(C, memo, [])
     with caplog.at_level("WARNING", logger=C.__name__):
-        assert not C.exact_kernel()
+        assert not check()
     assert "does not reproduce this PIL" in caplog.text
 
 
@@ -317,15 +328,28 @@ def test_augmix_on_planes_is_torchvisions_for_the_same_generator(tv, version, pa
     sizes = [(1, 29), (31, 1), (2, 3), (17, 23), (64, 80)]
     for seed in range(10):
         h, w = sizes[seed % len(sizes)]
-        img = _image(rnd, h, w, "RGB" if seed % 3 else "L")
-        torch.manual_seed(seed)
+        _assert_same_call(t, mine, _image(rnd, h, w, "RGB" if seed % 3 else "L"), seed)
+
+
+def _assert_same_call(t, mine, img, seed):
+    """The user's step ``t`` on the PIL image and coordl's ``mine`` on its
+    planes, each from torch's generator seeded with ``seed``: the same
+    planes and the generator left in the same state; where ``t`` refuses
+    the image (a ValueError), ``mine`` refuses it with the same words."""
+    torch.manual_seed(seed)
+    try:
         want = t(img)
-        after = torch.get_rng_state()
+    except ValueError as e:
         torch.manual_seed(seed)
-        got = mine.on_planes(torch.from_numpy(_planes(img)))
-        assert torch.equal(torch.get_rng_state(), after), seed
-        assert type(got) is torch.Tensor and got.dtype == torch.uint8
-        assert np.array_equal(got.numpy(), _planes(want)), (seed, h, w, img.mode)
+        with pytest.raises(ValueError, match=re.escape(str(e))):
+            mine.on_planes(torch.from_numpy(_planes(img)))
+        return
+    after = torch.get_rng_state()
+    torch.manual_seed(seed)
+    got = mine.on_planes(torch.from_numpy(_planes(img)))
+    assert torch.equal(torch.get_rng_state(), after), seed
+    assert type(got) is torch.Tensor and got.dtype == torch.uint8
+    assert np.array_equal(got.numpy(), _planes(want)), (seed, img.size, img.mode)
 
 
 def test_augmix_with_a_fill_runs_as_written(tv):
@@ -449,14 +473,9 @@ def test_a_policy_kernel_one_level_off_keeps_the_policy_as_written(tv, monkeypat
         def transform(src, out, coeffs, f, fill):
             real.transform(src, out, coeffs, f, fill)
             if f == 2:
-                flat = out.reshape(-1)
-                flat[len(flat) // 2] ^= 1
+                _one_level_off(out)
 
-    monkeypatch.setattr(C, "_ext", OffByOne())
-    monkeypatch.setattr(C, "_checked_ops", [])
-    with caplog.at_level("WARNING", logger=C.__name__):
-        assert not C.exact_ops()
-    assert "does not reproduce this PIL" in caplog.text
+    _assert_refused(monkeypatch, caplog, OffByOne(), "_checked_ops", C.exact_ops)
     t = tv[0].RandAugment()
     assert _on_planes(t) is t
 
@@ -490,21 +509,8 @@ def test_a_policy_on_planes_is_torchvisions_for_the_same_generator(tv, version, 
     sizes = [(1, 29), (31, 1), (2, 3), (17, 23), (64, 80), (224, 224)]
     for seed in range(60):
         h, w = sizes[seed % len(sizes)]
-        img = _image(rnd, h, w, "RGB" if seed % 5 else "L")
-        torch.manual_seed(seed)
-        try:
-            want = t(img)
-        except ValueError as e:     # a fill of three values for an L image: torchvision refuses it, so does coordl
-            torch.manual_seed(seed)
-            with pytest.raises(ValueError, match=re.escape(str(e))):
-                mine.on_planes(torch.from_numpy(_planes(img)))
-            continue
-        after = torch.get_rng_state()
-        torch.manual_seed(seed)
-        got = mine.on_planes(torch.from_numpy(_planes(img)))
-        assert torch.equal(torch.get_rng_state(), after), seed
-        assert type(got) is torch.Tensor and got.dtype == torch.uint8
-        assert np.array_equal(got.numpy(), _planes(want)), (seed, h, w, img.mode)
+        # (a fill of three values for an L image: torchvision refuses it, and so does coordl)
+        _assert_same_call(t, mine, _image(rnd, h, w, "RGB" if seed % 5 else "L"), seed)
 
 
 @needs_ext

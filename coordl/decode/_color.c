@@ -789,6 +789,15 @@ static int get_planes(PyObject *src_obj, PyObject *out_obj, Py_buffer *src, Py_b
     return 0;
 }
 
+/* the buffers given back; None, or MemoryError where a kernel could not have its scratch memory */
+static PyObject *finish(Py_buffer *src, Py_buffer *out, int err) {
+    PyBuffer_Release(src);
+    PyBuffer_Release(out);
+    if (err)
+        return PyErr_NoMemory();
+    Py_RETURN_NONE;
+}
+
 static PyObject *py_pil_op(PyObject *self, PyObject *args) {
     PyObject *src_obj, *out_obj;
     int code;
@@ -811,11 +820,7 @@ static PyObject *py_pil_op(PyObject *self, PyObject *args) {
     Py_BEGIN_ALLOW_THREADS
     err = run_pil_op((const uint8_t *)src.buf, (uint8_t *)out.buf, C, src.shape[1], src.shape[2], code, value);
     Py_END_ALLOW_THREADS
-    PyBuffer_Release(&src);
-    PyBuffer_Release(&out);
-    if (err)
-        return PyErr_NoMemory();
-    Py_RETURN_NONE;
+    return finish(&src, &out, err);
 }
 
 static PyObject *py_transform(PyObject *self, PyObject *args) {
@@ -881,11 +886,7 @@ static PyObject *py_transform(PyObject *self, PyObject *args) {
     else
         err = filtered((const uint8_t *)src.buf, (uint8_t *)out.buf, C, h, w, a, m == 8, filter, fill);
     Py_END_ALLOW_THREADS
-    PyBuffer_Release(&src);
-    PyBuffer_Release(&out);
-    if (err)
-        return PyErr_NoMemory();
-    Py_RETURN_NONE;
+    return finish(&src, &out, err);
 }
 
 static PyMethodDef color_methods[] = {
