@@ -558,9 +558,10 @@ TARGETS static void nearest_row(int32_t *idx, int way, const double *a, const in
         }
     } else if (way == 1) {
         int64_t bx = y * f[1] + f[2], by = y * f[4] + f[5];
-        for (Py_ssize_t x = 0; x < w; x++) {
+        for (Py_ssize_t x = 0; x < w; x++) {   /* (integers: the same sums in any order) */
             int64_t xs = (bx + x * f[0]) >> 16, ys = (by + x * f[3]) >> 16;
-            idx[x] = xs >= 0 && xs < w && ys >= 0 && ys < h ? (int32_t)(ys * w + xs) : -1;
+            int inside = (uint64_t)xs < (uint64_t)w && (uint64_t)ys < (uint64_t)h;
+            idx[x] = inside ? (int32_t)(ys * w + xs) : -1;
         }
     } else {
         double xx = *xo, yy = *yo;
@@ -575,7 +576,7 @@ TARGETS static void nearest_row(int32_t *idx, int way, const double *a, const in
     }
 }
 
-static int nearest_affine(const uint8_t *src, uint8_t *out, int C, Py_ssize_t h, Py_ssize_t w, const double *a,
+TARGETS static int nearest_affine(const uint8_t *src, uint8_t *out, int C, Py_ssize_t h, Py_ssize_t w, const double *a,
                           const uint8_t *fill) {
     Py_ssize_t n = h * w;
     int64_t f[6];
@@ -592,6 +593,23 @@ static int nearest_affine(const uint8_t *src, uint8_t *out, int C, Py_ssize_t h,
     yo = yo + a[3] * 0.5;
     for (Py_ssize_t y = 0; y < h; y++) {
         nearest_row(idx, way, a, f, tabs, tabs + w, y, h, w, &xo, &yo);
+        if (C == 3) {        /* each pixel's index once for its three planes */
+            uint8_t *o0 = out + y * w, *o1 = o0 + n, *o2 = o1 + n;
+            const uint8_t *p0 = src, *p1 = src + n, *p2 = src + 2 * n;
+            for (Py_ssize_t x = 0; x < w; x++) {
+                int32_t k = idx[x];
+                if (k >= 0) {
+                    o0[x] = p0[k];
+                    o1[x] = p1[k];
+                    o2[x] = p2[k];
+                } else {
+                    o0[x] = fill[0];
+                    o1[x] = fill[1];
+                    o2[x] = fill[2];
+                }
+            }
+            continue;
+        }
         for (int c = 0; c < C; c++) {
             const uint8_t *p = src + c * n;
             uint8_t *o = out + c * n + y * w;
