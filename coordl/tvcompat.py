@@ -1158,7 +1158,33 @@ class _PILCall(Image.Image):
         return self
 
 
-class PolicyOnDevice(OnPlanes):
+class _OpsOnPlanes:
+    """For a step whose draws are made apart from its call (:meth:`draw`, in
+    ``coordl.decode.color``'s terms): the CPU path computes the drawn
+    operations on the fused decode's RGB planes with coordl's kernels
+    (``coordl.decode.color.apply_ops``: PIL's bytes), where that is checked
+    to give the user's result here."""
+
+    def exact(self) -> bool:
+        """Whether :meth:`on_planes` gives the user's own result in this
+        process: coordl's kernels are PIL's here, and the draws and their
+        operations give what the user's class gives on probe images."""
+        from .decode import color
+
+        return color.exact_kernel() and color.exact_ops() and _agrees(type(self), type(self.user), self.v2)
+
+    def on_planes(self, x: torch.Tensor) -> torch.Tensor:
+        """The drawn operations computed on RGB planes (no PIL image in
+        between); an L image's through the user's object as written."""
+        from .decode import color
+
+        if x.shape[0] != 3:
+            return T._to_chw(self.user(_to_pil(x)))
+        ops = self.draw((int(x.shape[1]), int(x.shape[2])))
+        return torch.from_numpy(color.apply_ops(x.numpy(), ops))
+
+
+class PolicyOnDevice(_OpsOnPlanes, OnPlanes):
     """torchvision's auto-augment policies (v1 or v2; nearest, bilinear or
     bicubic interpolation) on a PIL image, their draws made apart from their call,
     so that ``decode="device"`` (and the device split) run their operations
@@ -1195,25 +1221,6 @@ class PolicyOnDevice(OnPlanes):
 
     def draws_agree(self) -> bool:
         return _agrees(type(self), type(self.user), self.v2, draws=True)
-
-    def exact(self) -> bool:
-        """Whether :meth:`on_planes` gives the user's own result in this
-        process: coordl's kernels are PIL's here, and the draws and their
-        operations give what the user's class gives on probe images."""
-        from .decode import color
-
-        return color.exact_kernel() and color.exact_ops() and super().exact()
-
-    def on_planes(self, x: torch.Tensor) -> torch.Tensor:
-        """The CPU path: the drawn operations computed on RGB planes by
-        ``coordl.decode.color.apply_ops`` (PIL's arithmetic, no PIL image in
-        between); an L image's through the user's object as written."""
-        from .decode import color
-
-        if x.shape[0] != 3:
-            return T._to_chw(self.user(_to_pil(x)))
-        ops = self.draw((int(x.shape[1]), int(x.shape[2])))
-        return torch.from_numpy(color.apply_ops(x.numpy(), ops))
 
     def draw(self, size: tuple | None = None) -> list:
         """The operations of one call on an image of ``size`` (h, w), drawn
@@ -1617,15 +1624,16 @@ class _DrawnApart(OnPlanes):
         return _agrees(type(self), type(self.user), self.v2, draws=True)
 
 
-class RandomOpOnDevice(_DrawnApart):
+class RandomOpOnDevice(_OpsOnPlanes, _DrawnApart):
     """torchvision's one-operation random steps on a PIL image (v1 or v2):
     ``RandomPosterize``, ``RandomSolarize``, ``RandomAdjustSharpness``,
     ``RandomAutocontrast``, ``RandomEqualize``, ``RandomInvert`` (the
     self-supervised recipes' solarization, torchvision's examples).  Their
     one draw (``torch.rand(1) < p``) is made apart from the call, and the
     operation is PIL's (``coordl.decode.color``'s code), computed on the
-    device as an auto-augment policy's.  Checked once per process against
-    the user's class on probe images."""
+    device as an auto-augment policy's, and on the CPU path's planes by
+    coordl's kernels.  Checked once per process against the user's class on
+    probe images."""
 
     how = "its draw made apart from its call, its operation computed with PIL's arithmetic on the device"
     probes = ({},)
@@ -1754,7 +1762,7 @@ class PhotometricOnDevice(_DrawnApart):
         return ops
 
 
-class GeometricOnDevice(_DrawnApart):
+class GeometricOnDevice(_OpsOnPlanes, _DrawnApart):
     """torchvision's ``RandomRotation`` (without ``expand``) and
     ``RandomAffine`` (v1 or v2; nearest, bilinear or bicubic) after the
     crop, on a PIL image: the user's object is called on a pixel-less PIL
@@ -1762,8 +1770,8 @@ class GeometricOnDevice(_DrawnApart):
     in its order and the call it would make of PIL's ``transform`` (its
     matrix, fill and filter) is recorded; the device runs that affine map
     with PIL's arithmetic (``coordl.device.pil_ops``), as an auto-augment
-    policy's.  Checked once per process against the user's class on probe
-    images.  On the CPU path it runs as written."""
+    policy's, and on the CPU path's planes by coordl's kernels.  Checked
+    once per process against the user's class on probe images."""
 
     how = "its draws made apart from its call, its affine map computed with PIL's arithmetic on the device"
     seeds = (tuple(range(12)), ())       # RGB probes only: the device runs RGB images
@@ -2891,8 +2899,9 @@ def grayscale_of(t: Any, v2: bool) -> bool:
     return 0.0 <= float(t.p) <= 1.0
 
 
-# what path_reason says of an auto-augment policy on the CPU path's planes
-_POLICY_ON_PLANES = ("with its own draws, each drawn operation computed with PIL's arithmetic by coordl on the "
+# what path_reason says of a step drawn apart (an auto-augment policy, a random rotation...) on the CPU
+# path's planes
+_DRAWN_ON_PLANES = ("with its own draws, each drawn operation computed with PIL's arithmetic by coordl on the "
                      "decoded planes")
 
 
@@ -2909,7 +2918,7 @@ def _on_planes(t: Any) -> Any:
         mine = policy_of(t)
         if mine is None:
             return t
-        mine.how = _POLICY_ON_PLANES
+        mine.how = _DRAWN_ON_PLANES
         return mine if mine.exact() else t
     kind = _kind(t)
     if kind is None or kind[0] not in ("v1", "v2"):
@@ -2920,11 +2929,11 @@ def _on_planes(t: Any) -> Any:
             mine = color_jitter_of(t) or random_apply_of(t) or grayscale_of(t)
             if mine is None:
                 return t
-        elif kind[1] in _POLICIES:
-            mine = policy_of(t)
+        elif kind[1] in _POLICIES or kind[1] in RandomOpOnDevice.KINDS or kind[1] in _GEOMETRIC:
+            mine = policy_of(t) or random_op_of(t) or geometric_of(t)
             if mine is None:
                 return t
-            mine.how = _POLICY_ON_PLANES
+            mine.how = _DRAWN_ON_PLANES
         elif kind[1] == "AugMix":
             # a fill is applied by type (v2: a dict of types), and v1 makes floats of it for a tensor only
             if _has_fill(t, v2):

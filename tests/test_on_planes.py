@@ -335,13 +335,14 @@ def _assert_same_call(t, mine, img, seed):
     """The user's step ``t`` on the PIL image and coordl's ``mine`` on its
     planes, each from torch's generator seeded with ``seed``: the same
     planes and the generator left in the same state; where ``t`` refuses
-    the image (a ValueError), ``mine`` refuses it with the same words."""
+    the image (a fill of three values for an L image, a perspective of a
+    tiny one), ``mine`` refuses it with the same error."""
     torch.manual_seed(seed)
     try:
         want = t(img)
-    except ValueError as e:
+    except (ValueError, RuntimeError) as e:
         torch.manual_seed(seed)
-        with pytest.raises(ValueError, match=re.escape(str(e))):
+        with pytest.raises(type(e), match=re.escape(str(e))):
             mine.on_planes(torch.from_numpy(_planes(img)))
         return
     after = torch.get_rng_state()
@@ -514,18 +515,22 @@ def test_a_policy_on_planes_is_torchvisions_for_the_same_generator(tv, version, 
 
 
 @needs_ext
-@pytest.mark.parametrize("version", ["v1", "v2", "timm", "timm_augmix"])
+@pytest.mark.parametrize("version", ["v1", "v2", "timm", "timm_augmix", "rotation", "solarize"])
 def test_a_pipeline_with_a_policy_gives_its_as_written_result(tv, version):
     """The reference recipe's training preset with ``--auto-augment`` (and
     timm's ``rand-m9-mstd0.5-inc1``) through the fused decode: the policy on
     the planes, then the conversion, against the same steps run as written,
     for the same sample draws, and the loader's path_reason says so."""
-    from coordl.tvcompat import PolicyOnDevice, translate
+    from coordl.tvcompat import _OpsOnPlanes, translate
 
     M = tv[1] if version == "v2" else tv[0]
     bilinear = tv[0].InterpolationMode.BILINEAR
     if version == "timm":
         policy = pytest.importorskip("timm.data.auto_augment").rand_augment_transform("rand-m9-mstd0.5-inc1", {})
+    elif version == "rotation":       # a random rotation, bilinear, filled
+        policy = M.RandomRotation(15, interpolation=bilinear, fill=[0, 128, 255])
+    elif version == "solarize":       # the self-supervised recipes' solarization
+        policy = M.RandomSolarize(threshold=128, p=0.5)
     elif version == "timm_augmix":    # timm's AugMixAugment: its chains on the planes, then its mix
         policy = pytest.importorskip("timm.data.auto_augment").augment_and_mix_transform(
             "augmix-m5-w4-d2", {"translate_const": 20, "img_mean": (124, 116, 104)})
@@ -535,7 +540,7 @@ def test_a_pipeline_with_a_policy_gives_its_as_written_result(tv, version):
     if version != "v2":
         steps += [M.ConvertImageDtype(torch.float32), M.Normalize((0.485, 0.456, 0.406), (0.229, 0.224, 0.225))]
     out = translate(M.Compose(steps))[0]
-    assert len(out.tail) == 1 and isinstance(out.tail[0], PolicyOnDevice)
+    assert len(out.tail) == 1 and isinstance(out.tail[0], _OpsOnPlanes)
     _assert_as_written(out, [(67, 45), (1, 40), (301, 199)], 3, 12, 8)
 
 
@@ -574,3 +579,37 @@ def test_a_policy_given_images_of_many_sizes_keeps_a_bounded_memo(tv, monkeypatc
         got = mine.on_planes(torch.from_numpy(_planes(img)))
         assert np.array_equal(got.numpy(), _planes(want)), seed
         assert len(mine._calls) <= 8 and len(mine._spaces) <= 8
+
+
+RANDOM_STEPS = [("RandomRotation", {"degrees": 30}),
+                ("RandomRotation", {"degrees": (-10, 40), "interpolation": "bilinear", "fill": [9, 80, 200]}),
+                ("RandomAffine", {"degrees": 20, "translate": (0.1, 0.2), "scale": (0.8, 1.2), "shear": 10,
+                                  "interpolation": "bicubic"}),
+                ("RandomPerspective", {"p": 0.7, "interpolation": "bilinear"}),
+                ("RandomPosterize", {"bits": 3}), ("RandomSolarize", {"threshold": 100.5}),
+                ("RandomAdjustSharpness", {"sharpness_factor": 1.7}), ("RandomAutocontrast", {}),
+                ("RandomEqualize", {}), ("RandomInvert", {})]
+
+
+@needs_ext
+@pytest.mark.parametrize("version", ["v1", "v2"])
+@pytest.mark.parametrize("name,kw", RANDOM_STEPS, ids=[f"{n}-{i}" for i, (n, _) in enumerate(RANDOM_STEPS)])
+def test_a_random_step_on_planes_is_torchvisions_for_the_same_generator(tv, version, name, kw):
+    """torchvision's rotations, affine and perspective maps and one-operation
+    random steps on the planes: their own draws, PIL's pixels, torch's
+    generator left as their call leaves it; an L image as written."""
+    from coordl.tvcompat import _on_planes
+
+    M = tv[0] if version == "v1" else tv[1]
+    kw = dict(kw)
+    if "interpolation" in kw:
+        kw["interpolation"] = tv[0].InterpolationMode(kw["interpolation"])
+    t = getattr(M, name)(**kw)
+    mine = _on_planes(t)
+    assert mine is not t and mine.user is t and mine.exact()
+    assert "by coordl on the decoded planes" in repr(mine)
+    rnd = random.Random(5)
+    sizes = [(1, 29), (31, 1), (2, 3), (17, 23), (64, 80)]
+    for seed in range(30):
+        h, w = sizes[seed % len(sizes)]
+        _assert_same_call(t, mine, _image(rnd, h, w, "RGB" if seed % 5 else "L"), seed)
