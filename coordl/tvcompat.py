@@ -2905,6 +2905,16 @@ _DRAWN_ON_PLANES = ("with its own draws, each drawn operation computed with PIL'
                      "decoded planes")
 
 
+def _drawn_on_planes(t: Any, mine: "_OpsOnPlanes | None") -> Any:
+    """``mine`` (the device path's counterpart of ``t``, drawn apart) for the
+    CPU path's planes, described so, where it gives ``t``'s result here;
+    else ``t``."""
+    if mine is None:
+        return t
+    mine.how = _DRAWN_ON_PLANES
+    return mine if mine.exact() else t
+
+
 def _on_planes(t: Any) -> Any:
     """``t``, or an :class:`OnPlanes` over it when it is torchvision's
     ``ColorJitter`` with ranges as its constructor makes them, its
@@ -2915,11 +2925,7 @@ def _on_planes(t: Any) -> Any:
     (checked now, once per process, so that workers forked later inherit the
     answer)."""
     if type(t).__module__ == _TIMM_AA and type(t).__name__ in ("RandAugment", "AutoAugment", "AugMixAugment"):
-        mine = policy_of(t)
-        if mine is None:
-            return t
-        mine.how = _DRAWN_ON_PLANES
-        return mine if mine.exact() else t
+        return _drawn_on_planes(t, policy_of(t))
     kind = _kind(t)
     if kind is None or kind[0] not in ("v1", "v2"):
         return t
@@ -2930,10 +2936,7 @@ def _on_planes(t: Any) -> Any:
             if mine is None:
                 return t
         elif kind[1] in _POLICIES or kind[1] in RandomOpOnDevice.KINDS or kind[1] in _GEOMETRIC:
-            mine = policy_of(t) or random_op_of(t) or geometric_of(t)
-            if mine is None:
-                return t
-            mine.how = _DRAWN_ON_PLANES
+            return _drawn_on_planes(t, policy_of(t) or random_op_of(t) or geometric_of(t))
         elif kind[1] == "AugMix":
             # a fill is applied by type (v2: a dict of types), and v1 makes floats of it for a tensor only
             if _has_fill(t, v2):

@@ -345,28 +345,44 @@ def probe_ops(codes) -> list:
     return [[(code, v)] for code in codes for v in values(code)]
 
 
+def _probe_images(seed: int, *shapes: tuple) -> list:
+    """Noise images of ``shapes`` (H, W, 3 for RGB, H, W for L) from
+    ``seed``, in order; a shape ``(h, w, 3, k)`` is noise divided by ``k``
+    (a dark image)."""
+    rng = random.Random(seed)
+    out = []
+    for shape in shapes:
+        dims, k = (shape[:3], shape[3]) if len(shape) == 4 else (shape, 1)
+        a = np.frombuffer(rng.randbytes(int(np.prod(dims))), np.uint8).reshape(dims)
+        out.append(Image.fromarray(a // k if k != 1 else a))
+    return out
+
+
+def _reproduces(images, cases, run, skip, what: str) -> bool:
+    """Whether ``run(planes, ops)`` gives PIL's bytes (:func:`pil_jitter`)
+    for each of ``cases`` on each image (but the cases ``skip(ops, planes)``
+    leaves out); else False, with a warning that says ``what`` runs
+    through PIL instead."""
+    for img in images:
+        planes = _planes(img)
+        for ops in cases:
+            if skip(ops, planes):
+                continue
+            if not np.array_equal(run(planes, ops), _planes(pil_jitter(img, ops))):
+                log.warning("coordl.decode._color does not reproduce this PIL's %s on a %s image: %s (the same "
+                            "pixels, slower)", ops, img.mode, what)
+                return False
+    return True
+
+
 def _check() -> bool:
     """True when the extension gives PIL's bytes on every probe."""
     if _ext is None:
         return False
-    rng = random.Random(20241127)
-
-    def noise(*shape):
-        return np.frombuffer(rng.randbytes(int(np.prod(shape))), np.uint8).reshape(shape)
-
-    rgb = Image.fromarray(noise(48, 64, 3))
-    dark = Image.fromarray(noise(17, 19, 3) // 4)
-    gray = Image.fromarray(noise(13, 11))
     cases = probe_ops((BRIGHTNESS, CONTRAST, SATURATION, HUE))
     cases += [[(SATURATION, 1.3), (BRIGHTNESS, 0.7), (HUE, 250), (CONTRAST, 1.25)]]
-    for img in (rgb, dark, gray):
-        planes = _planes(img)
-        for ops in cases:
-            if not np.array_equal(jitter(planes, ops), _planes(pil_jitter(img, ops))):
-                log.warning("coordl.decode._color does not reproduce this PIL's %s on a %s image: colour "
-                            "adjustments run through PIL (the same pixels, slower)", ops, img.mode)
-                return False
-    return True
+    return _reproduces(_probe_images(20241127, (48, 64, 3), (17, 19, 3, 4), (13, 11)), cases, jitter,
+                       lambda ops, planes: False, "colour adjustments run through PIL")
 
 
 _lock = _forks.worker_safe(threading.Lock())
@@ -379,25 +395,15 @@ def _check_ops() -> bool:
     probe."""
     if _ext is None or not hasattr(_ext, "pil_op"):
         return False
-    rng = random.Random(20261129)
 
-    def noise(*shape):
-        return np.frombuffer(rng.randbytes(int(np.prod(shape))), np.uint8).reshape(shape)
+    def skip(ops, planes) -> bool:      # a fill of three values for an L image: PIL refuses it either way
+        (code, value), = ops
+        return (code in (AFFINE, PERSPECTIVE) and not _takes(value, planes.shape[0])) or (
+            code == TIMM_AUGMIX and planes.shape[0] != 3)
 
-    images = (Image.fromarray(noise(48, 64, 3)), Image.fromarray(noise(17, 19, 3) // 4),
-              Image.fromarray(noise(13, 11)), Image.fromarray(noise(2, 5, 3)))
-    for img in images:
-        planes = _planes(img)
-        for ops in probe_ops(sorted(OP_CODES | {TIMM_AUGMIX})):
-            (code, value), = ops
-            if (code in (AFFINE, PERSPECTIVE) and not _takes(value, planes.shape[0])) or (
-                    code == TIMM_AUGMIX and planes.shape[0] != 3):
-                continue        # a fill of three values for an L image: PIL refuses it either way
-            if not np.array_equal(apply_ops(planes, ops), _planes(pil_jitter(img, ops))):
-                log.warning("coordl.decode._color does not reproduce this PIL's %s on a %s image: auto-augment "
-                            "policies run as written (the same pixels, slower)", ops, img.mode)
-                return False
-    return True
+    images = _probe_images(20261129, (48, 64, 3), (17, 19, 3, 4), (13, 11), (2, 5, 3))
+    return _reproduces(images, probe_ops(sorted(OP_CODES | {TIMM_AUGMIX})), apply_ops, skip,
+                       "auto-augment policies run as written")
 
 
 _checked_ops: list = []
