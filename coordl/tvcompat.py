@@ -1116,12 +1116,36 @@ class AugMixOnPlanes(OnPlanes):
     view of the image's (H, W, C) bytes), augments and mixes that, and makes a
     PIL image of the result; here it is given that very tensor (the same
     values in the same memory layout), and its result is the planes, without
-    the two conversions."""
+    the two conversions.  Where its draws can be made apart from its call
+    (:class:`AugMixDrawnOnPlanes`, checked once per process), an RGB image's
+    draws are made so and mixed by ``coordl.decode.augmix``, whose CPU
+    tables compute several of its operations faster, the same values."""
 
-    how = ("given the decoded planes as the uint8 tensor it makes of the PIL image (the same layout; no "
-           "conversion to PIL and back)")
+    _HOW = ("given the decoded planes as the uint8 tensor it makes of the PIL image (the same layout; no "
+            "conversion to PIL and back)")
+
+    def __init__(self, user: Any, v2: bool):
+        super().__init__(user, v2)
+        self.drawn: "AugMixDrawnOnPlanes | None" = None     # set by exact(), where it gives the user's result
+
+    @property
+    def how(self) -> str:
+        return AugMixDrawnOnPlanes.how if self.drawn is not None else self._HOW
+
+    def exact(self) -> bool:
+        if not super().exact():
+            return False
+        if self.drawn is None:
+            try:
+                drawn = AugMixDrawnOnPlanes(self.user, self.v2)
+            except (TypeError, ValueError, AttributeError):     # chains past a record, another API
+                drawn = None
+            self.drawn = drawn if drawn is not None and drawn.exact() else None
+        return True
 
     def on_planes(self, x: torch.Tensor) -> torch.Tensor:
+        if self.drawn is not None and x.shape[0] == 3:
+            return self.drawn.on_planes(x)
         out = self.user(x.permute(1, 2, 0).contiguous().permute(2, 0, 1))
         if not (isinstance(out, torch.Tensor) and out.dtype == torch.uint8 and out.shape == x.shape):
             raise TypeError(f"AugMix gave {type(out).__name__} {getattr(out, 'dtype', '')} for planes of shape "
@@ -1887,6 +1911,30 @@ class AugMixOnDevice(_DrawnApart):
         if signed and torch.randint(2, (1,)):
             magnitude *= -1.0
         return name, magnitude
+
+
+class AugMixDrawnOnPlanes(AugMixOnDevice):
+    """The CPU path's ``AugMix`` of an RGB image drawn apart: the device
+    path's draws (:class:`AugMixOnDevice`, the user's own in its order), mixed
+    on the planes by ``coordl.decode.augmix.on_planes`` (torchvision's
+    functions and arithmetic, and on the CPU tables giving the same values
+    for its colour operations).  Checked once per process against the user's
+    class on probe images (:meth:`exact`)."""
+
+    how = ("its draws made apart from its call, its operations and mix computed on the decoded planes with "
+           "torchvision's arithmetic (coordl's tables for its colour operations: the same bytes)")
+    # the draws are the device path's, which its own check runs over 24 seeds; here 8 a probe, every
+    # operation drawn over the probes (the tables' values are checked apart, for every magnitude)
+    seeds = (tuple(range(8)), ())
+
+    def exact(self) -> bool:
+        return _agrees(type(self), type(self.user), self.v2)
+
+    def on_planes(self, x: torch.Tensor) -> torch.Tensor:
+        from .decode import augmix
+
+        (_, value), = self.draw((int(x.shape[1]), int(x.shape[2])))
+        return augmix.on_planes(x, value)
 
 
 class _OnTensor:

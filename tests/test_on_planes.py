@@ -16,6 +16,7 @@ import pytest
 import torch
 from PIL import Image, ImageEnhance
 
+from coordl.decode import augmix as AM
 from coordl.decode import color as C
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -324,6 +325,7 @@ def test_augmix_on_planes_is_torchvisions_for_the_same_generator(tv, version, pa
     t = M.AugMix(**params)
     mine = _on_planes(t)
     assert isinstance(mine, AugMixOnPlanes) and mine.user is t and mine.exact()
+    assert mine.drawn is not None and "coordl's tables" in mine.how     # RGB images: drawn apart, tabled
     rnd = random.Random(7)
     sizes = [(1, 29), (31, 1), (2, 3), (17, 23), (64, 80)]
     for seed in range(10):
@@ -351,6 +353,111 @@ def _assert_same_call(t, mine, img, seed):
     assert torch.equal(torch.get_rng_state(), after), seed
     assert type(got) is torch.Tensor and got.dtype == torch.uint8
     assert np.array_equal(got.numpy(), _planes(want)), (seed, img.size, img.mode)
+
+
+@needs_ext
+def test_the_table_and_histogram_kernels():
+    """``tables``: each plane through its own table (or one for all), apart
+    or in place; ``histograms``: each plane's counts; wrong shapes refused."""
+    rs = np.random.RandomState(2)
+    a = rs.randint(0, 256, (2, 3, 5, 7)).astype(np.uint8)
+    luts = rs.randint(0, 256, (2, 3, 256)).astype(np.uint8)
+    out = np.empty_like(a)
+    C._ext.tables(a, out, luts)
+    assert np.array_equal(out, np.take_along_axis(luts, a.reshape(2, 3, -1).astype(np.int64), 2).reshape(a.shape))
+    b = a.copy()
+    C._ext.tables(b, b, luts[0, 0])
+    assert np.array_equal(b, luts[0, 0][a])
+    hist = np.zeros((2, 3, 256), dtype=np.int64)
+    C._ext.histograms(a, hist)
+    assert np.array_equal(hist.reshape(6, 256), [np.bincount(p.ravel(), minlength=256) for p in a.reshape(6, -1)])
+    with pytest.raises(ValueError, match="256 values for each"):
+        C._ext.tables(a, out, luts.reshape(-1, 256)[:4].copy())     # 210 values in 4 planes
+    with pytest.raises(ValueError, match="src itself or not overlap"):
+        C._ext.tables(a.reshape(-1)[:-1], a.reshape(-1)[1:], luts[0, 0])
+    with pytest.raises(ValueError, match="int64"):
+        C._ext.histograms(a, np.zeros((6, 256), dtype=np.int32))
+
+
+def _sharpness_blocks() -> np.ndarray:
+    """A uint8 (1, 1, H, W) image of 3x3 blocks, each block's centre weighed
+    with its own block alone (1s around a 5) to a sum S of its own: every S
+    from 0 to 13 * 255 once, so every S/13 (the blurred value) and all those
+    nearest a half (S/13 = k + 6/13, k + 7/13)."""
+    sums = np.arange(13 * 255 + 1)
+    n = int(np.ceil(np.sqrt(len(sums))))
+    img = np.zeros((3 * n, 3 * n), dtype=np.uint8)
+    for i, s in enumerate(sums):
+        centre = min(255, s // 5)
+        rest = s - 5 * centre                      # spread over the eight neighbours, each at most 255
+        ring = [rest // 8 + (1 if k < rest % 8 else 0) for k in range(8)]
+        r, c = 3 * (i // n), 3 * (i % n)
+        block = np.array([ring[:3], [ring[3], centre, ring[4]], ring[5:]], dtype=np.int64)
+        assert block.max() <= 255 and int(block.sum()) + 4 * centre == s
+        img[r:r + 3, c:c + 3] = block
+    return img[None, None]
+
+
+@pytest.mark.parametrize("version", ["v1", "v2"])
+def test_augmix_tables_give_torchvisions_values(tv, version):
+    """On the CPU, AugMix's brightness, solarize, autocontrast, equalize and
+    sharpness computed by tables are torchvision's functions' values, for
+    every magnitude AugMix draws: on photo-sized and tiny images, one and
+    three channels, a batch, flat ones, and sharpness on every weighted sum
+    its blur rounds (those nearest a half included)."""
+    v2 = int(version == "v2")
+    assert AM.tabled(v2) == frozenset(AM._TABLED)
+    slow, fast = AM._op(v2, 1), AM._op_on_cpu(v2, 1)
+    rnd = random.Random(17)
+    images = [torch.from_numpy(_planes(_image(rnd, h, w, mode)))[None]
+              for h, w, mode in ((224, 199, "RGB"), (61, 80, "L"), (5, 4, "RGB"), (3, 250, "RGB"), (2, 2, "RGB"))]
+    images += [torch.from_numpy(np.random.RandomState(5).randint(0, 256, (3, 3, 31, 29)).astype(np.uint8)),
+               torch.full((1, 3, 7, 9), 201, dtype=torch.uint8), torch.from_numpy(_sharpness_blocks())]
+    for name in AM._TABLED:
+        for m in AM._magnitudes(v2, name):
+            for x in images:
+                got, want = fast(x, name, m), slow(x, name, m)
+                assert got.dtype == torch.uint8 and torch.equal(got, want), (name, m, tuple(x.shape))
+
+
+def test_an_augmix_table_that_differs_is_not_used(tv, monkeypatch, caplog):
+    """A sharpness blend table one level off on one pair in a hundred (an
+    arithmetic that rounds otherwise now and then) fails its check: that
+    operation is computed by torchvision's function (the right values), the
+    others by their tables."""
+    real = AM._blend_table
+
+    def off(v2, factor):
+        t = real(v2, factor).copy()
+        pairs = np.arange(65536)
+        t[(pairs // 256 + pairs % 256) % 97 == 0] ^= 1
+        return t
+
+    monkeypatch.setattr(AM, "_blend_table", off)
+    monkeypatch.setattr(AM, "_tabled", {})
+    monkeypatch.setattr(AM, "_tables", {})
+    with caplog.at_level("WARNING", logger="coordl"):
+        assert AM.tabled(0) == frozenset(AM._TABLED) - {"Sharpness"}
+    assert "AugMix's Sharpness differs" in caplog.text
+    x = torch.from_numpy(_sharpness_blocks())
+    assert torch.equal(AM._op_on_cpu(0, 1)(x, "Sharpness", 0.3), AM._op(0, 1)(x, "Sharpness", 0.3))
+
+
+def test_augmix_drawn_apart_where_its_check_fails_runs_on_the_tensor(tv, monkeypatch):
+    """Draws that would not be the user's (the weights doubled) fail the
+    drawn class's check: AugMix still runs on the planes, as the user's call
+    on the tensor, its result torchvision's."""
+    import coordl.tvcompat as tc
+    from coordl.tvcompat import AugMixOnPlanes, _on_planes
+
+    real = AM._column
+    monkeypatch.setattr(tc, "_agree", {})
+    monkeypatch.setattr(AM, "_column", lambda values, upload: real([2 * v for v in values], upload))
+    t = tv[0].AugMix()
+    mine = _on_planes(t)
+    assert isinstance(mine, AugMixOnPlanes) and mine.exact() and mine.drawn is None
+    assert "no conversion to PIL" in mine.how
+    _assert_same_call(t, mine, _image(random.Random(3), 30, 41, "RGB"), 5)
 
 
 def test_augmix_with_a_fill_runs_as_written(tv):
@@ -395,13 +502,16 @@ def test_the_first_use_checks_leave_the_generators_as_they_were(tv, monkeypatch)
     V1, V2 = tv
     monkeypatch.setattr(tc, "_agree", {})
     monkeypatch.setattr(C, "_checked", [])
+    monkeypatch.setattr(AM, "_tabled", {})
     torch.manual_seed(11)
     random.seed(11)
     before = torch.get_rng_state(), random.getstate()
     out = tc.translate(V2.Compose([V2.RandomResizedCrop(16), V2.ColorJitter(0.4, 0.4, 0.4, 0.2), V2.AugMix(),
                                    V2.PILToTensor()]))[0]
     assert [type(t) for t in out.tail] == [tc.ColorJitterOnPlanes, tc.AugMixOnPlanes]
-    assert len(tc._agree) == 2 and C._checked == [True]   # the checks ran, here
+    # the checks ran, here: the jitter's, AugMix's as written on the tensor and drawn apart, its tables
+    assert len(tc._agree) == 3 and C._checked == [True] and list(AM._tabled) == [1]
+    assert out.tail[1].drawn is not None
     assert torch.equal(torch.get_rng_state(), before[0]) and random.getstate() == before[1]
 
 

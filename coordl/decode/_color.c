@@ -907,6 +907,100 @@ static PyObject *py_transform(PyObject *self, PyObject *args) {
     return finish(&src, &out, err);
 }
 
+/* a C-contiguous uint8 buffer of P planes of equal size (len a multiple of P, P >= 1), for tables/histograms */
+static int get_bytes(PyObject *obj, Py_buffer *buf, int writable, const char *name) {
+    if (PyObject_GetBuffer(obj, buf, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | (writable ? PyBUF_WRITABLE : 0)) < 0)
+        return -1;
+    if (buf->itemsize != 1 || (buf->format != NULL && strcmp(buf->format, "B") != 0)) {
+        PyErr_Format(PyExc_ValueError, "%s should be a C-contiguous uint8 array", name);
+        PyBuffer_Release(buf);
+        return -1;
+    }
+    return 0;
+}
+
+static PyObject *py_tables(PyObject *self, PyObject *args) {
+    PyObject *src_obj, *out_obj, *luts_obj;
+    Py_buffer src, out, luts;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "OOO:tables", &src_obj, &out_obj, &luts_obj))
+        return NULL;
+    if (get_bytes(src_obj, &src, 0, "src") < 0)
+        return NULL;
+    if (get_bytes(out_obj, &out, 1, "out") < 0) {
+        PyBuffer_Release(&src);
+        return NULL;
+    }
+    if (get_bytes(luts_obj, &luts, 0, "luts") < 0) {
+        PyBuffer_Release(&src);
+        PyBuffer_Release(&out);
+        return NULL;
+    }
+    Py_ssize_t P = luts.len / 256;
+    const char *why = NULL;
+    if (P < 1 || luts.len != P * 256 || src.len % P != 0)
+        why = "luts should hold 256 values for each of src's planes (src's size a multiple of their number)";
+    else if (out.len != src.len)
+        why = "out should be as large as src";
+    else if (out.buf != src.buf && (char *)out.buf < (char *)src.buf + src.len &&
+             (char *)src.buf < (char *)out.buf + out.len)
+        why = "out should be src itself or not overlap it";
+    if (why == NULL) {
+        Py_ssize_t n = src.len / P;
+        Py_BEGIN_ALLOW_THREADS
+        for (Py_ssize_t p = 0; p < P; p++)
+            apply_table((uint8_t *)out.buf + p * n, (const uint8_t *)src.buf + p * n, n,
+                        (const uint8_t *)luts.buf + p * 256);
+        Py_END_ALLOW_THREADS
+    } else
+        PyErr_SetString(PyExc_ValueError, why);
+    PyBuffer_Release(&src);
+    PyBuffer_Release(&out);
+    PyBuffer_Release(&luts);
+    if (why != NULL)
+        return NULL;
+    Py_RETURN_NONE;
+}
+
+TARGETS static void count_values(const uint8_t *restrict p, Py_ssize_t n, int64_t *restrict hist) {
+    for (Py_ssize_t i = 0; i < n; i++)
+        hist[p[i]]++;
+}
+
+static PyObject *py_histograms(PyObject *self, PyObject *args) {
+    PyObject *src_obj, *hist_obj;
+    Py_buffer src, hist;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "OO:histograms", &src_obj, &hist_obj))
+        return NULL;
+    if (get_bytes(src_obj, &src, 0, "src") < 0)
+        return NULL;
+    if (PyObject_GetBuffer(hist_obj, &hist, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE | PyBUF_FORMAT) < 0) {
+        PyBuffer_Release(&src);
+        return NULL;
+    }
+    Py_ssize_t P = hist.len / (256 * 8);
+    const char *why = NULL;
+    if (hist.itemsize != 8 || (hist.format != NULL && strcmp(hist.format, "q") != 0 && strcmp(hist.format, "l") != 0))
+        why = "hist should be a C-contiguous int64 array";
+    else if (P < 1 || hist.len != P * 256 * 8 || src.len % P != 0)
+        why = "hist should hold 256 counts for each of src's planes (src's size a multiple of their number)";
+    if (why == NULL) {
+        Py_ssize_t n = src.len / P;
+        Py_BEGIN_ALLOW_THREADS
+        memset(hist.buf, 0, (size_t)hist.len);
+        for (Py_ssize_t p = 0; p < P; p++)
+            count_values((const uint8_t *)src.buf + p * n, n, (int64_t *)hist.buf + p * 256);
+        Py_END_ALLOW_THREADS
+    } else
+        PyErr_SetString(PyExc_ValueError, why);
+    PyBuffer_Release(&src);
+    PyBuffer_Release(&hist);
+    if (why != NULL)
+        return NULL;
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef color_methods[] = {
     {"jitter", py_jitter, METH_VARARGS,
      "jitter(src, out, ops) -> None\n"
@@ -929,6 +1023,17 @@ static PyMethodDef color_methods[] = {
      "numbers) or the perspective one (eight), with PIL's filter 0 (nearest),\n"
      "2 (bilinear) or 3 (bicubic), fill (None: zeros; else one value per\n"
      "plane) outside, into out."},
+    {"tables", py_tables, METH_VARARGS,
+     "tables(src, out, luts) -> None\n"
+     "\n"
+     "out[p][i] = luts[p][src[p][i]] for each of the P planes of src, a\n"
+     "C-contiguous uint8 array cut into P equal planes, P the number of\n"
+     "256-value tables in luts (uint8); out: src's size, src itself or apart."},
+    {"histograms", py_histograms, METH_VARARGS,
+     "histograms(src, hist) -> None\n"
+     "\n"
+     "hist[p][v] = how often v occurs in plane p of src (a C-contiguous uint8\n"
+     "array cut into P equal planes, P the rows of hist, int64 (P, 256))."},
     {NULL, NULL, 0, NULL}};
 
 static struct PyModuleDef color_module = {PyModuleDef_HEAD_INIT, "coordl.decode._color",

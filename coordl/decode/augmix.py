@@ -28,7 +28,8 @@ the chain's result exactly): the operations with torchvision's own
 functions (the rows drawing the same operation at the same step taken
 together), the mix with the same single-precision products and sums as
 torchvision's, row by row.  On
-the CPU its values are torchvision's own; on a GPU torchvision's functions
+the CPU its values are torchvision's own (five of its colour operations
+computed through tables of torchvision's values, :func:`tabled`); on a GPU torchvision's functions
 run there (their sampling and convolution round as the GPU does), within a
 stated tolerance (``coordl.device.pil_ops.TOLERANCE``, checked on probe
 images at first use).
@@ -37,11 +38,15 @@ from __future__ import annotations
 
 import functools
 import importlib
+import logging
+import threading
 
 import numpy as np
 import torch
 
-__all__ = ["NAMES", "MODES", "FIELDS", "fits", "pack", "unpack", "apply", "on_planes"]
+__all__ = ["NAMES", "MODES", "FIELDS", "fits", "pack", "unpack", "apply", "on_planes", "tabled"]
+
+log = logging.getLogger("coordl")
 
 # the operations of AugMix's augmentation space (v1 and v2 alike), by index; then AutoAugment's Invert, which
 # the policies given a tensor draw (coordl.tvcompat's _PolicyOnTensor: their operations travel as a value here)
@@ -144,6 +149,229 @@ def _op(v2: int, mode: int):
     return fn
 
 
+# ------------------------------------------------------------------ the CPU's tables
+# On the CPU the colour operations below are computed through tables of torchvision's own values rather than
+# by its functions over the whole image (its sharpness is a float convolution, 4-5 ms on a 224x224 image in one
+# thread; equalize, solarize, autocontrast and brightness several passes of float or int64 tensors):
+#
+# - Brightness, Solarize: a function of each value alone, so the table is torchvision's function of an image
+#   holding every value 0..255 once;
+# - AutoContrast: a function of each value and its channel's minimum and maximum, so the table of a channel is
+#   torchvision's function of an image whose channel holds every value between that minimum and maximum (and
+#   those alone: the same minimum and maximum, the same arithmetic for each value);
+# - Equalize: torchvision's integer arithmetic (each channel's histogram, PIL's step, its table), as numpy's;
+# - Sharpness: torchvision's blurred image is its 3x3 kernel (1s around a 5, over 13) in single precision,
+#   rounded to the nearest integer.  The exact value S/13 (S the weighted integer sum) is never within 1/26 of
+#   a half, and single precision errs by under 1e-3 on sums of at most 13 * 255, in any order of the sums: so
+#   the rounded value is round(S/13), computed here in integers.  The blend of each value with its blurred
+#   one is then a function of the pair, tabled (65,536 pairs) with the version's own arithmetic.
+#
+# Each is checked once per process against torchvision's function, on probe images of several sizes with
+# every magnitude AugMix draws (:func:`tabled`); an operation that differs is computed by torchvision's.
+_TABLED = ("Brightness", "Solarize", "AutoContrast", "Equalize", "Sharpness")
+_KEEP = 1024                 # tables kept per process (AugMix draws a few dozen magnitudes)
+_tables: dict = {}
+_tabled: dict = {}
+_tabled_lock = threading.Lock()
+
+
+def _kept(key, make):
+    got = _tables.get(key)
+    if got is None:
+        if len(_tables) >= _KEEP:
+            _tables.clear()
+        got = _tables[key] = make()
+    return got
+
+
+def _every_value(c: int) -> torch.Tensor:
+    """A uint8 (1, c, 16, 16) image holding each value 0..255 once a channel."""
+    return torch.arange(256, dtype=torch.uint8).view(1, 1, 16, 16).expand(1, c, 16, 16).contiguous()
+
+
+def _ext(name: str):
+    """The colour extension's function ``name`` (None where not built)."""
+    from . import color
+
+    return getattr(color._ext, name, None) if color._ext is not None else None
+
+
+def _by_table(a: np.ndarray, luts: np.ndarray) -> torch.Tensor:
+    """``a`` (k, C, H, W) uint8 through ``luts``: one table of 256 (every
+    plane) or one per plane, (k, C, 256)."""
+    a = np.ascontiguousarray(a)
+    out = np.empty_like(a)
+    fn = _ext("tables")
+    if fn is not None:
+        fn(a, out, np.ascontiguousarray(luts))
+    elif luts.ndim == 1:
+        np.take(luts, a, out=out)
+    else:
+        for i in range(a.shape[0]):
+            for c in range(a.shape[1]):
+                np.take(luts[i, c], a[i, c], out=out[i, c])
+    return torch.from_numpy(out)
+
+
+def _histograms(a: np.ndarray) -> np.ndarray:
+    """Each plane's histogram: (k, C, 256) int64 of (k, C, H, W) uint8."""
+    k, c = a.shape[:2]
+    fn = _ext("histograms")
+    if fn is not None:
+        hist = np.empty((k, c, 256), dtype=np.int64)
+        fn(np.ascontiguousarray(a), hist)
+        return hist
+    return np.stack([np.bincount(p, minlength=256) for p in a.reshape(k * c, -1)]).reshape(k, c, 256)
+
+
+def _extremes(hist: np.ndarray) -> tuple:
+    """Each plane's smallest and largest value, from its histogram."""
+    seen = hist > 0
+    return seen.argmax(axis=2), 255 - seen[..., ::-1].argmax(axis=2)
+
+
+def _pointwise(slow, v2: int, name: str, magnitude: float, a: np.ndarray) -> torch.Tensor:
+    lut = _kept((v2, name, magnitude), lambda: slow(_every_value(1), name, magnitude).numpy().reshape(256))
+    return _by_table(a, lut)
+
+
+def _autocontrast(slow, v2: int, name: str, magnitude: float, a: np.ndarray) -> torch.Tensor:
+    k, c = a.shape[:2]
+    if a.size == 0:
+        return slow(torch.from_numpy(a), name, magnitude)
+    lo, hi = _extremes(_histograms(a))
+    probe = np.clip(np.arange(256)[None, None], lo[..., None], hi[..., None]).astype(np.uint8)
+    luts = slow(torch.from_numpy(probe.reshape(k, c, 16, 16)), name, magnitude).numpy().reshape(k, c, 256)
+    return _by_table(a, luts)
+
+
+def _equalize(slow, v2: int, name: str, magnitude: float, a: np.ndarray) -> torch.Tensor:
+    if a.size == 0:
+        return slow(torch.from_numpy(a), name, magnitude)
+    hist = _histograms(a)
+    n = a.shape[2] * a.shape[3]
+    _, hi = _extremes(hist)
+    # PIL's step: the pixels below the plane's largest value over 255; 0 leaves the plane as it is
+    step = (n - np.take_along_axis(hist, hi[..., None], axis=2)[..., 0]) // 255
+    luts = np.zeros(hist.shape, dtype=np.uint8)
+    luts[..., 1:] = np.clip((np.cumsum(hist[..., :-1], axis=2) + (step // 2)[..., None])
+                            // np.maximum(step, 1)[..., None], 0, 255)
+    luts[step == 0] = np.arange(256, dtype=np.uint8)
+    return _by_table(a, luts)
+
+
+def _blend_table(v2: int, factor: float) -> np.ndarray:
+    """The version's sharpness blend of each value with each blurred value:
+    a (65536,) uint8 table, the value in the high byte of the index.  Made
+    by the version's operations on tensors laid out as in its function (v2
+    blends the inside of a (258, 258) image in place), so that torch takes
+    the same kernels over them."""
+    d = torch.arange(256, dtype=torch.uint8).repeat(256, 1)       # the blurred value: the column
+    x = d.t().contiguous()                                          # the image's value: the row
+    if v2:         # v2: the image in single precision, plus (1 - factor) times the rounded blurred minus it
+        out = torch.zeros((1, 1, 258, 258), dtype=torch.float32)
+        view = out[..., 1:-1, 1:-1]
+        view.copy_(x)
+        view.add_(d.to(torch.float32).view(1, 1, 256, 256).sub_(view), alpha=1.0 - factor)
+        return out.clamp_(0, 255).to(torch.uint8)[0, 0, 1:-1, 1:-1].contiguous().numpy().reshape(-1)
+    return (factor * x + (1.0 - factor) * d).clamp(0, 255).to(torch.uint8).numpy().reshape(-1)
+
+
+def _sharpness(slow, v2: int, name: str, magnitude: float, a: np.ndarray) -> torch.Tensor:
+    if a.shape[2] <= 2 or a.shape[3] <= 2:
+        return slow(torch.from_numpy(a), name, magnitude)
+    factor = 1.0 + magnitude
+    lut = _kept((v2, name, magnitude), lambda: _blend_table(v2, factor))
+    s = a.astype(np.int16)              # at most 13 * 255 * 2 + 13 below
+    rows = s[..., :-2] + s[..., 1:-1] + s[..., 2:]
+    inner = s[..., 1:-1, 1:-1]
+    total = rows[..., :-2, :] + rows[..., 1:-1, :] + rows[..., 2:, :] + 4 * inner
+    blurred = (2 * total + 13) // 26     # round(total / 13): never a half
+    # v1 blends the border with itself (its blurred image is the image there), v2 leaves it
+    out = a.copy() if v2 else np.take(lut, a.astype(np.uint16) * 257)
+    out[..., 1:-1, 1:-1] = np.take(lut, inner.astype(np.uint16) * 256 + blurred.astype(np.uint16))
+    return torch.from_numpy(out)
+
+
+_FAST = {"Brightness": _pointwise, "Solarize": _pointwise, "AutoContrast": _autocontrast,
+         "Equalize": _equalize, "Sharpness": _sharpness}
+
+
+def _magnitudes(v2: int, name: str) -> list:
+    """Every magnitude torchvision's AugMix (of the version) may call the
+    operation ``name`` with (its bins, both signs where signed)."""
+    if v2:
+        V = importlib.import_module("torchvision.transforms.v2")
+        t = V.AugMix()
+        fn, signed = t._AUGMENTATION_SPACE[name]
+        mags = fn(t._PARAMETER_MAX, 32, 32)
+    else:
+        A = importlib.import_module("torchvision.transforms.autoaugment")
+        t = A.AugMix()
+        mags, signed = t._augmentation_space(t._PARAMETER_MAX, (32, 32))[name]
+    values = [float(v) for v in mags.reshape(-1).tolist()] if mags is not None and mags.ndim > 0 else [0.0]
+    return sorted(set(values + ([-v for v in values] if signed else [])))
+
+
+def _probes() -> list:
+    """uint8 (k, C, H, W) probe images: noise, smooth ramps, flat, two-valued
+    and dark ones, of odd and tiny sizes, one and three channels, a batch of
+    two."""
+    rs = np.random.RandomState(3)
+    out = [rs.randint(0, 256, shape) for shape in ((1, 3, 17, 23), (1, 1, 9, 7), (2, 3, 6, 5), (1, 3, 3, 3))]
+    out += [np.cumsum(rs.randint(-9, 10, shape), axis=-1) + 90 for shape in ((1, 3, 19, 21), (1, 3, 2, 5), (1, 3, 9, 1))]
+    out += [np.full((1, 3, 8, 9), 77), np.where(rs.rand(1, 3, 8, 9) < 0.5, 3, 250), rs.randint(0, 12, (1, 3, 12, 13))]
+    return [torch.from_numpy(np.clip(x, 0, 255).astype(np.uint8)) for x in out]
+
+
+def tabled(v2: int, mode: int = 1) -> frozenset:
+    """The operations the CPU computes by tables here for torchvision's
+    version ``v2`` (checked once per process: the tables' values are
+    torchvision's functions' on probe images, for every magnitude)."""
+    key = int(v2)
+    got = _tabled.get(key)
+    if got is None:
+        with _tabled_lock:
+            got = _tabled.get(key)
+            if got is None:
+                got = _tabled[key] = _check_tables(key, _op(key, mode))
+    return got
+
+
+def _check_tables(v2: int, slow) -> frozenset:
+    ok = []
+    images = _probes()
+    for name in _TABLED:
+        try:
+            good = all(torch.equal(_FAST[name](slow, v2, name, m, x.numpy()), slow(x, name, m))
+                       for m in _magnitudes(v2, name) for x in images)
+        except Exception as e:  # noqa: BLE001 - another torchvision's API: its own function then
+            log.warning("coordl's table of AugMix's %s cannot run here (%s: %s): torchvision's function computes it",
+                        name, type(e).__name__, e)
+            good = False
+        else:
+            if not good:
+                log.warning("coordl's table of AugMix's %s differs from torchvision's function here: "
+                            "torchvision's computes it", name)
+        if good:
+            ok.append(name)
+    return frozenset(ok)
+
+
+@functools.lru_cache(maxsize=None)
+def _op_on_cpu(v2: int, mode: int):
+    """:func:`_op`'s function, with the operations of :func:`tabled` computed
+    by tables on CPU tensors."""
+    slow = _op(v2, mode)
+
+    def fn(x, name, magnitude):
+        if name in _FAST and x.device.type == "cpu" and x.dtype == torch.uint8 and x.ndim == 4 \
+                and name in tabled(v2, mode):
+            return _FAST[name](slow, v2, name, magnitude, x.numpy())
+        return slow(x, name, magnitude)
+    return fn
+
+
 def _sends(dev: torch.device):
     return lambda a: torch.from_numpy(a).to(dev)
 
@@ -161,7 +389,8 @@ def apply(x: torch.Tensor, values: list, upload=None) -> torch.Tensor:
         whole = len(rows) == len(values)
         idx = None if whole else upload(np.array(rows, dtype=np.int64))
         xs = x if whole else x.index_select(0, idx)
-        mixed = _mix(xs, [values[r] for r in rows], _op(v2, mode), width, upload)
+        op = _op_on_cpu(v2, mode) if x.device.type == "cpu" else _op(v2, mode)
+        mixed = _mix(xs, [values[r] for r in rows], op, width, upload)
         if whole:
             return mixed
         out.index_copy_(0, idx, mixed)
