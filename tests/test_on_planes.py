@@ -399,25 +399,30 @@ def _sharpness_blocks() -> np.ndarray:
 
 
 @pytest.mark.parametrize("version", ["v1", "v2"])
-def test_augmix_tables_give_torchvisions_values(tv, version):
+@pytest.mark.parametrize("mode", [0, 1], ids=["nearest", "bilinear"])
+def test_augmix_tables_and_kept_grids_give_torchvisions_values(tv, version, mode):
     """On the CPU, AugMix's brightness, solarize, autocontrast, equalize and
-    sharpness computed by tables are torchvision's functions' values, for
-    every magnitude AugMix draws: on photo-sized and tiny images, one and
-    three channels, a batch, flat ones, and sharpness on every weighted sum
-    its blur rounds (those nearest a half included)."""
+    sharpness computed by tables, and its shears, translations and rotations
+    with kept sampling grids, are torchvision's functions' values, for every
+    magnitude AugMix draws on each image: photo-sized and tiny images, one
+    and three channels, a batch, flat ones, square ones, and sharpness on
+    every weighted sum its blur rounds (those nearest a half included); the
+    grids again from the memo give the same."""
     v2 = int(version == "v2")
-    assert AM.tabled(v2) == frozenset(AM._TABLED)
-    slow, fast = AM._op(v2, 1), AM._op_on_cpu(v2, 1)
+    assert AM.quick_ops(v2) == frozenset(AM._QUICK)
+    slow, fast = AM._op(v2, mode), AM._op_on_cpu(v2, mode)
     rnd = random.Random(17)
     images = [torch.from_numpy(_planes(_image(rnd, h, w, mode)))[None]
               for h, w, mode in ((224, 199, "RGB"), (61, 80, "L"), (5, 4, "RGB"), (3, 250, "RGB"), (2, 2, "RGB"))]
     images += [torch.from_numpy(np.random.RandomState(5).randint(0, 256, (3, 3, 31, 29)).astype(np.uint8)),
                torch.full((1, 3, 7, 9), 201, dtype=torch.uint8), torch.from_numpy(_sharpness_blocks())]
-    for name in AM._TABLED:
-        for m in AM._magnitudes(v2, name):
-            for x in images:
-                got, want = fast(x, name, m), slow(x, name, m)
-                assert got.dtype == torch.uint8 and torch.equal(got, want), (name, m, tuple(x.shape))
+    for name in AM._QUICK:
+        for x in images:
+            for m in AM._magnitudes(v2, name, x.shape[2], x.shape[3]):
+                want = slow(x, name, m)
+                for _ in range(2):           # the second: the grid kept
+                    got = fast(x, name, m)
+                    assert got.dtype == torch.uint8 and torch.equal(got, want), (name, m, tuple(x.shape))
 
 
 def test_an_augmix_table_that_differs_is_not_used(tv, monkeypatch, caplog):
@@ -434,11 +439,11 @@ def test_an_augmix_table_that_differs_is_not_used(tv, monkeypatch, caplog):
         return t
 
     monkeypatch.setattr(AM, "_blend_table", off)
-    monkeypatch.setattr(AM, "_tabled", {})
+    monkeypatch.setattr(AM, "_quick", {})
     monkeypatch.setattr(AM, "_tables", {})
     with caplog.at_level("WARNING", logger="coordl"):
-        assert AM.tabled(0) == frozenset(AM._TABLED) - {"Sharpness"}
-    assert "AugMix's Sharpness differs" in caplog.text
+        assert AM.quick_ops(0) == frozenset(AM._QUICK) - {"Sharpness"}
+    assert "AugMix Sharpness differs" in caplog.text
     x = torch.from_numpy(_sharpness_blocks())
     assert torch.equal(AM._op_on_cpu(0, 1)(x, "Sharpness", 0.3), AM._op(0, 1)(x, "Sharpness", 0.3))
 
@@ -502,7 +507,7 @@ def test_the_first_use_checks_leave_the_generators_as_they_were(tv, monkeypatch)
     V1, V2 = tv
     monkeypatch.setattr(tc, "_agree", {})
     monkeypatch.setattr(C, "_checked", [])
-    monkeypatch.setattr(AM, "_tabled", {})
+    monkeypatch.setattr(AM, "_quick", {})
     torch.manual_seed(11)
     random.seed(11)
     before = torch.get_rng_state(), random.getstate()
@@ -510,7 +515,7 @@ def test_the_first_use_checks_leave_the_generators_as_they_were(tv, monkeypatch)
                                    V2.PILToTensor()]))[0]
     assert [type(t) for t in out.tail] == [tc.ColorJitterOnPlanes, tc.AugMixOnPlanes]
     # the checks ran, here: the jitter's, AugMix's as written on the tensor and drawn apart, its tables
-    assert len(tc._agree) == 3 and C._checked == [True] and list(AM._tabled) == [1]
+    assert len(tc._agree) == 3 and C._checked == [True] and list(AM._quick) == [1]
     assert out.tail[1].drawn is not None
     assert torch.equal(torch.get_rng_state(), before[0]) and random.getstate() == before[1]
 

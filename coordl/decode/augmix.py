@@ -29,7 +29,8 @@ functions (the rows drawing the same operation at the same step taken
 together), the mix with the same single-precision products and sums as
 torchvision's, row by row.  On
 the CPU its values are torchvision's own (five of its colour operations
-computed through tables of torchvision's values, :func:`tabled`); on a GPU torchvision's functions
+computed through tables of torchvision's values, and its shears, translations
+and rotations with their sampling grids kept: :func:`quick_ops`); on a GPU torchvision's functions
 run there (their sampling and convolution round as the GPU does), within a
 stated tolerance (``coordl.device.pil_ops.TOLERANCE``, checked on probe
 images at first use).
@@ -39,12 +40,13 @@ from __future__ import annotations
 import functools
 import importlib
 import logging
+import math
 import threading
 
 import numpy as np
 import torch
 
-__all__ = ["NAMES", "MODES", "FIELDS", "fits", "pack", "unpack", "apply", "on_planes", "tabled"]
+__all__ = ["NAMES", "MODES", "FIELDS", "fits", "pack", "unpack", "apply", "on_planes", "quick_ops"]
 
 log = logging.getLogger("coordl")
 
@@ -149,10 +151,12 @@ def _op(v2: int, mode: int):
     return fn
 
 
-# ------------------------------------------------------------------ the CPU's tables
+# ------------------------------------------------------- the CPU's tables and kept grids
 # On the CPU the colour operations below are computed through tables of torchvision's own values rather than
 # by its functions over the whole image (its sharpness is a float convolution, 4-5 ms on a 224x224 image in one
-# thread; equalize, solarize, autocontrast and brightness several passes of float or int64 tensors):
+# thread; equalize, solarize, autocontrast and brightness several passes of float or int64 tensors), and the
+# shears, translations and rotations by torchvision's own functions with their sampling grids kept
+# (:func:`_geometric`):
 #
 # - Brightness, Solarize: a function of each value alone, so the table is torchvision's function of an image
 #   holding every value 0..255 once;
@@ -167,12 +171,13 @@ def _op(v2: int, mode: int):
 #   one is then a function of the pair, tabled (65,536 pairs) with the version's own arithmetic.
 #
 # Each is checked once per process against torchvision's function, on probe images of several sizes with
-# every magnitude AugMix draws (:func:`tabled`); an operation that differs is computed by torchvision's.
-_TABLED = ("Brightness", "Solarize", "AutoContrast", "Equalize", "Sharpness")
+# every magnitude AugMix draws there (:func:`quick_ops`); an operation that differs is computed by torchvision's.
+_QUICK = ("Brightness", "Solarize", "AutoContrast", "Equalize", "Sharpness", "ShearX", "ShearY", "TranslateX",
+          "TranslateY", "Rotate")
 _KEEP = 1024                 # tables kept per process (AugMix draws a few dozen magnitudes)
 _tables: dict = {}
-_tabled: dict = {}
-_tabled_lock = threading.Lock()
+_quick: dict = {}
+_quick_lock = threading.Lock()
 
 
 def _kept(key, make):
@@ -230,24 +235,26 @@ def _extremes(hist: np.ndarray) -> tuple:
     return seen.argmax(axis=2), 255 - seen[..., ::-1].argmax(axis=2)
 
 
-def _pointwise(slow, v2: int, name: str, magnitude: float, a: np.ndarray) -> torch.Tensor:
+def _pointwise(slow, v2: int, mode: int, name: str, magnitude: float, x: torch.Tensor) -> torch.Tensor:
     lut = _kept((v2, name, magnitude), lambda: slow(_every_value(1), name, magnitude).numpy().reshape(256))
-    return _by_table(a, lut)
+    return _by_table(x.numpy(), lut)
 
 
-def _autocontrast(slow, v2: int, name: str, magnitude: float, a: np.ndarray) -> torch.Tensor:
+def _autocontrast(slow, v2: int, mode: int, name: str, magnitude: float, x: torch.Tensor) -> torch.Tensor:
+    a = x.numpy()
     k, c = a.shape[:2]
     if a.size == 0:
-        return slow(torch.from_numpy(a), name, magnitude)
+        return slow(x, name, magnitude)
     lo, hi = _extremes(_histograms(a))
     probe = np.clip(np.arange(256)[None, None], lo[..., None], hi[..., None]).astype(np.uint8)
     luts = slow(torch.from_numpy(probe.reshape(k, c, 16, 16)), name, magnitude).numpy().reshape(k, c, 256)
     return _by_table(a, luts)
 
 
-def _equalize(slow, v2: int, name: str, magnitude: float, a: np.ndarray) -> torch.Tensor:
+def _equalize(slow, v2: int, mode: int, name: str, magnitude: float, x: torch.Tensor) -> torch.Tensor:
+    a = x.numpy()
     if a.size == 0:
-        return slow(torch.from_numpy(a), name, magnitude)
+        return slow(x, name, magnitude)
     hist = _histograms(a)
     n = a.shape[2] * a.shape[3]
     _, hi = _extremes(hist)
@@ -277,9 +284,10 @@ def _blend_table(v2: int, factor: float) -> np.ndarray:
     return (factor * x + (1.0 - factor) * d).clamp(0, 255).to(torch.uint8).numpy().reshape(-1)
 
 
-def _sharpness(slow, v2: int, name: str, magnitude: float, a: np.ndarray) -> torch.Tensor:
+def _sharpness(slow, v2: int, mode: int, name: str, magnitude: float, x: torch.Tensor) -> torch.Tensor:
+    a = x.numpy()
     if a.shape[2] <= 2 or a.shape[3] <= 2:
-        return slow(torch.from_numpy(a), name, magnitude)
+        return slow(x, name, magnitude)
     factor = 1.0 + magnitude
     lut = _kept((v2, name, magnitude), lambda: _blend_table(v2, factor))
     s = a.astype(np.int16)              # at most 13 * 255 * 2 + 13 below
@@ -293,22 +301,88 @@ def _sharpness(slow, v2: int, name: str, magnitude: float, a: np.ndarray) -> tor
     return torch.from_numpy(out)
 
 
+def _matrix(v2: int, name: str, magnitude: float, h: int, w: int) -> "list | int":
+    """The inverse affine matrix torchvision's ``F.affine``/``F.rotate``
+    compute for AugMix's shear, translation or rotation ``name`` of an
+    (h, w) tensor (its arguments as ``_apply_op`` gives them, through the
+    version's own conversions and ``_get_inverse_affine_matrix``); for a v2
+    rotation it takes a shortcut for, the quarter turns' number instead."""
+    if v2:
+        G = importlib.import_module("torchvision.transforms.v2.functional._geometry")
+        inverse = G._get_inverse_affine_matrix
+    else:
+        inverse = importlib.import_module("torchvision.transforms.functional")._get_inverse_affine_matrix
+    if name == "Rotate":
+        angle = magnitude
+        if v2:               # rotate_image: the angle in [0, 360), and its shortcuts
+            angle = magnitude % 360
+            if angle == 0 or angle == 180 or (h == w and angle in (90, 270)):
+                return int(angle // 90)
+        return inverse([0.0, 0.0], -angle, [0.0, 0.0], 1.0, [0.0, 0.0])
+    shear = {"ShearX": [math.degrees(math.atan(magnitude)), 0.0],
+             "ShearY": [0.0, math.degrees(math.atan(magnitude))]}.get(name, [0.0, 0.0])
+    translate = {"TranslateX": [int(magnitude), 0], "TranslateY": [0, int(magnitude)]}.get(name, [0, 0])
+    # the shears turn about the corner (center=[0, 0]), the translations about the middle (center=None)
+    centre = [float(c - s * 0.5) for c, s in zip([0, 0], [w, h])] if name.startswith("Shear") else [0.0, 0.0]
+    return inverse(centre, 0.0, [float(t) for t in translate], 1.0, shear)
+
+
+_grids: dict = {}
+_GRID_BYTES = 64 << 20           # sampling grids kept per process (a 224x224 one: 392 KiB)
+_grid_bytes = [0]
+
+
+def _geometric(slow, v2: int, mode: int, name: str, magnitude: float, x: torch.Tensor) -> torch.Tensor:
+    """The shear, translation or rotation as torchvision's tensor functions
+    compute it (the same matrix, its own grid function and its own
+    sampling), the sampling grid kept per (operation, magnitude, size): its
+    making (a (H*W, 3) by (3, 2) product) is most of the operation's cost
+    on the CPU, and AugMix draws few magnitudes."""
+    h, w = int(x.shape[-2]), int(x.shape[-1])
+    key = (v2, name, magnitude, h, w)
+    grid = _grids.get(key)
+    if grid is None:
+        matrix = _matrix(v2, name, magnitude, h, w)
+        if isinstance(matrix, int):
+            return x.clone() if matrix == 0 else torch.rot90(x, k=matrix, dims=(-2, -1))
+        theta = torch.tensor(matrix, dtype=torch.float32).reshape(1, 2, 3)
+        if v2:
+            grid = importlib.import_module("torchvision.transforms.v2.functional._geometry")._affine_grid(
+                theta, w=w, h=h, ow=w, oh=h)
+        else:
+            grid = importlib.import_module("torchvision.transforms._functional_tensor")._gen_affine_grid(
+                theta, w=w, h=h, ow=w, oh=h)
+        size = grid.numel() * grid.element_size()
+        if _grid_bytes[0] + size > _GRID_BYTES:
+            _grids.clear()
+            _grid_bytes[0] = 0
+        _grids[key] = grid
+        _grid_bytes[0] += size
+    if v2:
+        G = importlib.import_module("torchvision.transforms.v2.functional._geometry")
+        return G._apply_grid_transform(x, grid, MODES[mode], fill=None)
+    FT = importlib.import_module("torchvision.transforms._functional_tensor")
+    return FT._apply_grid_transform(x, grid, MODES[mode], fill=None)
+
+
 _FAST = {"Brightness": _pointwise, "Solarize": _pointwise, "AutoContrast": _autocontrast,
-         "Equalize": _equalize, "Sharpness": _sharpness}
+         "Equalize": _equalize, "Sharpness": _sharpness, "ShearX": _geometric, "ShearY": _geometric,
+         "TranslateX": _geometric, "TranslateY": _geometric, "Rotate": _geometric}
 
 
-def _magnitudes(v2: int, name: str) -> list:
+def _magnitudes(v2: int, name: str, h: int = 32, w: int = 32) -> list:
     """Every magnitude torchvision's AugMix (of the version) may call the
-    operation ``name`` with (its bins, both signs where signed)."""
+    operation ``name`` with on an (h, w) image (its bins, both signs where
+    signed)."""
     if v2:
         V = importlib.import_module("torchvision.transforms.v2")
         t = V.AugMix()
         fn, signed = t._AUGMENTATION_SPACE[name]
-        mags = fn(t._PARAMETER_MAX, 32, 32)
+        mags = fn(t._PARAMETER_MAX, h, w)
     else:
         A = importlib.import_module("torchvision.transforms.autoaugment")
         t = A.AugMix()
-        mags, signed = t._augmentation_space(t._PARAMETER_MAX, (32, 32))[name]
+        mags, signed = t._augmentation_space(t._PARAMETER_MAX, (h, w))[name]
     values = [float(v) for v in mags.reshape(-1).tolist()] if mags is not None and mags.ndim > 0 else [0.0]
     return sorted(set(values + ([-v for v in values] if signed else [])))
 
@@ -320,39 +394,45 @@ def _probes() -> list:
     rs = np.random.RandomState(3)
     out = [rs.randint(0, 256, shape) for shape in ((1, 3, 17, 23), (1, 1, 9, 7), (2, 3, 6, 5), (1, 3, 3, 3))]
     out += [np.cumsum(rs.randint(-9, 10, shape), axis=-1) + 90 for shape in ((1, 3, 19, 21), (1, 3, 2, 5), (1, 3, 9, 1))]
-    out += [np.full((1, 3, 8, 9), 77), np.where(rs.rand(1, 3, 8, 9) < 0.5, 3, 250), rs.randint(0, 12, (1, 3, 12, 13))]
+    out += [np.full((1, 3, 8, 9), 77), np.where(rs.rand(1, 3, 8, 9) < 0.5, 3, 250), rs.randint(0, 12, (1, 3, 12, 13)),
+            rs.randint(0, 256, (1, 3, 10, 10))]
     return [torch.from_numpy(np.clip(x, 0, 255).astype(np.uint8)) for x in out]
 
 
-def tabled(v2: int, mode: int = 1) -> frozenset:
-    """The operations the CPU computes by tables here for torchvision's
-    version ``v2`` (checked once per process: the tables' values are
-    torchvision's functions' on probe images, for every magnitude)."""
+def quick_ops(v2: int) -> frozenset:
+    """The operations the CPU computes here by tables or with kept sampling
+    grids for torchvision's version ``v2`` (checked once per process: their
+    values are torchvision's functions' on probe images, for every magnitude
+    AugMix draws there, and the geometric ones with each interpolation)."""
     key = int(v2)
-    got = _tabled.get(key)
+    got = _quick.get(key)
     if got is None:
-        with _tabled_lock:
-            got = _tabled.get(key)
+        with _quick_lock:
+            got = _quick.get(key)
             if got is None:
-                got = _tabled[key] = _check_tables(key, _op(key, mode))
+                got = _quick[key] = _check_quick(key)
     return got
 
 
-def _check_tables(v2: int, slow) -> frozenset:
+def _check_quick(v2: int) -> frozenset:
     ok = []
     images = _probes()
-    for name in _TABLED:
+    for name in _QUICK:
+        # the grids' images: odd, square, one channel, a batch, bilinear; odd and a batch, nearest too
+        cases = [(1, x) for x in images]
+        if _FAST[name] is _geometric:
+            cases = [(1, x) for x in images[:3] + images[-1:]] + [(0, images[0]), (0, images[2])]
         try:
-            good = all(torch.equal(_FAST[name](slow, v2, name, m, x.numpy()), slow(x, name, m))
-                       for m in _magnitudes(v2, name) for x in images)
+            good = all(torch.equal(_FAST[name](_op(v2, mode), v2, mode, name, m, x), _op(v2, mode)(x, name, m))
+                       for mode, x in cases for m in _magnitudes(v2, name, int(x.shape[2]), int(x.shape[3])))
         except Exception as e:  # noqa: BLE001 - another torchvision's API: its own function then
-            log.warning("coordl's table of AugMix's %s cannot run here (%s: %s): torchvision's function computes it",
+            log.warning("coordl's AugMix %s cannot run here (%s: %s): torchvision's function computes it",
                         name, type(e).__name__, e)
             good = False
         else:
             if not good:
-                log.warning("coordl's table of AugMix's %s differs from torchvision's function here: "
-                            "torchvision's computes it", name)
+                log.warning("coordl's AugMix %s differs from torchvision's function here: torchvision's computes it",
+                            name)
         if good:
             ok.append(name)
     return frozenset(ok)
@@ -360,14 +440,14 @@ def _check_tables(v2: int, slow) -> frozenset:
 
 @functools.lru_cache(maxsize=None)
 def _op_on_cpu(v2: int, mode: int):
-    """:func:`_op`'s function, with the operations of :func:`tabled` computed
+    """:func:`_op`'s function, with the operations of :func:`quick_ops` computed
     by tables on CPU tensors."""
     slow = _op(v2, mode)
 
     def fn(x, name, magnitude):
         if name in _FAST and x.device.type == "cpu" and x.dtype == torch.uint8 and x.ndim == 4 \
-                and name in tabled(v2, mode):
-            return _FAST[name](slow, v2, name, magnitude, x.numpy())
+                and name in quick_ops(v2):
+            return _FAST[name](slow, v2, mode, name, magnitude, x)
         return slow(x, name, magnitude)
     return fn
 
