@@ -46,6 +46,8 @@ import threading
 import numpy as np
 import torch
 
+from ..base import forks as _forks
+
 __all__ = ["NAMES", "MODES", "FIELDS", "fits", "pack", "unpack", "apply", "on_planes", "quick_ops"]
 
 log = logging.getLogger("coordl")
@@ -177,7 +179,7 @@ _QUICK = ("Brightness", "Solarize", "AutoContrast", "Equalize", "Sharpness", "Sh
 _KEEP = 1024                 # tables kept per process (AugMix draws a few dozen magnitudes)
 _tables: dict = {}
 _quick: dict = {}
-_quick_lock = threading.Lock()
+_quick_lock = _forks.worker_safe(threading.Lock())
 
 
 def _kept(key, make):
@@ -328,7 +330,8 @@ def _matrix(v2: int, name: str, magnitude: float, h: int, w: int) -> "list | int
 
 
 _grids: dict = {}
-_GRID_BYTES = 64 << 20           # sampling grids kept per process (a 224x224 one: 392 KiB)
+# sampling grids kept per process (a 224x224 one: 392 KiB; AugMix's default severity draws 30 of them)
+_GRID_BYTES = 32 << 20
 _grid_bytes = [0]
 
 
