@@ -176,7 +176,7 @@ def _op(v2: int, mode: int):
 # every magnitude AugMix draws there (:func:`quick_ops`); an operation that differs is computed by torchvision's.
 _QUICK = ("Brightness", "Solarize", "AutoContrast", "Equalize", "Sharpness", "ShearX", "ShearY", "TranslateX",
           "TranslateY", "Rotate")
-_KEEP = 1024                 # tables kept per process (AugMix draws a few dozen magnitudes)
+_KEEP = 256                  # tables kept per process (AugMix draws a few dozen magnitudes; a blend one: 64 KiB)
 _tables: dict = {}
 _quick: dict = {}
 _quick_lock = _forks.worker_safe(threading.Lock())
