@@ -1947,7 +1947,10 @@ class _OnTensor:
     call's operations travel as an ``AUGMIX`` value (:meth:`tensor_ops`).
     Those functions take nearest and bilinear interpolation only, as on a
     tensor torchvision does; a fill is refused.  Checked once per process
-    against the user's class called on tensors (:func:`_check_agreement`)."""
+    against the user's class called on tensors (:func:`_check_agreement`).
+    On the CPU path (:meth:`__call__`, where :meth:`exact`) the same draws'
+    operations are computed on the tensor by ``coordl.decode.augmix``: its
+    tables and kept grids, torchvision's values."""
 
     on_tensor = True
     how = ("given the uint8 tensor: its draws made apart from its call, its operations torchvision's own tensor "
@@ -1958,6 +1961,28 @@ class _OnTensor:
         if _has_fill(user, v2):          # the device's functions fill nothing
             raise ValueError(f"{_name(user)} on a tensor with a fill")
         self.mode = _function_mode(user)
+
+    def exact(self) -> bool:
+        """Whether :meth:`on_planes` gives the user's call on a uint8 RGB
+        tensor in this process (checked once per process and class on probe
+        images: the same values, and torch's generator left the same)."""
+        return _agrees(type(self), type(self.user), self.v2)
+
+    def on_planes(self, x: torch.Tensor) -> torch.Tensor:
+        """The user's call on the uint8 (C, H, W) tensor ``x``: its draws'
+        operations mixed by ``coordl.decode.augmix`` (RGB; another image
+        through the user's object)."""
+        from .decode import augmix
+
+        if x.shape[0] != 3:
+            return self.user(x)
+        ops = self.draw((int(x.shape[1]), int(x.shape[2])))
+        return augmix.on_planes(x, ops[0][1]) if ops else x
+
+    def __call__(self, img: Any) -> Any:
+        if type(img) is torch.Tensor and img.dtype == torch.uint8 and img.ndim == 3 and img.shape[0] == 3:
+            return self.on_planes(img)
+        return self.user(img)
 
 
 def _function_mode(user: Any) -> int:
@@ -2963,6 +2988,23 @@ def _drawn_on_planes(t: Any, mine: "_OpsOnPlanes | None") -> Any:
     return mine if mine.exact() else t
 
 
+# what path_reason says of a policy or AugMix given the fused path's uint8 tensor on the CPU path
+_DRAWN_ON_TENSOR = ("given the uint8 tensor: its own draws, its operations and mix computed with torchvision's "
+                    "arithmetic (coordl's tables and kept sampling grids where they give its values)")
+
+
+def _drawn_on_tensor(t: Any) -> Any:
+    """``t``, or its :class:`_OnTensor` counterpart where ``t`` is one of
+    torchvision's auto-augment policies or ``AugMix`` given the fused path's
+    plain uint8 tensor and the counterpart gives its result here (checked
+    now, once per process)."""
+    mine = tensor_step_of(t) if not isinstance(t, OnPlanes) else None
+    if mine is None:
+        return t
+    mine.how = _DRAWN_ON_TENSOR
+    return mine if mine.exact() else t
+
+
 def _on_planes(t: Any) -> Any:
     """``t``, or an :class:`OnPlanes` over it when it is torchvision's
     ``ColorJitter`` with ranges as its constructor makes them, its
@@ -3058,6 +3100,8 @@ def translate_steps(steps: list, draft: bool = False, rgb: bool = True,
     fused = T.Compose(st.geo + [st.to_tensor] + st.post)
     if not tail:
         return fused, fused_names, tail_names
+    if st.image_type is None:              # a plain tensor: the policies' draws made apart, computed quicker
+        tail = [_drawn_on_tensor(t) for t in tail]
     return TorchvisionPipeline(fused, False, st.image_type, *_split_post(tail)), fused_names, tail_names
 
 
