@@ -1913,30 +1913,6 @@ class AugMixOnDevice(_DrawnApart):
         return name, magnitude
 
 
-class AugMixDrawnOnPlanes(AugMixOnDevice):
-    """The CPU path's ``AugMix`` of an RGB image drawn apart: the device
-    path's draws (:class:`AugMixOnDevice`, the user's own in its order), mixed
-    on the planes by ``coordl.decode.augmix.on_planes`` (torchvision's
-    functions and arithmetic, and on the CPU tables giving the same values
-    for its colour operations).  Checked once per process against the user's
-    class on probe images (:meth:`exact`)."""
-
-    how = ("its draws made apart from its call, its operations and mix computed on the decoded planes with "
-           "torchvision's arithmetic (coordl's tables for its colour operations: the same bytes)")
-    # the draws are the device path's, which its own check runs over 24 seeds; here 8 a probe, every
-    # operation drawn over the probes (the tables' values are checked apart, for every magnitude)
-    seeds = (tuple(range(8)), ())
-
-    def exact(self) -> bool:
-        return _agrees(type(self), type(self.user), self.v2)
-
-    def on_planes(self, x: torch.Tensor) -> torch.Tensor:
-        from .decode import augmix
-
-        (_, value), = self.draw((int(x.shape[1]), int(x.shape[2])))
-        return augmix.on_planes(x, value)
-
-
 class _OnTensor:
     """A step given the fused path's uint8 tensor rather than a PIL image
     (torchvision's reference presets with ``backend="tensor"`` convert with
@@ -2040,6 +2016,22 @@ class AutoAugmentOnTensor(_PolicyOnTensor, AutoAugmentOnDevice):
 class AugMixOnTensor(_OnTensor, AugMixOnDevice):
     """torchvision's ``AugMix`` on a uint8 tensor: its draws and mix as on
     a PIL image (which it makes a tensor of first)."""
+
+
+class AugMixDrawnOnPlanes(AugMixOnTensor):
+    """The CPU path's ``AugMix`` of an RGB image's planes, drawn apart: on a
+    PIL image ``AugMix`` mixes the tensor it makes of it
+    (:class:`AugMixOnPlanes`), so this is :class:`AugMixOnTensor`'s
+    computation on the planes (the user's draws in its order, then
+    ``coordl.decode.augmix``'s mix: torchvision's arithmetic, its tables and
+    kept grids), checked once per process against the user's call on tensors
+    over fewer seeds than the device path's draws (every operation is drawn
+    over the probes; the tables and grids are checked apart, for every
+    magnitude)."""
+
+    how = ("its draws made apart from its call, its operations and mix computed on the decoded planes with "
+           "torchvision's arithmetic (coordl's tables and kept sampling grids where they give its values)")
+    seeds = (tuple(range(8)), ())
 
 
 _ON_TENSOR = {"TrivialAugmentWide": TrivialAugmentOnTensor, "RandAugment": RandAugmentOnTensor,
