@@ -47,6 +47,7 @@ import numpy as np
 import torch
 
 from ..base import forks as _forks
+from . import extensions
 
 __all__ = ["NAMES", "MODES", "FIELDS", "fits", "pack", "unpack", "apply", "on_planes", "quick_ops"]
 
@@ -196,11 +197,12 @@ def _every_value(c: int) -> torch.Tensor:
     return torch.arange(256, dtype=torch.uint8).view(1, 1, 16, 16).expand(1, c, 16, 16).contiguous()
 
 
+_color = extensions.load("_color", log, "AugMix's CPU tables applied by numpy")
+
+
 def _ext(name: str):
     """The colour extension's function ``name`` (None where not built)."""
-    from . import color
-
-    return getattr(color._ext, name, None) if color._ext is not None else None
+    return getattr(_color, name, None) if _color is not None else None
 
 
 def _by_table(a: np.ndarray, luts: np.ndarray) -> torch.Tensor:
@@ -408,13 +410,7 @@ def quick_ops(v2: int) -> frozenset:
     values are torchvision's functions' on probe images, for every magnitude
     AugMix draws there, and the geometric ones with each interpolation)."""
     key = int(v2)
-    got = _quick.get(key)
-    if got is None:
-        with _quick_lock:
-            got = _quick.get(key)
-            if got is None:
-                got = _quick[key] = _check_quick(key)
-    return got
+    return extensions.once(_quick.setdefault(key, []), _quick_lock, lambda: _check_quick(key))
 
 
 def _check_quick(v2: int) -> frozenset:
