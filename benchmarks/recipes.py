@@ -16,8 +16,8 @@ Recipes (``--recipes``, comma-separated; default all):
     ``RandomChoice([MixUp(alpha=0.2), CutMix(alpha=1.0)])(*default_collate(batch))``,
     new tensors made in the workers, and soft labels (whose column sums
     are each class's count: the check of every sample once).
-``train_v1_tensor_ta``, ``train_v2_tensor_ta``
-    the same with ``--auto-augment ta_wide --backend tensor``
+``train_v1_tensor_ta``, ``train_v2_tensor_ta``, ``train_v1_tensor_augmix``, ``train_v2_tensor_augmix``
+    the same with ``--auto-augment ta_wide`` (or ``augmix``) ``--backend tensor``
     (``backend="tensor"``: ``PILToTensor`` before the crop).
 ``train_v1_tensor_bicubic``
     the v1 training loader with ``--backend tensor --interpolation bicubic``
@@ -156,7 +156,8 @@ def _convert_image_to_rgb(image):
 VIEWS = {"timm_ds_augmix": 3}      # the views of each sample (timm's AugMixDataset)
 POLICIES = {"": None, "_ra": "ra", "_ta": "ta_wide", "_augmix": "augmix"}
 RECIPES = ([f"train_{v}{p}" for p in POLICIES for v in ("v1", "v2")]
-           + ["train_v2_mixup", "train_v1_tensor_ta", "train_v2_tensor_ta", "train_v1_tensor_bicubic"]
+           + ["train_v2_mixup", "train_v1_tensor_ta", "train_v2_tensor_ta", "train_v1_tensor_augmix",
+              "train_v2_tensor_augmix", "train_v1_tensor_bicubic"]
            + ["eval_v1", "eval_v2", "eval_weights", "clip_eval"]
            + ["timm_train", "timm_train_script", "timm_train_cj_prob", "timm_train_aa", "timm_eval"]
            + ["timm_ds_train", "timm_ds_eval", "timm_ds_augmix", "food101_train", "food101_eval", "cifar10_v1", "cifar10_v2", "mnist"]

@@ -488,23 +488,30 @@ def test_a_pipeline_with_augmix_gives_its_as_written_result(tv, version):
 
 
 TENSOR_POLICIES = {"ta": lambda M: M.TrivialAugmentWide(interpolation=M.InterpolationMode.BILINEAR),
-                   "ra": lambda M: M.RandAugment(), "aa": lambda M: M.AutoAugment(), "augmix": lambda M: M.AugMix()}
+                   "ra": lambda M: M.RandAugment(), "aa": lambda M: M.AutoAugment(),
+                   "augmix": lambda M: M.AugMix(), "augmix_nearest": lambda M: M.AugMix(
+                       interpolation=M.InterpolationMode.NEAREST, severity=7, chain_depth=2)}
 
 
 @pytest.mark.parametrize("policy", list(TENSOR_POLICIES))
 @pytest.mark.parametrize("version", ["v1", "v2"])
 def test_a_policy_given_the_fused_tensor_gives_its_as_written_result(tv, version, policy):
-    """The reference presets' ``--backend tensor``: a policy or AugMix given
-    the fused path's plain uint8 tensor runs drawn apart, its operations by
-    coordl.decode.augmix (tables, kept grids), the user's call's bytes."""
-    from coordl.tvcompat import _OnTensor, translate
+    """The reference presets' ``--backend tensor``: AugMix given the fused
+    path's plain uint8 tensor runs drawn apart, its operations by
+    coordl.decode.augmix (tables, kept grids); the auto-augment policies run
+    as written; the user's call's bytes either way."""
+    from coordl.tvcompat import AugMixOnTensor, translate
 
     M = tv[0] if version == "v1" else tv[1]
-    steps = [M.PILToTensor(), M.RandomResizedCrop(40), M.RandomHorizontalFlip(), TENSOR_POLICIES[policy](M),
+    step = TENSOR_POLICIES[policy](M)
+    steps = [M.PILToTensor(), M.RandomResizedCrop(40), M.RandomHorizontalFlip(), step,
              M.ConvertImageDtype(torch.float32), M.Normalize((0.485, 0.456, 0.406), (0.229, 0.224, 0.225))]
     out = translate(M.Compose(steps))[0]
-    assert len(out.tail) == 1 and isinstance(out.tail[0], _OnTensor) and "its own draws" in out.tail[0].how
-    _assert_as_written(out, [(67, 45), (1, 40), (301, 199)], 7, 3, 4)
+    if policy.startswith("augmix"):
+        assert len(out.tail) == 1 and isinstance(out.tail[0], AugMixOnTensor) and "its own draws" in out.tail[0].how
+        _assert_as_written(out, [(67, 45), (1, 40), (301, 199)], 7, 3, 4)
+    else:
+        assert out.tail == [step]
 
 
 def test_a_policy_given_a_tv_tensors_image_runs_as_written(tv):

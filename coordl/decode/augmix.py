@@ -332,7 +332,8 @@ def _matrix(v2: int, name: str, magnitude: float, h: int, w: int) -> "list | int
 
 
 _grids: dict = {}
-# sampling grids kept per process (a 224x224 one: 392 KiB; AugMix's default severity draws 30 of them)
+# sampling grids kept per process, the first made (a 224x224 one: 392 KiB; AugMix's default severity draws 30
+# of them; TrivialAugmentWide up to 310, some of which are then made each time, as torchvision makes them)
 _GRID_BYTES = 32 << 20
 _grid_bytes = [0]
 
@@ -358,11 +359,9 @@ def _geometric(slow, v2: int, mode: int, name: str, magnitude: float, x: torch.T
             grid = importlib.import_module("torchvision.transforms._functional_tensor")._gen_affine_grid(
                 theta, w=w, h=h, ow=w, oh=h)
         size = grid.numel() * grid.element_size()
-        if _grid_bytes[0] + size > _GRID_BYTES:
-            _grids.clear()
-            _grid_bytes[0] = 0
-        _grids[key] = grid
-        _grid_bytes[0] += size
+        if _grid_bytes[0] + size <= _GRID_BYTES:      # kept while they fit (no churn past the budget)
+            _grids[key] = grid
+            _grid_bytes[0] += size
     if v2:
         G = importlib.import_module("torchvision.transforms.v2.functional._geometry")
         return G._apply_grid_transform(x, grid, MODES[mode], fill=None)
