@@ -85,6 +85,7 @@ from .decode import jpeg as _jpeg
 from .decode.loaders import _is_default_pil_loader
 from .decode.tvio import TorchvisionDecode, torchvision_loader
 from .base import forks as _forks
+from .base import memo as _memo
 
 __all__ = ["Decision", "TorchvisionFolder", "TorchvisionPipeline", "adapt", "translate", "translate_steps",
            "holder_attribute", "from_torchvision", "describe_path", "record_path", "draft_note"]
@@ -1297,18 +1298,12 @@ class PolicyOnDevice(_OpsOnPlanes, OnPlanes):
 # entries a policy keeps of what depends on the image's size (its magnitudes, its geometric calls): images
 # of many sizes (no crop before the policy) start the memo again rather than grow it
 _KEEP = 4096
-_MISSING = object()
 
 
 def _kept(memo: dict, key: Any, make: Any) -> Any:
     """``memo[key]``, made by ``make()`` when missing (``memo`` emptied
     first when it holds :data:`_KEEP` entries)."""
-    got = memo.get(key, _MISSING)
-    if got is _MISSING:
-        if len(memo) >= _KEEP:
-            memo.clear()
-        got = memo[key] = make()
-    return got
+    return _memo.kept(memo, key, make, _KEEP)
 
 
 def _affine_op(call: tuple, w: int, h: int, who: str, name: str) -> list:
@@ -3097,7 +3092,7 @@ def translate_steps(steps: list, draft: bool = False, rgb: bool = True,
     fused = T.Compose(st.geo + [st.to_tensor] + st.post)
     if not tail:
         return fused, fused_names, tail_names
-    if st.image_type is None:              # a plain tensor: the policies' draws made apart, computed quicker
+    if st.image_type is None:              # a plain tensor: AugMix's draws made apart, computed quicker
         tail = [_drawn_on_tensor(t) for t in tail]
     return TorchvisionPipeline(fused, False, st.image_type, *_split_post(tail)), fused_names, tail_names
 

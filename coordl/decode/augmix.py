@@ -47,6 +47,7 @@ import numpy as np
 import torch
 
 from ..base import forks as _forks
+from ..base import memo as _memo
 from . import extensions
 
 __all__ = ["NAMES", "MODES", "FIELDS", "fits", "pack", "unpack", "apply", "on_planes", "quick_ops"]
@@ -184,17 +185,12 @@ _quick_lock = _forks.worker_safe(threading.Lock())
 
 
 def _kept(key, make):
-    got = _tables.get(key)
-    if got is None:
-        if len(_tables) >= _KEEP:
-            _tables.clear()
-        got = _tables[key] = make()
-    return got
+    return _memo.kept(_tables, key, make, _KEEP)
 
 
-def _every_value(c: int) -> torch.Tensor:
-    """A uint8 (1, c, 16, 16) image holding each value 0..255 once a channel."""
-    return torch.arange(256, dtype=torch.uint8).view(1, 1, 16, 16).expand(1, c, 16, 16).contiguous()
+def _every_value() -> torch.Tensor:
+    """A uint8 (1, 1, 16, 16) image holding each value 0..255 once."""
+    return torch.arange(256, dtype=torch.uint8).view(1, 1, 16, 16)
 
 
 _color = extensions.load("_color", log, "AugMix's CPU tables applied by numpy")
@@ -240,7 +236,7 @@ def _extremes(hist: np.ndarray) -> tuple:
 
 
 def _pointwise(slow, v2: int, mode: int, name: str, magnitude: float, x: torch.Tensor) -> torch.Tensor:
-    lut = _kept((v2, name, magnitude), lambda: slow(_every_value(1), name, magnitude).numpy().reshape(256))
+    lut = _kept((v2, name, magnitude), lambda: slow(_every_value(), name, magnitude).numpy().reshape(256))
     return _by_table(x.numpy(), lut)
 
 
@@ -305,17 +301,25 @@ def _sharpness(slow, v2: int, mode: int, name: str, magnitude: float, x: torch.T
     return torch.from_numpy(out)
 
 
+@functools.lru_cache(maxsize=None)
+def _geometry(v2: int) -> tuple:
+    """The version's own ``(_get_inverse_affine_matrix, its affine grid
+    function, _apply_grid_transform)``."""
+    if v2:
+        G = importlib.import_module("torchvision.transforms.v2.functional._geometry")
+        return G._get_inverse_affine_matrix, G._affine_grid, G._apply_grid_transform
+    F = importlib.import_module("torchvision.transforms.functional")
+    FT = importlib.import_module("torchvision.transforms._functional_tensor")
+    return F._get_inverse_affine_matrix, FT._gen_affine_grid, FT._apply_grid_transform
+
+
 def _matrix(v2: int, name: str, magnitude: float, h: int, w: int) -> "list | int":
     """The inverse affine matrix torchvision's ``F.affine``/``F.rotate``
     compute for AugMix's shear, translation or rotation ``name`` of an
     (h, w) tensor (its arguments as ``_apply_op`` gives them, through the
     version's own conversions and ``_get_inverse_affine_matrix``); for a v2
     rotation it takes a shortcut for, the quarter turns' number instead."""
-    if v2:
-        G = importlib.import_module("torchvision.transforms.v2.functional._geometry")
-        inverse = G._get_inverse_affine_matrix
-    else:
-        inverse = importlib.import_module("torchvision.transforms.functional")._get_inverse_affine_matrix
+    inverse = _geometry(v2)[0]
     if name == "Rotate":
         angle = magnitude
         if v2:               # rotate_image: the angle in [0, 360), and its shortcuts
@@ -352,21 +356,12 @@ def _geometric(slow, v2: int, mode: int, name: str, magnitude: float, x: torch.T
         if isinstance(matrix, int):
             return x.clone() if matrix == 0 else torch.rot90(x, k=matrix, dims=(-2, -1))
         theta = torch.tensor(matrix, dtype=torch.float32).reshape(1, 2, 3)
-        if v2:
-            grid = importlib.import_module("torchvision.transforms.v2.functional._geometry")._affine_grid(
-                theta, w=w, h=h, ow=w, oh=h)
-        else:
-            grid = importlib.import_module("torchvision.transforms._functional_tensor")._gen_affine_grid(
-                theta, w=w, h=h, ow=w, oh=h)
+        grid = _geometry(v2)[1](theta, w=w, h=h, ow=w, oh=h)
         size = grid.numel() * grid.element_size()
         if _grid_bytes[0] + size <= _GRID_BYTES:      # kept while they fit (no churn past the budget)
             _grids[key] = grid
             _grid_bytes[0] += size
-    if v2:
-        G = importlib.import_module("torchvision.transforms.v2.functional._geometry")
-        return G._apply_grid_transform(x, grid, MODES[mode], fill=None)
-    FT = importlib.import_module("torchvision.transforms._functional_tensor")
-    return FT._apply_grid_transform(x, grid, MODES[mode], fill=None)
+    return _geometry(v2)[2](x, grid, MODES[mode], fill=None)
 
 
 _FAST = {"Brightness": _pointwise, "Solarize": _pointwise, "AutoContrast": _autocontrast,
