@@ -71,6 +71,11 @@ Recipes (``--recipes``, comma-separated; default all):
     ``DTD``, ``StanfordCars``... are) listing the root's files, set as its
     constructor sets them (the real one needs its download), with
     ``shuffle=True`` / ``False``.
+``resize_crop_v1``, ``resize_crop_v2``
+    the older ImageNet training recipe many fine-tuning scripts keep:
+    ``Resize(size * 256 // 224)``, ``RandomCrop(size)``,
+    ``RandomHorizontalFlip()``, the conversion as ``cifar_v1``/``cifar_v2``,
+    ``Normalize``, on ``ImageFolder``, ``shuffle=True``.
 ``cifar10_v1``, ``cifar10_v2``
     the CIFAR tutorial recipe (``cifar_v1``/``cifar_v2``'s transform,
     ``shuffle=True``) on torchvision's ``CIFAR10``, whose images are an
@@ -161,7 +166,7 @@ RECIPES = ([f"train_{v}{p}" for p in POLICIES for v in ("v1", "v2")]
            + ["eval_v1", "eval_v2", "eval_weights", "clip_eval"]
            + ["timm_train", "timm_train_script", "timm_train_cj_prob", "timm_train_aa", "timm_eval"]
            + ["timm_ds_train", "timm_ds_eval", "timm_ds_augmix", "food101_train", "food101_eval", "cifar10_v1", "cifar10_v2", "mnist"]
-           + ["cifar_v1", "cifar_v2", "split_train", "split_eval", "concat_train", "eval_paths"]
+           + ["cifar_v1", "cifar_v2", "resize_crop_v1", "resize_crop_v2", "split_train", "split_eval", "concat_train", "eval_paths"]
            + ["decode_image_train", "decode_image_eval"])
 
 
@@ -385,6 +390,13 @@ def build(recipe: str, root: str, size: int, presets, cls, batch_size: int, work
                        pin_memory=True)
     use_v2 = "_v2" in recipe
     kw = {"use_v2": True} if use_v2 else {}
+    if recipe.startswith("resize_crop"):
+        M = importlib.import_module("torchvision.transforms.v2" if use_v2 else "torchvision.transforms")
+        conv = [M.ToImage(), M.ToDtype(torch.float32, scale=True)] if use_v2 else [M.ToTensor()]
+        tf = M.Compose([M.Resize(size * 256 // 224), M.RandomCrop(size), M.RandomHorizontalFlip(), *conv,
+                        M.Normalize(MEAN, STD)])
+        ds = tv.datasets.ImageFolder(root, transform=tf)
+        return ds, cls(ds, batch_size=batch_size, shuffle=True, num_workers=workers)
     if recipe.startswith("cifar"):
         M = importlib.import_module("torchvision.transforms.v2" if use_v2 else "torchvision.transforms")
         conv = [M.ToImage(), M.ToDtype(torch.float32, scale=True)] if use_v2 else [M.ToTensor()]

@@ -754,8 +754,8 @@ def decode_and_apply(transforms: list, raw) -> Any:
         # only the rows and columns near the crop are decoded, where coordl.decode._jpegcrop is built
         arr, abox = _decode.decode_rgb_crop(raw, box, scale=d, size=hw)
         x = _resample(arr, abox, first.size, first, mode)
-    elif type(first) is Resize and hw is not None and rest and type(rest[0]) is CenterCrop and (
-            x := _resize_center(first, rest[0], hw, raw)) is not None:
+    elif type(first) is Resize and hw is not None and rest and type(rest[0]) in (CenterCrop, RandomCrop) and (
+            x := _resize_window(first, rest[0], hw, raw)) is not None:
         rest = rest[1:]
     elif type(first) is Resize and hw is not None:
         out = first.output_size(*hw)
@@ -763,6 +763,12 @@ def decode_and_apply(transforms: list, raw) -> Any:
         arr, abox = _decode.decode_rgb_crop(raw, (0, 0, *hw), scale=d, size=hw) if d > 1 else (
             _decode.decode_rgb(raw), (0, 0, *hw))
         x = _resample(arr, abox, out, first)
+    elif type(first) in (CenterCrop, RandomCrop) and hw is not None and (
+            at := _crop_offsets(first, *hw)) is not None:
+        # only the rows and columns near the crop are decoded, where coordl.decode._jpegcrop is built
+        box = (*at, *first.size)
+        arr, (top, left, h, w) = _decode.decode_rgb_crop(raw, box, scale=1, size=hw)
+        x = torch.from_numpy(arr[top:top + h, left:left + w]).permute(2, 0, 1)
     else:
         x = torch.from_numpy(_decode.decode_rgb(raw)).permute(2, 0, 1)
         rest = transforms
@@ -811,13 +817,30 @@ def _apply_to_planes(rest: list, x: torch.Tensor) -> Any:
     raise AssertionError("a fusable pipeline has a tensor conversion")  # pragma: no cover
 
 
-def _resize_center(resize: Resize, crop: "CenterCrop", hw: tuple[int, int], raw) -> torch.Tensor | None:
+def _crop_offsets(crop: Any, H: int, W: int) -> tuple[int, int] | None:
+    """(top, left) of a CenterCrop, or of a RandomCrop that pads nothing,
+    inside an H x W image (a RandomCrop draws them here, as its call would:
+    its only draws), or None where the crop pads or does not fit, before
+    any draw (the step then runs on the whole image, as written)."""
+    h, w = crop.size
+    if h > H or w > W:
+        return None
+    if type(crop) is CenterCrop:
+        return crop.offsets(H, W)
+    if crop.padding is not None and any(crop.padding):   # (pad_if_needed pads nothing where the crop fits)
+        return None
+    rng = _rng.current()
+    return rng.randint(0, H - h), rng.randint(0, W - w)
+
+
+def _resize_window(resize: Resize, crop: Any, hw: tuple[int, int], raw) -> torch.Tensor | None:
     """``crop(resize(image))`` for a Resize that resamples as PIL does and a
-    CenterCrop inside its output: only the cropped pixels are resampled, from
-    only the rows and columns of the image they depend on (decoded alone
-    where ``coordl.decode._jpegcrop`` is built), the same pixels as the
-    whole resize then the crop.  None where that does not apply (a reduced
-    decode, a resize on the tensor, a crop that pads, no extension)."""
+    CenterCrop, or a RandomCrop that pads nothing, inside its output: only
+    the cropped pixels are resampled, from only the rows and columns of the
+    image they depend on (decoded alone where ``coordl.decode._jpegcrop`` is
+    built), the same pixels as the whole resize then the crop.  None where
+    that does not apply (a reduced decode, a resize on the tensor, a crop
+    that pads, no extension), before a RandomCrop draws."""
     from .decode import jpeg as _decode
     from .decode import resample as _rs
 
@@ -828,9 +851,10 @@ def _resize_center(resize: Resize, crop: "CenterCrop", hw: tuple[int, int], raw)
         return None
     oh, ow = resize.output_size(*hw)
     ch, cw = crop.size
-    if ch > oh or cw > ow:
+    at = _crop_offsets(crop, oh, ow)
+    if at is None:
         return None
-    top, left = crop.offsets(oh, ow)
+    top, left = at
 
     def read(box):
         arr, abox = _decode.decode_rgb_crop(raw, box, scale=1, size=hw)

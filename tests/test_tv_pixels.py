@@ -322,6 +322,81 @@ def test_resize_then_center_crop_resamples_and_decodes_only_the_crop(images, mon
             assert torch.equal(T.decode_and_apply(steps, raw), got)
 
 
+@pytest.mark.parametrize("kind", ["v1", "v2"])
+@pytest.mark.parametrize("interpolation", [IM.BILINEAR, IM.BICUBIC], ids=["bilinear", "bicubic"])
+def test_resize_then_random_crop_resamples_and_decodes_only_the_crop(images, monkeypatch, interpolation, kind):
+    """Resize + RandomCrop (the older ImageNet training recipe, ``Resize(256),
+    RandomCrop(224)``) draws its window from the sample's generator as the
+    crop draws it, decodes only the rows and columns the window depends on
+    and resamples only the window: torchvision's pixels for those draws
+    (the whole resize, then the crop, then the flip), bit for bit, and the
+    same as with windows turned off."""
+    if R.window_kernel() is None:
+        pytest.skip("coordl.decode._resample (with windows) is not built here")
+    M = V1 if kind == "v1" else V2
+    fused, names, rest = translate(M.Compose([M.Resize(256, interpolation=interpolation), M.RandomCrop(224),
+                                              M.RandomHorizontalFlip(), M.PILToTensor()]))
+    assert rest == () and names[:2] == ("Resize", "RandomCrop"), (names, rest)
+    boxes = []
+    real = coordl.decode.jpeg.decode_rgb_crop
+    monkeypatch.setattr(coordl.decode.jpeg, "decode_rgb_crop", lambda raw, box, **kw: (boxes.append(box), real(raw, box, **kw))[1])
+    for path in images[1:]:
+        raw = _read(path)
+        with _pil(path) as img:
+            oh, ow = fused.transforms[0].output_size(img.height, img.width)
+            resized = img.resize((ow, oh), getattr(Image, interpolation.name))
+            H, W = img.height, img.width
+        for k in range(4):
+            boxes.clear()
+            with _rng.sample_rng(5, 0, k):
+                got = fused.from_bytes(raw)
+            g = _rng.derive(5, 0, k)
+            top, left = g.randint(0, oh - 224), g.randint(0, ow - 224)
+            want = F1.pil_to_tensor(F1.crop(resized, top, left, 224, 224))
+            want = want.flip(-1) if g.random() < 0.5 else want
+            assert torch.equal(got, want), (path, k)
+            assert len(boxes) == 1 and boxes[0][2] * boxes[0][3] < H * W, (path, boxes)
+            with monkeypatch.context() as m, _rng.sample_rng(5, 0, k):
+                m.setattr(R, "window_kernel", lambda: None)
+                assert torch.equal(fused.from_bytes(raw), got)
+
+
+@pytest.mark.parametrize("crop", ["center", "random", "random_padding_0", "random_too_large"])
+def test_a_crop_first_decodes_only_the_crop(images, monkeypatch, crop):
+    """A CenterCrop or an unpadded RandomCrop as the first step of a JPEG's
+    pipeline decodes only the rows and columns around its window: the whole
+    decode's pixels there, the crop's own draws; a crop larger than the
+    image draws nothing and fails as torchvision's does."""
+    size = 2100 if crop == "random_too_large" else 96
+    step = V1.CenterCrop(size) if crop == "center" else \
+        V1.RandomCrop(size, padding=0 if crop == "random_padding_0" else None)
+    fused, names, rest = translate(V1.Compose([step, V1.RandomHorizontalFlip(), V1.PILToTensor()]))
+    assert rest == () and names[0] == type(step).__name__, (names, rest)
+    boxes = []
+    real = coordl.decode.jpeg.decode_rgb_crop
+    monkeypatch.setattr(coordl.decode.jpeg, "decode_rgb_crop", lambda raw, box, **kw: (boxes.append(box), real(raw, box, **kw))[1])
+    for path in images[1:]:
+        raw, pil = _read(path), _pil(path)
+        for k in range(3):
+            boxes.clear()
+            if crop == "random_too_large":
+                with _rng.sample_rng(5, 0, k), pytest.raises(ValueError, match="larger than input image size"):
+                    fused.from_bytes(raw)
+                assert not boxes
+                continue
+            with _rng.sample_rng(5, 0, k):
+                got = fused.from_bytes(raw)
+            g = _rng.derive(5, 0, k)
+            if crop == "center":
+                want = F1.pil_to_tensor(F1.center_crop(pil, [size]))
+            else:
+                top, left = g.randint(0, pil.height - size), g.randint(0, pil.width - size)
+                want = F1.pil_to_tensor(F1.crop(pil, top, left, size, size))
+            want = want.flip(-1) if g.random() < 0.5 else want
+            assert torch.equal(got, want), (path, k)
+            assert len(boxes) == 1 and boxes[0][2:] == (size, size), (path, boxes)
+
+
 # ---------------------------------------------------------- the draft option
 def test_draft_is_an_explicit_option_named_in_path_reason(folder):
     tf = EVAL["resize256-crop224-bilinear"]
