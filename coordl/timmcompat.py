@@ -49,7 +49,7 @@ from typing import Any
 from PIL import Image
 
 from .base.foreign import class_named, why_not_callable, why_overridden
-from .datasets import TwoStageFolder, pil_loader
+from .datasets import TwoStageFolder, pil_decode, pil_loader
 
 __all__ = ["TimmAugMixFolder", "TimmImageFolder", "is_timm_augmix", "is_timm_dataset", "why_not", "why_not_augmix"]
 
@@ -243,17 +243,28 @@ class TimmAugMixFolder(TimmImageFolder):
     crop and flip, each view's augmentation) come from its (seed, epoch,
     index).  Keeps a copy of the wrapper without the dataset it wraps.
 
+    ``views``: one view's whole pipeline translated
+    (:func:`coordl.tvcompat.augmix_views`), or None: where it is given and
+    the wrapper's ``__getitem__`` makes its views as timm's does
+    (:func:`makes_views_as_timm`, checked once per class), the views are
+    made from the fused crop's uint8 planes (the augmentation's steps with
+    a kernel of coordl's on the planes, the conversions coordl's), with
+    the same draws in the same order and the same values as its
+    ``__getitem__`` on the PIL image; a sample the fused decode does not
+    take runs that ``__getitem__`` as written.
+
     ``decode="device"`` and the device split do not apply: each sample is
     several views, made on the CPU."""
 
     #: the sample is more than the transform's output: no device split
     views_after_transform = True
 
-    def __init__(self, mix: Any, transform: Any):
+    def __init__(self, mix: Any, transform: Any, views: Any = None):
         super().__init__(mix.dataset, transform)
         self._mix = copy.copy(mix)      # timm's own object, its __getitem__ run as written
         self._mix.__dict__["dataset"] = None
         self._source = f"{type(mix).__name__} of {self._source}"
+        self.views = views if views is not None and makes_views_as_timm(self._mix) else None
 
     @property
     def num_splits(self) -> int:
@@ -272,6 +283,7 @@ class TimmAugMixFolder(TimmImageFolder):
         """The first transform and the wrapper's augmentation, normalize and views."""
         super().take_transforms(other)
         self._mix = other._mix
+        self.views = other.views
 
     def _prep(self, raw, index: int):
         from .transforms import seeded_for
@@ -281,7 +293,58 @@ class TimmAugMixFolder(TimmImageFolder):
             return self._prep_seeded(raw, index)
 
     def _prep_seeded(self, raw, index: int):
-        sample = super()._prep_seeded(raw, index)
+        views = self.views
+        if views is not None and self._decode is pil_decode:
+            try:
+                x = views.fused.from_bytes(raw)
+            except Exception as e:  # noqa: BLE001 - as TimmImageFolder._prep_seeded: timm's skip, or the error
+                if self._opens(raw):
+                    raise
+                return self._mixed(self._next_that_opens(self._check_index(index), e), index)
+            if x is not NotImplemented:
+                i = self._check_index(index)
+                target = int(self._targets[i])
+                if self.target_transform is not None:
+                    target = self.target_transform(target)
+                return tuple(views.views_of(x, self._mix.num_splits - 1)), target
+        return self._mixed(super()._prep_seeded(raw, index), index)
+
+    def _mixed(self, sample: tuple, index: int):
+        """The wrapper's own ``__getitem__``, as written, on the folder's ``sample``."""
         mix = copy.copy(self._mix)
         mix.__dict__["dataset"] = _Prepared(sample)
         return type(mix).__getitem__(mix, index)
+
+
+_MAKES_VIEWS: dict = {}
+
+
+def makes_views_as_timm(mix: Any) -> bool:
+    """Whether the ``__getitem__`` of ``mix``'s class (timm's
+    ``AugMixDataset``'s, or a subclass's that keeps it) makes its views as
+    :meth:`TimmAugMixFolder._prep_seeded` makes them from the planes: of the
+    dataset's ``(x, y)``, ``normalize(x)``, then for each other view
+    ``normalize(augmentation(x))``, in that order, returned as ``(tuple of
+    the views, y)``.  Checked once per class on recording stand-ins."""
+    cls = type(mix)
+    got = _MAKES_VIEWS.get(cls)
+    if got is None:
+        calls: list = []
+
+        def aug(v):
+            calls.append("a")
+            return ("a", v)
+
+        def norm(v):
+            calls.append("n")
+            return ("n", v)
+
+        probe = copy.copy(mix)
+        probe.__dict__.update(dataset=_Prepared(("x", "y")), augmentation=aug, normalize=norm, num_splits=3)
+        try:
+            out = cls.__getitem__(probe, 0)
+        except Exception:  # noqa: BLE001 - anything else: its own code runs as written
+            out = None
+        want = ((("n", "x"), ("n", ("a", "x")), ("n", ("a", "x"))), "y")
+        got = _MAKES_VIEWS[cls] = out == want and type(out[0]) is tuple and calls == ["n", "a", "n", "a", "n"]
+    return got

@@ -672,9 +672,19 @@ class TorchvisionPipeline:
             x = t(x)
         return x, None
 
-    def _converted(self, x: Any, split: bool = False) -> Any:
-        """``x`` (the fused part's result) through ``tail`` and ``post``
-        (inside the sample's generators' scope); with ``split``
+    def views_of(self, x: torch.Tensor, n: int) -> list:
+        """timm's ``AugMixDataset`` views of ``x``, the fused part's uint8
+        planes, where ``tail`` is its ``augmentation`` and ``post`` its
+        ``normalize`` (:func:`augmix_views`): ``post`` of ``x`` (the clean
+        view), then ``n`` times ``tail`` then ``post`` of ``x``, in that
+        order, as its ``__getitem__`` makes them of the PIL image; inside
+        the sample's generators' scope, opened by the dataset's ``_prep``
+        (each view's draws continue the one before's)."""
+        return [self._converted(x, tail=False)] + [self._converted(x) for _ in range(n)]
+
+    def _converted(self, x: Any, split: bool = False, tail: bool = True) -> Any:
+        """``x`` (the fused part's result) through ``tail`` (unless ``tail``
+        is False) and ``post`` (inside the sample's generators' scope); with ``split``
         (:meth:`split_refusal` None), the uint8 RGB planes ``post`` would
         convert where the tail gives an RGB image, the device split's
         ``ToTensor`` and ``Normalize`` left to do."""
@@ -688,7 +698,7 @@ class TorchvisionPipeline:
                     x = _to_pil(x)
             elif self.image_type is not None:
                 x = x.as_subclass(self.image_type)
-        if self.tail:
+        if self.tail and tail:
             x, planes = self._run_steps(x, planes)
         if split:
             if not planes and isinstance(x, Image.Image) and x.mode == "RGB":
@@ -3339,9 +3349,10 @@ def _adapt_timm(dataset: Any, jpeg_draft: bool, mix: Any = None) -> tuple[Any, D
         transform, fused, as_written, through = _translated(dataset.transform, jpeg_draft)
     else:
         transform, fused, as_written, through = dataset.transform, (), (_name(dataset.transform),), []
+    views = augmix_views(dataset.transform, mix, jpeg_draft) if mix is not None and rgb else None
     try:
         adapted = timmcompat.TimmImageFolder(dataset, transform) if mix is None else \
-            timmcompat.TimmAugMixFolder(mix, transform)
+            timmcompat.TimmAugMixFolder(mix, transform, views)
     except (TypeError, ValueError) as e:
         return dataset if mix is None else mix, \
             Decision("torch", f"its reader's samples are not (path, class index) pairs ({e})")
@@ -3360,9 +3371,39 @@ def _adapt_timm(dataset: Any, jpeg_draft: bool, mix: Any = None) -> tuple[Any, D
             return f"{_name(t)}({', '.join(map(_name, steps))})" if isinstance(steps, (list, tuple)) else _name(t)
         views = f"the clean view and {mix.num_splits - 1} through {named(mix.augmentation)}" \
             if mix.num_splits > 1 else "the clean view"
-        reason = (f"timm's {type(mix).__name__} over {reason}; then its own __getitem__ as written: {views}, "
-                  f"each through {named(mix.normalize) if mix.normalize is not None else 'no normalize'}")
+        each = f"each through {named(mix.normalize) if mix.normalize is not None else 'no normalize'}"
+        if adapted.views is None:
+            reason = f"timm's {type(mix).__name__} over {reason}; then its own __getitem__ as written: {views}, {each}"
+        else:
+            notes = [f"{_name(t)} {t.how}" for t in adapted.views.tail if isinstance(t, OnPlanes)]
+            reason = (f"timm's {type(mix).__name__} over {reason}; then its own __getitem__'s views, made as it "
+                      f"makes them of the fused crop's planes: {views}, {each}"
+                      + (f" (of which {'; '.join(notes)})" if notes else ""))
     return adapted, Decision("coordl", reason, fused, as_written)
+
+
+def augmix_views(first: Any, mix: Any, draft: bool = False) -> "TorchvisionPipeline | None":
+    """For timm's ``AugMixDataset`` ``mix`` over a folder of RGB images
+    whose transform is ``first``: the translation of one view's whole
+    pipeline (``first``, then ``mix.augmentation``, then ``mix.normalize``)
+    where it splits where those do (``first`` fused whole into the uint8
+    planes, the augmentation the steps run after it, the normalize the
+    conversion after them), so that :meth:`TorchvisionPipeline.views_of`
+    makes the views from the fused crop's planes; else None (its
+    ``__getitem__`` then runs as written on the PIL image)."""
+    aug, norm = getattr(mix, "augmentation", None), getattr(mix, "normalize", None)
+    if first is None or norm is None or (aug is None and mix.num_splits > 1):
+        return None
+    parts = [_flatten(first), _flatten(aug) if aug is not None else [], _flatten(norm)]
+    try:
+        out, fused, _ = translate_steps(parts[0] + parts[1] + parts[2], draft)
+    except (TypeError, ValueError):
+        return None
+    if not isinstance(out, TorchvisionPipeline) or out.fused is None or not out.to_pil \
+            or len(fused) != len(parts[0]) or len(out.tail) != len(parts[1]) or len(out.post) != len(parts[2]) \
+            or out.post_fused is None or out.erase is not None or out.after:
+        return None
+    return out
 
 
 def record_path(loader: Any, decision: Decision | None) -> None:

@@ -432,6 +432,58 @@ def test_timms_augmix_views_are_the_folders_sample_then_its_augmentation(photos)
         assert torch.equal(x[0], c) and torch.equal(x[1], t) and torch.equal(x[2], t)
 
 
+@pytest.mark.parametrize("aa,splits,uint8", [("augmix-m3-w3", 3, False), ("augmix-m5-w4-d2", 2, True),
+                                             ("rand-m9-mstd0.5", 3, False)])
+def test_timms_augmix_views_made_from_the_planes_are_its_own_views_of_the_pil_image(photos, aa, splits, uint8):
+    """Where its augmentation runs after the fused crop and its normalize is
+    a conversion, the views are made from the fused crop's planes (the
+    augmentation's steps with coordl's kernels, the conversions coordl's):
+    every view of every batch is what the wrapper's own ``__getitem__``
+    gives of the PIL image (the same draws in the same order), float or
+    uint8 (timm's prefetcher: ``MaybePILToTensor``), with workers or not."""
+    from timm.data.transforms import MaybePILToTensor
+    from torchvision import transforms as V
+
+    def make(num_workers, planes):
+        mix = augmix_folder(photos, splits=splits, auto_augment=aa)
+        if uint8:
+            mix.normalize = V.Compose([MaybePILToTensor()])
+        L = coordl.DataLoader(mix, batch_size=4, shuffle=True, seed=5, num_workers=num_workers)
+        assert (L.dataset.views is not None) and "made as it makes them of the fused crop's planes" in \
+            L.stats().path_reason, L.stats().path_reason
+        if not planes:
+            L.dataset.views = None      # the wrapper's __getitem__ as written, on the PIL image
+        return L
+
+    want = view_batches(make(0, False))
+    assert want[0][0][0].dtype == (torch.uint8 if uint8 else torch.float32)
+    assert views_equal(view_batches(make(0, True)), want)
+    assert views_equal(view_batches(make(2, True)), want)
+
+
+def test_a_wrapper_that_makes_its_views_otherwise_runs_as_written(photos):
+    """A subclass of timm's ``AugMixDataset`` whose ``_normalize`` does
+    more than timm's is checked (once per class) and its ``__getitem__``
+    runs as written on the PIL image."""
+    from timm.data import AugMixDataset
+
+    from coordl.timmcompat import makes_views_as_timm
+
+    class Brighter(AugMixDataset):
+        def _normalize(self, x):
+            return super()._normalize(x) + 1.0
+
+    mix = Brighter(timm_folder(photos, is_training=True), num_splits=3)
+    mix.transform = create_transform(32, is_training=True, separate=True, auto_augment="augmix-m3-w3")
+    assert not makes_views_as_timm(mix) and makes_views_as_timm(augmix_folder(photos))
+    L = coordl.DataLoader(mix, batch_size=4, seed=5)
+    assert L.stats().path == "coordl" and L.dataset.views is None
+    assert "then its own __getitem__ as written" in L.stats().path_reason, L.stats().path_reason
+    plain = coordl.DataLoader(augmix_folder(photos, auto_augment="augmix-m3-w3"), batch_size=4, seed=5)
+    got, want = view_batches(L), view_batches(plain)
+    assert all(torch.equal(x[0], w[0] + 1.0) for (x, _), (w, _) in zip(got, want))    # the clean views
+
+
 def test_timms_augmix_dataset_in_timms_create_loader_with_its_prefetcher(photos, monkeypatch):
     """timm's train.py with --aug-splits: ``create_loader`` sets the three
     transforms and collates the views with ``fast_collate`` (one batch, the
