@@ -3041,6 +3041,127 @@ def _on_planes(t: Any) -> Any:
     return mine if mine.exact() else t
 
 
+class MultiViews:
+    """A user's transform that makes several views of each image (MoCo's
+    ``TwoCropsTransform``, SimCLR's view generator, DINO's global and local
+    crops), found by :func:`multi_views_of`: its ``__call__`` returns a list
+    (or tuple) of what transforms it holds give of the image, one call per
+    view in a fixed order.  ``calls``: the attribute each view calls, in
+    order; ``views``: each attribute's transform translated as a dataset's
+    transform is (:func:`translate`).  The image is decoded once, and each
+    view made from its decoded planes in the user's order, each view's draws
+    continuing the one before's."""
+
+    def __init__(self, name: str, calls: list, views: dict, kind: type, names: dict):
+        self.name, self.calls, self.views, self.kind = name, list(calls), dict(views), kind
+        self.names = dict(names)        # attribute -> (its fused steps' names, its as-written steps' names)
+
+    def from_bytes(self, raw) -> Any:
+        # the whole image once, as the fused decode decodes one no window fits (coordl.transforms.decode_and_apply)
+        return self.from_planes(torch.from_numpy(_jpeg.decode_rgb(raw)).permute(2, 0, 1))
+
+    def from_planes(self, planes: torch.Tensor) -> Any:
+        """The views of a decoded image's uint8 ``(C, H, W)`` planes."""
+        out = []
+        for a in self.calls:
+            v = self.views[a]
+            got = v.from_planes(planes)         # (a translated view takes the planes, or makes a PIL image of them)
+            out.append(v(_to_pil(planes)) if got is NotImplemented else got)
+        return self.kind(out)
+
+    def __call__(self, img: Any) -> Any:
+        return self.kind([self.views[a](img) for a in self.calls])
+
+    def describe(self, jpeg_draft: bool = False) -> str:
+        """The words ``path_reason`` gives for it."""
+        parts = []
+        for a in dict.fromkeys(self.calls):
+            v = self.views[a]
+            parts.append(f"{a}: {describe_translation(v, v, *self.names[a], [])}")
+        what = (f"{len(self.calls)} views of each image, made as {self.name}.__call__ makes them "
+                f"({', '.join(self.calls)}), each from the planes of one decode; {'; '.join(parts)}")
+        if jpeg_draft:
+            what += "; jpeg_draft=True has no effect: every view is made from one full-size decode"
+        return what
+
+
+class _Call:
+    """Stands for a transform a multi-view object holds, in :func:`multi_views_of`'s probe."""
+
+    __slots__ = ("name", "calls")
+
+    def __init__(self, name: str, calls: list):
+        self.name, self.calls = name, calls
+
+    def __call__(self, x: Any) -> Any:
+        token = object()
+        self.calls.append((self.name, x, token))
+        return token
+
+
+def _global_states() -> tuple:
+    np_state = np.random.get_state()
+    return random.getstate(), np_state[0], np_state[1].copy(), np_state[2:], torch.get_rng_state()
+
+
+def _same_states(a: tuple, b: tuple) -> bool:
+    return a[0] == b[0] and a[1] == b[1] and np.array_equal(a[2], b[2]) and a[3] == b[3] and torch.equal(a[4], b[4])
+
+
+def multi_views_of(t: Any, draft: bool = False) -> "MultiViews | None":
+    """A :class:`MultiViews` of ``t`` where it is an object of a user's
+    class (not torchvision's, timm's or coordl's) whose ``__call__``, run
+    on a copy of it whose callable attributes are recording stand-ins and
+    given a small RGB PIL image, returns a list or tuple of two or more
+    values that are exactly what the stand-ins returned, in the order they
+    were called, each called with that image, and draws nothing from
+    Python's, numpy's or torch's generators itself (the generators are put
+    back after); else None (the object then runs as written)."""
+    cls = type(t)
+    fn = getattr(cls, "__call__", None)
+    if t is None or _kind(t) is not None or isinstance(t, T.Transform) or from_torchvision(t) \
+            or cls.__module__.startswith(("coordl.", "timm.")) or not isinstance(fn, types.FunctionType) \
+            or cls.__getattribute__ is not object.__getattribute__:
+        return None
+    own = getattr(t, "__dict__", None)
+    names = [k for k, v in own.items() if callable(v) and not isinstance(v, type)] if isinstance(own, dict) else []
+    if not names:
+        return None
+    try:
+        probe = copy.copy(t)
+    except Exception:  # noqa: BLE001 - an object that does not copy runs as written
+        return None
+    if probe is t or getattr(probe, "__dict__", None) is own:
+        return None
+    calls: list = []
+    for k in names:
+        probe.__dict__[k] = _Call(k, calls)
+    img = Image.new("RGB", (8, 8))
+    before = _global_states()
+    try:
+        out = fn(probe, img)
+    except Exception:  # noqa: BLE001 - anything else its __call__ does: it runs as written
+        out = None
+    finally:
+        drew = not _same_states(before, _global_states())
+        random.setstate(before[0])
+        np.random.set_state((before[1], before[2], *before[3]))
+        torch.set_rng_state(before[4])
+    if drew or type(out) not in (list, tuple) or len(out) < 2 or len(out) != len(calls) \
+            or any(o is not tok or x is not img for o, (_, x, tok) in zip(out, calls)):
+        return None
+    order = [name for name, _, _ in calls]
+    views, names = {}, {}
+    for a in dict.fromkeys(order):
+        v, fused, as_written = translate(getattr(t, a), draft)
+        if type(v) is not T.Compose and type(v) is not TorchvisionPipeline:
+            return None
+        views[a], names[a] = v, (fused, as_written)
+    if not any(fused for fused, _ in names.values()):
+        return None         # nothing of any view fuses: as written
+    return MultiViews(_name(t), order, views, type(out), names)
+
+
 def translate(transform: Any, draft: bool = False, rgb: bool = True) -> tuple[Any, tuple[str, ...], tuple[str, ...]]:
     """``(coordl transform, fused names, as-written names)`` for a torchvision
     transform (or any callable, or None): the longest prefix coordl can fuse,
@@ -3241,6 +3362,10 @@ def _translated(given: Any, jpeg_draft: bool = False, rgb: bool = True,
     through: list = []
     if given is None:
         return None, (), (), through
+    views = multi_views_of(given) if rgb and not tensor else None
+    if views is not None:
+        return (views, tuple(dict.fromkeys(n for f, _ in views.names.values() for n in f)),
+                tuple(dict.fromkeys(n for _, w in views.names.values() for n in w)), through)
     return (*translate_steps(_flatten(given, through), jpeg_draft, rgb, tensor), through)
 
 
@@ -3317,6 +3442,8 @@ def describe_adapted(given: Any, transform: Any, fused: tuple, as_written: tuple
     (from the user's ``given``), with what the reduced-scale JPEG decode
     does or, asked for (``jpeg_draft``), why it does nothing; ``tensor``:
     the folder's loader, where it is torchvision.io's."""
+    if isinstance(transform, MultiViews):
+        return transform.describe(jpeg_draft)
     what = describe_translation(given, transform, fused, as_written, through)
     if tensor is not None:
         how = ("JPEGs of 3 colour components" + (" or grey" if tensor.mode_name == "RGB" else "")

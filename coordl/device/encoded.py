@@ -343,6 +343,11 @@ def plan_for(transform) -> DecodePlan:
         ts = list(transform.transforms)
     elif type(transform).__name__ == "TorchvisionPipeline":
         ts, jitters, erasing = _as_written(transform)
+    elif type(transform).__name__ == "MultiViews":     # a user's transform of several views (coordl.tvcompat)
+        raise _refuse(f"it makes {len(transform.calls)} views of each image ({transform.name}), and the device "
+                      "stage makes one image of each sample",
+                      "pass device= without decode='device' (the views are made on the CPU, each from one decode, "
+                      "and the batches copied to the device)")
     else:
         raise _refuse(f"it is a {type(transform).__module__}.{type(transform).__qualname__}, not a "
                       "coordl.transforms.Compose (or a torchvision Compose of the supported steps)")

@@ -500,6 +500,8 @@ def split_for_device(dataset, device=None) -> Split:
         return no(f"{type(dataset).__name__}'s samples are made after its transform, on the CPU (several views, "
                   "or a subclass's own __getitem__)")
     tf = getattr(dataset, "transform", None)
+    if type(tf).__name__ == "MultiViews":      # a user's transform of several views (coordl.tvcompat)
+        return no(f"{tf.name} makes {len(tf.calls)} views of each image, on the CPU")
     if type(tf).__name__ == "TorchvisionPipeline":     # a translated torchvision transform (coordl.tvcompat)
         return _split_pipeline(dataset, tf, device, no)
     if type(tf) is not T.Compose:
