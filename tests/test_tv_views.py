@@ -167,7 +167,6 @@ def test_a_transform_of_several_views_is_made_of_its_views_pipelines(photos, kin
     views' translated pipelines run one after the other under the sample's
     generator (each view's draws continue the one before's), in the user's
     order and container, whatever the workers."""
-    M = V2 if kind.endswith("v2") else V1
     tf = {"moco_v1": lambda: TwoCropsTransform(moco(V1)), "moco_v2": lambda: TwoCropsTransform(moco(V2)),
           "simclr_3": lambda: ViewGenerator(moco(V1), n_views=3), "dino_v1": lambda: GlobalAndLocal(V1),
           "dino_v2": lambda: GlobalAndLocal(V2),
