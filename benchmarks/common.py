@@ -299,7 +299,7 @@ def epoch(loader, per_batch=None) -> tuple[int, float, torch.Tensor]:
     t0 = time.perf_counter()
     for batch in loader:
         images, targets = batch[0], batch[1]
-        n += images.shape[0]
+        n += (images[0] if isinstance(images, (list, tuple)) else images).shape[0]   # several views: samples
         labels.append(targets)
         if per_batch is not None:
             per_batch(images)

@@ -76,6 +76,17 @@ Recipes (``--recipes``, comma-separated; default all):
     ``Resize(size * 256 // 224)``, ``RandomCrop(size)``,
     ``RandomHorizontalFlip()``, the conversion as ``cifar_v1``/``cifar_v2``,
     ``Normalize``, on ``ImageFolder``, ``shuffle=True``.
+``moco_v2``, ``dino``
+    self-supervised recipes whose transform makes several views of each
+    image: MoCo v2's (``--aug-plus``: two views of ``RandomResizedCrop(size,
+    scale=(0.2, 1))``, ``ColorJitter(0.4, 0.4, 0.4, 0.1)`` with p 0.8,
+    ``RandomGrayscale(0.2)``, a PIL Gaussian blur of radius 0.1-2 with p
+    0.5 (a class of the recipe's own), flip, ``ToTensor``, ``Normalize``)
+    and DINO's (two global bicubic crops at ``size``, scale 0.4-1, eight
+    local ones at ``size * 96 // 224``, scale 0.05-0.4, each flipped,
+    colour-jittered, made gray, blurred and, the second global one,
+    solarized as its recipe does), on ``ImageFolder``, ``shuffle=True``,
+    ``drop_last=True``; images/s counts samples.
 ``cifar10_v1``, ``cifar10_v2``
     the CIFAR tutorial recipe (``cifar_v1``/``cifar_v2``'s transform,
     ``shuffle=True``) on torchvision's ``CIFAR10``, whose images are an
@@ -138,6 +149,7 @@ import gc
 import importlib.util
 import inspect
 import os
+import random
 import resource
 import statistics
 import sys
@@ -159,6 +171,66 @@ def _convert_image_to_rgb(image):
     """The conversion CLIP's preprocessing puts between its crop and ToTensor."""
     return image.convert("RGB")
 VIEWS = {"timm_ds_augmix": 3}      # the views of each sample (timm's AugMixDataset)
+
+
+class PILBlur:
+    """The self-supervised recipes' blur: with probability ``p``, PIL's
+    Gaussian blur of a radius drawn uniformly in [lo, hi] (Python's generator)."""
+
+    def __init__(self, p=1.0, lo=0.1, hi=2.0):
+        self.p, self.lo, self.hi = p, lo, hi
+
+    def __call__(self, img):
+        from PIL import ImageFilter
+
+        if random.random() > self.p:
+            return img
+        return img.filter(ImageFilter.GaussianBlur(radius=random.uniform(self.lo, self.hi)))
+
+
+class PILSolarize:
+    """DINO's solarization: with probability ``p``, PIL's solarize at 128."""
+
+    def __init__(self, p):
+        self.p = p
+
+    def __call__(self, img):
+        from PIL import ImageOps
+
+        return ImageOps.solarize(img) if random.random() < self.p else img
+
+
+class TwoViews:
+    """MoCo v2's query and key: the same transform twice."""
+
+    def __init__(self, base):
+        self.base = base
+
+    def __call__(self, x):
+        return [self.base(x), self.base(x)]
+
+
+class GlobalLocalViews:
+    """DINO's crops: two global views of their own transforms, then ``n`` local ones."""
+
+    def __init__(self, T, size, n=8):
+        flip_jitter = T.Compose([T.RandomHorizontalFlip(p=0.5), T.RandomApply(
+            [T.ColorJitter(brightness=0.4, contrast=0.4, saturation=0.2, hue=0.1)], p=0.8), T.RandomGrayscale(p=0.2)])
+        norm = T.Compose([T.ToTensor(), T.Normalize(MEAN, STD)])
+        self.global1 = T.Compose([T.RandomResizedCrop(size, scale=(0.4, 1.0), interpolation=T.InterpolationMode.BICUBIC),
+                                  flip_jitter, PILBlur(1.0), norm])
+        self.global2 = T.Compose([T.RandomResizedCrop(size, scale=(0.4, 1.0), interpolation=T.InterpolationMode.BICUBIC),
+                                  flip_jitter, PILBlur(0.1), PILSolarize(0.2), norm])
+        self.n = n
+        self.local = T.Compose([T.RandomResizedCrop(size * 96 // 224, scale=(0.05, 0.4),
+                                                    interpolation=T.InterpolationMode.BICUBIC),
+                                flip_jitter, PILBlur(0.5), norm])
+
+    def __call__(self, image):
+        crops = [self.global1(image), self.global2(image)]
+        for _ in range(self.n):
+            crops.append(self.local(image))
+        return crops
 POLICIES = {"": None, "_ra": "ra", "_ta": "ta_wide", "_augmix": "augmix"}
 RECIPES = ([f"train_{v}{p}" for p in POLICIES for v in ("v1", "v2")]
            + ["train_v2_mixup", "train_v1_tensor_ta", "train_v2_tensor_ta", "train_v1_tensor_augmix",
@@ -166,7 +238,7 @@ RECIPES = ([f"train_{v}{p}" for p in POLICIES for v in ("v1", "v2")]
            + ["eval_v1", "eval_v2", "eval_weights", "clip_eval"]
            + ["timm_train", "timm_train_script", "timm_train_cj_prob", "timm_train_aa", "timm_eval"]
            + ["timm_ds_train", "timm_ds_eval", "timm_ds_augmix", "food101_train", "food101_eval", "cifar10_v1", "cifar10_v2", "mnist"]
-           + ["cifar_v1", "cifar_v2", "resize_crop_v1", "resize_crop_v2", "split_train", "split_eval", "concat_train", "eval_paths"]
+           + ["cifar_v1", "cifar_v2", "resize_crop_v1", "resize_crop_v2", "moco_v2", "dino", "split_train", "split_eval", "concat_train", "eval_paths"]
            + ["decode_image_train", "decode_image_eval"])
 
 
@@ -390,6 +462,17 @@ def build(recipe: str, root: str, size: int, presets, cls, batch_size: int, work
                        pin_memory=True)
     use_v2 = "_v2" in recipe
     kw = {"use_v2": True} if use_v2 else {}
+    if recipe in ("moco_v2", "dino"):
+        T = tv.transforms
+        if recipe == "moco_v2":
+            tf = TwoViews(T.Compose([T.RandomResizedCrop(size, scale=(0.2, 1.0)),
+                                     T.RandomApply([T.ColorJitter(0.4, 0.4, 0.4, 0.1)], p=0.8),
+                                     T.RandomGrayscale(p=0.2), T.RandomApply([PILBlur()], p=0.5),
+                                     T.RandomHorizontalFlip(), T.ToTensor(), T.Normalize(MEAN, STD)]))
+        else:
+            tf = GlobalLocalViews(T, size)
+        ds = tv.datasets.ImageFolder(root, transform=tf)
+        return ds, cls(ds, batch_size=batch_size, shuffle=True, num_workers=workers, pin_memory=True, drop_last=True)
     if recipe.startswith("resize_crop"):
         M = importlib.import_module("torchvision.transforms.v2" if use_v2 else "torchvision.transforms")
         conv = [M.ToImage(), M.ToDtype(torch.float32, scale=True)] if use_v2 else [M.ToTensor()]
@@ -473,7 +556,7 @@ def run(args) -> dict:
                     count, _sec, lab = common.epoch(loader)
                     n += count
                     labels.append(lab)
-                    once = once and _each_once(ds, lab, args.batch_size, recipe in ("timm_ds_train", "timm_ds_augmix"),
+                    once = once and _each_once(ds, lab, args.batch_size, recipe in ("timm_ds_train", "timm_ds_augmix", "moco_v2", "dino"),
                                                VIEWS.get(recipe, 1))
                 sec = time.perf_counter() - t0
                 inner = getattr(loader, "loader", loader)       # timm's PrefetchLoader holds the DataLoader

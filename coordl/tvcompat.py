@@ -3078,8 +3078,15 @@ class MultiViews:
         for a in dict.fromkeys(self.calls):
             v = self.views[a]
             parts.append(f"{a}: {describe_translation(v, v, *self.names[a], [])}")
+        runs = []       # the calls in order, a repeated one counted: "local x 8"
+        for a in self.calls:
+            if runs and runs[-1][0] == a:
+                runs[-1][1] += 1
+            else:
+                runs.append([a, 1])
+        order = ", ".join(a if n == 1 else f"{a} x {n}" for a, n in runs)
         what = (f"{len(self.calls)} views of each image, made as {self.name}.__call__ makes them "
-                f"({', '.join(self.calls)}), each from the planes of one decode; {'; '.join(parts)}")
+                f"({order}), each from the planes of one decode; {'; '.join(parts)}")
         if jpeg_draft:
             what += "; jpeg_draft=True has no effect: every view is made from one full-size decode"
         return what

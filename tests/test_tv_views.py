@@ -180,6 +180,8 @@ def test_a_transform_of_several_views_is_made_of_its_views_pipelines(photos, kin
     n = {"simclr_3": 3, "dino_v1": 5, "dino_v2": 5}.get(kind, 2)
     assert f"{n} views of each image, made as {type(tf).__name__}.__call__ makes them" in s.path_reason, s.path_reason
     assert "fused RandomResizedCrop" in s.path_reason
+    if kind.startswith("dino"):
+        assert "(global_transfo1, global_transfo2, local_transfo x 3)" in s.path_reason, s.path_reason
     batches = list(L)
     assert all(type(x) is list and len(x) == n for x, _ in batches)      # (torch collates a tuple as a list)
     with open(ds.samples[0][0], "rb") as f:
