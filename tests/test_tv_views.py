@@ -296,6 +296,25 @@ def test_decode_on_the_device_refuses_it_and_the_device_split_says_why(photos, c
     assert all(torch.equal(a, b) for a, b in zip(x, next(iter(alone))[0]))
 
 
+def test_jobs_sharing_prep_get_what_they_get_alone(photos, daemon_env):
+    """The node daemon's workers prepare the views as the job would: the
+    batches are bit for bit the job's alone (where torchvision imports in a
+    plain interpreter, as the daemon's workers import it)."""
+    import subprocess
+
+    if subprocess.run([sys.executable, "-c", "import torchvision"], capture_output=True).returncode != 0:
+        pytest.skip("torchvision does not import in a plain interpreter here, as the daemon's workers import it")
+
+    def make(**kw):
+        return coordl.DataLoader(D.ImageFolder(photos, GlobalAndLocal(V1, 2)), batch_size=4, seed=4, **kw)
+
+    alone = [[v.clone() for v in x] for x, _ in make()]
+    L = make(share=True)
+    shared = [[v.clone() for v in x] for x, _ in L]
+    assert L.stats().samples_shared > 0, L.stats()
+    assert len(shared) == len(alone) and all(torch.equal(u, v) for p, q in zip(shared, alone) for u, v in zip(p, q))
+
+
 def test_translate_of_one_view_is_unchanged():
     """``translate`` (one pipeline) never returns several views: only a
     dataset's transform is probed."""
