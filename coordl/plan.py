@@ -155,6 +155,13 @@ class EpochPlan:
             yield idx[k * bs:(k + 1) * bs].tolist()
 
 
+def lane_again(again: Any, rank: int, replicas: int) -> Any:
+    """``again`` (a count, or an array of counts, of an index's earlier
+    times in a rank's order) as a key of its own for each (count, rank) of
+    ``replicas`` ranks: ``again * replicas + rank`` (0 for rank 0's first)."""
+    return again * replicas + rank
+
+
 class IndexOrder:
     """One pass's order given explicitly: the steps a user's sampler (or
     batch sampler) yielded for an epoch, read once in the main process at
@@ -168,21 +175,34 @@ class IndexOrder:
     index (no batching: ``batch_size=None`` with a ``sampler``).
     """
 
-    __slots__ = ("indices", "lengths", "_offsets", "_again")
+    __slots__ = ("indices", "lengths", "_offsets", "_again", "_lane")
 
     def __init__(self, indices: np.ndarray, lengths: np.ndarray | None) -> None:
         self.indices = np.ascontiguousarray(indices, dtype=np.int64)
         self.lengths = None if lengths is None else np.ascontiguousarray(lengths, dtype=np.int64)
         self._offsets = None
         self._again: Any = False        # not computed yet
+        self._lane = (0, 1)
 
     def __getstate__(self):
-        return self.indices, self.lengths
+        return self.indices, self.lengths, self._lane
 
     def __setstate__(self, state) -> None:
-        self.indices, self.lengths = state
+        self.indices, self.lengths = state[:2]
+        self._lane = state[2] if len(state) > 2 else (0, 1)
         self._offsets = None
         self._again = False
+
+    def set_lane(self, rank: int, replicas: int) -> None:
+        """The sampler drew this order for ``rank`` of ``replicas`` ranks
+        that may each be given the same index (a sampler of repeated
+        augmentation spreads an index's repeats over the ranks): each
+        position's ``again`` becomes ``again * replicas + rank``
+        (:func:`lane_again`), so that the same index draws anew on each
+        rank, as under torch, and rank 0's first time keeps the index's own
+        generator."""
+        if (rank, replicas) != self._lane:
+            self._lane, self._again = (rank, replicas), False
 
     @classmethod
     def from_steps(cls, steps, batched: bool, num_samples: int) -> "IndexOrder":
@@ -245,6 +265,11 @@ class IndexOrder:
                 first = np.maximum.accumulate(np.where(np.r_[True, s[1:] != s[:-1]], pos, 0))
                 got = np.empty(len(idx), dtype=np.int64)
                 got[order] = pos - first
+            rank, replicas = self._lane
+            if rank and got is None:
+                got = np.zeros(len(idx), dtype=np.int64)
+            if got is not None and replicas > 1:
+                got = lane_again(got, rank, replicas)
             self._again = got
         return self._again
 

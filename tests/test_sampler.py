@@ -328,6 +328,57 @@ def test_a_repeated_index_draws_its_own_augmentation_each_time(num_workers, name
     assert len(got) == len(batches) and all(torch.equal(x, y[0]) for x, y in zip(got, batches))
 
 
+class RepeatsAcrossRanks(torch.utils.data.Sampler):
+    """Repeated augmentation as torchvision's ``RASampler`` and timm's
+    ``RepeatAugSampler`` spread it: each index ``times`` times in a row,
+    then every ``num_replicas``-th position from ``rank`` (so the repeats
+    of an index land on different ranks)."""
+
+    def __init__(self, n: int, rank: int, num_replicas: int = 2, times: int = 2):
+        self.n, self.rank, self.num_replicas, self.times = n, rank, num_replicas, times
+
+    def __iter__(self):
+        every = [i for i in range(self.n) for _ in range(self.times)]
+        return iter(every[self.rank::self.num_replicas])
+
+    def __len__(self) -> int:
+        return self.n * self.times // self.num_replicas
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+@pytest.mark.parametrize("how", ["sampler", "loader", "unsized"])
+def test_the_same_index_on_two_ranks_draws_two_augmentations(num_workers, how):
+    """A sampler of repeated augmentation gives each rank of a distributed
+    run the same indices (``RASampler``, ``RepeatAugSampler``): each rank
+    draws its own augmentation of an index, as under torch, whatever the
+    seed agreed across ranks; rank 0 keeps the index's own draws (a run of
+    one rank is unchanged). The rank is the sampler's (its ``rank`` and
+    ``num_replicas``), else the loader's (``rank``/``world_size``, or
+    torch.distributed's), on coordl's pipeline and on torch's machinery."""
+    ds = TwoStageToy(N)
+
+    def draws(rank):
+        if how == "sampler":
+            sampler, kw = RepeatsAcrossRanks(N, rank), {}
+        else:
+            order = list(RepeatsAcrossRanks(N, rank))
+            sampler, kw = order, {"rank": rank, "world_size": 2}
+            if how == "unsized":
+                class Unsized(torch.utils.data.Sampler):
+                    def __iter__(self):
+                        return iter(order)
+                sampler = Unsized()
+        L = DataLoader(ds, batch_size=3, sampler=sampler, num_workers=num_workers, seed=7, **kw)
+        assert L.stats().path == ("torch" if how == "unsized" else "coordl")
+        return _draws_by_index(list(L))
+
+    r0, r1 = draws(0), draws(1)
+    assert sorted(r0) == sorted(r1) == list(range(N))      # every index on both ranks
+    assert all(r0[i][0] != r1[i][0] for i in range(N)), (r0, r1)
+    once = _draws_by_index(DataLoader(ds, batch_size=4, sampler=SequentialSampler(ds), seed=7))
+    assert all(r0[i][0] == once[i][0] for i in range(N))
+
+
 def test_the_repeats_of_an_order_are_counted_position_by_position():
     from coordl.plan import IndexOrder
 
@@ -338,6 +389,13 @@ def test_the_repeats_of_an_order_are_counted_position_by_position():
     assert IndexOrder.from_steps([3, -3, 5], False, 6).again(0, [0, 1]) == [[0], [1]]   # -3 is 3
     order = pickle.loads(pickle.dumps(IndexOrder.from_steps([1, 1], False, 6)))
     assert order.again(0, [0, 1]) == [[0], [1]]
+    order = IndexOrder.from_steps([[4, 1, 4], [2]], True, 6)
+    order.set_lane(1, 3)        # rank 1 of 3: each (count, rank) a key of its own
+    assert order.repeats().tolist() == [1, 1, 4, 1]
+    order = pickle.loads(pickle.dumps(order))     # (as workers get it)
+    assert order.again(0, [0, 1]) == [[1, 1, 4], [1]]
+    order.set_lane(0, 3)
+    assert order.repeats().tolist() == [0, 0, 3, 0]
 
 
 @pytest.mark.parametrize("num_workers,batch_size", [(0, 2), (2, 3), (0, None)])

@@ -294,6 +294,7 @@ def sampler_order(loader):
     from .passes import _torch_steps
 
     p = loader._pass
+    lane = sampler_lane(loader)
     steps = _torch_steps(_TorchDataLoader._index_sampler.fget(loader), loader._rng_generators(), p, 0)
     order = IndexOrder.from_steps(steps, loader._auto_collation, len(loader.dataset))
     saved, p.order_restore = p.order_restore, None
@@ -304,8 +305,24 @@ def sampler_order(loader):
             "generator, the sampler's, torch's global one); the rest of this epoch follows the recorded "
             "order, exactly, and later epochs the sampler's", stacklevel=5)
         order = saved
+    order.set_lane(*lane)
     p.order = order
     return order
+
+
+def sampler_lane(loader) -> tuple[int, int]:
+    """``(rank, replicas)`` the loader's sampler draws its order for: the
+    sampler's own ``rank`` and ``num_replicas`` where it has them (torch's
+    ``DistributedSampler``, torchvision's ``RASampler``, timm's
+    ``RepeatAugSampler``; also inside a ``BatchSampler``), else the
+    loader's rank and world size (``torch.distributed``).  The same index
+    on two ranks then draws two augmentations (``coordl.plan.IndexOrder.set_lane``)."""
+    s = _TorchDataLoader._index_sampler.fget(loader)
+    for obj in (s, getattr(s, "sampler", None)):
+        rank, n = getattr(obj, "rank", None), getattr(obj, "num_replicas", None)
+        if type(rank) is int and type(n) is int and 0 <= rank < n:
+            return rank, n
+    return loader._rank, loader._world_size
 
 
 def choose_mode(dataset, *, two_stage: bool, plan_order: bool, user_sampler: bool, iterable: bool,

@@ -24,6 +24,8 @@ from torch.utils.data.dataloader import _DatasetKind
 
 from ..device import pin as _pin
 from ..errors import SkippedSampleWarning
+from ..plan import lane_again
+from . import modes as _modes
 from .torch_path import Envelope, Task
 
 __all__ = ["_Pass", "_PassSampler", "_LoaderIter", "_first_tensor"]
@@ -110,6 +112,7 @@ class _PassSampler:
             it = _torch_steps(
                 _TorchDataLoader._index_sampler.fget(L), L._rng_generators(), p,
                 start if L._dataset_kind != _DatasetKind.Iterable else 0, counted=tag,
+                lane=_modes.sampler_lane(L) if tag else (0, 1),
             )
         if skip:
             it = _without(it, start, skip)
@@ -127,30 +130,35 @@ def _tag(epoch: int, steps):
         yield Task(epoch, x, again)
 
 
-def _counted(steps):
+def _counted(steps, lane: tuple = (0, 1)):
     """``(step, again)`` for each step (an index, or a list of them):
     ``again`` how many times each index came before in the pass (an int, or
-    a list), None while no index has repeated."""
+    a list), None while no index has repeated; for ``lane`` = (rank,
+    replicas) of a sampler that may give several ranks the same index,
+    made each rank's own (``coordl.plan.lane_again``)."""
+    rank, replicas = lane
     seen: dict = {}
-    repeated = False
+    repeated = bool(rank)
     for x in steps:
         if isinstance(x, (list, tuple)):
             again = []
             for i in x:
                 n = seen.get(i, 0)
-                again.append(n)
+                again.append(n if replicas == 1 else lane_again(n, rank, replicas))
                 seen[i] = n + 1
             repeated = repeated or any(again)
         else:
-            again = seen.get(x, 0)
-            seen[x] = again + 1
+            n = seen.get(x, 0)
+            again = n if replicas == 1 else lane_again(n, rank, replicas)
+            seen[x] = n + 1
             repeated = repeated or bool(again)
         yield x, (again if repeated else None)
 
 
-def _torch_steps(index_sampler, gens: list, p: _Pass, start: int, counted: bool = False):
+def _torch_steps(index_sampler, gens: list, p: _Pass, start: int, counted: bool = False, lane: tuple = (0, 1)):
     """torch's own index sampler for this pass, skipping ``start`` steps;
-    with ``counted``, :func:`_counted`'s pairs (the skipped steps counted).
+    with ``counted``, :func:`_counted`'s pairs (the skipped steps counted;
+    ``lane``: its rank and replicas).
 
     The RNG states the sampler draws from are captured just before its first
     draw (so a state dict can replay the same order) or, when resuming, set to
@@ -175,7 +183,7 @@ def _torch_steps(index_sampler, gens: list, p: _Pass, start: int, counted: bool 
         return
     steps = itertools.chain((first,), it)
     if counted:
-        steps = _counted(steps)
+        steps = _counted(steps, lane)
     if start:
         steps = itertools.islice(steps, start, None)
     yield from steps
