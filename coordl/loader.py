@@ -321,6 +321,8 @@ class DataLoader(_TorchDataLoader[_T_co]):
         self._open_peers(peers)
         self._pass = _Pass()
         self._pass_sampler = _PassSampler(self)
+        # the index sampler as made: one replaced by an endless repeat of it is recognized (_sampler_now)
+        self.__dict__["_made_index_sampler"] = _TorchDataLoader._index_sampler.fget(self)
         self._counters = Counters()
         record_path(self, tv_decision)
         # coordl's own arguments, as given, under their names in the instance's dictionary (where one is a
@@ -846,6 +848,30 @@ class DataLoader(_TorchDataLoader[_T_co]):
 
     # ---------------------------------------------------------------- torch hooks
     def __iter__(self):
+        if self._repeats_sampler():
+            return _Repeating(self)
+        return self._start_pass()
+
+    def _sampler_now(self):
+        """The index sampler a pass iterates: torch's (``batch_sampler``, or
+        ``sampler`` without batches) as it is now, or the one the loader was
+        made with where that was since replaced by an endless repeat of it
+        (:meth:`_repeats_sampler`)."""
+        s = _TorchDataLoader._index_sampler.fget(self)
+        made = self.__dict__.get("_made_index_sampler")
+        if made is not None and s is not made and getattr(s, "sampler", None) is made and not _has_len(s):
+            return made
+        return s
+
+    def _repeats_sampler(self) -> bool:
+        """The index sampler was replaced after the loader was made by an
+        object without a length holding it as its ``sampler`` (timm's
+        ``MultiEpochsDataLoader``, and the recipes that copy it, wrap it in
+        a ``_RepeatSampler`` that yields it over and over, and keep one
+        iterator for every epoch)."""
+        return _TorchDataLoader._index_sampler.fget(self) is not self._sampler_now()
+
+    def _start_pass(self):
         self._check_source()
         self._follow_torchvision()
         if self._peer_server is not None:
@@ -1251,6 +1277,42 @@ def _built_again(cls, args: dict, state: dict) -> "DataLoader":
     loader = cls(**args)
     loader.load_state_dict(state)
     return loader
+
+
+class _Repeating:
+    """The iterator of a loader whose index sampler repeats endlessly
+    (:meth:`DataLoader._repeats_sampler`): the loader's passes one after the
+    other, each an epoch of its own (the next epoch's order, draws and
+    statistics, its workers kept where ``persistent_workers``), as torch's
+    one iterator over the repeating sampler goes on.  A pass that delivers
+    nothing ends it (torch's would wait forever)."""
+
+    def __init__(self, loader) -> None:
+        self._loader_ref = weakref.ref(loader)   # (the loader holds this iterator: timm's does)
+        self._it = None
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        fresh = False
+        while True:
+            if self._it is None:
+                loader = self._loader_ref()
+                if loader is None:
+                    raise StopIteration
+                self._it, fresh = loader._start_pass(), True
+                del loader
+            try:
+                return next(self._it)
+            except StopIteration:
+                self._it = None
+                if fresh:
+                    raise
+
+    def __len__(self) -> int:
+        loader = self._loader_ref()
+        return len(loader._sampler_now()) if loader is not None else 0
 
 
 def _has_len(sampler) -> bool:

@@ -431,3 +431,69 @@ def test_a_repeated_index_draws_anew_on_torchs_machinery_too(num_workers, batch_
     b.load_state_dict(state)
     got = torch.cat([x[0].reshape(-1, 3) for x in head + list(b)])
     assert torch.equal(got, rows)
+
+
+class _Forever:
+    """Yields the sampler it holds over and over (no length)."""
+
+    def __init__(self, sampler):
+        self.sampler = sampler
+
+    def __iter__(self):
+        while True:
+            yield from iter(self.sampler)
+
+
+class OneIteratorForAllEpochs(DataLoader):
+    """The shape of timm's ``MultiEpochsDataLoader`` (``--use-multi-epochs-loader``)
+    over coordl's loader: after it is made, its index sampler is wrapped in an
+    endless repeat (past torch's check on setting it), one iterator is kept,
+    and each epoch takes ``len`` batches from it."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._DataLoader__initialized = False
+        if self.batch_sampler is None:
+            self.sampler = _Forever(self.sampler)
+        else:
+            self.batch_sampler = _Forever(self.batch_sampler)
+        self._DataLoader__initialized = True
+        self.iterator = super().__iter__()
+
+    def __len__(self):
+        return len(self.sampler.sampler) if self.batch_sampler is None else len(self.batch_sampler.sampler)
+
+    def __iter__(self):
+        for _ in range(len(self)):
+            yield next(self.iterator)
+
+
+@pytest.mark.parametrize("num_workers,persistent", [(0, False), (2, False), (2, True)])
+@pytest.mark.parametrize("how", ["plan", "sampler", "unbatched"])
+def test_one_iterator_over_an_endless_repeat_of_the_sampler_gives_epoch_after_epoch(num_workers, persistent, how):
+    """A loader whose index sampler is replaced after it is made by an
+    endless repeat of it, and whose one iterator serves every epoch (timm's
+    ``MultiEpochsDataLoader``): each epoch delivers every sample once, the
+    batches of the loader's epochs 0, 1, 2 as a plain loader gives them."""
+    ds = TwoStageToy(N)
+    kw = {"plan": dict(batch_size=4, shuffle=True),
+          "sampler": dict(batch_size=4, sampler=RandomSampler(ds, generator=torch.Generator().manual_seed(3))),
+          "unbatched": dict(batch_size=None, shuffle=True)}[how]
+
+    def make(cls):
+        if how == "sampler":
+            kw["sampler"] = RandomSampler(ds, generator=torch.Generator().manual_seed(3))
+        return cls(ds, num_workers=num_workers, persistent_workers=persistent, seed=5, **kw)
+
+    L = make(OneIteratorForAllEpochs)
+    assert L._repeats_sampler()
+    got = [[b[0].clone() for b in L] for _ in range(3)]
+    plain = make(DataLoader)
+    want = [[b[0].clone() for b in plain] for _ in range(3)]
+    for g, w in zip(got, want):
+        assert len(g) == len(w) == (N if how == "unbatched" else -(-N // 4))
+        assert all(torch.equal(a, b) for a, b in zip(g, w))
+        firsts = sorted(int(x) for b in g for x in (b.reshape(-1, 3)[:, 0] if b.dim() > 1 else b[:1]))
+        assert firsts == list(range(N))
+    assert not torch.equal(torch.cat([b.reshape(-1) for b in got[0]]), torch.cat([b.reshape(-1) for b in got[1]]))
+    assert L.stats().epochs[-1].epoch == 2

@@ -575,3 +575,41 @@ def test_timms_augmix_transforms_assigned_after_the_loader_is_made_run_at_the_ne
     assert torch.allclose(pixels[1][:, 0], pixels[1][:, 1], atol=1e-5)        # gray: every channel the same
     assert not torch.allclose(pixels[0][:, 0], pixels[0][:, 1], atol=1e-5)
     assert "the clean view and 1 through Compose(Grayscale)" in L.stats().path_reason, L.stats().path_reason
+
+
+_MULTI_EPOCHS = r"""
+import sys
+import torch, torch.utils.data
+import coordl
+torch.utils.data.DataLoader = coordl.DataLoader      # before timm is imported, as a script patching the import does
+from _torchvision import import_torchvision
+import_torchvision()
+from timm.data import create_dataset, create_loader
+from timm.data.loader import MultiEpochsDataLoader
+ds = create_dataset("", root=sys.argv[1], split="", is_training=True)
+loader = create_loader(ds, input_size=(3, 32, 32), batch_size=4, is_training=True, num_workers=2,
+                       use_multi_epochs_loader=True, device=torch.device("cpu"), use_prefetcher=False)
+assert isinstance(loader, MultiEpochsDataLoader) and isinstance(loader, coordl.DataLoader)
+assert loader.stats().path == "coordl", loader.stats().path_reason
+import collections
+want = collections.Counter(t for _, t in ds.reader.samples)
+for epoch in range(3):
+    labels = torch.cat([y for _, y in loader]).tolist()
+    assert len(labels) == len(loader) * 4 == len(ds) // 4 * 4, (epoch, len(labels), len(loader))
+    assert not collections.Counter(labels) - want, (epoch, labels)     # each sample at most once (drop_last)
+print("epochs", loader.stats().epochs[-1].epoch)
+"""
+
+
+def test_timms_multi_epochs_loader_over_coordls_serves_every_epoch(photos, tmp_path):
+    """timm's ``--use-multi-epochs-loader``: its ``MultiEpochsDataLoader``,
+    built over coordl's loader (the import patched before timm's), wraps the
+    index sampler in an endless repeat and keeps one iterator for every
+    epoch: each epoch delivers its batches (it stopped after the first)."""
+    import subprocess
+
+    script = tmp_path / "multi_epochs.py"
+    script.write_text(_MULTI_EPOCHS)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(HERE), HERE]))
+    r = subprocess.run([sys.executable, str(script), photos], capture_output=True, text=True, timeout=240, env=env)
+    assert r.returncode == 0 and "epochs 2" in r.stdout, r.stdout + r.stderr

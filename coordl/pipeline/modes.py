@@ -295,7 +295,7 @@ def sampler_order(loader):
 
     p = loader._pass
     lane = sampler_lane(loader)
-    steps = _torch_steps(_TorchDataLoader._index_sampler.fget(loader), loader._rng_generators(), p, 0)
+    steps = _torch_steps(loader._sampler_now(), loader._rng_generators(), p, 0)
     order = IndexOrder.from_steps(steps, loader._auto_collation, len(loader.dataset))
     saved, p.order_restore = p.order_restore, None
     if saved is not None and not order.same_as(saved):
@@ -317,7 +317,7 @@ def sampler_lane(loader) -> tuple[int, int]:
     ``RepeatAugSampler``; also inside a ``BatchSampler``), else the
     loader's rank and world size (``torch.distributed``).  The same index
     on two ranks then draws two augmentations (``coordl.plan.IndexOrder.set_lane``)."""
-    s = _TorchDataLoader._index_sampler.fget(loader)
+    s = loader._sampler_now()
     for obj in (s, getattr(s, "sampler", None)):
         rank, n = getattr(obj, "rank", None), getattr(obj, "num_replicas", None)
         if type(rank) is int and type(n) is int and 0 <= rank < n:

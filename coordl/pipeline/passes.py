@@ -95,7 +95,7 @@ class _PassSampler:
         L = self._loader_ref()
         if L._plan is not None:
             return L._plan.num_batches
-        return len(_TorchDataLoader._index_sampler.fget(L))
+        return len(L._sampler_now())
 
     def __iter__(self):
         # The generators below must not hold the loader: with persistent
@@ -110,7 +110,7 @@ class _PassSampler:
                 it = ((x, None) for x in it)     # a rank's plan never repeats an index
         else:
             it = _torch_steps(
-                _TorchDataLoader._index_sampler.fget(L), L._rng_generators(), p,
+                L._sampler_now(), L._rng_generators(), p,
                 start if L._dataset_kind != _DatasetKind.Iterable else 0, counted=tag,
                 lane=_modes.sampler_lane(L) if tag else (0, 1),
             )
