@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import warnings
+import types
 import weakref
 from typing import TypeVar
 
@@ -1265,7 +1266,28 @@ def _transforms_seen(ds) -> tuple:
     t, tt = ds.transform, getattr(ds, "target_transform", None)
     return (id(t), spec_of(t) if t is not None else None, id(tt), spec_of(tt) if tt is not None else None,
             id(getattr(ds, "transforms", None)), id(getattr(ds, "augmentation", None)),
-            id(getattr(ds, "normalize", None)), getattr(ds, "num_splits", None))
+            id(getattr(ds, "normalize", None)), getattr(ds, "num_splits", None), _holder_spec(t))
+
+
+def _holder_spec(t) -> tuple | None:
+    """For an object of a user's class holding transforms (a transform that
+    makes several views of each image: ``coordl.tvcompat.MultiViews``),
+    what its attributes are now (the transforms it holds by ``spec_of``,
+    with their parameters; numbers, strings and None by value, such as its
+    number of views; anything else by identity), so that one changed in
+    place reads as changed; None for anything else."""
+    from .transforms import spec_of
+
+    d = getattr(t, "__dict__", None)
+    mod = type(t).__module__
+    if not isinstance(d, dict) or mod.split(".")[0] in ("torchvision", "coordl", "timm", "torch") \
+            or isinstance(t, types.FunctionType):
+        return None
+    try:
+        return tuple((k, spec_of(v) if callable(v) else v if v is None or isinstance(v, (bool, int, float, str))
+                      else ("id", id(v))) for k, v in d.items())
+    except Exception:  # noqa: BLE001 - an attribute without a description: the object itself is compared
+        return None
 
 
 # DataLoader.__init__'s parameters, torch's and coordl's

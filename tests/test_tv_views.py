@@ -315,6 +315,22 @@ def test_jobs_sharing_prep_get_what_they_get_alone(photos, daemon_env):
     assert len(shared) == len(alone) and all(torch.equal(u, v) for p, q in zip(shared, alone) for u, v in zip(p, q))
 
 
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_a_multi_view_transform_changed_in_place_is_followed_at_the_next_pass(photos, num_workers):
+    """As under torch (the workers of a pass get the dataset as it is then):
+    the number of views and a view's crop size set anew on the user's
+    object take effect at the next pass."""
+    tf = ViewGenerator(moco(V1), n_views=2)
+    L = coordl.DataLoader(D.ImageFolder(photos, tf), batch_size=4, seed=1, num_workers=num_workers)
+    x, _ = next(iter(L))
+    assert len(x) == 2 and x[0].shape[-1] == 40
+    tf.n_views = 3
+    tf.base_transform.transforms[0].size = (32, 32)     # progressive resizing
+    x, _ = next(iter(L))
+    assert len(x) == 3 and all(v.shape[-2:] == (32, 32) for v in x)
+    assert "3 views of each image" in L.stats().path_reason, L.stats().path_reason
+
+
 def test_translate_of_one_view_is_unchanged():
     """``translate`` (one pipeline) never returns several views: only a
     dataset's transform is probed."""
