@@ -23,8 +23,8 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-import warnings
 import types
+import warnings
 import weakref
 from typing import TypeVar
 
