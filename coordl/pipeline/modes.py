@@ -291,7 +291,7 @@ def sampler_order(loader):
     now yields another order (randomness coordl does not save, e.g.
     Python's ``random``), a warning says so."""
     from ..plan import IndexOrder
-    from .passes import _torch_steps
+    from .passes import _torch_steps, sampler_lane
 
     p = loader._pass
     lane = sampler_lane(loader)
@@ -308,21 +308,6 @@ def sampler_order(loader):
     order.set_lane(*lane)
     p.order = order
     return order
-
-
-def sampler_lane(loader) -> tuple[int, int]:
-    """``(rank, replicas)`` the loader's sampler draws its order for: the
-    sampler's own ``rank`` and ``num_replicas`` where it has them (torch's
-    ``DistributedSampler``, torchvision's ``RASampler``, timm's
-    ``RepeatAugSampler``; also inside a ``BatchSampler``), else the
-    loader's rank and world size (``torch.distributed``).  The same index
-    on two ranks then draws two augmentations (``coordl.plan.IndexOrder.set_lane``)."""
-    s = loader._sampler_now()
-    for obj in (s, getattr(s, "sampler", None)):
-        rank, n = getattr(obj, "rank", None), getattr(obj, "num_replicas", None)
-        if type(rank) is int and type(n) is int and 0 <= rank < n:
-            return rank, n
-    return loader._rank, loader._world_size
 
 
 def choose_mode(dataset, *, two_stage: bool, plan_order: bool, user_sampler: bool, iterable: bool,

@@ -25,7 +25,6 @@ from torch.utils.data.dataloader import _DatasetKind
 from ..device import pin as _pin
 from ..errors import SkippedSampleWarning
 from ..plan import lane_again
-from . import modes as _modes
 from .torch_path import Envelope, Task
 
 __all__ = ["_Pass", "_PassSampler", "_LoaderIter", "_first_tensor"]
@@ -112,11 +111,26 @@ class _PassSampler:
             it = _torch_steps(
                 L._sampler_now(), L._rng_generators(), p,
                 start if L._dataset_kind != _DatasetKind.Iterable else 0, counted=tag,
-                lane=_modes.sampler_lane(L) if tag else (0, 1),
+                lane=sampler_lane(L) if tag else (0, 1),
             )
         if skip:
             it = _without(it, start, skip)
         return _tag(epoch, it) if tag else it
+
+
+def sampler_lane(loader) -> tuple[int, int]:
+    """``(rank, replicas)`` the loader's sampler draws its order for: the
+    sampler's own ``rank`` and ``num_replicas`` where it has them (torch's
+    ``DistributedSampler``, torchvision's ``RASampler``, timm's
+    ``RepeatAugSampler``; also inside a ``BatchSampler``), else the
+    loader's rank and world size (``torch.distributed``).  The same index
+    on two ranks then draws two augmentations (``coordl.plan.IndexOrder.set_lane``)."""
+    s = loader._sampler_now()
+    for obj in (s, getattr(s, "sampler", None)):
+        rank, n = getattr(obj, "rank", None), getattr(obj, "num_replicas", None)
+        if type(rank) is int and type(n) is int and 0 <= rank < n:
+            return rank, n
+    return loader._rank, loader._world_size
 
 
 def _without(steps, start: int, skip: frozenset):
