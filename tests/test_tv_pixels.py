@@ -397,6 +397,30 @@ def test_a_crop_first_decodes_only_the_crop(images, monkeypatch, crop):
             assert len(boxes) == 1 and boxes[0][2:] == (size, size), (path, boxes)
 
 
+@pytest.mark.parametrize("mode", ["L", "CMYK"])
+def test_a_crop_first_of_a_gray_or_cmyk_jpeg_is_pils_rgb_crop(images, mode):
+    """The window decode of a crop first converts a gray or CMYK JPEG as
+    PIL's ``convert("RGB")`` does: the same pixels as torchvision's crop of
+    the folder's RGB image."""
+    with Image.open(images[1]) as im:
+        buf = io.BytesIO()
+        im.convert("RGB").convert(mode).save(buf, "JPEG", quality=90)
+    raw = buf.getvalue()
+    with Image.open(io.BytesIO(raw)) as im:
+        pil = im.convert("RGB")
+    for step in (V1.CenterCrop(40), V1.RandomCrop(40)):
+        fused = translate(V1.Compose([step, V1.PILToTensor()]))[0]
+        with _rng.sample_rng(1, 0, 3):
+            got = fused.from_bytes(raw)
+        if type(step) is V1.CenterCrop:
+            want = F1.pil_to_tensor(F1.center_crop(pil, [40]))
+        else:
+            g = _rng.derive(1, 0, 3)
+            top, left = g.randint(0, pil.height - 40), g.randint(0, pil.width - 40)
+            want = F1.pil_to_tensor(F1.crop(pil, top, left, 40, 40))
+        assert torch.equal(got, want), (mode, step)
+
+
 # ---------------------------------------------------------- the draft option
 def test_draft_is_an_explicit_option_named_in_path_reason(folder):
     tf = EVAL["resize256-crop224-bilinear"]
