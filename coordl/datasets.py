@@ -201,11 +201,14 @@ class _FolderBase(SampleTable):
         i = self._check_index(index)
         sample = self._fused_image(raw)
         if sample is not NotImplemented:
-            target = int(self._targets[i])
-            if self.target_transform is not None:
-                target = self.target_transform(target)
-            return sample, target
+            return sample, self._target(i)
         return self._finish(self._decode(raw), i)
+
+    def _target(self, i: int) -> Any:
+        """Sample ``i``'s class index through ``target_transform`` (after the
+        transform: its draws come first)."""
+        target = int(self._targets[i])
+        return self.target_transform(target) if self.target_transform is not None else target
 
     def _fused_image(self, raw: bytes) -> Any:
         """``transform(decode(raw))`` in one step where coordl's pipeline
@@ -218,12 +221,9 @@ class _FolderBase(SampleTable):
         return fused(raw) if fused is not None else NotImplemented
 
     def _finish(self, sample: Any, i: int) -> tuple[Any, Any]:
-        target = int(self._targets[i])
         if self.transform is not None:
             sample = self.transform(sample)
-        if self.target_transform is not None:
-            target = self.target_transform(target)
-        return sample, target
+        return sample, self._target(i)
 
     def take_transforms(self, other: Any) -> None:
         """Run from the next pass what ``other`` runs: a copy of the same

@@ -302,10 +302,7 @@ class TimmAugMixFolder(TimmImageFolder):
                     raise
                 return self._mixed(self._next_that_opens(self._check_index(index), e), index)
             if x is not NotImplemented:
-                i = self._check_index(index)
-                target = int(self._targets[i])
-                if self.target_transform is not None:
-                    target = self.target_transform(target)
+                target = self._target(self._check_index(index))
                 return tuple(views.views_of(x, self._mix.num_splits - 1)), target
         return self._mixed(super()._prep_seeded(raw, index), index)
 

@@ -3106,15 +3106,6 @@ class _Call:
         return token
 
 
-def _global_states() -> tuple:
-    np_state = np.random.get_state()
-    return random.getstate(), np_state[0], np_state[1].copy(), np_state[2:], torch.get_rng_state()
-
-
-def _same_states(a: tuple, b: tuple) -> bool:
-    return a[0] == b[0] and a[1] == b[1] and np.array_equal(a[2], b[2]) and a[3] == b[3] and torch.equal(a[4], b[4])
-
-
 def multi_views_of(t: Any, draft: bool = False) -> "MultiViews | None":
     """A :class:`MultiViews` of ``t`` where it is an object of a user's
     class (not torchvision's, timm's or coordl's) whose ``__call__``, run
@@ -3144,16 +3135,18 @@ def multi_views_of(t: Any, draft: bool = False) -> "MultiViews | None":
     for k in names:
         probe.__dict__[k] = _Call(k, calls)
     img = Image.new("RGB", (8, 8))
-    before = _global_states()
+    saved = (torch.default_generator.get_state(), random.getstate(), np.random.get_state())
+    before = _all_states()
     try:
         out = fn(probe, img)
     except Exception:  # noqa: BLE001 - anything else its __call__ does: it runs as written
         out = None
     finally:
-        drew = not _same_states(before, _global_states())
-        random.setstate(before[0])
-        np.random.set_state((before[1], before[2], *before[3]))
-        torch.set_rng_state(before[4])
+        now = _all_states()
+        drew = not (torch.equal(now[0], before[0]) and now[1:] == before[1:])
+        torch.default_generator.set_state(saved[0])
+        random.setstate(saved[1])
+        np.random.set_state(saved[2])
     if drew or type(out) not in (list, tuple) or len(out) < 2 or len(out) != len(calls) \
             or any(o is not tok or x is not img for o, (_, x, tok) in zip(out, calls)):
         return None

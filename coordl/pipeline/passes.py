@@ -158,12 +158,12 @@ def _counted(steps, lane: tuple = (0, 1)):
             again = []
             for i in x:
                 n = seen.get(i, 0)
-                again.append(n if replicas == 1 else lane_again(n, rank, replicas))
+                again.append(lane_again(n, rank, replicas))
                 seen[i] = n + 1
             repeated = repeated or any(again)
         else:
             n = seen.get(x, 0)
-            again = n if replicas == 1 else lane_again(n, rank, replicas)
+            again = lane_again(n, rank, replicas)
             seen[x] = n + 1
             repeated = repeated or bool(again)
         yield x, (again if repeated else None)
