@@ -24,7 +24,7 @@ LAYERS = [
     ("pipeline", ["coordl.pipeline"]),
     ("sharing, peers", ["coordl.daemon", "coordl.peers", "coordl.tvcompat"]),
     ("loader", ["coordl.loader", "coordl"]),
-    ("tools", ["coordl.analyze", "coordl.cli", "coordl.demo", "coordl.testing", "coordl.__main__"]),
+    ("tools", ["coordl.accelerate", "coordl.analyze", "coordl.cli", "coordl.demo", "coordl.testing", "coordl.__main__"]),
 ]
 
 # Cycles the code keeps, each with why (docs/architecture.md says the same).
