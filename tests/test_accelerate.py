@@ -74,7 +74,12 @@ SAME_AS_TORCH = PRELUDE + textwrap.dedent(f"""
         b = [(y.tolist(), x) for x, y in p]
         epochs.append({{"torch": [y for y, _ in a], "coordl": [y for y, _ in b],
                         "same_pixels": len(a) == len(b) and all(torch.equal(u, v) for (_, u), (_, v) in zip(a, b))}})
-    report(epochs=epochs, base=type(vars(p)["base_dataloader"]).__module__, is_coordl=isinstance(p, coordl.DataLoader),
+    # Accelerate's gradient state sees coordl's loader: its last batch, and the epoch's padding dropped
+    gathered, ends = [], []
+    for x, y in p:
+        ends.append(acc.gradient_state.end_of_dataloader)
+        gathered += acc.gather_for_metrics(y).tolist()
+    report(epochs=epochs, gathered=gathered, ends=ends, base=type(vars(p)["base_dataloader"]).__module__, is_coordl=isinstance(p, coordl.DataLoader),
            given_kept=vars(p)["base_dataloader"] is given, length=[len(p), len(ref)],
            path=p.stats().path, plain_base=type(vars(plain)["base_dataloader"]).__module__,
            several=[type(o).__name__ for o in coordl.accelerate.prepare(acc, torch.nn.Linear(2, 2), given)],
@@ -175,6 +180,9 @@ def test_a_prepared_loader_delivers_accelerates_shares_through_coordl(tmp_path, 
         # even batches: the last short batches filled from the start of the epoch, as Accelerate fills them
         assert len(labels) == (23 if processes == 1 else 30)
     assert ranks[0]["epochs"][0]["coordl"] != ranks[0]["epochs"][1]["coordl"]
+    for r in ranks:
+        assert sorted(r["gathered"]) == list(range(23))     # every sample once, the padding dropped
+        assert r["ends"] == [False] * (len(r["ends"]) - 1) + [True]
 
 
 @pytest.mark.parametrize("processes,workers", [(1, 2), (2, 0)])
