@@ -135,6 +135,13 @@ less than they move wall time.  Checked: every epoch delivers
 every sample once with the dataset's targets (torch's RandomSampler and
 coordl's read of it give the same indices for the same torch seed).
 
+``--accelerate`` runs both sides under Hugging Face Accelerate (one
+process, ``Accelerator(cpu=True)``): torch's loader through
+``accelerator.prepare``, coordl's through ``coordl.accelerate.prepare``,
+as a script using Accelerate prepares each; ``--accelerate plain``
+passes coordl's loader to ``accelerator.prepare`` too (which rebuilds it
+on torch's class).
+
     python -m coordl.synth bench_data/photos --images 400
     python benchmarks/recipes.py --root bench_data/photos --presets /tmp/presets.py
     python benchmarks/recipes.py --quick          # tiny smoke run
@@ -541,6 +548,12 @@ def run(args) -> dict:
     root = common.image_folder(args, "recipes-", **({"image_size": (96, 128), "mean_kb": 6} if args.quick else {}))
     presets = _load_presets(args.presets)
     loaders = {"torch": torch.utils.data.DataLoader, "coordl": coordl.DataLoader}
+    acc = None
+    if args.accelerate:
+        import accelerate
+
+        import coordl.accelerate
+        acc = accelerate.Accelerator(cpu=True)
     rows = []
     for rnd in range(args.rounds):
         for recipe in args.recipes:
@@ -551,6 +564,9 @@ def run(args) -> dict:
                 c0 = _cpu()
                 t0 = time.perf_counter()
                 ds, loader = build(recipe, root, args.size, presets, loaders[name], args.batch_size, args.workers)
+                if acc is not None:
+                    keep = name == "coordl" and args.accelerate == "coordl"
+                    loader = coordl.accelerate.prepare(acc, loader) if keep else acc.prepare(loader)
                 n, once, labels = 0, True, []
                 for _epoch in range(args.epochs):
                     count, _sec, lab = common.epoch(loader)
@@ -560,9 +576,12 @@ def run(args) -> dict:
                                                VIEWS.get(recipe, 1))
                 sec = time.perf_counter() - t0
                 inner = getattr(loader, "loader", loader)       # timm's PrefetchLoader holds the DataLoader
-                path = (lambda s: f"{s.path}: {s.path_reason}")(inner.stats()) if name == "coordl" else "torch"
+                path = (lambda s: f"{s.path}: {s.path_reason}")(inner.stats()) \
+                    if name == "coordl" and hasattr(inner, "stats") else "torch"
                 del inner
                 del loader
+                if acc is not None:
+                    acc.free_memory()       # Accelerate holds every loader it prepared
                 gc.collect()
                 time.sleep(0.5)     # the workers exit and are reaped: their CPU is then counted
                 cpu = _cpu() - c0
@@ -594,6 +613,7 @@ def run(args) -> dict:
     return {"rows": rows, "summary": summary,
             "settings": {"root": root, "batch_size": args.batch_size, "workers": args.workers, "epochs": args.epochs,
                          "rounds": args.rounds, "size": args.size, "presets": presets[3],
+                         "accelerate": args.accelerate,
                          "cpus": os.cpu_count(), "torch": torch.__version__}}
 
 
@@ -628,6 +648,9 @@ def main(argv=None) -> int:
     ap.add_argument("--size", type=int, default=224)
     ap.add_argument("--out", default="bench_out")
     ap.add_argument("--quick", action="store_true", help="tiny sizes: a smoke test")
+    ap.add_argument("--accelerate", nargs="?", const="coordl", choices=["coordl", "plain"], default=None,
+                    help="each loader prepared by Hugging Face Accelerate: coordl's by coordl.accelerate.prepare "
+                         "(coordl, the default), or by accelerator.prepare as torch's (plain)")
     args = ap.parse_args(argv)
     args.recipes = args.recipes.split(",")
     unknown = sorted(set(args.recipes) - set(RECIPES))

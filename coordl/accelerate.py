@@ -4,8 +4,9 @@
 builds a torch ``DataLoader`` of its own from the loader's dataset and
 arguments (with its batch sampler cut into one share per process) and
 wraps that.  A ``coordl.DataLoader`` handed to it would therefore load
-through torch's machinery, without coordl's pipeline, cache or resume,
-and nothing would say so.  :func:`prepare` is ``accelerator.prepare`` with
+through torch's workers, without coordl's pipeline (node cache, prefetch
+onto the GPU, shared prep, exact resume, statistics), and nothing would
+say so.  :func:`prepare` is ``accelerator.prepare`` with
 that one thing changed: the loader Accelerate wraps is a coordl loader
 built with the user's arguments and Accelerate's batch sampler, so
 Accelerate keeps everything it does (the shares per process, even batches,
