@@ -48,6 +48,19 @@ def test_recipes_quick(tmp_path):
     assert res["summary"]["timm_ds_eval"]["path"].startswith("coordl: timm's ImageDataset read as raw file bytes")
 
 
+def test_recipes_quick_under_accelerate(tmp_path):
+    import importlib.util
+
+    if importlib.util.find_spec("torchvision") is None or importlib.util.find_spec("accelerate") is None:
+        pytest.skip("torchvision or accelerate is not installed (pip install coordl[test])")
+    _script("recipes.py", "--quick", "--recipes", "train_v2,eval_v1", "--accelerate", "--out", str(tmp_path))
+    res = json.loads((tmp_path / "recipes.json").read_text())
+    assert res["settings"]["accelerate"] == "coordl"
+    for name, s in res["summary"].items():
+        assert s["every_sample_once"] and s["same_labels_as_torch"], (name, s)
+        assert s["path"].startswith("coordl: "), (name, s)      # coordl's pipeline inside Accelerate's wrapper
+
+
 def test_throughput_quick(tmp_path):
     out = _script("throughput.py", "--quick", "--loaders", "torch,coordl", "--out", str(tmp_path))
     with open(tmp_path / "throughput.csv") as f:
