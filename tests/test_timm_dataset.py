@@ -241,7 +241,9 @@ def test_a_file_timm_cannot_open_is_skipped_for_the_next_as_timm_does(photos, tm
     assert timms == ["Skipped sample (index 3)", "Skipped sample (index 4)", "Skipped sample (index 4)",
                      "Skipped sample (index 29)"]
     if num_workers == 0:     # (workers log in their own processes)
-        assert skipped() == timms
+        # the same records; their order is that of the prep, which takes samples as their reads complete (a
+        # read that finishes late, under load, puts its sample's records after those of the samples behind it)
+        assert sorted(skipped()) == sorted(timms)
 
 
 def test_more_bad_files_in_a_row_than_timm_retries_fail_as_timms(photos, tmp_path):
