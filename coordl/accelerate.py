@@ -61,7 +61,9 @@ def skip_first_batches(accelerator: Any, dataloader: Any, num_batches: int = 0) 
 
     The loader returned starts its next pass at batch ``num_batches`` of
     the epoch the given one would run next, in coordl's order (its epoch
-    plan's, or its sampler's), without preparing the batches before it.
+    plan's, or its sampler's), without preparing the batches before it;
+    its ``len()`` is the whole epoch's, as for a loader resumed from a
+    state.
     Not needed to resume a coordl loader: ``load_state_dict`` of a state
     saved mid-epoch already starts at the first batch not delivered, so
     a loader holding such a state raises here rather than skip twice.  This
@@ -112,9 +114,9 @@ def _keep_coordl(prepared: Any, make: Callable[[Any], Any], call: str) -> None:
     if isinstance(base, DataLoader):
         return
     holder.base_dataloader = make(base)
-    if "dl_state_dict" not in vars(holder):
-        # what Accelerate's state_dict() answers before the first batch; it keeps it up to date after each one
-        holder.dl_state_dict = holder.base_dataloader.state_dict()
+    # what Accelerate's state_dict() answers before the first batch (it takes the loader's after each one):
+    # coordl's, not that of the torchdata loader Accelerate may have built
+    holder.dl_state_dict = holder.base_dataloader.state_dict()
 
 
 def _coordl_like(given: Any, base: Any) -> Any:

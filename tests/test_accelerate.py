@@ -99,6 +99,14 @@ RESUME = PRELUDE + textwrap.dedent(f"""
         if k == 1:
             state = p.state_dict()      # two batches delivered
     torch.save(state, os.path.join(out_dir, f"state{{rank}}.pt"))
+    acc.wait_for_everyone()
+    other = None
+    if acc.num_processes > 1:       # each process's state is its own: another rank's refuses to load mid-epoch
+        o = prepared()
+        try:
+            o.load_state_dict(torch.load(os.path.join(out_dir, f"state{{1 - rank}}.pt")))
+        except coordl.StateError as e:
+            other = str(e)
     q = prepared()
     q.load_state_dict(torch.load(os.path.join(out_dir, f"state{{rank}}.pt")))
     rest = [(y.tolist(), x) for x, y in q]
@@ -112,7 +120,7 @@ RESUME = PRELUDE + textwrap.dedent(f"""
     after = [(y.tolist(), x) for x, y in skipped]
     report(whole=[y for y, _ in whole], rest=[y for y, _ in rest],
            same_pixels=len(rest) == len(whole) - 2 and all(torch.equal(u, v) for (_, u), (_, v) in zip(whole[2:], rest)),
-           skipped_pixels=all(torch.equal(u, v) for (_, u), (_, v) in zip(whole[2:], after)), twice=twice,
+           other=other, skipped_pixels=all(torch.equal(u, v) for (_, u), (_, v) in zip(whole[2:], after)), twice=twice,
            skipped=[y for y, _ in after], skipped_base=type(vars(skipped)["base_dataloader"]).__module__)
 """)
 
@@ -192,6 +200,8 @@ def test_a_state_saved_mid_epoch_through_the_prepared_loader_resumes_exactly(tmp
         # skipping two batches of the same epoch: the same batches, not prepared before
         assert r["skipped"] == r["whole"][2:] and r["skipped_pixels"] and r["skipped_base"] == "coordl.loader"
         assert "skip them twice" in r["twice"]
+        assert (r["other"] is None) == (processes == 1)
+        assert processes == 1 or "Resume with the same world size and rank" in r["other"]
 
 
 def test_skip_first_batches_takes_only_a_loader_coordl_prepared():
