@@ -416,8 +416,12 @@ class Resize(_Resampling):
         self.antialias = _check_antialias(antialias)
         self._set_draft(draft)
 
-    def output_size(self, height: int, width: int) -> tuple[int, int]:
-        """(h, w) of the output for an input of ``height`` x ``width``."""
+    def output_size(self, height: int, width: int, check: bool = True) -> tuple[int, int]:
+        """(h, w) of the output for an input of ``height`` x ``width``,
+        torchvision's.  Where a side comes out 0 (the short side scaled down
+        to keep the long one within ``max_size``) it raises, with
+        ``check``, what resizing to it raises in torchvision: PIL's error
+        for a PIL image, torch's for a tensor."""
         if isinstance(self.size, tuple):
             return self.size
         short, long = (width, height) if width <= height else (height, width)
@@ -427,11 +431,17 @@ class Resize(_Resampling):
             new_short, new_long = self.size, int(self.size * long / short)
             if self.max_size is not None and new_long > self.max_size:
                 new_short, new_long = int(self.max_size * new_short / new_long), self.max_size
-        new_short = max(new_short, 1)
-        return (new_long, new_short) if width <= height else (new_short, new_long)
+        out = (new_long, new_short) if width <= height else (new_short, new_long)
+        if check and new_short <= 0:
+            if self._on_tensor:
+                raise RuntimeError(f"Input and output sizes should be greater than 0, but got input (H: {height}, "
+                                   f"W: {width}) output (H: {out[0]}, W: {out[1]})")
+            raise ValueError("height and width must be > 0")
+        return out
 
     def __call__(self, img: Any) -> Any:
-        (h, w), mode = self.output_size(*_hw(img)), self.interpolation
+        # a side of 0: torch's or PIL's own error, whichever the image is
+        (h, w), mode = self.output_size(*_hw(img), check=False), self.interpolation
         if isinstance(img, torch.Tensor):
             return _resize_tensor(img, h, w, mode, self.antialias)
         return img if img.size == (w, h) else img.resize((w, h), _PIL_FILTERS[mode])
@@ -677,13 +687,21 @@ class ToDtype(Transform):
 
 
 class Normalize(Transform):
-    """``(x - mean) / std`` per channel on float tensors [..., C, H, W]."""
+    """``(x - mean) / std`` per channel on float tensors [..., C, H, W].
 
-    def __init__(self, mean: Sequence[float], std: Sequence[float], inplace: bool = False):
+    ``broadcast=True`` subtracts out of place where ``inplace`` is false, as
+    ``torchvision.transforms.v2.Normalize`` does: a one-channel image
+    normalized by several means comes out with that many channels (v1's
+    ``Normalize``, and the default, subtract in place and raise there)."""
+
+    def __init__(self, mean: Sequence[float], std: Sequence[float], inplace: bool = False, *,
+                 broadcast: bool = False):
         self.mean, self.std = _floats(mean, "mean"), _floats(std, "std")
         if not isinstance(inplace, bool):
             raise _bad("inplace", "a bool", inplace, TypeError)
-        self.inplace = inplace
+        if not isinstance(broadcast, bool):
+            raise _bad("broadcast", "a bool", broadcast, TypeError)
+        self.inplace, self.broadcast = inplace, broadcast
 
     def __call__(self, tensor: torch.Tensor) -> torch.Tensor:
         if not isinstance(tensor, torch.Tensor):
@@ -698,11 +716,14 @@ class Normalize(Transform):
         if (std == 0).any():
             raise ValueError(f"std evaluated to zero after conversion to {tensor.dtype}, "
                              "leading to division by zero.")
+        if self.broadcast and not self.inplace:
+            return tensor.sub(mean).div_(std)
         out = tensor if self.inplace else tensor.clone()
         return out.sub_(mean).div_(std)
 
     def _params(self) -> dict[str, Any]:
-        return {"mean": self.mean, "std": self.std, "inplace": self.inplace}
+        return {"mean": self.mean, "std": self.std, "inplace": self.inplace,
+                **({"broadcast": True} if self.broadcast else {})}
 
 
 # --------------------------------------------------------------------------
@@ -909,7 +930,7 @@ def _lut_key(t: Any) -> tuple | None:
     if tt is ToDtype:
         return ("ToDtype", t.dtype, t.scale, getattr(t, "reciprocal", False))
     if tt is Normalize:
-        return ("Normalize", t.mean, t.std)
+        return ("Normalize", t.mean, t.std, t.inplace, getattr(t, "broadcast", False))
     return None
 
 
@@ -930,9 +951,12 @@ def _float_lut(steps: list, channels: int) -> torch.Tensor | None:
     lut = None
     if type(steps[0]) is ToTensor:
         x = steps[0].scaled(torch.arange(256, dtype=torch.uint8).expand(channels, 1, 256).contiguous())
-        for t in steps[1:]:
-            x = t(x)
-        if x.dtype == torch.float32 and x.shape == (channels, 1, 256):
+        try:
+            for t in steps[1:]:
+                x = t(x)
+        except RuntimeError:    # (v1's Normalize of one channel by three means): raised on the image itself
+            x = None
+        if x is not None and x.dtype == torch.float32 and x.shape == (channels, 1, 256):
             lut = x.reshape(channels, 256).contiguous()
     if len(_LUTS) < 64:
         _LUTS[key] = lut

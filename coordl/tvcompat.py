@@ -2733,7 +2733,8 @@ def _step(t: Any, st: _State) -> bool:
             st.stage = "float"
             return True
         if name == "Normalize" and st.stage == "float":
-            st.post.append(T.Normalize([float(m) for m in t.mean], [float(v) for v in t.std], bool(t.inplace)))
+            st.post.append(T.Normalize([float(m) for m in t.mean], [float(v) for v in t.std], bool(t.inplace),
+                                       broadcast=kind[0] == "v2"))
             return True
     except (TypeError, ValueError, AttributeError):
         return False  # attributes coordl does not read the same way: run it as written

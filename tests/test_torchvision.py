@@ -279,6 +279,59 @@ def test_a_transform_coordl_cannot_express_runs_exactly_as_written(photos):
         assert torch.equal(x, rx) and torch.equal(y, ry)
 
 
+@pytest.mark.parametrize("first", [[], ["flip"]], ids=["gray-first", "gray-then-flip"])
+def test_a_one_channel_image_normalized_by_three_means_is_torchvisions(photos, first):
+    """v2's Normalize subtracts out of place, so a one-channel image (after
+    Grayscale) normalized by three means comes out with three channels; v1's
+    subtracts in place and raises.  coordl's conversion gives the same."""
+    steps = [V2.Grayscale(1)] + [V2.RandomHorizontalFlip(p=1.0) for _ in first]
+    tf = V2.Compose(steps + [V2.ToImage(), V2.ToDtype(torch.float32, scale=True), V2.Normalize(MEAN, STD)])
+    ds = D.ImageFolder(photos, transform=tf)
+    want = batches(torch.utils.data.DataLoader(ds, batch_size=6))
+    got = batches(coordl.DataLoader(D.ImageFolder(photos, transform=tf), batch_size=6))
+    assert want[0][0].shape[1] == 3 and len(got) == len(want)
+    assert all(torch.equal(x, rx) and torch.equal(y, ry) for (x, y), (rx, ry) in zip(got, want))
+    v1 = V1.Compose([V1.Grayscale(1)] + [V1.RandomHorizontalFlip(p=1.0) for _ in first]
+                    + [V1.ToTensor(), V1.Normalize(MEAN, STD)])
+    with pytest.raises(RuntimeError, match="doesn't match the broadcast shape") as theirs:
+        D.ImageFolder(photos, transform=v1)[0]
+    with pytest.raises(RuntimeError, match="doesn't match the broadcast shape") as ours:
+        next(iter(coordl.DataLoader(D.ImageFolder(photos, transform=v1), batch_size=6)))
+    assert str(theirs.value) in str(ours.value)       # torch's message, of the image's own shape
+
+
+@pytest.fixture(scope="module")
+def sliver(tmp_path_factory):
+    """A folder of one 9x523 JPEG: Resize(26, max_size=54) makes its short side 0."""
+    root = tmp_path_factory.mktemp("sliver") / "photos"
+    (root / "a").mkdir(parents=True)
+    Image.new("RGB", (9, 523), (100, 50, 20)).save(root / "a" / "x.jpg")
+    return str(root)
+
+
+@pytest.mark.parametrize("kind", ["v1-pil", "v2-pil", "v1-tensor", "v2-tensor", "device"])
+def test_a_resize_to_nothing_fails_as_torchvisions_does(sliver, kind):
+    """torchvision computes a side of 0 (the short side scaled to keep the
+    long one within max_size) and fails there: PIL's error for a PIL image,
+    torch's for a tensor.  coordl fails with the same error, not a 1-pixel
+    image."""
+    M = V1 if kind.startswith("v1") or kind == "device" else V2
+    resize = M.Resize(26, max_size=54)
+    if kind.endswith("tensor"):
+        steps = [V1.PILToTensor(), resize] if M is V1 else [V2.ToImage(), resize, V2.ToDtype(torch.float32, scale=True)]
+    else:
+        steps = [resize, V1.ToTensor()] if M is V1 else [resize, V2.ToImage(), V2.ToDtype(torch.float32, scale=True)]
+    if kind == "device":        # (decode="device" takes a fixed output size)
+        steps.insert(1, V1.CenterCrop(20))
+    tf = M.Compose(steps)
+    with pytest.raises((ValueError, RuntimeError)) as theirs:
+        D.ImageFolder(sliver, transform=tf)[0]
+    kw = {"device": "cpu", "decode": "device"} if kind == "device" else {}
+    with pytest.raises(type(theirs.value)) as ours:
+        next(iter(coordl.DataLoader(D.ImageFolder(sliver, transform=tf), batch_size=1, **kw)))
+    assert str(theirs.value) in str(ours.value)
+
+
 def test_random_transforms_run_as_written_are_reproducible_too(photos):
     tf = V1.Compose([V1.RandomResizedCrop(16), V1.ColorJitter(0.5, 0.5, 0.5), V1.ToTensor()])
     ds = D.ImageFolder(photos, transform=tf)
