@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import textwrap
@@ -22,9 +21,11 @@ import pytest
 from coordl.synth import make_image_folder
 from coordl.testing import popen
 
-pytest.importorskip("accelerate")
-
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from _ports import free_port  # noqa: E402
+
+pytest.importorskip("accelerate")
 
 PRELUDE = textwrap.dedent("""
     import json, os, sys
@@ -125,12 +126,6 @@ RESUME = PRELUDE + textwrap.dedent(f"""
 """)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory):
     root = tmp_path_factory.mktemp("accelerate") / "photos"
@@ -144,7 +139,7 @@ def _run(tmp_path, folder, code: str, processes: int, workers: int, timeout: flo
     each rank reported."""
     script = tmp_path / "job.py"
     script.write_text(code)
-    port = _free_port()
+    port = free_port()
     procs = []
     for rank in range(processes):
         env = dict(os.environ)

@@ -4,7 +4,6 @@ machine (COORDL_NODE_ID, gloo on loopback), each rank its own process
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -22,6 +21,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 JOB = os.path.join(HERE, "_peers_job.py")
 sys.path.insert(0, HERE)
 from _cache_helpers import make_folder  # noqa: E402
+from _ports import free_port  # noqa: E402
 
 N = 64          # samples of 256 bytes, unique bytes each
 SIZE = 256
@@ -34,17 +34,11 @@ def data(tmp_path_factory):
     return make_folder(str(tmp_path_factory.mktemp("peers") / "d"), n=N, size=SIZE)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class Cluster:
     """``world`` rank processes, ``per_node`` per node, started together."""
 
     def __init__(self, tmp, root, world=4, per_node=2, env=None, rank_opts=None, node_ids=True, **opts):
-        self.port = _free_port()
+        self.port = free_port()
         self.outs = [str(tmp / f"rank{r}.jsonl") for r in range(world)]
         self.procs = []
         # a timeout with room for a rank descheduled on a loaded machine (a reply later than it reads

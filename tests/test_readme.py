@@ -39,13 +39,15 @@ import contextlib
 import os
 import re
 import shlex
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _ports import free_port  # noqa: E402
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 
@@ -84,12 +86,6 @@ if distributed:
 SKIP = ("pip install", "python -m pytest")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _substitute(cmd: str) -> str:
     cmd = cmd.replace("/data/imagenet/train", "data/train")
     if re.match(r"coordl demo\b", cmd) and "--images" not in cmd:
@@ -99,7 +95,7 @@ def _substitute(cmd: str) -> str:
     if cmd.startswith("torchrun "):
         cmd = re.sub(r"--nnodes \d+", "--nnodes 1", cmd)
         cmd = re.sub(r"--nproc-per-node \d+", "--nproc-per-node 2", cmd)
-        cmd = re.sub(r"--rdzv-endpoint \S+", f"--rdzv-endpoint localhost:{_free_port()}", cmd)
+        cmd = re.sub(r"--rdzv-endpoint \S+", f"--rdzv-endpoint localhost:{free_port()}", cmd)
     return cmd
 
 

@@ -20,6 +20,9 @@ from coordl.storage import remote as _remote
 from coordl import transforms as T
 from coordl.synth import make_image_folder
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _ports import free_port  # noqa: E402
+
 pytest.importorskip("aiohttp")
 
 PATHS = ["native", "fsspec"]
@@ -35,14 +38,6 @@ def read_path(request, monkeypatch):
     for name in (_remote.ENV_TIMEOUT, _remote.ENV_RETRIES, _remote.ENV_MAX_INFLIGHT):
         monkeypatch.delenv(name, raising=False)
     return request.param
-
-
-def _free_port():
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return port
 
 
 def _wait_listening(port, proc=None, timeout=30):
@@ -80,7 +75,7 @@ def test_python_http_server_with_default_settings(folder, read_path, num_workers
     """The real ``python -m http.server`` (queues 5 connections): every
     sample read correctly with the loader's defaults (64 fetch threads per
     worker for obstore), no error."""
-    port = _free_port()
+    port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1",
                              "--directory", folder], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import textwrap
@@ -16,6 +15,9 @@ import pytest
 
 from coordl.synth import make_image_folder
 from coordl.testing import popen
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _ports import free_port  # noqa: E402
 
 JOB = textwrap.dedent("""
     import json, os, sys
@@ -51,12 +53,6 @@ JOB = textwrap.dedent("""
 """)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory):
     root = tmp_path_factory.mktemp("seedagree") / "photos"
@@ -67,7 +63,7 @@ def folder(tmp_path_factory):
 def _run(tmp_path, folder, case, env_extra=None, timeout=90):
     script = tmp_path / "job.py"
     script.write_text(JOB)
-    port = _free_port()
+    port = free_port()
     procs = []
     for rank in range(2):
         env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
