@@ -113,10 +113,19 @@ def _keep_coordl(prepared: Any, make: Callable[[Any], Any], call: str) -> None:
             "world_size=accelerator.num_processes and iterate it without accelerator.prepare()")
     if isinstance(base, DataLoader):
         return
-    holder.base_dataloader = make(base)
+    holder.base_dataloader = loader = make(base)
     # what Accelerate's state_dict() answers before the first batch (it takes the loader's after each one):
     # coordl's, not that of the torchdata loader Accelerate may have built
-    holder.dl_state_dict = holder.base_dataloader.state_dict()
+    holder.dl_state_dict = loader.state_dict()
+    # Accelerate's wrapper counts epochs itself (set_epoch, and its own count at each pass): coordl's loader
+    # follows it, and a state loaded into the loader sets that count to the state's epoch
+    if callable(getattr(type(holder), "set_epoch", None)):
+        holder.set_epoch = _SetEpoch(holder, loader)
+    holder.load_state_dict = _LoadState(holder, loader)
+    if loader.plan is not None and loader.plan.batch_size is not None:
+        # coordl's epoch plan decides the order, not the sampler torch's machinery made: what Accelerate reads
+        # as the batch sampler (its skip_first_batches, the sampler of its shares) is the plan's batches
+        holder.batch_sampler = _PlanBatches(loader)
 
 
 def _coordl_like(given: Any, base: Any) -> Any:
@@ -153,3 +162,53 @@ def _at_batch(template: Any, state: dict, batches: int) -> Any:
 
     args = dict(template._built_with, seed=template._seed, rank=template._rank, world_size=template._world_size)
     return _built_again(type(template), args, dict(state, batches=batches))
+
+
+class _SetEpoch:
+    """Accelerate's ``set_epoch`` of its wrapper, then coordl's loader's (a
+    class, not a closure, so that the wrapper still pickles)."""
+
+    def __init__(self, holder: Any, loader: Any) -> None:
+        self.holder, self.loader = holder, loader
+
+    def __call__(self, epoch: int) -> None:
+        type(self.holder).set_epoch(self.holder, epoch)
+        self.loader.set_epoch(epoch)
+
+
+class _LoadState:
+    """coordl's ``load_state_dict``, then the wrapper's count of epochs set
+    to the state's, so that the wrapper's next pass (which sets that epoch)
+    is the one the state resumes."""
+
+    def __init__(self, holder: Any, loader: Any) -> None:
+        self.holder, self.loader = holder, loader
+
+    def __call__(self, state: dict) -> None:
+        self.loader.load_state_dict(state)
+        if hasattr(self.holder, "iteration"):
+            self.holder.iteration = self.loader.epoch
+
+
+class _PlanBatches:
+    """The batches of a coordl loader's epoch plan for the epoch it runs
+    next, as a batch sampler: what tools that re-read a loader's batch
+    sampler (Accelerate's ``skip_first_batches``) then find is the order
+    coordl delivers.  ``set_epoch`` is the loader's."""
+
+    def __init__(self, loader: Any) -> None:
+        self.loader = loader
+        self.batch_size, self.drop_last = loader.plan.batch_size, loader.plan.drop_last
+
+    @property
+    def sampler(self) -> Any:
+        return self.loader.sampler
+
+    def set_epoch(self, epoch: int) -> None:
+        self.loader.set_epoch(epoch)
+
+    def __iter__(self):
+        return iter(self.loader.plan.batches(self.loader.epoch))
+
+    def __len__(self) -> int:
+        return self.loader.plan.num_batches

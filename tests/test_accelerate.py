@@ -119,7 +119,27 @@ RESUME = PRELUDE + textwrap.dedent(f"""
     except ValueError as e:
         twice = str(e)
     after = [(y.tolist(), x) for x, y in skipped]
-    report(whole=[y for y, _ in whole], rest=[y for y, _ in rest],
+    # Accelerate's own skip_first_batches (what transformers' Trainer calls on resume) reads the batch sampler
+    # of the prepared loader: the batches coordl delivers, so it skips the ones delivered
+    from accelerate import skip_first_batches as accelerates_skip
+    theirs = [y.tolist() for x, y in accelerates_skip(prepared(), 2)]
+    # a state taken in the second epoch resumes there; set_epoch is coordl's epoch
+    p2 = prepared()
+    list(p2)
+    second, state1 = [], None
+    for k, (x, y) in enumerate(p2):
+        second.append((y.tolist(), x))
+        if k == 0:
+            state1 = p2.state_dict()
+    q2 = prepared()
+    q2.load_state_dict(state1)
+    rest1 = [(y.tolist(), x) for x, y in q2]
+    p3 = prepared()
+    p3.set_epoch(1)
+    set1 = [(y.tolist(), x) for x, y in p3]
+    report(whole=[y for y, _ in whole], rest=[y for y, _ in rest], theirs=theirs,
+           rest1=len(rest1) == len(second) - 1 and all(a == b and torch.equal(u, v) for (a, u), (b, v) in zip(second[1:], rest1)),
+           set1=len(set1) == len(second) and all(a == b and torch.equal(u, v) for (a, u), (b, v) in zip(second, set1)),
            same_pixels=len(rest) == len(whole) - 2 and all(torch.equal(u, v) for (_, u), (_, v) in zip(whole[2:], rest)),
            other=other, skipped_pixels=all(torch.equal(u, v) for (_, u), (_, v) in zip(whole[2:], after)), twice=twice,
            skipped=[y for y, _ in after], skipped_base=type(vars(skipped)["base_dataloader"]).__module__)
@@ -195,6 +215,10 @@ def test_a_state_saved_mid_epoch_through_the_prepared_loader_resumes_exactly(tmp
         # skipping two batches of the same epoch: the same batches, not prepared before
         assert r["skipped"] == r["whole"][2:] and r["skipped_pixels"] and r["skipped_base"] == "coordl.loader"
         assert "skip them twice" in r["twice"]
+        assert r["theirs"] == r["whole"][2:] and r["rest1"]
+        # one process: the epoch plan gives the order, and set_epoch(1) its second epoch; with two, the order is
+        # that of Accelerate's sampler, whose generator has moved on
+        assert r["set1"] == (processes == 1)
         assert (r["other"] is None) == (processes == 1)
         assert processes == 1 or "Resume with the same world size and rank" in r["other"]
 
